@@ -1,0 +1,533 @@
+"""The VAPO math core against naive per-sequence loops, plus the conventions the spec says implementations get wrong."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_vapo.core import (
+    compute_gae,
+    explained_variance,
+    length_adaptive_lambda,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    policy_loss,
+    positive_nll_loss,
+    value_loss,
+)
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Random padded batches and naive references
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def random_lengths(batch: int, steps: int, generator: torch.Generator) -> torch.Tensor:
+    """Random lengths in [1, steps] that always include a length-1 and a full-length sequence."""
+    lengths = torch.randint(1, steps + 1, (batch,), generator=generator)
+    lengths[0] = 1
+    if batch > 1:
+        lengths[1] = steps
+    return lengths
+
+
+def mask_from_lengths(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    return (torch.arange(steps)[None, :] < lengths[:, None]).float()
+
+
+def random_batch(batch=6, steps=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(batch, steps, g)
+    mask = mask_from_lengths(lengths, steps)
+    rewards = torch.randn(batch, steps, generator=g)
+    values = torch.randn(batch, steps, generator=g)
+    return lengths, mask, rewards, values, g
+
+
+def scramble_padding(x: torch.Tensor, mask: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
+    """The same tensor with garbage (NaN by default) at every padded position."""
+    return torch.where(mask.bool(), x, torch.full_like(x, fill))
+
+
+def naive_gae(rewards, values, lengths, gamma, lams):
+    """Textbook GAE, one sequence at a time, over its valid tokens only."""
+    batch, steps = rewards.shape
+    advantages = torch.zeros(batch, steps, dtype=torch.float64)
+    returns = torch.zeros(batch, steps, dtype=torch.float64)
+    for i in range(batch):
+        length = int(lengths[i])
+        r = rewards[i, :length].double().tolist()
+        v = values[i, :length].double().tolist()
+        running = 0.0
+        for t in reversed(range(length)):
+            next_value = v[t + 1] if t + 1 < length else 0.0
+            delta = r[t] + gamma * next_value - v[t]
+            running = delta + gamma * float(lams[i]) * running
+            advantages[i, t] = running
+            returns[i, t] = running + v[t]
+    return advantages, returns
+
+
+def naive_reward_to_go(rewards, lengths):
+    """sum_{k >= t} r_k, accumulated back to front in the rewards' own dtype."""
+    out = torch.zeros_like(rewards)
+    for i in range(rewards.shape[0]):
+        running = torch.zeros((), dtype=rewards.dtype)
+        for t in reversed(range(int(lengths[i]))):
+            running = rewards[i, t] + running
+            out[i, t] = running
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# masked statistics
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_masked_mean_var_whiten_match_flat_valid_elements():
+    lengths, mask, x, _, _ = random_batch(batch=5, steps=7, seed=1)
+    flat = torch.cat([x[i, : int(n)] for i, n in enumerate(lengths)]).double()
+    torch.testing.assert_close(masked_mean(x, mask).double(), flat.mean(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(masked_var(x, mask).double(), flat.var(unbiased=True), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        masked_var(x, mask, unbiased=False).double(), flat.var(unbiased=False), rtol=1e-5, atol=1e-6
+    )
+    whitened = masked_whiten(x, mask)
+    expected = (flat - flat.mean()) / torch.sqrt(flat.var(unbiased=True) + 1e-8)
+    got = torch.cat([whitened[i, : int(n)] for i, n in enumerate(lengths)]).double()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.all(whitened[mask == 0] == 0)
+    rescaled = masked_whiten(x, mask, shift_mean=False)
+    got = torch.cat([rescaled[i, : int(n)] for i, n in enumerate(lengths)]).double()
+    torch.testing.assert_close(got, expected + flat.mean(), rtol=1e-5, atol=1e-5)
+
+
+def test_masked_mean_along_dim_and_empty_rows():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]])
+    torch.testing.assert_close(masked_mean(x, mask, dim=1), torch.tensor([1.5, 0.0, 8.0]))
+    assert masked_var(torch.tensor([[3.0]]), torch.tensor([[1]])) == 0
+
+
+def test_whitening_statistics_pool_over_ranks():
+    """Two shards whitened with an all-reduce equal the whole batch whitened at once."""
+    lengths, mask, x, _, _ = random_batch(batch=8, steps=6, seed=2)
+    shard_a, shard_b = slice(0, 3), slice(3, 8)
+
+    def sums(values, m):
+        v = torch.where(m.bool(), values, torch.zeros_like(values)).double()
+        return torch.stack([m.sum().double(), v.sum(), (v * v).sum()])
+
+    other = sums(x[shard_b], mask[shard_b])
+    pooled = masked_whiten(x[shard_a], mask[shard_a], all_reduce=lambda s: s + other)
+    whole = masked_whiten(x, mask)
+    torch.testing.assert_close(pooled, whole[shard_a], rtol=1e-5, atol=1e-6)
+
+    values = x * 0.5
+    ev_whole = explained_variance(values, x, mask)
+    returns_b, residual_b = sums(x[shard_b], mask[shard_b]), sums(x[shard_b] - values[shard_b], mask[shard_b])
+    calls = iter([returns_b, residual_b])
+    ev_pooled = explained_variance(values[shard_a], x[shard_a], mask[shard_a], all_reduce=lambda s: s + next(calls))
+    torch.testing.assert_close(ev_pooled, ev_whole, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# length-adaptive lambda
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_length_adaptive_lambda_formula_and_clamp():
+    lengths = torch.tensor([0, 1, 10, 20, 21, 100, 1000, 16384])
+    lam = length_adaptive_lambda(lengths, alpha=0.05)
+    expected = [min(max(1 - 1 / (0.05 * n), 0.0), 1.0) if n > 0 else 0.0 for n in lengths.tolist()]
+    torch.testing.assert_close(lam, torch.tensor(expected, dtype=torch.float32))
+    assert lam[3] == 0  # alpha * l = 1 gives lambda 0: the horizon of a 20-token answer is one token
+    assert lam[5] == pytest.approx(0.8)
+    assert torch.all((lam >= 0) & (lam <= 1))
+    # the horizon 1 / (1 - lambda) is alpha * l, as the paper derives
+    assert 1 / (1 - lam[6].item()) == pytest.approx(0.05 * 1000, rel=1e-4)
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.1])
+def test_length_adaptive_lambda_rejects_non_positive_alpha(alpha):
+    with pytest.raises(ValueError, match="length_adaptive_alpha"):
+        length_adaptive_lambda(torch.tensor([5]), alpha)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GAE
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (0.9, 0.0), (1.0, 0.0)])
+def test_gae_matches_naive_loop(gamma, lam):
+    lengths, mask, rewards, values, _ = random_batch(batch=7, steps=11, seed=3)
+    advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = naive_gae(rewards, values, lengths, gamma, [lam] * len(lengths))
+    torch.testing.assert_close(advantages.double(), ref_adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns.double(), ref_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_with_unit_gamma_and_lambda_is_reward_to_go_independent_of_values():
+    lengths, mask, rewards, values, g = random_batch(batch=6, steps=10, seed=4)
+    _, returns = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert torch.equal(returns, naive_reward_to_go(rewards, lengths))
+    _, returns_other_values = compute_gae(rewards, torch.randn(values.shape, generator=g) * 100, mask, 1.0, 1.0)
+    assert torch.equal(returns, returns_other_values)
+
+
+def test_gae_with_unit_lambda_and_terminal_reward_targets_the_score_everywhere():
+    """VAPO's critic target with lam_critic = 1: with only a terminal reward R, G_t = R at every valid position."""
+    lengths = torch.tensor([1, 4, 6])
+    mask = mask_from_lengths(lengths, 6)
+    scores = torch.tensor([1.0, -1.0, 1.0])
+    rewards = torch.zeros(3, 6)
+    rewards[torch.arange(3), lengths - 1] = scores
+    _, returns = compute_gae(rewards, torch.randn(3, 6), mask, gamma=1.0, lam=1.0)
+    assert torch.equal(returns, scores[:, None] * mask)
+
+
+def test_gae_with_zero_lambda_gives_td_errors():
+    lengths, mask, rewards, values, _ = random_batch(batch=6, steps=8, seed=5)
+    advantages, _ = compute_gae(rewards, values, mask, gamma=0.97, lam=0.0)
+    td = torch.zeros_like(rewards)
+    for i, n in enumerate(lengths.tolist()):
+        for t in range(n):
+            next_value = values[i, t + 1] if t + 1 < n else 0.0
+            td[i, t] = rewards[i, t] + 0.97 * next_value - values[i, t]
+    torch.testing.assert_close(advantages, td, rtol=1e-6, atol=1e-6)
+
+
+def test_gae_per_sequence_lambda_equals_scalar_lambda_row_by_row():
+    lengths, mask, rewards, values, _ = random_batch(batch=6, steps=12, seed=6)
+    lams = torch.tensor([0.0, 0.5, 0.8, 0.95, 0.99, 1.0])
+    advantages, returns = compute_gae(rewards, values, mask, 1.0, lams)
+    for i, lam in enumerate(lams.tolist()):
+        row_adv, row_ret = compute_gae(rewards, values, mask, 1.0, lam)
+        assert torch.equal(advantages[i], row_adv[i])
+        assert torch.equal(returns[i], row_ret[i])
+    ref_adv, ref_ret = naive_gae(rewards, values, lengths, 1.0, lams.tolist())
+    torch.testing.assert_close(advantages.double(), ref_adv, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_length_adaptive_lambda_end_to_end():
+    lengths, mask, rewards, values, _ = random_batch(batch=5, steps=40, seed=7)
+    lams = length_adaptive_lambda(lengths, alpha=0.1)
+    advantages, _ = compute_gae(rewards, values, mask, 1.0, lams)
+    ref_adv, _ = naive_gae(rewards, values, lengths, 1.0, lams.tolist())
+    torch.testing.assert_close(advantages.double(), ref_adv, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_ignores_everything_at_padded_positions():
+    lengths, mask, rewards, values, _ = random_batch(batch=6, steps=9, seed=8)
+    advantages, returns = compute_gae(rewards, values, mask, 1.0, 0.95)
+    for fill in (float("nan"), float("inf"), 1e6, -3.0):
+        adv2, ret2 = compute_gae(scramble_padding(rewards, mask, fill), scramble_padding(values, mask, fill), mask, 1.0, 0.95)
+        assert torch.equal(advantages, adv2)
+        assert torch.equal(returns, ret2)
+    assert torch.all(advantages[mask == 0] == 0) and torch.all(returns[mask == 0] == 0)
+
+
+def test_gae_does_not_bootstrap_from_the_first_pad_position():
+    """The last valid token's TD error is r - V(s_last): the value at the next (pad) position is never used."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    values = torch.tensor([[0.2, 0.3, 5.0, 7.0]])
+    advantages, returns = compute_gae(rewards, values, mask, gamma=1.0, lam=0.0)
+    torch.testing.assert_close(advantages, torch.tensor([[0.3 - 0.2, 1.0 - 0.3, 0.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.3, 1.0, 0.0, 0.0]]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# policy loss
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def naive_policy_loss(logprobs, old_logprobs, advantages, lengths, eps_low, eps_high, loss_type):
+    token_losses, per_sequence = [], []
+    for i, n in enumerate(lengths.tolist()):
+        row = []
+        for t in range(n):
+            ratio = math.exp(float(logprobs[i, t]) - float(old_logprobs[i, t]))
+            a = float(advantages[i, t])
+            row.append(-min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a))
+        token_losses.extend(row)
+        if row:
+            per_sequence.append(sum(row) / len(row))
+    if loss_type == "token":
+        return sum(token_losses) / len(token_losses)
+    return sum(per_sequence) / len(per_sequence)
+
+
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+def test_policy_loss_matches_naive_loop(loss_type):
+    lengths, mask, advantages, old, g = random_batch(batch=7, steps=10, seed=9)
+    logprobs = old + 0.4 * torch.randn(old.shape, generator=g)
+    loss, stats = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, loss_type=loss_type)
+    expected = naive_policy_loss(logprobs, old, advantages, lengths, 0.2, 0.28, loss_type)
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    ratio = torch.exp(logprobs - old)
+    valid = mask.bool()
+    high = ((advantages > 0) & (ratio > 1.28))[valid].float().mean()
+    low = ((advantages < 0) & (ratio < 0.8))[valid].float().mean()
+    assert stats["clip_frac_high"].item() == pytest.approx(high.item())
+    assert stats["clip_frac_low"].item() == pytest.approx(low.item())
+    assert stats["clip_frac"].item() == pytest.approx((high + low).item())
+    kl = ((ratio - 1) - (logprobs - old))[valid].mean()
+    assert stats["approx_kl"].item() == pytest.approx(kl.item(), rel=1e-5)
+
+
+def test_policy_loss_ignores_padding():
+    lengths, mask, advantages, old, g = random_batch(batch=5, steps=8, seed=10)
+    logprobs = old + 0.3 * torch.randn(old.shape, generator=g)
+    for loss_type in ("token", "sequence"):
+        loss, stats = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, loss_type=loss_type)
+        loss2, stats2 = policy_loss(
+            scramble_padding(logprobs, mask),
+            scramble_padding(old, mask, 50.0),
+            scramble_padding(advantages, mask, float("inf")),
+            mask,
+            0.2,
+            0.28,
+            loss_type=loss_type,
+        )
+        assert torch.equal(loss, loss2)
+        for key in stats:
+            assert torch.equal(stats[key], stats2[key]), key
+
+
+def test_token_level_and_sequence_level_weights():
+    """One 8-token and one 2-token response, advantage 1 everywhere, ratio 1.
+
+    Token-level (VAPO): every token weighs 1/|M| = 1/10. Sequence-level (vanilla PPO): a token of sequence i weighs
+    1/(B * |o_i|): 1/16 in the long one, 1/4 in the short one, four times more.
+    """
+    mask = mask_from_lengths(torch.tensor([8, 2]), 8)
+    old = torch.zeros(2, 8)
+    advantages = torch.ones(2, 8)
+    weights = {}
+    for loss_type in ("token", "sequence"):
+        logprobs = torch.zeros(2, 8, requires_grad=True)
+        loss, _ = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, loss_type=loss_type)
+        loss.backward()
+        weights[loss_type] = -logprobs.grad  # d(-A * ratio)/d logprob = -A * ratio = -1 * weight
+    torch.testing.assert_close(weights["token"], mask / 10)
+    expected_sequence = torch.zeros(2, 8)
+    expected_sequence[0, :8] = 1 / 16
+    expected_sequence[1, :2] = 1 / 4
+    torch.testing.assert_close(weights["sequence"], expected_sequence)
+
+
+def test_clip_higher_bounds_and_zero_gradients_beyond_the_clip():
+    eps_low, eps_high = 0.2, 0.28
+    # token 0: A > 0, ratio 1.5 (beyond 1 + eps_high)  -> clipped, zero grad
+    # token 1: A > 0, ratio 1.25 (inside)                -> unclipped, grad
+    # token 2: A < 0, ratio 0.5 (beyond 1 - eps_low)     -> clipped, zero grad
+    # token 3: A < 0, ratio 0.9 (inside)                 -> unclipped, grad
+    # token 4: A < 0, ratio 1.5 (above 1 + eps_high)     -> pessimistic min keeps it unclipped, grad
+    # token 5: A > 0, ratio 0.5 (below 1 - eps_low)      -> pessimistic min keeps it unclipped, grad
+    ratios = torch.tensor([[1.5, 1.25, 0.5, 0.9, 1.5, 0.5]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 1.0]])
+    old = torch.zeros(1, 6)
+    mask = torch.ones(1, 6)
+    logprobs = torch.log(ratios).clone().requires_grad_(True)
+    per_token = []
+    for t in range(6):
+        m = torch.zeros(1, 6)
+        m[0, t] = 1
+        loss, _ = policy_loss(logprobs, old, advantages, m, eps_low, eps_high)
+        per_token.append(loss.item())
+    assert per_token[0] == pytest.approx(-(1 + eps_high))  # positive advantage: ratio capped at 1 + eps_high
+    assert per_token[2] == pytest.approx(1 - eps_low)  # negative advantage: ratio floored at 1 - eps_low
+    assert per_token[1] == pytest.approx(-1.25) and per_token[3] == pytest.approx(0.9)
+    loss, stats = policy_loss(logprobs, old, advantages, mask, eps_low, eps_high)
+    loss.backward()
+    grad = logprobs.grad[0]
+    assert grad[0] == 0 and grad[2] == 0
+    assert all(grad[t] != 0 for t in (1, 3, 4, 5))
+    assert stats["clip_frac_high"].item() == pytest.approx(1 / 6)
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 6)
+
+
+def test_symmetric_clip_is_the_vanilla_ppo_case():
+    ratios = torch.tensor([[1.25]])
+    loss_sym, _ = policy_loss(torch.log(ratios), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.2)
+    loss_high, _ = policy_loss(torch.log(ratios), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.28)
+    assert loss_sym.item() == pytest.approx(-1.2) and loss_high.item() == pytest.approx(-1.25)
+
+
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+def test_normalizer_makes_micro_batches_sum_to_the_full_batch_loss(loss_type):
+    lengths, mask, advantages, old, g = random_batch(batch=8, steps=10, seed=11)
+    logprobs = old + 0.3 * torch.randn(old.shape, generator=g)
+    full, _ = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, loss_type=loss_type)
+    normalizer = mask.sum() if loss_type == "token" else torch.tensor(8.0)
+    parts = [
+        policy_loss(logprobs[s], old[s], advantages[s], mask[s], 0.2, 0.28, loss_type, normalizer=normalizer)[0]
+        for s in (slice(0, 3), slice(3, 5), slice(5, 8))
+    ]
+    torch.testing.assert_close(sum(parts), full, rtol=1e-6, atol=1e-6)
+    # The naive alternative, a mean per micro-batch, is a different (sequence-count) weighting.
+    per_micro_mean = sum(policy_loss(logprobs[s], old[s], advantages[s], mask[s], 0.2, 0.28, loss_type)[0] for s in (slice(0, 3), slice(3, 5), slice(5, 8))) / 3
+    assert not torch.allclose(per_micro_mean, full)
+
+
+def test_policy_loss_rejects_unknown_loss_type():
+    with pytest.raises(ValueError, match="loss_type"):
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.2, "grpo")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# value loss
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def naive_value_loss(values, old_values, returns, lengths, clip):
+    terms = []
+    for i, n in enumerate(lengths.tolist()):
+        for t in range(n):
+            v, v_old, g = float(values[i, t]), float(old_values[i, t]), float(returns[i, t])
+            unclipped = (v - g) ** 2
+            if clip is None:
+                terms.append(unclipped)
+            else:
+                clipped_v = v_old + min(max(v - v_old, -clip), clip)
+                terms.append(max(unclipped, (clipped_v - g) ** 2))
+    return 0.5 * sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("clip", [None, 0.2, 10.0])
+def test_value_loss_matches_naive_loop(clip):
+    lengths, mask, returns, old_values, g = random_batch(batch=6, steps=9, seed=12)
+    values = old_values + 0.5 * torch.randn(old_values.shape, generator=g)
+    loss, _ = value_loss(values, old_values, returns, mask, clip)
+    assert loss.item() == pytest.approx(naive_value_loss(values, old_values, returns, lengths, clip), rel=1e-5)
+    loss2, _ = value_loss(
+        scramble_padding(values, mask), scramble_padding(old_values, mask), scramble_padding(returns, mask), mask, clip
+    )
+    assert torch.equal(loss, loss2)
+
+
+def test_value_loss_without_clipping_ignores_old_values():
+    lengths, mask, returns, old_values, g = random_batch(seed=13)
+    values = torch.randn(old_values.shape, generator=g)
+    a, _ = value_loss(values, old_values, returns, mask, None)
+    b, _ = value_loss(values, old_values + 100, returns, mask, None)
+    assert torch.equal(a, b)
+    c, stats = value_loss(values, old_values + 100, returns, mask, 0.2)
+    assert c > a and stats["vf_clip_frac"] > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# positive-example NLL
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_positive_nll_matches_naive_loop_and_ignores_padding():
+    lengths, mask, logprobs, _, _ = random_batch(batch=6, steps=7, seed=14)
+    logprobs = -logprobs.abs()
+    is_positive = torch.tensor([True, False, True, True, False, False])
+    loss = positive_nll_loss(logprobs, mask, is_positive)
+    terms = [-float(logprobs[i, t]) for i in range(6) if is_positive[i] for t in range(int(lengths[i]))]
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-6)
+    assert torch.equal(loss, positive_nll_loss(scramble_padding(logprobs, mask), mask, is_positive))
+
+
+def test_positive_nll_is_zero_with_a_gradient_path_when_nothing_is_positive():
+    _, mask, logprobs, _, _ = random_batch(seed=15)
+    logprobs = logprobs.clone().requires_grad_(True)
+    loss = positive_nll_loss(logprobs, mask, torch.zeros(logprobs.shape[0], dtype=torch.bool))
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert torch.equal(logprobs.grad, torch.zeros_like(logprobs))
+
+
+def test_positive_nll_normalizer_spans_micro_batches():
+    _, mask, logprobs, _, _ = random_batch(batch=6, steps=7, seed=16)
+    is_positive = torch.tensor([True, False, True, True, False, True])
+    full = positive_nll_loss(logprobs, mask, is_positive)
+    count = (mask * is_positive[:, None]).sum()
+    parts = [positive_nll_loss(logprobs[s], mask[s], is_positive[s], normalizer=count) for s in (slice(0, 2), slice(2, 6))]
+    torch.testing.assert_close(sum(parts), full)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# explained variance
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_explained_variance_matches_naive_and_edge_cases():
+    lengths, mask, returns, values, _ = random_batch(batch=6, steps=9, seed=17)
+    ev = explained_variance(values, returns, mask)
+    g = torch.cat([returns[i, : int(n)] for i, n in enumerate(lengths)]).double()
+    v = torch.cat([values[i, : int(n)] for i, n in enumerate(lengths)]).double()
+    expected = 1 - (g - v).var(unbiased=False) / g.var(unbiased=False)
+    assert ev.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert explained_variance(torch.zeros_like(returns) + masked_mean(returns, mask), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert torch.isnan(explained_variance(values, torch.ones_like(returns), mask))
+    assert torch.equal(ev, explained_variance(scramble_padding(values, mask), scramble_padding(returns, mask), mask))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# property-based: any shape, any right-padded mask
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def padded_batches(draw):
+    batch = draw(st.integers(1, 6))
+    steps = draw(st.integers(1, 12))
+    lengths = torch.tensor(draw(st.lists(st.integers(0, steps), min_size=batch, max_size=batch)))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    mask = mask_from_lengths(lengths, steps)
+    return lengths, mask, torch.randn(batch, steps, generator=g), torch.randn(batch, steps, generator=g), g
+
+
+@settings(max_examples=60, deadline=None)
+@given(padded_batches(), st.floats(0.5, 1.0), st.floats(0.0, 1.0))
+def test_property_gae_shapes_padding_and_reference(data, gamma, lam):
+    lengths, mask, rewards, values, _ = data
+    advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
+    assert advantages.shape == rewards.shape and returns.shape == rewards.shape
+    assert torch.all(advantages[mask == 0] == 0) and torch.all(returns[mask == 0] == 0)
+    assert torch.isfinite(advantages).all() and torch.isfinite(returns).all()
+    ref_adv, ref_ret = naive_gae(rewards, values, lengths, gamma, [lam] * len(lengths))
+    torch.testing.assert_close(advantages.double(), ref_adv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(returns.double(), ref_ret, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(padded_batches(), st.sampled_from(["token", "sequence"]))
+def test_property_losses_are_finite_scalars_that_ignore_padding(data, loss_type):
+    lengths, mask, advantages, old, g = data
+    logprobs = old + 0.5 * torch.randn(old.shape, generator=g)
+    loss, stats = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, loss_type)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert all(torch.isfinite(v) for v in stats.values())
+    scrambled, _ = policy_loss(scramble_padding(logprobs, mask), old, advantages, mask, 0.2, 0.28, loss_type)
+    assert torch.equal(loss, scrambled)
+    if mask.sum() > 0:
+        assert loss.item() == pytest.approx(naive_policy_loss(logprobs, old, advantages, lengths, 0.2, 0.28, loss_type), rel=1e-4, abs=1e-5)
+    else:
+        assert loss.item() == 0.0
+    v_loss, _ = value_loss(logprobs, old, advantages, mask, 0.2)
+    assert v_loss.ndim == 0 and torch.isfinite(v_loss)
+    nll = positive_nll_loss(logprobs, mask, torch.rand(mask.shape[0], generator=g) > 0.5)
+    assert nll.ndim == 0 and torch.isfinite(nll)
+    whitened = masked_whiten(advantages, mask)
+    assert torch.isfinite(whitened).all() and torch.all(whitened[mask == 0] == 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=20), st.floats(0.001, 1.0))
+def test_property_length_adaptive_lambda_is_monotone_in_length(lengths, alpha):
+    lengths = torch.tensor(sorted(lengths))
+    lam = length_adaptive_lambda(lengths, alpha)
+    assert torch.all((lam >= 0) & (lam <= 1))
+    assert torch.all(lam[1:] >= lam[:-1])

@@ -1,0 +1,3 @@
+"""trl-vapo: VAPO (value-model augmented PPO, arXiv 2504.05118) on the Hugging Face TRL stack."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,341 @@
+"""The mathematics of VAPO as small, pure tensor functions.
+
+Every function works on right-padded ``(batch, time)`` tensors together with a ``mask`` that is 1 on valid
+response tokens and 0 on padding. Nothing at a padded position (reward, value, log-probability) ever reaches an
+output: padded outputs are exactly 0 and every mean runs over valid tokens only.
+
+References:
+    VAPO:   Yue et al., "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks",
+            arXiv 2504.05118. Section 3.1 (value pretraining, decoupled GAE), 3.2 (length-adaptive GAE,
+            token-level loss), 3.3 (clip-higher, positive-example LM loss, group sampling).
+    VC-PPO: Yuan et al., "What's Behind PPO's Collapse in Long-CoT? Value Optimization Holds the Secret",
+            arXiv 2503.01491. Eq. 2 (clipped surrogate), Eq. 3 (GAE), Eq. 5 (value target under lambda).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over data-parallel ranks (e.g. ``accelerator.reduce(t, "sum")``); ``None`` means one process."""
+
+__all__ = [
+    "compute_gae",
+    "explained_variance",
+    "length_adaptive_lambda",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "positive_nll_loss",
+    "value_loss",
+]
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1: ``sum(x * m) / sum(m)``.
+
+    With ``dim=None`` the mean runs over every valid element; otherwise along ``dim`` (a row with no valid element
+    gives 0). Padded entries may hold anything, even NaN or inf: they are selected away, not multiplied by zero.
+    """
+    mask = mask.to(values.dtype)
+    selected = torch.where(mask.bool(), values, torch.zeros_like(values))
+    if dim is None:
+        return selected.sum() / mask.sum().clamp(min=1)
+    return selected.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def _masked_moments(
+    values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean, population variance, count) over valid elements, pooled over ranks when ``all_reduce`` is given.
+
+    One pass of sums so that ranks can pool them with a single all-reduce; float64 keeps ``E[x^2] - E[x]^2`` exact
+    enough for float32 inputs.
+    """
+    valid = mask.bool()
+    selected = torch.where(valid, values, torch.zeros_like(values)).to(torch.float64)
+    sums = torch.stack([valid.sum().to(torch.float64), selected.sum(), (selected * selected).sum()])
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    count, total, total_sq = sums.unbind()
+    n = count.clamp(min=1)
+    mean = total / n
+    var = (total_sq / n - mean * mean).clamp(min=0)
+    return mean.to(values.dtype), var.to(values.dtype), count
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over valid elements.
+
+    ``unbiased=True`` applies Bessel's correction ``n / (n - 1)`` (skipped when n < 2, which gives 0).
+    """
+    _, var, count = _masked_moments(values, mask)
+    if unbiased and count >= 2:
+        var = var * (count / (count - 1)).to(var.dtype)
+    return var
+
+
+def masked_whiten(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_reduce: AllReduce | None = None,
+) -> torch.Tensor:
+    """Normalise ``values`` to unit variance (and zero mean if ``shift_mean``) using valid elements only.
+
+        whitened = (x - mean) / sqrt(var + eps)          (shift_mean=True)
+        whitened = (x - mean) / sqrt(var + eps) + mean   (shift_mean=False: rescale, keep the mean)
+
+    ``mean`` and the unbiased ``var`` are taken over every valid token of the batch; pass ``all_reduce`` to take
+    them over all data-parallel ranks (the spec: whitening statistics span the whole batch on all ranks).
+    Padded outputs are 0.
+    """
+    mean, var, count = _masked_moments(values, mask, all_reduce)
+    if count >= 2:
+        var = var * (count / (count - 1)).to(var.dtype)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def length_adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-sequence GAE lambda for the policy (VAPO §3.2, length-adaptive GAE).
+
+    The paper asks the GAE weights to sum to a length-proportional horizon, ``sum_t lambda^t = 1/(1-lambda) = alpha*l``,
+    which gives
+
+        lambda_i = clamp(1 - 1 / (alpha * l_i), 0, 1)
+
+    so long responses (large ``l_i``) keep lambda near 1 and propagate the terminal reward far back, while short
+    ones get a smaller lambda and lower variance. With the paper's ``alpha = 0.05``: ``l = 20`` gives 0,
+    ``l = 100`` gives 0.8, ``l = 1000`` gives 0.98.
+
+    Args:
+        lengths: ``[B]`` number of valid response tokens per sequence.
+        alpha: the paper's alpha (> 0).
+
+    Returns:
+        ``[B]`` float tensor of lambdas in ``[0, 1]``.
+    """
+    if alpha <= 0:
+        raise ValueError(f"length_adaptive_alpha must be > 0, got {alpha}")
+    lengths = lengths.to(torch.float32)
+    # A zero length would divide by zero; 1 - inf clamps to lambda = 0, which is also the limit for short sequences.
+    lam = 1.0 - 1.0 / (alpha * lengths)
+    return torch.nan_to_num(lam, nan=0.0, neginf=0.0).clamp(0.0, 1.0)
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation on padded sequences (VC-PPO Eq. 3 and Eq. 5; VAPO §3.1-3.2).
+
+        delta_t = r_t + gamma * V(s_{t+1}) - V(s_t),      V(s_T) = 0 after the last valid token
+        A_t     = sum_{l=0}^{T-t-1} (gamma * lambda)^l * delta_{t+l}
+        G_t     = A_t + V(s_t)                           (the critic's regression target)
+
+    ``lam`` is a float or a per-sequence tensor ``[B]`` (length-adaptive lambda). Decoupled GAE calls this twice:
+    once with ``lam_actor`` for the policy's advantages, once with ``lam_critic = 1`` for the critic's targets.
+    With ``gamma = lam = 1``, ``G_t`` is the plain reward-to-go and does not depend on ``values`` at all.
+
+    Nothing leaks from padding: rewards and values at padded positions are ignored, the value after a sequence's
+    last valid token is 0 (no bootstrap from a pad position), and padded outputs are 0.
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards (the verifier's score sits on each sequence's last valid token).
+        values: ``[B, T]`` critic values V(s_t).
+        mask: ``[B, T]`` 1 for valid response tokens (right-padded).
+        gamma: discount factor.
+        lam: GAE lambda, a float or a ``[B]`` tensor.
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` (float32 or the inputs' dtype, whichever is wider).
+    """
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
+    valid = mask.bool()
+    rewards = torch.where(valid, rewards.to(dtype), torch.zeros((), dtype=dtype, device=rewards.device))
+    values = torch.where(valid, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
+    m = valid.to(dtype)
+    batch, steps = rewards.shape
+    if isinstance(lam, torch.Tensor):
+        lam = lam.to(device=rewards.device, dtype=dtype).reshape(batch)
+    else:
+        lam = torch.full((batch,), float(lam), device=rewards.device, dtype=dtype)
+    decay = gamma * lam
+
+    # V(s_{t+1}) is zero wherever t+1 is padding or past the end: `values` is already zero there.
+    next_values = torch.cat([values[:, 1:], values.new_zeros(batch, 1)], dim=1)
+    deltas = (rewards + gamma * next_values - values) * m
+
+    advantages = torch.zeros_like(deltas)
+    reward_to_go = torch.zeros_like(deltas)
+    running_advantage = deltas.new_zeros(batch)
+    running_return = deltas.new_zeros(batch)
+    for t in reversed(range(steps)):
+        running_advantage = (deltas[:, t] + decay * running_advantage) * m[:, t]
+        running_return = (rewards[:, t] + gamma * running_return) * m[:, t]
+        advantages[:, t] = running_advantage
+        reward_to_go[:, t] = running_return
+    # lambda = 1 telescopes to the Monte-Carlo return (VC-PPO Eq. 5): use it directly, so the critic target is
+    # exactly the reward-to-go rather than reward-to-go plus rounding error from the values.
+    unit_lambda = (lam == 1.0).reshape(batch, 1)
+    advantages = torch.where(unit_lambda, (reward_to_go - values) * m, advantages)
+    returns = torch.where(unit_lambda, reward_to_go, (advantages + values) * m)
+    return advantages, returns
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    loss_type: str = "token",
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped PPO surrogate with asymmetric (clip-higher) clipping (VC-PPO Eq. 2; VAPO §3.2-3.3).
+
+        rho_t    = exp(logprob_t - old_logprob_t)
+        l_t      = -min(rho_t * A_t, clip(rho_t, 1 - epsilon_low, 1 + epsilon_high) * A_t)
+
+        "token":    L = sum_{(i,t) in M} l_{i,t} / |M|                   (VAPO: every token weighs the same)
+        "sequence": L = mean_i( sum_t l_{i,t} / |o_i| )                 (vanilla PPO: every sequence weighs the same)
+
+    In ``"token"`` mode a token of a 10-token response and a token of a 1000-token response weigh the same; in
+    ``"sequence"`` mode the short response's tokens weigh 100 times more.
+
+    ``normalizer`` replaces the denominator so that one optimisation step spread over micro-batches and ranks still
+    gets one mean: for ``"token"`` pass the number of valid tokens of the whole step (divided by the world size when
+    gradients are averaged over ranks); for ``"sequence"`` the number of sequences likewise. Summing the losses of
+    the step's micro-batches then gives exactly the full-batch mean.
+
+    Returns:
+        ``(loss, stats)`` where ``stats`` holds detached means over this call's valid tokens: ``clip_frac_low``
+        (negative advantage, ratio clipped at ``1 - epsilon_low``), ``clip_frac_high`` (positive advantage, ratio
+        clipped at ``1 + epsilon_high``), ``clip_frac`` (either), ``approx_kl`` (``E[(rho - 1) - log rho]``) and
+        ``ratio`` (mean rho).
+    """
+    if loss_type not in ("token", "sequence"):
+        raise ValueError(f"loss_type must be 'token' or 'sequence', got {loss_type!r}")
+    valid = mask.bool()
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zeros)
+    ratio = torch.exp(log_ratio)
+    advantages = torch.where(valid, advantages.to(logprobs.dtype), zeros)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    per_token = torch.where(valid, torch.maximum(unclipped, clipped), zeros)
+
+    if loss_type == "token":
+        denominator = valid.sum().clamp(min=1) if normalizer is None else normalizer
+        loss = per_token.sum() / denominator
+    else:
+        lengths = valid.sum(dim=1).clamp(min=1)
+        per_sequence = per_token.sum(dim=1) / lengths
+        has_tokens = valid.any(dim=1)
+        denominator = has_tokens.sum().clamp(min=1) if normalizer is None else normalizer
+        loss = per_sequence[has_tokens].sum() / denominator
+
+    with torch.no_grad():
+        high = (advantages > 0) & (ratio > 1.0 + epsilon_high)
+        low = (advantages < 0) & (ratio < 1.0 - epsilon_low)
+        stats = {
+            "clip_frac_low": masked_mean(low.float(), mask),
+            "clip_frac_high": masked_mean(high.float(), mask),
+            "clip_frac": masked_mean((low | high).float(), mask),
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float | None,
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value-function loss, a token mean (PPO; the VAPO spec's critic loss).
+
+        L_V = 1/2 * mean_M max((V - G)^2, (clip(V, V_old - c, V_old + c) - G)^2)
+
+    With ``cliprange_value=None`` this is the plain ``1/2 * mean_M (V - G)^2``. ``normalizer`` replaces the
+    token count exactly as in :func:`policy_loss`.
+
+    Returns:
+        ``(loss, stats)`` with ``vf_clip_frac`` (fraction of tokens where the clipped term was larger).
+    """
+    valid = mask.bool()
+    zeros = torch.zeros_like(values)
+    returns = torch.where(valid, returns.to(values.dtype), zeros)
+    unclipped = (values - returns) ** 2
+    if cliprange_value is None:
+        per_token = unclipped
+        clipped_more = torch.zeros_like(valid)
+    else:
+        old_values = old_values.to(values.dtype)
+        clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+        clipped = (clipped_values - returns) ** 2
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_more = clipped > unclipped
+    per_token = torch.where(valid, per_token, zeros)
+    denominator = valid.sum().clamp(min=1) if normalizer is None else normalizer
+    loss = 0.5 * per_token.sum() / denominator
+    stats = {"vf_clip_frac": masked_mean(clipped_more.float(), mask).detach()}
+    return loss, stats
+
+
+def positive_nll_loss(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    is_positive: torch.Tensor,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Positive-example LM loss (VAPO §3.3): mean negative log-likelihood over the tokens of correct responses.
+
+        L_NLL = -1 / (sum_{i in P} |o_i|) * sum_{i in P} sum_t log pi(a_{i,t} | s_{i,t})
+
+    ``P`` is the set of positive (correct) responses. The VAPO policy loss is ``L_PPO + mu * L_NLL``.
+    When ``P`` is empty the loss is exactly 0 and still connected to the graph (zero gradient, never NaN).
+    ``normalizer`` replaces the positive-token count (use the count over the whole optimisation step).
+
+    Args:
+        logprobs: ``[B, T]`` log pi(a_t | s_t) under the current policy.
+        mask: ``[B, T]`` valid response tokens.
+        is_positive: ``[B]`` bool, True for responses judged correct.
+    """
+    selected = mask.bool() & is_positive.to(torch.bool).reshape(-1, 1)
+    nll = torch.where(selected, -logprobs, torch.zeros_like(logprobs))
+    denominator = selected.sum().clamp(min=1) if normalizer is None else normalizer
+    return nll.sum() / denominator
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None = None
+) -> torch.Tensor:
+    """Explained variance of the critic, the convergence signal for value pretraining (VC-PPO §5; VAPO §3.1).
+
+        EV = 1 - Var[G - V] / Var[G]      over valid tokens
+
+    1 means perfect prediction, 0 means no better than predicting the mean return, negative is worse than that.
+    NaN when the returns have no variance (e.g. every response got the same reward): there is nothing to explain.
+    Pass ``all_reduce`` to pool the statistics over data-parallel ranks.
+    """
+    returns = returns.to(torch.float32)
+    _, var_returns, _ = _masked_moments(returns, mask, all_reduce)
+    _, var_residual, _ = _masked_moments(returns - values.to(torch.float32), mask, all_reduce)
+    if var_returns <= 0:
+        return torch.tensor(float("nan"), device=returns.device)
+    return 1.0 - var_residual / var_returns
