@@ -1,0 +1,380 @@
+"""VAPOTrainer end to end on a tiny local model: training, outputs, value pretraining, learning, switches, resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    TrainerCallback,
+)
+
+from trl_vapo import VAPOConfig, VAPOTrainer
+from trl_vapo.core import compute_gae, length_adaptive_lambda
+
+# Metrics the issue requires at every logging step (RL phase).
+REQUIRED_METRICS = [
+    "reward", "reward_std", "rewards/digit_fraction/mean", "rewards/digit_fraction/std", "accuracy",
+    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+    "loss/value", "value/explained_variance", "value/mean", "advantages/mean", "lambda_actor/mean",
+    "clip_ratio/low_mean", "clip_ratio/high_mean", "approx_kl", "entropy", "loss/nll", "positive_fraction",
+    "learning_rate", "critic_learning_rate", "phase",
+]
+
+
+def digit_fraction(completions, **kwargs):
+    """Dense, learnable reward in [-1, 1]: twice the fraction of digit characters, minus one."""
+    return [2 * sum(ch.isdigit() for ch in c) / max(len(c), 1) - 1 for c in completions]
+
+
+def first_char_is_letter(completions, **kwargs):
+    """+1 when the completion starts with a letter: predictable by the critic once that token is in the state."""
+    return [1.0 if c[:1].isalpha() else -1.0 for c in completions]
+
+
+def prompts_dataset(n=64):
+    return Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(n)])
+
+
+def stop_on_common_characters(tiny_model_dir) -> dict:
+    """Generation kwargs that also stop on a few characters, so a random tiny model's completions vary in length."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    stops = [tokenizer.eos_token_id] + tokenizer.convert_tokens_to_ids(list("aeiou"))
+    return {"eos_token_id": stops}
+
+
+def make_args(tmp_path, **overrides) -> VAPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        value_pretrain_steps=0,
+        learning_rate=1e-3,
+        critic_learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    settings.update(overrides)
+    return VAPOConfig(**settings)
+
+
+class CapturingTrainer(VAPOTrainer):
+    """Keeps every rollout it trains on, so tests can recompute what the losses should have been."""
+
+    def _make_rollout(self, rows, phase):
+        rollout, metrics = super()._make_rollout(rows, phase)
+        self.rollouts = getattr(self, "rollouts", []) + [(rows, rollout)]
+        return rollout, metrics
+
+
+def rl_logs(trainer):
+    return [h for h in trainer.state.log_history if h.get("phase") == "rl"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# End to end: full fine-tuning and LoRA, outputs reload with from_pretrained
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path):
+    args = make_args(tmp_path)
+    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    initial = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters()}
+    result = trainer.train()
+    assert result.global_step == 2
+    logs = rl_logs(trainer)
+    assert len(logs) == 2
+    for key in REQUIRED_METRICS:
+        assert key in logs[0], key
+    assert all(math.isfinite(h["loss/value"]) for h in logs)
+    changed = any(not torch.equal(initial[n], p) for n, p in trainer.model.policy.named_parameters())
+    assert changed, "two RL steps must update the policy"
+
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    policy = AutoModelForCausalLM.from_pretrained(out)
+    for name, param in trainer.model.policy.named_parameters():
+        assert torch.equal(policy.get_parameter(name), param.detach()), name
+    critic = AutoModelForSequenceClassification.from_pretrained(out / "critic")
+    assert critic.config.num_labels == 1
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    generated = policy.generate(**tokenizer(["1+1="], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] >= 5
+    assert (out / "README.md").is_file()
+
+
+def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, PeftModel
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = make_args(tmp_path)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        peft_config=peft_config,
+    )
+    model = trainer.model
+    assert model.shares_base and model.critic is None
+    assert set(model.policy.peft_config) == {"default", "critic"}
+    # One copy of the base weights: only adapters and the value head train.
+    base_params = sum(p.numel() for n, p in model.policy.named_parameters() if "lora_" not in n)
+    trainable = {id(p) for p in model.policy_parameters() + model.critic_parameters()}
+    assert all(not p.requires_grad for n, p in model.policy.named_parameters() if "lora_" not in n)
+    assert base_params > 0 and trainable
+    before_policy = {n: p.detach().clone() for n, p in model.policy.named_parameters() if ".default." in n}
+    before_critic = {n: p.detach().clone() for n, p in model.policy.named_parameters() if ".critic." in n}
+    trainer.train()
+    assert any(not torch.equal(before_policy[n], p) for n, p in model.policy.named_parameters() if ".default." in n)
+    assert any(not torch.equal(before_critic[n], p) for n, p in model.policy.named_parameters() if ".critic." in n)
+
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    assert (out / "adapter_config.json").is_file() and (out / "critic" / "value_head.safetensors").is_file()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = trainer.model.policy(input_ids=ids).logits
+        assert torch.allclose(reloaded(input_ids=ids).logits, expected, atol=1e-5)
+
+    # The saved critic is a value_model the trainer takes back.
+    again = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=make_args(tmp_path / "again"),
+        train_dataset=prompts_dataset(), peft_config=peft_config, value_model=str(out / "critic"),
+    )
+    for name, param in again.model.value_head.state_dict().items():
+        assert torch.equal(param, trainer.model.value_head.state_dict()[name])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Value pretraining
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class PolicySnapshot(TrainerCallback):
+    """Records a checksum of the policy's weights at the end of every step (a real Trainer callback)."""
+
+    def __init__(self, trainer_ref):
+        self.trainer_ref = trainer_ref
+        self.sums = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer_ref[0]
+        self.sums.append((trainer.progress.phase, sum(float(p.detach().double().sum()) for p in trainer.model.policy.parameters())))
+
+
+def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freezes_policy(tiny_model_dir, tmp_path):
+    args = make_args(
+        tmp_path, per_device_train_batch_size=32, max_completion_length=2, max_steps=1, value_pretrain_steps=40,
+        value_pretrain_patience=None, critic_learning_rate=1e-2,
+    )
+    ref = []
+    snapshot = PolicySnapshot(ref)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset(),
+        callbacks=[snapshot],
+    )
+    ref.append(trainer)
+    initial = sum(float(p.detach().double().sum()) for p in trainer.model.policy.parameters())
+    trainer.train()
+    pre = [h for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
+    assert len(pre) == 40
+    losses = [h["loss/value"] for h in pre]
+    evs = [h["value/explained_variance"] for h in pre]
+    assert sum(losses[-8:]) / 8 < sum(losses[:8]) / 8 - 0.1
+    assert sum(evs[-8:]) / 8 > sum(evs[:8]) / 8 + 0.15
+    assert all("loss/policy" not in h for h in pre)
+    # The policy is frozen during value pretraining and moves at the first RL step.
+    pretrain_sums = [s for phase, s in snapshot.sums if phase == "value_pretrain"]
+    assert len(pretrain_sums) == 40 and all(s == initial for s in pretrain_sums)
+    assert snapshot.sums[-1][0] == "rl" and snapshot.sums[-1][1] != initial
+    # The pretrained critic is saved and, passed back as value_model, skips the phase.
+    saved = tmp_path / "out" / "value_pretrained_critic"
+    assert (saved / "vapo_value_pretraining.json").is_file()
+    again = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=make_args(tmp_path / "again", max_steps=1, value_pretrain_steps=5),
+        train_dataset=prompts_dataset(), value_model=str(saved),
+    )
+    again.train()
+    assert [h["phase"] for h in again.state.log_history if "phase" in h] == ["rl"]
+
+
+def test_value_pretraining_stops_early_when_explained_variance_stalls(tiny_model_dir, tmp_path):
+    # A reward the critic cannot predict (constant) gives NaN explained variance: no improvement, stop after patience.
+    args = make_args(tmp_path, max_steps=1, value_pretrain_steps=20, value_pretrain_patience=3)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=lambda completions, **kw: [1.0] * len(completions), args=args,
+        train_dataset=prompts_dataset(),
+    )
+    trainer.train()
+    phases = [h["phase"] for h in trainer.state.log_history if "phase" in h]
+    assert phases == ["value_pretrain"] * 3 + ["rl"]
+    assert trainer.state.global_step == trainer.state.max_steps == 4
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# It learns
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_mean_reward_rises_on_a_learnable_task(tiny_model_dir, tmp_path):
+    args = make_args(tmp_path, max_steps=25, value_pretrain_steps=3, learning_rate=1e-2, critic_learning_rate=1e-2)
+    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    rewards = [h["reward"] for h in rl_logs(trainer)]
+    assert len(rewards) == 25
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Each technique switch changes what it should
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def token_rewards_of(trainer, rows, rollout):
+    """Recompute the per-token rewards from the rollout's completions with the reward function itself."""
+    completions = rollout.input_ids[:, rollout.prompt_length :]
+    mask = rollout.attention_mask[:, rollout.prompt_length :]
+    texts = trainer.processing_class.batch_decode([c[m.bool()].tolist() for c, m in zip(completions, mask)], skip_special_tokens=True)
+    scores = torch.tensor(trainer.reward_funcs[0](completions=texts))
+    lengths = mask.sum(dim=1)
+    rewards = torch.zeros(mask.shape)
+    rewards[torch.arange(len(texts)), lengths - 1] = scores
+    return rewards, lengths, scores
+
+
+@pytest.mark.parametrize("alpha", [None, 0.5])
+@pytest.mark.parametrize("lam_critic", [1.0, 0.9])
+def test_decoupled_and_length_adaptive_gae_wiring(tiny_model_dir, tmp_path, alpha, lam_critic):
+    args = make_args(
+        tmp_path, max_steps=1, whiten_advantages=False, length_adaptive_alpha=alpha, lam_actor=0.7, lam_critic=lam_critic,
+        max_completion_length=12, generation_kwargs=stop_on_common_characters(tiny_model_dir),
+    )
+    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    rows, rollout = trainer.rollouts[0]
+    rewards, lengths, _ = token_rewards_of(trainer, rows, rollout)
+    mask = rollout.loss_mask
+    expected_lam = torch.full((len(rows),), 0.7) if alpha is None else length_adaptive_lambda(lengths, alpha)
+    if alpha is not None:
+        assert len(set(expected_lam.tolist())) > 1, "lengths must differ for this test to mean something"
+    advantages, _ = compute_gae(rewards, rollout.old_values, mask, 1.0, expected_lam)
+    _, returns = compute_gae(rewards, rollout.old_values, mask, 1.0, lam_critic)
+    torch.testing.assert_close(rollout.advantages, advantages)
+    torch.testing.assert_close(rollout.returns, returns)
+    logged = rl_logs(trainer)[0]["lambda_actor/mean"]
+    assert logged == pytest.approx(expected_lam.mean().item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+def test_loss_type_weights_tokens_or_sequences(tiny_model_dir, tmp_path, loss_type):
+    # First step of a rollout: new log-probs equal the old ones, so the surrogate is -A and the loss is the weighted
+    # mean of -A that loss_type names.
+    args = make_args(
+        tmp_path, max_steps=1, whiten_advantages=False, loss_type=loss_type, nll_coef=0.0, max_completion_length=12,
+        generation_kwargs=stop_on_common_characters(tiny_model_dir),
+    )
+    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    _, rollout = trainer.rollouts[0]
+    mask, adv = rollout.loss_mask, rollout.advantages
+    token_mean = -(adv * mask).sum() / mask.sum()
+    sequence_mean = -((adv * mask).sum(1) / mask.sum(1)).mean()
+    assert not torch.isclose(token_mean, sequence_mean, atol=1e-3)
+    expected = token_mean if loss_type == "token" else sequence_mean
+    assert rl_logs(trainer)[0]["loss/policy"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+
+
+def test_nll_switch(tiny_model_dir, tmp_path):
+    logs = {}
+    for coef in (0.0, 0.1):
+        args = make_args(tmp_path / str(coef), max_steps=1, nll_coef=coef, positive_reward_threshold=-0.5)
+        trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+        trainer.train()
+        logs[coef] = rl_logs(trainer)[0]
+    assert "loss/nll" not in logs[0.0]
+    assert logs[0.1]["loss/nll"] > 0  # digit-heavy completions exist and count as positive
+    # Same seed, same rollout: the total loss differs by exactly mu * NLL.
+    assert logs[0.1]["reward"] == logs[0.0]["reward"]
+    assert logs[0.1]["loss"] - logs[0.0]["loss"] == pytest.approx(0.1 * logs[0.1]["loss/nll"], rel=1e-4)
+
+
+def test_vanilla_ppo_is_a_config(tiny_model_dir, tmp_path):
+    args = make_args(
+        tmp_path, max_steps=1, value_pretrain_steps=0, lam_critic=0.95, lam_actor=0.95, length_adaptive_alpha=None,
+        loss_type="sequence", epsilon_high=None, nll_coef=0.0, num_generations=1,
+    )
+    assert args.epsilon_high == args.epsilon == 0.2
+    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    rows, _ = trainer.rollouts[0]
+    assert len({row["prompt"] for row in rows}) == len(rows)  # one sample per prompt
+    log = rl_logs(trainer)[0]
+    assert log["lambda_actor/mean"] == pytest.approx(0.95)
+    assert "loss/nll" not in log
+    assert not (tmp_path / "out" / "value_pretrained_critic").exists()
+
+
+def test_group_sampling_repeats_each_prompt(tiny_model_dir, tmp_path):
+    args = make_args(tmp_path, max_steps=1, num_generations=8)
+    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    rows, _ = trainer.rollouts[0]
+    prompts = [row["prompt"] for row in rows]
+    assert len(prompts) == 16 and len(set(prompts)) == 2
+    assert all(prompts.count(p) == 8 for p in set(prompts))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Resume
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _comparable(history):
+    return [
+        {k: v for k, v in h.items() if not k.startswith("train_")}
+        for h in history
+        if "phase" in h
+    ]
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft):
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def run(output, resume=None):
+        args = make_args(
+            tmp_path / output, max_steps=3, value_pretrain_steps=2, value_pretrain_patience=None, save_strategy="steps",
+            save_steps=2, num_iterations=2,
+        )
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+            peft_config=peft_config,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    # 2 pretraining rollouts x 2 iterations = 4 steps, then 3 RL steps.
+    assert full.state.global_step == 7
+    assert [h["phase"] for h in full.state.log_history if "phase" in h] == ["value_pretrain"] * 4 + ["rl"] * 3
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-4"
+    assert (checkpoint / "vapo_state.json").is_file()
+    resumed = run("full", resume=str(checkpoint))
+    assert resumed.state.global_step == 7
+    after = [h for h in _comparable(resumed.state.log_history) if h["step"] > 4]
+    expected = [h for h in _comparable(full.state.log_history) if h["step"] > 4]
+    assert len(after) == 3
+    assert after == expected

@@ -1,0 +1,362 @@
+"""`VAPOConfig`: every knob of VAPO, with the paper's value as the default."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+_LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
+
+
+@dataclass
+class VAPOConfig(TrainingArguments):
+    r"""Configuration for [`VAPOTrainer`].
+
+    VAPO (arXiv 2504.05118) is PPO with a value model plus seven techniques; the defaults reproduce the paper
+    wherever the paper gives a value, and each technique is switched off by configuration alone:
+
+    | technique                  | field(s)                                   | VAPO        | off (vanilla PPO)            |
+    | -------------------------- | ------------------------------------------ | ----------- | ---------------------------- |
+    | 1 value pretraining        | `value_pretrain_steps`                     | 50          | 0                            |
+    | 2 decoupled GAE            | `lam_critic`, `lam_actor`                  | 1.0, 0.95   | `lam_critic=0.95`            |
+    | 3 length-adaptive GAE      | `length_adaptive_alpha`                    | 0.05        | None                         |
+    | 4 token-level loss         | `loss_type`                                | "token"     | "sequence"                   |
+    | 5 clip-higher              | `epsilon`, `epsilon_high`                  | 0.2, 0.28   | `epsilon_high=0.2`           |
+    | 6 positive-example NLL     | `nll_coef` (mu)                            | 0.1         | 0.0                          |
+    | 7 group sampling           | `num_generations`                          | 16 (paper)  | 1                            |
+
+    Batch sizes follow TRL's GRPOConfig: a micro-batch is `per_device_train_batch_size` completions per device; an
+    optimizer step accumulates `gradient_accumulation_steps` micro-batches; one rollout (generation round) produces
+    `generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation` completions from
+    `generation_batch_size / num_generations` prompts, and is trained on for `num_iterations` passes, i.e.
+    `num_iterations * steps_per_generation / gradient_accumulation_steps` optimizer steps.
+
+    Differences from `TrainingArguments` defaults: `learning_rate=1e-6` (paper), `lr_scheduler_type=
+    "constant_with_warmup"` (paper: warm-up then constant), `logging_steps=10`, `bf16` on only where the hardware
+    supports it (never on CPU), `remove_unused_columns=False` (reward functions read extra columns).
+    """
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+    ]
+
+    # ---------------------------------------------------------------- TrainingArguments fields with VAPO defaults
+    learning_rate: float = field(
+        default=1e-6,
+        metadata={"help": "Learning rate of the policy (actor) for AdamW. Paper: 1e-6."},
+    )
+    lr_scheduler_type: str = field(
+        default="constant_with_warmup",
+        metadata={
+            "help": "Learning-rate schedule, applied to the actor and the critic separately: one of "
+            f"{', '.join(_LR_SCHEDULES)}. The actor's warm-up starts with its first update, after value pretraining. "
+            "Paper: warm-up then constant."
+        },
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every X optimizer steps (an integer, or a float in [0, 1) for a ratio of the run)."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Train with bf16 mixed precision. Default: on when a CUDA GPU supports bf16, off elsewhere "
+            "(CPU and Apple MPS train in float32)."
+        },
+    )
+    remove_unused_columns: bool | None = field(
+        default=False,
+        metadata={"help": "Kept False: reward functions receive every dataset column (e.g. the gold `answer`)."},
+    )
+
+    # ------------------------------------------------------------------------------------------ model loading
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `from_pretrained` when `model` (and `value_model`) are given as a name or "
+            "path, e.g. `{\"dtype\": \"bfloat16\"}`. Default dtype: float32."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow models and tokenizers that ship their own Python code. Off unless you ask."},
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Set every dropout probability to 0 in the policy and critic, so the old and new log-probabilities "
+            "of the PPO ratio come from the same function."
+        },
+    )
+
+    # ------------------------------------------------------------------------------------- data and generation
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={"help": "Prompts longer than this many tokens are truncated from the left. None: no limit."},
+    )
+    max_completion_length: int = field(
+        default=512,
+        metadata={"help": "Maximum number of generated tokens per completion. Paper: 20k (long chain of thought)."},
+    )
+    num_generations: int = field(
+        default=8,
+        metadata={
+            "help": "Group sampling: completions sampled per prompt. Paper: 16 (512 prompts x 16). 1 turns group "
+            "sampling off (one sample per prompt, as vanilla PPO)."
+        },
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions generated per rollout over all processes. Default: "
+            "`per_device_train_batch_size * num_processes * steps_per_generation`. Mutually exclusive with "
+            "`steps_per_generation`; must be a multiple of `num_generations`."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches per rollout on each process. Default: `gradient_accumulation_steps` (one optimizer "
+            "step per rollout and iteration). Must be a multiple of `gradient_accumulation_steps`."
+        },
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature of the rollouts; log-probabilities use the same temperature."},
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of the rollouts (1.0: off)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling of the rollouts (0: off)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty of the rollouts (1.0: off)."})
+    generation_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra `GenerationConfig` arguments for the rollouts, e.g. `{\"do_sample\": false}`."},
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra arguments for the chat template of conversational prompts."},
+    )
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch."})
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave completions that hit `max_completion_length` without an EOS out of every loss (DAPO's "
+            "overlong filtering). Off by default: VAPO lets the verifier score them."
+        },
+    )
+
+    # --------------------------------------------------------------------------------------- rewards
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weight of each reward function in the sequence reward. Default: 1 for each."},
+    )
+    positive_reward_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "A completion whose (weighted) reward is at least this is 'positive' (correct): it feeds the "
+            "positive-example NLL loss and the `accuracy` metric. 0.5 suits both the +1/-1 and the 1/0 verifier."
+        },
+    )
+
+    # ---------------------------------------------------------------------------------------- PPO objective
+    num_iterations: int = field(
+        default=1,
+        metadata={"help": "Passes over each rollout (PPO epochs)."},
+    )
+    epsilon: float = field(
+        default=0.2,
+        metadata={"help": "Lower clip range epsilon_low: the ratio is clipped below at 1 - epsilon. Paper: 0.2."},
+    )
+    epsilon_high: float | None = field(
+        default=0.28,
+        metadata={
+            "help": "Clip-higher: upper clip range, the ratio is clipped above at 1 + epsilon_high. Paper: 0.28. "
+            "None: equal to `epsilon` (symmetric clipping, vanilla PPO)."
+        },
+    )
+    loss_type: str = field(
+        default="token",
+        metadata={
+            "help": "'token': average the policy loss over all valid tokens of the optimizer step, across "
+            "micro-batches and processes (VAPO). 'sequence': average per sequence, then over sequences (vanilla PPO)."
+        },
+    )
+    nll_coef: float = field(
+        default=0.1,
+        metadata={
+            "help": "mu, the weight of the positive-example LM (NLL) loss on correct completions. Paper: 0.1. "
+            "0 leaves it out."
+        },
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "Per-token KL penalty to the initial policy, subtracted from the reward (beta * "
+            "(log pi_old - log pi_ref)). Paper: 0 (no KL); with 0 no reference model is kept."
+        },
+    )
+
+    # ------------------------------------------------------------------------------------ advantages (GAE)
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor. Paper: 1.0."})
+    lam_actor: float = field(
+        default=0.95,
+        metadata={
+            "help": "Decoupled GAE: lambda of the policy's advantages when `length_adaptive_alpha` is None. "
+            "Paper (VC-PPO): 0.95."
+        },
+    )
+    lam_critic: float = field(
+        default=1.0,
+        metadata={
+            "help": "Decoupled GAE: lambda of the critic's targets. Paper: 1.0 (unbiased Monte-Carlo returns). "
+            "Vanilla PPO uses one lambda for both: set it equal to `lam_actor`."
+        },
+    )
+    length_adaptive_alpha: float | None = field(
+        default=0.05,
+        metadata={
+            "help": "Length-adaptive GAE: each completion of length l gets lambda_actor = 1 - 1/(alpha * l). "
+            "Paper: 0.05. None: every completion uses `lam_actor`."
+        },
+    )
+    whiten_advantages: bool = field(
+        default=True,
+        metadata={"help": "Normalise the advantages to zero mean and unit variance over all valid tokens of the rollout."},
+    )
+
+    # ----------------------------------------------------------------------------------------------- critic
+    critic_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Learning rate of the critic. Default: 2 x `learning_rate` (paper: 2e-6 vs 1e-6)."},
+    )
+    vf_coef: float = field(
+        default=0.1,
+        metadata={
+            "help": "Weight of the value loss in the summed loss. Actor and critic have separate parameters, learning "
+            "rates and gradient clipping, so this only scales the critic's raw gradient."
+        },
+    )
+    cliprange_value: float | None = field(
+        default=0.2,
+        metadata={"help": "Clip the critic's new values to old +/- this in the value loss (PPO). None: no clipping."},
+    )
+
+    # ------------------------------------------------------------------------------------- value pretraining
+    value_pretrain_steps: int = field(
+        default=50,
+        metadata={
+            "help": "Value pretraining: rollouts from the frozen initial policy that train only the critic, on "
+            "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100). 0: off. "
+            "Skipped when `value_model` was saved by a previous value pretraining."
+        },
+    )
+    value_pretrain_patience: int | None = field(
+        default=10,
+        metadata={
+            "help": "Stop value pretraining early when the explained variance has not improved by "
+            "`value_pretrain_min_delta` for this many rollouts. None: always run `value_pretrain_steps`."
+        },
+    )
+    value_pretrain_min_delta: float = field(
+        default=0.01,
+        metadata={"help": "Smallest explained-variance gain that counts as an improvement for early stopping."},
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and _cuda_supports_bf16()
+        for name in self._VALID_DICT_FIELDS:
+            value = getattr(self, name, None)
+            if isinstance(value, str) and value.strip().startswith("{"):
+                setattr(self, name, json.loads(value))
+        super().__post_init__()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.critic_learning_rate is None:
+            self.critic_learning_rate = 2 * self.learning_rate
+        self._resolve_batch_sizes()
+        self._validate()
+
+    def _resolve_batch_sizes(self) -> None:
+        per_step = self.per_device_train_batch_size * self.world_size
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError("Set only one of `generation_batch_size` and `steps_per_generation`; the other follows.")
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size % per_step != 0:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                    f"per_device_train_batch_size * num_processes ({per_step})."
+                )
+            self.steps_per_generation = self.generation_batch_size // per_step
+        else:
+            if self.steps_per_generation is None:
+                self.steps_per_generation = self.gradient_accumulation_steps
+            self.generation_batch_size = per_step * self.steps_per_generation
+
+    def _validate(self) -> None:
+        def require(condition: bool, message: str) -> None:
+            if not condition:
+                raise ValueError(message)
+
+        require(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}.")
+        require(
+            self.generation_batch_size % self.num_generations == 0,
+            f"generation_batch_size ({self.generation_batch_size} = per_device_train_batch_size "
+            f"{self.per_device_train_batch_size} x {self.world_size} process(es) x steps_per_generation "
+            f"{self.steps_per_generation}) must be a multiple of num_generations ({self.num_generations}). "
+            f"Valid num_generations: {_divisors(self.generation_batch_size)}.",
+        )
+        require(
+            self.steps_per_generation % self.gradient_accumulation_steps == 0,
+            f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
+            f"({self.gradient_accumulation_steps}): a rollout is split into whole optimizer steps.",
+        )
+        require(self.loss_type in ("token", "sequence"), f"loss_type must be 'token' or 'sequence', got {self.loss_type!r}.")
+        require(
+            self.lr_scheduler_type in _LR_SCHEDULES,
+            f"lr_scheduler_type must be one of {', '.join(_LR_SCHEDULES)}; got {self.lr_scheduler_type!r}.",
+        )
+        require(self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0.")
+        for name in ("lam_actor", "lam_critic", "gamma"):
+            value = getattr(self, name)
+            require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}.")
+        require(
+            self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
+            f"length_adaptive_alpha must be > 0 (or None to turn length-adaptive GAE off), got "
+            f"{self.length_adaptive_alpha}.",
+        )
+        require(self.nll_coef >= 0, f"nll_coef must be >= 0, got {self.nll_coef}.")
+        require(self.beta >= 0, f"beta must be >= 0, got {self.beta}.")
+        require(self.vf_coef > 0, f"vf_coef must be > 0, got {self.vf_coef}.")
+        require(self.critic_learning_rate > 0, f"critic_learning_rate must be > 0, got {self.critic_learning_rate}.")
+        require(
+            self.cliprange_value is None or self.cliprange_value > 0,
+            f"cliprange_value must be > 0 or None, got {self.cliprange_value}.",
+        )
+        require(self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}.")
+        require(self.value_pretrain_steps >= 0, f"value_pretrain_steps must be >= 0, got {self.value_pretrain_steps}.")
+        require(
+            self.value_pretrain_patience is None or self.value_pretrain_patience >= 1,
+            f"value_pretrain_patience must be >= 1 or None, got {self.value_pretrain_patience}.",
+        )
+        require(self.max_completion_length >= 1, f"max_completion_length must be >= 1, got {self.max_completion_length}.")
+        require(
+            self.max_prompt_length is None or self.max_prompt_length >= 1,
+            f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.",
+        )
+        require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}.")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cuda_supports_bf16() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

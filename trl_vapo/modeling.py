@@ -1,0 +1,312 @@
+"""The critic (value model) and the actor-critic module the trainer optimises.
+
+Two layouts:
+
+* **Separate critic** (full fine-tuning, the default): a ``*ForSequenceClassification`` model with one label, whose
+  backbone starts as a copy of the policy's weights and whose scalar head (``score``) is freshly initialised with
+  small random weights. It is a standard transformers model: it saves with ``save_pretrained`` and loads with
+  ``AutoModelForSequenceClassification.from_pretrained(path)``.
+* **Shared base** (PEFT): one frozen base model carries two adapters, ``"default"`` for the policy and ``"critic"``
+  for the critic, plus a separate linear value head. The reference policy is the base with adapters disabled. One
+  copy of the weights instead of three is what lets a 0.5B-1.5B model train on one consumer GPU.
+
+Either way, ``ActorCritic.forward`` returns per-token log-probabilities of the completion under the policy and the
+critic's values V(s_t) for the same positions, in one call, so DDP and DeepSpeed see a single model and a single
+optimizer (with one parameter group per side).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
+
+from ._compat import entropy_from_logits, selective_log_softmax
+
+POLICY_ADAPTER = "default"
+CRITIC_ADAPTER = "critic"
+CRITIC_SUBFOLDER = "critic"
+VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_PRETRAINING_FILE = "vapo_value_pretraining.json"
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but keep plain models importable without it
+        return False
+    return isinstance(model, PeftModel)
+
+
+class ValueHead(nn.Module):
+    """Scalar value head V(s) = w . h_s + b of the shared-base (PEFT) critic.
+
+    Initialised with small random weights: a zero head would give the critic adapter no gradient at all.
+    """
+
+    def __init__(self, hidden_size: int, init_std: float = 0.02):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=init_std)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden_states).squeeze(-1)
+
+
+def _sequence_classification_head(model: PreTrainedModel) -> nn.Module:
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise ValueError(
+        f"{type(model).__name__} has no `score` or `classifier` head: a value model must be an "
+        "`AutoModelForSequenceClassification` model with `num_labels=1`."
+    )
+
+
+def check_value_model(model: nn.Module) -> None:
+    """Raise a clear error unless ``model`` is a sequence-classification model with exactly one output."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"value_model must be a path, a model id or a PreTrainedModel, got {type(model).__name__}.")
+    num_labels = getattr(model.config, "num_labels", None)
+    if num_labels != 1:
+        raise ValueError(
+            f"value_model {type(model).__name__} has num_labels={num_labels}; a value model outputs one scalar per "
+            "token. Load it with `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
+        )
+    _sequence_classification_head(model)
+
+
+def critic_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
+    """A one-label sequence-classification model whose backbone is a copy of the policy's backbone."""
+    config = policy.config.__class__.from_dict(policy.config.to_dict())
+    config.num_labels = 1
+    config.problem_type = "regression"
+    critic = AutoModelForSequenceClassification.from_config(config, dtype=policy.dtype)
+    missing, unexpected = critic.base_model.load_state_dict(policy.base_model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"Could not initialise the critic from the policy's backbone ({type(policy).__name__}): missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}. Pass a `value_model` explicitly."
+        )
+    # The head of a freshly built classifier is random (std = initializer_range): small values, non-zero gradients.
+    return critic.to(next(policy.parameters()).device)
+
+
+def value_pretraining_record(path: str | os.PathLike) -> dict | None:
+    """The record written next to a critic saved by value pretraining, or None if the critic was not pretrained."""
+    record = Path(path) / VALUE_PRETRAINING_FILE
+    if record.is_file():
+        return json.loads(record.read_text())
+    return None
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Left padding shifts every token; count positions from each row's first real token, as generation does.
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_length: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+):
+    """log pi(y_t | x, y_<t) of the last ``completion_length`` tokens under a causal LM, at ``temperature``.
+
+    Only the completion's logits are computed (``logits_to_keep``). With ``with_entropy`` also returns the
+    per-position entropy of the (temperature-scaled) distribution, detached.
+    """
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=_position_ids(attention_mask),
+        logits_to_keep=completion_length + 1,
+        use_cache=False,
+    ).logits
+    logits = logits[:, :-1, :].float() / temperature  # the logits at position p predict token p + 1
+    logprobs = selective_log_softmax(logits, input_ids[:, -completion_length:])
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits)
+    return logprobs, entropy
+
+
+class ActorCritic(nn.Module):
+    """Policy and critic as one module: one forward gives the completion's log-probs, entropies and values.
+
+    Args:
+        policy: the causal LM (a ``PeftModel`` in the shared-base layout).
+        critic: a one-label ``*ForSequenceClassification`` model, or None in the shared-base layout.
+        value_head: the shared-base layout's :class:`ValueHead`, or None.
+    """
+
+    def __init__(self, policy: nn.Module, critic: PreTrainedModel | None = None, value_head: ValueHead | None = None):
+        super().__init__()
+        if (critic is None) == (value_head is None):
+            raise ValueError("Pass exactly one of `critic` (separate critic) or `value_head` (shared-base critic).")
+        if value_head is not None and not is_peft_model(policy):
+            raise ValueError("A shared-base critic needs a PEFT policy carrying a 'critic' adapter.")
+        self.policy = policy
+        self.critic = critic
+        self.value_head = value_head
+
+    # ------------------------------------------------------------------------------------------------ layout
+    @property
+    def shares_base(self) -> bool:
+        return self.critic is None
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.policy, "is_activation_checkpointing", False))
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        for model in (self.policy, self.critic):
+            if model is not None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        for model in (self.policy, self.critic):
+            if model is not None:
+                model.gradient_checkpointing_disable()
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        if self.shares_base:
+            return [p for n, p in self.policy.named_parameters() if f".{POLICY_ADAPTER}." in n and p.requires_grad]
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        if self.shares_base:
+            adapter = [p for n, p in self.policy.named_parameters() if f".{CRITIC_ADAPTER}." in n and p.requires_grad]
+            return adapter + list(self.value_head.parameters())
+        return [p for p in self.critic.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def _adapter(self, name: str):
+        # peft's set_adapter freezes every other adapter; both stay trainable here because one optimizer step
+        # updates the two of them, so the flags are restored right away.
+        self.policy.set_adapter(name)
+        self.policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+        try:
+            yield
+        finally:
+            self.policy.set_adapter(POLICY_ADAPTER)
+            self.policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        completion_length: int,
+        temperature: float = 1.0,
+        with_policy: bool = True,
+        with_values: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Scores the last ``completion_length`` tokens of ``input_ids`` (prompt + completion, prompt left-padded).
+
+        Returns a dict with, for each completion position t (shape ``[B, completion_length]``):
+        ``logprobs`` log pi(y_t | x, y_<t) at ``temperature`` and ``entropy`` (detached) when ``with_policy``;
+        ``values`` V(x, y_<t), read from the hidden state that precedes y_t, when ``with_values``.
+        """
+        position_ids = _position_ids(attention_mask)
+        outputs: dict[str, torch.Tensor] = {}
+        if with_policy:
+            outputs["logprobs"], outputs["entropy"] = completion_logprobs(
+                self.policy, input_ids, attention_mask, completion_length, temperature, with_entropy=True
+            )
+        if with_values:
+            hidden = self._critic_hidden_states(input_ids, attention_mask, position_ids)
+            hidden = hidden[:, -completion_length - 1 : -1, :]  # V(s_t) reads the state before token t
+            if self.shares_base:
+                outputs["values"] = self.value_head(hidden).float()
+            else:
+                outputs["values"] = _sequence_classification_head(self.critic)(hidden).squeeze(-1).float()
+        return outputs
+
+    def _critic_hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        if self.shares_base:
+            backbone = self.policy.get_base_model().base_model
+            with self._adapter(CRITIC_ADAPTER):
+                return backbone(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                ).last_hidden_state
+        return self.critic.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+
+    # ---------------------------------------------------------------------------------------- save and load
+    def save_critic(self, directory: str | os.PathLike, safe_serialization: bool = True) -> None:
+        """Write the critic so that `value_model=directory` loads it back (the layout matches this module's)."""
+        directory = Path(directory)
+        if self.shares_base:
+            # peft writes a non-default adapter into `<dir>/<adapter name>`: move it up into `directory`.
+            directory.mkdir(parents=True, exist_ok=True)
+            self.policy.save_pretrained(str(directory), selected_adapters=[CRITIC_ADAPTER])
+            nested = directory / CRITIC_ADAPTER
+            for item in nested.iterdir():
+                os.replace(item, directory / item.name)
+            nested.rmdir()
+            head = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
+            save_file(head, str(directory / VALUE_HEAD_FILE))
+        else:
+            self.critic.save_pretrained(directory, safe_serialization=safe_serialization)
+
+    def load_critic(self, directory: str | os.PathLike) -> None:
+        """Load critic weights written by :meth:`save_critic` into this module, in place."""
+        directory = Path(directory)
+        if self.shares_base:
+            from peft import set_peft_model_state_dict
+
+            state = load_file(directory / "adapter_model.safetensors")
+            set_peft_model_state_dict(self.policy, state, adapter_name=CRITIC_ADAPTER)
+            self.value_head.load_state_dict(load_file(directory / VALUE_HEAD_FILE))
+        else:
+            _load_safetensors_into(self.critic, directory)
+
+    def save_policy(self, directory: str | os.PathLike, safe_serialization: bool = True) -> None:
+        """The policy alone: a full model for `AutoModelForCausalLM`, or the policy adapter for PEFT."""
+        if self.shares_base:
+            self.policy.save_pretrained(str(directory), selected_adapters=[POLICY_ADAPTER])
+        else:
+            self.policy.save_pretrained(directory, safe_serialization=safe_serialization)
+
+    def load_policy(self, directory: str | os.PathLike) -> None:
+        directory = Path(directory)
+        if is_peft_model(self.policy):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(
+                self.policy, load_file(directory / "adapter_model.safetensors"), adapter_name=POLICY_ADAPTER
+            )
+        else:
+            _load_safetensors_into(self.policy, directory)
+
+
+def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
+    """Load every ``*.safetensors`` shard of a ``save_pretrained`` folder into ``model`` (strictly, tied weights aside)."""
+    state: dict[str, torch.Tensor] = {}
+    shards = sorted(directory.glob("model*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"No model*.safetensors weights in {directory}.")
+    for shard in shards:
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"Weights in {directory} do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}.")
