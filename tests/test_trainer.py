@@ -378,3 +378,25 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft)
     expected = [h for h in _comparable(full.state.log_history) if h["step"] > 4]
     assert len(after) == 3
     assert after == expected
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_path, peft):
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = make_args(tmp_path, max_steps=3, beta=0.1, learning_rate=1e-2)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        peft_config=peft_config,
+    )
+    # With PEFT the reference is the base with adapters off: no second copy of the weights.
+    assert (trainer.ref_model is None) == peft
+    trainer.train()
+    kls = [h["kl"] for h in rl_logs(trainer)]
+    assert kls[0] == 0.0  # the first rollout comes from the reference policy itself
+    assert kls[-1] != 0.0
+    no_kl = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=make_args(tmp_path / "b"), train_dataset=prompts_dataset())
+    assert no_kl.ref_model is None
