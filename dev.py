@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up a virtual environment and run the demo or the tests.
 
-    python3 dev.py demo [args...]   # the main job: the `trl-vapo` command line
+    python3 dev.py demo [args...]   # the main job: the offline VAPO demo (`trl-vapo train`; args override it)
     python3 dev.py test [args...]   # the test suite (extra args go to pytest)
 
 Needs nothing but Python 3.10+. The first run creates `.venv`, installs PyTorch when none is importable
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     if command == "setup":
         return 0
     if command == "demo":
-        cmd = [str(BIN / "trl-vapo"), *(rest or ["--help"])]
+        cmd = [str(BIN / "trl-vapo"), "train", *rest]
     else:
         cmd = [str(PYTHON), "-m", "pytest", *rest]
     print("+", " ".join(cmd), flush=True)

@@ -5,6 +5,7 @@ and `trl.models.utils`, which may move between releases. Import them from here s
 not the trainer.
 """
 
+from trl.cli.accelerate_config import resolve_accelerate_config_argument
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import (
     disable_dropout_in_model,
@@ -21,6 +22,7 @@ __all__ = [
     "generate_model_card",
     "get_config_model_id",
     "pad",
+    "resolve_accelerate_config_argument",
     "selective_log_softmax",
     "unwrap_model_for_generation",
 ]

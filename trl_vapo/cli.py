@@ -1,18 +1,386 @@
-"""The `trl-vapo` command line."""
+"""The `trl-vapo` command line.
+
+    trl-vapo train [--config vapo.yaml] [--flag value ...] [--num_processes N | --accelerate_config zero2 ...]
+    trl-vapo eval --model DIR --dataset_name NAME [...]
+
+`train` follows the `trl` CLI: a YAML file sets dataclass defaults and flags override it (`TrlParser` over the
+script arguments, `VAPOConfig` and TRL's `ModelConfig`); arguments that belong to `accelerate launch` (such as
+`--num_processes 2` or `--accelerate_config zero2`) relaunch the run through it. With no model and no data set,
+`trl-vapo train` is the offline demo: the bundled cold-start model learns the built-in arithmetic task.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import __version__
 
+logger = logging.getLogger("trl_vapo")
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trl-vapo", description="VAPO training for the Hugging Face TRL stack.")
-    parser.add_argument("--version", action="version", version=f"trl-vapo {__version__}")
-    parser.parse_args(argv)
-    parser.print_help()
+# The demo's training recipe: small batches and short runs sized for two CPU cores. Any flag overrides it.
+DEMO_DEFAULTS = {
+    "output_dir": "vapo-demo",
+    # 8 prompts x 8 samples per rollout, trained on in 4 mini-batches of 16.
+    "per_device_train_batch_size": 16,
+    "steps_per_generation": 4,
+    "num_generations": 8,
+    "max_completion_length": 96,  # the longest correct answer is 83 tokens
+    "value_pretrain_steps": 15,
+    "max_steps": 80,  # RL optimizer steps: 20 rollouts
+    "learning_rate": 1e-4,
+    "critic_learning_rate": 1e-3,
+    # The paper's alpha = 0.05 is sized for chains of thousands of tokens: on these 26-83 token answers it gives
+    # lambda_actor = 0.2-0.76, a horizon of a few tokens. alpha = 0.5 keeps the paper's rule with a horizon
+    # alpha * l of 13-40 tokens (lambda_actor = 0.92-0.98).
+    "length_adaptive_alpha": 0.5,
+    "logging_steps": 4,
+    "save_strategy": "no",
+    "report_to": "none",
+    "eval_num_prompts": 200,
+    "eval_k": 4,
+}
+
+
+@dataclass
+class VAPOScriptArguments:
+    """What to train on: data, rewards and the critic, beyond `VAPOConfig` and TRL's `ModelConfig`."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Hub data set name, or a local .json/.jsonl/.csv/.parquet file or folder. Omit with the "
+                  "model too for the offline demo."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Data set configuration (subset) name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Split for the held-out accuracy before and after training (optional)."}
+    )
+    dataset_preset: str | None = field(
+        default=None,
+        metadata={"help": "Known layout: 'gsm8k' (openai/gsm8k, question/answer) or 'math' (MATH, problem/"
+                  "solution). Sets the data set, its columns and a boxed-answer instruction."},
+    )
+    prompt_column: str = field(default="prompt", metadata={"help": "Column with the problem (text or chat messages)."})
+    answer_column: str = field(default="answer", metadata={"help": "Column with the gold answer, for the rewards."})
+    prompt_template: str | None = field(
+        default=None, metadata={"help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.'"}
+    )
+    system_prompt: str | None = field(default=None, metadata={"help": "System message before each problem."})
+    prompt_format: str = field(
+        default="auto",
+        metadata={"help": "'chat' (messages through the chat template), 'text', or 'auto': chat when the tokenizer "
+                  "has a chat template."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["math_reward"],
+        metadata={"help": "Reward functions by name (math_reward, think_boxed_format_reward, TRL's accuracy_reward, "
+                  "think_format_reward, ...) or import path (my_pkg.rewards.fn)."},
+    )
+    value_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Critic to start from, e.g. <output_dir>/value_pretrained_critic of an earlier run."}
+    )
+    eval_num_prompts: int = field(
+        default=0, metadata={"help": "Held-out prompts scored before and after training (0: skip)."}
+    )
+    eval_k: int = field(default=4, metadata={"help": "Samples per held-out prompt for avg@k in that report."})
+
+
+def _parser():
+    from trl import ModelConfig, TrlParser
+
+    from .config import VAPOConfig
+
+    return TrlParser((VAPOScriptArguments, VAPOConfig, ModelConfig), prog="trl-vapo train")
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: printed as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------------------------- train
+def _is_demo(argv: list[str]) -> bool:
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    return not given & {"--config", "--model_name_or_path", "--dataset_name", "--dataset_preset"}
+
+
+def _split_launch_args(remaining: list[str]) -> list[str]:
+    """Check that every argument the training parsers left over belongs to `accelerate launch`."""
+    if not remaining:
+        return []
+    from accelerate.commands.launch import launch_command_parser
+
+    from ._compat import resolve_accelerate_config_argument
+
+    try:
+        launch_args = resolve_accelerate_config_argument(list(remaining))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    _, unknown = launch_command_parser().parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
+    unknown = [arg for arg in unknown if arg.startswith("-")]
+    if unknown:
+        raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo train --help`)")
+    return launch_args
+
+
+def train_command(argv: list[str]) -> int:
+    demo = _is_demo(argv)
+    parser = _parser()
+    if demo:
+        parser.set_defaults(**DEMO_DEFAULTS)
+    try:
+        script_args, training_args, model_args, remaining = parser.parse_args_and_config(
+            argv, return_remaining_strings=True
+        )
+    except ValueError as error:  # VAPOConfig validation
+        raise UsageError(str(error)) from None
+    launch_args = _split_launch_args(remaining)
+    if launch_args and "LOCAL_RANK" not in os.environ:
+        return _relaunch(launch_args, [a for a in argv if a not in remaining])
+
+    from trl import get_peft_config, get_quantization_config
+    from transformers import AutoTokenizer
+
+    from .trainer import VAPOTrainer
+
+    started = time.time()
+    # Everything a typo can break is checked before the model loads; a failure is one line on stderr.
+    reward_funcs = _resolve_rewards(script_args.reward_funcs)
+    model_id, train_dataset, test_dataset = _resolve_data(script_args, model_args, training_args, demo)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    model_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
+    if model_args.attn_implementation:
+        model_kwargs["attn_implementation"] = model_args.attn_implementation
+    quantization = get_quantization_config(model_args)
+    if quantization is not None:
+        model_kwargs["quantization_config"] = quantization
+    training_args.model_init_kwargs = {**model_kwargs, **(training_args.model_init_kwargs or {})}
+
+    trainer = VAPOTrainer(
+        model=model_id,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_id, revision=model_args.model_revision,
+                                                       trust_remote_code=training_args.trust_remote_code),
+        value_model=script_args.value_model_name_or_path,
+        peft_config=get_peft_config(model_args),
+    )
+    before = _held_out_report(trainer, test_dataset, script_args, reward_funcs)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    after = _held_out_report(trainer, test_dataset, script_args, reward_funcs)
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        print(_summary(trainer, before, after, time.time() - started, demo))
     return 0
+
+
+def _resolve_data(script_args, model_args, training_args, demo: bool):
+    """The model id and the train / held-out prompt data sets the flags describe."""
+    if demo:
+        from .demo import MODEL_DIR
+        from .demo.data import build_split
+
+        test = build_split("held_out", script_args.eval_num_prompts) if script_args.eval_num_prompts else None
+        return str(MODEL_DIR), build_split("train", 4096), test
+
+    from .data import BOXED_INSTRUCTION, PRESETS, load_prompt_dataset
+
+    if script_args.dataset_preset is not None:
+        if script_args.dataset_preset not in PRESETS:
+            raise UsageError(f"unknown --dataset_preset {script_args.dataset_preset!r}; choose from {sorted(PRESETS)}")
+        preset = PRESETS[script_args.dataset_preset]
+        script_args.dataset_name = script_args.dataset_name or preset.dataset_name
+        script_args.dataset_config = script_args.dataset_config or preset.dataset_config
+        script_args.prompt_column = preset.prompt_column
+        script_args.answer_column = preset.answer_column
+        script_args.prompt_template = script_args.prompt_template or "{%s}\n%s" % (preset.prompt_column, BOXED_INSTRUCTION.replace("{}", "{{}}"))
+    if not model_args.model_name_or_path:
+        raise UsageError("--model_name_or_path is required with a data set (omit both for the offline demo)")
+    if not script_args.dataset_name:
+        raise UsageError("--dataset_name (or --dataset_preset) is required with a model (omit both for the offline demo)")
+    if script_args.prompt_format not in ("auto", "chat", "text"):
+        raise UsageError(f"--prompt_format must be auto, chat or text, got {script_args.prompt_format!r}")
+    chat = script_args.prompt_format == "chat"
+    if script_args.prompt_format == "auto":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.model_name_or_path, revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
+        chat = getattr(tokenizer, "chat_template", None) is not None
+
+    def load(split):
+        import datasets
+
+        datasets.disable_progress_bars()  # small prompt sets load in a blink; keep stderr for errors
+        try:
+            return load_prompt_dataset(
+                script_args.dataset_name, split=split, dataset_config=script_args.dataset_config,
+                prompt_column=script_args.prompt_column, answer_column=script_args.answer_column,
+                prompt_template=script_args.prompt_template, system_prompt=script_args.system_prompt, chat=chat,
+            )
+        except (ValueError, FileNotFoundError) as error:
+            raise UsageError(str(error)) from None
+
+    train = load(script_args.dataset_train_split)
+    test = None
+    if script_args.dataset_test_split and script_args.eval_num_prompts:
+        test = load(script_args.dataset_test_split)
+        test = test.select(range(min(len(test), script_args.eval_num_prompts)))
+    return model_args.model_name_or_path, train, test
+
+
+def _resolve_rewards(names: list[str]):
+    from .rewards import get_reward_function
+
+    sys.path.insert(0, os.getcwd())  # dotted paths to the user's own modules resolve from the working directory
+    try:
+        return [get_reward_function(name) for name in names]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None:
+    if dataset is None or not trainer.accelerator.is_main_process:
+        return None
+    from .evaluation import evaluate_policy
+
+    args = trainer.args
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped).policy
+    result = evaluate_policy(
+        model, trainer.processing_class, dataset, reward_funcs, k=script_args.eval_k, temperature=1.0, top_p=1.0,
+        max_new_tokens=args.max_completion_length, reward_weights=args.reward_weights,
+        positive_reward_threshold=args.positive_reward_threshold,
+    )
+    return result.as_dict()
+
+
+def _summary(trainer, before, after, seconds, demo) -> str:
+    history = [h for h in trainer.state.log_history if "reward" in h and h.get("phase") == "rl"]
+    lines = ["", "=" * 72, "trl-vapo " + ("demo " if demo else "") + "summary", "-" * 72]
+    lines.append(f"steps            {trainer.state.global_step} "
+                 f"({trainer.progress.value_pretrain_rollouts} value-pretraining rollouts, then RL)")
+    lines.append(f"wall time        {seconds / 60:.1f} min")
+    if history:
+        first, last = history[0], history[-1]
+        lines.append(f"train reward     {first['reward']:+.3f} -> {last['reward']:+.3f}   (first -> last RL log)")
+        lines.append(f"train accuracy   {first['accuracy']:.3f} -> {last['accuracy']:.3f}")
+    if before and after:
+        k = trainer_k = next(key for key in before if key.startswith("avg@"))
+        lines.append(f"held-out {k:<8s} {before[k]:.3f} -> {after[trainer_k]:.3f}   "
+                     f"(sampled at T=1, {before['num_problems']} problems)")
+        lines.append(f"held-out pass@1  {before['pass@1']:.3f} -> {after['pass@1']:.3f}   (greedy)")
+        lines.append(f"mean length      {before['mean_length']:.1f} -> {after['mean_length']:.1f} tokens")
+    lines.append(f"saved to         {Path(trainer.args.output_dir).resolve()}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
+    """Run this same command under `accelerate launch` with the given launcher arguments."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
+    launch_command(args)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------------- eval
+def eval_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trl-vapo eval", description="Score a model: pass@1 (greedy), avg@k, pass@k.")
+    parser.add_argument("--model", required=True, help="Model folder or hub id (a PEFT adapter folder works too).")
+    parser.add_argument("--dataset_name", help="Hub data set, or local file or folder. Default: the demo's held-out split.")
+    parser.add_argument("--dataset_config")
+    parser.add_argument("--dataset_preset", help="gsm8k or math")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--prompt_column", default="prompt")
+    parser.add_argument("--answer_column", default="answer")
+    parser.add_argument("--prompt_template")
+    parser.add_argument("--system_prompt")
+    parser.add_argument("--prompt_format", default="auto", choices=["auto", "chat", "text"])
+    parser.add_argument("--reward_funcs", nargs="+", default=["math_reward"])
+    parser.add_argument("--num_prompts", type=int, default=None, help="Score the first N prompts only.")
+    parser.add_argument("--k", type=int, default=32, help="Samples per prompt (paper: avg@32).")
+    parser.add_argument("--temperature", type=float, default=1.0, help="Paper: 1.0.")
+    parser.add_argument("--top_p", type=float, default=0.7, help="Paper: 0.7.")
+    parser.add_argument("--max_new_tokens", type=int, default=1024)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--positive_reward_threshold", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--output_json", help="Also write the scores to this file.")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluation import evaluate_policy
+
+    model_path = Path(args.model)
+    if (model_path / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    if args.dataset_name is None and args.dataset_preset is None:
+        from .demo.data import build_split
+
+        dataset = build_split("held_out", args.num_prompts or 200)
+    else:
+        script = VAPOScriptArguments(
+            dataset_name=args.dataset_name, dataset_config=args.dataset_config, dataset_train_split=args.split,
+            dataset_preset=args.dataset_preset, prompt_column=args.prompt_column, answer_column=args.answer_column,
+            prompt_template=args.prompt_template, system_prompt=args.system_prompt, prompt_format=args.prompt_format,
+        )
+        from trl import ModelConfig
+
+        from .config import VAPOConfig
+
+        _, dataset, _ = _resolve_data(script, ModelConfig(model_name_or_path=args.model), VAPOConfig(output_dir=".", report_to="none"), demo=False)
+        if args.num_prompts:
+            dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
+    torch.manual_seed(args.seed)
+    result = evaluate_policy(
+        model, tokenizer, dataset, _resolve_rewards(args.reward_funcs), k=args.k, temperature=args.temperature,
+        top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        positive_reward_threshold=args.positive_reward_threshold,
+    ).as_dict()
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": train_command, "eval": eval_command}
+    if not argv or argv[0] not in commands:
+        parser = argparse.ArgumentParser(prog="trl-vapo", description="VAPO training for the Hugging Face TRL stack.")
+        parser.add_argument("--version", action="version", version=f"trl-vapo {__version__}")
+        parser.add_argument("command", choices=sorted(commands), help="train: train (no arguments: the offline demo); eval: score a model")
+        parser.parse_args(argv)
+        return 2
+    try:
+        return commands[argv[0]](argv[1:])
+    except UsageError as error:
+        print(f"trl-vapo {argv[0]}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

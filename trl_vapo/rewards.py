@@ -1100,8 +1100,13 @@ REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {
 """Reward functions a command line can name; :func:`get_reward_function` also accepts import paths."""
 
 
+# TRL's own reward functions, by the names its `grpo` script accepts.
+_TRL_REWARD_FUNCTIONS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")
+
+
 def get_reward_function(name: str) -> Callable[..., list[float | None]]:
-    """Resolve a reward function by registry name (:data:`REWARD_FUNCTIONS`) or import path.
+    """Resolve a reward function by registry name (:data:`REWARD_FUNCTIONS`, or one of TRL's: ``accuracy_reward``,
+    ``reasoning_accuracy_reward``, ``think_format_reward``) or import path.
 
     Import paths are ``package.module.attribute`` or ``package.module:attribute`` (as TRL's ``grpo`` script accepts),
     e.g. ``trl.rewards.accuracy_reward`` or ``my_rewards:make_reward`` (the attribute itself is returned; call
@@ -1109,6 +1114,10 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
     """
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
+    if name in _TRL_REWARD_FUNCTIONS:
+        import trl.rewards
+
+        return getattr(trl.rewards, name)
     module_name, sep, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
     if not sep or not module_name or not attribute:
         raise ValueError(

@@ -263,6 +263,10 @@ class VAPOTrainer(Trainer):
             )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         _check_train_dataset(train_dataset, args)
+        self._conversational = is_conversational({"prompt": train_dataset[0]["prompt"]})
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._warned_non_finite: set[str] = set()
+        self._check_reward_funcs_on(train_dataset[0])
 
         # PEFT initialises adapters randomly: seed first so runs are reproducible.
         set_seed(args.seed)
@@ -271,7 +275,6 @@ class VAPOTrainer(Trainer):
             model_id, trust_remote_code=args.trust_remote_code
         )
         _prepare_tokenizer(tokenizer)
-        self._conversational = is_conversational({"prompt": train_dataset[0]["prompt"]})
         if self._conversational and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "The dataset's prompts are chat messages but the tokenizer has no chat template. Set "
@@ -322,7 +325,6 @@ class VAPOTrainer(Trainer):
         self._eos_ids = torch.tensor(stop if isinstance(stop, list) else [stop])
 
         self.progress = TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
-        self._metrics: dict[str, list[float]] = defaultdict(list)
         self._warned_truncation = False
         self._save_pending = False
         # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
@@ -547,27 +549,81 @@ class VAPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------- rollout: rewards
     def _score(self, rows: list[dict], completion_ids: list[list[int]]) -> torch.Tensor:
-        """`[N, num_funcs]` rewards, NaN where a function returned None."""
+        """`[N, num_funcs]` rewards, NaN where a function returned None (or a non-finite value)."""
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        prompts = [row["prompt"] for row in rows]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self._conversational else texts
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         scores = torch.full((len(rows), len(self.reward_funcs)), math.nan)
         for j, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
-            values = func(
-                prompts=prompts,
-                completions=completions,
-                completion_ids=completion_ids,
-                trainer_state=self.state,
-                **columns,
-            )
-            if values is None or len(values) != len(rows):
-                raise ValueError(
-                    f"Reward function {name!r} returned {None if values is None else len(values)} values for "
-                    f"{len(rows)} completions; it must return one float (or None) per completion."
-                )
-            scores[:, j] = torch.tensor([math.nan if v is None else float(v) for v in values])
+            values = self._call_reward(func, name, rows, completions, completion_ids)
+            column = torch.tensor([math.nan if v is None else float(v) for v in values])
+            non_finite = torch.isinf(column) | (torch.isnan(column) & torch.tensor([v is not None for v in values]))
+            if non_finite.any():
+                self._metrics[f"rewards/{name}/non_finite_count"].append(float(non_finite.sum()))
+                if name not in self._warned_non_finite:
+                    logger.warning(
+                        f"Reward function {name!r} returned NaN or inf for {int(non_finite.sum())} of {len(rows)} "
+                        f"completions; they are treated like None (left out unless another function scores them) "
+                        f"and counted in `rewards/{name}/non_finite_count`."
+                    )
+                    self._warned_non_finite.add(name)
+                column[non_finite] = math.nan
+            scores[:, j] = column
         return scores
+
+    def _call_reward(self, func, name, rows, completions, completion_ids) -> list:
+        prompts = [row["prompt"] for row in rows]
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        log_metric = lambda key, value: self._metrics[key].append(float(value))  # noqa: E731
+        try:
+            values = func(
+                prompts=prompts, completions=completions, completion_ids=completion_ids,
+                trainer_state=getattr(self, "state", None), log_metric=log_metric, **columns,
+            )
+        except Exception as error:
+            # Find the first sample it fails on, so the message can show it.
+            for i in range(len(rows)):
+                try:
+                    func(
+                        prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+                        completion_ids=completion_ids[i : i + 1], trainer_state=getattr(self, "state", None),
+                        log_metric=log_metric,
+                        **{key: value[i : i + 1] for key, value in columns.items()},
+                    )
+                except Exception:
+                    sample = {"prompt": prompts[i], "completion": completions[i], **{k: v[i] for k, v in columns.items()}}
+                    raise RuntimeError(
+                        f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
+                        f"(#{i} of the batch): {_preview(sample)}"
+                    ) from error
+            raise RuntimeError(f"Reward function {name!r} raised {type(error).__name__} on the batch: {error}") from error
+        if values is None or len(values) != len(rows):
+            raise ValueError(
+                f"Reward function {name!r} returned {None if values is None else len(values)} values for "
+                f"{len(rows)} completions; it must return one float (or None) per completion."
+            )
+        return values
+
+    def _check_reward_funcs_on(self, row: dict) -> None:
+        """Call every reward function once on a dataset row with an empty completion, before any compute.
+
+        A missing column, a bad import or a crash then fails here, with the dataset's columns in the message, not
+        after the model has loaded and generated.
+        """
+        completions = [[{"role": "assistant", "content": ""}]] if self._conversational else [""]
+        for func, name in zip(self.reward_funcs, self.reward_func_names):
+            missing = [c for c in _required_columns(func) if c not in row]
+            if missing:
+                raise ValueError(
+                    f"Reward function {name!r} needs the column(s) {missing}, which the training dataset lacks; its "
+                    f"columns are {sorted(row)}."
+                )
+            try:
+                self._call_reward(func, name, [row], completions, [[]])
+            except RuntimeError as error:
+                raise ValueError(
+                    f"Reward function {name!r} cannot score the training data (dataset columns: {sorted(row)}): "
+                    f"{error.__cause__ or error}"
+                ) from error
 
     # --------------------------------------------------------------------------- rollout: old stats and GAE
     @torch.no_grad()
@@ -744,7 +800,8 @@ class VAPOTrainer(Trainer):
                     sums["entropy"] += masked_mean(out["entropy"], micro_mask) * n
                 sums["loss"] += loss.detach()
                 sums["_tokens"] += n
-                self.accelerator.backward(loss)
+                # The loss is already a mean over the whole step: DeepSpeed must not divide it by the micro-batches.
+                self.accelerator.backward(loss, **({"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}))
             if not last:
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
 
@@ -817,9 +874,10 @@ class VAPOTrainer(Trainer):
                 # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
                 group["lr"] = base_lr * schedule(scheduler.last_epoch)
         reason = "explained variance stopped improving" if early else "its budget is spent"
+        best = progress.best_explained_variance
         logger.info(
             f"Value pretraining ended after {progress.value_pretrain_rollouts} rollouts ({reason}); best explained "
-            f"variance {progress.best_explained_variance:.3f}. RL starts at step {self.state.global_step}."
+            f"variance {'n/a' if math.isinf(best) else f'{best:.3f}'}. RL starts at step {self.state.global_step}."
         )
         self._save_pretrained_critic()
 
@@ -1092,6 +1150,28 @@ def _eos_token_ids(tokenizer, policy) -> list[int]:
     if configured is not None:
         ids += configured if isinstance(configured, list) else [configured]
     return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+_TRAINER_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "kwargs"}
+
+
+def _required_columns(func) -> list[str]:
+    """Keyword parameters of a reward function without a default that the trainer does not supply: dataset columns."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return []
+    return [
+        p.name for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and p.name not in _TRAINER_KWARGS
+    ]
+
+
+def _preview(sample: dict, limit: int = 200) -> str:
+    text = json.dumps(sample, default=str, ensure_ascii=False)
+    return text if len(text) <= limit * 3 else text[: limit * 3] + "..."
 
 
 def _mean(values: torch.Tensor) -> float:

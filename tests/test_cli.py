@@ -1,0 +1,133 @@
+"""The `trl-vapo` command line: YAML + flags, training on local files, eval, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from trl_vapo.cli import _parser, _split_launch_args, main
+
+TRL_VAPO = str(Path(sys.executable).parent / "trl-vapo")
+
+
+@pytest.fixture(scope="module")
+def jsonl_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "sums.jsonl"
+    with path.open("w") as f:
+        for i in range(40):
+            f.write(json.dumps({"question": f"What is {i}+{i}?", "answer": str(2 * i), "source": "local"}) + "\n")
+    return path
+
+
+def test_yaml_sets_defaults_and_flags_override(tmp_path):
+    config = tmp_path / "vapo.yaml"
+    config.write_text(
+        "model_name_or_path: some/model\n"
+        "dataset_name: data.jsonl\n"
+        "lam_actor: 0.9\n"
+        "max_steps: 50\n"
+        "use_peft: true\n"
+        "lora_r: 8\n"
+        "reward_funcs: [math_reward, think_boxed_format_reward]\n"
+        "output_dir: from-yaml\n"
+    )
+    script, training, model, remaining = _parser().parse_args_and_config(
+        ["--config", str(config), "--max_steps", "2", "--lora_r", "4"], return_remaining_strings=True
+    )
+    assert remaining == []
+    assert training.lam_actor == 0.9 and training.max_steps == 2 and training.output_dir == "from-yaml"
+    assert model.use_peft and model.lora_r == 4 and model.model_name_or_path == "some/model"
+    assert script.reward_funcs == ["math_reward", "think_boxed_format_reward"]
+    # VAPO defaults the YAML did not touch
+    assert training.lam_critic == 1.0 and training.epsilon_high == 0.28 and training.length_adaptive_alpha == 0.05
+
+
+def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
+    assert _split_launch_args([]) == []
+    assert _split_launch_args(["--num_processes", "2"]) == ["--num_processes", "2"]
+    resolved = _split_launch_args(["--accelerate_config", "zero2", "--num_processes", "2"])
+    assert resolved[0] == "--config_file" and resolved[1].endswith("zero2.yaml") and Path(resolved[1]).is_file()
+    from trl_vapo.cli import UsageError
+
+    with pytest.raises(UsageError, match="--not_a_flag"):
+        _split_launch_args(["--not_a_flag", "3"])
+
+
+def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main([
+        "train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data),
+        "--prompt_column", "question", "--prompt_format", "chat", "--system_prompt", "Be brief.",
+        "--output_dir", str(out), "--max_steps", "2", "--value_pretrain_steps", "1",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
+        "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true",
+        "--dataset_test_split", "train", "--eval_num_prompts", "4", "--eval_k", "2",
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "trl-vapo summary" in printed and "held-out avg@2" in printed and str(out) in printed
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
+    assert (out / "critic" / "config.json").is_file()
+
+    code = main([
+        "eval", "--model", str(out), "--dataset_name", str(jsonl_data), "--split", "train",
+        "--prompt_column", "question", "--prompt_format", "chat", "--k", "2", "--num_prompts", "5",
+        "--max_new_tokens", "8", "--output_json", str(tmp_path / "scores.json"),
+    ])
+    assert code == 0
+    scores = json.loads((tmp_path / "scores.json").read_text())
+    assert set(scores) == {"pass@1", "avg@2", "pass@2", "num_problems", "mean_length"}
+    assert scores["num_problems"] == 5 and 0 <= scores["avg@2"] <= scores["pass@2"] <= 1
+    assert 1 <= scores["mean_length"] <= 8
+
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([TRL_VAPO, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--bogus_flag", "1"], "--bogus_flag"),
+        (["--prompt_column", "problem"], "'problem'"),
+        (["--answer_column", "solution"], "'solution'"),
+        (["--lam_actor", "1.5"], "lam_actor"),
+        (["--reward_funcs", "no_such_reward"], "no_such_reward"),
+        (["--dataset_preset", "aime"], "aime"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_naming_it(tiny_model_dir, jsonl_data, tmp_path, args, needle):
+    result = run_cli(
+        "train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data),
+        "--prompt_column", "question", "--output_dir", str(tmp_path / "out"), "--report_to", "none", *args,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("trl-vapo train: error:") and needle in lines[0]
+    if "column" in lines[0]:
+        assert "question" in lines[0] and "answer" in lines[0]  # lists the columns present
+
+
+def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
+    """`trl-vapo train` with no model and no data: the bundled model on the built-in task, shortened for CI."""
+    out = tmp_path / "demo"
+    code = main([
+        "train", "--output_dir", str(out), "--value_pretrain_steps", "5", "--max_steps", "40",
+        "--eval_num_prompts", "64", "--eval_k", "2", "--disable_tqdm", "true",
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "trl-vapo demo summary" in printed
+    line = next(line for line in printed.splitlines() if line.startswith("held-out avg@2"))
+    before, after = (float(x) for x in line.split()[2:5:2])
+    assert after > before + 0.1, line
+    assert (out / "model.safetensors").is_file() and (out / "critic" / "model.safetensors").is_file()
+    assert (out / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()

@@ -1,0 +1,99 @@
+"""Prompt datasets for the CLI: a hub name or local files, turned into `prompt` + `answer` rows.
+
+The loading code is the one a user with internet runs (`datasets.load_dataset`); local json / jsonl / csv / parquet
+files and folders go through the same call. Presets name the layouts of common math data sets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset, load_dataset
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class DatasetPreset:
+    """Where a known data set keeps its problem and its gold answer."""
+
+    dataset_name: str
+    dataset_config: str | None
+    prompt_column: str
+    answer_column: str
+
+
+PRESETS = {
+    # GSM8K: `answer` is a worked solution ending in `#### 72`; the math reward reads that final number.
+    "gsm8k": DatasetPreset("openai/gsm8k", "main", "question", "answer"),
+    # MATH: `solution` is a worked solution whose last `\boxed{}` is the answer.
+    "math": DatasetPreset("DigitalLearningGmbH/MATH-lighteval", None, "problem", "solution"),
+}
+
+
+def load_prompt_dataset(
+    dataset_name: str,
+    split: str = "train",
+    dataset_config: str | None = None,
+    prompt_column: str = "prompt",
+    answer_column: str | None = "answer",
+    prompt_template: str | None = None,
+    system_prompt: str | None = None,
+    chat: bool = True,
+) -> Dataset:
+    """Load `split` of a data set and return rows with a `prompt` (chat messages or text) and an `answer`.
+
+    Args:
+        dataset_name: a hub data set name, a local file (`.json`, `.jsonl`, `.csv`, `.parquet`) or a folder of them.
+        prompt_column: column holding the problem text (or ready-made chat messages).
+        answer_column: column holding the gold answer, copied to `answer` for the reward functions; None to skip.
+        prompt_template: a `str.format` template over the row's columns, e.g. `"{question}\\nAnswer in \\boxed{{}}."`.
+        system_prompt: a system message put before the problem (chat prompts only).
+        chat: build chat messages (`[{"role": "user", ...}]`) rather than plain text.
+
+    Raises:
+        ValueError: naming the missing column and listing the columns present, before anything else runs.
+    """
+    dataset = _load(dataset_name, split, dataset_config)
+    columns = dataset.column_names
+    for role, column in (("prompt_column", prompt_column), ("answer_column", answer_column)):
+        if column is not None and column not in columns:
+            raise ValueError(
+                f"{dataset_name} ({split}) has no column {column!r} ({role}); its columns are {columns}. "
+                f"Pass --{role} with one of them."
+            )
+    if len(dataset) == 0:
+        raise ValueError(f"{dataset_name} ({split}) is empty.")
+
+    def to_prompt(row: dict) -> dict:
+        problem = row[prompt_column]
+        if isinstance(problem, list):  # already chat messages
+            return {"prompt": problem, **({"answer": row[answer_column]} if answer_column else {})}
+        text = prompt_template.format(**row) if prompt_template else problem
+        if chat:
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            prompt = messages + [{"role": "user", "content": text}]
+        else:
+            prompt = f"{system_prompt}\n\n{text}" if system_prompt else text
+        return {"prompt": prompt, **({"answer": str(row[answer_column])} if answer_column else {})}
+
+    return dataset.map(to_prompt, desc="Building prompts")
+
+
+def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
+    path = Path(dataset_name).expanduser()
+    if path.is_file():
+        builder = _FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"{path} is not a .json, .jsonl, .csv or .parquet file.")
+        # A single local file holds one split; call it by the split asked for.
+        return load_dataset(builder, data_files={split: str(path)}, split=split)
+    if path.is_dir():
+        return load_dataset(str(path), dataset_config, split=split)
+    if dataset_name.startswith((".", "/", "~")) or os.sep in dataset_name and dataset_name.count(os.sep) > 1:
+        raise FileNotFoundError(f"Dataset path {dataset_name} does not exist.")
+    return load_dataset(dataset_name, dataset_config, split=split)
