@@ -76,7 +76,7 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert (out / "critic" / "config.json").is_file()
 
     code = main([
-        "eval", "--model", str(out), "--dataset_name", str(jsonl_data), "--split", "train",
+        "eval", "--model", str(out), "--dataset_name", str(jsonl_data), "--dataset_test_split", "train",
         "--prompt_column", "question", "--prompt_format", "chat", "--k", "2", "--num_prompts", "5",
         "--max_new_tokens", "8", "--output_json", str(tmp_path / "scores.json"),
     ])

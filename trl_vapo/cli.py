@@ -294,38 +294,57 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
 
 
 # -------------------------------------------------------------------------------------------------------------- eval
+@dataclass
+class EvalArguments:
+    """How `trl-vapo eval` samples and scores; the data flags are the same as `train`'s."""
+
+    model: str | None = field(default=None, metadata={"help": "Model folder or hub id (a PEFT adapter folder works too)."})
+    num_prompts: int | None = field(default=None, metadata={"help": "Score the first N prompts only."})
+    k: int = field(default=32, metadata={"help": "Samples per prompt for avg@k and pass@k (paper: avg@32)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (paper: 1.0)."})
+    top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling (paper: 0.7)."})
+    max_new_tokens: int = field(default=1024, metadata={"help": "Generation budget per completion."})
+    batch_size: int = field(default=64, metadata={"help": "Sequences generated at once."})
+    positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
+    seed: int = field(default=0, metadata={"help": "Sampling seed."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow the model's own Python code."})
+    output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})
+
+
 def eval_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="trl-vapo eval", description="Score a model: pass@1 (greedy), avg@k, pass@k.")
-    parser.add_argument("--model", required=True, help="Model folder or hub id (a PEFT adapter folder works too).")
-    parser.add_argument("--dataset_name", help="Hub data set, or local file or folder. Default: the demo's held-out split.")
-    parser.add_argument("--dataset_config")
-    parser.add_argument("--dataset_preset", help="gsm8k or math")
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--prompt_column", default="prompt")
-    parser.add_argument("--answer_column", default="answer")
-    parser.add_argument("--prompt_template")
-    parser.add_argument("--system_prompt")
-    parser.add_argument("--prompt_format", default="auto", choices=["auto", "chat", "text"])
-    parser.add_argument("--reward_funcs", nargs="+", default=["math_reward"])
-    parser.add_argument("--num_prompts", type=int, default=None, help="Score the first N prompts only.")
-    parser.add_argument("--k", type=int, default=32, help="Samples per prompt (paper: avg@32).")
-    parser.add_argument("--temperature", type=float, default=1.0, help="Paper: 1.0.")
-    parser.add_argument("--top_p", type=float, default=0.7, help="Paper: 0.7.")
-    parser.add_argument("--max_new_tokens", type=int, default=1024)
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--positive_reward_threshold", type=float, default=0.5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trust_remote_code", action="store_true")
-    parser.add_argument("--output_json", help="Also write the scores to this file.")
-    args = parser.parse_args(argv)
+    from trl import TrlParser
+
+    parser = TrlParser((VAPOScriptArguments, EvalArguments), prog="trl-vapo eval")
+    script, args, remaining = parser.parse_args_and_config(argv, return_remaining_strings=True)
+    unknown = [arg for arg in remaining if arg.startswith("-")]
+    if unknown:
+        raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo eval --help`)")
+    if not args.model:
+        raise UsageError("--model is required: the folder or hub id of the model to score")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .evaluation import evaluate_policy
 
-    model_path = Path(args.model)
-    if (model_path / "adapter_config.json").is_file():
+    reward_funcs = _resolve_rewards(script.reward_funcs)
+    if script.dataset_name is None and script.dataset_preset is None:
+        from .demo.data import build_split
+
+        dataset = build_split("held_out", args.num_prompts or 200)
+    else:
+        from trl import ModelConfig
+
+        from .config import VAPOConfig
+
+        script.dataset_train_split = script.dataset_test_split or "test"
+        _, dataset, _ = _resolve_data(
+            script, ModelConfig(model_name_or_path=args.model), VAPOConfig(output_dir=".", report_to="none"), demo=False
+        )
+        if args.num_prompts:
+            dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
+
+    if (Path(args.model) / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
@@ -336,28 +355,10 @@ def eval_command(argv: list[str]) -> int:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-
-    if args.dataset_name is None and args.dataset_preset is None:
-        from .demo.data import build_split
-
-        dataset = build_split("held_out", args.num_prompts or 200)
-    else:
-        script = VAPOScriptArguments(
-            dataset_name=args.dataset_name, dataset_config=args.dataset_config, dataset_train_split=args.split,
-            dataset_preset=args.dataset_preset, prompt_column=args.prompt_column, answer_column=args.answer_column,
-            prompt_template=args.prompt_template, system_prompt=args.system_prompt, prompt_format=args.prompt_format,
-        )
-        from trl import ModelConfig
-
-        from .config import VAPOConfig
-
-        _, dataset, _ = _resolve_data(script, ModelConfig(model_name_or_path=args.model), VAPOConfig(output_dir=".", report_to="none"), demo=False)
-        if args.num_prompts:
-            dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
     torch.manual_seed(args.seed)
     result = evaluate_policy(
-        model, tokenizer, dataset, _resolve_rewards(args.reward_funcs), k=args.k, temperature=args.temperature,
-        top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        model, tokenizer, dataset, reward_funcs, k=args.k, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         positive_reward_threshold=args.positive_reward_threshold,
     ).as_dict()
     print(json.dumps(result, indent=2))

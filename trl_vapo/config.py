@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,7 +267,27 @@ class VAPOConfig(TrainingArguments):
         metadata={"help": "Smallest explained-variance gain that counts as an improvement for early stopping."},
     )
 
+    # ------------------------------------------------------------------------------------------- robustness
+    drop_long_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop training prompts longer than `max_prompt_length` tokens instead of truncating them from the "
+            "left. Either way they are counted, with one warning, before training starts."
+        },
+    )
+    nonfinite_loss_patience: int = field(
+        default=3,
+        metadata={
+            "help": "An optimizer step whose loss or gradient norm is NaN or inf is skipped (counted in "
+            "`skipped_steps`); this many in a row stop the run with an error, leaving the last checkpoint intact."
+        },
+    )
+
     def __post_init__(self):
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_gpu():
+            # `torchrun` on a machine without GPUs: transformers only sets up CPU data parallelism (gloo) when told
+            # `use_cpu`; without it every process would silently train alone on the same output folder.
+            self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _cuda_supports_bf16()
         for name in self._VALID_DICT_FIELDS:
@@ -349,11 +370,28 @@ class VAPOConfig(TrainingArguments):
             f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.",
         )
         require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}.")
+        require(
+            self.nonfinite_loss_patience >= 1,
+            f"nonfinite_loss_patience must be >= 1, got {self.nonfinite_loss_patience}.",
+        )
+        require(
+            self.max_steps == -1 or self.max_steps > 0,
+            f"max_steps must be a positive number of RL optimizer steps (or -1 to use num_train_epochs), got "
+            f"{self.max_steps}.",
+        )
+        require(self.num_train_epochs > 0, f"num_train_epochs must be > 0, got {self.num_train_epochs}.")
+        require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}.")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
 def _cuda_supports_bf16() -> bool:

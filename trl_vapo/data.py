@@ -6,10 +6,12 @@ files and folders go through the same call. Presets name the layouts of common m
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 from datasets import Dataset, load_dataset
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -84,6 +86,18 @@ def load_prompt_dataset(
     return dataset.map(to_prompt, desc="Building prompts")
 
 
+@contextlib.contextmanager
+def _no_download_counts():
+    # `datasets` pings an S3 bucket to count downloads even when loading local files; a local run must not touch
+    # the network (and must not wait on it when there is none).
+    previous = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        yield
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = previous
+
+
 def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
     path = Path(dataset_name).expanduser()
     if path.is_file():
@@ -91,9 +105,11 @@ def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
         if builder is None:
             raise ValueError(f"{path} is not a .json, .jsonl, .csv or .parquet file.")
         # A single local file holds one split; call it by the split asked for.
-        return load_dataset(builder, data_files={split: str(path)}, split=split)
+        with _no_download_counts():
+            return load_dataset(builder, data_files={split: str(path)}, split=split)
     if path.is_dir():
-        return load_dataset(str(path), dataset_config, split=split)
+        with _no_download_counts():
+            return load_dataset(str(path), dataset_config, split=split)
     if dataset_name.startswith((".", "/", "~")) or os.sep in dataset_name and dataset_name.count(os.sep) > 1:
         raise FileNotFoundError(f"Dataset path {dataset_name} does not exist.")
     return load_dataset(dataset_name, dataset_config, split=split)

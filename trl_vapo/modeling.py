@@ -133,7 +133,9 @@ def completion_logprobs(
         logits_to_keep=completion_length + 1,
         use_cache=False,
     ).logits
-    logits = logits[:, :-1, :].float() / temperature  # the logits at position p predict token p + 1
+    logits = logits[:, :-1, :].float()  # the logits at position p predict token p + 1
+    if temperature != 1.0:
+        logits = logits / temperature
     logprobs = selective_log_softmax(logits, input_ids[:, -completion_length:])
     if not with_entropy:
         return logprobs
@@ -216,19 +218,25 @@ class ActorCritic(nn.Module):
         temperature: float = 1.0,
         with_policy: bool = True,
         with_values: bool = True,
+        with_entropy: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Scores the last ``completion_length`` tokens of ``input_ids`` (prompt + completion, prompt left-padded).
 
         Returns a dict with, for each completion position t (shape ``[B, completion_length]``):
-        ``logprobs`` log pi(y_t | x, y_<t) at ``temperature`` and ``entropy`` (detached) when ``with_policy``;
+        ``logprobs`` log pi(y_t | x, y_<t) at ``temperature`` and ``entropy`` (detached, when ``with_entropy``) when
+        ``with_policy``;
         ``values`` V(x, y_<t), read from the hidden state that precedes y_t, when ``with_values``.
         """
         position_ids = _position_ids(attention_mask)
         outputs: dict[str, torch.Tensor] = {}
         if with_policy:
-            outputs["logprobs"], outputs["entropy"] = completion_logprobs(
-                self.policy, input_ids, attention_mask, completion_length, temperature, with_entropy=True
+            logprobs = completion_logprobs(
+                self.policy, input_ids, attention_mask, completion_length, temperature, with_entropy=with_entropy
             )
+            if with_entropy:
+                outputs["logprobs"], outputs["entropy"] = logprobs
+            else:
+                outputs["logprobs"] = logprobs
         if with_values:
             hidden = self._critic_hidden_states(input_ids, attention_mask, position_ids)
             hidden = hidden[:, -completion_length - 1 : -1, :]  # V(s_t) reads the state before token t

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import inspect
 import json
 import logging
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from datasets import Dataset
 from torch import nn
 from transformers import (
@@ -111,6 +112,8 @@ class TrainingProgress:
     rl_start_step: int | None = None
     data_epoch: int = 0
     data_index: int = 0
+    skipped_steps: int = 0
+    consecutive_nonfinite_steps: int = 0
 
 
 @dataclasses.dataclass
@@ -120,7 +123,7 @@ class Rollout:
     input_ids: torch.Tensor  # [N, P + C] prompt (left-padded) followed by completion (right-padded)
     attention_mask: torch.Tensor  # [N, P + C]
     loss_mask: torch.Tensor  # [N, C] completion tokens that train (scored samples only)
-    old_logprobs: torch.Tensor  # [N, C]
+    old_logprobs: torch.Tensor | None  # [N, C]; None when every sample trains on the policy that sampled it
     old_values: torch.Tensor  # [N, C]
     returns: torch.Tensor  # [N, C] critic targets
     advantages: torch.Tensor  # [N, C] (zeros during value pretraining)
@@ -130,22 +133,26 @@ class Rollout:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def micro_batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor | int]:
-        """The given rows, with the padding columns that every one of them has trimmed away."""
+    def model_inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`input_ids`, `attention_mask` and completion length of `rows`, without the padding all of them share."""
         attention = self.attention_mask[rows]
         first_prompt_column = int(attention[:, : self.prompt_length].any(dim=0).float().argmax())
-        completion_attention = attention[:, self.prompt_length :]
-        completion_length = max(int(completion_attention.sum(dim=1).max()), 1)
+        completion_length = max(int(attention[:, self.prompt_length :].sum(dim=1).max()), 1)
         end = self.prompt_length + completion_length
+        return self.input_ids[rows, first_prompt_column:end], attention[:, first_prompt_column:end], completion_length
+
+    def micro_batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor | int | None]:
+        """The model inputs of `rows` (see `model_inputs`) and their training targets, cut to the same length."""
+        input_ids, attention_mask, length = self.model_inputs(rows)
         return {
-            "input_ids": self.input_ids[rows, first_prompt_column:end],
-            "attention_mask": attention[:, first_prompt_column:end],
-            "completion_length": completion_length,
-            "loss_mask": self.loss_mask[rows, :completion_length],
-            "old_logprobs": self.old_logprobs[rows, :completion_length],
-            "old_values": self.old_values[rows, :completion_length],
-            "returns": self.returns[rows, :completion_length],
-            "advantages": self.advantages[rows, :completion_length],
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "completion_length": length,
+            "loss_mask": self.loss_mask[rows, :length],
+            "old_logprobs": None if self.old_logprobs is None else self.old_logprobs[rows, :length],
+            "old_values": self.old_values[rows, :length],
+            "returns": self.returns[rows, :length],
+            "advantages": self.advantages[rows, :length],
             "is_positive": self.is_positive[rows],
         }
 
@@ -302,6 +309,13 @@ class VAPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.accelerator.num_processes:
+            raise RuntimeError(
+                f"Launched as {launched} processes (WORLD_SIZE) but training is set up for "
+                f"{self.accelerator.num_processes}: the processes would train separately on the same output_dir. "
+                "Launch with `accelerate launch` or `torchrun`, and pass use_cpu=True on a machine without GPUs."
+            )
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
 
@@ -325,8 +339,8 @@ class VAPOTrainer(Trainer):
         self._eos_ids = torch.tensor(stop if isinstance(stop, list) else [stop])
 
         self.progress = TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
-        self._warned_truncation = False
         self._save_pending = False
+        self._handle_long_prompts()
         # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
         set_seed(args.seed, device_specific=True)
 
@@ -390,14 +404,15 @@ class VAPOTrainer(Trainer):
         actor_start = 0 if self._skips_value_pretraining else None
         schedules = []
         for group in optimizer.param_groups:
-            if group.get("name") == "critic":
-                total = plan["pretrain_steps"] + plan["rl_steps"]
-                schedules.append(_Schedule(self.args.lr_scheduler_type, self.args.get_warmup_steps(total), total))
-            else:
+            # Groups of a user-built optimizer without a "name" follow the critic's schedule: never held at zero.
+            if group.get("name") == "policy":
                 total = plan["rl_steps"]
                 schedules.append(
                     _Schedule(self.args.lr_scheduler_type, self.args.get_warmup_steps(total), total, actor_start)
                 )
+            else:
+                total = plan["pretrain_steps"] + plan["rl_steps"]
+                schedules.append(_Schedule(self.args.lr_scheduler_type, self.args.get_warmup_steps(total), total))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
         return self.lr_scheduler
 
@@ -427,6 +442,11 @@ class VAPOTrainer(Trainer):
 
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
+        if not self._skips_value_pretraining and args.ddp_find_unused_parameters is not False:
+            # Value pretraining leaves the policy out of the forward pass; DDP must expect unused parameters.
+            handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
+            handler.find_unused_parameters = True
+            self.accelerator.ddp_handler = handler
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
@@ -478,11 +498,7 @@ class VAPOTrainer(Trainer):
         if self.progress.data_index + count > len(dataset):
             self.progress.data_epoch += 1
             self.progress.data_index = 0
-        if args.shuffle_dataset:
-            generator = torch.Generator().manual_seed((args.data_seed or args.seed) + self.progress.data_epoch)
-            order = torch.randperm(len(dataset), generator=generator)
-        else:
-            order = torch.arange(len(dataset))
+        order = self._epoch_order()
         indices = order[self.progress.data_index : self.progress.data_index + count].tolist()
         self.progress.data_index += count
         self.state.epoch = self.progress.data_epoch + self.progress.data_index / len(dataset)
@@ -494,8 +510,22 @@ class VAPOTrainer(Trainer):
         start = self.accelerator.process_index * per_process
         return repeated[start : start + per_process]
 
+    def _epoch_order(self) -> torch.Tensor:
+        """The order of the prompts in the current epoch: a permutation seeded by the epoch, the same on every
+        process and after a resume."""
+        epoch = self.progress.data_epoch
+        if getattr(self, "_order", (None, None))[0] != epoch:
+            size = len(self.train_dataset)
+            if self.args.shuffle_dataset:
+                generator = torch.Generator().manual_seed((self.args.data_seed or self.args.seed) + epoch)
+                self._order = (epoch, torch.randperm(size, generator=generator))
+            else:
+                self._order = (epoch, torch.arange(size))
+        return self._order[1]
+
     # ------------------------------------------------------------------------------------ rollout: sampling
-    def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
+    def _tokenize_prompts(self, prompts: list, truncate: bool = True) -> list[list[int]]:
+        """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`."""
         tokenizer = self.processing_class
         if self._conversational:
             texts = [
@@ -506,19 +536,36 @@ class VAPOTrainer(Trainer):
         else:
             ids = tokenizer(text=prompts)["input_ids"]
         limit = self.args.max_prompt_length
-        if limit is not None:
-            truncated = sum(len(x) > limit for x in ids)
-            if truncated:
-                self._metrics["prompts/truncated_fraction"].append(truncated / len(ids))
-                if not self._warned_truncation:
-                    logger.warning(
-                        f"{truncated} of {len(ids)} prompts in this batch are longer than max_prompt_length={limit} "
-                        "tokens and were truncated from the left (the `prompts/truncated_fraction` metric counts "
-                        "them). Raise max_prompt_length to keep them whole."
-                    )
-                    self._warned_truncation = True
-                ids = [x[-limit:] for x in ids]
+        if truncate and limit is not None:
+            ids = [x[-limit:] for x in ids]
         return ids
+
+    def _handle_long_prompts(self) -> None:
+        """Count the prompts longer than `max_prompt_length` once, before training: drop them or warn once."""
+        limit = self.args.max_prompt_length
+        if limit is None:
+            return
+        dataset = self.train_dataset
+        lengths = []
+        for start in range(0, len(dataset), 1000):
+            lengths += [len(x) for x in self._tokenize_prompts(dataset[start : start + 1000]["prompt"], truncate=False)]
+        long = [i for i, n in enumerate(lengths) if n > limit]
+        if not long:
+            return
+        if self.args.drop_long_prompts:
+            keep = sorted(set(range(len(dataset))) - set(long))
+            self.train_dataset = dataset.select(keep)
+            logger.warning(
+                f"Dropped {len(long)} of {len(dataset)} training prompts longer than max_prompt_length={limit} tokens "
+                f"(longest: {max(lengths)})."
+            )
+            _check_train_dataset(self.train_dataset, self.args)
+        else:
+            logger.warning(
+                f"{len(long)} of {len(dataset)} training prompts are longer than max_prompt_length={limit} tokens "
+                f"(longest: {max(lengths)}); they are truncated from the left. Raise max_prompt_length to keep them "
+                "whole, or set drop_long_prompts=True to leave them out."
+            )
 
     @torch.no_grad()
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -621,8 +668,8 @@ class VAPOTrainer(Trainer):
                 self._call_reward(func, name, [row], completions, [[]])
             except RuntimeError as error:
                 raise ValueError(
-                    f"Reward function {name!r} cannot score the training data (dataset columns: {sorted(row)}): "
-                    f"{error.__cause__ or error}"
+                    f"{error} (checked before training on the first dataset row with an empty completion; dataset "
+                    f"columns: {sorted(row)})"
                 ) from error
 
     # --------------------------------------------------------------------------- rollout: old stats and GAE
@@ -644,10 +691,19 @@ class VAPOTrainer(Trainer):
         if args.mask_truncated_completions:
             trains &= ~truncated
 
-        input_ids = torch.cat([prompts, completions], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        old_logprobs, old_values, ref_logprobs = self._score_tokens(input_ids, attention_mask, completions.shape[1])
         mask = completion_mask.float() * trains[:, None].float()
+        rollout = Rollout(
+            input_ids=torch.cat([prompts, completions], dim=1),
+            attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+            loss_mask=mask,
+            old_logprobs=None,
+            old_values=torch.zeros_like(mask),
+            returns=torch.zeros_like(mask),
+            advantages=torch.zeros_like(mask),
+            is_positive=torch.zeros_like(trains),
+            prompt_length=prompts.shape[1],
+        )
+        old_logprobs, old_values, ref_logprobs = self._score_tokens(rollout, with_policy=self._needs_old_logprobs(phase))
 
         # The verifier's score lands on the last valid token of each completion.
         token_rewards = torch.zeros_like(mask)
@@ -668,41 +724,49 @@ class VAPOTrainer(Trainer):
         else:
             raw_advantages = advantages = torch.zeros_like(mask)
         is_positive = trains & (sequence_reward >= args.positive_reward_threshold)
-
-        rollout = Rollout(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            loss_mask=mask,
-            old_logprobs=old_logprobs,
-            old_values=old_values,
-            returns=returns,
-            advantages=advantages,
-            is_positive=is_positive,
-            prompt_length=prompts.shape[1],
-        )
+        rollout.old_logprobs, rollout.old_values, rollout.returns = old_logprobs, old_values, returns
+        rollout.advantages, rollout.is_positive = advantages, is_positive
         metrics = self._rollout_metrics(
             scores, sequence_reward, scored, trains, is_positive, lengths, truncated, mask, old_values, returns,
             raw_advantages, lam_actor, old_logprobs, ref_logprobs, all_reduce,
         )
         return rollout, metrics
 
-    def _score_tokens(self, input_ids, attention_mask, completion_length):
-        """Old log-probs and values (and reference log-probs when beta > 0), in micro-batches, without gradients."""
+    def _needs_old_logprobs(self, phase: str) -> bool:
+        """Whether the updates need log-probs from before the first update of the rollout.
+
+        With one optimizer step per rollout and one pass over it, each sample trains the policy that sampled it: the
+        old log-probs equal the update's own (detached), so the extra forward pass is skipped, as in TRL's
+        GRPOTrainer. The KL penalty (`beta > 0`) always needs them.
+        """
+        args = self.args
+        if args.beta > 0:
+            return True
+        return phase == RL and (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps)
+
+    def _score_tokens(self, rollout: Rollout, with_policy: bool):
+        """Old log-probs (when `with_policy`) and values, and reference log-probs when beta > 0, computed in
+        micro-batches without gradients and padded back to the rollout's width."""
         model = self.actor_critic
-        logprobs, values, ref = [], [], []
-        for rows in torch.arange(len(input_ids)).split(self.args.per_device_train_batch_size):
-            ids, attention = input_ids[rows], attention_mask[rows]
+        args = self.args
+        width = rollout.loss_mask.shape[1]
+        logprobs = torch.zeros_like(rollout.loss_mask) if with_policy else None
+        values = torch.zeros_like(rollout.loss_mask)
+        ref = torch.zeros_like(rollout.loss_mask) if args.beta > 0 else None
+        for rows in torch.arange(len(rollout)).split(args.per_device_train_batch_size):
+            ids, attention, length = rollout.model_inputs(rows)
+            columns = slice(0, min(length, width))
             with self.accelerator.autocast():
-                out = model(ids, attention, completion_length, self.args.temperature)
-                logprobs.append(out["logprobs"])
-                values.append(out["values"])
-                if self.args.beta > 0:
-                    if self.ref_model is not None:
-                        ref.append(completion_logprobs(self.ref_model, ids, attention, completion_length, self.args.temperature))
-                    else:
-                        with model.policy.disable_adapter():
-                            ref.append(completion_logprobs(model.policy, ids, attention, completion_length, self.args.temperature))
-        return torch.cat(logprobs), torch.cat(values), (torch.cat(ref) if ref else None)
+                out = model(ids, attention, length, args.temperature, with_policy=with_policy, with_entropy=False)
+                values[rows, columns] = out["values"]
+                if with_policy:
+                    logprobs[rows, columns] = out["logprobs"]
+                if ref is not None:
+                    reference = self.ref_model if self.ref_model is not None else model.policy
+                    adapters_off = model.policy.disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+                    with adapters_off:
+                        ref[rows, columns] = completion_logprobs(reference, ids, attention, length, args.temperature)
+        return logprobs, values, ref
 
     def _rollout_metrics(
         self, scores, sequence_reward, scored, trains, is_positive, lengths, truncated, mask, old_values, returns,
@@ -780,8 +844,9 @@ class VAPOTrainer(Trainer):
                 n = micro_mask.sum()
                 sums["value/clip_ratio"] += v_stats["vf_clip_frac"] * n
                 if phase == RL:
+                    old_logprobs = batch["old_logprobs"] if batch["old_logprobs"] is not None else out["logprobs"].detach()
                     pg_loss, pg_stats = policy_loss(
-                        out["logprobs"], batch["old_logprobs"], batch["advantages"], micro_mask,
+                        out["logprobs"], old_logprobs, batch["advantages"], micro_mask,
                         args.epsilon, args.epsilon_high, args.loss_type, policy_normalizer,
                     )
                     loss = loss + pg_loss
@@ -810,11 +875,17 @@ class VAPOTrainer(Trainer):
             for p in self.actor_critic.policy_parameters():
                 p.grad = None
         grad_norms = self._clip_gradients(phase)
-        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-        self.optimizer.step()
-        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+        checks = torch.stack([sums["loss"].float(), *(n.float().to(mask.device) for n in grad_norms.values())])
+        nonfinite = self._all_reduce_sum((~torch.isfinite(checks)).sum().float())  # every process skips, or none
         self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
-        self.lr_scheduler.step()
+        if nonfinite.item() == 0:
+            self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+            self.optimizer.step()
+            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+            self.lr_scheduler.step()
+            self.progress.consecutive_nonfinite_steps = 0
+        else:
+            self._skip_nonfinite_step()
         self.optimizer.zero_grad(set_to_none=True)
 
         self.state.global_step += 1
@@ -824,7 +895,25 @@ class VAPOTrainer(Trainer):
             self._log_metrics(phase)
         self._save_pending |= self.control.should_save
 
-    def _clip_gradients(self, phase: str) -> dict[str, float]:
+    def _skip_nonfinite_step(self) -> None:
+        """Drop this step's update (its loss or gradients are NaN/inf); stop after too many in a row."""
+        progress = self.progress
+        progress.skipped_steps += 1
+        progress.consecutive_nonfinite_steps += 1
+        logger.warning(
+            f"Step {self.state.global_step + 1}: the loss or a gradient norm is NaN/inf; the update is skipped "
+            f"({progress.skipped_steps} skipped so far)."
+        )
+        if progress.consecutive_nonfinite_steps >= self.args.nonfinite_loss_patience:
+            last = ckpt.list_checkpoints(self.args.output_dir)
+            where = f"the last checkpoint, {last[-1]}, is intact" if last else "no checkpoint was written yet"
+            raise RuntimeError(
+                f"{progress.consecutive_nonfinite_steps} optimizer steps in a row had a NaN/inf loss or gradient "
+                f"(step {self.state.global_step + 1}); stopping. {where}. Look for rewards or values of extreme "
+                "magnitude, or lower learning_rate / critic_learning_rate."
+            )
+
+    def _clip_gradients(self, phase: str) -> dict[str, torch.Tensor]:
         """Clip the actor's and the critic's gradients separately, so one side's spikes never shrink the other's."""
         norms = {}
         sides = [("critic", self.actor_critic.critic_parameters())]
@@ -839,7 +928,7 @@ class VAPOTrainer(Trainer):
             else:
                 norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
             if norm is not None:
-                norms[f"grad_norm/{side}"] = float(norm)
+                norms[f"grad_norm/{side}"] = torch.as_tensor(norm).detach()
         return norms
 
     def _after_value_pretrain_rollout(self, explained_var: float) -> None:
@@ -868,8 +957,9 @@ class VAPOTrainer(Trainer):
         progress.phase = RL
         progress.rl_start_step = self.state.global_step
         scheduler = self.lr_scheduler
-        for group, schedule, base_lr in zip(self.optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs):
-            if group.get("name") == "policy":
+        schedules = getattr(scheduler, "lr_lambdas", [])  # a user's own scheduler is left alone
+        for group, schedule, base_lr in zip(self.optimizer.param_groups, schedules, scheduler.base_lrs):
+            if group.get("name") == "policy" and isinstance(schedule, _Schedule):
                 schedule.start_step = progress.rl_start_step
                 # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
                 group["lr"] = base_lr * schedule(scheduler.last_epoch)
@@ -906,7 +996,7 @@ class VAPOTrainer(Trainer):
         for key, value in metrics.items():
             self._metrics[key].append(value)
 
-    def _record_step(self, sums: dict[str, torch.Tensor], grad_norms: dict[str, float], phase: str) -> None:
+    def _record_step(self, sums: dict[str, torch.Tensor], grad_norms: dict[str, torch.Tensor], phase: str) -> None:
         keys = sorted(sums)
         totals = self._all_reduce_sum(torch.stack([sums[k] for k in keys]))
         totals = dict(zip(keys, totals.tolist()))
@@ -916,15 +1006,20 @@ class VAPOTrainer(Trainer):
             # Losses were already normalised by the global count: their sum over processes / world is the step's
             # loss. The other entries are token-weighted sums of per-micro-batch means.
             self._metrics[key].append(value / world if key.startswith("loss") else value / tokens)
-        for key, value in grad_norms.items():
+        for key, value in zip(grad_norms, torch.stack(list(grad_norms.values())).tolist() if grad_norms else []):
             self._metrics[key].append(value)
+        self._metrics["skipped_steps"].append(float(self.progress.skipped_steps))
         self._loss_sum += totals["loss"] / world
         self._loss_steps += 1
 
     def _log_metrics(self, phase: str) -> None:
         # The rates the last step used (as transformers.Trainer logs them), not the next step's.
         rates = self._step_learning_rates
-        logs: dict[str, Any] = {"learning_rate": rates.get("policy", 0.0), "critic_learning_rate": rates["critic"]}
+        first = next(iter(rates.values()))
+        logs: dict[str, Any] = {
+            "learning_rate": rates.get("policy", first),
+            "critic_learning_rate": rates.get("critic", first),
+        }
         logs["phase"] = phase
         self.log(logs)
 
@@ -994,26 +1089,63 @@ class VAPOTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         if main:
             # Written last: its presence marks the folder complete.
-            (tmp / ckpt.COMPLETE_MARKER).write_text(json.dumps(dataclasses.asdict(self.progress), indent=2))
+            marker = {"progress": dataclasses.asdict(self.progress), "run": self._fingerprint()}
+            (tmp / ckpt.COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
             ckpt.publish(tmp, final)
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=final)
         self.accelerator.wait_for_everyone()
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
+    def _fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint must share with the run that resumes it: the model and the batch layout."""
+        args = self.args
+        config = self.actor_critic.config.to_dict()
+        for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+            config.pop(key, None)
+        return {
+            "model": get_config_model_id(self.actor_critic.config),
+            "model_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+            "critic": "adapter on the policy's base" if self.actor_critic.shares_base else "separate model",
+            "peft_policy": is_peft_model(self.actor_critic.policy),
+            "num_processes": self.accelerator.num_processes,
+            "generation_batch_size": args.generation_batch_size,
+            "num_generations": args.num_generations,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "num_iterations": args.num_iterations,
+        }
+
     def _load_checkpoint(self, path: Path) -> None:
-        if not (path / ckpt.COMPLETE_MARKER).is_file():
-            raise ValueError(f"{path} is not a complete trl-vapo checkpoint (no {ckpt.COMPLETE_MARKER}).")
+        marker_file = path / ckpt.COMPLETE_MARKER
+        if not marker_file.is_file():
+            raise ValueError(
+                f"{path} is not a complete trl-vapo checkpoint (no {ckpt.COMPLETE_MARKER}); complete ones in its "
+                f"folder: {[c.name for c in ckpt.list_checkpoints(path.parent)]}."
+            )
+        marker = json.loads(marker_file.read_text())
+        saved, current = marker["run"], self._fingerprint()
+        differences = [
+            f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
+            for key in current
+            if key != "model" and saved.get(key) != current[key]
+        ]
+        if differences:
+            raise ValueError(
+                f"Cannot resume from {path}: it was written by a different run (model {saved.get('model')!r}). "
+                + "; ".join(differences)
+                + ". Resume with the same model, PEFT setting, process count and batch sizes, or start a new run."
+            )
         model = self.actor_critic
         model.load_policy(path)
         model.load_critic(path / CRITIC_SUBFOLDER)
-        device = self.accelerator.device
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+        # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         max_steps = self.state.max_steps
         stateful = self.state.stateful_callbacks
         self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
         self.state.stateful_callbacks = stateful
-        self.progress = TrainingProgress(**json.loads((path / ckpt.COMPLETE_MARKER).read_text()))
+        self.progress = TrainingProgress(**marker["progress"])
         if self.progress.phase == RL and self.progress.rl_start_step is not None:
             # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
             plan = self._plan()
@@ -1054,6 +1186,8 @@ def _check_train_dataset(dataset, args: VAPOConfig) -> None:
         raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
     if not isinstance(dataset, Dataset):
         raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
+    if len(dataset) == 0:
+        raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
     if "prompt" not in dataset.column_names:
         raise ValueError(f"train_dataset has no 'prompt' column; its columns are {dataset.column_names}.")
     prompts_per_rollout = args.generation_batch_size // args.num_generations
@@ -1077,6 +1211,7 @@ def _init_kwargs(args: VAPOConfig) -> dict[str, Any]:
     kwargs = dict(args.model_init_kwargs or {})
     kwargs["dtype"] = _torch_dtype(kwargs.get("dtype", "float32"))
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs.setdefault("use_safetensors", True)  # never unpickle weights unless the user asks
     return kwargs
 
 
@@ -1119,7 +1254,13 @@ def _build_actor_critic(policy: nn.Module, value_model, args: VAPOConfig) -> tup
 
             actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
             return actor_critic, pretrained
-        if not path.exists() and (str(value_model).startswith((".", "/", "~")) or os.sep in str(value_model) and len(Path(value_model).parts) > 2):
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ValueError(
+                f"value_model {path} is not a value model: it has neither a transformers config.json nor a trl-vapo "
+                f"critic adapter (adapter_config.json + {VALUE_HEAD_FILE}). Files there: "
+                f"{sorted(p.name for p in path.iterdir())[:10]}."
+            )
+        if not path.exists() and _looks_like_a_path(str(value_model)):
             raise FileNotFoundError(f"value_model path {value_model} does not exist.")
         config = AutoConfig.from_pretrained(str(value_model), trust_remote_code=args.trust_remote_code)
         is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
@@ -1130,6 +1271,11 @@ def _build_actor_critic(policy: nn.Module, value_model, args: VAPOConfig) -> tup
 
     check_value_model(value_model)
     return ActorCritic(policy, critic=value_model), False
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else (`./x`, `/x`, `a/b/c`) was meant as a local path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -1,0 +1,439 @@
+"""Reliability: bad input fails early and clearly, crashes lose nothing, two processes agree with one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from trl_vapo import VAPOConfig, VAPOTrainer
+from trl_vapo.checkpoint import list_checkpoints
+from trl_vapo.rewards import make_math_reward
+
+SCRIPT = Path(__file__).parent / "_train_script.py"
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def digit_fraction(completions, **kwargs):
+    return [2 * sum(ch.isdigit() for ch in c) / max(len(c), 1) - 1 for c in completions]
+
+
+def dataset(n=32, **extra):
+    return Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i), **extra} for i in range(n)])
+
+
+def config(tmp_path, **overrides) -> VAPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+        max_steps=2, value_pretrain_steps=0, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=0,
+    )
+    settings.update(overrides)
+    return VAPOConfig(**settings)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input: a clear error before compute, or a documented handling
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_missing_prompt_column_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):
+    data = Dataset.from_list([{"question": "1+1=", "answer": "2"}] * 8)
+    with pytest.raises(ValueError, match=r"no 'prompt' column.*\['question', 'answer'\]"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=data)
+
+
+def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):
+    data = Dataset.from_list([{"prompt": "1+1=", "gold": "2"}] * 8)
+    with pytest.raises(ValueError, match=r"math_reward.*'answer'.*'solution'.*gold"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=make_math_reward(), args=config(tmp_path), train_dataset=data)
+
+    def needs_solution(completions, solution, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"needs_solution.*\['solution'\].*\['gold', 'prompt'\]"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=needs_solution, args=config(tmp_path), train_dataset=data)
+
+
+def test_empty_or_too_small_dataset_gives_the_numbers(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"train_dataset is empty"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
+                    train_dataset=Dataset.from_dict({"prompt": [], "answer": []}))
+    with pytest.raises(ValueError, match=r"has 1 prompts but one rollout needs 2 \(generation_batch_size 8 / num_generations 4\)"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=dataset(1))
+
+
+def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
+    with pytest.raises(ValueError, match=r"multiple of num_generations \(3\).*Valid num_generations: \[1, 2, 4, 8\]"):
+        config(tmp_path, num_generations=3)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ({"epsilon_high": -0.1}, "epsilon"),
+        ({"lam_actor": 1.2}, "lam_actor"),
+        ({"lam_critic": -0.1}, "lam_critic"),
+        ({"length_adaptive_alpha": 0.0}, "length_adaptive_alpha"),
+        ({"nll_coef": -1.0}, "nll_coef"),
+        ({"value_pretrain_steps": -1}, "value_pretrain_steps"),
+        ({"max_steps": -5}, "max_steps"),
+        ({"num_iterations": 0}, "num_iterations"),
+        ({"loss_type": "grpo"}, "loss_type"),
+        ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation"),
+    ],
+)
+def test_config_values_out_of_range_fail_at_config_time(tmp_path, overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        config(tmp_path, **overrides)
+
+
+def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir, tmp_path, caplog):
+    data = Dataset.from_list([{"prompt": ("9" * 30 if i % 4 == 0 else f"{i}+1="), "answer": "1"} for i in range(32)])
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path, max_prompt_length=10),
+            train_dataset=data,
+        )
+    warnings = [r.message for r in caplog.records if "max_prompt_length" in r.message]
+    assert len(warnings) == 1 and "8 of 32" in warnings[0] and "truncated from the left" in warnings[0]
+    assert len(trainer.train_dataset) == 32
+    assert [len(x) for x in trainer._tokenize_prompts(["9" * 30])] == [10]
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        dropping = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction,
+            args=config(tmp_path, max_prompt_length=10, drop_long_prompts=True), train_dataset=data,
+        )
+    assert len(dropping.train_dataset) == 24
+    assert any("Dropped 8 of 32" in r.message for r in caplog.records)
+    dropping.train()  # and it trains on what is left
+
+
+def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog):
+    chat = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}] * 8)
+    no_template = AutoTokenizer.from_pretrained(tiny_model_dir)
+    no_template.chat_template = None
+
+    def constant(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="no chat template"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=constant, args=config(tmp_path),
+                    train_dataset=chat, processing_class=no_template)
+
+    no_eos = AutoTokenizer.from_pretrained(tiny_model_dir)
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="no EOS token"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
+                    train_dataset=dataset(), processing_class=no_eos)
+
+    no_pad = AutoTokenizer.from_pretrained(tiny_model_dir)
+    no_pad.pad_token = None
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
+                              train_dataset=dataset(), processing_class=no_pad)
+    assert trainer.processing_class.pad_token == trainer.processing_class.eos_token
+    assert sum("no pad token" in r.message for r in caplog.records) == 1
+    trainer.train()
+
+
+def test_reward_function_that_raises_names_itself_and_the_sample(tiny_model_dir, tmp_path):
+    def fragile(completions, answer, **kwargs):
+        return [1 / len(c) for c in completions]  # an empty completion divides by zero
+
+    with pytest.raises(ValueError, match=r"fragile.*ZeroDivisionError.*first failing sample.*\"answer\": \"0\""):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=fragile, args=config(tmp_path), train_dataset=dataset())
+
+    def breaks_later(completions, answer, **kwargs):
+        if any(len(c) > 0 for c in completions):
+            raise KeyError("boom")
+        return [0.0] * len(completions)
+
+    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=breaks_later, args=config(tmp_path), train_dataset=dataset())
+    with pytest.raises(RuntimeError, match=r"'breaks_later' raised KeyError.*first failing sample \(#0"):
+        trainer.train()
+
+
+def test_reward_function_returning_the_wrong_count_is_an_error(tiny_model_dir, tmp_path):
+    def short(completions, **kwargs):
+        return [0.0] * (len(completions) - 1)
+
+    with pytest.raises(ValueError, match=r"'short' returned 0 values for 1 completions"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=short, args=config(tmp_path), train_dataset=dataset())
+
+
+def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_path, caplog):
+    def sometimes_nan(completions, **kwargs):
+        return [math.nan if i % 4 == 0 else (math.inf if i % 4 == 1 else 0.5) for i in range(len(completions))]
+
+    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=sometimes_nan, args=config(tmp_path), train_dataset=dataset())
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer.train()
+    assert sum("NaN or inf" in r.message for r in caplog.records) == 1
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert all(h["rewards/sometimes_nan/non_finite_count"] == 4 for h in logs)
+    assert all(h["rewards/unscored_fraction"] == 0.5 for h in logs)
+    assert all(h["reward"] == 0.5 and math.isfinite(h["loss/value"]) for h in logs)
+
+
+def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
+                    train_dataset=dataset(), value_model=str(tmp_path / "nowhere" / "critic"))
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"not a value model.*notes.txt"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
+                    train_dataset=dataset(), value_model=str(junk))
+    three = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
+    three.save_pretrained(tmp_path / "three")
+    with pytest.raises(ValueError, match="num_labels=3"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
+                    train_dataset=dataset(), value_model=str(tmp_path / "three"))
+
+
+def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_dir, tmp_path):
+    from trl_vapo.tiny import save_tiny_model
+
+    first = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction,
+                        args=config(tmp_path, save_strategy="steps", save_steps=1, max_steps=1), train_dataset=dataset())
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    other_model = save_tiny_model(tmp_path / "bigger", hidden_size=32)
+    second = VAPOTrainer(model=str(other_model), reward_funcs=digit_fraction, args=config(tmp_path, max_steps=2), train_dataset=dataset())
+    with pytest.raises(ValueError, match="model_config_sha256"):
+        second.train(resume_from_checkpoint=str(checkpoint))
+    third = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction,
+                        args=config(tmp_path, max_steps=2, num_generations=8), train_dataset=dataset())
+    with pytest.raises(ValueError, match=r"num_generations: checkpoint 4, this run 8"):
+        third.train(resume_from_checkpoint=str(checkpoint))
+    with pytest.raises(ValueError, match="not a complete trl-vapo checkpoint"):
+        third.train(resume_from_checkpoint=str(tmp_path))
+
+
+class PoisonedTrainer(VAPOTrainer):
+    """Puts NaN into the old values of the rollouts listed in `poisoned` (0-based), making those steps' loss NaN."""
+
+    poisoned: set[int] = set()
+
+    def _make_rollout(self, rows, phase):
+        rollout, metrics = super()._make_rollout(rows, phase)
+        self.rollout_index = getattr(self, "rollout_index", -1) + 1
+        if self.rollout_index in self.poisoned:
+            rollout.old_values = torch.full_like(rollout.old_values, math.nan)
+        return rollout, metrics
+
+
+def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
+    PoisonedTrainer.poisoned = {1}
+    trainer = PoisonedTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path, max_steps=4),
+                              train_dataset=dataset())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 4 and trainer.progress.skipped_steps == 1
+    logs = [h for h in trainer.state.log_history if "phase" in h]
+    assert [h["skipped_steps"] for h in logs] == [0, 1, 1, 1]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tiny_model_dir, tmp_path):
+    PoisonedTrainer.poisoned = {2, 3, 4, 5}
+    args = config(tmp_path, max_steps=8, save_strategy="steps", save_steps=1, nonfinite_loss_patience=3)
+    trainer = PoisonedTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset())
+    with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row.*checkpoint-\d+, is intact"):
+        trainer.train()
+    checkpoints = list_checkpoints(tmp_path / "out")
+    assert checkpoints[-1].name == "checkpoint-4"  # steps 3 and 4 were skipped but still checkpointed...
+    # ... and the last checkpoint holds finite weights and resumes.
+    resumed = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path, max_steps=6),
+                          train_dataset=dataset())
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6 and all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Faults: nothing lost
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def read_logs(output_dir: Path, rank: int = 0, name: str = "logs") -> list[dict]:
+    path = output_dir / f"{name}-rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_logs(logs: list[dict]) -> dict[int, dict]:
+    """The per-step training logs by step (the last one per step wins: a resumed run re-logs nothing earlier)."""
+    return {h["step"]: {k: v for k, v in h.items() if not k.startswith("train_")} for h in logs if "phase" in h}
+
+
+def assert_same_log(got: dict, expected: dict, keys=None, rel: float = 0.0, context: str = "") -> None:
+    """Equal log entries, NaN equal to NaN; exact unless `rel` is given."""
+    keys = keys if keys is not None else sorted(set(got) | set(expected))
+    for key in keys:
+        if key not in expected and key not in got:
+            continue
+        a, b = got.get(key), expected.get(key)
+        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            continue
+        if rel and isinstance(a, float) and isinstance(b, float):
+            assert a == pytest.approx(b, rel=rel, abs=rel / 10), (context, key, a, b)
+        else:
+            assert a == b, (context, key, a, b)
+
+
+def script_env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_script(*args, timeout=300):
+    return subprocess.run([PYTHON, str(SCRIPT), *args], env=script_env(), capture_output=True, text=True, timeout=timeout)
+
+
+LONG_RUN = ["--max-steps", "20"]  # value pretraining (2 rollouts x 2 steps), then 20 RL steps: time to die in
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model_dir, tmp_path_factory):
+    """An uninterrupted run, logged step by step."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run_script("--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return step_logs(read_logs(out))
+
+
+def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny_model_dir, tmp_path, reference_run):
+    out = tmp_path / "killed"
+    process = subprocess.Popen(
+        [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN],
+        env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while not list_checkpoints(out) and time.time() < deadline:  # wait for a first complete checkpoint
+        time.sleep(0.02)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.8))  # then die anywhere: mid-step, mid-checkpoint, ...
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    last = list_checkpoints(out)[-1]
+
+    result = run_script("--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed_from = int(last.name.split("-")[1])
+    logs = step_logs(read_logs(out, name="resumed"))
+    total = max(reference_run)
+    assert sorted(logs) == list(range(resumed_from + 1, total + 1))
+    for step in logs:
+        assert_same_log(logs[step], reference_run[step], context=f"step {step} after resuming from {last.name}")
+
+
+def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):
+    out = tmp_path / "stalled"
+    process = subprocess.Popen(
+        [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--stall-at", "4"],
+        env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while not (out / "stalled").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert (out / "stalled").exists(), "the run never reached checkpoint 4"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert (out / ".checkpoint-4.tmp").is_dir() and not (out / "checkpoint-4").exists()
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2"]
+    result = run_script("--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = step_logs(read_logs(out, name="resumed"))
+    assert sorted(logs) == list(range(3, max(reference_run) + 1))
+    for step in logs:
+        assert_same_log(logs[step], reference_run[step], context=f"step {step}")
+    assert not (out / ".checkpoint-4.tmp").exists()  # the next write of checkpoint 4 replaced the debris
+
+
+def test_reward_worker_that_hangs_or_dies_does_not_stop_training(tiny_model_dir, tmp_path):
+    """math-verify hangs on a power tower and a worker gets SIGKILLed between steps: every batch is still scored."""
+    reward = make_math_reward(timeout=1.0, num_workers=1, name="math_reward")
+    pool = reward.pool
+
+    def math_with_a_power_tower(completions, answer, **kwargs):
+        # The first completion of every batch is a power tower math-verify cannot finish; the rest box their prompt.
+        boxed = ["\\boxed{9^{9^{9^{9}}}}"] + [f"\\boxed{{\\frac{{{a}}}{{2}}}}" for a in answer[1:]]
+        return reward(completions=boxed, answer=[f"\\frac{{{a}}}{{2}}" for a in answer], **kwargs)
+
+    class KillWorkers(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            for pid in pool.worker_pids():
+                os.kill(pid, signal.SIGKILL)
+
+    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=math_with_a_power_tower,
+                          args=config(tmp_path, max_steps=3), train_dataset=dataset(), callbacks=[KillWorkers()])
+    started = time.time()
+    trainer.train()
+    assert trainer.state.global_step == 3
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    # 7 of 8 completions per batch are right (+1), the power tower is wrong (-1): mean 0.75, every batch scored.
+    assert [h["reward"] for h in logs] == [0.75, 0.75, 0.75]
+    assert time.time() - started < 60
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Two processes agree with one
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def torchrun(*args, timeout=400):
+    return subprocess.run(
+        [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args],
+        env=script_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+COMPARED = [
+    "reward", "reward_std", "accuracy", "completions/mean_length", "value/mean", "value/explained_variance",
+    "advantages/mean", "loss/value", "loss/policy", "loss/nll", "loss", "grad_norm/policy", "grad_norm/critic",
+    "entropy", "approx_kl", "clip_ratio/region_mean",
+]
+
+
+def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
+    common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
+    single = run_script(*common, "--output-dir", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = torchrun(*common, "--output-dir", str(tmp_path / "two"))
+    assert double.returncode == 0, double.stderr[-3000:]
+    one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
+    assert sorted(one) == sorted(two) == list(range(1, 9))
+    assert [one[s]["phase"] for s in one] == [two[s]["phase"] for s in two] == ["value_pretrain"] * 4 + ["rl"] * 4
+    for step in one:
+        assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
+
+    # Checkpoints are written once, with one random-number state per process, and resume on two processes.
+    checkpoint = tmp_path / "two" / "checkpoint-4"
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == ["rng_state_0.safetensors", "rng_state_1.safetensors"]
+    assert [c.name for c in list_checkpoints(tmp_path / "two")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    for stale in ("checkpoint-6", "checkpoint-8"):
+        __import__("shutil").rmtree(tmp_path / "two" / stale)
+    resumed = torchrun(*common, "--output-dir", str(tmp_path / "two"), "--resume", "--log-name", "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = step_logs(read_logs(tmp_path / "two", name="resumed"))
+    assert sorted(again) == [5, 6, 7, 8]
+    for step in again:
+        assert_same_log(again[step], two[step], context=f"step {step}, resumed on 2 processes")
