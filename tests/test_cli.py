@@ -88,7 +88,7 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
 
 
 def run_cli(*args, cwd=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([TRL_VAPO, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
@@ -131,3 +131,22 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
     assert after > before + 0.1, line
     assert (out / "model.safetensors").is_file() and (out / "critic" / "model.safetensors").is_file()
     assert (out / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
+
+
+def test_accelerate_arguments_relaunch_the_run_on_two_processes(tiny_model_dir, jsonl_data, tmp_path):
+    """`--num_processes 2` goes to `accelerate launch` (with `--multi_gpu`, which on a CPU-only machine starts two
+    gloo processes); the training flags reach the relaunched command intact."""
+    out = tmp_path / "two"
+    result = run_cli(
+        "train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data),
+        "--prompt_column", "question", "--output_dir", str(out), "--max_steps", "2", "--value_pretrain_steps", "1",
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "6",
+        "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none", "--disable_tqdm", "true",
+        "--num_processes", "2", "--multi_gpu",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = out / "checkpoint-3"
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == ["rng_state_0.safetensors", "rng_state_1.safetensors"]
+    state = json.loads((checkpoint / "vapo_state.json").read_text())
+    assert state["run"]["num_processes"] == 2 and state["run"]["generation_batch_size"] == 8
+    assert "trl-vapo summary" in result.stdout

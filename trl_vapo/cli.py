@@ -135,14 +135,14 @@ def train_command(argv: list[str]) -> int:
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS)
     try:
-        script_args, training_args, model_args, remaining = parser.parse_args_and_config(
-            argv, return_remaining_strings=True
+        script_args, training_args, model_args, config_remaining, cli_remaining = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
         )
     except ValueError as error:  # VAPOConfig validation
         raise UsageError(str(error)) from None
-    launch_args = _split_launch_args(remaining)
+    launch_args = _split_launch_args(config_remaining + cli_remaining)
     if launch_args and "LOCAL_RANK" not in os.environ:
-        return _relaunch(launch_args, [a for a in argv if a not in remaining])
+        return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
 
     from trl import get_peft_config, get_quantization_config
     from transformers import AutoTokenizer
@@ -282,6 +282,19 @@ def _summary(trainer, before, after, seconds, demo) -> str:
     lines.append(f"saved to         {Path(trainer.args.output_dir).resolve()}")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _without_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
+    """`items` minus the ordered `subsequence` (the launcher's arguments, which the parser left over in order)."""
+    remaining = iter(subsequence)
+    current = next(remaining, None)
+    kept = []
+    for item in items:
+        if current is not None and item == current:
+            current = next(remaining, None)
+        else:
+            kept.append(item)
+    return kept
 
 
 def _relaunch(launch_args: list[str], training_args: list[str]) -> int:

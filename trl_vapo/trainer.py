@@ -23,7 +23,6 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import logging
 import math
 import os
 import shutil
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from datasets import Dataset
 from torch import nn
@@ -87,7 +87,8 @@ from .modeling import (
     value_pretraining_record,
 )
 
-logger = logging.getLogger(__name__)
+# Logs once, from the main process, however many processes train.
+logger = get_logger(__name__)
 
 RewardFunc = Callable[..., list[float | None]]
 
