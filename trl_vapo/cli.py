@@ -270,12 +270,20 @@ def _summary(trainer, before, after, seconds, demo) -> str:
                  f"({trainer.progress.value_pretrain_rollouts} value-pretraining rollouts, then RL)")
     lines.append(f"wall time        {seconds / 60:.1f} min")
     if history:
-        first, last = history[0], history[-1]
-        lines.append(f"train reward     {first['reward']:+.3f} -> {last['reward']:+.3f}   (first -> last RL log)")
-        lines.append(f"train accuracy   {first['accuracy']:.3f} -> {last['accuracy']:.3f}")
+        n = min(3, len(history))
+
+        def mean(key, logs):
+            return sum(h[key] for h in logs) / len(logs)
+
+        first, last = history[:n], history[-n:]
+        lines.append(
+            f"train reward     {mean('reward', first):+.3f} -> {mean('reward', last):+.3f}   "
+            f"(mean of the first -> last {n} RL logs)"
+        )
+        lines.append(f"train accuracy   {mean('accuracy', first):.3f} -> {mean('accuracy', last):.3f}")
     if before and after:
-        k = trainer_k = next(key for key in before if key.startswith("avg@"))
-        lines.append(f"held-out {k:<8s} {before[k]:.3f} -> {after[trainer_k]:.3f}   "
+        k = next(key for key in before if key.startswith("avg@"))
+        lines.append(f"held-out {k:<8s} {before[k]:.3f} -> {after[k]:.3f}   "
                      f"(sampled at T=1, {before['num_problems']} problems)")
         lines.append(f"held-out pass@1  {before['pass@1']:.3f} -> {after['pass@1']:.3f}   (greedy)")
         lines.append(f"mean length      {before['mean_length']:.1f} -> {after['mean_length']:.1f} tokens")
