@@ -70,7 +70,7 @@ def test_pickled_weights_are_never_unpickled(tiny_model_dir, tmp_path):
     marker = tmp_path / "unpickled"
     with open(model_dir / "pytorch_model.bin", "wb") as f:
         pickle.dump(Tripwire(marker), f)
-    with pytest.raises(Exception):
+    with pytest.raises(OSError, match="model.safetensors"):
         VAPOTrainer(model=str(model_dir), reward_funcs=constant, args=args(tmp_path), train_dataset=dataset())
     assert not marker.exists()
 
