@@ -13,6 +13,7 @@ from pathlib import Path
 
 import datasets
 from datasets import Dataset, load_dataset
+from trl import maybe_apply_chat_template
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -96,6 +97,15 @@ def _no_download_counts():
         yield
     finally:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = previous
+
+
+def prompt_token_ids(tokenizer, prompts: list, conversational: bool, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of prompts as the policy sees them: chat messages through the chat template (which adds any BOS
+    itself), plain text with the tokenizer's special tokens. Shared by training and evaluation."""
+    if conversational:
+        texts = [maybe_apply_chat_template({"prompt": p}, tokenizer, **(chat_template_kwargs or {}))["prompt"] for p in prompts]
+        return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
+    return tokenizer(text=list(prompts))["input_ids"]
 
 
 def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:

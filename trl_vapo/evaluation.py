@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
-from trl import is_conversational, maybe_apply_chat_template
+from trl import is_conversational
 
 from ._compat import pad
+from .data import prompt_token_ids
 
 
 @dataclass
@@ -57,11 +58,7 @@ def sample_completions(
     and their lengths in tokens (EOS included; `max_new_tokens` when cut).
     """
     conversational = is_conversational({"prompt": prompts[0]})
-    texts = [
-        maybe_apply_chat_template({"prompt": p}, tokenizer, **(chat_template_kwargs or {}))["prompt"] if conversational else p
-        for p in prompts
-    ]
-    ids = tokenizer(text=texts, add_special_tokens=not conversational)["input_ids"]
+    ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     repeated = [x for x in ids for _ in range(num_samples)]
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {"do_sample": False}
     eos = tokenizer.eos_token_id

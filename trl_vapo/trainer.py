@@ -51,7 +51,7 @@ from transformers import (
 )
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
 from transformers.trainer_utils import TrainOutput, speed_metrics
-from trl import is_conversational, maybe_apply_chat_template
+from trl import is_conversational
 
 from . import checkpoint as ckpt
 from ._compat import (
@@ -62,6 +62,7 @@ from ._compat import (
     unwrap_model_for_generation,
 )
 from .config import VAPOConfig
+from .data import prompt_token_ids
 from .core import (
     compute_gae,
     explained_variance,
@@ -527,15 +528,7 @@ class VAPOTrainer(Trainer):
     # ------------------------------------------------------------------------------------ rollout: sampling
     def _tokenize_prompts(self, prompts: list, truncate: bool = True) -> list[list[int]]:
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`."""
-        tokenizer = self.processing_class
-        if self._conversational:
-            texts = [
-                maybe_apply_chat_template({"prompt": p}, tokenizer, **(self.args.chat_template_kwargs or {}))["prompt"]
-                for p in prompts
-            ]
-            ids = tokenizer(text=texts, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer(text=prompts)["input_ids"]
+        ids = prompt_token_ids(self.processing_class, prompts, self._conversational, self.args.chat_template_kwargs)
         limit = self.args.max_prompt_length
         if truncate and limit is not None:
             ids = [x[-limit:] for x in ids]
