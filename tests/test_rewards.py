@@ -99,7 +99,10 @@ TABLE = [
     ("thousands-gold", "#### 1,234", r"\boxed{1234}", True),
     ("thousands-pred", "#### 1234", r"\boxed{1,234}", True),
     ("thousands-latex", "#### 1234", r"\boxed{1{,}234}", True),
-    ("thousands-thin-space", "#### 1234567", r"\boxed{1\,234\,567}", True),
+    # math-verify reads a thin space as no separator (1\,234\,567 is 802 to it), so neither does the fast path.
+    ("thousands-thin-space", "#### 1234567", r"\boxed{1\,234\,567}", False),
+    ("leading-zero-comma-is-decimal", "0,111", r"\boxed{0.111}", True),  # math-verify: 0,111 is 0.111, not 111
+    ("leading-zero-comma-not-111", "0,111", r"\boxed{111}", False),
     ("not-thousands", "#### 46", r"\boxed{4,6}", False),
     ("bad-grouping", "#### 12345", r"\boxed{1,2345}", False),
     ("decimal-zero", "#### 46", r"\boxed{46.0}", True),
@@ -107,12 +110,28 @@ TABLE = [
     ("negative", "#### -5", r"\boxed{-5}", True),
     ("sign-wrong", "#### -5", r"\boxed{5}", False),
     ("close-decimal", "#### 72", r"\boxed{72.001}", False),
-    # MATH golds (full solutions, the last box is the answer)
+    ("decimal-rounded-like-math-verify", r"\frac{1}{12}", r"\boxed{0.0833333333333333}", True),  # 6 places
+    ("percent", "#### 28", r"\boxed{28\%}", True),
+    # MATH golds (full solutions: the last box, with the boxes math-verify reads together with it, is the answer)
     ("math-half-decimal", MATH_GOLD, r"\boxed{0.5}", True),
     ("math-dfrac-shorthand", MATH_GOLD, r"\boxed{\dfrac12}", True),
     ("math-interval", MATH_GOLD_INTERVAL, r"\boxed{[2, 5)}", True),
     ("math-interval-closed-wrong", MATH_GOLD_INTERVAL, r"\boxed{[2,5]}", False),
     ("math-membership", MATH_GOLD_INTERVAL, r"\boxed{x \in [2,5)}", True),
+    # Every box of a gold holding several is part of the answer: a partial answer is wrong.
+    ("gold-boxes-all-needed", r"$$\boxed{2}, \boxed{3}, \boxed{5}$$", r"So \boxed{5}", False),
+    ("gold-boxes-all-given", r"$$\boxed{2}, \boxed{3}, \boxed{5}$$", r"So \boxed{5, 3, 2}", True),
+    ("gold-boxes-in-chained-envs", r"\(\boxed{1}\) and \(\boxed{-2}\).", r"\boxed{-2}", False),
+    (
+        "gold-boxes-far-apart",
+        r"First \boxed{7}. A long computation then gives the answer \boxed{9}.",
+        r"\boxed{9}",
+        True,
+    ),
+    ("final-answer-sentence", "$34$", "Final Answer: The final answer is $34$. I hope it is correct.", True),
+    ("final-answer-sentence-wrong", "$34$", "Final Answer: The final answer is $35$. I hope it is correct.", False),
+    ("mathrm-e-gold", r"1 - \frac{1}{\mathrm{e}}", r"\boxed{1-e^{-1}}", True),
+    ("mathrm-e-pred", r"e^{2}", r"\boxed{\mathrm{e}^{2}}", True),
     ("inequality-gold-interval-pred", r"2 \le x < 5", r"\boxed{[2,5)}", True),
     # bare answers (DeepScaleR / DAPO-Math)
     ("half-vs-decimal", r"\frac{1}{2}", r"\boxed{0.5}", True),
@@ -141,8 +160,12 @@ TABLE = [
     ("matrix", r"\begin{pmatrix}1\\2\end{pmatrix}", r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", True),
     ("dollar-wrapped-gold", r"$2\sqrt{3}$", r"$\boxed{\sqrt{12}}$", True),
     # extraction
-    ("last-box-wins", "5", r"First guess \boxed{3}, but actually \boxed{5}", True),
-    ("earlier-box-ignored", "3", r"First guess \boxed{3}, but actually \boxed{5}", False),
+    ("last-box-wins", "5", r"First guess \boxed{3}. Checking each case again the count is \boxed{5}", True),
+    ("earlier-box-ignored", "3", r"First guess \boxed{3}. Checking each case again the count is \boxed{5}", False),
+    # Boxes close together (or a separator apart) are one answer to math-verify: here the set {3, 5}.
+    ("nearby-boxes-are-one-answer", "5", r"First guess \boxed{3}, but actually \boxed{5}", False),
+    ("several-boxes-one-answer", r"\{1,2,3\}", r"\boxed{1},\boxed{2},\boxed{3}", True),
+    ("several-boxes-one-answer-and", "(1,2),(2,1)", r"$\boxed{(2,1)}$ and $\boxed{(1,2)}$", True),
     ("nested-box", "7", r"\boxed{\boxed{7}}", True),
     ("truncated-last-box", "5", r"So \boxed{5}. Double-checking: \boxed{\frac{10}{2", False),
     ("candidate-stuffing", "3", r"\boxed{1, 2, 3, 4, 5}", False),
@@ -264,6 +287,7 @@ def test_get_reward_function_by_name_and_import_path():
         (r"\boxed{\text{a}\}}", r"\text{a}\}"),
         (r"\fbox{4}", "4"),
         (r"\boxed{1} \boxed{2", None),  # the last box is truncated
+        (r"\boxed{1}, \boxed{2}", "2"),  # the last box only (extract_predicted_answer reads both)
         (r"\boxed{\boxed{3}} x", r"\boxed{3}"),
         ("no box", None),
     ],
@@ -285,6 +309,27 @@ def test_find_last_boxed(text, expected):
         (r"\boxed{" + "1" * (MAX_ANSWER_CHARS + 1) + "}", None),
         (r"\boxed{" + "1" * MAX_ANSWER_CHARS + "}", "1" * MAX_ANSWER_CHARS),
         (r"\boxed{ }", None),
+        # several boxes: those math-verify joins with the last one
+        (r"\boxed{1},\boxed{2}, \boxed{3}", "1,2,3"),
+        (r"$\boxed{(2, 2)} \quad \text{and} \quad \boxed{(6, 2)}$", "(2, 2),(6, 2)"),
+        (r"\boxed{4}, \boxed{4}", "4"),  # a repeated answer once
+        (r"\boxed{1} then some words here \boxed{2}", "2"),  # 10+ characters and no separator: not joined
+        (r"$\boxed{1} then some words here \boxed{2}$", "1,2"),  # ... unless one math environment holds both
+        (r"$\boxed{1}$ and then, much later and after checking everything again, $\boxed{2}$", "2"),
+        (r"\(\boxed{1}\) and \(\boxed{-2}\) are the roots", "1,-2"),  # chained environments
+        (r"\boxed{1}, \boxed{2}, " * 200 + r"\boxed{3}", None),  # a list of candidates is no answer
+        # the MATH few-shot sentence, also before further text (math-verify takes it wherever it stands)
+        ("Final Answer: The final answer is $34$. I hope it is correct.", "34"),
+        ("The final answer is 12,000,023. I hope it is correct. <|im_start|>user", "12000023"),
+        ("The final answer is $1$ and $2$. I hope it is correct.", "1,2"),
+        (r"So \boxed{5}. Final Answer: The final answer is $6$. I hope it is correct.", "6"),  # the later one wins
+        (r"Final Answer: The final answer is $6$. I hope it is correct. Then \boxed{5}", "5"),
+        ("The final answer is x + 1. I hope it is correct.", None),  # not a math environment or a number
+        ("The final answer is $34$.", "34"),
+        ("Final Answer: The volume of the box is 120. I hope it is correct.", "120"),
+        # Euler's number written upright
+        (r"\boxed{\mathrm{e}^{2}}", "e^{2}"),
+        (r"\boxed{1 - \frac{1}{\mathrm{e}}}", r"1 - \frac{1}{e}"),
     ],
 )
 def test_extract_predicted_answer(text, expected):
@@ -307,6 +352,12 @@ def test_extract_predicted_answer(text, expected):
         ("", None),
         (r"\frac{1}{", None),
         ("Let me explain at length " * 20, None),
+        (r"$$\boxed{2}, \boxed{3}, \boxed{5}, \boxed{7}, \boxed{13}$$", "2,3,5,7,13"),
+        (r"\(\boxed{1}\) and \(\boxed{-2}\).", "1,-2"),
+        (r"The answers are \boxed{1} papers and \boxed{2} bins.", "1,2"),
+        (r"First \boxed{1}, then more words than math-verify joins across (70 or more), and at last \boxed{2}.", "2"),
+        ("$6$ and $8$", "6,8"),
+        (r"$1 - \frac{1}{\mathrm{e}}$", r"1 - \frac{1}{e}"),
     ],
 )
 def test_normalize_gold_answer(gold, expected):
@@ -324,7 +375,7 @@ def test_normalize_gold_answer(gold, expected):
         ("1,234", Fraction(1234)),
         ("1,234,567.5", Fraction(2469135, 2)),
         ("1{,}234", Fraction(1234)),
-        (r"1\,234", Fraction(1234)),
+        (r"1\,234", None),  # math-verify reads a thin space as no separator
         (r"\$18.90", Fraction(189, 10)),
         ("3/4", Fraction(3, 4)),
         (r"\frac{3}{4}", Fraction(3, 4)),
@@ -336,6 +387,10 @@ def test_normalize_gold_answer(gold, expected):
         ("1,2345", None),
         ("12,34.5", None),
         ("0,5", None),
+        ("0,111", None),  # math-verify reads it as 0.111
+        ("-1,234", Fraction(-1234)),
+        ("1,234/5", None),  # a set to math-verify
+        (r"\frac{1.5}{2}", None),
         ("72.", None),
         ("1e6", None),
         (r"\frac{1}{0}", None),
@@ -358,26 +413,44 @@ def test_thousands_separators_round_trip(n):
 
 @settings(max_examples=50)
 @given(st.fractions(min_value=-(10**9), max_value=10**9, max_denominator=10**6).filter(lambda f: f.denominator > 1))
-def test_fast_verdict_is_exact(value):
+def test_fast_verdict_is_exact_without_decimals(value):
     latex = rf"\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
     if value < 0:
         latex = "-" + latex
     assert parse_plain_number(latex) == value
     assert fast_verdict(latex, f"{value.numerator}/{value.denominator}") is True
-    rounded = f"{float(value):.6f}"  # right only when the decimal is exact (e.g. 1/8), never "close enough"
-    assert fast_verdict(latex, rounded) is (Fraction(rounded) == value)
+    assert fast_verdict(latex, f"{value.numerator + 1}/{value.denominator}") is False
+
+
+@settings(max_examples=100)
+@given(st.fractions(min_value=-(10**6), max_value=10**6, max_denominator=10**4), st.integers(min_value=1, max_value=8))
+def test_fast_verdict_leaves_close_decimals_to_math_verify(value, places):
+    # math-verify rounds to six places before comparing a decimal: the fast path decides only what that cannot change.
+    # (At most 7 + 8 = 15 significant digits: longer decimals are left to math-verify whatever their value.)
+    decimal = f"{float(value):.{places}f}"
+    verdict = fast_verdict(rf"\frac{{{value.numerator}}}{{{value.denominator}}}", decimal)
+    gap = abs(Fraction(decimal) - value)
+    if gap == 0:
+        assert verdict is True
+    elif gap >= Fraction(1, 1000):
+        assert verdict is False
+    else:
+        assert verdict is None
 
 
 @settings(max_examples=200)
 @given(st.lists(st.integers(min_value=0, max_value=9999), min_size=2, max_size=4))
 def test_bad_digit_grouping_is_never_a_number(groups):
     text = ",".join(map(str, groups))
-    valid = 1 <= len(str(groups[0])) <= 3 and all(len(str(g)) == 3 for g in groups[1:])
+    # A leading 0 makes a decimal comma to math-verify (0,100 is 0.1), so it is no thousands separator either.
+    valid = 1 <= len(str(groups[0])) <= 3 and groups[0] != 0 and all(len(str(g)) == 3 for g in groups[1:])
     assert (parse_plain_number(text) is not None) == valid
 
 
 def test_fast_verdict_needs_both_numbers():
     assert fast_verdict("46", "46.0") is True
+    assert fast_verdict("72", "72.0000001") is None  # math-verify says False here, for 72.000001 too
+    assert fast_verdict("1234567890", "1234567890.0") is None  # beyond the magnitude the fast path vouches for
     assert fast_verdict("46", "4,6") is None  # not a number: math-verify decides (a set, so wrong)
     assert fast_verdict(r"2\sqrt{3}", "2") is None
 
