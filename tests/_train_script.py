@@ -1,10 +1,17 @@
 """A small VAPO run for tests that need a real separate process: `torchrun`, `kill -9`, resume.
 
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
+        [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
 
 Every log entry is appended to `<output-dir>/<log-name>-rank<r>.jsonl` as soon as it is logged, so a killed run leaves
 what it logged behind. With `--stall-at N`, writing checkpoint N hangs (after its files are written, before it is
-published) and `<output-dir>/stalled` appears: the parent can then kill the process mid-checkpoint.
+published) and `<output-dir>/stalled` appears: the parent can then kill the process mid-checkpoint. With
+`--save-final`, the trained policy and critic are saved to `<output-dir>/final` (`save_model`) and
+`<output-dir>/steps.json` records the trainer's and DeepSpeed's optimizer-step counts.
+
+`--fsdp2` runs FSDP2 on CPU processes. accelerate enables FSDP only on GPU-like devices and silently runs plain data
+parallelism on CPUs; `force_fsdp2_on_cpu` makes it take the FSDP2 plugin there too. It changes nothing else: the
+sharding, the gathers and the trainer are the real ones.
 """
 
 from __future__ import annotations
@@ -31,6 +38,22 @@ def prompts():
     return Dataset.from_list([{"prompt": f"{a:02d}+{b:02d}=", "answer": str(a + b)} for a in range(10, 18) for b in range(10, 18)])
 
 
+def force_fsdp2_on_cpu() -> None:
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    init = state.AcceleratorState.__init__
+
+    def init_with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    state.AcceleratorState.__init__ = init_with_fsdp
+
+
 class JsonlLogger(TrainerCallback):
     def __init__(self, path: Path):
         self.path = path
@@ -45,8 +68,8 @@ class JsonlLogger(TrainerCallback):
 class StallingTrainer(VAPOTrainer):
     stall_at: int | None = None
 
-    def _write_models(self, directory):
-        super()._write_models(directory)
+    def _write_models(self, directory, state_dict=None):
+        super()._write_models(directory, state_dict)
         if self.stall_at is not None and directory.name == f".checkpoint-{self.stall_at}.tmp":
             (Path(self.args.output_dir) / "stalled").touch()
             time.sleep(600)
@@ -64,13 +87,36 @@ def main() -> None:
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--log-name", default="logs")
+    parser.add_argument("--deepspeed", type=int, choices=(2, 3), help="ZeRO stage (DeepSpeed through accelerate)")
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--fsdp2", action="store_true", help="FSDP2 (forced on CPU processes, see the docstring)")
+    parser.add_argument("--save-final", action="store_true")
     args = parser.parse_args()
+    if args.fsdp2:
+        force_fsdp2_on_cpu()
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    deepspeed = None
+    if args.deepspeed:
+        deepspeed = {
+            "zero_optimization": {"stage": args.deepspeed},
+            "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+        }
+    fsdp = {}
+    if args.fsdp2:
+        fsdp = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
     config = VAPOConfig(
         output_dir=args.output_dir,
-        per_device_train_batch_size=args.global_batch // world,
+        deepspeed=deepspeed,
+        **fsdp,
+        gradient_accumulation_steps=args.grad_accum,
+        max_grad_norm=args.max_grad_norm,
+        per_device_train_batch_size=args.global_batch // world // args.grad_accum,
         num_generations=4,
         max_completion_length=8,
         max_steps=args.max_steps,
@@ -97,6 +143,13 @@ def main() -> None:
         callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl")],
     )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if args.save_final:
+        trainer.save_model(str(Path(args.output_dir) / "final"))
+        engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
+        if rank == 0:
+            steps = {"trainer": trainer.state.global_step, "deepspeed": engine.global_steps if engine else None,
+                     "distributed_type": str(trainer.accelerator.distributed_type)}
+            (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
 
 
 if __name__ == "__main__":

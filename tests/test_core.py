@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from trl_vapo.core import (
     compute_gae,
     explained_variance,
+    explained_variance_plateaued,
     length_adaptive_lambda,
     masked_mean,
     masked_var,
@@ -471,6 +472,37 @@ def test_explained_variance_matches_naive_and_edge_cases():
     assert explained_variance(torch.zeros_like(returns) + masked_mean(returns, mask), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
     assert torch.isnan(explained_variance(values, torch.ones_like(returns), mask))
     assert torch.equal(ev, explained_variance(scramble_padding(values, mask), scramble_padding(returns, mask), mask))
+
+
+def naive_plateaued(readings, window, min_delta):
+    finite = [r for r in readings if not math.isnan(r)]
+    if len(finite) < 2 * window:
+        return False
+    return sum(finite[-window:]) / window - sum(finite[-2 * window : -window]) / window < min_delta
+
+
+def test_value_pretraining_stop_rule_compares_window_means_and_skips_nan():
+    rising = [0.1 * i for i in range(8)]
+    assert not explained_variance_plateaued(rising, 2, 0.01)
+    # One lucky reading: the old best-so-far rule would wait `patience` readings to beat 0.9 and stop; window means
+    # see that the level is still rising.
+    lucky = [0.1, 0.2, 0.9, 0.3, 0.35, 0.4, 0.45]
+    assert not explained_variance_plateaued(lucky, 2, 0.01)
+    flat = [0.1, 0.2, 0.5, 0.52, 0.51, 0.5]
+    assert explained_variance_plateaued(flat, 2, 0.01)
+    # NaN readings (returns all equal) neither count as a stall nor fill a window.
+    assert not explained_variance_plateaued([math.nan] * 10, 2, 0.01)
+    assert not explained_variance_plateaued([0.5, math.nan, 0.5, math.nan, 0.5], 2, 0.01)
+    assert explained_variance_plateaued([0.5, math.nan, 0.5, math.nan, 0.5, 0.5], 2, 0.01)
+    assert not explained_variance_plateaued([0.5] * 3, 2, 0.01)  # fewer than two windows
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.one_of(st.floats(-2, 1), st.just(math.nan)), max_size=30), st.integers(1, 5), st.floats(-0.1, 0.2)
+)
+def test_property_stop_rule_matches_naive(readings, window, min_delta):
+    assert explained_variance_plateaued(readings, window, min_delta) == naive_plateaued(readings, window, min_delta)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

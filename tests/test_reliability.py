@@ -228,7 +228,8 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
 
 
 class PoisonedTrainer(VAPOTrainer):
-    """Puts NaN into the old values of the rollouts listed in `poisoned` (0-based), making those steps' loss NaN."""
+    """Puts NaN into the old values and the returns of the rollouts listed in `poisoned` (0-based), making those
+    steps' loss NaN (value pretraining reads only the returns)."""
 
     poisoned: set[int] = set()
 
@@ -237,6 +238,7 @@ class PoisonedTrainer(VAPOTrainer):
         self.rollout_index = getattr(self, "rollout_index", -1) + 1
         if self.rollout_index in self.poisoned:
             rollout.old_values = torch.full_like(rollout.old_values, math.nan)
+            rollout.returns = torch.full_like(rollout.returns, math.nan)
         return rollout, metrics
 
 
@@ -251,6 +253,22 @@ def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
     assert [h["skipped_steps"] for h in logs] == [0, 1, 1, 1]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_path):
+    # Value pretraining's second rollout is skipped; RL starts at step 2 either way, and the actor's warm-up over 4
+    # steps must start there: rates 0, 1/4, 2/4, 3/4 of the learning rate at RL steps 1-4.
+    PoisonedTrainer.poisoned = {1}
+    args = config(
+        tmp_path, max_steps=4, value_pretrain_steps=2, value_pretrain_patience=None, lr_scheduler_type="linear",
+        warmup_steps=4, learning_rate=1e-3,
+    )
+    trainer = PoisonedTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset())
+    trainer.train()
+    assert trainer.progress.skipped_steps == 1 and trainer.progress.rl_start_step == 2
+    rates = [h["learning_rate"] for h in trainer.state.log_history if h.get("phase") == "rl"]
+    assert rates == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4])
+    assert trainer.lr_scheduler.last_epoch == trainer.state.global_step
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tiny_model_dir, tmp_path):

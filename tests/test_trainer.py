@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from transformers import (
 )
 
 from trl_vapo import VAPOConfig, VAPOTrainer
-from trl_vapo.core import compute_gae, length_adaptive_lambda
+from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adaptive_lambda
 
 # Metrics the issue requires at every logging step (RL phase).
 REQUIRED_METRICS = [
@@ -207,17 +208,153 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
     assert [h["phase"] for h in again.state.log_history if "phase" in h] == ["rl"]
 
 
-def test_value_pretraining_stops_early_when_explained_variance_stalls(tiny_model_dir, tmp_path):
-    # A reward the critic cannot predict (constant) gives NaN explained variance: no improvement, stop after patience.
-    args = make_args(tmp_path, max_steps=1, value_pretrain_steps=20, value_pretrain_patience=3)
+def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_model_dir, tmp_path):
+    """It stops at the first rollout where `explained_variance_plateaued` holds on the readings so far, not before."""
+    args = make_args(
+        tmp_path, max_completion_length=2, max_steps=1, value_pretrain_steps=30, value_pretrain_patience=2,
+        value_pretrain_min_delta=0.02, critic_learning_rate=1e-2,
+    )
+    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    readings = [h["value/explained_variance"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
+    assert 4 <= len(readings) < 30
+    assert explained_variance_plateaued(readings, 2, 0.02)
+    assert not any(explained_variance_plateaued(readings[:n], 2, 0.02) for n in range(len(readings)))
+    record = json.loads((tmp_path / "out" / "value_pretrained_critic" / "vapo_value_pretraining.json").read_text())
+    assert record["rollouts"] == len(readings)
+    assert record["final_explained_variance"] == pytest.approx(sum(readings[-2:]) / 2)
+
+
+def test_value_pretraining_readings_without_variance_do_not_stop_it(tiny_model_dir, tmp_path):
+    # A constant reward leaves nothing to explain (NaN explained variance): no evidence of a stall, the budget runs.
+    args = make_args(tmp_path, max_steps=1, value_pretrain_steps=4, value_pretrain_patience=1)
     trainer = VAPOTrainer(
         model=str(tiny_model_dir), reward_funcs=lambda completions, **kw: [1.0] * len(completions), args=args,
         train_dataset=prompts_dataset(),
     )
     trainer.train()
     phases = [h["phase"] for h in trainer.state.log_history if "phase" in h]
-    assert phases == ["value_pretrain"] * 3 + ["rl"]
-    assert trainer.state.global_step == trainer.state.max_steps == 4
+    assert phases == ["value_pretrain"] * 4 + ["rl"]
+
+
+def test_value_pretraining_is_unclipped_regression_and_rl_clips(tiny_model_dir, tmp_path):
+    # Two optimizer steps per rollout: in the second, the critic has moved away from the rollout's values by more
+    # than the tiny clip range, so RL clips; value pretraining must not.
+    args = make_args(
+        tmp_path, per_device_train_batch_size=8, steps_per_generation=2, max_steps=4, value_pretrain_steps=3,
+        value_pretrain_patience=None, cliprange_value=1e-4, critic_learning_rate=1e-2,
+    )
+    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    pretraining = [h["value/clip_ratio"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
+    rl = [h["value/clip_ratio"] for h in rl_logs(trainer)]
+    assert len(pretraining) == 6 and all(r == 0 for r in pretraining)
+    assert max(rl) > 0
+
+
+def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_dir, tmp_path, caplog):
+    from trl_vapo.tiny import save_tiny_model
+
+    first = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, train_dataset=prompts_dataset(),
+        args=make_args(tmp_path / "a", max_steps=1, value_pretrain_steps=1),
+    )
+    first.train()
+    critic = tmp_path / "a" / "out" / "value_pretrained_critic"
+    other_model = save_tiny_model(tmp_path / "other", seed=123)
+    with caplog.at_level("WARNING"):
+        second = VAPOTrainer(
+            model=str(other_model), reward_funcs=first_char_is_letter, train_dataset=prompts_dataset(),
+            args=make_args(tmp_path / "b", max_steps=1, value_pretrain_steps=2, value_pretrain_patience=None),
+            value_model=str(critic),
+        )
+    assert "value pretraining runs again" in caplog.text
+    second.train()
+    assert [h["phase"] for h in second.state.log_history if "phase" in h] == ["value_pretrain"] * 2 + ["rl"]
+
+
+def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_path):
+    """With AdamW, (vf_coef=0.1, max_grad_norm=1) and (vf_coef=1, max_grad_norm=10) train the critic alike: the
+    clip acts on vf_coef x grad L_V. With the same max_grad_norm, vf_coef=1 clips 10x harder and trains differently.
+    (Adam's epsilon is made negligible: it is the only other place where the gradient's scale shows.)"""
+
+    def pretrained_critic(name, vf_coef, max_grad_norm):
+        args = make_args(
+            tmp_path / name, max_steps=1, value_pretrain_steps=3, value_pretrain_patience=None, vf_coef=vf_coef,
+            max_grad_norm=max_grad_norm, critic_learning_rate=1e-2, generation_kwargs={"do_sample": False},
+            adam_epsilon=1e-15,
+        )
+        trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset())
+        trainer.train()
+        norms = [h["grad_norm/critic"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
+        return {n: p.detach().clone() for n, p in trainer.actor_critic.critic.named_parameters()}, norms
+
+    scaled, norms = pretrained_critic("a", 0.1, 1.0)
+    assert max(norms) > 1.0, "the clip must bite for this test to say anything"
+    same, _ = pretrained_critic("b", 1.0, 10.0)
+    harder, _ = pretrained_critic("c", 1.0, 1.0)
+    for name in scaled:
+        torch.testing.assert_close(same[name], scaled[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert any(not torch.allclose(harder[n], scaled[n], rtol=1e-4, atol=1e-6) for n in scaled)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sampling the losses can model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_sampling_settings_the_log_probs_do_not_see_are_named_in_a_warning(tiny_model_dir, tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    def warning_for(model, **overrides):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            VAPOTrainer(model=model, reward_funcs=digit_fraction, args=make_args(tmp_path, **overrides), train_dataset=prompts_dataset())
+        return [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
+
+    assert warning_for(str(tiny_model_dir)) == []
+    (message,) = warning_for(str(tiny_model_dir), top_p=0.9, repetition_penalty=1.1)
+    assert "top_p=0.9" in message and "repetition_penalty=1.1" in message
+    # Inherited from the model's own generation config (as Qwen's top_k=20, min_p, ...):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.generation_config.min_p = 0.05
+    (message,) = warning_for(model)
+    assert "min_p=0.05" in message
+
+
+def test_completions_end_at_a_stop_token_or_at_the_last_token_before_padding():
+    from trl_vapo.trainer import cut_completions
+
+    pad, stops = 0, torch.tensor([1, 7])
+    generated = torch.tensor([
+        [5, 6, 1, 9, 9],  # ends at the stop token (the tail is whatever came after)
+        [5, 6, 6, 0, 0],  # ended by a stop string: generate() padded the rest
+        [5, 6, 6, 6, 6],  # cut by the length limit
+        [7, 0, 0, 0, 0],  # the second stop id, first position
+        [0, 0, 0, 0, 0],  # nothing at all
+    ])
+    ids, mask = cut_completions(generated, stops, pad, stop_strings=True)
+    assert mask.sum(dim=1).tolist() == [3, 3, 5, 1, 0]
+    for row, length in zip(range(len(generated)), mask.sum(dim=1).tolist()):
+        assert ids[row, :length].tolist() == generated[row, :length].tolist()
+        assert (ids[row, length:] == pad).all()
+    # Without stop strings nothing but a stop token ends a row: a trailing pad token was sampled and trains.
+    _, mask = cut_completions(generated, stops, pad)
+    assert mask.sum(dim=1).tolist() == [3, 5, 5, 1, 5]
+    # When the pad token is a stop token (pad = EOS), the first one is the EOS and trains.
+    _, mask = cut_completions(torch.tensor([[5, 0, 0]]), torch.tensor([0]), 0, stop_strings=True)
+    assert mask.tolist() == [[1, 1, 0]]
+
+
+def test_stop_strings_train_no_padding(tiny_model_dir, tmp_path):
+    args = make_args(tmp_path, max_completion_length=12, generation_kwargs={"stop_strings": ["a", "e", "o"]})
+    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer.train()
+    pad = trainer.processing_class.pad_token_id
+    for _, rollout in trainer.rollouts:
+        completions = rollout.input_ids[:, rollout.prompt_length :]
+        trained = rollout.attention_mask[:, rollout.prompt_length :].bool()
+        assert not (completions[trained] == pad).any(), "a pad token inside a completion would train"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

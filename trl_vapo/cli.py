@@ -325,7 +325,14 @@ class EvalArguments:
     k: int = field(default=32, metadata={"help": "Samples per prompt for avg@k and pass@k (paper: avg@32)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (paper: 1.0)."})
     top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling (paper: 0.7)."})
-    max_new_tokens: int = field(default=1024, metadata={"help": "Generation budget per completion."})
+    max_completion_length: int = field(
+        default=1024,
+        metadata={
+            "help": "Maximum number of generated tokens per completion, as in training (a training YAML's value "
+            "applies). `--max_new_tokens` is an alias.",
+            "aliases": ["--max_new_tokens"],
+        },
+    )
     batch_size: int = field(default=64, metadata={"help": "Sequences generated at once."})
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
@@ -337,8 +344,18 @@ def eval_command(argv: list[str]) -> int:
     from trl import TrlParser
 
     parser = TrlParser((VAPOScriptArguments, EvalArguments), prog="trl-vapo eval")
-    script, args, remaining = parser.parse_args_and_config(argv, return_remaining_strings=True)
-    unknown = [arg for arg in remaining if arg.startswith("-")]
+    try:
+        script, args, config_remaining, cli_remaining = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    unknown = [arg for arg in cli_remaining if arg.startswith("-")]
+    # A training YAML works as is: its training-only keys (learning_rate, lora_r, ...) are left for `train`, and
+    # only keys that neither command knows are errors.
+    if config_remaining:
+        train_dests = {action.dest for action in _parser()._actions}
+        unknown += [arg for arg in config_remaining if arg.startswith("--") and arg[2:] not in train_dests]
     if unknown:
         raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo eval --help`)")
     if not args.model:
@@ -380,7 +397,7 @@ def eval_command(argv: list[str]) -> int:
     torch.manual_seed(args.seed)
     result = evaluate_policy(
         model, tokenizer, dataset, reward_funcs, k=args.k, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        max_new_tokens=args.max_completion_length, batch_size=args.batch_size,
         positive_reward_threshold=args.positive_reward_threshold,
     ).as_dict()
     print(json.dumps(result, indent=2))
@@ -392,6 +409,9 @@ def eval_command(argv: list[str]) -> int:
 # -------------------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # bitsandbytes, imported by peft when installed, warns at import on CPUs that an optional kernel package (which
+    # would be fetched from the hub) is missing; it changes nothing for this command and would precede every error.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     commands = {"train": train_command, "eval": eval_command}
     if not argv or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="trl-vapo", description="VAPO training for the Hugging Face TRL stack.")

@@ -132,6 +132,10 @@ class VAPOConfig(TrainingArguments):
     )
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of the rollouts (1.0: off)."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling of the rollouts (0: off)."})
+    min_p: float | None = field(
+        default=None,
+        metadata={"help": "Min-p sampling of the rollouts: drop tokens below min_p x the top token's probability."},
+    )
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty of the rollouts (1.0: off)."})
     generation_kwargs: dict[str, Any] | str | None = field(
         default=None,
@@ -237,13 +241,19 @@ class VAPOConfig(TrainingArguments):
     vf_coef: float = field(
         default=0.1,
         metadata={
-            "help": "Weight of the value loss in the summed loss. Actor and critic have separate parameters, learning "
-            "rates and gradient clipping, so this only scales the critic's raw gradient."
+            "help": "Weight of the value loss: the critic's gradient is that of vf_coef x L_V. Actor and critic share no "
+            "trainable weight and each has its own AdamW group, and Adam's step does not depend on the scale of the "
+            "gradient, so vf_coef changes one thing: the critic's gradient is clipped at max_grad_norm / vf_coef in "
+            "units of L_V's own gradient (10 with the defaults). To make the critic learn faster or slower, change "
+            "critic_learning_rate."
         },
     )
     cliprange_value: float | None = field(
         default=0.2,
-        metadata={"help": "Clip the critic's new values to old +/- this in the value loss (PPO). None: no clipping."},
+        metadata={
+            "help": "Clip the critic's new values to old +/- this in the value loss (PPO), during RL. None: no "
+            "clipping. Value pretraining never clips: it is plain regression on Monte-Carlo returns (VC-PPO)."
+        },
     )
 
     # ------------------------------------------------------------------------------------- value pretraining
@@ -258,13 +268,15 @@ class VAPOConfig(TrainingArguments):
     value_pretrain_patience: int | None = field(
         default=10,
         metadata={
-            "help": "Stop value pretraining early when the explained variance has not improved by "
-            "`value_pretrain_min_delta` for this many rollouts. None: always run `value_pretrain_steps`."
+            "help": "Stop value pretraining early when the mean explained variance of the last this-many rollouts "
+            "is less than `value_pretrain_min_delta` above the mean of the this-many before them (rollouts whose "
+            "returns are all equal, and so have no explained variance, are not counted). None: always run "
+            "`value_pretrain_steps`."
         },
     )
     value_pretrain_min_delta: float = field(
         default=0.01,
-        metadata={"help": "Smallest explained-variance gain that counts as an improvement for early stopping."},
+        metadata={"help": "Smallest gain of the windowed mean explained variance that counts as still improving."},
     )
 
     # ------------------------------------------------------------------------------------------- robustness
@@ -382,6 +394,7 @@ class VAPOConfig(TrainingArguments):
         require(self.num_train_epochs > 0, f"num_train_epochs must be > 0, got {self.num_train_epochs}.")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}.")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
+        require(self.min_p is None or 0 <= self.min_p <= 1, f"min_p must be in [0, 1] or None, got {self.min_p}.")
 
 
 def _divisors(n: int) -> list[int]:

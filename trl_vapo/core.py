@@ -14,7 +14,8 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,6 +25,7 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 __all__ = [
     "compute_gae",
     "explained_variance",
+    "explained_variance_plateaued",
     "length_adaptive_lambda",
     "masked_mean",
     "masked_var",
@@ -339,3 +341,22 @@ def explained_variance(
     if var_returns <= 0:
         return torch.tensor(float("nan"), device=returns.device)
     return 1.0 - var_residual / var_returns
+
+
+def explained_variance_plateaued(readings: Sequence[float], window: int, min_delta: float) -> bool:
+    """Value pretraining's stop rule (VAPO §3.1: pretrain "until value loss and explained variance converge").
+
+        stop  when  mean(EV[-w:]) - mean(EV[-2w:-w]) < min_delta        over the finite readings, w = ``window``
+
+    One rollout's explained variance is a noisy reading. Comparing it with the best reading so far is biased: the
+    maximum of noisy readings sits above the critic's true level, so a single lucky rollout sets a bar later ones
+    rarely clear and pretraining stops early. Two adjacent window means have no such bias. NaN readings (every
+    return equal, nothing to explain) say nothing about the critic and are left out; so the rule needs ``2 * window``
+    finite readings before it can stop.
+    """
+    finite = [float(r) for r in readings if math.isfinite(r)]
+    if window < 1 or len(finite) < 2 * window:
+        return False
+    recent = sum(finite[-window:]) / window
+    previous = sum(finite[-2 * window : -window]) / window
+    return recent - previous < min_delta

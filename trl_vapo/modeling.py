@@ -174,17 +174,44 @@ class ActorCritic(nn.Module):
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.policy, "is_activation_checkpointing", False))
+        base = self.policy.get_base_model() if is_peft_model(self.policy) else self.policy
+        return any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Checkpoint the decoder layers of the policy and the critic (non-reentrant by default, as transformers).
+
+        In the shared-base layout the critic's forward runs the same layers under the ``critic`` adapter, but the
+        recomputation in backward runs after the adapter has been switched back: it would replay the layers under
+        the policy adapter and give the critic adapter the policy's activations. The checkpoint's ``context_fn``
+        records the adapter active when each layer ran forward and restores it for that layer's recomputation.
+        """
+        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        if self.shares_base:
+            if kwargs["use_reentrant"]:
+                raise ValueError(
+                    "gradient_checkpointing_kwargs={'use_reentrant': True} cannot be used with the shared-base LoRA "
+                    "critic: reentrant checkpointing cannot replay a layer under the adapter that ran it. Use "
+                    "use_reentrant=False (the default)."
+                )
+            kwargs["context_fn"] = _replay_under_forward_adapter(_lora_layers(self.policy))
         for model in (self.policy, self.critic):
-            if model is not None:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+            if model is None:
+                continue
+            base = model.get_base_model() if is_peft_model(model) else model
+            # transformers 5.x renamed the method; the deprecated name warns from 5.20 on.
+            enable = getattr(base, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def gradient_checkpointing_disable(self) -> None:
         for model in (self.policy, self.critic):
-            if model is not None:
-                model.gradient_checkpointing_disable()
+            if model is None:
+                continue
+            base = model.get_base_model() if is_peft_model(model) else model
+            disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
+            disable()
 
     def policy_parameters(self) -> list[nn.Parameter]:
         if self.shares_base:
@@ -258,21 +285,27 @@ class ActorCritic(nn.Module):
         ).last_hidden_state
 
     # ---------------------------------------------------------------------------------------- save and load
-    def save_critic(self, directory: str | os.PathLike, safe_serialization: bool = True) -> None:
-        """Write the critic so that `value_model=directory` loads it back (the layout matches this module's)."""
+    def save_critic(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the critic so that `value_model=directory` loads it back (the layout matches this module's).
+
+        ``state_dict``: this module's full weights when they were gathered from shards (FSDP2); otherwise the
+        parameters are read directly.
+        """
         directory = Path(directory)
         if self.shares_base:
             # peft writes a non-default adapter into `<dir>/<adapter name>`: move it up into `directory`.
             directory.mkdir(parents=True, exist_ok=True)
-            self.policy.save_pretrained(str(directory), selected_adapters=[CRITIC_ADAPTER])
+            self.policy.save_pretrained(
+                str(directory), selected_adapters=[CRITIC_ADAPTER], state_dict=_sub_state(state_dict, "policy.")
+            )
             nested = directory / CRITIC_ADAPTER
             for item in nested.iterdir():
                 os.replace(item, directory / item.name)
             nested.rmdir()
-            head = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
-            save_file(head, str(directory / VALUE_HEAD_FILE))
+            head = _sub_state(state_dict, "value_head.") or self.value_head.state_dict()
+            save_file({k: v.detach().cpu().contiguous() for k, v in head.items()}, str(directory / VALUE_HEAD_FILE))
         else:
-            self.critic.save_pretrained(directory, safe_serialization=safe_serialization)
+            self.critic.save_pretrained(directory, state_dict=_sub_state(state_dict, "critic.", self.critic))
 
     def load_critic(self, directory: str | os.PathLike) -> None:
         """Load critic weights written by :meth:`save_critic` into this module, in place."""
@@ -286,12 +319,16 @@ class ActorCritic(nn.Module):
         else:
             _load_safetensors_into(self.critic, directory)
 
-    def save_policy(self, directory: str | os.PathLike, safe_serialization: bool = True) -> None:
-        """The policy alone: a full model for `AutoModelForCausalLM`, or the policy adapter for PEFT."""
+    def save_policy(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """The policy alone: a full model for `AutoModelForCausalLM`, or the policy adapter for PEFT.
+
+        ``state_dict`` as in :meth:`save_critic`.
+        """
+        policy_state = _sub_state(state_dict, "policy.", self.policy)
         if self.shares_base:
-            self.policy.save_pretrained(str(directory), selected_adapters=[POLICY_ADAPTER])
+            self.policy.save_pretrained(str(directory), selected_adapters=[POLICY_ADAPTER], state_dict=policy_state)
         else:
-            self.policy.save_pretrained(directory, safe_serialization=safe_serialization)
+            self.policy.save_pretrained(directory, state_dict=policy_state)
 
     def load_policy(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
@@ -303,6 +340,121 @@ class ActorCritic(nn.Module):
             )
         else:
             _load_safetensors_into(self.policy, directory)
+
+
+def _sub_state(
+    state_dict: dict[str, torch.Tensor] | None, prefix: str, module: nn.Module | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The entries of a submodule (``prefix`` = its name and a dot) with the prefix removed; None for None.
+
+    With ``module``, a weight it ties under several names (the LM head and the embeddings) is kept once, as
+    ``save_pretrained`` keeps it: a gathered state dict holds a separate copy under each name.
+    """
+    if state_dict is None:
+        return None
+    duplicates, seen = set(), set()
+    for name, param in module.named_parameters(remove_duplicate=False) if module is not None else ():
+        if id(param) in seen:
+            duplicates.add(name)
+        seen.add(id(param))
+    return {
+        key[len(prefix) :]: value
+        for key, value in state_dict.items()
+        if key.startswith(prefix) and key[len(prefix) :] not in duplicates
+    }
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def _replay_under_forward_adapter(layers: list[nn.Module]):
+    """A ``torch.utils.checkpoint`` ``context_fn`` that recomputes a layer under the adapter its forward used.
+
+    Sets the adapters' private ``_active_adapter`` directly: peft's ``set_adapter`` would also flip
+    ``requires_grad``, which must not change in the middle of a backward pass.
+    """
+
+    def context_fn():
+        active = layers[0].active_adapter if layers else None
+
+        @contextlib.contextmanager
+        def recompute():
+            saved = [layer._active_adapter for layer in layers]
+            for layer in layers:
+                layer._active_adapter = active
+            try:
+                yield
+            finally:
+                for layer, adapter in zip(layers, saved):
+                    layer._active_adapter = adapter
+
+        return contextlib.nullcontext(), recompute()
+
+    return context_fn
+
+
+def keep_trainable_weights_in_float32(model: nn.Module) -> int:
+    """Cast every trainable half-precision parameter to float32 in place; returns how many were cast.
+
+    Mixed precision as verl's FSDP and OpenRLHF's DeepSpeed do it: trainable weights (full policy, critic, value
+    head, adapters) are stored and updated in float32 and computed in bf16 under autocast. In bf16 an AdamW update of
+    about ``lr = 1e-6`` is below the weights' resolution (a bf16 weight of 0.02 moves in steps of 1.2e-4), so most
+    weights would never move. Frozen weights (a LoRA base) keep their dtype.
+    """
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+            cast += 1
+    return cast
+
+
+@contextlib.contextmanager
+def generation_mode(model: nn.Module):
+    """Eval mode for sampling (no dropout), restored afterwards.
+
+    bitsandbytes (0.50) on a CPU with AVX512-BF16 repacks a 4-bit layer's weights for inference the first time it
+    runs in eval mode without gradients, and the repacked layer then passes no gradient back to its input, so every
+    adapter below it stops learning. Its 4-bit layers stay in train mode: they have no dropout, nothing else changes.
+    """
+    import sys
+
+    was_training = model.training
+    model.eval()
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is not None:
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                module.train()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def policy_fingerprint(policy: nn.Module) -> str:
+    """A digest of the policy's architecture and weights, to tell whether a saved critic was trained against it.
+
+    Sums per tensor rather than a hash of the bytes: a few hundred milliseconds for a 1.5B model, insensitive to
+    dtype casts (a critic pretrained against the bf16 checkpoint matches the same weights in float32).
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    config = policy.config.to_dict()
+    for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+        config.pop(key, None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if f".{CRITIC_ADAPTER}." in name:
+                continue
+            values = param.detach().to(torch.float64)
+            digest.update(f"{name}:{tuple(param.shape)}:{values.sum().item():.6e}:{values.abs().sum().item():.6e}".encode())
+    return digest.hexdigest()
 
 
 def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:

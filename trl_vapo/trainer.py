@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from datasets import Dataset
 from torch import nn
 from transformers import (
@@ -63,9 +63,19 @@ from ._compat import (
 )
 from .config import VAPOConfig
 from .data import prompt_token_ids
+from .distributed import (
+    clip_deepspeed_gradients_,
+    deepspeed_local_gradients,
+    fsdp2_unsharded,
+    full_state_dict,
+    is_zero3_partitioned,
+    reset_adam_step,
+    whole_models_under_zero3,
+)
 from .core import (
     compute_gae,
     explained_variance,
+    explained_variance_plateaued,
     length_adaptive_lambda,
     masked_mean,
     masked_whiten,
@@ -84,7 +94,10 @@ from .modeling import (
     check_value_model,
     completion_logprobs,
     critic_from_policy,
+    generation_mode,
     is_peft_model,
+    keep_trainable_weights_in_float32,
+    policy_fingerprint,
     value_pretraining_record,
 )
 
@@ -96,6 +109,7 @@ RewardFunc = Callable[..., list[float | None]]
 VALUE_PRETRAIN = "value_pretrain"
 RL = "rl"
 PRETRAINED_CRITIC_DIR = "value_pretrained_critic"
+DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -109,13 +123,23 @@ class TrainingProgress:
 
     phase: str = VALUE_PRETRAIN
     value_pretrain_rollouts: int = 0
-    best_explained_variance: float = -math.inf
-    rollouts_since_improvement: int = 0
+    explained_variances: list[float] = dataclasses.field(default_factory=list)  # one reading per pretraining rollout
     rl_start_step: int | None = None
     data_epoch: int = 0
     data_index: int = 0
     skipped_steps: int = 0
     consecutive_nonfinite_steps: int = 0
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TrainingProgress:
+        # Checkpoints of earlier versions carry fields that no longer exist (the old stop rule's best reading).
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in saved.items() if key in known})
+
+    def final_explained_variance(self, window: int | None) -> float:
+        """The critic's explained variance at the end of value pretraining: the mean of the last finite readings."""
+        finite = [r for r in self.explained_variances if math.isfinite(r)][-(window or 1) :]
+        return sum(finite) / len(finite) if finite else math.nan
 
 
 @dataclasses.dataclass
@@ -279,7 +303,15 @@ class VAPOTrainer(Trainer):
 
         # PEFT initialises adapters randomly: seed first so runs are reproducible.
         set_seed(args.seed)
-        policy, model_id = _load_policy(model, args)
+        _check_quantization(args, peft_config)
+        with whole_models_under_zero3(getattr(args, "hf_deepspeed_config", None)):
+            policy, model_id = _load_policy(model, args)
+        if is_zero3_partitioned(policy):
+            raise ValueError(
+                "The model was created partitioned by DeepSpeed ZeRO-3 (it was loaded after a ZeRO-3 VAPOConfig "
+                "existed), so the critic cannot copy its weights. Pass the model id or path as `model`, or load the "
+                "model before creating the VAPOConfig."
+            )
         tokenizer = processing_class or AutoTokenizer.from_pretrained(
             model_id, trust_remote_code=args.trust_remote_code
         )
@@ -290,11 +322,24 @@ class VAPOTrainer(Trainer):
                 "`tokenizer.chat_template`, or use plain-text prompts."
             )
 
+        quantized = getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False)
+        if quantized and peft_config is None and not is_peft_model(policy):
+            raise ValueError(
+                "The model is quantized (4-bit or 8-bit), and quantized weights cannot be trained: pass a peft_config "
+                "(e.g. LoraConfig(r=16)) to train adapters on the frozen quantized base (QLoRA)."
+            )
         if peft_config is not None and not is_peft_model(policy):
-            from peft import get_peft_model
+            from peft import get_peft_model, prepare_model_for_kbit_training
 
+            if quantized:
+                # Norms in float32 for stable QLoRA; checkpointing is switched on by `train`, adapter-aware.
+                policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)
             policy = get_peft_model(policy, peft_config)
-        actor_critic, self._critic_pretrained = _build_actor_critic(policy, value_model, args)
+        self._policy_fingerprint = policy_fingerprint(policy)
+        with whole_models_under_zero3(getattr(args, "hf_deepspeed_config", None)):
+            actor_critic, self._critic_pretrained = _build_actor_critic(
+                policy, value_model, args, self._policy_fingerprint
+            )
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
 
@@ -302,6 +347,11 @@ class VAPOTrainer(Trainer):
         self.ref_model = None
         if args.beta > 0 and not is_peft_model(policy):
             self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+        if keep_trainable_weights_in_float32(actor_critic):
+            logger.info(
+                "Trainable weights were loaded in half precision; they are kept and updated in float32 "
+                + ("and computed in bf16/fp16 under autocast." if args.bf16 or args.fp16 else "(set bf16=True to compute in bf16).")
+            )
 
         super().__init__(
             model=actor_critic,
@@ -318,6 +368,19 @@ class VAPOTrainer(Trainer):
                 f"{self.accelerator.num_processes}: the processes would train separately on the same output_dir. "
                 "Launch with `accelerate launch` or `torchrun`, and pass use_cpu=True on a machine without GPUs."
             )
+        if args.fsdp and self.accelerator.distributed_type != DistributedType.FSDP:
+            logger.warning(
+                f"FSDP was asked for (fsdp={args.fsdp}) but accelerate set up {self.accelerator.distributed_type}: it "
+                "enables FSDP only on GPUs (on CPUs it runs plain data parallelism). The model is not sharded."
+            )
+        if self.is_deepspeed_enabled:
+            sections = [k for k in ("optimizer", "scheduler") if k in self.accelerator.state.deepspeed_plugin.deepspeed_config]
+            if sections:
+                raise ValueError(
+                    f"The DeepSpeed config has {' and '.join(sections)} section(s): VAPOTrainer builds its own AdamW with "
+                    "separate actor and critic parameter groups, learning rates and schedules. Remove them and set "
+                    "learning_rate, critic_learning_rate, lr_scheduler_type and warmup_steps in VAPOConfig instead."
+                )
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
 
@@ -335,7 +398,17 @@ class VAPOTrainer(Trainer):
             "use_cache": True,
             **(args.generation_kwargs or {}),
         }
+        if args.min_p is not None:
+            generation_kwargs["min_p"] = args.min_p
         self.generation_config = GenerationConfig(**generation_kwargs, disable_compile=True)
+        off_policy = _off_policy_sampling_settings(self.generation_config, policy, args.temperature)
+        if off_policy:
+            logger.warning(
+                f"Rollouts are sampled with {', '.join(off_policy)}, which the losses do not model: log-probabilities "
+                f"are computed from softmax(logits / {args.temperature}) alone, so the samples are off-policy and the "
+                "PPO ratio and the positive-example NLL are biased. Train with plain temperature sampling (top_p=1.0, "
+                "top_k=0, min_p=None, repetition_penalty=1.0); evaluate with top-p if you like (`trl-vapo eval`)."
+            )
         # `generation_kwargs` may name other stop tokens: a completion ends at whichever generation stopped on.
         stop = self.generation_config.eos_token_id
         self._eos_ids = torch.tensor(stop if isinstance(stop, list) else [stop])
@@ -444,6 +517,11 @@ class VAPOTrainer(Trainer):
 
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
+        if args.gradient_checkpointing:
+            self.actor_critic.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
+        if self.is_deepspeed_enabled:
+            # Actor and critic are clipped separately in `_clip_gradients`; DeepSpeed would clip their joint norm.
+            self.accelerator.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] = 0.0
         if not self._skips_value_pretraining and args.ddp_find_unused_parameters is not False:
             # Value pretraining leaves the policy out of the forward pass; DDP must expect unused parameters.
             handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
@@ -570,22 +648,24 @@ class VAPOTrainer(Trainer):
         prompts = pad([torch.tensor(x) for x in prompt_ids], padding_value=tokenizer.pad_token_id, padding_side="left")
         prompt_mask = pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids], padding_side="left")
         prompts, prompt_mask = prompts.to(device), prompt_mask.to(device)
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
-            was_training = unwrapped.training
-            unwrapped.eval()
-            with self.accelerator.autocast():
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            fsdp2_unsharded(self.model_wrapped),
+        ):
+            with generation_mode(unwrapped), self.accelerator.autocast():
                 output = unwrapped.policy.generate(
-                    input_ids=prompts, attention_mask=prompt_mask, generation_config=self.generation_config
+                    input_ids=prompts, attention_mask=prompt_mask, generation_config=self.generation_config,
+                    tokenizer=tokenizer,  # needed for `stop_strings`
                 )
-            unwrapped.train(was_training)
         completions = output[:, prompts.shape[1] :]
         if completions.shape[1] == 0:  # every sequence ended at once
             completions = torch.full((len(prompt_ids), 1), tokenizer.pad_token_id, device=device)
-        is_eos = torch.isin(completions, self._eos_ids.to(device))
-        has_eos = is_eos.any(dim=1)
-        length = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(has_eos, completions.shape[1], dtype=torch.long))
-        completion_mask = (torch.arange(completions.shape[1], device=device)[None, :] < length[:, None]).long()
-        completions = torch.where(completion_mask.bool(), completions, tokenizer.pad_token_id)
+        completions, completion_mask = cut_completions(
+            completions, self._eos_ids.to(device), tokenizer.pad_token_id, bool(self.generation_config.stop_strings)
+        )
         return prompts, prompt_mask, completions, completion_mask
 
     # ------------------------------------------------------------------------------------- rollout: rewards
@@ -675,7 +755,8 @@ class VAPOTrainer(Trainer):
         prompts, prompt_mask, completions, completion_mask = self._generate(prompt_ids)
         completion_lists = [c[m.bool()].tolist() for c, m in zip(completions, completion_mask)]
         lengths = completion_mask.sum(dim=1)
-        truncated = ~torch.isin(completions, self._eos_ids.to(device)).any(dim=1)
+        # Cut by the length limit, not ended by a stop token (or a stop string, which leaves no stop token).
+        truncated = ~torch.isin(completions, self._eos_ids.to(device)).any(dim=1) & (lengths >= args.max_completion_length)
 
         scores = self._score(rows, completion_lists).to(device)
         weighted = scores * self.reward_weights.to(device)
@@ -816,6 +897,8 @@ class VAPOTrainer(Trainer):
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=mask.device))
         micro_batches = rows.split(args.per_device_train_batch_size)
+        # Value pretraining is plain regression on Monte-Carlo returns: no clipping around the rollout's values.
+        cliprange_value = args.cliprange_value if phase == RL else None
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.is_deepspeed_enabled else self.accelerator.no_sync(self.model_wrapped)
@@ -831,7 +914,7 @@ class VAPOTrainer(Trainer):
                     )
                 micro_mask = batch["loss_mask"]
                 v_loss, v_stats = value_loss(
-                    out["values"], batch["old_values"], batch["returns"], micro_mask, args.cliprange_value, tokens
+                    out["values"], batch["old_values"], batch["returns"], micro_mask, cliprange_value, tokens
                 )
                 loss = args.vf_coef * v_loss
                 sums["loss/value"] += v_loss.detach()
@@ -859,12 +942,11 @@ class VAPOTrainer(Trainer):
                     sums["entropy"] += masked_mean(out["entropy"], micro_mask) * n
                 sums["loss"] += loss.detach()
                 sums["_tokens"] += n
-                # The loss is already a mean over the whole step: DeepSpeed must not divide it by the micro-batches.
-                self.accelerator.backward(loss, **({"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}))
+                self._backward(loss, last)
             if not last:
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
 
-        if phase == VALUE_PRETRAIN:
+        if phase == VALUE_PRETRAIN and not self.is_deepspeed_enabled:
             # The policy is frozen: no gradient may reach it (DDP would hand it zeros that still tick Adam's step).
             for p in self.actor_critic.policy_parameters():
                 p.grad = None
@@ -874,12 +956,13 @@ class VAPOTrainer(Trainer):
         self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
         if nonfinite.item() == 0:
             self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-            self.optimizer.step()
+            self._apply_update()
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-            self.lr_scheduler.step()
             self.progress.consecutive_nonfinite_steps = 0
         else:
             self._skip_nonfinite_step()
+        # Stepped on skipped steps too: the schedules count optimizer steps, and the actor's starts at a step number.
+        self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
         self.state.global_step += 1
@@ -889,8 +972,34 @@ class VAPOTrainer(Trainer):
             self._log_metrics(phase)
         self._save_pending |= self.control.should_save
 
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch; `last` marks the one that ends the optimizer step.
+
+        The loss is already the step's mean (see `_optimizer_step`), so DeepSpeed must not divide it by the number of
+        micro-batches; and DeepSpeed must be told which micro-batch ends the step, or it reduces and steps after every
+        backward. The engine's own `step` runs later, in `_apply_update`, after the per-side clipping.
+        """
+        if self.is_deepspeed_enabled:
+            engine = self.model_wrapped
+            engine.set_gradient_accumulation_boundary(last)
+            engine.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
+
+    def _apply_update(self) -> None:
+        if self.is_deepspeed_enabled:
+            self.model_wrapped.step()  # DeepSpeed's optimizer step; its own gradient clipping is off (`train`)
+        else:
+            self.optimizer.step()
+
     def _skip_nonfinite_step(self) -> None:
         """Drop this step's update (its loss or gradients are NaN/inf); stop after too many in a row."""
+        if self.is_deepspeed_enabled:
+            # The engine must still close the step; NaN gradients make it skip the update and clear them itself.
+            for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
+                for fragment in deepspeed_local_gradients(params):
+                    fragment.fill_(math.nan)
+            self.model_wrapped.step()
         progress = self.progress
         progress.skipped_steps += 1
         progress.consecutive_nonfinite_steps += 1
@@ -913,15 +1022,21 @@ class VAPOTrainer(Trainer):
         sides = [("critic", self.actor_critic.critic_parameters())]
         if phase == RL:
             sides.insert(0, ("policy", self.actor_critic.policy_parameters()))
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
         for side, params in sides:
-            params = [p for p in params if p.grad is not None]
-            if not params:
-                continue
-            if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-                norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
+            if self.is_deepspeed_enabled:
+                norm = clip_deepspeed_gradients_(params, max_norm, self._all_reduce_sum)
             else:
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+                params = [p for p in params if p.grad is not None]
+                if not params:
+                    continue
+                if max_norm is not None:
+                    norm = self.accelerator.clip_grad_norm_(params, max_norm)
+                else:
+                    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
             if norm is not None:
+                if hasattr(norm, "full_tensor"):  # FSDP2 returns the norm of sharded gradients as a DTensor
+                    norm = norm.full_tensor()
                 norms[f"grad_norm/{side}"] = torch.as_tensor(norm).detach()
         return norms
 
@@ -929,12 +1044,10 @@ class VAPOTrainer(Trainer):
         """Count the rollout; end value pretraining at its budget or when explained variance stops improving."""
         args, progress = self.args, self.progress
         progress.value_pretrain_rollouts += 1
-        if not math.isnan(explained_var) and explained_var > progress.best_explained_variance + args.value_pretrain_min_delta:
-            progress.best_explained_variance = explained_var
-            progress.rollouts_since_improvement = 0
-        else:
-            progress.rollouts_since_improvement += 1
-        stalled = args.value_pretrain_patience is not None and progress.rollouts_since_improvement >= args.value_pretrain_patience
+        progress.explained_variances.append(explained_var)
+        stalled = args.value_pretrain_patience is not None and explained_variance_plateaued(
+            progress.explained_variances, args.value_pretrain_patience, args.value_pretrain_min_delta
+        )
         if progress.value_pretrain_rollouts >= args.value_pretrain_steps or stalled:
             self._finish_value_pretraining(early=stalled and progress.value_pretrain_rollouts < args.value_pretrain_steps)
 
@@ -950,6 +1063,8 @@ class VAPOTrainer(Trainer):
                     callback.training_bar.refresh()
         progress.phase = RL
         progress.rl_start_step = self.state.global_step
+        if self.is_deepspeed_enabled:
+            reset_adam_step(self.optimizer, "policy")
         scheduler = self.lr_scheduler
         schedules = getattr(scheduler, "lr_lambdas", [])  # a user's own scheduler is left alone
         for group, schedule, base_lr in zip(self.optimizer.param_groups, schedules, scheduler.base_lrs):
@@ -958,10 +1073,11 @@ class VAPOTrainer(Trainer):
                 # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
                 group["lr"] = base_lr * schedule(scheduler.last_epoch)
         reason = "explained variance stopped improving" if early else "its budget is spent"
-        best = progress.best_explained_variance
+        final = progress.final_explained_variance(self.args.value_pretrain_patience)
         logger.info(
-            f"Value pretraining ended after {progress.value_pretrain_rollouts} rollouts ({reason}); best explained "
-            f"variance {'n/a' if math.isinf(best) else f'{best:.3f}'}. RL starts at step {self.state.global_step}."
+            f"Value pretraining ended after {progress.value_pretrain_rollouts} rollouts ({reason}); explained "
+            f"variance {'n/a' if math.isnan(final) else f'{final:.3f}'} (mean of the last readings). RL starts at "
+            f"step {self.state.global_step}."
         )
         self._save_pretrained_critic()
 
@@ -969,14 +1085,18 @@ class VAPOTrainer(Trainer):
         """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""
         directory = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
         self.accelerator.wait_for_everyone()
+        with self._full_weights() as state_dict:
+            if self.accelerator.is_main_process:
+                tmp = ckpt.temporary_folder(directory)
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.accelerator.unwrap_model(self.model_wrapped).save_critic(tmp, state_dict)
         if self.accelerator.is_main_process:
-            tmp = ckpt.temporary_folder(directory)
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.actor_critic.save_critic(tmp)
             record = {
                 "rollouts": self.progress.value_pretrain_rollouts,
-                "best_explained_variance": self.progress.best_explained_variance,
+                "final_explained_variance": self.progress.final_explained_variance(self.args.value_pretrain_patience),
+                "explained_variances": self.progress.explained_variances,
                 "policy": get_config_model_id(self.actor_critic.config),
+                "policy_fingerprint": self._policy_fingerprint,
             }
             (tmp / VALUE_PRETRAINING_FILE).write_text(json.dumps(record, indent=2))
             ckpt.publish(tmp, directory)
@@ -1028,16 +1148,31 @@ class VAPOTrainer(Trainer):
         """Save the policy (`AutoModelForCausalLM.from_pretrained(output_dir)`, or a PEFT adapter) with the
         tokenizer, and the critic in `output_dir/critic`."""
         output_dir = Path(output_dir or self.args.output_dir)
-        if self.accelerator.is_main_process:
-            self._write_models(output_dir)
-            self.create_model_card(output_dir=output_dir)
+        with self._full_weights() as state_dict:
+            if self.accelerator.is_main_process:
+                self._write_models(output_dir, state_dict)
+                self.create_model_card(output_dir=output_dir)
         self.accelerator.wait_for_everyone()
 
-    def _write_models(self, directory: Path) -> None:
+    @contextlib.contextmanager
+    def _full_weights(self):
+        """Under ZeRO-3 and FSDP2 each rank holds a shard of every weight: gather them for saving (a collective:
+        every rank enters, the main process writes). Yields the gathered state dict under FSDP2, else None (the
+        parameters themselves are whole)."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_deepspeed_enabled and plugin is not None and plugin.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model_wrapped.parameters())):
+                yield None
+        else:
+            yield full_state_dict(self.model_wrapped)
+
+    def _write_models(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.model
-        model.save_policy(directory)
-        model.save_critic(directory / CRITIC_SUBFOLDER)
+        model.save_policy(directory, state_dict)
+        model.save_critic(directory / CRITIC_SUBFOLDER, state_dict)
         self.processing_class.save_pretrained(directory)
         (directory / "vapo_config.json").write_text(self.args.to_json_string())
 
@@ -1071,9 +1206,15 @@ class VAPOTrainer(Trainer):
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
         ckpt.save_rng_state(tmp / f"rng_state_{self.accelerator.process_index}.safetensors")
+        with self._full_weights() as state_dict:
+            if main:
+                self._write_models(tmp, state_dict)
+        if self.is_deepspeed_enabled:
+            # ZeRO partitions the optimizer state over the ranks: each writes its own part.
+            self.model_wrapped.save_checkpoint(str(tmp), tag=DEEPSPEED_CHECKPOINT_TAG, exclude_frozen_parameters=True)
         if main:
-            self._write_models(tmp)
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            if not self.is_deepspeed_enabled:
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
             self.state.stateful_callbacks = {
                 type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks + [self.control]
@@ -1107,6 +1248,7 @@ class VAPOTrainer(Trainer):
             "per_device_train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "num_iterations": args.num_iterations,
+            "deepspeed": self.is_deepspeed_enabled,
         }
 
     def _load_checkpoint(self, path: Path) -> None:
@@ -1118,6 +1260,7 @@ class VAPOTrainer(Trainer):
             )
         marker = json.loads(marker_file.read_text())
         saved, current = marker["run"], self._fingerprint()
+        saved.setdefault("deepspeed", False)  # checkpoints of trl-vapo 0.1 predate the key
         differences = [
             f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
             for key in current
@@ -1130,16 +1273,23 @@ class VAPOTrainer(Trainer):
                 + ". Resume with the same model, PEFT setting, process count and batch sizes, or start a new run."
             )
         model = self.actor_critic
-        model.load_policy(path)
-        model.load_critic(path / CRITIC_SUBFOLDER)
-        # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+        if self.is_deepspeed_enabled:
+            loaded, _ = self.model_wrapped.load_checkpoint(
+                str(path), tag=DEEPSPEED_CHECKPOINT_TAG, load_module_strict=False, load_lr_scheduler_states=False
+            )
+            if loaded is None:
+                raise ValueError(f"{path} holds no DeepSpeed state ({DEEPSPEED_CHECKPOINT_TAG}/): it was not written by a DeepSpeed run.")
+        else:
+            model.load_policy(path)
+            model.load_critic(path / CRITIC_SUBFOLDER)
+            # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         max_steps = self.state.max_steps
         stateful = self.state.stateful_callbacks
         self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
         self.state.stateful_callbacks = stateful
-        self.progress = TrainingProgress(**marker["progress"])
+        self.progress = TrainingProgress.from_dict(marker["progress"])
         if self.progress.phase == RL and self.progress.rl_start_step is not None:
             # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
             plan = self._plan()
@@ -1193,6 +1343,25 @@ def _check_train_dataset(dataset, args: VAPOConfig) -> None:
         )
 
 
+def _check_quantization(args: VAPOConfig, peft_config) -> None:
+    """Fail before loading anything when a quantized model is asked for where it cannot train."""
+    quantization = (args.model_init_kwargs or {}).get("quantization_config")
+    if quantization is None:
+        return
+    if peft_config is None:
+        raise ValueError(
+            "model_init_kwargs asks for a quantized model, and quantized weights cannot be trained: pass a peft_config "
+            "(e.g. LoraConfig(r=16), or --use_peft on the command line) to train adapters on it (QLoRA)."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "4-bit / 8-bit loading (load_in_4bit, QLoRA) needs bitsandbytes: `pip install bitsandbytes` (it runs on "
+            "NVIDIA GPUs and on CPUs), or drop the quantization to train LoRA on a bf16 base."
+        ) from None
+
+
 def _torch_dtype(value):
     if value is None or value == "auto" or isinstance(value, torch.dtype):
         return value
@@ -1220,20 +1389,20 @@ def _load_policy(model, args: VAPOConfig) -> tuple[nn.Module, str]:
     raise TypeError(f"model must be a model id, a path or a PreTrainedModel, got {type(model).__name__}.")
 
 
-def _build_actor_critic(policy: nn.Module, value_model, args: VAPOConfig) -> tuple[ActorCritic, bool]:
-    """The actor-critic module, and whether its critic comes from a previous value pretraining."""
+def _build_actor_critic(policy: nn.Module, value_model, args: VAPOConfig, fingerprint: str) -> tuple[ActorCritic, bool]:
+    """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy."""
     shared = is_peft_model(policy)
     if value_model is None:
         if shared:
             policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
             policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
             head = ValueHead(policy.config.hidden_size, getattr(policy.config, "initializer_range", 0.02))
-            return ActorCritic(policy, value_head=head.to(policy.device, policy.dtype)), False
+            return ActorCritic(policy, value_head=head.to(policy.device)), False
         return ActorCritic(policy, critic=critic_from_policy(policy)), False
 
     if isinstance(value_model, (str, os.PathLike)):
         path = Path(value_model).expanduser()
-        pretrained = value_pretraining_record(path) is not None
+        pretrained = _pretrained_for_this_policy(path, fingerprint, args)
         if (path / "adapter_config.json").is_file() and (path / VALUE_HEAD_FILE).is_file():
             if not shared:
                 raise ValueError(
@@ -1243,7 +1412,7 @@ def _build_actor_critic(policy: nn.Module, value_model, args: VAPOConfig) -> tup
             policy.load_adapter(str(path), adapter_name=CRITIC_ADAPTER, is_trainable=True)
             policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
             head = ValueHead(policy.config.hidden_size)
-            actor_critic = ActorCritic(policy, value_head=head.to(policy.device, policy.dtype))
+            actor_critic = ActorCritic(policy, value_head=head.to(policy.device))
             from safetensors.torch import load_file
 
             actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
@@ -1267,6 +1436,58 @@ def _build_actor_critic(policy: nn.Module, value_model, args: VAPOConfig) -> tup
     return ActorCritic(policy, critic=value_model), False
 
 
+def _pretrained_for_this_policy(path: Path, fingerprint: str, args: VAPOConfig) -> bool:
+    """Whether the critic at `path` was value-pretrained against this run's initial policy.
+
+    A critic pretrained against another policy predicts that policy's returns: starting RL from it would skip the
+    phase VAPO needs. It is then used as an initialisation and value pretraining runs again.
+    """
+    record = value_pretraining_record(path)
+    if record is None:
+        return False
+    if "policy_fingerprint" not in record:  # written by trl-vapo 0.1, which did not record it
+        logger.warning(f"{path} does not record which policy it was pretrained against; trusting that it is this one.")
+        return True
+    if record["policy_fingerprint"] == fingerprint:
+        return True
+    logger.warning(
+        f"value_model {path} was value-pretrained against the policy {record.get('policy')!r}, whose weights differ "
+        f"from this run's policy: it starts from those weights and value pretraining runs again "
+        f"(value_pretrain_steps={args.value_pretrain_steps})."
+    )
+    return False
+
+
+def _off_policy_sampling_settings(config: GenerationConfig, model, temperature: float) -> list[str]:
+    """Sampling settings, in `config` or inherited from the model's `generation_config`, that change the sampling
+    distribution away from softmax(logits / temperature), which is what the losses' log-probabilities assume."""
+    defaults = getattr(model, "generation_config", None)
+
+    def value(name):
+        mine = getattr(config, name, None)
+        return mine if mine is not None else getattr(defaults, name, None)
+
+    checks = {
+        "do_sample": lambda v: v is False,
+        "num_beams": lambda v: v is not None and v > 1,
+        "top_p": lambda v: v is not None and v < 1.0,
+        "top_k": lambda v: v is not None and v > 0,
+        "min_p": lambda v: v is not None and v > 0,
+        "typical_p": lambda v: v is not None and v < 1.0,
+        "epsilon_cutoff": lambda v: v is not None and v > 0,
+        "eta_cutoff": lambda v: v is not None and v > 0,
+        "repetition_penalty": lambda v: v is not None and v != 1.0,
+        "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+        "no_repeat_ngram_size": lambda v: v is not None and v > 0,
+        "min_new_tokens": lambda v: v is not None and v > 0,
+        "bad_words_ids": lambda v: bool(v),
+        "suppress_tokens": lambda v: bool(v),
+        "sequence_bias": lambda v: bool(v),
+        "temperature": lambda v: v is not None and not math.isclose(v, temperature),
+    }
+    return [f"{name}={value(name)!r}" for name, changes in checks.items() if changes(value(name))]
+
+
 def _looks_like_a_path(name: str) -> bool:
     """A hub id is `name` or `org/name`; anything else (`./x`, `/x`, `a/b/c`) was meant as a local path."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
@@ -1282,6 +1503,27 @@ def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
         logger.warning(f"The tokenizer has no pad token; using its EOS token {tokenizer.eos_token!r} for padding.")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+
+
+def cut_completions(
+    completions: torch.Tensor, stop_ids: torch.Tensor, pad_id: int, stop_strings: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each generated row after its first stop token; returns the rows (pad after the end) and their mask.
+
+    With ``stop_strings``, a row without a stop token ends at its last non-pad token: `generate()` fills a row that
+    ended on a stop string with pad tokens, which must not train. Without stop strings nothing else ends a row, and a
+    trailing pad token is one the model sampled (the pad token is not a stop token).
+    """
+    width = completions.shape[1]
+    positions = torch.arange(width, device=completions.device)
+    is_stop = torch.isin(completions, stop_ids)
+    has_stop = is_stop.any(dim=1)
+    length = torch.where(has_stop, is_stop.int().argmax(dim=1) + 1, width)
+    if stop_strings and not bool(torch.isin(torch.tensor([pad_id], device=stop_ids.device), stop_ids)):
+        last_real = torch.where(completions != pad_id, positions + 1, 0).amax(dim=1)
+        length = torch.where(has_stop, length, last_real)
+    mask = positions[None, :] < length[:, None]
+    return torch.where(mask, completions, pad_id), mask.long()
 
 
 def _eos_token_ids(tokenizer, policy) -> list[int]:

@@ -1,0 +1,317 @@
+"""VAPO against TRL's GRPOTrainer at real model sizes: step time split, tokens/s and peak GPU memory.
+
+    .venv/bin/python benchmarks/bench_gpu.py                      # on a CUDA GPU: Qwen2.5-0.5B and -1.5B shapes
+    .venv/bin/python benchmarks/bench_gpu.py --sizes 0.5B --methods vapo-lora,grpo-lora --steps 3
+    .venv/bin/python benchmarks/bench_gpu.py --smoke              # the same code, tiny model, on CPU (a test runs it)
+    .venv/bin/python benchmarks/bench_gpu.py --static-memory --sizes 0.5B     # weight/optimizer bytes, any machine
+
+Models are randomly initialised from configs with the real shapes of Qwen2.5-0.5B and Qwen2.5-1.5B (nothing is
+downloaded), with a byte-level BPE tokenizer trained on the spot (the model keeps Qwen's 151,936-token vocabulary,
+so the LM head costs what it costs). Every run is a fresh subprocess, so peak memory is its own.
+
+Methods, all bf16 (float32 trainable weights, bf16 compute) with gradient checkpointing:
+    vapo-full   VAPOTrainer, full fine-tuning: policy + a separate critic copied from it
+    vapo-lora   VAPOTrainer, LoRA r=16 on all linear layers, the critic a second adapter on the same base
+    grpo-full   TRL GRPOTrainer, full fine-tuning
+    grpo-lora   TRL GRPOTrainer, the same LoRA
+Same batch for all: `--prompts` x `--generations` completions per optimizer step (one rollout per step, micro-batches
+of `--micro-batch`), completions forced to `--completion-length` tokens (`min_new_tokens`), the same reward (a
+hash of the completion, +1/-1: scoring is not what is measured), `beta=0`, lr 1e-6, VAPO without value pretraining.
+
+Printed per method: median step time over the steps after `--warmup`, split into generation, scoring (rewards, and
+the no-grad pass for old log-probs and values, GAE) and update (forward, loss, backward, clipping, optimizer); completion
+tokens per second; peak GPU memory (`torch.cuda.max_memory_allocated`; on CPU, the process's peak RSS), and the
+ratios of VAPO to GRPO in the same mode. Targets (issue "Train correctly on one GPU"): VAPO LoRA peak memory at most
+1.15x GRPO LoRA; a VAPO step at most 1.3x GRPO's at these lengths.
+
+`--static-memory` measures, on whatever device is there (the CPU here), what does not depend on the batch: the bytes
+of the weights (trainable and frozen, by dtype) and of the optimizer state, read off the tensors after one real
+optimizer step (one prompt, two 8-token completions); gradients take the trainable weights' bytes again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method timers as the CPU benchmark)
+
+# Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
+QWEN25 = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+METHODS = ("vapo-full", "vapo-lora", "grpo-full", "grpo-lora")
+PARTS = {
+    "generation": ("generate", "tokenize"),
+    "scoring": ("reward", "old logp/values fwd", "GAE + whiten", "advantages + metrics", "metrics"),
+    "update": ("update forward", "loss", "backward", "grad clip", "optimizer"),
+}
+
+
+def qwen_config(size: str):
+    from transformers import Qwen2Config
+
+    vocab = 2048 if size == "smoke" else 151936
+    return Qwen2Config(
+        vocab_size=vocab, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        use_sliding_window=False, hidden_act="silu", **QWEN25[size],
+    )
+
+
+def byte_level_tokenizer(vocab_size: int = 2000):
+    """A byte-level BPE tokenizer trained on synthetic text, as GPT-2 / Qwen tokenizers are built (smaller)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    corpus = [f"Problem {i}: compute {i} + {7 * i} and simplify x^2 - {i * i}. The answer is {8 * i}." for i in range(3000)]
+    bpe.train_from_iterator(corpus, vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def hash_reward(completions, **kwargs):
+    """+1 or -1 from a hash of the completion: free to compute, so the scoring column measures the trainers."""
+    return [1.0 if hashlib.md5(str(c).encode()).digest()[0] % 2 else -1.0 for c in completions]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker: one method, one size, in this process
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def run_worker(opts) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    cuda = torch.cuda.is_available()
+    timers = _Timers()
+    _instrument(opts.method, timers)
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen_config(opts.size), dtype=torch.bfloat16)
+    prompts = [f"Problem {i}: compute {i} + {3 * i}, then explain." for i in range(opts.prompts * (opts.steps + 1))]
+    dataset = Dataset.from_list([{"prompt": p} for p in prompts])
+    completions = opts.prompts * opts.generations
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix=f"bench_gpu_{opts.method}_"),
+        per_device_train_batch_size=opts.micro_batch,
+        gradient_accumulation_steps=completions // opts.micro_batch,
+        steps_per_generation=completions // opts.micro_batch,
+        num_generations=opts.generations,
+        num_iterations=1,
+        max_completion_length=opts.completion_length,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        generation_kwargs={"min_new_tokens": opts.completion_length},
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        beta=0.0,
+        bf16=True,
+        use_cpu=not cuda,
+        gradient_checkpointing=True,
+        max_steps=opts.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    peft_config = lora if opts.method.endswith("lora") else None
+    if opts.method.startswith("vapo"):
+        from trl_vapo import VAPOConfig, VAPOTrainer
+
+        args = VAPOConfig(**common, value_pretrain_steps=0)
+        trainer = VAPOTrainer(model=model, reward_funcs=hash_reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, peft_config=peft_config)
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        args = GRPOConfig(**common, loss_type="dapo", epsilon_high=0.28, disable_dropout=True, log_completions=False,
+                          mask_truncated_completions=False, use_vllm=False, scale_rewards="group")
+        trainer = GRPOTrainer(model=model, reward_funcs=hash_reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, peft_config=peft_config)
+
+    record: dict = {"step_s": [], "parts": []}
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.last = time.perf_counter()
+            timers.flush()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            record["step_s"].append(now - self.last)
+            record["parts"].append(timers.flush())
+            self.last = now
+
+    trainer.add_callback(StepTimer())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    record["static"] = static_bytes(trainer)
+    record["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    record["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    record["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    record["tokens_per_step"] = completions * opts.completion_length
+    return record
+
+
+def static_bytes(trainer) -> dict[str, int]:
+    """Bytes held whatever the batch: weights by kind and dtype, optimizer state (and gradients: the trainable bytes)."""
+    import torch
+
+    seen, out = set(), {"trainable": 0, "frozen": 0, "trainable_float32": 0, "optimizer_state": 0}
+    for param in trainer.model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        size = param.numel() * param.element_size()
+        out["trainable" if param.requires_grad else "frozen"] += size
+        out["trainable_float32"] += size if param.requires_grad and param.dtype == torch.float32 else 0
+    for state in trainer.optimizer.state.values():
+        out["optimizer_state"] += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    return out
+
+
+def static_table(records: dict) -> str:
+    gib = 2**30
+    header = (f"{'size':6s}{'method':11s}{'frozen GiB':>12s}{'trainable GiB':>15s}{'(float32)':>11s}"
+              f"{'grads GiB':>11s}{'Adam GiB':>10s}{'total GiB':>11s}")
+    lines = [header, "-" * len(header)]
+    for (size, method), r in records.items():
+        s = r["static"]
+        total = s["frozen"] + 2 * s["trainable"] + s["optimizer_state"]
+        lines.append(f"{size:6s}{method:11s}{s['frozen'] / gib:>12.2f}{s['trainable'] / gib:>15.2f}"
+                     f"{'yes' if s['trainable'] == s['trainable_float32'] else 'no':>11s}{s['trainable'] / gib:>11.2f}"
+                     f"{s['optimizer_state'] / gib:>10.2f}{total / gib:>11.2f}")
+    return "\n".join(lines)
+
+
+def summarise(record: dict, warmup: int) -> dict:
+    steps = record["step_s"][warmup:] or record["step_s"]
+    parts = record["parts"][warmup:] or record["parts"]
+    split = {name: statistics.median(sum(p.get(k, 0.0) for k in keys) for p in parts) for name, keys in PARTS.items()}
+    median = statistics.median(steps)
+    return {"step_s": median, **split, "tokens_per_s": record["tokens_per_step"] / median,
+            "peak_gib": record["peak_bytes"] / 2**30, "trainable": record["trainable"], "device": record["device"]}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def launch(opts, size: str, method: str) -> dict:
+    result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    cmd = [sys.executable, __file__, "--worker", "--size", size, "--method", method, "--result", result]
+    for key in ("steps", "prompts", "generations", "completion_length", "micro_batch"):
+        cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
+           "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"worker {size}/{method} failed (exit {proc.returncode})")
+    with open(result) as f:
+        record = json.load(f)
+    os.unlink(result)
+    return record
+
+
+def table(results: dict, sizes: list[str], methods: list[str]) -> str:
+    header = (f"{'size':6s}{'method':11s}{'trainable':>14s}{'step s':>9s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}"
+              f"{'tok/s':>9s}{'peak GiB':>10s}{'step/GRPO':>11s}{'mem/GRPO':>10s}")
+    lines = [header, "-" * len(header)]
+    for size in sizes:
+        for method in methods:
+            r = results[(size, method)]
+            base = results.get((size, "grpo-" + method.split("-")[1]))
+            step_ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
+            mem_ratio = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if base else "-"
+            lines.append(
+                f"{size:6s}{method:11s}{r['trainable']:>14,d}{r['step_s']:>9.2f}{r['generation']:>8.2f}"
+                f"{r['scoring']:>9.2f}{r['update']:>10.2f}{r['tokens_per_s']:>9.0f}{r['peak_gib']:>10.2f}"
+                f"{step_ratio:>11s}{mem_ratio:>10s}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="0.5B,1.5B")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (= rollouts)")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--completion-length", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=8, help="per_device_train_batch_size")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 prompts x 2, 8 tokens, 2 steps: on CPU")
+    parser.add_argument("--static-memory", action="store_true", help="weights and optimizer bytes after one tiny step")
+    parser.add_argument("--json", help="also write the summaries here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.worker:
+        record = run_worker(opts)
+        Path(opts.result).write_text(json.dumps(record))
+        return
+    if opts.smoke:
+        opts.sizes, opts.prompts, opts.generations, opts.completion_length = "smoke", 2, 2, 8
+        opts.micro_batch, opts.steps, opts.warmup = 2, 2, 1
+    if opts.static_memory:
+        opts.prompts, opts.generations, opts.completion_length, opts.micro_batch, opts.steps = 1, 2, 8, 2, 1
+
+    import platform
+
+    import torch
+    import transformers
+    import trl
+
+    sizes, methods = opts.sizes.split(","), opts.methods.split(",")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"trl {trl.__version__}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    print(f"per step: {opts.prompts} prompts x {opts.generations} completions of {opts.completion_length} tokens, "
+          f"micro-batch {opts.micro_batch}; {opts.steps} steps per run, first {opts.warmup} left out; bf16, "
+          "gradient checkpointing")
+    results, records, started = {}, {}, time.time()
+    for size in sizes:
+        for method in methods:
+            records[(size, method)] = launch(opts, size, method)
+            results[(size, method)] = summarise(records[(size, method)], opts.warmup)
+            print(f"  [{time.time() - started:5.0f}s] {size} {method}: {results[(size, method)]['step_s']:.2f} s/step",
+                  flush=True)
+    print()
+    print(static_table(records) if opts.static_memory else table(results, sizes, methods))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({f"{s}/{m}": r for (s, m), r in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Training as users run it on one GPU, reproduced on the CPU: gradient checkpointing, bf16 mixed precision, QLoRA.
+
+bf16 runs here through `use_cpu=True, bf16=True` (CPU autocast): the same code path as CUDA autocast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import BitsAndBytesConfig
+
+from trl_vapo import VAPOConfig, VAPOTrainer
+
+from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs
+
+
+def lora_config() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def decoder_layers(trainer) -> list[torch.nn.Module]:
+    """The decoder layers that run with gradients: the policy's, and the separate critic's when there is one."""
+    model = trainer.actor_critic
+    policy = model.policy.get_base_model() if hasattr(model.policy, "get_base_model") else model.policy
+    layers = list(policy.model.layers)
+    if model.critic is not None:
+        layers += list(model.critic.model.layers)
+    return layers
+
+
+def counting(forward, calls: list[int]):
+    def counted(*args, **kwargs):
+        calls[0] += torch.is_grad_enabled()
+        return forward(*args, **kwargs)
+
+    return counted
+
+
+def trainable(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Gradient checkpointing
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])
+def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(tiny_model_dir, tmp_path, lora):
+    """Same greedy rollouts, same optimizer steps (value pretraining, then RL with two steps per rollout): identical
+    weights with and without checkpointing, and with it every decoder layer runs forward twice per update (once
+    more in backward). With the shared-base critic this holds only if the recomputation replays each layer under the
+    adapter (policy or critic) that ran its forward."""
+
+    def run(checkpointing: bool):
+        args = make_args(
+            tmp_path / f"gc-{checkpointing}", max_steps=2, value_pretrain_steps=1, per_device_train_batch_size=8,
+            steps_per_generation=2, gradient_checkpointing=checkpointing, generation_kwargs={"do_sample": False},
+        )
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+            peft_config=lora_config() if lora else None,
+        )
+        calls = [0]
+        for layer in decoder_layers(trainer):
+            # Count the MLP's forward itself: module hooks do not fire in torch's checkpoint recomputation.
+            layer.mlp.forward = counting(layer.mlp.forward, calls)
+        trainer.train()
+        return trainable(trainer), calls[0], trainer.actor_critic.is_gradient_checkpointing
+
+    plain, plain_calls, plain_on = run(False)
+    checkpointed, checkpointed_calls, on = run(True)
+    assert on and not plain_on
+    assert checkpointed_calls == 2 * plain_calls > 0
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_reentrant_checkpointing_with_the_shared_base_critic_is_refused(tiny_model_dir, tmp_path):
+    args = make_args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        peft_config=lora_config(),
+    )
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        trainer.train()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Mixed precision: float32 weights, bf16 compute
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])
+def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(tiny_model_dir, tmp_path, lora):
+    args = make_args(
+        tmp_path, bf16=True, use_cpu=True, model_init_kwargs={"dtype": "bfloat16"}, learning_rate=1e-6,
+        critic_learning_rate=2e-6, max_steps=2,
+    )
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        peft_config=lora_config() if lora else None,
+    )
+    model = trainer.actor_critic
+    before = trainable(trainer)
+    assert before and all(p.dtype == torch.float32 for p in before.values())
+    assert {n for n in before if "value_head" in n or "score" in n}, "the value head is trainable"
+    if lora:  # the frozen base stays in bf16
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+
+    compute_dtypes = []
+    decoder_layers(trainer)[0].mlp.gate_proj.register_forward_hook(
+        lambda module, inputs, output: compute_dtypes.append(output.dtype)
+    )
+    trainer.train()
+    assert set(compute_dtypes) == {torch.bfloat16}, "the layers compute in bf16 under autocast"
+
+    after = trainable(trainer)
+    moved = sum(int((after[n] != before[n]).sum()) for n in before)
+    total = sum(p.numel() for p in before.values())
+    assert moved / total > 0.95, f"only {moved}/{total} trainable weights moved at lr 1e-6"
+    # Stored in bf16, almost none of these updates would have survived the rounding (weights not near zero, that is:
+    # LoRA's B starts at zero, where bf16 still resolves steps of 1e-6).
+    large = {n: before[n].abs() > 1e-3 for n in before}
+    kept_in_bf16 = sum(int(((after[n].bfloat16() != before[n].bfloat16()) & large[n]).sum()) for n in before)
+    assert kept_in_bf16 / sum(int(m.sum()) for m in large.values()) < 0.05
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# QLoRA: 4-bit base, shared-base critic
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def qlora_args(tmp_path, **overrides) -> VAPOConfig:
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    return make_args(
+        tmp_path, bf16=True, use_cpu=True, gradient_checkpointing=True, value_pretrain_steps=1, max_steps=2,
+        model_init_kwargs={"quantization_config": quantization}, **overrides,
+    )
+
+
+def test_qlora_trains_both_adapters_and_the_value_head_on_a_4bit_base(tiny_model_dir, tmp_path):
+    import bitsandbytes as bnb
+
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=qlora_args(tmp_path),
+        train_dataset=prompts_dataset(), peft_config=lora_config(),
+    )
+    model = trainer.actor_critic
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.policy.modules())
+    before = trainable(trainer)
+    trainer.train()
+    after = trainable(trainer)
+    for side in (".default.", ".critic.", "value_head."):
+        names = [n for n in before if side in n]
+        assert names and any(not torch.equal(before[n], after[n]) for n in names), f"{side} did not train"
+    assert all(p.dtype == torch.float32 for p in after.values())
+    assert all("grad_norm/policy" in h and "grad_norm/critic" in h for h in rl_logs(trainer))
+
+
+def test_qlora_without_adapters_or_without_bitsandbytes_fails_before_loading(tmp_path, monkeypatch):
+    args = qlora_args(tmp_path)
+    with pytest.raises(ValueError, match="pass a peft_config"):
+        VAPOTrainer(model="no/such-model", reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what `import bitsandbytes` meets where it is missing
+    with pytest.raises(ImportError, match="pip install bitsandbytes"):
+        VAPOTrainer(
+            model="no/such-model", reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+            peft_config=lora_config(),
+        )

@@ -1,0 +1,167 @@
+"""What the training loop needs from DeepSpeed ZeRO and FSDP2 beyond what accelerate hands it.
+
+* **Per-side gradient clipping under ZeRO.** VAPO clips the actor's and the critic's gradients separately, so a
+  spike in one never shrinks the other's update; DeepSpeed only clips the global norm of everything. Under ZeRO
+  each rank holds a disjoint partition of every gradient after the step's last backward, so a side's norm is the
+  square root of the summed squares over ranks (one all-reduce of a scalar), and clipping scales each rank's
+  partition in place. DeepSpeed's own ``gradient_clipping`` is then switched off.
+* **Adam's step count across value pretraining.** The actor receives zero gradients while the critic pretrains (ZeRO
+  steps every parameter group); its moments stay zero but its step count grows, and the missing bias correction
+  would make its first RL updates up to ~6x too large. The count is reset when RL starts.
+* **Generation under FSDP2.** ``fully_shard`` gathers the root module's own parameters (embeddings, final norm, LM
+  head) in the root's forward hook; ``policy.generate`` bypasses that forward, so they are gathered around it (and
+  the root is initialised as the root first, through FSDP2's private ``_lazy_init``).
+
+The ZeRO partitions are reached through DeepSpeed's ``safe_get_local_grad`` / ``safe_set_local_grad`` (ZeRO-3)
+and each parameter's ``_hp_mapping`` fragment (ZeRO-1/2, what DeepSpeed's own ``safe_get_full_grad`` reads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def _zero3_fragment(param: nn.Parameter) -> Iterator[torch.Tensor | None]:
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+    fragment = safe_get_local_grad(param)  # a float32 copy of this rank's partition
+    yield fragment
+    if fragment is not None:
+        safe_set_local_grad(param, fragment)
+
+
+@contextlib.contextmanager
+def _zero12_fragment(param: nn.Parameter) -> Iterator[torch.Tensor | None]:
+    mapping = getattr(param, "_hp_mapping", None)
+    yield None if mapping is None else mapping.get_lp_grad_fragment(param._index_in_param_group)  # a view
+
+
+def deepspeed_local_gradients(params: Iterable[nn.Parameter]) -> Iterator[torch.Tensor]:
+    """This rank's partition of each parameter's gradient, between the step's last backward and the engine's step.
+
+    Writes to the yielded tensors (in place) reach DeepSpeed's gradient buffers.
+    """
+    for param in params:
+        fragment_of = _zero3_fragment if hasattr(param, "ds_id") else _zero12_fragment
+        with fragment_of(param) as fragment:
+            if fragment is not None and fragment.numel() > 0:
+                yield fragment
+
+
+def clip_deepspeed_gradients_(
+    params: list[nn.Parameter], max_norm: float | None, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The gradient norm of ``params`` over all ranks, clipped in place to ``max_norm`` (None: not clipped).
+
+        norm = sqrt(sum over ranks of sum |g_partition|^2);   g <- g * min(1, max_norm / (norm + 1e-6))
+
+    the same rule (and epsilon) as ``torch.nn.utils.clip_grad_norm_``. Returns the norm before clipping.
+    """
+    squares = torch.zeros((), dtype=torch.float32)
+    for fragment in deepspeed_local_gradients(params):
+        squares = squares.to(fragment.device) + fragment.float().pow(2).sum()
+    norm = all_reduce_sum(squares).sqrt()
+    if max_norm is not None and torch.isfinite(norm):
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if coefficient < 1.0:
+            for fragment in deepspeed_local_gradients(params):
+                fragment.mul_(coefficient.to(fragment.device, fragment.dtype))
+    return norm
+
+
+def reset_adam_step(optimizer: torch.optim.Optimizer, group_name: str) -> None:
+    """Zero the step count of the parameter groups named ``group_name``.
+
+    Wrappers are unwrapped (accelerate's > DeepSpeed's ZeRO optimizer > the torch optimizer holding the state);
+    ZeRO-3 keeps each group's flat float32 shards outside ``param_groups`` between steps, so they are looked up in
+    its sub-group table.
+    """
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None:
+        chain.append(chain[-1].optimizer)
+    inner = chain[-1]
+    groups = {i for i, group in enumerate(inner.param_groups) if group.get("name") == group_name}
+    params = [param for i in groups for param in inner.param_groups[i]["params"]]
+    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
+    if zero3 is not None:
+        params += [
+            flat for i, flat in enumerate(zero3.fp32_partitioned_groups_flat) if zero3.sub_group_to_group_id[i] in groups
+        ]
+    for param in params:
+        state = inner.state.get(param, {})
+        if "step" in state:
+            step = state["step"]
+            state["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
+
+
+@contextlib.contextmanager
+def fsdp2_unsharded(model: nn.Module) -> Iterator[None]:
+    """Gather an FSDP2 root module's own parameters for the duration (no-op for anything else); the decoder layers
+    gather theirs in their own forward hooks."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        yield
+        return
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    # FSDP2 takes the first module to run forward as the root; `generate` would run the decoder layers first and
+    # make them roots, which the real root's first forward then refuses. Initialise the real root now.
+    model._get_fsdp_state()._lazy_init()
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+@contextlib.contextmanager
+def whole_models_under_zero3(hf_deepspeed_config) -> Iterator[None]:
+    """Build models whole, not partitioned, while a ZeRO-3 config is active (no-op otherwise).
+
+    transformers builds every model inside DeepSpeed's ``zero.Init`` once a ZeRO-3 ``TrainingArguments`` exists,
+    which partitions the weights as they are created: the critic could then not copy the policy's weights, and the
+    policy's fingerprint would read empty shards. Built whole, both are partitioned when the DeepSpeed engine starts.
+    """
+    from transformers.integrations.deepspeed import (
+        is_deepspeed_zero3_enabled,
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    if hf_deepspeed_config is None or not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(hf_deepspeed_config)
+
+
+def is_zero3_partitioned(model: nn.Module) -> bool:
+    """Whether ``model``'s weights were created partitioned by ZeRO-3's ``zero.Init``."""
+    return any(hasattr(param, "ds_id") for param in model.parameters())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) weights of an FSDP2 model on the main process, on the CPU; None when not sharded.
+
+    A collective: every rank calls it. Reading unsharded parameters directly does not work under FSDP2: its
+    ``state_dict`` hooks reshard them first.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    if not isinstance(model, FSDPModule):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
