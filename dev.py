@@ -2,7 +2,7 @@
 """Set up a virtual environment and run the demo or the tests.
 
     python3 dev.py demo [args...]   # the main job: the offline VAPO demo (`trl-vapo train`; args override it)
-    python3 dev.py test [args...]   # the test suite (extra args go to pytest)
+    python3 dev.py test [args...]   # ruff, then the test suite (extra args go to pytest)
 
 Needs nothing but Python 3.10+. The first run creates `.venv`, installs PyTorch when none is importable
 (`torch==2.13.0`), then this package with its `dev` extra. Later runs skip every step that is already done.
@@ -62,6 +62,11 @@ def main(argv: list[str]) -> int:
     if command == "demo":
         cmd = [str(BIN / "trl-vapo"), "train", *rest]
     else:
+        # Lint first (seconds), so that the code stays ruff-clean; then the test suite.
+        lint = [str(PYTHON), "-m", "ruff", "check", "."]
+        print("+", " ".join(lint), flush=True)
+        if subprocess.run(lint, cwd=ROOT).returncode != 0:
+            return 1
         cmd = [str(PYTHON), "-m", "pytest", *rest]
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT).returncode

@@ -19,10 +19,10 @@ of `--micro-batch`), completions forced to `--completion-length` tokens (`min_ne
 hash of the completion, +1/-1: scoring is not what is measured), `beta=0`, lr 1e-6, VAPO without value pretraining.
 
 Printed per method: median step time over the steps after `--warmup`, split into generation, scoring (rewards, and
-the no-grad pass for old log-probs and values, GAE) and update (forward, loss, backward, clipping, optimizer); completion
-tokens per second; peak GPU memory (`torch.cuda.max_memory_allocated`; on CPU, the process's peak RSS), and the
-ratios of VAPO to GRPO in the same mode. Targets (issue "Train correctly on one GPU"): VAPO LoRA peak memory at most
-1.15x GRPO LoRA; a VAPO step at most 1.3x GRPO's at these lengths.
+the no-grad pass for old log-probs and values, GAE) and update (forward, loss, backward, clipping, optimizer);
+completion tokens per second; peak GPU memory (`torch.cuda.max_memory_allocated`; on CPU, the process's peak RSS), and
+the ratios of VAPO to GRPO in the same mode. Targets (issue "Train correctly on one GPU"): VAPO LoRA peak memory at
+most 1.15x GRPO LoRA; a VAPO step at most 1.3x GRPO's at these lengths.
 
 `--static-memory` measures, on whatever device is there (the CPU here), what does not depend on the batch: the bytes
 of the weights (trainable and frozen, by dtype) and of the optimizer state, read off the tensors after one real
@@ -50,12 +50,15 @@ from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method t
 
 # Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
 QWEN25 = {
-    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
+    "0.5B": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "1.5B": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
+    "smoke": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 METHODS = ("vapo-full", "vapo-lora", "grpo-full", "grpo-lora")
 PARTS = {
@@ -70,8 +73,14 @@ def qwen_config(size: str):
 
     vocab = 2048 if size == "smoke" else 151936
     return Qwen2Config(
-        vocab_size=vocab, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        use_sliding_window=False, hidden_act="silu", **QWEN25[size],
+        vocab_size=vocab,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        hidden_act="silu",
+        **QWEN25[size],
     )
 
 
@@ -81,7 +90,9 @@ def byte_level_tokenizer(vocab_size: int = 2000):
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    corpus = [f"Problem {i}: compute {i} + {7 * i} and simplify x^2 - {i * i}. The answer is {8 * i}." for i in range(3000)]
+    corpus = [
+        f"Problem {i}: compute {i} + {7 * i} and simplify x^2 - {i * i}. The answer is {8 * i}." for i in range(3000)
+    ]
     bpe.train_from_iterator(corpus, vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>"])
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
@@ -91,9 +102,9 @@ def hash_reward(completions, **kwargs):
     return [1.0 if hashlib.md5(str(c).encode()).digest()[0] % 2 else -1.0 for c in completions]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Worker: one method, one size, in this process
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def run_worker(opts) -> dict:
@@ -143,15 +154,35 @@ def run_worker(opts) -> dict:
         from trl_vapo import VAPOConfig, VAPOTrainer
 
         args = VAPOConfig(**common, value_pretrain_steps=0)
-        trainer = VAPOTrainer(model=model, reward_funcs=hash_reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, peft_config=peft_config)
+        trainer = VAPOTrainer(
+            model=model,
+            reward_funcs=hash_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
     else:
         from trl import GRPOConfig, GRPOTrainer
 
-        args = GRPOConfig(**common, loss_type="dapo", epsilon_high=0.28, disable_dropout=True, log_completions=False,
-                          mask_truncated_completions=False, use_vllm=False, scale_rewards="group")
-        trainer = GRPOTrainer(model=model, reward_funcs=hash_reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, peft_config=peft_config)
+        args = GRPOConfig(
+            **common,
+            loss_type="dapo",
+            epsilon_high=0.28,
+            disable_dropout=True,
+            log_completions=False,
+            mask_truncated_completions=False,
+            use_vllm=False,
+            scale_rewards="group",
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=hash_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
 
     record: dict = {"step_s": [], "parts": []}
 
@@ -173,7 +204,9 @@ def run_worker(opts) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     record["static"] = static_bytes(trainer)
-    record["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    record["peak_bytes"] = (
+        torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     record["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     record["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     record["tokens_per_step"] = completions * opts.completion_length
@@ -181,7 +214,8 @@ def run_worker(opts) -> dict:
 
 
 def static_bytes(trainer) -> dict[str, int]:
-    """Bytes held whatever the batch: weights by kind and dtype, optimizer state (and gradients: the trainable bytes)."""
+    """Bytes held whatever the batch: weights by kind and dtype, optimizer state (and gradients: the trainable
+    bytes)."""
     import torch
 
     seen, out = set(), {"trainable": 0, "frozen": 0, "trainable_float32": 0, "optimizer_state": 0}
@@ -199,15 +233,19 @@ def static_bytes(trainer) -> dict[str, int]:
 
 def static_table(records: dict) -> str:
     gib = 2**30
-    header = (f"{'size':6s}{'method':11s}{'frozen GiB':>12s}{'trainable GiB':>15s}{'(float32)':>11s}"
-              f"{'grads GiB':>11s}{'Adam GiB':>10s}{'total GiB':>11s}")
+    header = (
+        f"{'size':6s}{'method':11s}{'frozen GiB':>12s}{'trainable GiB':>15s}{'(float32)':>11s}"
+        f"{'grads GiB':>11s}{'Adam GiB':>10s}{'total GiB':>11s}"
+    )
     lines = [header, "-" * len(header)]
     for (size, method), r in records.items():
         s = r["static"]
         total = s["frozen"] + 2 * s["trainable"] + s["optimizer_state"]
-        lines.append(f"{size:6s}{method:11s}{s['frozen'] / gib:>12.2f}{s['trainable'] / gib:>15.2f}"
-                     f"{'yes' if s['trainable'] == s['trainable_float32'] else 'no':>11s}{s['trainable'] / gib:>11.2f}"
-                     f"{s['optimizer_state'] / gib:>10.2f}{total / gib:>11.2f}")
+        lines.append(
+            f"{size:6s}{method:11s}{s['frozen'] / gib:>12.2f}{s['trainable'] / gib:>15.2f}"
+            f"{'yes' if s['trainable'] == s['trainable_float32'] else 'no':>11s}{s['trainable'] / gib:>11.2f}"
+            f"{s['optimizer_state'] / gib:>10.2f}{total / gib:>11.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -216,13 +254,19 @@ def summarise(record: dict, warmup: int) -> dict:
     parts = record["parts"][warmup:] or record["parts"]
     split = {name: statistics.median(sum(p.get(k, 0.0) for k in keys) for p in parts) for name, keys in PARTS.items()}
     median = statistics.median(steps)
-    return {"step_s": median, **split, "tokens_per_s": record["tokens_per_step"] / median,
-            "peak_gib": record["peak_bytes"] / 2**30, "trainable": record["trainable"], "device": record["device"]}
+    return {
+        "step_s": median,
+        **split,
+        "tokens_per_s": record["tokens_per_step"] / median,
+        "peak_gib": record["peak_bytes"] / 2**30,
+        "trainable": record["trainable"],
+        "device": record["device"],
+    }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Driver
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def launch(opts, size: str, method: str) -> dict:
@@ -230,8 +274,13 @@ def launch(opts, size: str, method: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--size", size, "--method", method, "--result", result]
     for key in ("steps", "prompts", "generations", "completion_length", "micro_batch"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
-           "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_OFFLINE": "1",
+    }
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
@@ -243,8 +292,10 @@ def launch(opts, size: str, method: str) -> dict:
 
 
 def table(results: dict, sizes: list[str], methods: list[str]) -> str:
-    header = (f"{'size':6s}{'method':11s}{'trainable':>14s}{'step s':>9s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}"
-              f"{'tok/s':>9s}{'peak GiB':>10s}{'step/GRPO':>11s}{'mem/GRPO':>10s}")
+    header = (
+        f"{'size':6s}{'method':11s}{'trainable':>14s}{'step s':>9s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}"
+        f"{'tok/s':>9s}{'peak GiB':>10s}{'step/GRPO':>11s}{'mem/GRPO':>10s}"
+    )
     lines = [header, "-" * len(header)]
     for size in sizes:
         for method in methods:
@@ -295,18 +346,24 @@ def main(argv: list[str] | None = None) -> None:
     import trl
 
     sizes, methods = opts.sizes.split(","), opts.methods.split(",")
-    print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"trl {trl.__version__}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    print(f"per step: {opts.prompts} prompts x {opts.generations} completions of {opts.completion_length} tokens, "
-          f"micro-batch {opts.micro_batch}; {opts.steps} steps per run, first {opts.warmup} left out; bf16, "
-          "gradient checkpointing")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"trl {trl.__version__}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
+    )
+    print(
+        f"per step: {opts.prompts} prompts x {opts.generations} completions of {opts.completion_length} tokens, "
+        f"micro-batch {opts.micro_batch}; {opts.steps} steps per run, first {opts.warmup} left out; bf16, "
+        "gradient checkpointing"
+    )
     results, records, started = {}, {}, time.time()
     for size in sizes:
         for method in methods:
             records[(size, method)] = launch(opts, size, method)
             results[(size, method)] = summarise(records[(size, method)], opts.warmup)
-            print(f"  [{time.time() - started:5.0f}s] {size} {method}: {results[(size, method)]['step_s']:.2f} s/step",
-                  flush=True)
+            print(
+                f"  [{time.time() - started:5.0f}s] {size} {method}: {results[(size, method)]['step_s']:.2f} s/step",
+                flush=True,
+            )
     print()
     print(static_table(records) if opts.static_memory else table(results, sizes, methods))
     if opts.json:

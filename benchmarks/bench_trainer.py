@@ -41,9 +41,9 @@ MODELS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Worker: one training run in this process
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class _Timers:
@@ -90,6 +90,7 @@ def _instrument(kind: str, timers: _Timers) -> None:
     import trl.trainer.grpo_trainer as grpo_module
 
     import trl_vapo.modeling as modeling
+    import trl_vapo.scoring as scoring
     import trl_vapo.trainer as vapo_module
 
     # Shared by both trainers.
@@ -100,13 +101,12 @@ def _instrument(kind: str, timers: _Timers) -> None:
         T = vapo_module.VAPOTrainer
         timers.wrap(T, "_tokenize_prompts", "tokenize")
         timers.wrap(T, "_generate", "generate")
-        timers.wrap(T, "_score", "reward")
+        timers.wrap(scoring.RewardScorer, "score", "reward")
         timers.wrap(modeling.ActorCritic, "forward", lambda grad: "update forward" if grad else "old logp/values fwd")
-        for name in ("compute_gae", "length_adaptive_lambda", "masked_whiten"):
+        for name in ("decoupled_gae", "masked_whiten", "terminal_rewards"):
             timers.wrap(vapo_module, name, "GAE + whiten")
-        for name in ("policy_loss", "value_loss", "positive_nll_loss"):
-            timers.wrap(vapo_module, name, "loss")
-        timers.wrap(T, "_rollout_metrics", "metrics")
+        timers.wrap(vapo_module, "vapo_loss", "loss")
+        timers.wrap(vapo_module, "rollout_metrics", "metrics")
         timers.wrap(T, "_record_step", "metrics")
         timers.wrap(T, "_clip_gradients", "grad clip")
         timers.wrap(T, "log", "logging")
@@ -116,8 +116,9 @@ def _instrument(kind: str, timers: _Timers) -> None:
         timers.wrap(G, "_generate_single_turn", "generate")
         timers.wrap(G, "_calculate_rewards", "reward")
         timers.wrap(G, "_generate_and_score_completions", "advantages + metrics")
-        timers.wrap(G, "_get_per_token_logps_and_entropies",
-                    lambda grad: "update forward" if grad else "old logp/values fwd")
+        timers.wrap(
+            G, "_get_per_token_logps_and_entropies", lambda grad: "update forward" if grad else "old logp/values fwd"
+        )
         timers.wrap(G, "_compute_loss", "loss")
         timers.wrap(G, "log", "logging")
 
@@ -238,9 +239,9 @@ def common_args(opts, out_dir: str) -> dict:
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Driver: build models, run interleaved subprocesses, print the table
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _model_dir(name: str, cache: Path) -> str:
@@ -261,10 +262,26 @@ def _model_dir(name: str, cache: Path) -> str:
 
 def _launch(opts, trainer: str, model_dir: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--trainer", trainer, "--model-dir", model_dir]
-    for key in ("steps", "batch_size", "grad_accum", "num_generations", "max_completion_length", "logging_steps", "seed", "terms"):
+    for key in (
+        "steps",
+        "batch_size",
+        "grad_accum",
+        "num_generations",
+        "max_completion_length",
+        "logging_steps",
+        "seed",
+        "terms",
+    ):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_OFFLINE": "1",
+    }
     result_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     cmd += ["--result", result_file]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -309,8 +326,12 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=96)
     parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--terms", type=int, default=6,
-                        help="keep only demo problems with this many terms (same work per step); 0: all sizes")
+    parser.add_argument(
+        "--terms",
+        type=int,
+        default=6,
+        help="keep only demo problems with this many terms (same work per step); 0: all sizes",
+    )
     parser.add_argument("--breakdown", action="store_true", help="also print the per-part step breakdown")
     parser.add_argument("--json", help="write all raw per-step records here")
     # worker-only
@@ -341,9 +362,12 @@ def main() -> None:
         f"{os.getloadavg()[0]:.2f} at start"
     )
     print(
-        f"per step: {opts.batch_size * opts.grad_accum} completions ({opts.batch_size * opts.grad_accum // opts.num_generations} "
+        f"per step: {opts.batch_size * opts.grad_accum} completions "
+        f"({opts.batch_size * opts.grad_accum // opts.num_generations} "
         f"prompts x {opts.num_generations}), batch {opts.batch_size} x grad_accum {opts.grad_accum}, "
-        f"max_completion_length {opts.max_completion_length}, demo prompts with {opts.terms or 'any number of'} terms; {opts.steps} steps per run, first {opts.warmup} dropped, "
+        f"max_completion_length {opts.max_completion_length}, "
+        f"demo prompts with {opts.terms or 'any number of'} terms; "
+        f"{opts.steps} steps per run, first {opts.warmup} dropped, "
         f"{opts.repeats} repeats interleaved"
     )
     raw: dict = defaultdict(list)
@@ -353,7 +377,7 @@ def main() -> None:
     for model in models:
         model_dir = _model_dir(model, cache)
         for r in range(opts.repeats):
-            order = trainers[r % len(trainers):] + trainers[: r % len(trainers)]
+            order = trainers[r % len(trainers) :] + trainers[: r % len(trainers)]
             for trainer in order:
                 record = _launch(opts, trainer, model_dir)
                 want = "value_pretrain" if trainer.startswith("vapo-pretrain") else "rl"
@@ -368,8 +392,10 @@ def main() -> None:
                 )
 
     print()
-    header = f"{'trainer':36s}{'model':10s}{'trainable params':>18s}{'median s/step':>15s}{'ratio vs GRPO':>15s}" \
-             f"{'tokens/step':>13s}{'tokens/s':>10s}{'ratio tok/s':>13s}"
+    header = (
+        f"{'trainer':36s}{'model':10s}{'trainable params':>18s}{'median s/step':>15s}{'ratio vs GRPO':>15s}"
+        f"{'tokens/step':>13s}{'tokens/s':>10s}{'ratio tok/s':>13s}"
+    )
     print(header)
     print("-" * len(header))
     for model in models:
@@ -384,14 +410,19 @@ def main() -> None:
             ratio = f"{med / base_s:.2f}x" if base_s else "-"
             ratio_t = f"{tps / base_t:.2f}x" if base_t else "-"
             label = {"vapo": "VAPO", "grpo": "GRPO", "vapo-pretrain": "VAPO (value pretrain)"}[trainer]
-            print(f"{label:36s}{model:10s}{params[(model, trainer)]:>18,d}{med:>15.3f}{ratio:>15s}{tpst:>13.0f}"
-                  f"{tps:>10.0f}{ratio_t:>13s}")
+            print(
+                f"{label:36s}{model:10s}{params[(model, trainer)]:>18,d}{med:>15.3f}{ratio:>15s}{tpst:>13.0f}"
+                f"{tps:>10.0f}{ratio_t:>13s}"
+            )
         spread = {t: [round(s["median_s"], 3) for s in results[(model, t)]] for t in trainers}
         print(f"  per-repeat medians (s/step): {spread}")
 
     if opts.breakdown:
         for model in models:
-            print(f"\nbreakdown, {model}: seconds per step (exclusive; median over steps, then over repeats), share of the median step")
+            print(
+                f"\nbreakdown, {model}: seconds per step (exclusive; median over steps, then over repeats), "
+                "share of the median step"
+            )
             parts = {k for t in trainers for s in results[(model, t)] for k in s["parts"]}
             print(f"{'part':24s}" + "".join(f"{t:>30s}" for t in trainers))
             for part in sorted(parts, key=lambda p: (p == "other (untimed)", p)):

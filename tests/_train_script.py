@@ -35,7 +35,9 @@ def digit_fraction(completions, **kwargs):
 
 def prompts():
     # Equal-length prompts: no padding, so one process and two compute the same numbers row by row.
-    return Dataset.from_list([{"prompt": f"{a:02d}+{b:02d}=", "answer": str(a + b)} for a in range(10, 18) for b in range(10, 18)])
+    return Dataset.from_list(
+        [{"prompt": f"{a:02d}+{b:02d}=", "answer": str(a + b)} for a in range(10, 18) for b in range(10, 18)]
+    )
 
 
 def force_fsdp2_on_cpu() -> None:
@@ -109,7 +111,10 @@ def main() -> None:
         }
     fsdp = {}
     if args.fsdp2:
-        fsdp = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+        fsdp = {
+            "fsdp": "full_shard",
+            "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        }
     config = VAPOConfig(
         output_dir=args.output_dir,
         deepspeed=deepspeed,
@@ -147,8 +152,11 @@ def main() -> None:
         trainer.save_model(str(Path(args.output_dir) / "final"))
         engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
         if rank == 0:
-            steps = {"trainer": trainer.state.global_step, "deepspeed": engine.global_steps if engine else None,
-                     "distributed_type": str(trainer.accelerator.distributed_type)}
+            steps = {
+                "trainer": trainer.state.global_step,
+                "deepspeed": engine.global_steps if engine else None,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+            }
             (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
 
 

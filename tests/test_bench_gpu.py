@@ -1,4 +1,5 @@
-"""`benchmarks/bench_gpu.py --smoke`: the GPU benchmark's own code, on a tiny Qwen2 model on the CPU, so it cannot rot."""
+"""`benchmarks/bench_gpu.py --smoke`: the GPU benchmark's own code, on a tiny Qwen2 model on the CPU, so it cannot
+rot."""
 
 from __future__ import annotations
 
@@ -12,9 +13,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_benchmark_smoke_prints_the_split_and_the_ratios(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--smoke", "--methods", "vapo-lora,grpo-lora",
-         "--json", str(tmp_path / "out.json")],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_gpu.py"),
+            "--smoke",
+            "--methods",
+            "vapo-lora,grpo-lora",
+            "--json",
+            str(tmp_path / "out.json"),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split()[1]: line.split() for line in result.stdout.splitlines() if line.startswith("smoke ")}

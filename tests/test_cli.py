@@ -61,25 +61,74 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
 
 def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys):
     out = tmp_path / "run"
-    code = main([
-        "train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data),
-        "--prompt_column", "question", "--prompt_format", "chat", "--system_prompt", "Be brief.",
-        "--output_dir", str(out), "--max_steps", "2", "--value_pretrain_steps", "1",
-        "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
-        "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true",
-        "--dataset_test_split", "train", "--eval_num_prompts", "4", "--eval_k", "2",
-    ])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--dataset_name",
+            str(jsonl_data),
+            "--prompt_column",
+            "question",
+            "--prompt_format",
+            "chat",
+            "--system_prompt",
+            "Be brief.",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--value_pretrain_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--report_to",
+            "none",
+            "--logging_steps",
+            "1",
+            "--disable_tqdm",
+            "true",
+            "--dataset_test_split",
+            "train",
+            "--eval_num_prompts",
+            "4",
+            "--eval_k",
+            "2",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "trl-vapo summary" in printed and "held-out avg@2" in printed and str(out) in printed
     assert AutoModelForCausalLM.from_pretrained(out) is not None
     assert (out / "critic" / "config.json").is_file()
 
-    code = main([
-        "eval", "--model", str(out), "--dataset_name", str(jsonl_data), "--dataset_test_split", "train",
-        "--prompt_column", "question", "--prompt_format", "chat", "--k", "2", "--num_prompts", "5",
-        "--max_new_tokens", "8", "--output_json", str(tmp_path / "scores.json"),
-    ])
+    code = main(
+        [
+            "eval",
+            "--model",
+            str(out),
+            "--dataset_name",
+            str(jsonl_data),
+            "--dataset_test_split",
+            "train",
+            "--prompt_column",
+            "question",
+            "--prompt_format",
+            "chat",
+            "--k",
+            "2",
+            "--num_prompts",
+            "5",
+            "--max_new_tokens",
+            "8",
+            "--output_json",
+            str(tmp_path / "scores.json"),
+        ]
+    )
     assert code == 0
     scores = json.loads((tmp_path / "scores.json").read_text())
     assert set(scores) == {"pass@1", "avg@2", "pass@2", "num_problems", "mean_length"}
@@ -105,8 +154,18 @@ def run_cli(*args, cwd=None):
 )
 def test_bad_input_is_a_one_line_error_naming_it(tiny_model_dir, jsonl_data, tmp_path, args, needle):
     result = run_cli(
-        "train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data),
-        "--prompt_column", "question", "--output_dir", str(tmp_path / "out"), "--report_to", "none", *args,
+        "train",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--dataset_name",
+        str(jsonl_data),
+        "--prompt_column",
+        "question",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+        *args,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -119,10 +178,23 @@ def test_bad_input_is_a_one_line_error_naming_it(tiny_model_dir, jsonl_data, tmp
 def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
     """`trl-vapo train` with no model and no data: the bundled model on the built-in task, shortened for CI."""
     out = tmp_path / "demo"
-    code = main([
-        "train", "--output_dir", str(out), "--value_pretrain_steps", "5", "--max_steps", "40",
-        "--eval_num_prompts", "64", "--eval_k", "2", "--disable_tqdm", "true",
-    ])
+    code = main(
+        [
+            "train",
+            "--output_dir",
+            str(out),
+            "--value_pretrain_steps",
+            "5",
+            "--max_steps",
+            "40",
+            "--eval_num_prompts",
+            "64",
+            "--eval_k",
+            "2",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "trl-vapo demo summary" in printed
@@ -138,15 +210,43 @@ def test_accelerate_arguments_relaunch_the_run_on_two_processes(tiny_model_dir, 
     gloo processes); the training flags reach the relaunched command intact."""
     out = tmp_path / "two"
     result = run_cli(
-        "train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data),
-        "--prompt_column", "question", "--output_dir", str(out), "--max_steps", "2", "--value_pretrain_steps", "1",
-        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "6",
-        "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none", "--disable_tqdm", "true",
-        "--num_processes", "2", "--multi_gpu",
+        "train",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--dataset_name",
+        str(jsonl_data),
+        "--prompt_column",
+        "question",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--value_pretrain_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "6",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "3",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--num_processes",
+        "2",
+        "--multi_gpu",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = out / "checkpoint-3"
-    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == ["rng_state_0.safetensors", "rng_state_1.safetensors"]
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == [
+        "rng_state_0.safetensors",
+        "rng_state_1.safetensors",
+    ]
     state = json.loads((checkpoint / "vapo_state.json").read_text())
     assert state["run"]["num_processes"] == 2 and state["run"]["generation_batch_size"] == 8
     assert "trl-vapo summary" in result.stdout

@@ -1,4 +1,5 @@
-"""The VAPO math core against naive per-sequence loops, plus the conventions the spec says implementations get wrong."""
+"""The VAPO math core against naive per-sequence loops, plus the conventions the spec says implementations get
+wrong."""
 
 from __future__ import annotations
 
@@ -10,21 +11,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_vapo.core import (
+    IMPORTANCE_SAMPLING_MODES,
     compute_gae,
+    decoupled_gae,
     explained_variance,
     explained_variance_plateaued,
+    importance_sampling_weights,
     length_adaptive_lambda,
     masked_mean,
     masked_var,
     masked_whiten,
     policy_loss,
     positive_nll_loss,
+    terminal_rewards,
     value_loss,
+    vapo_loss,
 )
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Random padded batches and naive references
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def random_lengths(batch: int, steps: int, generator: torch.Generator) -> torch.Tensor:
@@ -84,9 +90,9 @@ def naive_reward_to_go(rewards, lengths):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # masked statistics
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_masked_mean_var_whiten_match_flat_valid_elements():
@@ -136,9 +142,9 @@ def test_whitening_statistics_pool_over_ranks():
     torch.testing.assert_close(ev_pooled, ev_whole, rtol=1e-5, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # length-adaptive lambda
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_length_adaptive_lambda_formula_and_clamp():
@@ -159,9 +165,9 @@ def test_length_adaptive_lambda_rejects_non_positive_alpha(alpha):
         length_adaptive_lambda(torch.tensor([5]), alpha)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # GAE
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (0.9, 0.0), (1.0, 0.0)])
@@ -227,7 +233,9 @@ def test_gae_ignores_everything_at_padded_positions():
     lengths, mask, rewards, values, _ = random_batch(batch=6, steps=9, seed=8)
     advantages, returns = compute_gae(rewards, values, mask, 1.0, 0.95)
     for fill in (float("nan"), float("inf"), 1e6, -3.0):
-        adv2, ret2 = compute_gae(scramble_padding(rewards, mask, fill), scramble_padding(values, mask, fill), mask, 1.0, 0.95)
+        adv2, ret2 = compute_gae(
+            scramble_padding(rewards, mask, fill), scramble_padding(values, mask, fill), mask, 1.0, 0.95
+        )
         assert torch.equal(advantages, adv2)
         assert torch.equal(returns, ret2)
     assert torch.all(advantages[mask == 0] == 0) and torch.all(returns[mask == 0] == 0)
@@ -243,9 +251,9 @@ def test_gae_does_not_bootstrap_from_the_first_pad_position():
     torch.testing.assert_close(returns, torch.tensor([[0.3, 1.0, 0.0, 0.0]]))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # policy loss
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def naive_policy_loss(logprobs, old_logprobs, advantages, lengths, eps_low, eps_high, loss_type):
@@ -373,7 +381,13 @@ def test_normalizer_makes_micro_batches_sum_to_the_full_batch_loss(loss_type):
     ]
     torch.testing.assert_close(sum(parts), full, rtol=1e-6, atol=1e-6)
     # The naive alternative, a mean per micro-batch, is a different (sequence-count) weighting.
-    per_micro_mean = sum(policy_loss(logprobs[s], old[s], advantages[s], mask[s], 0.2, 0.28, loss_type)[0] for s in (slice(0, 3), slice(3, 5), slice(5, 8))) / 3
+    per_micro_mean = (
+        sum(
+            policy_loss(logprobs[s], old[s], advantages[s], mask[s], 0.2, 0.28, loss_type)[0]
+            for s in (slice(0, 3), slice(3, 5), slice(5, 8))
+        )
+        / 3
+    )
     assert not torch.allclose(per_micro_mean, full)
 
 
@@ -382,9 +396,9 @@ def test_policy_loss_rejects_unknown_loss_type():
         policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.2, "grpo")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # value loss
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def naive_value_loss(values, old_values, returns, lengths, clip):
@@ -423,9 +437,9 @@ def test_value_loss_without_clipping_ignores_old_values():
     assert c > a and stats["vf_clip_frac"] > 0
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # positive-example NLL
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_positive_nll_matches_naive_loop_and_ignores_padding():
@@ -452,13 +466,15 @@ def test_positive_nll_normalizer_spans_micro_batches():
     is_positive = torch.tensor([True, False, True, True, False, True])
     full = positive_nll_loss(logprobs, mask, is_positive)
     count = (mask * is_positive[:, None]).sum()
-    parts = [positive_nll_loss(logprobs[s], mask[s], is_positive[s], normalizer=count) for s in (slice(0, 2), slice(2, 6))]
+    parts = [
+        positive_nll_loss(logprobs[s], mask[s], is_positive[s], normalizer=count) for s in (slice(0, 2), slice(2, 6))
+    ]
     torch.testing.assert_close(sum(parts), full)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # explained variance
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_explained_variance_matches_naive_and_edge_cases():
@@ -469,7 +485,9 @@ def test_explained_variance_matches_naive_and_edge_cases():
     expected = 1 - (g - v).var(unbiased=False) / g.var(unbiased=False)
     assert ev.item() == pytest.approx(expected.item(), rel=1e-5)
     assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
-    assert explained_variance(torch.zeros_like(returns) + masked_mean(returns, mask), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(
+        torch.zeros_like(returns) + masked_mean(returns, mask), returns, mask
+    ).item() == pytest.approx(0.0, abs=1e-6)
     assert torch.isnan(explained_variance(values, torch.ones_like(returns), mask))
     assert torch.equal(ev, explained_variance(scramble_padding(values, mask), scramble_padding(returns, mask), mask))
 
@@ -498,16 +516,137 @@ def test_value_pretraining_stop_rule_compares_window_means_and_skips_nan():
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    st.lists(st.one_of(st.floats(-2, 1), st.just(math.nan)), max_size=30), st.integers(1, 5), st.floats(-0.1, 0.2)
-)
+@given(st.lists(st.one_of(st.floats(-2, 1), st.just(math.nan)), max_size=30), st.integers(1, 5), st.floats(-0.1, 0.2))
 def test_property_stop_rule_matches_naive(readings, window, min_delta):
     assert explained_variance_plateaued(readings, window, min_delta) == naive_plateaued(readings, window, min_delta)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
+# Importance-sampling weights (TRL's vllm_importance_sampling_correction)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _direct_weights(trainer, sampler, mask, mode, clip_max, clip_min) -> list[list[float]]:
+    """TRL's definition, one row and one token at a time."""
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    rows = []
+    for t_row, s_row, m_row in zip(trainer.tolist(), sampler.tolist(), mask.tolist()):
+        diffs = [0.0 if math.isnan((t - s) * m) else (t - s) * m for t, s, m in zip(t_row, s_row, m_row)]
+        ratios = [math.exp(sum(diffs))] if mode.startswith("sequence") else [math.exp(d) for d in diffs]
+        if mode.endswith("truncate"):
+            ratios = [min(max(r, low), high) for r in ratios]
+        else:
+            ratios = [0.0 if r < low or r > high else r for r in ratios]
+        rows.append(ratios)
+    return rows
+
+
+@pytest.mark.parametrize("mode", IMPORTANCE_SAMPLING_MODES)
+@pytest.mark.parametrize("clip_min, clip_max", [(None, 3.0), (0.5, 2.0), (0.8, None)])
+def test_importance_sampling_weights_match_trl_definition(mode, clip_min, clip_max):
+    generator = torch.Generator().manual_seed(0)
+    trainer = -3 * torch.rand(8, 6, generator=generator, dtype=torch.float64)
+    sampler = trainer + 0.4 * torch.randn(8, 6, generator=generator, dtype=torch.float64)
+    sampler[1, 2] = math.nan  # a token vLLM could not score: no correction for it
+    sampler[3], sampler[4] = trainer[3] - 1.2, trainer[4] + 1.2  # ratios e^1.2 > 3 and e^-1.2 < 0.5
+    mask = (torch.rand(8, 6, generator=generator) > 0.2).double()
+    mask[0] = 0  # a completion that does not train
+
+    weights = importance_sampling_weights(trainer, sampler, mask, mode, clip_max, clip_min)
+
+    assert weights.shape == ((8, 1) if mode.startswith("sequence") else (8, 6))
+    assert torch.isfinite(weights).all()
+    expected = torch.tensor(_direct_weights(trainer, sampler, mask, mode, clip_max, clip_min), dtype=torch.float64)
+    torch.testing.assert_close(weights, expected, atol=1e-12, rtol=1e-12)
+    if mode.endswith("mask"):
+        assert (weights == 0).any() and (weights > 0).any()
+    else:
+        assert (weights == (clip_max if clip_max is not None else clip_min)).any()  # a clipped weight
+
+
+def test_importance_sampling_weights_refuse_bad_settings():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="clip_min or clip_max"):
+        importance_sampling_weights(x, x, x + 1, "token_truncate", None, None)
+    with pytest.raises(ValueError, match="token_clip"):
+        importance_sampling_weights(x, x, x + 1, "token_clip")
+
+
+def test_importance_sampling_weights_enter_the_policy_loss_as_trl_applies_them():
+    """TRL multiplies the per-token clipped surrogate by rho, then takes the masked mean (grpo_trainer.py 3146)."""
+    lengths, mask, advantages, logprobs, g = random_batch(batch=5, steps=7, seed=23)
+    old = logprobs + 0.1 * torch.randn(logprobs.shape, generator=g)
+    sampler = old + 0.3 * torch.randn(old.shape, generator=g)
+    for mode in IMPORTANCE_SAMPLING_MODES:
+        rho = importance_sampling_weights(old, sampler, mask, mode, 2.0, 0.5)
+        loss, _ = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, "token", weights=rho)
+        ratio = torch.exp(logprobs - old)
+        surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.28))
+        expected = ((surrogate * rho.expand_as(mask)) * mask).sum() / mask.sum()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5), mode
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two steps the trainer composes: decoupled GAE, and the VAPO loss
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_terminal_rewards_sit_on_the_last_valid_token():
+    mask = mask_from_lengths(torch.tensor([3, 1, 0, 5]), 5)
+    rewards = terminal_rewards(torch.tensor([1.0, -1.0, 7.0, 0.5]), mask)
+    expected = torch.zeros(4, 5)
+    expected[0, 2], expected[1, 0], expected[3, 4] = 1.0, -1.0, 0.5
+    assert torch.equal(rewards, expected)
+
+
+@pytest.mark.parametrize("alpha", [None, 0.3])
+def test_decoupled_gae_is_two_gae_calls_with_the_actor_and_critic_lambdas(alpha):
+    lengths, mask, rewards, values, _ = random_batch(batch=6, steps=9, seed=29)
+    advantages, returns, lam = decoupled_gae(rewards, values, mask, 1.0, 0.9, 1.0, alpha)
+    expected_lam = length_adaptive_lambda(lengths, alpha) if alpha is not None else torch.full((6,), 0.9)
+    torch.testing.assert_close(lam, expected_lam)
+    expected_advantages, _ = naive_gae(rewards, values, lengths, 1.0, expected_lam)
+    _, expected_returns = naive_gae(rewards, values, lengths, 1.0, torch.ones(6))
+    torch.testing.assert_close(advantages.double(), expected_advantages, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(returns.double(), expected_returns, atol=1e-5, rtol=1e-5)
+
+
+def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
+    lengths, mask, advantages, logprobs, g = random_batch(batch=6, steps=8, seed=31)
+    values = torch.randn(mask.shape, generator=g)
+    batch = {
+        "mask": mask,
+        "old_logprobs": logprobs + 0.05 * torch.randn(mask.shape, generator=g),
+        "old_values": values + 0.3 * torch.randn(mask.shape, generator=g),
+        "returns": torch.randn(mask.shape, generator=g),
+        "advantages": advantages,
+        "is_positive": torch.tensor([True, False, True, False, False, True]),
+    }
+    normalizers = {
+        "tokens": mask.sum(),
+        "sequences": (lengths > 0).sum(),
+        "positive_tokens": (mask * batch["is_positive"][:, None]).sum(),
+    }
+    settings = dict(
+        epsilon_low=0.2, epsilon_high=0.28, loss_type="token", nll_coef=0.1, vf_coef=0.5, cliprange_value=0.2
+    )
+    loss, stats = vapo_loss(logprobs, values, batch, normalizers=normalizers, **settings)
+    v, _ = value_loss(values, batch["old_values"], batch["returns"], mask, 0.2)
+    p, _ = policy_loss(logprobs, batch["old_logprobs"], advantages, mask, 0.2, 0.28, "token")
+    nll = positive_nll_loss(logprobs, mask, batch["is_positive"])
+    assert loss.item() == pytest.approx((0.5 * v + p + 0.1 * nll).item(), rel=1e-6)
+    assert stats["loss/value"].item() == pytest.approx(v.item()) and stats["loss/nll"].item() == pytest.approx(
+        nll.item()
+    )
+    # Value pretraining: no policy terms at all.
+    critic_only, stats = vapo_loss(None, values, batch, normalizers=normalizers, **settings)
+    assert critic_only.item() == pytest.approx(0.5 * v.item(), rel=1e-6) and "loss/policy" not in stats
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # property-based: any shape, any right-padded mask
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @st.composite
@@ -545,7 +684,9 @@ def test_property_losses_are_finite_scalars_that_ignore_padding(data, loss_type)
     scrambled, _ = policy_loss(scramble_padding(logprobs, mask), old, advantages, mask, 0.2, 0.28, loss_type)
     assert torch.equal(loss, scrambled)
     if mask.sum() > 0:
-        assert loss.item() == pytest.approx(naive_policy_loss(logprobs, old, advantages, lengths, 0.2, 0.28, loss_type), rel=1e-4, abs=1e-5)
+        assert loss.item() == pytest.approx(
+            naive_policy_loss(logprobs, old, advantages, lengths, 0.2, 0.28, loss_type), rel=1e-4, abs=1e-5
+        )
     else:
         assert loss.item() == 0.0
     v_loss, _ = value_loss(logprobs, old, advantages, mask, 0.2)

@@ -48,9 +48,9 @@ def parse_chain(completion: str) -> tuple[list[tuple[int, int, int]], str | None
     return steps, extract_boxed(boxed_line)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Data
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_generators_are_deterministic_and_seeded():
@@ -129,9 +129,9 @@ def test_build_split_rejects_unknown_split():
         build_split("test", 4)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The shipped cold-start model
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,9 @@ def test_shipped_tokenizer_round_trips_demo_text(shipped):
 def test_shipped_model_answers_in_the_expected_format(shipped):
     model, tokenizer = shipped
     held_out = build_split("held_out", 32)
-    completions, lengths = sample_completions(model, tokenizer, list(held_out["prompt"]), temperature=0.0, max_new_tokens=96)
+    completions, lengths = sample_completions(
+        model, tokenizer, list(held_out["prompt"]), temperature=0.0, max_new_tokens=96
+    )
     boxed = [extract_boxed(completion) for completion in completions]
     assert sum(answer is not None and answer.isdigit() for answer in boxed) >= 0.9 * len(boxed)
     # Every completion stopped at EOS, before the budget ran out.
@@ -170,8 +172,15 @@ def test_shipped_model_leaves_room_for_reinforcement_learning(shipped):
     model, tokenizer = shipped
     torch.manual_seed(0)
     result = evaluate_policy(
-        model, tokenizer, build_split("held_out", 48), math_reward, k=8, temperature=1.0, top_p=1.0,
-        max_new_tokens=96, greedy=False,
+        model,
+        tokenizer,
+        build_split("held_out", 48),
+        math_reward,
+        k=8,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=96,
+        greedy=False,
     )
     assert 0.2 < result.avg_at_k < 0.65
     assert result.pass_at_k > result.avg_at_k + 0.25

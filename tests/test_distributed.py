@@ -22,7 +22,17 @@ from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).parent / "_train_script.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-COMMON = ["--greedy", "--grad-accum", "2", "--max-grad-norm", "0.05", "--max-steps", "4", "--value-pretrain-steps", "2"]
+COMMON = [
+    "--greedy",
+    "--grad-accum",
+    "2",
+    "--max-grad-norm",
+    "0.05",
+    "--max-steps",
+    "4",
+    "--value-pretrain-steps",
+    "2",
+]
 STEPS = 8  # 2 value-pretraining rollouts x 2 steps, then 4 RL steps
 
 
@@ -32,7 +42,10 @@ def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Pat
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
         [*command, "--model", str(model_dir), "--output-dir", str(output_dir), *COMMON, *extra],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return output_dir
@@ -72,7 +85,9 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
 def test_deepspeed_steps_once_per_trainer_step_and_matches_the_run_without_it(
     tiny_model_dir, tmp_path, reference, processes, stage
 ):
-    run = train(tiny_model_dir, tmp_path / "ds", processes, "--deepspeed", str(stage), "--save-final", "--save-steps", "100")
+    run = train(
+        tiny_model_dir, tmp_path / "ds", processes, "--deepspeed", str(stage), "--save-final", "--save-steps", "100"
+    )
     steps = json.loads((run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
     assert_same_training(run, reference)

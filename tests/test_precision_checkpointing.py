@@ -10,11 +10,10 @@ import sys
 import pytest
 import torch
 from peft import LoraConfig
+from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs
 from transformers import BitsAndBytesConfig
 
 from trl_vapo import VAPOConfig, VAPOTrainer
-
-from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs
 
 
 def lora_config() -> LoraConfig:
@@ -43,9 +42,9 @@ def trainable(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if p.requires_grad}
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Gradient checkpointing
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])
@@ -57,11 +56,19 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(tiny_model
 
     def run(checkpointing: bool):
         args = make_args(
-            tmp_path / f"gc-{checkpointing}", max_steps=2, value_pretrain_steps=1, per_device_train_batch_size=8,
-            steps_per_generation=2, gradient_checkpointing=checkpointing, generation_kwargs={"do_sample": False},
+            tmp_path / f"gc-{checkpointing}",
+            max_steps=2,
+            value_pretrain_steps=1,
+            per_device_train_batch_size=8,
+            steps_per_generation=2,
+            gradient_checkpointing=checkpointing,
+            generation_kwargs={"do_sample": False},
         )
         trainer = VAPOTrainer(
-            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=args,
+            train_dataset=prompts_dataset(),
             peft_config=lora_config() if lora else None,
         )
         calls = [0]
@@ -83,26 +90,37 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(tiny_model
 def test_reentrant_checkpointing_with_the_shared_base_critic_is_refused(tiny_model_dir, tmp_path):
     args = make_args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
         peft_config=lora_config(),
     )
     with pytest.raises(ValueError, match="use_reentrant=False"):
         trainer.train()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Mixed precision: float32 weights, bf16 compute
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])
 def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(tiny_model_dir, tmp_path, lora):
     args = make_args(
-        tmp_path, bf16=True, use_cpu=True, model_init_kwargs={"dtype": "bfloat16"}, learning_rate=1e-6,
-        critic_learning_rate=2e-6, max_steps=2,
+        tmp_path,
+        bf16=True,
+        use_cpu=True,
+        model_init_kwargs={"dtype": "bfloat16"},
+        learning_rate=1e-6,
+        critic_learning_rate=2e-6,
+        max_steps=2,
     )
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
         peft_config=lora_config() if lora else None,
     )
     model = trainer.actor_critic
@@ -131,16 +149,22 @@ def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(
     assert kept_in_bf16 / sum(int(m.sum()) for m in large.values()) < 0.05
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # QLoRA: 4-bit base, shared-base critic
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def qlora_args(tmp_path, **overrides) -> VAPOConfig:
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
     return make_args(
-        tmp_path, bf16=True, use_cpu=True, gradient_checkpointing=True, value_pretrain_steps=1, max_steps=2,
-        model_init_kwargs={"quantization_config": quantization}, **overrides,
+        tmp_path,
+        bf16=True,
+        use_cpu=True,
+        gradient_checkpointing=True,
+        value_pretrain_steps=1,
+        max_steps=2,
+        model_init_kwargs={"quantization_config": quantization},
+        **overrides,
     )
 
 
@@ -148,8 +172,11 @@ def test_qlora_trains_both_adapters_and_the_value_head_on_a_4bit_base(tiny_model
     import bitsandbytes as bnb
 
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=qlora_args(tmp_path),
-        train_dataset=prompts_dataset(), peft_config=lora_config(),
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=qlora_args(tmp_path),
+        train_dataset=prompts_dataset(),
+        peft_config=lora_config(),
     )
     model = trainer.actor_critic
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.policy.modules())
@@ -170,6 +197,9 @@ def test_qlora_without_adapters_or_without_bitsandbytes_fails_before_loading(tmp
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what `import bitsandbytes` meets where it is missing
     with pytest.raises(ImportError, match="pip install bitsandbytes"):
         VAPOTrainer(
-            model="no/such-model", reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+            model="no/such-model",
+            reward_funcs=digit_fraction,
+            args=args,
+            train_dataset=prompts_dataset(),
             peft_config=lora_config(),
         )

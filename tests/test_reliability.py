@@ -37,17 +37,26 @@ def dataset(n=32, **extra):
 
 def config(tmp_path, **overrides) -> VAPOConfig:
     settings = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-        max_steps=2, value_pretrain_steps=0, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        value_pretrain_steps=0,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
     )
     settings.update(overrides)
     return VAPOConfig(**settings)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Bad input: a clear error before compute, or a documented handling
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_missing_prompt_column_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):
@@ -59,7 +68,9 @@ def test_missing_prompt_column_names_it_and_lists_the_columns(tiny_model_dir, tm
 def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):
     data = Dataset.from_list([{"prompt": "1+1=", "gold": "2"}] * 8)
     with pytest.raises(ValueError, match=r"math_reward.*'answer'.*'solution'.*gold"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=make_math_reward(), args=config(tmp_path), train_dataset=data)
+        VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=make_math_reward(), args=config(tmp_path), train_dataset=data
+        )
 
     def needs_solution(completions, solution, **kwargs):
         return [0.0] * len(completions)
@@ -70,10 +81,18 @@ def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_m
 
 def test_empty_or_too_small_dataset_gives_the_numbers(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"train_dataset is empty"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
-                    train_dataset=Dataset.from_dict({"prompt": [], "answer": []}))
-    with pytest.raises(ValueError, match=r"has 1 prompts but one rollout needs 2 \(generation_batch_size 8 / num_generations 4\)"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=dataset(1))
+        VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path),
+            train_dataset=Dataset.from_dict({"prompt": [], "answer": []}),
+        )
+    with pytest.raises(
+        ValueError, match=r"has 1 prompts but one rollout needs 2 \(generation_batch_size 8 / num_generations 4\)"
+    ):
+        VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=dataset(1)
+        )
 
 
 def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
@@ -105,7 +124,9 @@ def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir,
     data = Dataset.from_list([{"prompt": ("9" * 30 if i % 4 == 0 else f"{i}+1="), "answer": "1"} for i in range(32)])
     with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
         trainer = VAPOTrainer(
-            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path, max_prompt_length=10),
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path, max_prompt_length=10),
             train_dataset=data,
         )
     warnings = [r.message for r in caplog.records if "max_prompt_length" in r.message]
@@ -116,8 +137,10 @@ def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir,
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
         dropping = VAPOTrainer(
-            model=str(tiny_model_dir), reward_funcs=digit_fraction,
-            args=config(tmp_path, max_prompt_length=10, drop_long_prompts=True), train_dataset=data,
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path, max_prompt_length=10, drop_long_prompts=True),
+            train_dataset=data,
         )
     assert len(dropping.train_dataset) == 24
     assert any("Dropped 8 of 32" in r.message for r in caplog.records)
@@ -133,20 +156,35 @@ def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog):
         return [0.0] * len(completions)
 
     with pytest.raises(ValueError, match="no chat template"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=constant, args=config(tmp_path),
-                    train_dataset=chat, processing_class=no_template)
+        VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=constant,
+            args=config(tmp_path),
+            train_dataset=chat,
+            processing_class=no_template,
+        )
 
     no_eos = AutoTokenizer.from_pretrained(tiny_model_dir)
     no_eos.eos_token = None
     with pytest.raises(ValueError, match="no EOS token"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
-                    train_dataset=dataset(), processing_class=no_eos)
+        VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path),
+            train_dataset=dataset(),
+            processing_class=no_eos,
+        )
 
     no_pad = AutoTokenizer.from_pretrained(tiny_model_dir)
     no_pad.pad_token = None
     with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
-        trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
-                              train_dataset=dataset(), processing_class=no_pad)
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path),
+            train_dataset=dataset(),
+            processing_class=no_pad,
+        )
     assert trainer.processing_class.pad_token == trainer.processing_class.eos_token
     assert sum("no pad token" in r.message for r in caplog.records) == 1
     trainer.train()
@@ -164,7 +202,9 @@ def test_reward_function_that_raises_names_itself_and_the_sample(tiny_model_dir,
             raise KeyError("boom")
         return [0.0] * len(completions)
 
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=breaks_later, args=config(tmp_path), train_dataset=dataset())
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=breaks_later, args=config(tmp_path), train_dataset=dataset()
+    )
     with pytest.raises(RuntimeError, match=r"'breaks_later' raised KeyError.*first failing sample \(#0"):
         trainer.train()
 
@@ -181,7 +221,9 @@ def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_p
     def sometimes_nan(completions, **kwargs):
         return [math.nan if i % 4 == 0 else (math.inf if i % 4 == 1 else 0.5) for i in range(len(completions))]
 
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=sometimes_nan, args=config(tmp_path), train_dataset=dataset())
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=sometimes_nan, args=config(tmp_path), train_dataset=dataset()
+    )
     with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
         trainer.train()
     assert sum("NaN or inf" in r.message for r in caplog.records) == 1
@@ -193,34 +235,62 @@ def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_p
 
 def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
-                    train_dataset=dataset(), value_model=str(tmp_path / "nowhere" / "critic"))
+        VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path),
+            train_dataset=dataset(),
+            value_model=str(tmp_path / "nowhere" / "critic"),
+        )
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match=r"not a value model.*notes.txt"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
-                    train_dataset=dataset(), value_model=str(junk))
+        VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path),
+            train_dataset=dataset(),
+            value_model=str(junk),
+        )
     three = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
     three.save_pretrained(tmp_path / "three")
     with pytest.raises(ValueError, match="num_labels=3"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path),
-                    train_dataset=dataset(), value_model=str(tmp_path / "three"))
+        VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path),
+            train_dataset=dataset(),
+            value_model=str(tmp_path / "three"),
+        )
 
 
 def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_dir, tmp_path):
     from trl_vapo.tiny import save_tiny_model
 
-    first = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction,
-                        args=config(tmp_path, save_strategy="steps", save_steps=1, max_steps=1), train_dataset=dataset())
+    first = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, save_strategy="steps", save_steps=1, max_steps=1),
+        train_dataset=dataset(),
+    )
     first.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
     other_model = save_tiny_model(tmp_path / "bigger", hidden_size=32)
-    second = VAPOTrainer(model=str(other_model), reward_funcs=digit_fraction, args=config(tmp_path, max_steps=2), train_dataset=dataset())
+    second = VAPOTrainer(
+        model=str(other_model),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=2),
+        train_dataset=dataset(),
+    )
     with pytest.raises(ValueError, match="model_config_sha256"):
         second.train(resume_from_checkpoint=str(checkpoint))
-    third = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction,
-                        args=config(tmp_path, max_steps=2, num_generations=8), train_dataset=dataset())
+    third = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=2, num_generations=8),
+        train_dataset=dataset(),
+    )
     with pytest.raises(ValueError, match=r"num_generations: checkpoint 4, this run 8"):
         third.train(resume_from_checkpoint=str(checkpoint))
     with pytest.raises(ValueError, match="not a complete trl-vapo checkpoint"):
@@ -234,18 +304,22 @@ class PoisonedTrainer(VAPOTrainer):
     poisoned: set[int] = set()
 
     def _make_rollout(self, rows, phase):
-        rollout, metrics = super()._make_rollout(rows, phase)
+        rollout = super()._make_rollout(rows, phase)
         self.rollout_index = getattr(self, "rollout_index", -1) + 1
         if self.rollout_index in self.poisoned:
             rollout.old_values = torch.full_like(rollout.old_values, math.nan)
             rollout.returns = torch.full_like(rollout.returns, math.nan)
-        return rollout, metrics
+        return rollout
 
 
 def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
     PoisonedTrainer.poisoned = {1}
-    trainer = PoisonedTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path, max_steps=4),
-                              train_dataset=dataset())
+    trainer = PoisonedTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=4),
+        train_dataset=dataset(),
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert trainer.state.global_step == 4 and trainer.progress.skipped_steps == 1
@@ -260,10 +334,17 @@ def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_pa
     # steps must start there: rates 0, 1/4, 2/4, 3/4 of the learning rate at RL steps 1-4.
     PoisonedTrainer.poisoned = {1}
     args = config(
-        tmp_path, max_steps=4, value_pretrain_steps=2, value_pretrain_patience=None, lr_scheduler_type="linear",
-        warmup_steps=4, learning_rate=1e-3,
+        tmp_path,
+        max_steps=4,
+        value_pretrain_steps=2,
+        value_pretrain_patience=None,
+        lr_scheduler_type="linear",
+        warmup_steps=4,
+        learning_rate=1e-3,
     )
-    trainer = PoisonedTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset())
+    trainer = PoisonedTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset()
+    )
     trainer.train()
     assert trainer.progress.skipped_steps == 1 and trainer.progress.rl_start_step == 2
     rates = [h["learning_rate"] for h in trainer.state.log_history if h.get("phase") == "rl"]
@@ -274,21 +355,27 @@ def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_pa
 def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tiny_model_dir, tmp_path):
     PoisonedTrainer.poisoned = {2, 3, 4, 5}
     args = config(tmp_path, max_steps=8, save_strategy="steps", save_steps=1, nonfinite_loss_patience=3)
-    trainer = PoisonedTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset())
+    trainer = PoisonedTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset()
+    )
     with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row.*checkpoint-\d+, is intact"):
         trainer.train()
     checkpoints = list_checkpoints(tmp_path / "out")
     assert checkpoints[-1].name == "checkpoint-4"  # steps 3 and 4 were skipped but still checkpointed...
     # ... and the last checkpoint holds finite weights and resumes.
-    resumed = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path, max_steps=6),
-                          train_dataset=dataset())
+    resumed = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=6),
+        train_dataset=dataset(),
+    )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6 and all(torch.isfinite(p).all() for p in resumed.model.parameters())
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Faults: nothing lost
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def read_logs(output_dir: Path, rank: int = 0, name: str = "logs") -> list[dict]:
@@ -323,7 +410,9 @@ def script_env():
 
 
 def run_script(*args, timeout=300):
-    return subprocess.run([PYTHON, str(SCRIPT), *args], env=script_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [PYTHON, str(SCRIPT), *args], env=script_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 LONG_RUN = ["--max-steps", "20"]  # value pretraining (2 rollouts x 2 steps), then 20 RL steps: time to die in
@@ -342,7 +431,9 @@ def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny
     out = tmp_path / "killed"
     process = subprocess.Popen(
         [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN],
-        env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=script_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 240
     while not list_checkpoints(out) and time.time() < deadline:  # wait for a first complete checkpoint
@@ -353,7 +444,9 @@ def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     last = list_checkpoints(out)[-1]
 
-    result = run_script("--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed")
+    result = run_script(
+        "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     resumed_from = int(last.name.split("-")[1])
     logs = step_logs(read_logs(out, name="resumed"))
@@ -367,7 +460,9 @@ def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny
     out = tmp_path / "stalled"
     process = subprocess.Popen(
         [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--stall-at", "4"],
-        env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=script_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 240
     while not (out / "stalled").exists() and time.time() < deadline:
@@ -377,7 +472,9 @@ def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny
     process.wait()
     assert (out / ".checkpoint-4.tmp").is_dir() and not (out / "checkpoint-4").exists()
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2"]
-    result = run_script("--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed")
+    result = run_script(
+        "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     logs = step_logs(read_logs(out, name="resumed"))
     assert sorted(logs) == list(range(3, max(reference_run) + 1))
@@ -401,8 +498,13 @@ def test_reward_worker_that_hangs_or_dies_does_not_stop_training(tiny_model_dir,
             for pid in pool.worker_pids():
                 os.kill(pid, signal.SIGKILL)
 
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=math_with_a_power_tower,
-                          args=config(tmp_path, max_steps=3), train_dataset=dataset(), callbacks=[KillWorkers()])
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=math_with_a_power_tower,
+        args=config(tmp_path, max_steps=3),
+        train_dataset=dataset(),
+        callbacks=[KillWorkers()],
+    )
     started = time.time()
     trainer.train()
     assert trainer.state.global_step == 3
@@ -412,22 +514,38 @@ def test_reward_worker_that_hangs_or_dies_does_not_stop_training(tiny_model_dir,
     assert time.time() - started < 60
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Two processes agree with one
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def torchrun(*args, timeout=400):
     return subprocess.run(
         [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args],
-        env=script_env(), capture_output=True, text=True, timeout=timeout,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 COMPARED = [
-    "reward", "reward_std", "accuracy", "completions/mean_length", "value/mean", "value/explained_variance",
-    "advantages/mean", "loss/value", "loss/policy", "loss/nll", "loss", "grad_norm/policy", "grad_norm/critic",
-    "entropy", "approx_kl", "clip_ratio/region_mean",
+    "reward",
+    "reward_std",
+    "accuracy",
+    "completions/mean_length",
+    "value/mean",
+    "value/explained_variance",
+    "advantages/mean",
+    "loss/value",
+    "loss/policy",
+    "loss/nll",
+    "loss",
+    "grad_norm/policy",
+    "grad_norm/critic",
+    "entropy",
+    "approx_kl",
+    "clip_ratio/region_mean",
 ]
 
 
@@ -445,8 +563,16 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
 
     # Checkpoints are written once, with one random-number state per process, and resume on two processes.
     checkpoint = tmp_path / "two" / "checkpoint-4"
-    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == ["rng_state_0.safetensors", "rng_state_1.safetensors"]
-    assert [c.name for c in list_checkpoints(tmp_path / "two")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == [
+        "rng_state_0.safetensors",
+        "rng_state_1.safetensors",
+    ]
+    assert [c.name for c in list_checkpoints(tmp_path / "two")] == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
     for stale in ("checkpoint-6", "checkpoint-8"):
         __import__("shutil").rmtree(tmp_path / "two" / stale)
     resumed = torchrun(*common, "--output-dir", str(tmp_path / "two"), "--resume", "--log-name", "resumed")

@@ -26,9 +26,17 @@ def dataset():
 
 
 def args(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                    max_completion_length=4, max_steps=1, value_pretrain_steps=0, report_to="none", disable_tqdm=True,
-                    save_strategy="no")
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        value_pretrain_steps=0,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+    )
     settings.update(overrides)
     return VAPOConfig(**settings)
 
@@ -76,14 +84,19 @@ def test_pickled_weights_are_never_unpickled(tiny_model_dir, tmp_path):
 
 
 def test_a_tampered_checkpoint_is_not_unpickled(tiny_model_dir, tmp_path):
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=constant,
-                          args=args(tmp_path, save_strategy="steps", save_steps=1), train_dataset=dataset())
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=constant,
+        args=args(tmp_path, save_strategy="steps", save_steps=1),
+        train_dataset=dataset(),
+    )
     trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
     marker = tmp_path / "unpickled"
     torch.save({"state": {}, "param_groups": [Tripwire(marker)]}, checkpoint / "optimizer.pt")
-    resumed = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=constant, args=args(tmp_path, max_steps=2),
-                          train_dataset=dataset())
+    resumed = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=constant, args=args(tmp_path, max_steps=2), train_dataset=dataset()
+    )
     with pytest.raises(Exception, match="[Ww]eights only load failed"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
     assert not marker.exists()
@@ -129,13 +142,38 @@ def test_a_local_run_makes_no_network_call(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(16)))
     log = tmp_path / "network.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "DISABLE_TELEMETRY"))}
-    env.update({"PYTHONPATH": str(guard), "NETWORK_LOG": str(log), "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")})
+    env.update(
+        {"PYTHONPATH": str(guard), "NETWORK_LOG": str(log), "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    )
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "trl-vapo"), "train", "--model_name_or_path", str(tiny_model_dir),
-         "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
-         "--value_pretrain_steps", "0", "--per_device_train_batch_size", "8", "--num_generations", "4",
-         "--max_completion_length", "4", "--report_to", "none", "--disable_tqdm", "true"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            str(Path(sys.executable).parent / "trl-vapo"),
+            "train",
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+            "--value_pretrain_steps",
+            "0",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "4",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert not log.exists(), f"network calls: {log.read_text()}"

@@ -20,11 +20,29 @@ from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adap
 
 # Metrics the issue requires at every logging step (RL phase).
 REQUIRED_METRICS = [
-    "reward", "reward_std", "rewards/digit_fraction/mean", "rewards/digit_fraction/std", "accuracy",
-    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-    "loss/value", "value/explained_variance", "value/mean", "advantages/mean", "lambda_actor/mean",
-    "clip_ratio/low_mean", "clip_ratio/high_mean", "approx_kl", "entropy", "loss/nll", "positive_fraction",
-    "learning_rate", "critic_learning_rate", "phase",
+    "reward",
+    "reward_std",
+    "rewards/digit_fraction/mean",
+    "rewards/digit_fraction/std",
+    "accuracy",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "loss/value",
+    "value/explained_variance",
+    "value/mean",
+    "advantages/mean",
+    "lambda_actor/mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "approx_kl",
+    "entropy",
+    "loss/nll",
+    "positive_fraction",
+    "learning_rate",
+    "critic_learning_rate",
+    "phase",
 ]
 
 
@@ -73,23 +91,25 @@ class CapturingTrainer(VAPOTrainer):
     """Keeps every rollout it trains on, so tests can recompute what the losses should have been."""
 
     def _make_rollout(self, rows, phase):
-        rollout, metrics = super()._make_rollout(rows, phase)
+        rollout = super()._make_rollout(rows, phase)
         self.rollouts = getattr(self, "rollouts", []) + [(rows, rollout)]
-        return rollout, metrics
+        return rollout
 
 
 def rl_logs(trainer):
     return [h for h in trainer.state.log_history if h.get("phase") == "rl"]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # End to end: full fine-tuning and LoRA, outputs reload with from_pretrained
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path):
     args = make_args(tmp_path)
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
     initial = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters()}
     result = trainer.train()
     assert result.global_step == 2
@@ -120,7 +140,10 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     args = make_args(tmp_path)
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
         peft_config=peft_config,
     )
     model = trainer.model
@@ -148,16 +171,20 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
 
     # The saved critic is a value_model the trainer takes back.
     again = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=make_args(tmp_path / "again"),
-        train_dataset=prompts_dataset(), peft_config=peft_config, value_model=str(out / "critic"),
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=make_args(tmp_path / "again"),
+        train_dataset=prompts_dataset(),
+        peft_config=peft_config,
+        value_model=str(out / "critic"),
     )
     for name, param in again.model.value_head.state_dict().items():
         assert torch.equal(param, trainer.model.value_head.state_dict()[name])
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Value pretraining
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class PolicySnapshot(TrainerCallback):
@@ -169,18 +196,28 @@ class PolicySnapshot(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer_ref[0]
-        self.sums.append((trainer.progress.phase, sum(float(p.detach().double().sum()) for p in trainer.model.policy.parameters())))
+        self.sums.append(
+            (trainer.progress.phase, sum(float(p.detach().double().sum()) for p in trainer.model.policy.parameters()))
+        )
 
 
 def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freezes_policy(tiny_model_dir, tmp_path):
     args = make_args(
-        tmp_path, per_device_train_batch_size=32, max_completion_length=2, max_steps=1, value_pretrain_steps=40,
-        value_pretrain_patience=None, critic_learning_rate=1e-2,
+        tmp_path,
+        per_device_train_batch_size=32,
+        max_completion_length=2,
+        max_steps=1,
+        value_pretrain_steps=40,
+        value_pretrain_patience=None,
+        critic_learning_rate=1e-2,
     )
     ref = []
     snapshot = PolicySnapshot(ref)
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset(),
+        model=str(tiny_model_dir),
+        reward_funcs=first_char_is_letter,
+        args=args,
+        train_dataset=prompts_dataset(),
         callbacks=[snapshot],
     )
     ref.append(trainer)
@@ -201,8 +238,11 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
     saved = tmp_path / "out" / "value_pretrained_critic"
     assert (saved / "vapo_value_pretraining.json").is_file()
     again = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=make_args(tmp_path / "again", max_steps=1, value_pretrain_steps=5),
-        train_dataset=prompts_dataset(), value_model=str(saved),
+        model=str(tiny_model_dir),
+        reward_funcs=first_char_is_letter,
+        args=make_args(tmp_path / "again", max_steps=1, value_pretrain_steps=5),
+        train_dataset=prompts_dataset(),
+        value_model=str(saved),
     )
     again.train()
     assert [h["phase"] for h in again.state.log_history if "phase" in h] == ["rl"]
@@ -211,10 +251,17 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
 def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_model_dir, tmp_path):
     """It stops at the first rollout where `explained_variance_plateaued` holds on the readings so far, not before."""
     args = make_args(
-        tmp_path, max_completion_length=2, max_steps=1, value_pretrain_steps=30, value_pretrain_patience=2,
-        value_pretrain_min_delta=0.02, critic_learning_rate=1e-2,
+        tmp_path,
+        max_completion_length=2,
+        max_steps=1,
+        value_pretrain_steps=30,
+        value_pretrain_patience=2,
+        value_pretrain_min_delta=0.02,
+        critic_learning_rate=1e-2,
     )
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset())
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     readings = [h["value/explained_variance"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
     assert 4 <= len(readings) < 30
@@ -229,7 +276,9 @@ def test_value_pretraining_readings_without_variance_do_not_stop_it(tiny_model_d
     # A constant reward leaves nothing to explain (NaN explained variance): no evidence of a stall, the budget runs.
     args = make_args(tmp_path, max_steps=1, value_pretrain_steps=4, value_pretrain_patience=1)
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=lambda completions, **kw: [1.0] * len(completions), args=args,
+        model=str(tiny_model_dir),
+        reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+        args=args,
         train_dataset=prompts_dataset(),
     )
     trainer.train()
@@ -241,10 +290,18 @@ def test_value_pretraining_is_unclipped_regression_and_rl_clips(tiny_model_dir, 
     # Two optimizer steps per rollout: in the second, the critic has moved away from the rollout's values by more
     # than the tiny clip range, so RL clips; value pretraining must not.
     args = make_args(
-        tmp_path, per_device_train_batch_size=8, steps_per_generation=2, max_steps=4, value_pretrain_steps=3,
-        value_pretrain_patience=None, cliprange_value=1e-4, critic_learning_rate=1e-2,
+        tmp_path,
+        per_device_train_batch_size=8,
+        steps_per_generation=2,
+        max_steps=4,
+        value_pretrain_steps=3,
+        value_pretrain_patience=None,
+        cliprange_value=1e-4,
+        critic_learning_rate=1e-2,
     )
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset())
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     pretraining = [h["value/clip_ratio"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
     rl = [h["value/clip_ratio"] for h in rl_logs(trainer)]
@@ -256,7 +313,9 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
     from trl_vapo.tiny import save_tiny_model
 
     first = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, train_dataset=prompts_dataset(),
+        model=str(tiny_model_dir),
+        reward_funcs=first_char_is_letter,
+        train_dataset=prompts_dataset(),
         args=make_args(tmp_path / "a", max_steps=1, value_pretrain_steps=1),
     )
     first.train()
@@ -264,7 +323,9 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
     other_model = save_tiny_model(tmp_path / "other", seed=123)
     with caplog.at_level("WARNING"):
         second = VAPOTrainer(
-            model=str(other_model), reward_funcs=first_char_is_letter, train_dataset=prompts_dataset(),
+            model=str(other_model),
+            reward_funcs=first_char_is_letter,
+            train_dataset=prompts_dataset(),
             args=make_args(tmp_path / "b", max_steps=1, value_pretrain_steps=2, value_pretrain_patience=None),
             value_model=str(critic),
         )
@@ -280,11 +341,19 @@ def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_p
 
     def pretrained_critic(name, vf_coef, max_grad_norm):
         args = make_args(
-            tmp_path / name, max_steps=1, value_pretrain_steps=3, value_pretrain_patience=None, vf_coef=vf_coef,
-            max_grad_norm=max_grad_norm, critic_learning_rate=1e-2, generation_kwargs={"do_sample": False},
+            tmp_path / name,
+            max_steps=1,
+            value_pretrain_steps=3,
+            value_pretrain_patience=None,
+            vf_coef=vf_coef,
+            max_grad_norm=max_grad_norm,
+            critic_learning_rate=1e-2,
+            generation_kwargs={"do_sample": False},
             adam_epsilon=1e-15,
         )
-        trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset())
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset()
+        )
         trainer.train()
         norms = [h["grad_norm/critic"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
         return {n: p.detach().clone() for n, p in trainer.actor_critic.critic.named_parameters()}, norms
@@ -298,9 +367,9 @@ def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_p
     assert any(not torch.allclose(harder[n], scaled[n], rtol=1e-4, atol=1e-6) for n in scaled)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Sampling the losses can model
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_sampling_settings_the_log_probs_do_not_see_are_named_in_a_warning(tiny_model_dir, tmp_path, caplog):
@@ -309,7 +378,12 @@ def test_sampling_settings_the_log_probs_do_not_see_are_named_in_a_warning(tiny_
     def warning_for(model, **overrides):
         caplog.clear()
         with caplog.at_level("WARNING"):
-            VAPOTrainer(model=model, reward_funcs=digit_fraction, args=make_args(tmp_path, **overrides), train_dataset=prompts_dataset())
+            VAPOTrainer(
+                model=model,
+                reward_funcs=digit_fraction,
+                args=make_args(tmp_path, **overrides),
+                train_dataset=prompts_dataset(),
+            )
         return [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
 
     assert warning_for(str(tiny_model_dir)) == []
@@ -323,32 +397,40 @@ def test_sampling_settings_the_log_probs_do_not_see_are_named_in_a_warning(tiny_
 
 
 def test_completions_end_at_a_stop_token_or_at_the_last_token_before_padding():
-    from trl_vapo.trainer import cut_completions
+    from trl_vapo.generation import _generated_mask, cut_at_stop
 
-    pad, stops = 0, torch.tensor([1, 7])
-    generated = torch.tensor([
-        [5, 6, 1, 9, 9],  # ends at the stop token (the tail is whatever came after)
-        [5, 6, 6, 0, 0],  # ended by a stop string: generate() padded the rest
-        [5, 6, 6, 6, 6],  # cut by the length limit
-        [7, 0, 0, 0, 0],  # the second stop id, first position
-        [0, 0, 0, 0, 0],  # nothing at all
-    ])
-    ids, mask = cut_completions(generated, stops, pad, stop_strings=True)
+    def cut(ids, stops, pad, stop_strings):
+        out = cut_at_stop(ids, stops, pad, valid=_generated_mask(ids, stops, pad, stop_strings))
+        return out.completion_ids, out.completion_mask
+
+    pad, stops = 0, [1, 7]
+    generated = torch.tensor(
+        [
+            [5, 6, 1, 9, 9],  # ends at the stop token (the tail is whatever came after)
+            [5, 6, 6, 0, 0],  # ended by a stop string: generate() padded the rest
+            [5, 6, 6, 6, 6],  # cut by the length limit
+            [7, 0, 0, 0, 0],  # the second stop id, first position
+            [0, 0, 0, 0, 0],  # nothing at all
+        ]
+    )
+    ids, mask = cut(generated, stops, pad, stop_strings=True)
     assert mask.sum(dim=1).tolist() == [3, 3, 5, 1, 0]
     for row, length in zip(range(len(generated)), mask.sum(dim=1).tolist()):
         assert ids[row, :length].tolist() == generated[row, :length].tolist()
         assert (ids[row, length:] == pad).all()
     # Without stop strings nothing but a stop token ends a row: a trailing pad token was sampled and trains.
-    _, mask = cut_completions(generated, stops, pad)
+    _, mask = cut(generated, stops, pad, stop_strings=False)
     assert mask.sum(dim=1).tolist() == [3, 5, 5, 1, 5]
     # When the pad token is a stop token (pad = EOS), the first one is the EOS and trains.
-    _, mask = cut_completions(torch.tensor([[5, 0, 0]]), torch.tensor([0]), 0, stop_strings=True)
+    _, mask = cut(torch.tensor([[5, 0, 0]]), [0], 0, stop_strings=True)
     assert mask.tolist() == [[1, 1, 0]]
 
 
 def test_stop_strings_train_no_padding(tiny_model_dir, tmp_path):
     args = make_args(tmp_path, max_completion_length=12, generation_kwargs={"stop_strings": ["a", "e", "o"]})
-    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = CapturingTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     pad = trainer.processing_class.pad_token_id
     for _, rollout in trainer.rollouts:
@@ -357,30 +439,34 @@ def test_stop_strings_train_no_padding(tiny_model_dir, tmp_path):
         assert not (completions[trained] == pad).any(), "a pad token inside a completion would train"
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # It learns
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_mean_reward_rises_on_a_learnable_task(tiny_model_dir, tmp_path):
     args = make_args(tmp_path, max_steps=25, value_pretrain_steps=3, learning_rate=1e-2, critic_learning_rate=1e-2)
-    trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     rewards = [h["reward"] for h in rl_logs(trainer)]
     assert len(rewards) == 25
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Each technique switch changes what it should
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def token_rewards_of(trainer, rows, rollout):
     """Recompute the per-token rewards from the rollout's completions with the reward function itself."""
     completions = rollout.input_ids[:, rollout.prompt_length :]
     mask = rollout.attention_mask[:, rollout.prompt_length :]
-    texts = trainer.processing_class.batch_decode([c[m.bool()].tolist() for c, m in zip(completions, mask)], skip_special_tokens=True)
+    texts = trainer.processing_class.batch_decode(
+        [c[m.bool()].tolist() for c, m in zip(completions, mask)], skip_special_tokens=True
+    )
     scores = torch.tensor(trainer.reward_funcs[0](completions=texts))
     lengths = mask.sum(dim=1)
     rewards = torch.zeros(mask.shape)
@@ -392,10 +478,18 @@ def token_rewards_of(trainer, rows, rollout):
 @pytest.mark.parametrize("lam_critic", [1.0, 0.9])
 def test_decoupled_and_length_adaptive_gae_wiring(tiny_model_dir, tmp_path, alpha, lam_critic):
     args = make_args(
-        tmp_path, max_steps=1, whiten_advantages=False, length_adaptive_alpha=alpha, lam_actor=0.7, lam_critic=lam_critic,
-        max_completion_length=12, generation_kwargs=stop_on_common_characters(tiny_model_dir),
+        tmp_path,
+        max_steps=1,
+        whiten_advantages=False,
+        length_adaptive_alpha=alpha,
+        lam_actor=0.7,
+        lam_critic=lam_critic,
+        max_completion_length=12,
+        generation_kwargs=stop_on_common_characters(tiny_model_dir),
     )
-    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = CapturingTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     rows, rollout = trainer.rollouts[0]
     rewards, lengths, _ = token_rewards_of(trainer, rows, rollout)
@@ -416,10 +510,17 @@ def test_loss_type_weights_tokens_or_sequences(tiny_model_dir, tmp_path, loss_ty
     # First step of a rollout: new log-probs equal the old ones, so the surrogate is -A and the loss is the weighted
     # mean of -A that loss_type names.
     args = make_args(
-        tmp_path, max_steps=1, whiten_advantages=False, loss_type=loss_type, nll_coef=0.0, max_completion_length=12,
+        tmp_path,
+        max_steps=1,
+        whiten_advantages=False,
+        loss_type=loss_type,
+        nll_coef=0.0,
+        max_completion_length=12,
         generation_kwargs=stop_on_common_characters(tiny_model_dir),
     )
-    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = CapturingTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     _, rollout = trainer.rollouts[0]
     mask, adv = rollout.loss_mask, rollout.advantages
@@ -434,7 +535,9 @@ def test_nll_switch(tiny_model_dir, tmp_path):
     logs = {}
     for coef in (0.0, 0.1):
         args = make_args(tmp_path / str(coef), max_steps=1, nll_coef=coef, positive_reward_threshold=-0.5)
-        trainer = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+        )
         trainer.train()
         logs[coef] = rl_logs(trainer)[0]
     assert "loss/nll" not in logs[0.0]
@@ -446,11 +549,21 @@ def test_nll_switch(tiny_model_dir, tmp_path):
 
 def test_vanilla_ppo_is_a_config(tiny_model_dir, tmp_path):
     args = make_args(
-        tmp_path, max_steps=1, value_pretrain_steps=0, lam_critic=0.95, lam_actor=0.95, length_adaptive_alpha=None,
-        loss_type="sequence", epsilon_high=None, nll_coef=0.0, num_generations=1,
+        tmp_path,
+        max_steps=1,
+        value_pretrain_steps=0,
+        lam_critic=0.95,
+        lam_actor=0.95,
+        length_adaptive_alpha=None,
+        loss_type="sequence",
+        epsilon_high=None,
+        nll_coef=0.0,
+        num_generations=1,
     )
     assert args.epsilon_high == args.epsilon == 0.2
-    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = CapturingTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     rows, _ = trainer.rollouts[0]
     assert len({row["prompt"] for row in rows}) == len(rows)  # one sample per prompt
@@ -462,7 +575,9 @@ def test_vanilla_ppo_is_a_config(tiny_model_dir, tmp_path):
 
 def test_group_sampling_repeats_each_prompt(tiny_model_dir, tmp_path):
     args = make_args(tmp_path, max_steps=1, num_generations=8)
-    trainer = CapturingTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = CapturingTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
     trainer.train()
     rows, _ = trainer.rollouts[0]
     prompts = [row["prompt"] for row in rows]
@@ -470,17 +585,13 @@ def test_group_sampling_repeats_each_prompt(tiny_model_dir, tmp_path):
     assert all(prompts.count(p) == 8 for p in set(prompts))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Resume
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _comparable(history):
-    return [
-        {k: v for k, v in h.items() if not k.startswith("train_")}
-        for h in history
-        if "phase" in h
-    ]
+    return [{k: v for k, v in h.items() if not k.startswith("train_")} for h in history if "phase" in h]
 
 
 @pytest.mark.parametrize("peft", [False, True])
@@ -493,11 +604,19 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft)
 
     def run(output, resume=None):
         args = make_args(
-            tmp_path / output, max_steps=3, value_pretrain_steps=2, value_pretrain_patience=None, save_strategy="steps",
-            save_steps=2, num_iterations=2,
+            tmp_path / output,
+            max_steps=3,
+            value_pretrain_steps=2,
+            value_pretrain_patience=None,
+            save_strategy="steps",
+            save_steps=2,
+            num_iterations=2,
         )
         trainer = VAPOTrainer(
-            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=args,
+            train_dataset=prompts_dataset(),
             peft_config=peft_config,
         )
         trainer.train(resume_from_checkpoint=resume)
@@ -526,7 +645,10 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     args = make_args(tmp_path, max_steps=3, beta=0.1, learning_rate=1e-2)
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(),
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
         peft_config=peft_config,
     )
     # With PEFT the reference is the base with adapters off: no second copy of the weights.
@@ -535,5 +657,10 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
     kls = [h["kl"] for h in rl_logs(trainer)]
     assert kls[0] == 0.0  # the first rollout comes from the reference policy itself
     assert kls[-1] != 0.0
-    no_kl = VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=make_args(tmp_path / "b"), train_dataset=prompts_dataset())
+    no_kl = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=make_args(tmp_path / "b"),
+        train_dataset=prompts_dataset(),
+    )
     assert no_kl.ref_model is None

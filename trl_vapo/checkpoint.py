@@ -1,25 +1,44 @@
-"""Checkpoint files: crash-safe folder writes, random-number state without pickle, rotation.
+"""Saving what a VAPOTrainer trains: models, model card, the pretrained critic, and crash-safe checkpoints.
 
 A checkpoint is written into a temporary sibling folder and renamed into place only when complete, so a crash (or
 `kill -9`) while writing leaves the previous checkpoint untouched and no half-written folder that looks valid.
 Random-number states go to safetensors plus JSON: nothing in a checkpoint needs pickle to load except the optimizer
-and scheduler state dicts, which load with `torch.load(weights_only=True)`.
+and scheduler state dicts, which load with `torch.load(weights_only=True)`. `SavingMixin` holds the trainer's
+saving and resuming methods, so that `trainer.py` reads as the training loop.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
+import math
 import os
 import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from accelerate.logging import get_logger
 from safetensors.torch import load_file, save_file
+from transformers.trainer_callback import ExportableState, TrainerState
+
+from ._compat import get_config_model_id
+from .distributed import full_state_dict
+from .model_card import VAPO_CITATION, build_model_card
+from .modeling import CRITIC_SUBFOLDER, VALUE_PRETRAINING_FILE, is_peft_model, value_pretraining_record
+from .reporting import tracker_urls
+from .rollout import RL, VALUE_PRETRAIN
+
+logger = get_logger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint"
+PRETRAINED_CRITIC_DIR = "value_pretrained_critic"
+DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
@@ -39,6 +58,18 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def read_marker(path: Path) -> dict:
+    """The completion marker of the checkpoint folder ``path`` (its progress and run fingerprint); a clear error when
+    the folder is not a complete checkpoint."""
+    marker = Path(path) / COMPLETE_MARKER
+    if not marker.is_file():
+        raise ValueError(
+            f"{path} is not a complete trl-vapo checkpoint (no {COMPLETE_MARKER}); complete ones in its folder: "
+            f"{[c.name for c in list_checkpoints(Path(path).parent)]}."
+        )
+    return json.loads(marker.read_text())
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -96,3 +127,236 @@ def load_rng_state(path: Path) -> None:
             index = int(key.rsplit("_", 1)[1])
             if index < torch.cuda.device_count():
                 torch.cuda.set_rng_state(state, index)
+
+
+@dataclasses.dataclass
+class TrainingProgress:
+    """Where the run is, beyond `TrainerState`: saved in every checkpoint as `vapo_state.json`."""
+
+    phase: str = VALUE_PRETRAIN
+    value_pretrain_rollouts: int = 0
+    explained_variances: list[float] = dataclasses.field(default_factory=list)  # one reading per pretraining rollout
+    rl_start_step: int | None = None
+    data_epoch: int = 0
+    data_index: int = 0
+    skipped_steps: int = 0
+    consecutive_nonfinite_steps: int = 0
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TrainingProgress:
+        # Checkpoints of earlier versions carry fields that no longer exist (the old stop rule's best reading).
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in saved.items() if key in known})
+
+    def final_explained_variance(self, window: int | None) -> float:
+        """The critic's explained variance at the end of value pretraining: the mean of the last finite readings."""
+        finite = [r for r in self.explained_variances if math.isfinite(r)][-(window or 1) :]
+        return sum(finite) / len(finite) if finite else math.nan
+
+
+def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it: the model and the batch layout."""
+    config = actor_critic.config.to_dict()
+    for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+        config.pop(key, None)
+    return {
+        "model": get_config_model_id(actor_critic.config),
+        "model_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "critic": "adapter on the policy's base" if actor_critic.shares_base else "separate model",
+        "peft_policy": is_peft_model(actor_critic.policy),
+        "num_processes": num_processes,
+        "generation_batch_size": args.generation_batch_size,
+        "num_generations": args.num_generations,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "num_iterations": args.num_iterations,
+        "deepspeed": deepspeed,
+    }
+
+
+def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote."""
+    saved = {"deepspeed": False, **saved}  # checkpoints of trl-vapo 0.1 predate the key
+    differences = [
+        f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
+        for key in current
+        if key != "model" and saved.get(key) != current[key]
+    ]
+    if differences:
+        raise ValueError(
+            f"Cannot resume from {path}: it was written by a different run (model {saved.get('model')!r}). "
+            + "; ".join(differences)
+            + ". Resume with the same model, PEFT setting, process count and batch sizes, or start a new run."
+        )
+
+
+class SavingMixin:
+    """The methods of `VAPOTrainer` that write and read its outputs (policy, critic, model card, checkpoints)."""
+
+    def _save_pretrained_critic(self) -> None:
+        """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""
+        directory = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
+        tmp = temporary_folder(directory)
+        self.accelerator.wait_for_everyone()
+        with self._full_weights() as state_dict:
+            if self.accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.accelerator.unwrap_model(self.model_wrapped).save_critic(tmp, state_dict)
+        if self.accelerator.is_main_process:
+            record = {
+                "rollouts": self.progress.value_pretrain_rollouts,
+                "final_explained_variance": self.progress.final_explained_variance(self.args.value_pretrain_patience),
+                "explained_variances": self.progress.explained_variances,
+                "policy": get_config_model_id(self.actor_critic.config),
+                "policy_fingerprint": self._policy_fingerprint,
+            }
+            (tmp / VALUE_PRETRAINING_FILE).write_text(json.dumps(record, indent=2))
+            publish(tmp, directory)
+        self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the policy (`AutoModelForCausalLM.from_pretrained(output_dir)`, or a PEFT adapter) with the
+        tokenizer, the critic in `output_dir/critic`, and a model card."""
+        output_dir = Path(output_dir or self.args.output_dir)
+        with self._full_weights() as state_dict:
+            if self.accelerator.is_main_process:
+                self._write_models(output_dir, state_dict)
+                self.create_model_card(output_dir=output_dir)
+        self.accelerator.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def _full_weights(self):
+        """Under ZeRO-3 and FSDP2 each rank holds a shard of every weight: gather them for saving (a collective:
+        every rank enters, the main process writes). Yields the gathered state dict under FSDP2, else None (the
+        parameters themselves are whole)."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_deepspeed_enabled and plugin is not None and plugin.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model_wrapped.parameters())):
+                yield None
+        else:
+            yield full_state_dict(self.model_wrapped)
+
+    def _write_models(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.model
+        model.save_policy(directory, state_dict)
+        model.save_critic(directory / CRITIC_SUBFOLDER, state_dict)
+        self.processing_class.save_pretrained(directory)
+        (directory / "vapo_config.json").write_text(self.args.to_json_string())
+
+    def create_model_card(
+        self,
+        output_dir: str | Path | None = None,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: list[str] | None = None,
+        **kwargs,
+    ) -> None:
+        """Write `README.md`: base model, data, the VAPO settings, value pretraining, the critic and where it is,
+        held-out scores when `model_card_info["held_out"]` has them, training metrics (`trl_vapo.model_card`)."""
+        if not self.is_world_process_zero():
+            return
+        output_dir = Path(output_dir or self.args.output_dir)
+        info = {**self.model_card_info, **kwargs}
+        pretrained_dir = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
+        if self._critic_pretrained:
+            value_pretraining = {"skipped": "the critic (`value_model`) came from an earlier value pretraining"}
+        else:
+            value_pretraining = value_pretraining_record(pretrained_dir)
+        urls = tracker_urls()
+        card = build_model_card(
+            base_model=get_config_model_id(self.actor_critic.config),
+            output_dir=output_dir,
+            args=self.args,
+            model_name=model_name,
+            hub_model_id=self.hub_model_id,
+            dataset_name=dataset_name or info.get("dataset_name"),
+            dataset_config=info.get("dataset_config"),
+            dataset_description=info.get("dataset_description"),
+            is_adapter=is_peft_model(self.actor_critic.policy),
+            critic_shares_base=self.actor_critic.shares_base,
+            value_pretraining=value_pretraining,
+            pretrained_critic_dir=pretrained_dir if pretrained_dir.is_dir() else None,
+            held_out=info.get("held_out"),
+            log_history=self.state.log_history,
+            example_prompt=self.train_dataset[0]["prompt"],
+            tags=list(tags or []),
+            license=info.get("license"),
+            wandb_url=urls["wandb"],
+            trackio_url=urls["trackio"],
+            citation=VAPO_CITATION,
+        )
+        card.save(str(output_dir / "README.md"))
+
+    def _save_checkpoint(self, model=None, trial=None) -> None:
+        """Write `checkpoint-<step>` completely (policy, critic, optimizer, scheduler, RNG, state), then rename it
+        into place: a crash mid-write leaves the previous checkpoint intact."""
+        final = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
+        tmp = temporary_folder(final)
+        main = self.accelerator.is_main_process
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        save_rng_state(tmp / f"rng_state_{self.accelerator.process_index}.safetensors")
+        with self._full_weights() as state_dict:
+            if main:
+                self._write_models(tmp, state_dict)
+        if self.is_deepspeed_enabled:
+            # ZeRO partitions the optimizer state over the ranks: each writes its own part.
+            self.model_wrapped.save_checkpoint(str(tmp), tag=DEEPSPEED_CHECKPOINT_TAG, exclude_frozen_parameters=True)
+        if main:
+            if not self.is_deepspeed_enabled:
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+            callbacks = self.callback_handler.callbacks + [self.control]
+            self.state.stateful_callbacks = {
+                type(cb).__name__: cb.state() for cb in callbacks if isinstance(cb, ExportableState)
+            }
+            self.state.save_to_json(str(tmp / "trainer_state.json"))
+        self.accelerator.wait_for_everyone()
+        if main:
+            # Written last: its presence marks the folder complete.
+            marker = {"progress": dataclasses.asdict(self.progress), "run": self._fingerprint()}
+            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
+            publish(tmp, final)
+            rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=final)
+        self.accelerator.wait_for_everyone()
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return run_fingerprint(self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
+
+    def _load_checkpoint(self, path: Path) -> None:
+        marker = read_marker(path)
+        check_resumable(path, marker["run"], self._fingerprint())
+        if self.is_deepspeed_enabled:
+            loaded, _ = self.model_wrapped.load_checkpoint(
+                str(path), tag=DEEPSPEED_CHECKPOINT_TAG, load_module_strict=False, load_lr_scheduler_states=False
+            )
+            if loaded is None:
+                raise ValueError(
+                    f"{path} holds no DeepSpeed state ({DEEPSPEED_CHECKPOINT_TAG}/): not a DeepSpeed run's."
+                )
+        else:
+            self.actor_critic.load_policy(path)
+            self.actor_critic.load_critic(path / CRITIC_SUBFOLDER)
+            # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        max_steps, stateful = self.state.max_steps, self.state.stateful_callbacks
+        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        self.state.stateful_callbacks = stateful
+        self.progress = TrainingProgress.from_dict(marker["progress"])
+        if self.progress.phase == RL and self.progress.rl_start_step is not None:
+            # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
+            max_steps = self.progress.rl_start_step + self._plan()["rl_steps"]
+        self.state.max_steps = max_steps
+        rng_file = path / f"rng_state_{self.accelerator.process_index}.safetensors"
+        if rng_file.is_file():
+            load_rng_state(rng_file)
+        else:
+            logger.warning(f"{rng_file.name} is missing in {path}: the resumed run will not replay the same samples.")
+        logger.info(f"Resumed from {path} at step {self.state.global_step} ({self.progress.phase}).")

@@ -55,8 +55,10 @@ class VAPOScriptArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Hub data set name, or a local .json/.jsonl/.csv/.parquet file or folder. Omit with the "
-                  "model too for the offline demo."},
+        metadata={
+            "help": "Hub data set name, or a local .json/.jsonl/.csv/.parquet file or folder. Omit with the "
+            "model too for the offline demo."
+        },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Data set configuration (subset) name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
@@ -65,27 +67,35 @@ class VAPOScriptArguments:
     )
     dataset_preset: str | None = field(
         default=None,
-        metadata={"help": "Known layout: 'gsm8k' (openai/gsm8k, question/answer) or 'math' (MATH, problem/"
-                  "solution). Sets the data set, its columns and a boxed-answer instruction."},
+        metadata={
+            "help": "Known layout: 'gsm8k' (openai/gsm8k, question/answer) or 'math' (MATH, problem/"
+            "solution). Sets the data set, its columns and a boxed-answer instruction."
+        },
     )
     prompt_column: str = field(default="prompt", metadata={"help": "Column with the problem (text or chat messages)."})
     answer_column: str = field(default="answer", metadata={"help": "Column with the gold answer, for the rewards."})
     prompt_template: str | None = field(
-        default=None, metadata={"help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.'"}
+        default=None,
+        metadata={"help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.'"},
     )
     system_prompt: str | None = field(default=None, metadata={"help": "System message before each problem."})
     prompt_format: str = field(
         default="auto",
-        metadata={"help": "'chat' (messages through the chat template), 'text', or 'auto': chat when the tokenizer "
-                  "has a chat template."},
+        metadata={
+            "help": "'chat' (messages through the chat template), 'text', or 'auto': chat when the tokenizer "
+            "has a chat template."
+        },
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["math_reward"],
-        metadata={"help": "Reward functions by name (math_reward, think_boxed_format_reward, TRL's accuracy_reward, "
-                  "think_format_reward, ...) or import path (my_pkg.rewards.fn)."},
+        metadata={
+            "help": "Reward functions by name (math_reward, think_boxed_format_reward, TRL's accuracy_reward, "
+            "think_format_reward, ...) or import path (my_pkg.rewards.fn)."
+        },
     )
     value_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Critic to start from, e.g. <output_dir>/value_pretrained_critic of an earlier run."}
+        default=None,
+        metadata={"help": "Critic to start from, e.g. <output_dir>/value_pretrained_critic of an earlier run."},
     )
     eval_num_prompts: int = field(
         default=0, metadata={"help": "Held-out prompts scored before and after training (0: skip)."}
@@ -145,8 +155,8 @@ def train_command(argv: list[str]) -> int:
     if launch_args and "LOCAL_RANK" not in os.environ:
         return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
 
-    from trl import get_peft_config, get_quantization_config
     from transformers import AutoTokenizer
+    from trl import get_peft_config, get_quantization_config
 
     from .trainer import VAPOTrainer
 
@@ -168,8 +178,9 @@ def train_command(argv: list[str]) -> int:
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
-        processing_class=AutoTokenizer.from_pretrained(model_id, revision=model_args.model_revision,
-                                                       trust_remote_code=training_args.trust_remote_code),
+        processing_class=AutoTokenizer.from_pretrained(
+            model_id, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+        ),
         value_model=script_args.value_model_name_or_path,
         peft_config=get_peft_config(model_args),
     )
@@ -201,11 +212,16 @@ def _resolve_data(script_args, model_args, training_args, demo: bool):
         script_args.dataset_config = script_args.dataset_config or preset.dataset_config
         script_args.prompt_column = preset.prompt_column
         script_args.answer_column = preset.answer_column
-        script_args.prompt_template = script_args.prompt_template or "{%s}\n%s" % (preset.prompt_column, BOXED_INSTRUCTION.replace("{}", "{{}}"))
+        script_args.prompt_template = script_args.prompt_template or "{{{}}}\n{}".format(
+            preset.prompt_column,
+            BOXED_INSTRUCTION.replace("{}", "{{}}"),
+        )
     if not model_args.model_name_or_path:
         raise UsageError("--model_name_or_path is required with a data set (omit both for the offline demo)")
     if not script_args.dataset_name:
-        raise UsageError("--dataset_name (or --dataset_preset) is required with a model (omit both for the offline demo)")
+        raise UsageError(
+            "--dataset_name (or --dataset_preset) is required with a model (omit both for the offline demo)"
+        )
     if script_args.prompt_format not in ("auto", "chat", "text"):
         raise UsageError(f"--prompt_format must be auto, chat or text, got {script_args.prompt_format!r}")
     chat = script_args.prompt_format == "chat"
@@ -213,7 +229,8 @@ def _resolve_data(script_args, model_args, training_args, demo: bool):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(
-            model_args.model_name_or_path, revision=model_args.model_revision,
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
             trust_remote_code=training_args.trust_remote_code,
         )
         chat = getattr(tokenizer, "chat_template", None) is not None
@@ -224,9 +241,14 @@ def _resolve_data(script_args, model_args, training_args, demo: bool):
         datasets.disable_progress_bars()  # small prompt sets load in a blink; keep stderr for errors
         try:
             return load_prompt_dataset(
-                script_args.dataset_name, split=split, dataset_config=script_args.dataset_config,
-                prompt_column=script_args.prompt_column, answer_column=script_args.answer_column,
-                prompt_template=script_args.prompt_template, system_prompt=script_args.system_prompt, chat=chat,
+                script_args.dataset_name,
+                split=split,
+                dataset_config=script_args.dataset_config,
+                prompt_column=script_args.prompt_column,
+                answer_column=script_args.answer_column,
+                prompt_template=script_args.prompt_template,
+                system_prompt=script_args.system_prompt,
+                chat=chat,
             )
         except (ValueError, FileNotFoundError) as error:
             raise UsageError(str(error)) from None
@@ -256,10 +278,22 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
     args = trainer.args
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped).policy
+    engine = "continuous_batching" if args.use_transformers_continuous_batching else "generate"
+    if args.use_vllm:  # vLLM holds its own copy of the policy: the trainer's engine, synced with the latest weights
+        engine = trainer.generation_engine
+        engine.sync_weights(trainer.state.global_step)
     result = evaluate_policy(
-        model, trainer.processing_class, dataset, reward_funcs, k=script_args.eval_k, temperature=1.0, top_p=1.0,
-        max_new_tokens=args.max_completion_length, reward_weights=args.reward_weights,
+        model,
+        trainer.processing_class,
+        dataset,
+        reward_funcs,
+        k=script_args.eval_k,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=args.max_completion_length,
+        reward_weights=args.reward_weights,
         positive_reward_threshold=args.positive_reward_threshold,
+        engine=engine,
     )
     return result.as_dict()
 
@@ -267,8 +301,10 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 def _summary(trainer, before, after, seconds, demo) -> str:
     history = [h for h in trainer.state.log_history if "reward" in h and h.get("phase") == "rl"]
     lines = ["", "=" * 72, "trl-vapo " + ("demo " if demo else "") + "summary", "-" * 72]
-    lines.append(f"steps            {trainer.state.global_step} "
-                 f"({trainer.progress.value_pretrain_rollouts} value-pretraining rollouts, then RL)")
+    lines.append(
+        f"steps            {trainer.state.global_step} "
+        f"({trainer.progress.value_pretrain_rollouts} value-pretraining rollouts, then RL)"
+    )
     lines.append(f"wall time        {seconds / 60:.1f} min")
     if history:
         n = min(3, len(history))
@@ -284,8 +320,9 @@ def _summary(trainer, before, after, seconds, demo) -> str:
         lines.append(f"train accuracy   {mean('accuracy', first):.3f} -> {mean('accuracy', last):.3f}")
     if before and after:
         k = next(key for key in before if key.startswith("avg@"))
-        lines.append(f"held-out {k:<8s} {before[k]:.3f} -> {after[k]:.3f}   "
-                     f"(sampled at T=1, {before['num_problems']} problems)")
+        lines.append(
+            f"held-out {k:<8s} {before[k]:.3f} -> {after[k]:.3f}   (sampled at T=1, {before['num_problems']} problems)"
+        )
         lines.append(f"held-out pass@1  {before['pass@1']:.3f} -> {after['pass@1']:.3f}   (greedy)")
         lines.append(f"mean length      {before['mean_length']:.1f} -> {after['mean_length']:.1f} tokens")
     lines.append(f"saved to         {Path(trainer.args.output_dir).resolve()}")
@@ -320,7 +357,9 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
 class EvalArguments:
     """How `trl-vapo eval` samples and scores; the data flags are the same as `train`'s."""
 
-    model: str | None = field(default=None, metadata={"help": "Model folder or hub id (a PEFT adapter folder works too)."})
+    model: str | None = field(
+        default=None, metadata={"help": "Model folder or hub id (a PEFT adapter folder works too)."}
+    )
     num_prompts: int | None = field(default=None, metadata={"help": "Score the first N prompts only."})
     k: int = field(default=32, metadata={"help": "Samples per prompt for avg@k and pass@k (paper: avg@32)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (paper: 1.0)."})
@@ -333,7 +372,17 @@ class EvalArguments:
             "aliases": ["--max_new_tokens"],
         },
     )
-    batch_size: int = field(default=64, metadata={"help": "Sequences generated at once."})
+    batch_size: int = field(default=64, metadata={"help": "Sequences generated at once (the generate() engine)."})
+    use_transformers_continuous_batching: bool = field(
+        default=False, metadata={"help": "Sample with transformers' continuous-batching engine, as in training."}
+    )
+    transformers_continuous_batching_config: str | None = field(
+        default=None, metadata={"help": "JSON keyword arguments of transformers' ContinuousBatchingConfig."}
+    )
+    use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (`pip install vllm`), as in training."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' or 'server' (see `trl-vapo train`)."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "Base URL of a vLLM server."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU share of vLLM (colocate)."})
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow the model's own Python code."})
@@ -360,6 +409,12 @@ def eval_command(argv: list[str]) -> int:
         raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo eval --help`)")
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
+    from .generation import check_engine_available
+
+    try:
+        check_engine_available(_eval_engine_args(args))
+    except (ImportError, ValueError) as error:
+        raise UsageError(str(error)) from None
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -378,7 +433,10 @@ def eval_command(argv: list[str]) -> int:
 
         script.dataset_train_split = script.dataset_test_split or "test"
         _, dataset, _ = _resolve_data(
-            script, ModelConfig(model_name_or_path=args.model), VAPOConfig(output_dir=".", report_to="none"), demo=False
+            script,
+            ModelConfig(model_name_or_path=args.model),
+            VAPOConfig(output_dir=".", report_to="none"),
+            demo=False,
         )
         if args.num_prompts:
             dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
@@ -395,15 +453,51 @@ def eval_command(argv: list[str]) -> int:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(args.seed)
+    engine = "generate"
+    if args.use_transformers_continuous_batching or args.use_vllm:
+        from accelerate import Accelerator
+
+        from .generation import build_engine
+
+        engine = build_engine(_eval_engine_args(args), model, tokenizer, accelerator=Accelerator())
     result = evaluate_policy(
-        model, tokenizer, dataset, reward_funcs, k=args.k, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_completion_length, batch_size=args.batch_size,
+        model,
+        tokenizer,
+        dataset,
+        reward_funcs,
+        k=args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_completion_length,
+        batch_size=args.batch_size,
         positive_reward_threshold=args.positive_reward_threshold,
+        engine=engine,
     ).as_dict()
     print(json.dumps(result, indent=2))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _eval_engine_args(args: EvalArguments):
+    """The engine fields of `args` under the training config's names (what `trl_vapo.generation` reads)."""
+    from types import SimpleNamespace
+
+    config = args.transformers_continuous_batching_config
+    return SimpleNamespace(
+        use_transformers_continuous_batching=args.use_transformers_continuous_batching,
+        transformers_continuous_batching_config=json.loads(config) if isinstance(config, str) else config,
+        use_vllm=args.use_vllm,
+        vllm_mode=args.vllm_mode,
+        vllm_server_base_url=args.vllm_server_base_url,
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        trust_remote_code=args.trust_remote_code,
+        max_completion_length=args.max_completion_length,
+        generation_batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        repetition_penalty=1.0,
+    )
 
 
 # -------------------------------------------------------------------------------------------------------------- main
@@ -416,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="trl-vapo", description="VAPO training for the Hugging Face TRL stack.")
         parser.add_argument("--version", action="version", version=f"trl-vapo {__version__}")
-        parser.add_argument("command", choices=sorted(commands), help="train: train (no arguments: the offline demo); eval: score a model")
+        parser.add_argument(
+            "command",
+            choices=sorted(commands),
+            help="train: train (no arguments: the offline demo); eval: score a model",
+        )
         parser.parse_args(argv)
         return 2
     try:

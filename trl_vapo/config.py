@@ -9,6 +9,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from .core import IMPORTANCE_SAMPLING_MODES
+
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 
 
@@ -19,15 +21,15 @@ class VAPOConfig(TrainingArguments):
     VAPO (arXiv 2504.05118) is PPO with a value model plus seven techniques; the defaults reproduce the paper
     wherever the paper gives a value, and each technique is switched off by configuration alone:
 
-    | technique                  | field(s)                                   | VAPO        | off (vanilla PPO)            |
-    | -------------------------- | ------------------------------------------ | ----------- | ---------------------------- |
-    | 1 value pretraining        | `value_pretrain_steps`                     | 50          | 0                            |
-    | 2 decoupled GAE            | `lam_critic`, `lam_actor`                  | 1.0, 0.95   | `lam_critic=0.95`            |
-    | 3 length-adaptive GAE      | `length_adaptive_alpha`                    | 0.05        | None                         |
-    | 4 token-level loss         | `loss_type`                                | "token"     | "sequence"                   |
-    | 5 clip-higher              | `epsilon`, `epsilon_high`                  | 0.2, 0.28   | `epsilon_high=0.2`           |
-    | 6 positive-example NLL     | `nll_coef` (mu)                            | 0.1         | 0.0                          |
-    | 7 group sampling           | `num_generations`                          | 16 (paper)  | 1                            |
+    | technique                  | field(s)                              | VAPO        | off (vanilla PPO)            |
+    | -------------------------- | ------------------------------------- | ----------- | ---------------------------- |
+    | 1 value pretraining        | `value_pretrain_steps`                | 50          | 0                            |
+    | 2 decoupled GAE            | `lam_critic`, `lam_actor`             | 1.0, 0.95   | `lam_critic=0.95`            |
+    | 3 length-adaptive GAE      | `length_adaptive_alpha`               | 0.05        | None                         |
+    | 4 token-level loss         | `loss_type`                           | "token"     | "sequence"                   |
+    | 5 clip-higher              | `epsilon`, `epsilon_high`             | 0.2, 0.28   | `epsilon_high=0.2`           |
+    | 6 positive-example NLL     | `nll_coef` (mu)                       | 0.1         | 0.0                          |
+    | 7 group sampling           | `num_generations`                     | 16 (paper)  | 1                            |
 
     Batch sizes follow TRL's GRPOConfig: a micro-batch is `per_device_train_batch_size` completions per device; an
     optimizer step accumulates `gradient_accumulation_steps` micro-batches; one rollout (generation round) produces
@@ -44,6 +46,7 @@ class VAPOConfig(TrainingArguments):
         "model_init_kwargs",
         "generation_kwargs",
         "chat_template_kwargs",
+        "transformers_continuous_batching_config",
     ]
 
     # ---------------------------------------------------------------- TrainingArguments fields with VAPO defaults
@@ -74,13 +77,26 @@ class VAPOConfig(TrainingArguments):
         default=False,
         metadata={"help": "Kept False: reward functions receive every dataset column (e.g. the gold `answer`)."},
     )
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Log a table of the latest rollout's prompts and completions at each logging step: each reward "
+            "function's score, the sequence reward, the mean advantage and the critic's value at the first and last "
+            "token. Printed (with `rich` when installed, else as plain text), and logged as a table to wandb and "
+            "trackio when they are in `report_to`."
+        },
+    )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={"help": "Number of completions to print (a random sample of the rollout). None: all of them."},
+    )
 
     # ------------------------------------------------------------------------------------------ model loading
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
             "help": "Keyword arguments for `from_pretrained` when `model` (and `value_model`) are given as a name or "
-            "path, e.g. `{\"dtype\": \"bfloat16\"}`. Default dtype: float32."
+            'path, e.g. `{"dtype": "bfloat16"}`. Default dtype: float32.'
         },
     )
     trust_remote_code: bool = field(
@@ -90,8 +106,8 @@ class VAPOConfig(TrainingArguments):
     disable_dropout: bool = field(
         default=True,
         metadata={
-            "help": "Set every dropout probability to 0 in the policy and critic, so the old and new log-probabilities "
-            "of the PPO ratio come from the same function."
+            "help": "Set every dropout probability to 0 in the policy and critic, so the old and new "
+            "log-probabilities of the PPO ratio come from the same function."
         },
     )
 
@@ -139,11 +155,92 @@ class VAPOConfig(TrainingArguments):
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty of the rollouts (1.0: off)."})
     generation_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Extra `GenerationConfig` arguments for the rollouts, e.g. `{\"do_sample\": false}`."},
+        metadata={"help": 'Extra `GenerationConfig` arguments for the rollouts, e.g. `{"do_sample": false}`.'},
     )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={"help": "Extra arguments for the chat template of conversational prompts."},
+    )
+
+    # ------------------------------------------------------------------- generation engines (TRL's names)
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the rollouts with transformers' continuous-batching engine (paged attention, requests "
+            "join and leave the batch one by one). Requires transformers>=5.8.0."
+        },
+    )
+    transformers_continuous_batching_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `transformers.generation.ContinuousBatchingConfig`."},
+    )
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the rollouts with vLLM (through TRL's `VLLMGeneration`) instead of model.generate(); "
+            "the policy's weights (under PEFT: the base merged with the policy adapter, never the critic's) are "
+            "pushed to vLLM after each optimizer step. Requires `pip install vllm`."
+        },
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'server': send generation requests to a separate vLLM server (start it with `trl vllm-serve`). "
+            "'colocate': run vLLM in the training processes, sharing the GPUs."
+        },
+    )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={"help": "Model implementation for vLLM: 'vllm' or 'transformers'."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={"help": "Offload vLLM's weights and cache during the optimizer step (colocate mode)."},
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "Regex for vLLM structured outputs. None: disabled."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Base URL of the vLLM server (e.g. 'http://localhost:8000'); overrides host and port."},
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Host of the vLLM server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Port of the vLLM server."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Seconds to wait for the vLLM server to be up before raising."}
+    )
+    vllm_group_port: int = field(
+        default=51216, metadata={"help": "Port of the weight-update group shared with the vLLM server."}
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "GPU memory share vLLM may use (colocate mode)."}
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "vLLM's context window: at least the longest prompt plus max_completion_length."},
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Tensor-parallel size of vLLM (colocate mode)."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Correct the policy loss for the mismatch between vLLM's log-probs and the trainer's (TRL's "
+            "importance sampling): each token's loss is weighted by pi_trainer / pi_vllm, per token or per sequence."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask': weights per token or one "
+            "per completion; out-of-bounds weights clipped to the bounds (truncate) or set to 0 (mask)."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound C_max of the importance-sampling weights."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound C_min of the importance-sampling weights (None: none)."}
     )
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch."})
     mask_truncated_completions: bool = field(
@@ -230,7 +327,9 @@ class VAPOConfig(TrainingArguments):
     )
     whiten_advantages: bool = field(
         default=True,
-        metadata={"help": "Normalise the advantages to zero mean and unit variance over all valid tokens of the rollout."},
+        metadata={
+            "help": "Normalise the advantages to zero mean and unit variance over all valid tokens of the rollout."
+        },
     )
 
     # ----------------------------------------------------------------------------------------------- critic
@@ -241,10 +340,10 @@ class VAPOConfig(TrainingArguments):
     vf_coef: float = field(
         default=0.1,
         metadata={
-            "help": "Weight of the value loss: the critic's gradient is that of vf_coef x L_V. Actor and critic share no "
-            "trainable weight and each has its own AdamW group, and Adam's step does not depend on the scale of the "
-            "gradient, so vf_coef changes one thing: the critic's gradient is clipped at max_grad_norm / vf_coef in "
-            "units of L_V's own gradient (10 with the defaults). To make the critic learn faster or slower, change "
+            "help": "Weight of the value loss: the critic's gradient is that of vf_coef x L_V. Actor and critic share "
+            "no trainable weight and each has its own AdamW group, and Adam's step does not depend on the scale of "
+            "the gradient, so vf_coef changes one thing: the critic's gradient is clipped at max_grad_norm / vf_coef "
+            "in units of L_V's own gradient (10 with the defaults). To make the critic learn faster or slower, change "
             "critic_learning_rate."
         },
     )
@@ -348,7 +447,10 @@ class VAPOConfig(TrainingArguments):
             f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
             f"({self.gradient_accumulation_steps}): a rollout is split into whole optimizer steps.",
         )
-        require(self.loss_type in ("token", "sequence"), f"loss_type must be 'token' or 'sequence', got {self.loss_type!r}.")
+        require(
+            self.loss_type in ("token", "sequence"),
+            f"loss_type must be 'token' or 'sequence', got {self.loss_type!r}.",
+        )
         require(
             self.lr_scheduler_type in _LR_SCHEDULES,
             f"lr_scheduler_type must be one of {', '.join(_LR_SCHEDULES)}; got {self.lr_scheduler_type!r}.",
@@ -376,7 +478,9 @@ class VAPOConfig(TrainingArguments):
             self.value_pretrain_patience is None or self.value_pretrain_patience >= 1,
             f"value_pretrain_patience must be >= 1 or None, got {self.value_pretrain_patience}.",
         )
-        require(self.max_completion_length >= 1, f"max_completion_length must be >= 1, got {self.max_completion_length}.")
+        require(
+            self.max_completion_length >= 1, f"max_completion_length must be >= 1, got {self.max_completion_length}."
+        )
         require(
             self.max_prompt_length is None or self.max_prompt_length >= 1,
             f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.",
@@ -395,6 +499,21 @@ class VAPOConfig(TrainingArguments):
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}.")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
         require(self.min_p is None or 0 <= self.min_p <= 1, f"min_p must be in [0, 1] or None, got {self.min_p}.")
+        require(
+            self.vllm_importance_sampling_mode in IMPORTANCE_SAMPLING_MODES,
+            f"vllm_importance_sampling_mode must be one of {', '.join(IMPORTANCE_SAMPLING_MODES)}, got "
+            f"{self.vllm_importance_sampling_mode!r}.",
+        )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        require(
+            low is None or high is None or low < high,
+            f"vllm_importance_sampling_clip_min ({low}) must be below vllm_importance_sampling_clip_max ({high}).",
+        )
+        require(
+            not self.vllm_importance_sampling_mode.endswith("truncate") or low is not None or high is not None,
+            f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs "
+            "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max.",
+        )
 
 
 def _divisors(n: int) -> list[int]:

@@ -24,16 +24,22 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = [
     "compute_gae",
+    "decoupled_gae",
     "explained_variance",
     "explained_variance_plateaued",
+    "importance_sampling_weights",
     "length_adaptive_lambda",
     "masked_mean",
     "masked_var",
     "masked_whiten",
     "policy_loss",
     "positive_nll_loss",
+    "terminal_rewards",
+    "vapo_loss",
     "value_loss",
 ]
+
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -108,8 +114,8 @@ def masked_whiten(
 def length_adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     """Per-sequence GAE lambda for the policy (VAPO §3.2, length-adaptive GAE).
 
-    The paper asks the GAE weights to sum to a length-proportional horizon, ``sum_t lambda^t = 1/(1-lambda) = alpha*l``,
-    which gives
+    The paper asks the GAE weights to sum to a length-proportional horizon,
+    ``sum_t lambda^t = 1/(1-lambda) = alpha*l``, which gives
 
         lambda_i = clamp(1 - 1 / (alpha * l_i), 0, 1)
 
@@ -195,6 +201,50 @@ def compute_gae(
     return advantages, returns
 
 
+def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards with each sequence's verifier score on its last valid token (VAPO / VC-PPO: sparse reward).
+
+        r_{i,t} = R_i  if t = l_i - 1,  else 0          l_i = number of valid tokens of sequence i
+
+    Never on the first pad after the sequence; a sequence without valid tokens gets nothing.
+    """
+    lengths = mask.sum(dim=1).long()
+    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    rewards[rows, (lengths - 1).clamp(min=0)] = torch.where(lengths > 0, sequence_rewards.float(), 0.0)
+    return rewards
+
+
+def decoupled_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam_actor: float,
+    lam_critic: float,
+    length_adaptive_alpha: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decoupled, length-adaptive GAE (VAPO §3.1-3.2, VC-PPO §4): the actor's advantages and the critic's targets
+    from two lambdas.
+
+        lambda_i  = clamp(1 - 1 / (alpha * l_i), 0, 1)     length-adaptive (alpha given), else lam_actor
+        A         = GAE(rewards, values; gamma, lambda_i)            the policy's advantages
+        G         = GAE(rewards, values; gamma, lam_critic) + V      the critic's regression targets
+
+    `lam_critic = 1` makes G the Monte-Carlo return (unbiased, independent of V); a `lambda_i < 1` lowers the
+    variance of A. Returns ``(advantages, returns, lambda_actor)``, the last one per sequence ``[B]``.
+    """
+    lengths = mask.sum(dim=1)
+    if length_adaptive_alpha is not None:
+        lambda_actor = length_adaptive_lambda(lengths, length_adaptive_alpha)
+    else:
+        lambda_actor = torch.full(lengths.shape, float(lam_actor))
+    lambda_actor = lambda_actor.to(rewards.device)
+    advantages, _ = compute_gae(rewards, values, mask, gamma, lambda_actor)
+    _, returns = compute_gae(rewards, values, mask, gamma, lam_critic)
+    return advantages, returns, lambda_actor
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -204,6 +254,7 @@ def policy_loss(
     epsilon_high: float,
     loss_type: str = "token",
     normalizer: float | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with asymmetric (clip-higher) clipping (VC-PPO Eq. 2; VAPO §3.2-3.3).
 
@@ -221,6 +272,9 @@ def policy_loss(
     gradients are averaged over ranks); for ``"sequence"`` the number of sequences likewise. Summing the losses of
     the step's micro-batches then gives exactly the full-batch mean.
 
+    ``weights`` (``[B, T]`` or ``[B, 1]``, no gradient) multiply ``l_t`` before the mean: the importance-sampling
+    correction for completions sampled by another engine (:func:`importance_sampling_weights`).
+
     Returns:
         ``(loss, stats)`` where ``stats`` holds detached means over this call's valid tokens: ``clip_frac_low``
         (negative advantage, ratio clipped at ``1 - epsilon_low``), ``clip_frac_high`` (positive advantage, ratio
@@ -237,6 +291,8 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     per_token = torch.where(valid, torch.maximum(unclipped, clipped), zeros)
+    if weights is not None:
+        per_token = per_token * weights.to(per_token.dtype)
 
     if loss_type == "token":
         denominator = valid.sum().clamp(min=1) if normalizer is None else normalizer
@@ -341,6 +397,110 @@ def explained_variance(
     if var_returns <= 0:
         return torch.tensor(float("nan"), device=returns.device)
     return 1.0 - var_residual / var_returns
+
+
+def vapo_loss(
+    logprobs: torch.Tensor | None,
+    values: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    loss_type: str,
+    nll_coef: float,
+    vf_coef: float,
+    cliprange_value: float | None,
+    normalizers: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch (VAPO §3; the spec's formulas), actor and critic together:
+
+        L = vf_coef * L_V  +  L_PPO + mu * L_NLL          (the policy terms only when ``logprobs`` is given)
+
+    ``batch`` holds ``mask``, ``old_logprobs`` (None: the policy that sampled is the one being updated, so the
+    detached ``logprobs`` are used), ``old_values``, ``returns``, ``advantages``, ``is_positive`` and optionally
+    ``is_weights``. ``normalizers`` give the counts of the whole optimizer step (all micro-batches and ranks):
+    ``tokens``, ``sequences`` and ``positive_tokens``, so that summing the micro-batches' losses gives the step's
+    token-level mean (see :func:`policy_loss`). Returns the loss and detached statistics: ``loss/value``,
+    ``loss/policy``, ``loss/nll`` (each a micro-batch's share of the step's mean, so they sum over micro-batches) and
+    token means over this micro-batch of the clip fractions and ``approx_kl``.
+    """
+    mask = batch["mask"]
+    v_loss, v_stats = value_loss(
+        values, batch["old_values"], batch["returns"], mask, cliprange_value, normalizers["tokens"]
+    )
+    loss = vf_coef * v_loss
+    stats = {"loss/value": v_loss.detach(), "value/clip_ratio": v_stats["vf_clip_frac"]}
+    if logprobs is None:
+        return loss, stats
+    old_logprobs = batch["old_logprobs"] if batch.get("old_logprobs") is not None else logprobs.detach()
+    normalizer = normalizers["tokens"] if loss_type == "token" else normalizers["sequences"]
+    pg_loss, pg_stats = policy_loss(
+        logprobs,
+        old_logprobs,
+        batch["advantages"],
+        mask,
+        epsilon_low,
+        epsilon_high,
+        loss_type,
+        normalizer,
+        weights=batch.get("is_weights"),
+    )
+    loss = loss + pg_loss
+    stats["loss/policy"] = pg_loss.detach()
+    if nll_coef > 0:
+        nll = positive_nll_loss(logprobs, mask, batch["is_positive"], normalizers["positive_tokens"])
+        loss = loss + nll_coef * nll
+        stats["loss/nll"] = nll.detach()
+    stats.update(
+        {
+            "clip_ratio/low_mean": pg_stats["clip_frac_low"],
+            "clip_ratio/high_mean": pg_stats["clip_frac_high"],
+            "clip_ratio/region_mean": pg_stats["clip_frac"],
+            "approx_kl": pg_stats["approx_kl"],
+        }
+    )
+    return loss, stats
+
+
+def importance_sampling_weights(
+    trainer_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_max: float | None = 3.0,
+    clip_min: float | None = None,
+) -> torch.Tensor:
+    """TRL's importance-sampling weights for completions sampled by vLLM but trained on with the trainer's model.
+
+    As `GRPOTrainer._generate_and_score_completions` (trl 1.16, `trl/trainer/grpo_trainer.py` lines 2660-2708):
+
+        d_t = (log pi_trainer(y_t) - log pi_sampler(y_t)) * mask_t,   NaN -> 0 (a token vLLM could not score)
+        token_*:    rho_t = exp(d_t)                                   shape [N, C]
+        sequence_*: rho   = exp(sum_t d_t)                             shape [N, 1], one weight per completion
+        *_truncate: rho <- clamp(rho, clip_min, clip_max)
+        *_mask:     rho <- 0 where rho < clip_min or rho > clip_max   (a missing bound is no bound)
+
+    `trainer_logprobs` are the old log-probs (the policy before this rollout's updates, at the sampling
+    temperature), no gradient. TRL multiplies the per-token policy loss by rho after the clipped surrogate and before
+    the KL term and the masked mean (lines 3146-3147), as :func:`policy_loss` does with its ``weights``.
+    Defaults are `GRPOConfig`'s (`vllm_importance_sampling_mode="sequence_mask"`, `..._clip_max=3.0`,
+    `..._clip_min=None`).
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(
+            f"Unknown vllm_importance_sampling_mode {mode!r}; expected one of {IMPORTANCE_SAMPLING_MODES}"
+        )
+    diff = torch.nan_to_num((trainer_logprobs - sampler_logprobs) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        if clip_min is None and clip_max is None:
+            raise ValueError("A *_truncate importance-sampling mode needs clip_min or clip_max.")
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 def explained_variance_plateaued(readings: Sequence[float], window: int, min_delta: float) -> bool:

@@ -7,6 +7,7 @@ files and folders go through the same call. Presets name the layouts of common m
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, load_dataset
 from trl import maybe_apply_chat_template
+
+logger = logging.getLogger(__name__)
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -99,11 +102,34 @@ def _no_download_counts():
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = previous
 
 
-def prompt_token_ids(tokenizer, prompts: list, conversational: bool, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+def prepare_tokenizer(tokenizer, conversational: bool) -> None:
+    """Check the tokenizer can serve the rollouts, and pad on the left (prompts are continued on the right)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            "The tokenizer has no EOS token, so completions could never end: set `tokenizer.eos_token` (e.g. to the "
+            "end-of-turn token of the chat template)."
+        )
+    if conversational and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "The dataset's prompts are chat messages but the tokenizer has no chat template. Set "
+            "`tokenizer.chat_template`, or use plain-text prompts."
+        )
+    if tokenizer.pad_token_id is None:
+        logger.warning(f"The tokenizer has no pad token; using its EOS token {tokenizer.eos_token!r} for padding.")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+
+
+def prompt_token_ids(
+    tokenizer, prompts: list, conversational: bool, chat_template_kwargs: dict | None = None
+) -> list[list[int]]:
     """Token ids of prompts as the policy sees them: chat messages through the chat template (which adds any BOS
     itself), plain text with the tokenizer's special tokens. Shared by training and evaluation."""
     if conversational:
-        texts = [maybe_apply_chat_template({"prompt": p}, tokenizer, **(chat_template_kwargs or {}))["prompt"] for p in prompts]
+        texts = [
+            maybe_apply_chat_template({"prompt": p}, tokenizer, **(chat_template_kwargs or {}))["prompt"]
+            for p in prompts
+        ]
         return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
     return tokenizer(text=list(prompts))["input_ids"]
 
@@ -123,3 +149,23 @@ def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
     if dataset_name.startswith((".", "/", "~")) or os.sep in dataset_name and dataset_name.count(os.sep) > 1:
         raise FileNotFoundError(f"Dataset path {dataset_name} does not exist.")
     return load_dataset(dataset_name, dataset_config, split=split)
+
+
+def check_train_dataset(dataset, args) -> None:
+    """A clear error unless `dataset` can feed the trainer: a non-empty `Dataset` with a `prompt` column and enough
+    prompts for one rollout of `args` (a VAPOConfig)."""
+    if dataset is None:
+        raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
+    if not isinstance(dataset, Dataset):
+        raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
+    if len(dataset) == 0:
+        raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"train_dataset has no 'prompt' column; its columns are {dataset.column_names}.")
+    prompts_per_rollout = args.generation_batch_size // args.num_generations
+    if len(dataset) < prompts_per_rollout:
+        raise ValueError(
+            f"train_dataset has {len(dataset)} prompts but one rollout needs {prompts_per_rollout} "
+            f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}). Add "
+            "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
+        )

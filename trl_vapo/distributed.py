@@ -90,7 +90,9 @@ def reset_adam_step(optimizer: torch.optim.Optimizer, group_name: str) -> None:
     zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
     if zero3 is not None:
         params += [
-            flat for i, flat in enumerate(zero3.fp32_partitioned_groups_flat) if zero3.sub_group_to_group_id[i] in groups
+            flat
+            for i, flat in enumerate(zero3.fp32_partitioned_groups_flat)
+            if zero3.sub_group_to_group_id[i] in groups
         ]
     for param in params:
         state = inner.state.get(param, {})
@@ -165,3 +167,35 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def check_distributed_setup(accelerator, args) -> None:
+    """Refuse what cannot train as asked (processes that would not talk to each other, a DeepSpeed config with its own
+    optimizer) and warn where accelerate silently did something else (no FSDP on CPUs)."""
+    import os
+
+    from accelerate.logging import get_logger
+    from accelerate.utils import DistributedType
+
+    logger = get_logger(__name__)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise RuntimeError(
+            f"Launched as {launched} processes (WORLD_SIZE) but training is set up for "
+            f"{accelerator.num_processes}: the processes would train separately on the same output_dir. "
+            "Launch with `accelerate launch` or `torchrun`, and pass use_cpu=True on a machine without GPUs."
+        )
+    if args.fsdp and accelerator.distributed_type != DistributedType.FSDP:
+        logger.warning(
+            f"FSDP was asked for (fsdp={args.fsdp}) but accelerate set up {accelerator.distributed_type}:"
+            " it enables FSDP only on GPUs (on CPUs it runs plain data parallelism). The model is not sharded."
+        )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        sections = [k for k in ("optimizer", "scheduler") if k in config]
+        if sections:
+            raise ValueError(
+                f"The DeepSpeed config has {' and '.join(sections)} section(s): VAPOTrainer builds its own AdamW "
+                "with separate actor and critic parameter groups, learning rates and schedules. Remove them and "
+                "set learning_rate, critic_learning_rate, lr_scheduler_type and warmup_steps in VAPOConfig."
+            )

@@ -16,8 +16,15 @@ import torch
 from datasets import Dataset
 from trl import is_conversational
 
-from ._compat import pad
 from .data import prompt_token_ids
+from .generation import (
+    ContinuousBatching,
+    GenerationEngine,
+    SamplingSettings,
+    TransformersGenerate,
+    stop_token_ids,
+)
+from .scoring import RewardScorer
 
 
 @dataclass
@@ -39,7 +46,25 @@ class EvaluationResult:
         }
 
 
-@torch.no_grad()
+Engine = str | GenerationEngine
+"""`"generate"` (transformers' `generate()`), `"continuous_batching"` (transformers' paged engine), or a built
+`GenerationEngine` (e.g. the trainer's vLLM engine)."""
+
+
+def build_eval_engine(
+    engine: Engine, model, tokenizer, batch_size: int = 64, continuous_batching_config: dict | None = None
+) -> GenerationEngine:
+    """The engine evaluation samples with; completions stop at the ids training stops at (`stop_token_ids`)."""
+    if isinstance(engine, GenerationEngine):
+        return engine
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids(tokenizer, model)}
+    if engine == "generate":
+        return TransformersGenerate(model, batch_size=batch_size, tokenizer=tokenizer, **common)
+    if engine == "continuous_batching":
+        return ContinuousBatching(model, config=continuous_batching_config, **common)
+    raise ValueError(f"Unknown generation engine {engine!r}: use 'generate', 'continuous_batching' or an engine.")
+
+
 def sample_completions(
     model,
     tokenizer,
@@ -51,39 +76,22 @@ def sample_completions(
     max_new_tokens: int = 256,
     batch_size: int = 64,
     chat_template_kwargs: dict | None = None,
+    engine: Engine = "generate",
 ) -> tuple[list[str], list[int]]:
     """Generate `num_samples` completions per prompt (grouped by prompt); `temperature=0` decodes greedily.
 
     Prompts are plain text or chat messages, tokenized exactly as the trainer does. Returns the decoded completions
-    and their lengths in tokens (EOS included; `max_new_tokens` when cut).
+    and their lengths in tokens (stop token included; `max_new_tokens` when cut). `batch_size` applies to the
+    `"generate"` engine; continuous batching schedules the requests itself.
     """
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     repeated = [x for x in ids for _ in range(num_samples)]
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {"do_sample": False}
-    eos = tokenizer.eos_token_id
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    completions, lengths = [], []
-    for start in range(0, len(repeated), batch_size):
-        chunk = repeated[start : start + batch_size]
-        input_ids = pad([torch.tensor(x) for x in chunk], padding_value=tokenizer.pad_token_id, padding_side="left")
-        attention = pad([torch.ones(len(x), dtype=torch.long) for x in chunk], padding_side="left")
-        output = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos,
-            **sampling,
-        )
-        for row in output[:, input_ids.shape[1] :].tolist():
-            length = row.index(eos) + 1 if eos in row else len(row)
-            lengths.append(length)
-            completions.append(tokenizer.decode(row[:length], skip_special_tokens=True))
-    model.train(was_training)
-    return completions, lengths
+    generator = build_eval_engine(engine, model, tokenizer, batch_size)
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    output = generator.generate(repeated, sampling=sampling, num_generations=num_samples)
+    completions = tokenizer.batch_decode(output.completion_lists(), skip_special_tokens=True)
+    return completions, output.lengths.tolist()
 
 
 def evaluate_policy(
@@ -100,33 +108,43 @@ def evaluate_policy(
     reward_weights: list[float] | None = None,
     positive_reward_threshold: float = 0.5,
     greedy: bool = True,
+    engine: Engine = "generate",
 ) -> EvaluationResult:
-    """pass@1 (greedy), avg@k and pass@k of `model` on `dataset` (a `prompt` column plus what the rewards read)."""
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    weights = reward_weights or [1.0] * len(funcs)
+    """pass@1 (greedy), avg@k and pass@k of `model` on `dataset` (a `prompt` column plus what the rewards read).
+
+    `engine` picks how to sample (see `Engine`); one engine serves both the sampled and the greedy pass.
+    """
     rows = dataset.to_list()
     prompts = [row["prompt"] for row in rows]
+    scorer = RewardScorer(reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}))
 
     def correct(completions: list[str], group: int) -> torch.Tensor:
-        repeated_rows = [row for row in rows for _ in range(group)]
-        if is_conversational({"prompt": prompts[0]}):
-            completions = [[{"role": "assistant", "content": c}] for c in completions]
-        columns = {key: [row[key] for row in repeated_rows] for key in rows[0] if key != "prompt"}
-        total = torch.zeros(len(repeated_rows))
-        for func, weight in zip(funcs, weights):
-            values = func(prompts=[row["prompt"] for row in repeated_rows], completions=completions, **columns)
-            total += weight * torch.tensor([float("nan") if v is None else float(v) for v in values]).nan_to_num(0.0)
-        return (total >= positive_reward_threshold).float().view(len(rows), group)
+        scores = scorer.score([row for row in rows for _ in range(group)], completions)
+        return scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
 
+    generator = build_eval_engine(engine, model, tokenizer, batch_size)
     sampled, lengths = sample_completions(
-        model, tokenizer, prompts, num_samples=k, temperature=temperature, top_p=top_p,
-        max_new_tokens=max_new_tokens, batch_size=batch_size,
+        model,
+        tokenizer,
+        prompts,
+        num_samples=k,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        engine=generator,
     )
     hits = correct(sampled, k)
     pass_at_1 = float("nan")
     if greedy:
         greedy_completions, _ = sample_completions(
-            model, tokenizer, prompts, temperature=0.0, max_new_tokens=max_new_tokens, batch_size=batch_size
+            model,
+            tokenizer,
+            prompts,
+            temperature=0.0,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            engine=generator,
         )
         pass_at_1 = correct(greedy_completions, 1).mean().item()
     return EvaluationResult(

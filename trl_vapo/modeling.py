@@ -21,13 +21,17 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
+from accelerate.logging import get_logger
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
-from ._compat import entropy_from_logits, selective_log_softmax
+from ._compat import entropy_from_logits, get_config_model_id, selective_log_softmax
+
+logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
 
 POLICY_ADAPTER = "default"
 CRITIC_ADAPTER = "critic"
@@ -106,6 +110,21 @@ def value_pretraining_record(path: str | os.PathLike) -> dict | None:
     if record.is_file():
         return json.loads(record.read_text())
     return None
+
+
+def trim_padding(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`input_ids`, `attention_mask` and completion length of `rows`, without the padding all of them share.
+
+    Prompts are left-padded in the first `prompt_length` columns and completions right-padded after them: the columns
+    before the earliest prompt token and after the longest completion of these rows are dropped.
+    """
+    attention = attention_mask[rows]
+    first_prompt_column = int(attention[:, :prompt_length].any(dim=0).float().argmax())
+    completion_length = max(int(attention[:, prompt_length:].sum(dim=1).max()), 1)
+    end = prompt_length + completion_length
+    return input_ids[rows, first_prompt_column:end], attention[:, first_prompt_column:end], completion_length
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -284,6 +303,40 @@ class ActorCritic(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
 
+    @torch.no_grad()
+    def score_completions(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        *,
+        batch_size: int,
+        temperature: float,
+        with_policy: bool,
+        reference: nn.Module | str | None = None,
+        autocast=contextlib.nullcontext,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Log-probs (when ``with_policy``), values, and log-probs under ``reference`` of the completions after the
+        first ``prompt_length`` columns, without gradients, in micro-batches of ``batch_size``, padded to the
+        completions' width. ``reference``: a model, ``"base"`` (this policy with its adapters disabled), or None."""
+        width = input_ids.shape[1] - prompt_length
+        values = torch.zeros((input_ids.shape[0], width), device=input_ids.device)
+        logprobs = torch.zeros_like(values) if with_policy else None
+        ref = torch.zeros_like(values) if reference is not None else None
+        for rows in torch.arange(input_ids.shape[0]).split(batch_size):
+            ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows)
+            columns = slice(0, min(length, width))
+            with autocast():
+                out = self(ids, attention, length, temperature, with_policy=with_policy, with_entropy=False)
+                values[rows, columns] = out["values"]
+                if with_policy:
+                    logprobs[rows, columns] = out["logprobs"]
+                if reference is not None:
+                    model = self.policy if reference == "base" else reference
+                    with self.policy.disable_adapter() if reference == "base" else contextlib.nullcontext():
+                        ref[rows, columns] = completion_logprobs(model, ids, attention, length, temperature)
+        return logprobs, values, ref
+
     # ---------------------------------------------------------------------------------------- save and load
     def save_critic(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the critic so that `value_model=directory` loads it back (the layout matches this module's).
@@ -453,12 +506,15 @@ def policy_fingerprint(policy: nn.Module) -> str:
             if f".{CRITIC_ADAPTER}." in name:
                 continue
             values = param.detach().to(torch.float64)
-            digest.update(f"{name}:{tuple(param.shape)}:{values.sum().item():.6e}:{values.abs().sum().item():.6e}".encode())
+            digest.update(
+                f"{name}:{tuple(param.shape)}:{values.sum().item():.6e}:{values.abs().sum().item():.6e}".encode()
+            )
     return digest.hexdigest()
 
 
 def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
-    """Load every ``*.safetensors`` shard of a ``save_pretrained`` folder into ``model`` (strictly, tied weights aside)."""
+    """Load every ``*.safetensors`` shard of a ``save_pretrained`` folder into ``model`` (strictly, tied weights
+    aside)."""
     state: dict[str, torch.Tensor] = {}
     shards = sorted(directory.glob("model*.safetensors"))
     if not shards:
@@ -469,4 +525,158 @@ def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"Weights in {directory} do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+        raise ValueError(
+            f"Weights in {directory} do not match {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building the actor-critic from what the user passed
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_quantization(model_init_kwargs: dict | None, peft_config) -> None:
+    """Fail before loading anything when a quantized model is asked for where it cannot train."""
+    if (model_init_kwargs or {}).get("quantization_config") is None:
+        return
+    if peft_config is None:
+        raise ValueError(
+            "model_init_kwargs asks for a quantized model, and quantized weights cannot be trained: pass a "
+            "peft_config (e.g. LoraConfig(r=16), or --use_peft on the command line) to train adapters on it (QLoRA)."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "4-bit / 8-bit loading (load_in_4bit, QLoRA) needs bitsandbytes: `pip install bitsandbytes` (it runs on "
+            "NVIDIA GPUs and on CPUs), or drop the quantization to train LoRA on a bf16 base."
+        ) from None
+
+
+def from_pretrained_kwargs(args) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments from `args.model_init_kwargs`: float32 by default, safetensors only."""
+    kwargs = dict(args.model_init_kwargs or {})
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"model_init_kwargs['dtype'] must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}."
+            )
+        dtype = getattr(torch, dtype)
+    kwargs["dtype"] = dtype
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs.setdefault("use_safetensors", True)  # never unpickle weights unless the user asks
+    return kwargs
+
+
+def load_policy(model, args) -> tuple[nn.Module, str]:
+    """The policy (a causal LM) and its name: loaded from an id or path, or the instance given."""
+    if isinstance(model, (str, os.PathLike)):
+        model_id = str(model)
+        return AutoModelForCausalLM.from_pretrained(model_id, **from_pretrained_kwargs(args)), model_id
+    if isinstance(model, nn.Module) and hasattr(model, "config"):
+        if any(hasattr(param, "ds_id") for param in model.parameters()):
+            raise ValueError(
+                "The model was created partitioned by DeepSpeed ZeRO-3 (it was loaded after a ZeRO-3 VAPOConfig "
+                "existed), so the critic cannot copy its weights. Pass the model id or path as `model`, or load the "
+                "model before creating the VAPOConfig."
+            )
+        if args.model_init_kwargs:
+            logger.warning("model_init_kwargs is ignored: the model is already instantiated.")
+        return model, get_config_model_id(model.config)
+    raise TypeError(f"model must be a model id, a path or a PreTrainedModel, got {type(model).__name__}.")
+
+
+def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
+    """The policy with a trainable adapter from `peft_config` (none: as it is). A quantized model needs one (QLoRA)."""
+    quantized = getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False)
+    if quantized and peft_config is None and not is_peft_model(policy):
+        raise ValueError(
+            "The model is quantized (4-bit or 8-bit), and quantized weights cannot be trained: pass a peft_config "
+            "(e.g. LoraConfig(r=16)) to train adapters on the frozen quantized base (QLoRA)."
+        )
+    if peft_config is None or is_peft_model(policy):
+        return policy
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        # Norms in float32 for stable QLoRA; checkpointing is switched on by the trainer, adapter-aware.
+        policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)
+    return get_peft_model(policy, peft_config)
+
+
+def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -> tuple[ActorCritic, bool]:
+    """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy.
+
+    ``value_model`` None: a critic initialised from the policy (a second adapter on its base under PEFT). A path or
+    id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is.
+    """
+    shared = is_peft_model(policy)
+    if value_model is None:
+        if shared:
+            policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
+            policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+            head = ValueHead(policy.config.hidden_size, getattr(policy.config, "initializer_range", 0.02))
+            return ActorCritic(policy, value_head=head.to(policy.device)), False
+        return ActorCritic(policy, critic=critic_from_policy(policy)), False
+
+    if not isinstance(value_model, (str, os.PathLike)):
+        check_value_model(value_model)
+        return ActorCritic(policy, critic=value_model), False
+    path = Path(value_model).expanduser()
+    pretrained = _pretrained_for_this_policy(path, fingerprint, args.value_pretrain_steps)
+    if (path / "adapter_config.json").is_file() and (path / VALUE_HEAD_FILE).is_file():
+        if not shared:
+            raise ValueError(
+                f"value_model {path} is a critic adapter, which needs the policy's base: pass the same peft_config "
+                "you trained it with."
+            )
+        policy.load_adapter(str(path), adapter_name=CRITIC_ADAPTER, is_trainable=True)
+        policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+        actor_critic = ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size).to(policy.device))
+        actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
+        return actor_critic, pretrained
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(
+            f"value_model {path} is not a value model: it has neither a transformers config.json nor a trl-vapo "
+            f"critic adapter (adapter_config.json + {VALUE_HEAD_FILE}). Files there: "
+            f"{sorted(p.name for p in path.iterdir())[:10]}."
+        )
+    if not path.exists() and _looks_like_a_path(str(value_model)):
+        raise FileNotFoundError(f"value_model path {value_model} does not exist.")
+    config = AutoConfig.from_pretrained(str(value_model), trust_remote_code=args.trust_remote_code)
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
+    extra = {} if is_classifier else {"num_labels": 1}
+    critic = AutoModelForSequenceClassification.from_pretrained(
+        str(value_model), **from_pretrained_kwargs(args), **extra
+    )
+    check_value_model(critic)
+    return ActorCritic(policy, critic=critic), pretrained
+
+
+def _pretrained_for_this_policy(path: Path, fingerprint: str, value_pretrain_steps: int) -> bool:
+    """Whether the critic at `path` was value-pretrained against this run's initial policy.
+
+    A critic pretrained against another policy predicts that policy's returns: starting RL from it would skip the
+    phase VAPO needs. It is then used as an initialisation and value pretraining runs again.
+    """
+    record = value_pretraining_record(path)
+    if record is None:
+        return False
+    if "policy_fingerprint" not in record:  # written by trl-vapo 0.1, which did not record it
+        logger.warning(f"{path} does not record which policy it was pretrained against; trusting that it is this one.")
+        return True
+    if record["policy_fingerprint"] == fingerprint:
+        return True
+    logger.warning(
+        f"value_model {path} was value-pretrained against the policy {record.get('policy')!r}, whose weights differ "
+        f"from this run's policy: it starts from those weights and value pretraining runs again "
+        f"(value_pretrain_steps={value_pretrain_steps})."
+    )
+    return False
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else (`./x`, `/x`, `a/b/c`) was meant as a local path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name

@@ -99,14 +99,15 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_MEMORY_LIMIT_MB = 2048
 """Address-space cap of a worker: a power tower can otherwise eat the training node's memory inside the deadline."""
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Pure text helpers
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 _BOX_OPEN_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # Escaped characters (``\{``, ``\}``, ``\\``) are skipped as a unit so that set braces never count as grouping.
 _BRACE_TOKEN_RE = re.compile(r"\\.|[{}]", re.DOTALL)
-# Markdown emphasis may wrap the label or the answer: ``**Answer:** 72``, ``**Final answer**: $72$``, ``Answer: **7**``.
+# Markdown emphasis may wrap the label or the answer: ``**Answer:** 72``, ``**Final answer**: $72$``,
+# ``Answer: **7**``.
 _ANSWER_LINE_RE = re.compile(
     r"^\s*(?:\*\*|__)?\s*(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*(?:\*\*|__)?\s*[:：]\s*(?:\*\*|__)?"
     r"(?P<answer>.*?)(?:\*\*|__)?\s*$",
@@ -161,7 +162,8 @@ _FINAL_ANSWER_IS_RE = re.compile(
     r"(?i:final answer).{0,100}?\s+is:?\s*(?P<answer>.+?)\.?(?:\s?I hope it is correct\.?)?\s*$"
 )
 # ISO style writes Euler's number upright. math-verify reads ``\mathrm{e}`` as a symbol named e, not as e (so
-# ``\mathrm{e}^2`` differs from ``e^2``), and its unit stripping eats the ``\mathrm{e}}`` ending ``\frac{1}{\mathrm{e}}``.
+# ``\mathrm{e}^2`` differs from ``e^2``), and its unit stripping eats the ``\mathrm{e}}`` ending
+# ``\frac{1}{\mathrm{e}}``.
 _MATHRM_E_RE = re.compile(r"\\mathrm\s*\{\s*e\s*\}|\{\\rm\s+e\s*\}")
 
 
@@ -598,7 +600,8 @@ _FAST_DECIMAL_GAP = Fraction(1, 1000)
 
 
 def _plain_number(text: str) -> tuple[Fraction, bool] | None:
-    """``(exact value, written with a decimal point)`` of a plain number (:func:`parse_plain_number`), else ``None``."""
+    """``(exact value, written with a decimal point)`` of a plain number (:func:`parse_plain_number`), else
+    ``None``."""
     text = _bounded_answer(text)
     if text is None:
         return None
@@ -695,9 +698,9 @@ def completion_text(completion: Any) -> str:
     return ""
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The worker process (runs in a fresh interpreter, see MathVerifyPool._spawn)
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 # Loads this file by path, not ``import trl_vapo``: the package ``__init__`` may grow heavy imports (torch, the
 # trainer) that would cost every worker seconds and hundreds of MB.
@@ -825,9 +828,9 @@ def _load_math_verify() -> Callable[[str, str | None], bool | None]:
     return verify_pair
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The worker pool (parent side)
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class _Worker:
@@ -1204,9 +1207,9 @@ def _shared_pool(num_workers: int | None, memory_limit_mb: int | None) -> MathVe
         return pool
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Reward functions
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class MathReward:
@@ -1241,8 +1244,8 @@ class MathReward:
         self.__name__ = name
         self.__doc__ = (
             f"Math reward {name!r}: {self.correct_reward:+g} when the completion's final answer matches the gold "
-            f"answer in column {' or '.join(self.answer_columns)}, {self.incorrect_reward:+g} otherwise, None when the "
-            f"gold answer cannot be parsed; math-verify runs under a {self.timeout:g} s deadline."
+            f"answer in column {' or '.join(self.answer_columns)}, {self.incorrect_reward:+g} otherwise, None when "
+            f"the gold answer cannot be parsed; math-verify runs under a {self.timeout:g} s deadline."
         )
         self._init_state()
 

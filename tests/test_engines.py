@@ -1,0 +1,144 @@
+"""The generation engines inside the trainer and `trl-vapo eval`: continuous batching trains and resumes exactly; the
+vLLM glue pushes the policy (never the critic) once per optimizer step and corrects the loss for the sampler.
+
+vLLM cannot be installed here (no GPU): the vLLM test runs the trainer against `_StandInVLLMGeneration` from
+`test_generation.py`, a subclass of TRL's real `VLLMGeneration` whose vLLM parts are replaced by transformers (its
+`sync_weights` is TRL's own code), with TRL's `is_vllm_available` answering yes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig
+from test_generation import _merged_policy_only, _StandInVLLMGeneration
+from test_trainer import CapturingTrainer, _comparable, digit_fraction, make_args, prompts_dataset, rl_logs
+
+from trl_vapo import VAPOTrainer
+from trl_vapo.cli import main as cli_main
+
+
+def lora() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def test_continuous_batching_trains_end_to_end_and_resumes_exactly(tiny_model_dir, tmp_path):
+    def run(resume=None):
+        args = make_args(
+            tmp_path,
+            max_steps=3,
+            value_pretrain_steps=2,
+            value_pretrain_patience=None,
+            save_strategy="steps",
+            save_steps=2,
+            num_iterations=2,
+            use_transformers_continuous_batching=True,
+        )
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run()
+    assert type(full.generation_engine).__name__ == "ContinuousBatching"
+    assert [h["phase"] for h in full.state.log_history if "phase" in h] == ["value_pretrain"] * 4 + ["rl"] * 3
+    lengths = [h["completions/mean_length"] for h in rl_logs(full) if "completions/mean_length" in h]
+    assert lengths and all(n > 0 for n in lengths)
+    resumed = run(resume=str(tmp_path / "out" / "checkpoint-4"))
+    after = [h for h in _comparable(resumed.state.log_history) if h["step"] > 4]
+    assert after == [h for h in _comparable(full.state.log_history) if h["step"] > 4] and len(after) == 3
+
+
+@pytest.fixture
+def stand_in_vllm(monkeypatch):
+    import importlib
+
+    vllm_generation = importlib.import_module("trl.generation.vllm_generation")
+    monkeypatch.setattr(importlib.import_module("trl.import_utils"), "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(vllm_generation, "VLLMGeneration", _StandInVLLMGeneration)
+
+
+def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tiny_model_dir, tmp_path, stand_in_vllm):
+    # Two optimizer steps per rollout, three rollouts: the policy changes between rollouts, so every rollout but the
+    # first (value pretraining's frozen policy) samples from freshly pushed weights.
+    args = make_args(
+        tmp_path,
+        per_device_train_batch_size=8,
+        steps_per_generation=2,
+        max_steps=4,
+        value_pretrain_steps=1,
+        value_pretrain_patience=None,
+        use_vllm=True,
+        vllm_mode="colocate",
+        learning_rate=1e-2,
+    )
+    trainer = CapturingTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
+        peft_config=lora(),
+    )
+    sampler = trainer.generation_engine.vllm_generation
+    assert isinstance(sampler, _StandInVLLMGeneration)
+    syncs = []  # (the optimizer step asked for, load_weights calls vLLM received by then)
+    sync = trainer.generation_engine.sync_weights
+
+    def recording_sync(step=None):
+        sync(step)
+        syncs.append((step, sampler.pushes))
+
+    trainer.generation_engine.sync_weights = recording_sync
+    trainer.train()
+
+    # One sync per rollout, each at a new optimizer step (value pretraining's frozen policy, then after steps 2 and
+    # 4), and each one pushes the whole policy.
+    assert [step for step, _ in syncs] == [-1, 2, 4]
+    per_sync = syncs[0][1]
+    assert per_sync > 0 and [pushes for _, pushes in syncs] == [per_sync, 2 * per_sync, 3 * per_sync]
+    # What vLLM holds is the policy (base merged with the policy adapter), never the critic adapter.
+    expected = _merged_policy_only(trainer.actor_critic.policy)
+    sync(step=None)
+    assert set(sampler.received) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(sampler.received[name], value, atol=1e-6, rtol=0, msg=name)
+    # RL rollouts carry TRL's importance-sampling weights (sequence_mask by default) and log them.
+    rl_rollouts = [r for _, r in trainer.rollouts if r.phase == "rl"]
+    assert rl_rollouts and all(r.is_weights is not None and r.is_weights.shape[1] == 1 for r in rl_rollouts)
+    assert sum("sampling/importance_sampling_ratio/mean" in h for h in rl_logs(trainer)) == len(rl_rollouts)
+
+
+def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path):
+    args = make_args(tmp_path, use_vllm=True)
+    with pytest.raises(ImportError, match="pip install vllm"):
+        VAPOTrainer(model="no/such-model", reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+
+
+def test_eval_takes_the_training_engine_flags(tmp_path, capsys):
+    from trl_vapo.demo import MODEL_DIR
+
+    out = tmp_path / "scores.json"
+    code = cli_main(
+        [
+            "eval",
+            "--model",
+            str(MODEL_DIR),
+            "--num_prompts",
+            "4",
+            "--k",
+            "2",
+            "--max_completion_length",
+            "96",
+            "--use_transformers_continuous_batching",
+            "--output_json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    scores = json.loads(out.read_text())
+    assert scores["num_problems"] == 4 and 0 <= scores["avg@2"] <= 1
+    assert cli_main(["eval", "--model", str(MODEL_DIR), "--use_vllm"]) == 2
+    assert "pip install vllm" in capsys.readouterr().err

@@ -1,0 +1,657 @@
+"""Tests of `trl_vapo.generation`: stop-token cutting, the three engines, and the importance-sampling metrics.
+
+vLLM cannot be installed on the development machines (no GPU), so the vLLM glue runs against
+`_StandInVLLMGeneration`: a subclass of TRL's real `trl.generation.vllm_generation.VLLMGeneration` in which only the
+parts that need vLLM are replaced. Its `_init_vllm` loads a transformers copy of the checkpoint the policy was loaded
+from (what vLLM's `LLM(model=model.name_or_path)` does) behind the attribute path TRL's colocate mode writes weights
+to, and its `generate` samples from that copy with transformers and answers in `VLLMGeneration.generate`'s format.
+`sync_weights` is TRL's own code (PEFT merge, renaming, unmerge); the stand-in's `load_weights` records what it
+receives and copies it into its model by name, failing on a name the model does not have, as vLLM's loader does.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import string
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from trl.generation.vllm_generation import VLLMGeneration
+from trl.import_utils import is_vllm_available
+
+from trl_vapo.core import importance_sampling_weights
+from trl_vapo.generation import (
+    ContinuousBatching,
+    GenerationOutput,
+    SamplingSettings,
+    TransformersGenerate,
+    VLLMEngine,
+    build_engine,
+    check_engine_available,
+    cut_at_stop,
+    importance_sampling_metrics,
+    stop_token_ids,
+)
+from trl_vapo.modeling import CRITIC_ADAPTER, POLICY_ADAPTER, ActorCritic, ValueHead, completion_logprobs
+
+GREEDY = SamplingSettings(max_new_tokens=24, temperature=0.0)
+TEXT_PROMPTS = ["1+2=", "hello world, how are", "a", "The quick brown fox jumps over", "x=7; y=", "??"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from a second intra-op thread; on a shared 2-core machine OpenMP's spinning threads
+    made these tests 10-20 times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from trl_vapo.data import prompt_token_ids
+    from trl_vapo.demo import MODEL_DIR
+    from trl_vapo.demo.data import build_split
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    prompts = list(build_split("held_out", 6)["prompt"])
+    return model, tokenizer, prompt_token_ids(tokenizer, prompts, conversational=True)
+
+
+def _ids(tokenizer, texts):
+    return tokenizer(text=texts)["input_ids"]
+
+
+def _peft_actor_critic(model_dir, modules_to_save=None, seed=0, dtype=torch.float32) -> ActorCritic:
+    """The trainer's shared-base layout: policy adapter "default", critic adapter "critic", a value head; every
+    LoRA B matrix is made non-zero, so both adapters change the model."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
+    policy = get_peft_model(base, config)
+    policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
+    policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator).to(param.dtype))
+    return ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size))
+
+
+def _merged_policy_only(policy) -> dict[str, torch.Tensor]:
+    """What vLLM should hold: the base merged with the policy adapter alone (critic adapter deleted first)."""
+    alone = copy.deepcopy(policy)
+    alone.delete_adapter(CRITIC_ADAPTER)
+    return {name: p.detach() for name, p in alone.merge_and_unload().named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# cut_at_stop and stop ids
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _naive_cut(row: list[int], n_valid: int, stops: set[int]) -> tuple[list[int], bool]:
+    kept = []
+    for token in row[:n_valid]:
+        kept.append(token)
+        if token in stops:
+            return kept, False
+    return kept, True
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cut_at_stop_matches_a_naive_loop(seed):
+    generator = torch.Generator().manual_seed(seed)
+    stops, pad_id = [3, 7], 0
+    ids = torch.randint(1, 12, (16, 10), generator=generator)
+    ids[0] = torch.tensor([3, 5, 7, 3, 1, 1, 1, 1, 1, 1])  # stop at position 0
+    ids[1] = torch.tensor([1, 2, 4, 5, 6, 8, 9, 10, 11, 1])  # no stop at all
+    ids[2] = torch.tensor([1, 7, 3, 7, 1, 1, 1, 1, 1, 1])  # the second stop id first
+    n_valid = torch.randint(0, 11, (16,), generator=generator)
+    n_valid[:3] = 10
+    valid = torch.arange(10)[None, :] < n_valid[:, None]
+    logprobs = -torch.rand(16, 10, generator=generator)
+    logprobs[5, -1] = -math.inf  # a filtered token past the cut must not turn into NaN
+
+    out = cut_at_stop(ids, stops, pad_id, valid=valid, logprobs=logprobs)
+
+    for i in range(16):
+        kept, truncated = _naive_cut(ids[i].tolist(), int(n_valid[i]), set(stops))
+        n = len(kept)
+        assert out.completion_ids[i, :n].tolist() == kept
+        assert (out.completion_ids[i, n:] == pad_id).all()
+        assert out.completion_mask[i].tolist() == [1] * n + [0] * (10 - n)
+        assert bool(out.is_truncated[i]) == truncated
+        assert torch.equal(out.sampler_logprobs[i, :n], logprobs[i, :n])
+        assert (out.sampler_logprobs[i, n:] == 0).all()
+    assert out.completion_lists()[0] == [3] and out.completion_lists()[2] == [1, 7]
+    assert out.lengths.tolist()[:3] == [1, 10, 2]
+    # With the budget known, only a row that used all of it without a stop token ran out of budget.
+    budget = cut_at_stop(ids, stops, pad_id, valid=valid, max_new_tokens=10)
+    assert budget.is_truncated.tolist() == (out.is_truncated & (out.lengths == 10)).tolist()
+
+
+def test_stop_token_ids_collects_tokenizer_model_and_kwargs_ids(tiny):
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    eos = tokenizer.eos_token_id
+    assert stop_token_ids(tokenizer) == [eos]
+    model.generation_config.eos_token_id = [eos, 40]
+    assert stop_token_ids(tokenizer, model) == [eos, 40]
+    assert stop_token_ids(tokenizer, model, {"eos_token_id": 41, "stop_token_ids": [40, 42]}) == [eos, 40, 41, 42]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# transformers generate()
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _check_invariants(out: GenerationOutput, n: int, max_new_tokens: int, stops: list[int], pad_id: int) -> None:
+    assert out.completion_ids.shape == out.completion_mask.shape and out.completion_ids.shape[0] == n
+    assert out.completion_ids.shape[1] <= max_new_tokens and out.is_truncated.shape == (n,)
+    for ids, mask, truncated in zip(out.completion_ids.tolist(), out.completion_mask.tolist(), out.is_truncated):
+        length = sum(mask)
+        assert mask == [1] * length + [0] * (len(mask) - length)  # a prefix
+        assert all(t == pad_id for t in ids[length:])
+        assert not any(t in stops for t in ids[: length - 1])  # nothing after the first stop token
+        if truncated:
+            assert length == max_new_tokens and ids[length - 1] not in stops
+        else:
+            assert ids[length - 1] in stops
+
+
+def test_transformers_engine_output_invariants(tiny):
+    model, tokenizer = tiny
+    # Frequent characters as stop tokens, so that sampled completions both stop and run out of budget.
+    stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("aeiou "))]
+    engine = TransformersGenerate(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops, batch_size=4)
+    prompts = _ids(tokenizer, TEXT_PROMPTS) * 3
+    torch.manual_seed(0)
+    out = engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=16, temperature=1.0))
+    _check_invariants(out, len(prompts), 16, stops, tokenizer.pad_token_id)
+    assert out.is_truncated.any() and (~out.is_truncated).any()
+    assert out.sampler_logprobs is None
+
+    # Batching is invisible: greedy completions in chunks of 4 equal one batch of all prompts.
+    whole = TransformersGenerate(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops)
+    a, b = engine.generate(prompts, sampling=GREEDY), whole.generate(prompts, sampling=GREEDY)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert model.training is False  # restored as found (from_pretrained models are in eval mode)
+
+
+def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny):
+    """generate() pads a row that stopped on a stop string: the padding is not part of the completion, and the row
+    did not run out of budget."""
+    model, tokenizer = tiny
+    stops = [tokenizer.eos_token_id]
+    engine = TransformersGenerate(
+        model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops, tokenizer=tokenizer
+    )
+    sampling = SamplingSettings(max_new_tokens=16, generation_kwargs={"stop_strings": ["e", "a"]})
+    torch.manual_seed(2)
+    out = engine.generate(_ids(tokenizer, TEXT_PROMPTS) * 3, sampling=sampling)
+    texts = tokenizer.batch_decode(out.completion_lists())
+    on_string = [t.endswith(("e", "a")) for t in texts]
+    assert any(on_string) and not all(on_string)
+    for ids, length, truncated, text, stopped in zip(
+        out.completion_ids, out.lengths, out.is_truncated, texts, on_string
+    ):
+        assert tokenizer.pad_token_id not in ids[:length].tolist()
+        assert bool(truncated) == (not stopped and ids[length - 1] not in stops and length == 16), text
+
+
+def test_transformers_engine_logprobs_are_the_trainers_on_policy(tiny):
+    """With logprobs=True the sampler's log-probs equal the trainer's (same model, same temperature): on-policy, the
+    importance-sampling weights are 1."""
+    model, tokenizer = tiny
+    stops = [tokenizer.eos_token_id]
+    engine = TransformersGenerate(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops, logprobs=True)
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    torch.manual_seed(1)
+    out = engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=12, temperature=0.7))
+    trainer = _trainer_logprobs(model, tokenizer, prompts, out, temperature=0.7)
+    mask = out.completion_mask.float()
+    torch.testing.assert_close(out.sampler_logprobs * mask, trainer * mask, atol=1e-4, rtol=0)
+    weights = importance_sampling_weights(trainer, out.sampler_logprobs, mask, "token_truncate", 3.0, None)
+    torch.testing.assert_close(weights[mask.bool()], torch.ones(int(mask.sum())), atol=1e-3, rtol=0)
+
+
+def _trainer_logprobs(model, tokenizer, prompts, out: GenerationOutput, temperature: float) -> torch.Tensor:
+    """Log-probs of the completions as the trainer computes them (`completion_logprobs`, left-padded prompts)."""
+    from trl_vapo._compat import pad
+
+    prompt_ids = pad([torch.tensor(p) for p in prompts], padding_value=tokenizer.pad_token_id, padding_side="left")
+    prompt_mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_side="left")
+    ids = torch.cat([prompt_ids, out.completion_ids], dim=1)
+    attention = torch.cat([prompt_mask, out.completion_mask], dim=1)
+    with torch.no_grad():
+        return completion_logprobs(model, ids, attention, out.completion_ids.shape[1], temperature)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# transformers continuous batching
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _both_engines(model, tokenizer, stops, **kwargs):
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stops}
+    return TransformersGenerate(model, **common, **kwargs), ContinuousBatching(model, **common, **kwargs)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny-lora", "demo"])
+def test_continuous_batching_greedy_equals_generate(which, tiny, demo, tiny_model_dir):
+    if which == "demo":
+        model, tokenizer, prompts = demo
+        sampling = SamplingSettings(max_new_tokens=96, temperature=0.0)  # the demo's answers end at EOS
+    else:
+        model, tokenizer = tiny
+        if which == "tiny-lora":  # the trainer's PEFT policy, with its critic adapter alongside
+            model = _peft_actor_critic(tiny_model_dir).policy
+        prompts, sampling = _ids(tokenizer, TEXT_PROMPTS), GREEDY
+    stops = stop_token_ids(tokenizer, model)
+    generate, batching = _both_engines(model, tokenizer, stops, logprobs=True)
+    expected, got = generate.generate(prompts, sampling=sampling), batching.generate(prompts, sampling=sampling)
+    assert got.completion_lists() == expected.completion_lists()
+    assert torch.equal(got.is_truncated, expected.is_truncated)
+    mask = expected.completion_mask.bool()
+    torch.testing.assert_close(got.sampler_logprobs[mask], expected.sampler_logprobs[mask], atol=1e-4, rtol=0)
+    if which == "demo":
+        assert (~got.is_truncated).all()  # every answer stopped at EOS: the cut is exercised
+
+
+def test_continuous_batching_sampling_respects_budget_and_stop_ids(tiny):
+    model, tokenizer = tiny
+    stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("aeiou "))]
+    engine = ContinuousBatching(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops)
+    prompts = _ids(tokenizer, TEXT_PROMPTS) * 4
+    sampling = SamplingSettings(max_new_tokens=10, temperature=1.0, top_p=0.9)
+    attention = model.config._attn_implementation
+    torch.manual_seed(3)
+    first = engine.generate(prompts, sampling=sampling)
+    _check_invariants(first, len(prompts), 10, stops, tokenizer.pad_token_id)
+    assert first.is_truncated.any() and (~first.is_truncated).any()
+    assert len(set(map(tuple, first.completion_lists()))) > len(TEXT_PROMPTS)  # sampled, not greedy
+    torch.manual_seed(3)
+    assert engine.generate(prompts, sampling=sampling).completion_lists() == first.completion_lists()  # seeded
+    assert model.config._attn_implementation == attention and not model.training  # the model is left as found
+
+
+def test_continuous_batching_refuses_what_it_would_ignore(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        ContinuousBatching(
+            model, pad_token_id=0, stop_token_ids=[1], sampling=SamplingSettings(repetition_penalty=1.1)
+        )
+    args = SimpleNamespace(use_transformers_continuous_batching=True, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        check_engine_available(args)
+    args = SimpleNamespace(use_transformers_continuous_batching=True, generation_kwargs={"stop_strings": ["\n\n"]})
+    with pytest.raises(ValueError, match="stop_strings"):
+        check_engine_available(args)
+
+
+def test_continuous_batching_restores_the_training_mode(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = ContinuousBatching(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
+    engine.generate(_ids(tokenizer, TEXT_PROMPTS[:2]), sampling=GREEDY)
+    assert model.training  # generate_batch leaves the model in eval mode; the engine puts it back
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM through TRL's VLLMGeneration, with a stand-in for vLLM itself
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _StandInVLLMGeneration(VLLMGeneration):
+    """TRL's `VLLMGeneration` with transformers in place of vLLM (see the module docstring). Same constructor and
+    public methods; `sync_weights` is inherited unchanged."""
+
+    def _init_vllm(self):
+        # vLLM's colocate mode loads `model.name_or_path` itself: the base checkpoint, without any adapter.
+        self.sampler = AutoModelForCausalLM.from_pretrained(self.model.name_or_path).eval()
+        self.received: dict[str, torch.Tensor] = {}
+        self.pushes = 0
+        model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load_weights))
+        worker = SimpleNamespace(model_runner=model_runner)
+        engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+        self.llm = SimpleNamespace(llm_engine=engine, reset_prefix_cache=lambda: None)
+        self._llm_weights_sleeping = False
+
+    def _load_weights(self, weights):
+        params = dict(self.sampler.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)  # KeyError on a name the model does not have
+            self.received[name] = tensor.detach().clone()
+        self.pushes += 1
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        """Like vLLM: greedy at temperature 0, stop at EOS and `stop_token_ids` (kept in the output), the sampled
+        token's processed log-prob per position, shape (N, len, 1)."""
+        stops = [self.processing_class.eos_token_id, *self.generation_kwargs.get("stop_token_ids", [])]
+        config = GenerationConfig(
+            do_sample=self.temperature > 0,
+            **(
+                {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k} if self.temperature else {}
+            ),
+            max_new_tokens=self.max_completion_length,
+            eos_token_id=stops,
+            pad_token_id=self.processing_class.pad_token_id,
+        )
+        completions, logprobs = [], []
+        for prompt in prompts:  # one at a time: no padding to get wrong
+            with torch.no_grad():
+                out = self.sampler.generate(
+                    input_ids=torch.tensor([prompt]),
+                    generation_config=config,
+                    return_dict_in_generate=True,
+                    output_scores=True,
+                )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            scores = torch.stack(out.scores, dim=1)[0].float().log_softmax(-1)
+            completions.append(tokens)
+            logprobs.append([[scores[t, token].item()] for t, token in enumerate(tokens)])
+        token_ids = [[[token] for token in row] for row in completions]
+        return prompts, completions, logprobs, token_ids
+
+
+def _vllm_args(**overrides):
+    fields = {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "max_completion_length": 16,
+        "generation_batch_size": 8,
+        "temperature": 1.0,
+    }
+    return SimpleNamespace(**{**fields, **overrides})
+
+
+def _vllm_engine(actor_critic, tokenizer, **overrides) -> VLLMEngine:
+    from accelerate import Accelerator
+
+    return build_engine(
+        _vllm_args(**overrides),
+        actor_critic.policy,
+        tokenizer,
+        policy=actor_critic.policy,
+        accelerator=Accelerator(),
+        vllm_generation_cls=_StandInVLLMGeneration,
+    )
+
+
+def test_vllm_sync_pushes_the_base_merged_with_the_policy_adapter_only(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor_critic = _peft_actor_critic(tiny_model_dir)
+    policy = actor_critic.policy
+    engine = _vllm_engine(actor_critic, tokenizer)
+    assert isinstance(engine, VLLMEngine)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+    engine.sync_weights(step=0)
+
+    received = engine.vllm_generation.received
+    expected = _merged_policy_only(policy)
+    assert set(received) == set(expected) == set(dict(engine.vllm_generation.sampler.named_parameters()))
+    for name, value in expected.items():
+        torch.testing.assert_close(received[name], value, atol=1e-6, rtol=0, msg=name)
+    # Both adapters really change the weights, so the comparison above can tell them apart.
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    base_q = before[f"base_model.model.{q_proj[: -len('.weight')]}.base_layer.weight"]
+    with_critic = copy.deepcopy(policy)
+    with_critic.delete_adapter(POLICY_ADAPTER)
+    critic_merged = dict(with_critic.merge_and_unload().named_parameters())[q_proj]
+    assert not torch.allclose(received[q_proj], base_q, atol=1e-3)
+    assert not torch.allclose(received[q_proj], critic_merged, atol=1e-3)
+    # TRL unmerges after the push: the training weights are back (up to float rounding of W + BA - BA).
+    for name, param in policy.named_parameters():
+        torch.testing.assert_close(param.detach(), before[name], atol=1e-6, rtol=0, msg=name)
+    assert not any(getattr(m, "merged", False) for m in policy.modules())
+
+
+def test_vllm_sync_leaves_a_bf16_base_bit_exact(tiny_model_dir):
+    """The base is shared with the critic adapter and the reference policy: a sync must not round it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor_critic = _peft_actor_critic(tiny_model_dir, modules_to_save=["norm"], dtype=torch.bfloat16)
+    policy = actor_critic.policy
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    engine = _vllm_engine(actor_critic, tokenizer)
+    for step in range(3):
+        engine.sync_weights(step=step)
+    for name, param in policy.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name
+    expected = _merged_policy_only(policy)
+    assert set(engine.vllm_generation.received) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(engine.vllm_generation.received[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_trls_in_place_merge_rounds_a_bf16_base(tiny_model_dir):
+    """Why `policy_only` merges on a copy: TRL's own sync (merge_adapter, push, unmerge_adapter) changes bf16 base
+    weights (trl issue #6688). If this starts failing, TRL restores the base itself and the copy can go."""
+    from accelerate import Accelerator
+
+    policy = _peft_actor_critic(tiny_model_dir, dtype=torch.bfloat16).policy
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    trl_only = _StandInVLLMGeneration(model=policy, accelerator=Accelerator(), processing_class=None)
+    trl_only.sync_weights()
+    changed = [n for n, p in policy.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert any(".base_layer." in n for n in changed)
+
+
+def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor_critic = _peft_actor_critic(tiny_model_dir, seed=1)
+    policy = actor_critic.policy
+    engine = _vllm_engine(actor_critic, tokenizer)
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    reference = TransformersGenerate(policy, pad_token_id=tokenizer.pad_token_id, stop_token_ids=engine.stop_token_ids)
+    stale = engine.generate(prompts, sampling=GREEDY)  # before any sync, vLLM holds the bare base checkpoint
+
+    engine.sync_weights(step=0)
+    out = engine.generate(prompts, sampling=GREEDY, num_generations=1)
+
+    assert out.completion_lists() == reference.generate(prompts, sampling=GREEDY).completion_lists()
+    assert stale.completion_lists() != out.completion_lists()
+    # The sampler's log-probs come back, zero past the cut, equal to the trainer's on-policy.
+    trainer = _trainer_logprobs(policy, tokenizer, prompts, out, temperature=1.0)
+    mask = out.completion_mask.bool()
+    torch.testing.assert_close(out.sampler_logprobs[mask], trainer[mask], atol=1e-4, rtol=0)
+    assert (out.sampler_logprobs[~mask] == 0).all()
+
+
+def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):
+    """Without PEFT (separate critic model), the policy's own weights go to vLLM, and the critic's never."""
+    from trl_vapo.modeling import critic_from_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        policy.model.layers[0].self_attn.q_proj.weight.add_(0.5)  # a trained policy: no longer the checkpoint
+    actor_critic = ActorCritic(policy, critic=critic_from_policy(policy))
+    engine = _vllm_engine(actor_critic, tokenizer)
+    engine.sync_weights(step=0)
+    expected = dict(policy.named_parameters())
+    assert set(engine.vllm_generation.received) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(engine.vllm_generation.received[name], value.detach()), name
+
+
+def test_vllm_sync_once_per_step(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor_critic = _peft_actor_critic(tiny_model_dir)
+    engine = _vllm_engine(actor_critic, tokenizer)
+    stand_in = engine.vllm_generation
+    engine.sync_weights(step=0)
+    pushed = stand_in.pushes
+    engine.sync_weights(step=0)  # gradient accumulation: same optimizer step, nothing to push
+    assert stand_in.pushes == pushed
+    with torch.no_grad():  # an update of the policy adapter
+        for name, param in actor_critic.policy.named_parameters():
+            if f"lora_B.{POLICY_ADAPTER}." in name:
+                param.add_(0.1)
+    engine.sync_weights(step=1)
+    assert stand_in.pushes > pushed
+    for name, value in _merged_policy_only(actor_critic.policy).items():
+        torch.testing.assert_close(stand_in.received[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_vllm_sync_leaves_out_the_critics_modules_to_save(tiny_model_dir):
+    """With `modules_to_save`, each adapter has its own copy of those modules; TRL renames the policy's copy and
+    would pass the critic's on under a name vLLM does not know (the stand-in's load_weights raises KeyError)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor_critic = _peft_actor_critic(tiny_model_dir, modules_to_save=["norm"])
+    engine = _vllm_engine(actor_critic, tokenizer)
+    engine.sync_weights(step=0)
+    expected = _merged_policy_only(actor_critic.policy)
+    assert set(engine.vllm_generation.received) == set(expected)
+    torch.testing.assert_close(engine.vllm_generation.received["model.norm.weight"], expected["model.norm.weight"])
+
+
+def test_vllm_engine_refuses_the_actor_critic_and_an_active_critic_adapter(tiny_model_dir):
+    from accelerate import Accelerator
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor_critic = _peft_actor_critic(tiny_model_dir)
+    with pytest.raises(TypeError, match="actor_critic.policy"):
+        build_engine(
+            _vllm_args(),
+            actor_critic,
+            tokenizer,
+            policy=actor_critic,
+            accelerator=Accelerator(),
+            vllm_generation_cls=_StandInVLLMGeneration,
+        )
+    engine = _vllm_engine(actor_critic, tokenizer)
+    actor_critic.policy.set_adapter(CRITIC_ADAPTER)
+    with pytest.raises(RuntimeError, match="critic"):
+        engine.sync_weights(step=0)
+    assert engine.vllm_generation.pushes == 0
+
+
+def test_vllm_generation_kwargs_follow_grpo_trainer(tiny_model_dir):
+    """The stand-in was built with exactly the keyword arguments GRPOTrainer passes, from TRL's field names."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = _vllm_engine(
+        _peft_actor_critic(tiny_model_dir),
+        tokenizer,
+        vllm_mode="colocate",
+        top_p=0.9,
+        vllm_gpu_memory_utilization=0.4,
+        generation_kwargs={"seed": 1},
+    )
+    generation = engine.vllm_generation
+    assert generation.mode == "colocate" and generation.gpu_memory_utilization == 0.4 and generation.top_p == 0.9
+    assert generation.max_num_seqs == 8 and generation.logprobs == 0 and generation.max_completion_length == 16
+    assert generation.server_port == 8000 and generation.enable_sleep_mode is False  # GRPOConfig's defaults
+
+
+@pytest.mark.skipif(is_vllm_available(), reason="vLLM is installed here")
+def test_use_vllm_without_vllm_says_how_to_install_it(tiny):
+    _, tokenizer = tiny
+    args = _vllm_args()
+    with pytest.raises(ImportError, match="pip install vllm"):
+        check_engine_available(args)
+    # build_engine checks first: no model is needed (nor touched) to get the message.
+    with pytest.raises(ImportError, match="pip install vllm"):
+        build_engine(args, model=lambda: pytest.fail("the model was used"), tokenizer=tokenizer)
+
+
+def test_check_engine_available_accepts_the_defaults_and_refuses_two_engines():
+    from trl_vapo.config import VAPOConfig
+
+    check_engine_available(VAPOConfig(output_dir="unused", report_to="none"))  # generate(): always available
+    with pytest.raises(ValueError, match="choose one"):
+        check_engine_available(SimpleNamespace(use_vllm=True, use_transformers_continuous_batching=True))
+    with pytest.raises(ValueError, match="vllm_mode"):
+        check_engine_available(SimpleNamespace(use_vllm=True, vllm_mode="remote"))
+
+
+def test_build_engine_picks_by_trl_field_names(tiny):
+    model, tokenizer = tiny
+    base = {"max_completion_length": 8, "generation_batch_size": 4}
+    default = build_engine(SimpleNamespace(**base), model, tokenizer)
+    batching = build_engine(
+        SimpleNamespace(
+            **base,
+            use_transformers_continuous_batching=True,
+            transformers_continuous_batching_config={"page_size": 32},
+        ),
+        model,
+        tokenizer,
+    )
+    assert type(default) is TransformersGenerate and type(batching) is ContinuousBatching
+    assert batching.config == {"page_size": 32} and default.sampling.max_new_tokens == 8
+    assert default.stop_token_ids == [tokenizer.eos_token_id]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Importance-sampling metrics (the weights themselves are `trl_vapo.core`'s, tested in test_core.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_importance_sampling_metrics():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -2.0, math.nan], [-0.5, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weights = importance_sampling_weights(trainer, sampler, mask, "token_truncate", 3.0)
+    metrics = importance_sampling_metrics(trainer, sampler, weights, mask)
+    assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(0.5)
+    assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(1.0 / 4)  # NaN left out
+    assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.5))
+    assert metrics["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-0.5))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Evaluation uses the engines and their stop ids
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_evaluation_cuts_at_the_generation_configs_eos_ids(tiny_model_dir):
+    """Training stops at every EOS id of the generation config; evaluation now does too (it used to stop only at
+    the tokenizer's EOS)."""
+    from trl_vapo.evaluation import sample_completions
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    free, lengths = sample_completions(model, tokenizer, TEXT_PROMPTS, temperature=0.0, max_new_tokens=12)
+    # Make the first character of the first greedy completion a stop token of the generation config.
+    stop_char = free[0][0]
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(stop_char)]
+    cut, cut_lengths = sample_completions(model, tokenizer, TEXT_PROMPTS, temperature=0.0, max_new_tokens=12)
+    assert cut_lengths[0] == 1 and cut[0] == stop_char
+    for text, full in zip(cut, free):
+        assert full.startswith(text) and (text == full or text.endswith(stop_char))
+    assert max(lengths) == 12
+
+
+@pytest.mark.parametrize("engine", ["generate", "continuous_batching"])
+def test_evaluation_engines_agree_greedily(engine, demo):
+    from trl_vapo.demo.data import build_split
+    from trl_vapo.evaluation import sample_completions
+
+    model, tokenizer, _ = demo
+    prompts = list(build_split("held_out", 6)["prompt"])
+    reference, ref_lengths = sample_completions(model, tokenizer, prompts, temperature=0.0, max_new_tokens=96)
+    texts, lengths = sample_completions(model, tokenizer, prompts, temperature=0.0, max_new_tokens=96, engine=engine)
+    assert texts == reference and lengths == ref_lengths
+    assert all("\\boxed{" in t for t in texts)
+    assert set(string.digits) & set("".join(texts))

@@ -1,0 +1,551 @@
+"""What a user sees: the completions table, the phase on the progress bar, the model card, `trl-vapo eval` flags.
+
+Pure functions on plain data, printed to real consoles and written to real trackers (offline); no training run
+(`test_trackers.py` has those).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from trl_vapo.model_card import build_model_card, is_hub_id
+from trl_vapo.reporting import (
+    PhaseProgressCallback,
+    build_completions_table,
+    completion_token_stats,
+    format_plain_table,
+    log_completions_to_trackers,
+    print_completions_table,
+    sample_rows,
+    tracker_urls,
+)
+
+NAN = float("nan")
+
+
+def sample_table(step=7, phase="rl"):
+    return build_completions_table(
+        step=step,
+        prompts=["1+1=", [{"role": "user", "content": "What is 2+2?"}], "3+3=", "4+4="],
+        completions=["2", [{"role": "assistant", "content": "[bold]4[/bold]"}], "six", ""],
+        rewards={"digit_fraction": [1.0, None, NAN, -1.0], "format": [0.5, 0.0, 0.25, 0.0]},
+        sequence_rewards=[1.5, 0.0, None, -1.0],
+        advantages=[0.25, -0.5, None, 0.0],
+        first_values=[0.1, 0.2, 0.3, None],
+        last_values=[0.9, -0.8, 0.7, None],
+        phase=phase,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The completions table: content
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_table_columns_in_order_with_missing_rewards_as_none():
+    table = sample_table()
+    assert list(table.columns) == [
+        "prompt",
+        "completion",
+        "digit_fraction",
+        "format",
+        "reward",
+        "advantage",
+        "value_first",
+        "value_last",
+    ]
+    assert len(table) == 4 and table.title == "Step 7 (RL)"
+    assert table.columns["digit_fraction"] == [1.0, None, None, -1.0]  # None and NaN: both "no score"
+    assert table.columns["reward"] == [1.5, 0.0, None, -1.0]
+    assert table.columns["value_last"] == [0.9, -0.8, 0.7, None]
+    assert table.reward_columns == ["digit_fraction", "format"]
+
+
+def test_value_pretraining_table_has_no_advantage_column():
+    table = build_completions_table(
+        step=1,
+        prompts=["p"],
+        completions=["c"],
+        rewards={"r": [1]},
+        sequence_rewards=[1],
+        advantages=None,
+        first_values=[0.5],
+        last_values=[0.25],
+        phase="value_pretrain",
+    )
+    assert "advantage" not in table.columns and table.title == "Step 1 (value pretraining)"
+    assert table.columns["r"] == [1.0] and isinstance(table.columns["r"][0], float)
+
+
+def test_reward_function_named_like_a_fixed_column_gets_a_prefix():
+    table = build_completions_table(
+        step=0, prompts=["p"], completions=["c"], rewards={"reward": [0.5], "prompt": [1.0]}, sequence_rewards=[2.0]
+    )
+    assert table.columns["rewards/reward"] == [0.5] and table.columns["rewards/prompt"] == [1.0]
+    assert table.columns["reward"] == [2.0] and table.columns["prompt"] == ["p"]
+
+
+def test_lists_of_the_wrong_length_are_refused_with_their_names():
+    with pytest.raises(ValueError, match=r"one value per prompt \(2\).*digit"):
+        build_completions_table(
+            step=0, prompts=["a", "b"], completions=["x", "y"], rewards={"digit": [1.0]}, sequence_rewards=[1, 2]
+        )
+
+
+def test_sample_rows_limits_keeps_order_and_leaves_global_random_state_alone():
+    assert sample_rows(5, None) == [0, 1, 2, 3, 4]
+    assert sample_rows(5, 9) == [0, 1, 2, 3, 4]
+    assert sample_rows(5, 0) == [] and sample_rows(5, -1) == []
+    random.seed(123)
+    expected_next = random.random()
+    random.seed(123)
+    rows = sample_rows(100, 6, seed=3)
+    assert random.random() == expected_next  # the trainer's (resumable) random stream is untouched
+    assert len(rows) == 6 and rows == sorted(set(rows)) and all(0 <= i < 100 for i in rows)
+    assert sample_rows(100, 6, seed=3) == rows and sample_rows(100, 6, seed=4) != rows
+
+
+def test_select_keeps_each_row_together():
+    table = sample_table()
+    picked = table.select(2)
+    assert len(picked) == 2 and picked.step == table.step
+    for i in range(2):
+        j = table.columns["prompt"].index(picked.columns["prompt"][i])
+        assert all(picked.columns[name][i] == table.columns[name][j] for name in table.columns)
+
+
+def test_completion_token_stats_from_rollout_tensors():
+    advantages = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    loss_mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 1 unscored: no advantage
+    stats = completion_token_stats(advantages, values, completion_mask, loss_mask)
+    assert stats["advantages"] == [2.0, None, None]
+    assert stats["first_values"][:2] == pytest.approx([0.1, 0.4]) and stats["first_values"][2] is None
+    assert stats["last_values"][:2] == pytest.approx([0.2, 0.4]) and stats["last_values"][2] is None
+    assert completion_token_stats(None, values, completion_mask)["advantages"] is None
+
+
+def test_dataframe_for_trackers_has_text_and_nan():
+    frame = sample_table().to_dataframe()
+    assert list(frame.columns)[:3] == ["step", "prompt", "completion"]
+    assert frame["step"].tolist() == [7] * 4
+    assert frame["prompt"][1] == "USER: What is 2+2?" and frame["completion"][1] == "ASSISTANT: [bold]4[/bold]"
+    assert frame["digit_fraction"].dtype == float and math.isnan(frame["digit_fraction"][1])
+    assert math.isnan(frame["value_first"][3]) and frame["advantage"][0] == 0.25
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The completions table: printed
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_rich_print_shows_the_sample_like_trl():
+    pytest.importorskip("rich")
+    out = io.StringIO()
+    print_completions_table(sample_table(), None, file=out, width=140)
+    text = out.getvalue()
+    assert "Step 7 (RL)" in text
+    for header in ("Prompt", "Completion", "digit_fraction", "format", "Reward", "Advantage", "Value"):
+        assert header in text, header
+    for value in ("1+1=", "3+3=", "six", "1.50", "-0.50", "0.25", "0.90", "-0.80"):
+        assert value in text, value
+    assert "[bold]4[/bold]" in text  # completions are text, never rich markup
+    assert "USER" in text and "ASSISTANT" in text
+    row_of_3 = next(line for line in text.splitlines() if "3+3=" in line)
+    assert row_of_3.count(" - ") >= 3  # digit_fraction NaN, reward None, advantage None
+
+
+def test_rich_print_on_a_narrow_console_keeps_every_column_and_token():
+    pytest.importorskip("rich")
+    table = build_completions_table(
+        step=1,
+        prompts=["Compute 7+1+3+5+4+6+2+9."],
+        completions=["7+1=8, 8+3=11, 11+5=16. Answer: 37"],
+        rewards={"digit_fraction": [1.0]},
+        sequence_rewards=[1.0],
+        advantages=[0.5],
+        first_values=[0.25],
+        last_values=[0.75],
+    )
+    out = io.StringIO()
+    print_completions_table(table, None, file=out, width=80)  # rich's width when stdout is not a terminal
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines) and lines[-1].endswith("╯")
+    assert all(line.endswith(("│", "╮", "╯")) for line in lines)  # no column cut off at the panel's edge
+    # Read each column top to bottom (header and body rows), without spaces: folded text joins up again.
+    columns: dict[int, str] = {}
+    for line in lines[1:-1]:
+        cells = line.replace("┃", "│").split("│")[2:-2]  # inside the panel's and the table's outer borders
+        for i, cell in enumerate(cells):
+            columns[i] = columns.get(i, "") + cell.replace(" ", "")
+    assert len(columns) == 7 and "…" not in "".join(columns.values())
+    assert columns[0] == "PromptCompute7+1+3+5+4+6+2+9." and columns[1] == "Completion7+1=8,8+3=11,11+5=16.Answer:37"
+    assert columns[2] == "digit_fraction1.00" and columns[4] == "Advantage0.50" and columns[6] == "Value(last)0.75"
+
+
+def test_rich_print_limited_to_num_completions_to_print():
+    pytest.importorskip("rich")
+    prompts = [f"prompt-{i:02d}" for i in range(20)]
+    table = build_completions_table(
+        step=3,
+        prompts=prompts,
+        completions=[f"completion-{i:02d}" for i in range(20)],
+        rewards={"r": [0.0] * 20},
+        sequence_rewards=[0.0] * 20,
+    )
+    out = io.StringIO()
+    print_completions_table(table, 3, file=out)
+    shown = [p for p in prompts if p in out.getvalue()]
+    assert len(shown) == 3
+    out = io.StringIO()
+    print_completions_table(table, 0, file=out)
+    assert out.getvalue() == ""
+
+
+def test_plain_text_when_rich_is_missing(capsys):
+    print_completions_table(sample_table(), 2, use_rich=False)
+    printed = capsys.readouterr().out
+    assert printed.startswith("===== Step 7 (RL): 2 completion(s)")
+    assert printed.count("--- prompt:") == 2 and printed.count("--- completion:") == 2
+    full = format_plain_table(sample_table())
+    assert "USER: What is 2+2?" in full and "ASSISTANT: [bold]4[/bold]" in full
+    assert "digit_fraction -   format 0.00   reward 0.00   advantage -0.50   value_first 0.20" in full
+    assert "value_first -   value_last -" in full
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The completions table: trackers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_no_tracker_table_without_a_table_tracker_or_a_live_run():
+    table = sample_table()
+    assert log_completions_to_trackers(table, None) == []
+    assert log_completions_to_trackers(table, "none") == []
+    assert log_completions_to_trackers(table, ["tensorboard"]) == []  # TensorBoard has no tables
+    if _installed("wandb"):
+        import wandb
+
+        assert wandb.run is None
+        assert log_completions_to_trackers(table, ["wandb"]) == []  # no run started: nothing to log to
+
+
+def test_table_logged_to_trackio_offline(tmp_path):
+    """trackio is local-first: with the hub unreachable (HF_HUB_OFFLINE) it writes a SQLite file under TRACKIO_DIR.
+
+    In a subprocess because trackio reads TRACKIO_DIR once, at import."""
+    pytest.importorskip("trackio")
+    script = textwrap.dedent("""
+        import json
+        import trackio
+        from trackio.sqlite_storage import SQLiteStorage
+        from trl_vapo.reporting import build_completions_table, log_completions_to_trackers
+
+        table = build_completions_table(
+            step=7, prompts=["1+1=", [{"role": "user", "content": "2+2?"}]], completions=["2", "four"],
+            rewards={"digit_fraction": [1.0, None]}, sequence_rewards=[1.0, None], advantages=[0.25, None],
+            first_values=[0.5, 0.125], last_values=[0.75, None],
+        )
+        trackio.init(project="vapo-test", name="run", auto_log_cpu=False, auto_log_gpu=False)
+        used = log_completions_to_trackers(table, ["tensorboard", "trackio"])
+        trackio.finish()
+        print(json.dumps({"used": used, "logs": SQLiteStorage.get_logs("vapo-test", "run")}, default=str))
+    """)
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["used"] == ["trackio"]
+    table = report["logs"][0]["completions"]
+    assert table["_type"] == "trackio.table"
+    rows = table["_value"]
+    assert [r["prompt"] for r in rows] == ["1+1=", "USER: 2+2?"] and [r["step"] for r in rows] == [7, 7]
+    assert rows[0]["digit_fraction"] == 1.0 and rows[0]["advantage"] == 0.25 and rows[0]["value_last"] == 0.75
+    assert rows[1]["completion"] == "four" and rows[1]["digit_fraction"] in ("NaN", None)  # no score: not a number
+    assert (tmp_path / "trackio" / "vapo-test.db").is_file()
+
+
+def test_table_logged_to_wandb_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="vapo-test", dir=str(tmp_path))
+    try:
+        assert log_completions_to_trackers(sample_table(), ["wandb"]) == ["wandb"]
+        assert tracker_urls()["wandb"] is None  # an offline run has no page for the model card to link
+    finally:
+        wandb.finish()
+    files = list((tmp_path / "wandb").glob("offline-run-*/files/media/table/completions_*.table.json"))
+    assert len(files) == 1, run.dir
+    logged = json.loads(files[0].read_text())
+    assert logged["columns"][:3] == ["step", "prompt", "completion"]
+    assert len(logged["data"]) == 4 and logged["data"][2][2] == "six"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The phase on the progress bar
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_phase_progress_callback_labels_a_real_tqdm_bar(capsys):
+    from transformers import TrainerControl, TrainerState
+    from transformers.trainer_callback import ProgressCallback
+
+    phase = ["value_pretrain"]
+    callback = PhaseProgressCallback(lambda: phase[0])
+    assert isinstance(callback, ProgressCallback)  # the trainer's early-stop adjustment of the bar's total applies
+    state, control = TrainerState(max_steps=6), TrainerControl()
+    state.is_world_process_zero = True
+    callback.on_train_begin(None, state, control)
+    bar = callback.training_bar
+    assert bar.desc == "value pretraining: " and str(bar).startswith("value pretraining:")
+    for step in (1, 2):
+        state.global_step = step
+        callback.on_step_end(None, state, control)
+    assert bar.n == 2 and bar.desc == "value pretraining: "
+    phase[0] = "rl"
+    callback.refresh()  # the trainer's call at the phase change
+    assert bar.desc == "RL: " and str(bar).startswith("RL:  33%")
+    state.global_step = 6
+    callback.on_step_end(None, state, control)
+    callback.on_train_end(None, state, control)
+    assert callback.training_bar is None
+    err = capsys.readouterr().err
+    assert "value pretraining:" in err and "RL: 100%" in err
+
+
+def test_phase_progress_callback_without_a_bar_does_nothing():
+    callback = PhaseProgressCallback(lambda: "rl")
+    callback.refresh()  # disable_tqdm, or not the main process: no bar, no error
+    assert callback.training_bar is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model card
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def front_matter(content: str) -> dict:
+    assert content.startswith("---\n")
+    header, _ = content[4:].split("\n---\n", 1)
+    return yaml.safe_load(header)
+
+
+@pytest.fixture(scope="module")
+def vapo_args(tmp_path_factory):
+    from trl_vapo import VAPOConfig
+
+    return VAPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("card") / "out"),
+        report_to="none",
+        value_pretrain_steps=15,
+        length_adaptive_alpha=0.5,
+        num_generations=8,
+        per_device_train_batch_size=16,
+        max_completion_length=96,
+    )
+
+
+HELD_OUT = {
+    "before": {"pass@1": 0.615, "avg@4": 0.401, "pass@4": 0.8, "num_problems": 200, "mean_length": 59.8},
+    "after": {"pass@1": 0.98, "avg@4": 0.895, "pass@4": 0.995, "num_problems": 200, "mean_length": 60.1},
+    "description": "200 held-out problems, 4 samples each at T=1",
+}
+HISTORY = [
+    {"phase": "value_pretrain", "value/explained_variance": 0.21, "step": 4},
+    {"phase": "value_pretrain", "value/explained_variance": 0.34, "step": 8},
+    {"phase": "rl", "reward": -0.5, "accuracy": 0.25, "value/explained_variance": 0.30, "step": 12},
+    {"phase": "rl", "reward": 0.9, "accuracy": 0.95, "value/explained_variance": 0.60, "step": 140},
+    {"train_runtime": 40.0, "step": 140},
+]
+
+
+def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
+    base = str(tmp_path / "my-base")
+    os.makedirs(base)
+    out = tmp_path / "run"
+    card = build_model_card(
+        base_model=base,
+        output_dir=out,
+        args=vapo_args,
+        dataset_name=str(tmp_path / "train.jsonl"),
+        value_pretraining={"rollouts": 15, "best_explained_variance": 0.36},
+        pretrained_critic_dir=out / "value_pretrained_critic",
+        held_out=HELD_OUT,
+        log_history=HISTORY,
+        example_prompt="Compute 7+1+3.\n",
+    )
+    content = str(card)
+    meta = front_matter(content)
+    assert "base_model" not in meta and "datasets" not in meta  # local: not hub metadata
+    assert "licence" not in meta and "license" not in meta  # unknown: omitted, never `licence: license`
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["model_name"] == "run" and {"trl", "vapo", "trl-vapo"} <= set(meta["tags"])
+    assert "None" not in content and "huggingface.co/" + base not in content
+    assert f"fine-tuned version of the local model `{base}`" in content
+    assert f"local data set `{tmp_path / 'train.jsonl'}`" in content
+    assert f'pipeline("text-generation", model="{out.resolve()}"' in content
+    assert "prompt = 'Compute 7+1+3.\\n'" in content and "max_new_tokens=96" in content
+    # VAPO section: the seven settings
+    for needle in (
+        "`value_pretrain_steps=15` (stops early when explained variance stops improving, window 10)",
+        "ran 15 rollouts, final explained variance 0.340 (best 0.360)",
+        "`lam_critic=1.0`, `lam_actor=0.95`",
+        "`length_adaptive_alpha=0.5`",
+        '`loss_type="token"`',
+        "`epsilon=0.2`, `epsilon_high=0.28`",
+        "`nll_coef=0.1`",
+        "`num_generations=8`",
+    ):
+        assert needle in content, needle
+    # held-out before / after, metrics, critic
+    assert "| pass@1 (greedy) | 0.615 | 0.980 |" in content and "| avg@4 (sampled) | 0.401 | 0.895 |" in content
+    assert "200 held-out problems, 4 samples each at T=1" in content
+    assert "| reward | -0.500 | +0.900 |" in content and "140 optimizer steps" in content
+    assert "separate model" in content and "`critic/`" in content and "`value_pretrained_critic/`" in content
+    assert "@article{yue2025vapo" in content and "@software{vonwerra2020trl" in content
+
+
+def test_card_of_a_hub_base_model_and_dataset(vapo_args, tmp_path):
+    card = build_model_card(
+        base_model="Qwen/Qwen2.5-0.5B-Instruct",
+        output_dir=tmp_path / "out",
+        args=vapo_args,
+        hub_model_id="someone/Qwen2.5-0.5B-GSM8K-VAPO",
+        dataset_name="openai/gsm8k",
+        dataset_config="main",
+        is_adapter=True,
+        critic_shares_base=True,
+        license="apache-2.0",
+        tags=["math"],
+        wandb_url="https://wandb.ai/someone/vapo/runs/abc",
+        trackio_url="https://someone-vapo.hf.space/?project=p",
+    )
+    content = str(card)
+    meta = front_matter(content)
+    assert meta["base_model"] == "Qwen/Qwen2.5-0.5B-Instruct" and meta["datasets"] == ["openai/gsm8k"]
+    assert meta["license"] == "apache-2.0" and meta["library_name"] == "peft"
+    assert meta["model_name"] == "Qwen2.5-0.5B-GSM8K-VAPO"
+    assert {"math", "lora", "base_model:adapter:Qwen/Qwen2.5-0.5B-Instruct"} <= set(meta["tags"])
+    assert "[Qwen/Qwen2.5-0.5B-Instruct](https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct)" in content
+    assert "[openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k) (`main`) dataset" in content
+    assert 'model="someone/Qwen2.5-0.5B-GSM8K-VAPO", device_map="auto")\n' in content  # no "this folder" note
+    assert "LoRA adapter on the policy's frozen base" in content and "value_head.safetensors" in content
+    assert (
+        "](https://wandb.ai/someone/vapo/runs/abc)" in content
+        and "](https://someone-vapo.hf.space/?project=p)" in content
+    )
+    assert "## Evaluation" not in content  # not measured: no section
+    # huggingface_hub reads the card back with the same metadata
+    path = tmp_path / "README.md"
+    card.save(str(path))
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(str(path)).data.base_model == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_card_when_value_pretraining_was_off_or_skipped(vapo_args, tmp_path):
+    from trl_vapo import VAPOConfig
+
+    off = VAPOConfig(output_dir=str(tmp_path / "o"), report_to="none", value_pretrain_steps=0)
+    content = str(build_model_card(base_model=None, output_dir=tmp_path / "o", args=off))
+    assert "off (`value_pretrain_steps=0`)" in content and "whose origin the run did not record" in content
+    content = str(
+        build_model_card(
+            base_model="gpt2",
+            output_dir=tmp_path / "s",
+            args=vapo_args,
+            value_pretraining={"skipped": "the critic came from an earlier value pretraining"},
+        )
+    )
+    assert "skipped: the critic came from an earlier value pretraining" in content
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("gpt2", True),
+        ("Qwen/Qwen2.5-0.5B-Instruct", True),
+        ("/abs/model", False),
+        ("./model", False),
+        ("a/b/c", False),
+        ("data.jsonl", False),
+        ("~/model", False),
+        (None, False),
+        ("", False),
+    ],
+)
+def test_hub_ids_and_local_paths(name, expected):
+    assert is_hub_id(name) is expected
+
+
+def test_existing_local_folder_is_never_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("org/model")
+    assert not is_hub_id("org/model")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `trl-vapo eval`: --max_completion_length, with --max_new_tokens as an alias, and a training YAML
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _eval(argv, tmp_path):
+    from trl_vapo.cli import main
+    from trl_vapo.demo import MODEL_DIR
+
+    scores = tmp_path / "scores.json"
+    code = main(
+        [
+            "eval",
+            "--model",
+            str(MODEL_DIR),
+            "--num_prompts",
+            "2",
+            "--k",
+            "1",
+            "--batch_size",
+            "4",
+            "--output_json",
+            str(scores),
+            *argv,
+        ]
+    )
+    return code, (json.loads(scores.read_text()) if scores.is_file() else None)
+
+
+@pytest.mark.parametrize("flag", ["--max_completion_length", "--max_new_tokens"])
+def test_eval_length_flag_and_its_alias(flag, tmp_path, capsys):
+    code, scores = _eval([flag, "3"], tmp_path)
+    assert code == 0
+    assert scores["num_problems"] == 2 and scores["mean_length"] == 3  # every answer is longer: cut at 3 tokens
+
+
+def test_eval_takes_a_training_yaml(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_completion_length: 4\nlearning_rate: 1.0e-5\nlora_r: 8\nvalue_pretrain_steps: 3\n")
+    code, scores = _eval(["--config", str(config)], tmp_path)
+    assert code == 0 and scores["mean_length"] == 4
+    config.write_text("max_completion_length: 4\nnot_a_setting: 1\n")
+    code, _ = _eval(["--config", str(config)], tmp_path)
+    assert code == 2 and "--not_a_setting" in capsys.readouterr().err
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

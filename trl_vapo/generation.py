@@ -1,0 +1,809 @@
+"""Sampling completions, one interface for training and evaluation, three engines picked by TRL's config names.
+
+Every engine takes prompt token ids and returns a `GenerationOutput`: completion ids right-padded with the pad token,
+their mask (up to and including the first stop token), whether each completion ran out of budget, and, where the
+engine computes them, the sampler's log-probabilities of the sampled tokens. Completions are cut by one function,
+`cut_at_stop`, at the same stop ids (`stop_token_ids`: the tokenizer's EOS plus the model's generation-config EOS
+ids), whichever engine produced them.
+
+| engine                 | chosen by (`GRPOConfig`'s names)       | runs on | sampler log-probs  | `sync_weights`    |
+| ---------------------- | -------------------------------------- | ------- | ------------------ | ----------------- |
+| `TransformersGenerate` | default                                | any     | if `logprobs=True` | no-op             |
+| `ContinuousBatching`   | `use_transformers_continuous_batching` | any     | if `logprobs=True` | no-op             |
+| `VLLMEngine`           | `use_vllm`, `vllm_mode`, `vllm_*`      | GPU     | always             | pushes the policy |
+
+The transformers engines generate with the model a *model provider* yields: a zero-argument callable returning a
+context manager (the trainer passes one that unwraps DDP / DeepSpeed / FSDP and enters autocast), or simply a model.
+The vLLM engine is glue over TRL's own `trl.generation.vllm_generation.VLLMGeneration`: it generates with vLLM and
+pushes the policy's weights to it (base merged with the policy adapter under PEFT, never the critic's adapter, head
+or model). `trl_vapo.core.importance_sampling_weights` is TRL's correction for the mismatch between vLLM's and the
+trainer's log-probs; `importance_sampling_metrics` here logs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from ._compat import pad
+
+ModelProvider = Callable[[], contextlib.AbstractContextManager[nn.Module]]
+"""A zero-argument callable returning a context manager that yields the causal LM to generate with."""
+
+
+# The adapter names of `trl_vapo.modeling` (kept literal here: modeling imports nothing from this module, and this
+# module must stay importable on its own).
+_POLICY_ADAPTER = "default"
+_CRITIC_ADAPTER = "critic"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What every engine returns, and the one place completions are cut
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationOutput:
+    """Completions of one `generate` call, one row per prompt, in the prompts' order (CPU tensors)."""
+
+    completion_ids: torch.Tensor  # [N, C] long, right-padded with the pad token after the first stop token
+    completion_mask: torch.Tensor  # [N, C] long, 1 up to and including the first stop token
+    is_truncated: torch.Tensor  # [N] bool, ran out of `max_new_tokens` without a stop token
+    sampler_logprobs: torch.Tensor | None = None  # [N, C] float, log-prob of each sampled token (0 at padding)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[N] completion lengths in tokens, stop token included."""
+        return self.completion_mask.sum(dim=1)
+
+    def completion_lists(self) -> list[list[int]]:
+        """The completions as lists of token ids, without padding (what reward functions get)."""
+        return [ids[:n].tolist() for ids, n in zip(self.completion_ids, self.lengths.tolist())]
+
+    def to(self, device: torch.device | str) -> GenerationOutput:
+        return GenerationOutput(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+
+def cut_at_stop(
+    token_ids: torch.Tensor,
+    stop_ids: Sequence[int] | torch.Tensor,
+    pad_id: int,
+    valid: torch.Tensor | None = None,
+    logprobs: torch.Tensor | None = None,
+    max_new_tokens: int | None = None,
+) -> GenerationOutput:
+    """Cut each row of `token_ids` [N, C] after its first token in `stop_ids`; pad the rest with `pad_id`.
+
+    `valid` [N, C] marks the generated tokens when rows are right-padded lists of different lengths (a prefix of
+    each row; default: all). A row without a stop token keeps all its valid tokens; it is truncated (it ran out of
+    budget) when it has `max_new_tokens` of them (default: whenever it has no stop token). `logprobs` [N, C], when
+    given, is returned with zeros past the cut.
+    """
+    if valid is None:
+        valid = torch.ones_like(token_ids, dtype=torch.bool)
+    valid = valid.bool()
+    stops = torch.as_tensor(list(stop_ids) if not torch.is_tensor(stop_ids) else stop_ids, dtype=token_ids.dtype)
+    is_stop = torch.isin(token_ids, stops.to(token_ids.device)) & valid
+    has_stop = is_stop.any(dim=1)
+    end = torch.where(has_stop, is_stop.int().argmax(dim=1) + 1, valid.sum(dim=1))
+    mask = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :] < end[:, None]
+    if logprobs is not None:
+        logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))  # not a product: -inf * 0 is NaN
+    truncated = ~has_stop if max_new_tokens is None else ~has_stop & (end >= max_new_tokens)
+    return GenerationOutput(
+        completion_ids=torch.where(mask, token_ids, torch.full_like(token_ids, pad_id)),
+        completion_mask=mask.long(),
+        is_truncated=truncated,
+        sampler_logprobs=logprobs,
+    )
+
+
+def _from_lists(
+    completions: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]] | None,
+    stop_ids,
+    pad_id: int,
+    max_new_tokens: int | None = None,
+) -> GenerationOutput:
+    """`cut_at_stop` over variable-length completions (continuous batching, vLLM)."""
+    width = max(1, *map(len, completions))  # at least one column, so every tensor has a completion axis
+    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(completions), width), dtype=torch.bool)
+    lp = None if logprobs is None else torch.zeros((len(completions), width))
+    for i, row in enumerate(completions):
+        ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        valid[i, : len(row)] = True
+        if lp is not None:
+            lp[i, : len(logprobs[i])] = torch.tensor(list(logprobs[i]), dtype=torch.float32)
+    return cut_at_stop(ids, stop_ids, pad_id, valid=valid, logprobs=lp, max_new_tokens=max_new_tokens)
+
+
+def stop_token_ids(tokenizer, model: nn.Module | None = None, generation_kwargs: dict | None = None) -> list[int]:
+    """The ids a completion stops at: the tokenizer's EOS, the model generation config's EOS ids (e.g. Qwen's
+    `<|im_end|>` and `<|endoftext|>`), and any `eos_token_id` / `stop_token_ids` in `generation_kwargs`.
+
+    Training and evaluation both cut here, so a completion ends at the same token whichever code sampled it.
+    """
+    ids: list[Any] = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for extra in (configured, *((generation_kwargs or {}).get(k) for k in ("eos_token_id", "stop_token_ids"))):
+        if extra is not None:
+            ids += list(extra) if isinstance(extra, (list, tuple)) else [extra]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampling settings
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingSettings:
+    """How to sample: TRL's sampling fields (`temperature=0` decodes greedily)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.generation_kwargs.get("do_sample") is False
+
+    @classmethod
+    def from_args(cls, args) -> SamplingSettings:
+        """The rollout settings of a `VAPOConfig` (or any object with `GRPOConfig`'s sampling fields)."""
+        return cls(
+            max_new_tokens=_arg(args, "max_completion_length"),
+            temperature=_arg(args, "temperature"),
+            top_p=_arg(args, "top_p"),
+            top_k=_arg(args, "top_k") or 0,
+            min_p=_arg(args, "min_p"),
+            repetition_penalty=_arg(args, "repetition_penalty"),
+            generation_kwargs=dict(_arg(args, "generation_kwargs") or {}),
+        )
+
+    def generation_config(self, stop_ids: Sequence[int], pad_id: int) -> GenerationConfig:
+        """The `GenerationConfig` of the transformers engines; `generation_kwargs` override the other fields."""
+        kwargs: dict[str, Any] = (
+            {"do_sample": False}
+            if self.greedy
+            else {
+                "do_sample": True,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "min_p": self.min_p,
+            }
+        )
+        kwargs.update(
+            max_new_tokens=self.max_new_tokens,
+            repetition_penalty=self.repetition_penalty,
+            pad_token_id=pad_id,
+            eos_token_id=list(stop_ids),
+            bos_token_id=None,
+            use_cache=True,
+            disable_compile=True,
+        )
+        # The stop ids already include any eos_token_id of generation_kwargs (see `stop_token_ids`).
+        kwargs.update({k: v for k, v in self.generation_kwargs.items() if k not in ("eos_token_id", "stop_token_ids")})
+        return GenerationConfig(**kwargs)
+
+
+def off_policy_sampling_settings(config: GenerationConfig, model, temperature: float) -> list[str]:
+    """Sampling settings, in `config` or inherited from the model's `generation_config`, that move the sampling
+    distribution away from softmax(logits / temperature), which is what the losses' log-probabilities assume."""
+    defaults = getattr(model, "generation_config", None)
+
+    def value(name):
+        mine = getattr(config, name, None)
+        return mine if mine is not None else getattr(defaults, name, None)
+
+    changes = {
+        "do_sample": lambda v: v is False,
+        "num_beams": lambda v: v is not None and v > 1,
+        "top_p": lambda v: v is not None and v < 1.0,
+        "top_k": lambda v: v is not None and v > 0,
+        "min_p": lambda v: v is not None and v > 0,
+        "typical_p": lambda v: v is not None and v < 1.0,
+        "epsilon_cutoff": lambda v: v is not None and v > 0,
+        "eta_cutoff": lambda v: v is not None and v > 0,
+        "repetition_penalty": lambda v: v is not None and v != 1.0,
+        "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+        "no_repeat_ngram_size": lambda v: v is not None and v > 0,
+        "min_new_tokens": lambda v: v is not None and v > 0,
+        "bad_words_ids": lambda v: bool(v),
+        "suppress_tokens": lambda v: bool(v),
+        "sequence_bias": lambda v: bool(v),
+        "temperature": lambda v: v is not None and not math.isclose(v, temperature),
+    }
+    return [f"{name}={value(name)!r}" for name, changed in changes.items() if changed(value(name))]
+
+
+def warn_off_policy_sampling(sampling: SamplingSettings, model, stop_ids: Sequence[int], pad_id: int) -> None:
+    """Warn, naming each, about rollout sampling settings the losses do not model (`off_policy_sampling_settings`)."""
+    import logging
+
+    config = sampling.generation_config(stop_ids, pad_id)
+    off_policy = off_policy_sampling_settings(config, model, sampling.temperature)
+    if off_policy:
+        logging.getLogger(__name__).warning(
+            f"Rollouts are sampled with {', '.join(off_policy)}, which the losses do not model: log-probabilities "
+            f"are computed from softmax(logits / {sampling.temperature}) alone, so the samples are off-policy and the "
+            "PPO ratio and the positive-example NLL are biased. Train with plain temperature sampling (top_p=1.0, "
+            "top_k=0, min_p=None, repetition_penalty=1.0); evaluate with top-p if you like (`trl-vapo eval`)."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engines
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def as_model_provider(model: nn.Module | ModelProvider) -> ModelProvider:
+    """A model provider for `model`: a model is yielded as is, a provider is returned unchanged."""
+    if isinstance(model, nn.Module):  # a module is callable too: test it first
+        return lambda: contextlib.nullcontext(model)
+    if not callable(model):
+        raise TypeError(f"Expected a model or a zero-argument callable returning a context manager, got {model!r}.")
+    return model
+
+
+@contextlib.contextmanager
+def _inference(model: nn.Module) -> Iterator[None]:
+    """Sampling mode without gradients, restored afterwards: `modeling.generation_mode` (eval mode, except for
+    bitsandbytes 4-bit layers, which would stop passing gradients)."""
+    from .modeling import generation_mode
+
+    with generation_mode(model), torch.no_grad():
+        yield
+
+
+def _generated_mask(ids: torch.Tensor, stop_ids: Sequence[int], pad_id: int, stop_strings: bool) -> torch.Tensor:
+    """[N, C] mask of the tokens `generate()` produced. It pads a row that ended on a stop string with `pad_id`, so
+    with `stop_strings` a row without a stop token ends at its last non-pad token (unless the pad token is itself a
+    stop token: then `cut_at_stop` ends the row there anyway). Without stop strings nothing but a stop token ends a
+    row, and a trailing pad token is one the model sampled."""
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    if not stop_strings or pad_id in stop_ids:
+        return torch.ones_like(ids, dtype=torch.bool)
+    last_real = torch.where(ids != pad_id, positions + 1, 0).amax(dim=1)
+    return positions[None, :] < last_real[:, None]
+
+
+class GenerationEngine:
+    """Samples completions for token-id prompts. Subclasses implement `_generate`.
+
+    Args:
+        pad_token_id: pads the completions.
+        stop_token_ids: a completion ends after the first of these (see `stop_token_ids`).
+        sampling: the default `SamplingSettings` (each `generate` call may pass others).
+    """
+
+    name = "engine"
+
+    def __init__(self, *, pad_token_id: int, stop_token_ids: Sequence[int], sampling: SamplingSettings | None = None):
+        if not stop_token_ids:
+            raise ValueError("At least one stop token id is needed, or completions could never end.")
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = list(stop_token_ids)
+        self.sampling = sampling or SamplingSettings()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        sampling: SamplingSettings | None = None,
+        num_generations: int = 1,
+    ) -> GenerationOutput:
+        """One completion per prompt. `num_generations` > 1 says the prompts come in runs of that many identical
+        copies (group sampling), which vLLM's server mode uses to sample them as one request; other engines ignore it.
+        """
+        if not prompt_ids:
+            raise ValueError("No prompts to generate from.")
+        return self._generate([list(p) for p in prompt_ids], sampling or self.sampling, num_generations)
+
+    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings, num_generations: int):
+        raise NotImplementedError
+
+    def sync_weights(self, step: int | None = None) -> None:
+        """Make the engine sample from the current policy. A no-op for engines that read the policy's weights."""
+
+
+class TransformersGenerate(GenerationEngine):
+    """transformers' `generate()` on left-padded batches: the default engine.
+
+    Args:
+        model: the causal LM, or a model provider (see `ModelProvider`).
+        batch_size: prompts per `generate()` call (None: all at once).
+        logprobs: also return the sampler's log-probs (from the processed scores: after temperature, top-k/p).
+        tokenizer: passed to `generate()`, which needs it for `stop_strings` in `generation_kwargs`.
+    """
+
+    name = "generate"
+
+    def __init__(
+        self,
+        model: nn.Module | ModelProvider,
+        *,
+        batch_size: int | None = None,
+        logprobs: bool = False,
+        tokenizer=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.model_provider = as_model_provider(model)
+        self.batch_size = batch_size
+        self.logprobs = logprobs
+        self.tokenizer = tokenizer
+
+    def _generate(self, prompt_ids, sampling, num_generations):
+        config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
+        config.return_dict_in_generate = config.output_scores = self.logprobs
+        size = self.batch_size or len(prompt_ids)
+        chunks = []
+        with self.model_provider() as model, _inference(model):
+            device = next(model.parameters()).device
+            for start in range(0, len(prompt_ids), size):
+                chunks.append(self._generate_chunk(model, prompt_ids[start : start + size], config, device))
+        width = max(ids.shape[1] for ids, _ in chunks)
+        ids = torch.cat([_pad_columns(ids, width, self.pad_token_id) for ids, _ in chunks])
+        logprobs = torch.cat([_pad_columns(lp, width, 0.0) for _, lp in chunks]) if self.logprobs else None
+        valid = _generated_mask(ids, self.stop_token_ids, self.pad_token_id, bool(config.stop_strings))
+        return cut_at_stop(
+            ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, max_new_tokens=sampling.max_new_tokens
+        )
+
+    def _generate_chunk(self, model, prompt_ids, config, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = pad([torch.tensor(x) for x in prompt_ids], padding_value=self.pad_token_id, padding_side="left")
+        attention_mask = pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids], padding_side="left")
+        output = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            **({"tokenizer": self.tokenizer} if self.tokenizer is not None else {}),
+        )
+        sequences = output.sequences if self.logprobs else output
+        completions = sequences[:, input_ids.shape[1] :]
+        logprobs = None
+        if self.logprobs:
+            # `scores` are the processed logits the token was sampled from, as vLLM's "processed_logprobs".
+            scores = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
+            logprobs = scores.gather(-1, completions[..., None]).squeeze(-1).cpu()
+        return completions.cpu(), logprobs
+
+
+def _pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+
+class ContinuousBatching(GenerationEngine):
+    """transformers' paged-attention continuous-batching engine (`model.generate_batch`), as TRL's
+    `use_transformers_continuous_batching`.
+
+    Requests join and leave the running batch one by one, so a batch never waits for its longest completion, and no
+    prompt is padded. The repetition penalty is not supported (transformers would silently drop it).
+
+    Args:
+        model: the causal LM, or a model provider.
+        config: keyword arguments of `transformers.generation.ContinuousBatchingConfig`
+            (`transformers_continuous_batching_config`). As in TRL, `max_memory_percent` defaults to 0.5, leaving
+            accelerator memory for training. On CPU, unless `num_blocks` is given, the KV cache is sized to the
+            request (prompts x (longest prompt + max_new_tokens)): transformers would otherwise reserve 60% of the
+            machine's RAM and build attention masks over all of it at every step (17 s instead of 0.8 s for 8 demo
+            prompts).
+        logprobs: also return the sampler's log-probs (of the processed logits, as vLLM's "processed_logprobs").
+
+    transformers runs the batches in a background thread, where autocast (thread-local) does not reach: the model
+    computes in its weights' dtype (TRL casts the model to bf16 first; this engine leaves the weights alone).
+    """
+
+    name = "continuous_batching"
+
+    def __init__(
+        self,
+        model: nn.Module | ModelProvider,
+        *,
+        config: dict[str, Any] | None = None,
+        logprobs: bool = False,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        _check_continuous_batching_available()
+        _check_continuous_batching_sampling(self.sampling)
+        self.model_provider = as_model_provider(model)
+        self.config = dict(config or {})
+        self.logprobs = logprobs
+
+    def _generate(self, prompt_ids, sampling, num_generations):
+        _check_continuous_batching_sampling(sampling)
+        generation_config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
+        with self.model_provider() as model, _inference(model):
+            results = model.generate_batch(
+                prompt_ids,
+                generation_config=generation_config,
+                continuous_batching_config=self._batching_config(model, prompt_ids, sampling.max_new_tokens),
+                progress_bar=False,
+            )
+        outputs = list(results.values())
+        failed = [o.request_id for o in outputs if o.error is not None]
+        if len(outputs) != len(prompt_ids) or failed:
+            # generate_batch only logs a failed or lost request: a rollout must not silently lose samples.
+            raise RuntimeError(
+                f"Continuous batching returned {len(outputs)} of {len(prompt_ids)} completions"
+                + (f"; failed: {failed[:5]} ({outputs[0].error if failed else ''})" if failed else "")
+                + ". See transformers' log above; `transformers_continuous_batching_config` sizes the cache."
+            )
+        logprobs = [o.logprobs for o in outputs] if self.logprobs else None
+        completions = [o.generated_tokens for o in outputs]
+        return _from_lists(completions, logprobs, self.stop_token_ids, self.pad_token_id, sampling.max_new_tokens)
+
+    def _batching_config(self, model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int):
+        from transformers.generation import ContinuousBatchingConfig
+
+        kwargs = dict(self.config)
+        kwargs.setdefault("max_memory_percent", 0.5)  # TRL's training-aware default (transformers: 0.9)
+        if self.logprobs:
+            kwargs["return_logprobs"] = True
+        if next(model.parameters()).device.type == "cpu" and kwargs.get("num_blocks") is None:
+            page_size = kwargs.get("page_size") or ContinuousBatchingConfig.page_size
+            blocks_per_request = math.ceil((max(map(len, prompt_ids)) + max_new_tokens) / page_size) + 1
+            kwargs["num_blocks"] = len(prompt_ids) * blocks_per_request
+        return ContinuousBatchingConfig(**kwargs)
+
+
+def _check_continuous_batching_available() -> None:
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.8.0"):
+        raise ImportError(
+            f"use_transformers_continuous_batching needs transformers>=5.8.0 (installed: {transformers.__version__}). "
+            "Upgrade with `pip install --upgrade transformers`."
+        )
+
+
+def _check_continuous_batching_sampling(sampling: SamplingSettings) -> None:
+    """Refuse what transformers' continuous batching would silently ignore."""
+    if sampling.repetition_penalty != 1.0:
+        raise ValueError(
+            f"repetition_penalty={sampling.repetition_penalty} is not supported by transformers' continuous batching, "
+            "which would drop it silently. Set repetition_penalty=1.0, or generate with use_vllm or the default "
+            "engine."
+        )
+    if sampling.generation_kwargs.get("stop_strings"):
+        raise ValueError(
+            "generation_kwargs['stop_strings'] is not supported by transformers' continuous batching (it has no "
+            "stopping criteria). Name stop tokens in generation_kwargs['eos_token_id'], or use the default engine."
+        )
+
+
+class VLLMEngine(GenerationEngine):
+    """vLLM through TRL's `VLLMGeneration` (`use_vllm=True`, server or colocate mode).
+
+    `sync_weights(step)` pushes the policy's weights to vLLM once per optimizer step with TRL's code (gathering,
+    renaming, server or colocate transfer): under PEFT, the base weights merged with the *active* adapter, which must
+    be the policy's, so that the critic adapter never reaches vLLM (see `policy_only` for what differs from TRL).
+
+    Args:
+        vllm_generation: a `VLLMGeneration` (or an object with its interface) built on the policy alone, never the
+            actor-critic module.
+    """
+
+    name = "vllm"
+
+    def __init__(self, vllm_generation, **kwargs):
+        super().__init__(**kwargs)
+        _check_policy_only(vllm_generation.model)
+        self.vllm_generation = vllm_generation
+        self._synced_step: int | None = None
+
+    def sync_weights(self, step: int | None = None) -> None:
+        """Push the policy's weights to vLLM, unless they were already pushed at this optimizer `step`."""
+        if step is not None and step == self._synced_step:
+            return
+        _check_policy_adapter_active(self.vllm_generation.model)
+        self.vllm_generation.sync_weights()
+        self._synced_step = step
+
+    def _generate(self, prompt_ids, sampling, num_generations):
+        _apply_sampling(self.vllm_generation, sampling, self.stop_token_ids)
+        _, completion_ids, logprobs, _ = self.vllm_generation.generate(
+            prompts=prompt_ids, images=None, num_generations=num_generations
+        )
+        sampler = None
+        if logprobs is not None:
+            # One entry per token: [sampled token's log-prob] with logprobs=0; vLLM reports NaN as None.
+            sampler = [[math.nan if lp is None or lp[0] is None else lp[0] for lp in row] for row in logprobs]
+        return _from_lists(completion_ids, sampler, self.stop_token_ids, self.pad_token_id, sampling.max_new_tokens)
+
+
+def _apply_sampling(vllm_generation, sampling: SamplingSettings, stop_ids: Sequence[int]) -> None:
+    """Set a call's sampling on `VLLMGeneration`, which reads these attributes at every `generate`."""
+    vllm_generation.temperature = 0.0 if sampling.greedy else sampling.temperature  # vLLM: 0 is greedy
+    vllm_generation.top_p = sampling.top_p
+    vllm_generation.top_k = sampling.top_k  # 0 is "off" for vLLM too (TRL passes its default 0)
+    vllm_generation.min_p = sampling.min_p or 0.0
+    vllm_generation.repetition_penalty = sampling.repetition_penalty
+    vllm_generation.max_completion_length = sampling.max_new_tokens
+    kwargs = {k: v for k, v in sampling.generation_kwargs.items() if k not in ("eos_token_id", "do_sample")}
+    # vLLM stops at its own EOS; name every stop id so that it ends completions where the other engines do.
+    kwargs["stop_token_ids"] = list(stop_ids)
+    if kwargs.get("stop_strings"):  # transformers' name; vLLM's is `stop`, and transformers keeps the string
+        strings = kwargs.pop("stop_strings")
+        kwargs["stop"] = [strings] if isinstance(strings, str) else list(strings)
+        kwargs.setdefault("include_stop_str_in_output", True)
+    vllm_generation.generation_kwargs = kwargs
+
+
+def _check_policy_only(model: nn.Module) -> None:
+    """vLLM must receive the policy, not the actor-critic module (whose critic and value head vLLM cannot load)."""
+    if any(isinstance(getattr(model, name, None), nn.Module) for name in ("critic", "value_head")):
+        raise TypeError(
+            f"VLLMGeneration was given {type(model).__name__}, which holds the critic; pass the policy "
+            "(`actor_critic.policy`) so that only its weights are pushed to vLLM."
+        )
+
+
+def _check_policy_adapter_active(model: nn.Module) -> None:
+    """TRL merges the active adapter before pushing: it must be the policy's, never the critic's."""
+    from accelerate.utils import is_peft_model
+
+    if not is_peft_model(model):  # a full model: nothing to merge
+        return
+    active = model.active_adapters
+    if list(active) != [_POLICY_ADAPTER]:
+        raise RuntimeError(
+            f"The active adapter(s) {list(active)} would be merged into the weights pushed to vLLM; only the policy "
+            f"adapter {_POLICY_ADAPTER!r} may be active during a weight sync."
+        )
+
+
+def _is_critic_weight(name: str) -> bool:
+    return f"modules_to_save.{_CRITIC_ADAPTER}." in name
+
+
+def policy_only(vllm_generation_cls: type) -> type:
+    """A subclass of `vllm_generation_cls` (TRL's `VLLMGeneration`) whose weight sync pushes the policy alone and
+    leaves the training weights bit-for-bit as they were.
+
+    Two changes to TRL's `_iter_named_params` under PEFT:
+
+    * TRL skips LoRA matrices and renames the policy's `modules_to_save.default` copies, but passes any other
+      adapter's `modules_to_save` copy to vLLM under a name vLLM does not know: the critic's. They are dropped.
+    * TRL merges the active adapter into the base in place and unmerges it after the push. In bf16 `W + BA - BA`
+      is not `W`: one sync moves about 15% of the base weights by a rounding step, and the errors accumulate (after
+      100 syncs of a tiny Llama the largest change was 20% of the mean |weight|; trl issue #6688). Here the base is
+      also the critic's and the reference policy's, so each layer is merged, copied and restored from a saved copy
+      instead, one layer at a time (FSDP keeps TRL's path).
+    """
+
+    class PolicyOnlyVLLMGeneration(vllm_generation_cls):
+        def _iter_named_params(self):
+            from accelerate.utils import is_peft_model
+
+            if is_peft_model(self.model) and not self._dist.is_fsdp:
+                params = _exactly_merged_params(self.model, self._dist, self._fix_param_name_to_vllm)
+            else:
+                params = super()._iter_named_params()
+            for name, param in params:  # run to the end: TRL's generator unmerges after its last item
+                if not _is_critic_weight(name):
+                    yield name, param
+
+    name = f"PolicyOnly{vllm_generation_cls.__name__}"
+    PolicyOnlyVLLMGeneration.__name__ = PolicyOnlyVLLMGeneration.__qualname__ = name
+    return PolicyOnlyVLLMGeneration
+
+
+def _exactly_merged_params(model: nn.Module, dist, fix_name: Callable) -> Iterator[tuple[str, torch.Tensor]]:
+    """TRL's PEFT weight stream (names as vLLM expects them, adapter matrices left out), with each adapted layer's
+    weights merged on a copy: the layer is merged, its weights cloned, then unmerged and restored exactly."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "base_layer")}
+    # As TRL: merging needs whole tensors, so ZeRO-3 gathers every parameter first (a no-op otherwise).
+    with dist.gather_params(list(model.parameters())):
+        merged: dict[str, torch.Tensor] = {}
+        for name, param in model.named_parameters():
+            if model.prefix in name or "original_module" in name:
+                continue  # adapter matrices, and the base copy of modules_to_save, as TRL skips them
+            vllm_name = fix_name(
+                name.removeprefix("base_model.model.").replace(".base_layer", ""),
+                extra_prefixes=["modules_to_save.default."],
+            )
+            owner, found, _ = name.partition(".base_layer.")
+            if found and owner in layers:
+                if name not in merged:
+                    merged.update(_merge_on_copy(owner, layers[owner]))
+                yield vllm_name, merged.pop(name)
+            else:
+                yield vllm_name, param.data
+
+
+def _merge_on_copy(owner: str, layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The merged base weights of one adapted layer (its active adapter: the policy's), leaving the layer as it was."""
+    base = {f"{owner}.base_layer.{n}": p for n, p in layer.base_layer.named_parameters()}
+    saved = {n: p.data.clone() for n, p in base.items()}
+    layer.merge()  # peft's own merge: LoRA scaling, DoRA, fan_in_fan_out, LoRA bias
+    try:
+        return {n: p.data.clone() for n, p in base.items()}
+    finally:
+        if layer.merged:
+            layer.unmerge()
+        for n, p in base.items():
+            p.data.copy_(saved[n])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Choosing and building an engine from the config
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _trl_defaults() -> dict[str, Any]:
+    """`GRPOConfig`'s field defaults: a config without one of TRL's fields behaves as TRL's default."""
+    from trl import GRPOConfig
+
+    return {
+        f.name: f.default if f.default is not dataclasses.MISSING else None
+        for f in dataclasses.fields(GRPOConfig)
+        if f.default_factory is dataclasses.MISSING
+    }
+
+
+def _arg(args, name: str):
+    return getattr(args, name) if hasattr(args, name) else _trl_defaults().get(name)
+
+
+def check_engine_available(args) -> None:
+    """Raise a clear error for an engine this machine or config cannot run: call it before loading any model.
+
+    `use_vllm=True` without vLLM installed says `pip install vllm`; both engines at once, a bad `vllm_mode`, and the
+    settings continuous batching would silently ignore (repetition penalty, `stop_strings`) are refused.
+    """
+    use_vllm, use_cb = bool(_arg(args, "use_vllm")), bool(_arg(args, "use_transformers_continuous_batching"))
+    if use_vllm and use_cb:
+        raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
+    if use_vllm:
+        mode = _arg(args, "vllm_mode")
+        if mode not in ("server", "colocate"):
+            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {mode!r}.")
+        from trl.import_utils import is_vllm_available
+
+        if not is_vllm_available():
+            raise ImportError(
+                "use_vllm=True needs vLLM, which is not installed. Install it with `pip install vllm` (TRL supports "
+                "vLLM 0.22 to 0.31; `pip install trl[vllm]` picks a matching version), or set use_vllm=False to "
+                "generate with transformers."
+            )
+    if use_cb:
+        _check_continuous_batching_available()
+        _check_continuous_batching_sampling(SamplingSettings.from_args(args))
+
+
+def vllm_generation_kwargs(args, num_processes: int) -> dict[str, Any]:
+    """Keyword arguments of `VLLMGeneration` from the config's `vllm_*` fields, as `GRPOTrainer` builds them.
+
+    `max_num_seqs` is this process's share of a rollout (GRPO: `per_device_train_batch_size *
+    vllm_tensor_parallel_size * steps_per_generation`, the same number); `logprobs=0` asks for the sampled token's
+    log-prob only, which the importance-sampling correction needs.
+    """
+    tensor_parallel_size = _arg(args, "vllm_tensor_parallel_size")
+    return {
+        "mode": _arg(args, "vllm_mode"),
+        "structured_outputs_regex": _arg(args, "vllm_structured_outputs_regex"),
+        "server_base_url": _arg(args, "vllm_server_base_url"),
+        "server_host": _arg(args, "vllm_server_host"),
+        "server_port": _arg(args, "vllm_server_port"),
+        "group_port": _arg(args, "vllm_group_port"),
+        "server_timeout": _arg(args, "vllm_server_timeout"),
+        "tensor_parallel_size": tensor_parallel_size,
+        "gpu_memory_utilization": _arg(args, "vllm_gpu_memory_utilization"),
+        "max_model_length": _arg(args, "vllm_max_model_length"),
+        "max_num_seqs": args.generation_batch_size // num_processes * tensor_parallel_size,
+        "enable_sleep_mode": _arg(args, "vllm_enable_sleep_mode"),
+        "model_impl": _arg(args, "vllm_model_impl"),
+        "trust_remote_code": _arg(args, "trust_remote_code"),
+        "repetition_penalty": _arg(args, "repetition_penalty"),
+        "temperature": _arg(args, "temperature"),
+        "top_p": _arg(args, "top_p"),
+        "top_k": _arg(args, "top_k") or 0,
+        "min_p": _arg(args, "min_p"),
+        "max_completion_length": args.max_completion_length,
+        "logprobs": 0,
+        "generation_kwargs": _arg(args, "generation_kwargs"),
+    }
+
+
+def build_engine(
+    args,
+    model: nn.Module | ModelProvider,
+    tokenizer,
+    *,
+    policy: nn.Module | None = None,
+    accelerator=None,
+    stop_ids: Sequence[int] | None = None,
+    sampling: SamplingSettings | None = None,
+    vllm_generation_cls: type | None = None,
+) -> GenerationEngine:
+    """The engine `args` asks for (TRL's field names): vLLM, continuous batching, or `generate()` by default.
+
+    Args:
+        args: a `VAPOConfig` (fields it lacks take `GRPOConfig`'s defaults).
+        model: the model, or a model provider, the transformers engines generate with.
+        tokenizer: gives the pad and EOS ids.
+        policy: the causal LM (a `PeftModel` under PEFT) whose weights vLLM receives; vLLM only. Not the actor-critic.
+        accelerator: the trainer's `Accelerator`; vLLM only.
+        stop_ids: where completions end (default: `stop_token_ids(tokenizer, policy, args.generation_kwargs)`).
+        sampling: default sampling settings (default: the config's rollout settings).
+        vllm_generation_cls: replaces TRL's `VLLMGeneration` (tests pass a stand-in).
+    """
+    if vllm_generation_cls is None:
+        check_engine_available(args)
+    if policy is None and isinstance(model, nn.Module):
+        policy = model
+    common = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "stop_token_ids": stop_ids or stop_token_ids(tokenizer, policy, _arg(args, "generation_kwargs")),
+        "sampling": sampling or SamplingSettings.from_args(args),
+    }
+    if _arg(args, "use_vllm"):
+        if policy is None or accelerator is None:
+            raise ValueError("The vLLM engine needs the policy model and the accelerator.")
+        _check_policy_only(policy)  # before vLLM loads anything
+        if vllm_generation_cls is None:
+            from trl.generation.vllm_generation import VLLMGeneration as vllm_generation_cls
+        vllm_generation = policy_only(vllm_generation_cls)(
+            model=policy,
+            accelerator=accelerator,
+            processing_class=tokenizer,
+            **vllm_generation_kwargs(args, accelerator.num_processes),
+        )
+        return VLLMEngine(vllm_generation, **common)
+    if _arg(args, "use_transformers_continuous_batching"):
+        return ContinuousBatching(model, config=_arg(args, "transformers_continuous_batching_config"), **common)
+    return TransformersGenerate(model, tokenizer=tokenizer, **common)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Importance-sampling correction of the sampler / trainer mismatch (TRL's vllm_importance_sampling_*)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def importance_sampling_metrics(
+    trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """This process's share of TRL's `sampling/*` metrics (lines 2860-2896): the mean and max |log-prob
+    difference| over scored tokens, and the min, mean and max weight (over tokens, or sequences in sequence modes).
+    TRL reduces them over processes with mean / max / min."""
+    delta = (trainer_logprobs - sampler_logprobs).abs()
+    delta = delta[mask.bool() & ~torch.isnan(delta)]
+    flat = weights.flatten() if weights.shape[-1] == 1 else weights[mask.bool()]
+
+    def stat(x, f):
+        return f(x).item() if x.numel() else 0.0
+
+    return {
+        "sampling/sampling_logp_difference/mean": stat(delta, torch.mean),
+        "sampling/sampling_logp_difference/max": stat(delta, torch.max),
+        "sampling/importance_sampling_ratio/min": stat(flat, torch.min),
+        "sampling/importance_sampling_ratio/mean": stat(flat, torch.mean),
+        "sampling/importance_sampling_ratio/max": stat(flat, torch.max),
+    }

@@ -1,0 +1,459 @@
+"""The model card (`README.md`) written next to a trained policy.
+
+TRL's `generate_model_card` assumes a hub model: for a local base it writes "a fine-tuned version of
+[None](https://huggingface.co/None)" and `pipeline(model="None")`, and its front matter has `licence: license`. This
+card names a local base by its path (and links only hub ids), points the quick start at something that loads (the
+hub id the run pushes to, or the saved folder), and says how the model was trained: the seven VAPO settings, value
+pretraining, the critic and where it is, the held-out accuracy before and after when the run measured it, and a
+summary of the training metrics.
+
+`build_model_card` takes plain values, so the trainer and the CLI call it with what they know.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+VAPO_PAPER_TITLE = "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks"
+VAPO_PAPER_ID = "2504.05118"
+VAPO_CITATION = (
+    "@article{yue2025vapo,\n"
+    "    title   = {{VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks}},\n"
+    "    author  = {Yu Yue and Yufeng Yuan and Qiying Yu and Xiaochen Zuo and Ruofei Zhu and Wenyuan Xu and "
+    "Jiaze Chen and Chengyi Wang and TianTian Fan and Zhengyin Du and Xiangpeng Wei and Xiangyu Yu and Gaohong Liu "
+    "and Juncai Liu and Lingjun Liu and Haibin Lin and Zhiqi Lin and Bole Ma and Chi Zhang and Mofan Zhang "
+    "and Wang Zhang and Hang Zhu and Ru Zhang and Xin Liu and Mingxuan Wang and Yonghui Wu and Lin Yan},\n"
+    "    year    = 2025,\n"
+    "    eprint  = {arXiv:2504.05118},\n"
+    "}"
+)
+TRL_CITATION = (
+    "@software{vonwerra2020trl,\n"
+    "  title   = {{TRL: Transformers Reinforcement Learning}},\n"
+    "  author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan "
+    "and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallouédec, Quentin},\n"
+    "  license = {Apache-2.0},\n"
+    "  url     = {https://github.com/huggingface/trl},\n"
+    "  year    = {2020}\n"
+    "}"
+)
+
+TRACKIO_BADGE = "https://raw.githubusercontent.com/gradio-app/trackio/refs/heads/main/trackio/assets/badge.png"
+DEFAULT_TAGS = ["generated_from_trainer", "trl", "trl-vapo", "vapo"]
+_DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt")
+# Training metrics the card summarises, when the run logged them, with how to print them.
+_SUMMARY_METRICS = [
+    ("reward", "reward", "{:+.3f}"),
+    ("accuracy", "accuracy", "{:.3f}"),
+    ("value/explained_variance", "critic explained variance", "{:.3f}"),
+    ("completions/mean_length", "mean completion length (tokens)", "{:.1f}"),
+    ("entropy", "policy entropy", "{:.3f}"),
+]
+
+
+def is_hub_id(name: str | os.PathLike | None) -> bool:
+    """Whether `name` reads as a Hugging Face Hub repo id (`gpt2`, `org/name`) rather than a local path.
+
+    An existing local path, a data file name, or anything `validate_repo_id` rejects (`/x`, `./x`, `a/b/c`) is local.
+    """
+    if not name:
+        return False
+    name = str(name)
+    if os.path.exists(name) or name.lower().endswith(_DATA_SUFFIXES) or name.startswith((".", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def build_model_card(
+    *,
+    base_model: str | None,
+    output_dir: str | os.PathLike,
+    args: Any = None,
+    model_name: str | None = None,
+    hub_model_id: str | None = None,
+    dataset_name: str | None = None,
+    dataset_config: str | None = None,
+    dataset_description: str | None = None,
+    is_adapter: bool = False,
+    critic_shares_base: bool = False,
+    value_pretraining: dict[str, Any] | None = None,
+    pretrained_critic_dir: str | os.PathLike | None = None,
+    held_out: dict[str, Any] | None = None,
+    log_history: Sequence[dict[str, Any]] | None = None,
+    example_prompt: Any = None,
+    tags: Sequence[str] = (),
+    license: str | None = None,
+    wandb_url: str | None = None,
+    trackio_url: str | None = None,
+    citation: str | None = VAPO_CITATION,
+) -> ModelCard:
+    """The model card of a VAPO run, with valid front matter (`card.data`) and a body a user can publish as is.
+
+    Args:
+        base_model: the policy's starting point, a hub id or a local path (`config._name_or_path`). Only a hub id goes
+            in the front matter and gets a link; a local path is written as such.
+        output_dir: the folder the card is written to, with the policy (and `critic/`) in it.
+        args: the run's `VAPOConfig` (any object with its field names); its VAPO settings fill the tables.
+        model_name: the card's title. Default: the last part of `hub_model_id`, else the folder's name.
+        hub_model_id: the repo the model is pushed to, if any: the quick start loads it (else `output_dir`).
+        dataset_name, dataset_config: the training data: a hub id (linked, and listed in the front matter) or a local
+            file or folder. `dataset_description` replaces the sentence when the data has no name (the demo's task).
+        is_adapter: the folder holds a PEFT adapter (`library_name: peft`) rather than full weights.
+        critic_shares_base: the critic is a LoRA adapter on the policy's base (`ActorCritic.shares_base`), not a
+            separate model.
+        value_pretraining: what value pretraining did, e.g. the record saved with the pretrained critic
+            (`modeling.value_pretraining_record`): `rollouts` (run), `final_explained_variance` (default: the last
+            one logged in that phase), optionally `best_explained_variance`; or `skipped` (a reason) when it did not
+            run.
+        pretrained_critic_dir: where the critic saved at the end of value pretraining is (`value_pretrained_critic`).
+        held_out: `{"before": {...}, "after": {...}}` with `EvaluationResult.as_dict()` scores, and optionally
+            `description` (which problems, how sampled).
+        log_history: `trainer.state.log_history`, for the training-metrics summary.
+        example_prompt: a training prompt (text or chat messages) for the quick start, so it uses the trained format.
+        tags: extra tags. license: an SPDX-style id (e.g. the base model's), omitted when unknown.
+        wandb_url, trackio_url: run dashboards, shown as badges.
+        citation: the method's BibTeX (VAPO's by default); TRL's is always added.
+    """
+    output_dir = Path(output_dir)
+    if value_pretraining is not None and value_pretraining.get("final_explained_variance") is None:
+        value_pretraining = {
+            **value_pretraining,
+            "final_explained_variance": _last_logged(log_history, "value/explained_variance", phase="value_pretrain"),
+        }
+    base_on_hub = is_hub_id(base_model)
+    dataset_on_hub = is_hub_id(dataset_name)
+    model_name = model_name or (hub_model_id.split("/")[-1] if hub_model_id else output_dir.resolve().name)
+    tag_list = list(dict.fromkeys([*DEFAULT_TAGS, *tags, *(["lora", "peft"] if is_adapter else [])]))
+    if is_adapter and base_on_hub:
+        tag_list.append(f"base_model:adapter:{base_model}")
+    card_data = ModelCardData(
+        base_model=base_model if base_on_hub else None,
+        datasets=[dataset_name] if dataset_on_hub else None,
+        library_name="peft" if is_adapter else "transformers",
+        license=license,
+        model_name=model_name,
+        pipeline_tag="text-generation",
+        tags=tag_list,
+    )
+    sections = [
+        f"# Model Card for {model_name}",
+        _intro(base_model, base_on_hub, dataset_name, dataset_config, dataset_on_hub, dataset_description, is_adapter),
+        _quick_start(
+            hub_model_id or str(output_dir.resolve()),
+            hub_model_id is None,
+            example_prompt,
+            args,
+            is_adapter,
+            base_model,
+        ),
+        _held_out_section(held_out),
+        _training_section(args, value_pretraining, log_history, wandb_url, trackio_url),
+        _critic_section(critic_shares_base, output_dir, pretrained_critic_dir, value_pretraining),
+        _versions_section(is_adapter),
+        _citations_section(citation),
+    ]
+    body = "\n\n".join(s for s in sections if s)
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _intro(
+    base_model, base_on_hub, dataset_name, dataset_config, dataset_on_hub, dataset_description, is_adapter
+) -> str:
+    if base_on_hub:
+        base = f"[{base_model}](https://huggingface.co/{base_model})"
+    elif base_model:
+        base = f"the local model `{base_model}`"
+    else:
+        base = "a model whose origin the run did not record"
+    text = f"This is a LoRA adapter for {base}" if is_adapter else f"This model is a fine-tuned version of {base}"
+    config = f" (`{dataset_config}`)" if dataset_config else ""
+    if dataset_on_hub:
+        text += f", trained on the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}){config} dataset"
+    elif dataset_name:
+        text += f", trained on the local data set `{dataset_name}`{config}"
+    elif dataset_description:
+        text += f", trained on {dataset_description}"
+    return (
+        f"{text}.\nIt was trained with VAPO ([{VAPO_PAPER_TITLE}](https://huggingface.co/papers/{VAPO_PAPER_ID})), "
+        "PPO with a value model, using trl-vapo's `VAPOTrainer` on [TRL](https://github.com/huggingface/trl)."
+    )
+
+
+def _quick_start(model_ref: str, is_local: bool, example_prompt, args, is_adapter: bool, base_model) -> str:
+    if example_prompt is None:
+        example_prompt = [{"role": "user", "content": "What is 17 + 25? Put the final answer in \\boxed{}."}]
+    max_new_tokens = getattr(args, "max_completion_length", None) or 256
+    where = "  # this folder; once uploaded, its Hub id" if is_local else ""
+    lines = [
+        "## Quick start",
+        "",
+        "```python",
+        "from transformers import pipeline",
+        "",
+        f"prompt = {example_prompt!r}",
+        f'generator = pipeline("text-generation", model="{model_ref}", device_map="auto"){where}',
+        f"output = generator(prompt, max_new_tokens={max_new_tokens}, return_full_text=False)[0]",
+        'print(output["generated_text"])',
+        "```",
+    ]
+    if is_adapter:
+        source = f"`{base_model}`" if base_model else "the base model named in `adapter_config.json`"
+        lines += [
+            "",
+            (
+                f"The folder holds a PEFT adapter: `pipeline` (with `peft` installed) loads its base model, {source}, "
+                "and applies it. `peft.AutoPeftModelForCausalLM.from_pretrained` loads it too."
+            ),
+        ]
+    return "\n".join(lines)
+
+
+def _held_out_section(held_out: dict[str, Any] | None) -> str:
+    if not held_out or not held_out.get("before") or not held_out.get("after"):
+        return ""
+    before, after = held_out["before"], held_out["after"]
+    rows = ["| metric | before training | after training |", "| --- | --- | --- |"]
+    names = {"pass@1": "pass@1 (greedy)"}
+    for key in before:
+        if key in ("num_problems",) or key not in after:
+            continue
+        label = names.get(key, "mean completion length (tokens)" if key == "mean_length" else key)
+        if key.startswith("avg@"):
+            label = f"{key} (sampled)"
+        fmt = "{:.1f}" if key == "mean_length" else "{:.3f}"
+        rows.append(f"| {label} | {_fmt(fmt, before[key])} | {_fmt(fmt, after[key])} |")
+    count = before.get("num_problems")
+    description = held_out.get("description") or (f"{count} held-out problems" if count else "held-out problems")
+    return (
+        "## Evaluation\n\n"
+        f"Scored before and after training by the training reward functions on {description}: pass@1 decodes "
+        "greedily; avg@k is the mean fraction of k samples judged correct, pass@k the fraction of problems with at "
+        "least one.\n\n" + "\n".join(rows)
+    )
+
+
+def _training_section(args, value_pretraining, log_history, wandb_url, trackio_url) -> str:
+    parts = ["## Training procedure"]
+    badges = []
+    if wandb_url:
+        badges.append(
+            '[<img src="https://raw.githubusercontent.com/wandb/assets/main/wandb-github-badge-28.svg" '
+            f'alt="Visualize in Weights & Biases" width="150" height="24"/>]({wandb_url})'
+        )
+    if trackio_url:
+        badges.append(
+            f'[<img src="{TRACKIO_BADGE}" alt="Visualize in Trackio" title="Visualize in Trackio" width="150" '
+            f'height="24"/>]({trackio_url})'
+        )
+    if badges:
+        parts.append(" ".join(badges))
+    intro = (
+        "VAPO is PPO with a value model plus seven techniques that keep the value model trustworthy on long chains "
+        "of thought scored by a verifier."
+    )
+    parts.append(intro + (" This run's settings, next to the paper's:" if args is not None else ""))
+    if args is not None:
+        parts.append(_vapo_table(args, value_pretraining))
+        other = _other_settings(args)
+        if other:
+            parts.append("Other settings: " + ", ".join(other) + ".")
+    summary = _metrics_summary(log_history)
+    if summary:
+        parts.append(summary)
+    return "\n\n".join(parts)
+
+
+def _vapo_table(args, value_pretraining) -> str:
+    def get(name):
+        return getattr(args, name, None)
+
+    steps, patience = get("value_pretrain_steps"), get("value_pretrain_patience")
+    if steps == 0:
+        pretrain = "off (`value_pretrain_steps=0`)"
+    else:
+        pretrain = f"`value_pretrain_steps={steps}`"
+        if patience is not None:
+            pretrain += f" (stops early when explained variance stops improving, window {patience})"
+        done = _value_pretraining_outcome(value_pretraining)
+        if done:
+            pretrain += f": {done}"
+    alpha = get("length_adaptive_alpha")
+    alpha_text = f"`length_adaptive_alpha={alpha}`" if alpha is not None else "off (`length_adaptive_alpha=None`)"
+    rows = [
+        ("1", "value pretraining", pretrain, "50 rollouts"),
+        ("2", "decoupled GAE", f"`lam_critic={get('lam_critic')}`, `lam_actor={get('lam_actor')}`", "1.0, 0.95"),
+        ("3", "length-adaptive GAE", alpha_text, "alpha = 0.05"),
+        ("4", "token-level policy loss", f'`loss_type="{get("loss_type")}"`', "token"),
+        ("5", "clip-higher", f"`epsilon={get('epsilon')}`, `epsilon_high={get('epsilon_high')}`", "0.2, 0.28"),
+        ("6", "positive-example LM loss", f"`nll_coef={get('nll_coef')}`", "mu = 0.1"),
+        ("7", "group sampling", f"`num_generations={get('num_generations')}`", "16"),
+    ]
+    lines = ["| # | technique | this run | paper |", "| --- | --- | --- | --- |"]
+    lines += [f"| {n} | {name} | {setting} | {paper} |" for n, name, setting, paper in rows]
+    return "\n".join(lines)
+
+
+def _other_settings(args) -> list[str]:
+    names = [
+        "learning_rate",
+        "critic_learning_rate",
+        "lr_scheduler_type",
+        "beta",
+        "gamma",
+        "temperature",
+        "max_completion_length",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "generation_batch_size",
+        "num_iterations",
+        "max_steps",
+        "seed",
+    ]
+    settings = []
+    for name in names:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        value = getattr(value, "value", value)  # enums such as lr_scheduler_type
+        settings.append(f"`{name}={value!r}`" if isinstance(value, str) else f"`{name}={value}`")
+    return settings
+
+
+def _value_pretraining_outcome(value_pretraining) -> str:
+    """One clause on what value pretraining did, from the trainer's record (or '' when there is none)."""
+    if not value_pretraining:
+        return ""
+    if value_pretraining.get("skipped"):
+        return f"skipped: {value_pretraining['skipped']}"
+    rollouts = value_pretraining.get("rollouts")
+    final = value_pretraining.get("final_explained_variance")
+    text = f"ran {rollouts} rollout{'s' if rollouts != 1 else ''}" if rollouts is not None else "ran"
+    if _finite(final):
+        text += f", final explained variance {final:.3f}"
+    best = value_pretraining.get("best_explained_variance")
+    if _finite(best) and (not _finite(final) or abs(best - final) > 5e-4):
+        text += f" (best {best:.3f})"
+    return text
+
+
+def _metrics_summary(log_history) -> str:
+    """Mean of the first and last few RL logs of the summary metrics, as the CLI's end-of-run summary does."""
+    logs = [h for h in (log_history or []) if h.get("phase") == "rl" and "reward" in h]
+    if not logs:
+        return ""
+    n = max(1, min(3, len(logs) // 2))  # the first and last windows never overlap (with one log, both are it)
+    rows = ["| metric | start | end |", "| --- | --- | --- |"]
+    for key, label, fmt in _SUMMARY_METRICS:
+        first = _mean([h.get(key) for h in logs[:n]])
+        last = _mean([h.get(key) for h in logs[-n:]])
+        if _finite(first) or _finite(last):
+            rows.append(f"| {label} | {_fmt(fmt, first)} | {_fmt(fmt, last)} |")
+    steps = max((h.get("step", 0) for h in log_history), default=0)
+    return (
+        f"### Training metrics\n\n{steps} optimizer steps. Start and end: the mean of the first and of the last {n} "
+        f"RL logging step{'s' if n > 1 else ''}.\n\n" + "\n".join(rows)
+    )
+
+
+def _critic_section(shares_base: bool, output_dir: Path, pretrained_critic_dir, value_pretraining) -> str:
+    if shares_base:
+        kind = (
+            "The critic is a second LoRA adapter on the policy's frozen base model, with a linear value head. "
+            "`critic/` in this folder holds the adapter (`adapter_config.json`, `adapter_model.safetensors`) and "
+            "the head (`value_head.safetensors`)."
+        )
+    else:
+        kind = (
+            "The critic is a separate model that started from the policy's weights: `critic/` in this folder is a "
+            "one-label `AutoModelForSequenceClassification` (`from_pretrained` loads it)."
+        )
+    lines = ["### Value model (critic)", "", kind, ""]
+    outcome = _value_pretraining_outcome(value_pretraining)
+    if outcome:
+        lines.append(f"- Value pretraining: {outcome}.")
+    if pretrained_critic_dir is not None:
+        lines.append(
+            f"- The critic as value pretraining left it: `{_display_path(pretrained_critic_dir, output_dir)}`. Pass "
+            "that folder as `value_model=` (with the same `peft_config` for an adapter critic) to skip value "
+            "pretraining in a new run."
+        )
+    lines.append("- Only further training needs the critic: generation uses the policy alone.")
+    return "\n".join(lines)
+
+
+def _versions_section(is_adapter: bool) -> str:
+    packages = [
+        ("trl-vapo", "trl-vapo"),
+        ("TRL", "trl"),
+        ("Transformers", "transformers"),
+        ("PyTorch", "torch"),
+        ("Datasets", "datasets"),
+        ("Tokenizers", "tokenizers"),
+    ]
+    if is_adapter:
+        packages.append(("PEFT", "peft"))
+    lines = ["### Framework versions", ""]
+    for label, package in packages:
+        try:
+            lines.append(f"- {label}: {version(package)}")
+        except PackageNotFoundError:
+            continue
+    return "\n".join(lines)
+
+
+def _citations_section(citation: str | None) -> str:
+    parts = ["## Citations"]
+    if citation:
+        parts.append(f"Cite VAPO as:\n\n```bibtex\n{citation}\n```")
+    parts.append(f"Cite TRL as:\n\n```bibtex\n{TRL_CITATION}\n```")
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _last_logged(log_history, key: str, phase: str) -> float | None:
+    values = [h[key] for h in (log_history or []) if h.get("phase") == phase and _finite(h.get(key))]
+    return values[-1] if values else None
+
+
+def _mean(values) -> float:
+    finite = [v for v in values if _finite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _fmt(fmt: str, value) -> str:
+    return fmt.format(value) if _finite(value) else "n/a"
+
+
+def _display_path(path, folder: Path) -> str:
+    """`path` relative to the card's folder when it lies inside it (`value_pretrained_critic/`), else absolute."""
+    path = Path(path).resolve()
+    try:
+        return f"{path.relative_to(folder.resolve()).as_posix()}/"
+    except ValueError:
+        return str(path)

@@ -1,0 +1,88 @@
+"""The optimizer and learning-rate schedules of the actor-critic: one AdamW, separate groups and rates per side.
+
+The actor and the critic share no trainable weight: each gets its own parameter groups (with and without weight
+decay), learning rate (`learning_rate`, `critic_learning_rate`) and schedule. The critic's schedule runs from the
+first step; the actor's starts when value pretraining ends (its warm-up then begins).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def parameter_groups(
+    actor_critic, decay_names: set[str], learning_rate: float, critic_learning_rate: float, weight_decay: float
+) -> list[dict]:
+    """AdamW parameter groups named "policy" and "critic", each split by whether weight decay applies."""
+    names = {id(p): n for n, p in actor_critic.named_parameters()}
+    groups = []
+    for side, params, lr in (
+        ("policy", actor_critic.policy_parameters(), learning_rate),
+        ("critic", actor_critic.critic_parameters(), critic_learning_rate),
+    ):
+        for with_decay in (True, False):
+            selected = [p for p in params if (names[id(p)] in decay_names) == with_decay]
+            if selected:
+                groups.append(
+                    {"params": selected, "lr": lr, "weight_decay": weight_decay if with_decay else 0.0, "name": side}
+                )
+    return groups
+
+
+class Schedule:
+    """Learning-rate multiplier for one parameter group, starting at optimizer step `start_step`.
+
+    A callable object rather than a function so that `LambdaLR.state_dict()` saves `start_step` in checkpoints
+    (the actor's schedule starts only when value pretraining ends). Formulas as in `transformers.get_scheduler`.
+    """
+
+    def __init__(self, kind: str, warmup_steps: int, total_steps: int, start_step: int | None = 0):
+        self.kind = str(getattr(kind, "value", kind))  # a plain string: the state loads with weights_only=True
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.start_step = start_step
+
+    def __call__(self, step: int) -> float:
+        if self.start_step is None or step < self.start_step:
+            return 0.0
+        step -= self.start_step
+        if step < self.warmup_steps:
+            return step / max(1, self.warmup_steps)
+        if self.kind in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        if self.kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))  # cosine
+
+
+def side_schedules(
+    optimizer: torch.optim.Optimizer,
+    kind: str,
+    warmup_steps,
+    rl_steps: int,
+    pretrain_steps: int,
+    actor_starts_at: int | None,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A `LambdaLR` with one `Schedule` per group: the actor's over the RL steps from `actor_starts_at` (None: when
+    value pretraining ends), the critic's over all steps. Groups without a "name" (a user's own optimizer) follow
+    the critic's: never held at zero. `warmup_steps(total)` gives the warm-up of a schedule of `total` steps."""
+    schedules = []
+    for group in optimizer.param_groups:
+        actor = group.get("name") == "policy"
+        total = rl_steps + (0 if actor else pretrain_steps)
+        schedules.append(Schedule(kind, warmup_steps(total), total, actor_starts_at if actor else 0))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
+
+
+def start_actor_schedule(scheduler, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Start the actor's schedule at optimizer step `step` (the end of value pretraining)."""
+    for group, schedule, base_lr in zip(
+        optimizer.param_groups, getattr(scheduler, "lr_lambdas", []), scheduler.base_lrs
+    ):
+        if group.get("name") == "policy" and isinstance(schedule, Schedule):
+            schedule.start_step = step
+            # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
+            group["lr"] = base_lr * schedule(scheduler.last_epoch)

@@ -1,0 +1,418 @@
+"""What a user sees while a run trains: the completions table and the phase on the progress bar.
+
+The completions table follows TRL's `log_completions` (GRPOTrainer): at each logging step, a sample of the latest
+rollout's prompts and completions with each reward function's score, printed with `rich` when it is installed and
+logged as a table to wandb / trackio when those are among `report_to`. Ours adds the columns only a value-based
+method has: the completion's mean advantage and the critic's value at its first and last token.
+
+Everything here takes plain lists (or, in `completion_token_stats`, the rollout's tensors), so the trainer wires it
+in with a few lines and the tests exercise it without a training run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from transformers.trainer_callback import ProgressCallback
+
+# Column names of the table, after the reward functions' own columns.
+PROMPT, COMPLETION, STEP = "prompt", "completion", "step"
+SEQUENCE_REWARD, ADVANTAGE, VALUE_FIRST, VALUE_LAST = "reward", "advantage", "value_first", "value_last"
+_RESERVED = {STEP, PROMPT, COMPLETION, SEQUENCE_REWARD, ADVANTAGE, VALUE_FIRST, VALUE_LAST}
+MISSING = "-"  # how a reward no function gave (None / NaN) or an undefined statistic is printed
+
+# What the progress bar says in each phase of `TrainingProgress.phase`.
+PHASE_LABELS = {"value_pretrain": "value pretraining", "rl": "RL"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The completions table
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionsTable:
+    """One logging step's completions: `columns` maps each column name to one value per completion.
+
+    Columns, in order: `prompt`, `completion` (a string, or chat messages), one column per reward function
+    (its name; `rewards/<name>` if the name is one of the fixed columns), `reward` (the weighted sequence reward),
+    `advantage` (the mean advantage over the completion's tokens; absent during value pretraining), `value_first` and
+    `value_last` (the critic's value at the first and last completion token). Numbers are floats, or None where the
+    reward functions gave no score or the statistic is undefined. `step` titles the printout and fills the `step`
+    column the trackers' table starts with: set it to the logging step when the table is reported.
+    """
+
+    step: int
+    columns: dict[str, list[Any]]
+    reward_columns: list[str] = field(default_factory=list)
+    phase: str | None = None
+
+    @property
+    def title(self) -> str:
+        label = PHASE_LABELS.get(self.phase, self.phase)
+        return f"Step {self.step}" + (f" ({label})" if label else "")
+
+    def __len__(self) -> int:
+        return len(self.columns[PROMPT])
+
+    def select(self, limit: int | None) -> CompletionsTable:
+        """At most `limit` rows (None: all), chosen at random but reproducibly (seeded by the step), in their
+        original order so a prompt's group of completions stays together."""
+        rows = sample_rows(len(self), limit, seed=self.step)
+        columns = {name: [values[i] for i in rows] for name, values in self.columns.items()}
+        return CompletionsTable(self.step, columns, self.reward_columns, self.phase)
+
+    def text_columns(self) -> dict[str, list[Any]]:
+        """`step` and the columns, with prompts and completions as plain text: what a tracker's table stores."""
+        columns = {STEP: [self.step] * len(self), **self.columns}
+        columns[PROMPT] = [entry_text(x) for x in columns[PROMPT]]
+        columns[COMPLETION] = [entry_text(x) for x in columns[COMPLETION]]
+        return columns
+
+    def to_dataframe(self):
+        """A pandas DataFrame of `text_columns()` (missing numbers become NaN), as TRL logs to wandb / trackio."""
+        import pandas as pd
+
+        frame = pd.DataFrame(self.text_columns())
+        numeric = [name for name in frame.columns if name not in (STEP, PROMPT, COMPLETION)]
+        frame[numeric] = frame[numeric].astype(float)  # None -> NaN, so every tracker reads numbers
+        return frame
+
+
+def build_completions_table(
+    *,
+    step: int,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    rewards: dict[str, Sequence[float | None]],
+    sequence_rewards: Sequence[float | None],
+    advantages: Sequence[float | None] | None = None,
+    first_values: Sequence[float | None] | None = None,
+    last_values: Sequence[float | None] | None = None,
+    phase: str | None = None,
+) -> CompletionsTable:
+    """Assemble the table of one logging step from plain per-completion lists.
+
+    `rewards` maps each reward function's name to its scores (None or NaN where it had no opinion); pass
+    `advantages=None` during value pretraining, where there are none. Every list must have one entry per prompt.
+    """
+    n = len(prompts)
+    lists = {COMPLETION: completions, SEQUENCE_REWARD: sequence_rewards}
+    lists.update({f"rewards[{name!r}]": scores for name, scores in rewards.items()})
+    optional = {ADVANTAGE: advantages, VALUE_FIRST: first_values, VALUE_LAST: last_values}
+    lists.update({k: v for k, v in optional.items() if v is not None})
+    wrong = {name: len(values) for name, values in lists.items() if len(values) != n}
+    if wrong:
+        raise ValueError(f"The completions table needs one value per prompt ({n}); got {wrong}.")
+
+    columns: dict[str, list[Any]] = {PROMPT: list(prompts), COMPLETION: list(completions)}
+    reward_columns = []
+    for name, scores in rewards.items():
+        column = f"rewards/{name}" if name in _RESERVED else name
+        columns[column] = [_number(x) for x in scores]
+        reward_columns.append(column)
+    columns[SEQUENCE_REWARD] = [_number(x) for x in sequence_rewards]
+    for name, values in optional.items():
+        if values is not None:
+            columns[name] = [_number(x) for x in values]
+    return CompletionsTable(step, columns, reward_columns, phase)
+
+
+def completion_token_stats(advantages, values, completion_mask, loss_mask=None) -> dict[str, list[float | None]]:
+    """Per-completion statistics of a rollout's `[N, C]` tensors, for `build_completions_table`.
+
+    Returns `advantages` (the mean over the completion's trained tokens, `loss_mask`, or None when it has none),
+    `first_values` and `last_values` (the critic's value at the first and last token of `completion_mask`, None for
+    an empty completion). Pass `advantages=None` during value pretraining.
+    """
+    import torch
+
+    completion_mask = completion_mask.float()
+    lengths = completion_mask.sum(dim=1).long()
+    rows = torch.arange(len(lengths), device=lengths.device)
+    first_values = values[:, 0].float().tolist()
+    last_values = values[rows, (lengths - 1).clamp(min=0)].float().tolist()
+    empty = (lengths == 0).tolist()
+    stats = {
+        "first_values": [None if e else v for v, e in zip(first_values, empty)],
+        "last_values": [None if e else v for v, e in zip(last_values, empty)],
+        "advantages": None,
+    }
+    if advantages is not None:
+        mask = completion_mask if loss_mask is None else loss_mask.float()
+        count = mask.sum(dim=1)
+        means = ((advantages.float() * mask).sum(dim=1) / count.clamp(min=1)).tolist()
+        stats["advantages"] = [None if c == 0 else m for m, c in zip(means, count.tolist())]
+    return stats
+
+
+def sample_rows(num_rows: int, limit: int | None, seed: int = 0) -> list[int]:
+    """Indices of at most `limit` of `num_rows` rows (None: all; 0 or less: none), sorted.
+
+    A private `random.Random(seed)` picks them: the global random state, which a resumed run replays, is untouched.
+    """
+    if limit is None or limit >= num_rows:
+        return list(range(num_rows))
+    if limit <= 0:
+        return []
+    return sorted(random.Random(seed).sample(range(num_rows), limit))
+
+
+def entry_text(entry: Any) -> str:
+    """A prompt or completion as plain text: strings as they are, chat messages as `ROLE: content` paragraphs."""
+    if isinstance(entry, list) and all(isinstance(m, dict) for m in entry):
+        return "\n\n".join(f"{str(m.get('role', '')).upper()}: {_content_text(m.get('content', ''))}" for m in entry)
+    return str(entry)
+
+
+def format_number(value: float | None) -> str:
+    """Two decimals, as TRL prints rewards; `-` for a missing value."""
+    return MISSING if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):  # multimodal content blocks: keep the text, mark the rest
+        return "".join(
+            b.get("text", "") if b.get("type") == "text" else f"[{str(b.get('type', '?')).upper()}]" for b in content
+        )
+    return str(content)
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Printing
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def is_rich_available() -> bool:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def print_completions_table(
+    table: CompletionsTable,
+    num_completions_to_print: int | None = None,
+    *,
+    use_rich: bool | None = None,
+    file: TextIO | None = None,
+    width: int | None = None,
+) -> None:
+    """Print at most `num_completions_to_print` rows (None: all) of the table.
+
+    With `rich` (the default when it is installed) it looks like TRL's `print_prompt_completions_sample`: a panel
+    titled with the step, one row per completion. Without it, a plain-text block per completion. `file` defaults to
+    standard output; `width` to the console's (rich uses 80 columns when the output is not a terminal).
+    """
+    sample = table.select(num_completions_to_print)
+    if len(sample) == 0:
+        return
+    if use_rich is None:
+        use_rich = is_rich_available()
+    if use_rich:
+        _print_rich(sample, file, width)
+    else:
+        print(format_plain_table(sample), file=file or sys.stdout, flush=True)
+
+
+def format_plain_table(table: CompletionsTable) -> str:
+    """The table as plain text, for consoles without `rich`: a header, then each completion's text and numbers."""
+    numbers = [c for c in table.columns if c not in (PROMPT, COMPLETION)]
+    lines = [f"===== {table.title}: {len(table)} completion(s) " + "=" * 40]
+    for i in range(len(table)):
+        lines.append(f"--- prompt:\n{entry_text(table.columns[PROMPT][i])}")
+        lines.append(f"--- completion:\n{entry_text(table.columns[COMPLETION][i])}")
+        lines.append("--- " + "   ".join(f"{name} {format_number(table.columns[name][i])}" for name in numbers))
+    return "\n".join(lines)
+
+
+def _print_rich(table: CompletionsTable, file: TextIO | None, width: int | None) -> None:
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    # TRL's colours: prompt yellow, completion green, rewards cyan, advantage magenta; values get their own colour.
+    styles = {
+        SEQUENCE_REWARD: "bold cyan",
+        ADVANTAGE: "bold magenta",
+        VALUE_FIRST: "bold blue",
+        VALUE_LAST: "bold blue",
+    }
+    headers = {
+        SEQUENCE_REWARD: "Reward",
+        ADVANTAGE: "Advantage",
+        VALUE_FIRST: "Value (first)",
+        VALUE_LAST: "Value (last)",
+    }
+    rich_table = Table(show_header=True, header_style="bold white", expand=True)
+    # "fold" everywhere: on a narrow console a long unbroken token (`7+1+3+5+4+6+2+9.`, `digit_fraction`) wraps
+    # instead of being cut to an ellipsis, and every column stays inside the panel.
+    rich_table.add_column("Prompt", style="bright_yellow", overflow="fold")
+    rich_table.add_column("Completion", style="bright_green", overflow="fold")
+    numbers = [c for c in table.columns if c not in (PROMPT, COMPLETION)]
+    for name in numbers:
+        rich_table.add_column(
+            headers.get(name, name), style=styles.get(name, "bold cyan"), justify="right", overflow="fold"
+        )
+    for i in range(len(table)):
+        cells = [_rich_entry(table.columns[PROMPT][i], Text), _rich_entry(table.columns[COMPLETION][i], Text)]
+        cells += [format_number(table.columns[name][i]) for name in numbers]
+        rich_table.add_row(*cells)
+        rich_table.add_section()  # a rule between completions, as TRL draws
+    console = Console(file=file, width=width)  # file=None: standard output, as TRL prints
+    console.print(Panel(rich_table, expand=False, title=table.title, border_style="bold white"))
+
+
+def _rich_entry(entry: Any, Text) -> Any:
+    if isinstance(entry, list) and all(isinstance(m, dict) for m in entry):
+        text = Text()
+        for j, message in enumerate(entry):
+            text.append(f"{str(message.get('role', '')).upper()}\n", style="bold red")
+            text.append(_content_text(message.get("content", "")))
+            if j < len(entry) - 1:
+                text.append("\n\n")
+        return text
+    return Text(str(entry))  # a Text, not a str: rich must not read "[...]" in a completion as markup
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trackers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def reporting_integrations(report_to: str | Sequence[str] | None) -> list[str]:
+    """`report_to` as a list of names (TrainingArguments resolves "all" to the installed ones; "none" is none)."""
+    if report_to is None:
+        return []
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    return [name for name in names if name != "none"]
+
+
+def log_completions_to_trackers(table: CompletionsTable, report_to: str | Sequence[str] | None) -> list[str]:
+    """Log the whole table as `completions` to wandb and trackio when they are among `report_to` and have a live
+    run (started by transformers' callbacks at the first log), as GRPOTrainer does. Returns the trackers used.
+
+    Call it after `Trainer.log`, so the trackers' runs exist. TensorBoard has no table type and is skipped.
+    """
+    names = reporting_integrations(report_to)
+    used = []
+    if "wandb" in names:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.log({"completions": wandb.Table(dataframe=table.to_dataframe())})
+            used.append("wandb")
+    if "trackio" in names:
+        import trackio
+
+        if trackio.context_vars.current_run.get() is not None:
+            trackio.log({"completions": trackio.Table(dataframe=table.to_dataframe())})
+            used.append("trackio")
+    return used
+
+
+def tracker_urls() -> dict[str, str | None]:
+    """Dashboards of the live tracker runs, for the model card's badges: `wandb` (an online run's page) and
+    `trackio` (a Space's, when the run logs to one). None where there is none: an offline wandb run has no page, a
+    local trackio run no public address."""
+    urls: dict[str, str | None] = {"wandb": None, "trackio": None}
+    # A run can only exist if its tracker was imported (by transformers' callback): never import one just to look.
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None and not wandb.run.offline:
+        urls["wandb"] = wandb.run.url  # an offline run has no page (`.url` would only warn)
+    if sys.modules.get("trackio") is not None:
+        from trl.trainer.utils import get_trackio_space_url
+
+        urls["trackio"] = get_trackio_space_url()
+    return urls
+
+
+def report_completions(
+    table: CompletionsTable,
+    *,
+    num_completions_to_print: int | None,
+    report_to: str | Sequence[str] | None,
+    file: TextIO | None = None,
+) -> list[str]:
+    """What the trainer calls at a logging step with `log_completions=True`: print the sample, log the table.
+
+    Returns the trackers the table went to.
+    """
+    print_completions_table(table, num_completions_to_print, file=file)
+    return log_completions_to_trackers(table, report_to)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The phase on the progress bar
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class PhaseProgressCallback(ProgressCallback):
+    """transformers' progress bar, with the training phase as its description: `value pretraining: 40%|...` then
+    `RL: ...`.
+
+    It replaces the trainer's `ProgressCallback` (so the bar, and the trainer's adjustment of its total when value
+    pretraining stops early, stay as they are). `get_phase` returns the current phase name (`"value_pretrain"` or
+    `"rl"`); the label is refreshed when the bar opens, after each step, and whenever `refresh()` is called (the
+    trainer calls it at the phase change, so the first RL rollout's generation already shows "RL").
+    """
+
+    def __init__(self, get_phase: Callable[[], str], labels: dict[str, str] | None = None, max_str_len: int = 100):
+        super().__init__(max_str_len=max_str_len)
+        self.get_phase = get_phase
+        self.labels = {**PHASE_LABELS, **(labels or {})}
+
+    def refresh(self) -> None:
+        """Show the current phase on the bar (when there is one)."""
+        if self.training_bar is None:
+            return
+        phase = self.get_phase()
+        label = self.labels.get(phase, str(phase))
+        if self.training_bar.desc.rstrip(": ") != label:
+            self.training_bar.set_description(label)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self.refresh()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        self.refresh()
+
+
+def rollout_completions_table(rollout, tokenizer, step: int) -> CompletionsTable:
+    """The completions of a `trl_vapo.rollout.Rollout` (this process's): prompts and completions as the model saw and
+    wrote them, each reward function's score, the reward, and, ours alone, the mean advantage and the critic's value
+    at the first and last token."""
+    import torch
+
+    prompt_columns = slice(0, rollout.prompt_length)
+    prompt_ids = [
+        ids[m.bool()].tolist()
+        for ids, m in zip(rollout.input_ids[:, prompt_columns], rollout.attention_mask[:, prompt_columns])
+    ]
+    scores = rollout.scores
+    advantages = rollout.advantages if rollout.phase == "rl" else None
+    return build_completions_table(
+        step=step,
+        prompts=tokenizer.batch_decode(prompt_ids, skip_special_tokens=True),
+        completions=tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True),
+        rewards={name: scores.per_function[:, j].tolist() for j, name in enumerate(scores.names)},
+        sequence_rewards=torch.where(scores.scored, scores.reward, torch.nan).tolist(),
+        phase=rollout.phase,
+        **completion_token_stats(advantages, rollout.old_values, rollout.completion_mask, rollout.loss_mask),
+    )

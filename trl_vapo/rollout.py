@@ -1,0 +1,132 @@
+"""One generation round on one process: everything the updates and the metrics need, built once by the trainer.
+
+`VAPOTrainer._make_rollout` samples, scores, values and computes advantages, then builds a `Rollout`;
+`rollout_metrics` turns it into the logged statistics (over all processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from .core import AllReduce, explained_variance
+from .modeling import trim_padding
+from .scoring import Scores
+
+VALUE_PRETRAIN = "value_pretrain"
+RL = "rl"
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One generation round on this process (no gradients). `N` completions of up to `C` tokens."""
+
+    phase: str  # VALUE_PRETRAIN or RL
+    input_ids: torch.Tensor  # [N, P + C] prompt (left-padded) followed by completion (right-padded)
+    attention_mask: torch.Tensor  # [N, P + C]
+    prompt_length: int  # P
+    truncated: torch.Tensor  # [N] bool: reached max_completion_length without a stop
+    scores: Scores  # the reward functions' verdicts
+    loss_mask: torch.Tensor  # [N, C] completion tokens that train (scored completions)
+    is_positive: torch.Tensor  # [N] bool: correct (reward >= positive_reward_threshold)
+    old_values: torch.Tensor  # [N, C] V(s_t) before any update
+    returns: torch.Tensor  # [N, C] the critic's targets
+    raw_advantages: torch.Tensor  # [N, C] GAE advantages (zeros during value pretraining)
+    advantages: torch.Tensor  # [N, C] what the policy loss uses: whitened when configured
+    lambda_actor: torch.Tensor  # [N] each completion's GAE lambda
+    old_logprobs: torch.Tensor | None = None  # [N, C]; None: each sample trains the policy that sampled it
+    ref_logprobs: torch.Tensor | None = None  # [N, C] under the reference policy, when beta > 0
+    is_weights: torch.Tensor | None = None  # [N, C] or [N, 1] importance-sampling weights of another sampler
+    sampling_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def completion_mask(self) -> torch.Tensor:
+        """[N, C] the generated tokens (up to and including the stop token)."""
+        return self.attention_mask[:, self.prompt_length :]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+    @property
+    def completion_ids(self) -> list[list[int]]:
+        ids = self.input_ids[:, self.prompt_length :]
+        return [row[:n].tolist() for row, n in zip(ids, self.lengths.tolist())]
+
+    def micro_batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor | int | None]:
+        """The model inputs of `rows` (see `trim_padding`) and their training targets, cut to the same length: what
+        `ActorCritic.forward` and `core.vapo_loss` take."""
+        input_ids, attention_mask, length = trim_padding(self.input_ids, self.attention_mask, self.prompt_length, rows)
+
+        def cut(x):
+            return None if x is None else x[rows, :length] if x.shape[-1] > 1 else x[rows]
+
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "completion_length": length,
+            "mask": self.loss_mask[rows, :length],
+            "old_logprobs": cut(self.old_logprobs),
+            "old_values": self.old_values[rows, :length],
+            "returns": self.returns[rows, :length],
+            "advantages": self.advantages[rows, :length],
+            "is_positive": self.is_positive[rows],
+            "is_weights": cut(self.is_weights),
+        }
+
+
+def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | None) -> dict[str, float]:
+    """The rollout's statistics over all processes: rewards, accuracy, lengths, the critic and the advantages."""
+    scores = rollout.scores
+    scored = gather(scores.scored)
+    trains = gather(rollout.loss_mask.sum(dim=1) > 0)
+    is_positive = gather(rollout.is_positive)
+    rewards = gather(scores.reward)[scored]
+    lengths = gather(rollout.lengths).float()
+    per_function = gather(scores.per_function)
+    mask = rollout.loss_mask
+    metrics = {
+        "reward": _mean(rewards),
+        "reward_std": _std(rewards),
+        "accuracy": _mean(is_positive[scored].float()),
+        "positive_fraction": _mean(is_positive[trains].float()),
+        "rewards/unscored_fraction": 1.0 - scored.float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": gather(rollout.truncated).float().mean().item(),
+        "value/mean": global_masked_mean(rollout.old_values, mask, all_reduce),
+        "value/explained_variance": explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
+        "advantages/mean": global_masked_mean(rollout.raw_advantages, mask, all_reduce),
+        "lambda_actor/mean": _mean(gather(rollout.lambda_actor)[trains]),
+    }
+    for j, name in enumerate(scores.names):
+        column = per_function[:, j]
+        column = column[~torch.isnan(column)]
+        metrics[f"rewards/{name}/mean"] = _mean(column)
+        metrics[f"rewards/{name}/std"] = _std(column)
+    if rollout.ref_logprobs is not None:
+        metrics["kl"] = global_masked_mean(rollout.old_logprobs - rollout.ref_logprobs, mask, all_reduce)
+    metrics.update(rollout.sampling_metrics)
+    return metrics
+
+
+def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None) -> float:
+    sums = torch.stack([(values * mask).sum(), mask.sum()])
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    return (sums[0] / sums[1].clamp(min=1)).item()
+
+
+def _mean(values: torch.Tensor) -> float:
+    return values.float().mean().item() if values.numel() else math.nan
+
+
+def _std(values: torch.Tensor) -> float:
+    return values.float().std().item() if values.numel() > 1 else math.nan

@@ -1,0 +1,204 @@
+"""Scoring completions with reward functions (TRL's protocol), the one copy shared by training and `trl-vapo eval`.
+
+A reward function is called with keyword arguments `prompts`, `completions` (strings, or one-message lists for chat
+data), `completion_ids`, `trainer_state`, `log_metric` and every other dataset column (e.g. `answer`), and returns
+one float per completion, or None where it has no opinion. Several functions are summed with weights; a completion no
+function scores has no reward at all (it trains nothing). NaN and inf returned by a function count as None, with one
+warning per function.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+RewardFunc = Callable[..., list[float | None]]
+
+TRAINER_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "kwargs"}
+"""Keyword arguments the caller supplies to every reward function; any other required parameter is a data column."""
+
+
+@dataclass
+class Scores:
+    """The verdicts on one batch of completions."""
+
+    per_function: torch.Tensor  # [N, F] float, NaN where a function gave no score
+    reward: torch.Tensor  # [N] the weighted sum of the scores given (0 where none was)
+    scored: torch.Tensor  # [N] bool, at least one function scored the completion
+    names: list[str]
+
+    def is_correct(self, threshold: float) -> torch.Tensor:
+        """[N] bool: scored, with a reward of at least `threshold` ("correct": the NLL loss and accuracy)."""
+        return self.scored & (self.reward >= threshold)
+
+
+def check_reward_funcs(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> tuple[list[RewardFunc], list[str]]:
+    """The reward functions as a list, with their names; a clear error for what cannot be one."""
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError(
+            "reward_funcs is empty: pass at least one reward function, e.g. trl_vapo.rewards.math_reward."
+        )
+    for func in funcs:
+        if not callable(func) or isinstance(func, nn.Module):
+            raise TypeError(
+                f"Reward functions must be callables following TRL's protocol, got {type(func).__name__}. "
+                "(Reward models are not supported: VAPO learns from verifiers.)"
+            )
+        if inspect.iscoroutinefunction(func):
+            raise TypeError(f"Reward function {getattr(func, '__name__', func)!r} is async; pass a synchronous one.")
+    return funcs, [getattr(func, "__name__", type(func).__name__) for func in funcs]
+
+
+def required_columns(func: RewardFunc) -> list[str]:
+    """Keyword parameters of a reward function without a default that the caller does not supply: dataset columns."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return []
+    return [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and p.name not in TRAINER_KWARGS
+    ]
+
+
+def preview(sample: dict, limit: int = 600) -> str:
+    text = json.dumps(sample, default=str, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class RewardScorer:
+    """Calls the reward functions on completions and combines their scores.
+
+    Args:
+        reward_funcs: one function or a list (TRL's protocol).
+        reward_weights: one weight per function (default: 1 each).
+        conversational: the prompts are chat messages, so completions are passed as one assistant message each.
+    """
+
+    def __init__(
+        self,
+        reward_funcs: RewardFunc | Sequence[RewardFunc],
+        reward_weights: Sequence[float] | None = None,
+        conversational: bool = False,
+    ):
+        self.funcs, self.names = check_reward_funcs(reward_funcs)
+        weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.funcs)
+        if len(weights) != len(self.funcs):
+            raise ValueError(
+                f"reward_weights has {len(weights)} values but there are {len(self.funcs)} reward functions."
+            )
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.conversational = conversational
+        self._warned_non_finite: set[str] = set()
+
+    def score(
+        self,
+        rows: list[dict[str, Any]],
+        completions: list[str],
+        completion_ids: list[list[int]] | None = None,
+        trainer_state=None,
+        log_metric: Callable[[str, float], None] | None = None,
+    ) -> Scores:
+        """Score `completions` (decoded text) of the prompts in `rows` (dataset rows, one per completion).
+
+        Non-finite values are counted through `log_metric` as `rewards/<name>/non_finite_count`.
+        """
+        log_metric = log_metric or (lambda key, value: None)
+        messages = self._as_messages(completions)
+        ids = completion_ids if completion_ids is not None else [[] for _ in completions]
+        per_function = torch.full((len(rows), len(self.funcs)), math.nan)
+        for j, (func, name) in enumerate(zip(self.funcs, self.names)):
+            values = self.call(func, name, rows, messages, ids, trainer_state, log_metric)
+            column = torch.tensor([math.nan if v is None else float(v) for v in values])
+            non_finite = torch.isinf(column) | (torch.isnan(column) & torch.tensor([v is not None for v in values]))
+            if non_finite.any():
+                log_metric(f"rewards/{name}/non_finite_count", float(non_finite.sum()))
+                if name not in self._warned_non_finite:
+                    logger.warning(
+                        f"Reward function {name!r} returned NaN or inf for {int(non_finite.sum())} of {len(rows)} "
+                        f"completions; they are treated like None (left out unless another function scores them) "
+                        f"and counted in `rewards/{name}/non_finite_count`."
+                    )
+                    self._warned_non_finite.add(name)
+                column[non_finite] = math.nan
+            per_function[:, j] = column
+        scored = ~torch.isnan(per_function).all(dim=1)
+        reward = torch.where(scored, torch.nansum(per_function * self.weights, dim=1), torch.zeros(len(rows)))
+        return Scores(per_function=per_function, reward=reward, scored=scored, names=self.names)
+
+    def _as_messages(self, completions: list[str]) -> list:
+        return [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions
+
+    @staticmethod
+    def call(func, name, rows, completions, completion_ids, trainer_state=None, log_metric=None) -> list:
+        """One function on a batch; when it raises, the error names the first sample it fails on."""
+        prompts = [row["prompt"] for row in rows]
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        common = {"trainer_state": trainer_state, "log_metric": log_metric or (lambda key, value: None)}
+        try:
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **common, **columns)
+        except Exception as error:
+            for i in range(len(rows)):
+                one = {key: value[i : i + 1] for key, value in columns.items()}
+                try:
+                    func(
+                        prompts=prompts[i : i + 1],
+                        completions=completions[i : i + 1],
+                        completion_ids=completion_ids[i : i + 1],
+                        **common,
+                        **one,
+                    )
+                except Exception:
+                    sample = {
+                        "prompt": prompts[i],
+                        "completion": completions[i],
+                        **{k: v[i] for k, v in columns.items()},
+                    }
+                    raise RuntimeError(
+                        f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
+                        f"(#{i} of the batch): {preview(sample)}"
+                    ) from error
+            raise RuntimeError(
+                f"Reward function {name!r} raised {type(error).__name__} on the batch: {error}"
+            ) from error
+        if values is None or len(values) != len(rows):
+            raise ValueError(
+                f"Reward function {name!r} returned {None if values is None else len(values)} values for "
+                f"{len(rows)} completions; it must return one float (or None) per completion."
+            )
+        return values
+
+    def check(self, row: dict[str, Any]) -> None:
+        """Call every function once on a dataset row with an empty completion, before any compute.
+
+        A missing column, a bad import or a crash then fails here, with the dataset's columns in the message, not
+        after the model has loaded and generated.
+        """
+        for func, name in zip(self.funcs, self.names):
+            missing = [c for c in required_columns(func) if c not in row]
+            if missing:
+                raise ValueError(
+                    f"Reward function {name!r} needs the column(s) {missing}, which the dataset lacks; its columns "
+                    f"are {sorted(row)}."
+                )
+            try:
+                self.call(func, name, [row], self._as_messages([""]), [[]])
+            except RuntimeError as error:
+                raise ValueError(
+                    f"{error} (checked before training on the first dataset row with an empty completion; dataset "
+                    f"columns: {sorted(row)})"
+                ) from error
