@@ -367,6 +367,44 @@ def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_p
     assert any(not torch.allclose(harder[n], scaled[n], rtol=1e-4, atol=1e-6) for n in scaled)
 
 
+def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
+    """critic_num_iterations=3 with num_iterations=1: per rollout, one pass of joint steps, then two passes of
+    critic-only steps that leave the policy untouched."""
+
+    class Sums(TrainerCallback):
+        def __init__(self):
+            self.trainer, self.steps = None, []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            model = self.trainer.actor_critic
+            self.steps.append((parameter_sum(model.policy_parameters()), parameter_sum(model.critic_parameters())))
+
+    sums = Sums()
+    args = make_args(
+        tmp_path, per_device_train_batch_size=8, steps_per_generation=2, max_steps=6, critic_num_iterations=3
+    )
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
+        callbacks=[sums],
+    )
+    sums.trainer = trainer
+    trainer.train()
+    assert trainer.state.global_step == 6  # one rollout: 3 passes x 2 steps
+    policy, critic = zip(*sums.steps)
+    assert policy[0] != policy[1] and len(set(policy[1:])) == 1, "only the first pass moves the policy"
+    assert len(set(critic)) == 6, "every step moves the critic"
+    logs = rl_logs(trainer)
+    assert ["loss/policy" in h for h in logs] == [True, True, False, False, False, False]
+    assert all("loss/value" in h for h in logs)
+
+
+def parameter_sum(params) -> float:
+    return sum(float(p.detach().double().sum()) for p in params)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Sampling the losses can model
 # ---------------------------------------------------------------------------------------------------------------------

@@ -170,13 +170,15 @@ def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> 
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "num_iterations": args.num_iterations,
+        "critic_num_iterations": args.critic_num_iterations,
         "deepspeed": deepspeed,
     }
 
 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote."""
-    saved = {"deepspeed": False, **saved}  # checkpoints of trl-vapo 0.1 predate the key
+    # Checkpoints of trl-vapo 0.1 predate these keys.
+    saved = {"deepspeed": False, "critic_num_iterations": saved.get("num_iterations"), **saved}
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
         for key in current

@@ -2,6 +2,7 @@
 
     trl-vapo train [--config vapo.yaml] [--flag value ...] [--num_processes N | --accelerate_config zero2 ...]
     trl-vapo eval --model DIR --dataset_name NAME [...]
+    trl-vapo plot OUTPUT_DIR
 
 `train` follows the `trl` CLI: a YAML file sets dataclass defaults and flags override it (`TrlParser` over the
 script arguments, `VAPOConfig` and TRL's `ModelConfig`); arguments that belong to `accelerate launch` (such as
@@ -46,6 +47,8 @@ DEMO_DEFAULTS = {
     "report_to": "none",
     "eval_num_prompts": 200,
     "eval_k": 4,
+    "log_completions": True,  # the demo shows what the model writes: 2 of each rollout's completions per log
+    "num_completions_to_print": 2,
 }
 
 
@@ -187,10 +190,29 @@ def train_command(argv: list[str]) -> int:
     before = _held_out_report(trainer, test_dataset, script_args, reward_funcs)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     after = _held_out_report(trainer, test_dataset, script_args, reward_funcs)
+    trainer.model_card_info = _model_card_info(script_args, before, after, demo)
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         print(_summary(trainer, before, after, time.time() - started, demo))
     return 0
+
+
+def _model_card_info(script_args, before, after, demo: bool) -> dict:
+    """What the model card needs from the command line: the data set and the held-out scores."""
+    info = {
+        "dataset_name": None if demo else script_args.dataset_name,
+        "dataset_config": None if demo else script_args.dataset_config,
+        "dataset_description": "trl-vapo's built-in arithmetic task (the offline demo)" if demo else None,
+    }
+    if before and after:
+        split = "the demo's held-out split" if demo else f"the `{script_args.dataset_test_split}` split"
+        info["held_out"] = {
+            "before": before,
+            "after": after,
+            "description": f"{before['num_problems']} problems of {split}, {script_args.eval_k} samples each at "
+            "temperature 1.0 for avg@k",
+        }
+    return info
 
 
 def _resolve_data(script_args, model_args, training_args, demo: bool):
@@ -479,6 +501,24 @@ def eval_command(argv: list[str]) -> int:
     return 0
 
 
+def plot_command(argv: list[str]) -> int:
+    """`trl-vapo plot OUTPUT_DIR`: redraw the diagnostic PNGs of a finished or running run from its logs."""
+    parser = argparse.ArgumentParser(prog="trl-vapo plot", description=plot_command.__doc__)
+    parser.add_argument("output_dir", help="the output_dir of a trl-vapo run (it holds vapo_logs.jsonl)")
+    args = parser.parse_args(argv)
+    from .diagnostics import write_plots
+
+    try:
+        paths = write_plots(args.output_dir)
+    except (FileNotFoundError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    except ImportError:
+        raise UsageError("plots need matplotlib: pip install trl-vapo[plot]") from None
+    for path in paths:
+        print(path)
+    return 0
+
+
 def _eval_engine_args(args: EvalArguments):
     """The engine fields of `args` under the training config's names (what `trl_vapo.generation` reads)."""
     from types import SimpleNamespace
@@ -506,14 +546,14 @@ def main(argv: list[str] | None = None) -> int:
     # bitsandbytes, imported by peft when installed, warns at import on CPUs that an optional kernel package (which
     # would be fetched from the hub) is missing; it changes nothing for this command and would precede every error.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    commands = {"train": train_command, "eval": eval_command}
+    commands = {"train": train_command, "eval": eval_command, "plot": plot_command}
     if not argv or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="trl-vapo", description="VAPO training for the Hugging Face TRL stack.")
         parser.add_argument("--version", action="version", version=f"trl-vapo {__version__}")
         parser.add_argument(
             "command",
             choices=sorted(commands),
-            help="train: train (no arguments: the offline demo); eval: score a model",
+            help="train: train (no arguments: the offline demo); eval: score a model; plot: redraw a run's plots",
         )
         parser.parse_args(argv)
         return 2

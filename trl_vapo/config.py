@@ -86,6 +86,21 @@ class VAPOConfig(TrainingArguments):
             "trackio when they are in `report_to`."
         },
     )
+    plot_diagnostics: bool = field(
+        default=True,
+        metadata={
+            "help": "Write PNGs of the training curves and of the mean value / advantage / return by response "
+            "position to `output_dir/plots/` at the end of value pretraining and of training (needs matplotlib: "
+            "`pip install trl-vapo[plot]`). `trl-vapo plot OUTPUT_DIR` redraws them at any time."
+        },
+    )
+    diagnostic_position_buckets: int = field(
+        default=8,
+        metadata={
+            "help": "Position buckets of the logged `by_position/{value,advantage,return}/<a>-<b>` means (equal "
+            "shares of max_completion_length): VC-PPO's check for a biased critic."
+        },
+    )
     num_completions_to_print: int | None = field(
         default=None,
         metadata={"help": "Number of completions to print (a random sample of the rollout). None: all of them."},
@@ -269,6 +284,14 @@ class VAPOConfig(TrainingArguments):
         default=1,
         metadata={"help": "Passes over each rollout (PPO epochs)."},
     )
+    critic_num_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Passes of the critic over each rollout, at least `num_iterations` (default: equal to it). The "
+            "passes beyond `num_iterations` are critic-only optimizer steps (counted in `max_steps`): more critic "
+            "training per sample, without new samples, as Open-Reasoner-Zero does."
+        },
+    )
     epsilon: float = field(
         default=0.2,
         metadata={"help": "Lower clip range epsilon_low: the ratio is clipped below at 1 - epsilon. Paper: 0.2."},
@@ -410,6 +433,8 @@ class VAPOConfig(TrainingArguments):
             self.epsilon_high = self.epsilon
         if self.critic_learning_rate is None:
             self.critic_learning_rate = 2 * self.learning_rate
+        if self.critic_num_iterations is None:
+            self.critic_num_iterations = self.num_iterations
         self._resolve_batch_sizes()
         self._validate()
 
@@ -473,6 +498,11 @@ class VAPOConfig(TrainingArguments):
             f"cliprange_value must be > 0 or None, got {self.cliprange_value}.",
         )
         require(self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}.")
+        require(
+            self.critic_num_iterations >= self.num_iterations,
+            f"critic_num_iterations ({self.critic_num_iterations}) must be at least num_iterations "
+            f"({self.num_iterations}): the critic trains on every pass the policy does.",
+        )
         require(self.value_pretrain_steps >= 0, f"value_pretrain_steps must be >= 0, got {self.value_pretrain_steps}.")
         require(
             self.value_pretrain_patience is None or self.value_pretrain_patience >= 1,
@@ -499,6 +529,10 @@ class VAPOConfig(TrainingArguments):
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}.")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
         require(self.min_p is None or 0 <= self.min_p <= 1, f"min_p must be in [0, 1] or None, got {self.min_p}.")
+        require(
+            self.diagnostic_position_buckets >= 1,
+            f"diagnostic_position_buckets must be >= 1, got {self.diagnostic_position_buckets}.",
+        )
         require(
             self.vllm_importance_sampling_mode in IMPORTANCE_SAMPLING_MODES,
             f"vllm_importance_sampling_mode must be one of {', '.join(IMPORTANCE_SAMPLING_MODES)}, got "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import time
 from collections import defaultdict
@@ -48,6 +49,7 @@ from .core import (
     vapo_loss,
 )
 from .data import check_train_dataset, prepare_tokenizer, prompt_token_ids
+from .diagnostics import LOG_FILE, rollout_diagnostics, write_plots
 from .distributed import (
     check_distributed_setup,
     clip_deepspeed_gradients_,
@@ -118,7 +120,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a value model
             (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer), or a
             `PreTrainedModel`. A critic saved by value pretraining of the same policy skips that phase.
-        callbacks: extra `TrainerCallback`s.
+        callbacks: extra `TrainerCallback`s. One with an `on_rollout(args, state, control, rollout=..., rows=...)`
+            method is also called with every rollout as built (a `trl_vapo.rollout.Rollout`: completions, scores,
+            values, advantages) and its dataset rows, before the rollout's first update.
         optimizers: `(optimizer, lr_scheduler)` to use instead of AdamW with one parameter group per side.
         peft_config: a `peft.PeftConfig` (e.g. `LoraConfig(r=16)`) to train adapters instead of all weights.
     """
@@ -215,6 +219,39 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
         set_seed(args.seed, device_specific=True)
 
+    def _write_plots(self) -> None:
+        """The diagnostic PNGs in `output_dir/plots/` (`trl_vapo.diagnostics`), if asked for and matplotlib is here."""
+        if not (self.args.plot_diagnostics and self.accelerator.is_main_process):
+            return
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            if not getattr(self, "_warned_plots", False):
+                logger.info("plot_diagnostics: matplotlib is not installed (`pip install trl-vapo[plot]`); no PNGs.")
+                self._warned_plots = True
+            return
+        if not any("phase" in entry for entry in self.state.log_history):
+            return  # nothing logged yet
+        try:
+            write_plots(self.args.output_dir, self.state.log_history)
+        except Exception as error:  # a figure must never cost a run
+            logger.warning(f"Could not draw the diagnostic plots ({type(error).__name__}: {error}).")
+
+    def _watch_critic_bias(self, metrics: dict[str, float]) -> None:
+        """Warn once when, after value pretraining, the advantage still grows with the token position."""
+        correlation = metrics.get("advantages/position_correlation", math.nan)
+        if self.progress.phase != RL or getattr(self, "_warned_bias", False) or not math.isfinite(correlation):
+            return
+        self._bias_readings = [*getattr(self, "_bias_readings", []), correlation]
+        if len(self._bias_readings) >= 3 and min(self._bias_readings[-3:]) > 0.5:
+            self._warned_bias = True
+            logger.warning(
+                f"The advantage is strongly correlated with the token position ({correlation:.2f} and above for 3 "
+                "rollouts): the critic is biased (VC-PPO, Fig. 5), and its advantages push whole completions rather "
+                "than the tokens that decide them. Pretrain it longer (value_pretrain_steps), raise "
+                "critic_learning_rate, or check lam_critic=1.0; see by_position/* and output_dir/plots/."
+            )
+
     # ------------------------------------------------------------------------------------------------ setup
     @property
     def _skips_value_pretraining(self) -> bool:
@@ -229,11 +266,14 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         args = self.args
         prompts_per_rollout = args.generation_batch_size // args.num_generations
         rollouts_per_epoch = len(self.train_dataset) // prompts_per_rollout
-        updates_per_rollout = args.num_iterations * args.steps_per_generation // args.gradient_accumulation_steps
+        steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
+        updates_per_rollout = args.num_iterations * steps_per_pass  # value pretraining
         if args.max_steps > 0:
             rl_steps = args.max_steps
         else:
-            rl_steps = math.ceil(args.num_train_epochs * rollouts_per_epoch) * updates_per_rollout
+            rl_steps = (
+                math.ceil(args.num_train_epochs * rollouts_per_epoch) * args.critic_num_iterations * steps_per_pass
+            )
         pretrain_rollouts = 0 if self._skips_value_pretraining else args.value_pretrain_steps
         return {
             "prompts_per_rollout": prompts_per_rollout,
@@ -296,8 +336,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if self.is_deepspeed_enabled:
             # Actor and critic are clipped separately in `_clip_gradients`; DeepSpeed would clip their joint norm.
             self.accelerator.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] = 0.0
-        if not self._skips_value_pretraining and args.ddp_find_unused_parameters is not False:
-            # Value pretraining leaves the policy out of the forward pass; DDP must expect unused parameters.
+        critic_only_steps = not self._skips_value_pretraining or args.critic_num_iterations > args.num_iterations
+        if critic_only_steps and args.ddp_find_unused_parameters is not False:
+            # Critic-only steps leave the policy out of the forward pass; DDP must expect unused parameters.
             handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
             handler.find_unused_parameters = True
             self.accelerator.ddp_handler = handler
@@ -317,6 +358,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         metrics = speed_metrics("train", start_time, num_steps=self.state.global_step - start_step)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
         self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
+        self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
@@ -324,17 +366,30 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _train_on_rollout(self) -> None:
         """Steps 1-4 build the rollout (`_make_rollout`), step 5 trains on it: `num_iterations` shuffled passes."""
         args, phase = self.args, self.progress.phase
-        rollout = self._make_rollout(self._next_rows(), phase)
-        metrics = rollout_metrics(rollout, self.accelerator.gather, self._all_reduce if self._distributed else None)
-        self._record(metrics)
-        self._last_rollout = rollout
-
-        rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        steps = (
-            rows for _ in range(args.num_iterations) for rows in torch.randperm(len(rollout)).split(rows_per_step)
+        rows = self._next_rows()
+        rollout = self._make_rollout(rows, phase)
+        all_reduce = self._all_reduce if self._distributed else None
+        metrics = rollout_metrics(rollout, self.accelerator.gather, all_reduce)
+        metrics.update(
+            rollout_diagnostics(rollout, args.max_completion_length, args.diagnostic_position_buckets, all_reduce)
         )
-        for step_rows in steps:
-            self._optimizer_step(rollout, step_rows)
+        self._record(metrics)
+        self._watch_critic_bias(metrics)
+        self._last_rollout = rollout
+        for callback in self.callback_handler.callbacks:  # an extension point: see the class docstring
+            if hasattr(callback, "on_rollout"):
+                callback.on_rollout(args, self.state, self.control, rollout=rollout, rows=rows)
+
+        # Step 5: shuffled passes over the rollout; the passes beyond num_iterations train the critic alone.
+        rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        passes = args.critic_num_iterations if phase == RL else args.num_iterations
+        steps = (
+            (rows, n < args.num_iterations)
+            for n in range(passes)
+            for rows in torch.randperm(len(rollout)).split(rows_per_step)
+        )
+        for step_rows, update_policy in steps:
+            self._optimizer_step(rollout, step_rows, update_policy)
             if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
                 break
 
@@ -530,13 +585,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         )
 
     # ----------------------------------------------------------------------------------------- the update
-    def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor) -> None:
-        """One optimizer step over `rows` of the rollout, split into `gradient_accumulation_steps` micro-batches.
+    def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True) -> None:
+        """One optimizer step over `rows` of the rollout, split into `gradient_accumulation_steps` micro-batches; the
+        critic's alone during value pretraining and without `update_policy`.
 
         The token mean spans the whole step: every micro-batch's loss is divided by the step's token count summed
         over micro-batches and processes (times the process count, which DDP's gradient averaging divides back).
         """
         args, phase = self.args, rollout.phase
+        trains_policy = phase == RL and update_policy
         mask = rollout.loss_mask[rows]
         positive = rollout.is_positive[rows, None].float()
         counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float(), (mask * positive).sum()])
@@ -569,7 +626,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                         batch["attention_mask"],
                         batch["completion_length"],
                         args.temperature,
-                        with_policy=phase == RL,
+                        with_policy=trains_policy,
                     )
                 loss, stats = vapo_loss(out.get("logprobs"), out["values"], batch, **settings)
                 n = batch["mask"].sum()
@@ -583,11 +640,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             if not last:
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
 
-        if phase == VALUE_PRETRAIN and not self.is_deepspeed_enabled:
+        if not trains_policy and not self.is_deepspeed_enabled:
             # The policy is frozen: no gradient may reach it (DDP would hand it zeros that still tick Adam's step).
             for p in self.actor_critic.policy_parameters():
                 p.grad = None
-        grad_norms = self._clip_gradients(phase)
+        grad_norms = self._clip_gradients(trains_policy)
         checks = torch.stack([sums["loss"].float(), *(n.float().to(mask.device) for n in grad_norms.values())])
         nonfinite = self._all_reduce((~torch.isfinite(checks)).sum().float())  # every process skips, or none
         self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
@@ -653,11 +710,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 "magnitude, or lower learning_rate / critic_learning_rate."
             )
 
-    def _clip_gradients(self, phase: str) -> dict[str, torch.Tensor]:
+    def _clip_gradients(self, with_policy: bool) -> dict[str, torch.Tensor]:
         """Clip the actor's and the critic's gradients separately, so one side's spikes never shrink the other's."""
         norms = {}
         sides = [("critic", self.actor_critic.critic_parameters())]
-        if phase == RL:
+        if with_policy:
             sides.insert(0, ("policy", self.actor_critic.policy_parameters()))
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
         for side, params in sides:
@@ -717,6 +774,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             f"step {self.state.global_step}."
         )
         self._save_pretrained_critic()
+        self._write_plots()
 
     # -------------------------------------------------------------------------------------------- metrics
     @property
@@ -767,6 +825,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         averaged = {key: _nanmean(values) for key, values in self._metrics.items() if values}
         self._metrics.clear()
         super().log({**averaged, **logs}, start_time)
+        if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
+            with (Path(self.args.output_dir) / LOG_FILE).open("a") as log_file:
+                log_file.write(json.dumps(self.state.log_history[-1], default=str) + "\n")
         if self.args.log_completions and self._last_rollout is not None and self.accelerator.is_main_process:
             report_completions(
                 rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step),

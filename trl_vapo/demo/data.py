@@ -77,19 +77,26 @@ def render_completion(terms: tuple[int, ...], slip: SlipDecider | None = None) -
     return "\n".join(lines) + f"\n\\boxed{{{final}}}"
 
 
-def random_slip(rng: random.Random) -> SlipDecider:
-    """A slip decider drawing from ``rng`` at the rates the cold-start model is meant to learn."""
+def random_slip(
+    rng: random.Random, rate_sum_ten: float = SLIP_RATE_SUM_TEN, rate_above_ten: float = SLIP_RATE_SUM_ABOVE_TEN
+) -> SlipDecider:
+    """A slip decider drawing from ``rng`` at the rates the cold-start model is meant to learn (one draw per carry)."""
 
     def slip(total: int, term: int) -> bool:
         sums_to_ten = total % 10 + term == 10
-        return rng.random() < (SLIP_RATE_SUM_TEN if sums_to_ten else SLIP_RATE_SUM_ABOVE_TEN)
+        return rng.random() < (rate_sum_ten if sums_to_ten else rate_above_ten)
 
     return slip
 
 
+def prompt_is_held_out(prompt: str) -> bool:
+    """Whether a prompt belongs to the held-out split: a stable hash (not Python's salted ``hash``) of its text."""
+    return zlib.crc32(prompt.encode()) % 100 < HELD_OUT_PERCENT
+
+
 def is_held_out(terms: tuple[int, ...]) -> bool:
-    """Whether a problem belongs to the held-out split; a stable hash (not Python's salted ``hash``) of its prompt."""
-    return zlib.crc32(render_prompt(terms).encode()) % 100 < HELD_OUT_PERCENT
+    """Whether a problem belongs to the held-out split; a stable hash of its prompt (``prompt_is_held_out``)."""
+    return prompt_is_held_out(render_prompt(terms))
 
 
 def sample_terms(rng: random.Random) -> tuple[int, ...]:
@@ -97,13 +104,23 @@ def sample_terms(rng: random.Random) -> tuple[int, ...]:
     return tuple(rng.sample(range(1, 10), rng.randint(MIN_TERMS, MAX_TERMS)))
 
 
-def sample_problems(n: int, held_out: bool, seed: int, unique: bool = False) -> list[tuple[int, ...]]:
-    """``n`` problems of one split, drawn with ``seed``; ``unique`` rejects repeats (an evaluation set wants that)."""
+def sample_problems(
+    n: int,
+    held_out: bool,
+    seed: int,
+    unique: bool = False,
+    draw: Callable[[random.Random], tuple[int, ...]] = sample_terms,
+    in_held_out: Callable[[tuple[int, ...]], bool] = is_held_out,
+) -> list[tuple[int, ...]]:
+    """``n`` problems of one split, drawn with ``seed``; ``unique`` rejects repeats (an evaluation set wants that).
+
+    ``draw`` and ``in_held_out`` default to this task's generator and split rule; other tasks (``chains``) pass theirs.
+    """
     rng = random.Random(seed)
     problems, seen = [], set()
     while len(problems) < n:
-        terms = sample_terms(rng)
-        if is_held_out(terms) != held_out or (unique and terms in seen):
+        terms = draw(rng)
+        if in_held_out(terms) != held_out or (unique and terms in seen):
             continue
         seen.add(terms)
         problems.append(terms)

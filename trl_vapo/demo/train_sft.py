@@ -1,6 +1,7 @@
 """Train the demo's cold-start policy: a tiny Llama fine-tuned on chains of thought that sometimes slip.
 
     python -m trl_vapo.demo.train_sft --output-dir trl_vapo/demo/model
+    python -m trl_vapo.demo.train_sft --task chains --output-dir benchmarks/models/chains_sft   # the harder variant
 
 Reproduces the model shipped in ``trl_vapo/demo/model`` (one CPU thread, deterministic for a given seed). The
 completions come from :func:`trl_vapo.demo.data.sft_examples`, where a share of carries is dropped on purpose, so
@@ -21,10 +22,15 @@ import torch
 from ..evaluation import evaluate_policy
 from ..rewards import math_reward
 from ..tiny import build_char_tokenizer, build_tiny_llama
-from .data import build_split, sft_examples
+from . import chains, data
 
 MAX_POSITIONS = 256
-"""Room for the longest prompt (27 tokens) plus a generation budget well past the longest completion (83)."""
+"""Room for the longest prompt (27 tokens; chains: 45) plus a generation budget well past the longest completion (83;
+chains: 141)."""
+
+TASKS = {"demo": data, "chains": chains}
+"""Data modules by ``--task``: each has ``sft_examples`` and ``build_split``."""
+EVAL_MAX_NEW_TOKENS = {"demo": 96, "chains": 160}
 
 
 def tokenize_example(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -78,7 +84,8 @@ def train(args: argparse.Namespace):
     )
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
 
-    examples = [tokenize_example(tokenizer, p, c) for p, c in sft_examples(args.num_examples, seed=args.seed)]
+    pairs = TASKS[args.task].sft_examples(args.num_examples, seed=args.seed)
+    examples = [tokenize_example(tokenizer, p, c) for p, c in pairs]
     batches = length_bucketed_batches(examples, args.batch_size, random.Random(args.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
     warmup_steps = max(1, len(batches) // 20)
@@ -102,6 +109,7 @@ def train(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--task", choices=sorted(TASKS), default="demo", help="demo, or the harder chains variant")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-examples", type=int, default=96_000)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -118,13 +126,23 @@ def main(argv: list[str] | None = None) -> None:
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
 
-    held_out = build_split("held_out", args.eval_problems)
-    result = evaluate_policy(model, tokenizer, held_out, math_reward, k=8, temperature=1.0, top_p=1.0, max_new_tokens=96)
+    held_out = TASKS[args.task].build_split("held_out", args.eval_problems)
+    result = evaluate_policy(
+        model,
+        tokenizer,
+        held_out,
+        math_reward,
+        k=8,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=EVAL_MAX_NEW_TOKENS[args.task],
+    )
     print(
         f"held-out ({result.num_problems} problems): greedy {result.pass_at_1:.3f}, sampled at T=1 "
         f"{result.avg_at_k:.3f}, pass@8 {result.pass_at_k:.3f}, mean length {result.mean_length:.1f} tokens",
         flush=True,
     )
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,997 @@
+"""What the critic buys: held-out accuracy per sample and per second, VAPO and its ablations against PPO and GRPO.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --jobs 2                 # tune, report, aggregate
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --stage report --tasks chains --methods vapo,grpo
+    .venv/bin/python benchmarks/bench_learning.py --stage aggregate                          # table and plots only
+    .venv/bin/python benchmarks/bench_learning.py --quick --out /tmp/quick                   # smoke test, < 1 minute
+
+Each run is a fresh single-threaded subprocess (``--jobs 2`` runs two at once) that trains one method on one task
+with one seed and writes ``<out>/<stage>/<task>/<method>/<run>.json``: its learning curve (samples generated,
+training wall time, held-out avg@k at each evaluation point), the credit-assignment statistics of every RL rollout
+and the trainer's log history. The driver skips runs whose JSON exists, so an interrupted benchmark resumes where it
+stopped; ``aggregate`` reads every finished run, prints the table and writes ``table.txt``, ``summary.json`` and the
+plots ``learning_vs_samples.png`` and ``learning_vs_time.png`` (one panel per task) into ``--out``.
+
+The protocol below was fixed before any result was seen; ``PROTOCOL`` holds its numbers and every run records them.
+
+Protocol
+--------
+The numbers (``PROTOCOL``): 35 rollouts x 64 = 2,240 training samples per run; tuning seed 1000, reporting seeds 0,
+1 and 2; actor learning rates 3e-5, 1e-4 and 3e-4 swept; evaluation every 5 rollouts (320 samples), avg@4 on 200
+held-out problems (tuning: the next 200).
+
+Methods, on top of the task's VAPO recipe (``VAPO_RECIPE``: ``trl_vapo.cli.DEMO_DEFAULTS``; 8 prompts x 8 samples
+per rollout, 4 optimizer steps of 16 per rollout, actor lr 1e-4, critic lr 1e-3, length-adaptive alpha 0.5, 15
+value-pretraining rollouts): ``vapo``; the paper's Table 1 ablations, each switching one technique off
+(``METHODS``); ``ppo``, all seven off; and ``grpo``, TRL's ``GRPOTrainer`` with DAPO-style settings
+(``loss_type="dapo"``, ``epsilon_high=0.28``, ``beta=0``) and the same prompts x samples per rollout, optimizer
+steps per rollout, learning-rate schedule, lengths and sampling.
+
+Tasks: ``demo`` (the shipped cold-start model, ``trl_vapo.demo.data``) and ``chains`` (``trl_vapo.demo.chains``,
+longer chains with free tokens; cold-start model ``benchmarks/models/chains_sft``).
+
+Equal sample budgets: every run generates exactly ``rollouts x 64`` training samples. Value-pretraining rollouts
+count: VAPO spends 15 of its rollouts on them (patience off, so always exactly 15) and the rest on RL; GRPO and
+VAPO without value pretraining spend all of them on RL. Group sampling off keeps 64 samples per rollout (64 prompts
+x 1).
+
+Tuning: the tuning seeds are never reported, and tuning runs are scored on a validation set of held-out problems
+disjoint from the reporting set. VAPO, PPO and GRPO each get the same budget, six runs per task and tuning seed: the
+same sweep of the actor learning rate (critic lr 10x the actor's, as in the recipe) and three recipe variants of
+their own at the recipe's rate (``TUNING_VARIANTS``: more critic passes per rollout, with and without value clipping,
+shorter value pretraining for VAPO; more PPO epochs, batch-level reward scaling and a higher rate for GRPO). The
+criterion is the validation avg@k averaged over the last two evaluation points and the tuning seeds (ties: the
+recipe, then the lower learning rate). The choices are written to ``<out>/chosen.json`` and frozen before any
+reporting run; the ablations use VAPO's choice untuned, as the paper's ablations do.
+
+Reporting: every method on every task with each reporting seed, scored on the reporting set; mean and sample
+standard deviation over seeds. Evaluation at the start, every ``eval_every`` rollouts and at the end: avg@k at
+temperature 1 (top-p 1) on the same problems, sampled with a fixed seed from a private random-number stream (the
+training stream is saved and restored, so evaluating never changes a run), greedy pass@1 at the end. While VAPO
+pretrains its critic the policy is frozen, so those points carry the start's score forward without sampling.
+Evaluation and diagnostics are excluded from the wall-time axis, which measures training only.
+
+Credit assignment (diagnostic only; it changes nothing in training): on every RL rollout, the per-token advantage
+each method's loss uses (VAPO: whitened GAE advantages; GRPO: the group-normalised sequence advantage on every
+token), split by where ``trl_vapo.demo.chains.first_wrong_index`` puts the first wrong step of each wrong completion:
+the decisive token, the tokens before and after it, and the tokens of correct completions (``credit_assignment``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAINS_MODEL_DIR = ROOT / "benchmarks" / "models" / "chains_sft"
+
+PROTOCOL = {
+    "tasks": ["demo", "chains"],
+    "rollouts": 35,  # x 64 samples = 2,240 per run; VAPO: 15 value-pretraining + 20 RL rollouts (the demo's 80 steps)
+    "samples_per_rollout": 64,
+    "eval_every": 5,  # rollouts (320 samples)
+    "eval_k": 4,
+    "eval_problems": 200,  # reporting set: build_split("held_out", 200), the demo's evaluation set
+    "validation_problems": 200,  # tuning set: the next 200 unique held-out problems
+    "eval_seed": 1234,
+    "reporting_seeds": [0, 1, 2],
+    "tuning_seeds": [1000],
+    "tuned_methods": ["vapo", "ppo", "grpo"],
+    "lr_grid": [3e-5, 1e-4, 3e-4],
+    "critic_lr_ratio": 10.0,
+    "tuning_criterion": "validation avg@k, mean of the last two evaluation points and the tuning seeds",
+}
+
+QUICK = {  # the smoke test: every code path (both trainers, both tasks, VAPO's value pretraining), tiny budgets
+    "tasks": ["demo", "chains"],
+    "methods": ["vapo", "grpo"],
+    "rollouts": 3,
+    "samples_per_rollout": 16,  # 2 prompts x 8, 4 optimizer steps of 4
+    "eval_every": 1,
+    "eval_k": 2,
+    "eval_problems": 8,
+    "reporting_seeds": [0],
+    "value_pretrain_steps": 1,
+}
+
+# The demo recipe (trl_vapo.cli.DEMO_DEFAULTS) as the benchmark uses it: the training fields only.
+VAPO_RECIPE = {
+    "per_device_train_batch_size": 16,
+    "gradient_accumulation_steps": 1,
+    "steps_per_generation": 4,  # 4 optimizer steps of 16 samples per rollout of 64
+    "num_generations": 8,
+    "value_pretrain_steps": 15,
+    "value_pretrain_patience": None,  # always exactly 15 rollouts: equal sample budgets
+    "learning_rate": 1e-4,
+    "length_adaptive_alpha": 0.5,
+}
+MAX_COMPLETION_LENGTH = {"demo": 96, "chains": 160}  # longest correct completion: 83 and 141 tokens
+
+_ALL_OFF = {
+    "value_pretrain_steps": 0,
+    "lam_critic": 0.95,
+    "lam_actor": 0.95,
+    "length_adaptive_alpha": None,
+    "loss_type": "sequence",
+    "epsilon_high": 0.2,
+    "nll_coef": 0.0,
+    "num_generations": 1,
+}
+METHODS: dict[str, dict | None] = {
+    # name: VAPOConfig overrides on top of the recipe; None for TRL's GRPOTrainer
+    "vapo": {},
+    "no-value-pretrain": {"value_pretrain_steps": 0},
+    "no-decoupled-gae": {"lam_critic": 0.95},  # critic targets with the actor's lambda (0.95)
+    "no-length-adaptive": {"length_adaptive_alpha": None},  # fixed lambda_actor 0.95
+    "sequence-loss": {"loss_type": "sequence"},
+    "no-clip-higher": {"epsilon_high": 0.2},
+    "no-positive-nll": {"nll_coef": 0.0},
+    "no-group-sampling": {"num_generations": 1},  # 64 prompts x 1 sample per rollout
+    "ppo": _ALL_OFF,
+    "grpo": None,
+}
+# The tuning budget beyond the learning-rate sweep: the same number of recipe variants for every tuned method, run
+# at the recipe's learning rate (or the one a variant names). VAPO's and PPO's give the critic more training per
+# sample (the diagnostics show a weak critic: explained variance 0.1-0.2 after value pretraining, ~0 in RL); GRPO's
+# are its own usual levers.
+TUNING_VARIANTS: dict[str, dict[str, dict]] = {
+    "vapo": {
+        "critic-x4": {"critic_num_iterations": 4},
+        "critic-x4-noclip": {"critic_num_iterations": 4, "cliprange_value": None},
+        "pretrain5-critic-x4": {"critic_num_iterations": 4, "value_pretrain_steps": 5},
+    },
+    "ppo": {
+        "critic-x4": {"critic_num_iterations": 4},
+        "critic-x4-noclip": {"critic_num_iterations": 4, "cliprange_value": None},
+        "lr2e-4": {"learning_rate": 2e-4},
+    },
+    "grpo": {
+        "iterations-2": {"num_iterations": 2},
+        "scale-batch": {"scale_rewards": "batch"},
+        "lr2e-4": {"learning_rate": 2e-4},
+    },
+}
+
+LABELS = {
+    "vapo": "VAPO",
+    "no-value-pretrain": "w/o value pretraining",
+    "no-decoupled-gae": "w/o decoupled GAE",
+    "no-length-adaptive": "w/o length-adaptive GAE",
+    "sequence-loss": "w/o token-level loss",
+    "no-clip-higher": "w/o clip-higher",
+    "no-positive-nll": "w/o positive-example NLL",
+    "no-group-sampling": "w/o group sampling",
+    "ppo": "PPO (all seven off)",
+    "grpo": "GRPO (TRL, DAPO-style)",
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything one run depends on; its JSON file name follows from it."""
+
+    stage: str  # "tune" or "report"
+    task: str
+    method: str
+    seed: int
+    learning_rate: float
+    rollouts: int
+    eval_every: int
+    eval_k: int
+    eval_problems: int
+    eval_set: str  # "test" (the reporting set) or "validation" (the tuning set)
+    validation_problems: int = 0
+    eval_seed: int = 1234
+    critic_lr_ratio: float = 10.0
+    samples_per_rollout: int = 64  # in 4 optimizer steps of a quarter each
+    value_pretrain_steps: int | None = None  # None: the recipe's 15
+    variant: str = ""  # a TUNING_VARIANTS entry of the method (for ablations: of VAPO); "": the recipe
+
+    def path(self, out: Path) -> Path:
+        if self.stage == "report":
+            name = f"seed{self.seed}.json"
+        else:
+            name = f"{self.variant or 'recipe'}_lr{self.learning_rate:g}_seed{self.seed}.json"
+        return out / self.stage / self.task / self.method / name
+
+    def overrides(self) -> dict:
+        """The config fields this run changes from the recipe: its method's, on top of its variant's."""
+        tuned = self.method if self.method in TUNING_VARIANTS else "vapo"  # ablations follow VAPO's variant
+        variant = dict(TUNING_VARIANTS[tuned][self.variant]) if self.variant else {}
+        variant.pop("learning_rate", None)  # already the spec's
+        return {**variant, **(METHODS[self.method] or {})}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure pieces: the credit-assignment statistic, learning-rate choice, aggregation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def credit_assignment(
+    advantages: Sequence[Sequence[float]], first_wrong: Sequence[int | None], lengths: Sequence[int]
+) -> dict[str, float]:
+    """Mean advantage at the first wrong step's decisive token against everywhere else, for one rollout.
+
+    ``advantages[i]`` are completion ``i``'s per-token advantages (at least ``lengths[i]`` of them: its tokens, EOS
+    included); ``first_wrong[i]`` is the index of its first wrong step's decisive token, ``None`` for a correct chain.
+    Wrong completions whose decisive token lies past their last token (cut at the length limit) are only counted.
+
+    Returns means over tokens of ``at_first_wrong``, ``wrong_before`` / ``wrong_after`` (the other tokens of wrong
+    completions, before and after the decisive one), ``wrong_other`` (both), ``correct`` (all tokens of correct
+    completions), and ``slip_rank``: per wrong completion, the share of its other tokens whose advantage is above the
+    decisive token's (ties count half), averaged; 1 means the decisive token always gets the lowest advantage, 0.5 no
+    localisation (a sequence-level advantage gives exactly 0.5). NaN where a group is empty.
+    """
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    ranks, unlocated = [], 0
+    for values, wrong_at, length in zip(advantages, first_wrong, lengths):
+        values = [float(v) for v in values[:length]]
+        if wrong_at is None:
+            sums["correct"] += sum(values)
+            counts["correct"] += len(values)
+            continue
+        if wrong_at >= length:
+            unlocated += 1
+            continue
+        at = values[wrong_at]
+        before, after = values[:wrong_at], values[wrong_at + 1 :]
+        for key, group in (("at_first_wrong", [at]), ("wrong_before", before), ("wrong_after", after)):
+            sums[key] += sum(group)
+            counts[key] += len(group)
+        others = before + after
+        if others:
+            ranks.append(sum(1.0 if v > at else 0.5 if v == at else 0.0 for v in others) / len(others))
+    sums["wrong_other"] = sums["wrong_before"] + sums["wrong_after"]
+    counts["wrong_other"] = counts["wrong_before"] + counts["wrong_after"]
+    stats = {
+        key: sums[key] / counts[key] if counts[key] else math.nan
+        for key in ("at_first_wrong", "wrong_before", "wrong_after", "wrong_other", "correct")
+    }
+    stats["slip_rank"] = sum(ranks) / len(ranks) if ranks else math.nan
+    stats["num_wrong"] = counts["at_first_wrong"]
+    stats["num_wrong_unlocated"] = unlocated
+    stats["num_correct"] = sum(1 for w in first_wrong if w is None)
+    return stats
+
+
+def completion_texts(tokenizer, completion_ids: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[str]:
+    """Each completion's text with one character per token up to its EOS (excluded); any other special token
+    becomes ``\\0``, which no correct chain contains, so indices stay token positions for a character tokenizer."""
+    special = set(tokenizer.all_special_ids)
+    eos = tokenizer.eos_token_id
+    texts = []
+    for ids, length in zip(completion_ids, lengths):
+        ids = list(ids[:length])
+        if ids and ids[-1] == eos:
+            ids = ids[:-1]
+        texts.append("".join("\0" if i in special else tokenizer.convert_ids_to_tokens(i) for i in ids))
+    return texts
+
+
+def choose_settings(records: list[dict]) -> dict[str, dict[str, dict]]:
+    """The protocol's choice per task and tuned method: the (learning rate, variant) with the best validation avg@k
+    averaged over the last two evaluation points and over tuning seeds; ties go to the recipe, then the lower rate."""
+    scores: dict[tuple, list[float]] = defaultdict(list)
+    for record in records:
+        spec = record["spec"]
+        accuracies = [point["avg@k"] for point in record["points"]]
+        key = (spec["task"], spec["method"], spec.get("variant", ""), spec["learning_rate"])
+        scores[key].append(statistics.mean(accuracies[-2:]))
+    best: dict[str, dict[str, tuple]] = defaultdict(dict)
+    for (task, method, variant, lr), values in sorted(scores.items(), key=lambda item: (item[0][2] != "", item[0])):
+        score = statistics.mean(values)
+        if method not in best[task] or score > best[task][method][2]:
+            best[task][method] = (lr, variant, score)
+    return {
+        task: {
+            method: {"learning_rate": lr, "variant": variant, "validation": score}
+            for method, (lr, variant, score) in methods.items()
+        }
+        for task, methods in best.items()
+    }
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def samples_to_reach(points: list[dict], target: float) -> int | None:
+    """Samples at the first evaluation point whose avg@k reaches ``target``; ``None`` if none does."""
+    return next((point["samples"] for point in points if point["avg@k"] >= target), None)
+
+
+def aggregate(records: list[dict]) -> dict:
+    """Per task and method: curves (mean and std over seeds at each evaluation point) and the table's numbers."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for record in records:
+        groups[(record["spec"]["task"], record["spec"]["method"])].append(record)
+    summary: dict = {}
+    task_order = {task: i for i, task in enumerate(PROTOCOL["tasks"])}
+    for (task, method), runs in sorted(groups.items(), key=lambda item: (task_order.get(item[0][0], 99), item[0][1])):
+        runs.sort(key=lambda r: r["spec"]["seed"])
+        n_points = min(len(r["points"]) for r in runs)
+        curve = []
+        for i in range(n_points):
+            accs = [r["points"][i]["avg@k"] for r in runs]
+            times = [r["points"][i]["train_time_s"] for r in runs]
+            curve.append(
+                {
+                    "samples": runs[0]["points"][i]["samples"],
+                    "avg@k_mean": statistics.mean(accs),
+                    "avg@k_std": _mean_std(accs)[1],
+                    "train_time_mean": statistics.mean(times),
+                    "train_time_std": _mean_std(times)[1],
+                }
+            )
+        finals = [r["points"][-1]["avg@k"] for r in runs]
+        credit_keys = ("at_first_wrong", "wrong_before", "wrong_after", "wrong_other", "correct", "slip_rank")
+        summary.setdefault(task, {})[method] = {
+            "seeds": [r["spec"]["seed"] for r in runs],
+            "learning_rate": runs[0]["spec"]["learning_rate"],
+            "variant": runs[0]["spec"].get("variant", ""),
+            "initial": _mean_std([r["points"][0]["avg@k"] for r in runs]),
+            "final": _mean_std(finals),
+            "final_per_seed": finals,
+            "greedy_final": _mean_std([r["points"][-1].get("pass@1", math.nan) for r in runs]),
+            "train_time": _mean_std([r["train_time_s"] for r in runs]),
+            "samples": runs[0]["samples"],
+            "curve": curve,
+            "credit": {key: _mean_std([r["credit_summary"].get(key, math.nan) for r in runs]) for key in credit_keys},
+            "points_per_run": [r["points"] for r in runs],
+        }
+    for _task, methods in summary.items():
+        target = methods["grpo"]["final"][0] if "grpo" in methods else None
+        for entry in methods.values():
+            reached = [samples_to_reach(points, target) for points in entry["points_per_run"]] if target else []
+            hits = [s for s in reached if s is not None]
+            entry["grpo_target"] = target
+            entry["samples_to_grpo_final"] = (statistics.mean(hits) if hits else None, len(hits), len(reached))
+    return summary
+
+
+def _fmt(mean_std: tuple[float, float], digits: int = 3) -> str:
+    mean, std = mean_std
+    return "-" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def format_table(summary: dict, k: int) -> str:
+    """The results table: one block per task, one row per method."""
+    lines = []
+    for task, methods in summary.items():
+        target = next(iter(methods.values()))["grpo_target"]
+        lines.append(
+            f"\n{task}: held-out avg@{k} (mean ± std over seeds); 'to GRPO' = samples until avg@{k} first "
+            f"reaches GRPO's final mean" + (f" ({target:.3f})" if target is not None else " (no GRPO runs)")
+        )
+        header = (
+            f"{'method':28s}{'lr':>8s}{'n':>3s}{'start':>16s}{'final':>16s}{'greedy final':>16s}"
+            f"{'to GRPO':>16s}{'train time s':>16s}{'per seed final':>24s}"
+        )
+        lines += [header, "-" * len(header)]
+        order = [m for m in METHODS if m in methods] + [m for m in methods if m not in METHODS]
+        for method in order:
+            e = methods[method]
+            mean_samples, hits, n = e["samples_to_grpo_final"]
+            reach = "-" if not n else f"{mean_samples:.0f} ({hits}/{n})" if hits else f"never (0/{n})"
+            seeds = " ".join(f"{v:.3f}" for v in e["final_per_seed"])
+            lines.append(
+                f"{LABELS.get(method, method):28s}{e['learning_rate']:>8g}{len(e['seeds']):>3d}"
+                f"{_fmt(e['initial']):>16s}{_fmt(e['final']):>16s}{_fmt(e['greedy_final']):>16s}{reach:>16s}"
+                f"{_fmt(e['train_time'], 0):>16s}{seeds:>24s}"
+            )
+        lines.append(f"\n{task}: credit assignment, mean per-token advantage over RL rollouts (mean ± std over seeds)")
+        header = (
+            f"{'method':28s}{'first wrong':>16s}{'wrong, before':>16s}{'wrong, after':>16s}{'correct':>16s}"
+            f"{'slip rank':>16s}"
+        )
+        lines += [header, "-" * len(header)]
+        keys = ("at_first_wrong", "wrong_before", "wrong_after", "correct", "slip_rank")
+        for method in order:
+            credit = methods[method]["credit"]
+            lines.append(f"{LABELS.get(method, method):28s}" + "".join(f"{_fmt(credit[key]):>16s}" for key in keys))
+    return "\n".join(lines)
+
+
+def plot(summary: dict, out: Path, k: int) -> list[Path]:
+    """``learning_vs_samples.png`` and ``learning_vs_time.png``: mean avg@k with a ±1 std band, one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10")
+    paths = []
+    for axis, xlabel, filename in (
+        ("samples", "training samples generated (value pretraining included)", "learning_vs_samples.png"),
+        ("train_time_mean", "training wall time, s (evaluation excluded)", "learning_vs_time.png"),
+    ):
+        tasks = list(summary)
+        fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.8), squeeze=False)
+        for ax, task in zip(axes[0], tasks):
+            for i, method in enumerate(m for m in METHODS if m in summary[task]):
+                curve = summary[task][method]["curve"]
+                x = [p[axis] for p in curve]
+                y = [p["avg@k_mean"] for p in curve]
+                s = [p["avg@k_std"] for p in curve]
+                main = method in ("vapo", "ppo", "grpo")
+                ax.plot(
+                    x,
+                    y,
+                    color=colors(i),
+                    lw=2.2 if main else 1.0,
+                    ls="-" if main else "--",
+                    label=f"{LABELS[method]} (n={len(summary[task][method]['seeds'])})",
+                )
+                ax.fill_between(
+                    x,
+                    [a - b for a, b in zip(y, s)],
+                    [a + b for a, b in zip(y, s)],
+                    color=colors(i),
+                    alpha=0.15 if main else 0.06,
+                    lw=0,
+                )
+            ax.set_title(task)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(f"held-out avg@{k} (T=1)")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        path = out / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker: one run in this process
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def task_module(task: str):
+    """The data module of a task (``build_split``)."""
+    from trl_vapo.demo import chains, data
+
+    return {"demo": data, "chains": chains}[task]
+
+
+def task_model_dir(task: str) -> str:
+    from trl_vapo.demo import MODEL_DIR
+
+    return str(MODEL_DIR if task == "demo" else CHAINS_MODEL_DIR)
+
+
+def eval_dataset(spec: RunSpec):
+    """The reporting set (the first ``eval_problems`` unique held-out problems) or the validation set (the next
+    ``validation_problems``): disjoint, because a longer draw with the same seed starts with the shorter one."""
+    build = task_module(spec.task).build_split
+    if spec.eval_set == "test":
+        return build("held_out", spec.eval_problems)
+    full = build("held_out", spec.eval_problems + spec.validation_problems)
+    return full.select(range(spec.eval_problems, len(full)))
+
+
+def _counting(reward: Callable, counter: list[int]) -> Callable:
+    """``reward`` that also counts the completions it scores (skipping VAPOTrainer's empty pre-flight check)."""
+
+    @functools.wraps(reward)
+    def counted(*args, completion_ids=None, **kwargs):
+        if completion_ids and any(len(ids) for ids in completion_ids):
+            counter[0] += len(completion_ids)
+        return reward(*args, completion_ids=completion_ids, **kwargs)
+
+    return counted
+
+
+class LearningCurve(TrainerCallback):
+    """A ``TrainerCallback`` that evaluates the policy every ``eval_every_samples`` training samples, at rollout
+    boundaries: when a rollout starts, every earlier sample has been trained on. Its clock leaves out evaluation and
+    diagnostics.
+
+    ``evaluate(greedy)`` returns an ``EvaluationResult``-like dict; ``samples()`` the samples generated so far;
+    ``frozen()`` whether the policy is known unchanged since the start (VAPO's value pretraining). VAPOTrainer calls
+    ``on_rollout`` with each rollout; GRPO's rollouts come through ``rollout_started`` (``install_grpo_hook``).
+    """
+
+    def __init__(self, evaluate, samples, frozen, eval_every_samples: int):
+        self.evaluate, self.samples, self.frozen, self.eval_every = evaluate, samples, frozen, eval_every_samples
+        self.points: list[dict] = []
+        self.excluded = 0.0  # seconds of evaluation and diagnostics, left out of the training clock
+        self.start: float | None = None
+
+    def train_time(self) -> float:
+        return time.perf_counter() - self.start - self.excluded
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+    def record(self, state, trained_samples: int, greedy: bool = False) -> None:
+        train_time = self.train_time()
+        began = time.perf_counter()
+        if self.points and self.frozen() and not greedy:
+            result = {key: self.points[0][key] for key in ("avg@k", "pass@k", "mean_length")} | {"evaluated": False}
+        else:
+            result = self.evaluate(greedy) | {"evaluated": True}
+        elapsed = time.perf_counter() - began
+        self.exclude(elapsed)
+        self.points.append(
+            {"samples": trained_samples, "train_time_s": train_time, "step": state.global_step, "eval_s": elapsed}
+            | result
+        )
+        print(
+            f"  samples {trained_samples:6d}  train {train_time:7.1f}s  avg@k {result['avg@k']:.3f}"
+            + (f"  greedy {result['pass@1']:.3f}" if "pass@1" in result else "")
+            + f"  (eval {elapsed:.1f}s)",
+            flush=True,
+        )
+
+    def rollout_started(self, state, trained_samples: int) -> None:
+        """A rollout is about to be trained on; `trained_samples` were generated (and trained on) before it."""
+        if trained_samples >= self.points[-1]["samples"] + self.eval_every:
+            self.record(state, trained_samples)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+        self.record(state, 0)
+        return control
+
+    def on_rollout(self, args, state, control, *, rollout, **kwargs):
+        self.rollout_started(state, self.samples() - len(rollout))
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.record(state, self.samples(), greedy=True)
+        return control
+
+
+class CreditAssignment(TrainerCallback):
+    """Per-rollout credit-assignment statistics from the advantages a trainer's loss uses.
+
+    ``VAPOTrainer`` calls ``on_rollout`` with each rollout as built; GRPO's rollouts come in through ``record``
+    (``install_grpo_hook``). A rollout is counted once per optimizer step.
+    """
+
+    def __init__(self, tokenizer, curve: LearningCurve):
+        self.tokenizer, self.curve = tokenizer, curve
+        self.per_rollout: list[dict] = []
+        self._seen: set[int] = set()
+
+    def on_rollout(
+        self, args, state, control, *, rollout, rows: list[dict] | None = None, phase: str | None = None, **kwargs
+    ):
+        """VAPO: ``rollout`` is the trainer's ``Rollout`` as built (prompt + completion ids, attention mask, prompt
+        length, ``advantages`` whitened as the loss uses them, zeros while the critic pretrains; its ``phase``);
+        ``rows`` its data set rows, or ``None`` to decode the prompts from the rollout."""
+        phase = phase or getattr(rollout, "phase", "rl")
+        # One rollout per optimizer step at most, so the step number names it (an object's id() is reused).
+        if phase != "rl" or state.global_step in self._seen:
+            return control
+        self._seen.add(state.global_step)
+        p = rollout.prompt_length
+        if rows is not None:
+            prompts = [row["prompt"] for row in rows]
+        else:
+            prompts = [
+                self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                for ids, mask in zip(rollout.input_ids[:, :p], rollout.attention_mask[:, :p])
+            ]
+        self.record(
+            prompts=prompts,
+            completion_ids=rollout.input_ids[:, p:],
+            completion_mask=rollout.attention_mask[:, p:],
+            advantages=rollout.advantages,
+        )
+        return control
+
+    def record(self, *, prompts: list[str], completion_ids, completion_mask, advantages) -> None:
+        """One rollout: ``[N, C]`` tensors of completion ids, mask (1 on each completion's tokens, EOS included) and
+        per-token advantages; the time it takes is left out of the training clock."""
+        began = time.perf_counter()
+        from trl_vapo.demo.chains import first_wrong_index
+
+        lengths = completion_mask.sum(dim=1).tolist()
+        texts = completion_texts(self.tokenizer, completion_ids.tolist(), lengths)
+        first_wrong = [first_wrong_index(p, t) for p, t in zip(prompts, texts)]
+        self.per_rollout.append(credit_assignment(advantages.float().tolist(), first_wrong, lengths))
+        self.curve.exclude(time.perf_counter() - began)
+
+    def summary(self) -> dict[str, float]:
+        """Each statistic averaged over rollouts (rollouts without such tokens left out); counts summed."""
+        out = {}
+        for key in ("at_first_wrong", "wrong_before", "wrong_after", "wrong_other", "correct", "slip_rank"):
+            values = [r[key] for r in self.per_rollout if not math.isnan(r[key])]
+            out[key] = statistics.mean(values) if values else math.nan
+        for key in ("num_wrong", "num_wrong_unlocated", "num_correct"):
+            out[key] = sum(r[key] for r in self.per_rollout)
+        out["rollouts"] = len(self.per_rollout)
+        return out
+
+
+def install_grpo_hook(trainer, curve: LearningCurve, credit: CreditAssignment) -> None:
+    """Feed GRPO's rollouts to ``curve`` and ``credit``: ``_generate_and_score_completions`` makes one rollout, and
+    returns its completions and one advantage per sequence, which is every token's advantage. (VAPOTrainer calls
+    their ``on_rollout`` itself.)"""
+    original = trainer._generate_and_score_completions
+
+    def generate_and_score(inputs):
+        curve.rollout_started(trainer.state, curve.samples())
+        output = original(inputs)
+        mask = output["completion_mask"]
+        credit.record(
+            prompts=[row["prompt"] for row in inputs],
+            completion_ids=output["completion_ids"],
+            completion_mask=mask,
+            advantages=output["advantages"][:, None] * mask,
+        )
+        return output
+
+    trainer._generate_and_score_completions = generate_and_score
+
+
+def build_trainer(spec: RunSpec, out_dir: str, reward: Callable):
+    """The trainer of ``spec.method`` on ``spec.task`` with the recipe, the protocol's budget and its seed."""
+    train = task_module(spec.task).build_split("train", 4096)
+    model_dir = task_model_dir(spec.task)
+    recipe = dict(VAPO_RECIPE)
+    recipe["per_device_train_batch_size"] = spec.samples_per_rollout // recipe["steps_per_generation"]
+    if spec.value_pretrain_steps is not None:
+        recipe["value_pretrain_steps"] = spec.value_pretrain_steps
+    steps_per_rollout = recipe["steps_per_generation"] // recipe["gradient_accumulation_steps"]
+    common = {
+        "output_dir": out_dir,
+        "max_completion_length": MAX_COMPLETION_LENGTH[spec.task],
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "learning_rate": spec.learning_rate,
+        "max_grad_norm": 1.0,
+        "beta": 0.0,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "model_init_kwargs": {"dtype": "float32"},
+        "logging_steps": steps_per_rollout,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": spec.seed,
+        "dataloader_num_workers": 0,
+    }
+    overrides = spec.overrides()
+    if METHODS[spec.method] is None:
+        from trl import GRPOConfig, GRPOTrainer
+
+        grpo = {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "scale_rewards": "group", **overrides}
+        iterations = grpo.pop("num_iterations", 1)
+        args = GRPOConfig(
+            **common,
+            num_iterations=iterations,
+            **{
+                k: recipe[k]
+                for k in (
+                    "per_device_train_batch_size",
+                    "gradient_accumulation_steps",
+                    "steps_per_generation",
+                    "num_generations",
+                )
+            },
+            max_steps=spec.rollouts * steps_per_rollout * iterations,
+            lr_scheduler_type="constant",  # VAPO's constant_with_warmup with no warm-up steps
+            **grpo,
+            disable_dropout=True,
+            mask_truncated_completions=False,
+            log_completions=False,
+            use_vllm=False,
+        )
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=train)
+        return trainer, steps_per_rollout
+    from trl_vapo import VAPOConfig, VAPOTrainer
+
+    config = {**recipe, **overrides}
+    pretrain = config["value_pretrain_steps"]
+    config.pop("learning_rate")
+    rl_steps_per_rollout = steps_per_rollout * config.get("critic_num_iterations", 1)
+    args = VAPOConfig(
+        **common,
+        **config,
+        critic_learning_rate=spec.learning_rate * spec.critic_lr_ratio,
+        max_steps=(spec.rollouts - pretrain) * rl_steps_per_rollout,
+    )
+    trainer = VAPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=train)
+    return trainer, steps_per_rollout
+
+
+def run_worker(spec: RunSpec) -> dict:
+    """Train ``spec``'s method once and return its record (curve, credit statistics, logs)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from trl_vapo.evaluation import evaluate_policy
+    from trl_vapo.rewards import math_reward
+
+    started = time.perf_counter()
+    kind = "grpo" if METHODS[spec.method] is None else "vapo"
+    counter = [0]
+    out_dir = tempfile.mkdtemp(prefix=f"bench_learning_{spec.method}_")
+    trainer, steps_per_rollout = build_trainer(spec, out_dir, _counting(math_reward, counter))
+    tokenizer = trainer.processing_class
+    held_out = eval_dataset(spec)
+
+    def policy():
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        return unwrapped.policy if kind == "vapo" else unwrapped
+
+    def evaluate(greedy: bool) -> dict:
+        # A private random stream: the same evaluation samples at every point, and training's stream untouched.
+        saved = torch.get_rng_state()
+        torch.manual_seed(spec.eval_seed)
+        try:
+            result = evaluate_policy(
+                policy(),
+                tokenizer,
+                held_out,
+                math_reward,
+                k=spec.eval_k,
+                temperature=1.0,
+                top_p=1.0,
+                max_new_tokens=MAX_COMPLETION_LENGTH[spec.task],
+                batch_size=128,
+                greedy=greedy,
+            )
+        finally:
+            torch.set_rng_state(saved)
+        out = {"avg@k": result.avg_at_k, "pass@k": result.pass_at_k, "mean_length": result.mean_length}
+        return out | ({"pass@1": result.pass_at_1} if greedy else {})
+
+    def frozen() -> bool:  # VAPO's policy has not been updated yet: value pretraining, or RL before its first step
+        progress = getattr(trainer, "progress", None)
+        return progress is not None and progress.rl_start_step in (None, trainer.state.global_step)
+
+    budget = spec.rollouts * spec.samples_per_rollout
+    curve = LearningCurve(evaluate, lambda: counter[0], frozen, spec.eval_every * spec.samples_per_rollout)
+    credit = CreditAssignment(tokenizer, curve)
+    if kind == "grpo":
+        install_grpo_hook(trainer, curve, credit)
+    trainer.add_callback(curve)
+    trainer.add_callback(credit)  # VAPOTrainer calls its on_rollout with every rollout
+    trainer.train()
+    if counter[0] != budget:
+        raise RuntimeError(f"generated {counter[0]} training samples, the budget is {budget}")
+    import torch as _torch
+    import transformers
+    import trl
+
+    return {
+        "spec": asdict(spec),
+        "protocol": PROTOCOL,
+        "points": curve.points,
+        "samples": counter[0],
+        "train_time_s": curve.points[-1]["train_time_s"],
+        "excluded_time_s": curve.excluded,
+        "total_time_s": time.perf_counter() - started,
+        "credit_per_rollout": credit.per_rollout,
+        "credit_summary": credit.summary(),
+        "log_history": trainer.state.log_history,
+        "machine": {
+            "python": platform.python_version(),
+            "torch": _torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def plan(stage: str, settings: dict, chosen: dict | None) -> list[RunSpec]:
+    """The runs of a stage, interleaved (seed-major, then task, then method) so that background load and the
+    machine's state over time hit every method alike."""
+    keys = ("rollouts", "samples_per_rollout", "eval_every", "eval_k", "eval_problems", "eval_seed", "critic_lr_ratio")
+    base = {key: settings[key] for key in keys} | {"value_pretrain_steps": settings.get("value_pretrain_steps")}
+    runs = []
+    if stage == "tune":
+        tuning = {"eval_set": "validation", "validation_problems": settings["validation_problems"], **base}
+        for seed in settings["tuning_seeds"]:
+            for task in settings["tasks"]:
+                for method in settings["tuned_methods"]:
+                    for lr in settings["lr_grid"]:
+                        runs.append(RunSpec("tune", task, method, seed, lr, **tuning))
+                    for variant, fields in TUNING_VARIANTS[method].items():
+                        lr = fields.get("learning_rate", VAPO_RECIPE["learning_rate"])
+                        runs.append(RunSpec("tune", task, method, seed, lr, variant=variant, **tuning))
+        return runs
+    for seed in settings["reporting_seeds"]:
+        for task in settings["tasks"]:
+            for method in settings["methods"]:
+                lr, variant = _reporting_choice(task, method, chosen)
+                runs.append(RunSpec("report", task, method, seed, lr, eval_set="test", variant=variant, **base))
+    return runs
+
+
+def _reporting_choice(task: str, method: str, chosen: dict | None) -> tuple[float, str]:
+    """The frozen (learning rate, variant) from tuning (ablations take VAPO's), or the recipe's without tuning."""
+    if chosen is None:
+        return VAPO_RECIPE["learning_rate"], ""
+    choice = chosen[task][method if method in chosen[task] else "vapo"]
+    return choice["learning_rate"], choice["variant"]
+
+
+def _launch(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
+    path = spec.path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [sys.executable, __file__, "--worker", json.dumps(asdict(spec)), "--result", str(path)]
+    began = time.time()
+    with open(path.with_suffix(".log"), "w") as log:
+        proc = subprocess.run(cmd, check=False, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return spec, proc.returncode == 0, time.time() - began
+
+
+def run_all(specs: list[RunSpec], out: Path, jobs: int) -> list[RunSpec]:
+    """Run the specs whose JSON is missing, ``jobs`` at a time; returns the failed ones."""
+    todo = [s for s in specs if not s.path(out).is_file()]
+    print(
+        f"{len(specs) - len(todo)} of {len(specs)} runs already done; running {len(todo)} with {jobs} job(s)",
+        flush=True,
+    )
+    failed = []
+    started = time.time()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for i, (spec, ok, seconds) in enumerate(pool.map(lambda s: _launch(s, out), todo)):
+            status = "ok" if ok else f"FAILED (see {spec.path(out).with_suffix('.log')})"
+            print(
+                f"  [{time.time() - started:6.0f}s] {i + 1}/{len(todo)} {spec.stage} {spec.task} {spec.method} "
+                f"lr {spec.learning_rate:g} seed {spec.seed}: {seconds:.0f}s {status}",
+                flush=True,
+            )
+            if not ok:
+                failed.append(spec)
+    return failed
+
+
+def load_records(out: Path, stage: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / stage).glob("*/*/*.json"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=("all", "tune", "report", "aggregate"), default="all")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "learning")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
+    parser.add_argument("--tasks", help="comma-separated subset of " + ",".join(PROTOCOL["tasks"]))
+    parser.add_argument("--methods", help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--seeds", help="reporting seeds, comma-separated (protocol: 0,1,2)")
+    parser.add_argument("--tuning-seeds", help="comma-separated (protocol: 1000); never reported")
+    parser.add_argument("--lr-grid", help="actor learning rates for VAPO, PPO and GRPO (protocol: 3e-5,1e-4,3e-4)")
+    parser.add_argument("--rollouts", type=int, help="sample budget in rollouts of 64 (protocol: 35)")
+    parser.add_argument("--eval-every", type=int, help="rollouts between evaluations (protocol: 5)")
+    parser.add_argument("--eval-problems", type=int, help="held-out problems per evaluation (protocol: 200)")
+    parser.add_argument("--no-tune", action="store_true", help="skip tuning; report with the recipe's lr (1e-4)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: VAPO and GRPO x 2 tasks x 1 seed, 3 rollouts of 16, 8 held-out problems",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+
+    if opts.worker:
+        record = run_worker(RunSpec(**json.loads(opts.worker)))
+        tmp = Path(opts.result).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(opts.result)  # atomic: a JSON that exists is a finished run
+        return 0
+
+    settings = {**PROTOCOL, "methods": list(METHODS)}
+    if opts.quick:
+        settings.update(QUICK)
+        opts.no_tune = True
+        opts.jobs = max(opts.jobs, 2)
+    for name, value in (("tasks", opts.tasks), ("methods", opts.methods)):
+        if value:
+            settings[name] = value.split(",")
+    if opts.seeds:
+        settings["reporting_seeds"] = [int(s) for s in opts.seeds.split(",")]
+    for name in ("rollouts", "eval_every", "eval_problems"):
+        if getattr(opts, name) is not None:
+            settings[name] = getattr(opts, name)
+    if opts.tuning_seeds:
+        settings["tuning_seeds"] = [int(s) for s in opts.tuning_seeds.split(",")]
+    if opts.lr_grid:
+        settings["lr_grid"] = [float(lr) for lr in opts.lr_grid.split(",")]
+    unknown = [m for m in settings["methods"] if m not in METHODS]
+    unknown += [t for t in settings["tasks"] if t not in PROTOCOL["tasks"]]
+    if unknown:
+        parser.error(f"unknown methods or tasks: {unknown}")
+    if "chains" in settings["tasks"] and not (CHAINS_MODEL_DIR / "config.json").is_file():
+        parser.error(
+            f"no chains model in {CHAINS_MODEL_DIR}; build it with python -m trl_vapo.demo.train_sft "
+            "--task chains --output-dir benchmarks/models/chains_sft"
+        )
+    out = opts.out
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; out {out}",
+        flush=True,
+    )
+
+    chosen_path = out / "chosen.json"
+    chosen = None
+    if opts.stage in ("all", "tune") and not opts.no_tune:
+        failed = run_all(plan("tune", settings, None), out, opts.jobs)
+        if failed:
+            print(f"{len(failed)} tuning runs failed; not choosing learning rates", file=sys.stderr)
+            return 1
+        chosen = choose_settings([r for r in load_records(out, "tune") if r["spec"]["task"] in settings["tasks"]])
+        if chosen_path.is_file():  # frozen: a later run never re-chooses
+            chosen = {**chosen, **json.loads(chosen_path.read_text())}
+        chosen_path.write_text(json.dumps(chosen, indent=2))
+        print(f"chosen learning rates (frozen in {chosen_path}): {chosen}", flush=True)
+        if opts.stage == "tune":
+            return 0
+    elif not opts.no_tune and chosen_path.is_file():
+        chosen = json.loads(chosen_path.read_text())
+    elif opts.stage == "report" and not opts.no_tune:
+        parser.error(f"no {chosen_path}: run --stage tune first, or pass --no-tune")
+
+    failed = run_all(plan("report", settings, chosen), out, opts.jobs) if opts.stage in ("all", "report") else []
+    if failed:
+        print(f"{len(failed)} reporting runs failed; aggregating the rest", file=sys.stderr)
+
+    records = [
+        r
+        for r in load_records(out, "report")
+        if r["spec"]["task"] in settings["tasks"] and r["spec"]["method"] in settings["methods"]
+    ]
+    if not records:
+        print("no finished reporting runs to aggregate", file=sys.stderr)
+        return 1
+    summary = aggregate(records)
+    k = records[0]["spec"]["eval_k"]
+    table = format_table(summary, k)
+    print(table)
+    (out / "table.txt").write_text(table + "\n")
+    for methods in summary.values():
+        for entry in methods.values():
+            entry.pop("points_per_run")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for path in plot(summary, out, k):
+        print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""The learning benchmark (``benchmarks/bench_learning.py``): its statistics, its protocol and a ``--quick`` run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerControl, TrainerState
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_learning.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_learning"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The credit-assignment statistic
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _direct(advantages: torch.Tensor, mask: torch.Tensor, first_wrong: list[int | None]) -> dict[str, float]:
+    """The same statistic by boolean masks over the padded batch: an independent implementation to check against."""
+    n, c = advantages.shape
+    positions = torch.arange(c)[None, :].expand(n, c)
+    wrong_at = torch.tensor([-1 if w is None else w for w in first_wrong])[:, None]
+    valid = mask.bool()
+    located = (wrong_at >= 0) & (wrong_at < mask.sum(dim=1, keepdim=True))
+    groups = {
+        "at_first_wrong": valid & located & (positions == wrong_at),
+        "wrong_before": valid & located & (positions < wrong_at),
+        "wrong_after": valid & located & (positions > wrong_at),
+        "correct": valid & (wrong_at < 0),
+    }
+    groups["wrong_other"] = groups["wrong_before"] | groups["wrong_after"]
+    out = {k: advantages[g].mean().item() if g.any() else math.nan for k, g in groups.items()}
+    ranks = []
+    for i in range(n):
+        if located[i, 0]:
+            at = advantages[i, wrong_at[i, 0]]
+            others = advantages[i][groups["wrong_other"][i]]
+            if len(others):
+                ranks.append(((others > at).float() + 0.5 * (others == at).float()).mean().item())
+    out["slip_rank"] = sum(ranks) / len(ranks) if ranks else math.nan
+    return out
+
+
+def test_credit_assignment_matches_a_direct_computation_on_a_padded_batch():
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 3, 12, 7, 12, 1, 8]
+    first_wrong = [2, None, 0, 11, None, 12, 0, 30]  # 12 and 30: past the end (EOS missing, cut), not located
+    advantages = torch.randn(len(lengths), 12, generator=generator)
+    mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]).float()
+    padded = advantages.masked_fill(mask == 0, 99.0)  # padding must never leak into any mean
+    stats = bench.credit_assignment(padded.tolist(), first_wrong, lengths)
+    expected = _direct(advantages, mask, first_wrong)
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value, abs=1e-6), key
+    assert stats["num_wrong"] == 4 and stats["num_wrong_unlocated"] == 2 and stats["num_correct"] == 2
+
+
+def test_a_sequence_level_advantage_does_not_localise_and_a_critic_like_one_does():
+    lengths = [6, 6, 6, 6]
+    first_wrong = [1, 4, None, None]
+    sequence = [[-1.0] * 6, [-0.5] * 6, [0.7] * 6, [0.2] * 6]
+    stats = bench.credit_assignment(sequence, first_wrong, lengths)
+    assert stats["slip_rank"] == 0.5
+    assert stats["at_first_wrong"] == pytest.approx(stats["wrong_other"])
+    localised = [[0, -2.0, 0.1, 0, 0, 0], [0.1, 0, 0, 0.2, -3.0, 0], [0.3] * 6, [0.1] * 6]
+    stats = bench.credit_assignment(localised, first_wrong, lengths)
+    assert stats["slip_rank"] == 1.0
+    assert stats["at_first_wrong"] == pytest.approx(-2.5)
+    assert stats["wrong_before"] == pytest.approx((0 + 0.1 + 0 + 0 + 0.2) / 5)
+
+
+def test_completion_texts_map_tokens_to_characters_and_strip_eos():
+    from trl_vapo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    ids = tokenizer("a 00+7=07 uv", add_special_tokens=False).input_ids
+    chat = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    rows = [ids + [tokenizer.eos_token_id, tokenizer.pad_token_id], ids[:3] + [chat] + ids[4:]]
+    texts = bench.completion_texts(tokenizer, rows, [len(ids) + 1, len(ids)])
+    assert texts[0] == "a 00+7=07 uv"
+    assert texts[1] == "a 0\x00+7=07 uv" and len(texts[1]) == len(ids)
+
+
+def test_vapo_rollouts_are_counted_once_each_however_they_are_reported():
+    """The stop-gap wrapper and a future trainer event may both report a rollout: it counts once; and successive
+    rollouts (whose objects may reuse a freed object's id) each count. Only the fields the proposed ``on_rollout``
+    event documents are read: ids, attention mask, prompt length, advantages and phase."""
+    from types import SimpleNamespace
+
+    from trl_vapo.demo.chains import render_prompt
+    from trl_vapo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    prompt = render_prompt((7, 5))
+    prompt_ids = [tokenizer.pad_token_id] * 2 + tokenizer(prompt, add_special_tokens=False).input_ids  # left-padded
+    completion = tokenizer("a 00+7=07 uv", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    ids = torch.tensor([prompt_ids + completion])
+    attention = (ids != tokenizer.pad_token_id).long()
+
+    def rollout(phase="rl"):
+        return SimpleNamespace(
+            input_ids=ids,
+            attention_mask=attention,
+            prompt_length=len(prompt_ids),
+            phase=phase,
+            advantages=torch.randn(1, len(completion)),
+        )
+
+    curve = bench.LearningCurve(None, None, None, 64)
+    credit = bench.CreditAssignment(tokenizer, curve)
+    state, control = TrainerState(), TrainerControl()
+    for step, rows in ((0, [{"prompt": prompt}]), (0, None), (4, None), (8, [{"prompt": prompt}]), (8, None)):
+        state.global_step = step
+        credit.on_rollout(None, state, control, rollout=rollout(), rows=rows)
+    state.global_step = 12
+    credit.on_rollout(None, state, control, rollout=rollout("value_pretrain"))
+    assert len(credit.per_rollout) == 3
+    # The completion stops after its first line: wrong at its EOS (index 12), where the second line belongs; the
+    # prompt decoded from the rollout (rows=None) gives the same verdict as the data set row.
+    assert all(r["num_wrong"] == 1 and r["num_correct"] == 0 for r in credit.per_rollout)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Protocol: plans, the learning-rate choice, the evaluation sets
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_protocol_plan_tunes_every_baseline_alike_and_reports_on_other_seeds():
+    settings = {**bench.PROTOCOL, "methods": list(bench.METHODS)}
+    tune = bench.plan("tune", settings, None)
+    assert {s.eval_set for s in tune} == {"validation"}
+    for task in settings["tasks"]:
+        grids = {
+            m: sorted(s.learning_rate for s in tune if s.task == task and s.method == m and not s.variant)
+            for m in settings["tuned_methods"]
+        }
+        assert set(grids) == {"vapo", "ppo", "grpo"}
+        assert all(grid == grids["vapo"] for grid in grids.values())  # the same sweep for each
+        budgets = {m: sum(s.task == task and s.method == m for s in tune) for m in settings["tuned_methods"]}
+        assert len(set(budgets.values())) == 1  # and the same number of runs
+    chosen = {
+        task: {
+            "vapo": {"learning_rate": 3e-4, "variant": ""},
+            "ppo": {"learning_rate": 1e-4, "variant": ""},
+            "grpo": {"learning_rate": 3e-5, "variant": ""},
+        }
+        for task in settings["tasks"]
+    }
+    report = bench.plan("report", settings, chosen)
+    assert {s.seed for s in report}.isdisjoint({s.seed for s in tune})
+    assert len(report) == len(settings["tasks"]) * len(bench.METHODS) * len(settings["reporting_seeds"])
+    assert {s.eval_set for s in report} == {"test"}
+    lrs = {(s.method, s.learning_rate) for s in report}
+    assert ("grpo", 3e-5) in lrs and ("ppo", 1e-4) in lrs and ("no-clip-higher", 3e-4) in lrs
+    assert len({s.path(Path("out")) for s in tune + report}) == len(tune) + len(report)
+    # Group sampling off keeps the samples per rollout; vanilla PPO switches all seven techniques off.
+    assert bench.METHODS["no-group-sampling"] == {"num_generations": 1}
+    assert set(bench.METHODS["ppo"]) >= {
+        "value_pretrain_steps",
+        "lam_critic",
+        "length_adaptive_alpha",
+        "loss_type",
+        "epsilon_high",
+        "nll_coef",
+        "num_generations",
+    }
+
+
+def test_tuning_choice_uses_the_last_two_points_and_prefers_the_recipe_then_the_lower_rate_on_ties():
+    def record(task, method, lr, seed, accuracies, variant=""):
+        return {
+            "spec": {"task": task, "method": method, "learning_rate": lr, "seed": seed, "variant": variant},
+            "points": [{"avg@k": a} for a in accuracies],
+        }
+
+    records = [
+        record("demo", "vapo", 1e-4, 1000, [0.4, 0.9, 0.5, 0.5]),  # a lucky early point does not count: 0.5
+        record("demo", "vapo", 3e-4, 1000, [0.4, 0.5, 0.6, 0.7]),  # 0.65
+        record("demo", "vapo", 1e-4, 1000, [0.4, 0.5, 0.7, 0.7], variant="critic-x4"),  # 0.7: the best
+        record("demo", "grpo", 1e-4, 1000, [0.4, 0.6, 0.6]),
+        record("demo", "grpo", 3e-4, 1000, [0.4, 0.6, 0.6]),  # tie: the lower rate wins
+        record("demo", "grpo", 1e-4, 1000, [0.4, 0.6, 0.6], variant="scale-batch"),  # tie: the recipe wins
+        record("demo", "ppo", 1e-4, 1000, [0.4, 0.8, 0.8]),
+        record("demo", "ppo", 1e-4, 1001, [0.4, 0.2, 0.2]),  # averaged over tuning seeds: 0.5
+        record("demo", "ppo", 3e-5, 1000, [0.4, 0.55, 0.55]),
+    ]
+    chosen = bench.choose_settings(records)["demo"]
+    assert {m: (c["learning_rate"], c["variant"]) for m, c in chosen.items()} == {
+        "vapo": (1e-4, "critic-x4"),
+        "grpo": (1e-4, ""),
+        "ppo": (3e-5, ""),
+    }
+    assert chosen["vapo"]["validation"] == pytest.approx(0.7)
+
+
+def test_every_tuned_method_gets_the_same_tuning_budget():
+    settings = {**bench.PROTOCOL, "tasks": ["demo"], "tuning_seeds": [1000]}
+    runs = bench.plan("tune", settings, None)
+    per_method = {m: sum(r.method == m for r in runs) for m in settings["tuned_methods"]}
+    assert len(set(per_method.values())) == 1 and per_method["grpo"] == len(settings["lr_grid"]) + 3
+    assert all(r.eval_set == "validation" for r in runs)
+    # An ablation inherits VAPO's chosen variant, and its own switch wins over it.
+    spec = bench.RunSpec(
+        "report", "demo", "no-value-pretrain", 0, 1e-4, 35, 5, 4, 200, "test", variant="pretrain5-critic-x4"
+    )
+    assert spec.overrides() == {"critic_num_iterations": 4, "value_pretrain_steps": 0}
+
+
+@pytest.mark.parametrize("task", ["demo", "chains"])
+def test_validation_and_reporting_sets_are_disjoint_held_out_problems(task):
+    common = {
+        "stage": "tune",
+        "task": task,
+        "method": "vapo",
+        "seed": 0,
+        "learning_rate": 1e-4,
+        "rollouts": 1,
+        "eval_every": 1,
+        "eval_k": 1,
+        "eval_problems": 200,
+        "validation_problems": 200,
+    }
+    test = bench.eval_dataset(bench.RunSpec(eval_set="test", **common))
+    validation = bench.eval_dataset(bench.RunSpec(eval_set="validation", **common))
+    assert len(test) == 200 and len(validation) == 200
+    assert set(test["prompt"]).isdisjoint(validation["prompt"])
+    assert set(test["prompt"]) == set(bench.task_module(task).build_split("held_out", 200)["prompt"])
+
+
+def test_learning_curve_evaluates_at_rollout_boundaries():
+    samples = [0]
+    calls = []
+
+    def evaluate(greedy):
+        calls.append(greedy)
+        time.sleep(0.05)  # evaluation time must not reach the training clock
+        return {"avg@k": 0.1 * len(calls), "pass@k": 0.5, "mean_length": 10.0} | ({"pass@1": 0.3} if greedy else {})
+
+    frozen = [True]
+    curve = bench.LearningCurve(evaluate, lambda: samples[0], lambda: frozen[0], eval_every_samples=128)
+    state, control = TrainerState(), TrainerControl()
+    curve.on_train_begin(None, state, control)
+    for rollout in range(5):  # 5 rollouts of 64, 4 optimizer steps each
+        samples[0] += 64  # generated, then announced before its first optimizer step
+        state.global_step = 4 * rollout
+        curve.on_rollout(None, state, control, rollout=[0] * 64)  # anything with the rollout's length
+        if rollout == 2:
+            frozen[0] = False  # value pretraining ends after three rollouts
+    state.global_step = 20
+    curve.on_train_end(None, state, control)
+    assert [p["samples"] for p in curve.points] == [0, 128, 256, 320]
+    assert [p["evaluated"] for p in curve.points] == [True, False, True, True]  # the frozen point reuses the start
+    assert curve.points[1]["avg@k"] == curve.points[0]["avg@k"]
+    assert calls == [False, False, True] and "pass@1" in curve.points[-1]
+    assert [p["step"] for p in curve.points] == [0, 8, 16, 20]
+    assert curve.excluded >= 0.15 and curve.points[-1]["train_time_s"] < 0.1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# End to end: --quick
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    if not (bench.CHAINS_MODEL_DIR / "config.json").is_file():
+        pytest.fail(f"the chains cold-start model is missing from {bench.CHAINS_MODEL_DIR}")
+    out = tmp_path_factory.mktemp("quick")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    logs = "".join(p.read_text()[-3000:] for p in out.glob("report/*/*/*.log"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
+    return out, proc.stdout
+
+
+def test_quick_writes_one_sane_curve_per_run(quick_run):
+    out, _ = quick_run
+    runs = sorted(out.glob("report/*/*/*.json"))
+    assert {(p.parts[-3], p.parts[-2]) for p in runs} == {(t, m) for t in ("demo", "chains") for m in ("vapo", "grpo")}
+    for path in runs:
+        record = json.loads(path.read_text())
+        spec = record["spec"]
+        budget = spec["rollouts"] * spec["samples_per_rollout"]
+        assert record["samples"] == budget  # value pretraining counted: VAPO and GRPO generated alike
+        points = record["points"]
+        assert [p["samples"] for p in points] == [0, 16, 32, 48]
+        assert all(0.0 <= p["avg@k"] <= 1.0 for p in points) and "pass@1" in points[-1]
+        times = [p["train_time_s"] for p in points]
+        assert times == sorted(times) and times[-1] < record["total_time_s"]
+        assert record["log_history"]
+        if spec["method"] == "vapo":
+            assert points[1]["evaluated"] is False  # after the value-pretraining rollout: the policy is unchanged
+        credit = record["credit_summary"]
+        assert credit["rollouts"] == (2 if spec["method"] == "vapo" else 3)  # every RL rollout, and only those
+        assert credit["num_wrong"] + credit["num_wrong_unlocated"] + credit["num_correct"] == 16 * credit["rollouts"]
+        if spec["method"] == "grpo" and credit["num_wrong"]:
+            assert credit["slip_rank"] == 0.5  # one advantage per sequence: no localisation, by construction
+
+
+def test_quick_prints_the_table_and_writes_the_plots(quick_run):
+    out, stdout = quick_run
+    table = (out / "table.txt").read_text()
+    for needle in (
+        "demo: held-out avg@2",
+        "chains: held-out avg@2",
+        "VAPO",
+        "GRPO (TRL, DAPO-style)",
+        "credit assignment",
+        "slip rank",
+    ):
+        assert needle in table and needle in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"demo", "chains"}
+    assert summary["demo"]["grpo"]["samples_to_grpo_final"][1] == 1  # GRPO reaches its own final accuracy
+    for name in ("learning_vs_samples.png", "learning_vs_time.png"):
+        png = (out / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_quick_resumes_without_rerunning_finished_runs(quick_run):
+    out, _ = quick_run
+    before = {p: p.stat().st_mtime for p in out.glob("report/*/*/*.json")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 of 4 runs already done; running 0" in proc.stdout
+    assert before == {p: p.stat().st_mtime for p in out.glob("report/*/*/*.json")}

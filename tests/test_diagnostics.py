@@ -1,0 +1,132 @@
+"""The critic diagnostics: statistics by response position against direct computations, and the plots of a run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_trainer import first_char_is_letter, make_args, prompts_dataset
+
+from trl_vapo import VAPOTrainer
+from trl_vapo.cli import main as cli_main
+from trl_vapo.diagnostics import (
+    LOG_FILE,
+    bucket_edges,
+    position_correlation,
+    position_profile,
+    read_logs,
+)
+
+
+def batch(seed=0, rows=5, width=11):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    values = torch.randn(rows, width, generator=g)
+    values[~mask.bool()] = math.nan  # padding must not leak into any statistic
+    return values, mask
+
+
+def test_bucket_edges_split_the_completion_length():
+    assert bucket_edges(96, 8) == [0, 12, 24, 36, 48, 60, 72, 84, 96]
+    assert bucket_edges(10, 4) == [0, 2, 5, 8, 10]
+    assert bucket_edges(3, 8) == [0, 1, 2, 3]  # no empty buckets for short completions
+
+
+def test_position_profile_matches_a_direct_loop():
+    values, mask = batch()
+    edges = [0, 3, 7, 11]
+    expected = []
+    for low, high in zip(edges[:-1], edges[1:]):
+        picked = [values[i, t].item() for i in range(values.shape[0]) for t in range(low, high) if mask[i, t]]
+        expected.append(sum(picked) / len(picked) if picked else math.nan)
+    got = position_profile(values, mask, edges)
+    assert got == pytest.approx(expected, nan_ok=True)
+
+
+def test_position_statistics_pool_over_processes():
+    """Two simulated processes: each statistic's all-reduce adds the other process's sums, and the result equals the
+    statistic of the two batches together."""
+    (v1, m1), (v2, m2) = batch(seed=1), batch(seed=2)
+    edges = [0, 4, 8, 11]
+
+    def local_sums(statistic, values, mask):
+        captured = []
+        statistic(values, mask, all_reduce=lambda sums: captured.append(sums) or sums)
+        return captured[0]
+
+    for statistic, args in ((position_profile, (edges,)), (position_correlation, ())):
+
+        def bound(values, mask, all_reduce=None, statistic=statistic, args=args):
+            return statistic(values, mask, *args, all_reduce=all_reduce)
+
+        other = local_sums(bound, v2, m2)
+        pooled = bound(v1, m1, all_reduce=lambda sums, other=other: sums + other)
+        together = bound(torch.cat([v1, v2]), torch.cat([m1, m2]))
+        assert pooled == pytest.approx(together, nan_ok=True)
+
+
+def test_position_correlation_is_pearsons_over_valid_tokens():
+    values, mask = batch(seed=3, rows=8, width=9)
+    positions = torch.arange(9.0)[None, :].expand_as(values)
+    x, t = values[mask.bool()].double(), positions[mask.bool()].double()
+    expected = torch.corrcoef(torch.stack([x, t]))[0, 1].item()
+    assert position_correlation(values, mask) == pytest.approx(expected, rel=1e-9)
+    # Advantages that grow with the position (a biased critic) correlate strongly; constant ones have no correlation.
+    assert position_correlation(positions + 0.1 * values.nan_to_num(0), mask) > 0.9
+    assert math.isnan(position_correlation(torch.ones_like(values), mask))
+
+
+def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, capsys):
+    args = make_args(
+        tmp_path,
+        max_steps=3,
+        value_pretrain_steps=2,
+        value_pretrain_patience=None,
+        max_completion_length=8,
+        diagnostic_position_buckets=4,
+    )
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset()
+    )
+    trainer.train()
+    out = tmp_path / "out"
+    logs = read_logs(out)
+    steps = [h for h in logs if "phase" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3, 4, 5]
+    pretraining, rl = steps[0], steps[-1]
+    assert {k for k in pretraining if k.startswith("by_position/value/")} == {
+        f"by_position/value/{a}-{b}" for a, b in (("0", "2"), ("2", "4"), ("4", "6"), ("6", "8"))
+    }
+    assert not any(k.startswith("by_position/advantage/") for k in pretraining)  # no advantages while pretraining
+    assert any(k.startswith("by_position/advantage/") for k in rl) and "advantages/position_correlation" in rl
+    plots = out / "plots"
+    assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
+
+    from PIL import Image
+
+    for png in plots.glob("*.png"):
+        assert Image.open(png).size[0] > 1000
+        png.unlink()
+    # `trl-vapo plot` redraws them from the logs alone.
+    assert cli_main(["plot", str(out)]) == 0
+    assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
+    assert (out / LOG_FILE).is_file()
+    assert cli_main(["plot", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(tiny_model_dir, tmp_path, caplog):
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=first_char_is_letter,
+        args=make_args(tmp_path, value_pretrain_steps=0),
+        train_dataset=prompts_dataset(),
+    )
+    with caplog.at_level("WARNING"):
+        for correlation in (0.7, 0.2, 0.8, 0.9):
+            trainer._watch_critic_bias({"advantages/position_correlation": correlation})
+        assert "critic is biased" not in caplog.text  # 0.2 broke the run of strong readings
+        trainer._watch_critic_bias({"advantages/position_correlation": 0.75})
+    assert caplog.text.count("critic is biased") == 1

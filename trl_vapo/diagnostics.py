@@ -1,0 +1,208 @@
+"""What shows, before a run is wasted, whether the critic helps: statistics by response position, and plots.
+
+VC-PPO (arXiv 2503.01491, Figures 2 and 5) diagnoses a biased critic by the mean value and the mean advantage at each
+token position: with a critic that has not learned the returns, the advantage drifts with the position instead of
+averaging zero everywhere. At every rollout the trainer logs, pooled over all processes:
+
+    by_position/value/<a>-<b>, by_position/advantage/<a>-<b>, by_position/return/<a>-<b>
+        the mean over valid tokens whose position t (from 0) falls in [a, b), `num_buckets` equal buckets of
+        `max_completion_length` (GAE advantages before whitening)
+    advantages/position_correlation
+        Pearson's correlation of the advantage with t over all valid tokens
+
+`write_plots(output_dir)` draws the training curves and these profiles from the run's `vapo_logs.jsonl`, which the
+trainer appends to at each logging step (so a running run can be plotted: `trl-vapo plot OUTPUT_DIR`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .core import AllReduce
+
+LOG_FILE = "vapo_logs.jsonl"
+PLOTS_DIR = "plots"
+PROFILED = {"value": "old_values", "advantage": "raw_advantages", "return": "returns"}
+
+
+def bucket_edges(max_length: int, num_buckets: int) -> list[int]:
+    """`num_buckets + 1` edges splitting positions 0..max_length into equal buckets (fewer for short lengths)."""
+    count = max(1, min(num_buckets, max_length))
+    edges = sorted({round(i * max_length / count) for i in range(count + 1)})
+    return edges
+
+
+def position_profile(
+    values: torch.Tensor, mask: torch.Tensor, edges: list[int], all_reduce: AllReduce | None = None
+) -> list[float]:
+    """The mean of `values` [N, C] over valid tokens in each position bucket [edges[i], edges[i+1]); NaN for an
+    empty bucket. Pooled over processes with `all_reduce` (sums and counts, one call)."""
+    positions = torch.arange(values.shape[1], device=values.device)
+    valid = mask.bool()
+    sums, counts = [], []
+    for low, high in zip(edges[:-1], edges[1:]):
+        in_bucket = valid & ((positions >= low) & (positions < high))[None, :]
+        sums.append(torch.where(in_bucket, values.double(), 0.0).sum())
+        counts.append(in_bucket.sum().double())
+    totals = torch.stack(sums + counts)
+    if all_reduce is not None:
+        totals = all_reduce(totals)
+    sums, counts = totals[: len(sums)], totals[len(sums) :]
+    return [(s / c).item() if c > 0 else math.nan for s, c in zip(sums, counts)]
+
+
+def position_correlation(values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None = None) -> float:
+    """Pearson's correlation between `values` [N, C] and the token position over valid tokens (NaN when either is
+    constant). Pooled over processes with `all_reduce`."""
+    valid = mask.bool()
+    t = torch.arange(values.shape[1], device=values.device, dtype=torch.float64)[None, :].expand_as(values)
+    x = torch.where(valid, values.double(), 0.0)
+    t = torch.where(valid, t, 0.0)
+    moments = torch.stack([valid.sum().double(), x.sum(), t.sum(), (x * x).sum(), (t * t).sum(), (x * t).sum()])
+    if all_reduce is not None:
+        moments = all_reduce(moments)
+    n, sx, st, sxx, stt, sxt = moments.tolist()
+    if n < 2:
+        return math.nan
+    cov = sxt / n - (sx / n) * (st / n)
+    var_x, var_t = sxx / n - (sx / n) ** 2, stt / n - (st / n) ** 2
+    if var_x <= 1e-12 or var_t <= 1e-12:
+        return math.nan
+    return cov / math.sqrt(var_x * var_t)
+
+
+def rollout_diagnostics(rollout, max_length: int, num_buckets: int, all_reduce: AllReduce | None) -> dict[str, float]:
+    """The position statistics of a `trl_vapo.rollout.Rollout` (see the module docstring)."""
+    edges = bucket_edges(max_length, num_buckets)
+    width = len(str(max_length))
+    metrics = {}
+    for name, attribute in PROFILED.items():
+        if name == "advantage" and rollout.phase != "rl":
+            continue  # value pretraining computes no advantages
+        means = position_profile(getattr(rollout, attribute), rollout.loss_mask, edges, all_reduce)
+        for low, high, mean in zip(edges[:-1], edges[1:], means):
+            metrics[f"by_position/{name}/{low:0{width}d}-{high:0{width}d}"] = mean
+    if rollout.phase == "rl":
+        metrics["advantages/position_correlation"] = position_correlation(
+            rollout.raw_advantages, rollout.loss_mask, all_reduce
+        )
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Logs and plots
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def read_logs(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The logged entries of a run, one per logging step (the last one per step after a resume re-logged it)."""
+    path = Path(output_dir) / LOG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {output_dir} the output_dir of a trl-vapo run?")
+    by_step: dict[int, dict] = {}
+    extra = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if "phase" in entry:
+            by_step[entry["step"]] = entry
+        else:
+            extra.append(entry)  # the end-of-training summary
+    return [by_step[step] for step in sorted(by_step)] + extra
+
+
+CURVES = [
+    ("reward", ["reward"]),
+    ("accuracy", ["accuracy"]),
+    ("completion length", ["completions/mean_length"]),
+    ("entropy", ["entropy"]),
+    ("value loss", ["loss/value"]),
+    ("explained variance", ["value/explained_variance"]),
+    ("clip fractions", ["clip_ratio/low_mean", "clip_ratio/high_mean", "value/clip_ratio"]),
+    ("advantage / position correlation", ["advantages/position_correlation"]),
+]
+
+
+def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None) -> list[Path]:
+    """Draw `plots/training_curves.png` and `plots/position_profiles.png` in `output_dir` from its logs."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    logs = [h for h in (logs if logs is not None else read_logs(output_dir)) if "phase" in h]
+    if not logs:
+        raise ValueError(f"No training logs in {output_dir} yet.")
+    folder = Path(output_dir) / PLOTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    rl_start = next((h["step"] for h in logs if h["phase"] == "rl"), None)
+
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5), constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, CURVES):
+        for key in keys:
+            points = [
+                (h["step"], h[key]) for h in logs if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])
+            ]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=key)
+        if rl_start is not None and logs[0]["phase"] != "rl":
+            ax.axvspan(logs[0]["step"] - 0.5, rl_start - 0.5, color="0.9", zorder=0)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{Path(output_dir).name}: training curves (grey: value pretraining)")
+    curves = folder / "training_curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    snapshots = _profile_snapshots(logs, rl_start)
+    for ax, name in zip(axes, PROFILED):
+        for i, (label, entry) in enumerate(snapshots):  # one colour per snapshot in every panel
+            points = _profile(entry, name)
+            if points:
+                ax.plot([c for c, _ in points], [m for _, m in points], marker="o", label=label, color=f"C{i}")
+        ax.axhline(0.0, color="0.6", linewidth=0.8)
+        ax.set_title(f"mean {name} by response position")
+        ax.set_xlabel("token position (bucket centre)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle("VC-PPO's critic check: a biased critic shows as advantages that drift with the position")
+    profiles = folder / "position_profiles.png"
+    fig.savefig(profiles, dpi=110)
+    plt.close(fig)
+    return [curves, profiles]
+
+
+def _profile(entry: dict[str, Any], name: str) -> list[tuple[float, float]]:
+    prefix = f"by_position/{name}/"
+    points = []
+    for key, value in entry.items():
+        if key.startswith(prefix) and isinstance(value, (int, float)) and math.isfinite(value):
+            low, high = (int(x) for x in key[len(prefix) :].split("-"))
+            points.append(((low + high - 1) / 2, value))
+    return sorted(points)
+
+
+def _profile_snapshots(logs: list[dict[str, Any]], rl_start: int | None) -> list[tuple[str, dict]]:
+    """A few logged entries to draw the profiles of: end of value pretraining, first and last RL logs."""
+    with_profile = [h for h in logs if any(k.startswith("by_position/") for k in h)]
+    pretraining = [h for h in with_profile if h["phase"] == "value_pretrain"]
+    rl = [h for h in with_profile if h["phase"] == "rl"]
+    snapshots = []
+    if pretraining:
+        snapshots.append((f"end of value pretraining (step {pretraining[-1]['step']})", pretraining[-1]))
+    if rl:
+        snapshots.append((f"first RL log (step {rl[0]['step']})", rl[0]))
+        if len(rl) > 2:
+            snapshots.append((f"mid RL (step {rl[len(rl) // 2]['step']})", rl[len(rl) // 2]))
+        if len(rl) > 1:
+            snapshots.append((f"last RL log (step {rl[-1]['step']})", rl[-1]))
+    return snapshots
