@@ -20,9 +20,9 @@ The numbers (``PROTOCOL``): 35 rollouts x 64 = 2,240 training samples per run; t
 1 and 2; actor learning rates 3e-5, 1e-4 and 3e-4 swept; evaluation every 5 rollouts (320 samples), avg@4 on 200
 held-out problems (tuning: the next 200).
 
-Methods, on top of the task's VAPO recipe (``VAPO_RECIPE``: ``trl_vapo.cli.DEMO_DEFAULTS``; 8 prompts x 8 samples
-per rollout, 4 optimizer steps of 16 per rollout, actor lr 1e-4, critic lr 1e-3, length-adaptive alpha 0.5, 15
-value-pretraining rollouts): ``vapo``; the paper's Table 1 ablations, each switching one technique off
+Methods, on top of the task's VAPO recipe (``VAPO_RECIPE``: the demo's recipe when the protocol was fixed; 8
+prompts x 8 samples per rollout, 4 optimizer steps of 16 per rollout, actor lr 1e-4, critic lr 1e-3, length-adaptive
+alpha 0.5, 15 value-pretraining rollouts): ``vapo``; the paper's Table 1 ablations, each switching one technique off
 (``METHODS``); ``ppo``, all seven off; and ``grpo``, TRL's ``GRPOTrainer`` with DAPO-style settings
 (``loss_type="dapo"``, ``epsilon_high=0.28``, ``beta=0``) and the same prompts x samples per rollout, optimizer
 steps per rollout, learning-rate schedule, lengths and sampling.
@@ -110,7 +110,8 @@ QUICK = {  # the smoke test: every code path (both trainers, both tasks, VAPO's 
     "value_pretrain_steps": 1,
 }
 
-# The demo recipe (trl_vapo.cli.DEMO_DEFAULTS) as the benchmark uses it: the training fields only.
+# The demo recipe as it stood when the protocol was fixed (the training fields only): the base every method is tuned
+# from. trl_vapo.cli.DEMO_DEFAULTS has since become the tuning stage's choice for VAPO (pretrain5-critic-x4).
 VAPO_RECIPE = {
     "per_device_train_batch_size": 16,
     "gradient_accumulation_steps": 1,
@@ -306,6 +307,29 @@ def choose_settings(records: list[dict]) -> dict[str, dict[str, dict]]:
         }
         for task, methods in best.items()
     }
+
+
+def format_tuning(records: list[dict], chosen: dict | None) -> str:
+    """Every tuning run's validation score (the criterion of ``choose_settings``), the chosen setting marked."""
+    lines = ["tuning: validation avg@k, mean of the last two evaluation points (* = chosen, frozen in chosen.json)"]
+    header = f"{'task':8s}{'method':8s}{'variant':22s}{'lr':>8s}{'seed':>6s}{'validation':>12s}{'final':>8s}"
+    lines += [header, "-" * len(header)]
+    for record in sorted(
+        records, key=lambda r: tuple(str(r["spec"].get(k, "")) for k in ("task", "method", "variant"))
+    ):
+        spec = record["spec"]
+        accuracies = [point["avg@k"] for point in record["points"]]
+        pick = (chosen or {}).get(spec["task"], {}).get(spec["method"], {})
+        mark = (
+            "*"
+            if (pick.get("variant"), pick.get("learning_rate")) == (spec.get("variant", ""), spec["learning_rate"])
+            else ""
+        )
+        lines.append(
+            f"{spec['task']:8s}{spec['method']:8s}{spec.get('variant') or 'recipe':22s}{spec['learning_rate']:>8g}"
+            f"{spec['seed']:>6d}{statistics.mean(accuracies[-2:]):>12.3f}{accuracies[-1]:>8.3f} {mark}".rstrip()
+        )
+    return "\n".join(lines)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -764,7 +788,9 @@ def run_worker(spec: RunSpec) -> dict:
 
     def frozen() -> bool:  # VAPO's policy has not been updated yet: value pretraining, or RL before its first step
         progress = getattr(trainer, "progress", None)
-        return progress is not None and progress.rl_start_step in (None, trainer.state.global_step)
+        if progress is None:  # GRPO
+            return False
+        return progress.phase == "value_pretrain" or progress.rl_start_step == trainer.state.global_step
 
     budget = spec.rollouts * spec.samples_per_rollout
     curve = LearningCurve(evaluate, lambda: counter[0], frozen, spec.eval_every * spec.samples_per_rollout)
@@ -988,6 +1014,10 @@ def main(argv: list[str] | None = None) -> int:
         for entry in methods.values():
             entry.pop("points_per_run")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    tuning = [r for r in load_records(out, "tune") if r["spec"]["task"] in settings["tasks"]]
+    if tuning:
+        (out / "tuning.txt").write_text(format_tuning(tuning, chosen) + "\n")
+        print(f"wrote {out / 'tuning.txt'}")
     for path in plot(summary, out, k):
         print(f"wrote {path}")
     return 1 if failed else 0

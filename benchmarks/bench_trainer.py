@@ -236,6 +236,8 @@ def common_args(opts, out_dir: str) -> dict:
         disable_tqdm=True,
         seed=opts.seed,
         dataloader_num_workers=0,
+        # The generation engine, under TRL's name in both configs.
+        use_transformers_continuous_batching=opts.engine == "continuous_batching",
     )
 
 
@@ -271,6 +273,7 @@ def _launch(opts, trainer: str, model_dir: str) -> dict:
         "logging_steps",
         "seed",
         "terms",
+        "engine",
     ):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
     env = {
@@ -308,6 +311,8 @@ def _summarise(record: dict, warmup: int, want_phase: str) -> dict:
         "mean_s": sum(steps) / len(steps),
         "tokens_per_s": sum(toks) / sum(steps),
         "tokens_per_step": sum(toks) / len(toks),
+        # Completion tokens per second of generation alone (the engine's throughput inside training).
+        "gen_tokens_per_s": (sum(toks) / len(toks)) / part_medians["generate"] if part_medians.get("generate") else 0,
         "parts": part_medians,
         "n": len(steps),
     }
@@ -326,6 +331,12 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=96)
     parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--engine",
+        choices=("generate", "continuous_batching"),
+        default="generate",
+        help="generation engine of both trainers: transformers' generate() or its continuous batching",
+    )
     parser.add_argument(
         "--terms",
         type=int,
@@ -368,7 +379,7 @@ def main() -> None:
         f"max_completion_length {opts.max_completion_length}, "
         f"demo prompts with {opts.terms or 'any number of'} terms; "
         f"{opts.steps} steps per run, first {opts.warmup} dropped, "
-        f"{opts.repeats} repeats interleaved"
+        f"{opts.repeats} repeats interleaved; engine: {opts.engine}"
     )
     raw: dict = defaultdict(list)
     results: dict = defaultdict(list)
@@ -394,7 +405,7 @@ def main() -> None:
     print()
     header = (
         f"{'trainer':36s}{'model':10s}{'trainable params':>18s}{'median s/step':>15s}{'ratio vs GRPO':>15s}"
-        f"{'tokens/step':>13s}{'tokens/s':>10s}{'ratio tok/s':>13s}"
+        f"{'tokens/step':>13s}{'tokens/s':>10s}{'ratio tok/s':>13s}{'gen tok/s':>11s}"
     )
     print(header)
     print("-" * len(header))
@@ -407,12 +418,13 @@ def main() -> None:
             med = statistics.median(s["median_s"] for s in runs)
             tps = statistics.median(s["tokens_per_s"] for s in runs)
             tpst = statistics.median(s["tokens_per_step"] for s in runs)
+            gen = statistics.median(s["gen_tokens_per_s"] for s in runs)
             ratio = f"{med / base_s:.2f}x" if base_s else "-"
             ratio_t = f"{tps / base_t:.2f}x" if base_t else "-"
             label = {"vapo": "VAPO", "grpo": "GRPO", "vapo-pretrain": "VAPO (value pretrain)"}[trainer]
             print(
                 f"{label:36s}{model:10s}{params[(model, trainer)]:>18,d}{med:>15.3f}{ratio:>15s}{tpst:>13.0f}"
-                f"{tps:>10.0f}{ratio_t:>13s}"
+                f"{tps:>10.0f}{ratio_t:>13s}{gen:>11.0f}"
             )
         spread = {t: [round(s["median_s"], 3) for s in results[(model, t)]] for t in trainers}
         print(f"  per-repeat medians (s/step): {spread}")

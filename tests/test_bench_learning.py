@@ -211,6 +211,12 @@ def test_tuning_choice_uses_the_last_two_points_and_prefers_the_recipe_then_the_
         "ppo": (3e-5, ""),
     }
     assert chosen["vapo"]["validation"] == pytest.approx(0.7)
+    # The tuning table marks exactly the chosen rows.
+    table = bench.format_tuning(records, {"demo": chosen}).splitlines()
+    marked = [line.split()[:4] for line in table if line.endswith("*")]
+    assert marked == [
+        ["demo", m, v, lr] for m, v, lr in (("grpo", "recipe", "0.0001"), ("ppo", "recipe", "3e-05"))
+    ] + [["demo", "vapo", "critic-x4", "0.0001"]]
 
 
 def test_every_tuned_method_gets_the_same_tuning_budget():

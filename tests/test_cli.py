@@ -186,7 +186,7 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
             "--value_pretrain_steps",
             "5",
             "--max_steps",
-            "40",
+            "160",  # 10 rollouts, each 4 policy-and-critic steps and 12 critic-only steps
             "--eval_num_prompts",
             "64",
             "--eval_k",
@@ -203,6 +203,13 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
     assert after > before + 0.1, line
     assert (out / "model.safetensors").is_file() and (out / "critic" / "model.safetensors").is_file()
     assert (out / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
+    # The demo draws its diagnostic plots, and `trl-vapo plot` redraws them from its logs.
+    plots = out / "plots"
+    assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
+    for png in plots.glob("*.png"):
+        png.unlink()
+    assert main(["plot", str(out)]) == 0
+    assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
 
 
 def test_accelerate_arguments_relaunch_the_run_on_two_processes(tiny_model_dir, jsonl_data, tmp_path):
@@ -250,3 +257,19 @@ def test_accelerate_arguments_relaunch_the_run_on_two_processes(tiny_model_dir, 
     state = json.loads((checkpoint / "vapo_state.json").read_text())
     assert state["run"]["num_processes"] == 2 and state["run"]["generation_batch_size"] == 8
     assert "trl-vapo summary" in result.stdout
+
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_config_parses_into_valid_settings(example):
+    """The examples use only fields that exist and values VAPOConfig accepts (bf16 is allowed here through use_cpu:
+    the machine has no GPU); the models and data sets they name are not loaded."""
+    from trl_vapo.cli import _parser
+
+    script, config, model = _parser().parse_args_and_config(["--config", str(example), "--use_cpu", "true"])
+    assert model.model_name_or_path and (script.dataset_name or script.dataset_preset)
+    assert config.gradient_checkpointing and config.bf16
+    if model.load_in_4bit:
+        assert model.use_peft  # QLoRA trains adapters

@@ -12,6 +12,7 @@ from trl_vapo import VAPOTrainer
 from trl_vapo.cli import main as cli_main
 from trl_vapo.diagnostics import (
     LOG_FILE,
+    CriticBiasWatch,
     bucket_edges,
     position_correlation,
     position_profile,
@@ -117,16 +118,12 @@ def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, c
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(tiny_model_dir, tmp_path, caplog):
-    trainer = VAPOTrainer(
-        model=str(tiny_model_dir),
-        reward_funcs=first_char_is_letter,
-        args=make_args(tmp_path, value_pretrain_steps=0),
-        train_dataset=prompts_dataset(),
-    )
+def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):
+    watch = CriticBiasWatch(threshold=0.5, readings=3)
     with caplog.at_level("WARNING"):
-        for correlation in (0.7, 0.2, 0.8, 0.9):
-            trainer._watch_critic_bias({"advantages/position_correlation": correlation})
-        assert "critic is biased" not in caplog.text  # 0.2 broke the run of strong readings
-        trainer._watch_critic_bias({"advantages/position_correlation": 0.75})
-    assert caplog.text.count("critic is biased") == 1
+        for correlation in (0.7, 0.2, 0.8, float("nan"), 0.9):
+            watch.update(correlation)
+        assert "critic is biased" not in caplog.text  # 0.2 broke the run of strong readings; NaN is skipped
+        for correlation in (0.75, 0.95):
+            watch.update(correlation)
+    assert caplog.text.count("critic is biased") == 1 and "0.75" in caplog.text

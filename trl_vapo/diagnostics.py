@@ -17,6 +17,7 @@ trainer appends to at each logging step (so a running run can be plotted: `trl-v
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 
 from .core import AllReduce
+
+logger = logging.getLogger(__name__)
 
 LOG_FILE = "vapo_logs.jsonl"
 PLOTS_DIR = "plots"
@@ -179,6 +182,45 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
     fig.savefig(profiles, dpi=110)
     plt.close(fig)
     return [curves, profiles]
+
+
+def write_plots_if_possible(output_dir: str | Path, logs: list[dict[str, Any]]) -> None:
+    """`write_plots` for a running trainer: skipped without matplotlib or logs, and never raising (a figure must not
+    cost a run)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        logger.info("plot_diagnostics: matplotlib is not installed (`pip install trl-vapo[plot]`); no PNGs.")
+        return
+    if not any("phase" in entry for entry in logs):
+        return  # nothing logged yet
+    try:
+        write_plots(output_dir, logs)
+    except Exception as error:
+        logger.warning(f"Could not draw the diagnostic plots ({type(error).__name__}: {error}).")
+
+
+class CriticBiasWatch:
+    """Warns once when, after value pretraining, the advantage stays strongly correlated with the token position:
+    `readings` consecutive RL rollouts above `threshold` (a NaN reading is skipped, and any reading at or below the
+    threshold starts the count again)."""
+
+    def __init__(self, threshold: float = 0.5, readings: int = 3):
+        self.threshold, self.readings, self.run, self.warned = threshold, readings, 0, False
+
+    def update(self, correlation: float) -> None:
+        if self.warned or not math.isfinite(correlation):
+            return
+        self.run = self.run + 1 if correlation > self.threshold else 0
+        if self.run >= self.readings:
+            self.warned = True
+            logger.warning(
+                f"The advantage is strongly correlated with the token position ({correlation:.2f}, and above "
+                f"{self.threshold} for {self.readings} rollouts): the critic is biased (VC-PPO, Fig. 5), and its "
+                "advantages push whole completions rather than the tokens that decide them. Pretrain it longer "
+                "(value_pretrain_steps), raise critic_learning_rate, or check lam_critic=1.0; see by_position/* and "
+                "output_dir/plots/."
+            )
 
 
 def _profile(entry: dict[str, Any], name: str) -> list[tuple[float, float]]:

@@ -49,7 +49,7 @@ from .core import (
     vapo_loss,
 )
 from .data import check_train_dataset, prepare_tokenizer, prompt_token_ids
-from .diagnostics import LOG_FILE, rollout_diagnostics, write_plots
+from .diagnostics import LOG_FILE, CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
     check_distributed_setup,
     clip_deepspeed_gradients_,
@@ -215,42 +215,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.model_card_info: dict[str, Any] = {}
         if self.pop_callback(ProgressCallback) is not None:  # the bar names the phase; none with disable_tqdm
             self.add_callback(PhaseProgressCallback(lambda: self.progress.phase))
+        self._critic_bias = CriticBiasWatch()
         self._handle_long_prompts()
         # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
         set_seed(args.seed, device_specific=True)
 
     def _write_plots(self) -> None:
-        """The diagnostic PNGs in `output_dir/plots/` (`trl_vapo.diagnostics`), if asked for and matplotlib is here."""
-        if not (self.args.plot_diagnostics and self.accelerator.is_main_process):
-            return
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            if not getattr(self, "_warned_plots", False):
-                logger.info("plot_diagnostics: matplotlib is not installed (`pip install trl-vapo[plot]`); no PNGs.")
-                self._warned_plots = True
-            return
-        if not any("phase" in entry for entry in self.state.log_history):
-            return  # nothing logged yet
-        try:
-            write_plots(self.args.output_dir, self.state.log_history)
-        except Exception as error:  # a figure must never cost a run
-            logger.warning(f"Could not draw the diagnostic plots ({type(error).__name__}: {error}).")
-
-    def _watch_critic_bias(self, metrics: dict[str, float]) -> None:
-        """Warn once when, after value pretraining, the advantage still grows with the token position."""
-        correlation = metrics.get("advantages/position_correlation", math.nan)
-        if self.progress.phase != RL or getattr(self, "_warned_bias", False) or not math.isfinite(correlation):
-            return
-        self._bias_readings = [*getattr(self, "_bias_readings", []), correlation]
-        if len(self._bias_readings) >= 3 and min(self._bias_readings[-3:]) > 0.5:
-            self._warned_bias = True
-            logger.warning(
-                f"The advantage is strongly correlated with the token position ({correlation:.2f} and above for 3 "
-                "rollouts): the critic is biased (VC-PPO, Fig. 5), and its advantages push whole completions rather "
-                "than the tokens that decide them. Pretrain it longer (value_pretrain_steps), raise "
-                "critic_learning_rate, or check lam_critic=1.0; see by_position/* and output_dir/plots/."
-            )
+        """The diagnostic PNGs in `output_dir/plots/` (`trl_vapo.diagnostics`), when asked for."""
+        if self.args.plot_diagnostics and self.accelerator.is_main_process:
+            write_plots_if_possible(self.args.output_dir, self.state.log_history)
 
     # ------------------------------------------------------------------------------------------------ setup
     @property
@@ -374,7 +347,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             rollout_diagnostics(rollout, args.max_completion_length, args.diagnostic_position_buckets, all_reduce)
         )
         self._record(metrics)
-        self._watch_critic_bias(metrics)
+        if phase == RL and self.accelerator.is_main_process:
+            self._critic_bias.update(metrics.get("advantages/position_correlation", math.nan))
         self._last_rollout = rollout
         for callback in self.callback_handler.callbacks:  # an extension point: see the class docstring
             if hasattr(callback, "on_rollout"):
