@@ -452,7 +452,8 @@ def plot(summary: dict, out: Path, k: int) -> list[Path]:
         tasks = list(summary)
         fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.8), squeeze=False)
         for ax, task in zip(axes[0], tasks):
-            for i, method in enumerate(m for m in METHODS if m in summary[task]):
+            for method in (m for m in METHODS if m in summary[task]):
+                i = list(METHODS).index(method)  # one colour per method in every panel
                 curve = summary[task][method]["curve"]
                 x = [p[axis] for p in curve]
                 y = [p["avg@k_mean"] for p in curve]
@@ -478,7 +479,8 @@ def plot(summary: dict, out: Path, k: int) -> list[Path]:
             ax.set_xlabel(xlabel)
             ax.set_ylabel(f"held-out avg@{k} (T=1)")
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="lower right")
+        for ax in axes[0]:
+            ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         path = out / filename
         fig.savefig(path, dpi=110)
