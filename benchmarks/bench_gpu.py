@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_gpu.py --sizes 0.5B --methods vapo-lora,grpo-lora --steps 3
     .venv/bin/python benchmarks/bench_gpu.py --smoke              # the same code, tiny model, on CPU (a test runs it)
     .venv/bin/python benchmarks/bench_gpu.py --static-memory --sizes 0.5B     # weight/optimizer bytes, any machine
+    .venv/bin/python benchmarks/bench_gpu.py --logits-memory --sizes 0.5B     # the log-prob step's memory, any machine
 
 Models are randomly initialised from configs with the real shapes of Qwen2.5-0.5B and Qwen2.5-1.5B (nothing is
 downloaded), with a byte-level BPE tokenizer trained on the spot (the model keeps Qwen's 151,936-token vocabulary,
@@ -27,6 +28,13 @@ most 1.15x GRPO LoRA; a VAPO step at most 1.3x GRPO's at these lengths.
 `--static-memory` measures, on whatever device is there (the CPU here), what does not depend on the batch: the bytes
 of the weights (trainable and frozen, by dtype) and of the optimizer state, read off the tensors after one real
 optimizer step (one prompt, two 8-token completions); gradients take the trainable weights' bytes again.
+
+`--logits-memory` measures, on whatever device is there, the memory of the step that made VAPO's peak 3.5x GRPO's on
+the H100: from a micro-batch's last hidden states (bf16, `--micro-batch` x `--completion-length`) through the LM head
+(Qwen's 152k vocabulary) to per-token log-probs and entropies and back. Three ways (`LOGPROB_PATHS`): trl-vapo's
+`token_logprobs_and_entropy`, the fp32 log-softmax trl-vapo used before it, and TRL's `selective_log_softmax` +
+`entropy_from_logits` on the bf16 logits (GRPOTrainer's path where its fused Triton kernel is not used). Each runs in
+a fresh process; printed: peak memory above what the inputs and the head take (CUDA: allocator peak; CPU: peak RSS).
 """
 
 from __future__ import annotations
@@ -249,6 +257,66 @@ def static_table(records: dict) -> str:
     return "\n".join(lines)
 
 
+LOGPROB_PATHS = ("trl-vapo", "fp32-log-softmax", "trl")
+
+
+def logits_memory_worker(opts) -> dict:
+    """Peak bytes of LM head -> log-probs and entropy -> backward for one micro-batch, by ``opts.method``."""
+    import torch
+
+    from trl_vapo._compat import entropy_from_logits, selective_log_softmax
+    from trl_vapo.core import token_logprobs_and_entropy
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    shape = QWEN25[opts.size]
+    vocab, batch, length = 151936, opts.micro_batch, opts.completion_length
+    head = torch.nn.Linear(shape["hidden_size"], vocab, bias=False, dtype=torch.bfloat16, device=device)
+    hidden = torch.randn(batch, length + 1, shape["hidden_size"], dtype=torch.bfloat16, device=device)
+    hidden.requires_grad_()
+    index = torch.randint(0, vocab, (batch, length), device=device)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    logits = head(hidden)[:, :-1, :]
+    if opts.method == "trl-vapo":
+        logprobs, _ = token_logprobs_and_entropy(logits, index, with_entropy=True)
+    elif opts.method == "fp32-log-softmax":  # trl_vapo.modeling.completion_logprobs before token_logprobs_and_entropy
+        logits = logits.float()
+        logprobs = selective_log_softmax(logits, index)
+        with torch.no_grad():
+            entropy_from_logits(logits)
+    else:
+        logprobs = selective_log_softmax(logits, index)
+        with torch.no_grad():
+            entropy_from_logits(logits)
+    del logits
+    logprobs.sum().backward()
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    logits_bytes = batch * length * vocab * 2
+    return {"peak_bytes": peak, "logits_bytes": logits_bytes, "device": device}
+
+
+def logits_memory_table(records: dict) -> str:
+    lines = [f"{'size':6s}{'path':18s}{'peak GiB':>10s}{'/ bf16 logits':>15s}{'/ trl':>8s}"]
+    for (size, path), r in records.items():
+        trl = records.get((size, "trl"))
+        ratio = f"{r['peak_bytes'] / trl['peak_bytes']:.2f}x" if trl and trl["peak_bytes"] > 0 else "-"
+        lines.append(
+            f"{size:6s}{path:18s}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_bytes'] / r['logits_bytes']:>14.2f}x"
+            f"{ratio:>8s}"
+        )
+    return "\n".join(lines)
+
+
 def summarise(record: dict, warmup: int) -> dict:
     steps = record["step_s"][warmup:] or record["step_s"]
     parts = record["parts"][warmup:] or record["parts"]
@@ -274,6 +342,8 @@ def launch(opts, size: str, method: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--size", size, "--method", method, "--result", result]
     for key in ("steps", "prompts", "generations", "completion_length", "micro_batch"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
+    if opts.logits_memory:
+        cmd.append("--logits-memory")
     env = {
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
@@ -323,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="per_device_train_batch_size")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 prompts x 2, 8 tokens, 2 steps: on CPU")
     parser.add_argument("--static-memory", action="store_true", help="weights and optimizer bytes after one tiny step")
+    parser.add_argument("--logits-memory", action="store_true", help="peak memory of the log-prob step, by path")
     parser.add_argument("--json", help="also write the summaries here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -330,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.worker:
-        record = run_worker(opts)
+        record = logits_memory_worker(opts) if opts.logits_memory else run_worker(opts)
         Path(opts.result).write_text(json.dumps(record))
         return
     if opts.smoke:
@@ -338,6 +409,11 @@ def main(argv: list[str] | None = None) -> None:
         opts.micro_batch, opts.steps, opts.warmup = 2, 2, 1
     if opts.static_memory:
         opts.prompts, opts.generations, opts.completion_length, opts.micro_batch, opts.steps = 1, 2, 8, 2, 1
+    if opts.logits_memory:
+        records = {(size, path): launch(opts, size, path) for size in opts.sizes.split(",") for path in LOGPROB_PATHS}
+        print(f"micro-batch {opts.micro_batch} x {opts.completion_length} tokens, vocabulary 151,936, bf16 logits")
+        print(logits_memory_table(records))
+        return
 
     import platform
 

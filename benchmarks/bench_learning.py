@@ -674,8 +674,9 @@ def install_grpo_hook(trainer, curve: LearningCurve, credit: CreditAssignment) -
     trainer._generate_and_score_completions = generate_and_score
 
 
-def build_trainer(spec: RunSpec, out_dir: str, reward: Callable):
-    """The trainer of ``spec.method`` on ``spec.task`` with the recipe, the protocol's budget and its seed."""
+def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | None = None):
+    """The trainer of ``spec.method`` on ``spec.task`` with the recipe, the protocol's budget and its seed;
+    ``extra``: VAPOConfig fields on top (``bench_critic.py``'s probes)."""
     train = task_module(spec.task).build_split("train", 4096)
     model_dir = task_model_dir(spec.task)
     recipe = dict(VAPO_RECIPE)
@@ -732,7 +733,7 @@ def build_trainer(spec: RunSpec, out_dir: str, reward: Callable):
         return trainer, steps_per_rollout
     from trl_vapo import VAPOConfig, VAPOTrainer
 
-    config = {**recipe, **overrides}
+    config = {**recipe, **overrides, **(extra or {})}
     pretrain = config["value_pretrain_steps"]
     config.pop("learning_rate")
     rl_steps_per_rollout = steps_per_rollout * config.get("critic_num_iterations", 1)

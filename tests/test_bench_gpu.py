@@ -42,3 +42,18 @@ def test_gpu_benchmark_smoke_prints_the_split_and_the_ratios(tmp_path):
     assert vapo["trainable"] > grpo["trainable"]  # the critic adapter and value head
     assert rows["grpo-lora"][-2:] == ["1.00x", "1.00x"]
     assert rows["vapo-lora"][-2] == f"{vapo['step_s'] / grpo['step_s']:.2f}x"
+
+
+def test_logits_memory_measures_each_log_prob_path():
+    """`--logits-memory`'s worker, in this process at the smallest shape: every path runs forward and backward."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_gpu import LOGPROB_PATHS, logits_memory_table, logits_memory_worker
+
+    records = {}
+    for path in LOGPROB_PATHS:
+        opts = argparse.Namespace(method=path, size="smoke", micro_batch=1, completion_length=4)
+        records[("smoke", path)] = logits_memory_worker(opts)
+        assert records[("smoke", path)]["logits_bytes"] == 4 * 151936 * 2
+    assert "fp32-log-softmax" in logits_memory_table(records)

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
-from ._compat import entropy_from_logits, get_config_model_id, selective_log_softmax
+from ._compat import get_config_model_id
+from .core import token_logprobs_and_entropy
 
 logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
 
@@ -152,15 +153,11 @@ def completion_logprobs(
         logits_to_keep=completion_length + 1,
         use_cache=False,
     ).logits
-    logits = logits[:, :-1, :].float()  # the logits at position p predict token p + 1
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = selective_log_softmax(logits, input_ids[:, -completion_length:])
-    if not with_entropy:
-        return logprobs
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits)
-    return logprobs, entropy
+    # The logits at position p predict token p + 1; they stay in the model's dtype (fp32 maths happens in chunks).
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits[:, :-1, :], input_ids[:, -completion_length:], temperature, with_entropy
+    )
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
 class ActorCritic(nn.Module):

@@ -1,0 +1,222 @@
+"""Can the critic learn? Value pretraining alone, with the policy frozen, probed rollout by rollout.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_critic.py --jobs 2          # every probe, then the table
+    .venv/bin/python benchmarks/bench_critic.py --quick --out /tmp/critic            # smoke test, < 1 minute
+
+``bench_learning.py`` found the critic's explained variance near 0 after value pretraining and through RL, on both
+tasks. This benchmark asks whether that is the task or the critic. Each probe trains the critic of the learning
+benchmark's VAPO recipe (the chains task's cold-start model, tuning seed 1000: this is tuning, never reported) for
+``--rollouts`` value-pretraining rollouts of 64 samples with one critic setting, and records on every rollout,
+*before* the critic trains on it (so on samples it has never seen):
+
+* ``ev``: the critic's explained variance of the returns, what the trainer logs as ``value/explained_variance``;
+* ``oracle_ev``: the explained variance reached by a critic that knows one thing, whether a step of the chain has
+  already slipped (``trl_vapo.demo.chains.first_wrong_index``), and predicts the mean return of its class: a lower
+  bound on what a critic able to check the arithmetic would reach, so the room a critic has on this task;
+* ``drop_at_slip``: the mean change of the value across the decisive token of wrong chains, V(s_{w+1}) - V(s_w), and
+  ``mean_abs_step`` the mean |V(s_{t+1}) - V(s_t)| elsewhere: a critic that locates slips drops there.
+
+The table gives each statistic averaged over the last five rollouts and the best five-rollout mean of ``ev``;
+``--out`` also gets the per-rollout records (JSON) and ``critic_probe.png`` (five-rollout means against rollouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_learning as bl  # noqa: E402
+
+# name: VAPOConfig fields of the critic. Value pretraining makes num_iterations passes over each rollout.
+PROBES: dict[str, dict] = {
+    "lr1e-3": {"critic_learning_rate": 1e-3},  # the learning benchmark's recipe
+    "lr3e-4": {"critic_learning_rate": 3e-4},
+    "lr3e-3": {"critic_learning_rate": 3e-3},
+    "lr1e-3-x4": {"critic_learning_rate": 1e-3, "num_iterations": 4, "critic_num_iterations": 4},
+}
+TUNING_SEED = 1000
+LAST = 5  # the table averages the last five rollouts
+
+
+def probe_stats(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    first_wrong: Sequence[int | None],
+) -> dict[str, float]:
+    """One rollout's statistics (see the module docstring). ``values``, ``returns``, ``mask``: ``[N, C]``, V(s_t)
+    read before token t; ``first_wrong[i]``: index of completion i's decisive token, None when it has none."""
+    from trl_vapo.core import explained_variance
+
+    mask = mask.float()
+    slipped = torch.zeros_like(mask)
+    drops, steps = [], []
+    for i, wrong_at in enumerate(first_wrong):
+        length = int(mask[i].sum())
+        v = values[i, :length].float()
+        step = (v[1:] - v[:-1]).abs()
+        if wrong_at is not None and wrong_at + 1 < length:
+            slipped[i, wrong_at + 1 : length] = 1.0
+            drops.append(float(v[wrong_at + 1] - v[wrong_at]))
+            step = torch.cat([step[:wrong_at], step[wrong_at + 1 :]])
+        steps += step.tolist()
+    oracle = torch.zeros_like(returns, dtype=torch.float32)
+    for group in (slipped, (1 - slipped) * mask):
+        group = group * mask
+        if group.sum() > 0:
+            oracle += group * ((returns.float() * group).sum() / group.sum())
+    return {
+        "ev": float(explained_variance(values, returns, mask)),
+        "oracle_ev": float(explained_variance(oracle, returns, mask)),
+        "drop_at_slip": statistics.mean(drops) if drops else math.nan,
+        "mean_abs_step": statistics.mean(steps) if steps else math.nan,
+        "slipped_share": float((slipped * mask).sum() / mask.sum()),
+        "reward": float(returns[:, 0].mean()),
+    }
+
+
+class Probe(TrainerCallback):
+    """Records ``probe_stats`` of every value-pretraining rollout, as the trainer built it (before any update)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.records: list[dict[str, float]] = []
+
+    def on_rollout(self, args, state, control, *, rollout, rows, **kwargs):
+        if rollout.phase != "value_pretrain":
+            return control
+        from trl_vapo.demo.chains import first_wrong_index
+
+        lengths = rollout.lengths.tolist()
+        texts = bl.completion_texts(self.tokenizer, rollout.completion_ids, lengths)
+        first_wrong = [first_wrong_index(row["prompt"], text) for row, text in zip(rows, texts)]
+        self.records.append(probe_stats(rollout.old_values, rollout.returns, rollout.loss_mask, first_wrong))
+        return control
+
+
+def run_probe(name: str, rollouts: int) -> list[dict[str, float]]:
+    """Value-pretrain the chains critic with probe ``name`` for ``rollouts`` rollouts; one record per rollout."""
+    torch.set_num_threads(1)
+    from trl_vapo.rewards import math_reward
+
+    extra = dict(PROBES[name])
+    actor_lr = 1e-4  # unused: the policy is frozen while the critic pretrains
+    spec = bl.RunSpec(
+        stage="tune", task="chains", method="vapo", seed=TUNING_SEED, learning_rate=actor_lr, rollouts=rollouts + 1,
+        eval_every=rollouts, eval_k=1, eval_problems=0, eval_set="validation", value_pretrain_steps=rollouts,
+        critic_lr_ratio=extra.pop("critic_learning_rate") / actor_lr,
+    )  # fmt: skip
+    out_dir = tempfile.mkdtemp(prefix=f"bench_critic_{name}_")
+    trainer, _ = bl.build_trainer(spec, out_dir, math_reward, extra)
+    probe = Probe(trainer.processing_class)
+    trainer.add_callback(probe)
+    trainer.train()  # the rollouts of value pretraining, then one RL rollout
+    return probe.records
+
+
+def window_means(series: Sequence[float], width: int = LAST) -> list[float]:
+    """Mean of each reading with the ``width - 1`` before it (fewer at the start)."""
+    return [statistics.mean(series[max(0, i - width + 1) : i + 1]) for i in range(len(series))]
+
+
+def summarize(records: dict[str, list[dict]]) -> str:
+    keys = ("ev", "oracle_ev", "drop_at_slip", "mean_abs_step", "slipped_share")
+    lines = [
+        f"chains, value pretraining only (policy frozen), tuning seed {TUNING_SEED}: each statistic averaged over the "
+        f"last {LAST} rollouts, measured before the critic trains on them; 'best ev' the highest {LAST}-rollout mean "
+        "and the rollout it ends at",
+        f"{'probe':<12}{'rollouts':>9}" + "".join(f"{k:>15}" for k in keys) + f"{'best ev':>10}{'at':>5}",
+    ]
+    for name, runs in records.items():
+        tail = runs[-LAST:]
+        means = [statistics.mean(r[k] for r in tail if not math.isnan(r[k])) for k in keys]
+        smoothed = window_means([r["ev"] for r in runs])
+        best = max(range(len(smoothed)), key=smoothed.__getitem__)
+        lines.append(
+            f"{name:<12}{len(runs):>9}"
+            + "".join(f"{m:>15.3f}" for m in means)
+            + f"{smoothed[best]:>10.3f}{best + 1:>5d}"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, runs in records.items():
+        ax.plot(range(1, len(runs) + 1), window_means([r["ev"] for r in runs]), label=name)
+    oracle = [statistics.mean(r["oracle_ev"] for r in runs) for runs in zip(*records.values())]
+    ax.plot(range(1, len(oracle) + 1), window_means(oracle), "k--", label="oracle (knows if a step slipped)")
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xlabel("value-pretraining rollout (64 samples each)")
+    ax.set_ylabel(f"explained variance on the fresh rollout\n(mean of the last {LAST} rollouts)")
+    ax.set_title("chains: can the critic learn? (policy frozen)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "critic")
+    parser.add_argument("--probes", help="comma-separated subset of " + ",".join(PROBES))
+    parser.add_argument("--rollouts", type=int, default=30, help="value-pretraining rollouts of 64 per probe")
+    parser.add_argument("--jobs", type=int, default=1, help="probes at once (one thread each)")
+    parser.add_argument("--quick", action="store_true", help="one probe, 2 rollouts")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        path = args.out / f"{args.worker}.json"
+        path.write_text(json.dumps(run_probe(args.worker, args.rollouts)))
+        return 0
+    names = args.probes.split(",") if args.probes else list(PROBES)
+    if args.quick:
+        names, args.rollouts = names[:1], 2
+    unknown = sorted(set(names) - set(PROBES))
+    if unknown:
+        parser.error(f"unknown probes {unknown}; choose from {', '.join(PROBES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def launch(name: str) -> int:
+        if (args.out / f"{name}.json").exists():
+            return 0
+        cmd = [sys.executable, __file__, "--worker", name, "--rollouts", str(args.rollouts), "--out", str(args.out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(args.out / f"{name}.log", "w") as log:
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        failed = [n for n, rc in zip(names, pool.map(launch, names)) if rc != 0]
+    if failed:
+        print(f"probes failed: {failed}; see their .log in {args.out}", file=sys.stderr)
+        return 1
+    records = {n: json.loads((args.out / f"{n}.json").read_text()) for n in names}
+    table = summarize(records)
+    (args.out / "table.txt").write_text(table + "\n")
+    plot(records, args.out / "critic_probe.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The critic probe (``benchmarks/bench_critic.py``): its statistics against a direct computation, and a ``--quick``
+run of the real thing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_critic import probe_stats  # noqa: E402
+
+
+def test_probe_stats_match_a_direct_computation():
+    # Three completions: wrong with its decisive token at index 1 (length 4), correct (length 3), wrong but cut
+    # before its slip could be located (length 2, no decisive token known).
+    values = torch.tensor([[0.0, 0.1, -0.7, -0.9], [0.2, 0.4, 0.8, 9.0], [0.0, -0.2, 9.0, 9.0]])
+    returns = torch.tensor([[-1.0] * 4, [1.0] * 4, [-1.0] * 4])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
+    stats = probe_stats(values, returns, mask, [1, None, None])
+
+    valid = mask.bool()
+    g, v = returns[valid], values[valid]
+    assert stats["ev"] == pytest.approx(float(1 - (g - v).var(unbiased=False) / g.var(unbiased=False)), abs=1e-6)
+    # Slipped: row 0 at t = 2, 3 (returns -1, -1). Not yet: the other 7 tokens, returns -1, -1 | 1, 1, 1 | -1, -1.
+    p = -1 / 7
+    oracle = torch.tensor([p, p, -1.0, -1.0, p, p, p, p, p])
+    assert stats["oracle_ev"] == pytest.approx(float(1 - (g - oracle).var(unbiased=False) / g.var(unbiased=False)))
+    assert stats["drop_at_slip"] == pytest.approx(-0.8)  # V(s_2) - V(s_1)
+    # |steps| elsewhere: row 0 (0.1, 0.2), row 1 (0.2, 0.4), row 2 (0.2)
+    assert stats["mean_abs_step"] == pytest.approx((0.1 + 0.2 + 0.2 + 0.4 + 0.2) / 5)
+    assert stats["slipped_share"] == pytest.approx(2 / 9)
+
+
+def test_quick_probe_trains_the_critic_and_writes_the_table(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_critic.py"), "--quick", "--out", str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    records = json.loads((tmp_path / "lr1e-3.json").read_text())
+    assert len(records) == 2  # one per value-pretraining rollout
+    assert all(-5 < r["ev"] <= 1 and 0 <= r["oracle_ev"] <= 1 and 0 < r["slipped_share"] < 1 for r in records)
+    assert "lr1e-3" in (tmp_path / "table.txt").read_text()
+    assert (tmp_path / "critic_probe.png").stat().st_size > 10_000
