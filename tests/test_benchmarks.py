@@ -1,8 +1,9 @@
-"""The CPU benchmarks' own code, run at the smallest size so they cannot rot: `bench_generation.py --quick` and a
-two-step `bench_trainer.py` with each generation engine."""
+"""The CPU benchmarks' own code, run at the smallest size so they cannot rot: `bench_generation.py --quick`, a
+two-step `bench_trainer.py` with each generation engine, and `bench_critic.py --quick`."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,3 +54,12 @@ def test_trainer_benchmark_runs_both_trainers_with_each_engine(engine):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("VAPO ", "GRPO "))}
     assert set(rows) == {"VAPO", "GRPO"}
     assert rows["GRPO"][4] == "1.00x" and float(rows["VAPO"][-1]) > 0  # the ratio column and generation tokens/s
+
+
+def test_quick_probe_trains_the_critic_and_writes_the_table(tmp_path):
+    run("bench_critic.py", "--quick", "--out", str(tmp_path))
+    records = json.loads((tmp_path / "lr1e-3.json").read_text())
+    assert len(records) == 2  # one per value-pretraining rollout
+    assert all(-5 < r["ev"] <= 1 and 0 <= r["oracle_ev"] <= 1 and 0 < r["slipped_share"] < 1 for r in records)
+    assert "lr1e-3" in (tmp_path / "table.txt").read_text()
+    assert (tmp_path / "critic_probe.png").stat().st_size > 10_000

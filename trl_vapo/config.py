@@ -287,9 +287,10 @@ class VAPOConfig(TrainingArguments):
     critic_num_iterations: int | None = field(
         default=None,
         metadata={
-            "help": "Passes of the critic over each rollout, at least `num_iterations` (default: equal to it). The "
+            "help": "Passes of the critic over each RL rollout, at least `num_iterations` (default: equal to it). The "
             "passes beyond `num_iterations` are critic-only optimizer steps (counted in `max_steps`): more critic "
-            "training per sample, without new samples, as Open-Reasoner-Zero does."
+            "training per sample, without new samples, as Open-Reasoner-Zero does. Value pretraining makes "
+            "`num_iterations` passes over each of its rollouts."
         },
     )
     epsilon: float = field(
