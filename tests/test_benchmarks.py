@@ -1,5 +1,5 @@
 """The CPU benchmarks' own code, run at the smallest size so they cannot rot: `bench_generation.py --quick`, a
-two-step `bench_trainer.py` with each generation engine, and `bench_critic.py --quick`."""
+two-step `bench_trainer.py` (generate engine), and `bench_critic.py --quick`."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_generation_benchmark_quick_compares_the_engines():
     assert all(int(row[-2].replace(",", "")) > 0 for row in rows)  # tokens per second
 
 
-@pytest.mark.parametrize("engine", ["generate", "continuous_batching"])
+@pytest.mark.parametrize("engine", ["generate"])  # continuous batching: 67 s here, covered by test_engines.py
 def test_trainer_benchmark_runs_both_trainers_with_each_engine(engine):
     out = run(
         "bench_trainer.py",
