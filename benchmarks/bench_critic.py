@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -201,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         if (args.out / f"{name}.json").exists():
             return 0
         cmd = [sys.executable, __file__, "--worker", name, "--rollouts", str(args.rollouts), "--out", str(args.out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(args.out / f"{name}.log", "w") as log:
-            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=bl.worker_env()).returncode
 
     with ThreadPoolExecutor(args.jobs) as pool:
         failed = [n for n, rc in zip(names, pool.map(launch, names)) if rc != 0]

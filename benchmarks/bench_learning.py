@@ -869,10 +869,9 @@ def _reporting_choice(task: str, method: str, chosen: dict | None) -> tuple[floa
     return choice["learning_rate"], choice["variant"]
 
 
-def _launch(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
-    path = spec.path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    env = {
+def worker_env() -> dict[str, str]:
+    """The environment of a benchmark worker process: one thread, offline, quiet."""
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
@@ -881,10 +880,15 @@ def _launch(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
         "TRANSFORMERS_VERBOSITY": "error",
         "HF_HUB_OFFLINE": "1",
     }
+
+
+def _launch(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
+    path = spec.path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--worker", json.dumps(asdict(spec)), "--result", str(path)]
     began = time.time()
     with open(path.with_suffix(".log"), "w") as log:
-        proc = subprocess.run(cmd, check=False, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, check=False, env=worker_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return spec, proc.returncode == 0, time.time() - began
 
 
