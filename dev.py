@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
-"""Set up a virtual environment and run the demo or the tests.
+"""Set up a virtual environment with the tested set of dependencies, and run the demo or the tests.
 
     python3 dev.py demo [args...]   # the main job: the offline VAPO demo (`trl-vapo train`; args override it)
     python3 dev.py test [args...]   # ruff, then the test suite (extra args go to pytest)
+    python3 dev.py setup            # only create or update .venv
+    python3 dev.py upgrade [args]   # re-resolve the newest releases within pyproject.toml's ranges in a scratch venv,
+                                    # run the suite there, and rewrite constraints.txt only if it passes
 
-Needs nothing but Python 3.10+. The first run creates `.venv`, installs PyTorch when none is importable
-(`torch==2.13.0`), then this package with its `dev` extra. Later runs skip every step that is already done.
+Needs nothing but Python 3.10+. The first run creates `.venv`, installs PyTorch (the version `constraints.txt` pins;
+installed on its own so that no dependency pulls in another build), then this package with its `dev` extra, every
+package pinned by `constraints.txt`: the set the suite last passed with. Later runs skip every step already done.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -19,57 +26,156 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
-STAMP = VENV / ".trl-vapo-install-stamp"
-TORCH_SPEC = "torch==2.13.0"
+UPGRADE_VENV = ROOT / ".venv-upgrade"
+LOCK = ROOT / "constraints.txt"
+LOCK_PYTHON = "# python: "  # the header line naming the interpreter the lock was resolved and tested on
 
 
-def _run(*cmd: str | Path) -> None:
+def bin_dir(env: Path) -> Path:
+    return env / ("Scripts" if os.name == "nt" else "bin")
+
+
+def python_of(env: Path) -> Path:
+    return bin_dir(env) / ("python.exe" if os.name == "nt" else "python")
+
+
+def _run(*cmd: str | Path, check: bool = True) -> int:
     print("+", " ".join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
+    return subprocess.run([str(c) for c in cmd], check=check, cwd=ROOT).returncode
 
 
-def _install_fingerprint() -> str:
-    # Reinstall only when the declared dependencies or the interpreter change.
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
-    digest.update(sys.version.encode())
-    return digest.hexdigest()
+def python_tag() -> str:
+    return f"{sys.implementation.name} {sys.version_info.major}.{sys.version_info.minor}"
+
+
+def canonical_name(name: str) -> str:
+    """A distribution's normalised name (PEP 503): `PyYAML` and `pyyaml`, `math_verify` and `math-verify` are one."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def parse_pins(text: str) -> dict[str, str]:
+    """`{name: version}` of the `name==version` lines of a constraints file or of `pip freeze`'s output.
+
+    A local label (`2.13.0+cpu`) names where a wheel came from, not a release, and `==2.13.0` matches it: dropped.
+    """
+    pins = {}
+    for line in text.splitlines():
+        name, sep, pinned = line.split("#", 1)[0].partition("==")
+        if sep:
+            pins[canonical_name(name)] = pinned.strip().split("+", 1)[0]
+    return pins
+
+
+def read_lock(path: Path = LOCK) -> dict[str, str]:
+    return parse_pins(path.read_text())
+
+
+def lock_python(path: Path = LOCK) -> str:
+    """The interpreter the lock was resolved and tested on (its `# python: ` header line)."""
+    header = [line for line in path.read_text().splitlines() if line.startswith(LOCK_PYTHON)]
+    return header[0][len(LOCK_PYTHON) :].strip() if header else "unknown"
+
+
+def torch_spec() -> str:
+    # Pinned even where the rest of the lock does not apply: an unpinned `torch` on Linux is the multi-GB CUDA build.
+    return f"torch=={read_lock()['torch']}"
+
+
+def install(env: Path, constraints: Path | None) -> None:
+    """Create `env` if needed, install torch first on its own, then this package with its `dev` extra."""
+    python = python_of(env)
+    if not python.exists():
+        print(f"creating virtual environment in {env}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(env)
+    if subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0:
+        _run(python, "-m", "pip", "install", "--quiet", torch_spec())
+    pin = ["-c", str(constraints)] if constraints else []
+    _run(python, "-m", "pip", "install", "--quiet", *pin, "-e", ".[dev]")
 
 
 def setup() -> None:
-    if not PYTHON.exists():
-        print(f"creating virtual environment in {VENV}", flush=True)
-        venv.EnvBuilder(with_pip=True).create(VENV)
-    has_torch = subprocess.run([str(PYTHON), "-c", "import torch"], capture_output=True).returncode == 0
-    if not has_torch:
-        # Install torch on its own first: an unpinned `torch` pulled in by a dependency would fetch the CUDA build.
-        _run(PYTHON, "-m", "pip", "install", "--quiet", TORCH_SPEC)
-    fingerprint = _install_fingerprint()
-    if not STAMP.exists() or STAMP.read_text() != fingerprint:
-        _run(PYTHON, "-m", "pip", "install", "--quiet", "-e", ".[dev]")
-        STAMP.write_text(fingerprint)
+    stamp = VENV / ".trl-vapo-install-stamp"
+    # On another interpreter some pins may have no wheel: there the dependencies resolve within the ranges.
+    applies = lock_python() == python_tag()
+    # Reinstall only when the declared dependencies, the lock or the interpreter change.
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + LOCK.read_bytes())
+    digest.update(f"{sys.version} {applies}".encode())
+    if stamp.exists() and stamp.read_text() == digest.hexdigest():
+        return
+    if not applies:
+        print(
+            f"note: {LOCK.name} was tested on {lock_python()}; on {python_tag()} the dependencies resolve within "
+            "pyproject.toml's ranges instead",
+            flush=True,
+        )
+    install(VENV, LOCK if applies else None)
+    stamp.write_text(digest.hexdigest())
+
+
+def run_checks(python: Path, pytest_args: list[str]) -> int:
+    """`ruff check .` (seconds, so that the code stays ruff-clean), then the test suite."""
+    if _run(python, "-m", "ruff", "check", ".", check=False) != 0:
+        return 1
+    return _run(python, "-m", "pytest", *pytest_args, check=False)
+
+
+def freeze(python: Path) -> dict[str, str]:
+    """The pins of everything installed in `python`'s environment but this package."""
+    command = [str(python), "-m", "pip", "freeze", "--exclude-editable"]
+    return parse_pins(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+
+def write_lock(pins: dict[str, str], path: Path = LOCK) -> None:
+    lines = [
+        "# The tested set: every package `pip install -e .[dev]` pulls in, pinned. `python3 dev.py demo|test|setup`",
+        "# install with `-c constraints.txt`. Written by `python3 dev.py upgrade` only after ruff and the whole suite",
+        "# passed with exactly these versions; do not edit it by hand, except torch's pin (then run the upgrade).",
+        f"{LOCK_PYTHON}{python_tag()}",
+        f"# platform: {sys.platform} {platform.machine()}",
+        *(f"{name}=={pins[name]}" for name in sorted(pins)),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def moved_packages(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """One line per package whose pin changed, appeared or went, in name order."""
+    lines = []
+    for name in sorted(old.keys() | new.keys()):
+        if old.get(name) != new.get(name):
+            lines.append(f"{name} {old.get(name, '(new)')} -> {new.get(name, '(gone)')}")
+    return lines
+
+
+def upgrade(pytest_args: list[str]) -> int:
+    """Newest releases within pyproject.toml's ranges (torch: the lock's pin), tested in a scratch venv."""
+    if UPGRADE_VENV.exists():
+        shutil.rmtree(UPGRADE_VENV)
+    install(UPGRADE_VENV, None)
+    python = python_of(UPGRADE_VENV)
+    if run_checks(python, pytest_args) != 0:
+        print(f"upgrade: the suite failed on the newest releases; {LOCK.name} is unchanged ({UPGRADE_VENV} kept)")
+        return 1
+    old, new = read_lock(), freeze(python)
+    write_lock(new)
+    moved = moved_packages(old, new)
+    print(f"upgrade: the suite passed; {LOCK.name} rewritten, {len(moved)} package(s) moved", *moved, sep="\n  ")
+    shutil.rmtree(UPGRADE_VENV)
+    return 0
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "setup"):
+    if not argv or argv[0] not in ("demo", "test", "setup", "upgrade"):
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
+    if command == "upgrade":
+        return upgrade(rest)
     setup()
-    if command == "setup":
-        return 0
     if command == "demo":
-        cmd = [str(BIN / "trl-vapo"), "train", *rest]
-    else:
-        # Lint first (seconds), so that the code stays ruff-clean; then the test suite.
-        lint = [str(PYTHON), "-m", "ruff", "check", "."]
-        print("+", " ".join(lint), flush=True)
-        if subprocess.run(lint, cwd=ROOT).returncode != 0:
-            return 1
-        cmd = [str(PYTHON), "-m", "pytest", *rest]
-    print("+", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT).returncode
+        return _run(bin_dir(VENV) / "trl-vapo", "train", *rest, check=False)
+    if command == "test":
+        return run_checks(python_of(VENV), rest)
+    return 0
 
 
 if __name__ == "__main__":
