@@ -6,6 +6,7 @@
     python3 dev.py setup            # only create or update .venv
     python3 dev.py upgrade [args]   # re-resolve the newest releases within pyproject.toml's ranges in a scratch venv,
                                     # run the suite there, and rewrite constraints.txt only if it passes
+    python3 dev.py lowest [args]    # the same with every direct dependency at its lower bound: are the bounds true?
 
 Needs nothing but Python 3.10+. The first run creates `.venv`, installs PyTorch (the version `constraints.txt` pins;
 installed on its own so that no dependency pulls in another build), then this package with its `dev` extra, every
@@ -81,7 +82,7 @@ def torch_spec() -> str:
     return f"torch=={read_lock()['torch']}"
 
 
-def install(env: Path, constraints: Path | None) -> None:
+def install(env: Path, constraints: Path | None, with_dependencies: bool = True) -> None:
     """Create `env` if needed, install torch first on its own, then this package with its `dev` extra."""
     python = python_of(env)
     if not python.exists():
@@ -89,6 +90,9 @@ def install(env: Path, constraints: Path | None) -> None:
         venv.EnvBuilder(with_pip=True).create(env)
     if subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0:
         _run(python, "-m", "pip", "install", "--quiet", torch_spec())
+    if not with_dependencies:
+        _run(python, "-m", "pip", "install", "--quiet", "--no-deps", "-e", ".")
+        return
     pin = ["-c", str(constraints)] if constraints else []
     _run(python, "-m", "pip", "install", "--quiet", *pin, "-e", ".[dev]")
 
@@ -146,6 +150,46 @@ def moved_packages(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return lines
 
 
+def lower_bounds(requirements: list[str], extra: str = "dev") -> dict[str, str]:
+    """`{name: version}` of the `>=` (or `==`) bound of each requirement line, core ones and those of `extra`."""
+    pins = {}
+    for line in requirements:
+        spec, _, marker = line.partition(";")
+        if "extra" in marker and f'"{extra}"' not in marker:
+            continue
+        name = re.match(r"[A-Za-z0-9._-]+", spec.strip()).group()
+        bound = re.search(r"(?:>=|==)\s*([^,;\s]+)", spec)
+        if bound:
+            pins[canonical_name(name)] = bound.group(1)
+    return pins
+
+
+def lowest(pytest_args: list[str]) -> int:
+    """Every direct dependency at its lower bound (torch: the lock's pin), tested in a scratch venv."""
+    if UPGRADE_VENV.exists():
+        shutil.rmtree(UPGRADE_VENV)
+    install(UPGRADE_VENV, None, with_dependencies=False)
+    python = python_of(UPGRADE_VENV)
+    declared = subprocess.run(
+        [str(python), "-c", "from importlib.metadata import requires; print(*requires('trl-vapo'), sep='\\n')"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    pins = {**lower_bounds(declared), "torch": read_lock()["torch"]}
+    constraints = UPGRADE_VENV / "lower-bounds.txt"
+    constraints.write_text("".join(f"{name}=={pins[name]}\n" for name in sorted(pins)))
+    try:
+        install(UPGRADE_VENV, constraints)
+    except subprocess.CalledProcessError:
+        print(f"lowest: pip cannot install these bounds together ({constraints}); raise the bound its message names")
+        return 1
+    result = run_checks(python, pytest_args)
+    verdict = "passed" if result == 0 else f"FAILED (the scratch venv is kept: {UPGRADE_VENV})"
+    print(f"lowest: the suite {verdict} with", *(f"{n}=={pins[n]}" for n in sorted(pins)), sep="\n  ")
+    return result
+
+
 def upgrade(pytest_args: list[str]) -> int:
     """Newest releases within pyproject.toml's ranges (torch: the lock's pin), tested in a scratch venv."""
     if UPGRADE_VENV.exists():
@@ -164,12 +208,12 @@ def upgrade(pytest_args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "setup", "upgrade"):
+    if not argv or argv[0] not in ("demo", "test", "setup", "upgrade", "lowest"):
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
-    if command == "upgrade":
-        return upgrade(rest)
+    if command in ("upgrade", "lowest"):
+        return upgrade(rest) if command == "upgrade" else lowest(rest)
     setup()
     if command == "demo":
         return _run(bin_dir(VENV) / "trl-vapo", "train", *rest, check=False)
