@@ -177,3 +177,7 @@ def test_a_local_run_makes_no_network_call(tiny_model_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert not log.exists(), f"network calls: {log.read_text()}"
+    # A quiet console too: deepspeed (installed here, unused by this run) is imported by accelerate while the Trainer
+    # is built, and logged "Setting accelerator to CPU. If you have GPU ..." on every run before trl_vapo hushed it.
+    console = result.stdout + result.stderr
+    assert "accelerator" not in console and "DeepSpeed" not in console, console[:2000]

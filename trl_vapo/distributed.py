@@ -19,10 +19,42 @@ and each parameter's ``_hp_mapping`` fragment (ZeRO-1/2, what DeepSpeed's own ``
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+
+def uses_deepspeed(args) -> bool:
+    """DeepSpeed is configured for this run: in the training arguments, or by `accelerate launch --use_deepspeed`."""
+    return args.deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+
+
+@contextlib.contextmanager
+def deepspeed_quiet_unless_used(used: bool) -> Iterator[None]:
+    """Keep DeepSpeed's import-time notices off the console of a run that does not use DeepSpeed.
+
+    accelerate imports deepspeed whenever it is installed (`extract_model_from_parallel`, called while transformers'
+    Trainer is built), and that import logs its accelerator detection ("Setting accelerator to CPU. If you have GPU
+    ..."), noise for a run that never uses it. Meanwhile the "DeepSpeed" logger passes only errors; a run that uses
+    DeepSpeed, or a process that imported it already, sees everything as DeepSpeed logs it.
+    """
+    if used or "deepspeed" in sys.modules:
+        yield
+        return
+    ds_logger = logging.getLogger("DeepSpeed")  # the logger `deepspeed.utils.logging` creates on import
+
+    def errors_only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+    ds_logger.addFilter(errors_only)
+    try:
+        yield
+    finally:
+        ds_logger.removeFilter(errors_only)
 
 
 @contextlib.contextmanager

@@ -54,8 +54,10 @@ from .distributed import (
     check_distributed_setup,
     clip_deepspeed_gradients_,
     deepspeed_local_gradients,
+    deepspeed_quiet_unless_used,
     fsdp2_unsharded,
     reset_adam_step,
+    uses_deepspeed,
     whole_models_under_zero3,
 )
 from .generation import (
@@ -185,14 +187,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if keep_trainable_weights_in_float32(actor_critic):
             logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
 
-        super().__init__(
-            model=actor_critic,
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=tokenizer,
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
+        with deepspeed_quiet_unless_used(uses_deepspeed(args)):
+            super().__init__(
+                model=actor_critic,
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=tokenizer,
+                callbacks=callbacks,
+                optimizers=optimizers,
+            )
         check_distributed_setup(self.accelerator, args)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
