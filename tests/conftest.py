@@ -15,6 +15,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch thread per xdist worker (and per process it starts): two workers of two threads each on two cores
+    # thrash, and the in-process demo test ran 6x slower than alone.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
