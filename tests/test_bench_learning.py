@@ -351,18 +351,10 @@ def test_quick_prints_the_table_and_writes_the_plots(quick_run):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
-def test_quick_resumes_without_rerunning_finished_runs(quick_run):
+def test_quick_resumes_without_rerunning_finished_runs(quick_run, capsys):
+    """The driver again on the same output, in this process (the quick_run fixture ran it as a script)."""
     out, _ = quick_run
     before = {p: p.stat().st_mtime for p in out.glob("report/*/*/*.json")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        check=False,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4 of 4 runs already done; running 0" in proc.stdout
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    assert "4 of 4 runs already done; running 0" in capsys.readouterr().out
     assert before == {p: p.stat().st_mtime for p in out.glob("report/*/*/*.json")}

@@ -80,25 +80,36 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
     return train(tiny_model_dir, tmp_path_factory.mktemp("plain"), 1, "--save-final", "--save-steps", "100")
 
 
+@pytest.fixture(scope="module")
+def zero3_two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
+    """ZeRO-3 on two processes, with a checkpoint after the first RL rollout (step 6) and the final weights: one
+    launch that the comparison with the plain run and the resume test both read (a checkpoint changes no update)."""
+    run = tmp_path_factory.mktemp("zero3-2")
+    return train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-final", "--save-steps", "6")
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("processes", [1, 2])
 def test_deepspeed_steps_once_per_trainer_step_and_matches_the_run_without_it(
-    tiny_model_dir, tmp_path, reference, processes, stage
+    tiny_model_dir, tmp_path, reference, zero3_two_ranks, processes, stage
 ):
-    run = train(
-        tiny_model_dir, tmp_path / "ds", processes, "--deepspeed", str(stage), "--save-final", "--save-steps", "100"
-    )
+    if (processes, stage) == (2, 3):
+        run = zero3_two_ranks
+    else:
+        extra = ("--deepspeed", str(stage), "--save-final", "--save-steps", "100")
+        run = train(tiny_model_dir, tmp_path / "ds", processes, *extra)
     steps = json.loads((run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
     assert_same_training(run, reference)
 
 
-def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference):
+def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_two_ranks):
     """ZeRO-3 on two processes, stopped after the first RL rollout and resumed from its checkpoint."""
     run = tmp_path / "ds"
-    train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "6")
+    shutil.copytree(zero3_two_ranks, run)
     assert (run / "checkpoint-6" / "deepspeed").is_dir()
     shutil.rmtree(run / "checkpoint-8", ignore_errors=True)  # written at the end of the first run
+    shutil.rmtree(run / "final")  # so that the weights compared below are the resumed run's
     (run / "logs-rank0.jsonl").rename(run / "first-rank0.jsonl")
     train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "100", "--resume", "--save-final")
     resumed = step_logs(run)
