@@ -141,35 +141,71 @@ def run_cli(*args, cwd=None):
     return subprocess.run([TRL_VAPO, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--bogus_flag", "1"], "--bogus_flag"),
-        (["--prompt_column", "problem"], "'problem'"),
-        (["--answer_column", "solution"], "'solution'"),
-        (["--lam_actor", "1.5"], "lam_actor"),
-        (["--reward_funcs", "no_such_reward"], "no_such_reward"),
-        (["--dataset_preset", "aime"], "aime"),
-    ],
-)
-def test_bad_input_is_a_one_line_error_naming_it(tiny_model_dir, jsonl_data, tmp_path, args, needle):
-    result = run_cli(
-        "train",
-        "--model_name_or_path",
-        str(tiny_model_dir),
-        "--dataset_name",
-        str(jsonl_data),
-        "--prompt_column",
-        "question",
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--report_to",
-        "none",
-        *args,
+BAD_INPUT = [
+    (["--bogus_flag", "1"], "--bogus_flag"),
+    (["--prompt_column", "problem"], "'problem'"),
+    (["--answer_column", "solution"], "'solution'"),
+    (["--lam_actor", "1.5"], "lam_actor"),
+    (["--reward_funcs", "no_such_reward"], "no_such_reward"),
+    (["--dataset_preset", "aime"], "aime"),
+]
+
+# Runs `trl-vapo train` once per case in one process: it imports what the command imports once, then forks one
+# child per case, whose stdout and stderr go to that case's own files. What the
+# imports print lands in this process's stderr, which every case counts with its own: the lines of each case are
+# exactly those a separate `trl-vapo train` process would print, at one process start instead of six.
+_BAD_INPUT_DRIVER = """
+import json, logging, os, sys
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # what cli.main does before any import
+import datasets, torch, transformers, trl  # noqa: F401
+from accelerate.commands.launch import launch_command_parser  # noqa: F401
+from trl_vapo import cli, config, data, rewards, trainer  # noqa: F401
+from trl_vapo.cli import main
+cases, out = json.loads(sys.argv[1]), sys.argv[2]
+for i, args in enumerate(cases):
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(f"{out}/{i}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        try:
+            code = main(args)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    with open(f"{out}/{i}.code", "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad-input")
+    common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
+    common += ["--prompt_column", "question", "--report_to", "none"]
+    cases = [[*common, "--output_dir", str(out / f"run{i}"), *args] for i, (args, _) in enumerate(BAD_INPUT)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    driver = subprocess.run(
+        [sys.executable, "-c", _BAD_INPUT_DRIVER, json.dumps(cases), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=out,
+        env=env,
+        timeout=300,
     )
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    return out, driver.stderr
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[args[0] for args, _ in BAD_INPUT])
+def test_bad_input_is_a_one_line_error_naming_it(bad_input_runs, case):
+    out, imports_output = bad_input_runs
+    needle = BAD_INPUT[case][1]
+    stderr = imports_output + (out / f"{case}.stderr").read_text()
+    assert int((out / f"{case}.code").read_text()) == 2, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("trl-vapo train: error:") and needle in lines[0]
     if "column" in lines[0]:
         assert "question" in lines[0] and "answer" in lines[0]  # lists the columns present
