@@ -91,7 +91,8 @@ def installer(env: Path) -> list[str]:
         spec = f"uv=={read_lock()['uv']}" if "uv" in read_lock() else "uv"
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", spec], cwd=ROOT, check=False)
     if uv.exists():
-        return [str(uv), "pip", "install", "--quiet", "--python", str(python)]
+        # Compiled at install, as pip does: else every process of the first test run compiles transformers alike.
+        return [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python)]
     return [str(python), "-m", "pip", "install", "--quiet"]
 
 
