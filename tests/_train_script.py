@@ -102,6 +102,12 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     deepspeed = None
     if args.deepspeed:
+        # DeepSpeed's CPU backend JIT-compiles its shared-memory op (`deepspeed_shm_comm`, ~25 s, again in every fresh
+        # clone) when the first process group starts; only `inference_all_reduce` (tensor-parallel inference) uses it,
+        # never training, so these runs go without it: their all-reduces are gloo's either way.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed = {
             "zero_optimization": {"stage": args.deepspeed},
             "train_micro_batch_size_per_gpu": "auto",
