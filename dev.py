@@ -88,7 +88,8 @@ def installer(env: Path) -> list[str]:
     installed into the venv itself at the lock's pin; pip where uv cannot be installed."""
     python, uv = python_of(env), bin_dir(env) / ("uv.exe" if os.name == "nt" else "uv")
     if not uv.exists():
-        spec = f"uv=={read_lock()['uv']}" if "uv" in read_lock() else "uv"
+        pinned = read_lock().get("uv")
+        spec = f"uv=={pinned}" if pinned else "uv"
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", spec], cwd=ROOT, check=False)
     if uv.exists():
         # Compiled at install, as pip does: else every process of the first test run compiles transformers alike.
@@ -181,8 +182,7 @@ def lower_bounds(requirements: list[str], extra: str = "dev") -> dict[str, str]:
 
 def lowest(pytest_args: list[str]) -> int:
     """Every direct dependency at its lower bound (torch: the lock's pin), tested in a scratch venv."""
-    if UPGRADE_VENV.exists():
-        shutil.rmtree(UPGRADE_VENV)
+    shutil.rmtree(UPGRADE_VENV, ignore_errors=True)  # always a fresh one: nothing left from an earlier try
     install(UPGRADE_VENV, None, with_dependencies=False)
     python = python_of(UPGRADE_VENV)
     declared = subprocess.run(
@@ -207,8 +207,7 @@ def lowest(pytest_args: list[str]) -> int:
 
 def upgrade(pytest_args: list[str]) -> int:
     """Newest releases within pyproject.toml's ranges (torch: the lock's pin), tested in a scratch venv."""
-    if UPGRADE_VENV.exists():
-        shutil.rmtree(UPGRADE_VENV)
+    shutil.rmtree(UPGRADE_VENV, ignore_errors=True)  # always a fresh one: nothing left from an earlier try
     install(UPGRADE_VENV, None)
     python = python_of(UPGRADE_VENV)
     if run_checks(python, pytest_args) != 0:
