@@ -2,12 +2,15 @@
 
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
         [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
+        [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dump-policy-at STEP ...]
 
 Every log entry is appended to `<output-dir>/<log-name>-rank<r>.jsonl` as soon as it is logged, so a killed run leaves
 what it logged behind. With `--stall-at N`, writing checkpoint N hangs (after its files are written, before it is
 published) and `<output-dir>/stalled` appears: the parent can then kill the process mid-checkpoint. With
 `--save-final`, the trained policy and critic are saved to `<output-dir>/final` (`save_model`) and
-`<output-dir>/steps.json` records the trainer's and DeepSpeed's optimizer-step counts.
+`<output-dir>/steps.json` records the trainer's and DeepSpeed's optimizer-step counts. With `--dump-policy-at N`,
+`<output-dir>/policy-<N>.pt` holds the policy's full float32 weights, Adam moments and Adam step count at the end of
+optimizer step N, gathered from the ZeRO partitions under DeepSpeed.
 
 `--fsdp2` runs FSDP2 on CPU processes. accelerate enables FSDP only on GPU-like devices and silently runs plain data
 parallelism on CPUs; `force_fsdp2_on_cpu` makes it take the FSDP2 plugin there too. It changes nothing else: the
@@ -67,6 +70,71 @@ class JsonlLogger(TrainerCallback):
             os.fsync(f.fileno())
 
 
+def adam_step_count(optimizer, group_name: str) -> int:
+    """The Adam step count of the parameter groups named `group_name` (0 before their first step)."""
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None:
+        chain.append(chain[-1].optimizer)
+    inner = chain[-1]
+    groups = [i for i, group in enumerate(inner.param_groups) if group.get("name") == group_name]
+    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
+    if zero3 is not None:  # ZeRO-3 keeps each group's flat float32 shards outside `param_groups` between steps
+        flats = zero3.fp32_partitioned_groups_flat
+        params = [flat for i, flat in enumerate(flats) if zero3.sub_group_to_group_id[i] in groups]
+    else:
+        params = [p for i in groups for p in inner.param_groups[i]["params"]]
+    counts = {int(inner.state[p]["step"]) for p in params if "step" in inner.state.get(p, {})}
+    assert len(counts) <= 1, counts
+    return counts.pop() if counts else 0
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class PolicyDump(TrainerCallback):
+    """At the end of the chosen optimizer steps, save the policy's weights and optimizer state (see the docstring)."""
+
+    def __init__(self, steps: list[int]):
+        self.steps, self.trainer = set(steps), None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step not in self.steps:
+            return
+        trainer = self.trainer
+        names = {id(p): n for n, p in trainer.actor_critic.named_parameters()}
+        inner = trainer.optimizer
+        while getattr(inner, "optimizer", None) is not None:
+            inner = inner.optimizer
+        dump = {"adam_step": adam_step_count(trainer.optimizer, "policy")}
+        zero12 = getattr(trainer.optimizer, "optimizer", None)
+        if hasattr(zero12, "_lazy_init_hp_params_optimizer_state"):
+            # ZeRO-1/2 links each parameter's view of the optimizer state once, after the first group's first step:
+            # groups that had no state then (every other group) keep none. Link again, from today's state.
+            zero12._hp_optimizer_states_linked = False
+            zero12._lazy_init_hp_params_optimizer_state()
+        for param in trainer.actor_critic.policy_parameters():
+            name = names[id(param)]
+            if trainer.is_deepspeed_enabled:  # collectives: every rank gathers
+                from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+                dump[f"weight/{name}"] = safe_get_full_fp32_param(param).clone()
+                for key in ("exp_avg", "exp_avg_sq"):  # no state before the policy's first step
+                    value = safe_get_full_optimizer_state(param, key) if dump["adam_step"] else None
+                    dump[f"{key}/{name}"] = (
+                        torch.zeros(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+                        if value is None
+                        else value.clone()
+                    )
+            else:
+                dump[f"weight/{name}"] = full(param.detach()).float().clone()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    dump[f"{key}/{name}"] = full(inner.state.get(param, {}).get(key, torch.zeros_like(param))).clone()
+        if state.is_world_process_zero:
+            torch.save(dump, Path(args.output_dir) / f"policy-{state.global_step}.pt")
+
+
 class StallingTrainer(VAPOTrainer):
     stall_at: int | None = None
 
@@ -94,6 +162,10 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 (forced on CPU processes, see the docstring)")
     parser.add_argument("--save-final", action="store_true")
+    parser.add_argument("--num-iterations", type=int, default=2)
+    parser.add_argument("--critic-num-iterations", type=int)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--dump-policy-at", type=int, nargs="*", default=[])
     args = parser.parse_args()
     if args.fsdp2:
         force_fsdp2_on_cpu()
@@ -135,7 +207,9 @@ def main() -> None:
         value_pretrain_patience=None,
         learning_rate=1e-3,
         critic_learning_rate=1e-3,
-        num_iterations=2,
+        num_iterations=args.num_iterations,
+        critic_num_iterations=args.critic_num_iterations,
+        weight_decay=args.weight_decay,
         logging_steps=1,
         save_strategy="steps",
         save_steps=args.save_steps,
@@ -146,13 +220,15 @@ def main() -> None:
     )
     rank = int(os.environ.get("RANK", "0"))
     StallingTrainer.stall_at = args.stall_at
+    dump = PolicyDump(args.dump_policy_at)
     trainer = StallingTrainer(
         model=args.model,
         reward_funcs=digit_fraction,
         args=config,
         train_dataset=prompts(),
-        callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl")],
+        callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"), dump],
     )
+    dump.trainer = trainer
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))

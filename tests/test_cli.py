@@ -148,12 +148,13 @@ BAD_INPUT = [
     (["--lam_actor", "1.5"], "lam_actor"),
     (["--reward_funcs", "no_such_reward"], "no_such_reward"),
     (["--dataset_preset", "aime"], "aime"),
+    (["--deepspeed", '{"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}'], "ZenFlow"),
 ]
 
 # Runs `trl-vapo train` once per case in one process: it imports what the command imports once, then forks one
 # child per case, whose stdout and stderr go to that case's own files. What the
 # imports print lands in this process's stderr, which every case counts with its own: the lines of each case are
-# exactly those a separate `trl-vapo train` process would print, at one process start instead of six.
+# exactly those a separate `trl-vapo train` process would print, at one process start instead of one per case.
 _BAD_INPUT_DRIVER = """
 import json, logging, os, sys
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # what cli.main does before any import

@@ -1,10 +1,12 @@
 """DeepSpeed ZeRO-2/3 and FSDP2 with real processes (gloo on CPU), each compared with the same run without them.
 
-Every run is `tests/_train_script.py`: value pretraining (2 rollouts), then RL, two optimizer steps per rollout,
-gradient accumulation 2, per-side clipping that bites (`--max-grad-norm 0.05`), greedy sampling so that every run
-sees the same completions. The reference is one plain process. DeepSpeed must take exactly one optimizer step per
-trainer step (it stepped after every micro-batch), keep the step-wide token mean, clip the actor and the critic
-separately, log both gradient norms, reset the actor's Adam step count when RL starts, and resume exactly.
+Every run is `tests/_train_script.py`: value pretraining (2 rollouts), then RL with one policy pass and three critic
+passes over each rollout (`num_iterations=1, critic_num_iterations=3`: the demo recipe also trains the critic more
+often than the policy), weight decay, gradient accumulation 2, per-side clipping that bites (`--max-grad-norm 0.05`),
+greedy sampling so that every run sees the same completions. The reference is one plain process. DeepSpeed must take
+exactly one optimizer step per trainer step (it stepped after every micro-batch), keep the step-wide token mean, clip
+the actor and the critic separately, log both gradient norms, leave the policy's weights and Adam state untouched on
+critic-only steps (value pretraining, the extra critic passes: ZeRO steps every group), and resume exactly.
 """
 
 from __future__ import annotations
@@ -29,11 +31,23 @@ COMMON = [
     "--max-grad-norm",
     "0.05",
     "--max-steps",
-    "4",
+    "6",
     "--value-pretrain-steps",
     "2",
+    "--num-iterations",
+    "1",
+    "--critic-num-iterations",
+    "3",
+    "--weight-decay",
+    "0.1",
+    "--dump-policy-at",
+    "2",
+    "8",
 ]
-STEPS = 8  # 2 value-pretraining rollouts x 2 steps, then 4 RL steps
+# Float32 round-off differs with the order of the gradients' reductions; Adam divides by sqrt(v) + 1e-8, which turns
+# it into up to a few percent of one update (lr 1e-3) on the weights whose gradients are near 1e-8.
+ATOL = {"weight": 5e-5, "exp_avg": 2e-8, "exp_avg_sq": 1e-12}
+STEPS = 8  # 2 value-pretraining rollouts x 1 step, then 2 RL rollouts x (1 policy-and-critic + 2 critic-only) steps
 
 
 def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Path:
@@ -62,17 +76,44 @@ def step_logs(run: Path, name: str = "logs") -> dict[int, dict]:
     return {h["step"]: h for h in map(json.loads, lines) if "phase" in h}
 
 
-def assert_same_training(run: Path, reference: Path, atol: float = 2e-5) -> None:
+def assert_policy_untouched_by_value_pretraining(run: Path, model_dir: Path) -> None:
+    """After value pretraining (step 2) the policy has its initial weights, bit for bit (weight decay included), and no
+    Adam state: it was never stepped, as in the plain run."""
+    pretrained = torch.load(run / "policy-2.pt")
+    initial = load_file(model_dir / "model.safetensors")
+    assert pretrained.pop("adam_step") == 0
+    for key, value in pretrained.items():
+        kind, name = key.split("/", 1)
+        expected = initial[name.removeprefix("policy.")] if kind == "weight" else torch.zeros_like(value)
+        assert torch.equal(value, expected), key
+
+
+def assert_same_policy_state(run: Path, reference: Path) -> None:
+    """After the last step (8), the policy's weights, Adam moments and Adam step count are the plain run's: the
+    critic-only passes left them alone."""
+    expected, got = torch.load(reference / "policy-8.pt"), torch.load(run / "policy-8.pt")
+    assert got.pop("adam_step") == expected.pop("adam_step") == 2  # one policy step per RL rollout
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=ATOL[key.split("/")[0]], rtol=1e-4, msg=key)
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    assert_same_policy_state(run, reference)
     expected, got = weights(reference), weights(run)
     assert got.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=1e-4, msg=name)
+        torch.testing.assert_close(got[name], expected[name], atol=ATOL["weight"], rtol=1e-4, msg=name)
     reference_logs, logs = step_logs(reference), step_logs(run)
     assert sorted(logs) == sorted(reference_logs) == list(range(1, STEPS + 1))
+    # Every step trains the critic; the policy trains on the first pass over each RL rollout only.
+    assert [step for step, log in sorted(reference_logs.items()) if "grad_norm/policy" in log] == [3, 6]
     for step, log in logs.items():
-        keys = ["grad_norm/critic"] + (["grad_norm/policy"] if log["phase"] == "rl" else [])
-        for key in keys:
-            assert log[key] == pytest.approx(reference_logs[step][key], rel=1e-3), (step, key)
+        norms = {key: value for key, value in reference_logs[step].items() if key.startswith("grad_norm/")}
+        assert "grad_norm/critic" in norms
+        assert {key for key in log if key.startswith("grad_norm/")} == norms.keys(), step
+        for key, value in norms.items():
+            assert log[key] == pytest.approx(value, rel=1e-3), (step, key)
 
 
 @pytest.fixture(scope="module")
@@ -82,44 +123,52 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero3_two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
-    """ZeRO-3 on two processes, with a checkpoint after the first RL rollout (step 6) and the final weights: one
-    launch that the comparison with the plain run and the resume test both read (a checkpoint changes no update)."""
+    """ZeRO-3 on two processes, with a checkpoint after the first RL rollout (step 5) and the final weights: one
+    launch that the comparisons with the plain run and the resume test all read (a checkpoint changes no update)."""
     run = tmp_path_factory.mktemp("zero3-2")
-    return train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-final", "--save-steps", "6")
+    return train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-final", "--save-steps", "5")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("processes", [1, 2])
-def test_deepspeed_steps_once_per_trainer_step_and_matches_the_run_without_it(
-    tiny_model_dir, tmp_path, reference, zero3_two_ranks, processes, stage
-):
+@pytest.fixture(scope="module", params=[(1, 2), (2, 2), (1, 3), (2, 3)], ids=lambda p: f"{p[0]}proc-zero{p[1]}")
+def deepspeed_run(request, tiny_model_dir, tmp_path_factory) -> Path:
+    """One run per (processes, ZeRO stage), read by the tests below."""
+    processes, stage = request.param
     if (processes, stage) == (2, 3):
-        run = zero3_two_ranks
-    else:
-        extra = ("--deepspeed", str(stage), "--save-final", "--save-steps", "100")
-        run = train(tiny_model_dir, tmp_path / "ds", processes, *extra)
-    steps = json.loads((run / "steps.json").read_text())
+        return request.getfixturevalue("zero3_two_ranks")
+    run = tmp_path_factory.mktemp(f"zero{stage}-{processes}")
+    return train(tiny_model_dir, run, processes, "--deepspeed", str(stage), "--save-final", "--save-steps", "100")
+
+
+def test_deepspeed_value_pretraining_leaves_the_policy_untouched(deepspeed_run, tiny_model_dir):
+    assert_policy_untouched_by_value_pretraining(deepspeed_run, tiny_model_dir)
+
+
+def test_deepspeed_steps_once_per_trainer_step_and_matches_the_run_without_it(deepspeed_run, reference):
+    steps = json.loads((deepspeed_run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
-    assert_same_training(run, reference)
+    assert_same_training(deepspeed_run, reference)
 
 
 def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_two_ranks):
     """ZeRO-3 on two processes, stopped after the first RL rollout and resumed from its checkpoint."""
     run = tmp_path / "ds"
     shutil.copytree(zero3_two_ranks, run)
-    assert (run / "checkpoint-6" / "deepspeed").is_dir()
+    assert (run / "checkpoint-5" / "deepspeed").is_dir()
     shutil.rmtree(run / "checkpoint-8", ignore_errors=True)  # written at the end of the first run
     shutil.rmtree(run / "final")  # so that the weights compared below are the resumed run's
+    (run / "policy-8.pt").unlink()
     (run / "logs-rank0.jsonl").rename(run / "first-rank0.jsonl")
     train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "100", "--resume", "--save-final")
     resumed = step_logs(run)
-    assert sorted(resumed) == [7, 8]
+    assert sorted(resumed) == [6, 7, 8]
+    assert_same_policy_state(run, reference)  # the optimizer state resumed too
     expected = weights(reference)
     for name, value in weights(run).items():
-        torch.testing.assert_close(value, expected[name], atol=2e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(value, expected[name], atol=ATOL["weight"], rtol=1e-4, msg=name)
 
 
 def test_fsdp2_samples_trains_and_saves_like_the_run_without_it(tiny_model_dir, tmp_path, reference):
     run = train(tiny_model_dir, tmp_path / "fsdp2", 2, "--fsdp2", "--save-final", "--save-steps", "100")
     assert json.loads((run / "steps.json").read_text())["distributed_type"] == "DistributedType.FSDP"
+    assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)

@@ -10,6 +10,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .core import IMPORTANCE_SAMPLING_MODES
+from .distributed import check_deepspeed_config
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 
@@ -549,6 +550,7 @@ class VAPOConfig(TrainingArguments):
             f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs "
             "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max.",
         )
+        check_deepspeed_config(self)
 
 
 def _divisors(n: int) -> list[int]:

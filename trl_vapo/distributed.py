@@ -5,9 +5,13 @@
   each rank holds a disjoint partition of every gradient after the step's last backward, so a side's norm is the
   square root of the summed squares over ranks (one all-reduce of a scalar), and clipping scales each rank's
   partition in place. DeepSpeed's own ``gradient_clipping`` is then switched off.
-* **Adam's step count across value pretraining.** The actor receives zero gradients while the critic pretrains (ZeRO
-  steps every parameter group); its moments stay zero but its step count grows, and the missing bias correction
-  would make its first RL updates up to ~6x too large. The count is reset when RL starts.
+* **Critic-only steps.** Value pretraining and the passes beyond `num_iterations` train the critic alone. Without
+  DeepSpeed the policy's gradients are cleared and the optimizer skips it; ZeRO steps flat partitions, where a
+  parameter's gradient cannot be cleared, and its Adam would keep moving the policy on zero gradients (momentum, a
+  growing step count, weight decay). So the policy's parameter groups are held out of those steps
+  (`groups_held_out`): its weights, moments and step count stay exactly as without DeepSpeed. ZenFlow and
+  SuperOffload step in DeepSpeed's own CPU threads, beyond that reach, and are refused for runs with critic-only
+  steps (`check_deepspeed_config`).
 * **Generation under FSDP2.** ``fully_shard`` gathers the root module's own parameters (embeddings, final norm, LM
   head) in the root's forward hook; ``policy.generate`` bypasses that forward, so they are gathered around it (and
   the root is initialised as the root first, through FSDP2's private ``_lazy_init``).
@@ -19,10 +23,12 @@ and each parameter's ``_hp_mapping`` fragment (ZeRO-1/2, what DeepSpeed's own ``
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -106,31 +112,80 @@ def clip_deepspeed_gradients_(
     return norm
 
 
-def reset_adam_step(optimizer: torch.optim.Optimizer, group_name: str) -> None:
-    """Zero the step count of the parameter groups named ``group_name``.
+@contextlib.contextmanager
+def groups_held_out(optimizer: torch.optim.Optimizer, name: str) -> Iterator[None]:
+    """Leave the parameter groups named ``name`` out of every optimizer step taken inside: their weights, moments and
+    step count stay as they are, with any wrapper around the optimizer (accelerate's, DeepSpeed ZeRO-1/2/3's).
 
-    Wrappers are unwrapped (accelerate's > DeepSpeed's ZeRO optimizer > the torch optimizer holding the state);
-    ZeRO-3 keeps each group's flat float32 shards outside ``param_groups`` between steps, so they are looked up in
-    its sub-group table.
+    ZeRO holds each group's flat float32 partition in the torch optimizer it wraps and steps it through that
+    optimizer's ``step``, one group at a time: a step pre-hook hides the named groups from it, a post-hook puts them
+    back. ZeRO-3 with partial optimizer offload steps its GPU sub-groups through a second optimizer, hooked too.
     """
     chain = [optimizer]
     while getattr(chain[-1], "optimizer", None) is not None:
         chain.append(chain[-1].optimizer)
-    inner = chain[-1]
-    groups = {i for i, group in enumerate(inner.param_groups) if group.get("name") == group_name}
-    params = [param for i in groups for param in inner.param_groups[i]["params"]]
-    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
-    if zero3 is not None:
-        params += [
-            flat
-            for i, flat in enumerate(zero3.fp32_partitioned_groups_flat)
-            if zero3.sub_group_to_group_id[i] in groups
-        ]
-    for param in params:
-        state = inner.state.get(param, {})
-        if "step" in state:
-            step = state["step"]
-            state["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
+    stepping = [chain[-1]] + [o.backup_optimizer for o in chain if getattr(o, "backup_optimizer", None) is not None]
+    hidden: list[tuple[torch.optim.Optimizer, list[dict]]] = []
+
+    def hide(opt, args, kwargs):
+        hidden.append((opt, opt.param_groups))
+        opt.param_groups = [group for group in opt.param_groups if group.get("name") != name]
+
+    def restore(opt, args, kwargs):
+        opt.param_groups = hidden.pop()[1]
+
+    handles = [hook for o in stepping for hook in (o.register_step_pre_hook(hide), o.register_step_post_hook(restore))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while hidden:  # a step that raised never ran its post-hook
+            opt, groups = hidden.pop()
+            opt.param_groups = groups
+
+
+def deepspeed_config(args) -> dict | None:
+    """The run's DeepSpeed config as a dict, before anything loads: VAPOConfig's ``deepspeed``, or the JSON file an
+    accelerate config names (``deepspeed_config_file``). None without DeepSpeed, or when accelerate builds the config
+    from its own keys (stage, offload devices), as TRL's bundled ``zero2`` / ``zero3`` configs do."""
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    if hf_config is not None:
+        return hf_config.config
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if uses_deepspeed(args) and path != "none":
+        return json.loads(Path(path).read_text())
+    return None
+
+
+def check_deepspeed_config(args) -> None:
+    """Refuse DeepSpeed features that cannot train as VAPOTrainer promises, before any model loads.
+
+    ZenFlow and SuperOffload step the optimizer in DeepSpeed's own CPU threads, past the hooks of ``groups_held_out``:
+    the policy would move on critic-only steps (value pretraining, and the passes beyond ``num_iterations``).
+    """
+    config = deepspeed_config(args) or {}
+    zero = config.get("zero_optimization") or {}
+    features = []
+    if zero.get("zenflow"):
+        features.append("ZenFlow (zero_optimization.zenflow)")
+    if (zero.get("offload_optimizer") or {}).get("super_offload"):
+        features.append("SuperOffload (zero_optimization.offload_optimizer.super_offload)")
+    critic_only = []
+    if args.value_pretrain_steps > 0:
+        critic_only.append(f"value pretraining (value_pretrain_steps={args.value_pretrain_steps})")
+    if args.critic_num_iterations > args.num_iterations:
+        critic_only.append(
+            f"the extra critic passes (critic_num_iterations={args.critic_num_iterations} > "
+            f"num_iterations={args.num_iterations})"
+        )
+    if features and critic_only:
+        raise ValueError(
+            f"The DeepSpeed config turns on {' and '.join(features)}, which steps the optimizer in DeepSpeed's own "
+            "CPU threads: the policy could not be held still on the critic-only steps of "
+            f"{' and '.join(critic_only)}. Turn it off, or train without critic-only steps: value_pretrain_steps=0 "
+            "and critic_num_iterations equal to num_iterations."
+        )
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ from .distributed import (
     deepspeed_local_gradients,
     deepspeed_quiet_unless_used,
     fsdp2_unsharded,
-    reset_adam_step,
+    groups_held_out,
     uses_deepspeed,
     whole_models_under_zero3,
 )
@@ -617,21 +617,27 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             if not last:
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
 
-        if not trains_policy and not self.is_deepspeed_enabled:
-            # The policy is frozen: no gradient may reach it (DDP would hand it zeros that still tick Adam's step).
+        # A critic-only step leaves the policy's weights and optimizer state exactly as they are.
+        policy_held = contextlib.nullcontext()
+        if not trains_policy and self.is_deepspeed_enabled:
+            # ZeRO steps flat partitions, where a parameter's gradient cannot be cleared: hold the policy's groups out.
+            policy_held = groups_held_out(self.optimizer, "policy")
+        elif not trains_policy:
+            # No gradient may reach the policy (DDP would hand it zeros that still tick Adam's step).
             for p in self.actor_critic.policy_parameters():
                 p.grad = None
         grad_norms = self._clip_gradients(trains_policy)
         checks = torch.stack([sums["loss"].float(), *(n.float().to(mask.device) for n in grad_norms.values())])
         nonfinite = self._all_reduce((~torch.isfinite(checks)).sum().float())  # every process skips, or none
         self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
-        if nonfinite.item() == 0:
-            self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-            self._apply_update()
-            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-            self.progress.consecutive_nonfinite_steps = 0
-        else:
-            self._skip_nonfinite_step()
+        with policy_held:
+            if nonfinite.item() == 0:
+                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+                self._apply_update()
+                self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+                self.progress.consecutive_nonfinite_steps = 0
+            else:
+                self._skip_nonfinite_step()
         # Stepped on skipped steps too: the schedules count optimizer steps, and the actor's starts at a step number.
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -740,8 +746,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PhaseProgressCallback):
                 callback.refresh()
-        if self.is_deepspeed_enabled:
-            reset_adam_step(self.optimizer, "policy")
         start_actor_schedule(self.lr_scheduler, self.optimizer, progress.rl_start_step)
         reason = "explained variance stopped improving" if early else "its budget is spent"
         final = progress.final_explained_variance(self.args.value_pretrain_patience)
