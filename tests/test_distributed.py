@@ -77,8 +77,9 @@ def step_logs(run: Path, name: str = "logs") -> dict[int, dict]:
 
 
 def assert_policy_untouched_by_value_pretraining(run: Path, model_dir: Path) -> None:
-    """After value pretraining (step 2) the policy has its initial weights, bit for bit (weight decay included), and no
-    Adam state: it was never stepped, as in the plain run."""
+    """After value pretraining (step 2) the policy has its initial weights, bit for bit, and no Adam state: it was
+    never stepped, as in the plain run. (Its learning rate is 0 until RL starts, so weight decay cannot move it
+    either; what a stepped policy shows here is its step count and, with momentum left over, its moments.)"""
     pretrained = torch.load(run / "policy-2.pt")
     initial = load_file(model_dir / "model.safetensors")
     assert pretrained.pop("adam_step") == 0
@@ -123,10 +124,10 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero3_two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
-    """ZeRO-3 on two processes, with a checkpoint after the first RL rollout (step 5) and the final weights: one
-    launch that the comparisons with the plain run and the resume test all read (a checkpoint changes no update)."""
+    """ZeRO-3 on two processes, with checkpoints (steps 2, 5, 8) and the final weights: one launch that the
+    comparisons with the plain run and the resume test all read (a checkpoint changes no update)."""
     run = tmp_path_factory.mktemp("zero3-2")
-    return train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-final", "--save-steps", "5")
+    return train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-final", "--save-steps", "2")
 
 
 @pytest.fixture(scope="module", params=[(1, 2), (2, 2), (1, 3), (2, 3)], ids=lambda p: f"{p[0]}proc-zero{p[1]}")
@@ -150,17 +151,19 @@ def test_deepspeed_steps_once_per_trainer_step_and_matches_the_run_without_it(de
 
 
 def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_two_ranks):
-    """ZeRO-3 on two processes, stopped after the first RL rollout and resumed from its checkpoint."""
+    """ZeRO-3 on two processes, resumed from the checkpoint written when value pretraining ended: the policy's groups
+    have no optimizer state yet (they were held out of every step), which DeepSpeed must load as such."""
     run = tmp_path / "ds"
     shutil.copytree(zero3_two_ranks, run)
-    assert (run / "checkpoint-5" / "deepspeed").is_dir()
-    shutil.rmtree(run / "checkpoint-8", ignore_errors=True)  # written at the end of the first run
+    assert (run / "checkpoint-2" / "deepspeed").is_dir()
+    for later in ("checkpoint-5", "checkpoint-8"):  # written by the first run after step 2
+        shutil.rmtree(run / later)
     shutil.rmtree(run / "final")  # so that the weights compared below are the resumed run's
     (run / "policy-8.pt").unlink()
     (run / "logs-rank0.jsonl").rename(run / "first-rank0.jsonl")
     train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "100", "--resume", "--save-final")
     resumed = step_logs(run)
-    assert sorted(resumed) == [6, 7, 8]
+    assert sorted(resumed) == [3, 4, 5, 6, 7, 8]
     assert_same_policy_state(run, reference)  # the optimizer state resumed too
     expected = weights(reference)
     for name, value in weights(run).items():
@@ -172,3 +175,35 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it(tiny_model_dir, 
     assert json.loads((run / "steps.json").read_text())["distributed_type"] == "DistributedType.FSDP"
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)
+
+
+def test_groups_held_out_leave_their_weights_and_adam_state_alone_and_name_a_missing_group():
+    """The hook itself, on the torch AdamW that ZeRO wraps: the held-out group is not stepped (no state, same
+    weights) while the other is; the groups are back after the step, also after a step that raised."""
+    from trl_vapo.distributed import groups_held_out
+
+    policy, critic = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW(
+        [{"params": [policy], "name": "policy"}, {"params": [critic], "name": "critic"}], lr=0.1, weight_decay=0.1
+    )
+    policy.grad, critic.grad = torch.ones(3), torch.ones(3)
+    groups = optimizer.param_groups
+    with groups_held_out(optimizer, "policy"):
+        optimizer.step()
+    assert optimizer.param_groups is groups
+    assert torch.equal(policy.detach(), torch.ones(3)) and policy not in optimizer.state
+    assert not torch.equal(critic.detach(), torch.ones(3)) and int(optimizer.state[critic]["step"]) == 1
+
+    def failing_step(opt, args, kwargs):
+        raise RuntimeError("step failed")
+
+    handle = optimizer.register_step_post_hook(failing_step)
+    with pytest.raises(RuntimeError, match="step failed"), groups_held_out(optimizer, "policy"):
+        optimizer.step()
+    handle.remove()
+    assert optimizer.param_groups is groups
+
+    unnamed = torch.optim.AdamW([policy, critic])
+    with pytest.raises(ValueError, match="No parameter group of the optimizer is named 'policy'"):
+        with groups_held_out(unnamed, "policy"):
+            pass

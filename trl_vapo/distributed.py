@@ -9,9 +9,13 @@
   DeepSpeed the policy's gradients are cleared and the optimizer skips it; ZeRO steps flat partitions, where a
   parameter's gradient cannot be cleared, and its Adam would keep moving the policy on zero gradients (momentum, a
   growing step count, weight decay). So the policy's parameter groups are held out of those steps
-  (`groups_held_out`): its weights, moments and step count stay exactly as without DeepSpeed. ZenFlow and
-  SuperOffload step in DeepSpeed's own CPU threads, beyond that reach, and are refused for runs with critic-only
-  steps (`check_deepspeed_config`).
+  (`groups_held_out`): its weights, moments and step count stay exactly as without DeepSpeed. ZenFlow,
+  SuperOffload and partial optimizer offload step beyond that reach and are refused for runs with critic-only steps
+  (`check_deepspeed_config`).
+* **Adam's step count when RL starts.** The policy's step count is still zeroed then (`reset_adam_step`): a no-op for
+  a run that held the policy out, it repairs checkpoints written by earlier versions, which stepped the policy through
+  value pretraining, and DeepSpeed's fp16 wrappers, which step every group once when they are built. A step count
+  with zero moments, which those leave, would scale the first RL updates by a wrong bias correction.
 * **Generation under FSDP2.** ``fully_shard`` gathers the root module's own parameters (embeddings, final norm, LM
   head) in the root's forward hook; ``policy.generate`` bypasses that forward, so they are gathered around it (and
   the root is initialised as the root first, through FSDP2's private ``_lazy_init``).
@@ -112,37 +116,71 @@ def clip_deepspeed_gradients_(
     return norm
 
 
+def _optimizer_chain(optimizer: torch.optim.Optimizer) -> list:
+    """The optimizer and what it wraps, outermost first: accelerate's > DeepSpeed's ZeRO optimizer > the torch
+    optimizer that holds the state and steps."""
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None:
+        chain.append(chain[-1].optimizer)
+    return chain
+
+
 @contextlib.contextmanager
 def groups_held_out(optimizer: torch.optim.Optimizer, name: str) -> Iterator[None]:
     """Leave the parameter groups named ``name`` out of every optimizer step taken inside: their weights, moments and
     step count stay as they are, with any wrapper around the optimizer (accelerate's, DeepSpeed ZeRO-1/2/3's).
 
     ZeRO holds each group's flat float32 partition in the torch optimizer it wraps and steps it through that
-    optimizer's ``step``, one group at a time: a step pre-hook hides the named groups from it, a post-hook puts them
-    back. ZeRO-3 with partial optimizer offload steps its GPU sub-groups through a second optimizer, hooked too.
+    optimizer's ``step`` (one group at a time under ZeRO-1/2): a step pre-hook hides the named groups from it, a
+    post-hook puts them back. Copying the untouched float32 weights back to the half-precision ones is exact.
     """
-    chain = [optimizer]
-    while getattr(chain[-1], "optimizer", None) is not None:
-        chain.append(chain[-1].optimizer)
-    stepping = [chain[-1]] + [o.backup_optimizer for o in chain if getattr(o, "backup_optimizer", None) is not None]
-    hidden: list[tuple[torch.optim.Optimizer, list[dict]]] = []
+    inner = _optimizer_chain(optimizer)[-1]
+    if not any(group.get("name") == name for group in inner.param_groups):
+        raise ValueError(
+            f"No parameter group of the optimizer is named {name!r}, so critic-only steps under DeepSpeed cannot hold "
+            f"the policy out of the optimizer step. Name the groups as `trl_vapo.optim.parameter_groups` does."
+        )
+    hidden: list[list[dict]] = []
 
     def hide(opt, args, kwargs):
-        hidden.append((opt, opt.param_groups))
+        hidden.append(opt.param_groups)
         opt.param_groups = [group for group in opt.param_groups if group.get("name") != name]
 
     def restore(opt, args, kwargs):
-        opt.param_groups = hidden.pop()[1]
+        opt.param_groups = hidden.pop()
 
-    handles = [hook for o in stepping for hook in (o.register_step_pre_hook(hide), o.register_step_post_hook(restore))]
+    handles = [inner.register_step_pre_hook(hide), inner.register_step_post_hook(restore)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-        while hidden:  # a step that raised never ran its post-hook
-            opt, groups = hidden.pop()
-            opt.param_groups = groups
+        if hidden:  # a step that raised never ran its post-hook
+            inner.param_groups = hidden[0]
+
+
+def reset_adam_step(optimizer: torch.optim.Optimizer, group_name: str) -> None:
+    """Zero the step count of the parameter groups named ``group_name``.
+
+    ZeRO-3 keeps each group's flat float32 shards outside ``param_groups`` between steps, so they are looked up in
+    its sub-group table.
+    """
+    chain = _optimizer_chain(optimizer)
+    inner = chain[-1]
+    groups = {i for i, group in enumerate(inner.param_groups) if group.get("name") == group_name}
+    params = [param for i in groups for param in inner.param_groups[i]["params"]]
+    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
+    if zero3 is not None:
+        params += [
+            flat
+            for i, flat in enumerate(zero3.fp32_partitioned_groups_flat)
+            if zero3.sub_group_to_group_id[i] in groups
+        ]
+    for param in params:
+        state = inner.state.get(param, {})
+        if "step" in state:
+            step = state["step"]
+            state["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
 
 
 def deepspeed_config(args) -> dict | None:
@@ -161,16 +199,21 @@ def deepspeed_config(args) -> dict | None:
 def check_deepspeed_config(args) -> None:
     """Refuse DeepSpeed features that cannot train as VAPOTrainer promises, before any model loads.
 
-    ZenFlow and SuperOffload step the optimizer in DeepSpeed's own CPU threads, past the hooks of ``groups_held_out``:
-    the policy would move on critic-only steps (value pretraining, and the passes beyond ``num_iterations``).
+    ZenFlow and SuperOffload step the optimizer in DeepSpeed's own CPU threads, and partial optimizer offload steps
+    its GPU share through a second optimizer (with unnamed groups, whose learning rates are fixed when the engine
+    starts), all past the hooks of ``groups_held_out``: the policy would move on critic-only steps (value pretraining,
+    and the passes beyond ``num_iterations``).
     """
     config = deepspeed_config(args) or {}
     zero = config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
     features = []
-    if zero.get("zenflow"):
+    if zero.get("zenflow") is not None:  # DeepSpeed turns it on for any value but null, `{}` included
         features.append("ZenFlow (zero_optimization.zenflow)")
-    if (zero.get("offload_optimizer") or {}).get("super_offload"):
+    if offload.get("super_offload"):
         features.append("SuperOffload (zero_optimization.offload_optimizer.super_offload)")
+    if offload.get("device") not in (None, "none") and offload.get("ratio", 1.0) < 1.0:
+        features.append(f"partial optimizer offload (zero_optimization.offload_optimizer.ratio={offload['ratio']})")
     critic_only = []
     if args.value_pretrain_steps > 0:
         critic_only.append(f"value pretraining (value_pretrain_steps={args.value_pretrain_steps})")
@@ -181,8 +224,8 @@ def check_deepspeed_config(args) -> None:
         )
     if features and critic_only:
         raise ValueError(
-            f"The DeepSpeed config turns on {' and '.join(features)}, which steps the optimizer in DeepSpeed's own "
-            "CPU threads: the policy could not be held still on the critic-only steps of "
+            f"The DeepSpeed config turns on {' and '.join(features)}, which steps the optimizer outside the torch "
+            "optimizer VAPOTrainer builds: the policy could not be held still on the critic-only steps of "
             f"{' and '.join(critic_only)}. Turn it off, or train without critic-only steps: value_pretrain_steps=0 "
             "and critic_num_iterations equal to num_iterations."
         )

@@ -57,6 +57,7 @@ from .distributed import (
     deepspeed_quiet_unless_used,
     fsdp2_unsharded,
     groups_held_out,
+    reset_adam_step,
     uses_deepspeed,
     whole_models_under_zero3,
 )
@@ -619,13 +620,14 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
         # A critic-only step leaves the policy's weights and optimizer state exactly as they are.
         policy_held = contextlib.nullcontext()
-        if not trains_policy and self.is_deepspeed_enabled:
-            # ZeRO steps flat partitions, where a parameter's gradient cannot be cleared: hold the policy's groups out.
-            policy_held = groups_held_out(self.optimizer, "policy")
-        elif not trains_policy:
-            # No gradient may reach the policy (DDP would hand it zeros that still tick Adam's step).
-            for p in self.actor_critic.policy_parameters():
-                p.grad = None
+        if not trains_policy:
+            if self.is_deepspeed_enabled:
+                # ZeRO steps flat partitions, where a parameter's gradient cannot be cleared: hold its groups out.
+                policy_held = groups_held_out(self.optimizer, "policy")
+            else:
+                # No gradient may reach the policy (DDP would hand it zeros that still tick Adam's step).
+                for p in self.actor_critic.policy_parameters():
+                    p.grad = None
         grad_norms = self._clip_gradients(trains_policy)
         checks = torch.stack([sums["loss"].float(), *(n.float().to(mask.device) for n in grad_norms.values())])
         nonfinite = self._all_reduce((~torch.isfinite(checks)).sum().float())  # every process skips, or none
@@ -746,6 +748,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PhaseProgressCallback):
                 callback.refresh()
+        if self.is_deepspeed_enabled:  # see `trl_vapo.distributed`: a no-op unless something stepped the policy
+            reset_adam_step(self.optimizer, "policy")
         start_actor_schedule(self.lr_scheduler, self.optimizer, progress.rl_start_step)
         reason = "explained variance stopped improving" if early else "its budget is spent"
         final = progress.final_explained_variance(self.args.value_pretrain_patience)
