@@ -2,19 +2,15 @@
 
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
         [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
-        [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dump-policy-at STEP ...]
+        [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dtype D] [--dump-state-at STEP ...]
 
 Every log entry is appended to `<output-dir>/<log-name>-rank<r>.jsonl` as soon as it is logged, so a killed run leaves
 what it logged behind. With `--stall-at N`, writing checkpoint N hangs (after its files are written, before it is
 published) and `<output-dir>/stalled` appears: the parent can then kill the process mid-checkpoint. With
 `--save-final`, the trained policy and critic are saved to `<output-dir>/final` (`save_model`) and
-`<output-dir>/steps.json` records the trainer's and DeepSpeed's optimizer-step counts. With `--dump-policy-at N`,
-`<output-dir>/policy-<N>.pt` holds the policy's full float32 weights, Adam moments and Adam step count at the end of
-optimizer step N, gathered from the ZeRO partitions under DeepSpeed.
-
-`--fsdp2` runs FSDP2 on CPU processes. accelerate enables FSDP only on GPU-like devices and silently runs plain data
-parallelism on CPUs; `force_fsdp2_on_cpu` makes it take the FSDP2 plugin there too. It changes nothing else: the
-sharding, the gathers and the trainer are the real ones.
+`<output-dir>/steps.json` records the trainer's and DeepSpeed's optimizer-step counts. With `--dump-state-at N`,
+`<output-dir>/state-<N>.pt` holds the float32 training weights of the policy and the critic, and the policy's Adam
+moments and step count, at the end of optimizer step N, gathered from the ZeRO partitions under DeepSpeed.
 """
 
 from __future__ import annotations
@@ -93,8 +89,9 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-class PolicyDump(TrainerCallback):
-    """At the end of the chosen optimizer steps, save the policy's weights and optimizer state (see the docstring)."""
+class StateDump(TrainerCallback):
+    """At the end of the chosen optimizer steps, save the float32 training weights and the policy's optimizer state
+    (see the docstring)."""
 
     def __init__(self, steps: list[int]):
         self.steps, self.trainer = set(steps), None
@@ -111,16 +108,18 @@ class PolicyDump(TrainerCallback):
         zero12 = getattr(trainer.optimizer, "optimizer", None)
         if hasattr(zero12, "_lazy_init_hp_params_optimizer_state"):
             # ZeRO-1/2 links each parameter's view of the optimizer state once, after the first group's first step:
-            # groups that had no state then (every other group) keep none. Link again, from today's state.
+            # groups that had no state then (every other group) keep none. Link again, from today's state (this
+            # only rebuilds views: nothing of the training changes).
             zero12._hp_optimizer_states_linked = False
             zero12._lazy_init_hp_params_optimizer_state()
-        for param in trainer.actor_critic.policy_parameters():
-            name = names[id(param)]
+        policy = {id(p) for p in trainer.actor_critic.policy_parameters()}
+        for param in [*trainer.actor_critic.policy_parameters(), *trainer.actor_critic.critic_parameters()]:
+            name, moments = names[id(param)], ("exp_avg", "exp_avg_sq") if id(param) in policy else ()
             if trainer.is_deepspeed_enabled:  # collectives: every rank gathers
                 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
                 dump[f"weight/{name}"] = safe_get_full_fp32_param(param).clone()
-                for key in ("exp_avg", "exp_avg_sq"):  # no state before the policy's first step
+                for key in moments:  # no state before the policy's first step
                     value = safe_get_full_optimizer_state(param, key) if dump["adam_step"] else None
                     dump[f"{key}/{name}"] = (
                         torch.zeros(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
@@ -129,17 +128,17 @@ class PolicyDump(TrainerCallback):
                     )
             else:
                 dump[f"weight/{name}"] = full(param.detach()).float().clone()
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in moments:
                     dump[f"{key}/{name}"] = full(inner.state.get(param, {}).get(key, torch.zeros_like(param))).clone()
         if state.is_world_process_zero:
-            torch.save(dump, Path(args.output_dir) / f"policy-{state.global_step}.pt")
+            torch.save(dump, Path(args.output_dir) / f"state-{state.global_step}.pt")
 
 
 class StallingTrainer(VAPOTrainer):
     stall_at: int | None = None
 
-    def _write_models(self, directory, state_dict=None):
-        super()._write_models(directory, state_dict)
+    def _write_models(self, directory, *args, **kwargs):
+        super()._write_models(directory, *args, **kwargs)
         if self.stall_at is not None and directory.name == f".checkpoint-{self.stall_at}.tmp":
             (Path(self.args.output_dir) / "stalled").touch()
             time.sleep(600)
@@ -165,7 +164,8 @@ def main() -> None:
     parser.add_argument("--num-iterations", type=int, default=2)
     parser.add_argument("--critic-num-iterations", type=int)
     parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--dump-policy-at", type=int, nargs="*", default=[])
+    parser.add_argument("--dump-state-at", type=int, nargs="*", default=[])
+    parser.add_argument("--dtype", help="the dtype to load the model in (model_init_kwargs)")
     args = parser.parse_args()
     if args.fsdp2:
         force_fsdp2_on_cpu()
@@ -210,6 +210,7 @@ def main() -> None:
         num_iterations=args.num_iterations,
         critic_num_iterations=args.critic_num_iterations,
         weight_decay=args.weight_decay,
+        model_init_kwargs={"dtype": args.dtype} if args.dtype else None,
         logging_steps=1,
         save_strategy="steps",
         save_steps=args.save_steps,
@@ -220,7 +221,7 @@ def main() -> None:
     )
     rank = int(os.environ.get("RANK", "0"))
     StallingTrainer.stall_at = args.stall_at
-    dump = PolicyDump(args.dump_policy_at)
+    dump = StateDump(args.dump_state_at)
     trainer = StallingTrainer(
         model=args.model,
         reward_funcs=digit_fraction,

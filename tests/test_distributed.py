@@ -6,7 +6,8 @@ often than the policy), weight decay, gradient accumulation 2, per-side clipping
 greedy sampling so that every run sees the same completions. The reference is one plain process. DeepSpeed must take
 exactly one optimizer step per trainer step (it stepped after every micro-batch), keep the step-wide token mean, clip
 the actor and the critic separately, log both gradient norms, leave the policy's weights and Adam state untouched on
-critic-only steps (value pretraining, the extra critic passes: ZeRO steps every group), and resume exactly.
+critic-only steps (value pretraining, the extra critic passes: ZeRO steps every group), resume exactly, and save
+the models in bf16, the dtype they were loaded in (they train in float32).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ COMMON = [
     "3",
     "--weight-decay",
     "0.1",
-    "--dump-policy-at",
+    "--dtype",
+    "bfloat16",
+    "--dump-state-at",
     "2",
     "8",
 ]
@@ -65,10 +68,15 @@ def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Pat
     return output_dir
 
 
-def weights(run: Path) -> dict[str, torch.Tensor]:
-    policy = load_file(run / "final" / "model.safetensors")
-    critic = load_file(run / "final" / "critic" / "model.safetensors")
-    return {**{f"policy.{k}": v for k, v in policy.items()}, **{f"critic.{k}": v for k, v in critic.items()}}
+def assert_saved_as_loaded(run: Path) -> None:
+    """`save_model` wrote the policy and the critic in bf16, the dtype they were loaded in (they trained in float32):
+    the float32 training weights of the last step, rounded once."""
+    trained = torch.load(run / "state-8.pt")
+    for side, folder in (("policy", run / "final"), ("critic", run / "final" / "critic")):
+        assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16", folder
+        for name, value in load_file(folder / "model.safetensors").items():
+            assert value.dtype == torch.bfloat16, (side, name)
+            assert torch.equal(value, trained[f"weight/{side}.{name}"].bfloat16()), (side, name)
 
 
 def step_logs(run: Path, name: str = "logs") -> dict[int, dict]:
@@ -77,34 +85,32 @@ def step_logs(run: Path, name: str = "logs") -> dict[int, dict]:
 
 
 def assert_policy_untouched_by_value_pretraining(run: Path, model_dir: Path) -> None:
-    """After value pretraining (step 2) the policy has its initial weights, bit for bit, and no Adam state: it was
-    never stepped, as in the plain run. (Its learning rate is 0 until RL starts, so weight decay cannot move it
-    either; what a stepped policy shows here is its step count and, with momentum left over, its moments.)"""
-    pretrained = torch.load(run / "policy-2.pt")
+    """After value pretraining (step 2) the policy has its initial weights (loaded in bf16), bit for bit, and no Adam
+    state: it was never stepped, as in the plain run. (Its learning rate is 0 until RL starts, so weight decay cannot
+    move it either; what a stepped policy shows here is its step count and, with momentum left over, its moments.)"""
+    pretrained = {k: v for k, v in torch.load(run / "state-2.pt").items() if "/critic." not in k}
     initial = load_file(model_dir / "model.safetensors")
     assert pretrained.pop("adam_step") == 0
     for key, value in pretrained.items():
         kind, name = key.split("/", 1)
-        expected = initial[name.removeprefix("policy.")] if kind == "weight" else torch.zeros_like(value)
+        expected = initial[name.removeprefix("policy.")].bfloat16().float() if kind == "weight" else 0 * value
         assert torch.equal(value, expected), key
 
 
-def assert_same_policy_state(run: Path, reference: Path) -> None:
-    """After the last step (8), the policy's weights, Adam moments and Adam step count are the plain run's: the
-    critic-only passes left them alone."""
-    expected, got = torch.load(reference / "policy-8.pt"), torch.load(run / "policy-8.pt")
+def assert_same_state(run: Path, reference: Path) -> None:
+    """After the last step (8), the float32 weights of both sides and the policy's Adam moments and step count are
+    the plain run's: the critic-only passes left the policy alone."""
+    expected, got = torch.load(reference / "state-8.pt"), torch.load(run / "state-8.pt")
     assert got.pop("adam_step") == expected.pop("adam_step") == 2  # one policy step per RL rollout
     assert got.keys() == expected.keys()
+    assert {key.split("/")[1].split(".")[0] for key in expected} == {"policy", "critic"}
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], atol=ATOL[key.split("/")[0]], rtol=1e-4, msg=key)
 
 
 def assert_same_training(run: Path, reference: Path) -> None:
-    assert_same_policy_state(run, reference)
-    expected, got = weights(reference), weights(run)
-    assert got.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], atol=ATOL["weight"], rtol=1e-4, msg=name)
+    assert_same_state(run, reference)
+    assert_saved_as_loaded(run)
     reference_logs, logs = step_logs(reference), step_logs(run)
     assert sorted(logs) == sorted(reference_logs) == list(range(1, STEPS + 1))
     # Every step trains the critic; the policy trains on the first pass over each RL rollout only.
@@ -144,7 +150,9 @@ def test_deepspeed_value_pretraining_leaves_the_policy_untouched(deepspeed_run, 
     assert_policy_untouched_by_value_pretraining(deepspeed_run, tiny_model_dir)
 
 
-def test_deepspeed_steps_once_per_trainer_step_and_matches_the_run_without_it(deepspeed_run, reference):
+def test_deepspeed_steps_once_per_trainer_step_matches_the_run_without_it_and_saves_as_loaded(
+    deepspeed_run, reference
+):
     steps = json.loads((deepspeed_run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
     assert_same_training(deepspeed_run, reference)
@@ -159,18 +167,16 @@ def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_tw
     for later in ("checkpoint-5", "checkpoint-8"):  # written by the first run after step 2
         shutil.rmtree(run / later)
     shutil.rmtree(run / "final")  # so that the weights compared below are the resumed run's
-    (run / "policy-8.pt").unlink()
+    (run / "state-8.pt").unlink()
     (run / "logs-rank0.jsonl").rename(run / "first-rank0.jsonl")
     train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "100", "--resume", "--save-final")
     resumed = step_logs(run)
     assert sorted(resumed) == [3, 4, 5, 6, 7, 8]
-    assert_same_policy_state(run, reference)  # the optimizer state resumed too
-    expected = weights(reference)
-    for name, value in weights(run).items():
-        torch.testing.assert_close(value, expected[name], atol=ATOL["weight"], rtol=1e-4, msg=name)
+    assert_same_state(run, reference)  # the optimizer state resumed too
+    assert_saved_as_loaded(run)
 
 
-def test_fsdp2_samples_trains_and_saves_like_the_run_without_it(tiny_model_dir, tmp_path, reference):
+def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_model_dir, tmp_path, reference):
     run = train(tiny_model_dir, tmp_path / "fsdp2", 2, "--fsdp2", "--save-final", "--save-steps", "100")
     assert json.loads((run / "steps.json").read_text())["distributed_type"] == "DistributedType.FSDP"
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)

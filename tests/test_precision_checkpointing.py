@@ -5,11 +5,13 @@ bf16 runs here through `use_cpu=True, bf16=True` (CPU autocast): the same code p
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 import torch
 from peft import LoraConfig
+from safetensors.torch import load_file
 from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs
 from transformers import BitsAndBytesConfig
 
@@ -147,6 +149,17 @@ def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(
     large = {n: before[n].abs() > 1e-3 for n in before}
     kept_in_bf16 = sum(int(((after[n].bfloat16() != before[n].bfloat16()) & large[n]).sum()) for n in before)
     assert kept_in_bf16 / sum(int(m.sum()) for m in large.values()) < 0.05
+
+    if (
+        not lora
+    ):  # saved as loaded: bf16 files and config, the float32 weights rounded once (the adapters stay float32)
+        trainer.save_model(str(tmp_path / "saved"))
+        for folder, prefix in ((tmp_path / "saved", "policy."), (tmp_path / "saved" / "critic", "critic.")):
+            assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+            saved = load_file(folder / "model.safetensors")
+            assert {v.dtype for v in saved.values()} == {torch.bfloat16}, folder
+            for name, value in saved.items():
+                assert torch.equal(value, after[prefix + name].bfloat16()), name
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_vapo import VAPOConfig, VAPOTrainer
@@ -551,10 +552,14 @@ COMPARED = [
 
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
+    common += ["--dtype", "bfloat16"]  # trained in float32, saved as loaded
     single = run_script(*common, "--output-dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr[-3000:]
-    double = torchrun(*common, "--output-dir", str(tmp_path / "two"))
+    double = torchrun(*common, "--output-dir", str(tmp_path / "two"), "--save-final")
     assert double.returncode == 0, double.stderr[-3000:]
+    for folder in (tmp_path / "two" / "final", tmp_path / "two" / "final" / "critic"):
+        assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16", folder
+        assert {v.dtype for v in load_file(folder / "model.safetensors").values()} == {torch.bfloat16}, folder
     one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
     assert sorted(one) == sorted(two) == list(range(1, 9))
     assert [one[s]["phase"] for s in one] == [two[s]["phase"] for s in two] == ["value_pretrain"] * 4 + ["rl"] * 4

@@ -203,7 +203,7 @@ class SavingMixin:
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.accelerator.unwrap_model(self.model_wrapped).save_critic(tmp, state_dict)
+                self.accelerator.unwrap_model(self.model_wrapped).save_critic(tmp, state_dict, as_loaded=True)
         if self.accelerator.is_main_process:
             record = {
                 "rollouts": self.progress.value_pretrain_rollouts,
@@ -222,7 +222,7 @@ class SavingMixin:
         output_dir = Path(output_dir or self.args.output_dir)
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
-                self._write_models(output_dir, state_dict)
+                self._write_models(output_dir, state_dict, as_loaded=True)
                 self.create_model_card(output_dir=output_dir)
         self.accelerator.wait_for_everyone()
 
@@ -240,11 +240,15 @@ class SavingMixin:
         else:
             yield full_state_dict(self.model_wrapped)
 
-    def _write_models(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def _write_models(
+        self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None, as_loaded: bool = False
+    ) -> None:
+        """Policy, critic, tokenizer and config; ``as_loaded``: the models in the dtype they were loaded in (what
+        `save_model` gives the user), else their float32 training weights (a checkpoint, to resume exactly)."""
         directory.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.model
-        model.save_policy(directory, state_dict)
-        model.save_critic(directory / CRITIC_SUBFOLDER, state_dict)
+        model.save_policy(directory, state_dict, as_loaded)
+        model.save_critic(directory / CRITIC_SUBFOLDER, state_dict, as_loaded)
         self.processing_class.save_pretrained(directory)
         (directory / "vapo_config.json").write_text(self.args.to_json_string())
 

@@ -18,6 +18,7 @@ optimizer (with one parameter group per side).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from pathlib import Path
@@ -178,6 +179,9 @@ class ActorCritic(nn.Module):
         self.policy = policy
         self.critic = critic
         self.value_head = value_head
+        # The dtypes the full models came in: what `save_model` writes them back in, whatever the backend, while their
+        # trainable weights are kept and updated in float32 (`keep_trainable_weights_in_float32`).
+        self.loaded_dtypes = {"policy": _floating_dtype(policy), "critic": _floating_dtype(critic)}
 
     # ------------------------------------------------------------------------------------------------ layout
     @property
@@ -335,11 +339,14 @@ class ActorCritic(nn.Module):
         return logprobs, values, ref
 
     # ---------------------------------------------------------------------------------------- save and load
-    def save_critic(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def save_critic(
+        self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None, as_loaded: bool = False
+    ) -> None:
         """Write the critic so that `value_model=directory` loads it back (the layout matches this module's).
 
         ``state_dict``: this module's full weights when they were gathered from shards (FSDP2); otherwise the
-        parameters are read directly.
+        parameters are read directly. ``as_loaded``: a full critic in the dtype it was loaded in (a checkpoint keeps
+        the float32 training weights instead, to resume exactly); adapters and the value head as they are.
         """
         directory = Path(directory)
         if self.shares_base:
@@ -355,7 +362,8 @@ class ActorCritic(nn.Module):
             head = _sub_state(state_dict, "value_head.") or self.value_head.state_dict()
             save_file({k: v.detach().cpu().contiguous() for k, v in head.items()}, str(directory / VALUE_HEAD_FILE))
         else:
-            self.critic.save_pretrained(directory, state_dict=_sub_state(state_dict, "critic.", self.critic))
+            dtype = self.loaded_dtypes["critic"] if as_loaded else None
+            _save_pretrained(self.critic, directory, _sub_state(state_dict, "critic.", self.critic), dtype)
 
     def load_critic(self, directory: str | os.PathLike) -> None:
         """Load critic weights written by :meth:`save_critic` into this module, in place."""
@@ -369,16 +377,20 @@ class ActorCritic(nn.Module):
         else:
             _load_safetensors_into(self.critic, directory)
 
-    def save_policy(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def save_policy(
+        self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None, as_loaded: bool = False
+    ) -> None:
         """The policy alone: a full model for `AutoModelForCausalLM`, or the policy adapter for PEFT.
 
-        ``state_dict`` as in :meth:`save_critic`.
+        ``state_dict`` and ``as_loaded`` as in :meth:`save_critic`.
         """
         policy_state = _sub_state(state_dict, "policy.", self.policy)
         if self.shares_base:
             self.policy.save_pretrained(str(directory), selected_adapters=[POLICY_ADAPTER], state_dict=policy_state)
-        else:
+        elif is_peft_model(self.policy):
             self.policy.save_pretrained(directory, state_dict=policy_state)
+        else:
+            _save_pretrained(self.policy, directory, policy_state, self.loaded_dtypes["policy"] if as_loaded else None)
 
     def load_policy(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
@@ -390,6 +402,28 @@ class ActorCritic(nn.Module):
             )
         else:
             _load_safetensors_into(self.policy, directory)
+
+
+def _floating_dtype(model: nn.Module | None) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (None without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
+
+
+def _save_pretrained(
+    model: PreTrainedModel, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None, dtype
+) -> None:
+    """``model.save_pretrained``, with its floating-point weights and ``config.json``'s ``dtype`` in ``dtype`` (None:
+    as they are). ``save_pretrained`` itself records the dtype of the live parameters."""
+    if dtype is None or (state_dict is None and _floating_dtype(model) == dtype):
+        model.save_pretrained(directory, state_dict=state_dict)
+        return
+    state = state_dict if state_dict is not None else _sub_state(model.state_dict(), "", model)  # tied ones once
+    model.save_pretrained(
+        directory, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    )
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    config.save_pretrained(directory)
 
 
 def _sub_state(
