@@ -2,15 +2,17 @@
 
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
         [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
-        [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dtype D] [--dump-state-at STEP ...]
+        [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dtype D] [--beta X]
+        [--dump-state-at STEP ...]
 
 Every log entry is appended to `<output-dir>/<log-name>-rank<r>.jsonl` as soon as it is logged, so a killed run leaves
 what it logged behind. With `--stall-at N`, writing checkpoint N hangs (after its files are written, before it is
 published) and `<output-dir>/stalled` appears: the parent can then kill the process mid-checkpoint. With
 `--save-final`, the trained policy and critic are saved to `<output-dir>/final` (`save_model`) and
-`<output-dir>/steps.json` records the trainer's and DeepSpeed's optimizer-step counts. With `--dump-state-at N`,
-`<output-dir>/state-<N>.pt` holds the float32 training weights of the policy and the critic, and the policy's Adam
-moments and step count, at the end of optimizer step N, gathered from the ZeRO partitions under DeepSpeed.
+`<output-dir>/steps.json` records the trainer's and DeepSpeed's optimizer-step counts and whether the reference model
+is sharded. With `--dump-state-at N`, `<output-dir>/state-<N>.pt` holds the float32 training weights of the policy and
+the critic, and the policy's Adam moments and step count, at the end of optimizer step N, gathered from the ZeRO
+partitions under DeepSpeed.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def main() -> None:
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--dump-state-at", type=int, nargs="*", default=[])
     parser.add_argument("--dtype", help="the dtype to load the model in (model_init_kwargs)")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     args = parser.parse_args()
     if args.fsdp2:
         force_fsdp2_on_cpu()
@@ -210,6 +213,7 @@ def main() -> None:
         num_iterations=args.num_iterations,
         critic_num_iterations=args.critic_num_iterations,
         weight_decay=args.weight_decay,
+        beta=args.beta,
         model_init_kwargs={"dtype": args.dtype} if args.dtype else None,
         logging_steps=1,
         save_strategy="steps",
@@ -239,6 +243,9 @@ def main() -> None:
                 "trainer": trainer.state.global_step,
                 "deepspeed": engine.global_steps if engine else None,
                 "distributed_type": str(trainer.accelerator.distributed_type),
+                # Partitioned by ZeRO-3 (`ds_id`) or sharded by FSDP2 (DTensors), as the policy is.
+                "reference_sharded": trainer.ref_model is not None
+                and all(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in trainer.ref_model.parameters()),
             }
             (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
 

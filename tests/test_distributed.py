@@ -3,11 +3,11 @@
 Every run is `tests/_train_script.py`: value pretraining (2 rollouts), then RL with one policy pass and three critic
 passes over each rollout (`num_iterations=1, critic_num_iterations=3`: the demo recipe also trains the critic more
 often than the policy), weight decay, gradient accumulation 2, per-side clipping that bites (`--max-grad-norm 0.05`),
-greedy sampling so that every run sees the same completions. The reference is one plain process. DeepSpeed must take
-exactly one optimizer step per trainer step (it stepped after every micro-batch), keep the step-wide token mean, clip
-the actor and the critic separately, log both gradient norms, leave the policy's weights and Adam state untouched on
-critic-only steps (value pretraining, the extra critic passes: ZeRO steps every group), resume exactly, and save
-the models in bf16, the dtype they were loaded in (they train in float32).
+greedy sampling so that every run sees the same completions, a KL penalty (`beta=0.05`, a reference model). The
+reference is one plain process. DeepSpeed must take exactly one optimizer step per trainer step (it stepped after every
+micro-batch), keep the step-wide token mean, clip the actor and the critic separately, log both gradient norms, leave
+the policy's weights and Adam state untouched on critic-only steps (value pretraining, the extra critic passes: ZeRO
+steps every group), resume exactly, and save the models in bf16, the dtype they were loaded in (they train in float32).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ COMMON = [
     "0.1",
     "--dtype",
     "bfloat16",
+    "--beta",
+    "0.05",
     "--dump-state-at",
     "2",
     "8",
@@ -113,6 +115,8 @@ def assert_same_training(run: Path, reference: Path) -> None:
     assert_saved_as_loaded(run)
     reference_logs, logs = step_logs(reference), step_logs(run)
     assert sorted(logs) == sorted(reference_logs) == list(range(1, STEPS + 1))
+    # The KL penalty's reference is the policy before its first update, however it is sharded.
+    assert "kl" not in logs[1] and logs[3]["kl"] == reference_logs[3]["kl"] == 0.0
     # Every step trains the critic; the policy trains on the first pass over each RL rollout only.
     assert [step for step, log in sorted(reference_logs.items()) if "grad_norm/policy" in log] == [3, 6]
     for step, log in logs.items():
@@ -155,6 +159,7 @@ def test_deepspeed_steps_once_per_trainer_step_matches_the_run_without_it_and_sa
 ):
     steps = json.loads((deepspeed_run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
+    assert steps["reference_sharded"] == ("zero3" in deepspeed_run.name)  # as the policy: a ZeRO-2 reference is whole
     assert_same_training(deepspeed_run, reference)
 
 
@@ -178,7 +183,8 @@ def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_tw
 
 def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_model_dir, tmp_path, reference):
     run = train(tiny_model_dir, tmp_path / "fsdp2", 2, "--fsdp2", "--save-final", "--save-steps", "100")
-    assert json.loads((run / "steps.json").read_text())["distributed_type"] == "DistributedType.FSDP"
+    steps = json.loads((run / "steps.json").read_text())
+    assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)
 

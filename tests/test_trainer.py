@@ -674,15 +674,17 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft)
     assert after == expected
 
 
-@pytest.mark.parametrize("peft", [False, True])
-def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_path, peft):
+@pytest.mark.parametrize("layout", ["full", "full-bf16", "lora"])
+def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_path, layout):
     peft_config = None
-    if peft:
+    if layout == "lora":
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = make_args(tmp_path, max_steps=3, beta=0.1, learning_rate=1e-2)
-    trainer = VAPOTrainer(
+    # bf16: the reference is the policy as it trains (float32 weights), not the bf16 checkpoint: the first KL is 0.
+    dtype = {"model_init_kwargs": {"dtype": "bfloat16"}} if layout == "full-bf16" else {}
+    args = make_args(tmp_path, max_steps=3, beta=0.1, learning_rate=1e-2, value_pretrain_steps=1, **dtype)
+    trainer = CapturingTrainer(
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=args,
@@ -690,8 +692,12 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
         peft_config=peft_config,
     )
     # With PEFT the reference is the base with adapters off: no second copy of the weights.
-    assert (trainer.ref_model is None) == peft
+    assert (trainer.ref_model is None) == (layout == "lora")
     trainer.train()
+    phases = [rollout.phase for _, rollout in trainer.rollouts]
+    assert phases[0] == "value_pretrain" and phases[1:] == ["rl"] * (len(phases) - 1)
+    # Value pretraining trains the critic alone, and the policy is still the reference: no log-prob pass for a KL of 0.
+    assert trainer.rollouts[0][1].old_logprobs is None and trainer.rollouts[0][1].ref_logprobs is None
     kls = [h["kl"] for h in rl_logs(trainer)]
     assert kls[0] == 0.0  # the first rollout comes from the reference policy itself
     assert kls[-1] != 0.0

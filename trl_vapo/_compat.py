@@ -6,7 +6,7 @@ not the trainer.
 """
 
 from trl.cli.accelerate_config import resolve_accelerate_config_argument
-from trl.models.utils import unwrap_model_for_generation
+from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import (
     disable_dropout_in_model,
     entropy_from_logits,
@@ -16,12 +16,26 @@ from trl.trainer.utils import (
     selective_log_softmax,
 )
 
+
+def prepare_reference_model(model, accelerator):
+    """The frozen reference policy, placed as TRL's trainers place theirs: a DeepSpeed inference engine (partitioned
+    under ZeRO-3, whole under ZeRO-1/2), sharded under FSDP, on the device otherwise."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return prepare_deepspeed(model, accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return prepare_fsdp(model, accelerator)
+    return model.to(accelerator.device)
+
+
 __all__ = [
     "disable_dropout_in_model",
     "entropy_from_logits",
     "generate_model_card",
     "get_config_model_id",
     "pad",
+    "prepare_reference_model",
     "resolve_accelerate_config_argument",
     "selective_log_softmax",
     "unwrap_model_for_generation",

@@ -37,7 +37,13 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from trl import is_conversational
 
 from . import checkpoint as ckpt
-from ._compat import disable_dropout_in_model, get_config_model_id, pad, unwrap_model_for_generation
+from ._compat import (
+    disable_dropout_in_model,
+    get_config_model_id,
+    pad,
+    prepare_reference_model,
+    unwrap_model_for_generation,
+)
 from .config import VAPOConfig
 from .core import (
     decoupled_gae,
@@ -181,12 +187,13 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             )
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
-        # With PEFT the reference policy is the base with adapters disabled; otherwise a frozen copy, only if used.
+        if keep_trainable_weights_in_float32(actor_critic):
+            logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
+        # With PEFT the reference policy is the base with adapters disabled; otherwise a frozen copy, only if used,
+        # of the policy as it trains (in its float32 weights: it computes exactly as the policy, the first KL is 0).
         self.ref_model = (
             copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not is_peft_model(policy) else None
         )
-        if keep_trainable_weights_in_float32(actor_critic):
-            logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
 
         with deepspeed_quiet_unless_used(uses_deepspeed(args)):
             super().__init__(
@@ -199,7 +206,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             )
         check_distributed_setup(self.accelerator, args)
         if self.ref_model is not None:
-            self.ref_model.to(self.accelerator.device)
+            self.ref_model = prepare_reference_model(self.ref_model, self.accelerator)
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
         self.generation_engine = build_engine(
             args,
@@ -464,7 +471,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             phase == RL and sample.sampler_logprobs is not None and args.vllm_importance_sampling_correction
         )
         with_policy = self._needs_old_logprobs(phase) or corrects_sampler
-        reference = None if args.beta == 0 else self.ref_model if self.ref_model is not None else "base"
+        reference = None
+        if args.beta > 0 and phase == RL:  # value pretraining: the policy is still the reference, the KL 0
+            reference = self.ref_model if self.ref_model is not None else "base"
         old_logprobs, old_values, ref_logprobs = self.actor_critic.score_completions(
             input_ids,
             attention_mask,
@@ -553,14 +562,12 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
         With one optimizer step per rollout and one pass over it, each sample trains the policy that sampled it: the
         old log-probs equal the update's own (detached), so the extra forward pass is skipped, as in TRL's
-        GRPOTrainer. The KL penalty (`beta > 0`) always needs them.
+        GRPOTrainer. The KL penalty (`beta > 0`) always needs them in RL; value pretraining trains the critic alone.
         """
         args = self.args
-        if args.beta > 0:
-            return True
-        return phase == RL and (
-            args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
-        )
+        if phase != RL:
+            return False
+        return args.beta > 0 or args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
 
     # ----------------------------------------------------------------------------------------- the update
     def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True) -> None:
