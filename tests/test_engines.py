@@ -35,6 +35,8 @@ def test_continuous_batching_trains_end_to_end_and_resumes_exactly(tiny_model_di
             save_steps=2,
             num_iterations=2,
             use_transformers_continuous_batching=True,
+            bf16=True,  # training computes under bf16 autocast; the engine's background thread runs without it
+            use_cpu=True,
         )
         trainer = VAPOTrainer(
             model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
@@ -45,6 +47,8 @@ def test_continuous_batching_trains_end_to_end_and_resumes_exactly(tiny_model_di
     full = run()
     assert type(full.generation_engine).__name__ == "ContinuousBatching"
     assert [h["phase"] for h in full.state.log_history if "phase" in h] == ["value_pretrain"] * 4 + ["rl"] * 3
+    # The first update's ratio is against log-probs the training forward recomputed: exactly 1, as with generate().
+    assert rl_logs(full)[0]["approx_kl"] == 0.0
     lengths = [h["completions/mean_length"] for h in rl_logs(full) if "completions/mean_length" in h]
     assert lengths and all(n > 0 for n in lengths)
     resumed = run(resume=str(tmp_path / "out" / "checkpoint-4"))
