@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import string
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -618,6 +619,77 @@ def test_importance_sampling_metrics():
     assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(1.0 / 4)  # NaN left out
     assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.5))
     assert metrics["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-0.5))
+
+
+def _rollout_metrics_on_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes: a small rollout whose `sampling/*` readings differ by rank, through
+    `rollout_metrics` with the real collectives (accelerate's `gather` is an all-gather concatenated on dim 0)."""
+    import json
+
+    import torch.distributed as dist
+
+    from trl_vapo.rollout import RL, Rollout, rollout_metrics
+    from trl_vapo.scoring import Scores
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+    def gather(tensor):
+        parts = [torch.empty_like(tensor) for _ in range(2)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def all_reduce(tensor):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    n, c = 2, 3
+    zeros = torch.zeros(n, c)
+    rollout = Rollout(
+        phase=RL,
+        input_ids=torch.ones(n, 1 + c, dtype=torch.long),
+        attention_mask=torch.ones(n, 1 + c, dtype=torch.long),
+        prompt_length=1,
+        truncated=torch.zeros(n, dtype=torch.bool),
+        scores=Scores(torch.ones(n, 1), torch.ones(n), torch.ones(n, dtype=torch.bool), ["r"]),
+        loss_mask=torch.ones(n, c),
+        is_positive=torch.ones(n, dtype=torch.bool),
+        old_values=zeros,
+        returns=zeros,
+        raw_advantages=zeros,
+        advantages=zeros,
+        lambda_actor=torch.ones(n),
+        sampling_metrics={  # rank 0, rank 1
+            "sampling/sampling_logp_difference/mean": [0.1, 0.3][rank],
+            "sampling/sampling_logp_difference/max": [0.5, 0.2][rank],
+            "sampling/importance_sampling_ratio/min": [0.9, 0.7][rank],
+            "sampling/importance_sampling_ratio/mean": [1.0, math.nan][rank],  # a process without a reading
+        },
+    )
+    metrics = rollout_metrics(rollout, gather, all_reduce)
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({k: v for k, v in metrics.items() if k.startswith("sampling")})
+    )
+    dist.destroy_process_group()
+
+
+def test_sampling_metrics_are_reduced_over_processes(tmp_path):
+    """Two real processes (gloo): every process logs the same `sampling/*` values, reduced as TRL reduces them."""
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+
+    port = 29000 + os.getpid() % 1000
+    mp.start_processes(_rollout_metrics_on_rank, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    expected = {
+        "sampling/sampling_logp_difference/mean": pytest.approx(0.2),
+        "sampling/sampling_logp_difference/max": pytest.approx(0.5),
+        "sampling/importance_sampling_ratio/min": pytest.approx(0.7),
+        "sampling/importance_sampling_ratio/mean": pytest.approx(1.0),
+    }
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -113,8 +113,29 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         metrics[f"rewards/{name}/std"] = _std(column)
     if rollout.ref_logprobs is not None:
         metrics["kl"] = global_masked_mean(rollout.old_logprobs - rollout.ref_logprobs, mask, all_reduce)
-    metrics.update(rollout.sampling_metrics)
+    metrics.update(reduce_sampling_metrics(rollout.sampling_metrics, gather, mask.device))
     return metrics
+
+
+def reduce_sampling_metrics(metrics: dict[str, float], gather: Callable, device: torch.device) -> dict[str, float]:
+    """This process's `sampling/*` metrics reduced over all processes as TRL reduces them: the mean of the
+    processes' `.../mean`, the largest `.../max`, the smallest `.../min` (a process's NaN left out)."""
+    if not metrics:
+        return {}
+    keys = sorted(metrics)
+    values = gather(torch.tensor([metrics[key] for key in keys], dtype=torch.float32, device=device))
+    reduced = {}
+    for key, column in zip(keys, values.view(-1, len(keys)).T):
+        column = column[~torch.isnan(column)]
+        if column.numel() == 0:
+            reduced[key] = math.nan
+        elif key.endswith("/max"):
+            reduced[key] = column.max().item()
+        elif key.endswith("/min"):
+            reduced[key] = column.min().item()
+        else:
+            reduced[key] = column.mean().item()
+    return reduced
 
 
 def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None) -> float:
