@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from transformers import (
 )
 
 from trl_vapo import VAPOConfig, VAPOTrainer
+from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adaptive_lambda
 
 # Metrics the issue requires at every logging step (RL phase).
@@ -633,7 +635,7 @@ def _comparable(history):
 
 
 @pytest.mark.parametrize("peft", [False, True])
-def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft):
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft, caplog):
     peft_config = None
     if peft:
         from peft import LoraConfig
@@ -672,6 +674,27 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft)
     expected = [h for h in _comparable(full.state.log_history) if h["step"] > 4]
     assert len(after) == 3
     assert after == expected
+    if peft:
+        return
+
+    # The newest checkpoint damaged (a full disk, a partial copy): resume_from_checkpoint=True warns, naming it, and
+    # resumes from the newest one that reads; the run ends with the uninterrupted run's weights.
+    out = tmp_path / "full" / "out"
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-7"]
+    for damaged in (out / "checkpoint-7" / "model.safetensors", out / "checkpoint-6" / "optimizer.pt"):
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-7: model.safetensors"):
+        run("full", resume=str(out / "checkpoint-7"))  # named explicitly: an error naming the file, nothing trained
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+        again = run("full", resume=True)
+    warned = [m for m in caplog.messages if "cannot be read" in m]
+    assert len(warned) == 2 and "checkpoint-7 cannot be read (model.safetensors" in warned[0], warned
+    assert "checkpoint-6 cannot be read (optimizer.pt" in warned[1], warned
+    assert [h for h in _comparable(again.state.log_history) if h["step"] > 4] == expected  # resumed at step 4
+    expected_weights = full.actor_critic.state_dict()
+    for name, value in again.actor_critic.state_dict().items():
+        assert torch.equal(value, expected_weights[name]), name
 
 
 @pytest.mark.parametrize("layout", ["full", "full-bf16", "lora"])

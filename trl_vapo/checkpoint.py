@@ -18,6 +18,7 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,40 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
         if match and child.is_dir() and (child / COMPLETE_MARKER).is_file():
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed from, or None when every file in it reads: a
+    safetensors header that does not match the file's size (a full disk, a partial copy), a torch archive without
+    its closing directory, JSON that does not parse. Headers only: cheap for any model size."""
+    from safetensors import safe_open
+
+    for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), "pt"):
+                    pass
+            elif file.suffix == ".pt" and not zipfile.is_zipfile(file):
+                raise ValueError("not a complete torch archive")
+            elif file.suffix == ".json":
+                json.loads(file.read_text())
+        except Exception as error:  # whatever a damaged file raises, it names this checkpoint unusable
+            return f"{file.relative_to(path)}: {type(error).__name__}: {error}"
+    return None
+
+
+def newest_resumable_checkpoint(output_dir: str | os.PathLike) -> Path:
+    """The newest complete checkpoint in ``output_dir`` whose files all read; a warning names each damaged newer
+    one passed over."""
+    found = list_checkpoints(output_dir)
+    if not found:
+        raise ValueError(f"resume_from_checkpoint=True but no complete checkpoint in {output_dir}.")
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning(f"Checkpoint {path} cannot be read ({problem}); resuming from an earlier one.")
+    raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {output_dir} can be read (see above).")
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, keep: Path | None = None) -> None:
@@ -337,6 +372,13 @@ class SavingMixin:
 
     def _load_checkpoint(self, path: Path) -> None:
         marker = read_marker(path)
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            earlier = [c.name for c in list_checkpoints(path.parent) if c != path]
+            raise ValueError(
+                f"Cannot resume from {path}: {problem}. Resume from an earlier checkpoint ({earlier}), or pass "
+                "resume_from_checkpoint=True to take the newest one that reads."
+            )
         check_resumable(path, marker["run"], self._fingerprint())
         if self.is_deepspeed_enabled:
             loaded, _ = self.model_wrapped.load_checkpoint(

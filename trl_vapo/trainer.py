@@ -299,10 +299,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         args = self.args
         self.is_in_train = True
         if resume_from_checkpoint is True:
-            found = ckpt.list_checkpoints(args.output_dir)
-            if not found:
-                raise ValueError(f"resume_from_checkpoint=True but no complete checkpoint in {args.output_dir}.")
-            resume_from_checkpoint = found[-1]
+            resume_from_checkpoint = ckpt.newest_resumable_checkpoint(args.output_dir)
         plan = self._plan()
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
