@@ -146,3 +146,32 @@ def test_eval_takes_the_training_engine_flags(tmp_path, capsys):
     assert scores["num_problems"] == 4 and 0 <= scores["avg@2"] <= 1
     assert cli_main(["eval", "--model", str(MODEL_DIR), "--use_vllm"]) == 2
     assert "pip install vllm" in capsys.readouterr().err
+
+
+def test_vllm_with_a_quantized_base_is_refused_before_anything_loads(tiny_model_dir, tmp_path, stand_in_vllm):
+    """Syncing a QLoRA policy to vLLM would merge the adapter into packed 4-bit weights (vLLM gets uint8 under bf16
+    names, the live base comes back re-quantized): refused, asked for in `model_init_kwargs` or given loaded."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    args = make_args(
+        tmp_path, use_vllm=True, vllm_mode="colocate", model_init_kwargs={"quantization_config": quantization}
+    )
+    with pytest.raises(ValueError, match="use_vllm=True cannot be used with a quantized"):
+        # A model path that does not exist: the error comes before anything is loaded.
+        VAPOTrainer(
+            model=str(tmp_path / "never-loaded"),
+            reward_funcs=digit_fraction,
+            args=args,
+            train_dataset=prompts_dataset(),
+            peft_config=lora(),
+        )
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization)
+    with pytest.raises(ValueError, match="use_vllm=True cannot be used with a quantized"):
+        VAPOTrainer(
+            model=loaded,
+            reward_funcs=digit_fraction,
+            args=make_args(tmp_path, use_vllm=True, vllm_mode="colocate"),
+            train_dataset=prompts_dataset(),
+            peft_config=lora(),
+        )

@@ -676,11 +676,13 @@ def _rollout_metrics_on_rank(rank: int, port: int, out: str) -> None:
 def test_sampling_metrics_are_reduced_over_processes(tmp_path):
     """Two real processes (gloo): every process logs the same `sampling/*` values, reduced as TRL reduces them."""
     import json
-    import os
+    import socket
 
     import torch.multiprocessing as mp
 
-    port = 29000 + os.getpid() % 1000
+    with socket.socket() as probe:  # a free port: torchrun tests on other workers pick theirs from 29500 up
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     mp.start_processes(_rollout_metrics_on_rank, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
     expected = {
         "sampling/sampling_logp_difference/mean": pytest.approx(0.2),

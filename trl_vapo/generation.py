@@ -672,15 +672,27 @@ def _arg(args, name: str):
     return getattr(args, name) if hasattr(args, name) else _trl_defaults().get(name)
 
 
-def check_engine_available(args) -> None:
+def check_engine_available(args, model: Any = None) -> None:
     """Raise a clear error for an engine this machine or config cannot run: call it before loading any model.
 
-    `use_vllm=True` without vLLM installed says `pip install vllm`; both engines at once, a bad `vllm_mode`, and the
+    `use_vllm=True` without vLLM installed says `pip install vllm`; both engines at once, a bad `vllm_mode`, vLLM with
+    a quantized base (``model_init_kwargs``' `quantization_config`, or ``model`` when an instance is given), and the
     settings continuous batching would silently ignore (repetition penalty, `stop_strings`) are refused.
     """
     use_vllm, use_cb = bool(_arg(args, "use_vllm")), bool(_arg(args, "use_transformers_continuous_batching"))
     if use_vllm and use_cb:
         raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
+    quantized = (_arg(args, "model_init_kwargs") or {}).get("quantization_config") is not None or any(
+        getattr(model, attr, False) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized")
+    )
+    if use_vllm and quantized:
+        # Syncing would merge the policy adapter into packed 4-bit weights: vLLM would receive packed uint8 under
+        # bf16 names, and the live base would come back re-quantized.
+        raise ValueError(
+            "use_vllm=True cannot be used with a quantized (bitsandbytes 4-bit / 8-bit) base: the policy's weights "
+            "cannot be synced to vLLM from it. Generate with transformers instead (use_vllm=False, or "
+            "use_transformers_continuous_batching=True), or use vLLM with LoRA on an unquantized bf16 base."
+        )
     if use_vllm:
         mode = _arg(args, "vllm_mode")
         if mode not in ("server", "colocate"):

@@ -162,7 +162,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
         # Everything a user can get wrong is checked before a model loads.
-        check_engine_available(args)
+        check_engine_available(args, model)
         check_train_dataset(train_dataset, args)
         self._conversational = is_conversational({"prompt": train_dataset[0]["prompt"]})
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational)
