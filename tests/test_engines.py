@@ -166,6 +166,19 @@ def test_vllm_with_a_quantized_base_is_refused_before_anything_loads(tiny_model_
             train_dataset=prompts_dataset(),
             peft_config=lora(),
         )
+    # A quantization config that dequantizes at load time (TRL's gpt-oss recipe) gives an unquantized model: not
+    # refused, the run gets as far as loading (here a path that does not exist).
+    dequantizing = {"quant_method": "mxfp4", "dequantize": True}
+    with pytest.raises(OSError):
+        VAPOTrainer(
+            model=str(tmp_path / "never-loaded"),
+            reward_funcs=digit_fraction,
+            args=make_args(
+                tmp_path, use_vllm=True, vllm_mode="colocate", model_init_kwargs={"quantization_config": dequantizing}
+            ),
+            train_dataset=prompts_dataset(),
+            peft_config=lora(),
+        )
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization)
     with pytest.raises(ValueError, match="use_vllm=True cannot be used with a quantized"):
         VAPOTrainer(

@@ -619,6 +619,9 @@ def test_importance_sampling_metrics():
     assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(1.0 / 4)  # NaN left out
     assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.5))
     assert metrics["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-0.5))
+    # No scored token on this process: NaN, which the reduction over processes leaves out (0.0 would pull means down).
+    empty = importance_sampling_metrics(trainer, sampler, weights, torch.zeros_like(mask))
+    assert all(math.isnan(value) for value in empty.values())
 
 
 def _rollout_metrics_on_rank(rank: int, port: int, out: str) -> None:

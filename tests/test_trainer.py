@@ -719,8 +719,10 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
     trainer.train()
     phases = [rollout.phase for _, rollout in trainer.rollouts]
     assert phases[0] == "value_pretrain" and phases[1:] == ["rl"] * (len(phases) - 1)
-    # Value pretraining trains the critic alone, and the policy is still the reference: no log-prob pass for a KL of 0.
-    assert trainer.rollouts[0][1].old_logprobs is None and trainer.rollouts[0][1].ref_logprobs is None
+    # Value pretraining under full fine-tuning: the policy is still its own copy, the reference; no log-prob pass for a
+    # KL of 0. With PEFT the reference is the base without adapters, which an adapter can make differ: computed.
+    pretraining = trainer.rollouts[0][1]
+    assert (pretraining.old_logprobs is None and pretraining.ref_logprobs is None) == (layout != "lora")
     kls = [h["kl"] for h in rl_logs(trainer)]
     assert kls[0] == 0.0  # the first rollout comes from the reference policy itself
     assert kls[-1] != 0.0

@@ -97,13 +97,18 @@ def checkpoint_problem(path: Path) -> str | None:
             if file.suffix == ".safetensors":
                 with safe_open(str(file), "pt"):
                     pass
-            elif file.suffix == ".pt" and not zipfile.is_zipfile(file):
-                raise ValueError("not a complete torch archive")
+            elif file.suffix == ".pt" and _starts_with(file, b"PK") and not zipfile.is_zipfile(file):
+                raise ValueError("not a complete torch archive")  # (legacy non-zip torch files are not checked)
             elif file.suffix == ".json":
-                json.loads(file.read_text())
+                json.loads(file.read_bytes())
         except Exception as error:  # whatever a damaged file raises, it names this checkpoint unusable
             return f"{file.relative_to(path)}: {type(error).__name__}: {error}"
     return None
+
+
+def _starts_with(file: Path, prefix: bytes) -> bool:
+    with file.open("rb") as f:
+        return f.read(len(prefix)) == prefix
 
 
 def newest_resumable_checkpoint(output_dir: str | os.PathLike) -> Path:
@@ -238,7 +243,9 @@ class SavingMixin:
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.accelerator.unwrap_model(self.model_wrapped).save_critic(tmp, state_dict, as_loaded=True)
+                self.accelerator.unwrap_model(self.model_wrapped).save_critic(
+                    tmp, state_dict
+                )  # float32: a later run trains on from it
         if self.accelerator.is_main_process:
             record = {
                 "rollouts": self.progress.value_pretrain_rollouts,
@@ -371,14 +378,14 @@ class SavingMixin:
         return run_fingerprint(self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
 
     def _load_checkpoint(self, path: Path) -> None:
-        marker = read_marker(path)
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path) if (path / COMPLETE_MARKER).is_file() else None
         if problem is not None:
             earlier = [c.name for c in list_checkpoints(path.parent) if c != path]
             raise ValueError(
                 f"Cannot resume from {path}: {problem}. Resume from an earlier checkpoint ({earlier}), or pass "
                 "resume_from_checkpoint=True to take the newest one that reads."
             )
+        marker = read_marker(path)
         check_resumable(path, marker["run"], self._fingerprint())
         if self.is_deepspeed_enabled:
             loaded, _ = self.model_wrapped.load_checkpoint(

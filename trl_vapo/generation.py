@@ -682,16 +682,18 @@ def check_engine_available(args, model: Any = None) -> None:
     use_vllm, use_cb = bool(_arg(args, "use_vllm")), bool(_arg(args, "use_transformers_continuous_batching"))
     if use_vllm and use_cb:
         raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
-    quantized = (_arg(args, "model_init_kwargs") or {}).get("quantization_config") is not None or any(
+    asked = (_arg(args, "model_init_kwargs") or {}).get("quantization_config")
+    dequantized = asked.get("dequantize") if isinstance(asked, dict) else getattr(asked, "dequantize", False)
+    quantized = (asked is not None and not dequantized) or any(
         getattr(model, attr, False) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized")
     )
     if use_vllm and quantized:
         # Syncing would merge the policy adapter into packed 4-bit weights: vLLM would receive packed uint8 under
         # bf16 names, and the live base would come back re-quantized.
         raise ValueError(
-            "use_vllm=True cannot be used with a quantized (bitsandbytes 4-bit / 8-bit) base: the policy's weights "
-            "cannot be synced to vLLM from it. Generate with transformers instead (use_vllm=False, or "
-            "use_transformers_continuous_batching=True), or use vLLM with LoRA on an unquantized bf16 base."
+            "use_vllm=True cannot be used with a quantized base (bitsandbytes 4-bit / 8-bit and the like): the "
+            "policy's weights cannot be synced to vLLM from it. Generate with transformers instead (use_vllm=False, "
+            "or use_transformers_continuous_batching=True), or use vLLM with LoRA on an unquantized bf16 base."
         )
     if use_vllm:
         mode = _arg(args, "vllm_mode")
@@ -768,7 +770,7 @@ def build_engine(
         vllm_generation_cls: replaces TRL's `VLLMGeneration` (tests pass a stand-in).
     """
     if vllm_generation_cls is None:
-        check_engine_available(args)
+        check_engine_available(args, policy)  # the loaded policy: a checkpoint may come quantized by its config
     if policy is None and isinstance(model, nn.Module):
         policy = model
     common = {
@@ -809,8 +811,8 @@ def importance_sampling_metrics(
     delta = delta[mask.bool() & ~torch.isnan(delta)]
     flat = weights.flatten() if weights.shape[-1] == 1 else weights[mask.bool()]
 
-    def stat(x, f):
-        return f(x).item() if x.numel() else 0.0
+    def stat(x, f):  # NaN without a reading: left out when the processes' values are reduced
+        return f(x).item() if x.numel() else math.nan
 
     return {
         "sampling/sampling_logp_difference/mean": stat(delta, torch.mean),

@@ -181,7 +181,7 @@ class ActorCritic(nn.Module):
         self.value_head = value_head
         # The dtypes the full models came in: what `save_model` writes them back in, whatever the backend, while their
         # trainable weights are kept and updated in float32 (`keep_trainable_weights_in_float32`).
-        self.loaded_dtypes = {"policy": _floating_dtype(policy), "critic": _floating_dtype(critic)}
+        self.loaded_dtypes = {"policy": _tensor_dtypes(policy), "critic": _tensor_dtypes(critic)}
 
     # ------------------------------------------------------------------------------------------------ layout
     @property
@@ -362,8 +362,8 @@ class ActorCritic(nn.Module):
             head = _sub_state(state_dict, "value_head.") or self.value_head.state_dict()
             save_file({k: v.detach().cpu().contiguous() for k, v in head.items()}, str(directory / VALUE_HEAD_FILE))
         else:
-            dtype = self.loaded_dtypes["critic"] if as_loaded else None
-            _save_pretrained(self.critic, directory, _sub_state(state_dict, "critic.", self.critic), dtype)
+            dtypes = self.loaded_dtypes["critic"] if as_loaded else None
+            _save_pretrained(self.critic, directory, _sub_state(state_dict, "critic.", self.critic), dtypes)
 
     def load_critic(self, directory: str | os.PathLike) -> None:
         """Load critic weights written by :meth:`save_critic` into this module, in place."""
@@ -404,25 +404,34 @@ class ActorCritic(nn.Module):
             _load_safetensors_into(self.policy, directory)
 
 
-def _floating_dtype(model: nn.Module | None) -> torch.dtype | None:
-    """The dtype of the model's first floating-point parameter (None without one)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
+def _tensor_dtypes(model: nn.Module | None) -> dict[str, torch.dtype] | None:
+    """The dtype of each floating-point tensor of a full model's state dict (None for PEFT models and None)."""
+    if model is None or is_peft_model(model):
+        return None
+    return {name: t.dtype for name, t in model.state_dict().items() if t.is_floating_point()}
 
 
 def _save_pretrained(
-    model: PreTrainedModel, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None, dtype
+    model: PreTrainedModel,
+    directory: str | os.PathLike,
+    state_dict: dict[str, torch.Tensor] | None,
+    dtypes: dict[str, torch.dtype] | None,
 ) -> None:
-    """``model.save_pretrained``, with its floating-point weights and ``config.json``'s ``dtype`` in ``dtype`` (None:
-    as they are). ``save_pretrained`` itself records the dtype of the live parameters."""
-    if dtype is None or (state_dict is None and _floating_dtype(model) == dtype):
+    """``model.save_pretrained``, each floating-point tensor in its dtype in ``dtypes`` (None: as they are) and
+    ``config.json``'s ``dtype`` the first one's (as transformers records it). Cast on the CPU, one tensor at a time
+    into the new dict: no second copy of the model on the accelerator."""
+    if dtypes is None:
         model.save_pretrained(directory, state_dict=state_dict)
         return
     state = state_dict if state_dict is not None else _sub_state(model.state_dict(), "", model)  # tied ones once
     model.save_pretrained(
-        directory, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        directory,
+        state_dict={
+            k: v.detach().cpu().to(dtypes.get(k, v.dtype)) if v.is_floating_point() else v for k, v in state.items()
+        },
     )
     config = copy.deepcopy(model.config)
-    config.dtype = dtype
+    config.dtype = next(iter(dtypes.values()))
     config.save_pretrained(directory)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
 from datasets import Dataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
@@ -299,7 +299,17 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         args = self.args
         self.is_in_train = True
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = ckpt.newest_resumable_checkpoint(args.output_dir)
+            # The main process chooses, so that every process resumes the same step whatever it sees on disk.
+            chosen = [None]
+            if self.accelerator.is_main_process:
+                try:
+                    chosen = [str(ckpt.newest_resumable_checkpoint(args.output_dir))]
+                except ValueError as error:
+                    chosen = [error]
+            chosen = broadcast_object_list(chosen)[0] if self._distributed else chosen[0]
+            if isinstance(chosen, ValueError):
+                raise chosen
+            resume_from_checkpoint = chosen
         plan = self._plan()
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
@@ -469,7 +479,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         )
         with_policy = self._needs_old_logprobs(phase) or corrects_sampler
         reference = None
-        if args.beta > 0 and phase == RL:  # value pretraining: the policy is still the reference, the KL 0
+        if args.beta > 0 and self._kl_penalised(phase):
             reference = self.ref_model if self.ref_model is not None else "base"
         old_logprobs, old_values, ref_logprobs = self.actor_critic.score_completions(
             input_ids,
@@ -559,12 +569,20 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
         With one optimizer step per rollout and one pass over it, each sample trains the policy that sampled it: the
         old log-probs equal the update's own (detached), so the extra forward pass is skipped, as in TRL's
-        GRPOTrainer. The KL penalty (`beta > 0`) always needs them in RL; value pretraining trains the critic alone.
+        GRPOTrainer. The KL penalty (`beta > 0`) needs them wherever it applies (`_kl_penalised`).
         """
         args = self.args
-        if phase != RL:
-            return False
-        return args.beta > 0 or args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        if args.beta > 0 and self._kl_penalised(phase):
+            return True
+        return phase == RL and (
+            args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        )
+
+    def _kl_penalised(self, phase: str) -> bool:
+        """Whether the rewards of this phase's rollouts carry the KL penalty. Value pretraining's policy is the
+        reference itself under full fine-tuning (a copy, KL 0: no log-prob passes); with PEFT the reference is the
+        base without adapters, which a trained or non-zero-initialised adapter (PiSSA, LoftQ) makes differ."""
+        return phase == RL or self.ref_model is None
 
     # ----------------------------------------------------------------------------------------- the update
     def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True) -> None:
