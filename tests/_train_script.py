@@ -28,6 +28,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_vapo import VAPOConfig, VAPOTrainer
+from trl_vapo.distributed import optimizer_states
 
 
 def digit_fraction(completions, **kwargs):
@@ -70,18 +71,7 @@ class JsonlLogger(TrainerCallback):
 
 def adam_step_count(optimizer, group_name: str) -> int:
     """The Adam step count of the parameter groups named `group_name` (0 before their first step)."""
-    chain = [optimizer]
-    while getattr(chain[-1], "optimizer", None) is not None:
-        chain.append(chain[-1].optimizer)
-    inner = chain[-1]
-    groups = [i for i, group in enumerate(inner.param_groups) if group.get("name") == group_name]
-    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
-    if zero3 is not None:  # ZeRO-3 keeps each group's flat float32 shards outside `param_groups` between steps
-        flats = zero3.fp32_partitioned_groups_flat
-        params = [flat for i, flat in enumerate(flats) if zero3.sub_group_to_group_id[i] in groups]
-    else:
-        params = [p for i in groups for p in inner.param_groups[i]["params"]]
-    counts = {int(inner.state[p]["step"]) for p in params if "step" in inner.state.get(p, {})}
+    counts = {int(state["step"]) for state in optimizer_states(optimizer, group_name) if "step" in state}
     assert len(counts) <= 1, counts
     return counts.pop() if counts else 0
 

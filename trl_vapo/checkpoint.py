@@ -243,9 +243,8 @@ class SavingMixin:
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.accelerator.unwrap_model(self.model_wrapped).save_critic(
-                    tmp, state_dict
-                )  # float32: a later run trains on from it
+                # In its float32 training weights, not as loaded: a later run goes on training it.
+                self.accelerator.unwrap_model(self.model_wrapped).save_critic(tmp, state_dict)
         if self.accelerator.is_main_process:
             record = {
                 "rollouts": self.progress.value_pretrain_rollouts,

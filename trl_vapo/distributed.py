@@ -159,12 +159,10 @@ def groups_held_out(optimizer: torch.optim.Optimizer, name: str) -> Iterator[Non
             inner.param_groups = hidden[0]
 
 
-def reset_adam_step(optimizer: torch.optim.Optimizer, group_name: str) -> None:
-    """Zero the step count of the parameter groups named ``group_name``.
-
+def optimizer_states(optimizer: torch.optim.Optimizer, group_name: str) -> list[dict]:
+    """The torch optimizer's per-tensor states of the parameter groups named ``group_name``, through any wrapper;
     ZeRO-3 keeps each group's flat float32 shards outside ``param_groups`` between steps, so they are looked up in
-    its sub-group table.
-    """
+    its sub-group table. A tensor not stepped yet has an empty state."""
     chain = _optimizer_chain(optimizer)
     inner = chain[-1]
     groups = {i for i, group in enumerate(inner.param_groups) if group.get("name") == group_name}
@@ -176,8 +174,12 @@ def reset_adam_step(optimizer: torch.optim.Optimizer, group_name: str) -> None:
             for i, flat in enumerate(zero3.fp32_partitioned_groups_flat)
             if zero3.sub_group_to_group_id[i] in groups
         ]
-    for param in params:
-        state = inner.state.get(param, {})
+    return [inner.state.get(param, {}) for param in params]
+
+
+def reset_adam_step(optimizer: torch.optim.Optimizer, group_name: str) -> None:
+    """Zero the step count of the parameter groups named ``group_name``."""
+    for state in optimizer_states(optimizer, group_name):
         if "step" in state:
             step = state["step"]
             state["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
