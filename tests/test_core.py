@@ -18,6 +18,7 @@ from trl_vapo.core import (
     explained_variance_plateaued,
     importance_sampling_weights,
     length_adaptive_lambda,
+    lm_head_logprobs_and_entropy,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -749,6 +750,124 @@ def test_token_logprobs_and_entropy_match_the_definitions_in_chunks(monkeypatch,
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(logits.grad.double(), reference.grad.to(dtype).double(), rtol=tolerance, atol=tolerance)
     assert token_logprobs_and_entropy(logits, index, temperature)[1] is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Token log-probs and entropy from the hidden states, through the LM head in tiles
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def naive_head_logprobs_and_entropy(hidden, weight, bias, index, temperature, scale=1.0, softcap=None):
+    """Per position, in float64: z = c(s * (h W^T + b)) / T, then the definitions."""
+    out_logprobs = torch.zeros(index.shape, dtype=torch.float64)
+    out_entropy = torch.zeros_like(out_logprobs)
+    for b in range(index.shape[0]):
+        for t in range(index.shape[1]):
+            y = scale * (weight.double() @ hidden[b, t].double() + (0 if bias is None else bias.double()))
+            z = (y if softcap is None else softcap * torch.tanh(y / softcap)) / temperature
+            log_p = z - torch.logsumexp(z, 0)
+            out_logprobs[b, t] = log_p[index[b, t]]
+            out_entropy[b, t] = -(log_p.exp() * log_p).sum()
+    return out_logprobs, out_entropy
+
+
+def sliced_and_transposed(batch, length, hidden_size, vocab, dtype, generator):
+    """Inputs laid out as a model hands them over: the hidden states a slice of a longer sequence (not contiguous),
+    the head's weight the transpose of an ``[H, V]`` tensor (column-major)."""
+    states = torch.randn(batch, length + 2, hidden_size, generator=generator).to(dtype)
+    hidden = states[:, 1:-1, :].detach().requires_grad_()
+    weight_t = (torch.randn(hidden_size, vocab, generator=generator) / hidden_size**0.5).to(dtype)
+    weight = weight_t.t().detach().requires_grad_()
+    bias = torch.randn(vocab, generator=generator).to(dtype).requires_grad_()
+    index = torch.randint(0, vocab, (batch, length), generator=generator)
+    return hidden, weight, bias, index
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+@pytest.mark.parametrize("transform", [{}, {"logit_scale": 0.5, "logit_softcap": 3.0}], ids=["plain", "scaled"])
+def test_lm_head_logprobs_match_the_definitions_in_tiles(monkeypatch, temperature, transform):
+    import trl.kernels.chunked_logprob as trl_kernel
+
+    import trl_vapo._compat as compat
+    import trl_vapo.core as core
+
+    # 4 positions by 11 vocabulary columns per tile: 3 row tiles (the last short) by 5 column tiles (the last short).
+    monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 4)
+    monkeypatch.setattr(compat, "TOKEN_TILE_ROWS", 4)
+    monkeypatch.setattr(core, "LOGITS_CHUNK_ELEMENTS", 4 * 11)
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias, index = sliced_and_transposed(2, 5, 8, 50, torch.float32, g)
+    assert not hidden.is_contiguous() and not weight.is_contiguous()
+    weights = torch.randn(2, 5, generator=g)
+
+    logprobs, entropy = lm_head_logprobs_and_entropy(
+        hidden, weight, bias, index, temperature, with_entropy=True, **transform
+    )
+    (logprobs * weights).sum().backward()
+
+    reference = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    scale, softcap = transform.get("logit_scale", 1.0), transform.get("logit_softcap")
+    expected_logprobs, expected_entropy = naive_head_logprobs_and_entropy(
+        *reference, index, temperature, scale, softcap
+    )
+    (expected_logprobs * weights.double()).sum().backward()
+    assert logprobs.shape == entropy.shape == index.shape and logprobs.dtype == torch.float32
+    assert not entropy.requires_grad
+    torch.testing.assert_close(logprobs.double(), expected_logprobs.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), expected_entropy.detach(), rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip((hidden, weight, bias), reference):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=1e-5, atol=1e-5)
+    assert lm_head_logprobs_and_entropy(hidden, weight, None, index, temperature)[1] is None
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+def test_lm_head_logprobs_equal_the_plain_computation_to_float32_round_off(temperature):
+    """Against what a model's forward and ``log_softmax`` give on the full ``[B, T, V]`` logits, in float32 at a
+    Qwen-like logit spread: the same numbers and gradients but for float32 rounding."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight, _, index = sliced_and_transposed(3, 17, 32, 3000, torch.float32, g)
+    hidden.data.mul_(4)
+    weights = torch.randn(3, 17, generator=g)
+    logprobs, entropy = lm_head_logprobs_and_entropy(hidden, weight, None, index, temperature, with_entropy=True)
+    (logprobs * weights).sum().backward()
+
+    plain_hidden, plain_weight = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    log_p = torch.nn.functional.linear(plain_hidden, plain_weight).div(temperature).log_softmax(-1)
+    plain = log_p.gather(-1, index[..., None]).squeeze(-1)
+    (plain * weights).sum().backward()
+    torch.testing.assert_close(logprobs, plain, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1).detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(hidden.grad, plain_hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, plain_weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_lm_head_logprobs_in_bfloat16_round_only_the_logits():
+    """bf16 inputs (a bf16 model, or autocast): the tiles are bf16 as the model's own logits would be, every sum in
+    float32."""
+    g = torch.Generator().manual_seed(2)
+    hidden, weight, bias, index = sliced_and_transposed(2, 6, 16, 300, torch.bfloat16, g)
+    logprobs, _ = lm_head_logprobs_and_entropy(hidden, weight, bias, index, 0.7)
+    logprobs.sum().backward()
+    logits = torch.nn.functional.linear(hidden.detach(), weight.detach(), bias.detach())  # bf16, as the model's
+    expected = (logits.double() / 0.7).log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)
+    torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=1e-4)
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+
+
+def test_lm_head_logprobs_build_no_vocabulary_sized_tensor():
+    """What autograd keeps from the forward: the inputs and a few floats per position, nothing of size V."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight, bias, index = sliced_and_transposed(4, 64, 16, 4000, torch.float32, g)
+    largest = []
+
+    def pack(tensor):
+        if tensor.data_ptr() not in (hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()):
+            largest.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        lm_head_logprobs_and_entropy(hidden, weight, bias, index, with_entropy=True)
+    assert max(largest) <= 4 * 64 * 16  # the flattened hidden states at most; the logits would be 4 * 64 * 4000
 
 
 def test_token_logprobs_keep_only_the_logits_for_backward():

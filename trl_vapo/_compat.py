@@ -6,12 +6,15 @@ not the trainer.
 """
 
 from trl.cli.accelerate_config import resolve_accelerate_config_argument
+from trl.kernels import ChunkedLogProbFunction as TiledLogProbs
+from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE as TOKEN_TILE_ROWS
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import (
     disable_dropout_in_model,
     entropy_from_logits,
     generate_model_card,
     get_config_model_id,
+    maybe_gather_lm_head_ctx,
     pad,
     selective_log_softmax,
 )
@@ -30,10 +33,13 @@ def prepare_reference_model(model, accelerator):
 
 
 __all__ = [
+    "TOKEN_TILE_ROWS",
+    "TiledLogProbs",
     "disable_dropout_in_model",
     "entropy_from_logits",
     "generate_model_card",
     "get_config_model_id",
+    "maybe_gather_lm_head_ctx",
     "pad",
     "prepare_reference_model",
     "resolve_accelerate_config_argument",

@@ -29,6 +29,7 @@ __all__ = [
     "explained_variance_plateaued",
     "importance_sampling_weights",
     "length_adaptive_lambda",
+    "lm_head_logprobs_and_entropy",
     "masked_mean",
     "masked_var",
     "masked_whiten",
@@ -91,6 +92,50 @@ class _TokenLogprobs(torch.autograd.Function):
             part_grad.scatter_add_(-1, flat_index[part], grad_out[part])
             grad[part] = part_grad.to(grad.dtype)
         return grad.view_as(logits), None, None, None
+
+
+def lm_head_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    *,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t) = z_t[y_t] - logsumexp(z_t) and (detached) H_t = -sum_j pi_j log pi_j, from the hidden states,
+    without ever building the ``[..., V]`` logits.
+
+    z_t = c(s * (h_t W^T + b)) / T: the LM head ``W`` (``[V, H]``), ``b`` (``[V]`` or None), the model's logit scale
+    ``s`` and soft cap ``c(x) = cap * tanh(x / cap)`` (identity without one), at temperature ``T`` (the policy
+    ratio of VAPO's Eq. 2 and the KL penalty are taken under the sampling distribution softmax(z_t)).
+
+    The projection runs on tiles of at most ``LOGITS_CHUNK_ELEMENTS`` logits (``TOKEN_TILE_ROWS`` positions by as
+    many vocabulary columns as fit), folded into running logsumexp statistics; backward recomputes each tile and
+    accumulates the gradients of ``hidden``, ``weight`` and ``bias`` in float32. This is TRL's
+    ``trl.kernels.ChunkedLogProbFunction`` (GRPOTrainer's fused LM head: Triton on CUDA, torch elsewhere), with a tile
+    sized for memory rather than GEMM width: GRPOTrainer's 32,768-column tiles take 0.5-1 GB of float32
+    temporaries on a CPU.
+
+    Args:
+        hidden: ``[..., H]`` the hidden states whose next token is ``index`` (any strides).
+        weight, bias: the LM head's.
+        index: ``[...]`` int64 token ids.
+    Returns ``(logprobs, entropy)``, float32 ``[...]``; ``entropy`` is None unless ``with_entropy``.
+    """
+    from ._compat import TOKEN_TILE_ROWS, TiledLogProbs  # here: importing TRL costs seconds `import core` need not pay
+
+    flat = hidden.reshape(-1, hidden.shape[-1])  # a copy of [N, H] at most, never of anything vocabulary-sized
+    rows = max(1, min(flat.shape[0], TOKEN_TILE_ROWS))
+    columns = max(1, LOGITS_CHUNK_ELEMENTS // rows)
+    outputs = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+    logprobs, entropy, *_ = TiledLogProbs.apply(
+        flat, weight, bias, index.reshape(-1), float(temperature), columns, logit_softcap, logit_scale, outputs
+    )
+    shape = index.shape
+    return logprobs.view(shape), None if entropy is None else entropy.detach().view(shape)
 
 
 def token_logprobs_and_entropy(

@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 from accelerate.logging import get_logger
+from accelerate.utils import extract_model_from_parallel
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
-from ._compat import get_config_model_id
-from .core import token_logprobs_and_entropy
+from ._compat import get_config_model_id, maybe_gather_lm_head_ctx
+from .core import lm_head_logprobs_and_entropy, token_logprobs_and_entropy
 
 logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
 
@@ -144,21 +146,89 @@ def completion_logprobs(
 ):
     """log pi(y_t | x, y_<t) of the last ``completion_length`` tokens under a causal LM, at ``temperature``.
 
-    Only the completion's logits are computed (``logits_to_keep``). With ``with_entropy`` also returns the
-    per-position entropy of the (temperature-scaled) distribution, detached.
+    ``model``: the causal LM, as wrapped (PEFT, a DeepSpeed engine, FSDP2). The completion's hidden states go through
+    the LM head in tiles (:func:`~trl_vapo.core.lm_head_logprobs_and_entropy`): the ``[B, T, V]`` logits, 1.2 GB
+    for 8 x 256 tokens of Qwen's 152k vocabulary in float32, never exist. A head that is not a plain linear layer (a
+    LoRA or quantized head) is run as the model runs it, on the completion's positions only. With ``with_entropy``
+    also returns the per-position entropy of the (temperature-scaled) distribution, detached.
     """
-    logits = model(
+    causal_lm = _causal_lm(model)
+    targets = input_ids[:, -completion_length:]
+    inputs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=_position_ids(attention_mask),
-        logits_to_keep=completion_length + 1,
         use_cache=False,
-    ).logits
-    # The logits at position p predict token p + 1; they stay in the model's dtype (fp32 maths happens in chunks).
-    logprobs, entropy = token_logprobs_and_entropy(
-        logits[:, :-1, :], input_ids[:, -completion_length:], temperature, with_entropy
     )
+    head = causal_lm.get_output_embeddings()
+    if not (isinstance(head, nn.Linear) and head.weight.is_floating_point()):
+        logits = model(**inputs, logits_to_keep=completion_length + 1).logits
+        # The logits at position p predict token p + 1; fp32 maths happens in chunks, in the logits' dtype.
+        logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1, :], targets, temperature, with_entropy)
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    logit_scale, logit_softcap = _logit_transform(causal_lm.config)
+
+    def tiled_head_forward(**kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
+        hidden = causal_lm.base_model(**kwargs).last_hidden_state
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):  # an FSDP2 head sharded on its own: the whole weight, as its forward would
+            weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+        with maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the head's forward hook, which never runs, gathers it
+            return lm_head_logprobs_and_entropy(
+                hidden[:, -completion_length - 1 : -1, :],  # position p predicts token p + 1
+                weight,
+                bias,
+                targets,
+                temperature,
+                with_entropy,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+            )
+
+    logprobs, entropy = _run_as_forward(model, causal_lm, tiled_head_forward, **inputs)
     return (logprobs, entropy) if with_entropy else logprobs
+
+
+def _causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The transformers causal LM inside ``model``: under a DeepSpeed engine and PEFT's wrappers."""
+    model = extract_model_from_parallel(model)
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def _logit_transform(config) -> tuple[float, float | None]:
+    """``(scale, soft cap)`` a causal LM's forward applies to its head's output ``y``: ``cap * tanh(scale * y / cap)``.
+
+    Read from the config as TRL's ``add_fused_lm_head`` reads it (Cohere's ``logit_scale``, Gemma 2/3's
+    ``final_logit_softcapping``, Granite's and MiniCPM3's ``logits_scaling`` divisor, Falcon-H1's
+    ``lm_head_multiplier``, ...); ``tests/test_tiny.py`` checks it against the models' own forward.
+    """
+    config = config.get_text_config()
+    scale = getattr(config, "logit_scale", None)
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        scale = getattr(config, name, None) if scale is None else scale
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
+    return (1.0 if scale is None else scale), getattr(config, "final_logit_softcapping", None)
+
+
+def _run_as_forward(outer: nn.Module, inner: nn.Module, function, **inputs):
+    """``outer(**inputs)`` with ``inner.forward`` replaced by ``function`` for the call.
+
+    ``function`` runs where ``inner``'s forward runs, inside the hooks of whatever wraps it: PEFT's, FSDP2's unsharding
+    of the root module's weights (the embeddings and the head), a ZeRO-3 engine's. Calling the backbone directly
+    would skip them. (TRL's ``_ForwardRedirection`` does the same, without restoring ``forward`` on an error.)
+    """
+    own = inner.__dict__.get("forward")  # an instance attribute (a wrapper's) is put back, not deleted
+    inner.forward = function
+    try:
+        return outer(**inputs)
+    finally:
+        if own is None:
+            del inner.forward
+        else:
+            inner.forward = own
 
 
 class ActorCritic(nn.Module):

@@ -1,0 +1,174 @@
+"""The policy's log-probs and entropy through the LM head in tiles, in every layout the trainer builds, against the
+model's own forward: the full ``[B, T, V]`` logits and a float64 log-softmax.
+
+The tiled path must give the same numbers and gradients (to float32 round-off) and never call the head as a module
+(which is what builds the logits). ZeRO-3 and FSDP2 run the same path in ``tests/test_distributed.py``, whose
+two-process runs must match the one-process run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from trl_vapo.modeling import (
+    CRITIC_ADAPTER,
+    POLICY_ADAPTER,
+    ActorCritic,
+    ValueHead,
+    completion_logprobs,
+    critic_from_policy,
+)
+
+TEMPERATURES = [0.7, 1.0, 1.6]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def batch(vocab: int, seed: int = 0):
+    """Three rows of prompt + completion: prompts left-padded (two, one and no padding columns), 6 completion
+    tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (3, 11), generator=g)
+    attention = torch.ones_like(ids)
+    attention[0, :2] = attention[1, :1] = 0
+    return ids, attention, 6
+
+
+def own_logprobs(model, ids, attention, length, temperature):
+    """The plain computation: the model's forward over every position, then a float64 log-softmax."""
+    logits = model(
+        input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0), use_cache=False
+    ).logits
+    log_p = (logits[:, -length - 1 : -1].double() / temperature).log_softmax(-1)
+    return log_p.gather(-1, ids[:, -length:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def lora(target_modules=("q_proj", "v_proj")) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules), task_type="CAUSAL_LM")
+
+
+def actor_critic(layout: str, model_dir) -> ActorCritic:
+    """The layouts the trainer builds: a full policy with a separate critic, a LoRA policy with the critic a second
+    adapter on its base (on a float32 or a 4-bit base), and a LoRA that also adapts the LM head."""
+    torch.manual_seed(0)  # LoRA's A matrices
+    if layout == "full":
+        policy = AutoModelForCausalLM.from_pretrained(model_dir)
+        return ActorCritic(policy, critic=critic_from_policy(policy))
+    quantization = None
+    if layout == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization)
+    targets = ("q_proj", "v_proj", "lm_head") if layout == "lora-head" else ("q_proj", "v_proj")
+    policy = get_peft_model(base, lora(targets))
+    policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
+    policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # non-zero B matrices: the adapters change the model
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size))
+
+
+def head_calls(model) -> list[int]:
+    calls: list[int] = []
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: calls.append(out.shape[1]))
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["full", "lora", "qlora", "lora-head"])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_policy_logprobs_and_gradients_equal_the_models_own_logits(tiny_model_dir, layout, temperature):
+    model = actor_critic(layout, tiny_model_dir)
+    ids, attention, length = batch(model.config.vocab_size)
+    calls = head_calls(model.policy)
+    policy_params = dict(model.policy.named_parameters())
+    trainable = {n: p for n, p in policy_params.items() if p.requires_grad and f".{CRITIC_ADAPTER}." not in n}
+    weights = torch.randn(3, length, generator=torch.Generator().manual_seed(2))
+
+    out = model(ids, attention, length, temperature, with_values=False, with_entropy=True)
+    (out["logprobs"] * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in trainable.items()}
+    model.zero_grad()
+    if layout == "lora-head":  # a LoRA head is not a plain linear layer: run as the model runs it, on the completion
+        assert calls == [length + 1]
+    else:
+        assert calls == []  # the head never ran as a module: no [B, T, V] logits
+    calls.clear()
+
+    expected, expected_entropy = own_logprobs(model.policy, ids, attention, length, temperature)
+    (expected * weights.double()).sum().backward()
+    assert out["logprobs"].dtype == torch.float32 and not out["entropy"].requires_grad
+    torch.testing.assert_close(out["logprobs"].double(), expected.detach(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(out["entropy"].double(), expected_entropy.detach(), rtol=0, atol=2e-5)
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())
+    for name, param in trainable.items():  # float32 against float64: round-off relative to the gradient's scale
+        scale = float(param.grad.abs().max())
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["full", "lora"])
+def test_rollout_and_reference_logprobs_equal_the_models_own_logits(tiny_model_dir, layout):
+    """The rollout's no-grad passes: the policy's old log-probs, and the reference's (a separate frozen copy under full
+    fine-tuning, the base with adapters disabled under PEFT)."""
+    model = actor_critic(layout, tiny_model_dir)
+    ids, attention, length = batch(model.config.vocab_size, seed=3)
+    prompt_length = ids.shape[1] - length
+    reference = "base"
+    if layout == "full":  # a frozen copy taken before training: here, one that differs from the policy
+        reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        with torch.no_grad():
+            reference.model.norm.weight.mul_(1.5)
+    logprobs, _, ref = model.score_completions(
+        ids, attention, prompt_length, batch_size=2, temperature=0.7, with_policy=True, reference=reference
+    )
+    with torch.no_grad():
+        expected, _ = own_logprobs(model.policy, ids, attention, length, 0.7)
+        if layout == "full":
+            expected_ref, _ = own_logprobs(reference, ids, attention, length, 0.7)
+        else:
+            with model.policy.disable_adapter():
+                expected_ref, _ = own_logprobs(model.policy, ids, attention, length, 0.7)
+    # Each micro-batch drops the padding columns its rows share; completion columns past a row's end stay 0.
+    torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ref.double(), expected_ref, rtol=0, atol=2e-5)
+    assert not torch.allclose(ref, logprobs, atol=1e-3)  # the reference is another distribution
+
+
+def tiny_config(family: str):
+    """Tiny configs of the families whose forward scales or soft-caps the head's output."""
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig
+
+    shape = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    shape.update(num_key_value_heads=1, head_dim=8, pad_token_id=0)
+    if family == "gemma2":  # tanh soft cap, 30 in Gemma 2 (a small cap here, so that it bites)
+        return Gemma2Config(**shape, final_logit_softcapping=2.0)
+    if family == "cohere":  # logits * logit_scale
+        return CohereConfig(**shape, logit_scale=0.3)
+    return GraniteConfig(**shape, logits_scaling=4.0)  # logits / logits_scaling
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+def test_scaled_and_soft_capped_heads_equal_the_models_own_logits(family):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    with torch.no_grad():  # logits large enough for the scale and the cap to matter
+        model.get_output_embeddings().weight.mul_(20)
+    ids, attention, length = batch(model.config.vocab_size, seed=4)
+    calls = head_calls(model)
+    logprobs, entropy = completion_logprobs(model, ids, attention, length, 1.6, with_entropy=True)
+    assert calls == []
+    expected, expected_entropy = own_logprobs(model, ids, attention, length, 1.6)
+    torch.testing.assert_close(logprobs.double(), expected.detach(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy.double(), expected_entropy.detach(), rtol=0, atol=2e-5)
