@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_gpu.py --smoke              # the same code, tiny model, on CPU (a test runs it)
     .venv/bin/python benchmarks/bench_gpu.py --static-memory --sizes 0.5B     # weight/optimizer bytes, any machine
     .venv/bin/python benchmarks/bench_gpu.py --logits-memory --sizes 0.5B     # the log-prob step's memory, any machine
+    .venv/bin/python benchmarks/bench_gpu.py --step-memory                    # one fp32 LoRA step's memory, on CPU
 
 Models are randomly initialised from configs with the real shapes of Qwen2.5-0.5B and Qwen2.5-1.5B (nothing is
 downloaded), with a byte-level BPE tokenizer trained on the spot (the model keeps Qwen's 151,936-token vocabulary,
@@ -30,11 +31,18 @@ of the weights (trainable and frozen, by dtype) and of the optimizer state, read
 optimizer step (one prompt, two 8-token completions); gradients take the trainable weights' bytes again.
 
 `--logits-memory` measures, on whatever device is there, the memory of the step that made VAPO's peak 3.5x GRPO's on
-the H100: from a micro-batch's last hidden states (bf16, `--micro-batch` x `--completion-length`) through the LM head
-(Qwen's 152k vocabulary) to per-token log-probs and entropies and back. Three ways (`LOGPROB_PATHS`): trl-vapo's
-`token_logprobs_and_entropy`, the fp32 log-softmax trl-vapo used before it, and TRL's `selective_log_softmax` +
-`entropy_from_logits` on the bf16 logits (GRPOTrainer's path where its fused Triton kernel is not used). Each runs in
-a fresh process; printed: peak memory above what the inputs and the head take (CUDA: allocator peak; CPU: peak RSS).
+the H100: from a micro-batch's last hidden states (bf16, `--micro-batch` x `--completion-length`) through a frozen
+LM head (Qwen's 152k vocabulary) to per-token log-probs and entropies and back. The ways (`LOGPROB_PATHS`): trl-vapo's
+(`lm_head_logprobs_and_entropy`: the head in tiles), TRL's fused head as GRPOTrainer calls it (`trl-fused`), TRL's
+`selective_log_softmax` + `entropy_from_logits` on the bf16 logits (`trl`, GRPOTrainer's path before its fused
+head), and the two that trl-vapo used before: chunks of the logits (`token_logprobs_and_entropy`) and an fp32
+log-softmax. Each runs in a fresh process; printed: peak memory above what the inputs and the head take (CUDA:
+allocator peak; CPU: peak RSS) and the seconds the step took.
+
+`--step-memory` reproduces, on the CPU, the end-to-end comparison: one LoRA optimizer step (one prompt, 8
+completions forced to 256 tokens, one micro-batch, float32, gradient checkpointing) of VAPO (the shared-base critic)
+and of GRPOTrainer on the smoke model's body with Qwen's 151,936-token vocabulary (`smoke-152k`; `--sizes` for
+others), each in a fresh process; printed: the peak resident memory above the process's at the start of training.
 """
 
 from __future__ import annotations
@@ -43,7 +51,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -68,6 +75,8 @@ QWEN25 = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     ),
 }
+# The smoke model's body with Qwen's vocabulary: the LM head and the logits weigh what they weigh at real sizes.
+QWEN25["smoke-152k"] = QWEN25["smoke"]
 METHODS = ("vapo-full", "vapo-lora", "grpo-full", "grpo-lora")
 PARTS = {
     "generation": ("generate", "tokenize"),
@@ -126,7 +135,9 @@ def run_worker(opts) -> dict:
     _instrument(opts.method, timers)
     tokenizer = byte_level_tokenizer()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(qwen_config(opts.size), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(
+        qwen_config(opts.size), dtype=torch.float32 if opts.fp32 else torch.bfloat16
+    )
     prompts = [f"Problem {i}: compute {i} + {3 * i}, then explain." for i in range(opts.prompts * (opts.steps + 1))]
     dataset = Dataset.from_list([{"prompt": p} for p in prompts])
     completions = opts.prompts * opts.generations
@@ -146,7 +157,7 @@ def run_worker(opts) -> dict:
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
         beta=0.0,
-        bf16=True,
+        bf16=not opts.fp32,
         use_cpu=not cuda,
         gradient_checkpointing=True,
         max_steps=opts.steps,
@@ -208,13 +219,11 @@ def run_worker(opts) -> dict:
             self.last = now
 
     trainer.add_callback(StepTimer())
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    before = reset_peak_memory()
     trainer.train()
+    record["peak_bytes"] = peak_memory()
+    record["peak_growth_bytes"] = record["peak_bytes"] - before
     record["static"] = static_bytes(trainer)
-    record["peak_bytes"] = (
-        torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )
     record["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     record["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     record["tokens_per_step"] = completions * opts.completion_length
@@ -257,62 +266,121 @@ def static_table(records: dict) -> str:
     return "\n".join(lines)
 
 
-LOGPROB_PATHS = ("trl-vapo", "fp32-log-softmax", "trl")
+LOGPROB_PATHS = ("trl-vapo", "trl-fused", "trl", "logits-chunked", "fp32-log-softmax")
+
+
+def reset_peak_memory() -> int:
+    """Start a new peak here; returns the bytes in use now (CUDA: allocated; CPU: resident set)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    # Linux: writing 5 to clear_refs resets the process's peak resident set (VmHWM) to its current size.
+    Path("/proc/self/clear_refs").write_text("5")
+    return _proc_status_bytes("VmRSS")
+
+
+def peak_memory() -> int:
+    """The peak since :func:`reset_peak_memory`."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _proc_status_bytes("VmHWM")
+
+
+def _proc_status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def logits_memory_worker(opts) -> dict:
     """Peak bytes of LM head -> log-probs and entropy -> backward for one micro-batch, by ``opts.method``."""
     import torch
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
-    from trl_vapo._compat import entropy_from_logits, selective_log_softmax
-    from trl_vapo.core import token_logprobs_and_entropy
+    from trl_vapo._compat import TiledLogProbs, entropy_from_logits, selective_log_softmax
+    from trl_vapo.core import lm_head_logprobs_and_entropy, token_logprobs_and_entropy
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     shape = QWEN25[opts.size]
     vocab, batch, length = 151936, opts.micro_batch, opts.completion_length
     head = torch.nn.Linear(shape["hidden_size"], vocab, bias=False, dtype=torch.bfloat16, device=device)
+    head.requires_grad_(False)  # a LoRA run's head is frozen: the gradient goes to the hidden states
     hidden = torch.randn(batch, length + 1, shape["hidden_size"], dtype=torch.bfloat16, device=device)
     hidden.requires_grad_()
     index = torch.randint(0, vocab, (batch, length), device=device)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    before = reset_peak_memory()
+    started = time.perf_counter()
+    if opts.method == "trl-vapo":  # trl_vapo.modeling.completion_logprobs: the hidden states through the head in tiles
+        logprobs, _ = lm_head_logprobs_and_entropy(hidden[:, :-1], head.weight, None, index, with_entropy=True)
+    elif opts.method == "trl-fused":  # GRPOTrainer's fused head (`add_fused_lm_head`), as it calls the kernel
+        logprobs, *_ = TiledLogProbs.apply(
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+            head.weight,
+            None,
+            index.reshape(-1),
+            1.0,
+            _CHUNKED_LOGPROB_CHUNK_SIZE,
+            None,
+            1.0,
+            ("log_probs", "entropy"),
+        )
     else:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    logits = head(hidden)[:, :-1, :]
-    if opts.method == "trl-vapo":
-        logprobs, _ = token_logprobs_and_entropy(logits, index, with_entropy=True)
-    elif opts.method == "fp32-log-softmax":  # trl_vapo.modeling.completion_logprobs before token_logprobs_and_entropy
-        logits = logits.float()
-        logprobs = selective_log_softmax(logits, index)
-        with torch.no_grad():
-            entropy_from_logits(logits)
-    else:
-        logprobs = selective_log_softmax(logits, index)
-        with torch.no_grad():
-            entropy_from_logits(logits)
-    del logits
+        logits = head(hidden)[:, :-1, :]
+        if opts.method == "logits-chunked":  # completion_logprobs before the tiled head: chunks of the logits
+            logprobs, _ = token_logprobs_and_entropy(logits, index, with_entropy=True)
+        elif opts.method == "fp32-log-softmax":  # completion_logprobs before token_logprobs_and_entropy
+            logits = logits.float()
+            logprobs = selective_log_softmax(logits, index)
+            with torch.no_grad():
+                entropy_from_logits(logits)
+        else:  # TRL's selective_log_softmax + entropy_from_logits: GRPOTrainer's path before its fused head
+            logprobs = selective_log_softmax(logits, index)
+            with torch.no_grad():
+                entropy_from_logits(logits)
+        del logits
     logprobs.sum().backward()
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = peak_memory() - before  # synchronises CUDA: the time below is the computation's
     logits_bytes = batch * length * vocab * 2
-    return {"peak_bytes": peak, "logits_bytes": logits_bytes, "device": device}
+    return {
+        "peak_bytes": peak,
+        "seconds": time.perf_counter() - started,
+        "logits_bytes": logits_bytes,
+        "device": device,
+    }
 
 
 def logits_memory_table(records: dict) -> str:
-    lines = [f"{'size':6s}{'path':18s}{'peak GiB':>10s}{'/ bf16 logits':>15s}{'/ trl':>8s}"]
+    lines = [
+        f"{'size':6s}{'path':18s}{'peak GiB':>10s}{'/ bf16 logits':>15s}{'/ trl-fused':>13s}{'/ trl':>8s}"
+        f"{'seconds':>9s}"
+    ]
     for (size, path), r in records.items():
-        trl = records.get((size, "trl"))
-        ratio = f"{r['peak_bytes'] / trl['peak_bytes']:.2f}x" if trl and trl["peak_bytes"] > 0 else "-"
+        ratios = []
+        for base in ("trl-fused", "trl"):
+            other = records.get((size, base))
+            ratios.append(f"{r['peak_bytes'] / other['peak_bytes']:.2f}x" if other and other["peak_bytes"] else "-")
         lines.append(
             f"{size:6s}{path:18s}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_bytes'] / r['logits_bytes']:>14.2f}x"
-            f"{ratio:>8s}"
+            f"{ratios[0]:>13s}{ratios[1]:>8s}{r['seconds']:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def step_memory_table(records: dict) -> str:
+    lines = [f"{'size':11s}{'method':11s}{'peak growth MB':>16s}{'/ GRPO':>8s}{'step s':>8s}"]
+    for (size, method), r in records.items():
+        base = records.get((size, "grpo-" + method.split("-")[1]))
+        ratio = f"{r['peak_growth_bytes'] / base['peak_growth_bytes']:.2f}x" if base else "-"
+        lines.append(
+            f"{size:11s}{method:11s}{r['peak_growth_bytes'] / 2**20:>16,.0f}{ratio:>8s}{sum(r['step_s']):>8.1f}"
         )
     return "\n".join(lines)
 
@@ -342,8 +410,7 @@ def launch(opts, size: str, method: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--size", size, "--method", method, "--result", result]
     for key in ("steps", "prompts", "generations", "completion_length", "micro_batch"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
-    if opts.logits_memory:
-        cmd.append("--logits-memory")
+    cmd += [flag for flag in ("--logits-memory", "--fp32") if getattr(opts, flag[2:].replace("-", "_"))]
     env = {
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
@@ -394,6 +461,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 prompts x 2, 8 tokens, 2 steps: on CPU")
     parser.add_argument("--static-memory", action="store_true", help="weights and optimizer bytes after one tiny step")
     parser.add_argument("--logits-memory", action="store_true", help="peak memory of the log-prob step, by path")
+    parser.add_argument(
+        "--step-memory", action="store_true", help="peak memory growth of one fp32 LoRA step, VAPO and GRPO, on CPU"
+    )
+    parser.add_argument("--fp32", action="store_true", help="float32 weights and compute instead of bf16 autocast")
     parser.add_argument("--json", help="also write the summaries here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -409,6 +480,15 @@ def main(argv: list[str] | None = None) -> None:
         opts.micro_batch, opts.steps, opts.warmup = 2, 2, 1
     if opts.static_memory:
         opts.prompts, opts.generations, opts.completion_length, opts.micro_batch, opts.steps = 1, 2, 8, 2, 1
+    if opts.step_memory:
+        opts.methods = "vapo-lora,grpo-lora" if opts.methods == ",".join(METHODS) else opts.methods
+        opts.sizes = "smoke-152k" if opts.sizes == "0.5B,1.5B" else opts.sizes
+        opts.prompts, opts.generations, opts.completion_length, opts.micro_batch = 1, 8, 256, 8
+        opts.steps, opts.warmup, opts.fp32 = 1, 0, True
+        records = {(size, m): launch(opts, size, m) for size in opts.sizes.split(",") for m in opts.methods.split(",")}
+        print("one LoRA step: 8 completions of 256 tokens, vocabulary 151,936, float32; peak memory above the start")
+        print(step_memory_table(records))
+        return
     if opts.logits_memory:
         records = {(size, path): launch(opts, size, path) for size in opts.sizes.split(",") for path in LOGPROB_PATHS}
         print(f"micro-batch {opts.micro_batch} x {opts.completion_length} tokens, vocabulary 151,936, bf16 logits")

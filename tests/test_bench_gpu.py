@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -56,4 +58,27 @@ def test_logits_memory_measures_each_log_prob_path():
         opts = argparse.Namespace(method=path, size="smoke", micro_batch=1, completion_length=4)
         records[("smoke", path)] = logits_memory_worker(opts)
         assert records[("smoke", path)]["logits_bytes"] == 4 * 151936 * 2
-    assert "fp32-log-softmax" in logits_memory_table(records)
+    table = logits_memory_table(records).splitlines()
+    assert [line.split()[1] for line in table[1:]] == list(LOGPROB_PATHS)
+    assert table[2].split()[4] == "1.00x"  # trl-fused against itself
+
+
+def test_peak_memory_sees_an_allocation_made_and_freed_after_the_reset():
+    """The instrument of `--logits-memory` and `--step-memory`: the peak above the start, after a fresh reset."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_gpu import peak_memory, reset_peak_memory, step_memory_table
+
+    big = torch.ones(64 * 2**20)  # 256 MiB, then freed: raises the peak of this process
+    del big
+    before = reset_peak_memory()
+    assert peak_memory() - before < 64 * 2**20  # the reset forgot it
+    block = torch.ones(32 * 2**20)  # 128 MiB touched
+    del block
+    assert 120 * 2**20 <= peak_memory() - before < 250 * 2**20
+
+    records = {
+        ("s", "vapo-lora"): {"peak_growth_bytes": 300 * 2**20, "step_s": [2.0]},
+        ("s", "grpo-lora"): {"peak_growth_bytes": 1200 * 2**20, "step_s": [1.5]},
+    }
+    rows = [line.split() for line in step_memory_table(records).splitlines()[1:]]
+    assert rows == [["s", "vapo-lora", "300", "0.25x", "2.0"], ["s", "grpo-lora", "1,200", "1.00x", "1.5"]]
