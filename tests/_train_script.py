@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.distributed import optimizer_states
+from trl_vapo.modeling import _causal_lm
 
 
 def digit_fraction(completions, **kwargs):
@@ -224,6 +225,13 @@ def main() -> None:
         callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"), dump],
     )
     dump.trainer = trainer
+    # The LM heads run as modules only to sample (one position at a time): log-probs go through them in tiles.
+    sequence_logits = []
+    for model in (trainer.actor_critic.policy, trainer.ref_model):
+        if model is not None:
+            _causal_lm(model).get_output_embeddings().register_forward_hook(
+                lambda module, inputs, out: sequence_logits.append(out.shape[1]) if out.shape[1] > 1 else None
+            )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))
@@ -233,6 +241,7 @@ def main() -> None:
                 "trainer": trainer.state.global_step,
                 "deepspeed": engine.global_steps if engine else None,
                 "distributed_type": str(trainer.accelerator.distributed_type),
+                "sequence_logits_built": len(sequence_logits),
                 # Partitioned by ZeRO-3 (`ds_id`) or sharded by FSDP2 (DTensors), as the policy is.
                 "reference_sharded": trainer.ref_model is not None
                 and all(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in trainer.ref_model.parameters()),

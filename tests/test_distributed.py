@@ -160,6 +160,7 @@ def test_deepspeed_steps_once_per_trainer_step_matches_the_run_without_it_and_sa
     steps = json.loads((deepspeed_run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
     assert steps["reference_sharded"] == ("zero3" in deepspeed_run.name)  # as the policy: a ZeRO-2 reference is whole
+    assert steps["sequence_logits_built"] == 0  # the policy's and the reference's log-probs went through tiles
     assert_same_training(deepspeed_run, reference)
 
 
@@ -185,6 +186,7 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     run = train(tiny_model_dir, tmp_path / "fsdp2", 2, "--fsdp2", "--save-final", "--save-steps", "100")
     steps = json.loads((run / "steps.json").read_text())
     assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
+    assert steps["sequence_logits_built"] == 0
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)
 
