@@ -870,6 +870,27 @@ def test_lm_head_logprobs_build_no_vocabulary_sized_tensor():
     assert max(largest) <= 4 * 64 * 16  # the flattened hidden states at most; the logits would be 4 * 64 * 4000
 
 
+@pytest.mark.parametrize(("positions", "vocab"), [(12, 97), (1, 151936), (5000, 151936)])
+def test_lm_head_tiles_are_never_larger_than_the_logits_or_the_budget(monkeypatch, positions, vocab):
+    """The tile buffer (positions by columns): at most the logits themselves, at most ``LOGITS_CHUNK_ELEMENTS``."""
+    import trl_vapo._compat as compat
+    import trl_vapo.core as core
+
+    tiles, kernel = [], compat.TiledLogProbs
+
+    class Recording(kernel):
+        @staticmethod
+        def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, *rest):
+            tiles.append(min(hidden.shape[0], compat.TOKEN_TILE_ROWS) * min(chunk_size, weight.shape[0]))
+            assert chunk_size <= weight.shape[0]
+            return kernel.forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, *rest)
+
+    monkeypatch.setattr(compat, "TiledLogProbs", Recording)
+    hidden, weight = torch.randn(positions, 4), torch.randn(vocab, 4)
+    lm_head_logprobs_and_entropy(hidden, weight, None, torch.randint(0, vocab, (positions,)))
+    assert tiles and tiles[0] <= min(positions * vocab, core.LOGITS_CHUNK_ELEMENTS)
+
+
 def test_token_logprobs_keep_only_the_logits_for_backward():
     """What autograd keeps from the forward: the logits as given plus a few floats per position, where the plain
     fp32 log-softmax keeps several vocabulary-sized fp32 copies (3.5x GRPOTrainer's peak memory at Qwen2.5 shapes)."""

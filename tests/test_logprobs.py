@@ -172,3 +172,44 @@ def test_scaled_and_soft_capped_heads_equal_the_models_own_logits(family):
     expected, expected_entropy = own_logprobs(model, ids, attention, length, 1.6)
     torch.testing.assert_close(logprobs.double(), expected.detach(), rtol=0, atol=2e-5)
     torch.testing.assert_close(entropy.double(), expected_entropy.detach(), rtol=0, atol=2e-5)
+
+
+def bert_decoder():
+    """A BERT-style decoder: its head transforms the hidden states (dense, activation, LayerNorm) before the linear
+    layer that `get_output_embeddings()` returns."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=97, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    return BertLMHeadModel(config.__class__(**{**config.to_dict(), "is_decoder": True})).eval()  # no dropout
+
+
+def prompt_tuned(model_dir):
+    from peft import PromptTuningConfig
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    return get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+
+
+@pytest.mark.parametrize("case", ["modules-to-save-head", "bert-style-head", "prompt-tuning-disabled"])
+def test_heads_the_tiles_cannot_read_run_as_the_model_runs_them(tiny_model_dir, case):
+    """A head the tiles would get wrong is run as the model's own forward runs it: a PEFT ``modules_to_save`` copy
+    of the head, a head that transforms the hidden states first, and prompt tuning with its adapter disabled (PEFT then
+    calls the model's original forward, not the one the tiles put in place)."""
+    if case == "modules-to-save-head":
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+        with torch.no_grad():
+            model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(3)  # differs from the base's
+    else:
+        model = bert_decoder() if case == "bert-style-head" else prompt_tuned(tiny_model_dir)
+    ids, attention, length = batch(model.config.vocab_size, seed=5)
+    with torch.no_grad(), model.disable_adapter() if case == "prompt-tuning-disabled" else torch.enable_grad():
+        logprobs, entropy = completion_logprobs(model, ids, attention, length, 0.7, with_entropy=True)
+        expected, expected_entropy = own_logprobs(model, ids, attention, length, 0.7)
+    torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy.double(), expected_entropy, rtol=0, atol=2e-5)

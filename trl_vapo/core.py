@@ -129,7 +129,7 @@ def lm_head_logprobs_and_entropy(
 
     flat = hidden.reshape(-1, hidden.shape[-1])  # a copy of [N, H] at most, never of anything vocabulary-sized
     rows = max(1, min(flat.shape[0], TOKEN_TILE_ROWS))
-    columns = max(1, LOGITS_CHUNK_ELEMENTS // rows)
+    columns = max(1, min(weight.shape[0], LOGITS_CHUNK_ELEMENTS // rows))  # the tile buffer: rows x columns
     outputs = ("log_probs", "entropy") if with_entropy else ("log_probs",)
     logprobs, entropy, *_ = TiledLogProbs.apply(
         flat, weight, bias, index.reshape(-1), float(temperature), columns, logit_softcap, logit_scale, outputs

@@ -148,9 +148,10 @@ def completion_logprobs(
 
     ``model``: the causal LM, as wrapped (PEFT, a DeepSpeed engine, FSDP2). The completion's hidden states go through
     the LM head in tiles (:func:`~trl_vapo.core.lm_head_logprobs_and_entropy`): the ``[B, T, V]`` logits, 1.2 GB
-    for 8 x 256 tokens of Qwen's 152k vocabulary in float32, never exist. A head that is not a plain linear layer (a
-    LoRA or quantized head) is run as the model runs it, on the completion's positions only. With ``with_entropy``
-    also returns the per-position entropy of the (temperature-scaled) distribution, detached.
+    for 8 x 256 tokens of Qwen's 152k vocabulary in float32, never exist. A head that is not a plain linear layer
+    on the model itself (a LoRA, quantized or offloaded head; BERT-style heads that transform the hidden states
+    first) is run as the model runs it, on the completion's positions only. With ``with_entropy`` also returns the
+    per-position entropy of the (temperature-scaled) distribution, detached.
     """
     causal_lm = _causal_lm(model)
     targets = input_ids[:, -completion_length:]
@@ -160,11 +161,15 @@ def completion_logprobs(
         position_ids=_position_ids(attention_mask),
         use_cache=False,
     )
-    head = causal_lm.get_output_embeddings()
-    if not (isinstance(head, nn.Linear) and head.weight.is_floating_point()):
-        logits = model(**inputs, logits_to_keep=completion_length + 1).logits
+
+    def from_logits(logits):
         # The logits at position p predict token p + 1; fp32 maths happens in chunks, in the logits' dtype.
-        logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1, :], targets, temperature, with_entropy)
+        logits = logits[:, -completion_length - 1 : -1, :]
+        return token_logprobs_and_entropy(logits, targets.to(logits.device), temperature, with_entropy)
+
+    head = causal_lm.get_output_embeddings()
+    if not _tiles_fit(causal_lm, head):
+        logprobs, entropy = from_logits(model(**inputs, logits_to_keep=completion_length + 1).logits)
         return (logprobs, entropy) if with_entropy else logprobs
 
     logit_scale, logit_softcap = _logit_transform(causal_lm.config)
@@ -177,18 +182,35 @@ def completion_logprobs(
             weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
         with maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the head's forward hook, which never runs, gathers it
             return lm_head_logprobs_and_entropy(
-                hidden[:, -completion_length - 1 : -1, :],  # position p predicts token p + 1
+                # Position p predicts token p + 1; with `device_map`, the backbone may end on another device.
+                hidden[:, -completion_length - 1 : -1, :].to(weight.device),
                 weight,
                 bias,
-                targets,
+                targets.to(weight.device),
                 temperature,
                 with_entropy,
                 logit_scale=logit_scale,
                 logit_softcap=logit_softcap,
             )
 
-    logprobs, entropy = _run_as_forward(model, causal_lm, tiled_head_forward, **inputs)
+    out = _run_as_forward(model, causal_lm, tiled_head_forward, **inputs)
+    # A wrapper may call the model's own forward instead (PEFT prompt learning with its adapter disabled).
+    logprobs, entropy = out if isinstance(out, tuple) else from_logits(out.logits)
     return (logprobs, entropy) if with_entropy else logprobs
+
+
+def _tiles_fit(causal_lm: PreTrainedModel, head: nn.Module | None) -> bool:
+    """Whether ``causal_lm``'s logits are ``head(backbone(x))`` up to :func:`_logit_transform`, with ``head`` a plain
+    linear layer whose weight the tiles can read: not LoRA, quantized (float8 ones subclass ``nn.Linear``) or
+    offloaded (its weight on the meta device outside its forward), and a direct child of the model (BERT-style
+    decoders transform the hidden states before theirs) next to the backbone ``base_model``."""
+    return (
+        type(head) is nn.Linear
+        and head.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and head.weight.device.type != "meta"
+        and any(child is head for child in causal_lm.children())
+        and causal_lm.base_model is not causal_lm
+    )
 
 
 def _causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -202,7 +224,7 @@ def _logit_transform(config) -> tuple[float, float | None]:
 
     Read from the config as TRL's ``add_fused_lm_head`` reads it (Cohere's ``logit_scale``, Gemma 2/3's
     ``final_logit_softcapping``, Granite's and MiniCPM3's ``logits_scaling`` divisor, Falcon-H1's
-    ``lm_head_multiplier``, ...); ``tests/test_tiny.py`` checks it against the models' own forward.
+    ``lm_head_multiplier``, ...); ``tests/test_logprobs.py`` checks it against the models' own forward.
     """
     config = config.get_text_config()
     scale = getattr(config, "logit_scale", None)
