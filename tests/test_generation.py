@@ -26,6 +26,7 @@ from trl.import_utils import is_vllm_available
 from trl_vapo.core import importance_sampling_weights
 from trl_vapo.generation import (
     ContinuousBatching,
+    EngineSettings,
     GenerationOutput,
     SamplingSettings,
     TransformersGenerate,
@@ -302,12 +303,12 @@ def test_continuous_batching_refuses_what_it_would_ignore(tiny):
         ContinuousBatching(
             model, pad_token_id=0, stop_token_ids=[1], sampling=SamplingSettings(repetition_penalty=1.1)
         )
-    args = SimpleNamespace(use_transformers_continuous_batching=True, repetition_penalty=1.2)
+    settings = EngineSettings("continuous_batching", SamplingSettings(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="repetition_penalty"):
-        check_engine_available(args)
-    args = SimpleNamespace(use_transformers_continuous_batching=True, generation_kwargs={"stop_strings": ["\n\n"]})
+        check_engine_available(settings)
+    settings = EngineSettings("continuous_batching", SamplingSettings(generation_kwargs={"stop_strings": ["\n\n"]}))
     with pytest.raises(ValueError, match="stop_strings"):
-        check_engine_available(args)
+        check_engine_available(settings)
 
 
 def test_continuous_batching_restores_the_training_mode(tiny_model_dir):
@@ -375,7 +376,9 @@ class _StandInVLLMGeneration(VLLMGeneration):
         return prompts, completions, logprobs, token_ids
 
 
-def _vllm_args(**overrides):
+def _vllm_args(**overrides) -> EngineSettings:
+    from trl_vapo.config import VAPOConfig
+
     fields = {
         "use_vllm": True,
         "vllm_mode": "colocate",
@@ -383,7 +386,7 @@ def _vllm_args(**overrides):
         "generation_batch_size": 8,
         "temperature": 1.0,
     }
-    return SimpleNamespace(**{**fields, **overrides})
+    return EngineSettings.from_config(VAPOConfig(output_dir="unused", report_to="none", **{**fields, **overrides}))
 
 
 def _vllm_engine(actor_critic, tokenizer, **overrides) -> VLLMEngine:
@@ -562,7 +565,7 @@ def test_vllm_generation_kwargs_follow_grpo_trainer(tiny_model_dir):
     generation = engine.vllm_generation
     assert generation.mode == "colocate" and generation.gpu_memory_utilization == 0.4 and generation.top_p == 0.9
     assert generation.max_num_seqs == 8 and generation.logprobs == 0 and generation.max_completion_length == 16
-    assert generation.server_port == 8000 and generation.enable_sleep_mode is False  # GRPOConfig's defaults
+    assert generation.server_port == 8000 and generation.enable_sleep_mode is False  # VAPOConfig's (TRL's) defaults
 
 
 @pytest.mark.skipif(is_vllm_available(), reason="vLLM is installed here")
@@ -579,22 +582,32 @@ def test_use_vllm_without_vllm_says_how_to_install_it(tiny):
 def test_check_engine_available_accepts_the_defaults_and_refuses_two_engines():
     from trl_vapo.config import VAPOConfig
 
-    check_engine_available(VAPOConfig(output_dir="unused", report_to="none"))  # generate(): always available
+    default = EngineSettings.from_config(VAPOConfig(output_dir="unused", report_to="none"))
+    check_engine_available(default)  # generate(): always available
+    assert default.engine == "generate" and default == EngineSettings(
+        sampling=default.sampling, vllm=default.vllm, rollout_size=default.rollout_size
+    )
     with pytest.raises(ValueError, match="choose one"):
-        check_engine_available(SimpleNamespace(use_vllm=True, use_transformers_continuous_batching=True))
+        EngineSettings.from_config(SimpleNamespace(use_vllm=True, use_transformers_continuous_batching=True))
     with pytest.raises(ValueError, match="vllm_mode"):
-        check_engine_available(SimpleNamespace(use_vllm=True, vllm_mode="remote"))
+        check_engine_available(EngineSettings("vllm", vllm={"mode": "remote"}))
+    with pytest.raises(ValueError, match="Unknown generation engine 'sglang'"):
+        EngineSettings("sglang")
 
 
 def test_build_engine_picks_by_trl_field_names(tiny):
     model, tokenizer = tiny
-    base = {"max_completion_length": 8, "generation_batch_size": 4}
-    default = build_engine(SimpleNamespace(**base), model, tokenizer)
+    from trl_vapo.config import VAPOConfig
+
+    base = {"output_dir": "unused", "report_to": "none", "max_completion_length": 8, "generation_batch_size": 8}
+    default = build_engine(EngineSettings.from_config(VAPOConfig(**base)), model, tokenizer)
     batching = build_engine(
-        SimpleNamespace(
-            **base,
-            use_transformers_continuous_batching=True,
-            transformers_continuous_batching_config={"page_size": 32},
+        EngineSettings.from_config(
+            VAPOConfig(
+                **base,
+                use_transformers_continuous_batching=True,
+                transformers_continuous_batching_config={"page_size": 32},
+            )
         ),
         model,
         tokenizer,

@@ -301,11 +301,12 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
     if dataset is None or not trainer.accelerator.is_main_process:
         return None
     from .evaluation import evaluate_policy
+    from .generation import EngineSettings
 
     args = trainer.args
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped).policy
-    engine = "continuous_batching" if args.use_transformers_continuous_batching else "generate"
-    if args.use_vllm:  # vLLM holds its own copy of the policy: the trainer's engine, synced with the latest weights
+    engine = EngineSettings.from_config(args)  # a transformers engine of its own, batched as evaluation batches
+    if engine.engine == "vllm":  # vLLM holds its own copy of the policy: the trainer's engine, synced with it
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
     result = evaluate_policy(
@@ -435,10 +436,11 @@ def eval_command(argv: list[str]) -> int:
         raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo eval --help`)")
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
-    from .generation import check_engine_available
+    from .generation import EngineSettings, build_engine, check_engine_available
 
     try:
-        check_engine_available(_eval_engine_args(args))
+        engine_settings = EngineSettings.from_eval_args(args)
+        check_engine_available(engine_settings)
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
 
@@ -479,13 +481,12 @@ def eval_command(argv: list[str]) -> int:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(args.seed)
-    engine = "generate"
-    if args.use_transformers_continuous_batching or args.use_vllm:
+    accelerator = None
+    if engine_settings.engine == "vllm":
         from accelerate import Accelerator
 
-        from .generation import build_engine
-
-        engine = build_engine(_eval_engine_args(args), model, tokenizer, accelerator=Accelerator())
+        accelerator = Accelerator()
+    engine = build_engine(engine_settings, model, tokenizer, accelerator=accelerator)
     result = evaluate_policy(
         model,
         tokenizer,
@@ -521,27 +522,6 @@ def plot_command(argv: list[str]) -> int:
     for path in paths:
         print(path)
     return 0
-
-
-def _eval_engine_args(args: EvalArguments):
-    """The engine fields of `args` under the training config's names (what `trl_vapo.generation` reads)."""
-    from types import SimpleNamespace
-
-    config = args.transformers_continuous_batching_config
-    return SimpleNamespace(
-        use_transformers_continuous_batching=args.use_transformers_continuous_batching,
-        transformers_continuous_batching_config=json.loads(config) if isinstance(config, str) else config,
-        use_vllm=args.use_vllm,
-        vllm_mode=args.vllm_mode,
-        vllm_server_base_url=args.vllm_server_base_url,
-        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        trust_remote_code=args.trust_remote_code,
-        max_completion_length=args.max_completion_length,
-        generation_batch_size=args.batch_size,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        repetition_penalty=1.0,
-    )
 
 
 # -------------------------------------------------------------------------------------------------------------- main

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,13 +18,7 @@ from datasets import Dataset
 from trl import is_conversational
 
 from .data import prompt_token_ids
-from .generation import (
-    ContinuousBatching,
-    GenerationEngine,
-    SamplingSettings,
-    TransformersGenerate,
-    stop_token_ids,
-)
+from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine
 from .scoring import RewardScorer
 
 
@@ -46,23 +41,17 @@ class EvaluationResult:
         }
 
 
-Engine = str | GenerationEngine
-"""`"generate"` (transformers' `generate()`), `"continuous_batching"` (transformers' paged engine), or a built
-`GenerationEngine` (e.g. the trainer's vLLM engine)."""
+Engine = str | EngineSettings | GenerationEngine
+"""An engine's name (`"generate"`: transformers' `generate()`, `"continuous_batching"`: its paged engine), its
+`EngineSettings`, or a built `GenerationEngine` (e.g. the trainer's vLLM engine)."""
 
 
-def build_eval_engine(
-    engine: Engine, model, tokenizer, batch_size: int = 64, continuous_batching_config: dict | None = None
-) -> GenerationEngine:
-    """The engine evaluation samples with; completions stop at the ids training stops at (`stop_token_ids`)."""
+def _engine(engine: Engine, model, tokenizer, batch_size: int) -> GenerationEngine:
+    """The engine evaluation samples with, built by `build_engine` (completions stop where training's stop)."""
     if isinstance(engine, GenerationEngine):
         return engine
-    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids(tokenizer, model)}
-    if engine == "generate":
-        return TransformersGenerate(model, batch_size=batch_size, tokenizer=tokenizer, **common)
-    if engine == "continuous_batching":
-        return ContinuousBatching(model, config=continuous_batching_config, **common)
-    raise ValueError(f"Unknown generation engine {engine!r}: use 'generate', 'continuous_batching' or an engine.")
+    settings = engine if isinstance(engine, EngineSettings) else EngineSettings(engine=engine)
+    return build_engine(dataclasses.replace(settings, batch_size=settings.batch_size or batch_size), model, tokenizer)
 
 
 def sample_completions(
@@ -87,7 +76,7 @@ def sample_completions(
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     repeated = [x for x in ids for _ in range(num_samples)]
-    generator = build_eval_engine(engine, model, tokenizer, batch_size)
+    generator = _engine(engine, model, tokenizer, batch_size)
     sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     output = generator.generate(repeated, sampling=sampling, num_generations=num_samples)
     completions = tokenizer.batch_decode(output.completion_lists(), skip_special_tokens=True)
@@ -122,7 +111,7 @@ def evaluate_policy(
         scores = scorer.score([row for row in rows for _ in range(group)], completions)
         return scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
 
-    generator = build_eval_engine(engine, model, tokenizer, batch_size)
+    generator = _engine(engine, model, tokenizer, batch_size)
     sampled, lengths = sample_completions(
         model,
         tokenizer,

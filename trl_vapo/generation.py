@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -168,16 +168,16 @@ class SamplingSettings:
         return self.temperature == 0 or self.generation_kwargs.get("do_sample") is False
 
     @classmethod
-    def from_args(cls, args) -> SamplingSettings:
-        """The rollout settings of a `VAPOConfig` (or any object with `GRPOConfig`'s sampling fields)."""
+    def from_config(cls, args) -> SamplingSettings:
+        """The rollout settings of a `VAPOConfig`."""
         return cls(
-            max_new_tokens=_arg(args, "max_completion_length"),
-            temperature=_arg(args, "temperature"),
-            top_p=_arg(args, "top_p"),
-            top_k=_arg(args, "top_k") or 0,
-            min_p=_arg(args, "min_p"),
-            repetition_penalty=_arg(args, "repetition_penalty"),
-            generation_kwargs=dict(_arg(args, "generation_kwargs") or {}),
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or 0,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            generation_kwargs=dict(args.generation_kwargs or {}),
         )
 
     def generation_config(self, stop_ids: Sequence[int], pad_id: int) -> GenerationConfig:
@@ -652,51 +652,143 @@ def _merge_on_copy(owner: str, layer: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Choosing and building an engine from the config
+# Choosing and building an engine: the one way in
 # ---------------------------------------------------------------------------------------------------------------------
 
+ENGINES = ("generate", "continuous_batching", "vllm")
+VLLM_OPTIONS = (
+    "mode",
+    "structured_outputs_regex",
+    "server_base_url",
+    "server_host",
+    "server_port",
+    "group_port",
+    "server_timeout",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_model_length",
+    "enable_sleep_mode",
+    "model_impl",
+)
+"""`VLLMGeneration`'s options, each a `vllm_<name>` field of `VAPOConfig` (TRL's names)."""
 
-@functools.cache
-def _trl_defaults() -> dict[str, Any]:
-    """`GRPOConfig`'s field defaults: a config without one of TRL's fields behaves as TRL's default."""
-    from trl import GRPOConfig
 
-    return {
-        f.name: f.default if f.default is not dataclasses.MISSING else None
-        for f in dataclasses.fields(GRPOConfig)
-        if f.default_factory is dataclasses.MISSING
-    }
+@dataclass
+class EngineSettings:
+    """Which engine samples, and how: what `build_engine` builds from.
 
+    Built from a `VAPOConfig` (`from_config`: training, and evaluation during or after it) or from `trl-vapo eval`'s
+    arguments (`from_eval_args`), or directly (`EngineSettings(engine="continuous_batching")`).
 
-def _arg(args, name: str):
-    return getattr(args, name) if hasattr(args, name) else _trl_defaults().get(name)
-
-
-def check_engine_available(args, model: Any = None) -> None:
-    """Raise a clear error for an engine this machine or config cannot run: call it before loading any model.
-
-    `use_vllm=True` without vLLM installed says `pip install vllm`; both engines at once, a bad `vllm_mode`, vLLM with
-    a quantized base (``model_init_kwargs``' `quantization_config`, or ``model`` when an instance is given), and the
-    settings continuous batching would silently ignore (repetition penalty, `stop_strings`) are refused.
+    Args:
+        engine: one of `ENGINES`: transformers' `generate()`, its continuous-batching engine, or vLLM.
+        sampling: the default sampling settings (a call to `generate` may pass others).
+        batch_size: prompts per `generate()` call (None: all at once); the `generate` engine only.
+        continuous_batching_config: keyword arguments of transformers' `ContinuousBatchingConfig`.
+        vllm: `VLLMGeneration`'s options (`VLLM_OPTIONS`, plus `trust_remote_code`).
+        rollout_size: sequences sampled per rollout over all processes (vLLM's `max_num_seqs` is a process's share).
+        quantization_config: the policy's, if it is loaded quantized (vLLM refuses it).
     """
-    use_vllm, use_cb = bool(_arg(args, "use_vllm")), bool(_arg(args, "use_transformers_continuous_batching"))
-    if use_vllm and use_cb:
-        raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
-    asked = (_arg(args, "model_init_kwargs") or {}).get("quantization_config")
-    dequantized = asked.get("dequantize") if isinstance(asked, dict) else getattr(asked, "dequantize", False)
-    quantized = (asked is not None and not dequantized) or any(
-        getattr(model, attr, False) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized")
-    )
-    if use_vllm and quantized:
-        # Syncing would merge the policy adapter into packed 4-bit weights: vLLM would receive packed uint8 under
-        # bf16 names, and the live base would come back re-quantized.
-        raise ValueError(
-            "use_vllm=True cannot be used with a quantized base (bitsandbytes 4-bit / 8-bit and the like): the "
-            "policy's weights cannot be synced to vLLM from it. Generate with transformers instead (use_vllm=False, "
-            "or use_transformers_continuous_batching=True), or use vLLM with LoRA on an unquantized bf16 base."
+
+    engine: str = "generate"
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    batch_size: int | None = None
+    continuous_batching_config: dict[str, Any] | None = None
+    vllm: dict[str, Any] = field(default_factory=dict)
+    rollout_size: int | None = None
+    quantization_config: Any = None
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"Unknown generation engine {self.engine!r}: use one of {', '.join(ENGINES)}.")
+
+    @classmethod
+    def from_config(cls, args) -> EngineSettings:
+        """The rollout engine of a `VAPOConfig` (TRL's field names: `use_vllm`, `vllm_*`,
+        `use_transformers_continuous_batching`)."""
+        if args.use_vllm and args.use_transformers_continuous_batching:
+            raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
+        engine = "continuous_batching" if args.use_transformers_continuous_batching else "generate"
+        return cls(
+            engine="vllm" if args.use_vllm else engine,
+            sampling=SamplingSettings.from_config(args),
+            continuous_batching_config=args.transformers_continuous_batching_config,
+            vllm={
+                **{name: getattr(args, f"vllm_{name}") for name in VLLM_OPTIONS},
+                "trust_remote_code": args.trust_remote_code,
+            },
+            rollout_size=args.generation_batch_size,
+            quantization_config=(args.model_init_kwargs or {}).get("quantization_config"),
         )
-    if use_vllm:
-        mode = _arg(args, "vllm_mode")
+
+    @classmethod
+    def from_eval_args(cls, args) -> EngineSettings:
+        """The engine of `trl-vapo eval` (`cli.EvalArguments`); vLLM options it does not take keep `VAPOConfig`'s
+        defaults."""
+        from .config import VAPOConfig
+
+        if args.use_vllm and args.use_transformers_continuous_batching:
+            raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
+        defaults = {f.name: f.default for f in dataclasses.fields(VAPOConfig)}
+        vllm = {name: getattr(args, f"vllm_{name}", defaults[f"vllm_{name}"]) for name in VLLM_OPTIONS}
+        config = args.transformers_continuous_batching_config
+        engine = "continuous_batching" if args.use_transformers_continuous_batching else "generate"
+        return cls(
+            engine="vllm" if args.use_vllm else engine,
+            sampling=SamplingSettings(
+                max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p
+            ),
+            batch_size=args.batch_size,
+            continuous_batching_config=json.loads(config) if isinstance(config, str) else config,
+            vllm={**vllm, "trust_remote_code": args.trust_remote_code},
+            rollout_size=args.batch_size,
+        )
+
+    def vllm_generation_kwargs(self, num_processes: int) -> dict[str, Any]:
+        """Keyword arguments of `VLLMGeneration`, as `GRPOTrainer` builds them.
+
+        `max_num_seqs` is this process's share of a rollout (GRPO: `per_device_train_batch_size *
+        vllm_tensor_parallel_size * steps_per_generation`, the same number); `logprobs=0` asks for the sampled token's
+        log-prob only, which the importance-sampling correction needs.
+        """
+        sampling = self.sampling
+        return {
+            **self.vllm,
+            "max_num_seqs": self.rollout_size // num_processes * self.vllm["tensor_parallel_size"],
+            "repetition_penalty": sampling.repetition_penalty,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "max_completion_length": sampling.max_new_tokens,
+            "logprobs": 0,
+            "generation_kwargs": sampling.generation_kwargs,
+        }
+
+
+def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
+    """Raise a clear error for an engine this machine or these settings cannot run: call it before loading any model.
+
+    vLLM without vLLM installed says `pip install vllm`; a bad `vllm_mode`, vLLM with a quantized base (the settings'
+    `quantization_config`, or ``model`` when an instance is given), and the settings continuous batching would
+    silently ignore (repetition penalty, `stop_strings`) are refused.
+    """
+    if settings.engine == "vllm":
+        asked = settings.quantization_config
+        dequantized = asked.get("dequantize") if isinstance(asked, dict) else getattr(asked, "dequantize", False)
+        quantized = (asked is not None and not dequantized) or any(
+            getattr(model, attr, False) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized")
+        )
+        if quantized:
+            # Syncing would merge the policy adapter into packed 4-bit weights: vLLM would receive packed uint8
+            # under bf16 names, and the live base would come back re-quantized.
+            raise ValueError(
+                "use_vllm=True cannot be used with a quantized base (bitsandbytes 4-bit / 8-bit and the like): the "
+                "policy's weights cannot be synced to vLLM from it. Generate with transformers instead "
+                "(use_vllm=False, or use_transformers_continuous_batching=True), or use vLLM with LoRA on an "
+                "unquantized bf16 base."
+            )
+        mode = settings.vllm.get("mode")
         if mode not in ("server", "colocate"):
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {mode!r}.")
         from trl.import_utils import is_vllm_available
@@ -707,78 +799,42 @@ def check_engine_available(args, model: Any = None) -> None:
                 "vLLM 0.22 to 0.31; `pip install trl[vllm]` picks a matching version), or set use_vllm=False to "
                 "generate with transformers."
             )
-    if use_cb:
+    if settings.engine == "continuous_batching":
         _check_continuous_batching_available()
-        _check_continuous_batching_sampling(SamplingSettings.from_args(args))
-
-
-def vllm_generation_kwargs(args, num_processes: int) -> dict[str, Any]:
-    """Keyword arguments of `VLLMGeneration` from the config's `vllm_*` fields, as `GRPOTrainer` builds them.
-
-    `max_num_seqs` is this process's share of a rollout (GRPO: `per_device_train_batch_size *
-    vllm_tensor_parallel_size * steps_per_generation`, the same number); `logprobs=0` asks for the sampled token's
-    log-prob only, which the importance-sampling correction needs.
-    """
-    tensor_parallel_size = _arg(args, "vllm_tensor_parallel_size")
-    return {
-        "mode": _arg(args, "vllm_mode"),
-        "structured_outputs_regex": _arg(args, "vllm_structured_outputs_regex"),
-        "server_base_url": _arg(args, "vllm_server_base_url"),
-        "server_host": _arg(args, "vllm_server_host"),
-        "server_port": _arg(args, "vllm_server_port"),
-        "group_port": _arg(args, "vllm_group_port"),
-        "server_timeout": _arg(args, "vllm_server_timeout"),
-        "tensor_parallel_size": tensor_parallel_size,
-        "gpu_memory_utilization": _arg(args, "vllm_gpu_memory_utilization"),
-        "max_model_length": _arg(args, "vllm_max_model_length"),
-        "max_num_seqs": args.generation_batch_size // num_processes * tensor_parallel_size,
-        "enable_sleep_mode": _arg(args, "vllm_enable_sleep_mode"),
-        "model_impl": _arg(args, "vllm_model_impl"),
-        "trust_remote_code": _arg(args, "trust_remote_code"),
-        "repetition_penalty": _arg(args, "repetition_penalty"),
-        "temperature": _arg(args, "temperature"),
-        "top_p": _arg(args, "top_p"),
-        "top_k": _arg(args, "top_k") or 0,
-        "min_p": _arg(args, "min_p"),
-        "max_completion_length": args.max_completion_length,
-        "logprobs": 0,
-        "generation_kwargs": _arg(args, "generation_kwargs"),
-    }
+        _check_continuous_batching_sampling(settings.sampling)
 
 
 def build_engine(
-    args,
+    settings: EngineSettings,
     model: nn.Module | ModelProvider,
     tokenizer,
     *,
     policy: nn.Module | None = None,
     accelerator=None,
     stop_ids: Sequence[int] | None = None,
-    sampling: SamplingSettings | None = None,
     vllm_generation_cls: type | None = None,
 ) -> GenerationEngine:
-    """The engine `args` asks for (TRL's field names): vLLM, continuous batching, or `generate()` by default.
+    """The engine `settings` ask for: every caller (training, evaluation, `trl-vapo eval`) builds its engine here.
 
     Args:
-        args: a `VAPOConfig` (fields it lacks take `GRPOConfig`'s defaults).
+        settings: which engine, its default sampling and its options.
         model: the model, or a model provider, the transformers engines generate with.
         tokenizer: gives the pad and EOS ids.
         policy: the causal LM (a `PeftModel` under PEFT) whose weights vLLM receives; vLLM only. Not the actor-critic.
         accelerator: the trainer's `Accelerator`; vLLM only.
-        stop_ids: where completions end (default: `stop_token_ids(tokenizer, policy, args.generation_kwargs)`).
-        sampling: default sampling settings (default: the config's rollout settings).
+        stop_ids: where completions end (default: `stop_token_ids(tokenizer, policy, generation_kwargs)`).
         vllm_generation_cls: replaces TRL's `VLLMGeneration` (tests pass a stand-in).
     """
-    if vllm_generation_cls is None:
-        check_engine_available(args, policy)  # the loaded policy: a checkpoint may come quantized by its config
     if policy is None and isinstance(model, nn.Module):
         policy = model
+    if vllm_generation_cls is None:
+        check_engine_available(settings, policy)  # the loaded policy: a checkpoint may come quantized by its config
     common = {
         "pad_token_id": tokenizer.pad_token_id,
-        "stop_token_ids": stop_ids or stop_token_ids(tokenizer, policy, _arg(args, "generation_kwargs")),
-        "sampling": sampling or SamplingSettings.from_args(args),
+        "stop_token_ids": stop_ids or stop_token_ids(tokenizer, policy, settings.sampling.generation_kwargs),
+        "sampling": settings.sampling,
     }
-    if _arg(args, "use_vllm"):
+    if settings.engine == "vllm":
         if policy is None or accelerator is None:
             raise ValueError("The vLLM engine needs the policy model and the accelerator.")
         _check_policy_only(policy)  # before vLLM loads anything
@@ -788,12 +844,12 @@ def build_engine(
             model=policy,
             accelerator=accelerator,
             processing_class=tokenizer,
-            **vllm_generation_kwargs(args, accelerator.num_processes),
+            **settings.vllm_generation_kwargs(accelerator.num_processes),
         )
         return VLLMEngine(vllm_generation, **common)
-    if _arg(args, "use_transformers_continuous_batching"):
-        return ContinuousBatching(model, config=_arg(args, "transformers_continuous_batching_config"), **common)
-    return TransformersGenerate(model, tokenizer=tokenizer, **common)
+    if settings.engine == "continuous_batching":
+        return ContinuousBatching(model, config=settings.continuous_batching_config, **common)
+    return TransformersGenerate(model, batch_size=settings.batch_size, tokenizer=tokenizer, **common)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

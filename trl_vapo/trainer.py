@@ -68,6 +68,7 @@ from .distributed import (
     whole_models_under_zero3,
 )
 from .generation import (
+    EngineSettings,
     GenerationOutput,
     build_engine,
     check_engine_available,
@@ -162,7 +163,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
         # Everything a user can get wrong is checked before a model loads.
-        check_engine_available(args, model)
+        engine_settings = EngineSettings.from_config(args)
+        check_engine_available(engine_settings, model)
         check_train_dataset(train_dataset, args)
         self._conversational = is_conversational({"prompt": train_dataset[0]["prompt"]})
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational)
@@ -209,7 +211,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             self.ref_model = prepare_reference_model(self.ref_model, self.accelerator)
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
         self.generation_engine = build_engine(
-            args,
+            engine_settings,
             self._generation_model,
             tokenizer,
             policy=actor_critic.policy,
