@@ -1,0 +1,114 @@
+"""Pushing the policy's weights to vLLM: the policy alone (never the critic's adapter, head or model), merged on a
+copy so that the training weights stay bit-for-bit as they were, under the names vLLM expects.
+
+It subclasses TRL's `VLLMGeneration` (`trl.generation.vllm_generation`) and replaces its private `_iter_named_params`,
+using its `_fix_param_name_to_vllm` and `_dist`: a TRL upgrade that renames those breaks this file, and
+`tests/test_generation.py` (a stand-in `VLLMGeneration` that loads what it is pushed) fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .modeling import CRITIC_ADAPTER, POLICY_ADAPTER
+
+
+def check_policy_only(model: nn.Module) -> None:
+    """vLLM must receive the policy, not the actor-critic module (whose critic and value head vLLM cannot load)."""
+    if any(isinstance(getattr(model, name, None), nn.Module) for name in ("critic", "value_head")):
+        raise TypeError(
+            f"VLLMGeneration was given {type(model).__name__}, which holds the critic; pass the policy "
+            "(`actor_critic.policy`) so that only its weights are pushed to vLLM."
+        )
+
+
+def check_policy_adapter_active(model: nn.Module) -> None:
+    """TRL merges the active adapter before pushing: it must be the policy's, never the critic's."""
+    from accelerate.utils import is_peft_model
+
+    if not is_peft_model(model):  # a full model: nothing to merge
+        return
+    active = model.active_adapters
+    if list(active) != [POLICY_ADAPTER]:
+        raise RuntimeError(
+            f"The active adapter(s) {list(active)} would be merged into the weights pushed to vLLM; only the policy "
+            f"adapter {POLICY_ADAPTER!r} may be active during a weight sync."
+        )
+
+
+def _is_critic_weight(name: str) -> bool:
+    return f"modules_to_save.{CRITIC_ADAPTER}." in name
+
+
+def policy_only(vllm_generation_cls: type) -> type:
+    """A subclass of `vllm_generation_cls` (TRL's `VLLMGeneration`) whose weight sync pushes the policy alone and
+    leaves the training weights bit-for-bit as they were.
+
+    Two changes to TRL's `_iter_named_params` under PEFT:
+
+    * TRL skips LoRA matrices and renames the policy's `modules_to_save.default` copies, but passes any other
+      adapter's `modules_to_save` copy to vLLM under a name vLLM does not know: the critic's. They are dropped.
+    * TRL merges the active adapter into the base in place and unmerges it after the push. In bf16 `W + BA - BA`
+      is not `W`: one sync moves about 15% of the base weights by a rounding step, and the errors accumulate (after
+      100 syncs of a tiny Llama the largest change was 20% of the mean |weight|; trl issue #6688). Here the base is
+      also the critic's and the reference policy's, so each layer is merged, copied and restored from a saved copy
+      instead, one layer at a time (FSDP keeps TRL's path).
+    """
+
+    class PolicyOnlyVLLMGeneration(vllm_generation_cls):
+        def _iter_named_params(self):
+            from accelerate.utils import is_peft_model
+
+            if is_peft_model(self.model) and not self._dist.is_fsdp:
+                params = _exactly_merged_params(self.model, self._dist, self._fix_param_name_to_vllm)
+            else:
+                params = super()._iter_named_params()
+            for name, param in params:  # run to the end: TRL's generator unmerges after its last item
+                if not _is_critic_weight(name):
+                    yield name, param
+
+    name = f"PolicyOnly{vllm_generation_cls.__name__}"
+    PolicyOnlyVLLMGeneration.__name__ = PolicyOnlyVLLMGeneration.__qualname__ = name
+    return PolicyOnlyVLLMGeneration
+
+
+def _exactly_merged_params(model: nn.Module, dist, fix_name: Callable) -> Iterator[tuple[str, torch.Tensor]]:
+    """TRL's PEFT weight stream (names as vLLM expects them, adapter matrices left out), with each adapted layer's
+    weights merged on a copy: the layer is merged, its weights cloned, then unmerged and restored exactly."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "base_layer")}
+    # As TRL: merging needs whole tensors, so ZeRO-3 gathers every parameter first (a no-op otherwise).
+    with dist.gather_params(list(model.parameters())):
+        merged: dict[str, torch.Tensor] = {}
+        for name, param in model.named_parameters():
+            if model.prefix in name or "original_module" in name:
+                continue  # adapter matrices, and the base copy of modules_to_save, as TRL skips them
+            vllm_name = fix_name(
+                name.removeprefix("base_model.model.").replace(".base_layer", ""),
+                extra_prefixes=["modules_to_save.default."],
+            )
+            owner, found, _ = name.partition(".base_layer.")
+            if found and owner in layers:
+                if name not in merged:
+                    merged.update(_merge_on_copy(owner, layers[owner]))
+                yield vllm_name, merged.pop(name)
+            else:
+                yield vllm_name, param.data
+
+
+def _merge_on_copy(owner: str, layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The merged base weights of one adapted layer (its active adapter: the policy's), leaving the layer as it was."""
+    base = {f"{owner}.base_layer.{n}": p for n, p in layer.base_layer.named_parameters()}
+    saved = {n: p.data.clone() for n, p in base.items()}
+    layer.merge()  # peft's own merge: LoRA scaling, DoRA, fan_in_fan_out, LoRA bias
+    try:
+        return {n: p.data.clone() for n, p in base.items()}
+    finally:
+        if layer.merged:
+            layer.unmerge()
+        for n, p in base.items():
+            p.data.copy_(saved[n])
