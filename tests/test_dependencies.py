@@ -98,3 +98,74 @@ def test_upgrade_reports_each_moved_package():
     old = {"peft": "0.21.2", "torch": "2.13.0", "six": "1.16"}
     new = {"peft": "0.22.0", "torch": "2.13.0", "uv": "0.13"}
     assert dev.moved_packages(old, new) == ["peft 0.21.2 -> 0.22.0", "six 1.16 -> (gone)", "uv (new) -> 0.13"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The package's imports: TRL's internals behind one file, no cycle
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def package_imports() -> dict[str, list[tuple[str, list[str], bool]]]:
+    """Per module of `trl_vapo` (dotted name): each import as (module, imported names, at module level)."""
+    import ast
+
+    found = {}
+    for path in sorted((ROOT / "trl_vapo").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        top_level = {id(node) for node in tree.body}
+        imports = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imports += [(alias.name, [], id(node) in top_level) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                imports.append((base, [alias.name for alias in node.names], id(node) in top_level))
+        found[name] = imports
+    return found
+
+
+def test_only_compat_imports_trl_names_outside_its_public_api():
+    """A TRL upgrade that moves a private helper breaks `trl_vapo/_compat.py` alone: every other module imports from
+    TRL only what `trl.__all__` exports (`from trl import X`)."""
+    import trl
+
+    public = set(trl.__all__)
+    private = []
+    for module, imports in package_imports().items():
+        if module == "trl_vapo._compat":
+            continue
+        for target, names, _ in imports:
+            if target == "trl":
+                private += [f"{module}: from trl import {n}" for n in names if n not in public]
+            elif target.startswith("trl."):
+                private.append(f"{module}: {target}")
+    assert not private, f"import these through trl_vapo/_compat.py: {private}"
+    compat = {target for target, _, _ in package_imports()["trl_vapo._compat"]}
+    assert {"trl.kernels", "trl.trainer.utils", "trl.generation.vllm_generation"} <= compat  # the check sees imports
+
+
+def test_the_package_has_no_import_cycle_at_module_level():
+    graph = {
+        module: {target for target, _, top in imports if top and target.startswith("trl_vapo.") and target != module}
+        for module, imports in package_imports().items()
+    }
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(target) :] + [module, target]))
+            if target not in state:
+                visit(target, path + [module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert graph["trl_vapo.generation"] >= {"trl_vapo._compat", "trl_vapo.vllm_sync"}  # the graph is read

@@ -61,7 +61,8 @@ def stand_in_vllm(monkeypatch):
     import importlib
 
     vllm_generation = importlib.import_module("trl.generation.vllm_generation")
-    monkeypatch.setattr(importlib.import_module("trl.import_utils"), "is_vllm_available", lambda *a, **k: True)
+    # TRL's `is_vllm_available`, as the engine check reads it (imported through `trl_vapo._compat`).
+    monkeypatch.setattr(importlib.import_module("trl_vapo.generation"), "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setattr(vllm_generation, "VLLMGeneration", _StandInVLLMGeneration)
 
 

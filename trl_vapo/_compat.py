@@ -1,11 +1,13 @@
-"""The one place that imports TRL helpers living outside TRL's public API.
+"""The one place that imports TRL names outside TRL's public API (anything not in `trl.__all__`).
 
-TRL exports its trainers and data utilities from `trl`, but the tensor helpers below live in `trl.trainer.utils`
-and `trl.models.utils`, which may move between releases. Import them from here so a TRL upgrade breaks this file,
-not the trainer.
+TRL exports its trainers and data utilities from `trl`, but the helpers below live in `trl.trainer.utils`,
+`trl.models.utils`, `trl.kernels`, `trl.generation`, `trl.rewards` and `trl.import_utils`, which may move between
+releases. Import them from here so a TRL upgrade breaks this file, not the trainer
+(`tests/test_dependencies.py` fails if another module imports one).
 """
 
 from trl.cli.accelerate_config import resolve_accelerate_config_argument
+from trl.import_utils import is_vllm_available
 from trl.kernels import ChunkedLogProbFunction as TiledLogProbs
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE as TOKEN_TILE_ROWS
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
@@ -14,10 +16,25 @@ from trl.trainer.utils import (
     entropy_from_logits,
     generate_model_card,
     get_config_model_id,
+    get_trackio_space_url,
     maybe_gather_lm_head_ctx,
     pad,
     selective_log_softmax,
 )
+
+
+def vllm_generation_class() -> type:
+    """TRL's `VLLMGeneration` (vLLM generation and weight sync, `trl.generation.vllm_generation`)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    return VLLMGeneration
+
+
+def trl_reward_function(name: str):
+    """One of TRL's reward functions (`trl.rewards`), by name."""
+    import trl.rewards
+
+    return getattr(trl.rewards, name)
 
 
 def prepare_reference_model(model, accelerator):
@@ -39,10 +56,14 @@ __all__ = [
     "entropy_from_logits",
     "generate_model_card",
     "get_config_model_id",
+    "get_trackio_space_url",
+    "is_vllm_available",
     "maybe_gather_lm_head_ctx",
     "pad",
     "prepare_reference_model",
     "resolve_accelerate_config_argument",
     "selective_log_softmax",
+    "trl_reward_function",
     "unwrap_model_for_generation",
+    "vllm_generation_class",
 ]

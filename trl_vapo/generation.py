@@ -16,8 +16,10 @@ The transformers engines generate with the model a *model provider* yields: a ze
 context manager (the trainer passes one that unwraps DDP / DeepSpeed / FSDP and enters autocast), or simply a model.
 The vLLM engine is glue over TRL's own `trl.generation.vllm_generation.VLLMGeneration`: it generates with vLLM and
 pushes the policy's weights to it (base merged with the policy adapter under PEFT, never the critic's adapter, head
-or model). `trl_vapo.core.importance_sampling_weights` is TRL's correction for the mismatch between vLLM's and the
-trainer's log-probs; `importance_sampling_metrics` here logs it.
+or model: `trl_vapo.vllm_sync`). Every caller picks and builds its engine the same way: `EngineSettings` (from a
+`VAPOConfig` or `trl-vapo eval`'s arguments), then `build_engine`. `trl_vapo.core.importance_sampling_weights` is
+TRL's correction for the mismatch between vLLM's and the trainer's log-probs; `importance_sampling_metrics` here logs
+it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from ._compat import pad
+from ._compat import is_vllm_available, pad, vllm_generation_class
 from .vllm_sync import check_policy_adapter_active, check_policy_only, policy_only
 
 ModelProvider = Callable[[], contextlib.AbstractContextManager[nn.Module]]
@@ -692,8 +694,6 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
         mode = settings.vllm.get("mode")
         if mode not in ("server", "colocate"):
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {mode!r}.")
-        from trl.import_utils import is_vllm_available
-
         if not is_vllm_available():
             raise ImportError(
                 "use_vllm=True needs vLLM, which is not installed. Install it with `pip install vllm` (TRL supports "
@@ -739,9 +739,7 @@ def build_engine(
         if policy is None or accelerator is None:
             raise ValueError("The vLLM engine needs the policy model and the accelerator.")
         check_policy_only(policy)  # before vLLM loads anything
-        if vllm_generation_cls is None:
-            from trl.generation.vllm_generation import VLLMGeneration as vllm_generation_cls
-        vllm_generation = policy_only(vllm_generation_cls)(
+        vllm_generation = policy_only(vllm_generation_cls or vllm_generation_class())(
             model=policy,
             accelerator=accelerator,
             processing_class=tokenizer,

@@ -335,7 +335,7 @@ def tracker_urls() -> dict[str, str | None]:
     if wandb is not None and getattr(wandb, "run", None) is not None and not wandb.run.offline:
         urls["wandb"] = wandb.run.url  # an offline run has no page (`.url` would only warn)
     if sys.modules.get("trackio") is not None:
-        from trl.trainer.utils import get_trackio_space_url
+        from ._compat import get_trackio_space_url
 
         urls["trackio"] = get_trackio_space_url()
     return urls

@@ -1475,9 +1475,9 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
     if name in _TRL_REWARD_FUNCTIONS:
-        import trl.rewards
+        from ._compat import trl_reward_function
 
-        return getattr(trl.rewards, name)
+        return trl_reward_function(name)
     module_name, sep, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
     if not sep or not module_name or not attribute:
         raise ValueError(
