@@ -124,7 +124,10 @@ def package_imports() -> dict[str, list[tuple[str, list[str], bool]]]:
                 if node.level:  # relative: resolve against this module's package
                     parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parts + ([node.module] if node.module else []))
-                imports.append((base, [alias.name for alias in node.names], id(node) in top_level))
+                if node.module is None:  # `from . import checkpoint`: the names are modules
+                    imports += [(f"{base}.{alias.name}", [], id(node) in top_level) for alias in node.names]
+                else:
+                    imports.append((base, [alias.name for alias in node.names], id(node) in top_level))
         found[name] = imports
     return found
 
@@ -169,3 +172,4 @@ def test_the_package_has_no_import_cycle_at_module_level():
         if module not in state:
             visit(module, [])
     assert graph["trl_vapo.generation"] >= {"trl_vapo._compat", "trl_vapo.vllm_sync"}  # the graph is read
+    assert "trl_vapo.checkpoint" in graph["trl_vapo.trainer"]  # `from . import checkpoint as ckpt`

@@ -593,6 +593,10 @@ def test_check_engine_available_accepts_the_defaults_and_refuses_two_engines():
         check_engine_available(EngineSettings("vllm", vllm={"mode": "remote"}))
     with pytest.raises(ValueError, match="Unknown generation engine 'sglang'"):
         EngineSettings("sglang")
+    by_hand = EngineSettings("vllm", vllm={"mode": "server"})  # the other options: VAPOConfig's (TRL's) defaults
+    assert by_hand.vllm["mode"] == "server" and by_hand.vllm["server_port"] == 8000
+    with pytest.raises(ValueError, match="rollout_size"):
+        by_hand.vllm_generation_kwargs(num_processes=1)
 
 
 def test_build_engine_picks_by_trl_field_names(tiny):
@@ -745,3 +749,14 @@ def test_evaluation_engines_agree_greedily(engine, demo):
     assert texts == reference and lengths == ref_lengths
     assert all("\\boxed{" in t for t in texts)
     assert set(string.digits) & set("".join(texts))
+
+
+def test_evaluation_builds_its_engine_through_build_engine_and_refuses_a_vllm_name(tiny):
+    from trl_vapo.evaluation import sample_completions
+
+    model, tokenizer = tiny
+    settings = EngineSettings(sampling=SamplingSettings(max_new_tokens=4), batch_size=2)
+    completions, lengths = sample_completions(model, tokenizer, ["1+2=", "a"], max_new_tokens=4, engine=settings)
+    assert len(completions) == 2 and max(lengths) <= 4
+    with pytest.raises(ValueError, match="built engine"):
+        sample_completions(model, tokenizer, ["a"], engine="vllm")

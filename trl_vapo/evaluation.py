@@ -51,6 +51,11 @@ def _engine(engine: Engine, model, tokenizer, batch_size: int) -> GenerationEngi
     if isinstance(engine, GenerationEngine):
         return engine
     settings = engine if isinstance(engine, EngineSettings) else EngineSettings(engine=engine)
+    if settings.engine == "vllm":
+        raise ValueError(
+            "Evaluate with vLLM through a built engine (the trainer's `generation_engine`): it holds the "
+            "policy's weights, which these settings cannot give it."
+        )
     return build_engine(dataclasses.replace(settings, batch_size=settings.batch_size or batch_size), model, tokenizer)
 
 

@@ -43,10 +43,6 @@ ModelProvider = Callable[[], contextlib.AbstractContextManager[nn.Module]]
 """A zero-argument callable returning a context manager that yields the causal LM to generate with."""
 
 
-# The adapter names of `trl_vapo.modeling` (kept literal here: modeling imports nothing from this module, and this
-# module must stay importable on its own).
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # What every engine returns, and the one place completions are cut
 # ---------------------------------------------------------------------------------------------------------------------
@@ -604,16 +600,28 @@ class EngineSettings:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"Unknown generation engine {self.engine!r}: use one of {', '.join(ENGINES)}.")
+        if self.engine == "vllm":  # options not given keep `VAPOConfig`'s defaults (TRL's)
+            from .config import VAPOConfig
+
+            defaults = {f.name: f.default for f in dataclasses.fields(VAPOConfig)}
+            options = {name: defaults[f"vllm_{name}"] for name in VLLM_OPTIONS}
+            self.vllm = {**options, "trust_remote_code": defaults["trust_remote_code"], **self.vllm}
+
+    @staticmethod
+    def _engine_named_by(args) -> str:
+        """The engine TRL's flags `use_vllm` and `use_transformers_continuous_batching` choose."""
+        if args.use_vllm and args.use_transformers_continuous_batching:
+            raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
+        if args.use_vllm:
+            return "vllm"
+        return "continuous_batching" if args.use_transformers_continuous_batching else "generate"
 
     @classmethod
     def from_config(cls, args) -> EngineSettings:
         """The rollout engine of a `VAPOConfig` (TRL's field names: `use_vllm`, `vllm_*`,
         `use_transformers_continuous_batching`)."""
-        if args.use_vllm and args.use_transformers_continuous_batching:
-            raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
-        engine = "continuous_batching" if args.use_transformers_continuous_batching else "generate"
         return cls(
-            engine="vllm" if args.use_vllm else engine,
+            engine=cls._engine_named_by(args),
             sampling=SamplingSettings.from_config(args),
             continuous_batching_config=args.transformers_continuous_batching_config,
             vllm={
@@ -628,16 +636,10 @@ class EngineSettings:
     def from_eval_args(cls, args) -> EngineSettings:
         """The engine of `trl-vapo eval` (`cli.EvalArguments`); vLLM options it does not take keep `VAPOConfig`'s
         defaults."""
-        from .config import VAPOConfig
-
-        if args.use_vllm and args.use_transformers_continuous_batching:
-            raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
-        defaults = {f.name: f.default for f in dataclasses.fields(VAPOConfig)}
-        vllm = {name: getattr(args, f"vllm_{name}", defaults[f"vllm_{name}"]) for name in VLLM_OPTIONS}
+        vllm = {name: getattr(args, f"vllm_{name}") for name in VLLM_OPTIONS if hasattr(args, f"vllm_{name}")}
         config = args.transformers_continuous_batching_config
-        engine = "continuous_batching" if args.use_transformers_continuous_batching else "generate"
         return cls(
-            engine="vllm" if args.use_vllm else engine,
+            engine=cls._engine_named_by(args),
             sampling=SamplingSettings(
                 max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p
             ),
@@ -654,6 +656,8 @@ class EngineSettings:
         vllm_tensor_parallel_size * steps_per_generation`, the same number); `logprobs=0` asks for the sampled token's
         log-prob only, which the importance-sampling correction needs.
         """
+        if self.rollout_size is None:
+            raise ValueError("EngineSettings(engine='vllm') needs rollout_size: the sequences sampled per rollout.")
         sampling = self.sampling
         return {
             **self.vllm,
