@@ -96,6 +96,24 @@ from .scoring import RewardFunc, RewardScorer
 logger = get_logger(__name__)
 
 
+def check_grpo_arguments(**given: Any) -> None:
+    """Refuse, before any model loads, the `GRPOTrainer` arguments VAPO does not take, saying what to do instead."""
+    refusals = {
+        "reward_processing_classes": "reward models are not supported yet: pass reward functions (callables) instead",
+        "quantization_config": "pass it in the config instead: "
+        "`VAPOConfig(model_init_kwargs={'quantization_config': ...})`, which loads the model quantized",
+        "tools": "multi-turn tool use is beyond VAPO's paper and not supported: VAPO samples one completion per "
+        "prompt",
+        "rollout_func": "custom rollouts are not supported: VAPO samples with its generation engines "
+        "(`use_vllm`, `use_transformers_continuous_batching`)",
+        "environment_factory": "environments (multi-turn episodes) are not supported: VAPO samples one completion per "
+        "prompt",
+    }
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"VAPOTrainer does not take `{name}`: {refusals[name]}.")
+
+
 class VAPOTrainer(ckpt.SavingMixin, Trainer):
     """Trainer for VAPO: PPO with a value model, value pretraining, decoupled and length-adaptive GAE, token-level
     loss, clip-higher, positive-example NLL and group sampling (arXiv 2504.05118).
@@ -125,11 +143,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             float per completion, or `None`. Rewards are summed with `args.reward_weights`.
         args: a `VAPOConfig`.
         train_dataset: a `datasets.Dataset` with a `prompt` column (plain text or chat messages).
+        eval_dataset: accepted as `GRPOTrainer` accepts it, and kept; evaluation during training is not implemented
+            yet (`trl-vapo train` reports held-out accuracy before and after training).
         processing_class: the tokenizer; loaded from `model` when omitted. Padding is set to the left.
-        value_model: the critic. None (default) initialises it from the policy's weights with a fresh scalar head
-            (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a value model
-            (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer), or a
-            `PreTrainedModel`. A critic saved by value pretraining of the same policy skips that phase.
+        reward_processing_classes, quantization_config, tools, rollout_func, environment_factory: `GRPOTrainer`'s,
+            in its order; each is refused with an error that says what to do instead (see `check_grpo_arguments`).
+        value_model: (keyword only) the critic. None (default) initialises it from the policy's weights with a fresh
+            scalar head (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a
+            value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer),
+            or a `PreTrainedModel`. A critic saved by value pretraining of the same policy skips that phase.
         callbacks: extra `TrainerCallback`s. One with an `on_rollout(args, state, control, rollout=..., rows=...)`
             method is also called with every rollout as built (a `trl_vapo.rollout.Rollout`: completions, scores,
             values, advantages) and its dataset rows, before the rollout's first update.
@@ -151,12 +173,27 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         reward_funcs: RewardFunc | list[RewardFunc],
         args: VAPOConfig | None = None,
         train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
         processing_class: PreTrainedTokenizerBase | None = None,
-        value_model: str | PreTrainedModel | None = None,
+        reward_processing_classes: Any | None = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any | None = None,
         peft_config: Any | None = None,
+        tools: list | None = None,
+        rollout_func: Any | None = None,
+        environment_factory: Any | None = None,
+        *,
+        value_model: str | PreTrainedModel | None = None,
     ):
+        # GRPOTrainer's parameters, in its order, so that a GRPO call binds the same way; VAPO's own are keywords.
+        check_grpo_arguments(
+            reward_processing_classes=reward_processing_classes,
+            quantization_config=quantization_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         if args is None:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = VAPOConfig(output_dir=f"{Path(str(name)).name or 'model'}-VAPO")
@@ -207,6 +244,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 optimizers=optimizers,
             )
         check_distributed_setup(self.accelerator, args)
+        self.eval_dataset = eval_dataset  # where GRPOTrainer keeps it; evaluation during training is not implemented
         if self.ref_model is not None:
             self.ref_model = prepare_reference_model(self.ref_model, self.accelerator)
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
