@@ -43,3 +43,25 @@ def test_grpo_arguments_vapo_does_not_take_are_refused_before_any_model_loads(tm
         VAPOTrainer(
             "no/such-model", digit_fraction, make_args(tmp_path), prompts_dataset(), **{name: lambda *a, **k: None}
         )
+
+
+def test_a_peft_model_the_user_already_wrapped_trains_with_the_critic_on_its_base(tiny_model_dir, tmp_path):
+    """`GRPOTrainer(model=get_peft_model(...))`: the user's adapter is the policy's, the critic is a second adapter on
+    the same frozen base, and both train."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.modeling import CRITIC_ADAPTER, POLICY_ADAPTER
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    trainer = VAPOTrainer(model, digit_fraction, make_args(tmp_path), prompts_dataset())
+    actor_critic = trainer.actor_critic
+    assert actor_critic.shares_base and actor_critic.policy is model
+    assert set(model.peft_config) == {POLICY_ADAPTER, CRITIC_ADAPTER} and model.peft_config[POLICY_ADAPTER].r == 4
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert any(f".{POLICY_ADAPTER}." in n for n in changed) and any(f".{CRITIC_ADAPTER}." in n for n in changed)
+    assert all("lora_" in n for n in changed)  # the base stays frozen: it is the reference and the critic's too
