@@ -21,12 +21,12 @@ import contextlib
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import extract_model_from_parallel
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -214,8 +214,12 @@ def _tiles_fit(causal_lm: PreTrainedModel, head: nn.Module | None) -> bool:
 
 
 def _causal_lm(model: nn.Module) -> PreTrainedModel:
-    """The transformers causal LM inside ``model``: under a DeepSpeed engine and PEFT's wrappers."""
-    model = extract_model_from_parallel(model)
+    """The transformers causal LM inside ``model``: under a DeepSpeed engine (TRL's ZeRO reference) and PEFT's
+    wrappers. Not `accelerate`'s `extract_model_from_parallel`: it imports DeepSpeed and walks every module, on each
+    micro-batch; an engine can only exist once DeepSpeed is imported."""
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine):
+        model = model.module
     return model.get_base_model() if is_peft_model(model) else model
 
 
