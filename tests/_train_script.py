@@ -150,6 +150,7 @@ def main() -> None:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--log-name", default="logs")
     parser.add_argument("--deepspeed", type=int, choices=(2, 3), help="ZeRO stage (DeepSpeed through accelerate)")
+    parser.add_argument("--no-ds3-gather", action="store_true", help="ZeRO-3: generate with the weights sharded")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 (forced on CPU processes, see the docstring)")
@@ -205,6 +206,7 @@ def main() -> None:
         critic_num_iterations=args.critic_num_iterations,
         weight_decay=args.weight_decay,
         beta=args.beta,
+        ds3_gather_for_generation=not args.no_ds3_gather,
         model_init_kwargs={"dtype": args.dtype} if args.dtype else None,
         logging_steps=1,
         save_strategy="steps",

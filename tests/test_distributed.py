@@ -147,7 +147,12 @@ def deepspeed_run(request, tiny_model_dir, tmp_path_factory) -> Path:
     if (processes, stage) == (2, 3):
         return request.getfixturevalue("zero3_two_ranks")
     run = tmp_path_factory.mktemp(f"zero{stage}-{processes}")
-    return train(tiny_model_dir, run, processes, "--deepspeed", str(stage), "--save-final", "--save-steps", "100")
+    # ZeRO-3 on one process generates with its weights left sharded (GRPOConfig's ds3_gather_for_generation=False),
+    # parameter by parameter as each layer runs: the same samples, so the same training, as the plain run.
+    sharded = ["--no-ds3-gather"] if stage == 3 else []
+    return train(
+        tiny_model_dir, run, processes, "--deepspeed", str(stage), "--save-final", "--save-steps", "100", *sharded
+    )
 
 
 def test_deepspeed_value_pretraining_leaves_the_policy_untouched(deepspeed_run, tiny_model_dir):

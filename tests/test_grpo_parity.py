@@ -4,8 +4,10 @@ and under its names, and a clear refusal of what VAPO does not take."""
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
+import torch
 from test_trainer import digit_fraction, make_args, prompts_dataset
 from transformers import AutoTokenizer
 from trl import GRPOTrainer
@@ -65,3 +67,227 @@ def test_a_peft_model_the_user_already_wrapped_trains_with_the_critic_on_its_bas
     changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert any(f".{POLICY_ADAPTER}." in n for n in changed) and any(f".{CRITIC_ADAPTER}." in n for n in changed)
     assert all("lora_" in n for n in changed)  # the base stays frozen: it is the reference and the critic's too
+
+
+# ---------------------------------------------------------------------------------------------------- the config
+def _grpo_init_defaults() -> dict:
+    """GRPOConfig's fields with the defaults its `__init__` gives them: the fields a GRPO script may pass (the
+    TrainingArguments ones where GRPOConfig changes their default)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    inherited = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    defaults = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if not f.init or f.default is dataclasses.MISSING:
+            continue  # output_dir's default is None; the rest has plain defaults
+        if f.name not in inherited or inherited[f.name].default != f.default:
+            defaults[f.name] = f.default
+    return defaults
+
+
+def test_every_grpo_config_field_is_a_vapo_config_field_and_grpos_defaults_build_one(tmp_path):
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from trl_vapo import VAPOConfig
+
+    assert {f.name for f in dataclasses.fields(GRPOConfig)} <= {f.name for f in dataclasses.fields(VAPOConfig)}
+    defaults = _grpo_init_defaults()
+    assert len(defaults) > 60 and defaults["loss_type"] == "dapo" and defaults["scale_rewards"] == "group"
+    config = VAPOConfig(output_dir=str(tmp_path), **defaults)
+    assert config.loss_type == "token"  # DAPO's aggregation is VAPO's token-level loss
+    assert config.pad_to_multiple_of is None  # 'auto' pads on Neuron only
+    assert config.epsilon_high == config.epsilon  # GRPO's None: symmetric clipping
+
+
+@pytest.mark.parametrize(
+    ("grpo", "vapo"), [("dapo", "token"), ("bnpo", "token"), ("dr_grpo", "token"), ("grpo", "sequence")]
+)
+def test_grpo_loss_types_are_vapos_aggregations(tmp_path, grpo, vapo):
+    assert make_args(tmp_path, loss_type=grpo).loss_type == vapo
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
+def test_grpos_other_losses_are_refused_by_name(tmp_path, loss_type):
+    with pytest.raises(ValueError, match=f"got '{loss_type}': GRPO's other losses"):
+        make_args(tmp_path, loss_type=loss_type)
+
+
+def _another_value(default):
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 1
+    return 1.0 if default is None else "something-else"
+
+
+def test_each_grpo_setting_vapo_does_not_have_is_refused_naming_it_and_what_vapo_does(tmp_path):
+    from trl_vapo.config import _GRPO_ONLY
+
+    for name, (default, instead, *_) in _GRPO_ONLY.items():
+        value = _another_value(default)
+        with pytest.raises(ValueError, match="GRPO features VAPO does not have") as error:
+            make_args(tmp_path, **{name: value})
+        assert f"{name}={value!r}: {instead}" in str(error.value), name
+
+
+def test_all_refused_grpo_settings_come_in_one_error(tmp_path):
+    with pytest.raises(ValueError) as error:
+        make_args(tmp_path, scale_rewards="batch", top_entropy_quantile=0.2, use_liger_kernel=True)
+    message = str(error.value)
+    assert "scale_rewards='batch'" in message and "top_entropy_quantile=0.2" in message
+    assert "use_liger_kernel=True" in message and "tiled kernel" in message
+
+
+def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tmp_path):
+    make_args(tmp_path, scale_rewards="none", router_aux_loss_coef=0.0, log_multimodal=False)
+    make_args(tmp_path, scale_rewards=False)  # GRPOConfig's boolean spelling of 'none'
+
+
+def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
+    with pytest.warns(FutureWarning, match="use_transformers_continuous_batching"):
+        assert make_args(tmp_path, use_transformers_paged=True).use_transformers_continuous_batching
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_clip_max"):
+        assert make_args(tmp_path, vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"cache_implementation": "static", "use_vllm": True}, "cache_implementation='static' sets"),
+        ({"cache_implementation": "static", "use_transformers_continuous_batching": True}, "paged"),
+        ({"ds3_gather_for_generation": False, "use_vllm": True}, "vLLM needs the policy's whole weights"),
+        ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1"),
+        ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
+    ],
+)
+def test_grpo_settings_that_cannot_go_together_say_why(tmp_path, settings, says):
+    with pytest.raises(ValueError, match=says):
+        make_args(tmp_path, **settings)
+
+
+def test_the_command_line_parses_grpos_fields(tmp_path):
+    from trl_vapo.cli import _parser
+
+    flags = ["--output_dir", str(tmp_path), "--pad_to_multiple_of", "8", "--loss_type", "dr_grpo"]
+    flags += ["--scale_rewards", "none", "--cast_lm_head_to_fp32", "--ds3_gather_for_generation", "false"]
+    _, config, _ = _parser().parse_args_and_config(flags)
+    assert (config.pad_to_multiple_of, config.loss_type, config.scale_rewards) == (8, "token", "none")
+    assert config.cast_lm_head_to_fp32 and not config.ds3_gather_for_generation
+    _, config, _ = _parser().parse_args_and_config(["--output_dir", str(tmp_path), "--pad_to_multiple_of", "auto"])
+    assert config.pad_to_multiple_of is None
+
+
+def test_cache_implementation_reaches_generate(tiny_model_dir, tmp_path):
+    """GRPOConfig's `cache_implementation` is the rollouts' GenerationConfig field, and a static cache samples what
+    the dynamic one samples."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.generation import SamplingSettings
+
+    settings = SamplingSettings.from_config(make_args(tmp_path, cache_implementation="static"))
+    assert settings.generation_config([0], 0).cache_implementation == "static"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tokenizer(["12+3="], return_tensors="pt")
+    greedy = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    static = model.generate(**prompt, **greedy, cache_implementation="static")
+    assert torch.equal(static, model.generate(**prompt, **greedy))
+
+
+def test_pad_to_multiple_of_pads_every_forward_and_changes_no_number(tiny_model_dir, tmp_path):
+    """Every forward pass that scores or trains (values, old log-probs, updates) sees a multiple of 8 tokens, and
+    the run's losses are the unpadded run's: padding is masked out."""
+    widths = []
+
+    def record(module, args, kwargs):
+        if kwargs.get("use_cache") is False:  # the scoring and update passes, not generation's
+            widths.append(kwargs["input_ids"].shape[1])
+
+    logs = {}
+    for multiple in (None, 8):
+        args = make_args(
+            tmp_path / str(multiple), pad_to_multiple_of=multiple, max_completion_length=5, num_iterations=2
+        )
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+        handle = trainer.actor_critic.policy.model.register_forward_pre_hook(record, with_kwargs=True)
+        widths.clear()
+        trainer.train()
+        handle.remove()
+        logs[multiple] = [h for h in trainer.state.log_history if "loss" in h]
+        if multiple:
+            assert widths and all(w % multiple == 0 for w in widths), widths
+        else:
+            assert any(w % 8 for w in widths)  # without it, the widths are whatever the batch needs
+    assert len(logs[None]) == 2
+    for padded, plain in zip(logs[8], logs[None], strict=True):
+        for key in ("loss/policy", "loss/value", "grad_norm/policy", "grad_norm/critic"):
+            assert padded[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+
+
+def test_log_unique_prompts_keeps_each_prompts_first_row():
+    from trl_vapo.reporting import build_completions_table
+
+    table = build_completions_table(
+        step=1,
+        prompts=["a", "a", "b", "a", "c", "b"],
+        completions=["1", "2", "3", "4", "5", "6"],
+        rewards={"f": [0.0] * 6},
+        sequence_rewards=[0.0] * 6,
+    )
+    unique = table.unique_prompts()
+    assert unique.columns["prompt"] == ["a", "b", "c"] and unique.columns["completion"] == ["1", "3", "5"]
+
+
+def test_cast_lm_head_to_fp32_computes_the_head_in_float32_under_bf16_autocast(tiny_model_dir):
+    """GRPOConfig's `cast_lm_head_to_fp32` (ScaleRL): the tiled head's log-probs are those of float32 logits from
+    the bf16 hidden states (without it, the bf16 logits' rounding shows); generation's forward gives float32 logits;
+    the tied embeddings, cast with the head, still output bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.modeling import Float32Linear, cast_lm_head_to_fp32, completion_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+
+    def error() -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = completion_logprobs(model, ids, mask, 5, temperature=0.7)
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -6:-1]
+        logits = hidden.double() @ model.lm_head.weight.double().T / 0.7
+        expected = logits.log_softmax(-1).gather(-1, ids[:, -5:, None]).squeeze(-1)
+        return (got.double() - expected).abs().max().item()
+
+    in_bf16 = error()
+    cast_lm_head_to_fp32(model)
+    assert type(model.lm_head) is Float32Linear and model.lm_head.weight.dtype == torch.float32
+    assert error() < 1e-5 < 1e-4 < in_bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(input_ids=ids).logits.dtype == torch.float32
+        assert model.model.embed_tokens(ids).dtype == torch.bfloat16
+
+
+def test_cast_lm_head_to_fp32_trains_a_lora_on_a_bf16_base_and_refuses_an_adapter_on_the_head(
+    tiny_model_dir, tmp_path
+):
+    from peft import LoraConfig
+
+    from trl_vapo.modeling import Float32Linear
+
+    def trainer(target_modules):
+        args = make_args(tmp_path, cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": "bfloat16"})
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, task_type="CAUSAL_LM")
+        return VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=lora)
+
+    lora_trainer = trainer(["q_proj", "v_proj"])
+    head = lora_trainer.actor_critic.policy.get_base_model().lm_head
+    assert type(head) is Float32Linear and head.weight.dtype == torch.float32
+    lora_trainer.train()
+    assert all(math.isfinite(h["loss/policy"]) for h in lora_trainer.state.log_history if "loss/policy" in h)
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True needs the LM head to be a plain linear layer"):
+        trainer(["q_proj", "lm_head"])

@@ -112,7 +112,7 @@ def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
         ({"value_pretrain_steps": -1}, "value_pretrain_steps"),
         ({"max_steps": -5}, "max_steps"),
         ({"num_iterations": 0}, "num_iterations"),
-        ({"loss_type": "grpo"}, "loss_type"),
+        ({"loss_type": "cispo"}, "loss_type"),
         ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation"),
     ],
 )

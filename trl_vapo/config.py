@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,79 @@ from .core import IMPORTANCE_SAMPLING_MODES
 from .distributed import check_deepspeed_config
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
+# GRPOConfig's loss types that are VAPO's two aggregations: DAPO's is VAPO's token-level loss (one mean over the
+# optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
+GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
+_OTHER_LOSS = "it parametrises one of GRPO's other losses (SAPO, VESPO); VAPO's is PPO's clipped loss (Eq. 8)."
+_CLIP = "VAPO clips the ratio at 1 - epsilon and 1 + epsilon_high (clip-higher), with no two-sided delta bound."
+_REFERENCE = "VAPO's reference policy (used when beta > 0) is the initial policy, never synced (TR-DPO)."
+_ENTROPY = "VAPO's policy loss has no entropy term or entropy mask (Eq. 8-10); entropy is only logged."
+
+
+_GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instead[, other accepted values])
+    "router_aux_loss_coef": (
+        None,
+        "VAPO adds no Mixture-of-Experts load-balancing loss to its objective (0.0 is accepted too).",
+        (0.0,),
+    ),
+    "delta": (None, _CLIP),
+    "sapo_temperature_neg": (1.05, _OTHER_LOSS),
+    "sapo_temperature_pos": (1.0, _OTHER_LOSS),
+    "vespo_k_pos": (2.0, _OTHER_LOSS),
+    "vespo_lambda_pos": (3.0, _OTHER_LOSS),
+    "vespo_k_neg": (3.0, _OTHER_LOSS),
+    "vespo_lambda_neg": (2.0, _OTHER_LOSS),
+    "importance_sampling_level": (
+        "token",
+        "VAPO's ratio is per token (Eq. 8); a sequence-level ratio (GSPO) is another objective.",
+    ),
+    "multi_objective_aggregation": (
+        "sum_then_normalize",
+        "VAPO sums the weighted rewards (`reward_weights`) into one reward per completion.",
+    ),
+    "scale_rewards": (
+        "group",
+        "VAPO does not scale rewards: the advantages come from the critic (GAE) and are whitened over the rollout "
+        "(`whiten_advantages`). 'none' is accepted too.",
+        ("none", True, False),
+    ),
+    "sync_ref_model": (False, _REFERENCE),
+    "ref_model_mixup_alpha": (0.6, _REFERENCE),
+    "ref_model_sync_steps": (512, _REFERENCE),
+    "top_entropy_quantile": (1.0, _ENTROPY),
+    "entropy_coef": (0.0, _ENTROPY),
+    "use_adaptive_entropy": (False, _ENTROPY),
+    "entropy_coef_min": (0.0, _ENTROPY),
+    "entropy_coef_max": (1.0, _ENTROPY),
+    "entropy_coef_delta": (0.005, _ENTROPY),
+    "entropy_target": (0.2, _ENTROPY),
+    "off_policy_mask_threshold": (
+        None,
+        "VAPO masks no sequence for being off-policy: PPO's clipped ratio bounds each token's update.",
+    ),
+    "use_bias_correction_kl": (
+        True,
+        "VAPO's KL (`beta`) is a per-token penalty in the reward, not a loss term to reweight.",
+    ),
+    "max_tool_calling_iterations": (
+        None,
+        "VAPO samples single-turn completions: tools are not supported (see the README).",
+    ),
+    "log_completions_hub_repo": (
+        None,
+        "VAPO does not upload completions to the Hub: `log_completions` logs them to wandb or trackio.",
+    ),
+}
+
+
+def _grpo_only(name: str):
+    """A GRPOConfig field of a feature VAPO does not have (`_GRPO_ONLY`): accepted at GRPO's default (and the other
+    values listed there), else refused by `VAPOConfig._validate` with what VAPO does instead."""
+    default, instead, *_ = _GRPO_ONLY[name]
+    return field(
+        default=default,
+        metadata={"help": f"GRPOConfig's field, accepted at GRPO's default ({default!r}) only: {instead}"},
+    )
 
 
 @dataclass
@@ -309,7 +383,9 @@ class VAPOConfig(TrainingArguments):
         default="token",
         metadata={
             "help": "'token': average the policy loss over all valid tokens of the optimizer step, across "
-            "micro-batches and processes (VAPO). 'sequence': average per sequence, then over sequences (vanilla PPO)."
+            "micro-batches and processes (VAPO). 'sequence': average per sequence, then over sequences (vanilla PPO). "
+            "GRPOConfig's names are accepted: 'dapo' (the same as 'token'), 'bnpo' and 'dr_grpo' (token-level with "
+            "another normaliser: here 'token') and 'grpo' ('sequence')."
         },
     )
     nll_coef: float = field(
@@ -419,6 +495,82 @@ class VAPOConfig(TrainingArguments):
         },
     )
 
+    # ----------------------------------------------------- GRPOConfig's other fields: a GRPO script's config runs
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={"help": "Completions per prompt when evaluating on `eval_dataset`. None: `num_generations`."},
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Store the policy's (and reference's) LM head in float32 and compute the logits in float32 under "
+            "bf16/fp16 mixed precision, as the ScaleRL recipe recommends (TRL's option). Not with a PEFT adapter on "
+            "the head."
+        },
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "DeepSpeed ZeRO-3: gather the policy's weights for generation (fast). False generates with the "
+            "weights sharded, slower, for a policy larger than one GPU. Not with vLLM, which needs the whole weights."
+        },
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Pad the prompts and the completions of every forward pass that scores or trains (not "
+            "generation's) to a multiple of this many tokens. "
+            "'auto': 128 on Neuron (AWS Trainium, which compiles once per input shape), no padding elsewhere."
+        },
+    )
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={"help": "KV-cache implementation of model.generate() (e.g. 'static'); not with vLLM."},
+    )
+    log_unique_prompts: bool = field(
+        default=False,
+        metadata={"help": "In the completions table, log each prompt once (its first completion) instead of all."},
+    )
+    log_multimodal: bool = field(
+        default=True,
+        metadata={"help": "GRPOConfig's; VAPO trains on text prompts, so there is no image or video to log."},
+    )
+    use_transformers_paged: bool = field(
+        default=False,
+        metadata={"help": "Deprecated (as in TRL): use `use_transformers_continuous_batching`."},
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated (as in TRL): use `vllm_importance_sampling_clip_max`."},
+    )
+    # GRPOConfig's switches for features VAPO does not have: GRPO's default (the feature off, or GRPO's own
+    # normalisation, which VAPO's critic replaces) is accepted so that a GRPO config runs; any other value is refused.
+    router_aux_loss_coef: float | None = _grpo_only("router_aux_loss_coef")
+    delta: float | None = _grpo_only("delta")
+    sapo_temperature_neg: float = _grpo_only("sapo_temperature_neg")
+    sapo_temperature_pos: float = _grpo_only("sapo_temperature_pos")
+    vespo_k_pos: float = _grpo_only("vespo_k_pos")
+    vespo_lambda_pos: float = _grpo_only("vespo_lambda_pos")
+    vespo_k_neg: float = _grpo_only("vespo_k_neg")
+    vespo_lambda_neg: float = _grpo_only("vespo_lambda_neg")
+    importance_sampling_level: str = _grpo_only("importance_sampling_level")
+    multi_objective_aggregation: str = _grpo_only("multi_objective_aggregation")
+    scale_rewards: str = _grpo_only("scale_rewards")
+    sync_ref_model: bool = _grpo_only("sync_ref_model")
+    ref_model_mixup_alpha: float = _grpo_only("ref_model_mixup_alpha")
+    ref_model_sync_steps: int = _grpo_only("ref_model_sync_steps")
+    top_entropy_quantile: float = _grpo_only("top_entropy_quantile")
+    entropy_coef: float = _grpo_only("entropy_coef")
+    use_adaptive_entropy: bool = _grpo_only("use_adaptive_entropy")
+    entropy_coef_min: float = _grpo_only("entropy_coef_min")
+    entropy_coef_max: float = _grpo_only("entropy_coef_max")
+    entropy_coef_delta: float = _grpo_only("entropy_coef_delta")
+    entropy_target: float = _grpo_only("entropy_target")
+    off_policy_mask_threshold: float | None = _grpo_only("off_policy_mask_threshold")
+    use_bias_correction_kl: bool = _grpo_only("use_bias_correction_kl")
+    max_tool_calling_iterations: int | None = _grpo_only("max_tool_calling_iterations")
+    log_completions_hub_repo: str | None = _grpo_only("log_completions_hub_repo")
+
     def __post_init__(self):
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_gpu():
             # `torchrun` on a machine without GPUs: transformers only sets up CPU data parallelism (gloo) when told
@@ -431,6 +583,7 @@ class VAPOConfig(TrainingArguments):
             if isinstance(value, str) and value.strip().startswith("{"):
                 setattr(self, name, json.loads(value))
         super().__post_init__()
+        self._accept_grpo_spellings()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.critic_learning_rate is None:
@@ -439,6 +592,44 @@ class VAPOConfig(TrainingArguments):
             self.critic_num_iterations = self.num_iterations
         self._resolve_batch_sizes()
         self._validate()
+
+    def _accept_grpo_spellings(self) -> None:
+        """GRPOConfig's names for VAPO's settings, resolved as GRPOConfig resolves them."""
+        self.loss_type = GRPO_LOSS_TYPES.get(self.loss_type, self.loss_type)
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":  # the CLI passes a string
+            text = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
+        if self.pad_to_multiple_of == "auto":  # Neuron compiles once per input shape: padding bounds the shapes
+            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
+        if self.use_transformers_paged:
+            warnings.warn(
+                "`use_transformers_paged` is deprecated (as in TRL): use `use_transformers_continuous_batching`.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.use_transformers_continuous_batching = True
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "`vllm_importance_sampling_cap` is deprecated (as in TRL): use `vllm_importance_sampling_clip_max`.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+
+    def _refused_grpo_settings(self) -> list[str]:
+        """GRPOConfig settings this config asks for that VAPO does not have, each with what VAPO does instead."""
+        refused = []
+        for name, (default, instead, *also) in _GRPO_ONLY.items():
+            value = getattr(self, name)
+            accepted = (default, *also[0]) if also else (default,)
+            if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
+                refused.append(f"{name}={value!r}: {instead}")
+        if self.use_liger_kernel:
+            refused.append(
+                "use_liger_kernel=True: VAPO computes the LM head's log-probabilities with its own tiled kernel "
+                "(no [B, T, V] logits); Liger's kernels are not applied."
+            )
+        return refused
 
     def _resolve_batch_sizes(self) -> None:
         per_step = self.per_device_train_batch_size * self.world_size
@@ -474,9 +665,36 @@ class VAPOConfig(TrainingArguments):
             f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
             f"({self.gradient_accumulation_steps}): a rollout is split into whole optimizer steps.",
         )
+        refused = self._refused_grpo_settings()
+        require(
+            not refused,
+            "VAPOConfig accepts GRPOConfig's fields, but these settings ask for GRPO features VAPO does not have:\n"
+            + "\n".join(f"  - {line}" for line in refused)
+            + "\nRemove them (or set them back to GRPO's defaults) to train with VAPO's objective.",
+        )
         require(
             self.loss_type in ("token", "sequence"),
-            f"loss_type must be 'token' or 'sequence', got {self.loss_type!r}.",
+            f"loss_type must be 'token' or 'sequence' (or GRPOConfig's {', '.join(map(repr, GRPO_LOSS_TYPES))}), "
+            f"got {self.loss_type!r}: GRPO's other losses (cispo, sapo, luspo, vespo) are other objectives than "
+            "VAPO's clipped PPO loss.",
+        )
+        require(
+            self.num_generations_eval is None or self.num_generations_eval >= 1,
+            f"num_generations_eval must be >= 1 or None, got {self.num_generations_eval}.",
+        )
+        require(
+            self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
+            f"pad_to_multiple_of must be >= 1, 'auto' or None, got {self.pad_to_multiple_of}.",
+        )
+        require(
+            self.cache_implementation is None or not (self.use_vllm or self.use_transformers_continuous_batching),
+            f"cache_implementation={self.cache_implementation!r} sets model.generate()'s KV cache; vLLM and "
+            "continuous batching keep their own (paged) cache. Remove it, or generate with model.generate().",
+        )
+        require(
+            self.ds3_gather_for_generation or not self.use_vllm,
+            "ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the policy's whole "
+            "weights (as in TRL).",
         )
         require(
             self.lr_scheduler_type in _LR_SCHEDULES,

@@ -66,6 +66,18 @@ class GenerationOutput:
         """The completions as lists of token ids, without padding (what reward functions get)."""
         return [ids[:n].tolist() for ids, n in zip(self.completion_ids, self.lengths.tolist())]
 
+    def padded(self, pad_to_multiple_of: int | None, pad_id: int) -> GenerationOutput:
+        """The completions right-padded to a multiple of `pad_to_multiple_of` columns (None: as they are)."""
+        if not pad_to_multiple_of:
+            return self
+        width = -(-self.completion_ids.shape[1] // pad_to_multiple_of) * pad_to_multiple_of
+        return GenerationOutput(
+            _pad_columns(self.completion_ids, width, pad_id),
+            _pad_columns(self.completion_mask, width, 0),
+            self.is_truncated,
+            None if self.sampler_logprobs is None else _pad_columns(self.sampler_logprobs, width, 0.0),
+        )
+
     def to(self, device: torch.device | str) -> GenerationOutput:
         return GenerationOutput(
             **{
@@ -174,7 +186,11 @@ class SamplingSettings:
             top_k=args.top_k or 0,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
-            generation_kwargs=dict(args.generation_kwargs or {}),
+            # GRPOConfig's `cache_implementation` is a GenerationConfig field, as TRL passes it.
+            generation_kwargs={
+                **({"cache_implementation": args.cache_implementation} if args.cache_implementation else {}),
+                **(args.generation_kwargs or {}),
+            },
         )
 
     def generation_config(self, stop_ids: Sequence[int], pad_id: int) -> GenerationConfig:

@@ -65,7 +65,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden_states).squeeze(-1)
+        # The head is float32 (it trains); a half-precision base without autocast (a bf16 LoRA on a CPU) is not.
+        return self.summary(hidden_states.to(self.summary.weight.dtype)).squeeze(-1)
 
 
 def _sequence_classification_head(model: PreTrainedModel) -> nn.Module:
@@ -108,6 +109,35 @@ def critic_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
     return critic.to(next(policy.parameters()).device)
 
 
+class Float32Linear(nn.Linear):
+    """A linear layer that computes in float32 whatever the input's dtype or the autocast: the LM head under
+    GRPOConfig's ``cast_lm_head_to_fp32`` (ScaleRL), so that the logits, and the PPO ratio, carry no bf16 rounding."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden_states.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model: nn.Module) -> None:
+    """Store ``model``'s LM head in float32 and compute it in float32 (a :class:`Float32Linear`), as TRL's
+    ``cast_lm_head_to_fp32``. A head tied to the input embeddings is cast with them; their output keeps its dtype."""
+    causal_lm = _causal_lm(model)
+    head = causal_lm.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True needs the LM head to be a plain linear layer, but it is a "
+            f"{type(head).__name__}: a PEFT adapter on the head (`target_modules` or `modules_to_save` with "
+            "'lm_head') or a quantized head. Leave the head out of the adapter, or set cast_lm_head_to_fp32=False."
+        )
+    dtype = head.weight.dtype
+    head.float()  # in place: a weight tied to the embeddings stays one parameter
+    head.__class__ = Float32Linear
+    embeddings = causal_lm.get_input_embeddings()
+    if embeddings is not None and embeddings.weight is head.weight and dtype != torch.float32:
+        embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
+
+
 def value_pretraining_record(path: str | os.PathLike) -> dict | None:
     """The record written next to a critic saved by value pretraining, or None if the critic was not pretrained."""
     record = Path(path) / VALUE_PRETRAINING_FILE
@@ -117,16 +147,26 @@ def value_pretraining_record(path: str | os.PathLike) -> dict | None:
 
 
 def trim_padding(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, rows: torch.Tensor
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    rows: torch.Tensor,
+    pad_to_multiple_of: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """`input_ids`, `attention_mask` and completion length of `rows`, without the padding all of them share.
 
     Prompts are left-padded in the first `prompt_length` columns and completions right-padded after them: the columns
-    before the earliest prompt token and after the longest completion of these rows are dropped.
+    before the earliest prompt token and after the longest completion of these rows are dropped. With
+    `pad_to_multiple_of` (when both widths are multiples of it) both parts keep a multiple of it.
     """
     attention = attention_mask[rows]
     first_prompt_column = int(attention[:, :prompt_length].any(dim=0).float().argmax())
     completion_length = max(int(attention[:, prompt_length:].sum(dim=1).max()), 1)
+    if pad_to_multiple_of:
+        first_prompt_column -= first_prompt_column % pad_to_multiple_of
+        completion_length = min(
+            -(-completion_length // pad_to_multiple_of) * pad_to_multiple_of, attention.shape[1] - prompt_length
+        )
     end = prompt_length + completion_length
     return input_ids[rows, first_prompt_column:end], attention[:, first_prompt_column:end], completion_length
 
@@ -180,10 +220,15 @@ def completion_logprobs(
         weight, bias = head.weight, head.bias
         if isinstance(weight, DTensor):  # an FSDP2 head sharded on its own: the whole weight, as its forward would
             weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
-        with maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the head's forward hook, which never runs, gathers it
+        # Position p predicts token p + 1; with `device_map`, the backbone may end on another device.
+        hidden = hidden[:, -completion_length - 1 : -1, :].to(weight.device)
+        in_float32 = isinstance(head, Float32Linear)  # the tiles compute in the autocast dtype, else hidden's
+        with (
+            maybe_gather_lm_head_ctx(weight, bias),  # ZeRO-3: the head's forward hook, which never runs, gathers it
+            torch.autocast(hidden.device.type, enabled=False) if in_float32 else contextlib.nullcontext(),
+        ):
             return lm_head_logprobs_and_entropy(
-                # Position p predicts token p + 1; with `device_map`, the backbone may end on another device.
-                hidden[:, -completion_length - 1 : -1, :].to(weight.device),
+                hidden.float() if in_float32 else hidden,
                 weight,
                 bias,
                 targets.to(weight.device),
@@ -205,7 +250,7 @@ def _tiles_fit(causal_lm: PreTrainedModel, head: nn.Module | None) -> bool:
     offloaded (its weight on the meta device outside its forward), and a direct child of the model (BERT-style
     decoders transform the hidden states before theirs) next to the backbone ``base_model``."""
     return (
-        type(head) is nn.Linear
+        type(head) in (nn.Linear, Float32Linear)
         and head.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and head.weight.device.type != "meta"
         and any(child is head for child in causal_lm.children())
@@ -412,16 +457,18 @@ class ActorCritic(nn.Module):
         with_policy: bool,
         reference: nn.Module | str | None = None,
         autocast=contextlib.nullcontext,
+        pad_to_multiple_of: int | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Log-probs (when ``with_policy``), values, and log-probs under ``reference`` of the completions after the
         first ``prompt_length`` columns, without gradients, in micro-batches of ``batch_size``, padded to the
-        completions' width. ``reference``: a model, ``"base"`` (this policy with its adapters disabled), or None."""
+        completions' width. ``reference``: a model, ``"base"`` (this policy with its adapters disabled), or None.
+        ``pad_to_multiple_of``: see :func:`trim_padding`."""
         width = input_ids.shape[1] - prompt_length
         values = torch.zeros((input_ids.shape[0], width), device=input_ids.device)
         logprobs = torch.zeros_like(values) if with_policy else None
         ref = torch.zeros_like(values) if reference is not None else None
         for rows in torch.arange(input_ids.shape[0]).split(batch_size):
-            ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows)
+            ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
             columns = slice(0, min(length, width))
             with autocast():
                 out = self(ids, attention, length, temperature, with_policy=with_policy, with_entropy=False)

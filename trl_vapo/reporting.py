@@ -63,7 +63,14 @@ class CompletionsTable:
     def select(self, limit: int | None) -> CompletionsTable:
         """At most `limit` rows (None: all), chosen at random but reproducibly (seeded by the step), in their
         original order so a prompt's group of completions stays together."""
-        rows = sample_rows(len(self), limit, seed=self.step)
+        return self._rows(sample_rows(len(self), limit, seed=self.step))
+
+    def unique_prompts(self) -> CompletionsTable:
+        """Each prompt's first row only (GRPOConfig's `log_unique_prompts`)."""
+        first = {entry_text(prompt): i for i, prompt in reversed(list(enumerate(self.columns[PROMPT])))}
+        return self._rows(sorted(first.values()))
+
+    def _rows(self, rows: list[int]) -> CompletionsTable:
         columns = {name: [values[i] for i in rows] for name, values in self.columns.items()}
         return CompletionsTable(self.step, columns, self.reward_columns, self.phase)
 

@@ -41,6 +41,7 @@ class Rollout:
     ref_logprobs: torch.Tensor | None = None  # [N, C] under the reference policy, when beta > 0
     is_weights: torch.Tensor | None = None  # [N, C] or [N, 1] importance-sampling weights of another sampler
     sampling_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    pad_to_multiple_of: int | None = None  # P and C are multiples of it, and so is every micro-batch's width
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -62,7 +63,9 @@ class Rollout:
     def micro_batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor | int | None]:
         """The model inputs of `rows` (see `trim_padding`) and their training targets, cut to the same length: what
         `ActorCritic.forward` and `core.vapo_loss` take."""
-        input_ids, attention_mask, length = trim_padding(self.input_ids, self.attention_mask, self.prompt_length, rows)
+        input_ids, attention_mask, length = trim_padding(
+            self.input_ids, self.attention_mask, self.prompt_length, rows, self.pad_to_multiple_of
+        )
 
         def cut(x):
             return None if x is None else x[rows, :length] if x.shape[-1] > 1 else x[rows]

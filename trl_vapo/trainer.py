@@ -81,6 +81,7 @@ from .modeling import (
     ActorCritic,
     add_policy_adapter,
     build_actor_critic,
+    cast_lm_head_to_fp32,
     check_quantization,
     is_peft_model,
     keep_trainable_weights_in_float32,
@@ -220,6 +221,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         prepare_tokenizer(tokenizer, self._conversational)
         policy = add_policy_adapter(policy, peft_config)
         self._policy_fingerprint = policy_fingerprint(policy)
+        if args.cast_lm_head_to_fp32:  # after the fingerprint: the same policy, whatever the head computes in
+            cast_lm_head_to_fp32(policy)
         with whole_models_under_zero3(zero3_config):
             actor_critic, self._critic_pretrained = build_actor_critic(
                 policy, value_model, args, self._policy_fingerprint
@@ -530,6 +533,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             with_policy=with_policy,
             reference=reference,
             autocast=self.accelerator.autocast,
+            pad_to_multiple_of=args.pad_to_multiple_of,
         )
         # 4. Advantage: decoupled, length-adaptive GAE (Monte-Carlo targets during value pretraining).
         rewards = terminal_rewards(scores.reward.to(device) * trains, loss_mask)
@@ -578,6 +582,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             ref_logprobs=ref_logprobs,
             is_weights=is_weights,
             sampling_metrics=sampling_metrics,
+            pad_to_multiple_of=args.pad_to_multiple_of,
         )
 
     @contextlib.contextmanager
@@ -587,6 +592,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             ) as unwrapped,
             fsdp2_unsharded(self.model_wrapped),
@@ -599,9 +605,13 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         device, pad_id = self.accelerator.device, self.processing_class.pad_token_id
         # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines).
         self.generation_engine.sync_weights(self.state.global_step if self.progress.phase == RL else -1)
-        sample = self.generation_engine.generate(prompt_ids, num_generations=self.args.num_generations).to(device)
-        prompts = pad([torch.tensor(x) for x in prompt_ids], padding_value=pad_id, padding_side="left")
-        prompt_mask = pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids], padding_side="left")
+        sample = self.generation_engine.generate(prompt_ids, num_generations=self.args.num_generations)
+        sample = sample.padded(self.args.pad_to_multiple_of, pad_id).to(device)
+        multiple = self.args.pad_to_multiple_of
+        prompts = [torch.tensor(x) for x in prompt_ids]
+        prompts = pad(prompts, padding_value=pad_id, padding_side="left", pad_to_multiple_of=multiple)
+        prompt_mask = [torch.ones(len(x), dtype=torch.long) for x in prompt_ids]
+        prompt_mask = pad(prompt_mask, padding_side="left", pad_to_multiple_of=multiple)
         return prompts.to(device), prompt_mask.to(device), sample
 
     def _needs_old_logprobs(self, phase: str) -> bool:
@@ -876,8 +886,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             with (Path(self.args.output_dir) / LOG_FILE).open("a") as log_file:
                 log_file.write(json.dumps(self.state.log_history[-1], default=str) + "\n")
         if self.args.log_completions and self._last_rollout is not None and self.accelerator.is_main_process:
+            table = rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step)
             report_completions(
-                rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step),
+                table.unique_prompts() if self.args.log_unique_prompts else table,
                 num_completions_to_print=self.args.num_completions_to_print,
                 report_to=self.args.report_to,
             )
