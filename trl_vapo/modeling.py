@@ -5,7 +5,9 @@ Two layouts:
 * **Separate critic** (full fine-tuning, the default): a ``*ForSequenceClassification`` model with one label, whose
   backbone starts as a copy of the policy's weights and whose scalar head (``score``) is freshly initialised with
   small random weights. It is a standard transformers model: it saves with ``save_pretrained`` and loads with
-  ``AutoModelForSequenceClassification.from_pretrained(path)``.
+  ``AutoModelForSequenceClassification.from_pretrained(path)``. For the architectures transformers has no such class
+  for (Cohere, Granite, GLM-4-MoE, NemotronH, custom code, ...) it is the same model, built by
+  :func:`sequence_classifier_class` over the architecture's backbone.
 * **Shared base** (PEFT): one frozen base model carries two adapters, ``"default"`` for the policy and ``"critic"``
   for the critic, plus a separate linear value head. The reference policy is the base with adapters disabled. One
   copy of the weights instead of three is what lets a 0.5B-1.5B model train on one consumer GPU.
@@ -30,7 +32,15 @@ from accelerate.logging import get_logger
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+)
+from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
 from ._compat import get_config_model_id, maybe_gather_lm_head_ctx
 from .core import lm_head_logprobs_and_entropy, token_logprobs_and_entropy
@@ -93,12 +103,43 @@ def check_value_model(model: nn.Module) -> None:
     _sequence_classification_head(model)
 
 
-def critic_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
+def has_sequence_classifier(config, trust_remote_code: bool = False) -> bool:
+    """Whether `AutoModelForSequenceClassification` has a class for ``config``'s architecture."""
+    if trust_remote_code and "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {}):
+        return True
+    # By model type: a custom-code config that subclasses a known one (LlamaConfig) still has its own backbone.
+    return config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+
+def sequence_classifier_class(backbone_class: type[PreTrainedModel]) -> type[PreTrainedModel]:
+    """``<Arch>ForSequenceClassification`` for an architecture transformers has none for: transformers'
+    ``GenericForSequenceClassification`` (what its own Llama, Qwen, ... classes are: the backbone under the
+    architecture's ``base_model_prefix`` and a linear ``score``) over ``backbone_class`` (``LlamaModel``-like), so its
+    weights are laid out as a future transformers class would lay them out."""
+    pretrained = next(c for c in backbone_class.__mro__[1:] if issubclass(c, PreTrainedModel))
+
+    def __init__(self, config):
+        pretrained.__init__(self, config)
+        self.num_labels = config.num_labels
+        setattr(self, self.base_model_prefix, backbone_class(config))
+        self.score = nn.Linear(config.get_text_config().hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+    name = backbone_class.__name__.removesuffix("Model") + "ForSequenceClassification"
+    return type(name, (GenericForSequenceClassification, pretrained), {"__init__": __init__, "__module__": __name__})
+
+
+def critic_from_policy(policy: PreTrainedModel, trust_remote_code: bool = False) -> PreTrainedModel:
     """A one-label sequence-classification model whose backbone is a copy of the policy's backbone."""
     config = policy.config.__class__.from_dict(policy.config.to_dict())
     config.num_labels = 1
     config.problem_type = "regression"
-    critic = AutoModelForSequenceClassification.from_config(config, dtype=policy.dtype)
+    if has_sequence_classifier(config, trust_remote_code):
+        critic = AutoModelForSequenceClassification.from_config(
+            config, dtype=policy.dtype, trust_remote_code=trust_remote_code
+        )
+    else:
+        critic = sequence_classifier_class(type(policy.base_model))._from_config(config, dtype=policy.dtype)
     missing, unexpected = critic.base_model.load_state_dict(policy.base_model.state_dict(), strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -507,6 +548,13 @@ class ActorCritic(nn.Module):
         else:
             dtypes = self.loaded_dtypes["critic"] if as_loaded else None
             _save_pretrained(self.critic, directory, _sub_state(state_dict, "critic.", self.critic), dtypes)
+            backbone = type(self.critic.base_model)
+            if type(self.critic).__module__ == __name__ and backbone.__module__.startswith("transformers_modules"):
+                # Built over custom code (`sequence_classifier_class`): the backbone's code goes along, as the
+                # policy's does, so that `value_model=directory` (with trust_remote_code) loads it back.
+                from transformers.dynamic_module_utils import custom_object_save
+
+                custom_object_save(self.critic.base_model, str(directory))
 
     def load_critic(self, directory: str | os.PathLike) -> None:
         """Load critic weights written by :meth:`save_critic` into this module, in place."""
@@ -802,7 +850,7 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
             policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
             head = ValueHead(policy.config.hidden_size, getattr(policy.config, "initializer_range", 0.02))
             return ActorCritic(policy, value_head=head.to(policy.device)), False
-        return ActorCritic(policy, critic=critic_from_policy(policy)), False
+        return ActorCritic(policy, critic=critic_from_policy(policy, args.trust_remote_code)), False
 
     if not isinstance(value_model, (str, os.PathLike)):
         check_value_model(value_model)
@@ -831,9 +879,13 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
     config = AutoConfig.from_pretrained(str(value_model), trust_remote_code=args.trust_remote_code)
     is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     extra = {} if is_classifier else {"num_labels": 1}
-    critic = AutoModelForSequenceClassification.from_pretrained(
-        str(value_model), **from_pretrained_kwargs(args), **extra
-    )
+    if has_sequence_classifier(config, args.trust_remote_code):
+        critic_class = AutoModelForSequenceClassification
+    else:  # the class `critic_from_policy` built, over the backbone class AutoModel has for this config
+        with torch.device("meta"):
+            backbone = AutoModel.from_config(config, trust_remote_code=args.trust_remote_code)
+        critic_class = sequence_classifier_class(type(backbone))
+    critic = critic_class.from_pretrained(str(value_model), **from_pretrained_kwargs(args), **extra)
     check_value_model(critic)
     return ActorCritic(policy, critic=critic), pretrained
 
