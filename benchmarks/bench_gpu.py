@@ -225,7 +225,8 @@ def run_worker(opts) -> dict:
     record["peak_growth_bytes"] = record["peak_bytes"] - before
     record["static"] = static_bytes(trainer)
     record["device"] = torch.cuda.get_device_name() if cuda else "cpu"
-    record["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    trained = getattr(trainer, "actor_critic", trainer.model)  # VAPO's: policy and critic; GRPO's: the policy
+    record["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     record["tokens_per_step"] = completions * opts.completion_length
     return record
 
@@ -236,7 +237,7 @@ def static_bytes(trainer) -> dict[str, int]:
     import torch
 
     seen, out = set(), {"trainable": 0, "frozen": 0, "trainable_float32": 0, "optimizer_state": 0}
-    for param in trainer.model.parameters():
+    for param in getattr(trainer, "actor_critic", trainer.model).parameters():  # VAPO's policy and critic
         if id(param) in seen:
             continue
         seen.add(id(param))

@@ -202,7 +202,7 @@ def run_worker(opts) -> dict:
             self.last, self.tokens = now, tokens[0]
 
     trainer.add_callback(StepTimer())
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    n_params = sum(p.numel() for p in getattr(trainer, "actor_critic", trainer.model).parameters())  # VAPO: both sides
     trainer.train()
     record["params"] = n_params
     record["trainer"] = opts.trainer

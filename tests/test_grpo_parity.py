@@ -34,7 +34,6 @@ def test_a_positional_grpo_call_binds_eval_dataset_and_processing_class_where_gr
     ("name", "says"),
     [
         ("reward_processing_classes", "reward functions"),
-        ("quantization_config", "model_init_kwargs"),
         ("tools", "tool use"),
         ("rollout_func", "generation engines"),
         ("environment_factory", "environments"),
@@ -291,3 +290,98 @@ def test_cast_lm_head_to_fp32_trains_a_lora_on_a_bf16_base_and_refuses_an_adapte
     assert all(math.isfinite(h["loss/policy"]) for h in lora_trainer.state.log_history if "loss/policy" in h)
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True needs the LM head to be a plain linear layer"):
         trainer(["q_proj", "lm_head"])
+
+
+# ------------------------------------------------------------------------------------------- what users hold
+def test_trainer_model_is_the_policy_as_in_grpo_and_callbacks_get_it(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    seen = []
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen.append(model)
+
+    trainer = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        make_args(tmp_path, max_steps=1),
+        prompts_dataset(),
+        callbacks=[Recorder()],
+    )
+    causal_lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert trainer.model is trainer.actor_critic.policy and trainer.model.lm_head is not None
+    assert [n for n, _ in trainer.model.named_parameters()] == [n for n, _ in causal_lm.named_parameters()]
+    trainer.train()
+    assert seen == [trainer.model]
+
+
+def test_a_streamed_dataset_trains_as_the_same_rows_in_order_and_resumes(tiny_model_dir, tmp_path):
+    """An `IterableDataset` gives the run a map-style dataset read in order gives (epochs wrap: 8 prompts, 4 per
+    rollout, 5 rollouts), and a resume from a checkpoint continues with the rows after it."""
+    settings = dict(max_steps=5, shuffle_dataset=False, save_strategy="steps", save_steps=2)
+
+    def run(name, dataset, resume=None):
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / name, **settings), dataset)
+        trainer.train(resume_from_checkpoint=resume)
+        # The steps' logs; `epoch` is whole for a stream, whose length is unknown.
+        return [{k: v for k, v in h.items() if k != "epoch"} for h in trainer.state.log_history if "phase" in h]
+
+    mapped = run("mapped", prompts_dataset(8))
+    streamed = run("streamed", prompts_dataset(8).to_iterable_dataset())
+    assert len(streamed) == 5 and streamed == mapped
+    checkpoint = tmp_path / "streamed" / "out" / "checkpoint-2"
+    resumed = run("streamed", prompts_dataset(8).to_iterable_dataset(), resume=str(checkpoint))
+    assert [h for h in resumed if h["step"] > 2] == streamed[2:]
+
+
+def test_a_streamed_dataset_needs_max_steps_and_a_prompt_column(tmp_path):
+    with pytest.raises(ValueError, match="IterableDataset .* set max_steps"):
+        VAPOTrainer(
+            "no/such-model", digit_fraction, make_args(tmp_path, max_steps=-1), prompts_dataset().to_iterable_dataset()
+        )
+    stream = prompts_dataset().rename_column("prompt", "question").to_iterable_dataset()
+    with pytest.raises(ValueError, match="no 'prompt' column; its columns are \\['answer', 'question'\\]"):
+        VAPOTrainer("no/such-model", digit_fraction, make_args(tmp_path), stream)
+
+
+def test_quantization_config_loads_the_model_quantized_as_grpo_takes_it(tiny_model_dir, tmp_path):
+    import bitsandbytes as bnb
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = make_args(tmp_path, bf16=True, use_cpu=True)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        args,
+        prompts_dataset(),
+        quantization_config=quantization,
+        peft_config=lora,
+    )
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules())
+    assert args.model_init_kwargs is None  # the config the user holds is left as it is
+    with pytest.raises(ValueError, match="pass a peft_config"):
+        VAPOTrainer("no/such-model", digit_fraction, args, prompts_dataset(), quantization_config=quantization)
+    both = make_args(tmp_path, model_init_kwargs={"quantization_config": quantization})
+    with pytest.raises(ValueError, match="both as a trainer argument and in args.model_init_kwargs"):
+        VAPOTrainer("no/such-model", digit_fraction, both, prompts_dataset(), quantization_config=quantization)
+
+
+@pytest.mark.parametrize("reward_funcs", [None, []])
+def test_reward_funcs_are_optional_where_grpo_makes_them_optional_with_grpos_error(tmp_path, reward_funcs):
+    """GRPOTrainer's `reward_funcs` defaults to None, for an environment's `get_reward`; VAPO takes no environment,
+    so without reward functions it fails as GRPOTrainer does without either, before any model loads."""
+    assert inspect.signature(VAPOTrainer.__init__).parameters["reward_funcs"].default is None
+    with pytest.raises(ValueError, match="No reward source provided. Pass `reward_funcs`"):
+        VAPOTrainer("no/such-model", reward_funcs, make_args(tmp_path), prompts_dataset())
+    with pytest.raises(ValueError, match="No reward source provided"):
+        VAPOTrainer("no/such-model", args=make_args(tmp_path), train_dataset=prompts_dataset())
+
+
+def test_steps_per_generation_off_gradient_accumulation_is_refused_saying_why(tmp_path):
+    """GRPOTrainer accepts any steps_per_generation; VAPO trains each rollout in whole optimizer steps."""
+    with pytest.raises(ValueError, match=r"steps_per_generation \(3\) must be a multiple of .* whole optimizer steps"):
+        make_args(tmp_path, per_device_train_batch_size=4, steps_per_generation=3, gradient_accumulation_steps=2)

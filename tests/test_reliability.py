@@ -321,13 +321,13 @@ def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
         args=config(tmp_path, max_steps=4),
         train_dataset=dataset(),
     )
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters()}
     trainer.train()
     assert trainer.state.global_step == 4 and trainer.progress.skipped_steps == 1
     logs = [h for h in trainer.state.log_history if "phase" in h]
     assert [h["skipped_steps"] for h in logs] == [0, 1, 1, 1]
-    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.actor_critic.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in trainer.actor_critic.named_parameters())
 
 
 def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_path):

@@ -112,7 +112,7 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     trainer = VAPOTrainer(
         model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
     )
-    initial = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters()}
+    initial = {n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters()}
     result = trainer.train()
     assert result.global_step == 2
     logs = rl_logs(trainer)
@@ -120,13 +120,13 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     for key in REQUIRED_METRICS:
         assert key in logs[0], key
     assert all(math.isfinite(h["loss/value"]) for h in logs)
-    changed = any(not torch.equal(initial[n], p) for n, p in trainer.model.policy.named_parameters())
+    changed = any(not torch.equal(initial[n], p) for n, p in trainer.actor_critic.policy.named_parameters())
     assert changed, "two RL steps must update the policy"
 
     out = tmp_path / "final"
     trainer.save_model(str(out))
     policy = AutoModelForCausalLM.from_pretrained(out)
-    for name, param in trainer.model.policy.named_parameters():
+    for name, param in trainer.actor_critic.policy.named_parameters():
         assert torch.equal(policy.get_parameter(name), param.detach()), name
     critic = AutoModelForSequenceClassification.from_pretrained(out / "critic")
     assert critic.config.num_labels == 1
@@ -148,7 +148,7 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
         train_dataset=prompts_dataset(),
         peft_config=peft_config,
     )
-    model = trainer.model
+    model = trainer.actor_critic
     assert model.shares_base and model.critic is None
     assert set(model.policy.peft_config) == {"default", "critic"}
     # One copy of the base weights: only adapters and the value head train.
@@ -168,7 +168,7 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        expected = trainer.model.policy(input_ids=ids).logits
+        expected = trainer.actor_critic.policy(input_ids=ids).logits
         assert torch.allclose(reloaded(input_ids=ids).logits, expected, atol=1e-5)
 
     # The saved critic is a value_model the trainer takes back.
@@ -180,8 +180,8 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
         peft_config=peft_config,
         value_model=str(out / "critic"),
     )
-    for name, param in again.model.value_head.state_dict().items():
-        assert torch.equal(param, trainer.model.value_head.state_dict()[name])
+    for name, param in again.actor_critic.value_head.state_dict().items():
+        assert torch.equal(param, trainer.actor_critic.value_head.state_dict()[name])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -199,7 +199,10 @@ class PolicySnapshot(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer_ref[0]
         self.sums.append(
-            (trainer.progress.phase, sum(float(p.detach().double().sum()) for p in trainer.model.policy.parameters()))
+            (
+                trainer.progress.phase,
+                sum(float(p.detach().double().sum()) for p in trainer.actor_critic.policy.parameters()),
+            )
         )
 
 
@@ -223,7 +226,7 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
         callbacks=[snapshot],
     )
     ref.append(trainer)
-    initial = sum(float(p.detach().double().sum()) for p in trainer.model.policy.parameters())
+    initial = sum(float(p.detach().double().sum()) for p in trainer.actor_critic.policy.parameters())
     trainer.train()
     pre = [h for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
     assert len(pre) == 40

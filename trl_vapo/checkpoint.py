@@ -287,7 +287,9 @@ class SavingMixin:
         """Policy, critic, tokenizer and config; ``as_loaded``: the models in the dtype they were loaded in (what
         `save_model` gives the user), else their float32 training weights (a checkpoint, to resume exactly)."""
         directory.mkdir(parents=True, exist_ok=True)
-        model = self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.model
+        model = (
+            self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.actor_critic
+        )
         model.save_policy(directory, state_dict, as_loaded)
         model.save_critic(directory / CRITIC_SUBFOLDER, state_dict, as_loaded)
         self.processing_class.save_pretrained(directory)

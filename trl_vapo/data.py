@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-from datasets import Dataset, load_dataset
+from datasets import Dataset, IterableDataset, load_dataset
 from trl import maybe_apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -151,13 +151,30 @@ def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
     return load_dataset(dataset_name, dataset_config, split=split)
 
 
+def first_row(dataset: Dataset | IterableDataset) -> dict:
+    """The first row of a dataset, streamed or not (an IterableDataset reads one row of its first shard)."""
+    return dataset[0] if isinstance(dataset, Dataset) else next(iter(dataset))
+
+
 def check_train_dataset(dataset, args) -> None:
     """A clear error unless `dataset` can feed the trainer: a non-empty `Dataset` with a `prompt` column and enough
-    prompts for one rollout of `args` (a VAPOConfig)."""
+    prompts for one rollout of `args` (a VAPOConfig), or an `IterableDataset` (streaming) with `max_steps` set."""
     if dataset is None:
         raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
+    if isinstance(dataset, IterableDataset):
+        if args.max_steps <= 0:
+            raise ValueError(
+                "train_dataset is an IterableDataset (streaming), whose length is unknown: set max_steps, the number "
+                "of RL optimizer steps, as transformers' Trainer asks."
+            )
+        row = next(iter(dataset), None)
+        if row is None:
+            raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
+        if "prompt" not in row:
+            raise ValueError(f"train_dataset has no 'prompt' column; its columns are {sorted(row)}.")
+        return
     if not isinstance(dataset, Dataset):
-        raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
+        raise TypeError(f"train_dataset must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}.")
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
     if "prompt" not in dataset.column_names:

@@ -785,9 +785,10 @@ def check_quantization(model_init_kwargs: dict | None, peft_config) -> None:
         ) from None
 
 
-def from_pretrained_kwargs(args) -> dict[str, Any]:
-    """`from_pretrained` keyword arguments from `args.model_init_kwargs`: float32 by default, safetensors only."""
-    kwargs = dict(args.model_init_kwargs or {})
+def from_pretrained_kwargs(args, model_init_kwargs: dict | None = None) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments from `args.model_init_kwargs` (or `model_init_kwargs` given instead):
+    float32 by default, safetensors only."""
+    kwargs = dict((args.model_init_kwargs if model_init_kwargs is None else model_init_kwargs) or {})
     dtype = kwargs.get("dtype", "float32")
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -801,11 +802,14 @@ def from_pretrained_kwargs(args) -> dict[str, Any]:
     return kwargs
 
 
-def load_policy(model, args) -> tuple[nn.Module, str]:
-    """The policy (a causal LM) and its name: loaded from an id or path, or the instance given."""
+def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.Module, str]:
+    """The policy (a causal LM) and its name: loaded from an id or path (with `model_init_kwargs`, default
+    `args.model_init_kwargs`), or the instance given."""
     if isinstance(model, (str, os.PathLike)):
         model_id = str(model)
-        return AutoModelForCausalLM.from_pretrained(model_id, **from_pretrained_kwargs(args)), model_id
+        return AutoModelForCausalLM.from_pretrained(
+            model_id, **from_pretrained_kwargs(args, model_init_kwargs)
+        ), model_id
     if isinstance(model, nn.Module) and hasattr(model, "config"):
         if any(hasattr(param, "ds_id") for param in model.parameters()):
             raise ValueError(

@@ -42,12 +42,18 @@ class Scores:
         return self.scored & (self.reward >= threshold)
 
 
-def check_reward_funcs(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> tuple[list[RewardFunc], list[str]]:
+def check_reward_funcs(
+    reward_funcs: RewardFunc | Sequence[RewardFunc] | None,
+) -> tuple[list[RewardFunc], list[str]]:
     """The reward functions as a list, with their names; a clear error for what cannot be one."""
+    if reward_funcs is None:
+        reward_funcs = []
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
+        # GRPOTrainer's error: its other reward source, an environment's `get_reward`, is not one VAPO takes.
         raise ValueError(
-            "reward_funcs is empty: pass at least one reward function, e.g. trl_vapo.rewards.math_reward."
+            "No reward source provided. Pass `reward_funcs`: at least one reward function, e.g. "
+            "trl_vapo.rewards.math_reward (VAPO takes no `environment_factory`, GRPOTrainer's other reward source)."
         )
     for func in funcs:
         if not callable(func) or isinstance(func, nn.Module):

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
@@ -54,7 +56,7 @@ from .core import (
     terminal_rewards,
     vapo_loss,
 )
-from .data import check_train_dataset, prepare_tokenizer, prompt_token_ids
+from .data import check_train_dataset, first_row, prepare_tokenizer, prompt_token_ids
 from .diagnostics import LOG_FILE, CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
     check_distributed_setup,
@@ -97,12 +99,26 @@ from .scoring import RewardFunc, RewardScorer
 logger = get_logger(__name__)
 
 
+def policy_init_kwargs(model, model_init_kwargs: dict | None, quantization_config) -> dict | None:
+    """`args.model_init_kwargs` with the trainer's `quantization_config` in it, as GRPOTrainer takes both (a copy:
+    the config is left as it is)."""
+    if quantization_config is None:
+        return model_init_kwargs
+    if not isinstance(model, (str, os.PathLike)):
+        logger.warning("quantization_config is ignored: the model is already instantiated (as in GRPOTrainer).")
+        return model_init_kwargs
+    if "quantization_config" in (model_init_kwargs or {}):
+        raise ValueError(
+            "quantization_config is set both as a trainer argument and in args.model_init_kwargs: set it in one "
+            "place (as in GRPOTrainer)."
+        )
+    return {**(model_init_kwargs or {}), "quantization_config": quantization_config}
+
+
 def check_grpo_arguments(**given: Any) -> None:
     """Refuse, before any model loads, the `GRPOTrainer` arguments VAPO does not take, saying what to do instead."""
     refusals = {
         "reward_processing_classes": "reward models are not supported yet: pass reward functions (callables) instead",
-        "quantization_config": "pass it in the config instead: "
-        "`VAPOConfig(model_init_kwargs={'quantization_config': ...})`, which loads the model quantized",
         "tools": "multi-turn tool use is beyond VAPO's paper and not supported: VAPO samples one completion per "
         "prompt",
         "rollout_func": "custom rollouts are not supported: VAPO samples with its generation engines "
@@ -143,12 +159,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             `prompts`, `completions`, `completion_ids`, `trainer_state` and every other dataset column, it returns one
             float per completion, or `None`. Rewards are summed with `args.reward_weights`.
         args: a `VAPOConfig`.
-        train_dataset: a `datasets.Dataset` with a `prompt` column (plain text or chat messages).
+        train_dataset: a `datasets.Dataset` with a `prompt` column (plain text or chat messages), or an
+            `IterableDataset` (streaming; then `args.max_steps` is required), read in its order.
         eval_dataset: accepted as `GRPOTrainer` accepts it, and kept; evaluation during training is not implemented
             yet (`trl-vapo train` reports held-out accuracy before and after training).
         processing_class: the tokenizer; loaded from `model` when omitted. Padding is set to the left.
-        reward_processing_classes, quantization_config, tools, rollout_func, environment_factory: `GRPOTrainer`'s,
-            in its order; each is refused with an error that says what to do instead (see `check_grpo_arguments`).
+        quantization_config: as `GRPOTrainer`'s: a `BitsAndBytesConfig` to load `model` (an id or path) quantized,
+            merged into `args.model_init_kwargs`; with `peft_config`, QLoRA.
+        reward_processing_classes, tools, rollout_func, environment_factory: `GRPOTrainer`'s, in its order; each is
+            refused with an error that says what to do instead (see `check_grpo_arguments`).
         value_model: (keyword only) the critic. None (default) initialises it from the policy's weights with a fresh
             scalar head (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a
             value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer),
@@ -171,7 +190,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel | nn.Module,
-        reward_funcs: RewardFunc | list[RewardFunc],
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
         args: VAPOConfig | None = None,
         train_dataset: Dataset | None = None,
         eval_dataset: Dataset | dict[str, Dataset] | None = None,
@@ -190,7 +209,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         # GRPOTrainer's parameters, in its order, so that a GRPO call binds the same way; VAPO's own are keywords.
         check_grpo_arguments(
             reward_processing_classes=reward_processing_classes,
-            quantization_config=quantization_config,
             tools=tools,
             rollout_func=rollout_func,
             environment_factory=environment_factory,
@@ -204,17 +222,19 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         engine_settings = EngineSettings.from_config(args)
         check_engine_available(engine_settings, model)
         check_train_dataset(train_dataset, args)
-        self._conversational = is_conversational({"prompt": train_dataset[0]["prompt"]})
+        example = first_row(train_dataset)
+        self._conversational = is_conversational({"prompt": example["prompt"]})
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational)
-        self.scorer.check(train_dataset[0])
+        self.scorer.check(example)
         self.reward_funcs, self.reward_func_names = self.scorer.funcs, self.scorer.names
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        check_quantization(args.model_init_kwargs, peft_config)
+        model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
+        check_quantization(model_init_kwargs, peft_config)
 
         set_seed(args.seed)  # PEFT initialises adapters randomly
         zero3_config = getattr(args, "hf_deepspeed_config", None)
         with whole_models_under_zero3(zero3_config):
-            policy, model_id = load_policy(model, args)
+            policy, model_id = load_policy(model, args, model_init_kwargs)
         tokenizer = processing_class or AutoTokenizer.from_pretrained(
             model_id, trust_remote_code=args.trust_remote_code
         )
@@ -247,6 +267,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 optimizers=optimizers,
             )
         check_distributed_setup(self.accelerator, args)
+        # As GRPOTrainer's, `trainer.model` is the policy (its parameter names, `lm_head`, `peft_config`, what
+        # callbacks get as `model`); what trains, the policy and the critic as one module, is `trainer.actor_critic`.
+        self.actor_critic: ActorCritic = self.model
+        self.model = self.callback_handler.model = self.actor_critic.policy
         self.eval_dataset = eval_dataset  # where GRPOTrainer keeps it; evaluation during training is not implemented
         if self.ref_model is not None:
             self.ref_model = prepare_reference_model(self.ref_model, self.accelerator)
@@ -284,15 +308,12 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _skips_value_pretraining(self) -> bool:
         return self.args.value_pretrain_steps == 0 or self._critic_pretrained
 
-    @property
-    def actor_critic(self) -> ActorCritic:
-        return self.model
-
     def _plan(self) -> dict[str, int]:
         """Step counts of the run: RL optimizer steps, plus at most this many value-pretraining steps."""
         args = self.args
         prompts_per_rollout = args.generation_batch_size // args.num_generations
-        rollouts_per_epoch = len(self.train_dataset) // prompts_per_rollout
+        streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
+        rollouts_per_epoch = 0 if streamed else len(self.train_dataset) // prompts_per_rollout
         steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
         updates_per_rollout = args.num_iterations * steps_per_pass  # value pretraining
         if args.max_steps > 0:
@@ -313,11 +334,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         """AdamW (or `args.optim`) with separate parameter groups, and learning rates, for the actor and critic."""
         if self.optimizer is None:
             args = self.args
-            decay = set(self.get_decay_parameter_names(self.model))
+            decay = set(self.get_decay_parameter_names(self.actor_critic))
             groups = parameter_groups(
-                self.model, decay, args.learning_rate, args.critic_learning_rate, args.weight_decay
+                self.actor_critic, decay, args.learning_rate, args.critic_learning_rate, args.weight_decay
             )
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(args, self.model)
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(args, self.actor_critic)
             optimizer_kwargs.pop("lr", None)
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
@@ -363,6 +384,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.state.is_world_process_zero = self.is_world_process_zero()
         self.state.train_batch_size = args.per_device_train_batch_size
 
+        self._stream = (None, None)  # a streamed dataset restarts where `progress` says (after a resume too)
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         if args.gradient_checkpointing:
@@ -376,7 +398,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
             handler.find_unused_parameters = True
             self.accelerator.ddp_handler = handler
-        self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        self.model_wrapped, self.optimizer = self.accelerator.prepare(self.actor_critic, self.optimizer)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         if resume_from_checkpoint is not None:
@@ -438,19 +460,42 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         """This process's share of the next rollout: each prompt repeated `num_generations` times."""
         args, progress, dataset = self.args, self.progress, self.train_dataset
         count = args.generation_batch_size // args.num_generations
-        if progress.data_index + count > len(dataset):
-            progress.data_epoch += 1
-            progress.data_index = 0
-        indices = self._epoch_order()[progress.data_index : progress.data_index + count].tolist()
-        progress.data_index += count
-        self.state.epoch = progress.data_epoch + progress.data_index / len(dataset)
-
-        columns = dataset[indices]
-        prompts = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        if isinstance(dataset, IterableDataset):
+            prompts = self._next_streamed_rows(count)
+        else:
+            if progress.data_index + count > len(dataset):
+                progress.data_epoch += 1
+                progress.data_index = 0
+            indices = self._epoch_order()[progress.data_index : progress.data_index + count].tolist()
+            progress.data_index += count
+            self.state.epoch = progress.data_epoch + progress.data_index / len(dataset)
+            columns = dataset[indices]
+            prompts = [dict(zip(columns, values)) for values in zip(*columns.values())]
         repeated = [row for row in prompts for _ in range(args.num_generations)]
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
         return repeated[start : start + per_process]
+
+    def _next_streamed_rows(self, count: int) -> list[dict[str, Any]]:
+        """The next `count` rows of a streamed (`IterableDataset`) train_dataset, in its order, the same on every
+        process; an epoch ends where the stream does (a rollout never mixes two), the next one starts it again
+        (`set_epoch`, as transformers' Trainer: a shuffled stream reshuffles). A resume skips the rows used."""
+        progress = self.progress
+        for _ in range(2):
+            if getattr(self, "_stream", (None, None))[0] != progress.data_epoch:
+                dataset = self.train_dataset
+                dataset.set_epoch(progress.data_epoch)
+                self._stream = (progress.data_epoch, iter(dataset.skip(progress.data_index)))
+            rows = list(itertools.islice(self._stream[1], count))
+            if len(rows) == count:
+                progress.data_index += count
+                self.state.epoch = progress.data_epoch
+                return rows
+            progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
+        raise ValueError(
+            f"train_dataset streams fewer prompts than one rollout needs ({count} = generation_batch_size "
+            f"{self.args.generation_batch_size} / num_generations {self.args.num_generations})."
+        )
 
     def _epoch_order(self) -> torch.Tensor:
         """The order of the prompts in the current epoch: a permutation seeded by the epoch, the same on every
@@ -474,7 +519,13 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _handle_long_prompts(self) -> None:
         """Count the prompts longer than `max_prompt_length` once, before training: drop them or warn once."""
         limit, dataset = self.args.max_prompt_length, self.train_dataset
-        if limit is None:
+        if isinstance(dataset, IterableDataset) and limit is not None and self.args.drop_long_prompts:
+            # A stream is not counted ahead: its long prompts are left out as they arrive.
+            self.train_dataset = dataset.filter(
+                lambda row: len(self._tokenize_prompts([row["prompt"]], truncate=False)[0]) <= limit
+            )
+            return
+        if limit is None or isinstance(dataset, IterableDataset):
             return
         lengths = []
         for start in range(0, len(dataset), 1000):
