@@ -290,6 +290,11 @@ def test_cast_lm_head_to_fp32_trains_a_lora_on_a_bf16_base_and_refuses_an_adapte
     assert all(math.isfinite(h["loss/policy"]) for h in lora_trainer.state.log_history if "loss/policy" in h)
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True needs the LM head to be a plain linear layer"):
         trainer(["q_proj", "lm_head"])
+    # Full fine-tuning of a bf16 model with a tied head: the critic and what `save_model` writes stay bf16.
+    args = make_args(tmp_path, cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": "bfloat16"})
+    full = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).actor_critic
+    assert type(full.policy.lm_head) is Float32Linear
+    assert {*full.loaded_dtypes["policy"].values(), *full.loaded_dtypes["critic"].values()} == {torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------------------- what users hold
@@ -324,6 +329,9 @@ def test_a_streamed_dataset_trains_as_the_same_rows_in_order_and_resumes(tiny_mo
     def run(name, dataset, resume=None):
         trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / name, **settings), dataset)
         trainer.train(resume_from_checkpoint=resume)
+        if name == "streamed" and resume is None:
+            trainer.save_model()  # the model card's quick start shows the stream's first prompt
+            assert "0+0=" in (tmp_path / name / "out" / "README.md").read_text()
         # The steps' logs; `epoch` is whole for a stream, whose length is unknown.
         return [{k: v for k, v in h.items() if k != "epoch"} for h in trainer.state.log_history if "phase" in h]
 
@@ -333,6 +341,16 @@ def test_a_streamed_dataset_trains_as_the_same_rows_in_order_and_resumes(tiny_mo
     checkpoint = tmp_path / "streamed" / "out" / "checkpoint-2"
     resumed = run("streamed", prompts_dataset(8).to_iterable_dataset(), resume=str(checkpoint))
     assert [h for h in resumed if h["step"] > 2] == streamed[2:]
+
+
+def test_a_shuffled_stream_is_reshuffled_each_epoch(tiny_model_dir, tmp_path):
+    """With `shuffle_dataset` (the default), a stream is shuffled as GRPOTrainer shuffles it (a buffered shuffle
+    seeded by `seed`) and again, differently, in the next epoch: each epoch is every prompt once."""
+    args = make_args(tmp_path, per_device_train_batch_size=8)  # 2 prompts x 4 completions per rollout
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8).to_iterable_dataset())
+    epochs = [[row["prompt"] for _ in range(4) for row in trainer._next_rows()[::4]] for _ in range(2)]
+    assert all(sorted(epoch) == sorted(f"{i}+{i}=" for i in range(8)) for epoch in epochs)
+    assert epochs[0] != epochs[1] and epochs[0] != [f"{i}+{i}=" for i in range(8)]
 
 
 def test_a_streamed_dataset_needs_max_steps_and_a_prompt_column(tmp_path):

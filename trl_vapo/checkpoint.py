@@ -330,7 +330,7 @@ class SavingMixin:
             pretrained_critic_dir=pretrained_dir if pretrained_dir.is_dir() else None,
             held_out=info.get("held_out"),
             log_history=self.state.log_history,
-            example_prompt=self.train_dataset[0]["prompt"],
+            example_prompt=self._example_prompt,
             tags=list(tags or []),
             license=info.get("license"),
             wandb_url=urls["wandb"],

@@ -48,7 +48,7 @@ _GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does inste
         "group",
         "VAPO does not scale rewards: the advantages come from the critic (GAE) and are whitened over the rollout "
         "(`whiten_advantages`). 'none' is accepted too.",
-        ("none", True, False),
+        ("none",),
     ),
     "sync_ref_model": (False, _REFERENCE),
     "ref_model_mixup_alpha": (0.6, _REFERENCE),
@@ -498,7 +498,10 @@ class VAPOConfig(TrainingArguments):
     # ----------------------------------------------------- GRPOConfig's other fields: a GRPO script's config runs
     num_generations_eval: int | None = field(
         default=None,
-        metadata={"help": "Completions per prompt when evaluating on `eval_dataset`. None: `num_generations`."},
+        metadata={
+            "help": "GRPOConfig's completions per prompt when evaluating on `eval_dataset` (None: `num_generations`). "
+            "Accepted and checked; VAPOTrainer does not evaluate during training yet (`trl-vapo eval` does, after)."
+        },
     )
     cast_lm_head_to_fp32: bool = field(
         default=False,
@@ -529,7 +532,9 @@ class VAPOConfig(TrainingArguments):
     )
     log_unique_prompts: bool = field(
         default=False,
-        metadata={"help": "In the completions table, log each prompt once (its first completion) instead of all."},
+        metadata={
+            "help": "In the completions table logged to wandb / trackio, each prompt once (its first completion)."
+        },
     )
     log_multimodal: bool = field(
         default=True,
@@ -596,6 +601,7 @@ class VAPOConfig(TrainingArguments):
     def _accept_grpo_spellings(self) -> None:
         """GRPOConfig's names for VAPO's settings, resolved as GRPOConfig resolves them."""
         self.loss_type = GRPO_LOSS_TYPES.get(self.loss_type, self.loss_type)
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":  # the CLI passes a string
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)

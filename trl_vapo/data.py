@@ -151,14 +151,10 @@ def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
     return load_dataset(dataset_name, dataset_config, split=split)
 
 
-def first_row(dataset: Dataset | IterableDataset) -> dict:
-    """The first row of a dataset, streamed or not (an IterableDataset reads one row of its first shard)."""
-    return dataset[0] if isinstance(dataset, Dataset) else next(iter(dataset))
-
-
-def check_train_dataset(dataset, args) -> None:
+def check_train_dataset(dataset, args) -> dict:
     """A clear error unless `dataset` can feed the trainer: a non-empty `Dataset` with a `prompt` column and enough
-    prompts for one rollout of `args` (a VAPOConfig), or an `IterableDataset` (streaming) with `max_steps` set."""
+    prompts for one rollout of `args` (a VAPOConfig), or an `IterableDataset` (streaming) with `max_steps` set.
+    Returns its first row."""
     if dataset is None:
         raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
     if isinstance(dataset, IterableDataset):
@@ -172,7 +168,7 @@ def check_train_dataset(dataset, args) -> None:
             raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
         if "prompt" not in row:
             raise ValueError(f"train_dataset has no 'prompt' column; its columns are {sorted(row)}.")
-        return
+        return row
     if not isinstance(dataset, Dataset):
         raise TypeError(f"train_dataset must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}.")
     if len(dataset) == 0:
@@ -186,3 +182,4 @@ def check_train_dataset(dataset, args) -> None:
             f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}). Add "
             "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
         )
+    return dataset[0]

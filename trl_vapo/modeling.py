@@ -126,7 +126,8 @@ def sequence_classifier_class(backbone_class: type[PreTrainedModel]) -> type[Pre
         self.post_init()
 
     name = backbone_class.__name__.removesuffix("Model") + "ForSequenceClassification"
-    return type(name, (GenericForSequenceClassification, pretrained), {"__init__": __init__, "__module__": __name__})
+    attributes = {"__init__": __init__, "__module__": __name__, "base_model_prefix": pretrained.base_model_prefix}
+    return type(name, (GenericForSequenceClassification, pretrained), attributes)
 
 
 def critic_from_policy(policy: PreTrainedModel, trust_remote_code: bool = False) -> PreTrainedModel:
@@ -165,6 +166,8 @@ def cast_lm_head_to_fp32(model: nn.Module) -> None:
     ``cast_lm_head_to_fp32``. A head tied to the input embeddings is cast with them; their output keeps its dtype."""
     causal_lm = _causal_lm(model)
     head = causal_lm.get_output_embeddings()
+    if type(head) is Float32Linear:  # cast already (a second trainer on the same model)
+        return
     if type(head) is not nn.Linear:
         raise ValueError(
             f"cast_lm_head_to_fp32=True needs the LM head to be a plain linear layer, but it is a "
@@ -885,13 +888,21 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
     extra = {} if is_classifier else {"num_labels": 1}
     if has_sequence_classifier(config, args.trust_remote_code):
         critic_class = AutoModelForSequenceClassification
-    else:  # the class `critic_from_policy` built, over the backbone class AutoModel has for this config
-        with torch.device("meta"):
-            backbone = AutoModel.from_config(config, trust_remote_code=args.trust_remote_code)
-        critic_class = sequence_classifier_class(type(backbone))
+    else:  # the class `critic_from_policy` built, over this config's backbone class
+        critic_class = sequence_classifier_class(_backbone_class(config, args.trust_remote_code))
     critic = critic_class.from_pretrained(str(value_model), **from_pretrained_kwargs(args), **extra)
     check_value_model(critic)
     return ActorCritic(policy, critic=critic), pretrained
+
+
+def _backbone_class(config, trust_remote_code: bool) -> type[PreTrainedModel]:
+    """The backbone (``base_model``) class of ``config``'s causal LM: AutoModel's, or, for custom code that maps
+    only ``AutoModelForCausalLM``, the causal LM's own backbone (both built on the meta device: no weights)."""
+    with torch.device("meta"):
+        try:
+            return type(AutoModel.from_config(config, trust_remote_code=trust_remote_code))
+        except ValueError:
+            return type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).base_model)
 
 
 def _pretrained_for_this_policy(path: Path, fingerprint: str, value_pretrain_steps: int) -> bool:

@@ -354,13 +354,15 @@ def report_completions(
     num_completions_to_print: int | None,
     report_to: str | Sequence[str] | None,
     file: TextIO | None = None,
+    unique_prompts: bool = False,
 ) -> list[str]:
-    """What the trainer calls at a logging step with `log_completions=True`: print the sample, log the table.
+    """What the trainer calls at a logging step with `log_completions=True`: print the sample, log the table (with
+    `unique_prompts`, GRPOConfig's `log_unique_prompts`, each prompt's first row only, as TRL logs it).
 
     Returns the trackers the table went to.
     """
     print_completions_table(table, num_completions_to_print, file=file)
-    return log_completions_to_trackers(table, report_to)
+    return log_completions_to_trackers(table.unique_prompts() if unique_prompts else table, report_to)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from .core import (
     terminal_rewards,
     vapo_loss,
 )
-from .data import check_train_dataset, first_row, prepare_tokenizer, prompt_token_ids
+from .data import check_train_dataset, prepare_tokenizer, prompt_token_ids
 from .diagnostics import LOG_FILE, CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
     check_distributed_setup,
@@ -113,6 +113,18 @@ def policy_init_kwargs(model, model_init_kwargs: dict | None, quantization_confi
             "place (as in GRPOTrainer)."
         )
     return {**(model_init_kwargs or {}), "quantization_config": quantization_config}
+
+
+def warn_moe_without_aux_loss(policy: nn.Module, args: VAPOConfig) -> None:
+    """GRPOTrainer adds a Mixture-of-Experts model's load-balancing loss by default (`router_aux_loss_coef=None`:
+    the model's own coefficient); VAPO's objective has none, so a GRPO user is told once."""
+    config = policy.config.get_text_config()
+    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if hasattr(config, "output_router_logits") and args.router_aux_loss_coef is None and coef:
+        logger.warning(
+            f"{type(policy).__name__} is a Mixture-of-Experts model: GRPOTrainer would add its load-balancing loss "
+            f"(router_aux_loss_coef={coef}); VAPO's objective has none, so its experts are not balanced by the loss."
+        )
 
 
 def check_grpo_arguments(**given: Any) -> None:
@@ -192,7 +204,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         model: str | PreTrainedModel | nn.Module,
         reward_funcs: RewardFunc | list[RewardFunc] | None = None,
         args: VAPOConfig | None = None,
-        train_dataset: Dataset | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
         eval_dataset: Dataset | dict[str, Dataset] | None = None,
         processing_class: PreTrainedTokenizerBase | None = None,
         reward_processing_classes: Any | None = None,
@@ -219,16 +231,17 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
         # Everything a user can get wrong is checked before a model loads.
+        model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
+        engine_settings.quantization_config = (model_init_kwargs or {}).get("quantization_config")
         check_engine_available(engine_settings, model)
-        check_train_dataset(train_dataset, args)
-        example = first_row(train_dataset)
+        example = check_train_dataset(train_dataset, args)
+        self._example_prompt = example["prompt"]  # for the model card's quick start
         self._conversational = is_conversational({"prompt": example["prompt"]})
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational)
         self.scorer.check(example)
         self.reward_funcs, self.reward_func_names = self.scorer.funcs, self.scorer.names
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         check_quantization(model_init_kwargs, peft_config)
 
         set_seed(args.seed)  # PEFT initialises adapters randomly
@@ -241,12 +254,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         prepare_tokenizer(tokenizer, self._conversational)
         policy = add_policy_adapter(policy, peft_config)
         self._policy_fingerprint = policy_fingerprint(policy)
-        if args.cast_lm_head_to_fp32:  # after the fingerprint: the same policy, whatever the head computes in
-            cast_lm_head_to_fp32(policy)
         with whole_models_under_zero3(zero3_config):
             actor_critic, self._critic_pretrained = build_actor_critic(
                 policy, value_model, args, self._policy_fingerprint
             )
+        if args.cast_lm_head_to_fp32:
+            # After the critic is built and the dtypes to save in are recorded (a tied head casts the embeddings
+            # too): the policy is the one loaded, whatever its head computes in.
+            cast_lm_head_to_fp32(policy)
+        warn_moe_without_aux_loss(policy, args)
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
@@ -479,13 +495,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _next_streamed_rows(self, count: int) -> list[dict[str, Any]]:
         """The next `count` rows of a streamed (`IterableDataset`) train_dataset, in its order, the same on every
         process; an epoch ends where the stream does (a rollout never mixes two), the next one starts it again
-        (`set_epoch`, as transformers' Trainer: a shuffled stream reshuffles). A resume skips the rows used."""
+        (`set_epoch`: with `shuffle_dataset`, reshuffled). A resume skips the rows used."""
         progress = self.progress
         for _ in range(2):
             if getattr(self, "_stream", (None, None))[0] != progress.data_epoch:
-                dataset = self.train_dataset
-                dataset.set_epoch(progress.data_epoch)
-                self._stream = (progress.data_epoch, iter(dataset.skip(progress.data_index)))
+                stream = self.train_dataset
+                if self.args.shuffle_dataset:  # a buffered shuffle, as GRPOTrainer shuffles a stream
+                    stream = stream.shuffle(seed=self.args.data_seed or self.args.seed)
+                stream.set_epoch(progress.data_epoch)
+                self._stream = (progress.data_epoch, itertools.islice(iter(stream), progress.data_index, None))
             rows = list(itertools.islice(self._stream[1], count))
             if len(rows) == count:
                 progress.data_index += count
@@ -937,11 +955,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             with (Path(self.args.output_dir) / LOG_FILE).open("a") as log_file:
                 log_file.write(json.dumps(self.state.log_history[-1], default=str) + "\n")
         if self.args.log_completions and self._last_rollout is not None and self.accelerator.is_main_process:
-            table = rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step)
             report_completions(
-                table.unique_prompts() if self.args.log_unique_prompts else table,
+                rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step),
                 num_completions_to_print=self.args.num_completions_to_print,
                 report_to=self.args.report_to,
+                unique_prompts=self.args.log_unique_prompts,
             )
             self._last_rollout = None
 
