@@ -137,6 +137,11 @@ class StallingTrainer(VAPOTrainer):
             time.sleep(600)
 
 
+def sharded(model) -> bool:
+    """Partitioned by ZeRO-3 (`ds_id`) or sharded by FSDP2 (DTensors), as the policy is."""
+    return model is not None and all(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in model.parameters())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -150,6 +155,7 @@ def main() -> None:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--log-name", default="logs")
     parser.add_argument("--deepspeed", type=int, choices=(2, 3), help="ZeRO stage (DeepSpeed through accelerate)")
+    parser.add_argument("--reward-model", help="a reward model's folder, scored with digit_fraction")
     parser.add_argument("--no-ds3-gather", action="store_true", help="ZeRO-3: generate with the weights sharded")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -221,7 +227,7 @@ def main() -> None:
     dump = StateDump(args.dump_state_at)
     trainer = StallingTrainer(
         model=args.model,
-        reward_funcs=digit_fraction,
+        reward_funcs=[digit_fraction, args.reward_model] if args.reward_model else digit_fraction,
         args=config,
         train_dataset=prompts(),
         callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"), dump],
@@ -245,8 +251,8 @@ def main() -> None:
                 "distributed_type": str(trainer.accelerator.distributed_type),
                 "sequence_logits_built": len(sequence_logits),
                 # Partitioned by ZeRO-3 (`ds_id`) or sharded by FSDP2 (DTensors), as the policy is.
-                "reference_sharded": trainer.ref_model is not None
-                and all(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in trainer.ref_model.parameters()),
+                "reference_sharded": sharded(trainer.ref_model),
+                "reward_model_sharded": [sharded(f.model) for f in trainer.reward_funcs if hasattr(f, "model")],
             }
             (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
 

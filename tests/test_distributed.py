@@ -23,6 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trl_vapo.tiny import save_tiny_reward_model
+
 SCRIPT = Path(__file__).parent / "_train_script.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 COMMON = [
@@ -56,6 +58,13 @@ STEPS = 8  # 2 value-pretraining rollouts x 1 step, then 2 RL rollouts x (1 poli
 
 
 def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Path:
+    """One run of `_train_script.py`; every run also scores with a reward model (GRPOTrainer's `reward_funcs` entry),
+    which each backend places as TRL places it (a ZeRO-3 inference engine, FSDP2 shards), so its rewards, and the
+    whole run, must be the plain run's."""
+    reward_model = model_dir.parent / "reward-model"
+    if not (reward_model / "config.json").is_file():
+        save_tiny_reward_model(reward_model)
+    extra = (*extra, "--reward-model", str(reward_model))
     port = str(29500 + (os.getpid() + hash(output_dir.name)) % 1000)
     command = [TORCHRUN, "--nproc_per_node", str(processes), "--master_port", port, str(SCRIPT)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -119,6 +128,12 @@ def assert_same_training(run: Path, reference: Path) -> None:
     assert "kl" not in logs[1] and logs[3]["kl"] == reference_logs[3]["kl"] == 0.0
     # Every step trains the critic; the policy trains on the first pass over each RL rollout only.
     assert [step for step, log in sorted(reference_logs.items()) if "grad_norm/policy" in log] == [3, 6]
+    # The reward model scores as in the plain run (its weights gathered or sharded as TRL places them).
+    key = "rewards/reward-model/mean"
+    scored = [step for step, log in sorted(reference_logs.items()) if key in log]
+    assert scored == [step for step, log in sorted(logs.items()) if key in log] and len(scored) >= 3
+    for step in scored:
+        assert logs[step][key] == pytest.approx(reference_logs[step][key], rel=1e-4), step
     for step, log in logs.items():
         norms = {key: value for key, value in reference_logs[step].items() if key.startswith("grad_norm/")}
         assert "grad_norm/critic" in norms
@@ -165,6 +180,7 @@ def test_deepspeed_steps_once_per_trainer_step_matches_the_run_without_it_and_sa
     steps = json.loads((deepspeed_run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
     assert steps["reference_sharded"] == ("zero3" in deepspeed_run.name)  # as the policy: a ZeRO-2 reference is whole
+    assert steps["reward_model_sharded"] == [steps["reference_sharded"]]  # placed as TRL places its reward models
     assert steps["sequence_logits_built"] == 0  # the policy's and the reference's log-probs went through tiles
     assert_same_training(deepspeed_run, reference)
 
@@ -191,6 +207,7 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     run = train(tiny_model_dir, tmp_path / "fsdp2", 2, "--fsdp2", "--save-final", "--save-steps", "100")
     steps = json.loads((run / "steps.json").read_text())
     assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
+    assert steps["reward_model_sharded"] == [True]
     assert steps["sequence_logits_built"] == 0
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)

@@ -33,7 +33,6 @@ def test_a_positional_grpo_call_binds_eval_dataset_and_processing_class_where_gr
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("reward_processing_classes", "reward functions"),
         ("tools", "tool use"),
         ("rollout_func", "generation engines"),
         ("environment_factory", "environments"),

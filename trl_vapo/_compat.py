@@ -37,9 +37,9 @@ def trl_reward_function(name: str):
     return getattr(trl.rewards, name)
 
 
-def prepare_reference_model(model, accelerator):
-    """The frozen reference policy, placed as TRL's trainers place theirs: a DeepSpeed inference engine (partitioned
-    under ZeRO-3, whole under ZeRO-1/2), sharded under FSDP, on the device otherwise."""
+def prepare_frozen_model(model, accelerator):
+    """A frozen model (the reference policy, a reward model), placed as TRL's trainers place theirs: a DeepSpeed
+    inference engine (partitioned under ZeRO-3, whole under ZeRO-1/2), sharded under FSDP, on the device otherwise."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -60,7 +60,7 @@ __all__ = [
     "is_vllm_available",
     "maybe_gather_lm_head_ctx",
     "pad",
-    "prepare_reference_model",
+    "prepare_frozen_model",
     "resolve_accelerate_config_argument",
     "selective_log_softmax",
     "trl_reward_function",

@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,76 @@ class Scores:
         return self.scored & (self.reward >= threshold)
 
 
+class RewardModel:
+    """A sequence-classification reward model as a reward function of TRL's protocol, scored as GRPOTrainer scores
+    it: each prompt + completion through the model's own tokenizer (with its chat template for chat data), right
+    padded, no special tokens added; the reward is the first label's logit, computed in eval mode without
+    gradients. `model` may be replaced by its placed form (a DeepSpeed engine, FSDP) and `device` set to its inputs'.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, chat_template_kwargs: dict | None = None):
+        from ._compat import get_config_model_id
+
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        # The model scores the last non-padding token: it must know the tokenizer's padding id.
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.device = next(model.parameters()).device
+        self.__name__ = get_config_model_id(model.config).split("/")[-1]
+
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        from trl import apply_chat_template
+
+        if isinstance(prompts[0], list):  # chat messages
+            texts = [
+                apply_chat_template({"messages": p + c}, self.tokenizer, **self.chat_template_kwargs)["text"]
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(self.device)
+        with torch.inference_mode():
+            return self.model(**inputs).logits[:, 0].float().tolist()
+
+
+def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
+    """`reward_funcs` with each reward model (a model id, a local path or a `PreTrainedModel` for sequence
+    classification, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs` and
+    `num_labels=1`, with its tokenizer from `reward_processing_classes` (one per entry, None for functions) or its
+    own."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+    from ._compat import get_config_model_id
+    from .modeling import from_pretrained_kwargs
+
+    funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    classes = reward_processing_classes
+    classes = [None] * len(funcs) if classes is None else classes if isinstance(classes, list) else [classes]
+    if len(classes) != len(funcs):
+        raise ValueError(
+            f"The number of reward processing classes ({len(classes)}) must match the number of reward functions "
+            f"({len(funcs)}) (as in GRPOTrainer): one per entry, None for the functions."
+        )
+    loaded = []
+    for func, tokenizer in zip(funcs, classes):
+        if isinstance(func, (str, os.PathLike)):
+            func = AutoModelForSequenceClassification.from_pretrained(
+                str(func), num_labels=1, **from_pretrained_kwargs(args)
+            )
+        if isinstance(func, PreTrainedModel):
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(
+                get_config_model_id(func.config), trust_remote_code=args.trust_remote_code
+            )
+            func = RewardModel(func, tokenizer, args.chat_template_kwargs)
+        loaded.append(func)
+    return loaded
+
+
 def check_reward_funcs(
     reward_funcs: RewardFunc | Sequence[RewardFunc] | None,
 ) -> tuple[list[RewardFunc], list[str]]:
@@ -58,8 +129,8 @@ def check_reward_funcs(
     for func in funcs:
         if not callable(func) or isinstance(func, nn.Module):
             raise TypeError(
-                f"Reward functions must be callables following TRL's protocol, got {type(func).__name__}. "
-                "(Reward models are not supported: VAPO learns from verifiers.)"
+                f"Reward functions must be callables following TRL's protocol, a reward model's id or path, or a "
+                f"PreTrainedModel for sequence classification; got {type(func).__name__}."
             )
         if inspect.iscoroutinefunction(func):
             raise TypeError(f"Reward function {getattr(func, '__name__', func)!r} is async; pass a synchronous one.")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|im_end|>"
@@ -95,5 +95,31 @@ def save_tiny_model(output_dir: str | Path, **model_kwargs) -> Path:
     tokenizer = build_char_tokenizer()
     model = build_tiny_llama(tokenizer, **model_kwargs)
     model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+def save_tiny_reward_model(output_dir: str | Path, seed: int = 1) -> Path:
+    """A randomly initialised one-label Llama sequence classifier (a reward model) with the character tokenizer,
+    saved with ``save_pretrained``; returns the folder. Its scores are small and vary with the text."""
+    import torch
+
+    output_dir = Path(output_dir)
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        LlamaForSequenceClassification(config).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir

@@ -43,7 +43,7 @@ from ._compat import (
     disable_dropout_in_model,
     get_config_model_id,
     pad,
-    prepare_reference_model,
+    prepare_frozen_model,
     unwrap_model_for_generation,
 )
 from .config import VAPOConfig
@@ -93,7 +93,7 @@ from .modeling import (
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
 from .rollout import RL, VALUE_PRETRAIN, Rollout, rollout_metrics
-from .scoring import RewardFunc, RewardScorer
+from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models
 
 # Logs once, from the main process, however many processes train.
 logger = get_logger(__name__)
@@ -130,7 +130,6 @@ def warn_moe_without_aux_loss(policy: nn.Module, args: VAPOConfig) -> None:
 def check_grpo_arguments(**given: Any) -> None:
     """Refuse, before any model loads, the `GRPOTrainer` arguments VAPO does not take, saying what to do instead."""
     refusals = {
-        "reward_processing_classes": "reward models are not supported yet: pass reward functions (callables) instead",
         "tools": "multi-turn tool use is beyond VAPO's paper and not supported: VAPO samples one completion per "
         "prompt",
         "rollout_func": "custom rollouts are not supported: VAPO samples with its generation engines "
@@ -168,18 +167,23 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         model: the policy: a model id or local path (loaded with `AutoModelForCausalLM.from_pretrained` and
             `args.model_init_kwargs`), a `PreTrainedModel`, or a `PeftModel`.
         reward_funcs: one reward function or a list, following TRL's protocol (see `trl_vapo.scoring`): called with
-            `prompts`, `completions`, `completion_ids`, `trainer_state` and every other dataset column, it returns one
-            float per completion, or `None`. Rewards are summed with `args.reward_weights`.
+            `prompts`, `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every other
+            dataset column, it returns one float per completion, or `None` (`async def` functions run concurrently).
+            An entry may also be a reward model: a model id, a path or a `PreTrainedModel` for sequence
+            classification, scored as GRPOTrainer scores it (`scoring.RewardModel`). Rewards are summed with
+            `args.reward_weights`.
         args: a `VAPOConfig`.
         train_dataset: a `datasets.Dataset` with a `prompt` column (plain text or chat messages), or an
             `IterableDataset` (streaming; then `args.max_steps` is required), read in its order.
         eval_dataset: accepted as `GRPOTrainer` accepts it, and kept; evaluation during training is not implemented
             yet (`trl-vapo train` reports held-out accuracy before and after training).
         processing_class: the tokenizer; loaded from `model` when omitted. Padding is set to the left.
+        reward_processing_classes: as `GRPOTrainer`'s: the tokenizers of the reward models in `reward_funcs` (one,
+            or a list with one per entry, None for functions); default: each model's own.
         quantization_config: as `GRPOTrainer`'s: a `BitsAndBytesConfig` to load `model` (an id or path) quantized,
             merged into `args.model_init_kwargs`; with `peft_config`, QLoRA.
-        reward_processing_classes, tools, rollout_func, environment_factory: `GRPOTrainer`'s, in its order; each is
-            refused with an error that says what to do instead (see `check_grpo_arguments`).
+        tools, rollout_func, environment_factory: `GRPOTrainer`'s, in its order; each is refused with an error that
+            says what to do instead (see `check_grpo_arguments`).
         value_model: (keyword only) the critic. None (default) initialises it from the policy's weights with a fresh
             scalar head (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a
             value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer),
@@ -220,7 +224,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     ):
         # GRPOTrainer's parameters, in its order, so that a GRPO call binds the same way; VAPO's own are keywords.
         check_grpo_arguments(
-            reward_processing_classes=reward_processing_classes,
             tools=tools,
             rollout_func=rollout_func,
             environment_factory=environment_factory,
@@ -238,6 +241,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         example = check_train_dataset(train_dataset, args)
         self._example_prompt = example["prompt"]  # for the model card's quick start
         self._conversational = is_conversational({"prompt": example["prompt"]})
+        zero3_config = getattr(args, "hf_deepspeed_config", None)
+        with whole_models_under_zero3(zero3_config):  # whole for the check below; placed after `Trainer.__init__`
+            reward_funcs = load_reward_models(reward_funcs, reward_processing_classes, args)
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational)
         self.scorer.check(example)
         self.reward_funcs, self.reward_func_names = self.scorer.funcs, self.scorer.names
@@ -245,7 +251,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         check_quantization(model_init_kwargs, peft_config)
 
         set_seed(args.seed)  # PEFT initialises adapters randomly
-        zero3_config = getattr(args, "hf_deepspeed_config", None)
         with whole_models_under_zero3(zero3_config):
             policy, model_id = load_policy(model, args, model_init_kwargs)
         tokenizer = processing_class or AutoTokenizer.from_pretrained(
@@ -289,7 +294,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.model = self.callback_handler.model = self.actor_critic.policy
         self.eval_dataset = eval_dataset  # where GRPOTrainer keeps it; evaluation during training is not implemented
         if self.ref_model is not None:
-            self.ref_model = prepare_reference_model(self.ref_model, self.accelerator)
+            self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator)
+        for func in self.reward_funcs:
+            if isinstance(func, RewardModel):  # as GRPOTrainer places its reward models
+                func.model, func.device = prepare_frozen_model(func.model, self.accelerator), self.accelerator.device
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
         self.generation_engine = build_engine(
             engine_settings,
