@@ -1,8 +1,13 @@
-"""Reward models in `reward_funcs`, as GRPOTrainer takes them: an id or path, or a `PreTrainedModel` for sequence
-classification, scored on prompt + completion through its own tokenizer (the first label's logit), alone or mixed with
-reward functions. (Under DeepSpeed ZeRO-2/3 and FSDP2, with one and two processes: tests/test_distributed.py.)"""
+"""GRPOTrainer's whole reward protocol. Reward models in `reward_funcs`: an id or path, or a `PreTrainedModel` for
+sequence classification, scored on prompt + completion through its own tokenizer (the first label's logit), alone or
+mixed with reward functions (under ZeRO-2/3 and FSDP2, one and two processes: tests/test_distributed.py).
+Functions get `trainer_state`, `log_extra` and `log_metric`, in the check before training too; `async def` functions
+run concurrently; a sample no function scores is named in a warning."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 import torch
@@ -76,3 +81,76 @@ def test_reward_processing_classes_must_match_reward_funcs(tiny_model_dir, rewar
             prompts_dataset(),
             reward_processing_classes=[tokenizer, tokenizer],
         )
+
+
+# ------------------------------------------------------------------------------------------------- the protocol
+def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_check_and_trains(tiny_model_dir, tmp_path):
+    from transformers import TrainerCallback
+
+    from trl_vapo.reporting import rollout_completions_table
+
+    def progress_reward(completions, trainer_state, log_extra, log_metric, **kwargs):
+        log_extra("length", [len(c) for c in completions])
+        log_metric("progress", float(trainer_state.global_step))
+        return [float(trainer_state.global_step >= 0) - len(c) / 10 for c in completions]
+
+    rollouts = []
+
+    class Keep(TrainerCallback):
+        def on_rollout(self, args, state, control, rollout=None, **kwargs):
+            rollouts.append(rollout)
+
+    args = make_args(tmp_path, max_steps=2)
+    trainer = VAPOTrainer(str(tiny_model_dir), progress_reward, args, prompts_dataset(), callbacks=[Keep()])
+    trainer.train()
+    assert [h["progress"] for h in trainer.state.log_history if "phase" in h] == [0.0, 1.0]
+    lengths = rollouts[-1].extra_columns["length"]
+    table = rollout_completions_table(rollouts[-1], trainer.processing_class, 2)
+    assert lengths == [len(c) for c in table.columns["completion"]] and len(lengths) == len(rollouts[-1])
+    assert table.text_columns()["length"] == lengths and "length" not in table.columns  # logged, not printed
+    assert table.to_dataframe()["length"].tolist() == lengths
+
+
+async def slow_digits(completions, **kwargs):
+    await asyncio.sleep(0.4)
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+async def slow_length(completions, **kwargs):
+    await asyncio.sleep(0.4)
+    return [float(len(c)) for c in completions]
+
+
+def test_async_reward_functions_run_concurrently_and_name_a_failing_sample(tiny_model_dir, tmp_path):
+    from trl_vapo.scoring import RewardScorer
+
+    scorer = RewardScorer([slow_digits, slow_length, lambda completions, **kw: [1.0] * len(completions)])
+    rows = [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    start = time.perf_counter()
+    scores = scorer.score(rows, ["2 is it", "4"])
+    assert time.perf_counter() - start < 0.75  # two 0.4 s functions at once, not one after the other
+    assert scores.per_function.tolist() == [[1.0, 7.0, 1.0], [1.0, 1.0, 1.0]]
+
+    async def fails_on_four(completions, **kwargs):
+        return [1 / (c != "4") for c in completions]
+
+    with pytest.raises(RuntimeError, match=r"'fails_on_four' raised ZeroDivisionError.*#1 of the batch.*2\+2="):
+        RewardScorer(fails_on_four).score(rows, ["2", "4"])
+    trainer = VAPOTrainer(str(tiny_model_dir), slow_length, make_args(tmp_path, max_steps=1), prompts_dataset())
+    trainer.train()
+    assert any("rewards/slow_length/mean" in h for h in trainer.state.log_history)
+
+
+def test_a_sample_no_function_scores_is_named_in_grpos_warning(caplog):
+    from trl_vapo.scoring import RewardScorer
+
+    def only_even(prompts, completions, **kwargs):
+        return [None if p.startswith("1") else 1.0 for p in prompts]
+
+    with caplog.at_level("WARNING"):
+        scores = RewardScorer(only_even).score(
+            [{"prompt": "0+0=", "answer": "0"}, {"prompt": "1+1=", "answer": "2"}], ["0", "3"]
+        )
+    assert scores.scored.tolist() == [True, False]
+    assert "All reward functions returned None for the following kwargs" in caplog.text
+    assert "'prompt': '1+1='" in caplog.text and "'completion': '3'" in caplog.text

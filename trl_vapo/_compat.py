@@ -20,6 +20,7 @@ from trl.trainer.utils import (
     maybe_gather_lm_head_ctx,
     pad,
     selective_log_softmax,
+    start_event_loop_in_daemon,
 )
 
 
@@ -63,6 +64,7 @@ __all__ = [
     "prepare_frozen_model",
     "resolve_accelerate_config_argument",
     "selective_log_softmax",
+    "start_event_loop_in_daemon",
     "trl_reward_function",
     "unwrap_model_for_generation",
     "vllm_generation_class",

@@ -51,6 +51,8 @@ class CompletionsTable:
     columns: dict[str, list[Any]]
     reward_columns: list[str] = field(default_factory=list)
     phase: str | None = None
+    # Columns reward functions logged with `log_extra` (TRL's protocol): in the trackers' table, not the printout.
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def title(self) -> str:
@@ -72,11 +74,12 @@ class CompletionsTable:
 
     def _rows(self, rows: list[int]) -> CompletionsTable:
         columns = {name: [values[i] for i in rows] for name, values in self.columns.items()}
-        return CompletionsTable(self.step, columns, self.reward_columns, self.phase)
+        extra = {name: [values[i] for i in rows] for name, values in self.extra_columns.items()}
+        return CompletionsTable(self.step, columns, self.reward_columns, self.phase, extra)
 
     def text_columns(self) -> dict[str, list[Any]]:
         """`step` and the columns, with prompts and completions as plain text: what a tracker's table stores."""
-        columns = {STEP: [self.step] * len(self), **self.columns}
+        columns = {STEP: [self.step] * len(self), **self.columns, **self.extra_columns}
         columns[PROMPT] = [entry_text(x) for x in columns[PROMPT]]
         columns[COMPLETION] = [entry_text(x) for x in columns[COMPLETION]]
         return columns
@@ -86,7 +89,7 @@ class CompletionsTable:
         import pandas as pd
 
         frame = pd.DataFrame(self.text_columns())
-        numeric = [name for name in frame.columns if name not in (STEP, PROMPT, COMPLETION)]
+        numeric = [name for name in self.columns if name not in (PROMPT, COMPLETION)]
         frame[numeric] = frame[numeric].astype(float)  # None -> NaN, so every tracker reads numbers
         return frame
 
@@ -102,11 +105,14 @@ def build_completions_table(
     first_values: Sequence[float | None] | None = None,
     last_values: Sequence[float | None] | None = None,
     phase: str | None = None,
+    extra_columns: dict[str, Sequence[Any]] | None = None,
 ) -> CompletionsTable:
     """Assemble the table of one logging step from plain per-completion lists.
 
     `rewards` maps each reward function's name to its scores (None or NaN where it had no opinion); pass
     `advantages=None` during value pretraining, where there are none. Every list must have one entry per prompt.
+    `extra_columns`: what reward functions logged with `log_extra`; one whose length is not one per prompt is left
+    out (a function that logged it twice, say).
     """
     n = len(prompts)
     lists = {COMPLETION: completions, SEQUENCE_REWARD: sequence_rewards}
@@ -127,7 +133,8 @@ def build_completions_table(
     for name, values in optional.items():
         if values is not None:
             columns[name] = [_number(x) for x in values]
-    return CompletionsTable(step, columns, reward_columns, phase)
+    extra = {name: list(values) for name, values in (extra_columns or {}).items() if len(values) == n}
+    return CompletionsTable(step, columns, reward_columns, phase, extra)
 
 
 def completion_token_stats(advantages, values, completion_mask, loss_mask=None) -> dict[str, list[float | None]]:
@@ -423,5 +430,6 @@ def rollout_completions_table(rollout, tokenizer, step: int) -> CompletionsTable
         rewards={name: scores.per_function[:, j].tolist() for j, name in enumerate(scores.names)},
         sequence_rewards=torch.where(scores.scored, scores.reward, torch.nan).tolist(),
         phase=rollout.phase,
+        extra_columns=rollout.extra_columns,
         **completion_token_stats(advantages, rollout.old_values, rollout.completion_mask, rollout.loss_mask),
     )

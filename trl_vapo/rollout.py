@@ -41,6 +41,7 @@ class Rollout:
     ref_logprobs: torch.Tensor | None = None  # [N, C] under the reference policy, when beta > 0
     is_weights: torch.Tensor | None = None  # [N, C] or [N, 1] importance-sampling weights of another sampler
     sampling_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # reward functions' `log_extra`
     pad_to_multiple_of: int | None = None  # P and C are multiples of it, and so is every micro-batch's width
 
     def __len__(self) -> int:

@@ -1,14 +1,16 @@
 """Scoring completions with reward functions (TRL's protocol), the one copy shared by training and `trl-vapo eval`.
 
 A reward function is called with keyword arguments `prompts`, `completions` (strings, or one-message lists for chat
-data), `completion_ids`, `trainer_state`, `log_metric` and every other dataset column (e.g. `answer`), and returns
-one float per completion, or None where it has no opinion. Several functions are summed with weights; a completion no
-function scores has no reward at all (it trains nothing). NaN and inf returned by a function count as None, with one
-warning per function.
+data), `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every other dataset column (e.g. `answer`),
+and returns one float per completion, or None where it has no opinion; `async def` functions run concurrently.
+Several functions are summed with weights; a completion no function scores has no reward at all (it trains nothing;
+GRPOTrainer's warning names it). NaN and inf returned by a function count as None, with one warning per function.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import inspect
 import json
 import logging
@@ -132,9 +134,33 @@ def check_reward_funcs(
                 f"Reward functions must be callables following TRL's protocol, a reward model's id or path, or a "
                 f"PreTrainedModel for sequence classification; got {type(func).__name__}."
             )
-        if inspect.iscoroutinefunction(func):
-            raise TypeError(f"Reward function {getattr(func, '__name__', func)!r} is async; pass a synchronous one.")
     return funcs, [getattr(func, "__name__", type(func).__name__) for func in funcs]
+
+
+def is_async(func: RewardFunc) -> bool:
+    """An `async def` reward function (or a callable object whose `__call__` is one)."""
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
+
+
+_event_loop: asyncio.AbstractEventLoop | None = None
+
+
+def run_async(coroutine) -> concurrent.futures.Future:
+    """Schedule `coroutine` on the reward functions' event loop, in a daemon thread (TRL's
+    `start_event_loop_in_daemon`), so that it runs whether or not the caller has a loop of its own (a notebook)."""
+    global _event_loop
+    if _event_loop is None:
+        from ._compat import start_event_loop_in_daemon
+
+        _, loop, ready = start_event_loop_in_daemon(name="trl-vapo-reward-functions")
+        ready.wait()
+        _event_loop = loop
+    return asyncio.run_coroutine_threadsafe(coroutine, _event_loop)
+
+
+def _blocking(func: RewardFunc) -> RewardFunc:
+    """An async reward function as a synchronous one (each call waits for its result)."""
+    return lambda **kwargs: run_async(func(**kwargs)).result()
 
 
 def required_columns(func: RewardFunc) -> list[str]:
@@ -189,17 +215,35 @@ class RewardScorer:
         completion_ids: list[list[int]] | None = None,
         trainer_state=None,
         log_metric: Callable[[str, float], None] | None = None,
+        log_extra: Callable[[str, list], None] | None = None,
     ) -> Scores:
         """Score `completions` (decoded text) of the prompts in `rows` (dataset rows, one per completion).
 
+        `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
+        start first and run concurrently with each other and with the synchronous ones, as GRPOTrainer runs them.
         Non-finite values are counted through `log_metric` as `rewards/<name>/non_finite_count`.
         """
-        log_metric = log_metric or (lambda key, value: None)
         messages = self._as_messages(completions)
         ids = completion_ids if completion_ids is not None else [[] for _ in completions]
+        common = {
+            "trainer_state": trainer_state,
+            "log_metric": log_metric or (lambda key, value: None),
+            "log_extra": log_extra or (lambda column, values: None),
+        }
+        started = {
+            j: run_async(func(**_arguments(rows, messages, ids, common)))
+            for j, func in enumerate(self.funcs)
+            if is_async(func)
+        }
         per_function = torch.full((len(rows), len(self.funcs)), math.nan)
         for j, (func, name) in enumerate(zip(self.funcs, self.names)):
-            values = self.call(func, name, rows, messages, ids, trainer_state, log_metric)
+            if j in started:
+                try:
+                    values = _check_length(started[j].result(), name, len(rows))
+                except Exception:  # again, to name the first sample it fails on
+                    values = self.call(_blocking(func), name, rows, messages, ids, common)
+            else:
+                values = self.call(func, name, rows, messages, ids, common)
             column = torch.tensor([math.nan if v is None else float(v) for v in values])
             non_finite = torch.isinf(column) | (torch.isnan(column) & torch.tensor([v is not None for v in values]))
             if non_finite.any():
@@ -214,6 +258,13 @@ class RewardScorer:
                 column[non_finite] = math.nan
             per_function[:, j] = column
         scored = ~torch.isnan(per_function).all(dim=1)
+        if not scored.all():  # GRPOTrainer's warning, naming the first such sample
+            i = int((~scored).nonzero()[0])
+            sample = {**{k: v for k, v in rows[i].items()}, "completion": messages[i]}
+            logger.warning(
+                f"All reward functions returned None for the following kwargs:\n{sample}\nPlease ensure that at least "
+                "one reward function returns a valid reward."
+            )
         reward = torch.where(scored, torch.nansum(per_function * self.weights, dim=1), torch.zeros(len(rows)))
         return Scores(per_function=per_function, reward=reward, scored=scored, names=self.names)
 
@@ -221,30 +272,17 @@ class RewardScorer:
         return [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions
 
     @staticmethod
-    def call(func, name, rows, completions, completion_ids, trainer_state=None, log_metric=None) -> list:
-        """One function on a batch; when it raises, the error names the first sample it fails on."""
-        prompts = [row["prompt"] for row in rows]
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-        common = {"trainer_state": trainer_state, "log_metric": log_metric or (lambda key, value: None)}
+    def call(func, name, rows, completions, completion_ids, common: dict[str, Any]) -> list:
+        """One function on a batch (`common`: `trainer_state`, `log_metric`, `log_extra`); when it raises, the error
+        names the first sample it fails on."""
         try:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **common, **columns)
+            values = func(**_arguments(rows, completions, completion_ids, common))
         except Exception as error:
             for i in range(len(rows)):
-                one = {key: value[i : i + 1] for key, value in columns.items()}
                 try:
-                    func(
-                        prompts=prompts[i : i + 1],
-                        completions=completions[i : i + 1],
-                        completion_ids=completion_ids[i : i + 1],
-                        **common,
-                        **one,
-                    )
+                    func(**_arguments(rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common))
                 except Exception:
-                    sample = {
-                        "prompt": prompts[i],
-                        "completion": completions[i],
-                        **{k: v[i] for k, v in columns.items()},
-                    }
+                    sample = {**rows[i], "completion": completions[i]}
                     raise RuntimeError(
                         f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
                         f"(#{i} of the batch): {preview(sample)}"
@@ -252,19 +290,18 @@ class RewardScorer:
             raise RuntimeError(
                 f"Reward function {name!r} raised {type(error).__name__} on the batch: {error}"
             ) from error
-        if values is None or len(values) != len(rows):
-            raise ValueError(
-                f"Reward function {name!r} returned {None if values is None else len(values)} values for "
-                f"{len(rows)} completions; it must return one float (or None) per completion."
-            )
-        return values
+        return _check_length(values, name, len(rows))
 
     def check(self, row: dict[str, Any]) -> None:
-        """Call every function once on a dataset row with an empty completion, before any compute.
+        """Call every function once on a dataset row with an empty completion, before any compute, with what
+        training passes (a `TrainerState` at step 0, `log_metric` and `log_extra`).
 
         A missing column, a bad import or a crash then fails here, with the dataset's columns in the message, not
         after the model has loaded and generated.
         """
+        from transformers import TrainerState
+
+        common = {"trainer_state": TrainerState(), "log_metric": lambda *a: None, "log_extra": lambda *a: None}
         for func, name in zip(self.funcs, self.names):
             missing = [c for c in required_columns(func) if c not in row]
             if missing:
@@ -273,9 +310,27 @@ class RewardScorer:
                     f"are {sorted(row)}."
                 )
             try:
-                self.call(func, name, [row], self._as_messages([""]), [[]])
+                self.call(
+                    _blocking(func) if is_async(func) else func, name, [row], self._as_messages([""]), [[]], common
+                )
             except RuntimeError as error:
                 raise ValueError(
                     f"{error} (checked before training on the first dataset row with an empty completion; dataset "
                     f"columns: {sorted(row)})"
                 ) from error
+
+
+def _arguments(rows: list[dict[str, Any]], completions: list, completion_ids: list, common: dict) -> dict[str, Any]:
+    """The keyword arguments of one call on a batch: TRL's, and every dataset column but `prompt` as a list."""
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    prompts = [row["prompt"] for row in rows]
+    return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **common, **columns}
+
+
+def _check_length(values, name: str, expected: int) -> list:
+    if values is None or len(values) != expected:
+        raise ValueError(
+            f"Reward function {name!r} returned {None if values is None else len(values)} values for "
+            f"{expected} completions; it must return one float (or None) per completion."
+        )
+    return values

@@ -586,7 +586,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         # 2. Score; the verdict of a completion that trains lands on its last token.
         completion_ids = sample.completion_lists()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        scores = self.scorer.score(rows, texts, completion_ids, self.state, self._log_metric)
+        extra_columns: dict[str, list] = defaultdict(list)  # TRL's `log_extra`: columns of the completions table
+        scores = self.scorer.score(
+            rows,
+            texts,
+            completion_ids,
+            self.state,
+            self._log_metric,
+            lambda name, values: extra_columns[name].extend(values),
+        )
         trains = scores.scored.to(device) & (sample.lengths > 0)
         if args.mask_truncated_completions:
             trains &= ~sample.is_truncated
@@ -659,6 +667,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             ref_logprobs=ref_logprobs,
             is_weights=is_weights,
             sampling_metrics=sampling_metrics,
+            extra_columns=dict(extra_columns),
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
 
