@@ -154,3 +154,54 @@ def test_a_sample_no_function_scores_is_named_in_grpos_warning(caplog):
     assert scores.scored.tolist() == [True, False]
     assert "All reward functions returned None for the following kwargs" in caplog.text
     assert "'prompt': '1+1='" in caplog.text and "'completion': '3'" in caplog.text
+
+
+GRPO_SCRIPT = """
+import asyncio
+
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+
+async def async_reward(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+
+def progress_reward(completions, trainer_state, **kwargs):
+    return [min(trainer_state.global_step / 10, 1.0) * len(c) / 8 for c in completions]
+
+
+dataset = Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(32)])
+args = GRPOConfig(
+    output_dir=OUTPUT_DIR,
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=2,
+    logging_steps=1,
+    report_to="none",
+    disable_tqdm=True,
+)
+trainer = GRPOTrainer(
+    model=MODEL, reward_funcs=[REWARD_MODEL, async_reward, progress_reward], args=args, train_dataset=dataset
+)
+trainer.train()
+trainer.save_model()
+"""
+
+
+def test_a_grpo_script_with_a_reward_model_an_async_and_a_stateful_function_trains_with_only_the_import_changed(
+    tiny_model_dir, reward_model_dir, tmp_path
+):
+    script = GRPO_SCRIPT.replace(
+        "from trl import GRPOConfig, GRPOTrainer",
+        "from trl_vapo import VAPOConfig as GRPOConfig, VAPOTrainer as GRPOTrainer",
+    )
+    assert script != GRPO_SCRIPT
+    namespace = {"MODEL": str(tiny_model_dir), "REWARD_MODEL": str(reward_model_dir), "OUTPUT_DIR": str(tmp_path)}
+    exec(compile(script, "grpo_script.py", "exec"), namespace)
+    names = namespace["trainer"].reward_func_names
+    assert names == [reward_model_dir.name, "async_reward", "progress_reward"]
+    assert namespace["trainer"].state.global_step >= 2
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "critic" / "model.safetensors").is_file()
