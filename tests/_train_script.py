@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--dump-state-at", type=int, nargs="*", default=[])
     parser.add_argument("--dtype", help="the dtype to load the model in (model_init_kwargs)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
+    parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every 4 steps")
     args = parser.parse_args()
     if args.fsdp2:
         force_fsdp2_on_cpu()
@@ -221,6 +222,11 @@ def main() -> None:
         disable_tqdm=True,
         seed=0,
         generation_kwargs={"do_sample": False} if args.greedy else None,
+        # Eight completions per evaluation batch over all processes (so one process and two see the same batches).
+        eval_strategy="steps" if args.eval_prompts else "no",
+        eval_steps=4,
+        num_generations_eval=2,
+        per_device_eval_batch_size=8 // world,
     )
     rank = int(os.environ.get("RANK", "0"))
     StallingTrainer.stall_at = args.stall_at
@@ -230,6 +236,7 @@ def main() -> None:
         reward_funcs=[digit_fraction, args.reward_model] if args.reward_model else digit_fraction,
         args=config,
         train_dataset=prompts(),
+        eval_dataset=prompts().select(range(args.eval_prompts)) if args.eval_prompts else None,
         callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"), dump],
     )
     dump.trainer = trainer

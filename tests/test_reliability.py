@@ -304,8 +304,8 @@ class PoisonedTrainer(VAPOTrainer):
 
     poisoned: set[int] = set()
 
-    def _make_rollout(self, rows, phase):
-        rollout = super()._make_rollout(rows, phase)
+    def _make_rollout(self, rows, phase, *args):
+        rollout = super()._make_rollout(rows, phase, *args)
         self.rollout_index = getattr(self, "rollout_index", -1) + 1
         if self.rollout_index in self.poisoned:
             rollout.old_values = torch.full_like(rollout.old_values, math.nan)
@@ -550,8 +550,20 @@ COMPARED = [
 ]
 
 
+EVALUATED = [
+    "eval_reward",
+    "eval_reward_std",
+    "eval_accuracy",
+    "eval_completions/mean_length",
+    "eval_value/mean",
+    "eval_value/explained_variance",
+    "eval_loss",
+]
+
+
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
+    common += ["--eval-prompts", "4"]  # evaluated at steps 4 and 8, each process on its half of the completions
     common += ["--dtype", "bfloat16"]  # trained in float32, saved as loaded
     single = run_script(*common, "--output-dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr[-3000:]
@@ -565,6 +577,12 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     assert [one[s]["phase"] for s in one] == [two[s]["phase"] for s in two] == ["value_pretrain"] * 4 + ["rl"] * 4
     for step in one:
         assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
+    one_eval, two_eval = (
+        {h["step"]: h for h in read_logs(tmp_path / run) if "eval_loss" in h} for run in ("one", "two")
+    )
+    assert sorted(one_eval) == sorted(two_eval) == [4, 8]
+    for step in one_eval:
+        assert_same_log(two_eval[step], one_eval[step], keys=EVALUATED, rel=1e-4, context=f"eval at step {step}")
 
     # Checkpoints are written once, with one random-number state per process, and resume on two processes.
     checkpoint = tmp_path / "two" / "checkpoint-4"

@@ -92,8 +92,8 @@ def make_args(tmp_path, **overrides) -> VAPOConfig:
 class CapturingTrainer(VAPOTrainer):
     """Keeps every rollout it trains on, so tests can recompute what the losses should have been."""
 
-    def _make_rollout(self, rows, phase):
-        rollout = super()._make_rollout(rows, phase)
+    def _make_rollout(self, rows, phase, *args):
+        rollout = super()._make_rollout(rows, phase, *args)
         self.rollouts = getattr(self, "rollouts", []) + [(rows, rollout)]
         return rollout
 

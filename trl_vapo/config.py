@@ -499,8 +499,8 @@ class VAPOConfig(TrainingArguments):
     num_generations_eval: int | None = field(
         default=None,
         metadata={
-            "help": "GRPOConfig's completions per prompt when evaluating on `eval_dataset` (None: `num_generations`). "
-            "Accepted and checked; VAPOTrainer does not evaluate during training yet (`trl-vapo eval` does, after)."
+            "help": "Completions per prompt when evaluating on `eval_dataset` (None: `num_generations`), as in "
+            "GRPOConfig: fewer make evaluation cheaper."
         },
     )
     cast_lm_head_to_fp32: bool = field(

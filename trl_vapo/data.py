@@ -183,3 +183,33 @@ def check_train_dataset(dataset, args) -> dict:
             "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
         )
     return dataset[0]
+
+
+def check_eval_dataset(dataset, args) -> dict[str, dict]:
+    """A clear error unless `dataset` can be evaluated on (in any form `GRPOTrainer` takes: a `Dataset`, an
+    `IterableDataset`, or a `DatasetDict` / `IterableDatasetDict` / dict of them), or unless it is there when
+    `args.eval_strategy` asks for evaluation. Returns the first row of each: `{name: row}`, name "" for a single one.
+    """
+    if dataset is None:
+        if args.eval_strategy != "no":
+            strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+            raise ValueError(
+                f"eval_strategy={strategy!r} asks for evaluation during training, but no eval_dataset was given: pass "
+                "one, or set eval_strategy='no'."
+            )
+        return {}
+    parts = dict(dataset) if isinstance(dataset, dict) else {"": dataset}  # DatasetDicts are dicts
+    rows = {}
+    for name, part in parts.items():
+        what = f"eval_dataset[{name!r}]" if name else "eval_dataset"
+        if not isinstance(part, (Dataset, IterableDataset)):
+            raise TypeError(
+                f"{what} must be a datasets.Dataset or IterableDataset (or a dict of them), got {type(part).__name__}."
+            )
+        row = next(iter(part), None)
+        if row is None:
+            raise ValueError(f"{what} is empty: it needs at least one prompt.")
+        if "prompt" not in row:
+            raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
+        rows[name] = row
+    return rows

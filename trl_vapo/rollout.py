@@ -18,13 +18,14 @@ from .scoring import Scores
 
 VALUE_PRETRAIN = "value_pretrain"
 RL = "rl"
+EVAL = "eval"  # a rollout on eval_dataset: built as RL's, with the policy's log-probs, and never trained on
 
 
 @dataclasses.dataclass
 class Rollout:
     """One generation round on this process (no gradients). `N` completions of up to `C` tokens."""
 
-    phase: str  # VALUE_PRETRAIN or RL
+    phase: str  # VALUE_PRETRAIN, RL or EVAL
     input_ids: torch.Tensor  # [N, P + C] prompt (left-padded) followed by completion (right-padded)
     attention_mask: torch.Tensor  # [N, P + C]
     prompt_length: int  # P

@@ -49,6 +49,7 @@ from ._compat import (
 from .config import VAPOConfig
 from .core import (
     decoupled_gae,
+    explained_variance,
     explained_variance_plateaued,
     importance_sampling_weights,
     masked_mean,
@@ -56,7 +57,7 @@ from .core import (
     terminal_rewards,
     vapo_loss,
 )
-from .data import check_train_dataset, prepare_tokenizer, prompt_token_ids
+from .data import check_eval_dataset, check_train_dataset, prepare_tokenizer, prompt_token_ids
 from .diagnostics import LOG_FILE, CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
     check_distributed_setup,
@@ -92,7 +93,7 @@ from .modeling import (
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
-from .rollout import RL, VALUE_PRETRAIN, Rollout, rollout_metrics
+from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, rollout_metrics
 from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models
 
 # Logs once, from the main process, however many processes train.
@@ -175,8 +176,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         args: a `VAPOConfig`.
         train_dataset: a `datasets.Dataset` with a `prompt` column (plain text or chat messages), or an
             `IterableDataset` (streaming; then `args.max_steps` is required), read in its order.
-        eval_dataset: accepted as `GRPOTrainer` accepts it, and kept; evaluation during training is not implemented
-            yet (`trl-vapo train` reports held-out accuracy before and after training).
+        eval_dataset: prompts to evaluate on, in every form `GRPOTrainer` takes (a `Dataset`, an `IterableDataset`, a
+            `DatasetDict` or a dict of them: one evaluation per entry, its metrics prefixed `eval_<name>_`): during
+            training as `eval_strategy` / `eval_steps` / `eval_on_start` say, or with `trainer.evaluate()` (see
+            `evaluate`).
         processing_class: the tokenizer; loaded from `model` when omitted. Padding is set to the left.
         reward_processing_classes: as `GRPOTrainer`'s: the tokenizers of the reward models in `reward_funcs` (one,
             or a list with one per entry, None for functions); default: each model's own.
@@ -209,7 +212,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         reward_funcs: RewardFunc | list[RewardFunc] | None = None,
         args: VAPOConfig | None = None,
         train_dataset: Dataset | IterableDataset | None = None,
-        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
         processing_class: PreTrainedTokenizerBase | None = None,
         reward_processing_classes: Any | None = None,
         callbacks: list[TrainerCallback] | None = None,
@@ -239,6 +242,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         engine_settings.quantization_config = (model_init_kwargs or {}).get("quantization_config")
         check_engine_available(engine_settings, model)
         example = check_train_dataset(train_dataset, args)
+        eval_examples = check_eval_dataset(eval_dataset, args)
         self._example_prompt = example["prompt"]  # for the model card's quick start
         self._conversational = is_conversational({"prompt": example["prompt"]})
         zero3_config = getattr(args, "hf_deepspeed_config", None)
@@ -246,6 +250,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             reward_funcs = load_reward_models(reward_funcs, reward_processing_classes, args)
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational)
         self.scorer.check(example)
+        for eval_example in eval_examples.values():  # the rewards read the eval rows' columns too
+            self.scorer.check(eval_example)
         self.reward_funcs, self.reward_func_names = self.scorer.funcs, self.scorer.names
         self._metrics: dict[str, list[float]] = defaultdict(list)
         check_quantization(model_init_kwargs, peft_config)
@@ -283,6 +289,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 model=actor_critic,
                 args=args,
                 train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
                 processing_class=tokenizer,
                 callbacks=callbacks,
                 optimizers=optimizers,
@@ -292,7 +299,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         # callbacks get as `model`); what trains, the policy and the critic as one module, is `trainer.actor_critic`.
         self.actor_critic: ActorCritic = self.model
         self.model = self.callback_handler.model = self.actor_critic.policy
-        self.eval_dataset = eval_dataset  # where GRPOTrainer keeps it; evaluation during training is not implemented
         if self.ref_model is not None:
             self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator)
         for func in self.reward_funcs:
@@ -431,9 +437,17 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
         self._loss_sum, self._loss_steps = 0.0, 0
+        self._epoch_ended_at = -1
+        if args.eval_on_start:
+            self.evaluate()
         self.model_wrapped.train()
         while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
             self._train_on_rollout()
+        if self._epoch_ended_at != self.state.global_step:  # as transformers ends its last epoch when training stops
+            self._end_epoch()
+            if self._save_pending:
+                self._save_checkpoint()
+                self._save_pending = False
 
         metrics = speed_metrics("train", start_time, num_steps=self.state.global_step - start_step)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
@@ -476,9 +490,35 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
         if phase == VALUE_PRETRAIN:
             self._after_value_pretrain_rollout(metrics["value/explained_variance"])
+        if self._epoch_is_over():
+            self._end_epoch()
         if self._save_pending:
             self._save_checkpoint()
             self._save_pending = False
+
+    def _log_evaluate_save(self) -> None:
+        """What the callbacks asked for at the end of a step or an epoch, in transformers' order: the log, an
+        evaluation, and a checkpoint (written when the rollout ends)."""
+        if self.control.should_log:
+            self._log_metrics(self.progress.phase)
+        if self.control.should_evaluate:
+            self.evaluate()
+        self._save_pending |= self.control.should_save
+
+    def _epoch_is_over(self) -> bool:
+        """Whether the prompts of this epoch are used up: the next rollout starts the next epoch (a stream's epoch
+        ends when the stream does, found when the next rollout reads it: `_next_streamed_rows`)."""
+        dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            return False
+        return self.progress.data_index + self.args.generation_batch_size // self.args.num_generations > len(dataset)
+
+    def _end_epoch(self) -> None:
+        """An epoch of the prompts ended, or training did: the callbacks' `on_epoch_end`, then the log, evaluation and
+        checkpoint that the "epoch" logging / eval / save strategies ask for."""
+        self._epoch_ended_at = self.state.global_step
+        self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+        self._log_evaluate_save()
 
     def _next_rows(self) -> list[dict[str, Any]]:
         """This process's share of the next rollout: each prompt repeated `num_generations` times."""
@@ -517,6 +557,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 progress.data_index += count
                 self.state.epoch = progress.data_epoch
                 return rows
+            self._end_epoch()
             progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
         raise ValueError(
             f"train_dataset streams fewer prompts than one rollout needs ({count} = generation_batch_size "
@@ -577,12 +618,13 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
     # ------------------------------------------------------------------------------------------ the rollout
     @torch.no_grad()
-    def _make_rollout(self, rows: list[dict[str, Any]], phase: str) -> Rollout:
-        """Steps 1-4 of the loop on this process's rows: sample, score, value, advantage."""
+    def _make_rollout(self, rows: list[dict[str, Any]], phase: str, num_generations: int | None = None) -> Rollout:
+        """Steps 1-4 of the loop on this process's rows (each prompt repeated `num_generations` times, default
+        `args.num_generations`): sample, score, value, advantage."""
         args, device = self.args, self.accelerator.device
         # 1. Sample.
         prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows])
-        prompts, prompt_mask, sample = self._generate(prompt_ids)
+        prompts, prompt_mask, sample = self._generate(prompt_ids, num_generations or args.num_generations)
         # 2. Score; the verdict of a completion that trains lands on its last token.
         completion_ids = sample.completion_lists()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -605,7 +647,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         corrects_sampler = (
             phase == RL and sample.sampler_logprobs is not None and args.vllm_importance_sampling_correction
         )
-        with_policy = self._needs_old_logprobs(phase) or corrects_sampler
+        with_policy = phase == EVAL or self._needs_old_logprobs(phase) or corrects_sampler  # EVAL: for its loss
         reference = None
         if args.beta > 0 and self._kl_penalised(phase):
             reference = self.ref_model if self.ref_model is not None else "base"
@@ -686,12 +728,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         ):
             yield unwrapped.policy
 
-    def _generate(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, GenerationOutput]:
-        """Left-padded prompts, their mask, and one completion per prompt from the generation engine."""
+    def _generate(
+        self, prompt_ids: list[list[int]], num_generations: int
+    ) -> tuple[torch.Tensor, torch.Tensor, GenerationOutput]:
+        """Left-padded prompts, their mask, and one completion per prompt from the generation engine (the prompts come
+        in groups of `num_generations` copies)."""
         device, pad_id = self.accelerator.device, self.processing_class.pad_token_id
         # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines).
         self.generation_engine.sync_weights(self.state.global_step if self.progress.phase == RL else -1)
-        sample = self.generation_engine.generate(prompt_ids, num_generations=self.args.num_generations)
+        sample = self.generation_engine.generate(prompt_ids, num_generations=num_generations)
         sample = sample.padded(self.args.pad_to_multiple_of, pad_id).to(device)
         multiple = self.args.pad_to_multiple_of
         prompts = [torch.tensor(x) for x in prompt_ids]
@@ -717,8 +762,117 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _kl_penalised(self, phase: str) -> bool:
         """Whether the rewards of this phase's rollouts carry the KL penalty. Value pretraining's policy is the
         reference itself under full fine-tuning (a copy, KL 0: no log-prob passes); with PEFT the reference is the
-        base without adapters, which a trained or non-zero-initialised adapter (PiSSA, LoftQ) makes differ."""
-        return phase == RL or self.ref_model is None
+        base without adapters, which a trained or non-zero-initialised adapter (PiSSA, LoftQ) makes differ. Evaluation
+        measures what RL optimises, the penalty included."""
+        return phase != VALUE_PRETRAIN or self.ref_model is None
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(
+        self,
+        eval_dataset: Dataset | IterableDataset | dict | str | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Evaluate the policy and the critic on held-out prompts, as GRPOTrainer evaluates: `num_generations_eval`
+        completions per prompt (default `num_generations`), sampled by the training engine with training's sampling
+        settings and scored by the training rewards, over every prompt of `eval_dataset` (default: the trainer's; a
+        string names an entry of a dict of them; a dict is evaluated entry by entry, prefixed `eval_<name>_`), in
+        batches of `per_device_eval_batch_size` completions per process.
+
+        Returns, and logs, each prefixed `<metric_key_prefix>_`: what GRPOTrainer logs when it evaluates (`loss`,
+        `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `kl` when
+        `beta > 0`, the reward functions' own `log_metric`s), and what only a critic shows: `accuracy` (the share of
+        scored completions whose reward is at least `positive_reward_threshold`), the critic's
+        `value/explained_variance` on these held-out completions (pooled over the whole set) and `value/mean`. `loss`
+        is VAPO's loss at the current weights (`core.vapo_loss`; the policy ratio is 1). Works before, during and after
+        training: the models are in eval mode meanwhile, and training's random state is restored afterwards, so
+        evaluating never changes what trains.
+        """
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                names = sorted(self.eval_dataset) if isinstance(self.eval_dataset, dict) else []
+                raise KeyError(f"eval_dataset {eval_dataset!r} is not one of the trainer's eval datasets: {names}.")
+            dataset = self.eval_dataset[eval_dataset]
+        else:
+            dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+            if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
+                for row in check_eval_dataset(eval_dataset, self.args).values():
+                    self.scorer.check(row)
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(dataset, dict):  # DatasetDict, IterableDatasetDict or a dict
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        start = time.time()
+        with self._evaluating():
+            metrics, num_samples = self._evaluation_loop(dataset)
+            metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
+            metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples))
+            self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    @contextlib.contextmanager
+    def _evaluating(self):
+        """Evaluation's own metrics and random state, the models in eval mode; afterwards, training's pending
+        metrics, its next completions table, its random state and the models' mode are as they were."""
+        was_training = self.actor_critic.training
+        saved = self._metrics, self._last_rollout
+        self._metrics, self._last_rollout = defaultdict(list), None
+        device = self.accelerator.device
+        rng = {"devices": []} if device.type == "cpu" else {"devices": [device.index or 0], "device_type": device.type}
+        self.actor_critic.eval()
+        try:
+            with torch.random.fork_rng(**rng):
+                yield
+        finally:
+            self._metrics, self._last_rollout = saved
+            self.actor_critic.train(was_training)
+
+    def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int]:
+        """Every prompt of `dataset` once, in batches: each batch is a rollout (`_make_rollout`, phase EVAL) whose
+        metrics are averaged over batches as GRPOTrainer averages them, except the critic's explained variance,
+        pooled over all the completions. Returns the metrics and the number of completions."""
+        args, world = self.args, self.accelerator.num_processes
+        all_reduce = self._all_reduce if self._distributed else None
+        group = args.num_generations_eval or args.num_generations
+        prompts_per_batch = max(1, args.per_device_eval_batch_size * world // group)
+        rows, values, returns, completions = iter(dataset), [], [], 0
+        while batch := list(itertools.islice(rows, prompts_per_batch)):
+            # Every process takes as many completions (the metrics are collectives): where a last batch does not
+            # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
+            size = next(n for n in itertools.count(len(batch)) if n * group % world == 0)
+            repeated = [row for row in itertools.islice(itertools.cycle(batch), size) for _ in range(group)]
+            share = len(repeated) // world
+            rank = self.accelerator.process_index
+            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group)
+            self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce))
+            self._metrics["loss"].append(self._evaluation_loss(rollout))
+            mask = rollout.loss_mask.bool()
+            values.append(rollout.old_values[mask])
+            returns.append(rollout.returns[mask])
+            completions += len(repeated)
+        metrics = {key: _nanmean(column) for key, column in self._metrics.items()}
+        for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'
+            if key.endswith(("/min_length", "/max_length")):
+                metrics[key] = (min if key.endswith("/min_length") else max)(column)
+        self._metrics.clear()
+        values, returns = torch.cat(values), torch.cat(returns)
+        metrics["value/explained_variance"] = explained_variance(
+            values, returns, torch.ones_like(values), all_reduce
+        ).item()
+        return metrics, completions
+
+    def _evaluation_loss(self, rollout: Rollout) -> float:
+        """VAPO's loss (`core.vapo_loss`) on an evaluation rollout at the weights that sampled it, over every
+        process's tokens: the critic's value loss on its targets, the policy's clipped loss at ratio 1 (minus the mean
+        whitened advantage) and the positive examples' NLL."""
+        batch = rollout.micro_batch(torch.arange(len(rollout)))
+        settings = self._loss_settings(EVAL, batch["mask"], batch["is_positive"])
+        loss, _ = vapo_loss(batch["old_logprobs"], batch["old_values"], batch, **settings)
+        return (self._all_reduce(loss.detach()) / self.accelerator.num_processes).item()
 
     # ----------------------------------------------------------------------------------------- the update
     def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True) -> None:
@@ -731,22 +885,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         args, phase = self.args, rollout.phase
         trains_policy = phase == RL and update_policy
         mask = rollout.loss_mask[rows]
-        positive = rollout.is_positive[rows, None].float()
-        counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float(), (mask * positive).sum()])
-        tokens, sequences, positive_tokens = (
-            self._all_reduce(counts).clamp(min=1) / self.accelerator.num_processes
-        ).unbind()
-        normalizers = {"tokens": tokens, "sequences": sequences, "positive_tokens": positive_tokens}
-        settings = dict(
-            epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            loss_type=args.loss_type,
-            nll_coef=args.nll_coef,
-            vf_coef=args.vf_coef,
-            normalizers=normalizers,
-            # Value pretraining is plain regression on Monte-Carlo returns: no clipping around the rollout's values.
-            cliprange_value=args.cliprange_value if phase == RL else None,
-        )
+        settings = self._loss_settings(phase, mask, rollout.is_positive[rows])
 
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=mask.device))
@@ -805,9 +944,27 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.state.global_step += 1
         self._record_step(sums, grad_norms)
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-        if self.control.should_log:
-            self._log_metrics(phase)
-        self._save_pending |= self.control.should_save
+        self._log_evaluate_save()
+
+    def _loss_settings(self, phase: str, mask: torch.Tensor, is_positive: torch.Tensor) -> dict[str, Any]:
+        """`core.vapo_loss`'s settings for a step over completions with this loss `mask` and `is_positive` (this
+        process's share): its normalizers count the whole step, every process's micro-batches, divided by the number
+        of processes (which DDP's gradient averaging, or the caller's sum over processes, multiplies back)."""
+        args = self.args
+        counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float(), (mask * is_positive[:, None]).sum()])
+        tokens, sequences, positive_tokens = (
+            self._all_reduce(counts).clamp(min=1) / self.accelerator.num_processes
+        ).unbind()
+        return dict(
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            loss_type=args.loss_type,
+            nll_coef=args.nll_coef,
+            vf_coef=args.vf_coef,
+            normalizers={"tokens": tokens, "sequences": sequences, "positive_tokens": positive_tokens},
+            # Value pretraining is plain regression on Monte-Carlo returns: no clipping around the rollout's values.
+            cliprange_value=None if phase == VALUE_PRETRAIN else args.cliprange_value,
+        )
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         """Backward of one micro-batch; `last` marks the one that ends the optimizer step.

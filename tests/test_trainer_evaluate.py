@@ -1,0 +1,188 @@
+"""Evaluation during training, as GRPOTrainer evaluates: `eval_dataset` in every form it takes, TRL's eval knobs
+(`eval_strategy`, `eval_steps`, `eval_on_start`, `per_device_eval_batch_size`, `num_generations_eval`), and
+`trainer.evaluate()` before, during and after training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import DatasetDict, IterableDataset, IterableDatasetDict
+from test_trainer import digit_fraction, make_args, prompts_dataset
+
+from trl_vapo import VAPOTrainer
+from trl_vapo.core import explained_variance
+from trl_vapo.rollout import EVAL
+
+
+def eval_args(tmp_path, **overrides):
+    settings = dict(per_device_eval_batch_size=4, num_generations_eval=2)
+    return make_args(tmp_path, **{**settings, **overrides})
+
+
+def streamed(dataset):
+    return IterableDataset.from_generator(lambda: iter(dataset.to_list()))
+
+
+def eval_dataset_of(kind: str):
+    split = prompts_dataset(3)
+    part = streamed(split) if "iterable" in kind else split
+    if kind in ("dataset", "iterable_dataset"):
+        return part
+    if kind in ("dataset_dict", "iterable_dataset_dict"):
+        return (IterableDatasetDict if "iterable" in kind else DatasetDict)({"data1": part, "data2": part})
+    return {"data1": part, "data2": part}  # dict_of_dataset, dict_of_iterable_dataset
+
+
+KINDS = ["dataset", "iterable_dataset", "dataset_dict", "iterable_dataset_dict", "dict_of_dataset", "dict_of_iterable"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_eval_dataset_form_grpo_takes_evaluates_at_init_and_passed_to_evaluate(tiny_model_dir, tmp_path, kind):
+    """TRL's `test_init_with_eval_dataset` and `test_evaluate_with_eval_dataset`: given at init, `evaluate()` uses it
+    (a dict entry by entry, or one entry by name); passed to `evaluate`, it overrides the trainer's."""
+    dataset = eval_dataset_of(kind)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, eval_args(tmp_path), prompts_dataset(), dataset)
+    single = kind in ("dataset", "iterable_dataset")
+    prefixes = ["eval"] if single else ["eval_data1", "eval_data2"]
+    for metrics in (trainer.evaluate(), trainer.evaluate(eval_dataset_of(kind))):
+        for prefix in prefixes:
+            assert math.isfinite(metrics[f"{prefix}_loss"])
+            assert -1 <= metrics[f"{prefix}_reward"] <= 1
+            assert metrics[f"{prefix}_samples_per_second"] > 0
+        assert set(prefixes) == {key.rsplit("_", 1)[0] for key in metrics if key.endswith("_loss")}
+    if not single:
+        by_name = trainer.evaluate("data2", metric_key_prefix="eval_data2")
+        assert set(by_name) == {key for key in trainer.evaluate() if key.startswith("eval_data2_")}
+        with pytest.raises(KeyError, match="'data3' is not one of the trainer's eval datasets"):
+            trainer.evaluate("data3")
+
+
+class RecordingReward:
+    """`digit_fraction`, keeping what it was called with and what it returned."""
+
+    __name__ = "recording"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, prompts, completions, completion_ids, **kwargs):
+        rewards = digit_fraction(completions)
+        self.calls.append({"prompts": prompts, "lengths": [len(x) for x in completion_ids], "rewards": rewards})
+        return rewards
+
+
+class CapturingEvalTrainer(VAPOTrainer):
+    def _make_rollout(self, rows, phase, *args):
+        rollout = super()._make_rollout(rows, phase, *args)
+        if phase == EVAL:
+            self.eval_rollouts = getattr(self, "eval_rollouts", []) + [rollout]
+        return rollout
+
+
+def test_evaluate_scores_every_prompt_and_reports_grpos_metrics_and_the_critics(tiny_model_dir, tmp_path):
+    """Five prompts x `num_generations_eval` 2 in batches of `per_device_eval_batch_size` 4 completions: three
+    batches (the last one of one prompt), each prompt once; the metrics are what the reward function saw."""
+    reward = RecordingReward()
+    args = eval_args(tmp_path, nll_coef=0.0)
+    trainer = CapturingEvalTrainer(str(tiny_model_dir), reward, args, prompts_dataset(), prompts_dataset(5))
+    reward.calls.clear()  # the check before training
+    metrics = trainer.evaluate()
+
+    assert [len(call["prompts"]) for call in reward.calls] == [4, 4, 2]
+    prompts = [p for call in reward.calls for p in call["prompts"]]
+    assert prompts == [f"{i}+{i}=" for i in range(5) for _ in range(2)]
+    rewards = torch.tensor([r for call in reward.calls for r in call["rewards"]])
+    lengths = torch.tensor([n for call in reward.calls for n in call["lengths"]], dtype=torch.float)
+    batch_means = [torch.tensor(call["rewards"]).mean() for call in reward.calls]
+    assert metrics["eval_reward"] == pytest.approx(torch.stack(batch_means).mean().item(), abs=1e-6)  # as GRPO
+    assert metrics["eval_rewards/recording/mean"] == pytest.approx(metrics["eval_reward"])
+    batch_accuracies = [
+        (torch.tensor(call["rewards"]) >= args.positive_reward_threshold).float().mean() for call in reward.calls
+    ]
+    assert metrics["eval_accuracy"] == pytest.approx(torch.stack(batch_accuracies).mean().item())
+    assert metrics["eval_reward_std"] > 0 and rewards.numel() == 10
+    assert metrics["eval_completions/min_length"] == lengths.min().item()
+    assert metrics["eval_completions/max_length"] == lengths.max().item()
+
+    # The critic's explained variance pooled over every completion (not a mean of the batches'), and the loss:
+    # with nll_coef 0 and advantages whitened per batch, VAPO's loss at ratio 1 is vf_coef x the value loss.
+    rollouts = trainer.eval_rollouts
+    assert len(rollouts) == 3
+    values = torch.cat([r.old_values[r.loss_mask.bool()] for r in rollouts])
+    returns = torch.cat([r.returns[r.loss_mask.bool()] for r in rollouts])
+    pooled = explained_variance(values, returns, torch.ones_like(values)).item()
+    assert metrics["eval_value/explained_variance"] == pytest.approx(pooled, rel=1e-5)
+    value_losses = [0.5 * ((r.old_values - r.returns) ** 2 * r.loss_mask).sum() / r.loss_mask.sum() for r in rollouts]
+    expected_loss = args.vf_coef * torch.stack(value_losses).mean().item()
+    assert metrics["eval_loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-7)
+    assert all(r.old_logprobs is not None for r in rollouts)  # the policy's log-probs, for the loss
+
+
+def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tmp_path):
+    """`eval_on_start` and `eval_strategy="steps"` over one value-pretraining step and four RL steps: evaluations at
+    steps 0, 2, 4 and 5 (the last, as transformers evaluates when training ends between two `eval_steps`), logged
+    apart from training's metrics; the trained weights are bit for bit those of the same run without evaluation."""
+    common = dict(max_steps=4, per_device_train_batch_size=8, value_pretrain_steps=1)
+
+    def train(tmp, **evaluation):
+        trainer = VAPOTrainer(
+            str(tiny_model_dir),
+            digit_fraction,
+            eval_args(tmp, **common, **evaluation),
+            prompts_dataset(),
+            prompts_dataset(3),
+        )
+        trainer.train()
+        return trainer
+
+    plain = train(tmp_path / "plain")
+    evaluated = train(tmp_path / "evaluated", eval_strategy="steps", eval_steps=2, eval_on_start=True)
+    for (name, a), b in zip(plain.actor_critic.state_dict().items(), evaluated.actor_critic.state_dict().values()):
+        assert torch.equal(a, b), name
+    evaluations = [h for h in evaluated.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evaluations] == [0, 2, 4, 5]
+    assert all(not any(k.startswith("eval_") for k in h) for h in evaluated.state.log_history if "phase" in h)
+    assert all("phase" not in h and "loss" not in h and "reward" not in h for h in evaluations)
+    assert evaluated.actor_critic.training  # back in training mode after each evaluation
+    assert math.isfinite(evaluated.evaluate()["eval_loss"])  # and after training
+    assert evaluated.state.log_history[-1]["step"] == 5 and "eval_reward" in evaluated.state.log_history[-1]
+
+
+def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_dir, tmp_path):
+    """Eight prompts, four per rollout: two epochs of two rollouts; `eval_strategy` and `save_strategy` "epoch"
+    evaluate and checkpoint at the end of each."""
+    args = eval_args(
+        tmp_path,
+        per_device_train_batch_size=16,
+        max_steps=-1,
+        num_train_epochs=2,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+    )
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), prompts_dataset(2))
+    trainer.train()
+    evaluations = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert [(h["epoch"], h["step"]) for h in evaluations] == [(1.0, 2), (2.0, 4)]
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_eval_settings_and_data_are_checked_before_any_model_loads(tmp_path):
+    def build(args, eval_dataset, reward=digit_fraction):
+        VAPOTrainer("no/such-model", reward, args, prompts_dataset(), eval_dataset)
+
+    with pytest.raises(ValueError, match="eval_strategy='steps' asks for evaluation .* no eval_dataset was given"):
+        build(make_args(tmp_path, eval_strategy="steps", eval_steps=1), None)
+    with pytest.raises(
+        ValueError, match=r"eval_dataset\['b'\] has no 'prompt' column; its columns are \['answer', 'text'\]"
+    ):
+        build(make_args(tmp_path), {"a": prompts_dataset(2), "b": prompts_dataset(2).rename_column("prompt", "text")})
+    with pytest.raises(ValueError, match="eval_dataset is empty"):
+        build(make_args(tmp_path), prompts_dataset(2).select([]))
+
+    def needs_answer(completions, answer, **kwargs):
+        return [1.0 for _ in completions]
+
+    with pytest.raises(ValueError, match=r"needs the column\(s\) \['answer'\]"):
+        build(make_args(tmp_path), prompts_dataset(2).remove_columns("answer"), needs_answer)
