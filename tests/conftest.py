@@ -50,3 +50,11 @@ def tiny_model_dir(tmp_path_factory):
     from trl_vapo.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory):
+    """A saved one-label Llama sequence classifier (a reward model) with the same character tokenizer."""
+    from trl_vapo.tiny import save_tiny_reward_model
+
+    return save_tiny_reward_model(tmp_path_factory.mktemp("reward-model"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
         "reward_funcs: [math_reward, think_boxed_format_reward]\n"
         "output_dir: from-yaml\n"
     )
-    script, training, model, remaining = _parser().parse_args_and_config(
+    script, training, model, _, remaining = _parser().parse_args_and_config(
         ["--config", str(config), "--max_steps", "2", "--lora_r", "4"], return_remaining_strings=True
     )
     assert remaining == []
@@ -305,8 +306,124 @@ def test_every_example_config_parses_into_valid_settings(example):
     the machine has no GPU); the models and data sets they name are not loaded."""
     from trl_vapo.cli import _parser
 
-    script, config, model = _parser().parse_args_and_config(["--config", str(example), "--use_cpu", "true"])
+    script, config, model, _ = _parser().parse_args_and_config(["--config", str(example), "--use_cpu", "true"])
     assert model.model_name_or_path and (script.dataset_name or script.dataset_preset)
     assert config.gradient_checkpointing and config.bf16
     if model.load_in_4bit:
         assert model.use_peft  # QLoRA trains adapters
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Coming from `trl grpo`: its script with the import swapped, and its YAML config, run unchanged
+# ---------------------------------------------------------------------------------------------------------------------
+GRPO_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
+
+
+def test_the_grpo_example_is_trls_script_with_only_the_imports_swapped():
+    import difflib
+
+    import trl.scripts.grpo
+
+    ours = GRPO_EXAMPLE.read_text().splitlines()
+    ours = ours[next(i for i, line in enumerate(ours) if line.startswith("# Copyright")) :]  # after our header
+    changed = [
+        line
+        for line in difflib.unified_diff(Path(trl.scripts.grpo.__file__).read_text().splitlines(), ours, lineterm="")
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert changed == [
+        "-    from trl import GRPOTrainer, get_dataset, get_peft_config, get_quantization_config",
+        "+    from trl import get_dataset, get_peft_config, get_quantization_config",
+        "+    from trl_vapo import VAPOTrainer as GRPOTrainer  # trl-vapo: the one changed import",
+        "-    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser",
+        "+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser",
+        "+    from trl_vapo import VAPOConfig as GRPOConfig  # trl-vapo: the one changed import",
+    ]
+
+
+@pytest.fixture(scope="module")
+def grpo_data(tmp_path_factory):
+    """A local data folder as `trl grpo` reads one: chat prompts and a `solution` column (TRL's accuracy_reward)."""
+    folder = tmp_path_factory.mktemp("grpo-data")
+    for split, numbers in (("train", range(32)), ("test", range(100, 106))):
+        with (folder / f"{split}.jsonl").open("w") as f:
+            for i in numbers:
+                row = {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "solution": str(2 * i)}
+                f.write(json.dumps(row) + "\n")
+    return folder
+
+
+def grpo_yaml(path: Path, output_dir: Path, model_dir, reward_model_dir, data: str) -> Path:
+    """A `trl grpo` config (GRPOConfig's own values: loss_type dapo, scale_rewards group, beta 0), with LoRA, a
+    reward model, TRL's accuracy_reward and evaluation on the test split; then VAPO's own fields."""
+    path.write_text(
+        f"model_name_or_path: {model_dir}\n{data}"
+        f"reward_model_name_or_path: {reward_model_dir}\n"
+        "reward_funcs: [accuracy_reward]\n"
+        f"output_dir: {output_dir}\n"
+        "per_device_train_batch_size: 8\n"
+        "num_generations: 4\n"
+        "max_completion_length: 8\n"
+        "max_steps: 2\n"
+        "learning_rate: 1.0e-3\n"
+        "loss_type: dapo\n"
+        "scale_rewards: group\n"
+        "beta: 0.0\n"
+        "eval_strategy: steps\n"
+        "eval_steps: 1\n"
+        "per_device_eval_batch_size: 4\n"
+        "num_generations_eval: 2\n"
+        "logging_steps: 1\n"
+        "save_strategy: 'no'\n"
+        "report_to: none\n"
+        "use_peft: true\n"
+        "lora_r: 4\n"
+        "lora_alpha: 8\n"
+        "lora_target_modules: [q_proj, v_proj]\n"
+        "# VAPO's own\n"
+        "value_pretrain_steps: 0\n"
+    )
+    return path
+
+
+def assert_trained_lora_with_evaluations(output_dir: Path, reward_model_name: str, evaluations: int) -> None:
+    from peft import AutoPeftModelForCausalLM
+
+    assert (output_dir / "adapter_config.json").is_file()
+    assert AutoPeftModelForCausalLM.from_pretrained(output_dir) is not None  # the saved adapter reloads
+    logs = [json.loads(line) for line in (output_dir / "vapo_logs.jsonl").read_text().splitlines()]
+    evaluated = [h for h in logs if "eval_loss" in h]
+    assert len(evaluated) == evaluations
+    for h in evaluated:
+        assert -1 <= h["eval_rewards/accuracy_reward/mean"] <= 1
+        assert math.isfinite(h[f"eval_rewards/{reward_model_name}/mean"])
+
+
+def test_trls_grpo_script_with_the_import_swapped_trains_lora_evaluates_and_reloads(
+    tiny_model_dir, reward_model_dir, grpo_data, tmp_path
+):
+    out = tmp_path / "grpo-script"
+    config = grpo_yaml(tmp_path / "grpo.yaml", out, tiny_model_dir, reward_model_dir, f"dataset_name: {grpo_data}\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(GRPO_EXAMPLE), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Training completed" in proc.stdout and f"Model saved to {out}" in proc.stdout
+    assert_trained_lora_with_evaluations(out, reward_model_dir.name, evaluations=2)
+
+
+def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
+    tiny_model_dir, reward_model_dir, grpo_data, tmp_path
+):
+    """The same config, its data as a `datasets` mixture with a test split cut off (TRL's DatasetMixtureConfig), run by
+    `trl-vapo train --config`; the held-out report also scores with the reward model."""
+    out = tmp_path / "trl-vapo"
+    mixture = f"datasets:\n  - path: {grpo_data}\n    split: train\ntest_split_size: 0.25\n"
+    config = grpo_yaml(tmp_path / "grpo.yaml", out, tiny_model_dir, reward_model_dir, mixture)
+    assert main(["train", "--config", str(config), "--eval_num_prompts", "2", "--eval_k", "1"]) == 0
+    assert_trained_lora_with_evaluations(out, reward_model_dir.name, evaluations=2)

@@ -173,10 +173,10 @@ def test_the_command_line_parses_grpos_fields(tmp_path):
 
     flags = ["--output_dir", str(tmp_path), "--pad_to_multiple_of", "8", "--loss_type", "dr_grpo"]
     flags += ["--scale_rewards", "none", "--cast_lm_head_to_fp32", "--ds3_gather_for_generation", "false"]
-    _, config, _ = _parser().parse_args_and_config(flags)
+    _, config, _, _ = _parser().parse_args_and_config(flags)
     assert (config.pad_to_multiple_of, config.loss_type, config.scale_rewards) == (8, "token", "none")
     assert config.cast_lm_head_to_fp32 and not config.ds3_gather_for_generation
-    _, config, _ = _parser().parse_args_and_config(["--output_dir", str(tmp_path), "--pad_to_multiple_of", "auto"])
+    _, config, _, _ = _parser().parse_args_and_config(["--output_dir", str(tmp_path), "--pad_to_multiple_of", "auto"])
     assert config.pad_to_multiple_of is None
 
 

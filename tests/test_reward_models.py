@@ -17,12 +17,6 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl_vapo import VAPOTrainer
 from trl_vapo.rewards import math_reward
 from trl_vapo.scoring import RewardModel, load_reward_models
-from trl_vapo.tiny import save_tiny_reward_model
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory):
-    return save_tiny_reward_model(tmp_path_factory.mktemp("reward-model"))
 
 
 def one_by_one(model, tokenizer, texts) -> list[float]:

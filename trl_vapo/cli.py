@@ -69,8 +69,16 @@ class VAPOScriptArguments:
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Data set configuration (subset) name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_test_split: str | None = field(
-        default=None, metadata={"help": "Split for the held-out accuracy before and after training (optional)."}
+    dataset_test_split: str = field(
+        default="test",
+        metadata={
+            "help": "Split evaluated during training when --eval_strategy is not 'no' (as `trl grpo`), and for the "
+            "held-out accuracy before and after training (--eval_num_prompts)."
+        },
+    )
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={"help": "Stream the data set (`datasets`' streaming mode); training then needs --max_steps."},
     )
     dataset_preset: str | None = field(
         default=None,
@@ -93,11 +101,19 @@ class VAPOScriptArguments:
             "has a chat template."
         },
     )
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["math_reward"],
+    reward_funcs: list[str] | None = field(
+        default=None,
         metadata={
             "help": "Reward functions by name (math_reward, think_boxed_format_reward, TRL's accuracy_reward, "
-            "think_format_reward, ...) or import path (my_pkg.rewards.fn)."
+            "reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment, ...) or import path "
+            "(my_pkg.rewards.fn). Default: math_reward, unless --reward_model_name_or_path is given."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A reward model (sequence classification, one label): hub id or local folder, scored as "
+            "`trl grpo` scores it and added to the reward functions."
         },
     )
     value_model_name_or_path: str | None = field(
@@ -108,14 +124,18 @@ class VAPOScriptArguments:
         default=0, metadata={"help": "Held-out prompts scored before and after training (0: skip)."}
     )
     eval_k: int = field(default=4, metadata={"help": "Samples per held-out prompt for avg@k in that report."})
+    ignore_bias_buffers: bool = field(
+        default=False,
+        metadata={"help": "TRL's ScriptArguments field, accepted so that a `trl grpo` config runs; unused, as there."},
+    )
 
 
 def _parser():
-    from trl import ModelConfig, TrlParser
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
     from .config import VAPOConfig
 
-    return TrlParser((VAPOScriptArguments, VAPOConfig, ModelConfig), prog="trl-vapo train")
+    return TrlParser((VAPOScriptArguments, VAPOConfig, ModelConfig, DatasetMixtureConfig), prog="trl-vapo train")
 
 
 class UsageError(Exception):
@@ -125,7 +145,7 @@ class UsageError(Exception):
 # ------------------------------------------------------------------------------------------------------------- train
 def _is_demo(argv: list[str]) -> bool:
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    return not given & {"--config", "--model_name_or_path", "--dataset_name", "--dataset_preset"}
+    return not given & {"--config", "--model_name_or_path", "--dataset_name", "--dataset_preset", "--datasets"}
 
 
 def _split_launch_args(remaining: list[str]) -> list[str]:
@@ -153,8 +173,8 @@ def train_command(argv: list[str]) -> int:
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS)
     try:
-        script_args, training_args, model_args, config_remaining, cli_remaining = parser.parse_args_and_config(
-            argv, return_remaining_strings=True, separate_remaining_strings=True
+        script_args, training_args, model_args, mixture, config_remaining, cli_remaining = (
+            parser.parse_args_and_config(argv, return_remaining_strings=True, separate_remaining_strings=True)
         )
     except ValueError as error:  # VAPOConfig validation
         raise UsageError(str(error)) from None
@@ -169,8 +189,10 @@ def train_command(argv: list[str]) -> int:
 
     started = time.time()
     # Everything a typo can break is checked before the model loads; a failure is one line on stderr.
-    reward_funcs = _resolve_rewards(script_args.reward_funcs)
-    model_id, train_dataset, test_dataset = _resolve_data(script_args, model_args, training_args, demo)
+    reward_funcs = _resolve_rewards(_reward_names(script_args))
+    model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
+        script_args, model_args, training_args, demo, mixture
+    )
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation:
@@ -182,18 +204,21 @@ def train_command(argv: list[str]) -> int:
 
     trainer = VAPOTrainer(
         model=model_id,
-        reward_funcs=reward_funcs,
+        reward_funcs=[script_args.reward_model_name_or_path, *reward_funcs]
+        if script_args.reward_model_name_or_path
+        else reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         processing_class=AutoTokenizer.from_pretrained(
             model_id, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
         ),
         value_model=script_args.value_model_name_or_path,
         peft_config=get_peft_config(model_args),
     )
-    before = _held_out_report(trainer, test_dataset, script_args, reward_funcs)
+    before = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    after = _held_out_report(trainer, test_dataset, script_args, reward_funcs)
+    after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
     trainer.model_card_info = _model_card_info(script_args, before, after, demo)
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
@@ -219,14 +244,19 @@ def _model_card_info(script_args, before, after, demo: bool) -> dict:
     return info
 
 
-def _resolve_data(script_args, model_args, training_args, demo: bool):
-    """The model id and the train / held-out prompt data sets the flags describe."""
+def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=None):
+    """The model id and the prompt data sets the flags describe: to train on, to evaluate on during training (when
+    `eval_strategy` asks for it, as `trl grpo`), and for the held-out report (`eval_num_prompts`)."""
+    evaluates = training_args.eval_strategy != "no"
     if demo:
         from .demo import MODEL_DIR
         from .demo.data import build_split
 
         test = build_split("held_out", script_args.eval_num_prompts) if script_args.eval_num_prompts else None
-        return str(MODEL_DIR), build_split("train", 4096), test
+        during = build_split("held_out", 64) if evaluates else None
+        return str(MODEL_DIR), build_split("train", 4096), during, test
+    if mixture is not None and mixture.datasets:
+        return _resolve_mixture(script_args, model_args, mixture, evaluates)
 
     from .data import BOXED_INSTRUCTION, PRESETS, load_prompt_dataset
 
@@ -275,16 +305,67 @@ def _resolve_data(script_args, model_args, training_args, demo: bool):
                 prompt_template=script_args.prompt_template,
                 system_prompt=script_args.system_prompt,
                 chat=chat,
+                streaming=script_args.dataset_streaming,
             )
         except (ValueError, FileNotFoundError) as error:
             raise UsageError(str(error)) from None
 
     train = load(script_args.dataset_train_split)
-    test = None
-    if script_args.dataset_test_split and script_args.eval_num_prompts:
-        test = load(script_args.dataset_test_split)
-        test = test.select(range(min(len(test), script_args.eval_num_prompts)))
-    return model_args.model_name_or_path, train, test
+    test_split = load(script_args.dataset_test_split) if evaluates or script_args.eval_num_prompts else None
+    return (
+        model_args.model_name_or_path,
+        train,
+        test_split if evaluates else None,
+        _report_prompts(test_split, script_args),
+    )
+
+
+def _resolve_mixture(script_args, model_args, mixture, evaluates: bool):
+    """`--datasets` (a `trl grpo` mixture, usually from the YAML config), loaded by TRL's `get_dataset` and used as
+    `trl grpo` uses it: the rows as they are (a `prompt` column), the train and test splits by their names."""
+    from trl import get_dataset
+
+    if script_args.dataset_name:
+        logger.warning("Both `datasets` and `dataset_name` are given: `datasets` is used, as by `trl grpo`.")
+    if not model_args.model_name_or_path:
+        raise UsageError("--model_name_or_path is required with a data set (omit both for the offline demo)")
+    try:
+        splits = get_dataset(mixture)
+    except (ValueError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from None
+
+    def split(name: str):
+        if name not in splits:
+            raise UsageError(f"the --datasets mixture has no split {name!r}; its splits are {sorted(splits)}")
+        return splits[name]
+
+    test_split = split(script_args.dataset_test_split) if evaluates or script_args.eval_num_prompts else None
+    train = split(script_args.dataset_train_split)
+    return (
+        model_args.model_name_or_path,
+        train,
+        test_split if evaluates else None,
+        _report_prompts(test_split, script_args),
+    )
+
+
+def _report_prompts(test_split, script_args):
+    """The first `eval_num_prompts` prompts of the test split, for the held-out report (None: no report)."""
+    if test_split is None or not script_args.eval_num_prompts:
+        return None
+    from datasets import Dataset, IterableDataset
+
+    if isinstance(test_split, IterableDataset):
+        return Dataset.from_list(list(test_split.take(script_args.eval_num_prompts)))
+    return test_split.select(range(min(len(test_split), script_args.eval_num_prompts)))
+
+
+def _reward_names(script_args) -> list[str]:
+    """The reward functions asked for: `--reward_funcs`, by default VAPO's verifier `math_reward`, or none when a
+    reward model is the reward source (as in `trl grpo`, which needs one or the other)."""
+    if script_args.reward_funcs is not None:
+        return script_args.reward_funcs
+    return [] if script_args.reward_model_name_or_path else ["math_reward"]
 
 
 def _resolve_rewards(names: list[str]):
@@ -449,7 +530,13 @@ def eval_command(argv: list[str]) -> int:
 
     from .evaluation import evaluate_policy
 
-    reward_funcs = _resolve_rewards(script.reward_funcs)
+    reward_funcs = _resolve_rewards(_reward_names(script))
+    if script.reward_model_name_or_path:  # scored as in training (loaded as `VAPOTrainer` loads it)
+        from .config import VAPOConfig
+        from .scoring import load_reward_models
+
+        settings = VAPOConfig(output_dir=".", report_to="none", trust_remote_code=args.trust_remote_code)
+        reward_funcs = load_reward_models([script.reward_model_name_or_path, *reward_funcs], None, settings)
     if script.dataset_name is None and script.dataset_preset is None:
         from .demo.data import build_split
 
@@ -460,7 +547,7 @@ def eval_command(argv: list[str]) -> int:
         from .config import VAPOConfig
 
         script.dataset_train_split = script.dataset_test_split or "test"
-        _, dataset, _ = _resolve_data(
+        _, dataset, _, _ = _resolve_data(
             script,
             ModelConfig(model_name_or_path=args.model),
             VAPOConfig(output_dir=".", report_to="none"),

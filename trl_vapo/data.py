@@ -50,30 +50,38 @@ def load_prompt_dataset(
     prompt_template: str | None = None,
     system_prompt: str | None = None,
     chat: bool = True,
-) -> Dataset:
-    """Load `split` of a data set and return rows with a `prompt` (chat messages or text) and an `answer`.
+    streaming: bool = False,
+) -> Dataset | IterableDataset:
+    """Load `split` of a data set and return its rows with a `prompt` (chat messages or text) and an `answer` (the
+    other columns are kept, for the reward functions).
 
     Args:
         dataset_name: a hub data set name, a local file (`.json`, `.jsonl`, `.csv`, `.parquet`) or a folder of them.
         prompt_column: column holding the problem text (or ready-made chat messages).
         answer_column: column holding the gold answer, copied to `answer` for the reward functions; None to skip.
+            The default, `"answer"`, is skipped when the data set has no such column (GRPO data sets often keep
+            theirs under another name, e.g. `solution`, which the reward functions read directly).
         prompt_template: a `str.format` template over the row's columns, e.g. `"{question}\\nAnswer in \\boxed{{}}."`.
         system_prompt: a system message put before the problem (chat prompts only).
         chat: build chat messages (`[{"role": "user", ...}]`) rather than plain text.
+        streaming: load it as an `IterableDataset` (`datasets`' streaming mode), read as training goes.
 
     Raises:
         ValueError: naming the missing column and listing the columns present, before anything else runs.
     """
-    dataset = _load(dataset_name, split, dataset_config)
-    columns = dataset.column_names
+    dataset = _load(dataset_name, split, dataset_config, streaming)
+    first = next(iter(dataset), None)
+    if first is None:
+        raise ValueError(f"{dataset_name} ({split}) is empty.")
+    columns = list(first)
+    if answer_column == "answer" and "answer" not in columns:
+        answer_column = None
     for role, column in (("prompt_column", prompt_column), ("answer_column", answer_column)):
         if column is not None and column not in columns:
             raise ValueError(
                 f"{dataset_name} ({split}) has no column {column!r} ({role}); its columns are {columns}. "
                 f"Pass --{role} with one of them."
             )
-    if len(dataset) == 0:
-        raise ValueError(f"{dataset_name} ({split}) is empty.")
 
     def to_prompt(row: dict) -> dict:
         problem = row[prompt_column]
@@ -87,7 +95,7 @@ def load_prompt_dataset(
             prompt = f"{system_prompt}\n\n{text}" if system_prompt else text
         return {"prompt": prompt, **({"answer": str(row[answer_column])} if answer_column else {})}
 
-    return dataset.map(to_prompt, desc="Building prompts")
+    return dataset.map(to_prompt) if streaming else dataset.map(to_prompt, desc="Building prompts")
 
 
 @contextlib.contextmanager
@@ -134,7 +142,7 @@ def prompt_token_ids(
     return tokenizer(text=list(prompts))["input_ids"]
 
 
-def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
+def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: bool = False):
     path = Path(dataset_name).expanduser()
     if path.is_file():
         builder = _FILE_BUILDERS.get(path.suffix.lower())
@@ -142,13 +150,13 @@ def _load(dataset_name: str, split: str, dataset_config: str | None) -> Dataset:
             raise ValueError(f"{path} is not a .json, .jsonl, .csv or .parquet file.")
         # A single local file holds one split; call it by the split asked for.
         with _no_download_counts():
-            return load_dataset(builder, data_files={split: str(path)}, split=split)
+            return load_dataset(builder, data_files={split: str(path)}, split=split, streaming=streaming)
     if path.is_dir():
         with _no_download_counts():
-            return load_dataset(str(path), dataset_config, split=split)
+            return load_dataset(str(path), dataset_config, split=split, streaming=streaming)
     if dataset_name.startswith((".", "/", "~")) or os.sep in dataset_name and dataset_name.count(os.sep) > 1:
         raise FileNotFoundError(f"Dataset path {dataset_name} does not exist.")
-    return load_dataset(dataset_name, dataset_config, split=split)
+    return load_dataset(dataset_name, dataset_config, split=split, streaming=streaming)
 
 
 def check_train_dataset(dataset, args) -> dict:

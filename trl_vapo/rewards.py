@@ -1461,12 +1461,18 @@ REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {
 
 
 # TRL's own reward functions, by the names its `grpo` script accepts.
-_TRL_REWARD_FUNCTIONS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")
+_TRL_REWARD_FUNCTIONS = (
+    "accuracy_reward",
+    "reasoning_accuracy_reward",
+    "think_format_reward",
+    "get_soft_overlong_punishment",  # built with `trl grpo`'s values: max_completion_len=1280, soft_punish_cache=256
+)
 
 
 def get_reward_function(name: str) -> Callable[..., list[float | None]]:
-    """Resolve a reward function by registry name (:data:`REWARD_FUNCTIONS`, or one of TRL's: ``accuracy_reward``,
-    ``reasoning_accuracy_reward``, ``think_format_reward``) or import path.
+    """Resolve a reward function by registry name (:data:`REWARD_FUNCTIONS`, or one of `trl grpo`'s:
+    ``accuracy_reward``, ``reasoning_accuracy_reward``, ``think_format_reward``, ``get_soft_overlong_punishment``) or
+    import path.
 
     Import paths are ``package.module.attribute`` or ``package.module:attribute`` (as TRL's ``grpo`` script accepts),
     e.g. ``trl.rewards.accuracy_reward`` or ``my_rewards:make_reward`` (the attribute itself is returned; call
@@ -1477,7 +1483,8 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
     if name in _TRL_REWARD_FUNCTIONS:
         from ._compat import trl_reward_function
 
-        return trl_reward_function(name)
+        func = trl_reward_function(name)
+        return func(max_completion_len=1280, soft_punish_cache=256) if name == "get_soft_overlong_punishment" else func
     module_name, sep, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
     if not sep or not module_name or not attribute:
         raise ValueError(
