@@ -32,7 +32,9 @@ from trl_vapo.distributed import optimizer_states
 from trl_vapo.modeling import _causal_lm
 
 
-def digit_fraction(completions, **kwargs):
+def digit_fraction(completions, log_metric, **kwargs):
+    # A reward function's own metric (TRL's `log_metric`): averaged over every process's calls, as GRPOTrainer does.
+    log_metric("digits/completion_chars", sum(len(c) for c in completions) / len(completions))
     return [2 * sum(ch.isdigit() for ch in c) / max(len(c), 1) - 1 for c in completions]
 
 

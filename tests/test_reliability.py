@@ -531,6 +531,7 @@ def torchrun(*args, timeout=400):
 
 
 COMPARED = [
+    "digits/completion_chars",  # the reward function's log_metric: both processes' calls, averaged
     "reward",
     "reward_std",
     "accuracy",

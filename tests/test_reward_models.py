@@ -104,6 +104,14 @@ def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_chec
     assert table.text_columns()["length"] == lengths and "length" not in table.columns  # logged, not printed
     assert table.to_dataframe()["length"].tolist() == lengths
 
+    from trl_vapo.evaluation import evaluate_policy
+
+    # `trl-vapo eval` scores with the same functions outside training: they get a trainer_state at step 0.
+    result = evaluate_policy(
+        trainer.model, trainer.processing_class, prompts_dataset(2), progress_reward, k=1, max_new_tokens=4
+    )
+    assert result.num_problems == 2
+
 
 async def slow_digits(completions, **kwargs):
     await asyncio.sleep(0.4)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
+from transformers import TrainerState
 from trl import is_conversational
 
 from .data import prompt_token_ids
@@ -113,7 +114,8 @@ def evaluate_policy(
     scorer = RewardScorer(reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}))
 
     def correct(completions: list[str], group: int) -> torch.Tensor:
-        scores = scorer.score([row for row in rows for _ in range(group)], completions)
+        # Outside training, functions that read `trainer_state` get one at step 0, as in the check before training.
+        scores = scorer.score([row for row in rows for _ in range(group)], completions, trainer_state=TrainerState())
         return scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
 
     generator = _engine(engine, model, tokenizer, batch_size)

@@ -88,13 +88,18 @@ class Rollout:
 
 def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | None) -> dict[str, float]:
     """The rollout's statistics over all processes: rewards, accuracy, lengths, the critic and the advantages."""
+    device = rollout.loss_mask.device
+
+    def gathered(tensor: torch.Tensor) -> torch.Tensor:  # the scores live on the CPU; NCCL gathers only device tensors
+        return gather(tensor.to(device))
+
     scores = rollout.scores
-    scored = gather(scores.scored)
-    trains = gather(rollout.loss_mask.sum(dim=1) > 0)
-    is_positive = gather(rollout.is_positive)
-    rewards = gather(scores.reward)[scored]
-    lengths = gather(rollout.lengths).float()
-    per_function = gather(scores.per_function)
+    scored = gathered(scores.scored)
+    trains = gathered(rollout.loss_mask.sum(dim=1) > 0)
+    is_positive = gathered(rollout.is_positive)
+    rewards = gathered(scores.reward)[scored]
+    lengths = gathered(rollout.lengths).float()
+    per_function = gathered(scores.per_function)
     mask = rollout.loss_mask
     metrics = {
         "reward": _mean(rewards),
@@ -105,11 +110,11 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": gather(rollout.truncated).float().mean().item(),
+        "completions/clipped_ratio": gathered(rollout.truncated).float().mean().item(),
         "value/mean": global_masked_mean(rollout.old_values, mask, all_reduce),
         "value/explained_variance": explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
         "advantages/mean": global_masked_mean(rollout.raw_advantages, mask, all_reduce),
-        "lambda_actor/mean": _mean(gather(rollout.lambda_actor)[trains]),
+        "lambda_actor/mean": _mean(gathered(rollout.lambda_actor)[trains]),
     }
     for j, name in enumerate(scores.names):
         column = per_function[:, j]

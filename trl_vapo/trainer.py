@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
@@ -629,14 +629,16 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         completion_ids = sample.completion_lists()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         extra_columns: dict[str, list] = defaultdict(list)  # TRL's `log_extra`: columns of the completions table
+        reward_metrics: dict[str, list[float]] = defaultdict(list)  # TRL's `log_metric`
         scores = self.scorer.score(
             rows,
             texts,
             completion_ids,
             self.state,
-            self._log_metric,
+            lambda name, value: reward_metrics[name].append(float(value)),
             lambda name, values: extra_columns[name].extend(values),
         )
+        self._record_reward_metrics(reward_metrics)
         trains = scores.scored.to(device) & (sample.lengths > 0)
         if args.mask_truncated_completions:
             trains &= ~sample.is_truncated
@@ -1085,8 +1087,19 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         """The sum over processes (the tensor itself on one process)."""
         return self.accelerator.reduce(tensor, "sum") if self._distributed else tensor
 
-    def _log_metric(self, key: str, value: float) -> None:
-        self._metrics[key].append(float(value))
+    def _record_reward_metrics(self, values: dict[str, list[float]]) -> None:
+        """The reward functions' `log_metric` values of one rollout, averaged over every process's calls as
+        GRPOTrainer averages them (processes may log different names: all of them are reduced, in one order)."""
+        names = sorted(values)
+        if self._distributed:
+            names = sorted(set(gather_object(names)))
+        if not names:
+            return
+        sums = [[sum(values.get(name, [])), len(values.get(name, []))] for name in names]
+        totals = self._all_reduce(torch.tensor(sums, dtype=torch.float32, device=self.accelerator.device))
+        for name, (total, count) in zip(names, totals.tolist()):
+            if count:
+                self._metrics[name].append(total / count)
 
     def _record(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
