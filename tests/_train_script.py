@@ -32,9 +32,10 @@ from trl_vapo.distributed import optimizer_states
 from trl_vapo.modeling import _causal_lm
 
 
-def digit_fraction(completions, log_metric, **kwargs):
-    # A reward function's own metric (TRL's `log_metric`): averaged over every process's calls, as GRPOTrainer does.
-    log_metric("digits/completion_chars", sum(len(c) for c in completions) / len(completions))
+def digit_fraction(prompts, completions, log_metric, **kwargs):
+    # A reward function's own metric (TRL's `log_metric`), different on each process (each scores its own prompts):
+    # logged as the mean over every process's calls, as GRPOTrainer logs it, it is the one-process run's.
+    log_metric("prompts/mean_operands", sum(int(p[:2]) * 100 + int(p[3:5]) for p in prompts) / len(prompts))
     return [2 * sum(ch.isdigit() for ch in c) / max(len(c), 1) - 1 for c in completions]
 
 

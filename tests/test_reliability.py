@@ -531,7 +531,7 @@ def torchrun(*args, timeout=400):
 
 
 COMPARED = [
-    "digits/completion_chars",  # the reward function's log_metric: both processes' calls, averaged
+    "prompts/mean_operands",  # the reward function's log_metric: both processes' calls, averaged
     "reward",
     "reward_std",
     "accuracy",
