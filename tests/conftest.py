@@ -23,16 +23,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
-# The slowest files first (seconds on the development VM), so that xdist's per-file scheduling ends both workers
-# together: in alphabetical order the two workers finished 35 s apart.
+# The slowest files first (seconds on the development VM, 2026-11-25), so that xdist's per-file scheduling ends both
+# workers together (pyproject.toml passes --no-loadscope-reorder: xdist would otherwise order the files by their
+# number of tests, and the two workers finished up to 30 s apart).
 SLOWEST_FILES = [
-    "test_distributed.py",  # 86
-    "test_reliability.py",  # 84
-    "test_cli.py",  # 55
-    "test_bench_learning.py",  # 47
-    "test_trainer.py",  # 46
-    "test_benchmarks.py",  # 40
-    "test_rewards.py",  # 28
+    "test_distributed.py",  # 101
+    "test_reliability.py",  # 92
+    "test_cli.py",  # 65
+    "test_trainer.py",  # 51
+    "test_bench_learning.py",  # 50
+    "test_benchmarks.py",  # 49
+    "test_rewards.py",  # 32
+    "test_bench_gpu.py",  # 18
+    "test_precision_checkpointing.py",  # 17
+    "test_engines.py",  # 14
+    "test_demo_chains.py",  # 14
+    "test_generation.py",  # 12
+    "test_trackers.py",  # 11
+    "test_grpo_parity.py",  # 10
 ]
 
 

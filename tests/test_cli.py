@@ -150,6 +150,7 @@ BAD_INPUT = [
     (["--reward_funcs", "no_such_reward"], "no_such_reward"),
     (["--dataset_preset", "aime"], "aime"),
     (["--deepspeed", '{"zero_optimization": {"stage": 2, "zenflow": {}}}'], "ZenFlow"),  # {}: on, with defaults
+    (["--eval_strategy", "steps"], "is one file, so one split: its 'test' split would be the training prompts"),
 ]
 
 # Runs `trl-vapo train` once per case in one process: it imports what the command imports once, then forks one
@@ -424,3 +425,10 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     config = grpo_yaml(tmp_path / "grpo.yaml", out, tiny_model_dir, reward_model_dir, mixture)
     assert main(["train", "--config", str(config), "--eval_num_prompts", "2", "--eval_k", "1"]) == 0
     assert_trained_lora_with_evaluations(out, reward_model_dir.name, evaluations=2)
+
+
+def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):
+    config = tmp_path / "grpo.yaml"
+    config.write_text("datasets:\n  - path: some/data\ntest_split_size: 0.1\nlearning_rate: 1.0e-5\n")
+    assert main(["eval", "--config", str(config), "--model", "some/model"]) == 2
+    assert "the config's datasets: mixture is for training" in capsys.readouterr().err

@@ -151,8 +151,9 @@ def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tm
 
 
 def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_dir, tmp_path):
-    """Eight prompts, four per rollout: two epochs of two rollouts; `eval_strategy` and `save_strategy` "epoch"
-    evaluate and checkpoint at the end of each."""
+    """Ten prompts, four per rollout: two epochs of two rollouts (two prompts left over each time); the "epoch"
+    strategies evaluate, checkpoint and log at the end of each, at epochs 1 and 2. Resumed when it is over, the run
+    does nothing more."""
     args = eval_args(
         tmp_path,
         per_device_train_batch_size=16,
@@ -160,12 +161,72 @@ def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_di
         num_train_epochs=2,
         eval_strategy="epoch",
         save_strategy="epoch",
+        logging_strategy="epoch",
     )
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), prompts_dataset(2))
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(10), prompts_dataset(2))
     trainer.train()
     evaluations = [h for h in trainer.state.log_history if "eval_loss" in h]
     assert [(h["epoch"], h["step"]) for h in evaluations] == [(1.0, 2), (2.0, 4)]
+    assert [(h["epoch"], h["step"]) for h in trainer.state.log_history if "phase" in h] == [(1.0, 2), (2.0, 4)]
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    trainer.train(resume_from_checkpoint=True)
+    history = trainer.state.log_history
+    assert trainer.state.global_step == 4 and [h["step"] for h in history if "eval_loss" in h or "phase" in h] == [
+        2,
+        2,
+        4,
+        4,
+    ]  # nothing logged, evaluated or saved again
+
+
+def test_the_best_metric_drives_early_stopping_and_the_best_checkpoints(tiny_model_dir, tmp_path):
+    """`metric_for_best_model="loss"` with `save_strategy="best"` and TRL's usual `EarlyStoppingCallback`: a
+    checkpoint at each evaluation that lowers `eval_loss`, `best_model_checkpoint` the last of them, and training
+    stops at the first evaluation that does not improve (patience 1)."""
+    from transformers import EarlyStoppingCallback
+
+    args = eval_args(
+        tmp_path,
+        max_steps=8,
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="loss",
+        save_strategy="best",
+        learning_rate=3e-2,
+        critic_learning_rate=3e-2,
+    )
+    trainer = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        args,
+        prompts_dataset(),
+        prompts_dataset(3),
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=1)],
+    )
+    trainer.train()
+    losses = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    improving, best = [], math.inf
+    for step, loss in losses:
+        if loss >= best:
+            break
+        improving.append(step)
+        best = loss
+    assert 1 <= len(improving) < len(losses)  # an evaluation that did not improve...
+    assert losses[-1][0] == trainer.state.global_step == losses[len(improving)][0] < 8  # ...stopped training there
+    assert trainer.state.best_metric == best
+    assert sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*")) == improving
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{improving[-1]}")
+
+
+def test_load_best_model_at_end_is_refused_naming_what_to_do_instead(tmp_path):
+    with pytest.raises(ValueError, match="load_best_model_at_end=True is not supported.*best_model_checkpoint"):
+        eval_args(
+            tmp_path,
+            eval_strategy="steps",
+            save_strategy="steps",
+            load_best_model_at_end=True,
+            metric_for_best_model="loss",
+        )
 
 
 def test_eval_settings_and_data_are_checked_before_any_model_loads(tmp_path):

@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,12 +126,13 @@ def newest_resumable_checkpoint(output_dir: str | os.PathLike) -> Path:
     raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {output_dir} can be read (see above).")
 
 
-def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, keep: Path | None = None) -> None:
-    """Delete the oldest checkpoints beyond ``save_total_limit`` (never ``keep``)."""
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, keep: Sequence[Path] = ()) -> None:
+    """Delete the oldest checkpoints beyond ``save_total_limit`` (never those in ``keep``: the newest, the best)."""
     if not save_total_limit or save_total_limit <= 0:
         return
-    checkpoints = [c for c in list_checkpoints(output_dir) if c != keep]
-    excess = len(checkpoints) + (keep is not None) - save_total_limit
+    kept = set(keep)
+    checkpoints = [c for c in list_checkpoints(output_dir) if c not in kept]
+    excess = len(checkpoints) + len(kept) - save_total_limit
     for stale in checkpoints[: max(excess, 0)]:
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -360,6 +362,8 @@ class SavingMixin:
             if not self.is_deepspeed_enabled:
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+            if self.state.best_global_step == self.state.global_step:  # `metric_for_best_model`'s best so far
+                self.state.best_model_checkpoint = str(final)
             callbacks = self.callback_handler.callbacks + [self.control]
             self.state.stateful_callbacks = {
                 type(cb).__name__: cb.state() for cb in callbacks if isinstance(cb, ExportableState)
@@ -371,7 +375,9 @@ class SavingMixin:
             marker = {"progress": dataclasses.asdict(self.progress), "run": self._fingerprint()}
             (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
             publish(tmp, final)
-            rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=final)
+            best = self.state.best_model_checkpoint
+            keep = [final] + ([Path(best)] if best and Path(best) != final else [])
+            rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep)
         self.accelerator.wait_for_everyone()
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 

@@ -311,7 +311,16 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
             raise UsageError(str(error)) from None
 
     train = load(script_args.dataset_train_split)
-    test_split = load(script_args.dataset_test_split) if evaluates or script_args.eval_num_prompts else None
+    test_split = None
+    if evaluates or script_args.eval_num_prompts:
+        one_file = Path(script_args.dataset_name).expanduser().is_file()
+        if one_file and script_args.dataset_test_split != script_args.dataset_train_split:
+            raise UsageError(
+                f"{script_args.dataset_name} is one file, so one split: its {script_args.dataset_test_split!r} "
+                "split would be the training prompts. Pass a folder with a file per split (train.jsonl, "
+                f"test.jsonl), or --dataset_test_split {script_args.dataset_train_split} to score the training prompts"
+            )
+        test_split = load(script_args.dataset_test_split)
     return (
         model_args.model_name_or_path,
         train,
@@ -515,6 +524,11 @@ def eval_command(argv: list[str]) -> int:
         unknown += [arg for arg in config_remaining if arg.startswith("--") and arg[2:] not in train_dests]
     if unknown:
         raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo eval --help`)")
+    if "--datasets" in config_remaining:
+        raise UsageError(
+            "the config's datasets: mixture is for training; eval scores one data set: pass --dataset_name (and "
+            "--dataset_test_split)"
+        )
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
     from .generation import EngineSettings, build_engine, check_engine_available

@@ -685,6 +685,12 @@ class VAPOConfig(TrainingArguments):
             "VAPO's clipped PPO loss.",
         )
         require(
+            not self.load_best_model_at_end,
+            "load_best_model_at_end=True is not supported: VAPOTrainer ends with the policy and critic it trained "
+            "last. With metric_for_best_model, trainer.state.best_model_checkpoint names the best checkpoint (kept "
+            "by save_total_limit); load its policy with from_pretrained.",
+        )
+        require(
             self.num_generations_eval is None or self.num_generations_eval >= 1,
             f"num_generations_eval must be >= 1 or None, got {self.num_generations_eval}.",
         )

@@ -35,7 +35,7 @@ from datasets import Dataset, IterableDataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from trl import is_conversational
 
 from . import checkpoint as ckpt
@@ -417,6 +417,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self._stream = (None, None)  # a streamed dataset restarts where `progress` says (after a resume too)
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
+        self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
         if args.gradient_checkpointing:
             self.actor_critic.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
         if self.is_deepspeed_enabled:
@@ -443,8 +444,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.model_wrapped.train()
         while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
             self._train_on_rollout()
-        if self._epoch_ended_at != self.state.global_step:  # as transformers ends its last epoch when training stops
-            self._end_epoch()
+        if start_step < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
+            self._end_epoch(completed=False)
             if self._save_pending:
                 self._save_checkpoint()
                 self._save_pending = False
@@ -502,7 +503,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if self.control.should_log:
             self._log_metrics(self.progress.phase)
         if self.control.should_evaluate:
-            self.evaluate()
+            # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
+            # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
+            new_best = self._determine_best_metric(self.evaluate(), trial=None)
+            self.control.should_save |= new_best and self.args.save_strategy == SaveStrategy.BEST
         self._save_pending |= self.control.should_save
 
     def _epoch_is_over(self) -> bool:
@@ -513,10 +517,12 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             return False
         return self.progress.data_index + self.args.generation_batch_size // self.args.num_generations > len(dataset)
 
-    def _end_epoch(self) -> None:
-        """An epoch of the prompts ended, or training did: the callbacks' `on_epoch_end`, then the log, evaluation and
-        checkpoint that the "epoch" logging / eval / save strategies ask for."""
+    def _end_epoch(self, completed: bool = True) -> None:
+        """An epoch of the prompts ended (`completed`), or training did: the callbacks' `on_epoch_end`, then the log,
+        evaluation and checkpoint that the "epoch" logging / eval / save strategies ask for."""
         self._epoch_ended_at = self.state.global_step
+        if completed:  # its last rollout may have left a few prompts unused: the epoch is over all the same
+            self.state.epoch = float(self.progress.data_epoch + 1)
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
         self._log_evaluate_save()
 
@@ -787,8 +793,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         scored completions whose reward is at least `positive_reward_threshold`), the critic's
         `value/explained_variance` on these held-out completions (pooled over the whole set) and `value/mean`. `loss`
         is VAPO's loss at the current weights (`core.vapo_loss`; the policy ratio is 1). Works before, during and after
-        training: the models are in eval mode meanwhile, and training's random state is restored afterwards, so
-        evaluating never changes what trains.
+        training: the models are in eval mode meanwhile, and torch's random state is restored afterwards, so
+        evaluating does not change what trains (with the transformers engines; vLLM keeps its own sampler state).
+        With `metric_for_best_model`, the evaluations during training track `state.best_metric` (early stopping,
+        `save_strategy="best"`, `state.best_model_checkpoint`).
         """
         if isinstance(eval_dataset, str):
             if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
@@ -802,6 +810,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                     self.scorer.check(row)
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if self.model_wrapped is self.actor_critic and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError(
+                "trainer.evaluate() before train() is not supported under DeepSpeed or FSDP: the models are placed "
+                "and sharded when training starts. Set eval_on_start=True to evaluate before the first step."
+            )
         if isinstance(dataset, dict):  # DatasetDict, IterableDatasetDict or a dict
             metrics = {}
             for name, part in dataset.items():
