@@ -33,9 +33,9 @@ DEMO_DEFAULTS = {
     "steps_per_generation": 4,
     "num_generations": 8,
     "max_completion_length": 96,  # the longest correct answer is 83 tokens
-    # The best VAPO recipe of benchmarks/bench_learning.py (its tuning stage, on seeds never reported): a short value
-    # pretraining, then four critic passes over each rollout (one with the policy, three critic-only), so the critic
-    # keeps up with a policy that moves at lr 1e-4. 35 rollouts of 64 samples in all, as in the benchmark.
+    # The VAPO variant the tuning stage of benchmarks/bench_learning.py chose (one tuning seed, never reported): a
+    # short value pretraining, then four critic passes over each rollout (one with the policy, three critic-only), so
+    # the critic keeps up with a policy that moves at lr 1e-4. 35 rollouts of 64 samples in all, as in the benchmark.
     "value_pretrain_steps": 5,
     "critic_num_iterations": 4,
     "max_steps": 480,  # RL optimizer steps, critic-only ones included: 30 rollouts x (4 + 12)
@@ -321,12 +321,7 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
                 f"test.jsonl), or --dataset_test_split {script_args.dataset_train_split} to score the training prompts"
             )
         test_split = load(script_args.dataset_test_split)
-    return (
-        model_args.model_name_or_path,
-        train,
-        test_split if evaluates else None,
-        _report_prompts(test_split, script_args),
-    )
+    return _data_sets(model_args.model_name_or_path, train, test_split, evaluates, script_args)
 
 
 def _resolve_mixture(script_args, model_args, mixture, evaluates: bool):
@@ -350,23 +345,21 @@ def _resolve_mixture(script_args, model_args, mixture, evaluates: bool):
 
     test_split = split(script_args.dataset_test_split) if evaluates or script_args.eval_num_prompts else None
     train = split(script_args.dataset_train_split)
-    return (
-        model_args.model_name_or_path,
-        train,
-        test_split if evaluates else None,
-        _report_prompts(test_split, script_args),
-    )
+    return _data_sets(model_args.model_name_or_path, train, test_split, evaluates, script_args)
 
 
-def _report_prompts(test_split, script_args):
-    """The first `eval_num_prompts` prompts of the test split, for the held-out report (None: no report)."""
-    if test_split is None or not script_args.eval_num_prompts:
-        return None
-    from datasets import Dataset, IterableDataset
+def _data_sets(model_id: str, train, test_split, evaluates: bool, script_args):
+    """What `_resolve_data` returns: the model id, the training prompts, the test split to evaluate on during
+    training (when `eval_strategy` asks for it) and its first `eval_num_prompts` prompts for the held-out report."""
+    report = None
+    if test_split is not None and script_args.eval_num_prompts:
+        from datasets import Dataset, IterableDataset
 
-    if isinstance(test_split, IterableDataset):
-        return Dataset.from_list(list(test_split.take(script_args.eval_num_prompts)))
-    return test_split.select(range(min(len(test_split), script_args.eval_num_prompts)))
+        if isinstance(test_split, IterableDataset):
+            report = Dataset.from_list(list(test_split.take(script_args.eval_num_prompts)))
+        else:
+            report = test_split.select(range(min(len(test_split), script_args.eval_num_prompts)))
+    return model_id, train, test_split if evaluates else None, report
 
 
 def _reward_names(script_args) -> list[str]:
