@@ -12,7 +12,8 @@ benchmark's VAPO recipe (the chains task's cold-start model, tuning seed 1000: t
 * ``ev``: the critic's explained variance of the returns, what the trainer logs as ``value/explained_variance``;
 * ``oracle_ev``: the explained variance reached by a critic that knows one thing, whether a step of the chain has
   already slipped (``trl_vapo.demo.chains.first_wrong_index``), and predicts the mean return of its class: a lower
-  bound on what a critic able to check the arithmetic would reach, so the room a critic has on this task;
+  bound on what a critic able to check the arithmetic would reach, not the most a critic can explain (one that also
+  knows the prompt can do better);
 * ``drop_at_slip``: the mean change of the value across the decisive token of wrong chains, V(s_{w+1}) - V(s_w), and
   ``mean_abs_step`` the mean |V(s_{t+1}) - V(s_t)| elsewhere: a critic that locates slips drops there.
 
