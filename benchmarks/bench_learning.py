@@ -12,13 +12,27 @@ and the trainer's log history. The driver skips runs whose JSON exists, so an in
 stopped; ``aggregate`` reads every finished run, prints the table and writes ``table.txt``, ``summary.json`` and the
 plots ``learning_vs_samples.png`` and ``learning_vs_time.png`` (one panel per task) into ``--out``.
 
-The protocol below was fixed before any result was seen; ``PROTOCOL`` holds its numbers and every run records them.
+The protocol below is written before the reporting runs it governs; ``PROTOCOL`` holds its numbers and every run
+records them. Protocol 1 (reporting seeds 0, 1, 2; the committed results in ``benchmarks/learning/``) was fixed
+before any result was seen but named no primary metric and no decision rule; protocol 2 adds them, with fresh seeds,
+and was written after protocol 1's results and before any of its own reporting runs.
 
 Protocol
 --------
-The numbers (``PROTOCOL``): 35 rollouts x 64 = 2,240 training samples per run; tuning seed 1000, reporting seeds 0,
-1 and 2; actor learning rates 3e-5, 1e-4 and 3e-4 swept; evaluation every 5 rollouts (320 samples), avg@4 on 200
-held-out problems (tuning: the next 200).
+The numbers (``PROTOCOL``): 35 rollouts x 64 = 2,240 training samples per run; tuning seed 1000; reporting seeds
+2000-2004, at least five per arm, never a tuning seed and never a seed already reported (``spent_seeds``: 0, 1, 2);
+actor learning rates 3e-5, 1e-4 and 3e-4 swept; evaluation every 5 rollouts (320 samples), avg@4 on 200 held-out
+problems (tuning: the next 200).
+
+Primary metrics, per run: the final held-out avg@k, and the area under the held-out curve (the trapezoid area of
+avg@k against training samples over the evaluation points, 0 to the budget, divided by the budget: the run's mean
+avg@k; points during value pretraining carry the start's score, so samples spent there count). Each is averaged over
+the reporting seeds; a difference between two arms is given with its Welch 95% interval (difference of the seed
+means, Welch-Satterthwaite degrees of freedom). Rule: an arm is "better" only when that interval excludes 0;
+otherwise the result is "no measurable difference". The primary comparisons are VAPO (as tuned) against GRPO and PPO
+against GRPO, per task, on both metrics; ablations against VAPO are secondary. Intervals are not corrected for the
+number of comparisons; the write-up states that number. Training time is secondary and is reported per arm with
+the variant that ran.
 
 Methods, on top of the task's VAPO recipe (``VAPO_RECIPE``: the demo's recipe when the protocol was fixed; 8
 prompts x 8 samples per rollout, 4 optimizer steps of 16 per rollout, actor lr 1e-4, critic lr 1e-3, length-adaptive
@@ -42,14 +56,18 @@ their own at the recipe's rate (``TUNING_VARIANTS``: more critic passes per roll
 shorter value pretraining for VAPO; more PPO epochs, batch-level reward scaling and a higher rate for GRPO). The
 criterion is the validation avg@k averaged over the last two evaluation points and the tuning seeds (ties: the
 recipe, then the lower learning rate). The choices are written to ``<out>/chosen.json`` and frozen before any
-reporting run; the ablations use VAPO's choice untuned, as the paper's ablations do.
+reporting run; the ablations use VAPO's choice untuned, as the paper's ablations do. The tuning budget is per arm:
+an arm added to the comparison gets the same six runs per task and tuning seed before any reporting run, and a
+variant singled out on reporting seeds is not a result on them: it goes through tuning and fresh reporting seeds.
 
 Reporting: every method on every task with each reporting seed, scored on the reporting set; mean and sample
 standard deviation over seeds. Evaluation at the start, every ``eval_every`` rollouts and at the end: avg@k at
 temperature 1 (top-p 1) on the same problems, sampled with a fixed seed from a private random-number stream (the
 training stream is saved and restored, so evaluating never changes a run), greedy pass@1 at the end. While VAPO
 pretrains its critic the policy is frozen, so those points carry the start's score forward without sampling.
-Evaluation and diagnostics are excluded from the wall-time axis, which measures training only.
+Evaluation and the credit statistics are excluded from the wall-time axis; VAPOTrainer's diagnostic plots
+(``plot_diagnostics``, drawn at the end of value pretraining and of training) are not, so VAPO's clock includes
+them.
 
 Credit assignment (diagnostic only; it changes nothing in training): on every RL rollout, the per-token advantage
 each method's loss uses (VAPO: whitened GAE advantages; GRPO: the group-normalised sequence advantage on every
@@ -83,19 +101,24 @@ CHAINS_MODEL_DIR = ROOT / "benchmarks" / "models" / "chains_sft"
 
 PROTOCOL = {
     "tasks": ["demo", "chains"],
-    "rollouts": 35,  # x 64 samples = 2,240 per run; VAPO: 15 value-pretraining + 20 RL rollouts (the demo's 80 steps)
+    "rollouts": 35,  # x 64 samples = 2,240 per run; VAPO as tuned: 5 value-pretraining + 30 RL rollouts
     "samples_per_rollout": 64,
     "eval_every": 5,  # rollouts (320 samples)
     "eval_k": 4,
     "eval_problems": 200,  # reporting set: build_split("held_out", 200), the demo's evaluation set
     "validation_problems": 200,  # tuning set: the next 200 unique held-out problems
     "eval_seed": 1234,
-    "reporting_seeds": [0, 1, 2],
+    "protocol": 2,  # protocol 1 (reporting seeds 0, 1, 2) named no primary metric and no decision rule
+    "reporting_seeds": [2000, 2001, 2002, 2003, 2004],  # at least 5 per arm, fresh
+    "spent_seeds": [0, 1, 2],  # reported under protocol 1: never reported again
     "tuning_seeds": [1000],
     "tuned_methods": ["vapo", "ppo", "grpo"],
     "lr_grid": [3e-5, 1e-4, 3e-4],
     "critic_lr_ratio": 10.0,
     "tuning_criterion": "validation avg@k, mean of the last two evaluation points and the tuning seeds",
+    "primary_metrics": ["final held-out avg@k", "area under the held-out avg@k curve / samples"],
+    "decision_rule": "better only if the Welch 95% interval of the difference of the seed means excludes 0; "
+    "otherwise no measurable difference",
 }
 
 QUICK = {  # the smoke test: every code path (both trainers, both tasks, VAPO's value pretraining), tiny budgets
@@ -925,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
     parser.add_argument("--tasks", help="comma-separated subset of " + ",".join(PROTOCOL["tasks"]))
     parser.add_argument("--methods", help="comma-separated subset of " + ",".join(METHODS))
-    parser.add_argument("--seeds", help="reporting seeds, comma-separated (protocol: 0,1,2)")
+    parser.add_argument("--seeds", help="reporting seeds, comma-separated (protocol: 2000-2004)")
     parser.add_argument("--tuning-seeds", help="comma-separated (protocol: 1000); never reported")
     parser.add_argument("--lr-grid", help="actor learning rates for VAPO, PPO and GRPO (protocol: 3e-5,1e-4,3e-4)")
     parser.add_argument("--rollouts", type=int, help="sample budget in rollouts of 64 (protocol: 35)")
@@ -1004,10 +1027,12 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"{len(failed)} reporting runs failed; aggregating the rest", file=sys.stderr)
 
-    records = [
+    records = [  # this protocol's runs only: another protocol's seeds in the same folder are not mixed in
         r
         for r in load_records(out, "report")
-        if r["spec"]["task"] in settings["tasks"] and r["spec"]["method"] in settings["methods"]
+        if r["spec"]["task"] in settings["tasks"]
+        and r["spec"]["method"] in settings["methods"]
+        and r["spec"]["seed"] in settings["reporting_seeds"]
     ]
     if not records:
         print("no finished reporting runs to aggregate", file=sys.stderr)

@@ -168,6 +168,9 @@ def test_protocol_plan_tunes_every_baseline_alike_and_reports_on_other_seeds():
     }
     report = bench.plan("report", settings, chosen)
     assert {s.seed for s in report}.isdisjoint({s.seed for s in tune})
+    # Protocol 2: at least five fresh reporting seeds, none a tuning seed or one reported under protocol 1.
+    seeds = set(settings["reporting_seeds"])
+    assert len(seeds) >= 5 and seeds.isdisjoint(settings["tuning_seeds"]) and seeds.isdisjoint(settings["spent_seeds"])
     assert len(report) == len(settings["tasks"]) * len(bench.METHODS) * len(settings["reporting_seeds"])
     assert {s.eval_set for s in report} == {"test"}
     lrs = {(s.method, s.learning_rate) for s in report}
