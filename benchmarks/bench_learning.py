@@ -27,8 +27,9 @@ problems (tuning: the next 200).
 Primary metrics, per run: the final held-out avg@k, and the area under the held-out curve (the trapezoid area of
 avg@k against training samples over the evaluation points, 0 to the budget, divided by the budget: the run's mean
 avg@k; points during value pretraining carry the start's score, so samples spent there count). Each is averaged over
-the reporting seeds; a difference between two arms is given with its Welch 95% interval (difference of the seed
-means, Welch-Satterthwaite degrees of freedom). Rule: an arm is "better" only when that interval excludes 0;
+the reporting seeds; a difference between two arms, which run the same seeds, is the mean of the per-seed
+differences with its 95% t interval (n - 1 degrees of freedom; ``paired_difference``, in ``table.txt`` and
+``summary.json``). Rule: an arm is "better" only when that interval excludes 0;
 otherwise the result is "no measurable difference". The primary comparisons are VAPO (as tuned) against GRPO and PPO
 against GRPO, per task, on both metrics; ablations against VAPO are secondary. Intervals are not corrected for the
 number of comparisons; the write-up states that number. Training time is secondary and is reported per arm with
@@ -117,7 +118,7 @@ PROTOCOL = {
     "critic_lr_ratio": 10.0,
     "tuning_criterion": "validation avg@k, mean of the last two evaluation points and the tuning seeds",
     "primary_metrics": ["final held-out avg@k", "area under the held-out avg@k curve / samples"],
-    "decision_rule": "better only if the Welch 95% interval of the difference of the seed means excludes 0; "
+    "decision_rule": "better only if the 95% t interval of the mean per-seed difference excludes 0; "
     "otherwise no measurable difference",
 }
 
@@ -362,6 +363,67 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def area_under_curve(points: list[dict]) -> float:
+    """The area under a run's held-out curve per sample (protocol 2's second primary metric):
+
+        AUC = (1 / S) * sum_i (s_i - s_{i-1}) * (acc_i + acc_{i-1}) / 2        (trapezoids, s_0 = 0, S = s_last)
+
+    the run's mean avg@k over its sample budget (value-pretraining points carry the start's score)."""
+    total = sum((b["samples"] - a["samples"]) * (a["avg@k"] + b["avg@k"]) / 2 for a, b in zip(points, points[1:]))
+    return total / points[-1]["samples"] if len(points) > 1 and points[-1]["samples"] > 0 else math.nan
+
+
+def t_quantile_975(df: float) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (for 95% intervals), by bisection on
+    P(|T| <= t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2), the regularized incomplete beta function ``I`` evaluated by
+    its continued fraction (Numerical Recipes' ``betacf``), so that no SciPy is needed."""
+
+    def incomplete_beta(x: float, a: float, b: float) -> float:
+        if x <= 0.0 or x >= 1.0:
+            return 0.0 if x <= 0.0 else 1.0
+        if x > (a + 1) / (a + b + 2):  # the continued fraction converges fast on this side only
+            return 1.0 - incomplete_beta(1.0 - x, b, a)
+        front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+        c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+        d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+        fraction = d
+        for m in range(1, 300):
+            for numerator in (
+                m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+            ):
+                d = 1.0 + numerator * d
+                d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+                c = 1.0 + numerator / c
+                c = c if abs(c) > 1e-300 else 1e-300
+                fraction *= c * d
+            if abs(c * d - 1.0) < 1e-15:
+                break
+        return front * fraction / a
+
+    low, high = 0.0, 1000.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        if 1.0 - incomplete_beta(df / (df + mid * mid), df / 2, 0.5) < 0.95:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float, int]:
+    """``a - b`` over the seeds both ran, paired by seed: the mean difference d and its 95% t interval,
+    d ± t_{0.975, n-1} * sd(d_i) / sqrt(n); (d, nan, nan, n) with fewer than two common seeds."""
+    diffs = [a[seed] - b[seed] for seed in sorted(set(a) & set(b))]
+    if not diffs:
+        return math.nan, math.nan, math.nan, 0
+    mean = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return mean, math.nan, math.nan, len(diffs)
+    half = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half, len(diffs)
+
+
 def samples_to_reach(points: list[dict], target: float) -> int | None:
     """Samples at the first evaluation point whose avg@k reaches ``target``; ``None`` if none does."""
     return next((point["samples"] for point in points if point["avg@k"] >= target), None)
@@ -404,21 +466,44 @@ def aggregate(records: list[dict]) -> dict:
             "samples": runs[0]["samples"],
             "curve": curve,
             "credit": {key: _mean_std([r["credit_summary"].get(key, math.nan) for r in runs]) for key in credit_keys},
+            "auc": _mean_std([area_under_curve(r["points"]) for r in runs]),
+            "auc_per_seed": [area_under_curve(r["points"]) for r in runs],
             "points_per_run": [r["points"] for r in runs],
         }
     for _task, methods in summary.items():
         target = methods["grpo"]["final"][0] if "grpo" in methods else None
-        for entry in methods.values():
+        for method, entry in methods.items():
             reached = [samples_to_reach(points, target) for points in entry["points_per_run"]] if target else []
             hits = [s for s in reached if s is not None]
             entry["grpo_target"] = target
             entry["samples_to_grpo_final"] = (statistics.mean(hits) if hits else None, len(hits), len(reached))
+            # The protocol's comparisons, paired by seed: every method against GRPO, every ablation against VAPO.
+            baselines = [
+                b for b in ("grpo", "vapo") if b in methods and b != method and (b == "grpo" or method != "grpo")
+            ]
+            entry["differences"] = {
+                baseline: {
+                    metric: paired_difference(
+                        dict(zip(entry["seeds"], entry[f"{metric}_per_seed"])),
+                        dict(zip(methods[baseline]["seeds"], methods[baseline][f"{metric}_per_seed"])),
+                    )
+                    for metric in ("final", "auc")
+                }
+                for baseline in baselines
+            }
     return summary
 
 
 def _fmt(mean_std: tuple[float, float], digits: int = 3) -> str:
     mean, std = mean_std
     return "-" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _fmt_interval(difference: tuple[float, float, float, int]) -> str:
+    mean, low, high, _ = difference
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:+.3f}" + ("" if math.isnan(low) else f" [{low:+.3f}, {high:+.3f}]")
 
 
 def format_table(summary: dict, k: int) -> str:
@@ -446,6 +531,16 @@ def format_table(summary: dict, k: int) -> str:
                 f"{_fmt(e['initial']):>16s}{_fmt(e['final']):>16s}{_fmt(e['greedy_final']):>16s}{reach:>16s}"
                 f"{_fmt(e['train_time'], 0):>16s}{seeds:>24s}"
             )
+        lines.append(
+            f"\n{task}: differences paired by seed, mean [95% t interval] (protocol 2: 'better' only where the "
+            "interval excludes 0; otherwise no measurable difference)"
+        )
+        header = f"{'method':28s}{'baseline':>10s}{'n':>3s}{'final avg@' + str(k):>30s}{'area under the curve':>30s}"
+        lines += [header, "-" * len(header)]
+        for method in order:
+            for baseline, metrics in methods[method]["differences"].items():
+                cells = "".join(f"{_fmt_interval(metrics[m]):>30s}" for m in ("final", "auc"))
+                lines.append(f"{LABELS.get(method, method):28s}{baseline:>10s}{metrics['final'][3]:>3d}{cells}")
         lines.append(f"\n{task}: credit assignment, mean per-token advantage over RL rollouts (mean ± std over seeds)")
         header = (
             f"{'method':28s}{'first wrong':>16s}{'wrong, before':>16s}{'wrong, after':>16s}{'correct':>16s}"

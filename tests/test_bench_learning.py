@@ -256,6 +256,64 @@ def test_validation_and_reporting_sets_are_disjoint_held_out_problems(task):
     assert set(test["prompt"]) == set(bench.task_module(task).build_split("held_out", 200)["prompt"])
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Protocol 2's statistics: the area under the curve and paired differences with t intervals
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("df", "quantile"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423)])
+def test_t_quantile_matches_the_table(df, quantile):
+    assert bench.t_quantile_975(df) == pytest.approx(quantile, abs=1e-4)
+
+
+def synthetic_record(task, method, seed, accuracies, samples_per_point=320):
+    points = [
+        {"samples": i * samples_per_point, "avg@k": acc, "train_time_s": float(i), "pass@1": acc}
+        for i, acc in enumerate(accuracies)
+    ]
+    spec = {"task": task, "method": method, "seed": seed, "learning_rate": 1e-4, "variant": ""}
+    return {
+        "spec": spec,
+        "points": points,
+        "samples": points[-1]["samples"],
+        "train_time_s": 1.0,
+        "credit_summary": {},
+    }
+
+
+def test_aggregate_pairs_each_method_with_grpo_and_each_ablation_with_vapo_by_seed():
+    curves = {  # per method: per seed, avg@k at 0, 320 and 640 samples
+        "grpo": {0: [0.2, 0.4, 0.6], 1: [0.2, 0.5, 0.7], 2: [0.2, 0.3, 0.5]},
+        "vapo": {0: [0.2, 0.5, 0.7], 1: [0.2, 0.5, 0.9], 2: [0.2, 0.3, 0.8]},
+        "no-clip-higher": {0: [0.2, 0.5, 0.6], 1: [0.2, 0.5, 0.8]},  # seed 2 missing: paired on 0 and 1
+    }
+    records = [
+        synthetic_record("demo", method, seed, accs) for method, runs in curves.items() for seed, accs in runs.items()
+    ]
+    summary = bench.aggregate(records)["demo"]
+    assert summary["grpo"]["differences"] == {}
+    assert set(summary["vapo"]["differences"]) == {"grpo"}
+    assert set(summary["no-clip-higher"]["differences"]) == {"grpo", "vapo"}
+
+    # VAPO - GRPO, final: per-seed differences 0.1, 0.2, 0.3 -> mean 0.2 +- t(2) * 0.1 / sqrt(3).
+    mean, low, high, n = summary["vapo"]["differences"]["grpo"]["final"]
+    assert n == 3 and mean == pytest.approx(0.2) and high - mean == pytest.approx(4.30265 * 0.1 / math.sqrt(3), 1e-4)
+    assert low == pytest.approx(2 * mean - high)
+    # Area under the curve: trapezoids over 640 samples, e.g. grpo seed 0: (0.3 + 0.5) * 320 / 640 = 0.4.
+    assert summary["grpo"]["auc_per_seed"][0] == pytest.approx(0.4)
+    auc = summary["vapo"]["differences"]["grpo"]["auc"]
+    expected = [
+        ((0.2 + 2 * v[1] + v[2]) - (0.2 + 2 * g[1] + g[2])) / 4
+        for v, g in zip(curves["vapo"].values(), curves["grpo"].values())
+    ]
+    assert auc[0] == pytest.approx(sum(expected) / 3) and auc[3] == 3
+    # The ablation against VAPO on the two seeds both ran: differences -0.1 and -0.1, an interval of width 0.
+    mean, low, high, n = summary["no-clip-higher"]["differences"]["vapo"]["final"]
+    assert (n, mean, low, high) == (2, pytest.approx(-0.1), pytest.approx(-0.1), pytest.approx(-0.1))
+    table = bench.format_table(bench.aggregate(records), 4)
+    assert "differences paired by seed" in table and "+0.200 [" in table
+
+
 def test_learning_curve_evaluates_at_rollout_boundaries():
     samples = [0]
     calls = []
