@@ -66,9 +66,9 @@ standard deviation over seeds. Evaluation at the start, every ``eval_every`` rol
 temperature 1 (top-p 1) on the same problems, sampled with a fixed seed from a private random-number stream (the
 training stream is saved and restored, so evaluating never changes a run), greedy pass@1 at the end. While VAPO
 pretrains its critic the policy is frozen, so those points carry the start's score forward without sampling.
-Evaluation and the credit statistics are excluded from the wall-time axis; VAPOTrainer's diagnostic plots
-(``plot_diagnostics``, drawn at the end of value pretraining and of training) are not, so VAPO's clock includes
-them.
+Evaluation and the credit statistics are excluded from the wall-time axis, which measures training only; VAPO runs
+with ``plot_diagnostics=False`` (under protocol 1 it drew its plots, at the end of value pretraining and of training,
+inside its clock). Every record names the code it ran (``code_commit``).
 
 Credit assignment (diagnostic only; it changes nothing in training): on every RL rollout, the per-token advantage
 each method's loss uses (VAPO: whitened GAE advantages; GRPO: the group-normalised sequence advantage on every
@@ -851,7 +851,8 @@ def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | N
         return trainer, steps_per_rollout
     from trl_vapo import VAPOConfig, VAPOTrainer
 
-    config = {**recipe, **overrides, **(extra or {})}
+    # No diagnostic plots: the clock measures training only, as GRPO's (protocol 1's VAPO runs drew them).
+    config = {**recipe, **overrides, "plot_diagnostics": False, **(extra or {})}
     pretrain = config["value_pretrain_steps"]
     config.pop("learning_rate")
     rl_steps_per_rollout = steps_per_rollout * config.get("critic_num_iterations", 1)
@@ -863,6 +864,17 @@ def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | N
     )
     trainer = VAPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=train)
     return trainer, steps_per_rollout
+
+
+def code_commit() -> str | None:
+    """The git commit of the code a run ran (with ``+dirty`` when the tree had uncommitted changes), or None outside
+    a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
 def run_worker(spec: RunSpec) -> dict:
@@ -930,6 +942,7 @@ def run_worker(spec: RunSpec) -> dict:
     return {
         "spec": asdict(spec),
         "protocol": PROTOCOL,
+        "code_commit": code_commit(),
         "points": curve.points,
         "samples": counter[0],
         "train_time_s": curve.points[-1]["train_time_s"],

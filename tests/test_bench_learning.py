@@ -372,8 +372,10 @@ def test_quick_writes_one_sane_curve_per_run(quick_run):
     out, _ = quick_run
     runs = sorted(out.glob("report/*/*/*.json"))
     assert {(p.parts[-3], p.parts[-2]) for p in runs} == {(t, m) for t in ("demo", "chains") for m in ("vapo", "grpo")}
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=bench.ROOT, capture_output=True, text=True).stdout.strip()
     for path in runs:
         record = json.loads(path.read_text())
+        assert record["code_commit"] is None if not head else record["code_commit"].split("+")[0] == head
         spec = record["spec"]
         budget = spec["rollouts"] * spec["samples_per_rollout"]
         assert record["samples"] == budget  # value pretraining counted: VAPO and GRPO generated alike
