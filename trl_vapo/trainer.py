@@ -417,7 +417,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self._stream = (None, None)  # a streamed dataset restarts where `progress` says (after a resume too)
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
-        self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
+        self._note_learning_rates()  # what a log reads even before the first step (an epoch end on resuming)
         if args.gradient_checkpointing:
             self.actor_critic.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
         if self.is_deepspeed_enabled:
@@ -446,9 +446,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             self._train_on_rollout()
         if start_step < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
             self._end_epoch(completed=False)
-            if self._save_pending:
-                self._save_checkpoint()
-                self._save_pending = False
+            self._save_if_pending()
 
         metrics = speed_metrics("train", start_time, num_steps=self.state.global_step - start_step)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
@@ -493,6 +491,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             self._after_value_pretrain_rollout(metrics["value/explained_variance"])
         if self._epoch_is_over():
             self._end_epoch()
+        self._save_if_pending()
+
+    def _save_if_pending(self) -> None:
+        """The checkpoint a step or an epoch end asked for, written once its rollout is done."""
         if self._save_pending:
             self._save_checkpoint()
             self._save_pending = False
@@ -943,7 +945,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         grad_norms = self._clip_gradients(trains_policy)
         checks = torch.stack([sums["loss"].float(), *(n.float().to(mask.device) for n in grad_norms.values())])
         nonfinite = self._all_reduce((~torch.isfinite(checks)).sum().float())  # every process skips, or none
-        self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
+        self._note_learning_rates()
         with policy_held:
             if nonfinite.item() == 0:
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
@@ -1132,6 +1134,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self._metrics["skipped_steps"].append(float(self.progress.skipped_steps))
         self._loss_sum += totals["loss"] / world
         self._loss_steps += 1
+
+    def _note_learning_rates(self) -> None:
+        """The rates of the step about to run, by parameter group: what the next log reports."""
+        self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
 
     def _log_metrics(self, phase: str) -> None:
         # The rates the last step used (as transformers.Trainer logs them), not the next step's.
