@@ -32,7 +32,13 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from ._compat import get_config_model_id
 from .distributed import full_state_dict
 from .model_card import VAPO_CITATION, build_model_card
-from .modeling import CRITIC_SUBFOLDER, VALUE_PRETRAINING_FILE, is_peft_model, value_pretraining_record
+from .modeling import (
+    CRITIC_SUBFOLDER,
+    VALUE_PRETRAINING_FILE,
+    is_peft_model,
+    value_function_name,
+    value_pretraining_record,
+)
 from .reporting import tracker_urls
 from .rollout import RL, VALUE_PRETRAIN
 
@@ -204,7 +210,7 @@ def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> 
     return {
         "model": get_config_model_id(actor_critic.config),
         "model_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-        "critic": "adapter on the policy's base" if actor_critic.shares_base else "separate model",
+        "critic": actor_critic.critic_description,
         "peft_policy": is_peft_model(actor_critic.policy),
         "num_processes": num_processes,
         "generation_batch_size": args.generation_batch_size,
@@ -312,8 +318,11 @@ class SavingMixin:
         output_dir = Path(output_dir or self.args.output_dir)
         info = {**self.model_card_info, **kwargs}
         pretrained_dir = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
+        frozen = self.actor_critic.value_function
         if self._critic_pretrained:
             value_pretraining = {"skipped": "the critic (`value_model`) came from an earlier value pretraining"}
+        elif frozen is not None:
+            value_pretraining = {"skipped": "the values came from a frozen value function (`value_model`)"}
         else:
             value_pretraining = value_pretraining_record(pretrained_dir)
         urls = tracker_urls()
@@ -328,6 +337,7 @@ class SavingMixin:
             dataset_description=info.get("dataset_description"),
             is_adapter=is_peft_model(self.actor_critic.policy),
             critic_shares_base=self.actor_critic.shares_base,
+            value_function=None if frozen is None else value_function_name(frozen),
             value_pretraining=value_pretraining,
             pretrained_critic_dir=pretrained_dir if pretrained_dir.is_dir() else None,
             held_out=info.get("held_out"),

@@ -520,7 +520,7 @@ def explained_variance(
 
 def vapo_loss(
     logprobs: torch.Tensor | None,
-    values: torch.Tensor,
+    values: torch.Tensor | None,
     batch: dict[str, torch.Tensor],
     *,
     epsilon_low: float,
@@ -533,7 +533,9 @@ def vapo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (VAPO §3; the spec's formulas), actor and critic together:
 
-        L = vf_coef * L_V  +  L_PPO + mu * L_NLL          (the policy terms only when ``logprobs`` is given)
+        L = vf_coef * L_V  +  L_PPO + mu * L_NLL          (the policy terms only when ``logprobs`` is given,
+                                                           the value term only when ``values`` are: a frozen
+                                                           value function has none to learn)
 
     ``batch`` holds ``mask``, ``old_logprobs`` (None: the policy that sampled is the one being updated, so the
     detached ``logprobs`` are used), ``old_values``, ``returns``, ``advantages``, ``is_positive`` and optionally
@@ -544,11 +546,15 @@ def vapo_loss(
     token means over this micro-batch of the clip fractions and ``approx_kl``.
     """
     mask = batch["mask"]
-    v_loss, v_stats = value_loss(
-        values, batch["old_values"], batch["returns"], mask, cliprange_value, normalizers["tokens"]
-    )
-    loss = vf_coef * v_loss
-    stats = {"loss/value": v_loss.detach(), "value/clip_ratio": v_stats["vf_clip_frac"]}
+    if values is None and logprobs is None:
+        raise ValueError("vapo_loss needs the policy's log-probs, the critic's values, or both.")
+    loss, stats = torch.zeros((), device=mask.device), {}
+    if values is not None:
+        v_loss, v_stats = value_loss(
+            values, batch["old_values"], batch["returns"], mask, cliprange_value, normalizers["tokens"]
+        )
+        loss = vf_coef * v_loss
+        stats = {"loss/value": v_loss.detach(), "value/clip_ratio": v_stats["vf_clip_frac"]}
     if logprobs is None:
         return loss, stats
     old_logprobs = batch["old_logprobs"] if batch.get("old_logprobs") is not None else logprobs.detach()

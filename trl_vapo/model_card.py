@@ -89,6 +89,7 @@ def build_model_card(
     dataset_description: str | None = None,
     is_adapter: bool = False,
     critic_shares_base: bool = False,
+    value_function: str | None = None,
     value_pretraining: dict[str, Any] | None = None,
     pretrained_critic_dir: str | os.PathLike | None = None,
     held_out: dict[str, Any] | None = None,
@@ -114,6 +115,8 @@ def build_model_card(
         is_adapter: the folder holds a PEFT adapter (`library_name: peft`) rather than full weights.
         critic_shares_base: the critic is a LoRA adapter on the policy's base (`ActorCritic.shares_base`), not a
             separate model.
+        value_function: the name of the frozen value function (`value_model=` a `ValueFunction`) that replaced the
+            critic, if one did: no critic was trained or saved.
         value_pretraining: what value pretraining did, e.g. the record saved with the pretrained critic
             (`modeling.value_pretraining_record`): `rollouts` (run), `final_explained_variance` (default: the last
             one logged in that phase), optionally `best_explained_variance`; or `skipped` (a reason) when it did not
@@ -161,7 +164,7 @@ def build_model_card(
         ),
         _held_out_section(held_out),
         _training_section(args, value_pretraining, log_history, wandb_url, trackio_url),
-        _critic_section(critic_shares_base, output_dir, pretrained_critic_dir, value_pretraining),
+        _critic_section(critic_shares_base, output_dir, pretrained_critic_dir, value_pretraining, value_function),
         _versions_section(is_adapter),
         _citations_section(citation),
     ]
@@ -373,7 +376,14 @@ def _metrics_summary(log_history) -> str:
     )
 
 
-def _critic_section(shares_base: bool, output_dir: Path, pretrained_critic_dir, value_pretraining) -> str:
+def _critic_section(
+    shares_base: bool, output_dir: Path, pretrained_critic_dir, value_pretraining, value_function: str | None = None
+) -> str:
+    if value_function is not None:
+        return (
+            "### Value model (critic)\n\nNo critic was trained: GAE read the values of a frozen value function "
+            f"(`{value_function}`, passed as `value_model`), which is not saved here."
+        )
     if shares_base:
         kind = (
             "The critic is a second LoRA adapter on the policy's frozen base model, with a linear value head. "

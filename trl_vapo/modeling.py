@@ -11,6 +11,10 @@ Two layouts:
 * **Shared base** (PEFT): one frozen base model carries two adapters, ``"default"`` for the policy and ``"critic"``
   for the critic, plus a separate linear value head. The reference policy is the base with adapters disabled. One
   copy of the weights instead of three is what lets a 0.5B-1.5B model train on one consumer GPU.
+* **A user's value function** (:class:`ValueFunction`): any callable giving the values of a batch of completions,
+  frozen. GAE reads its values; nothing of it is trained, saved or checkpointed. It is how a known or hand-built
+  value (an oracle, a baseline, a critic trained elsewhere) replaces the learned critic, e.g. to measure what the
+  critic's errors cost.
 
 Either way, ``ActorCritic.forward`` returns per-token log-probabilities of the completion under the policy and the
 critic's values V(s_t) for the same positions, in one call, so DDP and DeepSpeed see a single model and a single
@@ -25,7 +29,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from accelerate.logging import get_logger
@@ -90,10 +94,52 @@ def _sequence_classification_head(model: PreTrainedModel) -> nn.Module:
     )
 
 
+@runtime_checkable
+class ValueFunction(Protocol):
+    """A frozen value function, passed as ``VAPOTrainer(..., value_model=fn)`` in place of a learned critic.
+
+    Called without gradients, once per rollout with all of this process's completions::
+
+        values = fn(input_ids, attention_mask, completion_length)
+
+    ``input_ids`` / ``attention_mask``: ``[B, P + C]`` on the training device, each row the prompt (left-padded to
+    ``P`` columns) then the completion (right-padded to ``C = completion_length`` columns); the completion ends with
+    its stop token, if it has one, and the mask is 0 on padding. Returns ``[B, C]`` values (any device, any float
+    dtype): ``values[i, t] = V(prompt_i, completion_i[:t])``, the expected return before the completion's token ``t``,
+    the same quantity the learned critic predicts (``ActorCritic.forward``). Columns past a completion's end are
+    ignored. The trainer's GAE reads them as the critic's values, in the rollout and in evaluation; there is no
+    value pretraining, no value loss and no critic-only pass. A ``torch.nn.Module`` works too: it is neither
+    trained, moved to a device, nor saved.
+    """
+
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int
+    ) -> torch.Tensor: ...
+
+
+def is_value_function(value_model: Any) -> bool:
+    """Whether ``value_model`` is a :class:`ValueFunction`: a callable that is not a path or a transformers or PEFT
+    model (those are critics to train, checked by :func:`check_value_model`)."""
+    from transformers import PretrainedConfig
+
+    if isinstance(value_model, (str, os.PathLike, PreTrainedModel)) or is_peft_model(value_model):
+        return False
+    return callable(value_model) and not isinstance(getattr(value_model, "config", None), PretrainedConfig)
+
+
+def value_function_name(value_function: ValueFunction) -> str:
+    """A function's own name, else its class's: what messages and the model card call it."""
+    name = getattr(value_function, "__name__", None)
+    return name if isinstance(name, str) else type(value_function).__name__
+
+
 def check_value_model(model: nn.Module) -> None:
     """Raise a clear error unless ``model`` is a sequence-classification model with exactly one output."""
     if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"value_model must be a path, a model id or a PreTrainedModel, got {type(model).__name__}.")
+        raise TypeError(
+            f"value_model must be a path, a model id, a PreTrainedModel or a value function (a callable, see "
+            f"`trl_vapo.modeling.ValueFunction`), got {type(model).__name__}."
+        )
     num_labels = getattr(model.config, "num_labels", None)
     if num_labels != 1:
         raise ValueError(
@@ -351,19 +397,34 @@ class ActorCritic(nn.Module):
 
     Args:
         policy: the causal LM (a ``PeftModel`` in the shared-base layout).
-        critic: a one-label ``*ForSequenceClassification`` model, or None in the shared-base layout.
-        value_head: the shared-base layout's :class:`ValueHead`, or None.
+        critic: a one-label ``*ForSequenceClassification`` model (the separate-critic layout).
+        value_head: the shared-base layout's :class:`ValueHead`.
+        value_function: a frozen :class:`ValueFunction` instead of a learned critic.
+
+    Exactly one of ``critic``, ``value_head`` and ``value_function`` is given.
     """
 
-    def __init__(self, policy: nn.Module, critic: PreTrainedModel | None = None, value_head: ValueHead | None = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        critic: PreTrainedModel | None = None,
+        value_head: ValueHead | None = None,
+        value_function: ValueFunction | None = None,
+    ):
         super().__init__()
-        if (critic is None) == (value_head is None):
-            raise ValueError("Pass exactly one of `critic` (separate critic) or `value_head` (shared-base critic).")
+        if sum(x is not None for x in (critic, value_head, value_function)) != 1:
+            raise ValueError(
+                "Pass exactly one of `critic` (separate critic), `value_head` (shared-base critic) or "
+                "`value_function` (a frozen value function)."
+            )
         if value_head is not None and not is_peft_model(policy):
             raise ValueError("A shared-base critic needs a PEFT policy carrying a 'critic' adapter.")
         self.policy = policy
         self.critic = critic
         self.value_head = value_head
+        # Kept out of the module tree (not a registered submodule, even if it is an nn.Module): frozen, it is neither
+        # trained, wrapped by DDP/DeepSpeed/FSDP, moved, nor part of the state dict.
+        self.__dict__["value_function"] = value_function
         # The dtypes the full models came in: what `save_model` writes them back in, whatever the backend, while their
         # trainable weights are kept and updated in float32 (`keep_trainable_weights_in_float32`).
         self.loaded_dtypes = {"policy": _tensor_dtypes(policy), "critic": _tensor_dtypes(critic)}
@@ -371,7 +432,20 @@ class ActorCritic(nn.Module):
     # ------------------------------------------------------------------------------------------------ layout
     @property
     def shares_base(self) -> bool:
-        return self.critic is None
+        return self.value_head is not None
+
+    @property
+    def learns_values(self) -> bool:
+        """False when the values come from a frozen :class:`ValueFunction`: no critic to train, save or load."""
+        return self.value_function is None
+
+    @property
+    def critic_description(self) -> str:
+        if self.shares_base:
+            return "adapter on the policy's base"
+        if self.learns_values:
+            return "separate model"
+        return f"frozen value function ({value_function_name(self.value_function)})"
 
     @property
     def config(self):
@@ -424,6 +498,8 @@ class ActorCritic(nn.Module):
         return [p for p in self.policy.parameters() if p.requires_grad]
 
     def critic_parameters(self) -> list[nn.Parameter]:
+        if not self.learns_values:
+            return []
         if self.shares_base:
             adapter = [p for n, p in self.policy.named_parameters() if f".{CRITIC_ADAPTER}." in n and p.requires_grad]
             return adapter + list(self.value_head.parameters())
@@ -469,7 +545,9 @@ class ActorCritic(nn.Module):
                 outputs["logprobs"], outputs["entropy"] = logprobs
             else:
                 outputs["logprobs"] = logprobs
-        if with_values:
+        if with_values and not self.learns_values:
+            outputs["values"] = self.frozen_values(input_ids, attention_mask, completion_length)
+        elif with_values:
             hidden = self._critic_hidden_states(input_ids, attention_mask, position_ids)
             hidden = hidden[:, -completion_length - 1 : -1, :]  # V(s_t) reads the state before token t
             if self.shares_base:
@@ -477,6 +555,23 @@ class ActorCritic(nn.Module):
             else:
                 outputs["values"] = _sequence_classification_head(self.critic)(hidden).squeeze(-1).float()
         return outputs
+
+    @torch.no_grad()
+    def frozen_values(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int
+    ) -> torch.Tensor:
+        """The :class:`ValueFunction`'s values of these completions, checked, as float32 on ``input_ids``' device."""
+        values = self.value_function(input_ids, attention_mask, completion_length)
+        expected = (input_ids.shape[0], completion_length)
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != expected:
+            got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(
+                f"The value function {value_function_name(self.value_function)} returned {got}; it must return a "
+                f"tensor of shape [batch, completion_length] = {list(expected)}: the value before each completion "
+                "token (see `trl_vapo.modeling.ValueFunction`)."
+            )
+        values = values.detach().to(device=input_ids.device, dtype=torch.float32)
+        return values.masked_fill(attention_mask[:, input_ids.shape[1] - completion_length :] == 0, 0.0)
 
     def _critic_hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         if self.shares_base:
@@ -508,15 +603,27 @@ class ActorCritic(nn.Module):
         completions' width. ``reference``: a model, ``"base"`` (this policy with its adapters disabled), or None.
         ``pad_to_multiple_of``: see :func:`trim_padding`."""
         width = input_ids.shape[1] - prompt_length
-        values = torch.zeros((input_ids.shape[0], width), device=input_ids.device)
+        if self.learns_values:
+            values = torch.zeros((input_ids.shape[0], width), device=input_ids.device)
+        else:  # one call with the whole rollout: a value function may read the rollout as a whole (the oracle does)
+            values = self.frozen_values(input_ids, attention_mask, width)
         logprobs = torch.zeros_like(values) if with_policy else None
         ref = torch.zeros_like(values) if reference is not None else None
         for rows in torch.arange(input_ids.shape[0]).split(batch_size):
             ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
             columns = slice(0, min(length, width))
             with autocast():
-                out = self(ids, attention, length, temperature, with_policy=with_policy, with_entropy=False)
-                values[rows, columns] = out["values"]
+                out = self(
+                    ids,
+                    attention,
+                    length,
+                    temperature,
+                    with_policy=with_policy,
+                    with_values=self.learns_values,
+                    with_entropy=False,
+                )
+                if self.learns_values:
+                    values[rows, columns] = out["values"]
                 if with_policy:
                     logprobs[rows, columns] = out["logprobs"]
                 if reference is not None:
@@ -536,6 +643,8 @@ class ActorCritic(nn.Module):
         the float32 training weights instead, to resume exactly); adapters and the value head as they are.
         """
         directory = Path(directory)
+        if not self.learns_values:
+            return  # a frozen value function: nothing was trained
         if self.shares_base:
             # peft writes a non-default adapter into `<dir>/<adapter name>`: move it up into `directory`.
             directory.mkdir(parents=True, exist_ok=True)
@@ -562,6 +671,8 @@ class ActorCritic(nn.Module):
     def load_critic(self, directory: str | os.PathLike) -> None:
         """Load critic weights written by :meth:`save_critic` into this module, in place."""
         directory = Path(directory)
+        if not self.learns_values:
+            return
         if self.shares_base:
             from peft import set_peft_model_state_dict
 
@@ -848,9 +959,12 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
     """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy.
 
     ``value_model`` None: a critic initialised from the policy (a second adapter on its base under PEFT). A path or
-    id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is.
+    id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is. A
+    :class:`ValueFunction`: frozen values instead of a critic.
     """
     shared = is_peft_model(policy)
+    if is_value_function(value_model):
+        return ActorCritic(policy, value_function=value_model), False
     if value_model is None:
         if shared:
             policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])

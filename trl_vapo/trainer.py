@@ -82,14 +82,17 @@ from .generation import (
 from .model_card import VAPO_CITATION
 from .modeling import (
     ActorCritic,
+    ValueFunction,
     add_policy_adapter,
     build_actor_critic,
     cast_lm_head_to_fp32,
     check_quantization,
     is_peft_model,
+    is_value_function,
     keep_trainable_weights_in_float32,
     load_policy,
     policy_fingerprint,
+    value_function_name,
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
@@ -125,6 +128,17 @@ def warn_moe_without_aux_loss(policy: nn.Module, args: VAPOConfig) -> None:
         logger.warning(
             f"{type(policy).__name__} is a Mixture-of-Experts model: GRPOTrainer would add its load-balancing loss "
             f"(router_aux_loss_coef={coef}); VAPO's objective has none, so its experts are not balanced by the loss."
+        )
+
+
+def check_value_function_settings(value_model: Any, args: VAPOConfig) -> None:
+    """A frozen value function (`value_model=fn`) trains nothing: refuse critic-only passes, which would only train a
+    critic. (Value pretraining is skipped: `VAPOTrainer._skips_value_pretraining`.)"""
+    if is_value_function(value_model) and args.critic_num_iterations > args.num_iterations:
+        raise ValueError(
+            f"critic_num_iterations={args.critic_num_iterations} asks for critic-only passes over each rollout, but "
+            f"value_model is a frozen value function ({value_function_name(value_model)}): there is no critic to "
+            f"train. Set critic_num_iterations={args.num_iterations} (= num_iterations) or leave it unset."
         )
 
 
@@ -190,7 +204,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         value_model: (keyword only) the critic. None (default) initialises it from the policy's weights with a fresh
             scalar head (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a
             value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer),
-            or a `PreTrainedModel`. A critic saved by value pretraining of the same policy skips that phase.
+            or a `PreTrainedModel`. A critic saved by value pretraining of the same policy skips that phase. Or a
+            frozen value function, `fn(input_ids, attention_mask, completion_length) -> values [B, C]`
+            (`trl_vapo.modeling.ValueFunction`): GAE reads its values and nothing of it trains (no value pretraining,
+            no value loss; `critic_num_iterations` must equal `num_iterations`).
         callbacks: extra `TrainerCallback`s. One with an `on_rollout(args, state, control, rollout=..., rows=...)`
             method is also called with every rollout as built (a `trl_vapo.rollout.Rollout`: completions, scores,
             values, advantages) and its dataset rows, before the rollout's first update.
@@ -223,7 +240,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         rollout_func: Any | None = None,
         environment_factory: Any | None = None,
         *,
-        value_model: str | PreTrainedModel | None = None,
+        value_model: str | PreTrainedModel | ValueFunction | None = None,
     ):
         # GRPOTrainer's parameters, in its order, so that a GRPO call binds the same way; VAPO's own are keywords.
         check_grpo_arguments(
@@ -236,6 +253,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             args = VAPOConfig(output_dir=f"{Path(str(name)).name or 'model'}-VAPO")
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
+        check_value_function_settings(value_model, args)
         # Everything a user can get wrong is checked before a model loads.
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
@@ -315,6 +333,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         )
         warn_off_policy_sampling(self.generation_engine.sampling, policy, self._stop_ids, tokenizer.pad_token_id)
 
+        if not actor_critic.learns_values and args.value_pretrain_steps > 0:
+            logger.info(
+                f"value_model is a frozen value function ({value_function_name(actor_critic.value_function)}): value "
+                f"pretraining (value_pretrain_steps={args.value_pretrain_steps}) is skipped."
+            )
         self.progress = ckpt.TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
         self._save_pending = False
         self._last_rollout: Rollout | None = None  # for the completions table at the next log
@@ -336,7 +359,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     # ------------------------------------------------------------------------------------------------ setup
     @property
     def _skips_value_pretraining(self) -> bool:
-        return self.args.value_pretrain_steps == 0 or self._critic_pretrained
+        learns_values = self.actor_critic.learns_values
+        return self.args.value_pretrain_steps == 0 or self._critic_pretrained or not learns_values
 
     def _plan(self) -> dict[str, int]:
         """Step counts of the run: RL optimizer steps, plus at most this many value-pretraining steps."""
@@ -919,8 +943,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                         batch["completion_length"],
                         args.temperature,
                         with_policy=trains_policy,
+                        with_values=self.actor_critic.learns_values,
                     )
-                loss, stats = vapo_loss(out.get("logprobs"), out["values"], batch, **settings)
+                loss, stats = vapo_loss(out.get("logprobs"), out.get("values"), batch, **settings)
                 n = batch["mask"].sum()
                 for key, value in stats.items():  # losses are shares of the step's mean; the rest token means
                     sums[key] += value if key.startswith("loss") else value * n
@@ -1030,7 +1055,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _clip_gradients(self, with_policy: bool) -> dict[str, torch.Tensor]:
         """Clip the actor's and the critic's gradients separately, so one side's spikes never shrink the other's."""
         norms = {}
-        sides = [("critic", self.actor_critic.critic_parameters())]
+        sides = [("critic", self.actor_critic.critic_parameters())] if self.actor_critic.learns_values else []
         if with_policy:
             sides.insert(0, ("policy", self.actor_critic.policy_parameters()))
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
