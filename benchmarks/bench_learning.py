@@ -42,6 +42,16 @@ alpha 0.5, 15 value-pretraining rollouts): ``vapo``; the paper's Table 1 ablatio
 (``loss_type="dapo"``, ``epsilon_high=0.28``, ``beta=0``) and the same prompts x samples per rollout, optimizer
 steps per rollout, learning-rate schedule, lengths and sampling.
 
+The arms that separate the hypotheses about the critic (``ARMS``; added to protocol 2 before any of its tuning or
+reporting runs): GRPO at three group sizes, 8 prompts x 8 (``grpo``), 16 x 4 and 32 x 2 (``grpo-16x4``,
+``grpo-32x2``: prompts per rollout is what made VAPO 64x1 win under protocol 1); at 64 prompts x 1, VAPO with its
+learned critic (``no-group-sampling``), with the exact value P(correct | prefix) as a frozen critic
+(``oracle-64x1``, ``trl_vapo.demo.oracle``: how much a perfect critic buys) and with none (``critic-free-64x1``:
+values 0 and lambda 1, so each token's advantage is its completion's return minus the rollout's mean, whitened);
+VAPO with the paper's settings where the budget allows them (``vapo-paper``: 4 prompts x 16, alpha 0.05, critic
+learning rate 2x the actor's); and vanilla PPO. Besides every arm against GRPO and VAPO, the 64x1 arms are compared
+pairwise (``PAIRED_WITH``).
+
 Tasks: ``demo`` (the shipped cold-start model, ``trl_vapo.demo.data``) and ``chains`` (``trl_vapo.demo.chains``,
 longer chains with free tokens; cold-start model ``benchmarks/models/chains_sft``).
 
@@ -57,7 +67,9 @@ their own at the recipe's rate (``TUNING_VARIANTS``: more critic passes per roll
 shorter value pretraining for VAPO; more PPO epochs, batch-level reward scaling and a higher rate for GRPO). The
 criterion is the validation avg@k averaged over the last two evaluation points and the tuning seeds (ties: the
 recipe, then the lower learning rate). The choices are written to ``<out>/chosen.json`` and frozen before any
-reporting run; the ablations use VAPO's choice untuned, as the paper's ablations do. The tuning budget is per arm:
+reporting run; the ablations use VAPO's choice untuned, as the paper's ablations do, and so do the oracle,
+critic-free and paper arms (an arm with a frozen value function drops the choice's critic settings); the two other
+GRPO arms are tuned as GRPO is, each with its own six runs. The tuning budget is per arm:
 an arm added to the comparison gets the same six runs per task and tuning seed before any reporting run, and a
 variant singled out on reporting seeds is not a result on them: it goes through tuning and fresh reporting seeds.
 
@@ -113,7 +125,7 @@ PROTOCOL = {
     "reporting_seeds": [2000, 2001, 2002, 2003, 2004],  # at least 5 per arm, fresh
     "spent_seeds": [0, 1, 2],  # reported under protocol 1: never reported again
     "tuning_seeds": [1000],
-    "tuned_methods": ["vapo", "ppo", "grpo"],
+    "tuned_methods": ["vapo", "ppo", "grpo", "grpo-16x4", "grpo-32x2"],  # the others take VAPO's choice
     "lr_grid": [3e-5, 1e-4, 3e-4],
     "critic_lr_ratio": 10.0,
     "tuning_criterion": "validation avg@k, mean of the last two evaluation points and the tuning seeds",
@@ -122,14 +134,26 @@ PROTOCOL = {
     "otherwise no measurable difference",
 }
 
-QUICK = {  # the smoke test: every code path (both trainers, both tasks, VAPO's value pretraining), tiny budgets
+ARMS = [
+    "vapo",
+    "grpo",
+    "grpo-16x4",
+    "grpo-32x2",
+    "no-group-sampling",
+    "critic-free-64x1",
+    "oracle-64x1",
+    "vapo-paper",
+    "ppo",
+]
+"""The arms that separate the hypotheses about the critic (the ablations besides are config switches of VAPO)."""
+QUICK = {  # the smoke test: every arm on chains, VAPO and GRPO on the demo, tiny budgets, in one process
     "tasks": ["demo", "chains"],
-    "methods": ["vapo", "grpo"],
-    "rollouts": 3,
-    "samples_per_rollout": 16,  # 2 prompts x 8, 4 optimizer steps of 4
+    "methods_by_task": {"demo": ["vapo", "grpo"], "chains": ARMS},
+    "rollouts": 2,
+    "samples_per_rollout": 16,  # e.g. 2 prompts x 8, 4 optimizer steps of 4
     "eval_every": 1,
     "eval_k": 2,
-    "eval_problems": 8,
+    "eval_problems": 4,
     "reporting_seeds": [0],
     "value_pretrain_steps": 1,
 }
@@ -158,8 +182,15 @@ _ALL_OFF = {
     "nll_coef": 0.0,
     "num_generations": 1,
 }
-METHODS: dict[str, dict | None] = {
-    # name: VAPOConfig overrides on top of the recipe; None for TRL's GRPOTrainer
+GRPO_METHODS = ("grpo", "grpo-16x4", "grpo-32x2")
+"""TRL's GRPOTrainer at three group sizes: 8 prompts x 8 samples (the recipe's), 16 x 4 and 32 x 2."""
+VALUE_FUNCTIONS = ("zero", "oracle")
+"""Frozen value functions an arm can use instead of the learned critic (``value_model`` in its overrides)."""
+CRITIC_FIELDS = ("critic_num_iterations", "cliprange_value", "value_pretrain_steps")
+"""The settings of a learned critic, dropped from a tuning variant when the arm has a frozen value function."""
+METHODS: dict[str, dict] = {
+    # name: VAPOConfig overrides on top of the recipe (GRPOConfig overrides for GRPO_METHODS); `value_model` names a
+    # frozen value function, `critic_lr_ratio` replaces the protocol's critic-to-actor learning-rate ratio
     "vapo": {},
     "no-value-pretrain": {"value_pretrain_steps": 0},
     "no-decoupled-gae": {"lam_critic": 0.95},  # critic targets with the actor's lambda (0.95)
@@ -169,7 +200,17 @@ METHODS: dict[str, dict | None] = {
     "no-positive-nll": {"nll_coef": 0.0},
     "no-group-sampling": {"num_generations": 1},  # 64 prompts x 1 sample per rollout
     "ppo": _ALL_OFF,
-    "grpo": None,
+    "grpo": {},
+    "grpo-16x4": {"num_generations": 4},
+    "grpo-32x2": {"num_generations": 2},
+    # 64 prompts x 1 without a critic: every token's advantage is the completion's return minus the rollout's mean
+    # return, over the returns' standard deviation (values 0, lambda 1, advantages whitened over the rollout's tokens)
+    "critic-free-64x1": {"num_generations": 1, "lam_actor": 1.0, "length_adaptive_alpha": None, "value_model": "zero"},
+    # 64 x 1 with the exact value P(correct | prefix) (trl_vapo.demo.oracle), VAPO's settings otherwise
+    "oracle-64x1": {"num_generations": 1, "value_model": "oracle"},
+    # the paper's settings where this budget allows them: 4 prompts x 16 samples, alpha 0.05, critic lr 2x the
+    # actor's (its 50 value-pretraining steps do not fit in 35 rollouts: the recipe's stay)
+    "vapo-paper": {"num_generations": 16, "length_adaptive_alpha": 0.05, "critic_lr_ratio": 2.0},
 }
 # The tuning budget beyond the learning-rate sweep: the same number of recipe variants for every tuned method, run
 # at the recipe's learning rate (or the one a variant names). VAPO's and PPO's give the critic more training per
@@ -204,7 +245,23 @@ LABELS = {
     "no-group-sampling": "w/o group sampling",
     "ppo": "PPO (all seven off)",
     "grpo": "GRPO (TRL, DAPO-style)",
+    "grpo-16x4": "GRPO 16x4",
+    "grpo-32x2": "GRPO 32x2",
+    "critic-free-64x1": "critic-free 64x1",
+    "oracle-64x1": "oracle critic 64x1",
+    "vapo-paper": "VAPO, paper's settings",
 }
+
+
+PAIRED_WITH = {"oracle-64x1": ("no-group-sampling", "critic-free-64x1"), "critic-free-64x1": ("no-group-sampling",)}
+"""Comparisons beyond each method against GRPO and VAPO: the 64x1 arms (learned, exact and no critic) pairwise."""
+
+
+def method_family(method: str) -> str:
+    """Whose tuning variants a method uses: its own (``TUNING_VARIANTS``), GRPO's for every GRPO arm, else VAPO's."""
+    if method in TUNING_VARIANTS:
+        return method
+    return "grpo" if method in GRPO_METHODS else "vapo"
 
 
 @dataclass(frozen=True)
@@ -237,10 +294,12 @@ class RunSpec:
 
     def overrides(self) -> dict:
         """The config fields this run changes from the recipe: its method's, on top of its variant's."""
-        tuned = self.method if self.method in TUNING_VARIANTS else "vapo"  # ablations follow VAPO's variant
-        variant = dict(TUNING_VARIANTS[tuned][self.variant]) if self.variant else {}
+        # Ablations and the untuned arms follow VAPO's variant, the GRPO arms GRPO's.
+        variant = dict(TUNING_VARIANTS[method_family(self.method)][self.variant]) if self.variant else {}
         variant.pop("learning_rate", None)  # already the spec's
-        return {**variant, **(METHODS[self.method] or {})}
+        if "value_model" in METHODS[self.method]:  # a frozen value function: no critic to tune
+            variant = {k: v for k, v in variant.items() if k not in CRITIC_FIELDS}
+        return {**variant, **METHODS[self.method]}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -477,10 +536,12 @@ def aggregate(records: list[dict]) -> dict:
             hits = [s for s in reached if s is not None]
             entry["grpo_target"] = target
             entry["samples_to_grpo_final"] = (statistics.mean(hits) if hits else None, len(hits), len(reached))
-            # The protocol's comparisons, paired by seed: every method against GRPO, every ablation against VAPO.
+            # The protocol's comparisons, paired by seed: every method against GRPO, every ablation against VAPO,
+            # and the 64x1 arms against each other (what the critic's errors cost: learned vs exact vs none).
             baselines = [
                 b for b in ("grpo", "vapo") if b in methods and b != method and (b == "grpo" or method != "grpo")
             ]
+            baselines += [b for b in PAIRED_WITH.get(method, ()) if b in methods]
             entry["differences"] = {
                 baseline: {
                     metric: paired_difference(
@@ -535,12 +596,12 @@ def format_table(summary: dict, k: int) -> str:
             f"\n{task}: differences paired by seed, mean [95% t interval] (protocol 2: 'better' only where the "
             "interval excludes 0; otherwise no measurable difference)"
         )
-        header = f"{'method':28s}{'baseline':>10s}{'n':>3s}{'final avg@' + str(k):>30s}{'area under the curve':>30s}"
+        header = f"{'method':28s}{'baseline':>18s}{'n':>3s}{'final avg@' + str(k):>30s}{'area under the curve':>30s}"
         lines += [header, "-" * len(header)]
         for method in order:
             for baseline, metrics in methods[method]["differences"].items():
                 cells = "".join(f"{_fmt_interval(metrics[m]):>30s}" for m in ("final", "auc"))
-                lines.append(f"{LABELS.get(method, method):28s}{baseline:>10s}{metrics['final'][3]:>3d}{cells}")
+                lines.append(f"{LABELS.get(method, method):28s}{baseline:>18s}{metrics['final'][3]:>3d}{cells}")
         lines.append(f"\n{task}: credit assignment, mean per-token advantage over RL rollouts (mean ± std over seeds)")
         header = (
             f"{'method':28s}{'first wrong':>16s}{'wrong, before':>16s}{'wrong, after':>16s}{'correct':>16s}"
@@ -822,23 +883,17 @@ def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | N
         "dataloader_num_workers": 0,
     }
     overrides = spec.overrides()
-    if METHODS[spec.method] is None:
+    if spec.method in GRPO_METHODS:
         from trl import GRPOConfig, GRPOTrainer
 
         grpo = {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "scale_rewards": "group", **overrides}
         iterations = grpo.pop("num_iterations", 1)
+        batch = ["per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation"]
+        batch.append("num_generations")
         args = GRPOConfig(
             **common,
             num_iterations=iterations,
-            **{
-                k: recipe[k]
-                for k in (
-                    "per_device_train_batch_size",
-                    "gradient_accumulation_steps",
-                    "steps_per_generation",
-                    "num_generations",
-                )
-            },
+            **{k: grpo.pop(k, recipe[k]) for k in batch},
             max_steps=spec.rollouts * steps_per_rollout * iterations,
             lr_scheduler_type="constant",  # VAPO's constant_with_warmup with no warm-up steps
             **grpo,
@@ -853,17 +908,45 @@ def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | N
 
     # No diagnostic plots: the clock measures training only, as GRPO's (protocol 1's VAPO runs drew them).
     config = {**recipe, **overrides, "plot_diagnostics": False, **(extra or {})}
+    value_model = frozen_value_function(config.pop("value_model", None), model_dir)
+    if value_model is not None:
+        config["value_pretrain_steps"] = 0  # nothing to pretrain: every rollout is an RL rollout
     pretrain = config["value_pretrain_steps"]
     config.pop("learning_rate")
+    critic_lr_ratio = config.pop("critic_lr_ratio", spec.critic_lr_ratio)
     rl_steps_per_rollout = steps_per_rollout * config.get("critic_num_iterations", 1)
     args = VAPOConfig(
         **common,
         **config,
-        critic_learning_rate=spec.learning_rate * spec.critic_lr_ratio,
+        critic_learning_rate=spec.learning_rate * critic_lr_ratio,
         max_steps=(spec.rollouts - pretrain) * rl_steps_per_rollout,
     )
-    trainer = VAPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=train)
+    trainer = VAPOTrainer(
+        model=model_dir, reward_funcs=reward, args=args, train_dataset=train, value_model=value_model
+    )
     return trainer, steps_per_rollout
+
+
+def zero_value(input_ids, attention_mask, completion_length):
+    """The critic-free arm's value function: 0 everywhere (with lambda 1 and whitening, return minus the mean)."""
+    import torch
+
+    return torch.zeros(input_ids.shape[0], completion_length)
+
+
+def frozen_value_function(name: str | None, model_dir: str):
+    """The frozen value function ``name`` (``VALUE_FUNCTIONS``) for the model in ``model_dir``, or None."""
+    if name is None:
+        return None
+    if name == "zero":
+        return zero_value
+    if name == "oracle":
+        from transformers import AutoTokenizer
+
+        from trl_vapo.demo.oracle import OracleValue
+
+        return OracleValue(AutoTokenizer.from_pretrained(model_dir))  # math_reward's +1 / -1
+    raise ValueError(f"unknown value function {name!r}; known: {VALUE_FUNCTIONS}")
 
 
 def code_commit() -> str | None:
@@ -886,7 +969,7 @@ def run_worker(spec: RunSpec) -> dict:
     from trl_vapo.rewards import math_reward
 
     started = time.perf_counter()
-    kind = "grpo" if METHODS[spec.method] is None else "vapo"
+    kind = "grpo" if spec.method in GRPO_METHODS else "vapo"
     counter = [0]
     out_dir = tempfile.mkdtemp(prefix=f"bench_learning_{spec.method}_")
     trainer, steps_per_rollout = build_trainer(spec, out_dir, _counting(math_reward, counter))
@@ -980,13 +1063,13 @@ def plan(stage: str, settings: dict, chosen: dict | None) -> list[RunSpec]:
                 for method in settings["tuned_methods"]:
                     for lr in settings["lr_grid"]:
                         runs.append(RunSpec("tune", task, method, seed, lr, **tuning))
-                    for variant, fields in TUNING_VARIANTS[method].items():
+                    for variant, fields in TUNING_VARIANTS[method_family(method)].items():
                         lr = fields.get("learning_rate", VAPO_RECIPE["learning_rate"])
                         runs.append(RunSpec("tune", task, method, seed, lr, variant=variant, **tuning))
         return runs
     for seed in settings["reporting_seeds"]:
         for task in settings["tasks"]:
-            for method in settings["methods"]:
+            for method in settings.get("methods_by_task", {}).get(task, settings["methods"]):
                 lr, variant = _reporting_choice(task, method, chosen)
                 runs.append(RunSpec("report", task, method, seed, lr, eval_set="test", variant=variant, **base))
     return runs
@@ -1023,18 +1106,39 @@ def _launch(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
     return spec, proc.returncode == 0, time.time() - began
 
 
+def _run_here(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
+    """One run in this process (``--jobs 0``): no start-up per run, for smoke tests; a failure is printed."""
+    path = spec.path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    began = time.time()
+    try:
+        write_record(run_worker(spec), path)
+    except Exception:  # noqa: BLE001 -- one failed run must not stop the others, as with subprocesses
+        import traceback
+
+        traceback.print_exc()
+        return spec, False, time.time() - began
+    return spec, True, time.time() - began
+
+
+def write_record(record: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)  # atomic: a JSON that exists is a finished run
+
+
 def run_all(specs: list[RunSpec], out: Path, jobs: int) -> list[RunSpec]:
-    """Run the specs whose JSON is missing, ``jobs`` at a time; returns the failed ones."""
+    """Run the specs whose JSON is missing, ``jobs`` at a time (0: one after another in this process); returns the
+    failed ones."""
     todo = [s for s in specs if not s.path(out).is_file()]
-    print(
-        f"{len(specs) - len(todo)} of {len(specs)} runs already done; running {len(todo)} with {jobs} job(s)",
-        flush=True,
-    )
+    how = "in this process" if jobs == 0 else f"with {jobs} job(s)"
+    print(f"{len(specs) - len(todo)} of {len(specs)} runs already done; running {len(todo)} {how}", flush=True)
     failed = []
     started = time.time()
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for i, (spec, ok, seconds) in enumerate(pool.map(lambda s: _launch(s, out), todo)):
-            status = "ok" if ok else f"FAILED (see {spec.path(out).with_suffix('.log')})"
+    with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+        results = map(lambda s: _run_here(s, out), todo) if jobs == 0 else pool.map(lambda s: _launch(s, out), todo)
+        for i, (spec, ok, seconds) in enumerate(results):
+            status = "ok" if ok else "FAILED" + ("" if jobs == 0 else f" (see {spec.path(out).with_suffix('.log')})")
             print(
                 f"  [{time.time() - started:6.0f}s] {i + 1}/{len(todo)} {spec.stage} {spec.task} {spec.method} "
                 f"lr {spec.learning_rate:g} seed {spec.seed}: {seconds:.0f}s {status}",
@@ -1053,7 +1157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=("all", "tune", "report", "aggregate"), default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "learning")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once, one process and thread each (0: one by one in this process)"
+    )
     parser.add_argument("--tasks", help="comma-separated subset of " + ",".join(PROTOCOL["tasks"]))
     parser.add_argument("--methods", help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--seeds", help="reporting seeds, comma-separated (protocol: 2000-2004)")
@@ -1066,24 +1172,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke test: VAPO and GRPO x 2 tasks x 1 seed, 3 rollouts of 16, 8 held-out problems",
+        help="smoke test in this process: every arm (ARMS) on chains, VAPO and GRPO on the demo, 1 seed, 2 rollouts "
+        "of 16, 4 held-out problems",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
 
     if opts.worker:
-        record = run_worker(RunSpec(**json.loads(opts.worker)))
-        tmp = Path(opts.result).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(opts.result)  # atomic: a JSON that exists is a finished run
+        write_record(run_worker(RunSpec(**json.loads(opts.worker))), Path(opts.result))
         return 0
 
     settings = {**PROTOCOL, "methods": list(METHODS)}
     if opts.quick:
         settings.update(QUICK)
         opts.no_tune = True
-        opts.jobs = max(opts.jobs, 2)
+        opts.jobs = 0
     for name, value in (("tasks", opts.tasks), ("methods", opts.methods)):
         if value:
             settings[name] = value.split(",")

@@ -154,7 +154,7 @@ def test_protocol_plan_tunes_every_baseline_alike_and_reports_on_other_seeds():
             m: sorted(s.learning_rate for s in tune if s.task == task and s.method == m and not s.variant)
             for m in settings["tuned_methods"]
         }
-        assert set(grids) == {"vapo", "ppo", "grpo"}
+        assert set(grids) == {"vapo", "ppo", "grpo", "grpo-16x4", "grpo-32x2"}
         assert all(grid == grids["vapo"] for grid in grids.values())  # the same sweep for each
         budgets = {m: sum(s.task == task and s.method == m for s in tune) for m in settings["tuned_methods"]}
         assert len(set(budgets.values())) == 1  # and the same number of runs
@@ -233,6 +233,11 @@ def test_every_tuned_method_gets_the_same_tuning_budget():
         "report", "demo", "no-value-pretrain", 0, 1e-4, 35, 5, 4, 200, "test", variant="pretrain5-critic-x4"
     )
     assert spec.overrides() == {"critic_num_iterations": 4, "value_pretrain_steps": 0}
+    # A frozen value function drops the variant's critic settings; the GRPO arms take GRPO's variants.
+    oracle = bench.RunSpec("report", "chains", "oracle-64x1", 0, 1e-4, 35, 5, 4, 200, "test", variant="critic-x4")
+    assert oracle.overrides() == {"num_generations": 1, "value_model": "oracle"}
+    grpo = bench.RunSpec("report", "chains", "grpo-32x2", 0, 1e-4, 35, 5, 4, 200, "test", variant="iterations-2")
+    assert grpo.overrides() == {"num_iterations": 2, "num_generations": 2}
 
 
 @pytest.mark.parametrize("task", ["demo", "chains"])
@@ -371,7 +376,8 @@ def quick_run(tmp_path_factory):
 def test_quick_writes_one_sane_curve_per_run(quick_run):
     out, _ = quick_run
     runs = sorted(out.glob("report/*/*/*.json"))
-    assert {(p.parts[-3], p.parts[-2]) for p in runs} == {(t, m) for t in ("demo", "chains") for m in ("vapo", "grpo")}
+    expected = {("demo", "vapo"), ("demo", "grpo")} | {("chains", m) for m in bench.ARMS}
+    assert {(p.parts[-3], p.parts[-2]) for p in runs} == expected
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=bench.ROOT, capture_output=True, text=True).stdout.strip()
     for path in runs:
         record = json.loads(path.read_text())
@@ -380,18 +386,26 @@ def test_quick_writes_one_sane_curve_per_run(quick_run):
         budget = spec["rollouts"] * spec["samples_per_rollout"]
         assert record["samples"] == budget  # value pretraining counted: VAPO and GRPO generated alike
         points = record["points"]
-        assert [p["samples"] for p in points] == [0, 16, 32, 48]
+        assert [p["samples"] for p in points] == [0, 16, 32]
         assert all(0.0 <= p["avg@k"] <= 1.0 for p in points) and "pass@1" in points[-1]
         times = [p["train_time_s"] for p in points]
         assert times == sorted(times) and times[-1] < record["total_time_s"]
-        assert record["log_history"]
-        if spec["method"] == "vapo":
+        logs = record["log_history"]
+        assert logs
+        pretrained = any(h.get("phase") == "value_pretrain" for h in logs)
+        assert pretrained == (spec["method"] in ("vapo", "no-group-sampling", "vapo-paper"))
+        if pretrained:
             assert points[1]["evaluated"] is False  # after the value-pretraining rollout: the policy is unchanged
         credit = record["credit_summary"]
-        assert credit["rollouts"] == (2 if spec["method"] == "vapo" else 3)  # every RL rollout, and only those
+        assert credit["rollouts"] == (1 if pretrained else 2)  # every RL rollout, and only those
         assert credit["num_wrong"] + credit["num_wrong_unlocated"] + credit["num_correct"] == 16 * credit["rollouts"]
-        if spec["method"] == "grpo" and credit["num_wrong"]:
+        if spec["method"] in bench.GRPO_METHODS and credit["num_wrong"]:
             assert credit["slip_rank"] == 0.5  # one advantage per sequence: no localisation, by construction
+        rl = [h for h in logs if h.get("phase") == "rl"]
+        if "value_model" in bench.METHODS[spec["method"]]:  # a frozen value function: nothing of a critic trains
+            assert rl and all("loss/value" not in h and "grad_norm/critic" not in h for h in rl)
+        if spec["method"] == "critic-free-64x1":
+            assert all(h["value/mean"] == 0 and h["lambda_actor/mean"] == 1 for h in rl)
 
 
 def test_quick_prints_the_table_and_writes_the_plots(quick_run):
@@ -402,12 +416,18 @@ def test_quick_prints_the_table_and_writes_the_plots(quick_run):
         "chains: held-out avg@2",
         "VAPO",
         "GRPO (TRL, DAPO-style)",
+        "GRPO 32x2",
+        "oracle critic 64x1",
+        "critic-free 64x1",
         "credit assignment",
         "slip rank",
     ):
         assert needle in table and needle in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"demo", "chains"}
+    # The 64x1 arms are compared pairwise besides against GRPO and VAPO: learned, exact and no critic.
+    oracle = summary["chains"]["oracle-64x1"]["differences"]
+    assert set(oracle) == {"grpo", "vapo", "no-group-sampling", "critic-free-64x1"}
     assert summary["demo"]["grpo"]["samples_to_grpo_final"][1] == 1  # GRPO reaches its own final accuracy
     for name in ("learning_vs_samples.png", "learning_vs_time.png"):
         png = (out / name).read_bytes()
@@ -419,5 +439,5 @@ def test_quick_resumes_without_rerunning_finished_runs(quick_run, capsys):
     out, _ = quick_run
     before = {p: p.stat().st_mtime for p in out.glob("report/*/*/*.json")}
     assert bench.main(["--quick", "--out", str(out)]) == 0
-    assert "4 of 4 runs already done; running 0" in capsys.readouterr().out
+    assert "11 of 11 runs already done; running 0 in this process" in capsys.readouterr().out
     assert before == {p: p.stat().st_mtime for p in out.glob("report/*/*/*.json")}
