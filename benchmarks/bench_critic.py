@@ -15,7 +15,10 @@ benchmark's VAPO recipe (the chains task's cold-start model, tuning seed 1000: t
   bound on what a critic able to check the arithmetic would reach, not the most a critic can explain (one that also
   knows the prompt can do better);
 * ``drop_at_slip``: the mean change of the value across the decisive token of wrong chains, V(s_{w+1}) - V(s_w), and
-  ``mean_abs_step`` the mean |V(s_{t+1}) - V(s_t)| elsewhere: a critic that locates slips drops there.
+  ``mean_abs_step`` the mean |V(s_{t+1}) - V(s_t)| elsewhere: a critic that locates slips drops there;
+* ``exact_ev`` and ``exact_drop``: the same two for the exact value P(correct | prompt, prefix) on the same rollout
+  (``trl_vapo.demo.oracle``, at the hazards measured on it): the most a critic can explain, and the drop a critic
+  that locates slips shows. (Records written before these two existed lack them; the table shows ``nan``.)
 
 The table gives each statistic averaged over the last five rollouts and the best five-rollout mean of ``ev``;
 ``--out`` also gets the per-rollout records (JSON) and ``critic_probe.png`` (five-rollout means against rollouts).
@@ -58,21 +61,23 @@ def probe_stats(
     returns: torch.Tensor,
     mask: torch.Tensor,
     first_wrong: Sequence[int | None],
+    exact: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One rollout's statistics (see the module docstring). ``values``, ``returns``, ``mask``: ``[N, C]``, V(s_t)
-    read before token t; ``first_wrong[i]``: index of completion i's decisive token, None when it has none."""
+    read before token t; ``first_wrong[i]``: index of completion i's decisive token, None when it has none;
+    ``exact``: the oracle's values of the same completions (``exact_ev``, ``exact_drop``; NaN without)."""
     from trl_vapo.core import explained_variance
 
     mask = mask.float()
+    lengths = mask.sum(dim=1).long().tolist()
     slipped = torch.zeros_like(mask)
-    drops, steps = [], []
+    steps = []
     for i, wrong_at in enumerate(first_wrong):
-        length = int(mask[i].sum())
+        length = lengths[i]
         v = values[i, :length].float()
         step = (v[1:] - v[:-1]).abs()
         if wrong_at is not None and wrong_at + 1 < length:
             slipped[i, wrong_at + 1 : length] = 1.0
-            drops.append(float(v[wrong_at + 1] - v[wrong_at]))
             step = torch.cat([step[:wrong_at], step[wrong_at + 1 :]])
         steps += step.tolist()
     oracle = torch.zeros_like(returns, dtype=torch.float32)
@@ -83,7 +88,11 @@ def probe_stats(
     return {
         "ev": float(explained_variance(values, returns, mask)),
         "oracle_ev": float(explained_variance(oracle, returns, mask)),
-        "drop_at_slip": statistics.mean(drops) if drops else math.nan,
+        "drop_at_slip": bl.value_drop_at_first_wrong(values.float().tolist(), first_wrong, lengths),
+        "exact_ev": math.nan if exact is None else float(explained_variance(exact, returns, mask)),
+        "exact_drop": math.nan
+        if exact is None
+        else bl.value_drop_at_first_wrong(exact.float().tolist(), first_wrong, lengths),
         "mean_abs_step": statistics.mean(steps) if steps else math.nan,
         "slipped_share": float((slipped * mask).sum() / mask.sum()),
         "reward": float(returns[:, 0].mean()),
@@ -101,11 +110,14 @@ class Probe(TrainerCallback):
         if rollout.phase != "value_pretrain":
             return control
         from trl_vapo.demo.chains import first_wrong_index
+        from trl_vapo.demo.oracle import OracleValue
 
         lengths = rollout.lengths.tolist()
         texts = bl.completion_texts(self.tokenizer, rollout.completion_ids, lengths)
         first_wrong = [first_wrong_index(row["prompt"], text) for row, text in zip(rows, texts)]
-        self.records.append(probe_stats(rollout.old_values, rollout.returns, rollout.loss_mask, first_wrong))
+        ids, attention = rollout.input_ids, rollout.attention_mask
+        exact = OracleValue(self.tokenizer)(ids, attention, ids.shape[1] - rollout.prompt_length)
+        self.records.append(probe_stats(rollout.old_values, rollout.returns, rollout.loss_mask, first_wrong, exact))
         return control
 
 
@@ -135,7 +147,7 @@ def window_means(series: Sequence[float], width: int = LAST) -> list[float]:
 
 
 def summarize(records: dict[str, list[dict]]) -> str:
-    keys = ("ev", "oracle_ev", "drop_at_slip", "mean_abs_step", "slipped_share")
+    keys = ("ev", "oracle_ev", "exact_ev", "drop_at_slip", "exact_drop", "mean_abs_step", "slipped_share")
     lines = [
         f"chains, value pretraining only (policy frozen), tuning seed {TUNING_SEED}: each statistic averaged over the "
         f"last {LAST} rollouts, measured before the critic trains on them; 'best ev' the highest {LAST}-rollout mean "
@@ -144,7 +156,8 @@ def summarize(records: dict[str, list[dict]]) -> str:
     ]
     for name, runs in records.items():
         tail = runs[-LAST:]
-        means = [statistics.mean(r[k] for r in tail if not math.isnan(r[k])) for k in keys]
+        finite = [[r[k] for r in tail if not math.isnan(r.get(k, math.nan))] for k in keys]
+        means = [statistics.mean(values) if values else math.nan for values in finite]
         smoothed = window_means([r["ev"] for r in runs])
         best = max(range(len(smoothed)), key=smoothed.__getitem__)
         lines.append(

@@ -355,6 +355,22 @@ def credit_assignment(
     return stats
 
 
+def value_drop_at_first_wrong(
+    values: Sequence[Sequence[float]], first_wrong: Sequence[int | None], lengths: Sequence[int]
+) -> float:
+    """The mean change of the value across the decisive token of wrong completions, ``V(s_{w+1}) - V(s_w)`` with
+    ``w`` its index (``values[i][t]`` read before token ``t``; completions without a token after ``w`` left out): a
+    credit statistic read from the values, free of the lambda^(T-t) shape GAE gives advantages. A critic that
+    locates the slip drops there as the oracle does (``oracle_drop``); one that predicts nothing does not move. NaN
+    when no completion counts."""
+    drops = [
+        float(v[w + 1]) - float(v[w])
+        for v, w, length in zip(values, first_wrong, lengths)
+        if w is not None and w + 1 < length
+    ]
+    return statistics.mean(drops) if drops else math.nan
+
+
 def completion_texts(tokenizer, completion_ids: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[str]:
     """Each completion's text with one character per token up to its EOS (excluded); any other special token
     becomes ``\\0``, which no correct chain contains, so indices stay token positions for a character tokenizer."""
@@ -512,7 +528,7 @@ def aggregate(records: list[dict]) -> dict:
                 }
             )
         finals = [r["points"][-1]["avg@k"] for r in runs]
-        credit_keys = ("at_first_wrong", "wrong_before", "wrong_after", "wrong_other", "correct", "slip_rank")
+        credit_keys = CREDIT_KEYS
         summary.setdefault(task, {})[method] = {
             "seeds": [r["spec"]["seed"] for r in runs],
             "learning_rate": runs[0]["spec"]["learning_rate"],
@@ -602,13 +618,17 @@ def format_table(summary: dict, k: int) -> str:
             for baseline, metrics in methods[method]["differences"].items():
                 cells = "".join(f"{_fmt_interval(metrics[m]):>30s}" for m in ("final", "auc"))
                 lines.append(f"{LABELS.get(method, method):28s}{baseline:>18s}{metrics['final'][3]:>3d}{cells}")
-        lines.append(f"\n{task}: credit assignment, mean per-token advantage over RL rollouts (mean ± std over seeds)")
+        lines.append(
+            f"\n{task}: credit assignment over RL rollouts (mean ± std over seeds): the mean per-token advantage by "
+            "where the first slip is, and the value's drop across the decisive token (learned values; oracle: the "
+            "exact value on the same completions)"
+        )
         header = (
             f"{'method':28s}{'first wrong':>16s}{'wrong, before':>16s}{'wrong, after':>16s}{'correct':>16s}"
-            f"{'slip rank':>16s}"
+            f"{'slip rank':>16s}{'value drop':>16s}{'oracle drop':>16s}"
         )
         lines += [header, "-" * len(header)]
-        keys = ("at_first_wrong", "wrong_before", "wrong_after", "correct", "slip_rank")
+        keys = ("at_first_wrong", "wrong_before", "wrong_after", "correct", "slip_rank", "value_drop", "oracle_drop")
         for method in order:
             credit = methods[method]["credit"]
             lines.append(f"{LABELS.get(method, method):28s}" + "".join(f"{_fmt(credit[key]):>16s}" for key in keys))
@@ -769,6 +789,20 @@ class LearningCurve(TrainerCallback):
         return control
 
 
+CREDIT_KEYS = (
+    "at_first_wrong",
+    "wrong_before",
+    "wrong_after",
+    "wrong_other",
+    "correct",
+    "slip_rank",
+    "value_drop",
+    "oracle_drop",
+)
+"""The credit statistics each record summarises: ``credit_assignment``'s, and the values' and the oracle's drop at
+the first slip (``CreditAssignment.record``)."""
+
+
 class CreditAssignment(TrainerCallback):
     """Per-rollout credit-assignment statistics from the advantages a trainer's loss uses.
 
@@ -785,7 +819,8 @@ class CreditAssignment(TrainerCallback):
         self, args, state, control, *, rollout, rows: list[dict] | None = None, phase: str | None = None, **kwargs
     ):
         """VAPO: ``rollout`` is the trainer's ``Rollout`` as built (prompt + completion ids, attention mask, prompt
-        length, ``advantages`` whitened as the loss uses them, zeros while the critic pretrains; its ``phase``);
+        length, ``advantages`` whitened as the loss uses them, zeros while the critic pretrains; ``old_values``; its
+        ``phase``);
         ``rows`` its data set rows, or ``None`` to decode the prompts from the rollout."""
         phase = phase or getattr(rollout, "phase", "rl")
         # One rollout per optimizer step at most, so the step number names it (an object's id() is reused).
@@ -805,25 +840,38 @@ class CreditAssignment(TrainerCallback):
             completion_ids=rollout.input_ids[:, p:],
             completion_mask=rollout.attention_mask[:, p:],
             advantages=rollout.advantages,
+            values=rollout.old_values,
         )
         return control
 
-    def record(self, *, prompts: list[str], completion_ids, completion_mask, advantages) -> None:
-        """One rollout: ``[N, C]`` tensors of completion ids, mask (1 on each completion's tokens, EOS included) and
-        per-token advantages; the time it takes is left out of the training clock."""
+    def record(self, *, prompts: list[str], completion_ids, completion_mask, advantages, values=None) -> None:
+        """One rollout: ``[N, C]`` tensors of completion ids, mask (1 on each completion's tokens, EOS included),
+        per-token advantages and, for a method with values, the values ``V(s_t)``; the time it takes is left out of
+        the training clock. Besides ``credit_assignment``'s statistics: ``value_drop`` (the values' drop at the first
+        slip, ``value_drop_at_first_wrong``; NaN without values) and ``oracle_drop``, the exact value's drop on the
+        same completions (``trl_vapo.demo.oracle`` at the hazards measured on this rollout)."""
         began = time.perf_counter()
         from trl_vapo.demo.chains import first_wrong_index
+        from trl_vapo.demo.oracle import measure_hazards, oracle_values
 
         lengths = completion_mask.sum(dim=1).tolist()
-        texts = completion_texts(self.tokenizer, completion_ids.tolist(), lengths)
+        ids = completion_ids.tolist()
+        texts = completion_texts(self.tokenizer, ids, lengths)
         first_wrong = [first_wrong_index(p, t) for p, t in zip(prompts, texts)]
-        self.per_rollout.append(credit_assignment(advantages.float().tolist(), first_wrong, lengths))
+        stats = credit_assignment(advantages.float().tolist(), first_wrong, lengths)
+        ended = [bool(n) and row[n - 1] == self.tokenizer.eos_token_id for row, n in zip(ids, lengths)]
+        hazards, _ = measure_hazards(prompts, texts, ended)
+        exact = [oracle_values(*row, range(n), hazards) for *row, n in zip(prompts, texts, ended, lengths)]
+        stats["oracle_drop"] = value_drop_at_first_wrong(exact, first_wrong, lengths)
+        learned = values.float().tolist() if values is not None else None
+        stats["value_drop"] = value_drop_at_first_wrong(learned, first_wrong, lengths) if learned else math.nan
+        self.per_rollout.append(stats)
         self.curve.exclude(time.perf_counter() - began)
 
     def summary(self) -> dict[str, float]:
         """Each statistic averaged over rollouts (rollouts without such tokens left out); counts summed."""
         out = {}
-        for key in ("at_first_wrong", "wrong_before", "wrong_after", "wrong_other", "correct", "slip_rank"):
+        for key in CREDIT_KEYS:
             values = [r[key] for r in self.per_rollout if not math.isnan(r[key])]
             out[key] = statistics.mean(values) if values else math.nan
         for key in ("num_wrong", "num_wrong_unlocated", "num_correct"):

@@ -34,3 +34,10 @@ def test_probe_stats_match_a_direct_computation():
     # |steps| elsewhere: row 0 (0.1, 0.2), row 1 (0.2, 0.4), row 2 (0.2)
     assert stats["mean_abs_step"] == pytest.approx((0.1 + 0.2 + 0.2 + 0.4 + 0.2) / 5)
     assert stats["slipped_share"] == pytest.approx(2 / 9)
+    assert stats["exact_ev"] != stats["exact_ev"] and stats["exact_drop"] != stats["exact_drop"]  # NaN: not given
+    # The exact value's statistics, from the oracle's values of the same completions.
+    exact = torch.tensor([[-0.2, -0.2, -1.0, -1.0], [0.5, 1.0, 1.0, 0.0], [-0.4, -0.4, 0.0, 0.0]])
+    stats = probe_stats(values, returns, mask, [1, None, None], exact)
+    e = exact[valid]
+    assert stats["exact_ev"] == pytest.approx(float(1 - (g - e).var(unbiased=False) / g.var(unbiased=False)), abs=1e-6)
+    assert stats["exact_drop"] == pytest.approx(-0.8)  # -1.0 - (-0.2)

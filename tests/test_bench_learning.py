@@ -89,6 +89,13 @@ def test_a_sequence_level_advantage_does_not_localise_and_a_critic_like_one_does
     assert stats["wrong_before"] == pytest.approx((0 + 0.1 + 0 + 0 + 0.2) / 5)
 
 
+def test_the_value_drop_at_the_first_slip_reads_the_values_across_the_decisive_token():
+    values = [[0.5, 0.4, -0.6, -0.7], [0.9, 1.0, 1.0], [0.2, 0.1, 0.0, 0.0]]
+    # Row 0 slips at 1: -0.6 - 0.4; row 1 is right; row 2's decisive token is its last: nothing after it to read.
+    assert bench.value_drop_at_first_wrong(values, [1, None, 3], [4, 3, 4]) == pytest.approx(-1.0)
+    assert math.isnan(bench.value_drop_at_first_wrong(values, [None, None, 3], [4, 3, 4]))
+
+
 def test_completion_texts_map_tokens_to_characters_and_strip_eos():
     from trl_vapo.tiny import build_char_tokenizer
 
@@ -104,7 +111,7 @@ def test_completion_texts_map_tokens_to_characters_and_strip_eos():
 def test_vapo_rollouts_are_counted_once_each_however_they_are_reported():
     """The stop-gap wrapper and a future trainer event may both report a rollout: it counts once; and successive
     rollouts (whose objects may reuse a freed object's id) each count. Only the fields the proposed ``on_rollout``
-    event documents are read: ids, attention mask, prompt length, advantages and phase."""
+    event documents are read: ids, attention mask, prompt length, advantages, values and phase."""
     from types import SimpleNamespace
 
     from trl_vapo.demo.chains import render_prompt
@@ -124,6 +131,7 @@ def test_vapo_rollouts_are_counted_once_each_however_they_are_reported():
             prompt_length=len(prompt_ids),
             phase=phase,
             advantages=torch.randn(1, len(completion)),
+            old_values=torch.randn(1, len(completion)),
         )
 
     curve = bench.LearningCurve(None, None, None, 64)
@@ -406,6 +414,13 @@ def test_quick_writes_one_sane_curve_per_run(quick_run):
             assert rl and all("loss/value" not in h and "grad_norm/critic" not in h for h in rl)
         if spec["method"] == "critic-free-64x1":
             assert all(h["value/mean"] == 0 and h["lambda_actor/mean"] == 1 for h in rl)
+        # The values' drop at the first slip: none for GRPO, the oracle's own for the oracle arm.
+        drops = [(r["value_drop"], r["oracle_drop"]) for r in record["credit_per_rollout"]]
+        if spec["method"] in bench.GRPO_METHODS:
+            assert all(math.isnan(value) for value, _ in drops)
+        if spec["method"] == "oracle-64x1":
+            assert all(value == pytest.approx(oracle) or math.isnan(oracle) for value, oracle in drops)
+        assert all(math.isnan(oracle) or -2 <= oracle < 0 for _, oracle in drops)
 
 
 def test_quick_prints_the_table_and_writes_the_plots(quick_run):
