@@ -1070,10 +1070,17 @@ def run_worker(spec: RunSpec) -> dict:
     import transformers
     import trl
 
+    config = json.loads(trainer.args.to_json_string())
+    for key in ("output_dir", "logging_dir"):  # a temporary folder
+        config.pop(key, None)
     return {
         "spec": asdict(spec),
         "protocol": PROTOCOL,
         "code_commit": code_commit(),
+        "trainer": type(trainer).__name__,
+        "config": config,  # every field of the trainer's config as it ran
+        "value_model": METHODS[spec.method].get("value_model"),  # a frozen value function's name, or None
+        "final": curve.points[-1],
         "points": curve.points,
         "samples": counter[0],
         "train_time_s": curve.points[-1]["train_time_s"],

@@ -391,6 +391,14 @@ def test_quick_writes_one_sane_curve_per_run(quick_run):
         record = json.loads(path.read_text())
         assert record["code_commit"] is None if not head else record["code_commit"].split("+")[0] == head
         spec = record["spec"]
+        # The record says what ran: the trainer, its whole config, the value function, the final metrics.
+        grpo = spec["method"] in bench.GRPO_METHODS
+        assert record["trainer"] == ("GRPOTrainer" if grpo else "VAPOTrainer")
+        config = record["config"]
+        assert config["learning_rate"] == spec["learning_rate"] and config["seed"] == spec["seed"]
+        assert config["num_generations"] == bench.METHODS[spec["method"]].get("num_generations", 8)
+        assert record["value_model"] == bench.METHODS[spec["method"]].get("value_model")
+        assert record["final"] == record["points"][-1]
         budget = spec["rollouts"] * spec["samples_per_rollout"]
         assert record["samples"] == budget  # value pretraining counted: VAPO and GRPO generated alike
         points = record["points"]
