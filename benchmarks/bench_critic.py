@@ -51,6 +51,8 @@ PROBES: dict[str, dict] = {
     "lr3e-4": {"critic_learning_rate": 3e-4},
     "lr3e-3": {"critic_learning_rate": 3e-3},
     "lr1e-3-x4": {"critic_learning_rate": 1e-3, "num_iterations": 4, "critic_num_iterations": 4},
+    "lr3e-4-x4": {"critic_learning_rate": 3e-4, "num_iterations": 4, "critic_num_iterations": 4},
+    "lr3e-4-x8": {"critic_learning_rate": 3e-4, "num_iterations": 8, "critic_num_iterations": 8},
 }
 TUNING_SEED = 1000
 LAST = 5  # the table averages the last five rollouts
