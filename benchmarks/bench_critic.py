@@ -53,8 +53,10 @@ PROBES: dict[str, dict] = {
     "lr1e-3-x4": {"critic_learning_rate": 1e-3, "num_iterations": 4, "critic_num_iterations": 4},
     "lr3e-4-x4": {"critic_learning_rate": 3e-4, "num_iterations": 4, "critic_num_iterations": 4},
     "lr3e-4-x8": {"critic_learning_rate": 3e-4, "num_iterations": 8, "critic_num_iterations": 8},
+    "lr1e-4-x8": {"critic_learning_rate": 1e-4, "num_iterations": 8, "critic_num_iterations": 8},
 }
-TUNING_SEED = 1000
+TUNING_SEEDS = (1000, 1001, 1002)
+"""Seeds a probe may run with (``--seed``): the benchmark's tuning seed and two more, never reporting seeds."""
 LAST = 5  # the table averages the last five rollouts
 
 
@@ -123,15 +125,18 @@ class Probe(TrainerCallback):
         return control
 
 
-def run_probe(name: str, rollouts: int) -> list[dict[str, float]]:
-    """Value-pretrain the chains critic with probe ``name`` for ``rollouts`` rollouts; one record per rollout."""
+def run_probe(name: str, rollouts: int, seed: int = TUNING_SEEDS[0]) -> list[dict[str, float]]:
+    """Value-pretrain the chains critic with probe ``name`` for ``rollouts`` rollouts from tuning seed ``seed``; one
+    record per rollout."""
+    if seed not in TUNING_SEEDS:
+        raise ValueError(f"seed {seed} is not a tuning seed {TUNING_SEEDS}: probes are tuning, never reporting runs")
     torch.set_num_threads(1)
     from trl_vapo.rewards import math_reward
 
     extra = dict(PROBES[name])
     actor_lr = 1e-4  # unused: the policy is frozen while the critic pretrains
     spec = bl.RunSpec(
-        stage="tune", task="chains", method="vapo", seed=TUNING_SEED, learning_rate=actor_lr, rollouts=rollouts + 1,
+        stage="tune", task="chains", method="vapo", seed=seed, learning_rate=actor_lr, rollouts=rollouts + 1,
         eval_every=rollouts, eval_k=1, eval_problems=0, eval_set="validation", value_pretrain_steps=rollouts,
         critic_lr_ratio=extra.pop("critic_learning_rate") / actor_lr,
     )  # fmt: skip
@@ -148,10 +153,10 @@ def window_means(series: Sequence[float], width: int = LAST) -> list[float]:
     return [statistics.mean(series[max(0, i - width + 1) : i + 1]) for i in range(len(series))]
 
 
-def summarize(records: dict[str, list[dict]]) -> str:
+def summarize(records: dict[str, list[dict]], seed: int = TUNING_SEEDS[0]) -> str:
     keys = ("ev", "oracle_ev", "exact_ev", "drop_at_slip", "exact_drop", "mean_abs_step", "slipped_share")
     lines = [
-        f"chains, value pretraining only (policy frozen), tuning seed {TUNING_SEED}: each statistic averaged over the "
+        f"chains, value pretraining only (policy frozen), tuning seed {seed}: each statistic averaged over the "
         f"last {LAST} rollouts, measured before the critic trains on them; 'best ev' the highest {LAST}-rollout mean "
         "and the rollout it ends at",
         f"{'probe':<12}{'rollouts':>9}" + "".join(f"{k:>15}" for k in keys) + f"{'best ev':>10}{'at':>5}",
@@ -198,15 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollouts", type=int, default=30, help="value-pretraining rollouts of 64 per probe")
     parser.add_argument("--jobs", type=int, default=1, help="probes at once (one thread each)")
     parser.add_argument("--quick", action="store_true", help="one probe, 2 rollouts")
+    parser.add_argument("--seed", type=int, default=TUNING_SEEDS[0], help=f"a tuning seed, one of {TUNING_SEEDS}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         path = args.out / f"{args.worker}.json"
-        path.write_text(json.dumps(run_probe(args.worker, args.rollouts)))
+        path.write_text(json.dumps(run_probe(args.worker, args.rollouts, args.seed)))
         return 0
     names = args.probes.split(",") if args.probes else list(PROBES)
     if args.quick:
         names, args.rollouts = names[:1], 2
+    if args.seed not in TUNING_SEEDS:
+        parser.error(f"--seed {args.seed} is not a tuning seed {TUNING_SEEDS}")
     unknown = sorted(set(names) - set(PROBES))
     if unknown:
         parser.error(f"unknown probes {unknown}; choose from {', '.join(PROBES)}")
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.out / f"{name}.json").exists():
             return 0
         cmd = [sys.executable, __file__, "--worker", name, "--rollouts", str(args.rollouts), "--out", str(args.out)]
+        cmd += ["--seed", str(args.seed)]
         with open(args.out / f"{name}.log", "w") as log:
             return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=bl.worker_env()).returncode
 
@@ -225,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"probes failed: {failed}; see their .log in {args.out}", file=sys.stderr)
         return 1
     records = {n: json.loads((args.out / f"{n}.json").read_text()) for n in names}
-    table = summarize(records)
+    table = summarize(records, args.seed)
     (args.out / "table.txt").write_text(table + "\n")
     plot(records, args.out / "critic_probe.png")
     print(table)

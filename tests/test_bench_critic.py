@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_critic import probe_stats  # noqa: E402
+from bench_critic import TUNING_SEEDS, probe_stats, run_probe  # noqa: E402
 
 
 def test_probe_stats_match_a_direct_computation():
@@ -41,3 +41,9 @@ def test_probe_stats_match_a_direct_computation():
     e = exact[valid]
     assert stats["exact_ev"] == pytest.approx(float(1 - (g - e).var(unbiased=False) / g.var(unbiased=False)), abs=1e-6)
     assert stats["exact_drop"] == pytest.approx(-0.8)  # -1.0 - (-0.2)
+
+
+def test_probes_run_on_tuning_seeds_only():
+    assert 1000 in TUNING_SEEDS and not set(TUNING_SEEDS) & {0, 1, 2, 2000, 2001, 2002, 2003, 2004}
+    with pytest.raises(ValueError, match="seed 2000 is not a tuning seed"):
+        run_probe("lr1e-3", rollouts=1, seed=2000)
