@@ -1,14 +1,13 @@
 """DeepSpeed ZeRO-2/3 and FSDP2 with real processes (gloo on CPU), each compared with the same run without them.
 
-Every run is `tests/_train_script.py`: value pretraining (1 rollout, three critic passes), then RL with one policy pass
-and three critic passes over each rollout (`num_iterations=1, critic_num_iterations=3`: the demo recipe also trains the
-critic more often than the policy), weight decay, gradient accumulation 2, per-side clipping that bites
-(`--max-grad-norm 0.05`), greedy sampling so that every run sees the same completions, a KL penalty (`beta=0.05`, a
-reference model). The reference is one plain process. DeepSpeed must take exactly one optimizer step per trainer step
-(it stepped after every micro-batch), keep the step-wide token mean, clip the actor and the critic separately, log both
-gradient norms, leave the policy's weights and Adam state untouched on critic-only steps (value pretraining, the extra
-critic passes: ZeRO steps every group), resume exactly, and save the models in bf16, the dtype they were loaded in
-(they train in float32).
+Every run is `tests/_train_script.py`: value pretraining (2 rollouts), then RL with one policy pass and three critic
+passes over each rollout (`num_iterations=1, critic_num_iterations=3`: the demo recipe also trains the critic more
+often than the policy), weight decay, gradient accumulation 2, per-side clipping that bites (`--max-grad-norm 0.05`),
+greedy sampling so that every run sees the same completions, a KL penalty (`beta=0.05`, a reference model). The
+reference is one plain process. DeepSpeed must take exactly one optimizer step per trainer step (it stepped after every
+micro-batch), keep the step-wide token mean, clip the actor and the critic separately, log both gradient norms, leave
+the policy's weights and Adam state untouched on critic-only steps (value pretraining, the extra critic passes: ZeRO
+steps every group), resume exactly, and save the models in bf16, the dtype they were loaded in (they train in float32).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ COMMON = [
     "--max-steps",
     "6",
     "--value-pretrain-steps",
-    "1",
+    "2",
     "--num-iterations",
     "1",
     "--critic-num-iterations",
@@ -49,13 +48,13 @@ COMMON = [
     "--beta",
     "0.05",
     "--dump-state-at",
-    "3",
-    "9",
+    "2",
+    "8",
 ]
 # Float32 round-off differs with the order of the gradients' reductions; Adam divides by sqrt(v) + 1e-8, which turns
 # it into up to a few percent of one update (lr 1e-3) on the weights whose gradients are near 1e-8.
 ATOL = {"weight": 5e-5, "exp_avg": 2e-8, "exp_avg_sq": 1e-12}
-STEPS = 9  # 1 value-pretraining rollout x 3 critic passes, then 2 RL rollouts x (1 policy-and-critic + 2 critic-only)
+STEPS = 8  # 2 value-pretraining rollouts x 1 step, then 2 RL rollouts x (1 policy-and-critic + 2 critic-only) steps
 
 
 def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Path:
@@ -83,7 +82,7 @@ def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Pat
 def assert_saved_as_loaded(run: Path) -> None:
     """`save_model` wrote the policy and the critic in bf16, the dtype they were loaded in (they trained in float32):
     the float32 training weights of the last step, rounded once."""
-    trained = torch.load(run / f"state-{STEPS}.pt")
+    trained = torch.load(run / "state-8.pt")
     for side, folder in (("policy", run / "final"), ("critic", run / "final" / "critic")):
         assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16", folder
         for name, value in load_file(folder / "model.safetensors").items():
@@ -97,10 +96,10 @@ def step_logs(run: Path, name: str = "logs") -> dict[int, dict]:
 
 
 def assert_policy_untouched_by_value_pretraining(run: Path, model_dir: Path) -> None:
-    """After value pretraining (step 3) the policy has its initial weights (loaded in bf16), bit for bit, and no Adam
+    """After value pretraining (step 2) the policy has its initial weights (loaded in bf16), bit for bit, and no Adam
     state: it was never stepped, as in the plain run. (Its learning rate is 0 until RL starts, so weight decay cannot
     move it either; what a stepped policy shows here is its step count and, with momentum left over, its moments.)"""
-    pretrained = {k: v for k, v in torch.load(run / "state-3.pt").items() if "/critic." not in k}
+    pretrained = {k: v for k, v in torch.load(run / "state-2.pt").items() if "/critic." not in k}
     initial = load_file(model_dir / "model.safetensors")
     assert pretrained.pop("adam_step") == 0
     for key, value in pretrained.items():
@@ -112,7 +111,7 @@ def assert_policy_untouched_by_value_pretraining(run: Path, model_dir: Path) -> 
 def assert_same_state(run: Path, reference: Path) -> None:
     """After the last step (8), the float32 weights of both sides and the policy's Adam moments and step count are
     the plain run's: the critic-only passes left the policy alone."""
-    expected, got = torch.load(reference / f"state-{STEPS}.pt"), torch.load(run / f"state-{STEPS}.pt")
+    expected, got = torch.load(reference / "state-8.pt"), torch.load(run / "state-8.pt")
     assert got.pop("adam_step") == expected.pop("adam_step") == 2  # one policy step per RL rollout
     assert got.keys() == expected.keys()
     assert {key.split("/")[1].split(".")[0] for key in expected} == {"policy", "critic"}
@@ -126,9 +125,9 @@ def assert_same_training(run: Path, reference: Path) -> None:
     reference_logs, logs = step_logs(reference), step_logs(run)
     assert sorted(logs) == sorted(reference_logs) == list(range(1, STEPS + 1))
     # The KL penalty's reference is the policy before its first update, however it is sharded.
-    assert "kl" not in logs[1] and logs[4]["kl"] == reference_logs[4]["kl"] == 0.0  # step 4: the first RL step
+    assert "kl" not in logs[1] and logs[3]["kl"] == reference_logs[3]["kl"] == 0.0
     # Every step trains the critic; the policy trains on the first pass over each RL rollout only.
-    assert [step for step, log in sorted(reference_logs.items()) if "grad_norm/policy" in log] == [4, 7]
+    assert [step for step, log in sorted(reference_logs.items()) if "grad_norm/policy" in log] == [3, 6]
     # The reward model scores as in the plain run (its weights gathered or sharded as TRL places them).
     key = "rewards/reward-model/mean"
     scored = [step for step, log in sorted(reference_logs.items()) if key in log]
@@ -150,7 +149,7 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero3_two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
-    """ZeRO-3 on two processes, with checkpoints (steps 3, 6, 9) and the final weights: one launch that the
+    """ZeRO-3 on two processes, with checkpoints (steps 2, 5, 8) and the final weights: one launch that the
     comparisons with the plain run and the resume test all read (a checkpoint changes no update)."""
     run = tmp_path_factory.mktemp("zero3-2")
     return train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-final", "--save-steps", "2")
@@ -191,15 +190,15 @@ def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_tw
     have no optimizer state yet (they were held out of every step), which DeepSpeed must load as such."""
     run = tmp_path / "ds"
     shutil.copytree(zero3_two_ranks, run)
-    assert (run / "checkpoint-3" / "deepspeed").is_dir()
-    for later in ("checkpoint-6", "checkpoint-9"):  # written by the first run after step 3
+    assert (run / "checkpoint-2" / "deepspeed").is_dir()
+    for later in ("checkpoint-5", "checkpoint-8"):  # written by the first run after step 2
         shutil.rmtree(run / later)
     shutil.rmtree(run / "final")  # so that the weights compared below are the resumed run's
-    (run / f"state-{STEPS}.pt").unlink()
+    (run / "state-8.pt").unlink()
     (run / "logs-rank0.jsonl").rename(run / "first-rank0.jsonl")
     train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "100", "--resume", "--save-final")
     resumed = step_logs(run)
-    assert sorted(resumed) == [4, 5, 6, 7, 8, 9]
+    assert sorted(resumed) == [3, 4, 5, 6, 7, 8]
     assert_same_state(run, reference)  # the optimizer state resumed too
     assert_saved_as_loaded(run)
 

@@ -406,28 +406,6 @@ def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
     assert all("loss/value" in h for h in logs)
 
 
-def test_value_pretraining_makes_the_critics_passes(tiny_model_dir, tmp_path):
-    """critic_num_iterations=3: each value-pretraining rollout is trained on for three passes too, and the plan
-    counts them."""
-    args = make_args(
-        tmp_path,
-        per_device_train_batch_size=8,
-        steps_per_generation=2,
-        max_steps=2,
-        critic_num_iterations=3,
-        value_pretrain_steps=1,
-        value_pretrain_patience=None,
-    )
-    trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
-    )
-    assert trainer._plan()["pretrain_steps"] == 6
-    trainer.train()
-    phases = [h["phase"] for h in trainer.state.log_history if "phase" in h]
-    assert phases == ["value_pretrain"] * 6 + ["rl"] * 2  # one rollout x 3 passes x 2 steps, then RL's max_steps
-    assert trainer.state.global_step == 8 and trainer.progress.rl_start_step == 6
-
-
 def parameter_sum(params) -> float:
     return sum(float(p.detach().double().sum()) for p in params)
 

@@ -365,8 +365,7 @@ class VAPOConfig(TrainingArguments):
             "help": "Passes of the critic over each RL rollout, at least `num_iterations` (default: equal to it). The "
             "passes beyond `num_iterations` are critic-only optimizer steps (counted in `max_steps`): more critic "
             "training per sample, without new samples, as Open-Reasoner-Zero does. Value pretraining makes "
-            "`critic_num_iterations` passes over each of its rollouts too (on the chains benchmark four passes at a "
-            "lower rate reached several times the explained variance per sample: benchmarks/README.md)."
+            "`num_iterations` passes over each of its rollouts."
         },
     )
     epsilon: float = field(

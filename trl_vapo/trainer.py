@@ -369,7 +369,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
         rollouts_per_epoch = 0 if streamed else len(self.train_dataset) // prompts_per_rollout
         steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
-        updates_per_rollout = args.critic_num_iterations * steps_per_pass  # value pretraining: the critic's passes
+        updates_per_rollout = args.num_iterations * steps_per_pass  # value pretraining
         if args.max_steps > 0:
             rl_steps = args.max_steps
         else:
@@ -498,10 +498,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             if hasattr(callback, "on_rollout"):
                 callback.on_rollout(args, self.state, self.control, rollout=rollout, rows=rows)
 
-        # Step 5: shuffled passes over the rollout, the critic's number of them; the passes beyond num_iterations
-        # train the critic alone (all of them in value pretraining, where the policy is frozen).
+        # Step 5: shuffled passes over the rollout; the passes beyond num_iterations train the critic alone.
         rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        passes = args.critic_num_iterations
+        passes = args.critic_num_iterations if phase == RL else args.num_iterations
         steps = (
             (rows, n < args.num_iterations)
             for n in range(passes)
