@@ -44,7 +44,8 @@ steps per rollout, learning-rate schedule, lengths and sampling.
 
 The arms that separate the hypotheses about the critic (``ARMS``; added to protocol 2 before any of its tuning or
 reporting runs): GRPO at three group sizes, 8 prompts x 8 (``grpo``), 16 x 4 and 32 x 2 (``grpo-16x4``,
-``grpo-32x2``: prompts per rollout is what made VAPO 64x1 win under protocol 1); at 64 prompts x 1, VAPO with its
+``grpo-32x2``: prompts per rollout is the candidate explanation of VAPO 64x1's higher mean under protocol 1, a
+difference whose interval included 0); at 64 prompts x 1, VAPO with its
 learned critic (``no-group-sampling``), with the exact value P(correct | prefix) as a frozen critic
 (``oracle-64x1``, ``trl_vapo.demo.oracle``: how much a perfect critic buys) and with none (``critic-free-64x1``:
 values 0 and lambda 1, so each token's advantage is its completion's return minus the rollout's mean, whitened);

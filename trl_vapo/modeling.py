@@ -41,6 +41,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    PretrainedConfig,
     PreTrainedModel,
 )
 from transformers.modeling_layers import GenericForSequenceClassification
@@ -120,8 +121,6 @@ class ValueFunction(Protocol):
 def is_value_function(value_model: Any) -> bool:
     """Whether ``value_model`` is a :class:`ValueFunction`: a callable that is not a path or a transformers or PEFT
     model (those are critics to train, checked by :func:`check_value_model`)."""
-    from transformers import PretrainedConfig
-
     if isinstance(value_model, (str, os.PathLike, PreTrainedModel)) or is_peft_model(value_model):
         return False
     return callable(value_model) and not isinstance(getattr(value_model, "config", None), PretrainedConfig)
@@ -609,6 +608,8 @@ class ActorCritic(nn.Module):
             values = self.frozen_values(input_ids, attention_mask, width)
         logprobs = torch.zeros_like(values) if with_policy else None
         ref = torch.zeros_like(values) if reference is not None else None
+        if not (self.learns_values or with_policy or reference is not None):
+            return logprobs, values, ref  # the value function gave everything asked for: no model forward
         for rows in torch.arange(input_ids.shape[0]).split(batch_size):
             ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
             columns = slice(0, min(length, width))

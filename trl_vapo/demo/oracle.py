@@ -35,6 +35,7 @@ on the kind of position only, not on the problem.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -56,11 +57,17 @@ class Hazards:
         return getattr(self, kind)
 
 
-def decision_kinds(prompt: str) -> list[str]:
+@functools.lru_cache(maxsize=4096)  # a rollout repeats each prompt (group sampling) and is read twice per call
+def _correct_pattern(prompt: str) -> tuple[str, ...]:
+    return tuple(chains.correct_pattern(prompt))
+
+
+@functools.lru_cache(maxsize=4096)
+def decision_kinds(prompt: str) -> tuple[str, ...]:
     """The kind of each decision position of ``prompt``'s correct completion: one per character, then the end of
     sequence (``len(correct completion) + 1`` entries)."""
-    task, terms = chains.parse_prompt(prompt)
-    pattern = chains.correct_pattern(prompt)
+    _, terms = chains.parse_prompt(prompt)
+    pattern = _correct_pattern(prompt)
     kinds = ["other"] * (len(pattern) + 1)
     text = "".join(allowed[0] for allowed in pattern)  # one correct completion: the kinds do not depend on which
     start, total = 0, 0
@@ -70,7 +77,7 @@ def decision_kinds(prompt: str) -> list[str]:
             kinds[tens_digit] = "sum_ten" if total % 10 + term == 10 else "above_ten"
         total += term
         start += len(line) + 1
-    return kinds
+    return tuple(kinds)
 
 
 def survival(kinds: Sequence[str], hazards: Hazards) -> list[float]:
@@ -85,7 +92,7 @@ def first_wrong(prompt: str, completion: str, ended: bool) -> int | None:
     """The first decision position at which ``completion`` left the correct chains, or None if it never did within
     what it generated (``ended``: it ended with the end-of-sequence token, which is then position
     ``len(completion)``)."""
-    wrong = chains.first_mismatch(chains.correct_pattern(prompt), completion)
+    wrong = chains.first_mismatch(_correct_pattern(prompt), completion)
     generated = len(completion) + (1 if ended else 0)
     return wrong if wrong is not None and wrong < generated else None
 
