@@ -406,6 +406,49 @@ def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
     assert all("loss/value" in h for h in logs)
 
 
+def test_value_pretraining_makes_its_own_number_of_passes(tiny_model_dir, tmp_path):
+    """value_pretrain_num_iterations=3 with num_iterations=1: each value-pretraining rollout gets three shuffled passes
+    of critic-only steps (the plan counts them), RL one pass; unset, it follows num_iterations."""
+
+    class Sums(TrainerCallback):
+        def __init__(self):
+            self.trainer, self.steps = None, []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            model = self.trainer.actor_critic
+            self.steps.append((parameter_sum(model.policy_parameters()), parameter_sum(model.critic_parameters())))
+
+    assert make_args(tmp_path, num_iterations=2).value_pretrain_num_iterations == 2
+    with pytest.raises(ValueError, match="value_pretrain_num_iterations must be >= 1"):
+        make_args(tmp_path, value_pretrain_num_iterations=0)
+    sums = Sums()
+    args = make_args(
+        tmp_path,
+        per_device_train_batch_size=8,
+        steps_per_generation=2,
+        max_steps=2,
+        value_pretrain_steps=2,
+        value_pretrain_patience=None,
+        value_pretrain_num_iterations=3,
+    )
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
+        callbacks=[sums],
+    )
+    sums.trainer = trainer
+    assert trainer._plan()["pretrain_steps"] == 12  # 2 rollouts x 3 passes x 2 steps
+    trainer.train()
+    assert trainer.state.global_step == 14  # and one RL rollout of one pass
+    policy, critic = zip(*sums.steps)
+    assert len(set(policy[:12])) == 1 and policy[12] != policy[11], "the policy moves only in RL"
+    assert len(set(critic)) == 14, "every step moves the critic"
+    phases = [h["phase"] for h in trainer.state.log_history if "phase" in h]
+    assert phases == ["value_pretrain"] * 12 + ["rl"] * 2
+
+
 def parameter_sum(params) -> float:
     return sum(float(p.detach().double().sum()) for p in params)
 

@@ -219,6 +219,7 @@ def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> 
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "num_iterations": args.num_iterations,
         "critic_num_iterations": args.critic_num_iterations,
+        "value_pretrain_num_iterations": args.value_pretrain_num_iterations,
         "deepspeed": deepspeed,
     }
 
@@ -226,7 +227,8 @@ def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote."""
     # Checkpoints of trl-vapo 0.1 predate these keys.
-    saved = {"deepspeed": False, "critic_num_iterations": saved.get("num_iterations"), **saved}
+    defaults = {"critic_num_iterations": saved.get("num_iterations"), "value_pretrain_num_iterations": None}
+    saved = {"deepspeed": False, **defaults, **saved}
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
         for key in current

@@ -364,8 +364,8 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Passes of the critic over each RL rollout, at least `num_iterations` (default: equal to it). The "
             "passes beyond `num_iterations` are critic-only optimizer steps (counted in `max_steps`): more critic "
-            "training per sample, without new samples, as Open-Reasoner-Zero does. Value pretraining makes "
-            "`num_iterations` passes over each of its rollouts."
+            "training per sample, without new samples, as Open-Reasoner-Zero does. Value pretraining's passes are "
+            "`value_pretrain_num_iterations`."
         },
     )
     epsilon: float = field(
@@ -463,6 +463,16 @@ class VAPOConfig(TrainingArguments):
             "help": "Value pretraining: rollouts from the frozen initial policy that train only the critic, on "
             "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100). 0: off. "
             "Skipped when `value_model` was saved by a previous value pretraining."
+        },
+    )
+    value_pretrain_num_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Passes of the critic over each value-pretraining rollout (each a shuffled pass of optimizer "
+            "steps, counted in `max_steps` like RL's). Default: equal to `num_iterations`. The policy is frozen "
+            "while the critic pretrains, so more passes reuse samples of the same distribution; on the `chains` "
+            "benchmark four to eight passes at a lower critic learning rate fit the returns better than one "
+            "(benchmarks/README.md, critic tuning). The paper does not say (one pass)."
         },
     )
     value_pretrain_patience: int | None = field(
@@ -595,6 +605,8 @@ class VAPOConfig(TrainingArguments):
             self.critic_learning_rate = 2 * self.learning_rate
         if self.critic_num_iterations is None:
             self.critic_num_iterations = self.num_iterations
+        if self.value_pretrain_num_iterations is None:
+            self.value_pretrain_num_iterations = self.num_iterations
         self._resolve_batch_sizes()
         self._validate()
 
@@ -734,6 +746,10 @@ class VAPOConfig(TrainingArguments):
             self.critic_num_iterations >= self.num_iterations,
             f"critic_num_iterations ({self.critic_num_iterations}) must be at least num_iterations "
             f"({self.num_iterations}): the critic trains on every pass the policy does.",
+        )
+        require(
+            self.value_pretrain_num_iterations >= 1,
+            f"value_pretrain_num_iterations must be >= 1 or None, got {self.value_pretrain_num_iterations}.",
         )
         require(self.value_pretrain_steps >= 0, f"value_pretrain_steps must be >= 0, got {self.value_pretrain_steps}.")
         require(

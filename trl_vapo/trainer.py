@@ -11,8 +11,9 @@ One rollout of the loop (`_train_on_rollout`), in the paper's order:
 5. **update**: `num_iterations` passes of shuffled optimizer steps on `core.vapo_loss`: the token-level clip-higher
    PPO loss plus the positive-example NLL for the policy, the value loss for the critic.
 
-Value pretraining is the same loop with the policy frozen and only the critic's loss, until `value_pretrain_steps`
-rollouts or until explained variance stops improving. The math lives in `trl_vapo.core`; this file orchestrates.
+Value pretraining is the same loop with the policy frozen and only the critic's loss (`value_pretrain_num_iterations`
+passes), until `value_pretrain_steps` rollouts or until explained variance stops improving. The math lives in
+`trl_vapo.core`; this file orchestrates.
 """
 
 from __future__ import annotations
@@ -369,7 +370,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
         rollouts_per_epoch = 0 if streamed else len(self.train_dataset) // prompts_per_rollout
         steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
-        updates_per_rollout = args.num_iterations * steps_per_pass  # value pretraining
+        updates_per_rollout = args.value_pretrain_num_iterations * steps_per_pass  # value pretraining
         if args.max_steps > 0:
             rl_steps = args.max_steps
         else:
@@ -481,7 +482,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _train_on_rollout(self) -> None:
-        """Steps 1-4 build the rollout (`_make_rollout`), step 5 trains on it: `num_iterations` shuffled passes."""
+        """Steps 1-4 build the rollout (`_make_rollout`), step 5 trains on it: shuffled passes (RL:
+        `critic_num_iterations`, the first `num_iterations` with the policy; value pretraining:
+        `value_pretrain_num_iterations`)."""
         args, phase = self.args, self.progress.phase
         rows = self._next_rows()
         rollout = self._make_rollout(rows, phase)
@@ -500,7 +503,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
         # Step 5: shuffled passes over the rollout; the passes beyond num_iterations train the critic alone.
         rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        passes = args.critic_num_iterations if phase == RL else args.num_iterations
+        passes = args.critic_num_iterations if phase == RL else args.value_pretrain_num_iterations
         steps = (
             (rows, n < args.num_iterations)
             for n in range(passes)
