@@ -46,8 +46,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_learning as bl  # noqa: E402
 
 # name: VAPOConfig fields of the critic; "-xN": N passes over each value-pretraining rollout; "-mb8": optimizer
-# steps of 8 samples instead of 16 (eight per pass). The records of seeds 1000-1001 were written when the passes were
-# set through num_iterations (and critic_num_iterations), which value pretraining then followed: the same runs.
+# steps of 8 samples instead of 16 (eight per pass); "-rK": value pretraining's replay of the K rollouts before. The
+# records of seeds 1000-1001 were written when the passes were set through num_iterations (and
+# critic_num_iterations), which value pretraining then followed: the same runs.
 PROBES: dict[str, dict] = {
     "lr1e-3": {"critic_learning_rate": 1e-3},  # the learning benchmark's recipe
     "lr3e-4": {"critic_learning_rate": 3e-4},
@@ -63,6 +64,13 @@ PROBES: dict[str, dict] = {
         "per_device_train_batch_size": 8,
         "steps_per_generation": 8,
     },
+    "lr1e-4-x8-r7": {"critic_learning_rate": 1e-4, "value_pretrain_num_iterations": 8, "value_pretrain_replay": 7},
+    "lr3e-4-x4-r7": {"critic_learning_rate": 3e-4, "value_pretrain_num_iterations": 4, "value_pretrain_replay": 7},
+    "lr3e-4-x8-r14": {"critic_learning_rate": 3e-4, "value_pretrain_num_iterations": 8, "value_pretrain_replay": 14},
+    "lr3e-4-x8-r7": {"critic_learning_rate": 3e-4, "value_pretrain_num_iterations": 8, "value_pretrain_replay": 7},
+    "lr1e-3-x4-r14": {"critic_learning_rate": 1e-3, "value_pretrain_num_iterations": 4, "value_pretrain_replay": 14},
+    "lr1e-4-x16-r14": {"critic_learning_rate": 1e-4, "value_pretrain_num_iterations": 16, "value_pretrain_replay": 14},
+    "lr3e-4-x16-r14": {"critic_learning_rate": 3e-4, "value_pretrain_num_iterations": 16, "value_pretrain_replay": 14},
 }
 TUNING_SEEDS = (1000, 1001, 1002)
 """Seeds a probe may run with (``--seed``): the benchmark's tuning seed and two more, never reporting seeds."""

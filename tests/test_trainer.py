@@ -449,6 +449,54 @@ def test_value_pretraining_makes_its_own_number_of_passes(tiny_model_dir, tmp_pa
     assert phases == ["value_pretrain"] * 12 + ["rl"] * 2
 
 
+def test_value_pretraining_replay_draws_each_pass_from_the_last_rollouts(tiny_model_dir, tmp_path):
+    """value_pretrain_replay=2: the critic's steps on value-pretraining rollout i draw from rollouts i-2..i, padded
+    into one rollout whose every row is the original row (same tokens, mask and returns after trimming); each pass is
+    still one rollout's worth of rows, so the steps are as many and as large; RL trains on its own rollout."""
+
+    class ReplayTrainer(CapturingTrainer):
+        def _optimizer_step(self, rollout, rows, update_policy=True):
+            self.steps = getattr(self, "steps", []) + [(rollout, rows)]
+            super()._optimizer_step(rollout, rows, update_policy)
+
+    with pytest.raises(ValueError, match="value_pretrain_replay must be >= 0"):
+        make_args(tmp_path, value_pretrain_replay=-1)
+    args = make_args(
+        tmp_path,
+        per_device_train_batch_size=8,
+        steps_per_generation=2,
+        max_steps=2,
+        value_pretrain_steps=4,
+        value_pretrain_patience=None,
+        value_pretrain_num_iterations=2,
+        value_pretrain_replay=2,
+        max_completion_length=12,
+        generation_kwargs=stop_on_common_characters(tiny_model_dir),  # completions of several lengths
+    )
+    # Prompts of 2 to 17 characters, so that the rollouts' prompt widths differ.
+    prompts = Dataset.from_list([{"prompt": "1+" * (i % 8) + f"{i}=", "answer": "0"} for i in range(64)])
+    trainer = ReplayTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts)
+    trainer.train()
+    rollouts = [rollout for _, rollout in trainer.rollouts]
+    assert len(rollouts) == 5 and len(trainer.steps) == 4 * 4 + 2  # 4 rollouts x 2 passes x 2 steps, then RL
+    assert all(len(rows) == 8 for _, rows in trainer.steps)
+    widths = {(rollout.prompt_length, rollout.loss_mask.shape[1]) for rollout in rollouts[:4]}
+    assert len(widths) > 1, f"widths must differ to test padding: {widths}"
+    for i in range(5):
+        trained = {id(step_rollout) for step_rollout, _ in trainer.steps[4 * i : 4 * i + 4]}
+        assert len(trained) == 1
+        merged = trainer.steps[4 * i][0]
+        window = [rollouts[i]] if i == 4 else rollouts[max(0, i - 2) : i + 1]
+        assert len(merged) == 16 * len(window)
+        for k, original in enumerate(window):
+            for j in range(16):
+                a, b = merged.micro_batch(torch.tensor([16 * k + j])), original.micro_batch(torch.tensor([j]))
+                for key in ("input_ids", "attention_mask", "mask", "returns", "completion_length"):
+                    assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), (i, k, j, key)
+    drawn = torch.cat([rows for _, rows in trainer.steps[8:12]])  # rollout 2's steps, over rollouts 0-2
+    assert (drawn < 32).any(), "the earlier rollouts train the critic again"
+
+
 def parameter_sum(params) -> float:
     return sum(float(p.detach().double().sum()) for p in params)
 

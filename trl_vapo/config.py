@@ -475,6 +475,16 @@ class VAPOConfig(TrainingArguments):
             "(benchmarks/README.md, critic tuning). The paper does not say (one pass)."
         },
     )
+    value_pretrain_replay: int = field(
+        default=0,
+        metadata={
+            "help": "Value pretraining's replay: the critic's optimizer steps on a rollout draw their samples from it "
+            "and the up to this many value-pretraining rollouts before it on the same process (the policy is frozen, "
+            "so all are samples of one distribution). Each pass is still one rollout's worth of samples, so the steps "
+            "are as many and as large as without replay. Kept in memory only: a run resumed from a checkpoint starts "
+            "the window anew. 0: each rollout alone (the paper)."
+        },
+    )
     value_pretrain_patience: int | None = field(
         default=10,
         metadata={
@@ -750,6 +760,9 @@ class VAPOConfig(TrainingArguments):
         require(
             self.value_pretrain_num_iterations >= 1,
             f"value_pretrain_num_iterations must be >= 1 or None, got {self.value_pretrain_num_iterations}.",
+        )
+        require(
+            self.value_pretrain_replay >= 0, f"value_pretrain_replay must be >= 0, got {self.value_pretrain_replay}."
         )
         require(self.value_pretrain_steps >= 0, f"value_pretrain_steps must be >= 0, got {self.value_pretrain_steps}.")
         require(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -84,6 +84,37 @@ class Rollout:
             "is_positive": self.is_positive[rows],
             "is_weights": cut(self.is_weights),
         }
+
+
+def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
+    """The rollouts as one, for the critic's steps over several value-pretraining rollouts
+    (`value_pretrain_replay`): every ``[N, P + C]`` tensor's prompt part left-padded and completion part right-padded
+    to the widest, every ``[N, C]`` one right-padded; the rewards' verdicts, sampling metrics and extra columns are
+    the last rollout's (logged from it before; the critic's steps do not read them)."""
+    newest = rollouts[-1]
+    if len(rollouts) == 1:
+        return newest
+    prompt_width = max(r.prompt_length for r in rollouts)
+    completion_width = max(r.loss_mask.shape[1] for r in rollouts)
+
+    def joined(name: str) -> torch.Tensor | None:
+        parts = [getattr(r, name) for r in rollouts]
+        if any(part is None for part in parts):
+            return None
+        per_token = name != "is_weights" or any(part.shape[1] > 1 for part in parts)  # [N, 1]: one per sequence
+        padded = []
+        for rollout, part in zip(rollouts, parts):
+            completion_padding = completion_width - rollout.loss_mask.shape[1]
+            if name in ("input_ids", "attention_mask"):  # [N, P + C]: prompts are left-padded, completions right
+                part = torch.nn.functional.pad(part, (prompt_width - rollout.prompt_length, completion_padding))
+            elif part.dim() == 2 and per_token:  # [N, C]
+                part = torch.nn.functional.pad(part, (0, completion_padding))
+            padded.append(part)
+        return torch.cat(padded)
+
+    fields = ("input_ids", "attention_mask", "truncated", "loss_mask", "is_positive", "old_values", "returns")
+    fields += ("raw_advantages", "advantages", "lambda_actor", "old_logprobs", "ref_logprobs", "is_weights")
+    return dataclasses.replace(newest, prompt_length=prompt_width, **{name: joined(name) for name in fields})
 
 
 def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | None) -> dict[str, float]:

@@ -97,7 +97,7 @@ from .modeling import (
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
-from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, rollout_metrics
+from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
 from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models
 
 # Logs once, from the main process, however many processes train.
@@ -342,6 +342,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.progress = ckpt.TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
         self._save_pending = False
         self._last_rollout: Rollout | None = None  # for the completions table at the next log
+        self._replay: list[Rollout] = []  # value pretraining's last rollouts (`value_pretrain_replay`)
         # What only the caller knows, for the model card: dataset_name / dataset_config / dataset_description,
         # held_out ({"before": ..., "after": ..., "description": ...}), license.
         self.model_card_info: dict[str, Any] = {}
@@ -501,16 +502,21 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             if hasattr(callback, "on_rollout"):
                 callback.on_rollout(args, self.state, self.control, rollout=rollout, rows=rows)
 
-        # Step 5: shuffled passes over the rollout; the passes beyond num_iterations train the critic alone.
+        # Step 5: shuffled passes over the rollout; the passes beyond num_iterations train the critic alone. With
+        # value pretraining's replay, each pass draws one rollout's worth of samples from the window of rollouts.
         rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
         passes = args.critic_num_iterations if phase == RL else args.value_pretrain_num_iterations
+        trains_on = rollout
+        if phase == VALUE_PRETRAIN and args.value_pretrain_replay > 0:
+            self._replay = (self._replay + [rollout])[-(args.value_pretrain_replay + 1) :]
+            trains_on = concatenate_rollouts(self._replay)
         steps = (
             (rows, n < args.num_iterations)
             for n in range(passes)
-            for rows in torch.randperm(len(rollout)).split(rows_per_step)
+            for rows in torch.randperm(len(trains_on))[: len(rollout)].split(rows_per_step)
         )
         for step_rows, update_policy in steps:
-            self._optimizer_step(rollout, step_rows, update_policy)
+            self._optimizer_step(trains_on, step_rows, update_policy)
             if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
                 break
 
@@ -1105,6 +1111,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                     callback.training_bar.total = self.state.max_steps
         progress.phase = RL
         progress.rl_start_step = self.state.global_step
+        self._replay = []
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PhaseProgressCallback):
                 callback.refresh()
