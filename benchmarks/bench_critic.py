@@ -71,6 +71,26 @@ PROBES: dict[str, dict] = {
     "lr1e-3-x4-r14": {"critic_learning_rate": 1e-3, "value_pretrain_num_iterations": 4, "value_pretrain_replay": 14},
     "lr1e-4-x16-r14": {"critic_learning_rate": 1e-4, "value_pretrain_num_iterations": 16, "value_pretrain_replay": 14},
     "lr3e-4-x16-r14": {"critic_learning_rate": 3e-4, "value_pretrain_num_iterations": 16, "value_pretrain_replay": 14},
+    # The shared-base critic: a LoRA adapter of rank `lora_r` on every linear layer of the policy's frozen base, and a
+    # value head (the policy gets an adapter of its own, which value pretraining leaves at its zero start).
+    "lora16-lr1e-3-x8-r7": {
+        "lora_r": 16,
+        "critic_learning_rate": 1e-3,
+        "value_pretrain_num_iterations": 8,
+        "value_pretrain_replay": 7,
+    },
+    "lora16-lr3e-4-x8-r7": {
+        "lora_r": 16,
+        "critic_learning_rate": 3e-4,
+        "value_pretrain_num_iterations": 8,
+        "value_pretrain_replay": 7,
+    },
+    "lora16-lr3e-3-x8-r7": {
+        "lora_r": 16,
+        "critic_learning_rate": 3e-3,
+        "value_pretrain_num_iterations": 8,
+        "value_pretrain_replay": 7,
+    },
 }
 TUNING_SEEDS = (1000, 1001, 1002)
 """Seeds a probe may run with (``--seed``): the benchmark's tuning seed and two more, never reporting seeds."""
@@ -157,8 +177,14 @@ def run_probe(name: str, rollouts: int, seed: int = TUNING_SEEDS[0]) -> list[dic
         eval_every=rollouts, eval_k=1, eval_problems=0, eval_set="validation", value_pretrain_steps=rollouts,
         critic_lr_ratio=extra.pop("critic_learning_rate") / actor_lr,
     )  # fmt: skip
+    peft_config = None
+    if "lora_r" in extra:
+        from peft import LoraConfig
+
+        rank = extra.pop("lora_r")
+        peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
     out_dir = tempfile.mkdtemp(prefix=f"bench_critic_{name}_")
-    trainer, _ = bl.build_trainer(spec, out_dir, math_reward, extra)
+    trainer, _ = bl.build_trainer(spec, out_dir, math_reward, extra, peft_config)
     probe = Probe(trainer.processing_class)
     trainer.add_callback(probe)
     trainer.train()  # the rollouts of value pretraining, then one RL rollout

@@ -107,6 +107,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from transformers import TrainerCallback
 
@@ -902,9 +903,11 @@ def install_grpo_hook(trainer, curve: LearningCurve, credit: CreditAssignment) -
     trainer._generate_and_score_completions = generate_and_score
 
 
-def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | None = None):
+def build_trainer(
+    spec: RunSpec, out_dir: str, reward: Callable, extra: dict | None = None, peft_config: Any | None = None
+):
     """The trainer of ``spec.method`` on ``spec.task`` with the recipe, the protocol's budget and its seed;
-    ``extra``: VAPOConfig fields on top (``bench_critic.py``'s probes)."""
+    ``extra``: VAPOConfig fields on top, ``peft_config``: VAPO's adapters (``bench_critic.py``'s probes)."""
     train = task_module(spec.task).build_split("train", 4096)
     model_dir = task_model_dir(spec.task)
     recipe = dict(VAPO_RECIPE)
@@ -971,7 +974,12 @@ def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | N
         max_steps=(spec.rollouts - pretrain) * rl_steps_per_rollout,
     )
     trainer = VAPOTrainer(
-        model=model_dir, reward_funcs=reward, args=args, train_dataset=train, value_model=value_model
+        model=model_dir,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=train,
+        value_model=value_model,
+        peft_config=peft_config,
     )
     return trainer, steps_per_rollout
 

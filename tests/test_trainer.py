@@ -376,15 +376,7 @@ def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
     """critic_num_iterations=3 with num_iterations=1: per rollout, one pass of joint steps, then two passes of
     critic-only steps that leave the policy untouched."""
 
-    class Sums(TrainerCallback):
-        def __init__(self):
-            self.trainer, self.steps = None, []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            model = self.trainer.actor_critic
-            self.steps.append((parameter_sum(model.policy_parameters()), parameter_sum(model.critic_parameters())))
-
-    sums = Sums()
+    sums = ParameterSums()
     args = make_args(
         tmp_path, per_device_train_batch_size=8, steps_per_generation=2, max_steps=6, critic_num_iterations=3
     )
@@ -410,18 +402,10 @@ def test_value_pretraining_makes_its_own_number_of_passes(tiny_model_dir, tmp_pa
     """value_pretrain_num_iterations=3 with num_iterations=1: each value-pretraining rollout gets three shuffled passes
     of critic-only steps (the plan counts them), RL one pass; unset, it follows num_iterations."""
 
-    class Sums(TrainerCallback):
-        def __init__(self):
-            self.trainer, self.steps = None, []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            model = self.trainer.actor_critic
-            self.steps.append((parameter_sum(model.policy_parameters()), parameter_sum(model.critic_parameters())))
-
     assert make_args(tmp_path, num_iterations=2).value_pretrain_num_iterations == 2
     with pytest.raises(ValueError, match="value_pretrain_num_iterations must be >= 1"):
         make_args(tmp_path, value_pretrain_num_iterations=0)
-    sums = Sums()
+    sums = ParameterSums()
     args = make_args(
         tmp_path,
         per_device_train_batch_size=8,
@@ -499,6 +483,17 @@ def test_value_pretraining_replay_draws_each_pass_from_the_last_rollouts(tiny_mo
 
 def parameter_sum(params) -> float:
     return sum(float(p.detach().double().sum()) for p in params)
+
+
+class ParameterSums(TrainerCallback):
+    """After every optimizer step: the sums of the policy's and of the critic's parameters (set `trainer` first)."""
+
+    def __init__(self):
+        self.trainer, self.steps = None, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        model = self.trainer.actor_critic
+        self.steps.append((parameter_sum(model.policy_parameters()), parameter_sum(model.critic_parameters())))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
