@@ -85,6 +85,18 @@ PROBES: dict[str, dict] = {
         "value_pretrain_num_iterations": 8,
         "value_pretrain_replay": 7,
     },
+    "lora4-lr1e-3-x8-r7": {
+        "lora_r": 4,
+        "critic_learning_rate": 1e-3,
+        "value_pretrain_num_iterations": 8,
+        "value_pretrain_replay": 7,
+    },
+    "lora64-lr1e-3-x8-r7": {
+        "lora_r": 64,
+        "critic_learning_rate": 1e-3,
+        "value_pretrain_num_iterations": 8,
+        "value_pretrain_replay": 7,
+    },
     "lora16-lr3e-3-x8-r7": {
         "lora_r": 16,
         "critic_learning_rate": 3e-3,
