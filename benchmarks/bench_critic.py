@@ -72,36 +72,16 @@ PROBES: dict[str, dict] = {
     "lr1e-4-x16-r14": {"critic_learning_rate": 1e-4, "value_pretrain_num_iterations": 16, "value_pretrain_replay": 14},
     "lr3e-4-x16-r14": {"critic_learning_rate": 3e-4, "value_pretrain_num_iterations": 16, "value_pretrain_replay": 14},
     # The shared-base critic: a LoRA adapter of rank `lora_r` on every linear layer of the policy's frozen base, and a
-    # value head (the policy gets an adapter of its own, which value pretraining leaves at its zero start).
-    "lora16-lr1e-3-x8-r7": {
-        "lora_r": 16,
-        "critic_learning_rate": 1e-3,
-        "value_pretrain_num_iterations": 8,
-        "value_pretrain_replay": 7,
-    },
-    "lora16-lr3e-4-x8-r7": {
-        "lora_r": 16,
-        "critic_learning_rate": 3e-4,
-        "value_pretrain_num_iterations": 8,
-        "value_pretrain_replay": 7,
-    },
-    "lora4-lr1e-3-x8-r7": {
-        "lora_r": 4,
-        "critic_learning_rate": 1e-3,
-        "value_pretrain_num_iterations": 8,
-        "value_pretrain_replay": 7,
-    },
-    "lora64-lr1e-3-x8-r7": {
-        "lora_r": 64,
-        "critic_learning_rate": 1e-3,
-        "value_pretrain_num_iterations": 8,
-        "value_pretrain_replay": 7,
-    },
-    "lora16-lr3e-3-x8-r7": {
-        "lora_r": 16,
-        "critic_learning_rate": 3e-3,
-        "value_pretrain_num_iterations": 8,
-        "value_pretrain_replay": 7,
+    # value head (the policy gets an adapter of its own, which value pretraining leaves at its zero start); eight
+    # passes, replay of 7.
+    **{
+        f"lora{rank}-lr{lr}-x8-r7": {
+            "lora_r": rank,
+            "critic_learning_rate": float(lr),
+            "value_pretrain_num_iterations": 8,
+            "value_pretrain_replay": 7,
+        }
+        for rank, lr in ((16, "1e-3"), (16, "3e-4"), (4, "1e-3"), (64, "1e-3"), (16, "3e-3"))
     },
 }
 TUNING_SEEDS = (1000, 1001, 1002)

@@ -481,6 +481,21 @@ def test_value_pretraining_replay_draws_each_pass_from_the_last_rollouts(tiny_mo
     assert (drawn < 32).any(), "the earlier rollouts train the critic again"
 
 
+def test_a_checkpoint_older_than_value_pretrain_num_iterations_resumes_a_run_with_the_same_passes(tmp_path):
+    """A fingerprint written before the key existed made `num_iterations` value-pretraining passes: a run with as
+    many resumes from it, one with other passes is refused, naming the key."""
+    from trl_vapo.checkpoint import check_resumable
+
+    old = {"model": "m", "num_iterations": 2, "deepspeed": False}
+    check_resumable(
+        tmp_path, old, {"num_iterations": 2, "critic_num_iterations": 2, "value_pretrain_num_iterations": 2}
+    )
+    with pytest.raises(ValueError, match="value_pretrain_num_iterations: checkpoint 2, this run 8"):
+        check_resumable(
+            tmp_path, old, {"num_iterations": 2, "critic_num_iterations": 2, "value_pretrain_num_iterations": 8}
+        )
+
+
 def parameter_sum(params) -> float:
     return sum(float(p.detach().double().sum()) for p in params)
 

@@ -226,8 +226,8 @@ def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> 
 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote."""
-    # Checkpoints of trl-vapo 0.1 predate these keys.
-    defaults = {"critic_num_iterations": saved.get("num_iterations"), "value_pretrain_num_iterations": None}
+    # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`.
+    defaults = {key: saved.get("num_iterations") for key in ("critic_num_iterations", "value_pretrain_num_iterations")}
     saved = {"deepspeed": False, **defaults, **saved}
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"

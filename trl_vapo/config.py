@@ -470,9 +470,8 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Passes of the critic over each value-pretraining rollout (each a shuffled pass of optimizer "
             "steps, counted in `max_steps` like RL's). Default: equal to `num_iterations`. The policy is frozen "
-            "while the critic pretrains, so more passes reuse samples of the same distribution; on the `chains` "
-            "benchmark four to eight passes at a lower critic learning rate fit the returns better than one "
-            "(benchmarks/README.md, critic tuning). The paper does not say (one pass)."
+            "while the critic pretrains, so more passes reuse samples of the same distribution (the `chains` "
+            "benchmark's critic tuning tries 4-16: benchmarks/README.md). The paper does not say (one pass)."
         },
     )
     value_pretrain_replay: int = field(
