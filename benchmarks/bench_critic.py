@@ -167,16 +167,9 @@ def run_probe(name: str, rollouts: int, seed: int = TUNING_SEEDS[0]) -> list[dic
     spec = bl.RunSpec(
         stage="tune", task="chains", method="vapo", seed=seed, learning_rate=actor_lr, rollouts=rollouts + 1,
         eval_every=rollouts, eval_k=1, eval_problems=0, eval_set="validation", value_pretrain_steps=rollouts,
-        critic_lr_ratio=extra.pop("critic_learning_rate") / actor_lr,
     )  # fmt: skip
-    peft_config = None
-    if "lora_r" in extra:
-        from peft import LoraConfig
-
-        rank = extra.pop("lora_r")
-        peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
     out_dir = tempfile.mkdtemp(prefix=f"bench_critic_{name}_")
-    trainer, _ = bl.build_trainer(spec, out_dir, math_reward, extra, peft_config)
+    trainer, _ = bl.build_trainer(spec, out_dir, math_reward, extra)
     probe = Probe(trainer.processing_class)
     trainer.add_callback(probe)
     trainer.train()  # the rollouts of value pretraining, then one RL rollout

@@ -57,15 +57,19 @@ Tasks: ``demo`` (the shipped cold-start model, ``trl_vapo.demo.data``) and ``cha
 longer chains with free tokens; cold-start model ``benchmarks/models/chains_sft``).
 
 Equal sample budgets: every run generates exactly ``rollouts x 64`` training samples. Value-pretraining rollouts
-count: VAPO spends 15 of its rollouts on them (patience off, so always exactly 15) and the rest on RL; GRPO and
-VAPO without value pretraining spend all of them on RL. Group sampling off keeps 64 samples per rollout (64 prompts
-x 1).
+count: VAPO spends 15 of its rollouts on them (or its variant's number; patience off, so always exactly that many)
+and the rest on RL; GRPO and VAPO without value pretraining spend all of them on RL. Group sampling off keeps 64
+samples per rollout (64 prompts x 1).
 
 Tuning: the tuning seeds are never reported, and tuning runs are scored on a validation set of held-out problems
 disjoint from the reporting set. VAPO, PPO and GRPO each get the same budget, six runs per task and tuning seed: the
 same sweep of the actor learning rate (critic lr 10x the actor's, as in the recipe) and three recipe variants of
-their own at the recipe's rate (``TUNING_VARIANTS``: more critic passes per rollout, with and without value clipping,
-shorter value pretraining for VAPO; more PPO epochs, batch-level reward scaling and a higher rate for GRPO). The
+their own at the recipe's rate or one they name (``TUNING_VARIANTS``: for VAPO, protocol 1's choice of a short value
+pretraining with four critic passes per rollout, and the critic probes' two candidates, 20 value-pretraining rollouts
+of eight passes over a replay window with the full critic copy or with the shared-base LoRA critic, whose policy is a
+LoRA adapter at 10x the actor rate; for PPO more critic passes, with and without value clipping, and a higher rate;
+for GRPO more PPO epochs, batch-level reward scaling and a higher rate). VAPO's variants were revised for protocol 2
+before any of its tuning runs (protocol 1's ``critic-x4`` and ``critic-x4-noclip`` lost on both tasks). The
 criterion is the validation avg@k averaged over the last two evaluation points and the tuning seeds (ties: the
 recipe, then the lower learning rate). The choices are written to ``<out>/chosen.json`` and frozen before any
 reporting run; the ablations use VAPO's choice untuned, as the paper's ablations do, and so do the oracle,
@@ -107,7 +111,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from transformers import TrainerCallback
 
@@ -116,7 +119,7 @@ CHAINS_MODEL_DIR = ROOT / "benchmarks" / "models" / "chains_sft"
 
 PROTOCOL = {
     "tasks": ["demo", "chains"],
-    "rollouts": 35,  # x 64 samples = 2,240 per run; VAPO as tuned: 5 value-pretraining + 30 RL rollouts
+    "rollouts": 35,  # x 64 samples = 2,240 per run; VAPO's value-pretraining rollouts count
     "samples_per_rollout": 64,
     "eval_every": 5,  # rollouts (320 samples)
     "eval_k": 4,
@@ -188,7 +191,14 @@ GRPO_METHODS = ("grpo", "grpo-16x4", "grpo-32x2")
 """TRL's GRPOTrainer at three group sizes: 8 prompts x 8 samples (the recipe's), 16 x 4 and 32 x 2."""
 VALUE_FUNCTIONS = ("zero", "oracle")
 """Frozen value functions an arm can use instead of the learned critic (``value_model`` in its overrides)."""
-CRITIC_FIELDS = ("critic_num_iterations", "cliprange_value", "value_pretrain_steps")
+CRITIC_FIELDS = (
+    "critic_num_iterations",
+    "cliprange_value",
+    "critic_learning_rate",
+    "value_pretrain_steps",
+    "value_pretrain_num_iterations",
+    "value_pretrain_replay",
+)
 """The settings of a learned critic, dropped from a tuning variant when the arm has a frozen value function."""
 METHODS: dict[str, dict] = {
     # name: VAPOConfig overrides on top of the recipe (GRPOConfig overrides for GRPO_METHODS); `value_model` names a
@@ -217,12 +227,36 @@ METHODS: dict[str, dict] = {
 # The tuning budget beyond the learning-rate sweep: the same number of recipe variants for every tuned method, run
 # at the recipe's learning rate (or the one a variant names). VAPO's and PPO's give the critic more training per
 # sample (the diagnostics show a weak critic: explained variance 0.1-0.2 after value pretraining, ~0 in RL); GRPO's
-# are its own usual levers.
+# are its own usual levers. VAPO's were revised for protocol 2 before any of its tuning runs: protocol 1's
+# `critic-x4` and `critic-x4-noclip` lost on both tasks and gave their slots to the critic probes' candidates
+# (benchmarks/README.md, "Critic tuning, for a critic that learns": tuning seeds 1000-1002, policy frozen), which
+# reach half of the exact value's explained variance on chains by the 20th value-pretraining rollout.
 TUNING_VARIANTS: dict[str, dict[str, dict]] = {
     "vapo": {
-        "critic-x4": {"critic_num_iterations": 4},
-        "critic-x4-noclip": {"critic_num_iterations": 4, "cliprange_value": None},
+        # Protocol 1's choice on both tasks, the demo's default since: a short value pretraining, four critic passes.
         "pretrain5-critic-x4": {"critic_num_iterations": 4, "value_pretrain_steps": 5},
+        # The critic probes' best full critic copy: 20 value-pretraining rollouts, each fit in eight passes of
+        # critic lr 1e-4 over a window of it and the 7 before it; four critic passes per RL rollout at the same rate.
+        "replay-pretrain20": {
+            "value_pretrain_steps": 20,
+            "value_pretrain_num_iterations": 8,
+            "value_pretrain_replay": 7,
+            "critic_learning_rate": 1e-4,
+            "critic_num_iterations": 4,
+        },
+        # The probes' best critic of all: the shared-base LoRA critic (rank 16, alpha 32, every linear layer) at
+        # critic lr 1e-3, with the same pretraining. Its policy is a LoRA adapter too, at 10x the recipe's actor
+        # rate: LoRA's best rate is about 10x full fine-tuning's at alpha 32 ("LoRA Without Regret", Schulman et
+        # al., Thinking Machines, 2025).
+        "lora-replay-pretrain20": {
+            "lora_r": 16,
+            "learning_rate": 1e-3,
+            "value_pretrain_steps": 20,
+            "value_pretrain_num_iterations": 8,
+            "value_pretrain_replay": 7,
+            "critic_learning_rate": 1e-3,
+            "critic_num_iterations": 4,
+        },
     },
     "ppo": {
         "critic-x4": {"critic_num_iterations": 4},
@@ -408,6 +442,12 @@ def choose_settings(records: list[dict]) -> dict[str, dict[str, dict]]:
         }
         for task, methods in best.items()
     }
+
+
+def keep_frozen(chosen: dict, frozen: dict) -> dict:
+    """``frozen`` (an earlier ``chosen.json``) with the choices of ``chosen`` it lacks, per task and method: a choice
+    once written is never re-chosen, and methods tuned since (e.g. one ``--methods`` at a time) are added."""
+    return {task: {**chosen.get(task, {}), **frozen.get(task, {})} for task in sorted({*chosen, *frozen})}
 
 
 def format_tuning(records: list[dict], chosen: dict | None) -> str:
@@ -903,11 +943,19 @@ def install_grpo_hook(trainer, curve: LearningCurve, credit: CreditAssignment) -
     trainer._generate_and_score_completions = generate_and_score
 
 
-def build_trainer(
-    spec: RunSpec, out_dir: str, reward: Callable, extra: dict | None = None, peft_config: Any | None = None
-):
+def lora_config(rank: int | None):
+    """VAPO's adapters for ``lora_r: rank`` in a variant or probe, or None (all weights train): rank ``rank``,
+    alpha ``2 * rank``, on every linear layer; the policy gets one, the critic another on the same frozen base."""
+    if rank is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | None = None):
     """The trainer of ``spec.method`` on ``spec.task`` with the recipe, the protocol's budget and its seed;
-    ``extra``: VAPOConfig fields on top, ``peft_config``: VAPO's adapters (``bench_critic.py``'s probes)."""
+    ``extra``: fields on top (``bench_critic.py``'s probes): VAPOConfig's, and ``lora_r`` for LoRA adapters."""
     train = task_module(spec.task).build_split("train", 4096)
     model_dir = task_model_dir(spec.task)
     recipe = dict(VAPO_RECIPE)
@@ -960,26 +1008,23 @@ def build_trainer(
 
     # No diagnostic plots: the clock measures training only, as GRPO's (protocol 1's VAPO runs drew them).
     config = {**recipe, **overrides, "plot_diagnostics": False, **(extra or {})}
+    lora_r = config.pop("lora_r", None)
     value_model = frozen_value_function(config.pop("value_model", None), model_dir)
     if value_model is not None:
         config["value_pretrain_steps"] = 0  # nothing to pretrain: every rollout is an RL rollout
     pretrain = config["value_pretrain_steps"]
     config.pop("learning_rate")
     critic_lr_ratio = config.pop("critic_lr_ratio", spec.critic_lr_ratio)
+    config.setdefault("critic_learning_rate", spec.learning_rate * critic_lr_ratio)  # a variant may name its own
     rl_steps_per_rollout = steps_per_rollout * config.get("critic_num_iterations", 1)
-    args = VAPOConfig(
-        **common,
-        **config,
-        critic_learning_rate=spec.learning_rate * critic_lr_ratio,
-        max_steps=(spec.rollouts - pretrain) * rl_steps_per_rollout,
-    )
+    args = VAPOConfig(**common, **config, max_steps=(spec.rollouts - pretrain) * rl_steps_per_rollout)
     trainer = VAPOTrainer(
         model=model_dir,
         reward_funcs=reward,
         args=args,
         train_dataset=train,
         value_model=value_model,
-        peft_config=peft_config,
+        peft_config=lora_config(lora_r),
     )
     return trainer, steps_per_rollout
 
@@ -1124,7 +1169,7 @@ def plan(stage: str, settings: dict, chosen: dict | None) -> list[RunSpec]:
         tuning = {"eval_set": "validation", "validation_problems": settings["validation_problems"], **base}
         for seed in settings["tuning_seeds"]:
             for task in settings["tasks"]:
-                for method in settings["tuned_methods"]:
+                for method in [m for m in settings["tuned_methods"] if m in settings.get("methods", METHODS)]:
                     for lr in settings["lr_grid"]:
                         runs.append(RunSpec("tune", task, method, seed, lr, **tuning))
                     for variant, fields in TUNING_VARIANTS[method_family(method)].items():
@@ -1288,8 +1333,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(failed)} tuning runs failed; not choosing learning rates", file=sys.stderr)
             return 1
         chosen = choose_settings([r for r in load_records(out, "tune") if r["spec"]["task"] in settings["tasks"]])
-        if chosen_path.is_file():  # frozen: a later run never re-chooses
-            chosen = {**chosen, **json.loads(chosen_path.read_text())}
+        if chosen_path.is_file():
+            chosen = keep_frozen(chosen, json.loads(chosen_path.read_text()))
         chosen_path.write_text(json.dumps(chosen, indent=2))
         print(f"chosen learning rates (frozen in {chosen_path}): {chosen}", flush=True)
         if opts.stage == "tune":

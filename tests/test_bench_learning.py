@@ -241,11 +241,48 @@ def test_every_tuned_method_gets_the_same_tuning_budget():
         "report", "demo", "no-value-pretrain", 0, 1e-4, 35, 5, 4, 200, "test", variant="pretrain5-critic-x4"
     )
     assert spec.overrides() == {"critic_num_iterations": 4, "value_pretrain_steps": 0}
-    # A frozen value function drops the variant's critic settings; the GRPO arms take GRPO's variants.
-    oracle = bench.RunSpec("report", "chains", "oracle-64x1", 0, 1e-4, 35, 5, 4, 200, "test", variant="critic-x4")
-    assert oracle.overrides() == {"num_generations": 1, "value_model": "oracle"}
+    # A frozen value function drops the variant's critic settings, not its policy's; the GRPO arms take GRPO's.
+    for variant, kept in (("replay-pretrain20", {}), ("lora-replay-pretrain20", {"lora_r": 16})):
+        oracle = bench.RunSpec("report", "chains", "oracle-64x1", 0, 1e-4, 35, 5, 4, 200, "test", variant=variant)
+        assert oracle.overrides() == {**kept, "num_generations": 1, "value_model": "oracle"}
     grpo = bench.RunSpec("report", "chains", "grpo-32x2", 0, 1e-4, 35, 5, 4, 200, "test", variant="iterations-2")
     assert grpo.overrides() == {"num_iterations": 2, "num_generations": 2}
+
+
+def test_tuning_one_method_at_a_time_adds_its_choice_and_never_rechooses():
+    settings = {**bench.PROTOCOL, "methods": ["vapo", "grpo-16x4", "no-value-pretrain"]}
+    assert {s.method for s in bench.plan("tune", settings, None)} == {"vapo", "grpo-16x4"}  # tuned ones only
+    frozen = {"demo": {"vapo": {"learning_rate": 1e-4, "variant": ""}}}
+    chosen = {
+        "demo": {"vapo": {"learning_rate": 3e-4, "variant": ""}, "grpo": {"learning_rate": 3e-5, "variant": ""}},
+        "chains": {"vapo": {"learning_rate": 3e-5, "variant": ""}},
+    }
+    assert bench.keep_frozen(chosen, frozen) == {
+        "chains": {"vapo": {"learning_rate": 3e-5, "variant": ""}},
+        "demo": {"vapo": {"learning_rate": 1e-4, "variant": ""}, "grpo": {"learning_rate": 3e-5, "variant": ""}},
+    }
+
+
+def test_the_lora_critic_variant_trains_adapters_at_its_own_rates(tmp_path):
+    """The tuning variant with the shared-base LoRA critic builds that trainer: a LoRA policy at the variant's actor
+    rate, a critic adapter on the same frozen base at its critic rate, and the variant's value pretraining."""
+    from trl_vapo.rewards import math_reward
+
+    lr = bench.TUNING_VARIANTS["vapo"]["lora-replay-pretrain20"]["learning_rate"]
+    spec = bench.RunSpec("tune", "demo", "vapo", 1000, lr, 35, 5, 4, 0, "validation", variant="lora-replay-pretrain20")
+    trainer, _ = bench.build_trainer(spec, str(tmp_path), math_reward)
+    args = trainer.args
+    assert (args.learning_rate, args.critic_learning_rate) == (1e-3, 1e-3)
+    assert (args.value_pretrain_steps, args.value_pretrain_num_iterations, args.value_pretrain_replay) == (20, 8, 7)
+    assert args.max_steps == (35 - 20) * 4 * 4  # RL rollouts x optimizer steps x critic passes
+    trainable = [name for name, p in trainer.model_wrapped.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name or "value_head" in name for name in trainable)
+    assert any("value_head" in name for name in trainable)
+    # The full-copy variant names its critic rate; the sweep's runs keep the recipe's ratio.
+    replay = bench.RunSpec("tune", "demo", "vapo", 1000, 1e-4, 35, 5, 4, 0, "validation", variant="replay-pretrain20")
+    assert bench.build_trainer(replay, str(tmp_path), math_reward)[0].args.critic_learning_rate == 1e-4
+    sweep = bench.RunSpec("tune", "demo", "vapo", 1000, 3e-5, 35, 5, 4, 0, "validation")
+    assert bench.build_trainer(sweep, str(tmp_path), math_reward)[0].args.critic_learning_rate == pytest.approx(3e-4)
 
 
 @pytest.mark.parametrize("task", ["demo", "chains"])
