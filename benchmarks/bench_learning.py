@@ -1,6 +1,8 @@
 """What the critic buys: held-out accuracy per sample and per second, VAPO and its ablations against PPO and GRPO.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --jobs 2                 # tune, report, aggregate
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --stage tune --methods ppo --jobs 2 \
+        --out benchmarks/learning/protocol2                                                   # protocol 2's records
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --stage report --tasks chains --methods vapo,grpo
     .venv/bin/python benchmarks/bench_learning.py --stage aggregate                          # table and plots only
     .venv/bin/python benchmarks/bench_learning.py --quick --out /tmp/quick                   # smoke test, < 1 minute
