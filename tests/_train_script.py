@@ -126,7 +126,8 @@ class StateDump(TrainerCallback):
                 dump[f"weight/{name}"] = full(param.detach()).float().clone()
                 for key in moments:
                     dump[f"{key}/{name}"] = full(inner.state.get(param, {}).get(key, torch.zeros_like(param))).clone()
-        if state.is_world_process_zero:
+        if state.is_world_process_zero:  # on the CPU, whatever the device: the tests compare with saved files
+            dump = {key: value.cpu() if torch.is_tensor(value) else value for key, value in dump.items()}
             torch.save(dump, Path(args.output_dir) / f"state-{state.global_step}.pt")
 
 
@@ -200,6 +201,7 @@ def main() -> None:
         }
     config = VAPOConfig(
         output_dir=args.output_dir,
+        bf16=False,  # float32 on a GPU too (bf16 is its default there), as every run here and its reference
         deepspeed=deepspeed,
         **fsdp,
         gradient_accumulation_steps=args.grad_accum,

@@ -51,6 +51,26 @@ def pytest_collection_modifyitems(config, items):
 
     items.sort(key=rank)  # stable: each file's tests keep their order
 
+    # Without a GPU the CUDA tests leave the default run quietly (deselected, not a skip line each); `-m cuda` still
+    # collects and skips them, as the GPU suite's smoke test does.
+    import torch
+
+    if not config.getoption("markexpr") and not torch.cuda.is_available():
+        cuda = [item for item in items if item.get_closest_marker("cuda")]
+        config.hook.pytest_deselected(items=cuda)
+        items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request) -> str:
+    """The device a test runs on: the CPU everywhere, and a CUDA GPU where there is one (`pytest -m cuda` runs only
+    those; `benchmarks/gpu_suite.py` runs them on the GPU machine)."""
+    import torch
+
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (benchmarks/gpu_suite.py runs the cuda tests there)")
+    return request.param
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from trl_vapo.tiny import save_tiny_reward_model
 
 SCRIPT = Path(__file__).parent / "_train_script.py"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter, wherever pip put it
 COMMON = [
     "--greedy",
     "--grad-accum",
@@ -66,7 +66,7 @@ def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Pat
         save_tiny_reward_model(reward_model)
     extra = (*extra, "--reward-model", str(reward_model))
     port = str(29500 + (os.getpid() + hash(output_dir.name)) % 1000)
-    command = [TORCHRUN, "--nproc_per_node", str(processes), "--master_port", port, str(SCRIPT)]
+    command = [*TORCHRUN, "--nproc_per_node", str(processes), "--master_port", port, str(SCRIPT)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
         [*command, "--model", str(model_dir), "--output-dir", str(output_dir), *COMMON, *extra],
@@ -209,6 +209,18 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
     assert steps["reward_model_sharded"] == [True]
     assert steps["sequence_logits_built"] == 0
+    assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
+    assert_same_training(run, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_suite.py runs it there)")
+def test_fsdp2_on_one_gpu_trains_like_the_run_without_it(tiny_model_dir, tmp_path, reference):
+    """FSDP2 on one CUDA process (NCCL), against the plain run on the same GPU: one process of FSDP2 is what a user
+    with one GPU and an FSDP config launches."""
+    run = train(tiny_model_dir, tmp_path / "fsdp2-gpu", 1, "--fsdp2", "--save-final", "--save-steps", "100")
+    steps = json.loads((run / "steps.json").read_text())
+    assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)
 

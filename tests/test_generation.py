@@ -260,7 +260,9 @@ def _both_engines(model, tokenizer, stops, **kwargs):
 
 
 @pytest.mark.parametrize("which", ["tiny", "tiny-lora", "demo"])
-def test_continuous_batching_greedy_equals_generate(which, tiny, demo, tiny_model_dir):
+def test_continuous_batching_greedy_equals_generate(which, tiny, demo, tiny_model_dir, device):
+    """Continuous batching (paged attention) and `generate()` give the same greedy completions and log-probs, on the
+    CPU and on a CUDA GPU."""
     if which == "demo":
         model, tokenizer, prompts = demo
         sampling = SamplingSettings(max_new_tokens=96, temperature=0.0)  # the demo's answers end at EOS
@@ -269,6 +271,8 @@ def test_continuous_batching_greedy_equals_generate(which, tiny, demo, tiny_mode
         if which == "tiny-lora":  # the trainer's PEFT policy, with its critic adapter alongside
             model = _peft_actor_critic(tiny_model_dir).policy
         prompts, sampling = _ids(tokenizer, TEXT_PROMPTS), GREEDY
+    if device != "cpu":
+        model = copy.deepcopy(model).to(device)  # the module's shared models stay on the CPU
     stops = stop_token_ids(tokenizer, model)
     generate, batching = _both_engines(model, tokenizer, stops, logprobs=True)
     expected, got = generate.generate(prompts, sampling=sampling), batching.generate(prompts, sampling=sampling)

@@ -56,19 +56,20 @@ def lora(target_modules=("q_proj", "v_proj")) -> LoraConfig:
     return LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules), task_type="CAUSAL_LM")
 
 
-def actor_critic(layout: str, model_dir) -> ActorCritic:
+def actor_critic(layout: str, model_dir, device: str = "cpu") -> ActorCritic:
     """The layouts the trainer builds: a full policy with a separate critic, a LoRA policy with the critic a second
-    adapter on its base (on a float32 or a 4-bit base), and a LoRA that also adapts the LM head."""
+    adapter on its base (on a float32 or a 4-bit base), and a LoRA that also adapts the LM head; on ``device``."""
     torch.manual_seed(0)  # LoRA's A matrices
+    place = {} if device == "cpu" else {"device_map": device}  # on the CPU, loaded as the trainer loads it
     if layout == "full":
-        policy = AutoModelForCausalLM.from_pretrained(model_dir)
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, **place)
         return ActorCritic(policy, critic=critic_from_policy(policy))
     quantization = None
     if layout == "qlora":
         from transformers import BitsAndBytesConfig
 
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, **place)
     targets = ("q_proj", "v_proj", "lm_head") if layout == "lora-head" else ("q_proj", "v_proj")
     policy = get_peft_model(base, lora(targets))
     policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
@@ -77,8 +78,8 @@ def actor_critic(layout: str, model_dir) -> ActorCritic:
     with torch.no_grad():  # non-zero B matrices: the adapters change the model
         for name, param in policy.named_parameters():
             if "lora_B" in name:
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
-    return ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size))
+                param.add_(0.3 * torch.randn(param.shape, generator=generator).to(param.device))
+    return ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size).to(device))
 
 
 def head_calls(model) -> list[int]:
@@ -89,13 +90,15 @@ def head_calls(model) -> list[int]:
 
 @pytest.mark.parametrize("layout", ["full", "lora", "qlora", "lora-head"])
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_policy_logprobs_and_gradients_equal_the_models_own_logits(tiny_model_dir, layout, temperature):
-    model = actor_critic(layout, tiny_model_dir)
-    ids, attention, length = batch(model.config.vocab_size)
+def test_policy_logprobs_and_gradients_equal_the_models_own_logits(tiny_model_dir, layout, temperature, device):
+    """The log-probs through the LM head in tiles (TRL's fused-head kernel, `lm_head_logprobs_and_entropy`) and their
+    gradients equal the plain computation's, on the CPU and on a CUDA GPU."""
+    model = actor_critic(layout, tiny_model_dir, device)
+    ids, attention, length = (x.to(device) if torch.is_tensor(x) else x for x in batch(model.config.vocab_size))
     calls = head_calls(model.policy)
     policy_params = dict(model.policy.named_parameters())
     trainable = {n: p for n, p in policy_params.items() if p.requires_grad and f".{CRITIC_ADAPTER}." not in n}
-    weights = torch.randn(3, length, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(3, length, generator=torch.Generator().manual_seed(2)).to(device)
 
     out = model(ids, attention, length, temperature, with_values=False, with_entropy=True)
     (out["logprobs"] * weights).sum().backward()

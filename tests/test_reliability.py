@@ -25,7 +25,7 @@ from trl_vapo.rewards import make_math_reward
 
 SCRIPT = Path(__file__).parent / "_train_script.py"
 PYTHON = sys.executable
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter, wherever pip put it
 
 
 def digit_fraction(completions, **kwargs):
@@ -522,7 +522,7 @@ def test_reward_worker_that_hangs_or_dies_does_not_stop_training(tiny_model_dir,
 
 def torchrun(*args, timeout=400):
     return subprocess.run(
-        [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args],
+        [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args],
         env=script_env(),
         capture_output=True,
         text=True,

@@ -1,0 +1,453 @@
+"""One command for the GPU: the trainer at real sizes, generation against its memory-bandwidth bound, the CUDA tests
+and a one-GPU FSDP2 step, each part's figures written as soon as it ends.
+
+GPU time is rare and short (minutes, commands of at most 10 minutes, no network), so one prepared command does
+everything, most important part first, and stops starting parts at ``--deadline`` seconds; a later call runs what is
+left with ``--parts``. Here (with a network), once, the wheels the GPU machine lacks (``WHEELS``, versions from
+``constraints.txt``):
+
+    .venv/bin/python benchmarks/gpu_suite.py --download-wheels base --dest .whl     # 9 wheels, about 16 MiB
+    .venv/bin/python benchmarks/gpu_suite.py --download-wheels qlora --dest .whl    # for the QLoRA tests, 44 MiB
+
+On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps it out of commits), after the offline install line
+(``INSTALL``; ``--download-wheels`` prints it):
+
+    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 420        # every part, in PARTS's order
+    python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B
+
+Anywhere, the same code at tiny shapes on the CPU (``tests/test_gpu_suite.py`` runs it):
+
+    .venv/bin/python benchmarks/gpu_suite.py --smoke --out /tmp/gpu-smoke
+
+Parts (``PARTS``), each in fresh processes:
+    tests          ``pytest -m cuda``: bf16 autocast, gradient checkpointing with the LoRA critic (same updates with
+                   and without), the log-probs through the LM head in tiles (TRL's fused-head kernel) against the
+                   plain computation, QLoRA's 4-bit kernels (only where bitsandbytes is installed: the ``qlora``
+                   wheels), continuous batching's paged attention against ``generate()``, and FSDP2 on one GPU
+    trainer-lora   ``bench_gpu.py`` at Qwen2.5-0.5B shapes (random weights), VAPO and GRPO with LoRA: step time split
+                   (generation, scoring: rewards and the old log-probs and values, update), tokens/s, peak memory, and
+                   VAPO's ratios to GRPO against the targets (step at most 1.1x, peak at most 1.15x)
+    generation     ``generate()`` against continuous batching at 0.5B shapes (batch 64, 512 new tokens, bf16), each
+                   against the memory-bandwidth bound of a decode step (the weights read once per step, at the copy
+                   bandwidth measured on the device): batch x bandwidth / weight bytes tokens per second, an upper
+                   bound (it leaves out the KV cache's reads)
+    trainer-full   ``bench_gpu.py`` at 0.5B shapes, full fine-tuning, VAPO (a separate critic) and GRPO
+    trainer-1.5B   ``bench_gpu.py`` at Qwen2.5-1.5B shapes, VAPO and GRPO with LoRA
+
+Printed: each part's table as it ends, then a summary; written to ``--out``: ``gpu_suite.json`` (every figure, the
+machine, each part's status and seconds; rewritten after each part) and ``gpu_suite.txt`` (the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
+
+# What the GPU machine's image lacks, or has at a version outside pyproject.toml's ranges, for `import trl_vapo`, the
+# rewards and the tests (its image: torch 2.11 + CUDA, transformers 5.17, accelerate, huggingface-hub, pytest,
+# pytest-xdist, hypothesis; /work/.library/device/KINDS.md). Versions are constraints.txt's (the locked set), so the
+# GPU runs the code CI tests. A call carries at most 64 MiB with the working tree (about 10 MiB): bitsandbytes (41 MiB)
+# and transformers (13 MiB) do not fit together, so the QLoRA set keeps the image's transformers.
+WHEELS = {
+    "base": [
+        "transformers",
+        "trl",
+        "peft",
+        "datasets",
+        "dill",  # datasets'
+        "multiprocess",  # datasets'
+        "math-verify",
+        "latex2sympy2-extended",  # math-verify's
+        "antlr4-python3-runtime",  # latex2sympy2-extended's
+    ],
+    "qlora": [
+        "bitsandbytes",
+        "trl",
+        "peft",
+        "datasets",
+        "dill",
+        "multiprocess",
+        "math-verify",
+        "latex2sympy2-extended",
+        "antlr4-python3-runtime",
+    ],
+}
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (35, 34, 31, 28, 27, 24, 17)] + ["manylinux2014_x86_64"]
+"""CPython 3.12 on x86-64 Linux, the GPU machine's: pip matches each platform tag exactly (bitsandbytes: 2_24)."""
+INSTALL = (
+    "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+    '{wheels}/*.whl && export PYTHONPATH="/tmp/site:$PWD"'
+)
+"""The offline install line on the GPU machine, for the wheels carried in the folder ``{wheels}`` (``--no-deps``:
+pyproject's torch bound would pull a CPU torch over the machine's CUDA one)."""
+CARRY_LIMIT_MIB = 64
+
+CUDA_TEST_FILES = [
+    "tests/test_precision_checkpointing.py",  # bf16 autocast, gradient checkpointing with the LoRA critic, QLoRA
+    "tests/test_logprobs.py",  # the LM head in tiles (TRL's fused-head kernel)
+    "tests/test_generation.py",  # continuous batching's paged attention
+    "tests/test_distributed.py",  # FSDP2 on one GPU
+]
+PARTS = ("tests", "trainer-lora", "generation", "trainer-full", "trainer-1.5B")
+TRAINER_PARTS = {  # part: (size, methods)
+    "trainer-lora": ("0.5B", ("vapo-lora", "grpo-lora")),
+    "trainer-full": ("0.5B", ("vapo-full", "grpo-full")),
+    "trainer-1.5B": ("1.5B", ("vapo-lora", "grpo-lora")),
+}
+TARGETS = {"step": 1.1, "peak": 1.15}  # VAPO LoRA against GRPO LoRA (issue "One command for the GPU")
+GENERATION = {"size": "0.5B", "batch": 64, "new_tokens": 512, "warmup_tokens": 16, "copy_bytes": 2 * 2**30}
+SMOKE_GENERATION = {"size": "smoke", "batch": 4, "new_tokens": 8, "warmup_tokens": 2, "copy_bytes": 64 * 2**20}
+
+
+def constraint_versions(path: Path = ROOT / "constraints.txt") -> dict[str, str]:
+    """Package name (lower case, ``_`` as ``-``) to its pinned version in the locked set."""
+    versions = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].split(";")[0].strip()  # no comment, no environment marker
+        if "==" in line:
+            name, version = line.split("==", 1)
+            versions[name.strip().lower().replace("_", "-")] = version.strip()
+    return versions
+
+
+def wheel_requirements(wheel_set: str) -> list[str]:
+    """``NAME==VERSION`` for each wheel of ``wheel_set``, at constraints.txt's versions."""
+    versions = constraint_versions()
+    missing = [name for name in WHEELS[wheel_set] if name not in versions]
+    if missing:
+        raise ValueError(f"constraints.txt pins no version of {missing}: `python3 dev.py upgrade` writes the lock")
+    return [f"{name}=={versions[name]}" for name in WHEELS[wheel_set]]
+
+
+def download_command(requirement: str, dest: Path) -> list[str]:
+    """``pip download`` of one wheel for CPython 3.12 manylinux x86-64, without its dependencies (the set names
+    them)."""
+    platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
+    return [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version",
+        "3.12", "--implementation", "cp", *platforms, "--dest", str(dest), requirement,
+    ]  # fmt: skip
+
+
+def tracked_mib() -> float:
+    """The size of the working tree's tracked files, which travel with every call."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file()) / 2**20
+
+
+def download_wheels(wheel_set: str, dest: Path) -> int:
+    dest.mkdir(parents=True, exist_ok=True)
+    for requirement in wheel_requirements(wheel_set):
+        subprocess.run(download_command(requirement, dest), check=True)
+    wanted = {r.split("==")[0].replace("-", "_").lower() for r in wheel_requirements(wheel_set)}
+    wheels = [w for w in sorted(dest.glob("*.whl")) if w.name.split("-")[0].lower() in wanted]
+    total = sum(w.stat().st_size for w in wheels) / 2**20
+    tree = tracked_mib()
+    for wheel in wheels:
+        print(f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}")
+    fits = total + tree <= CARRY_LIMIT_MIB
+    print(
+        f"{len(wheels)} wheels, {total:.2f} MiB; with the working tree ({tree:.2f} MiB) {total + tree:.2f} MiB of the "
+        f"{CARRY_LIMIT_MIB} MiB a call carries: {'fits' if fits else 'DOES NOT FIT'}\n"
+        f"carry {dest.name!r}, and start the command with: {INSTALL.format(wheels=dest.name)}"
+    )
+    return 0 if fits else 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parts
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+BAD = ("failure", "error")
+
+
+def run_tests(out: Path) -> dict:
+    """``pytest -m cuda`` on the files that hold the CUDA tests; each test's outcome from the JUnit report. Without a
+    GPU (``--smoke``) every one is skipped: the collection and the report are what the smoke run checks."""
+    import importlib.util
+
+    junit = out / "cuda-tests.xml"
+    deselect = [] if importlib.util.find_spec("bitsandbytes") else ["-k", "not qlora"]
+    # One process (-n 0): the tests share the one GPU, and the FSDP2 test starts its own processes.
+    command = [
+        sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0", "-p", "no:cacheprovider", f"--junitxml={junit}",
+        *deselect, *CUDA_TEST_FILES,
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, timeout=540)  # its output as it comes: a call cut short still shows it
+    if not junit.is_file():
+        return {"ok": False, "exit_code": proc.returncode, "error": f"pytest wrote no report (exit {proc.returncode})"}
+    outcomes = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        outcomes[name] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+    counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failure", "error", "skipped")}
+    return {
+        "exit_code": proc.returncode,
+        "counts": counts,
+        "outcomes": outcomes,
+        "qlora": "run" if not deselect else "not run: bitsandbytes is not installed (carry the qlora wheels)",
+        "ok": proc.returncode == 0,
+    }
+
+
+def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path) -> dict:
+    """``bench_gpu.py`` for ``methods`` at ``size`` (``--smoke``: its tiny model on the CPU), VAPO's ratios to GRPO."""
+    result = out / f"bench_gpu-{size}-{'-'.join(methods)}.json"
+    command = [sys.executable, str(BENCH_GPU), "--methods", ",".join(methods), "--json", str(result)]
+    command += ["--smoke"] if smoke else ["--sizes", size, "--steps", "3", "--warmup", "1"]
+    proc = subprocess.run(command, cwd=ROOT)  # its output as it comes
+    if proc.returncode != 0:
+        return {"ok": False, "exit_code": proc.returncode}
+    rows = json.loads(result.read_text())
+    size = "smoke" if smoke else size
+    ratios = {}
+    for kind in {m.split("-")[1] for m in methods}:
+        vapo, grpo = rows.get(f"{size}/vapo-{kind}"), rows.get(f"{size}/grpo-{kind}")
+        if vapo and grpo:
+            ratios[kind] = {"step": vapo["step_s"] / grpo["step_s"], "peak": vapo["peak_gib"] / grpo["peak_gib"]}
+    targets = {}
+    if "lora" in ratios:
+        targets = {f"lora {k} <= {limit}x": ratios["lora"][k] <= limit for k, limit in TARGETS.items()}
+    return {"ok": True, "rows": rows, "vapo_over_grpo": ratios, "targets_met": targets}
+
+
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second a device-to-device copy moves, reads and writes counted (the memory bandwidth a decode step
+    spends reading the weights)."""
+    import torch
+
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    times = []
+    for i in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        if i:  # the first copy warms up
+            times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def generation_worker(settings: dict) -> dict:
+    """Tokens/s of ``generate()`` and continuous batching on one random model with real shapes, and the bound."""
+    import torch
+    from bench_gpu import byte_level_tokenizer, qwen_config
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.generation import ContinuousBatching, SamplingSettings, TransformersGenerate, stop_token_ids
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen_config(settings["size"]), dtype=dtype).eval()
+    texts = [f"Problem {i}: compute {i} + {3 * i}, then explain." for i in range(settings["batch"])]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids(tokenizer, model)}
+    engines = {
+        "generate()": TransformersGenerate(model, **common),
+        "continuous batching": ContinuousBatching(model, **common),
+    }
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device, settings["copy_bytes"])
+    bound = settings["batch"] * bandwidth / weight_bytes
+    rows = {}
+    for name, engine in engines.items():
+        engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=settings["warmup_tokens"], temperature=1.0))
+        torch.manual_seed(1)
+        synchronize(device)
+        start = time.perf_counter()
+        out = engine.generate(
+            prompts, sampling=SamplingSettings(max_new_tokens=settings["new_tokens"], temperature=1.0)
+        )
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        tokens = int(out.lengths.sum())
+        rows[name] = {
+            "seconds": seconds,
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds,
+            "share_of_bound": tokens / seconds / bound,
+        }
+    return {
+        **settings,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "bound_tokens_per_s": bound,
+        "engines": rows,
+    }
+
+
+def run_generation(smoke: bool, out: Path) -> dict:
+    settings = SMOKE_GENERATION if smoke else GENERATION
+    result = out / "generation.json"
+    command = [sys.executable, __file__, "--generation-worker", json.dumps(settings), "--result", str(result)]
+    proc = subprocess.run(command, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"ok": False, "exit_code": proc.returncode}
+    return {"ok": True, **json.loads(result.read_text())}
+
+
+def run_part(part: str, smoke: bool, out: Path) -> dict:
+    if part == "tests":
+        return run_tests(out)
+    if part == "generation":
+        return run_generation(smoke, out)
+    size, methods = TRAINER_PARTS[part]
+    return run_trainer(size, methods, smoke, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def format_part(part: str, result: dict) -> str:
+    if result.get("status") == "skipped":
+        return f"{part}: not run ({result['why']})"
+    if not result.get("ok"):
+        why = result.get("error") or f"exit {result.get('exit_code')}; its output is above"
+        return f"{part}: FAILED ({why})"
+    if part == "tests":
+        counts = ", ".join(f"{v} {k}" for k, v in result["counts"].items() if v)
+        lines = [f"tests (pytest -m cuda): {counts or 'none'}; QLoRA {result['qlora']}"]
+        lines += [f"  {outcome:8s} {name}" for name, outcome in result["outcomes"].items() if outcome in BAD]
+        return "\n".join(lines)
+    if part == "generation":
+        header = f"{'engine':21s}{'tokens':>8s}{'seconds':>9s}{'tokens/s':>10s}{'of bound':>10s}"
+        lines = [
+            f"generation: {result['size']} shapes ({result['params'] / 1e6:.0f}M parameters, {result['dtype']}), "
+            f"batch {result['batch']} x {result['new_tokens']} new tokens, T=1, {result['device']}; copy bandwidth "
+            f"{result['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, weights {result['weight_bytes'] / 2**30:.2f} GiB:"
+            f" bound {result['bound_tokens_per_s']:,.0f} tokens/s",
+            header,
+            "-" * len(header),
+        ]
+        for name, row in result["engines"].items():
+            lines.append(
+                f"{name:21s}{row['tokens']:>8d}{row['seconds']:>9.2f}{row['tokens_per_s']:>10,.0f}"
+                f"{row['share_of_bound']:>10.1%}"
+            )
+        return "\n".join(lines)
+    header = f"{'row':22s}{'step s':>8s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}{'tok/s':>9s}{'peak GiB':>10s}"
+    lines = [f"{part} (bench_gpu.py; {next(iter(result['rows'].values()))['device']})", header, "-" * len(header)]
+    for name, r in result["rows"].items():
+        lines.append(
+            f"{name:22s}{r['step_s']:>8.2f}{r['generation']:>8.2f}{r['scoring']:>9.2f}{r['update']:>10.2f}"
+            f"{r['tokens_per_s']:>9.0f}{r['peak_gib']:>10.2f}"
+        )
+    for kind, ratio in result["vapo_over_grpo"].items():
+        lines.append(f"VAPO / GRPO, {kind}: step {ratio['step']:.2f}x, peak memory {ratio['peak']:.2f}x")
+    for target, met in result["targets_met"].items():
+        lines.append(f"  target {target}: {'met' if met else 'MISSED'}")
+    return "\n".join(lines)
+
+
+MACHINE_PACKAGES = (
+    "torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes", "huggingface-hub", "pyarrow",
+    "regex", "fsspec",
+)  # fmt: skip
+"""Packages whose versions the report names: the carried wheels and what they require of the machine's image."""
+
+
+def machine() -> dict:
+    from importlib import metadata
+
+    import torch
+
+    versions = {}
+    for name in MACHINE_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    device = "cpu"
+    if torch.cuda.is_available():  # the name from nvidia-smi: the driver process holds no CUDA context of its own
+        query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+        device = subprocess.run(query, capture_output=True, text=True).stdout.strip() or "cuda"
+    return {"python": platform.python_version(), "device": device, "cpus": os.cpu_count(), "packages": versions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "gpu_suite")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, run in this order: {PARTS}")
+    parser.add_argument("--deadline", type=float, help="seconds after which no further part starts")
+    parser.add_argument("--smoke", action="store_true", help="the same parts at tiny shapes on the CPU")
+    parser.add_argument(
+        "--download-wheels", choices=sorted(WHEELS), help="download a wheel set (here, with a network)"
+    )
+    parser.add_argument("--dest", type=Path, default=ROOT / ".whl", help="where --download-wheels puts them")
+    parser.add_argument("--generation-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.download_wheels:
+        return download_wheels(opts.download_wheels, opts.dest)
+    if opts.generation_worker:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        Path(opts.result).write_text(json.dumps(generation_worker(json.loads(opts.generation_worker))))
+        return 0
+    parts = opts.parts.split(",")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; known: {PARTS}")
+    import torch
+
+    if not torch.cuda.is_available() and not opts.smoke:
+        parser.error("no CUDA GPU here: run on the GPU machine, or pass --smoke for the tiny CPU run")
+    opts.out = opts.out.resolve()  # the parts run in the repository's root
+    opts.out.mkdir(parents=True, exist_ok=True)
+    report = {"command": shlex.join(["gpu_suite.py", *(argv or sys.argv[1:])]), "machine": machine(), "parts": {}}
+    print(f"{report['machine']}; parts {parts}; out {opts.out}", flush=True)
+    started = time.time()
+    for part in parts:
+        elapsed = time.time() - started
+        if opts.deadline is not None and elapsed > opts.deadline:
+            result = {"status": "skipped", "why": f"deadline: {elapsed:.0f} s > {opts.deadline:.0f} s"}
+        else:
+            print(f"\n== {part} ({elapsed:.0f} s)", flush=True)
+            began = time.time()
+            try:
+                result = run_part(part, opts.smoke, opts.out)
+            except Exception as error:  # noqa: BLE001 -- one broken part must not lose the others' figures
+                result = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+            result |= {"status": "ok" if result["ok"] else "failed", "seconds": time.time() - began}
+        report["parts"][part] = result
+        # Both files after every part: a call cut off at its limit still brings back what finished.
+        text = "\n\n".join(format_part(name, done) for name, done in report["parts"].items())
+        (opts.out / "gpu_suite.json").write_text(json.dumps(report, indent=1))
+        (opts.out / "gpu_suite.txt").write_text(f"{report['machine']}\n\n{text}\n")
+        print(f"== {part}: {result['status']}" + (f" in {result['seconds']:.0f} s" if "seconds" in result else ""))
+    print(f"\n== summary ({time.time() - started:.0f} s)\n{text}")
+    return 0 if all(r["status"] != "failed" for r in report["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

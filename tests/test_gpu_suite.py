@@ -1,0 +1,104 @@
+"""`benchmarks/gpu_suite.py --smoke`: the GPU suite's own code (the CUDA tests' selection and report, the trainer
+benchmark's split and ratios, generation against its bandwidth bound) on tiny models on the CPU, so it cannot rot
+between the rare runs on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_suite  # noqa: E402
+
+
+def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
+    parts = "tests,trainer-lora,generation"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_suite.py"),
+            "--smoke",
+            "--parts",
+            parts,
+            "--out",
+            str(tmp_path),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert list(report["parts"]) == parts.split(",")
+    assert all(part["status"] == "ok" for part in report["parts"].values())
+
+    # The CUDA tests: what the issue lists is selected by `-m cuda`, on a GPU run, here skipped.
+    tests = report["parts"]["tests"]
+    names = " ".join(tests["outcomes"])
+    kinds = ["bf16", "gradient_checkpointing", "logprobs", "continuous_batching", "fsdp2_on_one_gpu"]
+    if tests["qlora"] == "run":  # where bitsandbytes is installed (the dev extra has it)
+        kinds.append("qlora")
+    for kind in kinds:
+        assert kind in names, kind
+    assert all("[cuda" in name or "one_gpu" in name for name in tests["outcomes"])  # never the CPU parameters
+    expected = "passed" if torch.cuda.is_available() else "skipped"
+    assert set(tests["outcomes"].values()) == {expected}
+
+    # The trainer benchmark: the step split and VAPO's ratios to GRPO, against the targets.
+    trainer = report["parts"]["trainer-lora"]
+    vapo, grpo = trainer["rows"]["smoke/vapo-lora"], trainer["rows"]["smoke/grpo-lora"]
+    for run in (vapo, grpo):
+        assert run["step_s"] > 0 and run["tokens_per_s"] > 0 and run["peak_gib"] > 0
+        assert run["generation"] > 0 and run["update"] > 0
+        assert run["generation"] + run["scoring"] + run["update"] <= run["step_s"] * 1.05
+    assert vapo["trainable"] > grpo["trainable"]  # the critic adapter and value head
+    ratio = trainer["vapo_over_grpo"]["lora"]
+    assert ratio == {"step": vapo["step_s"] / grpo["step_s"], "peak": vapo["peak_gib"] / grpo["peak_gib"]}
+    assert trainer["targets_met"] == {
+        "lora step <= 1.1x": ratio["step"] <= 1.1,
+        "lora peak <= 1.15x": ratio["peak"] <= 1.15,
+    }
+
+    # Generation: both engines, tokens/s and the share of the memory-bandwidth bound.
+    generation = report["parts"]["generation"]
+    bound = generation["batch"] * generation["copy_bandwidth_bytes_per_s"] / generation["weight_bytes"]
+    assert generation["bound_tokens_per_s"] == bound > 0
+    assert set(generation["engines"]) == {"generate()", "continuous batching"}
+    for row in generation["engines"].values():
+        assert 0 < row["tokens"] <= generation["batch"] * generation["new_tokens"]
+        assert row["share_of_bound"] == row["tokens"] / row["seconds"] / bound
+
+    # The plain-text tables: on stdout and in gpu_suite.txt.
+    summary = result.stdout.split("== summary")[1]
+    assert "VAPO / GRPO, lora: step" in summary and "continuous batching" in summary and "skipped" in summary
+    assert (tmp_path / "gpu_suite.txt").read_text().strip().endswith(summary.strip().split("\n", 1)[1].strip())
+
+
+def test_the_wheel_sets_are_the_locked_versions_and_install_offline():
+    """The wheels carried to the GPU machine are the versions CI tests (constraints.txt), bitsandbytes never travels
+    with transformers (41 + 13 MiB and the tree exceed a call's 64 MiB), and the install line stays offline and leaves
+    the machine's torch alone."""
+    versions = gpu_suite.constraint_versions()
+    for wheel_set in gpu_suite.WHEELS:
+        for requirement in gpu_suite.wheel_requirements(wheel_set):
+            name, version = requirement.split("==")
+            assert versions[name] == version
+    base, qlora = set(gpu_suite.WHEELS["base"]), set(gpu_suite.WHEELS["qlora"])
+    assert {"transformers", "trl", "peft", "datasets", "math-verify"} <= base
+    assert qlora == base - {"transformers"} | {"bitsandbytes"}
+    assert "torch" not in base | qlora
+    command = gpu_suite.download_command("trl==1.16.0", Path("/tmp/w"))
+    assert command[command.index("--python-version") + 1] == "3.12" and "--no-deps" in command
+    assert "manylinux_2_24_x86_64" in command and "manylinux2014_x86_64" in command  # bitsandbytes is 2_24 only
+    install = gpu_suite.INSTALL.format(wheels=".whl")
+    for flag in ("--no-index", "--no-deps", "--target", ".whl/*.whl"):
+        assert flag in install
