@@ -33,14 +33,15 @@ SLOWEST_FILES = [
     "test_trainer.py",  # 51
     "test_bench_learning.py",  # 50
     "test_benchmarks.py",  # 49
+    "test_gpu_suite.py",  # 43 (2026-11-26)
     "test_rewards.py",  # 32
-    "test_bench_gpu.py",  # 18
     "test_precision_checkpointing.py",  # 17
     "test_engines.py",  # 14
     "test_demo_chains.py",  # 14
     "test_generation.py",  # 12
     "test_trackers.py",  # 11
     "test_grpo_parity.py",  # 10
+    "test_bench_gpu.py",  # 7 (2026-11-26)
 ]
 
 
