@@ -5,8 +5,6 @@ between the rare runs on a GPU."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,27 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_suite  # noqa: E402
+from test_benchmarks import run  # noqa: E402
 
 
 def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
     parts = "tests,trainer-lora,generation"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu_suite.py"),
-            "--smoke",
-            "--parts",
-            parts,
-            "--out",
-            str(tmp_path),
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = run("gpu_suite.py", "--smoke", "--parts", parts, "--out", str(tmp_path))
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert list(report["parts"]) == parts.split(",")
     assert all(part["status"] == "ok" for part in report["parts"].values())
@@ -56,10 +39,10 @@ def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
     # The trainer benchmark: the step split and VAPO's ratios to GRPO, against the targets.
     trainer = report["parts"]["trainer-lora"]
     vapo, grpo = trainer["rows"]["smoke/vapo-lora"], trainer["rows"]["smoke/grpo-lora"]
-    for run in (vapo, grpo):
-        assert run["step_s"] > 0 and run["tokens_per_s"] > 0 and run["peak_gib"] > 0
-        assert run["generation"] > 0 and run["update"] > 0
-        assert run["generation"] + run["scoring"] + run["update"] <= run["step_s"] * 1.05
+    for row in (vapo, grpo):
+        assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_gib"] > 0
+        assert row["generation"] > 0 and row["update"] > 0
+        assert row["generation"] + row["scoring"] + row["update"] <= row["step_s"] * 1.05
     assert vapo["trainable"] > grpo["trainable"]  # the critic adapter and value head
     ratio = trainer["vapo_over_grpo"]["lora"]
     assert ratio == {"step": vapo["step_s"] / grpo["step_s"], "peak": vapo["peak_gib"] / grpo["peak_gib"]}
@@ -78,7 +61,7 @@ def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
         assert row["share_of_bound"] == row["tokens"] / row["seconds"] / bound
 
     # The plain-text tables: on stdout and in gpu_suite.txt.
-    summary = result.stdout.split("== summary")[1]
+    summary = stdout.split("== summary")[1]
     assert "VAPO / GRPO, lora: step" in summary and "continuous batching" in summary and "skipped" in summary
     assert (tmp_path / "gpu_suite.txt").read_text().strip().endswith(summary.strip().split("\n", 1)[1].strip())
 
