@@ -455,7 +455,7 @@ def keep_frozen(chosen: dict, frozen: dict) -> dict:
 def format_tuning(records: list[dict], chosen: dict | None) -> str:
     """Every tuning run's validation score (the criterion of ``choose_settings``), the chosen setting marked."""
     lines = ["tuning: validation avg@k, mean of the last two evaluation points (* = chosen, frozen in chosen.json)"]
-    header = f"{'task':8s}{'method':8s}{'variant':22s}{'lr':>8s}{'seed':>6s}{'validation':>12s}{'final':>8s}"
+    header = f"{'task':8s}{'method':11s}{'variant':24s}{'lr':>8s}{'seed':>6s}{'validation':>12s}{'final':>8s}"
     lines += [header, "-" * len(header)]
     for record in sorted(
         records, key=lambda r: tuple(str(r["spec"].get(k, "")) for k in ("task", "method", "variant"))
@@ -469,7 +469,7 @@ def format_tuning(records: list[dict], chosen: dict | None) -> str:
             else ""
         )
         lines.append(
-            f"{spec['task']:8s}{spec['method']:8s}{spec.get('variant') or 'recipe':22s}{spec['learning_rate']:>8g}"
+            f"{spec['task']:8s}{spec['method']:11s}{spec.get('variant') or 'recipe':24s}{spec['learning_rate']:>8g}"
             f"{spec['seed']:>6d}{statistics.mean(accuracies[-2:]):>12.3f}{accuracies[-1]:>8.3f} {mark}".rstrip()
         )
     return "\n".join(lines)
