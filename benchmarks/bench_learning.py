@@ -1073,6 +1073,7 @@ def run_worker(spec: RunSpec) -> dict:
     from trl_vapo.rewards import math_reward
 
     started = time.perf_counter()
+    commit = code_commit()  # the code this process loaded, not what the tree holds when it ends
     kind = "grpo" if spec.method in GRPO_METHODS else "vapo"
     counter = [0]
     out_dir = tempfile.mkdtemp(prefix=f"bench_learning_{spec.method}_")
@@ -1132,7 +1133,7 @@ def run_worker(spec: RunSpec) -> dict:
     return {
         "spec": asdict(spec),
         "protocol": PROTOCOL,
-        "code_commit": code_commit(),
+        "code_commit": commit,
         "trainer": type(trainer).__name__,
         "config": config,  # every field of the trainer's config as it ran
         "value_model": METHODS[spec.method].get("value_model"),  # a frozen value function's name, or None
