@@ -1054,11 +1054,12 @@ def frozen_value_function(name: str | None, model_dir: str):
 
 
 def code_commit() -> str | None:
-    """The git commit of the code a run ran (with ``+dirty`` when the tree had uncommitted changes), or None outside
-    a git checkout."""
+    """The git commit of the code a run ran (with ``+dirty`` when tracked files had uncommitted changes: untracked
+    ones are the records of finished runs), or None outside a git checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True)
+        changed = ["git", "status", "--porcelain", "--untracked-files=no"]
+        status = subprocess.run(changed, cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
     return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
