@@ -34,10 +34,10 @@ DEMO_DEFAULTS = {
     "num_generations": 8,
     "max_completion_length": 96,  # the longest correct answer is 83 tokens
     # The VAPO variant the tuning stage of benchmarks/bench_learning.py chose under protocols 1 and 2 (one tuning
-    # seed, never reported; protocol 2 also tried 20 pretraining rollouts with replay, which fit the critic better
-    # and scored lower): a short value pretraining, then four critic passes over each rollout (one with the policy,
-    # three critic-only), so the critic keeps up with a policy that moves at lr 1e-4. 35 rollouts of 64 samples in
-    # all, as in the benchmark.
+    # seed, never reported; protocol 2 also tried 20 pretraining rollouts with replay, whose critic explained more of
+    # the return's variance and which scored lower in that one run): a short value pretraining, then four critic
+    # passes over each rollout (one with the policy, three critic-only), so the critic keeps up with a policy that
+    # moves at lr 1e-4. 35 rollouts of 64 samples in all, as in the benchmark.
     "value_pretrain_steps": 5,
     "critic_num_iterations": 4,
     "max_steps": 480,  # RL optimizer steps, critic-only ones included: 30 rollouts x (4 + 12)
