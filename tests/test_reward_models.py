@@ -207,3 +207,45 @@ def test_a_grpo_script_with_a_reward_model_an_async_and_a_stateful_function_trai
     assert names == [reward_model_dir.name, "async_reward", "progress_reward"]
     assert namespace["trainer"].state.global_step >= 2
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "critic" / "model.safetensors").is_file()
+
+
+FSDP2_ONE_PROCESS = """
+import json, sys, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from trl_vapo.scoring import RewardModel
+
+folder = sys.argv[1]
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+model = AutoModelForSequenceClassification.from_pretrained(folder)
+mesh = init_device_mesh("cpu", (1,))
+for layer in model.model.layers:  # as TRL's prepare_fsdp shards a frozen model: each decoder layer, then the root
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+scorer = RewardModel(model, AutoTokenizer.from_pretrained(folder))
+scores = [scorer(prompts=["1+1=", "12+30="], completions=["2", "42"]) for _ in range(2)]
+print(json.dumps(scores))
+dist.destroy_process_group()
+"""
+
+
+def test_a_reward_model_under_fsdp2_scores_on_one_process(reward_model_dir):
+    """FSDP2 on one process (a user with one GPU and an FSDP config) gathers the reward model's weights into buffers
+    it keeps across calls, and reads their version counters: a reward call under `torch.inference_mode()` made those
+    buffers inference tensors and raised "Inference tensors do not track version counter" (first GPU run, issue 43).
+    The one-process path is the same on CPU and CUDA (two processes take another path, which checks), so this CPU run
+    reproduces it; tests/test_distributed.py trains with FSDP2 on one GPU under `-m cuda`."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FSDP2_ONE_PROCESS, str(reward_model_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
+    expected = one_by_one(model, AutoTokenizer.from_pretrained(reward_model_dir), ["1+1=2", "12+30=42"])
+    assert first == second == pytest.approx(expected, abs=1e-5)

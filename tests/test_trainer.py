@@ -184,6 +184,39 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
         assert torch.equal(param, trainer.actor_critic.value_head.state_dict()[name])
 
 
+@pytest.mark.parametrize("lora", [True, False], ids=["shared-base-lora", "critic-copy"])
+def test_one_pass_per_side_trains_as_one_pass_for_both(tiny_model_dir, tmp_path, monkeypatch, lora):
+    """On one process the update runs the policy's forward and backward, then the critic's, so that one side's
+    activations are alive at a time (the LoRA step's peak memory, issue 43): the two losses depend on disjoint
+    weights, so the weights after training are those of one pass over both."""
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def trained(name, passes_seen):
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=make_args(tmp_path / name, max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=8),
+            train_dataset=prompts_dataset(),
+            peft_config=peft_config if lora else None,
+        )
+        plan = trainer._update_passes
+        trainer._update_passes = lambda *a: passes_seen.append(plan(*a)) or passes_seen[-1]
+        trainer.train()
+        return {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if p.requires_grad}
+
+    split_passes, one_passes = [], []
+    split = trained("split", split_passes)
+    monkeypatch.setattr(VAPOTrainer, "_update_passes", lambda self, policy, values: [(policy, values)])
+    one = trained("one", one_passes)
+    assert split_passes and all(p == [(True, False), (False, True)] for p in split_passes)
+    assert one_passes and all(p == [(True, True)] for p in one_passes)
+    assert split.keys() == one.keys() and len(split) > 2
+    for name, value in split.items():
+        torch.testing.assert_close(value, one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Value pretraining
 # ---------------------------------------------------------------------------------------------------------------------

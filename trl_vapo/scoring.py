@@ -78,7 +78,10 @@ class RewardModel:
         inputs = self.tokenizer(
             text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
         ).to(self.device)
-        with torch.inference_mode():
+        # no_grad, not inference_mode: FSDP2 keeps the gathered weights' buffers across calls, and a buffer first
+        # made under inference mode is an inference tensor, whose version counter FSDP2 reads on its next gather
+        # ("Inference tensors do not track version counter", on one process).
+        with torch.no_grad():
             return self.model(**inputs).logits[:, 0].float().tolist()
 
 

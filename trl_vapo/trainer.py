@@ -940,29 +940,32 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=mask.device))
         micro_batches = rows.split(args.per_device_train_batch_size)
+        learns_values = self.actor_critic.learns_values
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             no_sync = not last and not self.is_deepspeed_enabled
             batch = rollout.micro_batch(micro_rows)
+            n = batch["mask"].sum()
+            sums["_tokens"] += n
             with self.accelerator.no_sync(self.model_wrapped) if no_sync else contextlib.nullcontext():
-                with self.accelerator.autocast():
-                    out = self.model_wrapped(
-                        batch["input_ids"],
-                        batch["attention_mask"],
-                        batch["completion_length"],
-                        args.temperature,
-                        with_policy=trains_policy,
-                        with_values=self.actor_critic.learns_values,
-                    )
-                loss, stats = vapo_loss(out.get("logprobs"), out.get("values"), batch, **settings)
-                n = batch["mask"].sum()
-                for key, value in stats.items():  # losses are shares of the step's mean; the rest token means
-                    sums[key] += value if key.startswith("loss") else value * n
-                if "entropy" in out:
-                    sums["entropy"] += masked_mean(out["entropy"], batch["mask"]) * n
-                sums["loss"] += loss.detach()
-                sums["_tokens"] += n
-                self._backward(loss, last)
+                for with_policy, with_values in self._update_passes(trains_policy, learns_values):
+                    with self.accelerator.autocast():
+                        out = self.model_wrapped(
+                            batch["input_ids"],
+                            batch["attention_mask"],
+                            batch["completion_length"],
+                            args.temperature,
+                            with_policy=with_policy,
+                            with_values=with_values,
+                        )
+                    loss, stats = vapo_loss(out.get("logprobs"), out.get("values"), batch, **settings)
+                    for key, value in stats.items():  # losses are shares of the step's mean; the rest token means
+                        sums[key] += value if key.startswith("loss") else value * n
+                    if "entropy" in out:
+                        sums["entropy"] += masked_mean(out["entropy"], batch["mask"]) * n
+                    sums["loss"] += loss.detach()
+                    self._backward(loss, last)
+                    del out, loss  # this pass's activations go before the next pass makes its own
             if not last:
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
 
@@ -996,6 +999,20 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self._record_step(sums, grad_norms)
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         self._log_evaluate_save()
+
+    def _update_passes(self, trains_policy: bool, learns_values: bool) -> list[tuple[bool, bool]]:
+        """The (with_policy, with_values) forward-and-backward passes of one micro-batch.
+
+        The policy's loss and the critic's depend on disjoint trainable weights (two adapters, or two models), so
+        their sum's gradient is the sum of their gradients: on one process, one pass per side keeps one side's
+        activations alive at a time (VAPO's LoRA peak was 1.17x GRPOTrainer's with both alive; issue 43). Under DDP,
+        DeepSpeed and FSDP a backward is a collective that expects one forward before it: one pass for both.
+        """
+        from accelerate.utils import DistributedType
+
+        if trains_policy and learns_values and self.accelerator.distributed_type == DistributedType.NO:
+            return [(True, False), (False, True)]
+        return [(trains_policy, learns_values)]
 
     def _loss_settings(self, phase: str, mask: torch.Tensor, is_positive: torch.Tensor) -> dict[str, Any]:
         """`core.vapo_loss`'s settings for a step over completions with this loss `mask` and `is_positive` (this
