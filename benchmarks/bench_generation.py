@@ -1,5 +1,6 @@
-"""Generation throughput of the transformers engines of `trl_vapo.generation`: `generate()` against continuous
-batching, on the same prompts, sampled as rollouts are (temperature 1).
+"""Generation throughput of the engines of `trl_vapo.generation` that run here: `generate()`, continuous batching
+and the static-cache engine, on the same prompts, sampled as rollouts are (temperature 1); and what one decode step
+costs each in operator launches and host synchronisations, the CPU proxy for what bounds a GPU's decode step.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_generation.py           # 64 prompts x 96 tokens, 3 repeats
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_generation.py --quick   # 16 prompts x 32 tokens, 1 repeat
@@ -10,8 +11,14 @@ samples EOS about once per vocabulary size (104) tokens, so its completions have
 demo's held-out problems (chat template, 13-23 tokens).
 `generate()` gets all prompts in one left-padded batch; continuous batching gets them all as requests (its KV cache
 sized to them, see `ContinuousBatching`). One intra-op thread; each engine runs `--warmup` untimed rounds, then
-`--repeats` timed rounds interleaved with the other engine's; the table gives the median time and completion
+`--repeats` timed rounds interleaved with the other engines'; the table gives the median time and completion
 tokens (stop token included) per second.
+
+Per decode step (`--per-step`, printed below the table): the ATen operators dispatched (each one a kernel launch, or
+more, on a GPU; counted under a `TorchDispatchMode`) and the host synchronisations among them (`_local_scalar_dense`,
+`nonzero` and the like: a read of a device value that waits for the device), over 16 prompts, as the difference
+between a 24- and an 8-token run divided by 16 (the prefill cancels), on the demo model with greedy decoding (so
+that both runs make every step: no early stop).
 """
 
 from __future__ import annotations
@@ -56,13 +63,61 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
 
 
 def engines(model, tokenizer):
-    from trl_vapo.generation import ContinuousBatching, TransformersGenerate, stop_token_ids
+    from trl_vapo.generation import ContinuousBatching, StaticCacheEngine, TransformersGenerate, stop_token_ids
 
     common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids(tokenizer, model)}
     return {
         "generate()": TransformersGenerate(model, **common),
         "continuous batching": ContinuousBatching(model, **common),
+        "static cache": StaticCacheEngine(model, **common),
     }
+
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero", "equal")
+"""ATen operators whose result the host reads (or whose output size depends on the data): each waits for the
+device."""
+
+
+def count_ops(engine, prompts, max_new_tokens: int) -> tuple[int, int]:
+    """(operators dispatched, host synchronisations) of one greedy generation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trl_vapo.generation import SamplingSettings
+
+    class Counter(TorchDispatchMode):
+        ops = syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.ops += 1
+            Counter.syncs += func.__name__.split(".")[0] in SYNC_OPS
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0))
+    return Counter.ops, Counter.syncs
+
+
+def per_step(model_name: str = "demo", num_prompts: int = 16, short: int = 8, long: int = 24) -> list[dict]:
+    """Operators and host synchronisations per decode step, for each engine (see the module docstring)."""
+    from trl_vapo.generation import SamplingSettings
+
+    model, tokenizer = load(model_name)
+    prompts = prompts_for(tokenizer, num_prompts)
+    rows = []
+    for name, engine in engines(model, tokenizer).items():
+        if name == "continuous batching":  # its steps run in a background thread, out of the dispatch mode's reach
+            continue
+        engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=2))  # warm: first-call set-up uncounted
+        (ops_short, syncs_short), (ops_long, syncs_long) = (count_ops(engine, prompts, n) for n in (short, long))
+        steps = long - short
+        rows.append(
+            {
+                "engine": name,
+                "ops_per_step": (ops_long - ops_short) / steps,
+                "syncs_per_step": (syncs_long - syncs_short) / steps,
+            }
+        )
+    return rows
 
 
 def run(model_name: str, num_prompts: int, max_new_tokens: int, warmup: int, repeats: int) -> list[dict]:
@@ -110,6 +165,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, no warmup, 1 repeat")
+    parser.add_argument("--no-per-step", dest="per_step", action="store_false", help="skip the per-step counts")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_new_tokens, args.warmup, args.repeats = 16, 32, 0, 1
@@ -132,6 +188,11 @@ def main() -> None:
                 f"{row['model']:<9}{row['params'] / 1e6:>7.1f}M  {row['engine']:<21}{row['tokens']:>7.0f}"
                 f"{row['seconds']:>8.2f}s{row['tokens_per_s']:>10,.0f}{row['tokens_per_s'] / reference:>14.2f}x"
             )
+    if args.per_step:
+        print("\nper decode step (demo model, 16 prompts, greedy, a 24-token run minus an 8-token run, / 16):")
+        print(f"{'engine':<21}{'operators':>10}{'host syncs':>12}")
+        for row in per_step():
+            print(f"{row['engine']:<21}{row['ops_per_step']:>10.1f}{row['syncs_per_step']:>12.2f}")
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -14,6 +14,7 @@ so the LM head costs what it costs). Every run is a fresh subprocess, so peak me
 Methods, all bf16 (float32 trainable weights, bf16 compute) with gradient checkpointing:
     vapo-full   VAPOTrainer, full fine-tuning: policy + a separate critic copied from it
     vapo-lora   VAPOTrainer, LoRA r=16 on all linear layers, the critic a second adapter on the same base
+    vapo-lora-static  the same, generating with the static-cache engine (`use_static_cache_engine`; CUDA graphs)
     grpo-full   TRL GRPOTrainer, full fine-tuning
     grpo-lora   TRL GRPOTrainer, the same LoRA
 Same batch for all: `--prompts` x `--generations` completions per optimizer step (one rollout per step, micro-batches
@@ -77,7 +78,7 @@ QWEN25 = {
 }
 # The smoke model's body with Qwen's vocabulary: the LM head and the logits weigh what they weigh at real sizes.
 QWEN25["smoke-152k"] = QWEN25["smoke"]
-METHODS = ("vapo-full", "vapo-lora", "grpo-full", "grpo-lora")
+METHODS = ("vapo-full", "vapo-lora", "vapo-lora-static", "grpo-full", "grpo-lora")
 PARTS = {
     "generation": ("generate", "tokenize"),
     "scoring": ("reward", "old logp/values fwd", "GAE + whiten", "advantages + metrics", "metrics"),
@@ -168,11 +169,11 @@ def run_worker(opts) -> dict:
         seed=0,
     )
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    peft_config = lora if opts.method.endswith("lora") else None
+    peft_config = lora if "-lora" in opts.method else None
     if opts.method.startswith("vapo"):
         from trl_vapo import VAPOConfig, VAPOTrainer
 
-        args = VAPOConfig(**common, value_pretrain_steps=0)
+        args = VAPOConfig(**common, value_pretrain_steps=0, use_static_cache_engine=opts.method.endswith("-static"))
         trainer = VAPOTrainer(
             model=model,
             reward_funcs=hash_reward,
@@ -431,7 +432,7 @@ def launch(opts, size: str, method: str) -> dict:
 
 def table(results: dict, sizes: list[str], methods: list[str]) -> str:
     header = (
-        f"{'size':6s}{'method':11s}{'trainable':>14s}{'step s':>9s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}"
+        f"{'size':6s}{'method':17s}{'trainable':>14s}{'step s':>9s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}"
         f"{'tok/s':>9s}{'peak GiB':>10s}{'step/GRPO':>11s}{'mem/GRPO':>10s}"
     )
     lines = [header, "-" * len(header)]
@@ -442,7 +443,7 @@ def table(results: dict, sizes: list[str], methods: list[str]) -> str:
             step_ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
             mem_ratio = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if base else "-"
             lines.append(
-                f"{size:6s}{method:11s}{r['trainable']:>14,d}{r['step_s']:>9.2f}{r['generation']:>8.2f}"
+                f"{size:6s}{method:17s}{r['trainable']:>14,d}{r['step_s']:>9.2f}{r['generation']:>8.2f}"
                 f"{r['scoring']:>9.2f}{r['update']:>10.2f}{r['tokens_per_s']:>9.0f}{r['peak_gib']:>10.2f}"
                 f"{step_ratio:>11s}{mem_ratio:>10s}"
             )

@@ -23,14 +23,16 @@ Parts (``PARTS``), each in fresh processes:
     tests          ``pytest -m cuda``: bf16 autocast, gradient checkpointing with the LoRA critic (same updates with
                    and without), the log-probs through the LM head in tiles (TRL's fused-head kernel) against the
                    plain computation, QLoRA's 4-bit kernels (only where bitsandbytes is installed: the ``qlora``
-                   wheels), continuous batching's paged attention against ``generate()``, and FSDP2 on one GPU
-    trainer-lora   ``bench_gpu.py`` at Qwen2.5-0.5B shapes (random weights), VAPO and GRPO with LoRA: step time split
+                   wheels), continuous batching's paged attention against ``generate()``, the static-cache engine
+                   against ``generate()`` and its CUDA graph against its eager step, and FSDP2 on one GPU
+    trainer-lora   ``bench_gpu.py`` at Qwen2.5-0.5B shapes (random weights), VAPO (with ``generate()``, and with the
+                   static-cache engine) and GRPO (as TRL runs it: ``generate()``) with LoRA: step time split
                    (generation, scoring: rewards and the old log-probs and values, update), tokens/s, peak memory, and
                    VAPO's ratios to GRPO against the targets (step at most 1.1x, peak at most 1.15x)
-    generation     ``generate()`` against continuous batching at 0.5B shapes (batch 64, 512 new tokens, bf16), each
-                   against the memory-bandwidth bound of a decode step (the weights read once per step, at the copy
-                   bandwidth measured on the device): batch x bandwidth / weight bytes tokens per second, an upper
-                   bound (it leaves out the KV cache's reads)
+    generation     the engines of ``ENGINES`` at 0.5B shapes (batch 64, 512 new tokens, bf16): ms per decode step and
+                   tokens/s, each against the memory-bandwidth bound of a decode step (the weights read once per
+                   step, at the copy bandwidth measured on the device): batch x bandwidth / weight bytes tokens per
+                   second, an upper bound (it leaves out the KV cache's reads)
     trainer-full   ``bench_gpu.py`` at 0.5B shapes, full fine-tuning, VAPO (a separate critic) and GRPO
     trainer-1.5B   ``bench_gpu.py`` at Qwen2.5-1.5B shapes, VAPO and GRPO with LoRA
 
@@ -99,17 +101,37 @@ CUDA_TEST_FILES = [
     "tests/test_precision_checkpointing.py",  # bf16 autocast, gradient checkpointing with the LoRA critic, QLoRA
     "tests/test_logprobs.py",  # the LM head in tiles (TRL's fused-head kernel)
     "tests/test_generation.py",  # continuous batching's paged attention
+    "tests/test_static_cache_engine.py",  # the static-cache engine: exact against generate(), CUDA graphs
     "tests/test_distributed.py",  # FSDP2 on one GPU
 ]
 PARTS = ("tests", "trainer-lora", "generation", "trainer-full", "trainer-1.5B")
 TRAINER_PARTS = {  # part: (size, methods)
-    "trainer-lora": ("0.5B", ("vapo-lora", "grpo-lora")),
+    "trainer-lora": ("0.5B", ("vapo-lora", "vapo-lora-static", "grpo-lora")),
     "trainer-full": ("0.5B", ("vapo-full", "grpo-full")),
     "trainer-1.5B": ("1.5B", ("vapo-lora", "grpo-lora")),
 }
 TARGETS = {"step": 1.1, "peak": 1.15}  # VAPO LoRA against GRPO LoRA (issue "One command for the GPU")
 GENERATION = {"size": "0.5B", "batch": 64, "new_tokens": 512, "warmup_tokens": 16, "copy_bytes": 2 * 2**30}
-SMOKE_GENERATION = {"size": "smoke", "batch": 4, "new_tokens": 8, "warmup_tokens": 2, "copy_bytes": 64 * 2**20}
+SMOKE_GENERATION = {
+    "size": "smoke",
+    "batch": 4,
+    "new_tokens": 8,
+    "warmup_tokens": 2,
+    "copy_bytes": 64 * 2**20,
+    "engines": ["static-cache captured", "generate()", "static-cache eager"],  # no compile on the CPU
+}
+ENGINES = {  # name: (engine, its options, warm up at the timed length: what is compiled or captured per shape)
+    "static-cache captured": ("static", {"cuda_graph": True}, True),
+    "generate()": ("generate", {}, False),
+    "static-cache eager": ("static", {"cuda_graph": False}, False),
+    "generate() static+compile": ("generate-compiled", {}, True),
+    "static-cache compiled+captured": ("static", {"cuda_graph": True, "compile_step": True}, True),
+}
+"""The generation part's engines, most important first: the static-cache engine's CUDA graph, transformers'
+`generate()` as it runs by default, the engine's step without a graph, `generate()` with transformers' own static
+cache and compiled decode step (`cache_implementation="static"`, compile not disabled: the one-flag baseline), and
+the engine's step compiled by torch.compile, then captured. Continuous batching (859 tokens/s on the H100,
+2026-11-26) is left out to save the call's minutes."""
 
 
 def constraint_versions(path: Path = ROOT / "constraints.txt") -> dict[str, str]:
@@ -185,39 +207,45 @@ def run_tests(out: Path) -> dict:
     # One process (-n 0): the tests share the one GPU, and the FSDP2 test starts its own processes.
     command = [
         sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0", "-p", "no:cacheprovider", f"--junitxml={junit}",
+        "-o", "junit_family=legacy",  # keeps the properties tests record (the graph pool's bytes, ...)
         *deselect, *CUDA_TEST_FILES,
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=ROOT, timeout=540)  # its output as it comes: a call cut short still shows it
     if not junit.is_file():
         return {"ok": False, "exit_code": proc.returncode, "error": f"pytest wrote no report (exit {proc.returncode})"}
     outcomes = {}
+    properties = {}  # what tests record with `record_property` (the graph pool's bytes, ...)
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
         kinds = {child.tag for child in case}
         outcomes[name] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+        for prop in case.iter("property"):
+            properties[f"{name}::{prop.get('name')}"] = prop.get("value")
     counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failure", "error", "skipped")}
     return {
         "exit_code": proc.returncode,
         "counts": counts,
         "outcomes": outcomes,
+        "properties": properties,
         "qlora": "run" if not deselect else "not run: bitsandbytes is not installed (carry the qlora wheels)",
         "ok": proc.returncode == 0,
     }
 
 
-def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path) -> dict:
+def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path, steps: int = 3) -> dict:
     """``bench_gpu.py`` for ``methods`` at ``size`` (``--smoke``: its tiny model on the CPU), VAPO's ratios to GRPO."""
     result = out / f"bench_gpu-{size}-{'-'.join(methods)}.json"
     command = [sys.executable, str(BENCH_GPU), "--methods", ",".join(methods), "--json", str(result)]
-    command += ["--smoke"] if smoke else ["--sizes", size, "--steps", "3", "--warmup", "1"]
+    command += ["--smoke"] if smoke else ["--sizes", size, "--steps", str(steps), "--warmup", "1"]
     proc = subprocess.run(command, cwd=ROOT)  # its output as it comes
     if proc.returncode != 0:
         return {"ok": False, "exit_code": proc.returncode}
     rows = json.loads(result.read_text())
     size = "smoke" if smoke else size
     ratios = {}
-    for kind in {m.split("-")[1] for m in methods}:
-        vapo, grpo = rows.get(f"{size}/vapo-{kind}"), rows.get(f"{size}/grpo-{kind}")
+    for method in (m for m in methods if m.startswith("vapo-")):  # kind: "lora", "lora-static", "full"
+        kind = method.removeprefix("vapo-")
+        vapo, grpo = rows.get(f"{size}/{method}"), rows.get(f"{size}/grpo-{kind.split('-')[0]}")
         if vapo and grpo:
             ratios[kind] = {"step": vapo["step_s"] / grpo["step_s"], "peak": vapo["peak_gib"] / grpo["peak_gib"]}
     targets = {}
@@ -251,13 +279,26 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def generation_engine(kind: str, options: dict, model, common: dict):
+    """One engine of `ENGINES`, and the sampling-settings extras it runs with."""
+    from trl_vapo.generation import StaticCacheEngine, TransformersGenerate
+
+    if kind == "static":
+        return StaticCacheEngine(model, **options, **common), {}
+    if kind == "generate-compiled":
+        # transformers compiles the decode step of a static cache on CUDA unless compile is disabled
+        return TransformersGenerate(model, **common), {"cache_implementation": "static", "disable_compile": False}
+    return TransformersGenerate(model, **common), {}
+
+
 def generation_worker(settings: dict) -> dict:
-    """Tokens/s of ``generate()`` and continuous batching on one random model with real shapes, and the bound."""
+    """Tokens/s and ms per decode step of each engine of `ENGINES` on one random model with real shapes, against
+    the memory-bandwidth bound of a decode step."""
     import torch
     from bench_gpu import byte_level_tokenizer, qwen_config
     from transformers import AutoModelForCausalLM
 
-    from trl_vapo.generation import ContinuousBatching, SamplingSettings, TransformersGenerate, stop_token_ids
+    from trl_vapo.generation import SamplingSettings, stop_token_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -268,31 +309,47 @@ def generation_worker(settings: dict) -> dict:
     texts = [f"Problem {i}: compute {i} + {3 * i}, then explain." for i in range(settings["batch"])]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids(tokenizer, model)}
-    engines = {
-        "generate()": TransformersGenerate(model, **common),
-        "continuous batching": ContinuousBatching(model, **common),
-    }
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(device, settings["copy_bytes"])
     bound = settings["batch"] * bandwidth / weight_bytes
     rows = {}
-    for name, engine in engines.items():
-        engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=settings["warmup_tokens"], temperature=1.0))
-        torch.manual_seed(1)
-        synchronize(device)
-        start = time.perf_counter()
-        out = engine.generate(
-            prompts, sampling=SamplingSettings(max_new_tokens=settings["new_tokens"], temperature=1.0)
-        )
-        synchronize(device)
+    for name in settings.get("engines", ENGINES):
+        kind, options, full_warmup = ENGINES[name]
+        if kind == "generate-compiled" and device != "cuda":
+            continue  # transformers compiles the step on CUDA only
+        began = time.perf_counter()
+        try:
+            engine, extra = generation_engine(kind, options, model, common)
+            warmup = settings["new_tokens"] if full_warmup else settings["warmup_tokens"]
+            sampling = SamplingSettings(max_new_tokens=warmup, temperature=1.0, generation_kwargs=extra)
+            engine.generate(prompts, sampling=sampling)
+            torch.manual_seed(1)
+            synchronize(device)
+            start = time.perf_counter()
+            sampling = SamplingSettings(
+                max_new_tokens=settings["new_tokens"], temperature=1.0, generation_kwargs=extra
+            )
+            out = engine.generate(prompts, sampling=sampling)
+            synchronize(device)
+        except Exception as error:  # noqa: BLE001 -- one engine failing must not lose the others' figures
+            rows[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            print(f"{name}: FAILED {rows[name]['error']}", flush=True)
+            continue
         seconds = time.perf_counter() - start
-        tokens = int(out.lengths.sum())
+        tokens, steps = int(out.lengths.sum()), out.completion_ids.shape[1]
         rows[name] = {
             "seconds": seconds,
             "tokens": tokens,
+            "decode_steps": steps,
+            "ms_per_step": 1000 * seconds / steps,
             "tokens_per_s": tokens / seconds,
             "share_of_bound": tokens / seconds / bound,
+            "warmup_seconds": start - began,
         }
+        print(f"{name}: {rows[name]}", flush=True)
+        del engine
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return {
         **settings,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -315,13 +372,13 @@ def run_generation(smoke: bool, out: Path) -> dict:
     return {"ok": True, **json.loads(result.read_text())}
 
 
-def run_part(part: str, smoke: bool, out: Path) -> dict:
+def run_part(part: str, smoke: bool, out: Path, trainer_steps: int = 3) -> dict:
     if part == "tests":
         return run_tests(out)
     if part == "generation":
         return run_generation(smoke, out)
     size, methods = TRAINER_PARTS[part]
-    return run_trainer(size, methods, smoke, out)
+    return run_trainer(size, methods, smoke, out, trainer_steps)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -339,9 +396,13 @@ def format_part(part: str, result: dict) -> str:
         counts = ", ".join(f"{v} {k}" for k, v in result["counts"].items() if v)
         lines = [f"tests (pytest -m cuda): {counts or 'none'}; QLoRA {result['qlora']}"]
         lines += [f"  {outcome:8s} {name}" for name, outcome in result["outcomes"].items() if outcome in BAD]
+        lines += [f"  {name} = {value}" for name, value in result.get("properties", {}).items()]
         return "\n".join(lines)
     if part == "generation":
-        header = f"{'engine':21s}{'tokens':>8s}{'seconds':>9s}{'tokens/s':>10s}{'of bound':>10s}"
+        header = (
+            f"{'engine':32s}{'tokens':>8s}{'seconds':>9s}{'ms/step':>9s}{'tokens/s':>10s}{'of bound':>10s}"
+            f"{'warm-up s':>11s}"
+        )
         lines = [
             f"generation: {result['size']} shapes ({result['params'] / 1e6:.0f}M parameters, {result['dtype']}), "
             f"batch {result['batch']} x {result['new_tokens']} new tokens, T=1, {result['device']}; copy bandwidth "
@@ -351,16 +412,19 @@ def format_part(part: str, result: dict) -> str:
             "-" * len(header),
         ]
         for name, row in result["engines"].items():
+            if "error" in row:
+                lines.append(f"{name:32s}FAILED: {row['error'][:200]}")
+                continue
             lines.append(
-                f"{name:21s}{row['tokens']:>8d}{row['seconds']:>9.2f}{row['tokens_per_s']:>10,.0f}"
-                f"{row['share_of_bound']:>10.1%}"
+                f"{name:32s}{row['tokens']:>8d}{row['seconds']:>9.2f}{row['ms_per_step']:>9.1f}"
+                f"{row['tokens_per_s']:>10,.0f}{row['share_of_bound']:>10.1%}{row['warmup_seconds']:>11.1f}"
             )
         return "\n".join(lines)
-    header = f"{'row':22s}{'step s':>8s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}{'tok/s':>9s}{'peak GiB':>10s}"
+    header = f"{'row':24s}{'step s':>8s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}{'tok/s':>9s}{'peak GiB':>10s}"
     lines = [f"{part} (bench_gpu.py; {next(iter(result['rows'].values()))['device']})", header, "-" * len(header)]
     for name, r in result["rows"].items():
         lines.append(
-            f"{name:22s}{r['step_s']:>8.2f}{r['generation']:>8.2f}{r['scoring']:>9.2f}{r['update']:>10.2f}"
+            f"{name:24s}{r['step_s']:>8.2f}{r['generation']:>8.2f}{r['scoring']:>9.2f}{r['update']:>10.2f}"
             f"{r['tokens_per_s']:>9.0f}{r['peak_gib']:>10.2f}"
         )
     for kind, ratio in result["vapo_over_grpo"].items():
@@ -402,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, help="seconds after which no further part starts")
     parser.add_argument("--smoke", action="store_true", help="the same parts at tiny shapes on the CPU")
     parser.add_argument(
+        "--trainer-steps", type=int, default=3, help="optimizer steps per trainer run, the first a warm-up"
+    )
+    parser.add_argument(
         "--download-wheels", choices=sorted(WHEELS), help="download a wheel set (here, with a network)"
     )
     parser.add_argument("--dest", type=Path, default=ROOT / ".whl", help="where --download-wheels puts them")
@@ -435,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {part} ({elapsed:.0f} s)", flush=True)
             began = time.time()
             try:
-                result = run_part(part, opts.smoke, opts.out)
+                result = run_part(part, opts.smoke, opts.out, opts.trainer_steps)
             except Exception as error:  # noqa: BLE001 -- one broken part must not lose the others' figures
                 result = {"ok": False, "error": f"{type(error).__name__}: {error}"}
             result |= {"status": "ok" if result["ok"] else "failed", "seconds": time.time() - began}

@@ -30,8 +30,13 @@ def run(script: str, *args: str) -> str:
 def test_generation_benchmark_quick_compares_the_engines():
     out = run("bench_generation.py", "--quick", "--models", "demo")
     rows = [line.split() for line in out.splitlines() if line.startswith("demo ")]
-    assert sorted(row[2] for row in rows) == ["continuous", "generate()"], out
+    assert sorted(row[2] for row in rows) == ["continuous", "generate()", "static"], out
     assert all(int(row[-2].replace(",", "")) > 0 for row in rows)  # tokens per second
+    # Per decode step: the static-cache engine reads the device once per 16 steps (its "all stopped?" check),
+    # generate() at every step; both launch the model's operators.
+    steps = {line.split()[0]: line.split()[-2:] for line in out.split("per decode step")[1].splitlines()[2:4]}
+    assert float(steps["static"][1]) == round(1 / 16, 2) and float(steps["generate()"][1]) >= 1, out
+    assert float(steps["static"][0]) > 100 and float(steps["generate()"][0]) > 100
 
 
 @pytest.mark.parametrize("engine", ["generate"])  # continuous batching: 67 s here, covered by test_engines.py

@@ -28,11 +28,16 @@ def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
     tests = report["parts"]["tests"]
     names = " ".join(tests["outcomes"])
     kinds = ["bf16", "gradient_checkpointing", "logprobs", "continuous_batching", "fsdp2_on_one_gpu"]
+    kinds += [
+        "greedy_completions_and_logprobs_equal_generate",
+        "captured_step_equals_the_eager_step",
+        "weight_updates",
+    ]
     if tests["qlora"] == "run":  # where bitsandbytes is installed (the dev extra has it)
         kinds.append("qlora")
     for kind in kinds:
         assert kind in names, kind
-    assert all("[cuda" in name or "one_gpu" in name for name in tests["outcomes"])  # never the CPU parameters
+    assert "[cpu" not in names  # never the CPU parameters of a test that runs on both
     expected = "passed" if torch.cuda.is_available() else "skipped"
     assert set(tests["outcomes"].values()) == {expected}
 
@@ -51,18 +56,24 @@ def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
         "lora peak <= 1.15x": ratio["peak"] <= 1.15,
     }
 
-    # Generation: both engines, tokens/s and the share of the memory-bandwidth bound.
+    # VAPO with the static-cache engine: its own row and ratio to the same GRPO run.
+    engine = trainer["rows"]["smoke/vapo-lora-static"]
+    assert engine["step_s"] > 0 and engine["generation"] > 0 and engine["trainable"] == vapo["trainable"]
+    assert trainer["vapo_over_grpo"]["lora-static"]["step"] == engine["step_s"] / grpo["step_s"]
+
+    # Generation: each engine's tokens/s, ms per decode step and share of the memory-bandwidth bound.
     generation = report["parts"]["generation"]
     bound = generation["batch"] * generation["copy_bandwidth_bytes_per_s"] / generation["weight_bytes"]
     assert generation["bound_tokens_per_s"] == bound > 0
-    assert set(generation["engines"]) == {"generate()", "continuous batching"}
+    assert list(generation["engines"]) == ["static-cache captured", "generate()", "static-cache eager"]
     for row in generation["engines"].values():
         assert 0 < row["tokens"] <= generation["batch"] * generation["new_tokens"]
         assert row["share_of_bound"] == row["tokens"] / row["seconds"] / bound
+        assert row["ms_per_step"] == 1000 * row["seconds"] / row["decode_steps"] and row["decode_steps"] > 0
 
     # The plain-text tables: on stdout and in gpu_suite.txt.
     summary = stdout.split("== summary")[1]
-    assert "VAPO / GRPO, lora: step" in summary and "continuous batching" in summary and "skipped" in summary
+    assert "VAPO / GRPO, lora: step" in summary and "static-cache eager" in summary and "skipped" in summary
     assert (tmp_path / "gpu_suite.txt").read_text().strip().endswith(summary.strip().split("\n", 1)[1].strip())
 
 

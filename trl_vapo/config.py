@@ -264,6 +264,16 @@ class VAPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Keyword arguments for `transformers.generation.ContinuousBatchingConfig`."},
     )
+    use_static_cache_engine: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the rollouts with trl-vapo's static-cache engine (`trl_vapo.generation."
+            "StaticCacheEngine`): a decode loop on transformers' StaticCache whose step has fixed shapes and no host "
+            "synchronisation, sampling exactly as generate() does (settings it cannot serve exactly, such as "
+            "repetition_penalty or stop strings, fall back to generate() with a warning). Not in GRPOConfig. Off by "
+            "default until a GPU run shows it faster."
+        },
+    )
     use_vllm: bool = field(
         default=False,
         metadata={

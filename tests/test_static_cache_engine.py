@@ -1,0 +1,389 @@
+"""The static-cache engine (`trl_vapo.generation.StaticCacheEngine`): exact against `generate()` and the trainer's
+log-probs, its buffers fixed across steps and rollouts, and its decode step traceable as one graph.
+
+CUDA graphs cannot be captured here (no GPU): `torch.compile(..., fullgraph=True, backend="eager")` tracing the decode
+step without a graph break stands in for "capturable" on the CPU, and the greedy equality runs on a CUDA GPU too
+under `-m cuda` (`benchmarks/gpu_suite.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+from test_generation import GREEDY, TEXT_PROMPTS, _ids, _peft_actor_critic, _trainer_logprobs
+from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_vapo import VAPOTrainer
+from trl_vapo.generation import (
+    EngineSettings,
+    SamplingSettings,
+    StaticCacheEngine,
+    TransformersGenerate,
+    build_engine,
+    stop_token_ids,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _engines(model, tokenizer, stops, **kwargs):
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stops, "logprobs": True}
+    return TransformersGenerate(model, **common), StaticCacheEngine(model, **common, **kwargs)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny-lora", "demo", "tiny-eager"])
+def test_greedy_completions_and_logprobs_equal_generate(which, tiny, tiny_model_dir, device):
+    """Ragged left-padded prompts, stop tokens that end some rows early (`check_every` 3: rows go on, padded, past
+    their stop), the trainer's PEFT policy with its critic adapter alongside, the demo's model and chat prompts,
+    eager attention's additive mask."""
+    model, tokenizer = tiny
+    prompts, sampling = _ids(tokenizer, TEXT_PROMPTS), GREEDY
+    stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("e "))]
+    if which == "tiny-lora":
+        torch.manual_seed(0)  # the LoRA A matrices' initialisation
+        model = _peft_actor_critic(tiny_model_dir).policy
+    elif which == "tiny-eager":
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    elif which == "demo":
+        from trl_vapo.data import prompt_token_ids
+        from trl_vapo.demo import MODEL_DIR
+        from trl_vapo.demo.data import build_split
+
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(MODEL_DIR), AutoTokenizer.from_pretrained(MODEL_DIR)
+        prompts = prompt_token_ids(tokenizer, list(build_split("held_out", 6)["prompt"]), conversational=True)
+        sampling, stops = SamplingSettings(max_new_tokens=96, temperature=0.0), stop_token_ids(tokenizer, model)
+    if device != "cpu":
+        model = copy.deepcopy(model).to(device)
+    generate, static = _engines(model, tokenizer, stops, check_every=3)
+    expected, got = generate.generate(prompts, sampling=sampling), static.generate(prompts, sampling=sampling)
+    assert got.completion_lists() == expected.completion_lists()
+    assert (
+        torch.equal(got.is_truncated, expected.is_truncated)
+        and got.completion_ids.shape == expected.completion_ids.shape
+    )
+    if which == "demo":
+        assert (~got.is_truncated).all()  # every answer ended at EOS
+    elif which != "tiny-lora":
+        assert (~got.is_truncated).any() and got.is_truncated.any()  # some rows stopped early, some ran out
+    mask = expected.completion_mask.bool()
+    torch.testing.assert_close(got.sampler_logprobs[mask], expected.sampler_logprobs[mask], atol=1e-5, rtol=0)
+
+
+def test_min_new_tokens_holds_the_stop_tokens_back_as_generate_does(tiny):
+    """The stop ids are the greedy first tokens: without `min_new_tokens` every row would stop at once; with 6, none
+    stops before its seventh token, as with `generate()`."""
+    model, tokenizer = tiny
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    _, probe = _engines(model, tokenizer, [tokenizer.eos_token_id])
+    stops = sorted({row[0] for row in probe.generate(prompts, sampling=GREEDY).completion_lists()})
+    generate, static = _engines(model, tokenizer, stops)
+    assert (static.generate(prompts, sampling=GREEDY).lengths == 1).all()
+    sampling = SamplingSettings(max_new_tokens=12, temperature=0.0, generation_kwargs={"min_new_tokens": 6})
+    got = static.generate(prompts, sampling=sampling)
+    assert got.completion_lists() == generate.generate(prompts, sampling=sampling).completion_lists()
+    assert (got.lengths >= 7).all()
+
+
+def test_sampled_logprobs_are_the_trainers_teacher_forced_logprobs(tiny):
+    """Sampling at T=0.7: the returned log-probs are log-softmax(logits / T) at the sampled tokens, as the trainer
+    computes them on the finished sequences (to 1e-5)."""
+    model, tokenizer = tiny
+    engine = StaticCacheEngine(
+        model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id], logprobs=True
+    )
+    prompts = _ids(tokenizer, TEXT_PROMPTS) * 2
+    torch.manual_seed(1)
+    out = engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=12, temperature=0.7))
+    assert len(set(map(tuple, out.completion_lists()))) > len(TEXT_PROMPTS)  # sampled, not greedy
+    trainer = _trainer_logprobs(model, tokenizer, prompts, out, temperature=0.7)
+    mask = out.completion_mask.bool()
+    torch.testing.assert_close(out.sampler_logprobs[mask], trainer[mask], atol=1e-5, rtol=0)
+    torch.manual_seed(1)
+    assert engine.generate(
+        prompts, sampling=SamplingSettings(max_new_tokens=12, temperature=0.7)
+    ).completion_lists() == (out.completion_lists())  # seeded
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.3, top_k=5),
+        dict(temperature=0.9, top_p=0.8),
+        dict(temperature=1.0, min_p=0.05),
+        dict(temperature=0.6, top_k=20, top_p=0.9, min_p=0.02),
+        dict(temperature=0.0),
+    ],
+)
+def test_processed_logits_equal_transformers_processors(tiny, settings):
+    """On random logits, the engine's processing equals the processors `generate()` builds for the same settings
+    (`model._get_logits_processor`, transformers' order)."""
+    from trl_vapo.generation import DecodeState
+
+    model, tokenizer = tiny
+    sampling = SamplingSettings(max_new_tokens=4, **settings)
+    config = sampling.generation_config([tokenizer.eos_token_id], tokenizer.pad_token_id)
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=3, encoder_input_ids=None, prefix_allowed_tokens_fn=None,
+        logits_processor=None, device="cpu",
+    )  # fmt: skip
+    state = DecodeState((8, 4, 4, torch.device("cpu"), torch.float32), model.config, [2], 0)
+    state.configure(sampling)
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(8, 50, generator=generator)
+    expected = processors(torch.zeros(8, 3, dtype=torch.long), logits.clone())
+    got = logits.clone()
+    for warper in state.warpers:
+        got = warper(None, got)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert state.greedy == sampling.greedy
+
+
+def test_first_tokens_follow_the_softmax_chi_square(tiny):
+    """4,000 first tokens of one prompt at T=0.25 against softmax(logits / T): Pearson's chi-square over the tokens
+    expected at least 5 times (the rest pooled), below the 0.999 quantile (Wilson-Hilferty's approximation)."""
+    model, tokenizer = tiny
+    prompt = _ids(tokenizer, ["ab"])[0]
+    engine = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
+    torch.manual_seed(0)
+    n = 4000
+    first = engine.generate([prompt] * n, sampling=SamplingSettings(max_new_tokens=1, temperature=0.25))
+    with torch.no_grad():
+        probs = (model(torch.tensor([prompt])).logits[0, -1] / 0.25).softmax(-1).double()
+    counts = torch.bincount(first.completion_ids[:, 0], minlength=probs.shape[0]).double()
+    expected = n * probs
+    big = expected >= 5
+    observed, expected = counts[big], expected[big]
+    if not big.all():  # the rare tokens pooled into one bin
+        observed = torch.cat([observed, counts[~big].sum()[None]])
+        expected = torch.cat([expected, n * probs[~big].sum()[None]])
+    statistic = ((observed - expected) ** 2 / expected).sum().item()
+    assert big.sum() >= 5  # a distribution with several likely tokens, so the test has power
+    dof = len(observed) - 1
+    quantile = dof * (1 - 2 / (9 * dof) + 3.0902 * math.sqrt(2 / (9 * dof))) ** 3  # z = 3.0902 at 0.999
+    assert statistic < quantile, (statistic, quantile)
+
+
+def test_buffers_keep_their_addresses_across_steps_and_rollouts(tiny):
+    model, tokenizer = tiny
+    engine = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    sampling = SamplingSettings(max_new_tokens=10, temperature=1.0)
+
+    def addresses():
+        state = engine.state
+        tensors = [state.tokens, state.positions, state.slot, state.step, state.key_mask, state.output_ids]
+        tensors += [state.output_logprobs, state.finished]
+        tensors += [t for layer in state.cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+        return [t.data_ptr() for t in tensors]
+
+    engine.generate(prompts, sampling=sampling)
+    first = addresses()
+    seen = []
+    step = type(engine.state).decode_step
+
+    def recording(state, model):
+        step(state, model)
+        seen.append(addresses())
+
+    type(engine.state).decode_step = recording
+    try:
+        engine.generate(list(reversed(prompts)), sampling=sampling)  # the same shape: the same buffers
+    finally:
+        type(engine.state).decode_step = step
+    assert len(seen) == 9 and all(a == first for a in seen)
+    engine.generate(prompts[:2], sampling=sampling)  # another shape: new buffers, the old ones released
+    assert engine.state.key[0] == 2
+
+
+def test_the_decode_step_traces_as_one_graph(tiny):
+    """The CPU proxy for "capturable as a CUDA graph": dynamo traces the whole step (the model's forward on the static
+    cache, processing, the draw, the in-place updates) with fullgraph=True, and the traced step continues the rollout
+    exactly as the eager step does."""
+    model, tokenizer = tiny
+    engine = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    sampling = SamplingSettings(max_new_tokens=8, temperature=0.0)
+    expected = engine.generate(prompts, sampling=sampling).completion_lists()
+    step = type(engine.state).decode_step
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager", dynamic=False)
+    type(engine.state).decode_step = compiled
+    try:
+        got = engine.generate(prompts, sampling=sampling).completion_lists()
+    finally:
+        type(engine.state).decode_step = step
+        torch._dynamo.reset()
+    assert got == expected
+
+
+def test_a_weight_update_and_the_lora_policy_are_seen_by_the_next_rollout(tiny_model_dir):
+    """The engine reads the live weights: after an in-place update of the policy adapter (what an optimizer step
+    does), the next rollout is the updated policy's (equal to generate() on it, different from before)."""
+    policy = _peft_actor_critic(tiny_model_dir).policy
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    generate, static = _engines(policy, tokenizer, [tokenizer.eos_token_id])
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    before = static.generate(prompts, sampling=GREEDY)
+    assert before.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B.default" in name:
+                param.add_(0.5 * torch.randn_like(param))
+    after = static.generate(prompts, sampling=GREEDY)
+    assert after.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
+    assert after.completion_lists() != before.completion_lists()
+
+
+def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
+    model, tokenizer = tiny
+    generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
+    sampling = SamplingSettings(max_new_tokens=8, temperature=0.0, repetition_penalty=1.3)
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.generation"):
+        got = [static.generate(prompts, sampling=sampling) for _ in range(2)]
+    assert [r.getMessage() for r in caplog.records].count(
+        "The static-cache engine cannot sample with repetition_penalty=1.3 exactly: these rollouts use generate()."
+    ) == 1
+    assert got[0].completion_lists() == generate.generate(prompts, sampling=sampling).completion_lists()
+    assert static.state is None  # the engine's own loop never ran
+    stop_strings = SamplingSettings(max_new_tokens=8, generation_kwargs={"stop_strings": ["e"]})
+    assert StaticCacheEngine.unsupported_settings(stop_strings, model) == ["stop_strings=['e']"]
+    sliding = copy.deepcopy(model)
+    sliding.config.layer_types = ["sliding_attention", "full_attention"]
+    assert StaticCacheEngine.unsupported_settings(GREEDY, sliding) == [
+        "layer_types=['full_attention', 'sliding_attention']"
+    ]
+
+
+def test_the_trainer_rolls_out_with_it_on_policy(tiny_model_dir, tmp_path):
+    """`use_static_cache_engine=True` picks the engine; the first update's ratio is exactly 1 (`approx_kl` 0), as with
+    the default engine: the trainer's log-probs are of the tokens sampled."""
+    args = make_args(tmp_path, max_steps=2, use_static_cache_engine=True)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
+    assert type(trainer.generation_engine).__name__ == "StaticCacheEngine"
+    trainer.train()
+    logs = rl_logs(trainer)
+    assert logs[0]["approx_kl"] == 0.0 and all(h["completions/mean_length"] > 0 for h in logs)
+    settings = EngineSettings.from_config(make_args(tmp_path, use_static_cache_engine=True))
+    assert settings.engine == "static_cache"
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching and use_static_cache_engine"):
+        EngineSettings.from_config(
+            make_args(tmp_path, use_static_cache_engine=True, use_transformers_continuous_batching=True)
+        )
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    assert isinstance(build_engine(EngineSettings(engine="static_cache"), model, tokenizer), StaticCacheEngine)
+    assert math.isfinite(logs[-1]["loss"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CUDA graphs (a CUDA GPU: `pytest -m cuda`, run by benchmarks/gpu_suite.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_suite.py)")
+
+
+def _random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz +=0123456789"
+    lengths = torch.randint(1, 30, (n,), generator=generator).tolist()
+    texts = ["".join(letters[i] for i in torch.randint(0, len(letters), (k,), generator=generator)) for k in lengths]
+    return _ids(tokenizer, texts)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_captured_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, dtype, record_property):
+    """64 prompts x 64 greedy tokens: the replayed CUDA graph gives the eager step's tokens and log-probs exactly; the
+    graph's memory is recorded (JUnit property `graph_pool_bytes_<dtype>`)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).cuda()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = _random_prompts(tokenizer, 64)
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
+    sampling = SamplingSettings(max_new_tokens=64, temperature=0.0)
+    eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
+    engine = StaticCacheEngine(model, **common)
+    before = torch.cuda.memory_allocated()
+    captured = engine.generate(prompts, sampling=sampling)
+    assert engine.state.graph is not None and not engine.state.capture_failed
+    record_property(f"graph_pool_bytes_{str(dtype).split('.')[-1]}", torch.cuda.memory_allocated() - before)
+    assert torch.equal(captured.completion_ids, eager.completion_ids)
+    assert torch.equal(captured.sampler_logprobs, eager.sampler_logprobs)
+    assert captured.completion_ids.shape[1] > 32  # the graph replayed many steps
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_the_graph_sees_weight_updates_and_is_taken_again_for_another_adapter(tiny_model_dir):
+    """An in-place update of the policy adapter (an optimizer step) reaches the next rollout through the same graph;
+    making another adapter active changes the capture key, and the step is captured again."""
+    torch.manual_seed(0)
+    policy = _peft_actor_critic(tiny_model_dir).policy.cuda()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    generate, static = _engines(policy, tokenizer, [tokenizer.eos_token_id])
+    prompts = _random_prompts(tokenizer, 16, seed=1)
+    sampling = SamplingSettings(max_new_tokens=32, temperature=0.0)
+    before = static.generate(prompts, sampling=sampling)
+    graph = static.state.graph
+    assert (
+        graph is not None
+        and before.completion_lists() == generate.generate(prompts, sampling=sampling).completion_lists()
+    )
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B.default" in name:
+                param.add_(0.5 * torch.randn_like(param))
+    after = static.generate(prompts, sampling=sampling)
+    assert static.state.graph is graph  # the same graph, the updated weights
+    assert after.completion_lists() == generate.generate(prompts, sampling=sampling).completion_lists()
+    assert after.completion_lists() != before.completion_lists()
+    policy.set_adapter("critic")
+    try:
+        critic = static.generate(prompts, sampling=sampling)
+        assert static.state.graph is not graph  # captured again under the new key
+        assert critic.completion_lists() == generate.generate(prompts, sampling=sampling).completion_lists()
+    finally:
+        policy.set_adapter("default")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_the_compiled_and_captured_step_follows_the_eager_step(tiny_model_dir, record_property):
+    """`compile_step=True`: torch.compile's fused kernels round differently, so greedy completions may part from the
+    eager step's; recorded as the first diverging position (JUnit property), required equal on most rows."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = _random_prompts(tokenizer, 64, seed=2)
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
+    sampling = SamplingSettings(max_new_tokens=64, temperature=0.0)
+    eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
+    compiled = StaticCacheEngine(model, compile_step=True, **common).generate(prompts, sampling=sampling)
+    width = min(eager.completion_ids.shape[1], compiled.completion_ids.shape[1])
+    differs = (eager.completion_ids[:, :width] != compiled.completion_ids[:, :width]).any(dim=0)
+    first = int(differs.int().argmax()) if differs.any() else -1
+    record_property("compiled_first_diverging_position", first)
+    same_rows = (eager.completion_ids[:, :width] == compiled.completion_ids[:, :width]).all(dim=1).float().mean()
+    assert same_rows >= 0.9, (first, float(same_rows))
