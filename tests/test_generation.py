@@ -589,7 +589,7 @@ def test_check_engine_available_accepts_the_defaults_and_refuses_two_engines():
     default = EngineSettings.from_config(VAPOConfig(output_dir="unused", report_to="none"))
     check_engine_available(default)  # generate(): always available
     assert default.engine == "generate" and default == EngineSettings(
-        sampling=default.sampling, vllm=default.vllm, rollout_size=default.rollout_size
+        sampling=default.sampling, vllm=default.vllm, rollout_size=default.rollout_size, auto=True
     )
     with pytest.raises(ValueError, match="choose one"):
         EngineSettings.from_config(SimpleNamespace(use_vllm=True, use_transformers_continuous_batching=True))

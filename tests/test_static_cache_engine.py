@@ -281,7 +281,9 @@ def test_the_trainer_rolls_out_with_it_on_policy(tiny_model_dir, tmp_path):
         model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
     )
     assert type(trainer.generation_engine).__name__ == "StaticCacheEngine"
+    assert not trainer.generation_engine.keep_buffers  # the update between two rollouts gets the memory back
     trainer.train()
+    assert trainer.generation_engine.state is None
     logs = rl_logs(trainer)
     assert logs[0]["approx_kl"] == 0.0 and all(h["completions/mean_length"] > 0 for h in logs)
     settings = EngineSettings.from_config(make_args(tmp_path, use_static_cache_engine=True))
@@ -318,7 +320,8 @@ def _random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_captured_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, dtype, record_property):
     """64 prompts x 64 greedy tokens: the replayed CUDA graph gives the eager step's tokens and log-probs exactly; the
-    graph's memory is recorded (JUnit property `graph_pool_bytes_<dtype>`)."""
+    memory the engine holds after the rollout (its buffers and the graph's pool) is recorded (JUnit property
+    `engine_bytes_<dtype>`)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).cuda()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = _random_prompts(tokenizer, 64)
@@ -329,7 +332,7 @@ def test_the_captured_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, dty
     before = torch.cuda.memory_allocated()
     captured = engine.generate(prompts, sampling=sampling)
     assert engine.state.graph is not None and not engine.state.capture_failed
-    record_property(f"graph_pool_bytes_{str(dtype).split('.')[-1]}", torch.cuda.memory_allocated() - before)
+    record_property(f"engine_bytes_{str(dtype).split('.')[-1]}", torch.cuda.memory_allocated() - before)
     assert torch.equal(captured.completion_ids, eager.completion_ids)
     assert torch.equal(captured.sampler_logprobs, eager.sampler_logprobs)
     assert captured.completion_ids.shape[1] > 32  # the graph replayed many steps
@@ -387,3 +390,37 @@ def test_the_compiled_and_captured_step_follows_the_eager_step(tiny_model_dir, r
     record_property("compiled_first_diverging_position", first)
     same_rows = (eager.completion_ids[:, :width] == compiled.completion_ids[:, :width]).all(dim=1).float().mean()
     assert same_rows >= 0.9, (first, float(same_rows))
+
+
+def test_the_default_engine_is_the_static_cache_engine_on_a_cuda_gpu_without_sharding(tmp_path):
+    """`use_static_cache_engine=None` (the default): the static-cache engine on CUDA unless DeepSpeed or FSDP place
+    the weights, generate() on the CPU (as fast or faster there: benchmarks/README.md); a named engine stays named,
+    and under DeepSpeed or FSDP the static-cache engine runs without a CUDA graph. A trainer never keeps the
+    engine's buffers between rollouts."""
+    default = EngineSettings.from_config(make_args(tmp_path))
+    assert default.auto and default.engine == "generate"
+    assert default.placed("cuda", sharded=False).engine == "static_cache"
+    assert default.placed("cuda", sharded=True).engine == "generate"
+    assert default.placed("cpu", sharded=False).engine == "generate"
+    assert not default.placed("cpu", sharded=False).keep_buffers and default.keep_buffers
+    off = EngineSettings.from_config(make_args(tmp_path, use_static_cache_engine=False))
+    assert not off.auto and off.placed("cuda", sharded=False).engine == "generate"
+    named = EngineSettings.from_config(make_args(tmp_path, use_static_cache_engine=True))
+    assert named.placed("cpu", sharded=True).engine == "static_cache"
+    assert named.placed("cuda", sharded=False).cuda_graph and not named.placed("cuda", sharded=True).cuda_graph
+    batching = EngineSettings.from_config(make_args(tmp_path, use_transformers_continuous_batching=True))
+    assert batching.placed("cuda", sharded=False).engine == "continuous_batching"
+
+
+def test_buffers_are_freed_after_each_call_without_keep_buffers(tiny):
+    model, tokenizer = tiny
+    engine = StaticCacheEngine(
+        model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id], keep_buffers=False
+    )
+    kept = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    assert (
+        engine.generate(prompts, sampling=GREEDY).completion_lists()
+        == kept.generate(prompts, sampling=GREEDY).completion_lists()
+    )
+    assert engine.state is None and kept.state is not None

@@ -37,13 +37,8 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ._compat import is_vllm_available, pad, vllm_generation_class
+from .modeling import is_peft_model
 from .vllm_sync import check_policy_adapter_active, check_policy_only, policy_only
-
-
-def is_peft_model(model) -> bool:
-    from .modeling import is_peft_model as check
-
-    return check(model)
 
 ModelProvider = Callable[[], contextlib.AbstractContextManager[nn.Module]]
 """A zero-argument callable returning a context manager that yields the causal LM to generate with."""
@@ -543,6 +538,9 @@ class StaticCacheEngine(GenerationEngine):
         compile_step: compile the decode step with `torch.compile` (fixed shapes, full graph, no CUDA graphs of its
             own) before it is captured or run; opt-in, and not bit-exact with the eager step (fused kernels round
             differently).
+        keep_buffers: keep the buffers (the KV cache: 0.4 GiB for 64 x 530 tokens at Qwen2.5-0.5B shapes) and the
+            graph for the next call of the same shape; False frees them after each call (training: the update
+            between two rollouts needs the memory; the next rollout allocates and captures again).
         tokenizer: passed to the `generate()` fallback (stop strings need it).
     """
 
@@ -561,6 +559,7 @@ class StaticCacheEngine(GenerationEngine):
         prompt_bucket: int = 16,
         cuda_graph: bool = True,
         compile_step: bool = False,
+        keep_buffers: bool = True,
         tokenizer=None,
         **kwargs,
     ):
@@ -573,6 +572,7 @@ class StaticCacheEngine(GenerationEngine):
         self.prompt_bucket = prompt_bucket
         self.cuda_graph = cuda_graph
         self.compile_step = compile_step
+        self.keep_buffers = keep_buffers
         self.fallback = TransformersGenerate(model, logprobs=logprobs, tokenizer=tokenizer, **kwargs)
         self.state: DecodeState | None = None
         self._warned: set[str] = set()
@@ -595,8 +595,10 @@ class StaticCacheEngine(GenerationEngine):
         return unsupported
 
     def _generate(self, prompt_ids, sampling, num_generations):
-        with self.model_provider() as model:
+        with self.model_provider() as model:  # entered once: under ZeRO-3 it gathers the weights
             unsupported = self.unsupported_settings(sampling, _causal_lm_of(model))
+            if not unsupported:
+                ids, logprobs = self._decode(model, prompt_ids, sampling)
         if unsupported:
             key = ", ".join(unsupported)
             if key not in self._warned:
@@ -607,18 +609,6 @@ class StaticCacheEngine(GenerationEngine):
                     f"The static-cache engine cannot sample with {key} exactly: these rollouts use generate()."
                 )
             return self.fallback._generate(prompt_ids, sampling, num_generations)
-        with self.model_provider() as model, _inference(model):
-            state = self._state_for(model, prompt_ids, sampling)
-            logits = state.prefill(model, prompt_ids, self.pad_token_id)
-            state.sample_and_record(logits)
-            capture = capture_key(model) if self.cuda_graph and state.tokens.device.type == "cuda" else None
-            steps = 1
-            while steps < sampling.max_new_tokens:
-                if steps % self.check_every == 0 and bool(state.finished.all()):
-                    break
-                state.advance(model, capture)
-                steps += 1
-            ids, logprobs = state.output_ids[:, :steps].cpu(), state.output_logprobs[:, :steps].cpu()
         out = cut_at_stop(
             ids,
             self.stop_token_ids,
@@ -633,6 +623,24 @@ class StaticCacheEngine(GenerationEngine):
             out.is_truncated,
             None if out.sampler_logprobs is None else out.sampler_logprobs[:, :width],
         )
+
+    def _decode(self, model, prompt_ids, sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled ids and their log-probs [N, steps run] (CPU): prefill, then decode steps until every row has
+        stopped (read every `check_every` steps) or `max_new_tokens`."""
+        with _inference(model):
+            state = self._state_for(model, prompt_ids, sampling)
+            state.sample_and_record(state.prefill(model, prompt_ids, self.pad_token_id))
+            capture = capture_key(model) if self.cuda_graph and state.tokens.device.type == "cuda" else None
+            steps = 1
+            while steps < sampling.max_new_tokens:
+                if steps % self.check_every == 0 and bool(state.finished.all()):
+                    break
+                state.advance(model, capture)
+                steps += 1
+            ids, logprobs = state.output_ids[:, :steps].cpu(), state.output_logprobs[:, :steps].cpu()
+        if not self.keep_buffers:
+            self.state = None
+        return ids, logprobs
 
     def _state_for(self, model, prompt_ids, sampling) -> DecodeState:
         """This batch shape's buffers: the last call's when the shape, device and dtype are the same."""
@@ -940,6 +948,12 @@ class EngineSettings:
         vllm: `VLLMGeneration`'s options (`VLLM_OPTIONS`, plus `trust_remote_code`).
         rollout_size: sequences sampled per rollout over all processes (vLLM's `max_num_seqs` is a process's share).
         quantization_config: the policy's, if it is loaded quantized (vLLM refuses it).
+        cuda_graph: the static-cache engine captures its decode step as a CUDA graph on a CUDA device (`placed`
+            turns it off under DeepSpeed and FSDP, whose hooks gather the weights inside the forward).
+        keep_buffers: the static-cache engine keeps its cache and graph between calls (`placed` turns it off for
+            training: the update between two rollouts needs that memory).
+        auto: the engine was not named (`use_static_cache_engine=None`): `placed` picks the static-cache engine on a
+            CUDA device without DeepSpeed or FSDP (measured 3x faster per LoRA step, 23x in generation, on an H200).
     """
 
     engine: str = "generate"
@@ -949,6 +963,17 @@ class EngineSettings:
     vllm: dict[str, Any] = field(default_factory=dict)
     rollout_size: int | None = None
     quantization_config: Any = None
+    cuda_graph: bool = True
+    keep_buffers: bool = True
+    auto: bool = False
+
+    def placed(self, device_type: str, sharded: bool) -> EngineSettings:
+        """These settings for a trainer on `device_type` whose weights DeepSpeed or FSDP place (`sharded`): the
+        engine the user left to the default (`auto`), the CUDA graph, and buffers released between rollouts."""
+        engine = self.engine
+        if self.auto and engine == "generate" and device_type == "cuda" and not sharded:
+            engine = "static_cache"
+        return dataclasses.replace(self, engine=engine, cuda_graph=self.cuda_graph and not sharded, keep_buffers=False)
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -979,9 +1004,10 @@ class EngineSettings:
     @classmethod
     def from_config(cls, args) -> EngineSettings:
         """The rollout engine of a `VAPOConfig` (TRL's field names: `use_vllm`, `vllm_*`,
-        `use_transformers_continuous_batching`)."""
+        `use_transformers_continuous_batching`; trl-vapo's `use_static_cache_engine`)."""
         return cls(
             engine=cls._engine_named_by(args),
+            auto=args.use_static_cache_engine is None,
             sampling=SamplingSettings.from_config(args),
             continuous_batching_config=args.transformers_continuous_batching_config,
             vllm={
@@ -1113,7 +1139,9 @@ def build_engine(
     if settings.engine == "continuous_batching":
         return ContinuousBatching(model, config=settings.continuous_batching_config, **common)
     if settings.engine == "static_cache":
-        return StaticCacheEngine(model, tokenizer=tokenizer, **common)
+        return StaticCacheEngine(
+            model, cuda_graph=settings.cuda_graph, keep_buffers=settings.keep_buffers, tokenizer=tokenizer, **common
+        )
     return TransformersGenerate(model, batch_size=settings.batch_size, tokenizer=tokenizer, **common)
 
 

@@ -324,8 +324,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             if isinstance(func, RewardModel):  # as GRPOTrainer places its reward models
                 func.model, func.device = prepare_frozen_model(func.model, self.accelerator), self.accelerator.device
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
         self.generation_engine = build_engine(
-            engine_settings,
+            engine_settings.placed(self.accelerator.device.type, sharded),
             self._generation_model,
             tokenizer,
             policy=actor_critic.policy,
