@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.distributed import optimizer_states
 from trl_vapo.modeling import _causal_lm
+from trl_vapo.trainer import TrainingInterrupted
 
 
 def digit_fraction(prompts, completions, log_metric, **kwargs):
@@ -252,7 +253,10 @@ def main() -> None:
             _causal_lm(model).get_output_embeddings().register_forward_hook(
                 lambda module, inputs, out: sequence_logits.append(out.shape[1]) if out.shape[1] > 1 else None
             )
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=True if args.resume else None)
+    except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: exit as `trl-vapo train` does
+        raise SystemExit(stopped.exit_code) from None
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))
         engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None

@@ -17,7 +17,7 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
@@ -386,6 +386,19 @@ def read_logs(output_dir: Path, rank: int = 0, name: str = "logs") -> list[dict]
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_logged_step(output_dir: Path) -> int:
+    """The last step a running `_train_script.py` logged (0 before any; a line being written is not read)."""
+    path = output_dir / "logs-rank0.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    steps = [0]
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:  # the line still being written
+            break
+    return max(steps)
+
+
 def step_logs(logs: list[dict]) -> dict[int, dict]:
     """The per-step training logs by step (the last one per step wins: a resumed run re-logs nothing earlier)."""
     return {h["step"]: {k: v for k, v in h.items() if not k.startswith("train_")} for h in logs if "phase" in h}
@@ -455,6 +468,102 @@ def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny
     assert sorted(logs) == list(range(resumed_from + 1, total + 1))
     for step in logs:
         assert_same_log(logs[step], reference_run[step], context=f"step {step} after resuming from {last.name}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_at_a_random_point_checkpoints_and_the_resumed_run_matches(
+    tiny_model_dir, tmp_path, reference_run, signum
+):
+    """SIGTERM (a preemption, `scancel`) or SIGINT anywhere after the first checkpoint: the run finishes its rollout,
+    writes a checkpoint at the last step it logged, names it in one line and exits with 128 + the signal; resumed
+    with `resume_from_checkpoint=True`, it logs the uninterrupted run's steps."""
+    out = tmp_path / "signalled"
+    process = subprocess.Popen(
+        [
+            PYTHON,
+            str(SCRIPT),
+            "--model",
+            str(tiny_model_dir),
+            "--output-dir",
+            str(out),
+            *LONG_RUN,
+            "--save-steps",
+            "5",
+        ],
+        env=script_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # Once a random step from 5 to 14 of 24 is logged (a checkpoint is written every 5): wherever the run then is,
+    # mid-rollout, mid-checkpoint or between steps, with 10 or more steps to go.
+    signal_after = random.Random(os.getpid() + signum).randint(5, 14)
+    deadline = time.time() + 240
+    while last_logged_step(out) < signal_after and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr[-3000:]
+    logged = max(step_logs(read_logs(out)))
+    last = list_checkpoints(out)[-1]
+    assert last.name == f"checkpoint-{logged}" and logged < max(reference_run)  # nothing trained is lost
+    name = signal.Signals(signum).name
+    assert f"Stopped by {name} at step {logged}: {last} holds every step so far" in stderr
+
+    result = run_script(
+        "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = step_logs(read_logs(out, name="resumed"))
+    assert sorted(logs) == list(range(logged + 1, max(reference_run) + 1))
+    for step in logs:
+        assert_same_log(logs[step], reference_run[step], context=f"step {step} after resuming from {last.name}")
+
+
+@pytest.mark.parametrize("word", ["latest", "true", "True"])
+def test_resume_from_checkpoint_latest_or_true_as_a_string_is_the_newest_checkpoint(tiny_model_dir, tmp_path, word):
+    """`trl-vapo train --resume_from_checkpoint latest` (or `true`) reaches `train` as a string: the newest
+    checkpoint, as `True` is, not a path named "latest"."""
+    first = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, save_strategy="steps", save_steps=1),
+        train_dataset=dataset(),
+    )
+    first.train()
+    again = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, save_strategy="steps", save_steps=1, max_steps=3),
+        train_dataset=dataset(),
+    )
+    trained = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trained.append(state.global_step)
+
+    again.add_callback(Steps())
+    again.train(resume_from_checkpoint=word)
+    assert trained == [3]  # steps 1 and 2 came from checkpoint-2
+
+
+def test_a_second_sigterm_stops_at_once(tiny_model_dir, tmp_path):
+    out = tmp_path / "twice"
+    process = subprocess.Popen(
+        [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN],
+        env=script_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while not read_logs(out) and time.time() < deadline:  # training has started
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGTERM
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):

@@ -187,7 +187,7 @@ def train_command(argv: list[str]) -> int:
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
-    from .trainer import VAPOTrainer
+    from .trainer import TrainingInterrupted, VAPOTrainer
 
     started = time.time()
     # Everything a typo can break is checked before the model loads; a failure is one line on stderr.
@@ -219,7 +219,11 @@ def train_command(argv: list[str]) -> int:
         peft_config=get_peft_config(model_args),
     )
     before = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: the checkpoint is written and named in the log
+        print(f"trl-vapo train: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
     trainer.model_card_info = _model_card_info(script_args, before, after, demo)
     trainer.save_model(training_args.output_dir)

@@ -24,6 +24,8 @@ import itertools
 import json
 import math
 import os
+import signal
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -156,6 +158,48 @@ def check_grpo_arguments(**given: Any) -> None:
     for name, value in given.items():
         if value is not None:
             raise ValueError(f"VAPOTrainer does not take `{name}`: {refusals[name]}.")
+
+
+class TrainingInterrupted(RuntimeError):
+    """`VAPOTrainer.train` stopped on SIGTERM or SIGINT after writing the checkpoint `checkpoint`; a command exits with
+    `exit_code` (128 + the signal's number, the shell's convention for a process a signal ended)."""
+
+    def __init__(self, signum: int, checkpoint: Path, message: str):
+        super().__init__(message)
+        self.signum, self.checkpoint, self.exit_code = int(signum), checkpoint, 128 + int(signum)
+
+
+class _Received:
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
+    """While training: the first SIGTERM or SIGINT is noted (`received.signum`) so that the loop can finish its
+    rollout and write a checkpoint; the handler then steps aside, so a second signal acts as it would have (SIGTERM
+    ends the process, SIGINT raises KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and
+    for signals a caller already handles, nothing changes."""
+    received = _Received()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {}
+
+    def note(signum, frame):
+        received.signum = signum
+        notice = f"{signal.Signals(signum).name}: finishing this rollout, then a checkpoint (again: stop at once)\n"
+        os.write(2, notice.encode())  # a write, not logging: a handler may run while logging holds its lock
+        for other, handler in previous.items():
+            signal.signal(other, handler)
+
+    for signum in signums:
+        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+            previous[signum] = signal.signal(signum, note)
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class VAPOTrainer(ckpt.SavingMixin, Trainer):
@@ -419,6 +463,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         """Run value pretraining (unless skipped) then VAPO; `resume_from_checkpoint` continues a saved run."""
         args = self.args
         self.is_in_train = True
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "latest"):
+            if not Path(resume_from_checkpoint).exists():  # the CLI's `--resume_from_checkpoint true|latest`
+                resume_from_checkpoint = True
         if resume_from_checkpoint is True:
             # The main process chooses, so that every process resumes the same step whatever it sees on disk.
             chosen = [None]
@@ -469,8 +516,12 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if args.eval_on_start:
             self.evaluate()
         self.model_wrapped.train()
-        while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
-            self._train_on_rollout()
+        with stop_on_signals() as received:
+            while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
+                self._train_on_rollout()
+                asked = self._all_reduce(torch.tensor(float(received.signum is not None), device=self.args.device))
+                if asked.item():  # every process stops after the same rollout
+                    self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
         if start_step < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
             self._end_epoch(completed=False)
             self._save_if_pending()
@@ -526,6 +577,21 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if self._epoch_is_over():
             self._end_epoch()
         self._save_if_pending()
+
+    def _stop_after_signal(self, signum: signal.Signals) -> None:
+        """SIGTERM or SIGINT arrived during the rollout just trained on: write its checkpoint (unless the rollout's end
+        wrote it), say so in one line, and raise `TrainingInterrupted`."""
+        path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
+        if not (path / ckpt.COMPLETE_MARKER).is_file():
+            self._save_checkpoint()
+        message = (
+            f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; resume with "
+            "resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`)."
+        )
+        if self.accelerator.is_main_process:
+            logger.warning(message)
+        self.is_in_train = False
+        raise TrainingInterrupted(signum, path, message)
 
     def _save_if_pending(self) -> None:
         """The checkpoint a step or an epoch end asked for, written once its rollout is done."""
