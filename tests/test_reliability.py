@@ -7,7 +7,9 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -232,6 +234,55 @@ def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_p
     assert all(h["rewards/sometimes_nan/non_finite_count"] == 4 for h in logs)
     assert all(h["rewards/unscored_fraction"] == 0.5 for h in logs)
     assert all(h["reward"] == 0.5 and math.isfinite(h["loss/value"]) for h in logs)
+
+
+def test_a_rollout_no_reward_function_scored_moves_no_weight(tiny_model_dir, tmp_path, caplog):
+    """No completion of the first rollout is scored (the function returns None for each): its step is skipped and
+    counted, without an optimizer step (Adam's momentum and weight decay would move the weights on zero gradients);
+    the next rollouts, scored, train."""
+
+    def scores_after_the_first_rollout(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 0:  # the first rollout (and the check before training)
+            return [None] * len(completions)
+        return [0.5 + 0.1 * (i % 3) for i in range(len(completions))]
+
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=scores_after_the_first_rollout,
+        args=config(tmp_path, max_steps=3, weight_decay=0.1),
+        train_dataset=dataset(),
+    )
+    weights = []
+
+    class Weights(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            weights.append([p.detach().clone() for p in trainer.actor_critic.parameters() if p.requires_grad])
+
+    trainer.add_callback(Weights())
+    before = [p.detach().clone() for p in trainer.actor_critic.parameters() if p.requires_grad]
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], before))  # step 1: nothing moved
+    assert not all(torch.equal(a, b) for a, b in zip(weights[-1], before))  # steps 2-3 trained
+    steps = [h for h in trainer.state.log_history if "skipped_steps" in h]
+    assert [h["skipped_steps"] for h in steps] == [1, 1, 1]
+    assert "Step 1: no completion in it was scored by ['scores_after_the_first_rollout']" in caplog.text
+
+
+def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tiny_model_dir, tmp_path):
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=never, args=config(tmp_path), train_dataset=dataset()
+    )
+    before = [p.detach().clone() for p in trainer.actor_critic.parameters() if p.requires_grad]
+    with pytest.raises(
+        RuntimeError, match=r"No completion was scored in this run \(2 steps.*reward function \(never\)"
+    ):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.actor_critic.parameters(), before))
+    assert trainer.progress.skipped_steps == 2
 
 
 def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
@@ -494,6 +545,9 @@ def test_a_signal_at_a_random_point_checkpoints_and_the_resumed_run_matches(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # pytest-xdist's workers ignore SIGINT, and an ignored signal stays ignored across exec (as under nohup): the
+        # run would rightly ignore it too. A run started from a terminal has it at its default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Once a random step from 5 to 14 of 24 is logged (a checkpoint is written every 5): wherever the run then is,
     # mid-rollout, mid-checkpoint or between steps, with 10 or more steps to go.
@@ -566,6 +620,158 @@ def test_a_second_sigterm_stops_at_once(tiny_model_dir, tmp_path):
     assert process.returncode == -signal.SIGTERM
 
 
+def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog):
+    from trl_vapo.checkpoint import RUN_LOCK, output_dir_lock
+
+    lock = tmp_path / RUN_LOCK
+    with output_dir_lock(tmp_path):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        with pytest.raises(RuntimeError, match=f"Another run is writing to {tmp_path}: PID {os.getpid()}"):
+            with output_dir_lock(tmp_path):
+                pass
+    assert not lock.exists()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other_host = {"pid": 1, "host": "another-host", "started": "then"}
+    for held, taken in (
+        ({"pid": int(gone.stdout), "host": socket.gethostname()}, True),
+        (None, True),
+        (other_host, False),
+    ):
+        lock.write_text("" if held is None else json.dumps(held))  # None: a holder that died mid-write
+        caplog.clear()
+        if taken:
+            with caplog.at_level(logging.WARNING), output_dir_lock(tmp_path):
+                assert json.loads(lock.read_text())["pid"] == os.getpid()
+            assert "Taking over the lock of a run that is gone" in caplog.text
+        else:  # another host's process cannot be checked from here
+            with pytest.raises(RuntimeError, match="PID 1 on another-host"), output_dir_lock(tmp_path):
+                pass
+            assert json.loads(lock.read_text()) == other_host
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tiny_model_dir, tmp_path_factory) -> Path:
+    """A short run's output_dir with checkpoint-1 and checkpoint-2 (policy, critic copy, optimizer, scheduler)."""
+    out = tmp_path_factory.mktemp("two-checkpoints")
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(out, save_strategy="steps", save_steps=1),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    return out / "out"
+
+
+@pytest.mark.parametrize(
+    "fault, named",
+    [
+        ("empty optimizer.pt", "optimizer.pt: ValueError: empty file"),
+        ("empty scheduler.pt", "scheduler.pt: ValueError: empty file"),
+        ("no model.safetensors", "missing model.safetensors"),
+        ("no critic/", "missing critic/model.safetensors"),
+        ("trainer_state.json {}", "trainer_state.json: ValueError: no global_step"),
+    ],
+)
+def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints, tmp_path, caplog, fault, named):
+    """Files a resume reads that are missing, empty (a power loss before the data reached the disk) or without the
+    step (`{}`): the checkpoint is named unreadable and the newest one that reads is taken; named explicitly, it is
+    an error naming the file, before anything loads."""
+    from trl_vapo.checkpoint import checkpoint_problem, newest_resumable_checkpoint
+
+    out = tmp_path / "out"
+    shutil.copytree(two_checkpoints, out)
+    newest = out / "checkpoint-2"
+    what, _, name = fault.partition(" ")
+    if what == "empty":
+        (newest / name).write_bytes(b"")
+    elif what == "no":
+        target = newest / name.rstrip("/")
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    else:
+        (newest / "trainer_state.json").write_text("{}")
+    assert checkpoint_problem(newest) == named and checkpoint_problem(out / "checkpoint-1") is None
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+        assert newest_resumable_checkpoint(out) == out / "checkpoint-1"
+    assert f"Checkpoint {newest} cannot be read ({named})" in caplog.text
+
+
+def test_a_checkpoint_is_on_the_disk_before_it_is_published(tmp_path, monkeypatch):
+    """Every file and folder of a checkpoint is fsynced before the rename that makes it complete, and the rename's
+    folder after it: a power loss cannot leave a published checkpoint with zero-byte files."""
+    from trl_vapo import checkpoint
+
+    tmp, final = tmp_path / ".checkpoint-3.tmp", tmp_path / "checkpoint-3"
+    (tmp / "critic").mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.pt", "critic/model.safetensors", "vapo_state.json"):
+        (tmp / name).write_bytes(b"x")
+    synced, real = [], os.fsync
+
+    def recording(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), final.exists()))
+        real(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording)
+    checkpoint.publish(tmp, final)
+    before = {path for path, published in synced if not published}
+    assert {str(tmp / n) for n in ("model.safetensors", "optimizer.pt", "critic/model.safetensors")} <= before
+    assert {str(tmp), str(tmp / "critic")} <= before
+    assert (str(tmp_path), True) in synced and final.is_dir()
+
+
+def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, tmp_path, monkeypatch):
+    """The critic and the tokenizer are written beside the folder with the policy and moved in together: a disk that
+    fills up mid-save leaves no policy without its critic or tokenizer, and the error propagates."""
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=dataset()
+    )
+    final = tmp_path / "final"
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer.processing_class, "save_pretrained", disk_full)  # after the policy and the critic
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save_model(str(final))
+    assert not final.exists() and not list(tmp_path.glob(".final*"))
+    monkeypatch.undo()
+    trainer.save_model(str(final))
+    assert {"model.safetensors", "critic", "tokenizer_config.json", "README.md"} <= {p.name for p in final.iterdir()}
+
+
+def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_model_dir, two_checkpoints, tmp_path):
+    """Learning rates, weight decay and the schedule given at resume take effect from the next step (they were
+    silently the saved run's while the new checkpoints' config named the new ones); the step count and the actor's
+    start stay the saved run's. The settings a resume cannot change are refused by name (test above)."""
+    out = tmp_path / "out"
+    shutil.copytree(two_checkpoints, out)
+    shutil.rmtree(out / "checkpoint-2")
+    tiny = json.loads((out / "checkpoint-1" / "vapo_config.json").read_text())
+    assert tiny["learning_rate"] == 1e-3
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(
+            tmp_path,
+            save_strategy="steps",
+            save_steps=1,
+            learning_rate=5e-5,
+            critic_learning_rate=2e-4,
+            weight_decay=0.05,
+            lr_scheduler_type="constant",
+        ),
+        train_dataset=dataset(),
+    )
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    step2 = next(h for h in trainer.state.log_history if h.get("step") == 2 and "phase" in h)
+    assert step2["learning_rate"] == 5e-5 and step2["critic_learning_rate"] == 2e-4
+    groups = trainer.optimizer.param_groups
+    assert {g["name"]: g["lr"] for g in groups} == {"policy": 5e-5, "critic": 2e-4}
+    assert {g["weight_decay"] for g in groups} == {0.05, 0.0}
+    saved = json.loads((out / "checkpoint-2" / "vapo_config.json").read_text())
+    assert saved["learning_rate"] == 5e-5 and saved["critic_learning_rate"] == 2e-4
+
+
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):
     out = tmp_path / "stalled"
     process = subprocess.Popen(
@@ -578,14 +784,22 @@ def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny
     while not (out / "stalled").exists() and time.time() < deadline:
         time.sleep(0.05)
     assert (out / "stalled").exists(), "the run never reached checkpoint 4"
+    # A second run in the same output_dir (a launch twice, a resume started while the run goes on) is refused by
+    # name: it would overwrite the first run's checkpoints, final/ and logs.
+    second = run_script("--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--log-name", "second")
+    assert second.returncode != 0 and not read_logs(out, name="second")
+    assert f"Another run is writing to {out}: PID {process.pid} on {socket.gethostname()}" in second.stderr
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert (out / ".checkpoint-4.tmp").is_dir() and not (out / "checkpoint-4").exists()
+    assert json.loads((out / ".vapo_run.lock").read_text())["pid"] == process.pid  # a killed run leaves its lock
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2"]
     result = run_script(
         "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed"
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Taking over the lock of a run that is gone" in result.stderr  # its process is gone: a stale lock
+    assert not (out / ".vapo_run.lock").exists()  # released when the run ended
     logs = step_logs(read_logs(out, name="resumed"))
     assert sorted(logs) == list(range(3, max(reference_run) + 1))
     for step in logs:

@@ -13,11 +13,14 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import random
 import re
 import shutil
+import socket
+import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +37,7 @@ from .distributed import full_state_dict
 from .model_card import VAPO_CITATION, build_model_card
 from .modeling import (
     CRITIC_SUBFOLDER,
+    VALUE_HEAD_FILE,
     VALUE_PRETRAINING_FILE,
     is_peft_model,
     value_function_name,
@@ -51,13 +55,103 @@ COMPLETE_MARKER = "vapo_state.json"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
 
+RUN_LOCK = ".vapo_run.lock"
+"""The file in `output_dir` that names the run writing there (`output_dir_lock`)."""
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str | os.PathLike):
+    """Hold `output_dir` for one run: a second run there would overwrite its checkpoints, its `final/` and its logs
+    without a word. The lock is a file naming the holder (PID, host, start time), created exclusively; a lock whose
+    process is gone (same host, no such PID) is taken over with a warning; one held on another host cannot be checked
+    and is refused (delete the file once that run is gone). Released when the run ends, however it ends."""
+    path = Path(output_dir) / RUN_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _lock_holder(path)
+            if holder is not None and _is_running(holder):
+                raise RuntimeError(
+                    f"Another run is writing to {output_dir}: PID {holder['pid']} on {holder['host']}, started "
+                    f"{holder.get('started', '?')} ({path}). Two runs in one output_dir overwrite each other's "
+                    "checkpoints and logs. Wait for it or stop it; then resume its run with "
+                    "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
+                ) from None
+            logging.getLogger(__name__).warning(  # the main process alone holds the lock: a plain logger
+                f"Taking over the lock of a run that is gone ({holder or 'an unreadable lock file'}, {path}): its "
+                "checkpoints stay; resume_from_checkpoint=True continues from the newest."
+            )
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            continue  # another process may take it first: O_EXCL decides
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+            f.flush()
+            os.fsync(f.fileno())
+        break
+    try:
+        yield
+    finally:
+        if _lock_holder(path) == mine:
+            path.unlink()
+
+
+def _lock_holder(path: Path) -> dict | None:
+    """The lock's holder, or None when the file is gone, empty or unreadable (a writer that died mid-write; one
+    still writing is given 0.2 s)."""
+    for attempt in range(2):
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            if attempt == 0:
+                time.sleep(0.2)
+    return None
+
+
+def _is_running(holder: dict) -> bool:
+    """Whether the lock's holder may still run: its PID exists on this host, or it is on another host."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def temporary_folder(final: Path) -> Path:
     """The folder a checkpoint is assembled in before :func:`publish` renames it to ``final``."""
     return final.with_name(f".{final.name}.tmp")
 
 
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder``, and the folders themselves, to the disk: the rename that publishes a
+    checkpoint must not reach the disk before its files' contents do (a power loss would leave zero-byte files)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish(tmp: Path, final: Path) -> None:
-    """Atomically replace ``final`` with the complete folder ``tmp``."""
+    """Atomically replace ``final`` with the complete folder ``tmp``, its contents on the disk first."""
+    fsync_tree(tmp)
     if final.exists():
         stale = final.with_name(f".{final.name}.old")
         shutil.rmtree(stale, ignore_errors=True)
@@ -66,6 +160,7 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    _fsync_dir(final.parent)  # the rename itself
 
 
 def read_marker(path: Path) -> dict:
@@ -94,13 +189,21 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why the checkpoint folder ``path`` cannot be resumed from, or None when every file in it reads: a
-    safetensors header that does not match the file's size (a full disk, a partial copy), a torch archive without
-    its closing directory, JSON that does not parse. Headers only: cheap for any model size."""
+    """Why the checkpoint folder ``path`` cannot be resumed from, or None when every file a resume reads is there
+    and reads: a missing file (`missing_files`), an empty one, a safetensors header that does not match the file's
+    size (a full disk, a partial copy), a torch archive without its closing directory, JSON that does not parse, a
+    `trainer_state.json` without its step. Headers only: cheap for any model size."""
     from safetensors import safe_open
 
+    missing = missing_files(Path(path))
+    if missing:
+        return f"missing {', '.join(missing)}"
     for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
         try:
+            if file.stat().st_size == 0:
+                raise ValueError("empty file")
+            if file.name == "trainer_state.json" and "global_step" not in json.loads(file.read_bytes()):
+                raise ValueError("no global_step")
             if file.suffix == ".safetensors":
                 with safe_open(str(file), "pt"):
                     pass
@@ -111,6 +214,32 @@ def checkpoint_problem(path: Path) -> str | None:
         except Exception as error:  # whatever a damaged file raises, it names this checkpoint unusable
             return f"{file.relative_to(path)}: {type(error).__name__}: {error}"
     return None
+
+
+def missing_files(path: Path) -> list[str]:
+    """The files a resume from ``path`` reads that are not there (what the checkpoint's marker says it holds)."""
+    try:
+        run = json.loads((path / COMPLETE_MARKER).read_text()).get("run", {})
+    except (OSError, ValueError):
+        run = {}
+    needed = ["trainer_state.json", "scheduler.pt"]
+    if run.get("deepspeed"):
+        needed.append(DEEPSPEED_CHECKPOINT_TAG)
+    else:
+        needed.append("optimizer.pt")
+        if "peft_policy" in run:  # (older markers do not say: either file)
+            needed.append("adapter_model.safetensors" if run["peft_policy"] else "model.safetensors")
+        critic = run.get("critic", "")
+        if critic == "adapter on the policy's base":
+            needed += [f"{CRITIC_SUBFOLDER}/adapter_model.safetensors", f"{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}"]
+        elif critic == "separate model":
+            needed.append(f"{CRITIC_SUBFOLDER}/model.safetensors")
+    return [name for name in needed if not (path / name).exists() and not _sharded(path / name)]
+
+
+def _sharded(file: Path) -> bool:
+    """``model.safetensors`` saved in shards: its index is there instead."""
+    return file.name == "model.safetensors" and (file.parent / "model.safetensors.index.json").is_file()
 
 
 def _starts_with(file: Path, prefix: bytes) -> bool:
@@ -141,6 +270,26 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
     excess = len(checkpoints) + len(kept) - save_total_limit
     for stale in checkpoints[: max(excess, 0)]:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def apply_resumed_settings(optimizer, scheduler, asked: list[dict], schedules: list[dict]) -> None:
+    """After a resume loaded the saved optimizer and schedules: the settings this run was given take effect from
+    the next step (learning rates, weight decay, betas, the schedule's kind, warm-up and length), while where the
+    schedules are (the step count, the actor's start at the end of value pretraining) stays the saved run's.
+    ``asked``: the groups' hyperparameters and ``schedules``: the `Schedule` fields this run built, before loading."""
+    from .optim import Schedule
+
+    for group, fresh in zip(optimizer.param_groups, asked):
+        group.update({k: v for k, v in fresh.items() if k not in ("lr", "initial_lr")})
+    lambdas = getattr(scheduler, "lr_lambdas", [])
+    for schedule, fresh in zip(lambdas, schedules):
+        if isinstance(schedule, Schedule):
+            vars(schedule).update({k: v for k, v in fresh.items() if k != "start_step"})
+    if lambdas and asked:
+        scheduler.base_lrs = [fresh.get("initial_lr", fresh["lr"]) for fresh in asked]
+        for group, base, schedule in zip(optimizer.param_groups, scheduler.base_lrs, lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * schedule(scheduler.last_epoch)
 
 
 def save_rng_state(path: Path) -> None:
@@ -187,8 +336,9 @@ class TrainingProgress:
     rl_start_step: int | None = None
     data_epoch: int = 0
     data_index: int = 0
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # updates dropped: a NaN/inf loss or gradient, or no token to train on
     consecutive_nonfinite_steps: int = 0
+    scored_completions: int = 0  # over every process and rollout: 0 at the end of a run means nothing trained
 
     @classmethod
     def from_dict(cls, saved: dict) -> TrainingProgress:
@@ -273,8 +423,23 @@ class SavingMixin:
         output_dir = Path(output_dir or self.args.output_dir)
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
-                self._write_models(output_dir, state_dict, as_loaded=True)
-                self.create_model_card(output_dir=output_dir)
+                # Written beside, then moved in: a full disk leaves `output_dir` as it was, not a policy without
+                # its critic or tokenizer (the moves need no space). `output_dir` may hold the run's checkpoints:
+                # the files are moved one by one, not the folder.
+                tmp = output_dir.with_name(f".{output_dir.name}.save_model.tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    self._write_models(tmp, state_dict, as_loaded=True)
+                    fsync_tree(tmp)
+                    output_dir.mkdir(parents=True, exist_ok=True)
+                    for item in sorted(tmp.iterdir()):
+                        if item.is_dir() and (output_dir / item.name).is_dir():
+                            shutil.rmtree(output_dir / item.name)  # an earlier save's critic/
+                        os.replace(item, output_dir / item.name)
+                    _fsync_dir(output_dir)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                self.create_model_card(output_dir=output_dir)  # it names output_dir's paths: written in place
         self.accelerator.wait_for_everyone()
 
     @contextlib.contextmanager
@@ -406,6 +571,10 @@ class SavingMixin:
             )
         marker = read_marker(path)
         check_resumable(path, marker["run"], self._fingerprint())
+        # What this run's config asks of the optimizer and the schedules: the loaded state would restore the saved
+        # run's (its learning rates, weight decay, schedule), and the new checkpoints' config would not be what ran.
+        asked = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        schedules = [dict(vars(s)) for s in getattr(self.lr_scheduler, "lr_lambdas", [])]
         if self.is_deepspeed_enabled:
             loaded, _ = self.model_wrapped.load_checkpoint(
                 str(path), tag=DEEPSPEED_CHECKPOINT_TAG, load_module_strict=False, load_lr_scheduler_states=False
@@ -420,6 +589,7 @@ class SavingMixin:
             # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        apply_resumed_settings(self.optimizer, self.lr_scheduler, asked, schedules)
         max_steps, stateful = self.state.max_steps, self.state.stateful_callbacks
         self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
         self.state.stateful_callbacks = stateful

@@ -460,7 +460,22 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
     # -------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs) -> TrainOutput:
-        """Run value pretraining (unless skipped) then VAPO; `resume_from_checkpoint` continues a saved run."""
+        """Run value pretraining (unless skipped) then VAPO; `resume_from_checkpoint` continues a saved run. The run
+        holds `output_dir` while it trains (`checkpoint.output_dir_lock`): a second run there is refused."""
+        with contextlib.ExitStack() as held:
+            refused = None
+            if self.accelerator.is_main_process:
+                try:
+                    held.enter_context(ckpt.output_dir_lock(self.args.output_dir))
+                except RuntimeError as error:
+                    refused = error
+            if self._distributed:  # every process stops, not the main one alone
+                refused = broadcast_object_list([refused])[0]
+            if refused is not None:
+                raise refused
+            return self._train(resume_from_checkpoint)
+
+    def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
         self.is_in_train = True
         if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "latest"):
@@ -522,6 +537,13 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 asked = self._all_reduce(torch.tensor(float(received.signum is not None), device=self.args.device))
                 if asked.item():  # every process stops after the same rollout
                     self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
+        if self.state.global_step > start_step and self.progress.scored_completions == 0:
+            raise RuntimeError(
+                f"No completion was scored in this run ({self.state.global_step} steps, every update skipped): "
+                f"each reward function ({', '.join(self.reward_func_names)}) returned None for every completion. "
+                "Check that the columns they read (e.g. `answer`) are in the dataset and that they return a float "
+                "for the completions they can judge."
+            )
         if start_step < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
             self._end_epoch(completed=False)
             self._save_if_pending()
@@ -547,6 +569,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             rollout_diagnostics(rollout, args.max_completion_length, args.diagnostic_position_buckets, all_reduce)
         )
         self._record(metrics)
+        scored = torch.tensor(float(rollout.scores.scored.sum()), device=rollout.loss_mask.device)
+        self.progress.scored_completions += int(self._all_reduce(scored).item())
         if phase == RL and self.accelerator.is_main_process:
             self._critic_bias.update(metrics.get("advantages/position_correlation", math.nan))
         self._last_rollout = rollout
@@ -1048,16 +1072,21 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                     p.grad = None
         grad_norms = self._clip_gradients(trains_policy)
         checks = torch.stack([sums["loss"].float(), *(n.float().to(mask.device) for n in grad_norms.values())])
-        nonfinite = self._all_reduce((~torch.isfinite(checks)).sum().float())  # every process skips, or none
+        # Over every process, so that every process skips, or none: the non-finite checks, and the tokens that train.
+        nonfinite, trained_tokens = self._all_reduce(
+            torch.stack([(~torch.isfinite(checks)).sum().float(), sums["_tokens"].float()])
+        ).tolist()
         self._note_learning_rates()
         with policy_held:
-            if nonfinite.item() == 0:
+            if nonfinite == 0 and trained_tokens > 0:
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self._apply_update()
                 self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
                 self.progress.consecutive_nonfinite_steps = 0
-            else:
+            elif nonfinite:
                 self._skip_nonfinite_step()
+            else:
+                self._skip_untrained_step()
         # Stepped on skipped steps too: the schedules count optimizer steps, and the actor's starts at a step number.
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -1121,16 +1150,30 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         else:
             self.optimizer.step()
 
-    def _skip_nonfinite_step(self) -> None:
-        """Drop this step's update (its loss or gradients are NaN/inf); stop after too many in a row."""
+    def _drop_update(self) -> None:
+        """No optimizer step this time (Adam's momentum and weight decay would move the weights even on zero
+        gradients). DeepSpeed's engine must still close the step: NaN gradients make it skip the update and clear
+        them itself."""
         if self.is_deepspeed_enabled:
-            # The engine must still close the step; NaN gradients make it skip the update and clear them itself.
             for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
                 for fragment in deepspeed_local_gradients(params):
                     fragment.fill_(math.nan)
             self.model_wrapped.step()
+        self.progress.skipped_steps += 1
+
+    def _skip_untrained_step(self) -> None:
+        """Drop the update of a step in which no token trains: no completion in it was scored (or each scored one
+        was truncated under `mask_truncated_completions`)."""
+        self._drop_update()
+        logger.warning(
+            f"Step {self.state.global_step + 1}: no completion in it was scored by {self.reward_func_names} (each "
+            f"returned None), so nothing trains; the update is skipped ({self.progress.skipped_steps} skipped so far)."
+        )
+
+    def _skip_nonfinite_step(self) -> None:
+        """Drop this step's update (its loss or gradients are NaN/inf); stop after too many in a row."""
+        self._drop_update()
         progress = self.progress
-        progress.skipped_steps += 1
         progress.consecutive_nonfinite_steps += 1
         logger.warning(
             f"Step {self.state.global_step + 1}: the loss or a gradient norm is NaN/inf; the update is skipped "
