@@ -212,6 +212,29 @@ def test_reward_function_that_raises_names_itself_and_the_sample(tiny_model_dir,
         trainer.train()
 
 
+def test_a_reward_function_that_fails_once_on_a_batch_says_so(tiny_model_dir, tmp_path):
+    """A function that fails on the batch (a timeout, a rate limit) but on none of its completions called alone: the
+    error says that it was retried one by one and that no completion failed alone, and what to do."""
+    calls = []
+
+    def flaky(completions, trainer_state, **kwargs):
+        calls.append(len(completions))
+        if len(completions) > 1 and calls.count(len(completions)) == 1:  # the first batch of a rollout
+            raise TimeoutError("the judge did not answer")
+        return [0.5] * len(completions)
+
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=flaky, args=config(tmp_path), train_dataset=dataset()
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"'flaky' raised TimeoutError on the batch of 8: the judge did not answer -- "
+        r"but on none of its 8 completions called alone.*a transient failure",
+    ):
+        trainer.train()
+    assert calls[-8:] == [1] * 8
+
+
 def test_reward_function_returning_the_wrong_count_is_an_error(tiny_model_dir, tmp_path):
     def short(completions, **kwargs):
         return [0.0] * (len(completions) - 1)
@@ -770,6 +793,56 @@ def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_
     assert {g["weight_decay"] for g in groups} == {0.05, 0.0}
     saved = json.loads((out / "checkpoint-2" / "vapo_config.json").read_text())
     assert saved["learning_rate"] == 5e-5 and saved["critic_learning_rate"] == 2e-4
+
+
+def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_what_is_intact(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A full disk during `torch.save` reads "inline_container.cc ... unexpected pos" from torch: the error names
+    the checkpoint, the space left and the checkpoints intact, and the half-written folder is removed."""
+    real_save, saves = torch.save, []
+
+    def disk_full_at_the_second_checkpoint(obj, f, *args, **kwargs):
+        saves.append(f)
+        if "checkpoint-2" in str(f):
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3136 vs 3024")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_at_the_second_checkpoint)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, save_strategy="steps", save_steps=1),
+        train_dataset=dataset(),
+    )
+    out = tmp_path / "out"
+    with pytest.raises(
+        OSError, match=r"Writing checkpoint-2 in .*out failed \(\[enforce fail at inline_container"
+    ) as raised:
+        trainer.train()
+    assert "GiB are free there: a full disk? The checkpoints written before (checkpoint-1) are intact" in str(
+        raised.value
+    )
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1"] and not (out / ".checkpoint-2.tmp").exists()
+
+
+def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    from trl_vapo.data import _load
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_bytes(b'{"prompt": "1+1="}\n{"prompt": "2+2="}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{data}, line 3: byte 0xe9 at column 16 is not UTF-8"):
+        _load(str(data), "train", None)
+
+
+def test_empty_prompts_are_named_in_a_warning(tmp_path, caplog):
+    from trl_vapo.data import check_train_dataset
+
+    rows = dataset(n=8).to_list()
+    rows[2]["prompt"] = rows[5]["prompt"] = ""
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.data"):
+        check_train_dataset(Dataset.from_list(rows), config(tmp_path))
+    assert "train_dataset has 2 empty prompt(s) (rows [2, 5])" in caplog.text
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):

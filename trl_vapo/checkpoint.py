@@ -126,6 +126,31 @@ def _is_running(holder: dict) -> bool:
     return True
 
 
+WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left")
+"""What torch's archive writer says when a write fails (a full disk reads "inline_container.cc ... unexpected pos")."""
+
+
+@contextlib.contextmanager
+def write_errors_named(final: Path):
+    """A checkpoint that could not be written (a full disk, a quota, a lost mount) as an error naming it, the space
+    left and what is intact; its half-written folder is removed, which frees the space it took."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        text = str(error)
+        if not isinstance(error, OSError) and not any(sign in text for sign in WRITE_FAILURES):
+            raise
+        shutil.rmtree(temporary_folder(final), ignore_errors=True)
+        free = shutil.disk_usage(final.parent).free / 2**30
+        intact = [c.name for c in list_checkpoints(final.parent)]
+        first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+        raise OSError(
+            f"Writing {final.name} in {final.parent} failed ({first_line}); {free:.1f} GiB are free there: a full "
+            f"disk? The checkpoints written before ({', '.join(intact[-2:]) or 'none'}) are intact. Free some space "
+            "(save_total_limit keeps fewer checkpoints), then resume with resume_from_checkpoint=True."
+        ) from error
+
+
 def temporary_folder(final: Path) -> Path:
     """The folder a checkpoint is assembled in before :func:`publish` renames it to ``final``."""
     return final.with_name(f".{final.name}.tmp")
@@ -522,6 +547,11 @@ class SavingMixin:
         """Write `checkpoint-<step>` completely (policy, critic, optimizer, scheduler, RNG, state), then rename it
         into place: a crash mid-write leaves the previous checkpoint intact."""
         final = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
+        with write_errors_named(final):
+            self._write_checkpoint(final)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _write_checkpoint(self, final: Path) -> None:
         tmp = temporary_folder(final)
         main = self.accelerator.is_main_process
         if main:
@@ -556,7 +586,6 @@ class SavingMixin:
             keep = [final] + ([Path(best)] if best and Path(best) != final else [])
             rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep)
         self.accelerator.wait_for_everyone()
-        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)

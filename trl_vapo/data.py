@@ -142,6 +142,20 @@ def prompt_token_ids(
     return tokenizer(text=list(prompts))["input_ids"]
 
 
+def _raise_on_a_non_utf8_line(path: Path) -> None:
+    """A clear error naming the file, the line and the byte when a text data file is not UTF-8 (what `datasets`
+    reads it as; its own error names neither)."""
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{path}, line {number}: byte 0x{line[error.start]:02x} at column {error.start + 1} is not UTF-8. "
+                    "Save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or fix that line."
+                ) from None
+
+
 def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: bool = False):
     path = Path(dataset_name).expanduser()
     if path.is_file():
@@ -149,6 +163,8 @@ def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: 
         if builder is None:
             raise ValueError(f"{path} is not a .json, .jsonl, .csv or .parquet file.")
         # A single local file holds one split; call it by the split asked for.
+        if builder in ("json", "csv"):  # `datasets` loads such bytes and fails later, on reading, naming nothing
+            _raise_on_a_non_utf8_line(path)
         with _no_download_counts():
             return load_dataset(builder, data_files={split: str(path)}, split=split, streaming=streaming)
     if path.is_dir():
@@ -183,6 +199,12 @@ def check_train_dataset(dataset, args) -> dict:
         raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
     if "prompt" not in dataset.column_names:
         raise ValueError(f"train_dataset has no 'prompt' column; its columns are {dataset.column_names}.")
+    empty = [i for i, prompt in enumerate(dataset["prompt"]) if not prompt]
+    if empty:
+        logger.warning(
+            f"train_dataset has {len(empty)} empty prompt(s) (rows {empty[:5]}{', ...' if len(empty) > 5 else ''}): "
+            "their completions are sampled from nothing but the special tokens. Remove them, or check the column."
+        )
     prompts_per_rollout = args.generation_batch_size // args.num_generations
     if len(dataset) < prompts_per_rollout:
         raise ValueError(

@@ -291,7 +291,10 @@ class RewardScorer:
                         f"(#{i} of the batch): {preview(sample)}"
                     ) from error
             raise RuntimeError(
-                f"Reward function {name!r} raised {type(error).__name__} on the batch: {error}"
+                f"Reward function {name!r} raised {type(error).__name__} on the batch of {len(rows)}: {error} -- but "
+                f"on none of its {len(rows)} completions called alone, one by one, to find the failing one: a "
+                "transient failure (a timeout, a rate limit), or one that depends on the batch (its size, a mix of "
+                "rows). Make the function retry, or return None for the completions it cannot score."
             ) from error
         return _check_length(values, name, len(rows))
 
