@@ -81,6 +81,14 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """The tiny model and its tokenizer, loaded (one copy per test module: tests may change the model's weights)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 @pytest.fixture(scope="session")
 def reward_model_dir(tmp_path_factory):
     """A saved one-label Llama sequence classifier (a reward model) with the same character tokenizer."""

@@ -59,13 +59,6 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
 def demo():
     from trl_vapo.data import prompt_token_ids
     from trl_vapo.demo import MODEL_DIR

@@ -497,6 +497,13 @@ def script_env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def start_script(model_dir: Path, out: Path, *args: str, **popen) -> subprocess.Popen:
+    """`_train_script.py` in the background (`LONG_RUN`, then `args`), its output discarded unless `popen` says."""
+    streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, **popen}
+    command = [PYTHON, str(SCRIPT), "--model", str(model_dir), "--output-dir", str(out), *LONG_RUN, *args]
+    return subprocess.Popen(command, env=script_env(), **streams)
+
+
 def run_script(*args, timeout=300):
     return subprocess.run(
         [PYTHON, str(SCRIPT), *args], env=script_env(), capture_output=True, text=True, timeout=timeout
@@ -517,12 +524,7 @@ def reference_run(tiny_model_dir, tmp_path_factory):
 
 def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny_model_dir, tmp_path, reference_run):
     out = tmp_path / "killed"
-    process = subprocess.Popen(
-        [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN],
-        env=script_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = start_script(tiny_model_dir, out)
     deadline = time.time() + 240
     while not list_checkpoints(out) and time.time() < deadline:  # wait for a first complete checkpoint
         time.sleep(0.02)
@@ -552,20 +554,11 @@ def test_a_signal_at_a_random_point_checkpoints_and_the_resumed_run_matches(
     writes a checkpoint at the last step it logged, names it in one line and exits with 128 + the signal; resumed
     with `resume_from_checkpoint=True`, it logs the uninterrupted run's steps."""
     out = tmp_path / "signalled"
-    process = subprocess.Popen(
-        [
-            PYTHON,
-            str(SCRIPT),
-            "--model",
-            str(tiny_model_dir),
-            "--output-dir",
-            str(out),
-            *LONG_RUN,
-            "--save-steps",
-            "5",
-        ],
-        env=script_env(),
-        stdout=subprocess.DEVNULL,
+    process = start_script(
+        tiny_model_dir,
+        out,
+        "--save-steps",
+        "5",
         stderr=subprocess.PIPE,
         text=True,
         # pytest-xdist's workers ignore SIGINT, and an ignored signal stays ignored across exec (as under nohup): the
@@ -627,12 +620,7 @@ def test_resume_from_checkpoint_latest_or_true_as_a_string_is_the_newest_checkpo
 
 def test_a_second_sigterm_stops_at_once(tiny_model_dir, tmp_path):
     out = tmp_path / "twice"
-    process = subprocess.Popen(
-        [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN],
-        env=script_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = start_script(tiny_model_dir, out)
     deadline = time.time() + 240
     while not read_logs(out) and time.time() < deadline:  # training has started
         time.sleep(0.02)
@@ -847,12 +835,7 @@ def test_empty_prompts_are_named_in_a_warning(tmp_path, caplog):
 
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):
     out = tmp_path / "stalled"
-    process = subprocess.Popen(
-        [PYTHON, str(SCRIPT), "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--stall-at", "4"],
-        env=script_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = start_script(tiny_model_dir, out, "--stall-at", "4")
     deadline = time.time() + 240
     while not (out / "stalled").exists() and time.time() < deadline:
         time.sleep(0.05)

@@ -29,19 +29,6 @@ from trl_vapo.generation import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def _engines(model, tokenizer, stops, **kwargs):
     common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stops, "logprobs": True}
     return TransformersGenerate(model, **common), StaticCacheEngine(model, **common, **kwargs)
