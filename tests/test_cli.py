@@ -151,6 +151,12 @@ BAD_INPUT = [
     (["--dataset_preset", "aime"], "aime"),
     (["--deepspeed", '{"zero_optimization": {"stage": 2, "zenflow": {}}}'], "ZenFlow"),  # {}: on, with defaults
     (["--eval_strategy", "steps"], "is one file, so one split: its 'test' split would be the training prompts"),
+    # Issue 50's rows: each was accepted (and trained), or a traceback, or named another field.
+    (["--learning_rate=-1e-5"], "learning_rate must be >= 0, got -1e-05."),
+    (["--learning_rate", "0"], "critic_learning_rate must be > 0, got 0.0 (2 x learning_rate=0.0, its default)."),
+    (["--config", "nope.yaml"], "nope.yaml: no such file (--config takes a YAML file's path)"),
+    (["--use_vllm", "true"], "pip install vllm"),
+    (["--dataset_name", "nope.jsonl"], "Dataset file nope.jsonl does not exist"),
 ]
 
 # Runs `trl-vapo train` once per case in one process: it imports what the command imports once, then forks one

@@ -116,6 +116,13 @@ def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
         ({"num_iterations": 0}, "num_iterations"),
         ({"loss_type": "cispo"}, "loss_type"),
         ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation"),
+        ({"learning_rate": -1e-5}, "learning_rate must be >= 0"),  # not critic_learning_rate, its derived default
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"max_completion_length": 0}, "max_completion_length"),
+        ({"max_prompt_length": 0}, "max_prompt_length"),
+        ({"top_k": -1}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ],
 )
 def test_config_values_out_of_range_fail_at_config_time(tmp_path, overrides, needle):

@@ -180,6 +180,8 @@ def train_command(argv: list[str]) -> int:
         )
     except ValueError as error:  # VAPOConfig validation
         raise UsageError(str(error)) from None
+    except FileNotFoundError as error:  # --config naming no file
+        raise UsageError(f"{error.filename or error}: no such file (--config takes a YAML file's path)") from None
     launch_args = _split_launch_args(config_remaining + cli_remaining)
     if launch_args and "LOCAL_RANK" not in os.environ:
         return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
@@ -192,6 +194,12 @@ def train_command(argv: list[str]) -> int:
     started = time.time()
     # Everything a typo can break is checked before the model loads; a failure is one line on stderr.
     reward_funcs = _resolve_rewards(_reward_names(script_args))
+    from .generation import EngineSettings, check_engine_available
+
+    try:  # before any model or data loads: vLLM asked for but not installed, say, in one line
+        check_engine_available(EngineSettings.from_config(training_args))
+    except (ImportError, ValueError) as error:
+        raise UsageError(str(error)) from None
     model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
         script_args, model_args, training_args, demo, mixture
     )

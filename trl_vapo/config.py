@@ -623,6 +623,7 @@ class VAPOConfig(TrainingArguments):
         self._accept_grpo_spellings()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        self._critic_rate_derived = self.critic_learning_rate is None
         if self.critic_learning_rate is None:
             self.critic_learning_rate = 2 * self.learning_rate
         if self.critic_num_iterations is None:
@@ -758,7 +759,29 @@ class VAPOConfig(TrainingArguments):
         require(self.nll_coef >= 0, f"nll_coef must be >= 0, got {self.nll_coef}.")
         require(self.beta >= 0, f"beta must be >= 0, got {self.beta}.")
         require(self.vf_coef > 0, f"vf_coef must be > 0, got {self.vf_coef}.")
-        require(self.critic_learning_rate > 0, f"critic_learning_rate must be > 0, got {self.critic_learning_rate}.")
+        # The fields a user sets, each named: a derived one's error would send them to a field they never set.
+        require(self.learning_rate >= 0, f"learning_rate must be >= 0, got {self.learning_rate}.")
+        require(
+            self.critic_learning_rate > 0,
+            f"critic_learning_rate must be > 0, got {self.critic_learning_rate}"
+            + (f" (2 x learning_rate={self.learning_rate}, its default)." if self._critic_rate_derived else "."),
+        )
+        require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}.")
+        require(
+            self.max_grad_norm is None or self.max_grad_norm >= 0,
+            f"max_grad_norm must be >= 0, got {self.max_grad_norm}.",
+        )
+        require(
+            self.max_completion_length >= 1, f"max_completion_length must be >= 1, got {self.max_completion_length}."
+        )
+        require(
+            self.max_prompt_length is None or self.max_prompt_length >= 1,
+            f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.",
+        )
+        require(self.top_k is None or self.top_k >= 0, f"top_k must be >= 0 (0: off), got {self.top_k}.")
+        require(
+            self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}."
+        )
         require(
             self.cliprange_value is None or self.cliprange_value > 0,
             f"cliprange_value must be > 0 or None, got {self.cliprange_value}.",

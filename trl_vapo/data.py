@@ -172,6 +172,11 @@ def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: 
             return load_dataset(str(path), dataset_config, split=split, streaming=streaming)
     if dataset_name.startswith((".", "/", "~")) or os.sep in dataset_name and dataset_name.count(os.sep) > 1:
         raise FileNotFoundError(f"Dataset path {dataset_name} does not exist.")
+    if path.suffix.lower() in _FILE_BUILDERS:  # `nope.jsonl`: a file's name, not a Hub data set's
+        raise FileNotFoundError(
+            f"Dataset file {dataset_name} does not exist (in {Path.cwd()}); a name ending in {path.suffix} is read as "
+            "a local file, not looked up on the Hub."
+        )
     return load_dataset(dataset_name, dataset_config, split=split, streaming=streaming)
 
 
