@@ -9,6 +9,7 @@ under `-m cuda` (`benchmarks/gpu_suite.py`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 
@@ -395,6 +396,8 @@ def test_the_default_engine_is_the_static_cache_engine_on_a_cuda_gpu_without_sha
     named = EngineSettings.from_config(make_args(tmp_path, use_static_cache_engine=True))
     assert named.placed("cpu", sharded=True).engine == "static_cache"
     assert named.placed("cuda", sharded=False).cuda_graph and not named.placed("cuda", sharded=True).cuda_graph
+    quantized = dataclasses.replace(default, quantization_config={"load_in_4bit": True})
+    assert quantized.placed("cuda", sharded=False).engine == "generate"  # QLoRA: not captured on a GPU yet
     batching = EngineSettings.from_config(make_args(tmp_path, use_transformers_continuous_batching=True))
     assert batching.placed("cuda", sharded=False).engine == "continuous_batching"
 
