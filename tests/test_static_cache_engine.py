@@ -259,6 +259,9 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     assert StaticCacheEngine.unsupported_settings(GREEDY, sliding) == [
         "layer_types=['full_attention', 'sliding_attention']"
     ]
+    windowed = copy.deepcopy(model)  # Mistral's and Phi-3's configs name a window but no layer_types
+    windowed.config.sliding_window = 4096
+    assert StaticCacheEngine.unsupported_settings(GREEDY, windowed) == ["sliding_window=4096"]
 
 
 def test_the_trainer_rolls_out_with_it_on_policy(tiny_model_dir, tmp_path):
@@ -400,6 +403,20 @@ def test_the_default_engine_is_the_static_cache_engine_on_a_cuda_gpu_without_sha
     assert quantized.placed("cuda", sharded=False).engine == "generate"  # QLoRA: not captured on a GPU yet
     batching = EngineSettings.from_config(make_args(tmp_path, use_transformers_continuous_batching=True))
     assert batching.placed("cuda", sharded=False).engine == "continuous_batching"
+
+
+def test_kept_buffers_follow_a_change_of_sampling_settings(tiny):
+    """The buffers are kept for the next call of the same shape, but not the step built for the last call's sampling
+    settings (a captured graph would replay them): greedy after sampling is greedy, as generate() is."""
+    model, tokenizer = tiny
+    generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
+    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    sampled = SamplingSettings(max_new_tokens=24, temperature=1.3, top_k=5)
+    static.generate(prompts, sampling=sampled)
+    signature = static.state.sampling_signature
+    got = static.generate(prompts, sampling=GREEDY)
+    assert static.state.sampling_signature != signature and not static.state.warpers
+    assert got.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
 
 
 def test_buffers_are_freed_after_each_call_without_keep_buffers(tiny):

@@ -549,6 +549,7 @@ class SavingMixin:
         final = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
         with write_errors_named(final):
             self._write_checkpoint(final)
+        self._checkpoint_step = self.state.global_step
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _write_checkpoint(self, final: Path) -> None:

@@ -592,6 +592,8 @@ class StaticCacheEngine(GenerationEngine):
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if kinds != {"full_attention"}:  # the key mask covers the whole cache: no sliding windows, no linear layers
             unsupported.append(f"layer_types={sorted(kinds)}")
+        elif getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+            unsupported.append(f"sliding_window={config.sliding_window}")  # Mistral's, Phi-3's: no layer_types
         return unsupported
 
     def _generate(self, prompt_ids, sampling, num_generations):
@@ -714,6 +716,7 @@ class DecodeState:
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_key: tuple | None = None
+        self.sampling_signature: tuple | None = None  # the settings `configure` built the warpers from
         self.warmed_up = False
         self.capture_failed = False
 
@@ -726,6 +729,9 @@ class DecodeState:
             TopPLogitsWarper,
         )
 
+        signature = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        if signature != self.sampling_signature:  # a captured step holds the last settings' warpers: take it again
+            self.graph, self.sampling_signature = None, signature
         self.greedy = sampling.greedy
         self.min_new_tokens.fill_(int(sampling.generation_kwargs.get("min_new_tokens") or 0))
         warpers = []

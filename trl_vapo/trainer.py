@@ -527,6 +527,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
         self._loss_sum, self._loss_steps = 0.0, 0
+        self._checkpoint_step = None  # the step of the last checkpoint this run wrote (`_save_checkpoint`)
         self._epoch_ended_at = -1
         if args.eval_on_start:
             self.evaluate()
@@ -606,7 +607,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         """SIGTERM or SIGINT arrived during the rollout just trained on: write its checkpoint (unless the rollout's end
         wrote it), say so in one line, and raise `TrainingInterrupted`."""
         path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
-        if not (path / ckpt.COMPLETE_MARKER).is_file():
+        if self._checkpoint_step != self.state.global_step:  # this run's own record: the same on every process
             self._save_checkpoint()
         message = (
             f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; resume with "
