@@ -755,6 +755,11 @@ def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, t
     monkeypatch.undo()
     trainer.save_model(str(final))
     assert {"model.safetensors", "critic", "tokenizer_config.json", "README.md"} <= {p.name for p in final.iterdir()}
+    here = tmp_path / "here"  # `save_model(".")`: a folder with no name of its own in the path given
+    here.mkdir()
+    monkeypatch.chdir(here)
+    trainer.save_model(".")
+    assert (here / "model.safetensors").is_file() and (here / "critic").is_dir()
 
 
 def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_model_dir, two_checkpoints, tmp_path):

@@ -451,7 +451,8 @@ class SavingMixin:
                 # Written beside, then moved in: a full disk leaves `output_dir` as it was, not a policy without
                 # its critic or tokenizer (the moves need no space). `output_dir` may hold the run's checkpoints:
                 # the files are moved one by one, not the folder.
-                tmp = output_dir.with_name(f".{output_dir.name}.save_model.tmp")
+                # (resolved: "." has no name to put beside it)
+                tmp = output_dir.resolve().with_name(f".{output_dir.resolve().name}.save_model.tmp")
                 shutil.rmtree(tmp, ignore_errors=True)
                 try:
                     self._write_models(tmp, state_dict, as_loaded=True)

@@ -467,7 +467,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             if self.accelerator.is_main_process:
                 try:
                     held.enter_context(ckpt.output_dir_lock(self.args.output_dir))
-                except RuntimeError as error:
+                except (RuntimeError, OSError) as error:  # held by another run; a folder it cannot write to
                     refused = error
             if self._distributed:  # every process stops, not the main one alone
                 refused = broadcast_object_list([refused])[0]
