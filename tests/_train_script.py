@@ -137,7 +137,7 @@ class StallingTrainer(VAPOTrainer):
 
     def _write_models(self, directory, *args, **kwargs):
         super()._write_models(directory, *args, **kwargs)
-        if self.stall_at is not None and directory.name == f".checkpoint-{self.stall_at}.tmp":
+        if self.stall_at is not None and directory.name.startswith(f".checkpoint-{self.stall_at}."):
             (Path(self.args.output_dir) / "stalled").touch()
             time.sleep(600)
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
+from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.cli import _parser, _split_launch_args, main
 
 TRL_VAPO = str(Path(sys.executable).parent / "trl-vapo")
@@ -257,51 +261,57 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
     assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
 
 
-def test_accelerate_arguments_relaunch_the_run_on_two_processes(tiny_model_dir, jsonl_data, tmp_path):
+@pytest.mark.parametrize("processes", [2, 1])
+def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_checkpoint(
+    tiny_model_dir, jsonl_data, tmp_path, processes
+):
     """`--num_processes 2` goes to `accelerate launch` (with `--multi_gpu`, which on a CPU-only machine starts two
-    gloo processes); the training flags reach the relaunched command intact."""
+    gloo processes); the training flags reach the relaunched command intact. SIGTERM to every process of the job, as
+    `scancel` sends it, reaches each worker twice (itself, then forwarded by torch's launcher): the run still finishes
+    its rollout, writes a checkpoint at the last step it logged and exits with 143, not killed by the repeat. With
+    one process, SIGTERM to the launcher alone (`kill PID`, a container stop) is forwarded to the run it started."""
     out = tmp_path / "two"
-    result = run_cli(
-        "train",
-        "--model_name_or_path",
-        str(tiny_model_dir),
-        "--dataset_name",
-        str(jsonl_data),
-        "--prompt_column",
-        "question",
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        "2",
-        "--value_pretrain_steps",
-        "1",
-        "--per_device_train_batch_size",
-        "4",
-        "--num_generations",
-        "4",
-        "--max_completion_length",
-        "6",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "3",
-        "--report_to",
-        "none",
-        "--disable_tqdm",
-        "true",
-        "--num_processes",
-        "2",
-        "--multi_gpu",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = out / "checkpoint-3"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    flags = {
+        "--model_name_or_path": tiny_model_dir,
+        "--dataset_name": jsonl_data,
+        "--prompt_column": "question",
+        "--output_dir": out,
+        "--max_steps": 200,
+        "--value_pretrain_steps": 1,
+        "--per_device_train_batch_size": 4,
+        "--num_generations": 4,
+        "--max_completion_length": 6,
+        "--logging_steps": 1,
+        "--save_strategy": "steps",
+        "--save_steps": 3,
+        "--report_to": "none",
+        "--disable_tqdm": "true",
+        "--num_processes": processes,
+    }
+    command = [TRL_VAPO, "train", *(str(x) for item in flags.items() for x in item)]
+    command += ["--multi_gpu"] if processes > 1 else []
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = out / "vapo_logs.jsonl"
+    deadline = time.time() + 240
+    while (not log.exists() or log.read_text().count('"phase"') < 4) and time.time() < deadline:  # past checkpoint-3
+        time.sleep(0.05)
+    if processes > 1:
+        os.killpg(process.pid, signal.SIGTERM)
+    else:
+        process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    stopped = re.search(r"Stopped by SIGTERM at step (\d+): (\S+) holds every step so far", stderr)
+    assert stopped, stderr[-3000:]
+    checkpoint = Path(stopped[2])
+    assert checkpoint == list_checkpoints(out)[-1] == out / f"checkpoint-{stopped[1]}"
+    assert int(stopped[1]) > 3  # a step no regular checkpoint holds
     assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == [
-        "rng_state_0.safetensors",
-        "rng_state_1.safetensors",
+        f"rng_state_{rank}.safetensors" for rank in range(processes)
     ]
     state = json.loads((checkpoint / "vapo_state.json").read_text())
-    assert state["run"]["num_processes"] == 2 and state["run"]["generation_batch_size"] == 8
-    assert "trl-vapo summary" in result.stdout
+    assert state["run"]["num_processes"] == processes and state["run"]["generation_batch_size"] == 4 * processes
 
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))

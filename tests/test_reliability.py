@@ -625,20 +625,31 @@ def test_resume_from_checkpoint_latest_or_true_as_a_string_is_the_newest_checkpo
     assert trained == [3]  # steps 1 and 2 came from checkpoint-2
 
 
-def test_a_second_sigterm_stops_at_once(tiny_model_dir, tmp_path):
+def test_a_repeated_sigterm_is_one_request_and_a_later_one_stops_at_once(tiny_model_dir, tmp_path):
+    """A launcher forwards the signal its job got (a worker sees it twice within milliseconds): that is one request.
+    One more, `SIGNAL_REPEAT_WINDOW` seconds later, ends the run at once (here, hung writing checkpoint 2)."""
+    from trl_vapo.trainer import SIGNAL_REPEAT_WINDOW
+
     out = tmp_path / "twice"
-    process = start_script(tiny_model_dir, out)
+    process = start_script(tiny_model_dir, out, "--stall-at", "2")
     deadline = time.time() + 240
-    while not read_logs(out) and time.time() < deadline:  # training has started
+    while not (out / "stalled").exists() and time.time() < deadline:
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert process.poll() is None, "a repeat within the window ended the run"
+    time.sleep(SIGNAL_REPEAT_WINDOW)
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGTERM
 
 
 def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog):
+    """The lock is the operating system's (`flock`), not the file's contents: a file no live process locks is taken
+    over whatever it names (a dead PID, a PID reused since, another host, nothing), and of two runs taking over one
+    lock file at once exactly one gets it."""
     from trl_vapo.checkpoint import RUN_LOCK, output_dir_lock
 
     lock = tmp_path / RUN_LOCK
@@ -649,22 +660,31 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
                 pass
     assert not lock.exists()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    other_host = {"pid": 1, "host": "another-host", "started": "then"}
-    for held, taken in (
-        ({"pid": int(gone.stdout), "host": socket.gethostname()}, True),
-        (None, True),
-        (other_host, False),
+    here = socket.gethostname()
+    for left in (
+        {"pid": int(gone.stdout), "host": here},
+        {"pid": os.getppid(), "host": here},  # a PID reused by a live process that holds nothing
+        {"pid": 1, "host": "another-host", "started": "then"},
+        None,  # a holder that died before it wrote its name: taken, nothing to say
     ):
-        lock.write_text("" if held is None else json.dumps(held))  # None: a holder that died mid-write
+        lock.write_text("" if left is None else json.dumps(left))
         caplog.clear()
-        if taken:
-            with caplog.at_level(logging.WARNING), output_dir_lock(tmp_path):
-                assert json.loads(lock.read_text())["pid"] == os.getpid()
-            assert "Taking over the lock of a run that is gone" in caplog.text
-        else:  # another host's process cannot be checked from here
-            with pytest.raises(RuntimeError, match="PID 1 on another-host"), output_dir_lock(tmp_path):
-                pass
-            assert json.loads(lock.read_text()) == other_host
+        with caplog.at_level(logging.WARNING), output_dir_lock(tmp_path):
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert ("Taking over the lock of a run that is gone" in caplog.text) == (left is not None), left
+
+    lock.write_text(json.dumps({"pid": int(gone.stdout), "host": here}))
+    take = (
+        "import sys, time; from trl_vapo.checkpoint import output_dir_lock\n"
+        "try:\n    with output_dir_lock(sys.argv[1]):\n        print('held', flush=True); time.sleep(3)\n"
+        "except RuntimeError as refused:\n    print(refused)\n"
+    )
+    racers = [
+        subprocess.Popen([sys.executable, "-c", take, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    said = sorted(racer.communicate(timeout=120)[0].strip() for racer in racers)
+    assert said[1] == "held" and said[0].startswith(f"Another run is writing to {tmp_path}: PID "), said
 
 
 @pytest.fixture(scope="module")
@@ -823,7 +843,7 @@ def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_wha
     assert "GiB are free there: a full disk? The checkpoints written before (checkpoint-1) are intact" in str(
         raised.value
     )
-    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1"] and not (out / ".checkpoint-2.tmp").exists()
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1"] and not list(out.glob(".checkpoint-2.*"))
 
 
 def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
@@ -859,7 +879,9 @@ def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny
     assert f"Another run is writing to {out}: PID {process.pid} on {socket.gethostname()}" in second.stderr
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert (out / ".checkpoint-4.tmp").is_dir() and not (out / "checkpoint-4").exists()
+    # Its half-written folder is named for it (host and PID): no other run could have removed it mid-write.
+    assert (out / f".checkpoint-4.{socket.gethostname()}-{process.pid}.tmp").is_dir()
+    assert not (out / "checkpoint-4").exists()
     assert json.loads((out / ".vapo_run.lock").read_text())["pid"] == process.pid  # a killed run leaves its lock
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2"]
     result = run_script(
@@ -872,7 +894,7 @@ def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny
     assert sorted(logs) == list(range(3, max(reference_run) + 1))
     for step in logs:
         assert_same_log(logs[step], reference_run[step], context=f"step {step}")
-    assert not (out / ".checkpoint-4.tmp").exists()  # the next write of checkpoint 4 replaced the debris
+    assert not list(out.glob(".checkpoint-*"))  # the next run, holding the lock, removed the debris
 
 
 def test_reward_worker_that_hangs_or_dies_does_not_stop_training(tiny_model_dir, tmp_path):

@@ -26,6 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 import numpy as np
 import torch
 from accelerate.logging import get_logger
@@ -62,68 +67,82 @@ RUN_LOCK = ".vapo_run.lock"
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str | os.PathLike):
     """Hold `output_dir` for one run: a second run there would overwrite its checkpoints, its `final/` and its logs
-    without a word. The lock is a file naming the holder (PID, host, start time), created exclusively; a lock whose
-    process is gone (same host, no such PID) is taken over with a warning; one held on another host cannot be checked
-    and is refused (delete the file once that run is gone). Released when the run ends, however it ends."""
+    without a word. The lock is an advisory lock (`flock`) on a file naming the holder (PID, host, start time): the
+    operating system releases it when the holder dies however it dies, so a lock file left by a run that is gone is
+    taken over with a warning, a PID reused since cannot keep it, and two runs taking over at once cannot both win.
+    Where the file system has no locks (some network mounts), the run goes on unlocked with a warning. Released when
+    the run ends, however it ends."""
     path = Path(output_dir) / RUN_LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    warn = logging.getLogger(__name__).warning  # the main process alone holds the lock: a plain logger
+    if fcntl is None:  # Windows
+        warn(f"{output_dir} cannot be locked on this system: start one run at a time there.")
+        yield
+        return
     while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _lock_holder(path)
-            if holder is not None and _is_running(holder):
-                raise RuntimeError(
-                    f"Another run is writing to {output_dir}: PID {holder['pid']} on {holder['host']}, started "
-                    f"{holder.get('started', '?')} ({path}). Two runs in one output_dir overwrite each other's "
-                    "checkpoints and logs. Wait for it or stop it; then resume its run with "
-                    "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
-                ) from None
-            logging.getLogger(__name__).warning(  # the main process alone holds the lock: a plain logger
-                f"Taking over the lock of a run that is gone ({holder or 'an unreadable lock file'}, {path}): its "
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = _lock_holder(path) or {}
+            raise RuntimeError(
+                f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+                f"started {holder.get('started', '?')} ({path}). Two runs in one output_dir overwrite each other's "
+                "checkpoints and logs. Wait for it or stop it; then resume its run with "
+                "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
+            ) from None
+        except OSError as error:  # ENOLCK, EOPNOTSUPP: a file system without locks
+            os.close(fd)
+            warn(f"{output_dir} cannot be locked ({error}): start one run at a time there.")
+            yield
+            return
+        try:  # a holder that released the lock removed the file we opened: lock the one now at `path`
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    try:
+        gone = _lock_holder(path)
+        if gone is not None or os.fstat(fd).st_size:
+            warn(
+                f"Taking over the lock of a run that is gone ({gone or 'an unreadable lock file'}, {path}): its "
                 "checkpoints stay; resume_from_checkpoint=True continues from the newest."
             )
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            continue  # another process may take it first: O_EXCL decides
-        with os.fdopen(fd, "w") as f:
-            json.dump(mine, f)
-            f.flush()
-            os.fsync(f.fileno())
-        break
-    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        os.fsync(fd)
         yield
     finally:
-        if _lock_holder(path) == mine:
-            path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # before the lock goes: a run waiting on this file then opens a new one
+        os.close(fd)
 
 
 def _lock_holder(path: Path) -> dict | None:
-    """The lock's holder, or None when the file is gone, empty or unreadable (a writer that died mid-write; one
-    still writing is given 0.2 s)."""
-    for attempt in range(2):
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            if attempt == 0:
-                time.sleep(0.2)
-    return None
-
-
-def _is_running(holder: dict) -> bool:
-    """Whether the lock's holder may still run: its PID exists on this host, or it is on another host."""
-    if holder.get("host") != socket.gethostname():
-        return True
+    """The lock's holder, or None when the file is gone, empty or unreadable (a holder that died mid-write)."""
     try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def remove_debris(output_dir: str | os.PathLike) -> list[str]:
+    """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`) that runs stopped mid-write left in
+    `output_dir`; only while holding its lock, when no other run can be writing them. Returns their names."""
+    pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR})\..+\.(tmp|old)$")
+    removed = [p for p in sorted(Path(output_dir).glob(".*")) if p.is_dir() and pattern.match(p.name)]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return [p.name for p in removed]
+
+
+def run_owner() -> str:
+    """This process's part of a temporary folder's name (host and PID): runs never share a temporary folder."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left")
@@ -131,16 +150,16 @@ WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter", "file write failed", 
 
 
 @contextlib.contextmanager
-def write_errors_named(final: Path):
+def write_errors_named(final: Path, tmp: Path):
     """A checkpoint that could not be written (a full disk, a quota, a lost mount) as an error naming it, the space
-    left and what is intact; its half-written folder is removed, which frees the space it took."""
+    left and what is intact; its half-written folder `tmp` is removed, which frees the space it took."""
     try:
         yield
     except (OSError, RuntimeError) as error:
         text = str(error)
         if not isinstance(error, OSError) and not any(sign in text for sign in WRITE_FAILURES):
             raise
-        shutil.rmtree(temporary_folder(final), ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(final.parent).free / 2**30
         intact = [c.name for c in list_checkpoints(final.parent)]
         first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
@@ -151,9 +170,10 @@ def write_errors_named(final: Path):
         ) from error
 
 
-def temporary_folder(final: Path) -> Path:
-    """The folder a checkpoint is assembled in before :func:`publish` renames it to ``final``."""
-    return final.with_name(f".{final.name}.tmp")
+def temporary_folder(final: Path, owner: str) -> Path:
+    """The folder a checkpoint is assembled in before :func:`publish` renames it to ``final``: named for its run
+    (`owner`, :func:`run_owner` of the run's main process), so that no other run can remove it mid-write."""
+    return final.with_name(f".{final.name}.{owner}.tmp")
 
 
 def fsync_tree(folder: Path) -> None:
@@ -178,7 +198,7 @@ def publish(tmp: Path, final: Path) -> None:
     """Atomically replace ``final`` with the complete folder ``tmp``, its contents on the disk first."""
     fsync_tree(tmp)
     if final.exists():
-        stale = final.with_name(f".{final.name}.old")
+        stale = tmp.with_suffix(".old")
         shutil.rmtree(stale, ignore_errors=True)
         os.replace(final, stale)
         os.replace(tmp, final)
@@ -423,7 +443,7 @@ class SavingMixin:
     def _save_pretrained_critic(self) -> None:
         """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""
         directory = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
-        tmp = temporary_folder(directory)
+        tmp = temporary_folder(directory, self._run_owner)
         self.accelerator.wait_for_everyone()
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
@@ -452,7 +472,7 @@ class SavingMixin:
                 # its critic or tokenizer (the moves need no space). `output_dir` may hold the run's checkpoints:
                 # the files are moved one by one, not the folder.
                 # (resolved: "." has no name to put beside it)
-                tmp = output_dir.resolve().with_name(f".{output_dir.resolve().name}.save_model.tmp")
+                tmp = temporary_folder(output_dir.resolve(), f"save_model.{run_owner()}")
                 shutil.rmtree(tmp, ignore_errors=True)
                 try:
                     self._write_models(tmp, state_dict, as_loaded=True)
@@ -548,13 +568,13 @@ class SavingMixin:
         """Write `checkpoint-<step>` completely (policy, critic, optimizer, scheduler, RNG, state), then rename it
         into place: a crash mid-write leaves the previous checkpoint intact."""
         final = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
-        with write_errors_named(final):
-            self._write_checkpoint(final)
+        tmp = temporary_folder(final, self._run_owner)
+        with write_errors_named(final, tmp):
+            self._write_checkpoint(final, tmp)
         self._checkpoint_step = self.state.global_step
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def _write_checkpoint(self, final: Path) -> None:
-        tmp = temporary_folder(final)
+    def _write_checkpoint(self, final: Path, tmp: Path) -> None:
         main = self.accelerator.is_main_process
         if main:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -13,9 +13,11 @@ script arguments, `VAPOConfig` and TRL's `ModelConfig`); arguments that belong t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -468,11 +470,36 @@ def _without_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
 
 
 def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
-    """Run this same command under `accelerate launch` with the given launcher arguments."""
+    """Run this same command under `accelerate launch` with the given launcher arguments; its exit code is the
+    workers' (128 + the signal's number after a stop on SIGTERM or SIGINT, as one process's run)."""
+    import subprocess
+
+    import psutil
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    def forward(signum, frame):
+        # One process: `accelerate launch` waits on a child of its own and dies at the signal, leaving the child
+        # running. Forwarded, the child stops as it would alone (several: torch's launcher takes the signals over).
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signum)
 
     args = launch_command_parser().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
-    launch_command(args)
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as failed:  # one process
+        return failed.returncode if failed.returncode > 0 else 128 - failed.returncode
+    except ChildFailedError as failed:  # several: the first worker that failed
+        code = failed.get_first_failure()[1].exitcode
+        return code if code > 0 else 128 - code
+    except SignalException as stopped:  # the launcher itself was signalled; its workers have stopped
+        return 128 + int(stopped.sigval)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 

@@ -171,14 +171,22 @@ class TrainingInterrupted(RuntimeError):
 
 class _Received:
     signum: int | None = None
+    at: float = 0.0
+
+
+SIGNAL_REPEAT_WINDOW = 5.0
+"""Seconds after the first stop signal in which another is the same request, not a second one: under `torchrun`,
+`accelerate launch` or `scancel` a worker gets the signal twice, once itself (its process group or job step) and once
+forwarded by the launcher."""
 
 
 @contextlib.contextmanager
 def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
     """While training: the first SIGTERM or SIGINT is noted (`received.signum`) so that the loop can finish its
-    rollout and write a checkpoint; the handler then steps aside, so a second signal acts as it would have (SIGTERM
-    ends the process, SIGINT raises KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and
-    for signals a caller already handles, nothing changes."""
+    rollout and write a checkpoint. A repeat within `SIGNAL_REPEAT_WINDOW` seconds is the same request (the launcher
+    forwarding it); a later one acts as it would have without this handler (SIGTERM ends the process, SIGINT raises
+    KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and for signals a caller already
+    handles, nothing changes."""
     received = _Received()
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -186,11 +194,17 @@ def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
     previous = {}
 
     def note(signum, frame):
-        received.signum = signum
-        notice = f"{signal.Signals(signum).name}: finishing this rollout, then a checkpoint (again: stop at once)\n"
-        os.write(2, notice.encode())  # a write, not logging: a handler may run while logging holds its lock
-        for other, handler in previous.items():
-            signal.signal(other, handler)
+        now = time.monotonic()
+        if received.signum is None:
+            received.signum, received.at = signum, now
+            name = signal.Signals(signum).name
+            later = f"{SIGNAL_REPEAT_WINDOW:g} s on"
+            notice = f"{name}: finishing this rollout, then a checkpoint (sent again {later}: stop now)\n"
+            os.write(2, notice.encode())  # a write, not logging: a handler may run while logging holds its lock
+        elif now - received.at > SIGNAL_REPEAT_WINDOW:  # a second request: the signal's own action, now
+            for other, handler in previous.items():
+                signal.signal(other, handler)
+            signal.raise_signal(signum)
 
     for signum in signums:
         if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
@@ -463,16 +477,21 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         """Run value pretraining (unless skipped) then VAPO; `resume_from_checkpoint` continues a saved run. The run
         holds `output_dir` while it trains (`checkpoint.output_dir_lock`): a second run there is refused."""
         with contextlib.ExitStack() as held:
-            refused = None
+            refused, owner = None, ckpt.run_owner()
             if self.accelerator.is_main_process:
                 try:
                     held.enter_context(ckpt.output_dir_lock(self.args.output_dir))
                 except (RuntimeError, OSError) as error:  # held by another run; a folder it cannot write to
                     refused = error
-            if self._distributed:  # every process stops, not the main one alone
-                refused = broadcast_object_list([refused])[0]
+                else:
+                    removed = ckpt.remove_debris(self.args.output_dir)
+                    if removed:
+                        logger.info(f"Removed what a stopped run left half-written: {', '.join(removed)}")
+            if self._distributed:  # every process stops, not the main one alone; all name temporary folders alike
+                refused, owner = broadcast_object_list([refused, owner])
             if refused is not None:
                 raise refused
+            self._run_owner = owner  # `checkpoint.temporary_folder`
             return self._train(resume_from_checkpoint)
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
