@@ -155,7 +155,9 @@ def zero3_two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
     return train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-final", "--save-steps", "2")
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 2), (1, 3), (2, 3)], ids=lambda p: f"{p[0]}proc-zero{p[1]}")
+# ZeRO-2 on one process partitions nothing (one rank holds all the optimizer state): it is the plain run with
+# DeepSpeed's engine around it, whose stepping the other three cases cover.
+@pytest.fixture(scope="module", params=[(2, 2), (1, 3), (2, 3)], ids=lambda p: f"{p[0]}proc-zero{p[1]}")
 def deepspeed_run(request, tiny_model_dir, tmp_path_factory) -> Path:
     """One run per (processes, ZeRO stage), read by the tests below."""
     processes, stage = request.param

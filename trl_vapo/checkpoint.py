@@ -13,23 +13,16 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 import os
 import random
 import re
 import shutil
 import socket
-import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
 
 import numpy as np
 import torch
@@ -58,76 +51,6 @@ PRETRAINED_CRITIC_DIR = "value_pretrained_critic"
 DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
-
-
-RUN_LOCK = ".vapo_run.lock"
-"""The file in `output_dir` that names the run writing there (`output_dir_lock`)."""
-
-
-@contextlib.contextmanager
-def output_dir_lock(output_dir: str | os.PathLike):
-    """Hold `output_dir` for one run: a second run there would overwrite its checkpoints, its `final/` and its logs
-    without a word. The lock is an advisory lock (`flock`) on a file naming the holder (PID, host, start time): the
-    operating system releases it when the holder dies however it dies, so a lock file left by a run that is gone is
-    taken over with a warning, a PID reused since cannot keep it, and two runs taking over at once cannot both win.
-    Where the file system has no locks (some network mounts), the run goes on unlocked with a warning. Released when
-    the run ends, however it ends."""
-    path = Path(output_dir) / RUN_LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    warn = logging.getLogger(__name__).warning  # the main process alone holds the lock: a plain logger
-    if fcntl is None:  # Windows
-        warn(f"{output_dir} cannot be locked on this system: start one run at a time there.")
-        yield
-        return
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = _lock_holder(path) or {}
-            raise RuntimeError(
-                f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {holder.get('host', '?')}, "
-                f"started {holder.get('started', '?')} ({path}). Two runs in one output_dir overwrite each other's "
-                "checkpoints and logs. Wait for it or stop it; then resume its run with "
-                "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
-            ) from None
-        except OSError as error:  # ENOLCK, EOPNOTSUPP: a file system without locks
-            os.close(fd)
-            warn(f"{output_dir} cannot be locked ({error}): start one run at a time there.")
-            yield
-            return
-        try:  # a holder that released the lock removed the file we opened: lock the one now at `path`
-            current = os.stat(path).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(fd).st_ino:
-            break
-        os.close(fd)
-    try:
-        gone = _lock_holder(path)
-        if gone is not None or os.fstat(fd).st_size:
-            warn(
-                f"Taking over the lock of a run that is gone ({gone or 'an unreadable lock file'}, {path}): its "
-                "checkpoints stay; resume_from_checkpoint=True continues from the newest."
-            )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(mine).encode(), 0)
-        os.fsync(fd)
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # before the lock goes: a run waiting on this file then opens a new one
-        os.close(fd)
-
-
-def _lock_holder(path: Path) -> dict | None:
-    """The lock's holder, or None when the file is gone, empty or unreadable (a holder that died mid-write)."""
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def remove_debris(output_dir: str | os.PathLike) -> list[str]:

@@ -100,6 +100,7 @@ from .modeling import (
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
+from .run_lock import output_dir_lock
 from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models
 
 # Logs once, from the main process, however many processes train.
@@ -475,12 +476,12 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     # -------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs) -> TrainOutput:
         """Run value pretraining (unless skipped) then VAPO; `resume_from_checkpoint` continues a saved run. The run
-        holds `output_dir` while it trains (`checkpoint.output_dir_lock`): a second run there is refused."""
+        holds `output_dir` while it trains (`run_lock.output_dir_lock`): a second run there is refused."""
         with contextlib.ExitStack() as held:
             refused, owner = None, ckpt.run_owner()
             if self.accelerator.is_main_process:
                 try:
-                    held.enter_context(ckpt.output_dir_lock(self.args.output_dir))
+                    held.enter_context(output_dir_lock(self.args.output_dir))
                 except (RuntimeError, OSError) as error:  # held by another run; a folder it cannot write to
                     refused = error
                 else:
