@@ -29,8 +29,8 @@ args = VAPOConfig(
     max_steps=500,
     value_pretrain_steps=50,
     warmup_steps=10,
-    gradient_checkpointing=True,
-    bf16=True,
+    activation_checkpointing=True,
+    # bf16: on by default where the GPU supports it
     logging_steps=5,
     save_steps=100,
     report_to="tensorboard",

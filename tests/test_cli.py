@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.cli import _parser, _split_launch_args, main
+from trl_vapo.config import _cuda_supports_bf16
 
 TRL_VAPO = str(Path(sys.executable).parent / "trl-vapo")
 
@@ -161,6 +163,19 @@ BAD_INPUT = [
     (["--config", "nope.yaml"], "nope.yaml: no such file (--config takes a YAML file's path)"),
     (["--use_vllm", "true"], "pip install vllm"),
     (["--dataset_name", "nope.jsonl"], "Dataset file nope.jsonl does not exist"),
+    (["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"], "Hugging Face cache, and HF_HUB_OFFLINE is set"),
+    (["--dataset_name", "owner/nope"], "not a local file or folder (none in"),
+    (["--learning_rat", "1e-3"], "--learning_rat (did you mean --learning_rate?)"),  # not taken as a prefix
+    (["--config", "typo.yaml"], "the config's key 'learnin_rate' (did you mean 'learning_rate'?)"),
+    (["--reward_funcs", "math_rewrd"], "(did you mean 'math_reward'?); expected one of math_reward, "),
+    (["--reward_funcs", "x"], "think_format_reward"),  # TRL's rewards are in the list too
+    *([] if _cuda_supports_bf16() else [(["--bf16", "true"], "bf16=True needs an accelerator with bf16")]),
+]
+# The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
+# libraries would retry for a minute.
+UNREACHABLE_HUB = [
+    (["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"], "not in the Hugging Face cache, and the Hub cannot be"),
+    (["--dataset_name", "owner/nope"], "and the Hub cannot be reached (ConnectError"),
 ]
 
 # Runs `trl-vapo train` once per case in one process: it imports what the command imports once, then forks one
@@ -169,7 +184,7 @@ BAD_INPUT = [
 # exactly those a separate `trl-vapo train` process would print, at one process start instead of one per case.
 _BAD_INPUT_DRIVER = """
 import json, logging, os, sys
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # what cli.main does before any import
+import trl_vapo  # first, as the `trl-vapo` command imports it (it quiets bitsandbytes' notice on CPUs)
 import datasets, torch, transformers, trl  # noqa: F401
 from accelerate.commands.launch import launch_command_parser  # noqa: F401
 from trl_vapo import cli, config, data, rewards, trainer  # noqa: F401
@@ -194,27 +209,39 @@ for i, args in enumerate(cases):
 
 @pytest.fixture(scope="module")
 def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bad-input")
-    common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
-    common += ["--prompt_column", "question", "--report_to", "none"]
-    cases = [[*common, "--output_dir", str(out / f"run{i}"), *args] for i, (args, _) in enumerate(BAD_INPUT)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    driver = subprocess.run(
-        [sys.executable, "-c", _BAD_INPUT_DRIVER, json.dumps(cases), str(out)],
-        capture_output=True,
-        text=True,
-        cwd=out,
-        env=env,
-        timeout=300,
-    )
-    assert driver.returncode == 0, driver.stderr[-3000:]
-    return out, driver.stderr
+    runs = {}
+    for name, rows, hub in (
+        ("offline", BAD_INPUT, {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}),
+        ("unreachable", UNREACHABLE_HUB, {"HF_ENDPOINT": "http://127.0.0.1:9"}),
+    ):
+        out = tmp_path_factory.mktemp(f"bad-input-{name}")
+        (out / "typo.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nlearnin_rate: 1.0e-4\n")
+        common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
+        common += ["--prompt_column", "question", "--report_to", "none"]
+        cases = [[*common, "--output_dir", str(out / f"run{i}"), *args] for i, (args, _) in enumerate(rows)]
+        env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+        env.update(hub, OMP_NUM_THREADS="1")
+        driver = subprocess.run(
+            [sys.executable, "-c", _BAD_INPUT_DRIVER, json.dumps(cases), str(out)],
+            capture_output=True,
+            text=True,
+            cwd=out,
+            env=env,
+            timeout=300,
+        )
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        runs[name] = out, driver.stderr
+    return runs
 
 
-@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[args[0] for args, _ in BAD_INPUT])
-def test_bad_input_is_a_one_line_error_naming_it(bad_input_runs, case):
-    out, imports_output = bad_input_runs
-    needle = BAD_INPUT[case][1]
+@pytest.mark.parametrize(
+    "rows, case",
+    [("offline", i) for i in range(len(BAD_INPUT))] + [("unreachable", i) for i in range(len(UNREACHABLE_HUB))],
+    ids=[" ".join(a) for a, _ in BAD_INPUT] + [f"unreachable {' '.join(a)}" for a, _ in UNREACHABLE_HUB],
+)
+def test_bad_input_is_a_one_line_error_naming_it(bad_input_runs, rows, case):
+    out, imports_output = bad_input_runs[rows]
+    needle = (BAD_INPUT if rows == "offline" else UNREACHABLE_HUB)[case][1]
     stderr = imports_output + (out / f"{case}.stderr").read_text()
     assert int((out / f"{case}.code").read_text()) == 2, stderr[-2000:]
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -222,6 +249,28 @@ def test_bad_input_is_a_one_line_error_naming_it(bad_input_runs, case):
     assert lines[0].startswith("trl-vapo train: error:") and needle in lines[0]
     if "column" in lines[0]:
         assert "question" in lines[0] and "answer" in lines[0]  # lists the columns present
+
+
+def test_help_tells_every_runs_defaults_and_each_commands_own_flags(capsys):
+    """`train --help` shows VAPOConfig's defaults (the paper's learning rate), not the demo's, and names what the demo
+    changes and the launcher's flags; `eval --help` lists no flag eval does not read, and refuses one given."""
+    from trl_vapo.cli import DEMO_DEFAULTS, TRAIN_ONLY
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines wherever the terminal ends
+    assert "Paper: 1e-6. (default: 1e-06)" in text and "(default: 480)" not in text
+    demo = text.split("The demo changes these:")[1]
+    assert all(f"{key}=" in demo for key in DEMO_DEFAULTS) and "learning_rate=0.0001" in demo
+    assert all(flag in text for flag in ("--config FILE.yaml", "--num_processes", "--accelerate_config zero1"))
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = capsys.readouterr().out
+    listed = set(re.findall(r"^  --(\w+)", text, flags=re.MULTILINE))
+    assert "dataset_test_split" in listed and not listed & TRAIN_ONLY
+    assert main(["eval", "--model", "m", "--value_model_name_or_path", "c"]) == 2
+    assert "--value_model_name_or_path: a `trl-vapo train` flag" in capsys.readouterr().err
 
 
 def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
@@ -320,13 +369,16 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_config_parses_into_valid_settings(example):
-    """The examples use only fields that exist and values VAPOConfig accepts (bf16 is allowed here through use_cpu:
-    the machine has no GPU); the models and data sets they name are not loaded."""
+    """The examples use only fields that exist and values VAPOConfig accepts, on this machine without a GPU as on
+    one (bf16 is left to its default: on where the GPU supports it), and no deprecated name; the models and data sets
+    they name are not loaded."""
     from trl_vapo.cli import _parser
 
-    script, config, model, _ = _parser().parse_args_and_config(["--config", str(example), "--use_cpu", "true"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # `gradient_checkpointing`: use `activation_checkpointing`
+        script, config, model, _ = _parser().parse_args_and_config(["--config", str(example)])
     assert model.model_name_or_path and (script.dataset_name or script.dataset_preset)
-    assert config.gradient_checkpointing and config.bf16
+    assert config.activation_checkpointing and config.bf16 == _cuda_supports_bf16()
     if model.load_in_4bit:
         assert model.use_peft  # QLoRA trains adapters
 

@@ -173,3 +173,16 @@ def test_the_package_has_no_import_cycle_at_module_level():
             visit(module, [])
     assert graph["trl_vapo.generation"] >= {"trl_vapo._compat", "trl_vapo.vllm_sync"}  # the graph is read
     assert "trl_vapo.checkpoint" in graph["trl_vapo.trainer"]  # `from . import checkpoint as ckpt`
+
+
+def test_every_extra_the_docs_and_messages_name_exists():
+    """`pip install trl-vapo[x]` in the README, a help text or an error message names an extra pyproject.toml has."""
+    import re
+
+    section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = set(re.findall(r"^([\w-]+) = \[", section, flags=re.MULTILINE))
+    assert {"dev", "qlora"} <= extras
+    texts = [ROOT / "README.md", *sorted((ROOT / "trl_vapo").rglob("*.py"))]
+    named = {(path.name, extra) for path in texts for extra in re.findall(r"trl-vapo\[([\w,-]+)\]", path.read_text())}
+    assert named, "no `trl-vapo[...]` found: the pattern is stale"
+    assert not {(name, extra) for name, extra in named if not set(extra.split(",")) <= extras}, extras

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,12 +135,39 @@ class VAPOScriptArguments:
     )
 
 
+TRAIN_DESCRIPTION = """\
+Train a model with VAPO (arXiv 2504.05118): PPO with a value model, as `trl grpo` trains with GRPO, from flags, a YAML
+file (--config FILE.yaml: its keys are the flags below, and flags override it), or both.
+
+  trl-vapo train                                    the offline demo (no model, data set or --config given)
+  trl-vapo train --config examples/gsm8k_lora.yaml  a recipe; --model_name_or_path and --dataset_name as flags work too
+  trl-vapo train --config x.yaml --num_processes 2  several processes: `accelerate launch`'s flags (--num_processes,
+                                                    --multi_gpu, --config_file, --accelerate_config zero1|zero2|zero3|
+                                                    fsdp1|fsdp2|multi_gpu|single_gpu) relaunch the run through it
+
+The defaults below are every run's (VAPOConfig's: the paper's where it has one). The demo changes these:
+{demo}
+"""
+
+
 def _parser():
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
     from .config import VAPOConfig
 
-    return TrlParser((VAPOScriptArguments, VAPOConfig, ModelConfig, DatasetMixtureConfig), prog="trl-vapo train")
+    class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """The defaults after each flag, and the description as written."""
+
+    demo = textwrap.fill(", ".join(f"{k}={v}" for k, v in DEMO_DEFAULTS.items()), 118, initial_indent="  ",
+                         subsequent_indent="  ")  # fmt: skip
+    # allow_abbrev=False: `--learning_rat` is a typo to name, not a prefix to take silently (a YAML key never is one)
+    return TrlParser(
+        (VAPOScriptArguments, VAPOConfig, ModelConfig, DatasetMixtureConfig),
+        prog="trl-vapo train",
+        description=TRAIN_DESCRIPTION.format(demo=demo),
+        formatter_class=Help,
+        allow_abbrev=False,
+    )
 
 
 class UsageError(Exception):
@@ -152,10 +180,13 @@ def _is_demo(argv: list[str]) -> bool:
     return not given & {"--config", "--model_name_or_path", "--dataset_name", "--dataset_preset", "--datasets"}
 
 
-def _split_launch_args(remaining: list[str]) -> list[str]:
-    """Check that every argument the training parsers left over belongs to `accelerate launch`."""
+def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser=None) -> list[str]:
+    """Check that every argument the training parsers left over belongs to `accelerate launch`; `from_config` are
+    those that came from the YAML file's keys. An unknown one is named with the closest known flag."""
     if not remaining:
         return []
+    import difflib
+
     from accelerate.commands.launch import launch_command_parser
 
     from ._compat import resolve_accelerate_config_argument
@@ -164,15 +195,26 @@ def _split_launch_args(remaining: list[str]) -> list[str]:
         launch_args = resolve_accelerate_config_argument(list(remaining))
     except ValueError as error:
         raise UsageError(str(error)) from None
-    _, unknown = launch_command_parser().parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
+    launcher = launch_command_parser()
+    _, unknown = launcher.parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
     unknown = [arg for arg in unknown if arg.startswith("-")]
     if unknown:
-        raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo train --help`)")
+        known = [o for p in (parser or _parser(), launcher) for a in p._actions for o in a.option_strings]
+        named = []
+        for arg in unknown:
+            flag = arg.split("=")[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if flag in from_config:  # a YAML key, named as the file spells it
+                hint = f" (did you mean {close[0][2:]!r}?)" if close else ""
+                named.append(f"the config's key {flag[2:]!r}{hint}")
+            else:
+                named.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
+        raise UsageError(f"unrecognized argument(s): {', '.join(named)} (see `trl-vapo train --help`)")
     return launch_args
 
 
 def train_command(argv: list[str]) -> int:
-    demo = _is_demo(argv)
+    demo = _is_demo(argv) and not {"-h", "--help"} & set(argv)  # help shows every run's defaults, naming the demo's
     parser = _parser()
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS)
@@ -184,7 +226,7 @@ def train_command(argv: list[str]) -> int:
         raise UsageError(str(error)) from None
     except FileNotFoundError as error:  # --config naming no file
         raise UsageError(f"{error.filename or error}: no such file (--config takes a YAML file's path)") from None
-    launch_args = _split_launch_args(config_remaining + cli_remaining)
+    launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
     if launch_args and "LOCAL_RANK" not in os.environ:
         return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
 
@@ -202,6 +244,10 @@ def train_command(argv: list[str]) -> int:
         check_engine_available(EngineSettings.from_config(training_args))
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
+    if not demo:
+        _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
+        _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")
+        _check_model_source(script_args.value_model_name_or_path, "--value_model_name_or_path")
     model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
         script_args, model_args, training_args, demo, mixture
     )
@@ -323,7 +369,7 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
                 chat=chat,
                 streaming=script_args.dataset_streaming,
             )
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, ConnectionError) as error:
             raise UsageError(str(error)) from None
 
     train = load(script_args.dataset_train_split)
@@ -376,6 +422,41 @@ def _data_sets(model_id: str, train, test_split, evaluates: bool, script_args):
         else:
             report = test_split.select(range(min(len(test_split), script_args.eval_num_prompts)))
     return model_id, train, test_split if evaluates else None, report
+
+
+def _check_model_source(name: str | None, flag: str, revision: str | None = None) -> None:
+    """A model the flag names is a local folder, in the Hugging Face cache, or on a Hub this machine reaches: one line
+    saying which is not so, before anything loads (offline, transformers would retry for a minute, then raise
+    through two tracebacks)."""
+    if not name or Path(name).expanduser().exists():
+        return
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+            return
+    except HFValidationError:  # not of the form `owner/name`: a path
+        raise UsageError(f"{flag} {name}: no such folder (a Hub id reads `owner/name`)") from None
+    if constants.HF_HUB_OFFLINE:
+        raise UsageError(
+            f"{flag} {name} is not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE is set: "
+            f"download it where the Hub is reachable (`hf download {name}`), or pass a local folder"
+        )
+    try:
+        model_info(name, revision=revision, timeout=10)
+    except GatedRepoError:
+        raise UsageError(f"{flag} {name} is gated: accept its terms on the Hub, then `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise UsageError(
+            f"{flag} {name}: no such folder, and no such model on the Hub (a private one needs `hf auth login`)"
+        ) from None
+    except Exception as error:  # no network, a proxy, an HTTP error: the exception's class is the HTTP library's
+        raise UsageError(
+            f"{flag} {name} is not a local folder and not in the Hugging Face cache, and the Hub cannot be reached "
+            f"({type(error).__name__}: {str(error)[:120]}): download it where the Hub is reachable "
+            f"(`hf download {name}`), or pass a local folder (HF_HUB_OFFLINE=1 runs offline from the cache)"
+        ) from None
 
 
 def _reward_names(script_args) -> list[str]:
@@ -540,10 +621,31 @@ class EvalArguments:
     output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})
 
 
+TRAIN_ONLY = {
+    "dataset_train_split",
+    "dataset_streaming",
+    "value_model_name_or_path",
+    "eval_num_prompts",
+    "eval_k",
+    "ignore_bias_buffers",
+}
+"""`VAPOScriptArguments` fields that only `train` reads: a training YAML's keys that `eval` accepts and ignores."""
+
+
 def eval_command(argv: list[str]) -> int:
     from trl import TrlParser
 
-    parser = TrlParser((VAPOScriptArguments, EvalArguments), prog="trl-vapo eval")
+    parser = TrlParser((VAPOScriptArguments, EvalArguments), prog="trl-vapo eval", allow_abbrev=False)
+    for action in parser._actions:
+        if action.dest in TRAIN_ONLY:  # accepted from a training YAML, never read here: not in eval's help
+            action.help = argparse.SUPPRESS
+    given = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--")]
+    training_flags = [flag for flag in given if flag[2:].replace("-", "_") in TRAIN_ONLY]
+    if training_flags:
+        raise UsageError(
+            f"{', '.join(training_flags)}: a `trl-vapo train` flag, which eval does not read (eval scores "
+            "--dataset_test_split; its own flags: `trl-vapo eval --help`)"
+        )
     try:
         script, args, config_remaining, cli_remaining = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -565,6 +667,7 @@ def eval_command(argv: list[str]) -> int:
         )
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
+    _check_model_source(args.model, "--model")
     from .generation import EngineSettings, build_engine, check_engine_available
 
     try:
@@ -662,9 +765,6 @@ def plot_command(argv: list[str]) -> int:
 # -------------------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # bitsandbytes, imported by peft when installed, warns at import on CPUs that an optional kernel package (which
-    # would be fetched from the hub) is missing; it changes nothing for this command and would precede every error.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     commands = {"train": train_command, "eval": eval_command, "plot": plot_command}
     if not argv or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="trl-vapo", description="VAPO training for the Hugging Face TRL stack.")

@@ -616,6 +616,12 @@ class VAPOConfig(TrainingArguments):
             self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _cuda_supports_bf16()
+        if self.bf16 and not self.use_cpu and not _bf16_accelerator():  # what transformers refuses, and its fix
+            raise ValueError(
+                "bf16=True needs an accelerator with bf16 (a CUDA GPU from Ampere on, ...) and this machine has none: "
+                "leave bf16 unset (on where the hardware supports it) or pass --bf16 false; --use_cpu true trains "
+                "in bf16 on the CPU."
+            )
         for name in self._VALID_DICT_FIELDS:
             value = getattr(self, name, None)
             if isinstance(value, str) and value.strip().startswith("{"):
@@ -856,6 +862,13 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _bf16_accelerator() -> bool:
+    """Whether transformers' TrainingArguments takes `bf16=True` without `use_cpu` here (its own test)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return is_torch_bf16_gpu_available() or is_torch_xla_available()
 
 
 def _cuda_supports_bf16() -> bool:

@@ -177,7 +177,43 @@ def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: 
             f"Dataset file {dataset_name} does not exist (in {Path.cwd()}); a name ending in {path.suffix} is read as "
             "a local file, not looked up on the Hub."
         )
-    return load_dataset(dataset_name, dataset_config, split=split, streaming=streaming)
+    _check_hub_reachable(dataset_name)
+    try:
+        return load_dataset(dataset_name, dataset_config, split=split, streaming=streaming)
+    except ConnectionError as error:  # offline, and not in `datasets`' cache
+        raise ConnectionError(_unreachable(dataset_name, error)) from None
+
+
+def _check_hub_reachable(dataset_name: str) -> None:
+    """Offline without HF_HUB_OFFLINE, `datasets` retries for half a minute before it says so: one request instead.
+    In offline mode `datasets` reads its cache, and says at once when the data set is not there."""
+    from datasets import config
+    from huggingface_hub import dataset_info
+
+    if config.HF_HUB_OFFLINE:
+        return
+    try:
+        dataset_info(dataset_name, timeout=10)
+    except Exception as error:  # no network, a proxy, a missing data set: its class is the HTTP library's or the Hub's
+        if "not found" in str(error).lower() or "404" in str(error):
+            return  # `load_dataset` says that in its own words (a private data set, a typo)
+        raise ConnectionError(_unreachable(dataset_name, error)) from None
+
+
+def _unreachable(dataset_name: str, error: Exception) -> str:
+    from datasets import config
+
+    where = f"none in {Path.cwd()}"
+    if config.HF_HUB_OFFLINE:
+        return (
+            f"Dataset {dataset_name} is not a local file or folder ({where}), nor in `datasets`' cache, and "
+            "HF_HUB_OFFLINE is set: pass a file's or folder's path, or load it once where the Hub is reachable."
+        )
+    return (
+        f"Dataset {dataset_name} is not a local file or folder ({where}), and the Hub cannot be reached "
+        f"({type(error).__name__}: {str(error)[:120]}): pass a file's or folder's path, or load it where the Hub is "
+        "reachable (HF_HUB_OFFLINE=1 reads `datasets`' cache)."
+    )
 
 
 def check_train_dataset(dataset, args) -> dict:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import difflib
 import importlib
 import json
 import logging
@@ -1487,8 +1488,11 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
         return func(max_completion_len=1280, soft_punish_cache=256) if name == "get_soft_overlong_punishment" else func
     module_name, sep, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
     if not sep or not module_name or not attribute:
+        known = sorted(REWARD_FUNCTIONS) + sorted(_TRL_REWARD_FUNCTIONS)
+        close = difflib.get_close_matches(name, known, n=1)
         raise ValueError(
-            f"unknown reward function {name!r}; expected one of {sorted(REWARD_FUNCTIONS)} or an import path"
+            f"unknown reward function {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; expected one of "
+            f"{', '.join(known)}, or an import path (my_pkg.rewards.fn)"
         )
     try:
         func = getattr(importlib.import_module(module_name), attribute)
