@@ -44,13 +44,13 @@ def save_tiny(directory: Path, model_type: str, **config) -> Path:
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
-def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp_path, caplog):
+def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp_path):
     model_dir = save_tiny(tmp_path / "model", model_type, **ARCHITECTURES[model_type])
     args = make_args(tmp_path, max_steps=1, num_iterations=1)
-    with caplog.at_level("WARNING"):
-        trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16))
-    # GRPOTrainer adds an MoE model's load-balancing loss by default; VAPO says it does not.
-    assert ("is a Mixture-of-Experts model" in caplog.text) == (model_type == "qwen3_moe")
+    trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16))
+    # An MoE model's load-balancing loss joins the policy's by default (its config's coefficient), as in GRPOTrainer.
+    moe = model_type == "qwen3_moe"
+    assert trainer.aux_loss_enabled == moe and trainer.router_aux_loss_coef == (0.001 if moe else 0.0)
     backbone = trainer.actor_critic.policy.base_model.state_dict()
     # The policy's own checkpoint as value_model: its backbone's weights, under whatever prefix it has.
     from_causal_lm = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16), value_model=str(model_dir))
@@ -61,6 +61,7 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
         assert all(torch.equal(value, backbone[name]) for name, value in weights.items())
     critic = trainer.actor_critic.critic
     trainer.train()
+    assert any("aux_loss" in h for h in trainer.state.log_history) == moe
     trainer.save_model()
     reloaded = VAPOTrainer(
         str(model_dir), digit_fraction, args, prompts_dataset(16), value_model=str(tmp_path / "out" / "critic")
@@ -71,6 +72,54 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
         assert torch.equal(value, trained[name]), name
     if model_type in ("cohere2", "codegen"):
         assert model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES  # the case this test is for
+
+
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled-head", "own-forward"])
+def test_a_moe_policys_load_balancing_loss_is_the_one_its_own_forward_computes(tmp_path, monkeypatch, tiled):
+    """The log-probs' pass returns the routers' load-balancing loss as the model's own forward computes it with
+    `output_router_logits=True`, through the tiled head (the backbone alone, then the architecture's function) or,
+    where the architecture has no such function, the model's own forward; the log-probs stay the same."""
+    from trl_vapo import modeling
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path, "qwen3_moe", **ARCHITECTURES["qwen3_moe"]))
+    if not tiled:
+        monkeypatch.setattr(modeling, "_load_balancing_loss", lambda causal_lm: None)
+    ids = torch.randint(3, 30, (3, 12), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(ids)
+    attention[0, :3] = 0  # a left-padded prompt
+    logprobs, _, aux = modeling.completion_logprobs(model, ids, attention, 5, with_aux_loss=True)
+    expected = model(input_ids=ids, attention_mask=attention, output_router_logits=True).aux_loss
+    torch.testing.assert_close(aux, expected)
+    assert aux.requires_grad and torch.equal(logprobs, modeling.completion_logprobs(model, ids, attention, 5))
+
+
+def test_a_moe_policys_load_balancing_loss_joins_its_loss_never_the_critics(tmp_path):
+    """`router_aux_loss_coef` weighs the routers' loss in the policy's step: from the same rollout, the policy's
+    routers step elsewhere with it than without it, and the critic's step is the same; `aux_loss` is logged."""
+    model_dir = save_tiny(tmp_path / "model", "qwen3_moe", **ARCHITECTURES["qwen3_moe"])
+    trained = {}
+    for coef in (0.0, 10.0):
+        args = make_args(tmp_path / str(coef), max_steps=1, num_iterations=1, router_aux_loss_coef=coef)
+        trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16))
+        assert trainer.aux_loss_enabled == (coef > 0)
+        trainer.train()
+        assert any("aux_loss" in h for h in trainer.state.log_history) == (coef > 0)
+        trained[coef] = {
+            "routers": {
+                n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters() if ".gate." in n
+            },
+            "critic": {n: p.detach().clone() for n, p in trainer.actor_critic.critic.named_parameters()},
+        }
+    without, weighted = trained[0.0], trained[10.0]
+    assert without["routers"] and all(
+        not torch.equal(p, weighted["routers"][n]) for n, p in without["routers"].items()
+    )
+    assert all(torch.equal(p, weighted["critic"][n]) for n, p in without["critic"].items())
+    with pytest.raises(ValueError, match="is not a Mixture-of-Experts model"):
+        VAPOTrainer(
+            str(save_tiny(tmp_path / "dense", "qwen2")), digit_fraction, make_args(tmp_path, router_aux_loss_coef=0.1),
+            prompts_dataset(16),
+        )  # fmt: skip
 
 
 CUSTOM_CONFIG = """

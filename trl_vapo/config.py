@@ -24,11 +24,6 @@ _ENTROPY = "VAPO's policy loss has no entropy term or entropy mask (Eq. 8-10); e
 
 
 _GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instead[, other accepted values])
-    "router_aux_loss_coef": (
-        None,
-        "VAPO adds no Mixture-of-Experts load-balancing loss to its objective (0.0 is accepted too).",
-        (0.0,),
-    ),
     "delta": (None, _CLIP),
     "sapo_temperature_neg": (1.05, _OTHER_LOSS),
     "sapo_temperature_pos": (1.0, _OTHER_LOSS),
@@ -581,9 +576,16 @@ class VAPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Deprecated (as in TRL): use `vllm_importance_sampling_clip_max`."},
     )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mixture-of-Experts policies: the weight of the router's load-balancing loss, added to the "
+            "policy's loss (never the critic's) and logged as `aux_loss`, as GRPOTrainer adds it. None: the model "
+            "config's own `router_aux_loss_coef` (0 where it declares none); 0: off. Not in the paper (dense models)."
+        },
+    )
     # GRPOConfig's switches for features VAPO does not have: GRPO's default (the feature off, or GRPO's own
     # normalisation, which VAPO's critic replaces) is accepted so that a GRPO config runs; any other value is refused.
-    router_aux_loss_coef: float | None = _grpo_only("router_aux_loss_coef")
     delta: float | None = _grpo_only("delta")
     sapo_temperature_neg: float = _grpo_only("sapo_temperature_neg")
     sapo_temperature_pos: float = _grpo_only("sapo_temperature_pos")
@@ -764,6 +766,10 @@ class VAPOConfig(TrainingArguments):
             f"{self.length_adaptive_alpha}.",
         )
         require(self.nll_coef >= 0, f"nll_coef must be >= 0, got {self.nll_coef}.")
+        require(
+            self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+            f"router_aux_loss_coef must be >= 0 (None: the model's own), got {self.router_aux_loss_coef}.",
+        )
         require(self.beta >= 0, f"beta must be >= 0, got {self.beta}.")
         require(self.vf_coef > 0, f"vf_coef must be > 0, got {self.vf_coef}.")
         # The fields a user sets, each named: a derived one's error would send them to a field they never set.

@@ -272,6 +272,7 @@ def completion_logprobs(
     completion_length: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    with_aux_loss: bool = False,
 ):
     """log pi(y_t | x, y_<t) of the last ``completion_length`` tokens under a causal LM, at ``temperature``.
 
@@ -280,7 +281,9 @@ def completion_logprobs(
     for 8 x 256 tokens of Qwen's 152k vocabulary in float32, never exist. A head that is not a plain linear layer
     on the model itself (a LoRA, quantized or offloaded head; BERT-style heads that transform the hidden states
     first) is run as the model runs it, on the completion's positions only. With ``with_entropy`` also returns the
-    per-position entropy of the (temperature-scaled) distribution, detached.
+    per-position entropy of the (temperature-scaled) distribution, detached. With ``with_aux_loss`` (a
+    Mixture-of-Experts model) returns ``(logprobs, entropy, aux_loss)``: the routers' load-balancing loss over the
+    whole sequence, as the model's own forward computes it with ``output_router_logits=True``.
     """
     causal_lm = _causal_lm(model)
     targets = input_ids[:, -completion_length:]
@@ -290,22 +293,34 @@ def completion_logprobs(
         position_ids=_position_ids(attention_mask),
         use_cache=False,
     )
+    if with_aux_loss:
+        inputs["output_router_logits"] = True
+    aux_loss = []  # set by whichever forward runs
 
-    def from_logits(logits):
+    def finish(logprobs, entropy):
+        if with_aux_loss:
+            return logprobs, entropy, aux_loss[0]
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    def from_logits(out):
         # The logits at position p predict token p + 1; fp32 maths happens in chunks, in the logits' dtype.
-        logits = logits[:, -completion_length - 1 : -1, :]
+        logits = out.logits[:, -completion_length - 1 : -1, :]
+        aux_loss.append(getattr(out, "aux_loss", None))
         return token_logprobs_and_entropy(logits, targets.to(logits.device), temperature, with_entropy)
 
     head = causal_lm.get_output_embeddings()
-    if not _tiles_fit(causal_lm, head):
-        logprobs, entropy = from_logits(model(**inputs, logits_to_keep=completion_length + 1).logits)
-        return (logprobs, entropy) if with_entropy else logprobs
+    balancing_loss = _load_balancing_loss(causal_lm) if with_aux_loss else None
+    if not _tiles_fit(causal_lm, head) or (with_aux_loss and balancing_loss is None):
+        return finish(*from_logits(model(**inputs, logits_to_keep=completion_length + 1)))
 
     logit_scale, logit_softcap = _logit_transform(causal_lm.config)
 
     def tiled_head_forward(**kwargs):
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
-        hidden = causal_lm.base_model(**kwargs).last_hidden_state
+        outputs = causal_lm.base_model(**kwargs)
+        if with_aux_loss:
+            aux_loss.append(balancing_loss(outputs.router_logits, kwargs["attention_mask"]))
+        hidden = outputs.last_hidden_state
         weight, bias = head.weight, head.bias
         if isinstance(weight, DTensor):  # an FSDP2 head sharded on its own: the whole weight, as its forward would
             weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
@@ -329,8 +344,20 @@ def completion_logprobs(
 
     out = _run_as_forward(model, causal_lm, tiled_head_forward, **inputs)
     # A wrapper may call the model's own forward instead (PEFT prompt learning with its adapter disabled).
-    logprobs, entropy = out if isinstance(out, tuple) else from_logits(out.logits)
-    return (logprobs, entropy) if with_entropy else logprobs
+    return finish(*(out if isinstance(out, tuple) else from_logits(out)))
+
+
+def _load_balancing_loss(causal_lm: nn.Module):
+    """``fn(router_logits, attention_mask) -> loss``: the load-balancing loss a Mixture-of-Experts causal LM adds in
+    its own forward (its module's ``load_balancing_loss_func`` over its expert counts), for the tiled head's path,
+    which runs the backbone alone; None where the model has no such function (its own forward then runs)."""
+    import sys
+
+    compute = getattr(sys.modules[type(causal_lm).__module__], "load_balancing_loss_func", None)
+    experts, top_k = getattr(causal_lm, "num_experts", None), getattr(causal_lm, "num_experts_per_tok", None)
+    if compute is None or experts is None or top_k is None:
+        return None
+    return lambda router_logits, attention_mask: compute(router_logits, experts, top_k, attention_mask)
 
 
 def _tiles_fit(causal_lm: PreTrainedModel, head: nn.Module | None) -> bool:
@@ -421,6 +448,9 @@ class ActorCritic(nn.Module):
         self.policy = policy
         self.critic = critic
         self.value_head = value_head
+        # A Mixture-of-Experts policy's load-balancing loss comes back with its log-probs (`forward`'s `aux_loss`)
+        # when the trainer adds it to the policy's loss (`router_aux_loss_coef`).
+        self.with_router_aux_loss = False
         # Kept out of the module tree (not a registered submodule, even if it is an nn.Module): frozen, it is neither
         # trained, wrapped by DDP/DeepSpeed/FSDP, moved, nor part of the state dict.
         self.__dict__["value_function"] = value_function
@@ -532,15 +562,21 @@ class ActorCritic(nn.Module):
         Returns a dict with, for each completion position t (shape ``[B, completion_length]``):
         ``logprobs`` log pi(y_t | x, y_<t) at ``temperature`` and ``entropy`` (detached, when ``with_entropy``) when
         ``with_policy``;
-        ``values`` V(x, y_<t), read from the hidden state that precedes y_t, when ``with_values``.
+        ``values`` V(x, y_<t), read from the hidden state that precedes y_t, when ``with_values``;
+        ``aux_loss`` the routers' load-balancing loss (a scalar) when ``with_policy`` and ``with_router_aux_loss``.
         """
         position_ids = _position_ids(attention_mask)
         outputs: dict[str, torch.Tensor] = {}
         if with_policy:
+            aux = self.with_router_aux_loss
             logprobs = completion_logprobs(
-                self.policy, input_ids, attention_mask, completion_length, temperature, with_entropy=with_entropy
+                self.policy, input_ids, attention_mask, completion_length, temperature, with_entropy, aux
             )
-            if with_entropy:
+            if aux:
+                outputs["logprobs"], entropy, outputs["aux_loss"] = logprobs
+                if with_entropy:
+                    outputs["entropy"] = entropy
+            elif with_entropy:
                 outputs["logprobs"], outputs["entropy"] = logprobs
             else:
                 outputs["logprobs"] = logprobs

@@ -123,16 +123,19 @@ def policy_init_kwargs(model, model_init_kwargs: dict | None, quantization_confi
     return {**(model_init_kwargs or {}), "quantization_config": quantization_config}
 
 
-def warn_moe_without_aux_loss(policy: nn.Module, args: VAPOConfig) -> None:
-    """GRPOTrainer adds a Mixture-of-Experts model's load-balancing loss by default (`router_aux_loss_coef=None`:
-    the model's own coefficient); VAPO's objective has none, so a GRPO user is told once."""
+def router_aux_loss_coefficient(policy: nn.Module, args: VAPOConfig) -> float:
+    """The weight of a Mixture-of-Experts policy's load-balancing loss, as GRPOTrainer sets it: `router_aux_loss_coef`,
+    or the model config's own when None (0 where it declares none); 0 for a dense model, which has no such loss."""
     config = policy.config.get_text_config()
-    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-    if hasattr(config, "output_router_logits") and args.router_aux_loss_coef is None and coef:
-        logger.warning(
-            f"{type(policy).__name__} is a Mixture-of-Experts model: GRPOTrainer would add its load-balancing loss "
-            f"(router_aux_loss_coef={coef}); VAPO's objective has none, so its experts are not balanced by the loss."
+    coef = args.router_aux_loss_coef
+    if coef and not hasattr(config, "output_router_logits"):
+        raise ValueError(
+            f"router_aux_loss_coef={coef} is set but {type(policy).__name__} is not a Mixture-of-Experts model that "
+            "returns its router logits, so there is no load-balancing loss to weight: leave it unset."
         )
+    if not hasattr(config, "output_router_logits"):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
 
 
 def check_value_function_settings(value_model: Any, args: VAPOConfig) -> None:
@@ -351,7 +354,10 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             # After the critic is built and the dtypes to save in are recorded (a tied head casts the embeddings
             # too): the policy is the one loaded, whatever its head computes in.
             cast_lm_head_to_fp32(policy)
-        warn_moe_without_aux_loss(policy, args)
+        # An MoE policy's router load-balancing loss joins the policy's loss, as in GRPOTrainer (its names).
+        self.router_aux_loss_coef = router_aux_loss_coefficient(policy, args)
+        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
+        actor_critic.with_router_aux_loss = self.aux_loss_enabled
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
@@ -1075,6 +1081,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                         sums[key] += value if key.startswith("loss") else value * n
                     if "entropy" in out:
                         sums["entropy"] += masked_mean(out["entropy"], batch["mask"]) * n
+                    if "aux_loss" in out:  # the routers' balance, the step's mean over micro-batches (as TRL)
+                        loss = loss + self.router_aux_loss_coef * out["aux_loss"] / len(micro_batches)
+                        sums["aux_loss"] += out["aux_loss"].detach() * n
                     sums["loss"] += loss.detach()
                     self._backward(loss, last)
                     del out, loss  # this pass's activations go before the next pass makes its own
