@@ -169,6 +169,10 @@ BAD_INPUT = [
     (["--config", "typo.yaml"], "the config's key 'learnin_rate' (did you mean 'learning_rate'?)"),
     (["--reward_funcs", "math_rewrd"], "(did you mean 'math_reward'?); expected one of math_reward, "),
     (["--reward_funcs", "x"], "think_format_reward"),  # TRL's rewards are in the list too
+    (
+        ["--steps_per_generation", "4", "--gradient_accumulation_steps", "3"],
+        "Nearest valid: steps_per_generation=3 or 6; or gradient_accumulation_steps=2 or 4.",
+    ),
     *([] if _cuda_supports_bf16() else [(["--bf16", "true"], "bf16=True needs an accelerator with bf16")]),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the

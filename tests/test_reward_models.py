@@ -103,6 +103,11 @@ def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_chec
     assert lengths == [len(c) for c in table.columns["completion"]] and len(lengths) == len(rollouts[-1])
     assert table.text_columns()["length"] == lengths and "length" not in table.columns  # logged, not printed
     assert table.to_dataframe()["length"].tolist() == lengths
+    # GRPOTrainer's `_logs`, which callbacks written for it read: the last rollout's table under TRL's keys.
+    logs = trainer._logs
+    assert logs["extra"]["length"] == lengths and logs["completion"] == table.columns["completion"]
+    assert logs["rewards"] == {"progress_reward": table.columns["progress_reward"]} and logs["images"] == []
+    assert logs["advantages"] == table.columns["advantage"] and len(logs["prompt"]) == len(lengths)
 
     from trl_vapo.evaluation import evaluate_policy
 
@@ -205,6 +210,9 @@ def test_a_grpo_script_with_a_reward_model_an_async_and_a_stateful_function_trai
     exec(compile(script, "grpo_script.py", "exec"), namespace)
     names = namespace["trainer"].reward_func_names
     assert names == [reward_model_dir.name, "async_reward", "progress_reward"]
+    # GRPOTrainer's attribute: the reward model's tokenizer, None for the functions.
+    tokenizer, *functions = namespace["trainer"].reward_processing_classes
+    assert tokenizer is namespace["trainer"].reward_funcs[0].tokenizer is not None and functions == [None, None]
     assert namespace["trainer"].state.global_step >= 2
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "critic" / "model.safetensors").is_file()
 

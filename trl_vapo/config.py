@@ -710,10 +710,16 @@ class VAPOConfig(TrainingArguments):
             f"{self.steps_per_generation}) must be a multiple of num_generations ({self.num_generations}). "
             f"Valid num_generations: {_divisors(self.generation_batch_size)}.",
         )
+        steps, accumulation = self.steps_per_generation, self.gradient_accumulation_steps
+        below = steps // accumulation * accumulation
+        multiples = " or ".join(str(m) for m in (below, below + accumulation) if m)
+        divisors = " or ".join(map(str, _nearest_divisors(steps, accumulation)))
         require(
-            self.steps_per_generation % self.gradient_accumulation_steps == 0,
-            f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
-            f"({self.gradient_accumulation_steps}): a rollout is split into whole optimizer steps.",
+            steps % accumulation == 0,
+            f"steps_per_generation ({steps}) must be a multiple of gradient_accumulation_steps ({accumulation}): a "
+            "rollout is split into whole optimizer steps, so that every step's token mean spans as many completions "
+            f"(GRPO lets a step span two rollouts). Nearest valid: steps_per_generation={multiples}; or "
+            f"gradient_accumulation_steps={divisors}.",
         )
         refused = self._refused_grpo_settings()
         require(
@@ -868,6 +874,13 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _nearest_divisors(n: int, near: int) -> list[int]:
+    """The divisors of `n` just below and just above `near` (one where only one side has any)."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    below, above = [d for d in divisors if d < near], [d for d in divisors if d > near]
+    return ([below[-1]] if below else []) + ([above[0]] if above else [])
 
 
 def _bf16_accelerator() -> bool:

@@ -334,6 +334,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         for eval_example in eval_examples.values():  # the rewards read the eval rows' columns too
             self.scorer.check(eval_example)
         self.reward_funcs, self.reward_func_names = self.scorer.funcs, self.scorer.names
+        # GRPOTrainer's attribute: each reward model's tokenizer (given or its own), None for the functions.
+        self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
         self._metrics: dict[str, list[float]] = defaultdict(list)
         check_quantization(model_init_kwargs, peft_config)
 
@@ -582,6 +584,22 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    @property
+    def _logs(self) -> dict[str, Any]:
+        """GRPOTrainer's record of the completions it logs, under its name, for callbacks written for GRPOTrainer:
+        the last rollout's (this process's) `prompt`, `completion`, `rewards` by function, `advantages` and `extra`
+        (the columns reward functions logged with `log_extra`), read from its completions table; `images` is
+        always empty (VAPO takes text). Empty before the first rollout."""
+        logs = {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
+        if self._last_rollout is None:
+            return logs
+        table = rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step)
+        logs.update(prompt=table.columns["prompt"], completion=table.columns["completion"])
+        logs["rewards"] = {name: table.columns[name] for name in table.reward_columns}
+        logs["advantages"] = table.columns.get("advantage", [])
+        logs["extra"] = table.extra_columns
+        return logs
 
     def _train_on_rollout(self) -> None:
         """Steps 1-4 build the rollout (`_make_rollout`), step 5 trains on it: shuffled passes (RL:
