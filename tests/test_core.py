@@ -258,14 +258,15 @@ def test_gae_does_not_bootstrap_from_the_first_pad_position():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def naive_policy_loss(logprobs, old_logprobs, advantages, lengths, eps_low, eps_high, loss_type):
+def naive_policy_loss(logprobs, old_logprobs, advantages, lengths, eps_low, eps_high, loss_type, delta=None):
     token_losses, per_sequence = [], []
     for i, n in enumerate(lengths.tolist()):
         row = []
         for t in range(n):
             ratio = math.exp(float(logprobs[i, t]) - float(old_logprobs[i, t]))
             a = float(advantages[i, t])
-            row.append(-min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a))
+            capped = ratio if delta is None else min(ratio, delta)
+            row.append(-min(capped * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a))
         token_losses.extend(row)
         if row:
             per_sequence.append(sum(row) / len(row))
@@ -290,6 +291,23 @@ def test_policy_loss_matches_naive_loop(loss_type):
     assert stats["clip_frac"].item() == pytest.approx((high + low).item())
     kl = ((ratio - 1) - (logprobs - old))[valid].mean()
     assert stats["approx_kl"].item() == pytest.approx(kl.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+def test_two_sided_clipping_caps_the_ratio_of_negative_advantages_only(loss_type):
+    """`delta` (GRPOConfig's two-sided clipping) against the naive loop, on ratios far from 1 (up to e^3): it lowers
+    the loss of negative advantages whose ratio exceeds delta, and leaves every positive advantage's term alone."""
+    lengths, mask, advantages, old, g = random_batch(batch=7, steps=10, seed=9)
+    logprobs = old + 1.5 * torch.randn(old.shape, generator=g)
+    loss, _ = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, loss_type=loss_type, delta=2.0)
+    expected = naive_policy_loss(logprobs, old, advantages, lengths, 0.2, 0.28, loss_type, delta=2.0)
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    uncapped, _ = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, loss_type=loss_type)
+    assert loss.item() < uncapped.item()  # some negative advantages have ratios above 2
+    positive = torch.where(advantages > 0, advantages, torch.zeros_like(advantages))
+    with_delta, _ = policy_loss(logprobs, old, positive, mask, 0.2, 0.28, loss_type=loss_type, delta=2.0)
+    without, _ = policy_loss(logprobs, old, positive, mask, 0.2, 0.28, loss_type=loss_type)
+    assert with_delta.item() == without.item()
 
 
 def test_policy_loss_ignores_padding():
@@ -645,6 +663,21 @@ def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
     critic_only, stats = vapo_loss(None, values, batch, normalizers=normalizers, **settings)
     assert critic_only.item() == pytest.approx(0.5 * v.item(), rel=1e-6) and "loss/policy" not in stats
 
+    # An entropy bonus: minus entropy_coef times the step's token mean of the entropy (its gradient kept).
+    entropy = torch.rand(mask.shape, generator=g).requires_grad_()
+    bonus, stats = vapo_loss(
+        logprobs, values, batch, normalizers=normalizers, entropy_coef=0.3, entropy=entropy, **settings
+    )
+    mean_entropy = (entropy * mask).sum() / mask.sum()
+    assert bonus.item() == pytest.approx((loss - 0.3 * mean_entropy).item(), rel=1e-6)
+    assert stats["loss/entropy_bonus"].item() == pytest.approx(mean_entropy.item())
+    bonus.backward()
+    torch.testing.assert_close(entropy.grad, -0.3 * mask / mask.sum())
+    with pytest.raises(ValueError, match="entropy with its gradient"):
+        vapo_loss(
+            logprobs, values, batch, normalizers=normalizers, entropy_coef=0.3, entropy=entropy.detach(), **settings
+        )
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # property-based: any shape, any right-padded mask
@@ -751,6 +784,15 @@ def test_token_logprobs_and_entropy_match_the_definitions_in_chunks(monkeypatch,
     torch.testing.assert_close(logits.grad.double(), reference.grad.to(dtype).double(), rtol=tolerance, atol=tolerance)
     assert token_logprobs_and_entropy(logits, index, temperature)[1] is None
 
+    # An entropy bonus trains on the entropy: its gradient, dH/dz_j = -p_j (log p_j + H) / T, against autograd's.
+    logits.grad, reference.grad = None, None
+    logprobs, entropy = token_logprobs_and_entropy(logits, index, temperature, True, entropy_grad=True)
+    (logprobs * weights + entropy * weights.flip(0)).sum().backward()
+    expected_logprobs, expected_entropy = naive_logprobs_and_entropy(reference, index, temperature)
+    (expected_logprobs * weights.double() + expected_entropy * weights.flip(0).double()).sum().backward()
+    tolerance = max(tolerance, 2e-5)  # log p_j + H: fp32 terms of ~10 that cancel
+    torch.testing.assert_close(logits.grad.double(), reference.grad.to(dtype).double(), rtol=tolerance, atol=tolerance)
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Token log-probs and entropy from the hidden states, through the LM head in tiles
@@ -818,6 +860,20 @@ def test_lm_head_logprobs_match_the_definitions_in_tiles(monkeypatch, temperatur
     for ours, theirs in zip((hidden, weight, bias), reference):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=1e-5, atol=1e-5)
     assert lm_head_logprobs_and_entropy(hidden, weight, None, index, temperature)[1] is None
+
+    # An entropy bonus trains on the entropy: its gradient through the tiles, against autograd's of the definition.
+    for tensor in (hidden, weight, bias, *reference):
+        tensor.grad = None
+    logprobs, entropy = lm_head_logprobs_and_entropy(
+        hidden, weight, bias, index, temperature, with_entropy=True, entropy_grad=True, **transform
+    )
+    (logprobs * weights + entropy * weights.flip(0)).sum().backward()
+    expected_logprobs, expected_entropy = naive_head_logprobs_and_entropy(
+        *reference, index, temperature, scale, softcap
+    )
+    (expected_logprobs * weights.double() + expected_entropy * weights.flip(0).double()).sum().backward()
+    for ours, theirs in zip((hidden, weight, bias), reference):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])

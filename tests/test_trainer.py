@@ -19,6 +19,7 @@ from transformers import (
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adaptive_lambda
+from trl_vapo.rollout import RL
 
 # Metrics the issue requires at every logging step (RL phase).
 REQUIRED_METRICS = [
@@ -370,6 +371,25 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
     assert "value pretraining runs again" in caplog.text
     second.train()
     assert [h["phase"] for h in second.state.log_history if "phase" in h] == ["value_pretrain"] * 2 + ["rl"]
+
+
+def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reaches_the_loss(tiny_model_dir, tmp_path):
+    """GRPOConfig's static `entropy_coef`: from the same rollout, the policy steps elsewhere with the bonus than
+    without it, the critic the same; `loss/entropy_bonus` is logged. `delta` reaches the policy loss's settings."""
+    trained = {}
+    for coef in (0.0, 0.5):
+        args = make_args(tmp_path / str(coef), max_steps=1, num_iterations=1, entropy_coef=coef, delta=4.0)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+        assert trainer._loss_settings(RL, torch.ones(2, 3), torch.ones(2, dtype=torch.bool))["delta"] == 4.0
+        trainer.train()
+        assert any("loss/entropy_bonus" in h for h in trainer.state.log_history) == (coef > 0)
+        trained[coef] = [
+            {n: p.detach().clone() for n, p in side.named_parameters()}
+            for side in (trainer.actor_critic.policy, trainer.actor_critic.critic)
+        ]
+    (policy, critic), (policy_bonus, critic_bonus) = trained[0.0], trained[0.5]
+    assert any(not torch.equal(p, policy_bonus[n]) for n, p in policy.items())
+    assert all(torch.equal(p, critic_bonus[n]) for n, p in critic.items())
 
 
 def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_path):

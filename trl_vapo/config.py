@@ -18,13 +18,14 @@ _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 # optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
 GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
 _OTHER_LOSS = "it parametrises one of GRPO's other losses (SAPO, VESPO); VAPO's is PPO's clipped loss (Eq. 8)."
-_CLIP = "VAPO clips the ratio at 1 - epsilon and 1 + epsilon_high (clip-higher), with no two-sided delta bound."
 _REFERENCE = "VAPO's reference policy (used when beta > 0) is the initial policy, never synced (TR-DPO)."
-_ENTROPY = "VAPO's policy loss has no entropy term or entropy mask (Eq. 8-10); entropy is only logged."
+_ENTROPY = (
+    "VAPO takes a static entropy bonus (entropy_coef), not GRPO's adaptive entropy control or entropy mask (VAPO's "
+    "Eq. 8-10 have no entropy term)."
+)
 
 
 _GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instead[, other accepted values])
-    "delta": (None, _CLIP),
     "sapo_temperature_neg": (1.05, _OTHER_LOSS),
     "sapo_temperature_pos": (1.0, _OTHER_LOSS),
     "vespo_k_pos": (2.0, _OTHER_LOSS),
@@ -49,7 +50,6 @@ _GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does inste
     "ref_model_mixup_alpha": (0.6, _REFERENCE),
     "ref_model_sync_steps": (512, _REFERENCE),
     "top_entropy_quantile": (1.0, _ENTROPY),
-    "entropy_coef": (0.0, _ENTROPY),
     "use_adaptive_entropy": (False, _ENTROPY),
     "entropy_coef_min": (0.0, _ENTROPY),
     "entropy_coef_max": (1.0, _ENTROPY),
@@ -576,6 +576,22 @@ class VAPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Deprecated (as in TRL): use `vllm_importance_sampling_clip_max`."},
     )
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Two-sided clipping (INTELLECT-2; GRPOConfig's `delta`): the ratio in the unclipped term of the "
+            "policy loss is capped at delta, bounding the loss of a negative advantage whose ratio grows. Must be > 1 "
+            "+ epsilon_high. None (default, as the paper): no cap."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "An entropy bonus: entropy_coef times the step's token mean of the policy's entropy is "
+            "subtracted from the policy loss, as GRPOConfig's static `entropy_coef` (its adaptive form is not "
+            "supported). 0.0 (default, as the paper: Eq. 8-10 have no entropy term): off."
+        },
+    )
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={
@@ -586,7 +602,6 @@ class VAPOConfig(TrainingArguments):
     )
     # GRPOConfig's switches for features VAPO does not have: GRPO's default (the feature off, or GRPO's own
     # normalisation, which VAPO's critic replaces) is accepted so that a GRPO config runs; any other value is refused.
-    delta: float | None = _grpo_only("delta")
     sapo_temperature_neg: float = _grpo_only("sapo_temperature_neg")
     sapo_temperature_pos: float = _grpo_only("sapo_temperature_pos")
     vespo_k_pos: float = _grpo_only("vespo_k_pos")
@@ -600,7 +615,6 @@ class VAPOConfig(TrainingArguments):
     ref_model_mixup_alpha: float = _grpo_only("ref_model_mixup_alpha")
     ref_model_sync_steps: int = _grpo_only("ref_model_sync_steps")
     top_entropy_quantile: float = _grpo_only("top_entropy_quantile")
-    entropy_coef: float = _grpo_only("entropy_coef")
     use_adaptive_entropy: bool = _grpo_only("use_adaptive_entropy")
     entropy_coef_min: float = _grpo_only("entropy_coef_min")
     entropy_coef_max: float = _grpo_only("entropy_coef_max")
@@ -772,6 +786,12 @@ class VAPOConfig(TrainingArguments):
             f"{self.length_adaptive_alpha}.",
         )
         require(self.nll_coef >= 0, f"nll_coef must be >= 0, got {self.nll_coef}.")
+        require(self.entropy_coef >= 0, f"entropy_coef must be >= 0 (0: no entropy bonus), got {self.entropy_coef}.")
+        require(
+            self.delta is None or self.delta > 1 + self.epsilon_high,
+            f"delta must be > 1 + epsilon_high = {1 + self.epsilon_high} (it caps the ratio of negative advantages; "
+            f"lower, it would clip positive ones too), got {self.delta}.",
+        )
         require(
             self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
             f"router_aux_loss_coef must be >= 0 (None: the model's own), got {self.router_aux_loss_coef}.",

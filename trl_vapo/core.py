@@ -55,6 +55,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, index, temperature, with_entropy):
+        ctx.set_materialize_grads(False)  # an entropy only logged gets no gradient: none to compute
         vocab = logits.shape[-1]
         flat, flat_index = logits.reshape(-1, vocab), index.reshape(-1, 1)
         rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
@@ -69,27 +70,32 @@ class _TokenLogprobs(torch.autograd.Function):
             logprobs[part] = z.gather(-1, flat_index[part]).squeeze(-1) - lse
             if with_entropy:  # H = logsumexp(z) - sum_j p_j z_j
                 entropy[part] = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
-        ctx.save_for_backward(logits, index, logsumexp)
+        ctx.save_for_backward(logits, index, logsumexp, entropy if with_entropy else logsumexp)
         ctx.temperature = temperature
         shape = logits.shape[:-1]
         if with_entropy:
-            ctx.mark_non_differentiable(entropy)
             return logprobs.view(shape), entropy.view(shape)
         return logprobs.view(shape), None
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        logits, index, logsumexp = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, index, logsumexp, entropy = ctx.saved_tensors
         vocab, temperature = logits.shape[-1], ctx.temperature
         flat, flat_index = logits.reshape(-1, vocab), index.reshape(-1, 1)
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(logsumexp)
         grad_out = grad_logprobs.reshape(-1, 1).float() / temperature
+        grad_h = None if grad_entropy is None else grad_entropy.reshape(-1, 1).float() / temperature
         grad = torch.empty_like(flat)
         rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
         for start in range(0, flat.shape[0], rows):
             part = slice(start, start + rows)
-            probs = torch.exp(_scaled_fp32(flat[part], temperature) - logsumexp[part, None])
+            log_probs = _scaled_fp32(flat[part], temperature) - logsumexp[part, None]
+            probs = torch.exp(log_probs)
             part_grad = -probs * grad_out[part]  # d log p_y / d x_j = (1[j = y] - p_j) / T
             part_grad.scatter_add_(-1, flat_index[part], grad_out[part])
+            if grad_h is not None:  # d H / d x_j = -p_j (log p_j + H) / T
+                part_grad -= grad_h[part] * probs * (log_probs + entropy.reshape(-1, 1)[part])
             grad[part] = part_grad.to(grad.dtype)
         return grad.view_as(logits), None, None, None
 
@@ -104,9 +110,10 @@ def lm_head_logprobs_and_entropy(
     *,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(y_t) = z_t[y_t] - logsumexp(z_t) and (detached) H_t = -sum_j pi_j log pi_j, from the hidden states,
-    without ever building the ``[..., V]`` logits.
+    """log pi(y_t) = z_t[y_t] - logsumexp(z_t) and H_t = -sum_j pi_j log pi_j (detached unless ``entropy_grad``: an
+    entropy bonus), from the hidden states, without ever building the ``[..., V]`` logits.
 
     z_t = c(s * (h_t W^T + b)) / T: the LM head ``W`` (``[V, H]``), ``b`` (``[V]`` or None), the model's logit scale
     ``s`` and soft cap ``c(x) = cap * tanh(x / cap)`` (identity without one), at temperature ``T`` (the policy
@@ -130,18 +137,25 @@ def lm_head_logprobs_and_entropy(
     flat = hidden.reshape(-1, hidden.shape[-1])  # a copy of [N, H] at most, never of anything vocabulary-sized
     rows = max(1, min(flat.shape[0], TOKEN_TILE_ROWS))
     columns = max(1, min(weight.shape[0], LOGITS_CHUNK_ELEMENTS // rows))  # the tile buffer: rows x columns
-    outputs = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+    outputs = ("log_probs", "entropy") if with_entropy or entropy_grad else ("log_probs",)
     logprobs, entropy, *_ = TiledLogProbs.apply(
         flat, weight, bias, index.reshape(-1), float(temperature), columns, logit_softcap, logit_scale, outputs
     )
     shape = index.shape
-    return logprobs.view(shape), None if entropy is None else entropy.detach().view(shape)
+    if entropy is not None and not entropy_grad:
+        entropy = entropy.detach()
+    return logprobs.view(shape), None if entropy is None else entropy.view(shape)
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(y_t) = z_t[y_t] - logsumexp(z_t), z_t = logits_t / T, and (detached) H_t = -sum_j pi_j log pi_j.
+    """log pi(y_t) = z_t[y_t] - logsumexp(z_t), z_t = logits_t / T, and H_t = -sum_j pi_j log pi_j (detached unless
+    ``entropy_grad``: an entropy bonus's gradient dH/dz_j = -pi_j (log pi_j + H)).
 
     Exact fp32 maths on logits of any dtype, at a fraction of the memory of ``logits.float().log_softmax(-1)``:
     the vocabulary-sized work runs in chunks of positions, and backward keeps only the logits as given (bf16 under
@@ -154,8 +168,8 @@ def token_logprobs_and_entropy(
         index: ``[...]`` int64 token ids.
     Returns ``(logprobs, entropy)``, fp32 ``[...]``; ``entropy`` is None unless ``with_entropy``.
     """
-    logprobs, entropy = _TokenLogprobs.apply(logits, index, float(temperature), with_entropy)
-    return logprobs, None if entropy is None else entropy.detach()
+    logprobs, entropy = _TokenLogprobs.apply(logits, index, float(temperature), with_entropy or entropy_grad)
+    return logprobs, None if entropy is None else entropy if entropy_grad else entropy.detach()
 
 
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -374,11 +388,16 @@ def policy_loss(
     loss_type: str = "token",
     normalizer: float | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with asymmetric (clip-higher) clipping (VC-PPO Eq. 2; VAPO §3.2-3.3).
 
         rho_t    = exp(logprob_t - old_logprob_t)
-        l_t      = -min(rho_t * A_t, clip(rho_t, 1 - epsilon_low, 1 + epsilon_high) * A_t)
+        l_t      = -min(min(rho_t, delta) * A_t, clip(rho_t, 1 - epsilon_low, 1 + epsilon_high) * A_t)
+
+    ``delta`` (None: no cap; not in VAPO) is two-sided clipping (INTELLECT-2; GRPOConfig's ``delta``): with A_t < 0
+    the unclipped term -rho_t A_t grows without bound as rho_t does, and the cap bounds it at -delta A_t. With
+    delta > 1 + epsilon_high it changes nothing where A_t > 0 (the clipped term is the smaller there).
 
         "token":    L = sum_{(i,t) in M} l_{i,t} / |M|                   (VAPO: every token weighs the same)
         "sequence": L = mean_i( sum_t l_{i,t} / |o_i| )                 (vanilla PPO: every sequence weighs the same)
@@ -407,7 +426,7 @@ def policy_loss(
     log_ratio = torch.where(valid, logprobs - old_logprobs, zeros)
     ratio = torch.exp(log_ratio)
     advantages = torch.where(valid, advantages.to(logprobs.dtype), zeros)
-    unclipped = -advantages * ratio
+    unclipped = -advantages * (ratio if delta is None else torch.clamp(ratio, max=delta))
     clipped = -advantages * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     per_token = torch.where(valid, torch.maximum(unclipped, clipped), zeros)
     if weights is not None:
@@ -530,12 +549,19 @@ def vapo_loss(
     vf_coef: float,
     cliprange_value: float | None,
     normalizers: dict[str, torch.Tensor],
+    delta: float | None = None,
+    entropy_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (VAPO §3; the spec's formulas), actor and critic together:
 
         L = vf_coef * L_V  +  L_PPO + mu * L_NLL          (the policy terms only when ``logprobs`` is given,
-                                                           the value term only when ``values`` are: a frozen
+            - c_H * H                                      the value term only when ``values`` are: a frozen
                                                            value function has none to learn)
+
+    ``delta``: :func:`policy_loss`'s two-sided clipping. ``entropy_coef`` c_H > 0 (not in VAPO, whose Eq. 8-10 have
+    no entropy term; GRPOConfig's static ``entropy_coef``) subtracts an entropy bonus, H = the step's token mean of
+    the policy's per-token ``entropy`` (which must then carry its gradient), normalised as the token-level loss is.
 
     ``batch`` holds ``mask``, ``old_logprobs`` (None: the policy that sampled is the one being updated, so the
     detached ``logprobs`` are used), ``old_values``, ``returns``, ``advantages``, ``is_positive`` and optionally
@@ -569,9 +595,16 @@ def vapo_loss(
         loss_type,
         normalizer,
         weights=batch.get("is_weights"),
+        delta=delta,
     )
     loss = loss + pg_loss
     stats["loss/policy"] = pg_loss.detach()
+    if entropy_coef:
+        if entropy is None or not entropy.requires_grad:
+            raise ValueError("entropy_coef > 0 needs the policy's per-token entropy with its gradient.")
+        bonus = torch.where(mask.bool(), entropy, torch.zeros_like(entropy)).sum() / normalizers["tokens"]
+        loss = loss - entropy_coef * bonus
+        stats["loss/entropy_bonus"] = bonus.detach()
     if nll_coef > 0:
         nll = positive_nll_loss(logprobs, mask, batch["is_positive"], normalizers["positive_tokens"])
         loss = loss + nll_coef * nll

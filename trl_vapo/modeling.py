@@ -273,6 +273,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_aux_loss: bool = False,
+    entropy_grad: bool = False,
 ):
     """log pi(y_t | x, y_<t) of the last ``completion_length`` tokens under a causal LM, at ``temperature``.
 
@@ -281,7 +282,8 @@ def completion_logprobs(
     for 8 x 256 tokens of Qwen's 152k vocabulary in float32, never exist. A head that is not a plain linear layer
     on the model itself (a LoRA, quantized or offloaded head; BERT-style heads that transform the hidden states
     first) is run as the model runs it, on the completion's positions only. With ``with_entropy`` also returns the
-    per-position entropy of the (temperature-scaled) distribution, detached. With ``with_aux_loss`` (a
+    per-position entropy of the (temperature-scaled) distribution, detached unless ``entropy_grad`` (an entropy
+    bonus trains on it). With ``with_aux_loss`` (a
     Mixture-of-Experts model) returns ``(logprobs, entropy, aux_loss)``: the routers' load-balancing loss over the
     whole sequence, as the model's own forward computes it with ``output_router_logits=True``.
     """
@@ -306,7 +308,7 @@ def completion_logprobs(
         # The logits at position p predict token p + 1; fp32 maths happens in chunks, in the logits' dtype.
         logits = out.logits[:, -completion_length - 1 : -1, :]
         aux_loss.append(getattr(out, "aux_loss", None))
-        return token_logprobs_and_entropy(logits, targets.to(logits.device), temperature, with_entropy)
+        return token_logprobs_and_entropy(logits, targets.to(logits.device), temperature, with_entropy, entropy_grad)
 
     head = causal_lm.get_output_embeddings()
     balancing_loss = _load_balancing_loss(causal_lm) if with_aux_loss else None
@@ -340,6 +342,7 @@ def completion_logprobs(
                 with_entropy,
                 logit_scale=logit_scale,
                 logit_softcap=logit_softcap,
+                entropy_grad=entropy_grad,
             )
 
     out = _run_as_forward(model, causal_lm, tiled_head_forward, **inputs)
@@ -451,6 +454,8 @@ class ActorCritic(nn.Module):
         # A Mixture-of-Experts policy's load-balancing loss comes back with its log-probs (`forward`'s `aux_loss`)
         # when the trainer adds it to the policy's loss (`router_aux_loss_coef`).
         self.with_router_aux_loss = False
+        # An entropy bonus (`entropy_coef`) trains on the policy's entropy: it then comes back with its gradient.
+        self.with_entropy_grad = False
         # Kept out of the module tree (not a registered submodule, even if it is an nn.Module): frozen, it is neither
         # trained, wrapped by DDP/DeepSpeed/FSDP, moved, nor part of the state dict.
         self.__dict__["value_function"] = value_function
@@ -570,7 +575,14 @@ class ActorCritic(nn.Module):
         if with_policy:
             aux = self.with_router_aux_loss
             logprobs = completion_logprobs(
-                self.policy, input_ids, attention_mask, completion_length, temperature, with_entropy, aux
+                self.policy,
+                input_ids,
+                attention_mask,
+                completion_length,
+                temperature,
+                with_entropy,
+                aux,
+                entropy_grad=with_entropy and self.with_entropy_grad,
             )
             if aux:
                 outputs["logprobs"], entropy, outputs["aux_loss"] = logprobs

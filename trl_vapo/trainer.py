@@ -360,6 +360,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.router_aux_loss_coef = router_aux_loss_coefficient(policy, args)
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
         actor_critic.with_router_aux_loss = self.aux_loss_enabled
+        actor_critic.with_entropy_grad = args.entropy_coef > 0
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
@@ -1094,11 +1095,13 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                             with_policy=with_policy,
                             with_values=with_values,
                         )
-                    loss, stats = vapo_loss(out.get("logprobs"), out.get("values"), batch, **settings)
+                    loss, stats = vapo_loss(
+                        out.get("logprobs"), out.get("values"), batch, entropy=out.get("entropy"), **settings
+                    )
                     for key, value in stats.items():  # losses are shares of the step's mean; the rest token means
                         sums[key] += value if key.startswith("loss") else value * n
                     if "entropy" in out:
-                        sums["entropy"] += masked_mean(out["entropy"], batch["mask"]) * n
+                        sums["entropy"] += masked_mean(out["entropy"].detach(), batch["mask"]) * n
                     if "aux_loss" in out:  # the routers' balance, the step's mean over micro-batches (as TRL)
                         loss = loss + self.router_aux_loss_coef * out["aux_loss"] / len(micro_batches)
                         sums["aux_loss"] += out["aux_loss"].detach() * n
@@ -1173,6 +1176,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             loss_type=args.loss_type,
             nll_coef=args.nll_coef,
             vf_coef=args.vf_coef,
+            delta=args.delta,
+            entropy_coef=args.entropy_coef if phase == RL else 0.0,
             normalizers={"tokens": tokens, "sequences": sequences, "positive_tokens": positive_tokens},
             # Value pretraining is plain regression on Monte-Carlo returns: no clipping around the rollout's values.
             cliprange_value=None if phase == VALUE_PRETRAIN else args.cliprange_value,
