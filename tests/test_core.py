@@ -310,6 +310,30 @@ def test_two_sided_clipping_caps_the_ratio_of_negative_advantages_only(loss_type
     assert with_delta.item() == without.item()
 
 
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+def test_a_sequence_level_ratio_is_gspo_tokens(loss_type):
+    """`importance_sampling_level="sequence"`: every token takes its sequence's geometric-mean ratio s_i (the naive
+    loop with that ratio), and the gradient of a token's log-prob is s_i times its token-level one where unclipped
+    (GSPO-token, GSPO Eq. 13-14), so VAPO's per-token advantages still apply."""
+    lengths, mask, advantages, old, g = random_batch(batch=6, steps=9, seed=12)
+    logprobs = (old + 0.1 * torch.randn(old.shape, generator=g)).requires_grad_()
+    loss, stats = policy_loss(
+        logprobs, old, advantages, mask, 0.2, 0.28, loss_type, importance_sampling_level="sequence"
+    )
+    s = torch.exp(((logprobs - old) * mask).sum(1) / mask.sum(1).clamp(min=1)).detach()
+    as_sequence_ratio = old + torch.log(s)[:, None]  # per-token log-probs whose token ratio is s_i everywhere
+    expected = naive_policy_loss(as_sequence_ratio, old, advantages, lengths, 0.2, 0.28, loss_type)
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert stats["ratio"].item() == pytest.approx(((s[:, None] * mask).sum() / mask.sum()).item(), rel=1e-5)
+    loss.backward()
+    unclipped = ((s > 0.8) & (s < 1.28))[:, None] & mask.bool()
+    denominator = mask.sum() if loss_type == "token" else (lengths > 0).sum() * mask.sum(1, keepdim=True).clamp(min=1)
+    expected_grad = -advantages * s[:, None] / denominator
+    torch.testing.assert_close(logprobs.grad[unclipped], expected_grad.expand_as(logprobs)[unclipped])
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, importance_sampling_level="sentence")
+
+
 def test_policy_loss_ignores_padding():
     lengths, mask, advantages, old, g = random_batch(batch=5, steps=8, seed=10)
     logprobs = old + 0.3 * torch.randn(old.shape, generator=g)

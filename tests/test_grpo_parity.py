@@ -342,6 +342,26 @@ def test_a_streamed_dataset_trains_as_the_same_rows_in_order_and_resumes(tiny_mo
     assert [h for h in resumed if h["step"] > 2] == streamed[2:]
 
 
+def test_streamed_data_takes_grpos_loader_settings(tiny_model_dir, tmp_path, caplog):
+    """As GRPOTrainer: a stream (train or eval) refuses `dispatch_batches=True` with TRL's message and sets it
+    False; a streamed train set sets `dataloader_num_workers` to 0 with TRL's warning, a streamed eval set alone
+    leaves a map-style train set's workers."""
+    stream = prompts_dataset(8).to_iterable_dataset()
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        VAPOTrainer(
+            str(tiny_model_dir), digit_fraction, make_args(tmp_path, accelerator_config={"dispatch_batches": True}),
+            stream,
+        )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        args = make_args(tmp_path, dataloader_num_workers=4)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, stream)
+    assert trainer.args.accelerator_config.dispatch_batches is False and trainer.args.dataloader_num_workers == 0
+    assert "overriding the provided value (4)" in caplog.text
+    args = make_args(tmp_path, dataloader_num_workers=4, per_device_eval_batch_size=4)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), stream)
+    assert trainer.args.dataloader_num_workers == 4 and trainer.args.accelerator_config.dispatch_batches is False
+
+
 def test_a_shuffled_stream_is_reshuffled_each_epoch(tiny_model_dir, tmp_path):
     """With `shuffle_dataset` (the default), a stream is shuffled as GRPOTrainer shuffles it (a buffered shuffle
     seeded by `seed`) and again, differently, in the next epoch: each epoch is every prompt once."""

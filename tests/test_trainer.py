@@ -392,6 +392,32 @@ def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reach
     assert all(torch.equal(p, critic_bonus[n]) for n, p in critic.items())
 
 
+def test_a_synced_reference_mixes_in_the_policy_every_ref_model_sync_steps(tiny_model_dir, tmp_path):
+    """GRPOConfig's `sync_ref_model` (TR-DPO): at every `ref_model_sync_steps`-th step the reference becomes
+    alpha x policy + (1 - alpha) x reference, and not in between; refused without a KL term or with PEFT."""
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+
+    settings = dict(max_steps=2, num_iterations=1, beta=0.1, ref_model_mixup_alpha=0.25, ref_model_sync_steps=2)
+    policy_at = {}
+
+    class Record(TrainerCallback):  # runs before the sync: the trainer adds its callback last
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            policy_at[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    args = make_args(tmp_path, sync_ref_model=True, **settings)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[Record()])
+    initial = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, initial[n]) for n, p in policy_at[1].items())  # the policy moved at step 1
+    for name, ref in trainer.ref_model.named_parameters():
+        torch.testing.assert_close(ref, 0.25 * policy_at[2][name] + 0.75 * initial[name], msg=name)
+    with pytest.raises(ValueError, match="`sync_ref_model=True` while `beta=0.0`"):
+        make_args(tmp_path, sync_ref_model=True, beta=0.0)
+    with pytest.raises(NotImplementedError, match="PEFT model"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=LoraConfig(r=2))
+
+
 def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_path):
     """With AdamW, (vf_coef=0.1, max_grad_norm=1) and (vf_coef=1, max_grad_norm=10) train the critic alike: the
     clip acts on vf_coef x grad L_V. With the same max_grad_norm, vf_coef=1 clips 10x harder and trains differently.

@@ -18,7 +18,6 @@ _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 # optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
 GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
 _OTHER_LOSS = "it parametrises one of GRPO's other losses (SAPO, VESPO); VAPO's is PPO's clipped loss (Eq. 8)."
-_REFERENCE = "VAPO's reference policy (used when beta > 0) is the initial policy, never synced (TR-DPO)."
 _ENTROPY = (
     "VAPO takes a static entropy bonus (entropy_coef), not GRPO's adaptive entropy control or entropy mask (VAPO's "
     "Eq. 8-10 have no entropy term)."
@@ -32,10 +31,6 @@ _GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does inste
     "vespo_lambda_pos": (3.0, _OTHER_LOSS),
     "vespo_k_neg": (3.0, _OTHER_LOSS),
     "vespo_lambda_neg": (2.0, _OTHER_LOSS),
-    "importance_sampling_level": (
-        "token",
-        "VAPO's ratio is per token (Eq. 8); a sequence-level ratio (GSPO) is another objective.",
-    ),
     "multi_objective_aggregation": (
         "sum_then_normalize",
         "VAPO sums the weighted rewards (`reward_weights`) into one reward per completion.",
@@ -46,9 +41,6 @@ _GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does inste
         "(`whiten_advantages`). 'none' is accepted too.",
         ("none",),
     ),
-    "sync_ref_model": (False, _REFERENCE),
-    "ref_model_mixup_alpha": (0.6, _REFERENCE),
-    "ref_model_sync_steps": (512, _REFERENCE),
     "top_entropy_quantile": (1.0, _ENTROPY),
     "use_adaptive_entropy": (False, _ENTROPY),
     "entropy_coef_min": (0.0, _ENTROPY),
@@ -592,6 +584,30 @@ class VAPOConfig(TrainingArguments):
             "supported). 0.0 (default, as the paper: Eq. 8-10 have no entropy term): off."
         },
     )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "'token' (default, as the paper's Eq. 8): a ratio per token. 'sequence': GSPO's sequence-level "
+            "ratio in its GSPO-token form, which keeps VAPO's per-token advantages: every token of a completion "
+            "takes the completion's geometric-mean ratio, clipped as one (GRPOConfig's field).",
+            "choices": ["token", "sequence"],
+        },
+    )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "TR-DPO's reference syncing, as GRPOConfig's: every `ref_model_sync_steps` steps the reference "
+            "policy (used when beta > 0) becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference. Full "
+            "fine-tuning only (with PEFT the reference is the base without adapters). False (default, as the "
+            "paper): the reference stays the initial policy."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6, metadata={"help": "With sync_ref_model: the policy's share of each sync (TR-DPO: 0.6)."}
+    )
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "With sync_ref_model: optimizer steps between syncs (TR-DPO: 512)."}
+    )
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={
@@ -608,12 +624,8 @@ class VAPOConfig(TrainingArguments):
     vespo_lambda_pos: float = _grpo_only("vespo_lambda_pos")
     vespo_k_neg: float = _grpo_only("vespo_k_neg")
     vespo_lambda_neg: float = _grpo_only("vespo_lambda_neg")
-    importance_sampling_level: str = _grpo_only("importance_sampling_level")
     multi_objective_aggregation: str = _grpo_only("multi_objective_aggregation")
     scale_rewards: str = _grpo_only("scale_rewards")
-    sync_ref_model: bool = _grpo_only("sync_ref_model")
-    ref_model_mixup_alpha: float = _grpo_only("ref_model_mixup_alpha")
-    ref_model_sync_steps: int = _grpo_only("ref_model_sync_steps")
     top_entropy_quantile: float = _grpo_only("top_entropy_quantile")
     use_adaptive_entropy: bool = _grpo_only("use_adaptive_entropy")
     entropy_coef_min: float = _grpo_only("entropy_coef_min")
@@ -787,6 +799,21 @@ class VAPOConfig(TrainingArguments):
         )
         require(self.nll_coef >= 0, f"nll_coef must be >= 0, got {self.nll_coef}.")
         require(self.entropy_coef >= 0, f"entropy_coef must be >= 0 (0: no entropy bonus), got {self.entropy_coef}.")
+        require(
+            not self.sync_ref_model or self.beta > 0,
+            "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model is not used during "
+            "training, and there is nothing to synchronize. Please set `sync_ref_model=False`, or set `beta` to a "
+            "non-zero value.",
+        )
+        require(
+            0 <= self.ref_model_mixup_alpha <= 1 and self.ref_model_sync_steps >= 1,
+            f"ref_model_mixup_alpha must be in [0, 1] and ref_model_sync_steps >= 1, got {self.ref_model_mixup_alpha} "
+            f"and {self.ref_model_sync_steps}.",
+        )
+        require(
+            self.importance_sampling_level in ("token", "sequence"),
+            f"importance_sampling_level must be 'token' or 'sequence' (GSPO), got {self.importance_sampling_level!r}.",
+        )
         require(
             self.delta is None or self.delta > 1 + self.epsilon_high,
             f"delta must be > 1 + epsilon_high = {1 + self.epsilon_high} (it caps the ratio of negative advantages; "

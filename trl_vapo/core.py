@@ -389,6 +389,7 @@ def policy_loss(
     normalizer: float | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     delta: float | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with asymmetric (clip-higher) clipping (VC-PPO Eq. 2; VAPO §3.2-3.3).
 
@@ -398,6 +399,11 @@ def policy_loss(
     ``delta`` (None: no cap; not in VAPO) is two-sided clipping (INTELLECT-2; GRPOConfig's ``delta``): with A_t < 0
     the unclipped term -rho_t A_t grows without bound as rho_t does, and the cap bounds it at -delta A_t. With
     delta > 1 + epsilon_high it changes nothing where A_t > 0 (the clipped term is the smaller there).
+
+    ``importance_sampling_level="sequence"`` (not in VAPO; GRPOConfig's GSPO setting) takes GSPO-token's ratio (GSPO
+    Eq. 13-14), which keeps VAPO's per-token advantages: rho_t = sg[s_i] * pi(y_t) / sg[pi(y_t)] with
+    s_i = exp(mean_t (logprob_t - old_logprob_t)): its value is the sequence's ratio s_i at every token (clipped as
+    one), its gradient s_i * grad log pi(y_t).
 
         "token":    L = sum_{(i,t) in M} l_{i,t} / |M|                   (VAPO: every token weighs the same)
         "sequence": L = mean_i( sum_t l_{i,t} / |o_i| )                 (vanilla PPO: every sequence weighs the same)
@@ -421,9 +427,14 @@ def policy_loss(
     """
     if loss_type not in ("token", "sequence"):
         raise ValueError(f"loss_type must be 'token' or 'sequence', got {loss_type!r}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     valid = mask.bool()
     zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(valid, logprobs - old_logprobs, zeros)
+    token_log_ratio = log_ratio = torch.where(valid, logprobs - old_logprobs, zeros)
+    if importance_sampling_level == "sequence":
+        sequence = (log_ratio.sum(dim=1) / valid.sum(dim=1).clamp(min=1)).detach()[:, None]
+        log_ratio = torch.where(valid, sequence + logprobs - logprobs.detach(), zeros)
     ratio = torch.exp(log_ratio)
     advantages = torch.where(valid, advantages.to(logprobs.dtype), zeros)
     unclipped = -advantages * (ratio if delta is None else torch.clamp(ratio, max=delta))
@@ -449,7 +460,7 @@ def policy_loss(
             "clip_frac_low": masked_mean(low.float(), mask),
             "clip_frac_high": masked_mean(high.float(), mask),
             "clip_frac": masked_mean((low | high).float(), mask),
-            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+            "approx_kl": masked_mean(token_log_ratio.exp() - 1.0 - token_log_ratio, mask),
             "ratio": masked_mean(ratio, mask),
         }
     return loss, stats
@@ -552,6 +563,7 @@ def vapo_loss(
     delta: float | None = None,
     entropy_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (VAPO §3; the spec's formulas), actor and critic together:
 
@@ -559,9 +571,10 @@ def vapo_loss(
             - c_H * H                                      the value term only when ``values`` are: a frozen
                                                            value function has none to learn)
 
-    ``delta``: :func:`policy_loss`'s two-sided clipping. ``entropy_coef`` c_H > 0 (not in VAPO, whose Eq. 8-10 have
-    no entropy term; GRPOConfig's static ``entropy_coef``) subtracts an entropy bonus, H = the step's token mean of
-    the policy's per-token ``entropy`` (which must then carry its gradient), normalised as the token-level loss is.
+    ``delta`` and ``importance_sampling_level``: :func:`policy_loss`'s two-sided clipping and GSPO-token ratio.
+    ``entropy_coef`` c_H > 0 (not in VAPO, whose Eq. 8-10 have no entropy term; GRPOConfig's static
+    ``entropy_coef``) subtracts an entropy bonus, H = the step's token mean of the policy's per-token ``entropy``
+    (which must then carry its gradient), normalised as the token-level loss is.
 
     ``batch`` holds ``mask``, ``old_logprobs`` (None: the policy that sampled is the one being updated, so the
     detached ``logprobs`` are used), ``old_values``, ``returns``, ``advantages``, ``is_positive`` and optionally
@@ -596,6 +609,7 @@ def vapo_loss(
         normalizer,
         weights=batch.get("is_weights"),
         delta=delta,
+        importance_sampling_level=importance_sampling_level,
     )
     loss = loss + pg_loss
     stats["loss/policy"] = pg_loss.detach()

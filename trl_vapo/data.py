@@ -216,6 +216,27 @@ def _unreachable(dataset_name: str, error: Exception) -> str:
     )
 
 
+def check_stream_settings(train_dataset, eval_dataset, args) -> None:
+    """GRPOTrainer's settings for streamed (`IterableDataset`) data, with its messages: every process reads the
+    stream itself, in order, never a batch the main process dispatches, so `accelerator_config.dispatch_batches=True`
+    is refused and it is set False; and a streamed train set is read in the training process, so
+    `dataloader_num_workers` is set to 0 for it (only then: a map-style train set keeps its workers)."""
+    evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    if any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError(
+                "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in `accelerator_config`. "
+                "Please set it to `False`."
+            )
+        args.accelerator_config.dispatch_batches = False
+    if isinstance(train_dataset, IterableDataset) and args.dataloader_num_workers != 0:
+        logger.warning(
+            "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding the "
+            f"provided value ({args.dataloader_num_workers})."
+        )
+        args.dataloader_num_workers = 0
+
+
 def check_train_dataset(dataset, args) -> dict:
     """A clear error unless `dataset` can feed the trainer: a non-empty `Dataset` with a `prompt` column and enough
     prompts for one rollout of `args` (a VAPOConfig), or an `IterableDataset` (streaming) with `max_steps` set.

@@ -39,7 +39,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
-from trl import is_conversational
+from trl import SyncRefModelCallback, is_conversational
 
 from . import checkpoint as ckpt
 from ._compat import (
@@ -60,7 +60,13 @@ from .core import (
     terminal_rewards,
     vapo_loss,
 )
-from .data import check_eval_dataset, check_train_dataset, prepare_tokenizer, prompt_token_ids
+from .data import (
+    check_eval_dataset,
+    check_stream_settings,
+    check_train_dataset,
+    prepare_tokenizer,
+    prompt_token_ids,
+)
 from .diagnostics import LOG_FILE, CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
     check_distributed_setup,
@@ -317,6 +323,12 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
         check_value_function_settings(value_model, args)
+        if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
+            raise NotImplementedError(  # GRPOTrainer's error
+                "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With "
+                "PEFT, the reference policy is the base with the adapters disabled: there is no standalone reference "
+                "model to synchronize. Use `sync_ref_model=False`, or full fine-tuning for a synced reference model."
+            )
         # Everything a user can get wrong is checked before a model loads.
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
@@ -324,6 +336,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         check_engine_available(engine_settings, model)
         example = check_train_dataset(train_dataset, args)
         eval_examples = check_eval_dataset(eval_dataset, args)
+        check_stream_settings(train_dataset, eval_dataset, args)
         self._example_prompt = example["prompt"]  # for the model card's quick start
         self._conversational = is_conversational({"prompt": example["prompt"]})
         zero3_config = getattr(args, "hf_deepspeed_config", None)
@@ -361,6 +374,12 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
         actor_critic.with_router_aux_loss = self.aux_loss_enabled
         actor_critic.with_entropy_grad = args.entropy_coef > 0
+        if args.importance_sampling_level == "sequence" and args.loss_type == "token":
+            logger.warning(  # GRPOTrainer's warning for its token-summed losses
+                "With importance_sampling_level='sequence', the 'token' loss sums per-token contributions, which "
+                "weights each sequence by its completion length instead of optimizing the per-sequence objective. To "
+                "reproduce the GSPO paper's setup, set loss_type='sequence'."
+            )
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
@@ -388,6 +407,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.model = self.callback_handler.model = self.actor_critic.policy
         if self.ref_model is not None:
             self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator)
+            if args.sync_ref_model:  # TRL's callback (ZeRO-3 gathers both models for the mix)
+                self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         for func in self.reward_funcs:
             if isinstance(func, RewardModel):  # as GRPOTrainer places its reward models
                 func.model, func.device = prepare_frozen_model(func.model, self.accelerator), self.accelerator.device
@@ -1178,6 +1199,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             vf_coef=args.vf_coef,
             delta=args.delta,
             entropy_coef=args.entropy_coef if phase == RL else 0.0,
+            importance_sampling_level=args.importance_sampling_level,
             normalizers={"tokens": tokens, "sequences": sequences, "positive_tokens": positive_tokens},
             # Value pretraining is plain regression on Monte-Carlo returns: no clipping around the rollout's values.
             cliprange_value=None if phase == VALUE_PRETRAIN else args.cliprange_value,
