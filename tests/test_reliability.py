@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -303,16 +304,20 @@ def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tin
     def never(completions, **kwargs):
         return [None] * len(completions)
 
-    trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=never, args=config(tmp_path), train_dataset=dataset()
-    )
+    ended = []
+
+    class End(TrainerCallback):  # where trackers close their runs: before the error, not never
+        def on_train_end(self, args, state, control, **kwargs):
+            ended.append(state.global_step)
+
+    trainer = VAPOTrainer(str(tiny_model_dir), never, config(tmp_path), dataset(), callbacks=[End()])
     before = [p.detach().clone() for p in trainer.actor_critic.parameters() if p.requires_grad]
     with pytest.raises(
         RuntimeError, match=r"No completion was scored in this run \(2 steps.*reward function \(never\)"
     ):
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(trainer.actor_critic.parameters(), before))
-    assert trainer.progress.skipped_steps == 2
+    assert trainer.progress.skipped_steps == 2 and ended == [2]
 
 
 def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
@@ -783,6 +788,22 @@ def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, t
     monkeypatch.chdir(here)
     trainer.save_model(".")
     assert (here / "model.safetensors").is_file() and (here / "critic").is_dir()
+
+    # A folder that is a mount point: its parent is another file system, where no file can be renamed into it.
+    # (A stand-in for the mount, which a test cannot make: os.replace fails across it as the kernel would, EXDEV.)
+    from trl_vapo import checkpoint
+
+    mount, rename = tmp_path / "mount", os.replace
+    mount.mkdir()
+
+    def across_the_mount(src, dst, *args, **kwargs):
+        if (Path(dst).resolve().is_relative_to(mount)) != (Path(src).resolve().is_relative_to(mount)):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.os, "replace", across_the_mount)
+    trainer.save_model(str(mount))
+    assert (mount / "model.safetensors").is_file() and not list(mount.glob(".save_model*"))
 
 
 def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_model_dir, two_checkpoints, tmp_path):

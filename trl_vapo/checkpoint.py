@@ -391,11 +391,16 @@ class SavingMixin:
         output_dir = Path(output_dir or self.args.output_dir)
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
-                # Written beside, then moved in: a full disk leaves `output_dir` as it was, not a policy without
+                # Written aside, then moved in: a full disk leaves `output_dir` as it was, not a policy without
                 # its critic or tokenizer (the moves need no space). `output_dir` may hold the run's checkpoints:
-                # the files are moved one by one, not the folder.
-                # (resolved: "." has no name to put beside it)
-                tmp = temporary_folder(output_dir.resolve(), f"save_model.{run_owner()}")
+                # the files are moved one by one, not the folder. Aside means inside a folder that exists (it may be
+                # a mount point, whose parent is another file system: no rename across), beside one that does not
+                # (resolved: "." has no name to put beside it).
+                owner = f"save_model.{run_owner()}"
+                if output_dir.is_dir():
+                    tmp = output_dir / f".{owner}.tmp"
+                else:
+                    tmp = temporary_folder(output_dir.resolve(), owner)
                 shutil.rmtree(tmp, ignore_errors=True)
                 try:
                     self._write_models(tmp, state_dict, as_loaded=True)

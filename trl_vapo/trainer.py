@@ -589,6 +589,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 if asked.item():  # every process stops after the same rollout
                     self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
         if self.state.global_step > start_step and self.progress.scored_completions == 0:
+            self.control = self.callback_handler.on_train_end(args, self.state, self.control)  # trackers close
+            self.is_in_train = False
             raise RuntimeError(
                 f"No completion was scored in this run ({self.state.global_step} steps, every update skipped): "
                 f"each reward function ({', '.join(self.reward_func_names)}) returned None for every completion. "
