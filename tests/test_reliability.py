@@ -639,7 +639,7 @@ def test_a_repeated_sigterm_is_one_request_and_a_later_one_stops_at_once(tiny_mo
     from trl_vapo.trainer import SIGNAL_REPEAT_WINDOW
 
     out = tmp_path / "twice"
-    process = start_script(tiny_model_dir, out, "--stall-at", "2")
+    process = start_script(tiny_model_dir, out, "--stall-at", "2", stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (out / "stalled").exists() and time.time() < deadline:
         time.sleep(0.02)
@@ -650,8 +650,9 @@ def test_a_repeated_sigterm_is_one_request_and_a_later_one_stops_at_once(tiny_mo
     assert process.poll() is None, "a repeat within the window ended the run"
     time.sleep(SIGNAL_REPEAT_WINDOW)
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
+    _, stderr = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGTERM
+    assert "SIGTERM: finishing this rollout" in stderr and "already stopping after this rollout" in stderr
 
 
 def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog):
@@ -693,6 +694,38 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
     ]
     said = sorted(racer.communicate(timeout=120)[0].strip() for racer in racers)
     assert said[1] == "held" and said[0].startswith(f"Another run is writing to {tmp_path}: PID "), said
+
+
+def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(tmp_path, monkeypatch, caplog):
+    """A file system without locks (ENOLCK on some network mounts): the run goes on with a warning, told it holds no
+    lock (so it removes nothing another run may be writing), and its own errors carry no trace of the lock's."""
+    import fcntl
+
+    from trl_vapo.checkpoint import remove_debris
+    from trl_vapo.run_lock import output_dir_lock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(ValueError) as raised, caplog.at_level(logging.WARNING):
+        with output_dir_lock(tmp_path) as locked:
+            assert locked is False
+            raise ValueError("training failed")
+    assert raised.value.__context__ is None and "cannot be locked" in caplog.text
+    monkeypatch.undo()
+    names = [
+        ".checkpoint-3.tmp",
+        ".checkpoint-4.host-1.tmp",
+        ".checkpoint-4.host-1.old",
+        ".value_pretrained_critic.h-2.tmp",
+    ]
+    kept = [".other.tmp", "checkpoint-6", ".checkpoint-x.tmp"]
+    for name in names + kept:
+        (tmp_path / name).mkdir()
+    with output_dir_lock(tmp_path) as locked:
+        assert locked is True and sorted(remove_debris(tmp_path)) == sorted(names)  # older unnamed folders too
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
 @pytest.fixture(scope="module")

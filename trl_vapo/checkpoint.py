@@ -56,7 +56,8 @@ _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 def remove_debris(output_dir: str | os.PathLike) -> list[str]:
     """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`) that runs stopped mid-write left in
     `output_dir`; only while holding its lock, when no other run can be writing them. Returns their names."""
-    pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR})\..+\.(tmp|old)$")
+    # `(\..+)?`: the run's name; folders of trl-vapo before per-run names have none
+    pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR})(\..+)?\.(tmp|old)$")
     removed = [p for p in sorted(Path(output_dir).glob(".*")) if p.is_dir() and pattern.match(p.name)]
     for folder in removed:
         shutil.rmtree(folder, ignore_errors=True)
@@ -363,10 +364,12 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
 class SavingMixin:
     """The methods of `VAPOTrainer` that write and read its outputs (policy, critic, model card, checkpoints)."""
 
+    _run_owner: str | None = None  # `train` sets the main process's on every process; else this process's own
+
     def _save_pretrained_critic(self) -> None:
         """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""
         directory = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
-        tmp = temporary_folder(directory, self._run_owner)
+        tmp = temporary_folder(directory, self._run_owner or run_owner())
         self.accelerator.wait_for_everyone()
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
@@ -496,7 +499,7 @@ class SavingMixin:
         """Write `checkpoint-<step>` completely (policy, critic, optimizer, scheduler, RNG, state), then rename it
         into place: a crash mid-write leaves the previous checkpoint intact."""
         final = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
-        tmp = temporary_folder(final, self._run_owner)
+        tmp = temporary_folder(final, self._run_owner or run_owner())
         with write_errors_named(final, tmp):
             self._write_checkpoint(final, tmp)
         self._checkpoint_step = self.state.global_step

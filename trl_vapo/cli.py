@@ -428,13 +428,14 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
     """A model the flag names is a local folder, in the Hugging Face cache, or on a Hub this machine reaches: one line
     saying which is not so, before anything loads (offline, transformers would retry for a minute, then raise
     through two tracebacks)."""
-    if not name or Path(name).expanduser().exists():
-        return
+    if not name or Path(name).expanduser().exists() or os.environ.get("LOCAL_RANK", "0") != "0":
+        return  # (one process per machine asks the Hub: a large job's ranks would hit its rate limit)
     from huggingface_hub import constants, model_info, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 
     try:
-        if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+        cached = (try_to_load_from_cache(name, f, revision=revision) for f in ("config.json", "adapter_config.json"))
+        if any(isinstance(path, str) for path in cached):  # a model, or a PEFT adapter
             return
     except HFValidationError:  # not of the form `owner/name`: a path
         raise UsageError(f"{flag} {name}: no such folder (a Hub id reads `owner/name`)") from None
@@ -451,7 +452,9 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
         raise UsageError(
             f"{flag} {name}: no such folder, and no such model on the Hub (a private one needs `hf auth login`)"
         ) from None
-    except Exception as error:  # no network, a proxy, an HTTP error: the exception's class is the HTTP library's
+    except HfHubHTTPError:  # the Hub answered (a rate limit, a server error): loading says what it says
+        return
+    except Exception as error:  # no network, a proxy: the exception's class is the HTTP library's
         raise UsageError(
             f"{flag} {name} is not a local folder and not in the Hugging Face cache, and the Hub cannot be reached "
             f"({type(error).__name__}: {str(error)[:120]}): download it where the Hub is reachable "
@@ -562,8 +565,13 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
 
     def forward(signum, frame):
         # One process: `accelerate launch` waits on a child of its own and dies at the signal, leaving the child
-        # running. Forwarded, the child stops as it would alone (several: torch's launcher takes the signals over).
-        for child in psutil.Process().children():
+        # running. Forwarded, the child stops as it would alone (several: torch's launcher takes the signals over
+        # once it starts its workers; before, as before any child, the signal acts as it would without this).
+        children = psutil.Process().children()
+        if not children:
+            signal.signal(signum, previous[signum])
+            signal.raise_signal(signum)
+        for child in children:
             with contextlib.suppress(psutil.Error):
                 child.send_signal(signum)
 

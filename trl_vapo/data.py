@@ -188,15 +188,22 @@ def _check_hub_reachable(dataset_name: str) -> None:
     """Offline without HF_HUB_OFFLINE, `datasets` retries for half a minute before it says so: one request instead.
     In offline mode `datasets` reads its cache, and says at once when the data set is not there."""
     from datasets import config
-    from huggingface_hub import dataset_info
+    from huggingface_hub import constants, dataset_info
+    from huggingface_hub.errors import HfHubHTTPError
 
-    if config.HF_HUB_OFFLINE:
+    cached = (
+        Path(config.HF_DATASETS_CACHE) / dataset_name.replace("/", "___"),  # `datasets`' own cache of it
+        Path(constants.HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}",  # its files, as downloaded
+    )
+    # Offline mode, a cached copy (which `datasets` falls back to), or a rank other than each machine's first: no
+    # probe (a large job's ranks would hit the Hub's rate limit).
+    if config.HF_HUB_OFFLINE or any(p.exists() for p in cached) or os.environ.get("LOCAL_RANK", "0") != "0":
         return
     try:
         dataset_info(dataset_name, timeout=10)
-    except Exception as error:  # no network, a proxy, a missing data set: its class is the HTTP library's or the Hub's
-        if "not found" in str(error).lower() or "404" in str(error):
-            return  # `load_dataset` says that in its own words (a private data set, a typo)
+    except HfHubHTTPError:  # the Hub answered (no such data set, private, a rate limit): `load_dataset` says it
+        return
+    except Exception as error:  # no network, a proxy: the exception's class is the HTTP library's
         raise ConnectionError(_unreachable(dataset_name, error)) from None
 
 

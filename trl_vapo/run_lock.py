@@ -26,41 +26,17 @@ def output_dir_lock(output_dir: str | os.PathLike):
     without a word. The lock is an advisory lock (`flock`) on a file naming the holder (PID, host, start time): the
     operating system releases it when the holder dies however it dies, so a lock file left by a run that is gone is
     taken over with a warning, a PID reused since cannot keep it, and two runs taking over at once cannot both win.
-    Where the file system has no locks (some network mounts), the run goes on unlocked with a warning. Released when
-    the run ends, however it ends."""
+    Where the file system has no locks (Windows, some network mounts; an NFS mount with `local_lock=flock` locks on
+    one host only), the run goes on unlocked with a warning. Yields whether the folder is locked; released when the
+    run ends, however it ends."""
     path = Path(output_dir) / RUN_LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     warn = logging.getLogger(__name__).warning  # the main process alone holds the lock: a plain logger
-    if fcntl is None:  # Windows
-        warn(f"{output_dir} cannot be locked on this system: start one run at a time there.")
-        yield
+    fd = _take(path, output_dir, warn)
+    if fd is None:
+        yield False
         return
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = _lock_holder(path) or {}
-            raise RuntimeError(
-                f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {holder.get('host', '?')}, "
-                f"started {holder.get('started', '?')} ({path}). Two runs in one output_dir overwrite each other's "
-                "checkpoints and logs. Wait for it or stop it; then resume its run with "
-                "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
-            ) from None
-        except OSError as error:  # ENOLCK, EOPNOTSUPP: a file system without locks
-            os.close(fd)
-            warn(f"{output_dir} cannot be locked ({error}): start one run at a time there.")
-            yield
-            return
-        try:  # a holder that released the lock removed the file we opened: lock the one now at `path`
-            current = os.stat(path).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(fd).st_ino:
-            break
-        os.close(fd)
     try:
         gone = _lock_holder(path)
         if gone is not None or os.fstat(fd).st_size:
@@ -71,10 +47,45 @@ def output_dir_lock(output_dir: str | os.PathLike):
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(mine).encode(), 0)
         os.fsync(fd)
-        yield
+        yield True
     finally:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # before the lock goes: a run waiting on this file then opens a new one
+        os.close(fd)
+
+
+def _take(path: Path, output_dir, warn) -> int | None:
+    """The descriptor of `path`, locked; None where the file system cannot lock (said in a warning); an error naming
+    the holder where another run holds it."""
+    if fcntl is None:  # Windows
+        warn(f"{output_dir} cannot be locked on this system: start one run at a time there.")
+        return None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:  # a holder that released the lock removed the file we opened: lock the one now at `path`
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                return fd
+        except BlockingIOError:
+            os.close(fd)
+            holder = _lock_holder(path) or {}
+            raise RuntimeError(
+                f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+                f"started {holder.get('started', '?')} ({path}). Two runs in one output_dir overwrite each other's "
+                "checkpoints and logs. Wait for it or stop it; then resume its run with "
+                "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
+            ) from None
+        except OSError as error:  # ENOLCK, EOPNOTSUPP: a file system without locks (ESTALE, EACCES: the same)
+            os.close(fd)
+            warn(f"{output_dir} cannot be locked ({error}): start one run at a time there.")
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
 
 

@@ -215,6 +215,8 @@ def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
             for other, handler in previous.items():
                 signal.signal(other, handler)
             signal.raise_signal(signum)
+        else:
+            os.write(2, b"already stopping after this rollout\n")
 
     for signum in signums:
         if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
@@ -511,11 +513,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             refused, owner = None, ckpt.run_owner()
             if self.accelerator.is_main_process:
                 try:
-                    held.enter_context(output_dir_lock(self.args.output_dir))
+                    locked = held.enter_context(output_dir_lock(self.args.output_dir))
                 except (RuntimeError, OSError) as error:  # held by another run; a folder it cannot write to
                     refused = error
-                else:
-                    removed = ckpt.remove_debris(self.args.output_dir)
+                else:  # what a stopped run left half-written: only while no other run can be writing it
+                    removed = ckpt.remove_debris(self.args.output_dir) if locked else []
                     if removed:
                         logger.info(f"Removed what a stopped run left half-written: {', '.join(removed)}")
             if self._distributed:  # every process stops, not the main one alone; all name temporary folders alike
@@ -1125,7 +1127,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                         sums[key] += value if key.startswith("loss") else value * n
                     if "entropy" in out:
                         sums["entropy"] += masked_mean(out["entropy"].detach(), batch["mask"]) * n
-                    if "aux_loss" in out:  # the routers' balance, the step's mean over micro-batches (as TRL)
+                    if out.get("aux_loss") is not None:  # the routers' balance, the step's mean over micro-batches
                         loss = loss + self.router_aux_loss_coef * out["aux_loss"] / len(micro_batches)
                         sums["aux_loss"] += out["aux_loss"].detach() * n
                     sums["loss"] += loss.detach()
