@@ -272,10 +272,12 @@ def naive_policy_loss(logprobs, old_logprobs, advantages, lengths, eps_low, eps_
             per_sequence.append(sum(row) / len(row))
     if loss_type == "token":
         return sum(token_losses) / len(token_losses)
+    if loss_type == "luspo":
+        return sum(token_losses) / len(per_sequence)
     return sum(per_sequence) / len(per_sequence)
 
 
-@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["token", "sequence", "luspo"])
 def test_policy_loss_matches_naive_loop(loss_type):
     lengths, mask, advantages, old, g = random_batch(batch=7, steps=10, seed=9)
     logprobs = old + 0.4 * torch.randn(old.shape, generator=g)

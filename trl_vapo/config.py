@@ -385,8 +385,9 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "'token': average the policy loss over all valid tokens of the optimizer step, across "
             "micro-batches and processes (VAPO). 'sequence': average per sequence, then over sequences (vanilla PPO). "
-            "GRPOConfig's names are accepted: 'dapo' (the same as 'token'), 'bnpo' and 'dr_grpo' (token-level with "
-            "another normaliser: here 'token') and 'grpo' ('sequence')."
+            "'luspo': sum per sequence, then average over sequences (GRPOConfig's LUSPO). GRPOConfig's names are "
+            "accepted: 'dapo' (the same as 'token'), 'bnpo' and 'dr_grpo' (token-level with another normaliser: here "
+            "'token') and 'grpo' ('sequence')."
         },
     )
     nll_coef: float = field(
@@ -755,10 +756,10 @@ class VAPOConfig(TrainingArguments):
             + "\nRemove them (or set them back to GRPO's defaults) to train with VAPO's objective.",
         )
         require(
-            self.loss_type in ("token", "sequence"),
-            f"loss_type must be 'token' or 'sequence' (or GRPOConfig's {', '.join(map(repr, GRPO_LOSS_TYPES))}), "
-            f"got {self.loss_type!r}: GRPO's other losses (cispo, sapo, luspo, vespo) are other objectives than "
-            "VAPO's clipped PPO loss.",
+            self.loss_type in ("token", "sequence", "luspo"),
+            f"loss_type must be 'token', 'sequence' or 'luspo' (or GRPOConfig's "
+            f"{', '.join(map(repr, GRPO_LOSS_TYPES))}), got {self.loss_type!r}: GRPO's other losses (cispo, sapo, "
+            "vespo) are other objectives than VAPO's clipped PPO loss.",
         )
         require(
             not self.load_best_model_at_end,

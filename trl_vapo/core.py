@@ -407,14 +407,16 @@ def policy_loss(
 
         "token":    L = sum_{(i,t) in M} l_{i,t} / |M|                   (VAPO: every token weighs the same)
         "sequence": L = mean_i( sum_t l_{i,t} / |o_i| )                 (vanilla PPO: every sequence weighs the same)
+        "luspo":    L = mean_i( sum_t l_{i,t} )                          (LUSPO, GRPOConfig's: a sequence weighs
+                                                                        by its length, not normalised by it)
 
     In ``"token"`` mode a token of a 10-token response and a token of a 1000-token response weigh the same; in
     ``"sequence"`` mode the short response's tokens weigh 100 times more.
 
     ``normalizer`` replaces the denominator so that one optimisation step spread over micro-batches and ranks still
     gets one mean: for ``"token"`` pass the number of valid tokens of the whole step (divided by the world size when
-    gradients are averaged over ranks); for ``"sequence"`` the number of sequences likewise. Summing the losses of
-    the step's micro-batches then gives exactly the full-batch mean.
+    gradients are averaged over ranks); for ``"sequence"`` and ``"luspo"`` the number of sequences likewise.
+    Summing the losses of the step's micro-batches then gives exactly the full-batch mean.
 
     ``weights`` (``[B, T]`` or ``[B, 1]``, no gradient) multiply ``l_t`` before the mean: the importance-sampling
     correction for completions sampled by another engine (:func:`importance_sampling_weights`).
@@ -425,8 +427,8 @@ def policy_loss(
         clipped at ``1 + epsilon_high``), ``clip_frac`` (either), ``approx_kl`` (``E[(rho - 1) - log rho]``) and
         ``ratio`` (mean rho).
     """
-    if loss_type not in ("token", "sequence"):
-        raise ValueError(f"loss_type must be 'token' or 'sequence', got {loss_type!r}")
+    if loss_type not in ("token", "sequence", "luspo"):
+        raise ValueError(f"loss_type must be 'token', 'sequence' or 'luspo', got {loss_type!r}")
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     valid = mask.bool()
@@ -445,6 +447,9 @@ def policy_loss(
 
     if loss_type == "token":
         denominator = valid.sum().clamp(min=1) if normalizer is None else normalizer
+        loss = per_token.sum() / denominator
+    elif loss_type == "luspo":
+        denominator = valid.any(dim=1).sum().clamp(min=1) if normalizer is None else normalizer
         loss = per_token.sum() / denominator
     else:
         lengths = valid.sum(dim=1).clamp(min=1)

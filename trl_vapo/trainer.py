@@ -376,6 +376,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
         actor_critic.with_router_aux_loss = self.aux_loss_enabled
         actor_critic.with_entropy_grad = args.entropy_coef > 0
+        if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+            logger.warning(  # GRPOTrainer's
+                "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
+                "paper's setup."
+            )
         if args.importance_sampling_level == "sequence" and args.loss_type == "token":
             logger.warning(  # GRPOTrainer's warning for its token-summed losses
                 "With importance_sampling_level='sequence', the 'token' loss sums per-token contributions, which "
