@@ -350,7 +350,8 @@ def test_streamed_data_takes_grpos_loader_settings(tiny_model_dir, tmp_path, cap
     stream = prompts_dataset(8).to_iterable_dataset()
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
         VAPOTrainer(
-            str(tiny_model_dir), digit_fraction, make_args(tmp_path, accelerator_config={"dispatch_batches": True}),
+            str(tiny_model_dir), digit_fraction,
+            make_args(tmp_path, accelerator_config={"dispatch_batches": True}, max_steps=-1),  # said before max_steps
             stream,
         )  # fmt: skip
     with caplog.at_level("WARNING"):

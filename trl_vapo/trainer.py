@@ -336,9 +336,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         engine_settings = EngineSettings.from_config(args)
         engine_settings.quantization_config = (model_init_kwargs or {}).get("quantization_config")
         check_engine_available(engine_settings, model)
+        check_stream_settings(train_dataset, eval_dataset, args)  # first: TRL's order of these errors
         example = check_train_dataset(train_dataset, args)
         eval_examples = check_eval_dataset(eval_dataset, args)
-        check_stream_settings(train_dataset, eval_dataset, args)
         self._example_prompt = example["prompt"]  # for the model card's quick start
         self._conversational = is_conversational({"prompt": example["prompt"]})
         zero3_config = getattr(args, "hf_deepspeed_config", None)
