@@ -428,10 +428,12 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
     """A model the flag names is a local folder, in the Hugging Face cache, or on a Hub this machine reaches: one line
     saying which is not so, before anything loads (offline, transformers would retry for a minute, then raise
     through two tracebacks)."""
-    if not name or Path(name).expanduser().exists() or os.environ.get("LOCAL_RANK", "0") != "0":
-        return  # (one process per machine asks the Hub: a large job's ranks would hit its rate limit)
-    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    if not name or Path(name).expanduser().exists():
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    from .hub import unreachable
 
     try:
         cached = (try_to_load_from_cache(name, f, revision=revision) for f in ("config.json", "adapter_config.json"))
@@ -445,7 +447,7 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
             f"download it where the Hub is reachable (`hf download {name}`), or pass a local folder"
         )
     try:
-        model_info(name, revision=revision, timeout=10)
+        error = unreachable(name, "model", revision)
     except GatedRepoError:
         raise UsageError(f"{flag} {name} is gated: accept its terms on the Hub, then `hf auth login`") from None
     except RepositoryNotFoundError:
@@ -454,12 +456,12 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
         ) from None
     except HfHubHTTPError:  # the Hub answered (a rate limit, a server error): loading says what it says
         return
-    except Exception as error:  # no network, a proxy: the exception's class is the HTTP library's
+    if error is not None:
         raise UsageError(
             f"{flag} {name} is not a local folder and not in the Hugging Face cache, and the Hub cannot be reached "
             f"({type(error).__name__}: {str(error)[:120]}): download it where the Hub is reachable "
             f"(`hf download {name}`), or pass a local folder (HF_HUB_OFFLINE=1 runs offline from the cache)"
-        ) from None
+        )
 
 
 def _reward_names(script_args) -> list[str]:

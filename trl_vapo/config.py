@@ -871,13 +871,6 @@ class VAPOConfig(TrainingArguments):
             self.value_pretrain_patience is None or self.value_pretrain_patience >= 1,
             f"value_pretrain_patience must be >= 1 or None, got {self.value_pretrain_patience}.",
         )
-        require(
-            self.max_completion_length >= 1, f"max_completion_length must be >= 1, got {self.max_completion_length}."
-        )
-        require(
-            self.max_prompt_length is None or self.max_prompt_length >= 1,
-            f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.",
-        )
         require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}.")
         require(
             self.nonfinite_loss_patience >= 1,

@@ -188,23 +188,23 @@ def _check_hub_reachable(dataset_name: str) -> None:
     """Offline without HF_HUB_OFFLINE, `datasets` retries for half a minute before it says so: one request instead.
     In offline mode `datasets` reads its cache, and says at once when the data set is not there."""
     from datasets import config
-    from huggingface_hub import constants, dataset_info
+    from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError
+
+    from .hub import unreachable
 
     cached = (
         Path(config.HF_DATASETS_CACHE) / dataset_name.replace("/", "___"),  # `datasets`' own cache of it
         Path(constants.HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}",  # its files, as downloaded
     )
-    # Offline mode, a cached copy (which `datasets` falls back to), or a rank other than each machine's first: no
-    # probe (a large job's ranks would hit the Hub's rate limit).
-    if config.HF_HUB_OFFLINE or any(p.exists() for p in cached) or os.environ.get("LOCAL_RANK", "0") != "0":
+    if config.HF_HUB_OFFLINE or any(p.exists() for p in cached):  # `datasets` reads (or falls back to) its cache
         return
     try:
-        dataset_info(dataset_name, timeout=10)
+        error = unreachable(dataset_name, "dataset")
     except HfHubHTTPError:  # the Hub answered (no such data set, private, a rate limit): `load_dataset` says it
         return
-    except Exception as error:  # no network, a proxy: the exception's class is the HTTP library's
-        raise ConnectionError(_unreachable(dataset_name, error)) from None
+    if error is not None:
+        raise ConnectionError(_unreachable(dataset_name, error))
 
 
 def _unreachable(dataset_name: str, error: Exception) -> str:
