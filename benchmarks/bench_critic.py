@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probes", help="comma-separated subset of " + ",".join(PROBES))
     parser.add_argument("--rollouts", type=int, default=30, help="value-pretraining rollouts of 64 per probe")
     parser.add_argument("--jobs", type=int, default=1, help="probes at once (one thread each)")
-    parser.add_argument("--quick", action="store_true", help="one probe, 2 rollouts")
+    parser.add_argument("--quick", action="store_true", help="one probe, 2 rollouts, in this process")
     parser.add_argument("--seed", type=int, default=TUNING_SEEDS[0], help=f"a tuning seed, one of {TUNING_SEEDS}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def launch(name: str) -> int:
         if (args.out / f"{name}.json").exists():
+            return 0
+        if args.quick:  # in this process: a fresh interpreter's imports would take as long as the probe
+            (args.out / f"{name}.json").write_text(json.dumps(run_probe(name, args.rollouts, args.seed)))
             return 0
         cmd = [sys.executable, __file__, "--worker", name, "--rollouts", str(args.rollouts), "--out", str(args.out)]
         cmd += ["--seed", str(args.seed)]

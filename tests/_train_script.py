@@ -147,7 +147,7 @@ def sharded(model) -> bool:
     return model is not None and all(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in model.parameters())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--output-dir", required=True)
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--dtype", help="the dtype to load the model in (model_init_kwargs)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every 4 steps")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.fsdp2:
         force_fsdp2_on_cpu()
 
@@ -271,6 +271,21 @@ def main() -> None:
                 "reward_model_sharded": [sharded(f.model) for f in trainer.reward_funcs if hasattr(f, "model")],
             }
             (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
+
+
+def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: bool) -> None:
+    """`main(argv)` in a process forked from a server that has imported this module (`tests/_script_process.py`): the
+    same run as `python _train_script.py ARGV`, its output in the files `stdout` and `stderr`, without the five
+    seconds of imports that every fresh interpreter spends."""
+    import signal
+    import sys
+
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    if default_sigint:  # as a terminal leaves it; pytest-xdist's workers ignore it, and so would every child
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.argv = [__file__, *argv]
+    main(argv)
 
 
 if __name__ == "__main__":

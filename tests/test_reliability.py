@@ -16,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+import _script_process
 import pytest
 import torch
+from _script_process import ScriptProcess, run_script, script_env
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
@@ -27,7 +29,6 @@ from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.rewards import make_math_reward
 
 SCRIPT = Path(__file__).parent / "_train_script.py"
-PYTHON = sys.executable
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter, wherever pip put it
 
 
@@ -505,20 +506,10 @@ def assert_same_log(got: dict, expected: dict, keys=None, rel: float = 0.0, cont
             assert a == b, (context, key, a, b)
 
 
-def script_env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def start_script(model_dir: Path, out: Path, *args: str, **popen) -> subprocess.Popen:
-    """`_train_script.py` in the background (`LONG_RUN`, then `args`), its output discarded unless `popen` says."""
-    streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, **popen}
-    command = [PYTHON, str(SCRIPT), "--model", str(model_dir), "--output-dir", str(out), *LONG_RUN, *args]
-    return subprocess.Popen(command, env=script_env(), **streams)
-
-
-def run_script(*args, timeout=300):
-    return subprocess.run(
-        [PYTHON, str(SCRIPT), *args], env=script_env(), capture_output=True, text=True, timeout=timeout
+def start_script(model_dir: Path, out: Path, *args: str, default_sigint: bool = False) -> ScriptProcess:
+    """`_train_script.py` in a process of its own, in the background (`LONG_RUN`, then `args`)."""
+    return _script_process.start_script(
+        "--model", model_dir, "--output-dir", out, *LONG_RUN, *args, default_sigint=default_sigint
     )
 
 
@@ -572,11 +563,9 @@ def test_a_signal_at_a_random_point_checkpoints_and_the_resumed_run_matches(
         out,
         "--save-steps",
         "5",
-        stderr=subprocess.PIPE,
-        text=True,
-        # pytest-xdist's workers ignore SIGINT, and an ignored signal stays ignored across exec (as under nohup): the
-        # run would rightly ignore it too. A run started from a terminal has it at its default.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        # pytest-xdist's workers ignore SIGINT, and an ignored signal stays ignored in their children (as under
+        # nohup): the run would rightly ignore it too. A run started from a terminal has it at its default.
+        default_sigint=True,
     )
     # Once a random step from 5 to 14 of 24 is logged (a checkpoint is written every 5): wherever the run then is,
     # mid-rollout, mid-checkpoint or between steps, with 10 or more steps to go.
@@ -639,7 +628,7 @@ def test_a_repeated_sigterm_is_one_request_and_a_later_one_stops_at_once(tiny_mo
     from trl_vapo.trainer import SIGNAL_REPEAT_WINDOW
 
     out = tmp_path / "twice"
-    process = start_script(tiny_model_dir, out, "--stall-at", "2", stderr=subprocess.PIPE, text=True)
+    process = start_script(tiny_model_dir, out, "--stall-at", "2")
     deadline = time.time() + 240
     while not (out / "stalled").exists() and time.time() < deadline:
         time.sleep(0.02)
