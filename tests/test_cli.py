@@ -368,7 +368,7 @@ def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_check
     assert state["run"]["num_processes"] == processes and state["run"]["generation_batch_size"] == 4 * processes
 
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").rglob("*.yaml"))  # trl_grpo/: `trl grpo` configs
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
@@ -390,7 +390,7 @@ def test_every_example_config_parses_into_valid_settings(example):
 # ---------------------------------------------------------------------------------------------------------------------
 # Coming from `trl grpo`: its script with the import swapped, and its YAML config, run unchanged
 # ---------------------------------------------------------------------------------------------------------------------
-GRPO_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
+GRPO_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo" / "grpo.py"
 
 
 def test_the_grpo_example_is_trls_script_with_only_the_imports_swapped():
@@ -413,6 +413,29 @@ def test_the_grpo_example_is_trls_script_with_only_the_imports_swapped():
         "+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser",
         "+    from trl_vapo import VAPOConfig as GRPOConfig  # trl-vapo: the one changed import",
     ]
+
+
+def test_trls_script_sits_with_the_configs_it_reads_and_every_config_names_its_command():
+    """TRL's script does not know trl-vapo's reward names and data presets: given `examples/gsm8k_lora.yaml` it ended
+    in a traceback. Its folder holds `trl grpo` configs only, each of whose keys its parser takes (TRL's parser ignores
+    unknown keys where the script calls it) and whose rewards its registry or an import path names; every config
+    says in its first lines which command runs it."""
+    import runpy
+
+    script = runpy.run_path(str(GRPO_EXAMPLE))  # its functions, without running it
+    registry = {"accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"}
+    trl_configs = sorted(GRPO_EXAMPLE.parent.glob("*.yaml"))
+    assert trl_configs and all(p.parent == GRPO_EXAMPLE.parent for p in trl_configs)
+    for path in trl_configs:
+        args = script["make_parser"]().parse_args_and_config(["--config", str(path)], fail_with_unknown_args=True)
+        assert all(name in registry or "." in name for name in args[0].reward_funcs), path
+        assert args[0].dataset_name or args[3].datasets, path
+        head = path.read_text()[:600]
+        assert f"python examples/trl_grpo/grpo.py --config examples/trl_grpo/{path.name}" in head, path
+        assert f"trl-vapo train --config examples/trl_grpo/{path.name}" in head, path
+    for path in EXAMPLES:
+        if path.parent != GRPO_EXAMPLE.parent:
+            assert f"trl-vapo train --config examples/{path.name}" in "".join(path.read_text().splitlines()[:2]), path
 
 
 @pytest.fixture(scope="module")
@@ -476,7 +499,7 @@ def assert_trained_lora_with_evaluations(output_dir: Path, reward_model_name: st
 def test_trls_grpo_script_with_the_import_swapped_trains_lora_evaluates_and_reloads(
     tiny_model_dir, reward_model_dir, grpo_data, tmp_path, monkeypatch, capsys
 ):
-    """`python examples/grpo.py --config grpo.yaml`, run in this process (`runpy`, as `python` runs it)."""
+    """`python examples/trl_grpo/grpo.py --config grpo.yaml`, run in this process (`runpy`, as `python` runs it)."""
     import runpy
 
     out = tmp_path / "grpo-script"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _script_process import run_script, script_env
 from safetensors.torch import load_file
 
 from trl_vapo.tiny import save_tiny_reward_model
@@ -58,23 +59,21 @@ STEPS = 8  # 2 value-pretraining rollouts x 1 step, then 2 RL rollouts x (1 poli
 
 
 def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Path:
-    """One run of `_train_script.py`; every run also scores with a reward model (GRPOTrainer's `reward_funcs` entry),
-    which each backend places as TRL places it (a ZeRO-3 inference engine, FSDP2 shards), so its rewards, and the
-    whole run, must be the plain run's."""
+    """One run of `_train_script.py` on `processes` processes started by `torchrun` (0: the plain run, one process of
+    its own without a launcher); every run also scores with a reward model (GRPOTrainer's `reward_funcs` entry), which
+    each backend places as TRL places it (a ZeRO-3 inference engine, FSDP2 shards), so its rewards, and the whole run,
+    must be the plain run's."""
     reward_model = model_dir.parent / "reward-model"
     if not (reward_model / "config.json").is_file():
         save_tiny_reward_model(reward_model)
     extra = (*extra, "--reward-model", str(reward_model))
-    port = str(29500 + (os.getpid() + hash(output_dir.name)) % 1000)
-    command = [*TORCHRUN, "--nproc_per_node", str(processes), "--master_port", port, str(SCRIPT)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        [*command, "--model", str(model_dir), "--output-dir", str(output_dir), *COMMON, *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["--model", str(model_dir), "--output-dir", str(output_dir), *COMMON, *extra]
+    if processes == 0:  # the plain run: one process, no launcher, no process group
+        result = run_script(*args, timeout=600)
+    else:
+        port = str(29500 + (os.getpid() + hash(output_dir.name)) % 1000)
+        command = [*TORCHRUN, "--nproc_per_node", str(processes), "--master_port", port, str(SCRIPT)]
+        result = subprocess.run([*command, *args], env=script_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return output_dir
 
@@ -144,7 +143,7 @@ def assert_same_training(run: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory) -> Path:
-    return train(tiny_model_dir, tmp_path_factory.mktemp("plain"), 1, "--save-final", "--save-steps", "100")
+    return train(tiny_model_dir, tmp_path_factory.mktemp("plain"), 0, "--save-final", "--save-steps", "100")
 
 
 @pytest.fixture(scope="module")

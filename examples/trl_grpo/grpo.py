@@ -1,9 +1,10 @@
 # ruff: noqa  (TRL's file as TRL writes it, so that the diff against it is only the two imports)
 # TRL's `trl/scripts/grpo.py` (TRL 1.16.0, Apache-2.0, copyright the HuggingFace Team: notice below) with the
 # trainer and config imports swapped for trl-vapo's, and nothing else changed (tests/test_cli.py checks it).
-#   python examples/grpo.py --config my_grpo.yaml   # a `trl grpo` config, plus any of VAPO's own fields
-# (not examples/*.yaml, which are `trl-vapo train` configs: here a reward is named as TRL's script names it, e.g.
-# `reward_funcs: [trl_vapo.rewards.math_reward]`, and the data set by `dataset_name` with a `prompt` column)
+#   python examples/trl_grpo/grpo.py --config examples/trl_grpo/deepmath_lora.yaml   # a `trl grpo` config
+# It reads `trl grpo` configs (this folder's), plus any of VAPO's own fields; `examples/*.yaml` are `trl-vapo train`
+# configs, which name trl-vapo's rewards and data presets (`math_reward`, `dataset_preset`) that TRL's script does not
+# know. `trl-vapo train --config` runs both kinds.
 # Copyright 2020-2026 The HuggingFace Team. All rights reserved.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");
