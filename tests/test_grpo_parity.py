@@ -136,10 +136,39 @@ def test_each_grpo_setting_vapo_does_not_have_is_refused_naming_it_and_what_vapo
 
 def test_all_refused_grpo_settings_come_in_one_error(tmp_path):
     with pytest.raises(ValueError) as error:
-        make_args(tmp_path, scale_rewards="batch", top_entropy_quantile=0.2, use_liger_kernel=True)
+        make_args(
+            tmp_path,
+            scale_rewards="batch",
+            top_entropy_quantile=0.2,
+            use_liger_kernel=True,
+            liger_kernel_config={"fused_linear_cross_entropy": True},
+        )
     message = str(error.value)
     assert "scale_rewards='batch'" in message and "top_entropy_quantile=0.2" in message
-    assert "use_liger_kernel=True" in message and "tiled kernel" in message
+    assert '"fused_linear_cross_entropy": True}' in message and "tiled kernel" in message
+
+
+def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_does(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """GRPOTrainer (TRL 1.16) takes `use_liger_kernel` with a deprecation warning and applies Liger's layer kernels
+    only (not its fused cross-entropy, which would replace the forward its fused head runs; VAPO's tiled head is
+    the same case). Without liger-kernel, the trainer says so before the model loads. liger-kernel needs Triton and
+    a GPU: here a stand-in for transformers' `apply_liger_kernel` (its real interface) records what it patches."""
+    import trl_vapo.trainer as trainer_module
+
+    with pytest.warns(FutureWarning, match="`use_liger_kernel=True` is deprecated"):
+        args = make_args(tmp_path, use_liger_kernel=True, liger_kernel_config={"rms_norm": True})
+    assert args.liger_kernel_config == {"rms_norm": True, "fused_linear_cross_entropy": False}
+    with pytest.raises(ImportError, match="pip install liger-kernel"):
+        VAPOTrainer(str(tmp_path / "no-such-model"), digit_fraction, args, prompts_dataset(8))
+
+    patched = []
+    monkeypatch.setattr(trainer_module, "is_liger_kernel_available", lambda: True)
+    monkeypatch.setattr(trainer_module, "apply_liger_kernel", lambda model, config: patched.append((model, config)))
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8))
+    [(model, config)] = patched
+    assert model is trainer.actor_critic.policy and config == args.liger_kernel_config
 
 
 def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tmp_path):
@@ -424,3 +453,24 @@ def test_steps_per_generation_off_gradient_accumulation_is_refused_saying_why(tm
     """GRPOTrainer accepts any steps_per_generation; VAPO trains each rollout in whole optimizer steps."""
     with pytest.raises(ValueError, match=r"steps_per_generation \(3\) must be a multiple of .* whole optimizer steps"):
         make_args(tmp_path, per_device_train_batch_size=4, steps_per_generation=3, gradient_accumulation_steps=2)
+
+
+def test_the_completions_that_reward_functions_logged_stay_in_logs_after_training(tiny_model_dir, tmp_path):
+    """GRPOTrainer's `_logs` (callbacks written for it read it) holds the last rollout's completions and the columns
+    reward functions logged with `log_extra`, also once that rollout's table has been logged; and a trainer without
+    data fails with GRPOTrainer's words."""
+
+    def first_characters(completions, log_extra, **kwargs):
+        log_extra("start", [c[:5] for c in completions])
+        return [float(len(c)) for c in completions]
+
+    args = make_args(tmp_path, log_completions=True, max_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), first_characters, args, prompts_dataset(8))
+    assert trainer._logs["extra"] == {} and trainer._logs["completion"] == []
+    trainer.train()
+    logs = trainer._logs
+    assert len(logs["completion"]) == args.generation_batch_size
+    assert logs["extra"]["start"] == [c[:5] for c in logs["completion"]]
+    assert logs["rewards"]["first_characters"] == [float(len(c)) for c in logs["completion"]]
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        VAPOTrainer(str(tiny_model_dir), first_characters, args)

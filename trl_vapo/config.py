@@ -692,6 +692,15 @@ class VAPOConfig(TrainingArguments):
                 stacklevel=3,
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if self.use_liger_kernel:  # as GRPOTrainer (TRL 1.16): Liger's layer kernels only, the LM head stays ours
+            warnings.warn(
+                "`use_liger_kernel=True` is deprecated and will be removed in v2.0.0. Use the Hub kernels instead, "
+                'with `model_init_kwargs={"use_kernels": True}`.',
+                FutureWarning,
+                stacklevel=3,
+            )
+            if not (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+                self.liger_kernel_config = {**(self.liger_kernel_config or {}), "fused_linear_cross_entropy": False}
 
     def _refused_grpo_settings(self) -> list[str]:
         """GRPOConfig settings this config asks for that VAPO does not have, each with what VAPO does instead."""
@@ -701,10 +710,10 @@ class VAPOConfig(TrainingArguments):
             accepted = (default, *also[0]) if also else (default,)
             if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
                 refused.append(f"{name}={value!r}: {instead}")
-        if self.use_liger_kernel:
+        if self.use_liger_kernel and (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
             refused.append(
-                "use_liger_kernel=True: VAPO computes the LM head's log-probabilities with its own tiled kernel "
-                "(no [B, T, V] logits); Liger's kernels are not applied."
+                'liger_kernel_config={"fused_linear_cross_entropy": True}: it replaces the model\'s forward; VAPO '
+                "computes the LM head's log-probabilities with its own tiled kernel (no [B, T, V] logits)."
             )
         return refused
 

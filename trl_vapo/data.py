@@ -249,7 +249,7 @@ def check_train_dataset(dataset, args) -> dict:
     prompts for one rollout of `args` (a VAPOConfig), or an `IterableDataset` (streaming) with `max_steps` set.
     Returns its first row."""
     if dataset is None:
-        raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
+        raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
     if isinstance(dataset, IterableDataset):
         if args.max_steps <= 0:
             raise ValueError(

@@ -37,8 +37,10 @@ from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_lis
 from datasets import Dataset, IterableDataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers.integrations.liger import apply_liger_kernel
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
+from transformers.utils import is_liger_kernel_available
 from trl import SyncRefModelCallback, is_conversational
 
 from . import checkpoint as ckpt
@@ -354,9 +356,20 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         check_quantization(model_init_kwargs, peft_config)
 
+        if args.use_liger_kernel and not is_liger_kernel_available():  # said before the model loads
+            raise ImportError(
+                "use_liger_kernel=True needs liger-kernel, which is not installed: `pip install liger-kernel` (it "
+                "needs a GPU with Triton), or leave use_liger_kernel off."
+            )
+
         set_seed(args.seed)  # PEFT initialises adapters randomly
         with whole_models_under_zero3(zero3_config):
             policy, model_id = load_policy(model, args, model_init_kwargs)
+        if args.use_liger_kernel:
+            # Liger's layer kernels (RMSNorm, RoPE, SwiGLU, ...), as GRPOTrainer applies them (`Trainer.train`), on the
+            # loaded policy before its adapter and its critic are built from it; not its fused cross-entropy, which
+            # would replace the forward that VAPO's tiled LM head runs (VAPOConfig refuses it).
+            apply_liger_kernel(policy, args.liger_kernel_config)
         tokenizer = processing_class or AutoTokenizer.from_pretrained(
             model_id, trust_remote_code=args.trust_remote_code
         )
@@ -438,7 +451,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             )
         self.progress = ckpt.TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
         self._save_pending = False
-        self._last_rollout: Rollout | None = None  # for the completions table at the next log
+        self._last_rollout: Rollout | None = None  # the newest rollout: the next log's completions table, and `_logs`
+        self._reported_rollout: Rollout | None = None  # the one whose table was logged (once per rollout)
         self._replay: list[Rollout] = []  # value pretraining's last rollouts (`value_pretrain_replay`)
         # What only the caller knows, for the model card: dataset_name / dataset_config / dataset_description,
         # held_out ({"before": ..., "after": ..., "description": ...}), license.
@@ -1406,14 +1420,16 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
             with (Path(self.args.output_dir) / LOG_FILE).open("a") as log_file:
                 log_file.write(json.dumps(self.state.log_history[-1], default=str) + "\n")
-        if self.args.log_completions and self._last_rollout is not None and self.accelerator.is_main_process:
+        rollout = self._last_rollout
+        fresh = rollout is not None and rollout is not self._reported_rollout
+        if self.args.log_completions and fresh and self.accelerator.is_main_process:
             report_completions(
-                rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step),
+                rollout_completions_table(rollout, self.processing_class, self.state.global_step),
                 num_completions_to_print=self.args.num_completions_to_print,
                 report_to=self.args.report_to,
                 unique_prompts=self.args.log_unique_prompts,
             )
-            self._last_rollout = None
+            self._reported_rollout = rollout
 
 
 def _nanmean(values: list[float]) -> float:
