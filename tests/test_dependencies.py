@@ -175,6 +175,17 @@ def test_the_package_has_no_import_cycle_at_module_level():
     assert "trl_vapo.checkpoint" in graph["trl_vapo.trainer"]  # `from . import checkpoint as ckpt`
 
 
+def test_sampling_and_scoring_import_nothing_of_training_even_inside_functions():
+    """An engine samples, it does not train: `generation` takes its vLLM defaults from nowhere above it (the config
+    takes them from `generation.VLLM_DEFAULTS`). The reward models load with `pretrained.from_pretrained_kwargs`, which
+    `modeling` uses too, so `scoring` does not reach into the actor-critic's module."""
+    imports = package_imports()
+    above = {"trl_vapo.config", "trl_vapo.trainer", "trl_vapo.cli", "trl_vapo.checkpoint"}
+    assert not {target for target, _, _ in imports["trl_vapo.generation"]} & above
+    assert "trl_vapo.modeling" not in {target for target, _, _ in imports["trl_vapo.scoring"]}
+    assert "trl_vapo.pretrained" in {target for target, _, _ in imports["trl_vapo.scoring"]}  # the check sees imports
+
+
 def test_every_extra_the_docs_and_messages_name_exists():
     """`pip install trl-vapo[x]` in the README, a help text or an error message names an extra pyproject.toml has."""
     import re

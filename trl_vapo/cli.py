@@ -491,7 +491,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
     args = trainer.args
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped).policy
     engine = EngineSettings.from_config(args)  # a transformers engine of its own, batched as evaluation batches
-    if engine.engine == "vllm":  # vLLM holds its own copy of the policy: the trainer's engine, synced with it
+    if engine.holds_own_weights:  # vLLM's copy of the policy: the trainer's engine, synced with it
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
     result = evaluate_policy(
@@ -729,12 +729,7 @@ def eval_command(argv: list[str]) -> int:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(args.seed)
-    accelerator = None
-    if engine_settings.engine == "vllm":
-        from accelerate import Accelerator
-
-        accelerator = Accelerator()
-    engine = build_engine(engine_settings, model, tokenizer, accelerator=accelerator)
+    engine = build_engine(engine_settings, model, tokenizer)
     result = evaluate_policy(
         model,
         tokenizer,

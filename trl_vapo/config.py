@@ -12,6 +12,7 @@ from transformers import TrainingArguments
 
 from .core import IMPORTANCE_SAMPLING_MODES
 from .distributed import check_deepspeed_config
+from .generation import VLLM_DEFAULTS
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 # GRPOConfig's loss types that are VAPO's two aggregations: DAPO's is VAPO's token-level loss (one mean over the
@@ -274,44 +275,49 @@ class VAPOConfig(TrainingArguments):
         },
     )
     vllm_mode: str = field(
-        default="colocate",
+        default=VLLM_DEFAULTS["mode"],
         metadata={
             "help": "'server': send generation requests to a separate vLLM server (start it with `trl vllm-serve`). "
             "'colocate': run vLLM in the training processes, sharing the GPUs."
         },
     )
     vllm_model_impl: str = field(
-        default="vllm",
+        default=VLLM_DEFAULTS["model_impl"],
         metadata={"help": "Model implementation for vLLM: 'vllm' or 'transformers'."},
     )
     vllm_enable_sleep_mode: bool = field(
-        default=False,
+        default=VLLM_DEFAULTS["enable_sleep_mode"],
         metadata={"help": "Offload vLLM's weights and cache during the optimizer step (colocate mode)."},
     )
     vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "Regex for vLLM structured outputs. None: disabled."}
+        default=VLLM_DEFAULTS["structured_outputs_regex"],
+        metadata={"help": "Regex for vLLM structured outputs. None: disabled."},
     )
     vllm_server_base_url: str | None = field(
-        default=None,
+        default=VLLM_DEFAULTS["server_base_url"],
         metadata={"help": "Base URL of the vLLM server (e.g. 'http://localhost:8000'); overrides host and port."},
     )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Host of the vLLM server."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Port of the vLLM server."})
+    vllm_server_host: str = field(default=VLLM_DEFAULTS["server_host"], metadata={"help": "Host of the vLLM server."})
+    vllm_server_port: int = field(default=VLLM_DEFAULTS["server_port"], metadata={"help": "Port of the vLLM server."})
     vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Seconds to wait for the vLLM server to be up before raising."}
+        default=VLLM_DEFAULTS["server_timeout"],
+        metadata={"help": "Seconds to wait for the vLLM server to be up before raising."},
     )
     vllm_group_port: int = field(
-        default=51216, metadata={"help": "Port of the weight-update group shared with the vLLM server."}
+        default=VLLM_DEFAULTS["group_port"],
+        metadata={"help": "Port of the weight-update group shared with the vLLM server."},
     )
     vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "GPU memory share vLLM may use (colocate mode)."}
+        default=VLLM_DEFAULTS["gpu_memory_utilization"],
+        metadata={"help": "GPU memory share vLLM may use (colocate mode)."},
     )
     vllm_max_model_length: int | None = field(
-        default=None,
+        default=VLLM_DEFAULTS["max_model_length"],
         metadata={"help": "vLLM's context window: at least the longest prompt plus max_completion_length."},
     )
     vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Tensor-parallel size of vLLM (colocate mode)."}
+        default=VLLM_DEFAULTS["tensor_parallel_size"],
+        metadata={"help": "Tensor-parallel size of vLLM (colocate mode)."},
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,

@@ -52,7 +52,7 @@ def _engine(engine: Engine, model, tokenizer, batch_size: int) -> GenerationEngi
     if isinstance(engine, GenerationEngine):
         return engine
     settings = engine if isinstance(engine, EngineSettings) else EngineSettings(engine=engine)
-    if settings.engine == "vllm":
+    if settings.holds_own_weights:
         raise ValueError(
             "Evaluate with vLLM through a built engine (the trainer's `generation_engine`): it holds the "
             "policy's weights, which these settings cannot give it."

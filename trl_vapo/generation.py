@@ -922,21 +922,23 @@ def _apply_sampling(vllm_generation, sampling: SamplingSettings, stop_ids: Seque
 # ---------------------------------------------------------------------------------------------------------------------
 
 ENGINES = ("generate", "continuous_batching", "static_cache", "vllm")
-VLLM_OPTIONS = (
-    "mode",
-    "structured_outputs_regex",
-    "server_base_url",
-    "server_host",
-    "server_port",
-    "group_port",
-    "server_timeout",
-    "tensor_parallel_size",
-    "gpu_memory_utilization",
-    "max_model_length",
-    "enable_sleep_mode",
-    "model_impl",
-)
-"""`VLLMGeneration`'s options, each a `vllm_<name>` field of `VAPOConfig` (TRL's names)."""
+VLLM_DEFAULTS: dict[str, Any] = {
+    "mode": "colocate",
+    "structured_outputs_regex": None,
+    "server_base_url": None,
+    "server_host": "0.0.0.0",
+    "server_port": 8000,
+    "group_port": 51216,
+    "server_timeout": 240.0,
+    "tensor_parallel_size": 1,
+    "gpu_memory_utilization": 0.3,
+    "max_model_length": None,
+    "enable_sleep_mode": False,
+    "model_impl": "vllm",
+}
+"""`VLLMGeneration`'s options and their defaults (TRL's): each a `vllm_<name>` field of `VAPOConfig`, which takes its
+default from here; what an engine is not given keeps it."""
+VLLM_OPTIONS = tuple(VLLM_DEFAULTS)
 
 
 @dataclass
@@ -974,6 +976,12 @@ class EngineSettings:
     keep_buffers: bool = True
     auto: bool = False
 
+    @property
+    def holds_own_weights(self) -> bool:
+        """The engine samples from its own copy of the policy (vLLM's), which the trainer's engine receives after each
+        update: a model handed to `build_engine` alone is not what it would sample from."""
+        return self.engine == "vllm"
+
     def placed(self, device_type: str, sharded: bool) -> EngineSettings:
         """These settings for a trainer on `device_type` whose weights DeepSpeed or FSDP place (`sharded`): the
         engine the user left to the default (`auto`), the CUDA graph, and buffers released between rollouts."""
@@ -988,12 +996,8 @@ class EngineSettings:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"Unknown generation engine {self.engine!r}: use one of {', '.join(ENGINES)}.")
-        if self.engine == "vllm":  # options not given keep `VAPOConfig`'s defaults (TRL's)
-            from .config import VAPOConfig
-
-            defaults = {f.name: f.default for f in dataclasses.fields(VAPOConfig)}
-            options = {name: defaults[f"vllm_{name}"] for name in VLLM_OPTIONS}
-            self.vllm = {**options, "trust_remote_code": defaults["trust_remote_code"], **self.vllm}
+        if self.engine == "vllm":  # options not given keep their defaults (TRL's)
+            self.vllm = {**VLLM_DEFAULTS, "trust_remote_code": False, **self.vllm}
 
     @staticmethod
     def _engine_named_by(args) -> str:
@@ -1030,8 +1034,8 @@ class EngineSettings:
 
     @classmethod
     def from_eval_args(cls, args) -> EngineSettings:
-        """The engine of `trl-vapo eval` (`cli.EvalArguments`); vLLM options it does not take keep `VAPOConfig`'s
-        defaults."""
+        """The engine of `trl-vapo eval` (`cli.EvalArguments`); vLLM options it does not take keep their defaults
+        (`VLLM_DEFAULTS`)."""
         vllm = {name: getattr(args, f"vllm_{name}") for name in VLLM_OPTIONS if hasattr(args, f"vllm_{name}")}
         config = args.transformers_continuous_batching_config
         return cls(
@@ -1122,7 +1126,7 @@ def build_engine(
         model: the model, or a model provider, the transformers engines generate with.
         tokenizer: gives the pad and EOS ids.
         policy: the causal LM (a `PeftModel` under PEFT) whose weights vLLM receives; vLLM only. Not the actor-critic.
-        accelerator: the trainer's `Accelerator`; vLLM only.
+        accelerator: the trainer's `Accelerator`; vLLM only (default: a new one, as for `trl-vapo eval`).
         stop_ids: where completions end (default: `stop_token_ids(tokenizer, policy, generation_kwargs)`).
         vllm_generation_cls: replaces TRL's `VLLMGeneration` (tests pass a stand-in).
     """
@@ -1136,8 +1140,12 @@ def build_engine(
         "sampling": settings.sampling,
     }
     if settings.engine == "vllm":
-        if policy is None or accelerator is None:
-            raise ValueError("The vLLM engine needs the policy model and the accelerator.")
+        if policy is None:
+            raise ValueError("The vLLM engine needs the policy model.")
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            accelerator = Accelerator()
         check_policy_only(policy)  # before vLLM loads anything
         vllm_generation = policy_only(vllm_generation_cls or vllm_generation_class())(
             model=policy,

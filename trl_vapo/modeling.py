@@ -49,6 +49,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 
 from ._compat import get_config_model_id, maybe_gather_lm_head_ctx
 from .core import lm_head_logprobs_and_entropy, token_logprobs_and_entropy
+from .pretrained import from_pretrained_kwargs
 
 logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
 
@@ -946,23 +947,6 @@ def check_quantization(model_init_kwargs: dict | None, peft_config) -> None:
             "4-bit / 8-bit loading (load_in_4bit, QLoRA) needs bitsandbytes: `pip install bitsandbytes` (it runs on "
             "NVIDIA GPUs and on CPUs), or drop the quantization to train LoRA on a bf16 base."
         ) from None
-
-
-def from_pretrained_kwargs(args, model_init_kwargs: dict | None = None) -> dict[str, Any]:
-    """`from_pretrained` keyword arguments from `args.model_init_kwargs` (or `model_init_kwargs` given instead):
-    float32 by default, safetensors only."""
-    kwargs = dict((args.model_init_kwargs if model_init_kwargs is None else model_init_kwargs) or {})
-    dtype = kwargs.get("dtype", "float32")
-    if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"model_init_kwargs['dtype'] must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}."
-            )
-        dtype = getattr(torch, dtype)
-    kwargs["dtype"] = dtype
-    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    kwargs.setdefault("use_safetensors", True)  # never unpickle weights unless the user asks
-    return kwargs
 
 
 def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.Module, str]:

@@ -93,7 +93,7 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
     from ._compat import get_config_model_id
-    from .modeling import from_pretrained_kwargs
+    from .pretrained import from_pretrained_kwargs
 
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     classes = reward_processing_classes
