@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from trl_vapo.core import (
     IMPORTANCE_SAMPLING_MODES,
+    aggregate_loss,
     compute_gae,
     decoupled_gae,
     explained_variance,
@@ -275,6 +276,29 @@ def naive_policy_loss(logprobs, old_logprobs, advantages, lengths, eps_low, eps_
     if loss_type == "luspo":
         return sum(token_losses) / len(per_sequence)
     return sum(per_sequence) / len(per_sequence)
+
+
+@pytest.mark.parametrize("loss_type", ["token", "sequence", "luspo"])
+def test_aggregate_loss_matches_naive_loop(loss_type):
+    """The one place per-token losses are averaged (the policy, value and NLL losses call it), with a row of no
+    token (it counts in no denominator) and a given normalizer (the whole step's count)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 0, 7, 1, 10]
+    mask = (torch.arange(10)[None, :] < torch.tensor(lengths)[:, None]).float()
+    per_token = torch.randn(5, 10, generator=g) * mask
+    rows = [[per_token[i, t].item() for t in range(n)] for i, n in enumerate(lengths)]
+    sequences = [row for row in rows if row]
+    expected = {
+        "token": sum(map(sum, rows)) / sum(lengths),
+        "sequence": sum(sum(row) / len(row) for row in sequences) / len(sequences),
+        "luspo": sum(map(sum, rows)) / len(sequences),
+    }[loss_type]
+    assert aggregate_loss(per_token, mask, loss_type).item() == pytest.approx(expected, rel=1e-6)
+    given = aggregate_loss(per_token, mask, loss_type, normalizer=torch.tensor(40.0))
+    count = sum(lengths) if loss_type == "token" else len(sequences)
+    assert given.item() == pytest.approx(expected * count / 40, rel=1e-6)
+    with pytest.raises(ValueError, match="loss_type must be"):
+        aggregate_loss(per_token, mask, "mean")
 
 
 @pytest.mark.parametrize("loss_type", ["token", "sequence", "luspo"])

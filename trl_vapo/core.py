@@ -378,6 +378,32 @@ def decoupled_gae(
     return advantages, returns, lambda_actor
 
 
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str = "token",
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """How per-token losses become the loss (verl's ``agg_loss``): kept apart from what each token's loss is.
+
+        "token":    L = sum_{(i,t) in M} l_{i,t} / N,        N = |M|                      (VAPO §3.3, Eq. 8)
+        "sequence": L = sum_i (sum_t l_{i,t} / |o_i|) / N,  N = sequences with a token    (vanilla PPO)
+        "luspo":    L = sum_{(i,t) in M} l_{i,t} / N,        N = sequences with a token    (LUSPO)
+
+    ``per_token`` (``[B, T]``) is 0 outside ``mask``. ``normalizer`` replaces N: the count of the whole optimizer
+    step over micro-batches and ranks (divided by the world size where gradients are averaged), so that the losses of
+    the step's micro-batches sum to the full-batch mean.
+    """
+    if loss_type not in ("token", "sequence", "luspo"):
+        raise ValueError(f"loss_type must be 'token', 'sequence' or 'luspo', got {loss_type!r}")
+    valid = mask.bool()
+    if normalizer is None:
+        normalizer = (valid.sum() if loss_type == "token" else valid.any(dim=1).sum()).clamp(min=1)
+    if loss_type == "sequence":
+        return (per_token.sum(dim=1) / valid.sum(dim=1).clamp(min=1)).sum() / normalizer
+    return per_token.sum() / normalizer
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -445,18 +471,7 @@ def policy_loss(
     if weights is not None:
         per_token = per_token * weights.to(per_token.dtype)
 
-    if loss_type == "token":
-        denominator = valid.sum().clamp(min=1) if normalizer is None else normalizer
-        loss = per_token.sum() / denominator
-    elif loss_type == "luspo":
-        denominator = valid.any(dim=1).sum().clamp(min=1) if normalizer is None else normalizer
-        loss = per_token.sum() / denominator
-    else:
-        lengths = valid.sum(dim=1).clamp(min=1)
-        per_sequence = per_token.sum(dim=1) / lengths
-        has_tokens = valid.any(dim=1)
-        denominator = has_tokens.sum().clamp(min=1) if normalizer is None else normalizer
-        loss = per_sequence[has_tokens].sum() / denominator
+    loss = aggregate_loss(per_token, valid, loss_type, normalizer)
 
     with torch.no_grad():
         high = (advantages > 0) & (ratio > 1.0 + epsilon_high)
@@ -502,9 +517,7 @@ def value_loss(
         clipped = (clipped_values - returns) ** 2
         per_token = torch.maximum(unclipped, clipped)
         clipped_more = clipped > unclipped
-    per_token = torch.where(valid, per_token, zeros)
-    denominator = valid.sum().clamp(min=1) if normalizer is None else normalizer
-    loss = 0.5 * per_token.sum() / denominator
+    loss = 0.5 * aggregate_loss(torch.where(valid, per_token, zeros), valid, "token", normalizer)
     stats = {"vf_clip_frac": masked_mean(clipped_more.float(), mask).detach()}
     return loss, stats
 
@@ -529,9 +542,7 @@ def positive_nll_loss(
         is_positive: ``[B]`` bool, True for responses judged correct.
     """
     selected = mask.bool() & is_positive.to(torch.bool).reshape(-1, 1)
-    nll = torch.where(selected, -logprobs, torch.zeros_like(logprobs))
-    denominator = selected.sum().clamp(min=1) if normalizer is None else normalizer
-    return nll.sum() / denominator
+    return aggregate_loss(torch.where(selected, -logprobs, torch.zeros_like(logprobs)), selected, "token", normalizer)
 
 
 def explained_variance(
