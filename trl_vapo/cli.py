@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
+from .metric_names import REWARD
 
 logger = logging.getLogger("trl_vapo")
 
@@ -511,7 +512,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
 
 def _summary(trainer, before, after, seconds, demo) -> str:
-    history = [h for h in trainer.state.log_history if "reward" in h and h.get("phase") == "rl"]
+    history = [h for h in trainer.state.log_history if REWARD in h and h.get("phase") == "rl"]
     lines = ["", "=" * 72, "trl-vapo " + ("demo " if demo else "") + "summary", "-" * 72]
     lines.append(
         f"steps            {trainer.state.global_step} "

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .metric_names import VALUE_LOSS
+
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over data-parallel ranks (e.g. ``accelerator.reduce(t, "sum")``); ``None`` means one process."""
 
@@ -175,17 +177,25 @@ def token_logprobs_and_entropy(
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, all_reduce: AllReduce | None = None
+) -> torch.Tensor:
     """Mean of ``values`` over positions where ``mask`` is 1: ``sum(x * m) / sum(m)``.
 
-    With ``dim=None`` the mean runs over every valid element; otherwise along ``dim`` (a row with no valid element
-    gives 0). Padded entries may hold anything, even NaN or inf: they are selected away, not multiplied by zero.
+    With ``dim=None`` the mean runs over every valid element, pooled over processes with ``all_reduce`` (the sum and
+    the count, one call); otherwise along ``dim`` (a row with no valid element gives 0). Padded entries may hold
+    anything, even NaN or inf: they are selected away, not multiplied by zero.
     """
     mask = mask.to(values.dtype)
     selected = torch.where(mask.bool(), values, torch.zeros_like(values))
-    if dim is None:
-        return selected.sum() / mask.sum().clamp(min=1)
-    return selected.sum(dim) / mask.sum(dim).clamp(min=1)
+    if dim is not None:
+        if all_reduce is not None:
+            raise ValueError("masked_mean pools over processes only the mean of every element (dim=None).")
+        return selected.sum(dim) / mask.sum(dim).clamp(min=1)
+    sums = torch.stack([selected.sum(), mask.sum()])
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    return sums[0] / sums[1].clamp(min=1)
 
 
 def _masked_moments(
@@ -609,7 +619,7 @@ def vapo_loss(
             values, batch["old_values"], batch["returns"], mask, cliprange_value, normalizers["tokens"]
         )
         loss = vf_coef * v_loss
-        stats = {"loss/value": v_loss.detach(), "value/clip_ratio": v_stats["vf_clip_frac"]}
+        stats = {VALUE_LOSS: v_loss.detach(), "value/clip_ratio": v_stats["vf_clip_frac"]}
     if logprobs is None:
         return loss, stats
     old_logprobs = batch["old_logprobs"] if batch.get("old_logprobs") is not None else logprobs.detach()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .core import AllReduce
+from .metric_names import ACCURACY, EXPLAINED_VARIANCE, POSITION_CORRELATION, REWARD, VALUE_LOSS
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,7 @@ def rollout_diagnostics(rollout, max_length: int, num_buckets: int, all_reduce: 
         for low, high, mean in zip(edges[:-1], edges[1:], means):
             metrics[f"by_position/{name}/{low:0{width}d}-{high:0{width}d}"] = mean
     if rollout.phase == "rl":
-        metrics["advantages/position_correlation"] = position_correlation(
-            rollout.raw_advantages, rollout.loss_mask, all_reduce
-        )
+        metrics[POSITION_CORRELATION] = position_correlation(rollout.raw_advantages, rollout.loss_mask, all_reduce)
     return metrics
 
 
@@ -121,14 +120,14 @@ def read_logs(output_dir: str | Path) -> list[dict[str, Any]]:
 
 
 CURVES = [
-    ("reward", ["reward"]),
-    ("accuracy", ["accuracy"]),
+    ("reward", [REWARD]),
+    ("accuracy", [ACCURACY]),
     ("completion length", ["completions/mean_length"]),
     ("entropy", ["entropy"]),
-    ("value loss", ["loss/value"]),
-    ("explained variance", ["value/explained_variance"]),
+    ("value loss", [VALUE_LOSS]),
+    ("explained variance", [EXPLAINED_VARIANCE]),
     ("clip fractions", ["clip_ratio/low_mean", "clip_ratio/high_mean", "value/clip_ratio"]),
-    ("advantage / position correlation", ["advantages/position_correlation"]),
+    ("advantage / position correlation", [POSITION_CORRELATION]),
 ]
 
 

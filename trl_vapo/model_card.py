@@ -21,6 +21,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD
+
 VAPO_PAPER_TITLE = "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks"
 VAPO_PAPER_ID = "2504.05118"
 VAPO_CITATION = (
@@ -50,9 +52,9 @@ DEFAULT_TAGS = ["generated_from_trainer", "trl", "trl-vapo", "vapo"]
 _DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt")
 # Training metrics the card summarises, when the run logged them, with how to print them.
 _SUMMARY_METRICS = [
-    ("reward", "reward", "{:+.3f}"),
-    ("accuracy", "accuracy", "{:.3f}"),
-    ("value/explained_variance", "critic explained variance", "{:.3f}"),
+    (REWARD, "reward", "{:+.3f}"),
+    (ACCURACY, "accuracy", "{:.3f}"),
+    (EXPLAINED_VARIANCE, "critic explained variance", "{:.3f}"),
     ("completions/mean_length", "mean completion length (tokens)", "{:.1f}"),
     ("entropy", "policy entropy", "{:.3f}"),
 ]
@@ -134,7 +136,7 @@ def build_model_card(
     if value_pretraining is not None and value_pretraining.get("final_explained_variance") is None:
         value_pretraining = {
             **value_pretraining,
-            "final_explained_variance": _last_logged(log_history, "value/explained_variance", phase="value_pretrain"),
+            "final_explained_variance": _last_logged(log_history, EXPLAINED_VARIANCE, phase="value_pretrain"),
         }
     base_on_hub = is_hub_id(base_model)
     dataset_on_hub = is_hub_id(dataset_name)
@@ -359,7 +361,7 @@ def _value_pretraining_outcome(value_pretraining) -> str:
 
 def _metrics_summary(log_history) -> str:
     """Mean of the first and last few RL logs of the summary metrics, as the CLI's end-of-run summary does."""
-    logs = [h for h in (log_history or []) if h.get("phase") == "rl" and "reward" in h]
+    logs = [h for h in (log_history or []) if h.get("phase") == "rl" and REWARD in h]
     if not logs:
         return ""
     n = max(1, min(3, len(logs) // 2))  # the first and last windows never overlap (with one log, both are it)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .core import AllReduce, explained_variance
+from .core import AllReduce, explained_variance, masked_mean
+from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD
 from .modeling import trim_padding
 from .scoring import Scores
 
@@ -133,18 +134,18 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
     per_function = gathered(scores.per_function)
     mask = rollout.loss_mask
     metrics = {
-        "reward": _mean(rewards),
+        REWARD: _mean(rewards),
         "reward_std": _std(rewards),
-        "accuracy": _mean(is_positive[scored].float()),
+        ACCURACY: _mean(is_positive[scored].float()),
         "positive_fraction": _mean(is_positive[trains].float()),
         "rewards/unscored_fraction": 1.0 - scored.float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": gathered(rollout.truncated).float().mean().item(),
-        "value/mean": global_masked_mean(rollout.old_values, mask, all_reduce),
-        "value/explained_variance": explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
-        "advantages/mean": global_masked_mean(rollout.raw_advantages, mask, all_reduce),
+        "value/mean": masked_mean(rollout.old_values, mask, all_reduce=all_reduce).item(),
+        EXPLAINED_VARIANCE: explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
+        "advantages/mean": masked_mean(rollout.raw_advantages, mask, all_reduce=all_reduce).item(),
         "lambda_actor/mean": _mean(gathered(rollout.lambda_actor)[trains]),
     }
     for j, name in enumerate(scores.names):
@@ -153,7 +154,7 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         metrics[f"rewards/{name}/mean"] = _mean(column)
         metrics[f"rewards/{name}/std"] = _std(column)
     if rollout.ref_logprobs is not None:
-        metrics["kl"] = global_masked_mean(rollout.old_logprobs - rollout.ref_logprobs, mask, all_reduce)
+        metrics["kl"] = masked_mean(rollout.old_logprobs - rollout.ref_logprobs, mask, all_reduce=all_reduce).item()
     metrics.update(reduce_sampling_metrics(rollout.sampling_metrics, gather, mask.device))
     return metrics
 
@@ -177,13 +178,6 @@ def reduce_sampling_metrics(metrics: dict[str, float], gather: Callable, device:
         else:
             reduced[key] = column.mean().item()
     return reduced
-
-
-def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None) -> float:
-    sums = torch.stack([(values * mask).sum(), mask.sum()])
-    if all_reduce is not None:
-        sums = all_reduce(sums)
-    return (sums[0] / sums[1].clamp(min=1)).item()
 
 
 def _mean(values: torch.Tensor) -> float:

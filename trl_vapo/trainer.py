@@ -90,6 +90,7 @@ from .generation import (
     stop_token_ids,
     warn_off_policy_sampling,
 )
+from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
 from .model_card import VAPO_CITATION
 from .modeling import (
     ActorCritic,
@@ -662,7 +663,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         scored = torch.tensor(float(rollout.scores.scored.sum()), device=rollout.loss_mask.device)
         self.progress.scored_completions += int(self._all_reduce(scored).item())
         if phase == RL and self.accelerator.is_main_process:
-            self._critic_bias.update(metrics.get("advantages/position_correlation", math.nan))
+            self._critic_bias.update(metrics.get(POSITION_CORRELATION, math.nan))
         self._last_rollout = rollout
         for callback in self.callback_handler.callbacks:  # an extension point: see the class docstring
             if hasattr(callback, "on_rollout"):
@@ -687,7 +688,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 break
 
         if phase == VALUE_PRETRAIN:
-            self._after_value_pretrain_rollout(metrics["value/explained_variance"])
+            self._after_value_pretrain_rollout(metrics[EXPLAINED_VARIANCE])
         if self._epoch_is_over():
             self._end_epoch()
         self._save_if_pending()
@@ -1091,9 +1092,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 metrics[key] = (min if key.endswith("/min_length") else max)(column)
         self._metrics.clear()
         values, returns = torch.cat(values), torch.cat(returns)
-        metrics["value/explained_variance"] = explained_variance(
-            values, returns, torch.ones_like(values), all_reduce
-        ).item()
+        metrics[EXPLAINED_VARIANCE] = explained_variance(values, returns, torch.ones_like(values), all_reduce).item()
         return metrics, completions
 
     def _evaluation_loss(self, rollout: Rollout) -> float:
