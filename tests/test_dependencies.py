@@ -186,6 +186,24 @@ def test_sampling_and_scoring_import_nothing_of_training_even_inside_functions()
     assert "trl_vapo.pretrained" in {target for target, _, _ in imports["trl_vapo.scoring"]}  # the check sees imports
 
 
+def test_the_saving_code_reads_the_run_record_not_the_trainers_own_attributes():
+    """`SavingMixin` (checkpoint.py) saves and loads; what it needs to know of the run comes from `run_record`
+    (`model_card.RunRecord`, filled by the trainer), not from the trainer's private attributes. `_plan` is the one
+    left: the run's counters move to their own module next (issue 47, step 1)."""
+    import ast
+
+    tree = ast.parse((ROOT / "trl_vapo" / "checkpoint.py").read_text())
+    mixin = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SavingMixin")
+    own = {n.name for n in mixin.body if isinstance(n, ast.FunctionDef)}
+    own |= {n.target.id for n in mixin.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    attributes = [n for n in ast.walk(mixin) if isinstance(n, ast.Attribute)]
+    own |= {a.attr for a in attributes if isinstance(a.ctx, ast.Store)}
+    read = {a.attr for a in attributes if isinstance(a.value, ast.Name) and a.value.id == "self"}
+    private = {name for name in read - own if name.startswith("_") and not name.startswith("__")}
+    assert private == {"_plan"}, private
+    assert "run_record" in read
+
+
 def test_every_extra_the_docs_and_messages_name_exists():
     """`pip install trl-vapo[x]` in the README, a help text or an error message names an extra pyproject.toml has."""
     import re

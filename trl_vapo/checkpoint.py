@@ -32,13 +32,12 @@ from transformers.trainer_callback import ExportableState, TrainerState
 
 from ._compat import get_config_model_id
 from .distributed import full_state_dict
-from .model_card import VAPO_CITATION, build_model_card
+from .model_card import VAPO_CITATION, RunRecord, build_model_card
 from .modeling import (
     CRITIC_SUBFOLDER,
     VALUE_HEAD_FILE,
     VALUE_PRETRAINING_FILE,
     is_peft_model,
-    value_function_name,
     value_pretraining_record,
 )
 from .reporting import tracker_urls
@@ -365,6 +364,7 @@ class SavingMixin:
     """The methods of `VAPOTrainer` that write and read its outputs (policy, critic, model card, checkpoints)."""
 
     _run_owner: str | None = None  # `train` sets the main process's on every process; else this process's own
+    run_record: RunRecord  # what the trainer knows of the run, for the card and the pretrained critic's record
 
     def _save_pretrained_critic(self) -> None:
         """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""
@@ -381,8 +381,8 @@ class SavingMixin:
                 "rollouts": self.progress.value_pretrain_rollouts,
                 "final_explained_variance": self.progress.final_explained_variance(self.args.value_pretrain_patience),
                 "explained_variances": self.progress.explained_variances,
-                "policy": get_config_model_id(self.actor_critic.config),
-                "policy_fingerprint": self._policy_fingerprint,
+                "policy": self.run_record.base_model,
+                "policy_fingerprint": self.run_record.policy_fingerprint,
             }
             (tmp / VALUE_PRETRAINING_FILE).write_text(json.dumps(record, indent=2))
             publish(tmp, directory)
@@ -461,17 +461,17 @@ class SavingMixin:
             return
         output_dir = Path(output_dir or self.args.output_dir)
         info = {**self.model_card_info, **kwargs}
+        run = self.run_record
         pretrained_dir = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
-        frozen = self.actor_critic.value_function
-        if self._critic_pretrained:
+        if run.critic_pretrained:
             value_pretraining = {"skipped": "the critic (`value_model`) came from an earlier value pretraining"}
-        elif frozen is not None:
+        elif run.value_function is not None:
             value_pretraining = {"skipped": "the values came from a frozen value function (`value_model`)"}
         else:
             value_pretraining = value_pretraining_record(pretrained_dir)
         urls = tracker_urls()
         card = build_model_card(
-            base_model=get_config_model_id(self.actor_critic.config),
+            base_model=run.base_model,
             output_dir=output_dir,
             args=self.args,
             model_name=model_name,
@@ -479,14 +479,14 @@ class SavingMixin:
             dataset_name=dataset_name or info.get("dataset_name"),
             dataset_config=info.get("dataset_config"),
             dataset_description=info.get("dataset_description"),
-            is_adapter=is_peft_model(self.actor_critic.policy),
-            critic_shares_base=self.actor_critic.shares_base,
-            value_function=None if frozen is None else value_function_name(frozen),
+            is_adapter=run.is_adapter,
+            critic_shares_base=run.critic_shares_base,
+            value_function=run.value_function,
             value_pretraining=value_pretraining,
             pretrained_critic_dir=pretrained_dir if pretrained_dir.is_dir() else None,
             held_out=info.get("held_out"),
             log_history=self.state.log_history,
-            example_prompt=self._example_prompt,
+            example_prompt=run.example_prompt,
             tags=list(tags or []),
             license=info.get("license"),
             wandb_url=urls["wandb"],

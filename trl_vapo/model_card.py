@@ -12,6 +12,7 @@ summary of the training metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -77,6 +78,31 @@ def is_hub_id(name: str | os.PathLike | None) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """What the saving code and the model card know of a run, filled by the trainer as it learns it (they read no
+    attribute of the trainer's own).
+
+    Args:
+        base_model: the policy's starting point (`config._name_or_path`).
+        policy_fingerprint: `modeling.policy_fingerprint` of the loaded policy: a saved critic records which policy it
+            was pretrained against.
+        example_prompt: the first training prompt, for the card's quick start.
+        is_adapter: the policy is a PEFT adapter.
+        critic_shares_base: the critic is a second adapter on the policy's base.
+        value_function: the name of a frozen value function that gives the values, else None.
+        critic_pretrained: the critic came from an earlier value pretraining (`value_model=`).
+    """
+
+    base_model: str | None = None
+    policy_fingerprint: str | None = None
+    example_prompt: Any = None
+    is_adapter: bool = False
+    critic_shares_base: bool = False
+    value_function: str | None = None
+    critic_pretrained: bool = False
 
 
 def build_model_card(

@@ -91,7 +91,7 @@ from .generation import (
     warn_off_policy_sampling,
 )
 from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
-from .model_card import VAPO_CITATION
+from .model_card import VAPO_CITATION, RunRecord
 from .modeling import (
     ActorCritic,
     ValueFunction,
@@ -342,7 +342,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         check_stream_settings(train_dataset, eval_dataset, args)  # first: TRL's order of these errors
         example = check_train_dataset(train_dataset, args)
         eval_examples = check_eval_dataset(eval_dataset, args)
-        self._example_prompt = example["prompt"]  # for the model card's quick start
         self._conversational = is_conversational({"prompt": example["prompt"]})
         zero3_config = getattr(args, "hf_deepspeed_config", None)
         with whole_models_under_zero3(zero3_config):  # whole for the check below; placed after `Trainer.__init__`
@@ -376,11 +375,20 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         )
         prepare_tokenizer(tokenizer, self._conversational)
         policy = add_policy_adapter(policy, peft_config)
-        self._policy_fingerprint = policy_fingerprint(policy)
+        fingerprint = policy_fingerprint(policy)
         with whole_models_under_zero3(zero3_config):
-            actor_critic, self._critic_pretrained = build_actor_critic(
-                policy, value_model, args, self._policy_fingerprint
-            )
+            actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint)
+        # What the saving code and the model card know of this run.
+        frozen = actor_critic.value_function
+        self.run_record = RunRecord(
+            base_model=get_config_model_id(actor_critic.config),
+            policy_fingerprint=fingerprint,
+            example_prompt=example["prompt"],  # the card's quick start
+            is_adapter=is_peft_model(actor_critic.policy),
+            critic_shares_base=actor_critic.shares_base,
+            value_function=None if frozen is None else value_function_name(frozen),
+            critic_pretrained=critic_pretrained,
+        )
         if args.cast_lm_head_to_fp32:
             # After the critic is built and the dtypes to save in are recorded (a tied head casts the embeddings
             # too): the policy is the one loaded, whatever its head computes in.
@@ -474,7 +482,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     @property
     def _skips_value_pretraining(self) -> bool:
         learns_values = self.actor_critic.learns_values
-        return self.args.value_pretrain_steps == 0 or self._critic_pretrained or not learns_values
+        return self.args.value_pretrain_steps == 0 or self.run_record.critic_pretrained or not learns_values
 
     def _plan(self) -> dict[str, int]:
         """Step counts of the run: RL optimizer steps, plus at most this many value-pretraining steps."""
