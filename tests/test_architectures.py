@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import digit_fraction, make_args, prompts_dataset
+from helpers import digit_fraction, make_args, prompts_dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 

@@ -4,31 +4,13 @@ two-step `bench_trainer.py` (generate engine), and `bench_critic.py --quick`."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(script: str, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result.stdout
+from helpers import run_benchmark
 
 
 def test_generation_benchmark_quick_compares_the_engines():
-    out = run("bench_generation.py", "--quick", "--models", "demo")
+    out = run_benchmark("bench_generation.py", "--quick", "--models", "demo")
     rows = [line.split() for line in out.splitlines() if line.startswith("demo ")]
     assert sorted(row[2] for row in rows) == ["continuous", "generate()", "static"], out
     assert all(int(row[-2].replace(",", "")) > 0 for row in rows)  # tokens per second
@@ -41,7 +23,7 @@ def test_generation_benchmark_quick_compares_the_engines():
 
 @pytest.mark.parametrize("engine", ["generate"])  # continuous batching: 67 s here, covered by test_engines.py
 def test_trainer_benchmark_runs_both_trainers_with_each_engine(engine):
-    out = run(
+    out = run_benchmark(
         "bench_trainer.py",
         "--steps",
         "3",
@@ -62,7 +44,7 @@ def test_trainer_benchmark_runs_both_trainers_with_each_engine(engine):
 
 
 def test_quick_probe_trains_the_critic_and_writes_the_table(tmp_path):
-    run("bench_critic.py", "--quick", "--out", str(tmp_path))
+    run_benchmark("bench_critic.py", "--quick", "--out", str(tmp_path))
     records = json.loads((tmp_path / "lr1e-3.json").read_text())
     assert len(records) == 2  # one per value-pretraining rollout
     assert all(-5 < r["ev"] <= 1 and 0 <= r["oracle_ev"] <= 1 and 0 < r["slipped_share"] < 1 for r in records)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_trainer import first_char_is_letter, make_args, prompts_dataset
+from helpers import first_char_is_letter, make_args, prompts_dataset
 
 from trl_vapo import VAPOTrainer
 from trl_vapo.cli import main as cli_main

@@ -1,7 +1,7 @@
 """The generation engines inside the trainer and `trl-vapo eval`: continuous batching trains and resumes exactly; the
 vLLM glue pushes the policy (never the critic) once per optimizer step and corrects the loss for the sampler.
 
-vLLM cannot be installed here (no GPU): the vLLM test runs the trainer against `_StandInVLLMGeneration` from
+vLLM cannot be installed here (no GPU): the vLLM test runs the trainer against `StandInVLLMGeneration` from
 `test_generation.py`, a subclass of TRL's real `VLLMGeneration` whose vLLM parts are replaced by transformers (its
 `sync_weights` is TRL's own code), with TRL's `is_vllm_available` answering yes.
 """
@@ -12,9 +12,17 @@ import json
 
 import pytest
 import torch
+from helpers import (
+    CapturingTrainer,
+    StandInVLLMGeneration,
+    comparable,
+    digit_fraction,
+    make_args,
+    merged_policy_only,
+    prompts_dataset,
+    rl_logs,
+)
 from peft import LoraConfig
-from test_generation import _merged_policy_only, _StandInVLLMGeneration
-from test_trainer import CapturingTrainer, _comparable, digit_fraction, make_args, prompts_dataset, rl_logs
 
 from trl_vapo import VAPOTrainer
 from trl_vapo.cli import main as cli_main
@@ -52,8 +60,8 @@ def test_continuous_batching_trains_end_to_end_and_resumes_exactly(tiny_model_di
     lengths = [h["completions/mean_length"] for h in rl_logs(full) if "completions/mean_length" in h]
     assert lengths and all(n > 0 for n in lengths)
     resumed = run(resume=str(tmp_path / "out" / "checkpoint-4"))
-    after = [h for h in _comparable(resumed.state.log_history) if h["step"] > 4]
-    assert after == [h for h in _comparable(full.state.log_history) if h["step"] > 4] and len(after) == 3
+    after = [h for h in comparable(resumed.state.log_history) if h["step"] > 4]
+    assert after == [h for h in comparable(full.state.log_history) if h["step"] > 4] and len(after) == 3
 
 
 @pytest.fixture
@@ -63,7 +71,7 @@ def stand_in_vllm(monkeypatch):
     vllm_generation = importlib.import_module("trl.generation.vllm_generation")
     # TRL's `is_vllm_available`, as the engine check reads it (imported through `trl_vapo._compat`).
     monkeypatch.setattr(importlib.import_module("trl_vapo.generation"), "is_vllm_available", lambda *a, **k: True)
-    monkeypatch.setattr(vllm_generation, "VLLMGeneration", _StandInVLLMGeneration)
+    monkeypatch.setattr(vllm_generation, "VLLMGeneration", StandInVLLMGeneration)
 
 
 def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tiny_model_dir, tmp_path, stand_in_vllm):
@@ -88,7 +96,7 @@ def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tin
         peft_config=lora(),
     )
     sampler = trainer.generation_engine.vllm_generation
-    assert isinstance(sampler, _StandInVLLMGeneration)
+    assert isinstance(sampler, StandInVLLMGeneration)
     syncs = []  # (the optimizer step asked for, load_weights calls vLLM received by then)
     sync = trainer.generation_engine.sync_weights
 
@@ -105,7 +113,7 @@ def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tin
     per_sync = syncs[0][1]
     assert per_sync > 0 and [pushes for _, pushes in syncs] == [per_sync, 2 * per_sync, 3 * per_sync]
     # What vLLM holds is the policy (base merged with the policy adapter), never the critic adapter.
-    expected = _merged_policy_only(trainer.actor_critic.policy)
+    expected = merged_policy_only(trainer.actor_critic.policy)
     sync(step=None)
     assert set(sampler.received) == set(expected)
     for name, value in expected.items():

@@ -1,7 +1,7 @@
 """Tests of `trl_vapo.generation`: stop-token cutting, the three engines, and the importance-sampling metrics.
 
 vLLM cannot be installed on the development machines (no GPU), so the vLLM glue runs against
-`_StandInVLLMGeneration`: a subclass of TRL's real `trl.generation.vllm_generation.VLLMGeneration` in which only the
+`StandInVLLMGeneration`: a subclass of TRL's real `trl.generation.vllm_generation.VLLMGeneration` in which only the
 parts that need vLLM are replaced. Its `_init_vllm` loads a transformers copy of the checkpoint the policy was loaded
 from (what vLLM's `LLM(model=model.name_or_path)` does) behind the attribute path TRL's colocate mode writes weights
 to, and its `generate` samples from that copy with transformers and answers in `VLLMGeneration.generate`'s format.
@@ -19,8 +19,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from trl.generation.vllm_generation import VLLMGeneration
+from helpers import (
+    GREEDY,
+    TEXT_PROMPTS,
+    StandInVLLMGeneration,
+    merged_policy_only,
+    peft_actor_critic,
+    token_ids,
+    trainer_logprobs,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.import_utils import is_vllm_available
 
 from trl_vapo.core import importance_sampling_weights
@@ -37,11 +45,7 @@ from trl_vapo.generation import (
     importance_sampling_metrics,
     stop_token_ids,
 )
-from trl_vapo.modeling import CRITIC_ADAPTER, POLICY_ADAPTER, ActorCritic, ValueHead, completion_logprobs
-
-GREEDY = SamplingSettings(max_new_tokens=24, temperature=0.0)
-TEXT_PROMPTS = ["1+2=", "hello world, how are", "a", "The quick brown fox jumps over", "x=7; y=", "??"]
-
+from trl_vapo.modeling import CRITIC_ADAPTER, POLICY_ADAPTER, ActorCritic
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Fixtures
@@ -68,35 +72,6 @@ def demo():
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     prompts = list(build_split("held_out", 6)["prompt"])
     return model, tokenizer, prompt_token_ids(tokenizer, prompts, conversational=True)
-
-
-def _ids(tokenizer, texts):
-    return tokenizer(text=texts)["input_ids"]
-
-
-def _peft_actor_critic(model_dir, modules_to_save=None, seed=0, dtype=torch.float32) -> ActorCritic:
-    """The trainer's shared-base layout: policy adapter "default", critic adapter "critic", a value head; every
-    LoRA B matrix is made non-zero, so both adapters change the model."""
-    from peft import LoraConfig, get_peft_model
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
-    policy = get_peft_model(base, config)
-    policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
-    policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                param.add_(0.3 * torch.randn(param.shape, generator=generator).to(param.dtype))
-    return ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size))
-
-
-def _merged_policy_only(policy) -> dict[str, torch.Tensor]:
-    """What vLLM should hold: the base merged with the policy adapter alone (critic adapter deleted first)."""
-    alone = copy.deepcopy(policy)
-    alone.delete_adapter(CRITIC_ADAPTER)
-    return {name: p.detach() for name, p in alone.merge_and_unload().named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,7 +154,7 @@ def test_transformers_engine_output_invariants(tiny):
     # Frequent characters as stop tokens, so that sampled completions both stop and run out of budget.
     stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("aeiou "))]
     engine = TransformersGenerate(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops, batch_size=4)
-    prompts = _ids(tokenizer, TEXT_PROMPTS) * 3
+    prompts = token_ids(tokenizer, TEXT_PROMPTS) * 3
     torch.manual_seed(0)
     out = engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=16, temperature=1.0))
     _check_invariants(out, len(prompts), 16, stops, tokenizer.pad_token_id)
@@ -203,7 +178,7 @@ def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny):
     )
     sampling = SamplingSettings(max_new_tokens=16, generation_kwargs={"stop_strings": ["e", "a"]})
     torch.manual_seed(2)
-    out = engine.generate(_ids(tokenizer, TEXT_PROMPTS) * 3, sampling=sampling)
+    out = engine.generate(token_ids(tokenizer, TEXT_PROMPTS) * 3, sampling=sampling)
     texts = tokenizer.batch_decode(out.completion_lists())
     on_string = [t.endswith(("e", "a")) for t in texts]
     assert any(on_string) and not all(on_string)
@@ -220,26 +195,14 @@ def test_transformers_engine_logprobs_are_the_trainers_on_policy(tiny):
     model, tokenizer = tiny
     stops = [tokenizer.eos_token_id]
     engine = TransformersGenerate(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops, logprobs=True)
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     torch.manual_seed(1)
     out = engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=12, temperature=0.7))
-    trainer = _trainer_logprobs(model, tokenizer, prompts, out, temperature=0.7)
+    trainer = trainer_logprobs(model, tokenizer, prompts, out, temperature=0.7)
     mask = out.completion_mask.float()
     torch.testing.assert_close(out.sampler_logprobs * mask, trainer * mask, atol=1e-4, rtol=0)
     weights = importance_sampling_weights(trainer, out.sampler_logprobs, mask, "token_truncate", 3.0, None)
     torch.testing.assert_close(weights[mask.bool()], torch.ones(int(mask.sum())), atol=1e-3, rtol=0)
-
-
-def _trainer_logprobs(model, tokenizer, prompts, out: GenerationOutput, temperature: float) -> torch.Tensor:
-    """Log-probs of the completions as the trainer computes them (`completion_logprobs`, left-padded prompts)."""
-    from trl_vapo._compat import pad
-
-    prompt_ids = pad([torch.tensor(p) for p in prompts], padding_value=tokenizer.pad_token_id, padding_side="left")
-    prompt_mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_side="left")
-    ids = torch.cat([prompt_ids, out.completion_ids], dim=1)
-    attention = torch.cat([prompt_mask, out.completion_mask], dim=1)
-    with torch.no_grad():
-        return completion_logprobs(model, ids, attention, out.completion_ids.shape[1], temperature)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -262,8 +225,8 @@ def test_continuous_batching_greedy_equals_generate(which, tiny, demo, tiny_mode
     else:
         model, tokenizer = tiny
         if which == "tiny-lora":  # the trainer's PEFT policy, with its critic adapter alongside
-            model = _peft_actor_critic(tiny_model_dir).policy
-        prompts, sampling = _ids(tokenizer, TEXT_PROMPTS), GREEDY
+            model = peft_actor_critic(tiny_model_dir).policy
+        prompts, sampling = token_ids(tokenizer, TEXT_PROMPTS), GREEDY
     if device != "cpu":
         model = copy.deepcopy(model).to(device)  # the module's shared models stay on the CPU
     stops = stop_token_ids(tokenizer, model)
@@ -281,7 +244,7 @@ def test_continuous_batching_sampling_respects_budget_and_stop_ids(tiny):
     model, tokenizer = tiny
     stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("aeiou "))]
     engine = ContinuousBatching(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops)
-    prompts = _ids(tokenizer, TEXT_PROMPTS) * 4
+    prompts = token_ids(tokenizer, TEXT_PROMPTS) * 4
     sampling = SamplingSettings(max_new_tokens=10, temperature=1.0, top_p=0.9)
     attention = model.config._attn_implementation
     torch.manual_seed(3)
@@ -312,65 +275,13 @@ def test_continuous_batching_restores_the_training_mode(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine = ContinuousBatching(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
-    engine.generate(_ids(tokenizer, TEXT_PROMPTS[:2]), sampling=GREEDY)
+    engine.generate(token_ids(tokenizer, TEXT_PROMPTS[:2]), sampling=GREEDY)
     assert model.training  # generate_batch leaves the model in eval mode; the engine puts it back
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # vLLM through TRL's VLLMGeneration, with a stand-in for vLLM itself
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-class _StandInVLLMGeneration(VLLMGeneration):
-    """TRL's `VLLMGeneration` with transformers in place of vLLM (see the module docstring). Same constructor and
-    public methods; `sync_weights` is inherited unchanged."""
-
-    def _init_vllm(self):
-        # vLLM's colocate mode loads `model.name_or_path` itself: the base checkpoint, without any adapter.
-        self.sampler = AutoModelForCausalLM.from_pretrained(self.model.name_or_path).eval()
-        self.received: dict[str, torch.Tensor] = {}
-        self.pushes = 0
-        model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load_weights))
-        worker = SimpleNamespace(model_runner=model_runner)
-        engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
-        self.llm = SimpleNamespace(llm_engine=engine, reset_prefix_cache=lambda: None)
-        self._llm_weights_sleeping = False
-
-    def _load_weights(self, weights):
-        params = dict(self.sampler.named_parameters())
-        for name, tensor in weights:
-            params[name].data.copy_(tensor)  # KeyError on a name the model does not have
-            self.received[name] = tensor.detach().clone()
-        self.pushes += 1
-
-    def generate(self, prompts, images, num_generations, profiler=None):
-        """Like vLLM: greedy at temperature 0, stop at EOS and `stop_token_ids` (kept in the output), the sampled
-        token's processed log-prob per position, shape (N, len, 1)."""
-        stops = [self.processing_class.eos_token_id, *self.generation_kwargs.get("stop_token_ids", [])]
-        config = GenerationConfig(
-            do_sample=self.temperature > 0,
-            **(
-                {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k} if self.temperature else {}
-            ),
-            max_new_tokens=self.max_completion_length,
-            eos_token_id=stops,
-            pad_token_id=self.processing_class.pad_token_id,
-        )
-        completions, logprobs = [], []
-        for prompt in prompts:  # one at a time: no padding to get wrong
-            with torch.no_grad():
-                out = self.sampler.generate(
-                    input_ids=torch.tensor([prompt]),
-                    generation_config=config,
-                    return_dict_in_generate=True,
-                    output_scores=True,
-                )
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            scores = torch.stack(out.scores, dim=1)[0].float().log_softmax(-1)
-            completions.append(tokens)
-            logprobs.append([[scores[t, token].item()] for t, token in enumerate(tokens)])
-        token_ids = [[[token] for token in row] for row in completions]
-        return prompts, completions, logprobs, token_ids
 
 
 def _vllm_args(**overrides) -> EngineSettings:
@@ -395,13 +306,13 @@ def _vllm_engine(actor_critic, tokenizer, **overrides) -> VLLMEngine:
         tokenizer,
         policy=actor_critic.policy,
         accelerator=Accelerator(),
-        vllm_generation_cls=_StandInVLLMGeneration,
+        vllm_generation_cls=StandInVLLMGeneration,
     )
 
 
 def test_vllm_sync_pushes_the_base_merged_with_the_policy_adapter_only(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    actor_critic = _peft_actor_critic(tiny_model_dir)
+    actor_critic = peft_actor_critic(tiny_model_dir)
     policy = actor_critic.policy
     engine = _vllm_engine(actor_critic, tokenizer)
     assert isinstance(engine, VLLMEngine)
@@ -410,7 +321,7 @@ def test_vllm_sync_pushes_the_base_merged_with_the_policy_adapter_only(tiny_mode
     engine.sync_weights(step=0)
 
     received = engine.vllm_generation.received
-    expected = _merged_policy_only(policy)
+    expected = merged_policy_only(policy)
     assert set(received) == set(expected) == set(dict(engine.vllm_generation.sampler.named_parameters()))
     for name, value in expected.items():
         torch.testing.assert_close(received[name], value, atol=1e-6, rtol=0, msg=name)
@@ -431,7 +342,7 @@ def test_vllm_sync_pushes_the_base_merged_with_the_policy_adapter_only(tiny_mode
 def test_vllm_sync_leaves_a_bf16_base_bit_exact(tiny_model_dir):
     """The base is shared with the critic adapter and the reference policy: a sync must not round it."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    actor_critic = _peft_actor_critic(tiny_model_dir, modules_to_save=["norm"], dtype=torch.bfloat16)
+    actor_critic = peft_actor_critic(tiny_model_dir, modules_to_save=["norm"], dtype=torch.bfloat16)
     policy = actor_critic.policy
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     engine = _vllm_engine(actor_critic, tokenizer)
@@ -439,7 +350,7 @@ def test_vllm_sync_leaves_a_bf16_base_bit_exact(tiny_model_dir):
         engine.sync_weights(step=step)
     for name, param in policy.named_parameters():
         assert torch.equal(param.detach(), before[name]), name
-    expected = _merged_policy_only(policy)
+    expected = merged_policy_only(policy)
     assert set(engine.vllm_generation.received) == set(expected)
     for name, value in expected.items():
         torch.testing.assert_close(engine.vllm_generation.received[name], value, atol=0, rtol=0, msg=name)
@@ -450,9 +361,9 @@ def test_trls_in_place_merge_rounds_a_bf16_base(tiny_model_dir):
     weights (trl issue #6688). If this starts failing, TRL restores the base itself and the copy can go."""
     from accelerate import Accelerator
 
-    policy = _peft_actor_critic(tiny_model_dir, dtype=torch.bfloat16).policy
+    policy = peft_actor_critic(tiny_model_dir, dtype=torch.bfloat16).policy
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    trl_only = _StandInVLLMGeneration(model=policy, accelerator=Accelerator(), processing_class=None)
+    trl_only = StandInVLLMGeneration(model=policy, accelerator=Accelerator(), processing_class=None)
     trl_only.sync_weights()
     changed = [n for n, p in policy.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert any(".base_layer." in n for n in changed)
@@ -460,10 +371,10 @@ def test_trls_in_place_merge_rounds_a_bf16_base(tiny_model_dir):
 
 def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    actor_critic = _peft_actor_critic(tiny_model_dir, seed=1)
+    actor_critic = peft_actor_critic(tiny_model_dir, seed=1)
     policy = actor_critic.policy
     engine = _vllm_engine(actor_critic, tokenizer)
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     reference = TransformersGenerate(policy, pad_token_id=tokenizer.pad_token_id, stop_token_ids=engine.stop_token_ids)
     stale = engine.generate(prompts, sampling=GREEDY)  # before any sync, vLLM holds the bare base checkpoint
 
@@ -473,7 +384,7 @@ def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):
     assert out.completion_lists() == reference.generate(prompts, sampling=GREEDY).completion_lists()
     assert stale.completion_lists() != out.completion_lists()
     # The sampler's log-probs come back, zero past the cut, equal to the trainer's on-policy.
-    trainer = _trainer_logprobs(policy, tokenizer, prompts, out, temperature=1.0)
+    trainer = trainer_logprobs(policy, tokenizer, prompts, out, temperature=1.0)
     mask = out.completion_mask.bool()
     torch.testing.assert_close(out.sampler_logprobs[mask], trainer[mask], atol=1e-4, rtol=0)
     assert (out.sampler_logprobs[~mask] == 0).all()
@@ -498,7 +409,7 @@ def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):
 
 def test_vllm_sync_once_per_step(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    actor_critic = _peft_actor_critic(tiny_model_dir)
+    actor_critic = peft_actor_critic(tiny_model_dir)
     engine = _vllm_engine(actor_critic, tokenizer)
     stand_in = engine.vllm_generation
     engine.sync_weights(step=0)
@@ -511,7 +422,7 @@ def test_vllm_sync_once_per_step(tiny_model_dir):
                 param.add_(0.1)
     engine.sync_weights(step=1)
     assert stand_in.pushes > pushed
-    for name, value in _merged_policy_only(actor_critic.policy).items():
+    for name, value in merged_policy_only(actor_critic.policy).items():
         torch.testing.assert_close(stand_in.received[name], value, atol=1e-6, rtol=0, msg=name)
 
 
@@ -519,10 +430,10 @@ def test_vllm_sync_leaves_out_the_critics_modules_to_save(tiny_model_dir):
     """With `modules_to_save`, each adapter has its own copy of those modules; TRL renames the policy's copy and
     would pass the critic's on under a name vLLM does not know (the stand-in's load_weights raises KeyError)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    actor_critic = _peft_actor_critic(tiny_model_dir, modules_to_save=["norm"])
+    actor_critic = peft_actor_critic(tiny_model_dir, modules_to_save=["norm"])
     engine = _vllm_engine(actor_critic, tokenizer)
     engine.sync_weights(step=0)
-    expected = _merged_policy_only(actor_critic.policy)
+    expected = merged_policy_only(actor_critic.policy)
     assert set(engine.vllm_generation.received) == set(expected)
     torch.testing.assert_close(engine.vllm_generation.received["model.norm.weight"], expected["model.norm.weight"])
 
@@ -531,7 +442,7 @@ def test_vllm_engine_refuses_the_actor_critic_and_an_active_critic_adapter(tiny_
     from accelerate import Accelerator
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    actor_critic = _peft_actor_critic(tiny_model_dir)
+    actor_critic = peft_actor_critic(tiny_model_dir)
     with pytest.raises(TypeError, match="actor_critic.policy"):
         build_engine(
             _vllm_args(),
@@ -539,7 +450,7 @@ def test_vllm_engine_refuses_the_actor_critic_and_an_active_critic_adapter(tiny_
             tokenizer,
             policy=actor_critic,
             accelerator=Accelerator(),
-            vllm_generation_cls=_StandInVLLMGeneration,
+            vllm_generation_cls=StandInVLLMGeneration,
         )
     engine = _vllm_engine(actor_critic, tokenizer)
     actor_critic.policy.set_adapter(CRITIC_ADAPTER)
@@ -552,7 +463,7 @@ def test_vllm_generation_kwargs_follow_grpo_trainer(tiny_model_dir):
     """The stand-in was built with exactly the keyword arguments GRPOTrainer passes, from TRL's field names."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine = _vllm_engine(
-        _peft_actor_critic(tiny_model_dir),
+        peft_actor_critic(tiny_model_dir),
         tokenizer,
         vllm_mode="colocate",
         top_p=0.9,

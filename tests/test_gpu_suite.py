@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_suite  # noqa: E402
-from test_benchmarks import run  # noqa: E402
+from helpers import run_benchmark  # noqa: E402
 
 
 def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
     parts = "tests,trainer-lora,generation"
-    stdout = run("gpu_suite.py", "--smoke", "--parts", parts, "--out", str(tmp_path))
+    stdout = run_benchmark("gpu_suite.py", "--smoke", "--parts", parts, "--out", str(tmp_path))
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert list(report["parts"]) == parts.split(",")
     assert all(part["status"] == "ok" for part in report["parts"].values())

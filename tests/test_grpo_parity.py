@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_trainer import digit_fraction, make_args, prompts_dataset
+from helpers import digit_fraction, make_args, prompts_dataset
 from transformers import AutoTokenizer
 from trl import GRPOTrainer
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
+from helpers import digit_fraction, make_args, prompts_dataset, rl_logs
 from peft import LoraConfig
 from safetensors.torch import load_file
-from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs
 from transformers import BitsAndBytesConfig
 
 from trl_vapo import VAPOConfig, VAPOTrainer

@@ -21,6 +21,7 @@ import pytest
 import torch
 from _script_process import ScriptProcess, run_script, script_env
 from datasets import Dataset
+from helpers import digit_fraction, make_args, prompts_dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
@@ -32,31 +33,10 @@ SCRIPT = Path(__file__).parent / "_train_script.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter, wherever pip put it
 
 
-def digit_fraction(completions, **kwargs):
-    return [2 * sum(ch.isdigit() for ch in c) / max(len(c), 1) - 1 for c in completions]
-
-
-def dataset(n=32, **extra):
-    return Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i), **extra} for i in range(n)])
-
-
 def config(tmp_path, **overrides) -> VAPOConfig:
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=6,
-        max_steps=2,
-        value_pretrain_steps=0,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-    )
-    settings.update(overrides)
-    return VAPOConfig(**settings)
+    """`make_args` with half its batch, shorter completions and the critic's rate derived (2 x learning_rate)."""
+    settings = dict(per_device_train_batch_size=8, max_completion_length=6, critic_learning_rate=None)
+    return make_args(tmp_path, **{**settings, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -96,7 +76,10 @@ def test_empty_or_too_small_dataset_gives_the_numbers(tiny_model_dir, tmp_path):
         ValueError, match=r"has 1 prompts but one rollout needs 2 \(generation_batch_size 8 / num_generations 4\)"
     ):
         VAPOTrainer(
-            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=dataset(1)
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path),
+            train_dataset=prompts_dataset(1),
         )
 
 
@@ -183,7 +166,7 @@ def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog):
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=config(tmp_path),
-            train_dataset=dataset(),
+            train_dataset=prompts_dataset(32),
             processing_class=no_eos,
         )
 
@@ -194,7 +177,7 @@ def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog):
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=config(tmp_path),
-            train_dataset=dataset(),
+            train_dataset=prompts_dataset(32),
             processing_class=no_pad,
         )
     assert trainer.processing_class.pad_token == trainer.processing_class.eos_token
@@ -207,7 +190,9 @@ def test_reward_function_that_raises_names_itself_and_the_sample(tiny_model_dir,
         return [1 / len(c) for c in completions]  # an empty completion divides by zero
 
     with pytest.raises(ValueError, match=r"fragile.*ZeroDivisionError.*first failing sample.*\"answer\": \"0\""):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=fragile, args=config(tmp_path), train_dataset=dataset())
+        VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=fragile, args=config(tmp_path), train_dataset=prompts_dataset(32)
+        )
 
     def breaks_later(completions, answer, **kwargs):
         if any(len(c) > 0 for c in completions):
@@ -215,7 +200,7 @@ def test_reward_function_that_raises_names_itself_and_the_sample(tiny_model_dir,
         return [0.0] * len(completions)
 
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=breaks_later, args=config(tmp_path), train_dataset=dataset()
+        model=str(tiny_model_dir), reward_funcs=breaks_later, args=config(tmp_path), train_dataset=prompts_dataset(32)
     )
     with pytest.raises(RuntimeError, match=r"'breaks_later' raised KeyError.*first failing sample \(#0"):
         trainer.train()
@@ -233,7 +218,7 @@ def test_a_reward_function_that_fails_once_on_a_batch_says_so(tiny_model_dir, tm
         return [0.5] * len(completions)
 
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=flaky, args=config(tmp_path), train_dataset=dataset()
+        model=str(tiny_model_dir), reward_funcs=flaky, args=config(tmp_path), train_dataset=prompts_dataset(32)
     )
     with pytest.raises(
         RuntimeError,
@@ -249,7 +234,9 @@ def test_reward_function_returning_the_wrong_count_is_an_error(tiny_model_dir, t
         return [0.0] * (len(completions) - 1)
 
     with pytest.raises(ValueError, match=r"'short' returned 0 values for 1 completions"):
-        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=short, args=config(tmp_path), train_dataset=dataset())
+        VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=short, args=config(tmp_path), train_dataset=prompts_dataset(32)
+        )
 
 
 def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_path, caplog):
@@ -257,7 +244,7 @@ def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_p
         return [math.nan if i % 4 == 0 else (math.inf if i % 4 == 1 else 0.5) for i in range(len(completions))]
 
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=sometimes_nan, args=config(tmp_path), train_dataset=dataset()
+        model=str(tiny_model_dir), reward_funcs=sometimes_nan, args=config(tmp_path), train_dataset=prompts_dataset(32)
     )
     with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
         trainer.train()
@@ -282,7 +269,7 @@ def test_a_rollout_no_reward_function_scored_moves_no_weight(tiny_model_dir, tmp
         model=str(tiny_model_dir),
         reward_funcs=scores_after_the_first_rollout,
         args=config(tmp_path, max_steps=3, weight_decay=0.1),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     weights = []
 
@@ -311,7 +298,7 @@ def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tin
         def on_train_end(self, args, state, control, **kwargs):
             ended.append(state.global_step)
 
-    trainer = VAPOTrainer(str(tiny_model_dir), never, config(tmp_path), dataset(), callbacks=[End()])
+    trainer = VAPOTrainer(str(tiny_model_dir), never, config(tmp_path), prompts_dataset(32), callbacks=[End()])
     before = [p.detach().clone() for p in trainer.actor_critic.parameters() if p.requires_grad]
     with pytest.raises(
         RuntimeError, match=r"No completion was scored in this run \(2 steps.*reward function \(never\)"
@@ -327,7 +314,7 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=config(tmp_path),
-            train_dataset=dataset(),
+            train_dataset=prompts_dataset(32),
             value_model=str(tmp_path / "nowhere" / "critic"),
         )
     junk = tmp_path / "junk"
@@ -338,7 +325,7 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=config(tmp_path),
-            train_dataset=dataset(),
+            train_dataset=prompts_dataset(32),
             value_model=str(junk),
         )
     three = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
@@ -348,7 +335,7 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=config(tmp_path),
-            train_dataset=dataset(),
+            train_dataset=prompts_dataset(32),
             value_model=str(tmp_path / "three"),
         )
 
@@ -360,7 +347,7 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, save_strategy="steps", save_steps=1, max_steps=1),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     first.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
@@ -369,7 +356,7 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
         model=str(other_model),
         reward_funcs=digit_fraction,
         args=config(tmp_path, max_steps=2),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     with pytest.raises(ValueError, match="model_config_sha256"):
         second.train(resume_from_checkpoint=str(checkpoint))
@@ -377,7 +364,7 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, max_steps=2, num_generations=8),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     with pytest.raises(ValueError, match=r"num_generations: checkpoint 4, this run 8"):
         third.train(resume_from_checkpoint=str(checkpoint))
@@ -406,7 +393,7 @@ def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, max_steps=4),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     before = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters()}
     trainer.train()
@@ -431,7 +418,7 @@ def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_pa
         learning_rate=1e-3,
     )
     trainer = PoisonedTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset()
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(32)
     )
     trainer.train()
     assert trainer.progress.skipped_steps == 1 and trainer.progress.rl_start_step == 2
@@ -444,7 +431,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(t
     PoisonedTrainer.poisoned = {2, 3, 4, 5}
     args = config(tmp_path, max_steps=8, save_strategy="steps", save_steps=1, nonfinite_loss_patience=3)
     trainer = PoisonedTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=dataset()
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(32)
     )
     with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row.*checkpoint-\d+, is intact"):
         trainer.train()
@@ -455,7 +442,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(t
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, max_steps=6),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6 and all(torch.isfinite(p).all() for p in resumed.model.parameters())
@@ -602,14 +589,14 @@ def test_resume_from_checkpoint_latest_or_true_as_a_string_is_the_newest_checkpo
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, save_strategy="steps", save_steps=1),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     first.train()
     again = VAPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, save_strategy="steps", save_steps=1, max_steps=3),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     trained = []
 
@@ -725,7 +712,7 @@ def two_checkpoints(tiny_model_dir, tmp_path_factory) -> Path:
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(out, save_strategy="steps", save_steps=1),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     trainer.train()
     return out / "out"
@@ -791,7 +778,10 @@ def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, t
     """The critic and the tokenizer are written beside the folder with the policy and moved in together: a disk that
     fills up mid-save leaves no policy without its critic or tokenizer, and the error propagates."""
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=dataset()
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path),
+        train_dataset=prompts_dataset(32),
     )
     final = tmp_path / "final"
 
@@ -849,7 +839,7 @@ def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_
             weight_decay=0.05,
             lr_scheduler_type="constant",
         ),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     step2 = next(h for h in trainer.state.log_history if h.get("step") == 2 and "phase" in h)
@@ -879,7 +869,7 @@ def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_wha
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, save_strategy="steps", save_steps=1),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
     )
     out = tmp_path / "out"
     with pytest.raises(
@@ -904,7 +894,7 @@ def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
 def test_empty_prompts_are_named_in_a_warning(tmp_path, caplog):
     from trl_vapo.data import check_train_dataset
 
-    rows = dataset(n=8).to_list()
+    rows = prompts_dataset(n=8).to_list()
     rows[2]["prompt"] = rows[5]["prompt"] = ""
     with caplog.at_level(logging.WARNING, logger="trl_vapo.data"):
         check_train_dataset(Dataset.from_list(rows), config(tmp_path))
@@ -962,7 +952,7 @@ def test_reward_worker_that_hangs_or_dies_does_not_stop_training(tiny_model_dir,
         model=str(tiny_model_dir),
         reward_funcs=math_with_a_power_tower,
         args=config(tmp_path, max_steps=3),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(32),
         callbacks=[KillWorkers()],
     )
     started = time.time()

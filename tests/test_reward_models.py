@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from test_trainer import make_args, prompts_dataset
+from helpers import make_args, prompts_dataset
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_vapo import VAPOTrainer

@@ -15,8 +15,17 @@ import math
 
 import pytest
 import torch
-from test_generation import GREEDY, TEXT_PROMPTS, _ids, _peft_actor_critic, _trainer_logprobs
-from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs
+from helpers import (
+    GREEDY,
+    TEXT_PROMPTS,
+    digit_fraction,
+    make_args,
+    peft_actor_critic,
+    prompts_dataset,
+    rl_logs,
+    token_ids,
+    trainer_logprobs,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_vapo import VAPOTrainer
@@ -41,11 +50,11 @@ def test_greedy_completions_and_logprobs_equal_generate(which, tiny, tiny_model_
     their stop), the trainer's PEFT policy with its critic adapter alongside, the demo's model and chat prompts,
     eager attention's additive mask."""
     model, tokenizer = tiny
-    prompts, sampling = _ids(tokenizer, TEXT_PROMPTS), GREEDY
+    prompts, sampling = token_ids(tokenizer, TEXT_PROMPTS), GREEDY
     stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("e "))]
     if which == "tiny-lora":
         torch.manual_seed(0)  # the LoRA A matrices' initialisation
-        model = _peft_actor_critic(tiny_model_dir).policy
+        model = peft_actor_critic(tiny_model_dir).policy
     elif which == "tiny-eager":
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
     elif which == "demo":
@@ -77,7 +86,7 @@ def test_min_new_tokens_holds_the_stop_tokens_back_as_generate_does(tiny):
     """The stop ids are the greedy first tokens: without `min_new_tokens` every row would stop at once; with 6, none
     stops before its seventh token, as with `generate()`."""
     model, tokenizer = tiny
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     _, probe = _engines(model, tokenizer, [tokenizer.eos_token_id])
     stops = sorted({row[0] for row in probe.generate(prompts, sampling=GREEDY).completion_lists()})
     generate, static = _engines(model, tokenizer, stops)
@@ -95,11 +104,11 @@ def test_sampled_logprobs_are_the_trainers_teacher_forced_logprobs(tiny):
     engine = StaticCacheEngine(
         model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id], logprobs=True
     )
-    prompts = _ids(tokenizer, TEXT_PROMPTS) * 2
+    prompts = token_ids(tokenizer, TEXT_PROMPTS) * 2
     torch.manual_seed(1)
     out = engine.generate(prompts, sampling=SamplingSettings(max_new_tokens=12, temperature=0.7))
     assert len(set(map(tuple, out.completion_lists()))) > len(TEXT_PROMPTS)  # sampled, not greedy
-    trainer = _trainer_logprobs(model, tokenizer, prompts, out, temperature=0.7)
+    trainer = trainer_logprobs(model, tokenizer, prompts, out, temperature=0.7)
     mask = out.completion_mask.bool()
     torch.testing.assert_close(out.sampler_logprobs[mask], trainer[mask], atol=1e-5, rtol=0)
     torch.manual_seed(1)
@@ -148,7 +157,7 @@ def test_first_tokens_follow_the_softmax_chi_square(tiny):
     """4,000 first tokens of one prompt at T=0.25 against softmax(logits / T): Pearson's chi-square over the tokens
     expected at least 5 times (the rest pooled), below the 0.999 quantile (Wilson-Hilferty's approximation)."""
     model, tokenizer = tiny
-    prompt = _ids(tokenizer, ["ab"])[0]
+    prompt = token_ids(tokenizer, ["ab"])[0]
     engine = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
     torch.manual_seed(0)
     n = 4000
@@ -172,7 +181,7 @@ def test_first_tokens_follow_the_softmax_chi_square(tiny):
 def test_buffers_keep_their_addresses_across_steps_and_rollouts(tiny):
     model, tokenizer = tiny
     engine = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     sampling = SamplingSettings(max_new_tokens=10, temperature=1.0)
 
     def addresses():
@@ -207,7 +216,7 @@ def test_the_decode_step_traces_as_one_graph(tiny):
     exactly as the eager step does."""
     model, tokenizer = tiny
     engine = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     sampling = SamplingSettings(max_new_tokens=8, temperature=0.0)
     expected = engine.generate(prompts, sampling=sampling).completion_lists()
     step = type(engine.state).decode_step
@@ -225,10 +234,10 @@ def test_the_decode_step_traces_as_one_graph(tiny):
 def test_a_weight_update_and_the_lora_policy_are_seen_by_the_next_rollout(tiny_model_dir):
     """The engine reads the live weights: after an in-place update of the policy adapter (what an optimizer step
     does), the next rollout is the updated policy's (equal to generate() on it, different from before)."""
-    policy = _peft_actor_critic(tiny_model_dir).policy
+    policy = peft_actor_critic(tiny_model_dir).policy
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     generate, static = _engines(policy, tokenizer, [tokenizer.eos_token_id])
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     before = static.generate(prompts, sampling=GREEDY)
     assert before.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
     with torch.no_grad():
@@ -244,7 +253,7 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     model, tokenizer = tiny
     generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
     sampling = SamplingSettings(max_new_tokens=8, temperature=0.0, repetition_penalty=1.3)
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     with caplog.at_level(logging.WARNING, logger="trl_vapo.generation"):
         got = [static.generate(prompts, sampling=sampling) for _ in range(2)]
     assert [r.getMessage() for r in caplog.records].count(
@@ -303,7 +312,7 @@ def _random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     letters = "abcdefghijklmnopqrstuvwxyz +=0123456789"
     lengths = torch.randint(1, 30, (n,), generator=generator).tolist()
     texts = ["".join(letters[i] for i in torch.randint(0, len(letters), (k,), generator=generator)) for k in lengths]
-    return _ids(tokenizer, texts)
+    return token_ids(tokenizer, texts)
 
 
 @pytest.mark.cuda
@@ -335,7 +344,7 @@ def test_the_graph_sees_weight_updates_and_is_taken_again_for_another_adapter(ti
     """An in-place update of the policy adapter (an optimizer step) reaches the next rollout through the same graph;
     making another adapter active changes the capture key, and the step is captured again."""
     torch.manual_seed(0)
-    policy = _peft_actor_critic(tiny_model_dir).policy.cuda()
+    policy = peft_actor_critic(tiny_model_dir).policy.cuda()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     generate, static = _engines(policy, tokenizer, [tokenizer.eos_token_id])
     prompts = _random_prompts(tokenizer, 16, seed=1)
@@ -410,7 +419,7 @@ def test_kept_buffers_follow_a_change_of_sampling_settings(tiny):
     settings (a captured graph would replay them): greedy after sampling is greedy, as generate() is."""
     model, tokenizer = tiny
     generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     sampled = SamplingSettings(max_new_tokens=24, temperature=1.3, top_k=5)
     static.generate(prompts, sampling=sampled)
     signature = static.state.sampling_signature
@@ -425,7 +434,7 @@ def test_buffers_are_freed_after_each_call_without_keep_buffers(tiny):
         model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id], keep_buffers=False
     )
     kept = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
-    prompts = _ids(tokenizer, TEXT_PROMPTS)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
     assert (
         engine.generate(prompts, sampling=GREEDY).completion_lists()
         == kept.generate(prompts, sampling=GREEDY).completion_lists()

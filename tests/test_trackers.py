@@ -6,7 +6,6 @@ the model card.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -17,28 +16,15 @@ import textwrap
 
 import pytest
 import yaml
-from datasets import Dataset
+from helpers import digit_fraction, prompts_dataset
 
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.model_card import build_model_card
 from trl_vapo.modeling import value_pretraining_record
 
 
-def digit_fraction(completions, **kwargs):
-    return [2 * sum(ch.isdigit() for ch in c) / max(len(c), 1) - 1 for c in completions]
-
-
-def prompts_dataset(n=32):
-    return Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(n)])
-
-
-# Options the lead adds to VAPOConfig; set as plain attributes until they are fields, so the run itself never fails.
-WIRED_OPTIONS = {"log_completions": True, "num_completions_to_print": 2}
-
-
 def tiny_run_args(output_dir, **overrides) -> VAPOConfig:
     """One value-pretraining rollout, then two RL steps, logging every step: three logs, both phases."""
-    fields = {f.name for f in dataclasses.fields(VAPOConfig)}
     settings = {
         "output_dir": str(output_dir),
         "per_device_train_batch_size": 8,
@@ -49,14 +35,11 @@ def tiny_run_args(output_dir, **overrides) -> VAPOConfig:
         "logging_steps": 1,
         "save_strategy": "no",
         "seed": 0,
+        "log_completions": True,
+        "num_completions_to_print": 2,
     }
     settings.update(overrides)
-    settings.update({k: v for k, v in WIRED_OPTIONS.items() if k in fields})
-    args = VAPOConfig(**settings)
-    for key, value in WIRED_OPTIONS.items():
-        if key not in fields:
-            setattr(args, key, value)
-    return args
+    return VAPOConfig(**settings)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +57,7 @@ def lora_run(tiny_model_dir, tmp_path_factory):
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=args,
-            train_dataset=prompts_dataset(),
+            train_dataset=prompts_dataset(32),
             peft_config=peft_config,
         )
         trainer.train()
@@ -146,10 +129,11 @@ TRACKIO_SCRIPT = textwrap.dedent("""
     from datasets import Dataset
     from trl_vapo import VAPOConfig, VAPOTrainer
     sys.path.insert(0, sys.argv[3])
-    from test_trackers import digit_fraction, prompts_dataset, tiny_run_args
+    from helpers import digit_fraction, prompts_dataset
+    from test_trackers import tiny_run_args
 
     args = tiny_run_args(sys.argv[2], report_to=["trackio"], project="vapo-test", run_name="tiny", disable_tqdm=True)
-    trainer = VAPOTrainer(model=sys.argv[1], reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer = VAPOTrainer(model=sys.argv[1], reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(32))
     trainer.train()
 
     from trackio.sqlite_storage import SQLiteStorage
@@ -255,7 +239,7 @@ def test_model_card_of_the_tiny_run_loads_its_quick_start(lora_run, tiny_model_d
         value_pretraining=value_pretraining_record(out / "value_pretrained_critic"),
         pretrained_critic_dir=out / "value_pretrained_critic",
         log_history=trainer.state.log_history,
-        example_prompt=prompts_dataset()[0]["prompt"],
+        example_prompt=prompts_dataset(32)[0]["prompt"],
     )
     path = tmp_path / "README.md"
     card.save(str(path))

@@ -9,6 +9,16 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from helpers import (
+    CapturingTrainer,
+    comparable,
+    digit_fraction,
+    first_char_is_letter,
+    make_args,
+    prompts_dataset,
+    rl_logs,
+    token_rewards_of,
+)
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -16,7 +26,7 @@ from transformers import (
     TrainerCallback,
 )
 
-from trl_vapo import VAPOConfig, VAPOTrainer
+from trl_vapo import VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adaptive_lambda
 from trl_vapo.rollout import RL
@@ -49,58 +59,11 @@ REQUIRED_METRICS = [
 ]
 
 
-def digit_fraction(completions, **kwargs):
-    """Dense, learnable reward in [-1, 1]: twice the fraction of digit characters, minus one."""
-    return [2 * sum(ch.isdigit() for ch in c) / max(len(c), 1) - 1 for c in completions]
-
-
-def first_char_is_letter(completions, **kwargs):
-    """+1 when the completion starts with a letter: predictable by the critic once that token is in the state."""
-    return [1.0 if c[:1].isalpha() else -1.0 for c in completions]
-
-
-def prompts_dataset(n=64):
-    return Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(n)])
-
-
 def stop_on_common_characters(tiny_model_dir) -> dict:
     """Generation kwargs that also stop on a few characters, so a random tiny model's completions vary in length."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     stops = [tokenizer.eos_token_id] + tokenizer.convert_tokens_to_ids(list("aeiou"))
     return {"eos_token_id": stops}
-
-
-def make_args(tmp_path, **overrides) -> VAPOConfig:
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=16,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        value_pretrain_steps=0,
-        learning_rate=1e-3,
-        critic_learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-    )
-    settings.update(overrides)
-    return VAPOConfig(**settings)
-
-
-class CapturingTrainer(VAPOTrainer):
-    """Keeps every rollout it trains on, so tests can recompute what the losses should have been."""
-
-    def _make_rollout(self, rows, phase, *args):
-        rollout = super()._make_rollout(rows, phase, *args)
-        self.rollouts = getattr(self, "rollouts", []) + [(rows, rollout)]
-        return rollout
-
-
-def rl_logs(trainer):
-    return [h for h in trainer.state.log_history if h.get("phase") == "rl"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -683,20 +646,6 @@ def test_mean_reward_rises_on_a_learnable_task(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def token_rewards_of(trainer, rows, rollout):
-    """Recompute the per-token rewards from the rollout's completions with the reward function itself."""
-    completions = rollout.input_ids[:, rollout.prompt_length :]
-    mask = rollout.attention_mask[:, rollout.prompt_length :]
-    texts = trainer.processing_class.batch_decode(
-        [c[m.bool()].tolist() for c, m in zip(completions, mask)], skip_special_tokens=True
-    )
-    scores = torch.tensor(trainer.reward_funcs[0](completions=texts))
-    lengths = mask.sum(dim=1)
-    rewards = torch.zeros(mask.shape)
-    rewards[torch.arange(len(texts)), lengths - 1] = scores
-    return rewards, lengths, scores
-
-
 @pytest.mark.parametrize("alpha", [None, 0.5])
 @pytest.mark.parametrize("lam_critic", [1.0, 0.9])
 def test_decoupled_and_length_adaptive_gae_wiring(tiny_model_dir, tmp_path, alpha, lam_critic):
@@ -813,10 +762,6 @@ def test_group_sampling_repeats_each_prompt(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _comparable(history):
-    return [{k: v for k, v in h.items() if not k.startswith("train_")} for h in history if "phase" in h]
-
-
 @pytest.mark.parametrize("peft", [False, True])
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft, caplog):
     peft_config = None
@@ -853,8 +798,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     assert (checkpoint / "vapo_state.json").is_file()
     resumed = run("full", resume=str(checkpoint))
     assert resumed.state.global_step == 7
-    after = [h for h in _comparable(resumed.state.log_history) if h["step"] > 4]
-    expected = [h for h in _comparable(full.state.log_history) if h["step"] > 4]
+    after = [h for h in comparable(resumed.state.log_history) if h["step"] > 4]
+    expected = [h for h in comparable(full.state.log_history) if h["step"] > 4]
     assert len(after) == 3
     assert after == expected
     if peft:
@@ -874,7 +819,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     warned = [m for m in caplog.messages if "cannot be read" in m]
     assert len(warned) == 2 and "checkpoint-7 cannot be read (model.safetensors" in warned[0], warned
     assert "checkpoint-6 cannot be read (optimizer.pt" in warned[1], warned
-    assert [h for h in _comparable(again.state.log_history) if h["step"] > 4] == expected  # resumed at step 4
+    assert [h for h in comparable(again.state.log_history) if h["step"] > 4] == expected  # resumed at step 4
     expected_weights = full.actor_critic.state_dict()
     for name, value in again.actor_critic.state_dict().items():
         assert torch.equal(value, expected_weights[name]), name

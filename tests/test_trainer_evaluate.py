@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from datasets import DatasetDict, IterableDataset, IterableDatasetDict
-from test_trainer import digit_fraction, make_args, prompts_dataset
+from helpers import digit_fraction, make_args, prompts_dataset
 
 from trl_vapo import VAPOTrainer
 from trl_vapo.core import explained_variance

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_trainer import digit_fraction, make_args, prompts_dataset, rl_logs, token_rewards_of
+from helpers import digit_fraction, make_args, prompts_dataset, rl_logs, token_rewards_of
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
