@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_learning as bl  # noqa: E402
+from _launch import worker_env  # noqa: E402
 
 # name: VAPOConfig fields of the critic; "-xN": N passes over each value-pretraining rollout; "-mb8": optimizer
 # steps of 8 samples instead of 16 (eight per pass); "-rK": value pretraining's replay of the K rollouts before. The
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--worker", name, "--rollouts", str(args.rollouts), "--out", str(args.out)]
         cmd += ["--seed", str(args.seed)]
         with open(args.out / f"{name}.log", "w") as log:
-            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=bl.worker_env()).returncode
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env()).returncode
 
     with ThreadPoolExecutor(args.jobs) as pool:
         failed = [n for n, rc in zip(names, pool.map(launch, names)) if rc != 0]

@@ -51,9 +51,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _launch import launch_worker  # noqa: E402
 from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method timers as the CPU benchmark)
 
 # Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
@@ -408,26 +407,11 @@ def summarise(record: dict, warmup: int) -> dict:
 
 
 def launch(opts, size: str, method: str) -> dict:
-    result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    cmd = [sys.executable, __file__, "--worker", "--size", size, "--method", method, "--result", result]
+    args = ["--worker", "--size", size, "--method", method]
     for key in ("steps", "prompts", "generations", "completion_length", "micro_batch"):
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
-    cmd += [flag for flag in ("--logits-memory", "--fp32") if getattr(opts, flag[2:].replace("-", "_"))]
-    env = {
-        **os.environ,
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONWARNINGS": "ignore",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "HF_HUB_OFFLINE": "1",
-    }
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"worker {size}/{method} failed (exit {proc.returncode})")
-    with open(result) as f:
-        record = json.load(f)
-    os.unlink(result)
-    return record
+        args += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
+    args += [flag for flag in ("--logits-memory", "--fp32") if getattr(opts, flag[2:].replace("-", "_"))]
+    return launch_worker(__file__, args, f"{size}/{method}", one_thread=False)
 
 
 def table(results: dict, sizes: list[str], methods: list[str]) -> str:

@@ -117,6 +117,10 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # imported by path too (the tests), not only run as a script
+
+from _launch import worker_env  # noqa: E402
+
 CHAINS_MODEL_DIR = ROOT / "benchmarks" / "models" / "chains_sft"
 
 PROTOCOL = {
@@ -1194,19 +1198,6 @@ def _reporting_choice(task: str, method: str, chosen: dict | None) -> tuple[floa
         return VAPO_RECIPE["learning_rate"], ""
     choice = chosen[task][method if method in chosen[task] else "vapo"]
     return choice["learning_rate"], choice["variant"]
-
-
-def worker_env() -> dict[str, str]:
-    """The environment of a benchmark worker process: one thread, offline, quiet."""
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONWARNINGS": "ignore",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "HF_HUB_OFFLINE": "1",
-    }
 
 
 def _launch(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:

@@ -25,12 +25,12 @@ import functools
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from _launch import launch_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINERS = ("vapo", "grpo", "vapo-pretrain")
@@ -263,7 +263,7 @@ def _model_dir(name: str, cache: Path) -> str:
 
 
 def _launch(opts, trainer: str, model_dir: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--trainer", trainer, "--model-dir", model_dir]
+    args = ["--worker", "--trainer", trainer, "--model-dir", model_dir]
     for key in (
         "steps",
         "batch_size",
@@ -275,26 +275,8 @@ def _launch(opts, trainer: str, model_dir: str) -> dict:
         "terms",
         "engine",
     ):
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONWARNINGS": "ignore",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "HF_HUB_OFFLINE": "1",
-    }
-    result_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    cmd += ["--result", result_file]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"worker {trainer} failed (exit {proc.returncode})")
-    with open(result_file) as f:
-        record = json.load(f)
-    os.unlink(result_file)
-    return record
+        args += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
+    return launch_worker(__file__, args, trainer)
 
 
 def _summarise(record: dict, warmup: int, want_phase: str) -> dict:

@@ -1,0 +1,44 @@
+"""How a benchmark measures one run in a fresh process of its own (its peak memory, its imports and its threads are
+its own): the worker's environment, and the launch that reads back the JSON record the worker writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker_env(one_thread: bool = True) -> dict[str, str]:
+    """A worker's environment: offline and quiet; with `one_thread`, one intra-op thread (the CPU benchmarks: runs
+    side by side on a shared machine must not fight over cores)."""
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_OFFLINE": "1",
+    }
+    if one_thread:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def launch_worker(script: str | Path, args: list[str], name: str, one_thread: bool = True) -> dict:
+    """`python SCRIPT ARGS --result FILE` in a fresh process; the record it wrote to FILE. A failed worker's output
+    tail goes to stderr and the benchmark stops, naming `name`."""
+    result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    command = [sys.executable, str(script), *args, "--result", result]
+    proc = subprocess.run(command, env=worker_env(one_thread), cwd=ROOT, capture_output=True, text=True)
+    try:
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+            raise SystemExit(f"worker {name} failed (exit {proc.returncode})")
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result)
