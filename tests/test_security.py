@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
+from helpers import make_args, prompts_dataset
 
-from trl_vapo import VAPOConfig, VAPOTrainer
+from trl_vapo import VAPOTrainer
 from trl_vapo.rewards import get_reward_function
 
 
@@ -21,24 +21,11 @@ def constant(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def dataset():
-    return Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(16)])
-
-
 def args(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        value_pretrain_steps=0,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
+    """`make_args` for one short step (the security checks train nothing worth measuring)."""
+    return make_args(
+        tmp_path, **{"per_device_train_batch_size": 8, "max_completion_length": 4, "max_steps": 1, **overrides}
     )
-    settings.update(overrides)
-    return VAPOConfig(**settings)
 
 
 class Tripwire:
@@ -63,7 +50,9 @@ def test_remote_code_is_not_run_unless_asked(tiny_model_dir, tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     assert args(tmp_path).trust_remote_code is False
     try:
-        VAPOTrainer(model=str(model_dir), reward_funcs=constant, args=args(tmp_path), train_dataset=dataset())
+        VAPOTrainer(
+            model=str(model_dir), reward_funcs=constant, args=args(tmp_path), train_dataset=prompts_dataset(16)
+        )
     except Exception:
         pass  # refusing is fine; running the file is not
     assert not marker.exists()
@@ -79,7 +68,9 @@ def test_pickled_weights_are_never_unpickled(tiny_model_dir, tmp_path):
     with open(model_dir / "pytorch_model.bin", "wb") as f:
         pickle.dump(Tripwire(marker), f)
     with pytest.raises(OSError, match="model.safetensors"):
-        VAPOTrainer(model=str(model_dir), reward_funcs=constant, args=args(tmp_path), train_dataset=dataset())
+        VAPOTrainer(
+            model=str(model_dir), reward_funcs=constant, args=args(tmp_path), train_dataset=prompts_dataset(16)
+        )
     assert not marker.exists()
 
 
@@ -88,14 +79,17 @@ def test_a_tampered_checkpoint_is_not_unpickled(tiny_model_dir, tmp_path):
         model=str(tiny_model_dir),
         reward_funcs=constant,
         args=args(tmp_path, save_strategy="steps", save_steps=1),
-        train_dataset=dataset(),
+        train_dataset=prompts_dataset(16),
     )
     trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
     marker = tmp_path / "unpickled"
     torch.save({"state": {}, "param_groups": [Tripwire(marker)]}, checkpoint / "optimizer.pt")
     resumed = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=constant, args=args(tmp_path, max_steps=2), train_dataset=dataset()
+        model=str(tiny_model_dir),
+        reward_funcs=constant,
+        args=args(tmp_path, max_steps=2),
+        train_dataset=prompts_dataset(16),
     )
     with pytest.raises(Exception, match="[Ww]eights only load failed"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
