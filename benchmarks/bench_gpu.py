@@ -172,18 +172,12 @@ def run_worker(opts) -> dict:
     if opts.method.startswith("vapo"):
         from trl_vapo import VAPOConfig, VAPOTrainer
 
+        trainer_class = VAPOTrainer
         args = VAPOConfig(**common, value_pretrain_steps=0, use_static_cache_engine=opts.method.endswith("-static"))
-        trainer = VAPOTrainer(
-            model=model,
-            reward_funcs=hash_reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
     else:
         from trl import GRPOConfig, GRPOTrainer
 
+        trainer_class = GRPOTrainer
         args = GRPOConfig(
             **common,
             loss_type="dapo",
@@ -194,14 +188,14 @@ def run_worker(opts) -> dict:
             use_vllm=False,
             scale_rewards="group",
         )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=hash_reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=hash_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
 
     record: dict = {"step_s": [], "parts": []}
 
