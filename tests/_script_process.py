@@ -3,7 +3,7 @@
 A fresh interpreter spends about five seconds importing torch, transformers and peft before the run's first step; the
 reliability tests start a dozen runs. Here each run is a process forked from one server (multiprocessing's
 "forkserver": a single-threaded interpreter started once per test worker, which imported `_train_script` and all it
-imports, with the environment of `script_env`). The child is a process like any other: its own PID, its own file
+imports). The child is a process like any other: its own PID, its own file
 locks and signal handlers, killed by SIGKILL like one; only the imports are shared. What needs a launch as a user makes
 it (`torchrun`, `trl-vapo train`, `accelerate launch`) still starts a fresh interpreter.
 """
@@ -25,27 +25,15 @@ _context.set_forkserver_preload(["_train_script"])
 
 
 def script_env() -> dict[str, str]:
-    """The environment of every run (read at import by some libraries, so the server starts with it)."""
+    """The environment of a run in a fresh interpreter (`torchrun`); the forked runs inherit the test worker's, which
+    `conftest.py` sets alike (and `_train_script` takes one torch thread itself)."""
     return {**os.environ, **ENV}
-
-
-def _ensure_server() -> None:
-    from multiprocessing import forkserver
-
-    saved = dict(os.environ)
-    os.environ.update(ENV)
-    try:
-        forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 class ScriptProcess:
     """The parts of `subprocess.Popen` the tests use, for one `_train_script.main(argv)` in a forked process."""
 
     def __init__(self, argv: list[str], default_sigint: bool = False):
-        _ensure_server()
         folder = Path(tempfile.mkdtemp(prefix="train-script-"))
         self._stdout, self._stderr = folder / "stdout", folder / "stderr"
         for path in (self._stdout, self._stderr):  # there to read even if the child dies before it writes

@@ -642,7 +642,9 @@ def vapo_loss(
     if entropy_coef:
         if entropy is None or not entropy.requires_grad:
             raise ValueError("entropy_coef > 0 needs the policy's per-token entropy with its gradient.")
-        bonus = torch.where(mask.bool(), entropy, torch.zeros_like(entropy)).sum() / normalizers["tokens"]
+        bonus = aggregate_loss(
+            torch.where(mask.bool(), entropy, torch.zeros_like(entropy)), mask, "token", normalizers["tokens"]
+        )
         loss = loss - entropy_coef * bonus
         stats["loss/entropy_bonus"] = bonus.detach()
     if nll_coef > 0:
