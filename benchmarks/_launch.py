@@ -42,3 +42,10 @@ def launch_worker(script: str | Path, args: list[str], name: str, one_thread: bo
             return json.load(f)
     finally:
         os.unlink(result)
+
+
+def phase_line(phases: dict) -> str:
+    """A run's seconds by phase: start (imports, CUDA init), model (tokenizer, weights), trainer (its constructor),
+    train (the steps), the worker's `total` and the `process` as its launcher timed it (with the interpreter's start
+    and exit)."""
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())

@@ -14,7 +14,9 @@ so the LM head costs what it costs). Every run is a fresh subprocess, so peak me
 Methods, all bf16 (float32 trainable weights, bf16 compute) with gradient checkpointing:
     vapo-full   VAPOTrainer, full fine-tuning: policy + a separate critic copied from it
     vapo-lora   VAPOTrainer, LoRA r=16 on all linear layers, the critic a second adapter on the same base
-    vapo-lora-static  the same, generating with the static-cache engine (`use_static_cache_engine`; CUDA graphs)
+    vapo-lora-generate  the same, generating with transformers' `generate()` (`use_static_cache_engine=False`)
+VAPO's rows run its defaults: on a CUDA GPU the static-cache engine generates (its decode step a CUDA graph), on the
+CPU `generate()`; each row names the engine that ran (`engine`).
     grpo-full   TRL GRPOTrainer, full fine-tuning
     grpo-lora   TRL GRPOTrainer, the same LoRA
 Same batch for all: `--prompts` x `--generations` completions per optimizer step (one rollout per step, micro-batches
@@ -60,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import launch_worker  # noqa: E402
+from _launch import launch_worker, phase_line  # noqa: E402
 from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method timers as the CPU benchmark)
 
 # Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
@@ -77,7 +79,7 @@ QWEN25 = {
 }
 # The smoke model's body with Qwen's vocabulary: the LM head and the logits weigh what they weigh at real sizes.
 QWEN25["smoke-152k"] = QWEN25["smoke"]
-METHODS = ("vapo-full", "vapo-lora", "vapo-lora-static", "grpo-full", "grpo-lora")
+METHODS = ("vapo-full", "vapo-lora", "vapo-lora-generate", "grpo-full", "grpo-lora")
 PARTS = {
     "generation": ("generate", "tokenize"),
     "scoring": ("reward", "old logp/values fwd", "GAE + whiten", "advantages + metrics", "metrics"),
@@ -125,12 +127,16 @@ def hash_reward(completions, **kwargs):
 
 
 def run_worker(opts) -> dict:
+    started = time.perf_counter()
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.init()
+    phases = {"start": time.perf_counter() - started}  # imports and CUDA init; then where the rest goes
     timers = _Timers()
     _instrument(opts.method, timers)
     tokenizer = byte_level_tokenizer()
@@ -138,6 +144,7 @@ def run_worker(opts) -> dict:
     model = AutoModelForCausalLM.from_config(
         qwen_config(opts.size), dtype=torch.float32 if opts.fp32 else torch.bfloat16
     )
+    phases["model"] = time.perf_counter() - started - sum(phases.values())
     prompts = [f"Problem {i}: compute {i} + {3 * i}, then explain." for i in range(opts.prompts * (opts.steps + 1))]
     dataset = Dataset.from_list([{"prompt": p} for p in prompts])
     completions = opts.prompts * opts.generations
@@ -173,7 +180,8 @@ def run_worker(opts) -> dict:
         from trl_vapo import VAPOConfig, VAPOTrainer
 
         trainer_class = VAPOTrainer
-        args = VAPOConfig(**common, value_pretrain_steps=0, use_static_cache_engine=opts.method.endswith("-static"))
+        engine = False if opts.method.endswith("-generate") else None  # None: VAPO's default for the device
+        args = VAPOConfig(**common, value_pretrain_steps=0, use_static_cache_engine=engine)
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -196,8 +204,9 @@ def run_worker(opts) -> dict:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    phases["trainer"] = time.perf_counter() - started - sum(phases.values())
 
-    record: dict = {"step_s": [], "parts": []}
+    record: dict = {"step_s": [], "parts": [], "phases": phases}
 
     class StepTimer(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -219,6 +228,10 @@ def run_worker(opts) -> dict:
     record["peak_growth_bytes"] = record["peak_bytes"] - before
     record["static"] = static_bytes(trainer)
     record["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    engine = getattr(trainer, "generation_engine", None)  # VAPO's; GRPOTrainer calls generate() (use_vllm=False)
+    record["engine"] = type(engine).__name__ if engine is not None else "generate()"
+    phases["train"] = sum(record["step_s"])
+    phases["total"] = time.perf_counter() - started
     trained = getattr(trainer, "actor_critic", trainer.model)  # VAPO's: policy and critic; GRPO's: the policy
     record["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     record["tokens_per_step"] = completions * opts.completion_length
@@ -392,6 +405,8 @@ def summarise(record: dict, warmup: int) -> dict:
         "peak_gib": record["peak_bytes"] / 2**30,
         "trainable": record["trainable"],
         "device": record["device"],
+        "engine": record["engine"],
+        "phases": record["phases"],
     }
 
 
@@ -405,7 +420,11 @@ def launch(opts, size: str, method: str) -> dict:
     for key in ("steps", "prompts", "generations", "completion_length", "micro_batch"):
         args += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
     args += [flag for flag in ("--logits-memory", "--fp32") if getattr(opts, flag[2:].replace("-", "_"))]
-    return launch_worker(__file__, args, f"{size}/{method}", one_thread=False)
+    started = time.perf_counter()
+    record = launch_worker(__file__, args, f"{size}/{method}", one_thread=False)
+    if "phases" in record:
+        record["phases"]["process"] = time.perf_counter() - started
+    return record
 
 
 def table(results: dict, sizes: list[str], methods: list[str]) -> str:
@@ -497,7 +516,8 @@ def main(argv: list[str] | None = None) -> None:
             records[(size, method)] = launch(opts, size, method)
             results[(size, method)] = summarise(records[(size, method)], opts.warmup)
             print(
-                f"  [{time.time() - started:5.0f}s] {size} {method}: {results[(size, method)]['step_s']:.2f} s/step",
+                f"  [{time.time() - started:5.0f}s] {size} {method}: {results[(size, method)]['step_s']:.2f} s/step "
+                f"({results[(size, method)]['engine']}); {phase_line(results[(size, method)]['phases'])}",
                 flush=True,
             )
     print()

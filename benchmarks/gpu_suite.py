@@ -25,10 +25,12 @@ Parts (``PARTS``), each in fresh processes:
                    plain computation, QLoRA's 4-bit kernels (only where bitsandbytes is installed: the ``qlora``
                    wheels), continuous batching's paged attention against ``generate()``, the static-cache engine
                    against ``generate()`` and its CUDA graph against its eager step, and FSDP2 on one GPU
-    trainer-lora   ``bench_gpu.py`` at Qwen2.5-0.5B shapes (random weights), VAPO (with ``generate()``, and with the
-                   static-cache engine) and GRPO (as TRL runs it: ``generate()``) with LoRA: step time split
-                   (generation, scoring: rewards and the old log-probs and values, update), tokens/s, peak memory, and
-                   VAPO's ratios to GRPO against the targets (step at most 1.1x, peak at most 1.15x)
+    trainer-lora   ``bench_gpu.py`` at Qwen2.5-0.5B shapes (random weights), VAPO (its defaults: the static-cache
+                   engine on a GPU; ``bench_gpu.py --methods vapo-lora-generate`` for ``generate()``) and GRPO (as TRL
+                   runs it: ``generate()``) with LoRA: step time split (generation, scoring: rewards and the old
+                   log-probs and values, update), tokens/s, peak memory, VAPO's ratios to GRPO against the targets
+                   (step at most 1.1x, peak at most 1.15x), and each run's seconds by phase (start-up, model, trainer,
+                   steps)
     generation     the engines of ``ENGINES`` at 0.5B shapes (batch 64, 512 new tokens, bf16): ms per decode step and
                    tokens/s, each against the memory-bandwidth bound of a decode step (the weights read once per
                    step, at the copy bandwidth measured on the device): batch x bandwidth / weight bytes tokens per
@@ -57,6 +59,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _launch import phase_line  # noqa: E402  (bench_gpu.py's runs, by phase)
 
 # What the GPU machine's image lacks, or has at a version outside pyproject.toml's ranges, for `import trl_vapo`, the
 # rewards and the tests (its image: torch 2.11 + CUDA, transformers 5.17, accelerate, huggingface-hub, pytest,
@@ -106,7 +110,7 @@ CUDA_TEST_FILES = [
 ]
 PARTS = ("tests", "trainer-lora", "generation", "trainer-full", "trainer-1.5B")
 TRAINER_PARTS = {  # part: (size, methods)
-    "trainer-lora": ("0.5B", ("vapo-lora", "vapo-lora-static", "grpo-lora")),
+    "trainer-lora": ("0.5B", ("vapo-lora", "grpo-lora")),
     "trainer-full": ("0.5B", ("vapo-full", "grpo-full")),
     "trainer-1.5B": ("1.5B", ("vapo-lora", "grpo-lora")),
 }
@@ -232,7 +236,7 @@ def run_tests(out: Path) -> dict:
     }
 
 
-def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path, steps: int = 3) -> dict:
+def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path, steps: int = 2) -> dict:
     """``bench_gpu.py`` for ``methods`` at ``size`` (``--smoke``: its tiny model on the CPU), VAPO's ratios to GRPO."""
     result = out / f"bench_gpu-{size}-{'-'.join(methods)}.json"
     command = [sys.executable, str(BENCH_GPU), "--methods", ",".join(methods), "--json", str(result)]
@@ -243,7 +247,7 @@ def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path, ste
     rows = json.loads(result.read_text())
     size = "smoke" if smoke else size
     ratios = {}
-    for method in (m for m in methods if m.startswith("vapo-")):  # kind: "lora", "lora-static", "full"
+    for method in (m for m in methods if m.startswith("vapo-")):  # kind: "lora", "lora-generate", "full"
         kind = method.removeprefix("vapo-")
         vapo, grpo = rows.get(f"{size}/{method}"), rows.get(f"{size}/grpo-{kind.split('-')[0]}")
         if vapo and grpo:
@@ -372,7 +376,7 @@ def run_generation(smoke: bool, out: Path) -> dict:
     return {"ok": True, **json.loads(result.read_text())}
 
 
-def run_part(part: str, smoke: bool, out: Path, trainer_steps: int = 3) -> dict:
+def run_part(part: str, smoke: bool, out: Path, trainer_steps: int = 2) -> dict:
     if part == "tests":
         return run_tests(out)
     if part == "generation":
@@ -420,13 +424,18 @@ def format_part(part: str, result: dict) -> str:
                 f"{row['tokens_per_s']:>10,.0f}{row['share_of_bound']:>10.1%}{row['warmup_seconds']:>11.1f}"
             )
         return "\n".join(lines)
-    header = f"{'row':24s}{'step s':>8s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}{'tok/s':>9s}{'peak GiB':>10s}"
+    header = (
+        f"{'row':24s}{'engine':>20s}{'step s':>8s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}{'tok/s':>9s}"
+        f"{'peak GiB':>10s}"
+    )
     lines = [f"{part} (bench_gpu.py; {next(iter(result['rows'].values()))['device']})", header, "-" * len(header)]
     for name, r in result["rows"].items():
         lines.append(
-            f"{name:24s}{r['step_s']:>8.2f}{r['generation']:>8.2f}{r['scoring']:>9.2f}{r['update']:>10.2f}"
-            f"{r['tokens_per_s']:>9.0f}{r['peak_gib']:>10.2f}"
+            f"{name:24s}{r['engine']:>20s}{r['step_s']:>8.2f}{r['generation']:>8.2f}{r['scoring']:>9.2f}"
+            f"{r['update']:>10.2f}{r['tokens_per_s']:>9.0f}{r['peak_gib']:>10.2f}"
         )
+    lines.append("seconds of each run (its steps are `train`):")
+    lines += [f"  {name}: {phase_line(r['phases'])}" for name, r in result["rows"].items()]
     for kind, ratio in result["vapo_over_grpo"].items():
         lines.append(f"VAPO / GRPO, {kind}: step {ratio['step']:.2f}x, peak memory {ratio['peak']:.2f}x")
     for target, met in result["targets_met"].items():
@@ -466,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, help="seconds after which no further part starts")
     parser.add_argument("--smoke", action="store_true", help="the same parts at tiny shapes on the CPU")
     parser.add_argument(
-        "--trainer-steps", type=int, default=3, help="optimizer steps per trainer run, the first a warm-up"
+        "--trainer-steps", type=int, default=2, help="optimizer steps per trainer run, the first a warm-up"
     )
     parser.add_argument(
         "--download-wheels", choices=sorted(WHEELS), help="download a wheel set (here, with a network)"
@@ -478,7 +487,6 @@ def main(argv: list[str] | None = None) -> int:
     if opts.download_wheels:
         return download_wheels(opts.download_wheels, opts.dest)
     if opts.generation_worker:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
         Path(opts.result).write_text(json.dumps(generation_worker(json.loads(opts.generation_worker))))
         return 0
     parts = opts.parts.split(",")
@@ -512,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         (opts.out / "gpu_suite.json").write_text(json.dumps(report, indent=1))
         (opts.out / "gpu_suite.txt").write_text(f"{report['machine']}\n\n{text}\n")
         print(f"== {part}: {result['status']}" + (f" in {result['seconds']:.0f} s" if "seconds" in result else ""))
-    print(f"\n== summary ({time.time() - started:.0f} s)\n{text}")
+    times = ", ".join(f"{name} {r['seconds']:.0f} s" for name, r in report["parts"].items() if "seconds" in r)
+    print(f"\n== summary ({time.time() - started:.0f} s: {times or 'no part ran'})\n{text}")
     return 0 if all(r["status"] != "failed" for r in report["parts"].values()) else 1
 
 
