@@ -118,10 +118,13 @@ def test_reentrant_checkpointing_with_the_shared_base_critic_is_refused(tiny_mod
 def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(
     tiny_model_dir, tmp_path, lora, device
 ):
+    """Rolled out by the static-cache engine, the default on a CUDA GPU, on the CPU too: full fine-tuning's float32
+    weights under bf16 autocast hand its cache float32 keys and bf16 values (its first GPU run failed there)."""
     args = make_args(
         tmp_path,
         bf16=True,
         use_cpu=device == "cpu",
+        use_static_cache_engine=True,
         model_init_kwargs={"dtype": "bfloat16"},
         learning_rate=1e-6,
         critic_learning_rate=2e-6,

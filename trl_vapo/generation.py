@@ -648,7 +648,9 @@ class StaticCacheEngine(GenerationEngine):
         """This batch shape's buffers: the last call's when the shape, device and dtype are the same."""
         width = -(-max(map(len, prompt_ids)) // self.prompt_bucket) * self.prompt_bucket
         parameter = next(model.parameters())
-        key = (len(prompt_ids), width, sampling.max_new_tokens, parameter.device, parameter.dtype)
+        autocast = torch.is_autocast_enabled(parameter.device.type) and torch.get_autocast_dtype(parameter.device.type)
+        # The cache takes its dtypes from the first forward: the weights' dtype and autocast's decide them.
+        key = (len(prompt_ids), width, sampling.max_new_tokens, parameter.device, parameter.dtype, autocast)
         if self.state is None or self.state.key != key:
             self.state = None  # the old cache and graph go before the new ones are allocated
             self.state = DecodeState(
@@ -674,6 +676,18 @@ def capture_key(model: nn.Module) -> tuple:
     )
 
 
+def _allocate_keys_and_values(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """A `StaticLayer`'s first update: its buffers, the values' in the values' own dtype. transformers allocates both
+    in the keys' dtype, which fails under autocast for float32 weights (full fine-tuning in bf16): the keys leave
+    RoPE in float32 (bf16 projection times float32 cos/sin) while the values leave their projection in bf16, and
+    `index_copy_` refuses a mixed pair. `generate()`'s dynamic cache keeps each as it comes, and so does this one
+    (attention under autocast casts both to bf16 either way)."""
+    type(layer).lazy_initialization(layer, key_states, value_states)
+    if layer.values.dtype != value_states.dtype:
+        layer.values = torch.zeros_like(layer.values, dtype=value_states.dtype)
+        torch._dynamo.mark_static_address(layer.values)  # as transformers marks its own: a fixed address to capture
+
+
 def _causal_lm_of(model: nn.Module) -> nn.Module:
     """The module holding the config (a PeftModel's base model has the same config)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -692,9 +706,11 @@ class DecodeState:
     def __init__(self, key: tuple, config, stop_ids: Sequence[int], pad_id: int, compile_step: bool = False):
         from transformers import StaticCache
 
-        rows, width, max_new_tokens, device, _ = key
+        rows, width, max_new_tokens, device = key[:4]
         self.key, self.width, self.max_new_tokens, self.pad_id = key, width, max_new_tokens, pad_id
         self.cache = StaticCache(config=config, max_cache_len=width + max_new_tokens)
+        for layer in self.cache.layers:  # keys and values each in their own dtype, as generate()'s cache keeps them
+            layer.lazy_initialization = _allocate_keys_and_values.__get__(layer)
         self.eager = getattr(config, "_attn_implementation", None) == "eager"
         long = {"dtype": torch.long, "device": device}
         self.tokens = torch.full((rows, 1), pad_id, **long)  # the last sampled tokens, the next step's input
