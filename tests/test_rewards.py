@@ -605,10 +605,10 @@ def test_pool_replaces_a_worker_killed_while_idle_or_busy():
 def test_workers_die_with_a_hard_killed_parent(tmp_path):
     # A trainer killed with SIGKILL (OOM killer, torchrun tearing ranks down) runs no cleanup: a worker stuck on a
     # power tower must still go (parent-death signal), or it spins on a core forever.
-    rewards_py = Path(__file__).resolve().parents[1] / "trl_vapo" / "rewards.py"
+    pool_py = Path(__file__).resolve().parents[1] / "trl_vapo" / "rewards" / "pool.py"  # no torch: a quick parent
     script = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('rewards_under_test', {str(rewards_py)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('rewards_under_test', {str(pool_py)!r})\n"
         "rewards = importlib.util.module_from_spec(spec); sys.modules[spec.name] = rewards\n"
         "spec.loader.exec_module(rewards)\n"
         "pool = rewards.MathVerifyPool(num_workers=1)\n"
@@ -717,3 +717,47 @@ def test_two_torchrun_processes(tmp_path):
     workers = [pid for r in ranks for pid in r["workers"]]
     assert len(set(workers)) == len(workers) == 2  # each rank has its own pool
     assert not wait_gone(workers, timeout=10.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The package's layout: every documented import path, and a worker that loads only what it runs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_every_documented_name_imports_from_the_package():
+    """`trl_vapo.rewards` is a package of modules; each name of its `__all__` and each `trl_vapo.rewards` name the
+    README and the docs of the package give (``from trl_vapo.rewards import X``, ``trl_vapo.rewards.X``) imports from
+    the package itself."""
+    import re
+
+    import trl_vapo.rewards as rewards
+
+    root = Path(__file__).resolve().parents[1]
+    documented = set()
+    for text in [(root / "README.md").read_text(), (root / "benchmarks" / "README.md").read_text(), rewards.__doc__]:
+        for names in re.findall(r"from trl_vapo\.rewards import ([\w, ]+)", text):
+            documented.update(name.strip() for name in names.split(","))
+        documented.update(re.findall(r"trl_vapo\.rewards[.:](\w+)", text))
+    assert "math_reward" in documented  # the README's first example
+    for name in sorted(documented | set(rewards.__all__)):
+        namespace: dict = {}
+        exec(f"from trl_vapo.rewards import {name}", namespace)  # noqa: S102 - the import statement users write
+        assert namespace[name] is getattr(rewards, name), name
+        assert name in rewards.__all__, f"{name} is documented but not in trl_vapo.rewards.__all__"
+
+
+def test_a_worker_process_loads_its_own_file_and_nothing_of_the_package():
+    from trl_vapo.rewards import pool
+
+    worker_py = Path(pool._WORKER_FILE)
+    assert worker_py.parent == Path(pool.__file__).parent and worker_py.name == "worker.py"
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('_trl_vapo_reward_worker', {str(worker_py)!r})\n"
+        "module = importlib.util.module_from_spec(spec); sys.modules[spec.name] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "print(callable(module._worker_main), sorted(n for n in sys.modules if n.split('.')[0] in "
+        "('trl_vapo', 'torch', 'transformers', 'math_verify', 'sympy')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True []"  # math-verify comes when `_worker_main` starts, not at load

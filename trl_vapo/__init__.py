@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    # Lazy: `import trl_vapo.rewards` (e.g. in a reward worker) must not pay for importing transformers.
+    # Lazy: `import trl_vapo.rewards` (e.g. a script that only scores) must not pay for importing transformers.
     if name == "VAPOConfig":
         from .config import VAPOConfig
 
