@@ -63,7 +63,8 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
 
 
 def engines(model, tokenizer):
-    from trl_vapo.generation import ContinuousBatching, StaticCacheEngine, TransformersGenerate, stop_token_ids
+    from trl_vapo.generation import ContinuousBatching, TransformersGenerate, stop_token_ids
+    from trl_vapo.static_cache import StaticCacheEngine
 
     common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids(tokenizer, model)}
     return {

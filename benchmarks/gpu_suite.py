@@ -285,7 +285,8 @@ def synchronize(device: str) -> None:
 
 def generation_engine(kind: str, options: dict, model, common: dict):
     """One engine of `ENGINES`, and the sampling-settings extras it runs with."""
-    from trl_vapo.generation import StaticCacheEngine, TransformersGenerate
+    from trl_vapo.generation import TransformersGenerate
+    from trl_vapo.static_cache import StaticCacheEngine
 
     if kind == "static":
         return StaticCacheEngine(model, **options, **common), {}

@@ -392,7 +392,7 @@ def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):
 
 def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):
     """Without PEFT (separate critic model), the policy's own weights go to vLLM, and the critic's never."""
-    from trl_vapo.modeling import critic_from_policy
+    from trl_vapo.loading import critic_from_policy
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -125,9 +125,9 @@ def _another_value(default):
 
 
 def test_each_grpo_setting_vapo_does_not_have_is_refused_naming_it_and_what_vapo_does(tmp_path):
-    from trl_vapo.config import _GRPO_ONLY
+    from trl_vapo.grpo_fields import GRPO_ONLY
 
-    for name, (default, instead, *_) in _GRPO_ONLY.items():
+    for name, (default, instead, *_) in GRPO_ONLY.items():
         value = _another_value(default)
         with pytest.raises(ValueError, match="GRPO features VAPO does not have") as error:
             make_args(tmp_path, **{name: value})

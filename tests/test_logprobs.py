@@ -13,13 +13,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from trl_vapo.loading import critic_from_policy
 from trl_vapo.modeling import (
     CRITIC_ADAPTER,
     POLICY_ADAPTER,
     ActorCritic,
     ValueHead,
     completion_logprobs,
-    critic_from_policy,
 )
 
 TEMPERATURES = [0.7, 1.0, 1.6]

@@ -1,4 +1,4 @@
-"""The static-cache engine (`trl_vapo.generation.StaticCacheEngine`): exact against `generate()` and the trainer's
+"""The static-cache engine (`trl_vapo.static_cache.StaticCacheEngine`): exact against `generate()` and the trainer's
 log-probs, its buffers fixed across steps and rollouts, and its decode step traceable as one graph.
 
 CUDA graphs cannot be captured here (no GPU): `torch.compile(..., fullgraph=True, backend="eager")` tracing the decode
@@ -32,11 +32,11 @@ from trl_vapo import VAPOTrainer
 from trl_vapo.generation import (
     EngineSettings,
     SamplingSettings,
-    StaticCacheEngine,
     TransformersGenerate,
     build_engine,
     stop_token_ids,
 )
+from trl_vapo.static_cache import StaticCacheEngine
 
 
 def _engines(model, tokenizer, stops, **kwargs):
@@ -137,7 +137,7 @@ def test_sampled_logprobs_are_the_trainers_teacher_forced_logprobs(tiny):
 def test_processed_logits_equal_transformers_processors(tiny, settings):
     """On random logits, the engine's processing equals the processors `generate()` builds for the same settings
     (`model._get_logits_processor`, transformers' order)."""
-    from trl_vapo.generation import DecodeState
+    from trl_vapo.static_cache import DecodeState
 
     model, tokenizer = tiny
     sampling = SamplingSettings(max_new_tokens=4, **settings)

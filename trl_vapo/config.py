@@ -13,68 +13,9 @@ from transformers import TrainingArguments
 from .core import IMPORTANCE_SAMPLING_MODES
 from .distributed import check_deepspeed_config
 from .generation import VLLM_DEFAULTS
+from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, grpo_only_field
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
-# GRPOConfig's loss types that are VAPO's two aggregations: DAPO's is VAPO's token-level loss (one mean over the
-# optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
-GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
-_OTHER_LOSS = "it parametrises one of GRPO's other losses (SAPO, VESPO); VAPO's is PPO's clipped loss (Eq. 8)."
-_ENTROPY = (
-    "VAPO takes a static entropy bonus (entropy_coef), not GRPO's adaptive entropy control or entropy mask (VAPO's "
-    "Eq. 8-10 have no entropy term)."
-)
-
-
-_GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instead[, other accepted values])
-    "sapo_temperature_neg": (1.05, _OTHER_LOSS),
-    "sapo_temperature_pos": (1.0, _OTHER_LOSS),
-    "vespo_k_pos": (2.0, _OTHER_LOSS),
-    "vespo_lambda_pos": (3.0, _OTHER_LOSS),
-    "vespo_k_neg": (3.0, _OTHER_LOSS),
-    "vespo_lambda_neg": (2.0, _OTHER_LOSS),
-    "multi_objective_aggregation": (
-        "sum_then_normalize",
-        "VAPO sums the weighted rewards (`reward_weights`) into one reward per completion.",
-    ),
-    "scale_rewards": (
-        "group",
-        "VAPO does not scale rewards: the advantages come from the critic (GAE) and are whitened over the rollout "
-        "(`whiten_advantages`). 'none' is accepted too.",
-        ("none",),
-    ),
-    "top_entropy_quantile": (1.0, _ENTROPY),
-    "use_adaptive_entropy": (False, _ENTROPY),
-    "entropy_coef_min": (0.0, _ENTROPY),
-    "entropy_coef_max": (1.0, _ENTROPY),
-    "entropy_coef_delta": (0.005, _ENTROPY),
-    "entropy_target": (0.2, _ENTROPY),
-    "off_policy_mask_threshold": (
-        None,
-        "VAPO masks no sequence for being off-policy: PPO's clipped ratio bounds each token's update.",
-    ),
-    "use_bias_correction_kl": (
-        True,
-        "VAPO's KL (`beta`) is a per-token penalty in the reward, not a loss term to reweight.",
-    ),
-    "max_tool_calling_iterations": (
-        None,
-        "VAPO samples single-turn completions: tools are not supported (see the README).",
-    ),
-    "log_completions_hub_repo": (
-        None,
-        "VAPO does not upload completions to the Hub: `log_completions` logs them to wandb or trackio.",
-    ),
-}
-
-
-def _grpo_only(name: str):
-    """A GRPOConfig field of a feature VAPO does not have (`_GRPO_ONLY`): accepted at GRPO's default (and the other
-    values listed there), else refused by `VAPOConfig._validate` with what VAPO does instead."""
-    default, instead, *_ = _GRPO_ONLY[name]
-    return field(
-        default=default,
-        metadata={"help": f"GRPOConfig's field, accepted at GRPO's default ({default!r}) only: {instead}"},
-    )
 
 
 @dataclass
@@ -255,7 +196,7 @@ class VAPOConfig(TrainingArguments):
     use_static_cache_engine: bool | None = field(
         default=None,
         metadata={
-            "help": "Generate the rollouts with trl-vapo's static-cache engine (`trl_vapo.generation."
+            "help": "Generate the rollouts with trl-vapo's static-cache engine (`trl_vapo.static_cache."
             "StaticCacheEngine`): a decode loop on transformers' StaticCache whose step has fixed shapes and no host "
             "synchronisation, captured as a CUDA graph on a GPU, sampling exactly as generate() does (settings it "
             "cannot serve exactly, such as repetition_penalty or stop strings, fall back to generate() with a "
@@ -625,24 +566,24 @@ class VAPOConfig(TrainingArguments):
     )
     # GRPOConfig's switches for features VAPO does not have: GRPO's default (the feature off, or GRPO's own
     # normalisation, which VAPO's critic replaces) is accepted so that a GRPO config runs; any other value is refused.
-    sapo_temperature_neg: float = _grpo_only("sapo_temperature_neg")
-    sapo_temperature_pos: float = _grpo_only("sapo_temperature_pos")
-    vespo_k_pos: float = _grpo_only("vespo_k_pos")
-    vespo_lambda_pos: float = _grpo_only("vespo_lambda_pos")
-    vespo_k_neg: float = _grpo_only("vespo_k_neg")
-    vespo_lambda_neg: float = _grpo_only("vespo_lambda_neg")
-    multi_objective_aggregation: str = _grpo_only("multi_objective_aggregation")
-    scale_rewards: str = _grpo_only("scale_rewards")
-    top_entropy_quantile: float = _grpo_only("top_entropy_quantile")
-    use_adaptive_entropy: bool = _grpo_only("use_adaptive_entropy")
-    entropy_coef_min: float = _grpo_only("entropy_coef_min")
-    entropy_coef_max: float = _grpo_only("entropy_coef_max")
-    entropy_coef_delta: float = _grpo_only("entropy_coef_delta")
-    entropy_target: float = _grpo_only("entropy_target")
-    off_policy_mask_threshold: float | None = _grpo_only("off_policy_mask_threshold")
-    use_bias_correction_kl: bool = _grpo_only("use_bias_correction_kl")
-    max_tool_calling_iterations: int | None = _grpo_only("max_tool_calling_iterations")
-    log_completions_hub_repo: str | None = _grpo_only("log_completions_hub_repo")
+    sapo_temperature_neg: float = grpo_only_field("sapo_temperature_neg")
+    sapo_temperature_pos: float = grpo_only_field("sapo_temperature_pos")
+    vespo_k_pos: float = grpo_only_field("vespo_k_pos")
+    vespo_lambda_pos: float = grpo_only_field("vespo_lambda_pos")
+    vespo_k_neg: float = grpo_only_field("vespo_k_neg")
+    vespo_lambda_neg: float = grpo_only_field("vespo_lambda_neg")
+    multi_objective_aggregation: str = grpo_only_field("multi_objective_aggregation")
+    scale_rewards: str = grpo_only_field("scale_rewards")
+    top_entropy_quantile: float = grpo_only_field("top_entropy_quantile")
+    use_adaptive_entropy: bool = grpo_only_field("use_adaptive_entropy")
+    entropy_coef_min: float = grpo_only_field("entropy_coef_min")
+    entropy_coef_max: float = grpo_only_field("entropy_coef_max")
+    entropy_coef_delta: float = grpo_only_field("entropy_coef_delta")
+    entropy_target: float = grpo_only_field("entropy_target")
+    off_policy_mask_threshold: float | None = grpo_only_field("off_policy_mask_threshold")
+    use_bias_correction_kl: bool = grpo_only_field("use_bias_correction_kl")
+    max_tool_calling_iterations: int | None = grpo_only_field("max_tool_calling_iterations")
+    log_completions_hub_repo: str | None = grpo_only_field("log_completions_hub_repo")
 
     def __post_init__(self):
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_gpu():
@@ -711,7 +652,7 @@ class VAPOConfig(TrainingArguments):
     def _refused_grpo_settings(self) -> list[str]:
         """GRPOConfig settings this config asks for that VAPO does not have, each with what VAPO does instead."""
         refused = []
-        for name, (default, instead, *also) in _GRPO_ONLY.items():
+        for name, (default, instead, *also) in GRPO_ONLY.items():
             value = getattr(self, name)
             accepted = (default, *also[0]) if also else (default,)
             if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):

@@ -7,7 +7,8 @@ Two layouts:
   small random weights. It is a standard transformers model: it saves with ``save_pretrained`` and loads with
   ``AutoModelForSequenceClassification.from_pretrained(path)``. For the architectures transformers has no such class
   for (Cohere, Granite, GLM-4-MoE, NemotronH, custom code, ...) it is the same model, built by
-  :func:`sequence_classifier_class` over the architecture's backbone.
+  :func:`trl_vapo.loading.sequence_classifier_class` over the architecture's backbone (:mod:`trl_vapo.loading` builds
+  the critic of each layout from what the user passed).
 * **Shared base** (PEFT): one frozen base model carries two adapters, ``"default"`` for the policy and ``"critic"``
   for the critic, plus a separate linear value head. The reference policy is the base with adapters disabled. One
   copy of the weights instead of three is what lets a 0.5B-1.5B model train on one consumer GPU.
@@ -37,19 +38,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     PretrainedConfig,
     PreTrainedModel,
 )
-from transformers.modeling_layers import GenericForSequenceClassification
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-from ._compat import get_config_model_id, maybe_gather_lm_head_ctx
+from ._compat import maybe_gather_lm_head_ctx
 from .core import lm_head_logprobs_and_entropy, token_logprobs_and_entropy
-from .pretrained import from_pretrained_kwargs
 
 logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
 
@@ -147,57 +141,6 @@ def check_value_model(model: nn.Module) -> None:
             "token. Load it with `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
         )
     _sequence_classification_head(model)
-
-
-def has_sequence_classifier(config, trust_remote_code: bool = False) -> bool:
-    """Whether `AutoModelForSequenceClassification` has a class for ``config``'s architecture."""
-    if trust_remote_code and "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {}):
-        return True
-    # By model type: a custom-code config that subclasses a known one (LlamaConfig) still has its own backbone.
-    return config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-
-
-def sequence_classifier_class(backbone_class: type[PreTrainedModel]) -> type[PreTrainedModel]:
-    """``<Arch>ForSequenceClassification`` for an architecture transformers has none for: transformers'
-    ``GenericForSequenceClassification`` (what its own Llama, Qwen, ... classes are: the backbone under the
-    architecture's ``base_model_prefix`` and a linear ``score``) over ``backbone_class`` (``LlamaModel``-like), so its
-    weights are laid out as a future transformers class would lay them out."""
-    pretrained = next(c for c in backbone_class.__mro__[1:] if issubclass(c, PreTrainedModel))
-
-    def __init__(self, config):
-        pretrained.__init__(self, config)
-        self.num_labels = config.num_labels
-        setattr(self, self.base_model_prefix, backbone_class(config))
-        self.score = nn.Linear(config.get_text_config().hidden_size, self.num_labels, bias=False)
-        self.post_init()
-
-    name = backbone_class.__name__.removesuffix("Model") + "ForSequenceClassification"
-    attributes = {"__init__": __init__, "__module__": __name__, "base_model_prefix": pretrained.base_model_prefix}
-    return type(name, (GenericForSequenceClassification, pretrained), attributes)
-
-
-def critic_from_policy(policy: PreTrainedModel, trust_remote_code: bool = False) -> PreTrainedModel:
-    """A one-label sequence-classification model whose backbone is a copy of the policy's backbone."""
-    config = policy.config.__class__.from_dict(policy.config.to_dict())
-    config.num_labels = 1
-    config.problem_type = "regression"
-    # Built where the policy is: its random initialisation, soon overwritten but for the head, took 18.7 s of a 0.5B
-    # trainer's start on a GPU machine's CPU.
-    with torch.device(next(policy.parameters()).device):
-        if has_sequence_classifier(config, trust_remote_code):
-            critic = AutoModelForSequenceClassification.from_config(
-                config, dtype=policy.dtype, trust_remote_code=trust_remote_code
-            )
-        else:
-            critic = sequence_classifier_class(type(policy.base_model))._from_config(config, dtype=policy.dtype)
-    missing, unexpected = critic.base_model.load_state_dict(policy.base_model.state_dict(), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"Could not initialise the critic from the policy's backbone ({type(policy).__name__}): missing "
-            f"{missing[:5]}, unexpected {unexpected[:5]}. Pass a `value_model` explicitly."
-        )
-    # The head of a freshly built classifier is random (std = initializer_range): small values, non-zero gradients.
-    return critic
 
 
 class Float32Linear(nn.Linear):
@@ -715,7 +658,7 @@ class ActorCritic(nn.Module):
             _save_pretrained(self.critic, directory, _sub_state(state_dict, "critic.", self.critic), dtypes)
             backbone = type(self.critic.base_model)
             if type(self.critic).__module__ == __name__ and backbone.__module__.startswith("transformers_modules"):
-                # Built over custom code (`sequence_classifier_class`): the backbone's code goes along, as the
+                # Built over custom code (`loading.sequence_classifier_class`): the backbone's code goes along, as the
                 # policy's does, so that `value_model=directory` (with trust_remote_code) loads it back.
                 from transformers.dynamic_module_utils import custom_object_save
 
@@ -927,156 +870,3 @@ def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
             f"Weights in {directory} do not match {type(model).__name__}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}."
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Building the actor-critic from what the user passed
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def check_quantization(model_init_kwargs: dict | None, peft_config) -> None:
-    """Fail before loading anything when a quantized model is asked for where it cannot train."""
-    if (model_init_kwargs or {}).get("quantization_config") is None:
-        return
-    if peft_config is None:
-        raise ValueError(
-            "model_init_kwargs asks for a quantized model, and quantized weights cannot be trained: pass a "
-            "peft_config (e.g. LoraConfig(r=16), or --use_peft on the command line) to train adapters on it (QLoRA)."
-        )
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        raise ImportError(
-            "4-bit / 8-bit loading (load_in_4bit, QLoRA) needs bitsandbytes: `pip install bitsandbytes` (it runs on "
-            "NVIDIA GPUs and on CPUs), or drop the quantization to train LoRA on a bf16 base."
-        ) from None
-
-
-def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.Module, str]:
-    """The policy (a causal LM) and its name: loaded from an id or path (with `model_init_kwargs`, default
-    `args.model_init_kwargs`), or the instance given."""
-    if isinstance(model, (str, os.PathLike)):
-        model_id = str(model)
-        return AutoModelForCausalLM.from_pretrained(
-            model_id, **from_pretrained_kwargs(args, model_init_kwargs)
-        ), model_id
-    if isinstance(model, nn.Module) and hasattr(model, "config"):
-        if any(hasattr(param, "ds_id") for param in model.parameters()):
-            raise ValueError(
-                "The model was created partitioned by DeepSpeed ZeRO-3 (it was loaded after a ZeRO-3 VAPOConfig "
-                "existed), so the critic cannot copy its weights. Pass the model id or path as `model`, or load the "
-                "model before creating the VAPOConfig."
-            )
-        if args.model_init_kwargs:
-            logger.warning("model_init_kwargs is ignored: the model is already instantiated.")
-        return model, get_config_model_id(model.config)
-    raise TypeError(f"model must be a model id, a path or a PreTrainedModel, got {type(model).__name__}.")
-
-
-def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
-    """The policy with a trainable adapter from `peft_config` (none: as it is). A quantized model needs one (QLoRA)."""
-    quantized = getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False)
-    if quantized and peft_config is None and not is_peft_model(policy):
-        raise ValueError(
-            "The model is quantized (4-bit or 8-bit), and quantized weights cannot be trained: pass a peft_config "
-            "(e.g. LoraConfig(r=16)) to train adapters on the frozen quantized base (QLoRA)."
-        )
-    if peft_config is None or is_peft_model(policy):
-        return policy
-    from peft import get_peft_model, prepare_model_for_kbit_training
-
-    if quantized:
-        # Norms in float32 for stable QLoRA; checkpointing is switched on by the trainer, adapter-aware.
-        policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)
-    return get_peft_model(policy, peft_config)
-
-
-def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -> tuple[ActorCritic, bool]:
-    """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy.
-
-    ``value_model`` None: a critic initialised from the policy (a second adapter on its base under PEFT). A path or
-    id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is. A
-    :class:`ValueFunction`: frozen values instead of a critic.
-    """
-    shared = is_peft_model(policy)
-    if is_value_function(value_model):
-        return ActorCritic(policy, value_function=value_model), False
-    if value_model is None:
-        if shared:
-            policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
-            policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
-            head = ValueHead(policy.config.hidden_size, getattr(policy.config, "initializer_range", 0.02))
-            return ActorCritic(policy, value_head=head.to(policy.device)), False
-        return ActorCritic(policy, critic=critic_from_policy(policy, args.trust_remote_code)), False
-
-    if not isinstance(value_model, (str, os.PathLike)):
-        check_value_model(value_model)
-        return ActorCritic(policy, critic=value_model), False
-    path = Path(value_model).expanduser()
-    pretrained = _pretrained_for_this_policy(path, fingerprint, args.value_pretrain_steps)
-    if (path / "adapter_config.json").is_file() and (path / VALUE_HEAD_FILE).is_file():
-        if not shared:
-            raise ValueError(
-                f"value_model {path} is a critic adapter, which needs the policy's base: pass the same peft_config "
-                "you trained it with."
-            )
-        policy.load_adapter(str(path), adapter_name=CRITIC_ADAPTER, is_trainable=True)
-        policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
-        actor_critic = ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size).to(policy.device))
-        actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
-        return actor_critic, pretrained
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(
-            f"value_model {path} is not a value model: it has neither a transformers config.json nor a trl-vapo "
-            f"critic adapter (adapter_config.json + {VALUE_HEAD_FILE}). Files there: "
-            f"{sorted(p.name for p in path.iterdir())[:10]}."
-        )
-    if not path.exists() and _looks_like_a_path(str(value_model)):
-        raise FileNotFoundError(f"value_model path {value_model} does not exist.")
-    config = AutoConfig.from_pretrained(str(value_model), trust_remote_code=args.trust_remote_code)
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
-    extra = {} if is_classifier else {"num_labels": 1}
-    if has_sequence_classifier(config, args.trust_remote_code):
-        critic_class = AutoModelForSequenceClassification
-    else:  # the class `critic_from_policy` built, over this config's backbone class
-        critic_class = sequence_classifier_class(_backbone_class(config, args.trust_remote_code))
-    critic = critic_class.from_pretrained(str(value_model), **from_pretrained_kwargs(args), **extra)
-    check_value_model(critic)
-    return ActorCritic(policy, critic=critic), pretrained
-
-
-def _backbone_class(config, trust_remote_code: bool) -> type[PreTrainedModel]:
-    """The backbone (``base_model``) class of ``config``'s causal LM: AutoModel's, or, for custom code that maps
-    only ``AutoModelForCausalLM``, the causal LM's own backbone (both built on the meta device: no weights)."""
-    with torch.device("meta"):
-        try:
-            return type(AutoModel.from_config(config, trust_remote_code=trust_remote_code))
-        except ValueError:
-            return type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).base_model)
-
-
-def _pretrained_for_this_policy(path: Path, fingerprint: str, value_pretrain_steps: int) -> bool:
-    """Whether the critic at `path` was value-pretrained against this run's initial policy.
-
-    A critic pretrained against another policy predicts that policy's returns: starting RL from it would skip the
-    phase VAPO needs. It is then used as an initialisation and value pretraining runs again.
-    """
-    record = value_pretraining_record(path)
-    if record is None:
-        return False
-    if "policy_fingerprint" not in record:  # written by trl-vapo 0.1, which did not record it
-        logger.warning(f"{path} does not record which policy it was pretrained against; trusting that it is this one.")
-        return True
-    if record["policy_fingerprint"] == fingerprint:
-        return True
-    logger.warning(
-        f"value_model {path} was value-pretrained against the policy {record.get('policy')!r}, whose weights differ "
-        f"from this run's policy: it starts from those weights and value pretraining runs again "
-        f"(value_pretrain_steps={value_pretrain_steps})."
-    )
-    return False
-
-
-def _looks_like_a_path(name: str) -> bool:
-    """A hub id is `name` or `org/name`; anything else (`./x`, `/x`, `a/b/c`) was meant as a local path."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name

@@ -90,19 +90,16 @@ from .generation import (
     stop_token_ids,
     warn_off_policy_sampling,
 )
+from .loading import add_policy_adapter, build_actor_critic, check_quantization, load_policy
 from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
 from .model_card import VAPO_CITATION, RunRecord
 from .modeling import (
     ActorCritic,
     ValueFunction,
-    add_policy_adapter,
-    build_actor_critic,
     cast_lm_head_to_fp32,
-    check_quantization,
     is_peft_model,
     is_value_function,
     keep_trainable_weights_in_float32,
-    load_policy,
     policy_fingerprint,
     value_function_name,
 )

@@ -1,0 +1,68 @@
+"""GRPOConfig's fields that VAPOConfig takes so a GRPO user's config runs unchanged: GRPO's loss-type names for VAPO's
+two ways of averaging the loss, and the fields of GRPO features VAPO does not have, accepted at GRPO's default and
+refused otherwise with what VAPO does instead (`VAPOConfig._validate`)."""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+# GRPOConfig's loss types that are VAPO's two aggregations: DAPO's is VAPO's token-level loss (one mean over the
+# optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
+GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
+_OTHER_LOSS = "it parametrises one of GRPO's other losses (SAPO, VESPO); VAPO's is PPO's clipped loss (Eq. 8)."
+_ENTROPY = (
+    "VAPO takes a static entropy bonus (entropy_coef), not GRPO's adaptive entropy control or entropy mask (VAPO's "
+    "Eq. 8-10 have no entropy term)."
+)
+
+
+GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instead[, other accepted values])
+    "sapo_temperature_neg": (1.05, _OTHER_LOSS),
+    "sapo_temperature_pos": (1.0, _OTHER_LOSS),
+    "vespo_k_pos": (2.0, _OTHER_LOSS),
+    "vespo_lambda_pos": (3.0, _OTHER_LOSS),
+    "vespo_k_neg": (3.0, _OTHER_LOSS),
+    "vespo_lambda_neg": (2.0, _OTHER_LOSS),
+    "multi_objective_aggregation": (
+        "sum_then_normalize",
+        "VAPO sums the weighted rewards (`reward_weights`) into one reward per completion.",
+    ),
+    "scale_rewards": (
+        "group",
+        "VAPO does not scale rewards: the advantages come from the critic (GAE) and are whitened over the rollout "
+        "(`whiten_advantages`). 'none' is accepted too.",
+        ("none",),
+    ),
+    "top_entropy_quantile": (1.0, _ENTROPY),
+    "use_adaptive_entropy": (False, _ENTROPY),
+    "entropy_coef_min": (0.0, _ENTROPY),
+    "entropy_coef_max": (1.0, _ENTROPY),
+    "entropy_coef_delta": (0.005, _ENTROPY),
+    "entropy_target": (0.2, _ENTROPY),
+    "off_policy_mask_threshold": (
+        None,
+        "VAPO masks no sequence for being off-policy: PPO's clipped ratio bounds each token's update.",
+    ),
+    "use_bias_correction_kl": (
+        True,
+        "VAPO's KL (`beta`) is a per-token penalty in the reward, not a loss term to reweight.",
+    ),
+    "max_tool_calling_iterations": (
+        None,
+        "VAPO samples single-turn completions: tools are not supported (see the README).",
+    ),
+    "log_completions_hub_repo": (
+        None,
+        "VAPO does not upload completions to the Hub: `log_completions` logs them to wandb or trackio.",
+    ),
+}
+
+
+def grpo_only_field(name: str):
+    """A GRPOConfig field of a feature VAPO does not have (`GRPO_ONLY`): accepted at GRPO's default (and the other
+    values listed there), else refused by `VAPOConfig._validate` with what VAPO does instead."""
+    default, instead, *_ = GRPO_ONLY[name]
+    return field(
+        default=default,
+        metadata={"help": f"GRPOConfig's field, accepted at GRPO's default ({default!r}) only: {instead}"},
+    )
