@@ -657,9 +657,11 @@ class ActorCritic(nn.Module):
             dtypes = self.loaded_dtypes["critic"] if as_loaded else None
             _save_pretrained(self.critic, directory, _sub_state(state_dict, "critic.", self.critic), dtypes)
             backbone = type(self.critic.base_model)
-            if type(self.critic).__module__ == __name__ and backbone.__module__.startswith("transformers_modules"):
-                # Built over custom code (`loading.sequence_classifier_class`): the backbone's code goes along, as the
-                # policy's does, so that `value_model=directory` (with trust_remote_code) loads it back.
+            remote = "transformers_modules"  # where transformers puts a checkpoint's own code
+            if backbone.__module__.startswith(remote) and not type(self.critic).__module__.startswith(remote):
+                # A classifier trl-vapo built over custom code (`loading.sequence_classifier_class`): the backbone's
+                # code goes along, as the policy's does, so that `value_model=directory` (with trust_remote_code)
+                # loads it back.
                 from transformers.dynamic_module_utils import custom_object_save
 
                 custom_object_save(self.critic.base_model, str(directory))
