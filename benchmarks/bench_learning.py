@@ -1032,7 +1032,12 @@ def build_trainer(spec: RunSpec, out_dir: str, reward: Callable, extra: dict | N
         value_model=value_model,
         peft_config=lora_config(lora_r),
     )
-    return trainer, steps_per_rollout
+    # The sample budget as the trainer counts it (`trainer.run_plan`): value-pretraining and RL rollouts together.
+    plan = trainer.run_plan
+    rollouts = plan.pretrain_rollouts + plan.rl_steps // (plan.steps_per_pass * args.critic_num_iterations)
+    if rollouts != spec.rollouts:
+        raise ValueError(f"{spec.method}: the trainer plans {rollouts} rollouts, the budget is {spec.rollouts}")
+    return trainer, plan.steps_per_pass
 
 
 def zero_value(input_ids, attention_mask, completion_length):

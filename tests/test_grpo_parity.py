@@ -358,6 +358,7 @@ def test_a_streamed_dataset_trains_as_the_same_rows_in_order_and_resumes(tiny_mo
     def run(name, dataset, resume=None):
         trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / name, **settings), dataset)
         trainer.train(resume_from_checkpoint=resume)
+        assert trainer.state.global_step == trainer.run_plan.max_steps(trainer.progress) == 5  # a stream's plan too
         if name == "streamed" and resume is None:
             trainer.save_model()  # the model card's quick start shows the stream's first prompt
             assert "0+0=" in (tmp_path / name / "out" / "README.md").read_text()

@@ -269,6 +269,11 @@ def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_mo
     assert 4 <= len(readings) < 30
     assert explained_variance_plateaued(readings, 2, 0.02)
     assert not any(explained_variance_plateaued(readings[:n], 2, 0.02) for n in range(len(readings)))
+    # The plan's budget of 30 rollouts gave way to the steps value pretraining took, then the one RL step.
+    plan = trainer.run_plan
+    assert trainer.state.global_step == trainer.state.max_steps == plan.max_steps(trainer.progress)
+    assert plan.max_steps(trainer.progress) == len(readings) * plan.steps_per_pretrain_rollout + 1
+    assert plan.pretrain_steps == 30 * plan.steps_per_pretrain_rollout
     record = json.loads((tmp_path / "out" / "value_pretrained_critic" / "vapo_value_pretraining.json").read_text())
     assert record["rollouts"] == len(readings)
     assert record["final_explained_variance"] == pytest.approx(sum(readings[-2:]) / 2)
@@ -416,20 +421,26 @@ def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_p
 
 def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
     """critic_num_iterations=3 with num_iterations=1: per rollout, one pass of joint steps, then two passes of
-    critic-only steps that leave the policy untouched."""
+    critic-only steps that leave the policy untouched. One epoch of one rollout's prompts: the run plan's count."""
 
     sums = ParameterSums()
     args = make_args(
-        tmp_path, per_device_train_batch_size=8, steps_per_generation=2, max_steps=6, critic_num_iterations=3
+        tmp_path,
+        per_device_train_batch_size=8,
+        steps_per_generation=2,
+        max_steps=-1,
+        num_train_epochs=1,
+        critic_num_iterations=3,
     )
     trainer = VAPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=args,
-        train_dataset=prompts_dataset(),
+        train_dataset=prompts_dataset(args.generation_batch_size // args.num_generations),
         callbacks=[sums],
     )
     sums.trainer = trainer
+    assert trainer.run_plan.rl_steps == 6 and trainer.run_plan.pretrain_steps == 0
     trainer.train()
     assert trainer.state.global_step == 6  # one rollout: 3 passes x 2 steps
     policy, critic = zip(*sums.steps)
@@ -465,7 +476,7 @@ def test_value_pretraining_makes_its_own_number_of_passes(tiny_model_dir, tmp_pa
         callbacks=[sums],
     )
     sums.trainer = trainer
-    assert trainer._plan()["pretrain_steps"] == 12  # 2 rollouts x 3 passes x 2 steps
+    assert trainer.run_plan.pretrain_steps == 12  # 2 rollouts x 3 passes x 2 steps
     trainer.train()
     assert trainer.state.global_step == 14  # and one RL rollout of one pass
     policy, critic = zip(*sums.steps)
@@ -797,7 +808,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     checkpoint = tmp_path / "full" / "out" / "checkpoint-4"
     assert (checkpoint / "vapo_state.json").is_file()
     resumed = run("full", resume=str(checkpoint))
-    assert resumed.state.global_step == 7
+    assert resumed.state.global_step == 7 == resumed.run_plan.max_steps(resumed.progress)  # resumed mid-plan
     after = [h for h in comparable(resumed.state.log_history) if h["step"] > 4]
     expected = [h for h in comparable(full.state.log_history) if h["step"] > 4]
     assert len(after) == 3

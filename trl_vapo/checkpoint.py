@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -41,7 +40,7 @@ from .modeling import (
     value_pretraining_record,
 )
 from .reporting import tracker_urls
-from .rollout import RL, VALUE_PRETRAIN
+from .run import TrainingProgress
 
 logger = get_logger(__name__)
 
@@ -292,32 +291,6 @@ def load_rng_state(path: Path) -> None:
             index = int(key.rsplit("_", 1)[1])
             if index < torch.cuda.device_count():
                 torch.cuda.set_rng_state(state, index)
-
-
-@dataclasses.dataclass
-class TrainingProgress:
-    """Where the run is, beyond `TrainerState`: saved in every checkpoint as `vapo_state.json`."""
-
-    phase: str = VALUE_PRETRAIN
-    value_pretrain_rollouts: int = 0
-    explained_variances: list[float] = dataclasses.field(default_factory=list)  # one reading per pretraining rollout
-    rl_start_step: int | None = None
-    data_epoch: int = 0
-    data_index: int = 0
-    skipped_steps: int = 0  # updates dropped: a NaN/inf loss or gradient, or no token to train on
-    consecutive_nonfinite_steps: int = 0
-    scored_completions: int = 0  # over every process and rollout: 0 at the end of a run means nothing trained
-
-    @classmethod
-    def from_dict(cls, saved: dict) -> TrainingProgress:
-        # Checkpoints of earlier versions carry fields that no longer exist (the old stop rule's best reading).
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in saved.items() if key in known})
-
-    def final_explained_variance(self, window: int | None) -> float:
-        """The critic's explained variance at the end of value pretraining: the mean of the last finite readings."""
-        finite = [r for r in self.explained_variances if math.isfinite(r)][-(window or 1) :]
-        return sum(finite) / len(finite) if finite else math.nan
 
 
 def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> dict[str, Any]:
@@ -572,14 +545,12 @@ class SavingMixin:
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         apply_resumed_settings(self.optimizer, self.lr_scheduler, asked, schedules)
-        max_steps, stateful = self.state.max_steps, self.state.stateful_callbacks
+        stateful = self.state.stateful_callbacks
         self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
         self.state.stateful_callbacks = stateful
         self.progress = TrainingProgress.from_dict(marker["progress"])
-        if self.progress.phase == RL and self.progress.rl_start_step is not None:
-            # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
-            max_steps = self.progress.rl_start_step + self._plan()["rl_steps"]
-        self.state.max_steps = max_steps
+        # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
+        self.state.max_steps = self.run_plan.max_steps(self.progress)
         rng_file = path / f"rng_state_{self.accelerator.process_index}.safetensors"
         if rng_file.is_file():
             load_rng_state(rng_file)

@@ -106,6 +106,7 @@ from .modeling import (
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
+from .run import RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
 from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models
 
@@ -455,7 +456,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
                 f"value_model is a frozen value function ({value_function_name(actor_critic.value_function)}): value "
                 f"pretraining (value_pretrain_steps={args.value_pretrain_steps}) is skipped."
             )
-        self.progress = ckpt.TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
+        self.progress = TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
         self._save_pending = False
         self._last_rollout: Rollout | None = None  # the newest rollout: the next log's completions table, and `_logs`
         self._reported_rollout: Rollout | None = None  # the one whose table was logged (once per rollout)
@@ -466,7 +467,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if self.pop_callback(ProgressCallback) is not None:  # the bar names the phase; none with disable_tqdm
             self.add_callback(PhaseProgressCallback(lambda: self.progress.phase))
         self._critic_bias = CriticBiasWatch()
-        self._handle_long_prompts()
+        self._handle_long_prompts()  # may drop prompts: the plan counts what is left
+        streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
+        self.run_plan = RunPlan.from_config(
+            args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
+        )
         # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
         set_seed(args.seed, device_specific=True)
 
@@ -480,28 +485,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _skips_value_pretraining(self) -> bool:
         learns_values = self.actor_critic.learns_values
         return self.args.value_pretrain_steps == 0 or self.run_record.critic_pretrained or not learns_values
-
-    def _plan(self) -> dict[str, int]:
-        """Step counts of the run: RL optimizer steps, plus at most this many value-pretraining steps."""
-        args = self.args
-        prompts_per_rollout = args.generation_batch_size // args.num_generations
-        streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
-        rollouts_per_epoch = 0 if streamed else len(self.train_dataset) // prompts_per_rollout
-        steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
-        updates_per_rollout = args.value_pretrain_num_iterations * steps_per_pass  # value pretraining
-        if args.max_steps > 0:
-            rl_steps = args.max_steps
-        else:
-            rl_steps = (
-                math.ceil(args.num_train_epochs * rollouts_per_epoch) * args.critic_num_iterations * steps_per_pass
-            )
-        pretrain_rollouts = 0 if self._skips_value_pretraining else args.value_pretrain_steps
-        return {
-            "prompts_per_rollout": prompts_per_rollout,
-            "updates_per_rollout": updates_per_rollout,
-            "rl_steps": rl_steps,
-            "pretrain_steps": pretrain_rollouts * updates_per_rollout,
-        }
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW (or `args.optim`) with separate parameter groups, and learning rates, for the actor and critic."""
@@ -519,13 +502,13 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """Per-side schedules (`trl_vapo.optim.side_schedules`): the actor's starts with its first update."""
         if self.lr_scheduler is None:
-            plan = self._plan()
+            plan = self.run_plan
             self.lr_scheduler = side_schedules(
                 optimizer or self.optimizer,
                 self.args.lr_scheduler_type,
                 self.args.get_warmup_steps,
-                plan["rl_steps"],
-                plan["pretrain_steps"],
+                plan.rl_steps,
+                plan.pretrain_steps,
                 0 if self._skips_value_pretraining else None,
             )
         return self.lr_scheduler
@@ -570,10 +553,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             if isinstance(chosen, ValueError):
                 raise chosen
             resume_from_checkpoint = chosen
-        plan = self._plan()
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
-        self.state.max_steps = plan["pretrain_steps"] + plan["rl_steps"]
+        self.state.max_steps = self.run_plan.pretrain_steps + self.run_plan.rl_steps  # a resume reads its progress
         self.state.num_train_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else 1
         self.state.compute_steps(args, self.state.max_steps)
         self.state.is_local_process_zero = self.is_local_process_zero()
@@ -1330,16 +1312,14 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
     def _finish_value_pretraining(self, early: bool) -> None:
         progress = self.progress
-        unused = (self.args.value_pretrain_steps - progress.value_pretrain_rollouts) * self._plan()[
-            "updates_per_rollout"
-        ]
-        if unused > 0:
-            self.state.max_steps -= unused
+        progress.phase = RL
+        progress.rl_start_step = self.state.global_step
+        max_steps = self.run_plan.max_steps(progress)  # fewer when the stop rule ended value pretraining early
+        if max_steps != self.state.max_steps:
+            self.state.max_steps = max_steps
             for callback in self.callback_handler.callbacks:
                 if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                     callback.training_bar.total = self.state.max_steps
-        progress.phase = RL
-        progress.rl_start_step = self.state.global_step
         self._replay = []
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PhaseProgressCallback):
