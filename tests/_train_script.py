@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.distributed import optimizer_states
 from trl_vapo.modeling import _causal_lm
-from trl_vapo.trainer import TrainingInterrupted
+from trl_vapo.signals import TrainingInterrupted
 
 
 def digit_fraction(prompts, completions, log_metric, **kwargs):

@@ -612,7 +612,7 @@ def test_resume_from_checkpoint_latest_or_true_as_a_string_is_the_newest_checkpo
 def test_a_repeated_sigterm_is_one_request_and_a_later_one_stops_at_once(tiny_model_dir, tmp_path):
     """A launcher forwards the signal its job got (a worker sees it twice within milliseconds): that is one request.
     One more, `SIGNAL_REPEAT_WINDOW` seconds later, ends the run at once (here, hung writing checkpoint 2)."""
-    from trl_vapo.trainer import SIGNAL_REPEAT_WINDOW
+    from trl_vapo.signals import SIGNAL_REPEAT_WINDOW
 
     out = tmp_path / "twice"
     process = start_script(tiny_model_dir, out, "--stall-at", "2")

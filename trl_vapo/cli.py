@@ -234,7 +234,8 @@ def train_command(argv: list[str]) -> int:
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
-    from .trainer import TrainingInterrupted, VAPOTrainer
+    from .signals import TrainingInterrupted
+    from .trainer import VAPOTrainer
 
     started = time.time()
     # Everything a typo can break is checked before the model loads; a failure is one line on stderr.

@@ -1,12 +1,14 @@
 """Building the actor-critic from what the user passed: the policy (an id, a path or a model, quantized or not, with
 its adapter), and the critic beside it (copied from the policy, a saved critic, a model, or a frozen value
-function), with the classifier class for architectures transformers has none for. The module itself
-(:class:`~trl_vapo.modeling.ActorCritic`) and what it computes are :mod:`trl_vapo.modeling`'s."""
+function), with the classifier class for architectures transformers has none for; and the trainer's arguments about
+them, checked before anything loads. The module itself (:class:`~trl_vapo.modeling.ActorCritic`) and what it computes
+are :mod:`trl_vapo.modeling`'s."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.logging import get_logger
@@ -32,9 +34,13 @@ from .modeling import (
     check_value_model,
     is_peft_model,
     is_value_function,
+    value_function_name,
     value_pretraining_record,
 )
 from .pretrained import from_pretrained_kwargs
+
+if TYPE_CHECKING:
+    from .config import VAPOConfig
 
 logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
 
@@ -236,3 +242,65 @@ def _pretrained_for_this_policy(path: Path, fingerprint: str, value_pretrain_ste
 def _looks_like_a_path(name: str) -> bool:
     """A hub id is `name` or `org/name`; anything else (`./x`, `/x`, `a/b/c`) was meant as a local path."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer's arguments, checked before anything loads
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def policy_init_kwargs(model, model_init_kwargs: dict | None, quantization_config) -> dict | None:
+    """`args.model_init_kwargs` with the trainer's `quantization_config` in it, as GRPOTrainer takes both (a copy:
+    the config is left as it is)."""
+    if quantization_config is None:
+        return model_init_kwargs
+    if not isinstance(model, (str, os.PathLike)):
+        logger.warning("quantization_config is ignored: the model is already instantiated (as in GRPOTrainer).")
+        return model_init_kwargs
+    if "quantization_config" in (model_init_kwargs or {}):
+        raise ValueError(
+            "quantization_config is set both as a trainer argument and in args.model_init_kwargs: set it in one "
+            "place (as in GRPOTrainer)."
+        )
+    return {**(model_init_kwargs or {}), "quantization_config": quantization_config}
+
+
+def router_aux_loss_coefficient(policy: nn.Module, args: VAPOConfig) -> float:
+    """The weight of a Mixture-of-Experts policy's load-balancing loss, as GRPOTrainer sets it: `router_aux_loss_coef`,
+    or the model config's own when None (0 where it declares none); 0 for a dense model, which has no such loss."""
+    config = policy.config.get_text_config()
+    coef = args.router_aux_loss_coef
+    if coef and not hasattr(config, "output_router_logits"):
+        raise ValueError(
+            f"router_aux_loss_coef={coef} is set but {type(policy).__name__} is not a Mixture-of-Experts model that "
+            "returns its router logits, so there is no load-balancing loss to weight: leave it unset."
+        )
+    if not hasattr(config, "output_router_logits"):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
+
+
+def check_value_function_settings(value_model: Any, args: VAPOConfig) -> None:
+    """A frozen value function (`value_model=fn`) trains nothing: refuse critic-only passes, which would only train a
+    critic. (Value pretraining is skipped: `VAPOTrainer._skips_value_pretraining`.)"""
+    if is_value_function(value_model) and args.critic_num_iterations > args.num_iterations:
+        raise ValueError(
+            f"critic_num_iterations={args.critic_num_iterations} asks for critic-only passes over each rollout, but "
+            f"value_model is a frozen value function ({value_function_name(value_model)}): there is no critic to "
+            f"train. Set critic_num_iterations={args.num_iterations} (= num_iterations) or leave it unset."
+        )
+
+
+def check_grpo_arguments(**given: Any) -> None:
+    """Refuse, before any model loads, the `GRPOTrainer` arguments VAPO does not take, saying what to do instead."""
+    refusals = {
+        "tools": "multi-turn tool use is beyond VAPO's paper and not supported: VAPO samples one completion per "
+        "prompt",
+        "rollout_func": "custom rollouts are not supported: VAPO samples with its generation engines "
+        "(`use_vllm`, `use_transformers_continuous_batching`)",
+        "environment_factory": "environments (multi-turn episodes) are not supported: VAPO samples one completion per "
+        "prompt",
+    }
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"VAPOTrainer does not take `{name}`: {refusals[name]}.")

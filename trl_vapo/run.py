@@ -1,11 +1,17 @@
-"""The run's counters: how many optimizer steps it takes (`RunPlan`, computed once) and where it is
-(`TrainingProgress`, saved in every checkpoint). Every step count the trainer, its checkpoints and its progress bar
-use is read here."""
+"""The run's counters: how many optimizer steps it takes (`RunPlan`, computed once), where it is (`TrainingProgress`,
+saved in every checkpoint) and which prompts come next (`PromptCursor`, which reads and moves the progress's place in
+the data). Every step count the trainer, its checkpoints and its progress bar use is read here."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from datasets import IterableDataset
 
 from .rollout import RL, VALUE_PRETRAIN
 
@@ -84,3 +90,76 @@ class TrainingProgress:
         """The critic's explained variance at the end of value pretraining: the mean of the last finite readings."""
         finite = [r for r in self.explained_variances if math.isfinite(r)][-(window or 1) :]
         return sum(finite) / len(finite) if finite else math.nan
+
+
+class PromptCursor:
+    """The prompts of the next rollouts, `prompts_per_rollout` at a time, from `progress.data_epoch` and
+    `progress.data_index` on (which it moves): the same on every process and after a resume.
+
+    A map-style dataset is read in an order drawn per epoch (a permutation seeded by `seed` + the epoch with
+    `shuffle`, else as stored); the prompts an epoch's last rollout cannot fill are left out, and the next rollout
+    starts the next epoch. A stream (`IterableDataset`) is read in its order (with `shuffle`, a buffered shuffle
+    seeded by `seed`, as GRPOTrainer shuffles it, again per epoch through `set_epoch`); a rollout never mixes two
+    epochs: its epoch ends where the stream does, which `next` finds and reports through `on_epoch_end`.
+    """
+
+    def __init__(self, dataset, prompts_per_rollout: int, shuffle: bool, seed: int):
+        self.dataset, self.count, self.shuffle, self.seed = dataset, prompts_per_rollout, shuffle, seed
+        self.streamed = isinstance(dataset, IterableDataset)
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget what was read ahead: the next rows are where the progress given to `next` says (a resume)."""
+        self._order: tuple[int | None, torch.Tensor | None] = (None, None)  # (epoch, its permutation)
+        self._stream: tuple[int | None, Any] = (None, None)  # (epoch, its iterator at the progress's row)
+
+    def next(self, progress: TrainingProgress, on_epoch_end: Callable[[], None]) -> list[dict[str, Any]]:
+        """The next rollout's prompts (rows of the dataset); `progress` moves past them. `on_epoch_end` is called
+        when a stream ends under this rollout, before the next epoch starts it."""
+        if self.streamed:
+            return self._next_streamed(progress, on_epoch_end)
+        if progress.data_index + self.count > len(self.dataset):
+            progress.data_epoch += 1
+            progress.data_index = 0
+        indices = self._epoch_order(progress.data_epoch)[progress.data_index : progress.data_index + self.count]
+        progress.data_index += self.count
+        columns = self.dataset[indices.tolist()]
+        return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+    def epoch(self, progress: TrainingProgress) -> float:
+        """Epochs done, as `TrainerState.epoch` counts them: fractional for a dataset of known length."""
+        if self.streamed:
+            return float(progress.data_epoch)
+        return progress.data_epoch + progress.data_index / len(self.dataset)
+
+    def epoch_is_over(self, progress: TrainingProgress) -> bool:
+        """Whether this epoch's prompts are used up: the next rollout starts the next epoch (a stream's epoch ends
+        when the stream does, found when the next rollout reads it)."""
+        return not self.streamed and progress.data_index + self.count > len(self.dataset)
+
+    def _next_streamed(self, progress: TrainingProgress, on_epoch_end: Callable[[], None]) -> list[dict[str, Any]]:
+        for _ in range(2):
+            if self._stream[0] != progress.data_epoch:
+                stream = self.dataset.shuffle(seed=self.seed) if self.shuffle else self.dataset
+                stream.set_epoch(progress.data_epoch)
+                self._stream = (progress.data_epoch, itertools.islice(iter(stream), progress.data_index, None))
+            rows = list(itertools.islice(self._stream[1], self.count))
+            if len(rows) == self.count:
+                progress.data_index += self.count
+                return rows
+            on_epoch_end()
+            progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
+        raise ValueError(
+            f"train_dataset streams fewer prompts than one rollout needs ({self.count} = generation_batch_size / "
+            "num_generations)."
+        )
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order[0] != epoch:
+            size = len(self.dataset)
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._order = (epoch, torch.randperm(size, generator=generator))
+            else:
+                self._order = (epoch, torch.arange(size))
+        return self._order[1]

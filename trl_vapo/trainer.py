@@ -23,9 +23,7 @@ import copy
 import itertools
 import json
 import math
-import os
 import signal
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -90,7 +88,16 @@ from .generation import (
     stop_token_ids,
     warn_off_policy_sampling,
 )
-from .loading import add_policy_adapter, build_actor_critic, check_quantization, load_policy
+from .loading import (
+    add_policy_adapter,
+    build_actor_critic,
+    check_grpo_arguments,
+    check_quantization,
+    check_value_function_settings,
+    load_policy,
+    policy_init_kwargs,
+    router_aux_loss_coefficient,
+)
 from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
 from .model_card import VAPO_CITATION, RunRecord
 from .modeling import (
@@ -98,7 +105,6 @@ from .modeling import (
     ValueFunction,
     cast_lm_head_to_fp32,
     is_peft_model,
-    is_value_function,
     keep_trainable_weights_in_float32,
     policy_fingerprint,
     value_function_name,
@@ -106,127 +112,13 @@ from .modeling import (
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
-from .run import RunPlan, TrainingProgress
+from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
 from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models
+from .signals import TrainingInterrupted, stop_on_signals
 
 # Logs once, from the main process, however many processes train.
 logger = get_logger(__name__)
-
-
-def policy_init_kwargs(model, model_init_kwargs: dict | None, quantization_config) -> dict | None:
-    """`args.model_init_kwargs` with the trainer's `quantization_config` in it, as GRPOTrainer takes both (a copy:
-    the config is left as it is)."""
-    if quantization_config is None:
-        return model_init_kwargs
-    if not isinstance(model, (str, os.PathLike)):
-        logger.warning("quantization_config is ignored: the model is already instantiated (as in GRPOTrainer).")
-        return model_init_kwargs
-    if "quantization_config" in (model_init_kwargs or {}):
-        raise ValueError(
-            "quantization_config is set both as a trainer argument and in args.model_init_kwargs: set it in one "
-            "place (as in GRPOTrainer)."
-        )
-    return {**(model_init_kwargs or {}), "quantization_config": quantization_config}
-
-
-def router_aux_loss_coefficient(policy: nn.Module, args: VAPOConfig) -> float:
-    """The weight of a Mixture-of-Experts policy's load-balancing loss, as GRPOTrainer sets it: `router_aux_loss_coef`,
-    or the model config's own when None (0 where it declares none); 0 for a dense model, which has no such loss."""
-    config = policy.config.get_text_config()
-    coef = args.router_aux_loss_coef
-    if coef and not hasattr(config, "output_router_logits"):
-        raise ValueError(
-            f"router_aux_loss_coef={coef} is set but {type(policy).__name__} is not a Mixture-of-Experts model that "
-            "returns its router logits, so there is no load-balancing loss to weight: leave it unset."
-        )
-    if not hasattr(config, "output_router_logits"):
-        return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
-
-
-def check_value_function_settings(value_model: Any, args: VAPOConfig) -> None:
-    """A frozen value function (`value_model=fn`) trains nothing: refuse critic-only passes, which would only train a
-    critic. (Value pretraining is skipped: `VAPOTrainer._skips_value_pretraining`.)"""
-    if is_value_function(value_model) and args.critic_num_iterations > args.num_iterations:
-        raise ValueError(
-            f"critic_num_iterations={args.critic_num_iterations} asks for critic-only passes over each rollout, but "
-            f"value_model is a frozen value function ({value_function_name(value_model)}): there is no critic to "
-            f"train. Set critic_num_iterations={args.num_iterations} (= num_iterations) or leave it unset."
-        )
-
-
-def check_grpo_arguments(**given: Any) -> None:
-    """Refuse, before any model loads, the `GRPOTrainer` arguments VAPO does not take, saying what to do instead."""
-    refusals = {
-        "tools": "multi-turn tool use is beyond VAPO's paper and not supported: VAPO samples one completion per "
-        "prompt",
-        "rollout_func": "custom rollouts are not supported: VAPO samples with its generation engines "
-        "(`use_vllm`, `use_transformers_continuous_batching`)",
-        "environment_factory": "environments (multi-turn episodes) are not supported: VAPO samples one completion per "
-        "prompt",
-    }
-    for name, value in given.items():
-        if value is not None:
-            raise ValueError(f"VAPOTrainer does not take `{name}`: {refusals[name]}.")
-
-
-class TrainingInterrupted(RuntimeError):
-    """`VAPOTrainer.train` stopped on SIGTERM or SIGINT after writing the checkpoint `checkpoint`; a command exits with
-    `exit_code` (128 + the signal's number, the shell's convention for a process a signal ended)."""
-
-    def __init__(self, signum: int, checkpoint: Path, message: str):
-        super().__init__(message)
-        self.signum, self.checkpoint, self.exit_code = int(signum), checkpoint, 128 + int(signum)
-
-
-class _Received:
-    signum: int | None = None
-    at: float = 0.0
-
-
-SIGNAL_REPEAT_WINDOW = 5.0
-"""Seconds after the first stop signal in which another is the same request, not a second one: under `torchrun`,
-`accelerate launch` or `scancel` a worker gets the signal twice, once itself (its process group or job step) and once
-forwarded by the launcher."""
-
-
-@contextlib.contextmanager
-def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
-    """While training: the first SIGTERM or SIGINT is noted (`received.signum`) so that the loop can finish its
-    rollout and write a checkpoint. A repeat within `SIGNAL_REPEAT_WINDOW` seconds is the same request (the launcher
-    forwarding it); a later one acts as it would have without this handler (SIGTERM ends the process, SIGINT raises
-    KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and for signals a caller already
-    handles, nothing changes."""
-    received = _Received()
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-    previous = {}
-
-    def note(signum, frame):
-        now = time.monotonic()
-        if received.signum is None:
-            received.signum, received.at = signum, now
-            name = signal.Signals(signum).name
-            later = f"{SIGNAL_REPEAT_WINDOW:g} s on"
-            notice = f"{name}: finishing this rollout, then a checkpoint (sent again {later}: stop now)\n"
-            os.write(2, notice.encode())  # a write, not logging: a handler may run while logging holds its lock
-        elif now - received.at > SIGNAL_REPEAT_WINDOW:  # a second request: the signal's own action, now
-            for other, handler in previous.items():
-                signal.signal(other, handler)
-            signal.raise_signal(signum)
-        else:
-            os.write(2, b"already stopping after this rollout\n")
-
-    for signum in signums:
-        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
-            previous[signum] = signal.signal(signum, note)
-    try:
-        yield received
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 class VAPOTrainer(ckpt.SavingMixin, Trainer):
@@ -472,6 +364,9 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.run_plan = RunPlan.from_config(
             args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
         )
+        self._prompts = PromptCursor(
+            self.train_dataset, self.run_plan.prompts_per_rollout, args.shuffle_dataset, args.data_seed or args.seed
+        )
         # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
         set_seed(args.seed, device_specific=True)
 
@@ -562,7 +457,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.state.is_world_process_zero = self.is_world_process_zero()
         self.state.train_batch_size = args.per_device_train_batch_size
 
-        self._stream = (None, None)  # a streamed dataset restarts where `progress` says (after a resume too)
+        self._prompts.restart()  # where `progress` says, after a resume too
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         self._note_learning_rates()  # what a log reads even before the first step (an epoch end on resuming)
@@ -676,7 +571,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
 
         if phase == VALUE_PRETRAIN:
             self._after_value_pretrain_rollout(metrics[EXPLAINED_VARIANCE])
-        if self._epoch_is_over():
+        if self._prompts.epoch_is_over(self.progress):
             self._end_epoch()
         self._save_if_pending()
 
@@ -713,14 +608,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             self.control.should_save |= new_best and self.args.save_strategy == SaveStrategy.BEST
         self._save_pending |= self.control.should_save
 
-    def _epoch_is_over(self) -> bool:
-        """Whether the prompts of this epoch are used up: the next rollout starts the next epoch (a stream's epoch
-        ends when the stream does, found when the next rollout reads it: `_next_streamed_rows`)."""
-        dataset = self.train_dataset
-        if isinstance(dataset, IterableDataset):
-            return False
-        return self.progress.data_index + self.args.generation_batch_size // self.args.num_generations > len(dataset)
-
     def _end_epoch(self, completed: bool = True) -> None:
         """An epoch of the prompts ended (`completed`), or training did: the callbacks' `on_epoch_end`, then the log,
         evaluation and checkpoint that the "epoch" logging / eval / save strategies ask for."""
@@ -731,61 +618,15 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self._log_evaluate_save()
 
     def _next_rows(self) -> list[dict[str, Any]]:
-        """This process's share of the next rollout: each prompt repeated `num_generations` times."""
-        args, progress, dataset = self.args, self.progress, self.train_dataset
-        count = args.generation_batch_size // args.num_generations
-        if isinstance(dataset, IterableDataset):
-            prompts = self._next_streamed_rows(count)
-        else:
-            if progress.data_index + count > len(dataset):
-                progress.data_epoch += 1
-                progress.data_index = 0
-            indices = self._epoch_order()[progress.data_index : progress.data_index + count].tolist()
-            progress.data_index += count
-            self.state.epoch = progress.data_epoch + progress.data_index / len(dataset)
-            columns = dataset[indices]
-            prompts = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        """This process's share of the next rollout: each prompt repeated `num_generations` times. A stream that ran
+        out ends its epoch on the way (`_end_epoch`: the callbacks, and what the epoch strategies ask for)."""
+        args, progress = self.args, self.progress
+        prompts = self._prompts.next(progress, on_epoch_end=self._end_epoch)
+        self.state.epoch = self._prompts.epoch(progress)
         repeated = [row for row in prompts for _ in range(args.num_generations)]
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
         return repeated[start : start + per_process]
-
-    def _next_streamed_rows(self, count: int) -> list[dict[str, Any]]:
-        """The next `count` rows of a streamed (`IterableDataset`) train_dataset, in its order, the same on every
-        process; an epoch ends where the stream does (a rollout never mixes two), the next one starts it again
-        (`set_epoch`: with `shuffle_dataset`, reshuffled). A resume skips the rows used."""
-        progress = self.progress
-        for _ in range(2):
-            if getattr(self, "_stream", (None, None))[0] != progress.data_epoch:
-                stream = self.train_dataset
-                if self.args.shuffle_dataset:  # a buffered shuffle, as GRPOTrainer shuffles a stream
-                    stream = stream.shuffle(seed=self.args.data_seed or self.args.seed)
-                stream.set_epoch(progress.data_epoch)
-                self._stream = (progress.data_epoch, itertools.islice(iter(stream), progress.data_index, None))
-            rows = list(itertools.islice(self._stream[1], count))
-            if len(rows) == count:
-                progress.data_index += count
-                self.state.epoch = progress.data_epoch
-                return rows
-            self._end_epoch()
-            progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
-        raise ValueError(
-            f"train_dataset streams fewer prompts than one rollout needs ({count} = generation_batch_size "
-            f"{self.args.generation_batch_size} / num_generations {self.args.num_generations})."
-        )
-
-    def _epoch_order(self) -> torch.Tensor:
-        """The order of the prompts in the current epoch: a permutation seeded by the epoch, the same on every
-        process and after a resume."""
-        epoch = self.progress.data_epoch
-        if getattr(self, "_order", (None, None))[0] != epoch:
-            size = len(self.train_dataset)
-            if self.args.shuffle_dataset:
-                generator = torch.Generator().manual_seed((self.args.data_seed or self.args.seed) + epoch)
-                self._order = (epoch, torch.randperm(size, generator=generator))
-            else:
-                self._order = (epoch, torch.arange(size))
-        return self._order[1]
 
     def _tokenize_prompts(self, prompts: list, truncate: bool = True) -> list[list[int]]:
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`."""

@@ -1,0 +1,100 @@
+"""The run's counters (`trl_vapo/run.py`): the plan's step counts against a count of the steps a rollout loop takes,
+and the prompt cursor's order, epochs and resume on map-style and streamed datasets. The plan against real runs
+(early stop, resume, stream, extra critic passes): `test_trainer.py` and `test_grpo_parity.py`."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+from datasets import Dataset
+
+from trl_vapo.rollout import RL, VALUE_PRETRAIN
+from trl_vapo.run import PromptCursor, RunPlan, TrainingProgress
+
+
+def _args(**overrides):
+    args = dict(
+        generation_batch_size=16,
+        num_generations=4,
+        steps_per_generation=4,
+        gradient_accumulation_steps=2,
+        max_steps=-1,
+        num_train_epochs=2.5,
+        critic_num_iterations=3,
+        value_pretrain_steps=5,
+        value_pretrain_num_iterations=2,
+    )
+    return SimpleNamespace(**{**args, **overrides})
+
+
+def _steps_of_a_loop(args, dataset_length: int, value_pretraining: bool, early_after: int | None = None) -> int:
+    """Optimizer steps counted the naive way: rollout by rollout, pass by pass, step by step."""
+    prompts = args.generation_batch_size // args.num_generations
+    steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
+    steps = 0
+    pretrain_rollouts = args.value_pretrain_steps if value_pretraining else 0
+    for rollout in range(pretrain_rollouts):
+        if early_after is not None and rollout == early_after:
+            break
+        for _ in range(args.value_pretrain_num_iterations):
+            steps += steps_per_pass
+    rl_steps = 0
+    if args.max_steps > 0:
+        return steps + args.max_steps
+    for _ in range(math.ceil(args.num_train_epochs * (dataset_length // prompts))):
+        for _ in range(args.critic_num_iterations):
+            rl_steps += steps_per_pass
+    return steps + rl_steps
+
+
+@pytest.mark.parametrize("value_pretraining", [True, False])
+@pytest.mark.parametrize("overrides", [{}, {"max_steps": 7}, {"num_train_epochs": 1, "critic_num_iterations": 1}])
+def test_the_plan_counts_the_steps_a_loop_takes(value_pretraining, overrides):
+    args = _args(**overrides)
+    plan = RunPlan.from_config(args, 21, value_pretraining)
+    start = TrainingProgress(phase=VALUE_PRETRAIN if value_pretraining else RL)
+    assert plan.max_steps(start) == _steps_of_a_loop(args, 21, value_pretraining)
+    if value_pretraining:  # stopped early after 2 of 5 rollouts: the plan follows the steps taken
+        early = TrainingProgress(phase=RL, rl_start_step=2 * plan.steps_per_pretrain_rollout)
+        assert plan.max_steps(early) == _steps_of_a_loop(args, 21, True, early_after=2)
+
+
+def test_a_stream_is_planned_by_max_steps():
+    plan = RunPlan.from_config(_args(max_steps=9), None, value_pretraining=False)
+    assert plan.max_steps(TrainingProgress(phase=RL)) == 9 and plan.prompts_per_rollout == 4
+
+
+def _prompts(n: int) -> Dataset:
+    return Dataset.from_list([{"prompt": f"p{i}"} for i in range(n)])
+
+
+def test_the_cursor_reads_each_epoch_in_its_order_and_resumes_where_progress_says():
+    data, progress, ended = _prompts(10), TrainingProgress(), []
+    cursor = PromptCursor(data, 4, shuffle=True, seed=3)
+    read = [[r["prompt"] for r in cursor.next(progress, lambda: ended.append(1))] for _ in range(4)]
+    # 10 prompts, 4 a rollout: two rollouts an epoch, the 2 left over unused; each epoch its own permutation
+    first, second = read[0] + read[1], read[2] + read[3]
+    assert len(set(first)) == len(set(second)) == 8 and first != second
+    assert (progress.data_epoch, progress.data_index) == (1, 8) and cursor.epoch_is_over(progress)
+    assert cursor.epoch(progress) == pytest.approx(1.8) and not ended  # a map-style epoch ends in the trainer
+    again = PromptCursor(data, 4, shuffle=True, seed=3)  # a resumed run: the same rows from the saved place
+    assert [r["prompt"] for r in again.next(TrainingProgress(data_epoch=1, data_index=4), lambda: None)] == read[3]
+    plain = PromptCursor(data, 4, shuffle=False, seed=3)
+    assert [r["prompt"] for r in plain.next(TrainingProgress(), lambda: None)] == ["p0", "p1", "p2", "p3"]
+
+
+def test_a_stream_ends_its_epoch_where_it_runs_out_and_one_too_short_is_refused():
+    stream, progress, ended = _prompts(6).to_iterable_dataset(), TrainingProgress(), []
+    cursor = PromptCursor(stream, 4, shuffle=False, seed=0)
+    rows = [[r["prompt"] for r in cursor.next(progress, lambda: ended.append(progress.data_epoch))] for _ in range(2)]
+    assert rows == [["p0", "p1", "p2", "p3"], ["p0", "p1", "p2", "p3"]]  # a rollout never mixes two epochs
+    assert ended == [0] and cursor.epoch(progress) == 1.0
+    cursor.restart()  # forgets its iterator: reads again from the progress's place
+    assert [r["prompt"] for r in cursor.next(TrainingProgress(data_index=2), lambda: None)] == ["p2", "p3", "p4", "p5"]
+    short = PromptCursor(_prompts(3).to_iterable_dataset(), 4, shuffle=False, seed=0)
+    with pytest.raises(ValueError, match="streams fewer prompts than one rollout needs"):
+        short.next(TrainingProgress(), lambda: None)
+    assert list(itertools.islice(iter(stream), 1))  # the dataset itself is left as it was

@@ -1,0 +1,71 @@
+"""Stopping a run on SIGTERM or SIGINT without losing what it trained: the first signal is noted and the loop
+finishes its rollout, writes a checkpoint and raises `TrainingInterrupted` naming it
+(`VAPOTrainer._stop_after_signal`); a repeat within `SIGNAL_REPEAT_WINDOW` is the same request, a later one stops at
+once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+
+class TrainingInterrupted(RuntimeError):
+    """`VAPOTrainer.train` stopped on SIGTERM or SIGINT after writing the checkpoint `checkpoint`; a command exits with
+    `exit_code` (128 + the signal's number, the shell's convention for a process a signal ended)."""
+
+    def __init__(self, signum: int, checkpoint: Path, message: str):
+        super().__init__(message)
+        self.signum, self.checkpoint, self.exit_code = int(signum), checkpoint, 128 + int(signum)
+
+
+class _Received:
+    signum: int | None = None
+    at: float = 0.0
+
+
+SIGNAL_REPEAT_WINDOW = 5.0
+"""Seconds after the first stop signal in which another is the same request, not a second one: under `torchrun`,
+`accelerate launch` or `scancel` a worker gets the signal twice, once itself (its process group or job step) and once
+forwarded by the launcher."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
+    """While training: the first SIGTERM or SIGINT is noted (`received.signum`) so that the loop can finish its
+    rollout and write a checkpoint. A repeat within `SIGNAL_REPEAT_WINDOW` seconds is the same request (the launcher
+    forwarding it); a later one acts as it would have without this handler (SIGTERM ends the process, SIGINT raises
+    KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and for signals a caller already
+    handles, nothing changes."""
+    received = _Received()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {}
+
+    def note(signum, frame):
+        now = time.monotonic()
+        if received.signum is None:
+            received.signum, received.at = signum, now
+            name = signal.Signals(signum).name
+            later = f"{SIGNAL_REPEAT_WINDOW:g} s on"
+            notice = f"{name}: finishing this rollout, then a checkpoint (sent again {later}: stop now)\n"
+            os.write(2, notice.encode())  # a write, not logging: a handler may run while logging holds its lock
+        elif now - received.at > SIGNAL_REPEAT_WINDOW:  # a second request: the signal's own action, now
+            for other, handler in previous.items():
+                signal.signal(other, handler)
+            signal.raise_signal(signum)
+        else:
+            os.write(2, b"already stopping after this rollout\n")
+
+    for signum in signums:
+        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+            previous[signum] = signal.signal(signum, note)
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
