@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate.logging import get_logger
+from accelerate.utils import broadcast_object_list
 from safetensors.torch import load_file, save_file
 from transformers.trainer_callback import ExportableState, TrainerState
 
@@ -338,6 +339,27 @@ class SavingMixin:
 
     _run_owner: str | None = None  # `train` sets the main process's on every process; else this process's own
     run_record: RunRecord  # what the trainer knows of the run, for the card and the pretrained critic's record
+
+    def checkpoint_to_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint `train(resume_from_checkpoint=...)` names: a path as given; True (or the CLI's "true" /
+        "latest", where no such path exists) the newest one that reads, chosen by the main process so that every
+        process resumes the same step whatever it sees on disk."""
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "latest"):
+            if not Path(resume_from_checkpoint).exists():
+                resume_from_checkpoint = True
+        if resume_from_checkpoint is not True:
+            return resume_from_checkpoint
+        chosen = [None]
+        if self.accelerator.is_main_process:
+            try:
+                chosen = [str(newest_resumable_checkpoint(self.args.output_dir))]
+            except ValueError as error:
+                chosen = [error]
+        if self.accelerator.num_processes > 1:
+            chosen = broadcast_object_list(chosen)
+        if isinstance(chosen[0], ValueError):
+            raise chosen[0]
+        return chosen[0]
 
     def _save_pretrained_critic(self) -> None:
         """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,3 +313,32 @@ def check_eval_dataset(dataset, args) -> dict[str, dict]:
             raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
         rows[name] = row
     return rows
+
+
+def long_prompts_handled(
+    dataset: Dataset | IterableDataset, args, prompt_lengths: Callable[[list], list[int]]
+) -> tuple[Dataset | IterableDataset, str | None]:
+    """The training prompts longer than `args.max_prompt_length` tokens (`prompt_lengths` gives the untruncated
+    token counts of a list of prompts), counted once before training: dropped with `drop_long_prompts` (a stream's
+    as they arrive: it is not counted ahead), else kept, to be cut from the left. Returns the dataset to train on and
+    what to tell the user (None: nothing)."""
+    limit = args.max_prompt_length
+    if isinstance(dataset, IterableDataset) and limit is not None and args.drop_long_prompts:
+        return dataset.filter(lambda row: prompt_lengths([row["prompt"]])[0] <= limit), None
+    if limit is None or isinstance(dataset, IterableDataset):
+        return dataset, None
+    lengths = []
+    for start in range(0, len(dataset), 1000):
+        lengths += prompt_lengths(dataset[start : start + 1000]["prompt"])
+    long = [i for i, n in enumerate(lengths) if n > limit]
+    if not long:
+        return dataset, None
+    counted = f"{len(long)} of {len(dataset)} training prompts"
+    if args.drop_long_prompts:
+        kept = dataset.select(sorted(set(range(len(dataset))) - set(long)))
+        check_train_dataset(kept, args)
+        return kept, f"Dropped {counted} longer than max_prompt_length={limit} tokens (longest: {max(lengths)})."
+    return dataset, (
+        f"{counted} are longer than max_prompt_length={limit} tokens (longest: {max(lengths)}); they are truncated "
+        "from the left. Raise max_prompt_length to keep them whole, or set drop_long_prompts=True to leave them out."
+    )

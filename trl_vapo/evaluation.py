@@ -1,4 +1,5 @@
-"""Evaluate a policy the way the VAPO paper reports it: k samples per problem, scored by the same reward functions.
+"""Evaluate a policy the way the VAPO paper reports it: k samples per problem, scored by the same reward functions
+(`evaluate_policy`, `trl-vapo eval`); and the trainer's own `evaluate()`, as GRPOTrainer's (`EvaluationMixin`).
 
     avg@k   mean over problems of the fraction of its k samples judged correct (the paper's avg@32, T=1.0, top-p 0.7)
     pass@k  fraction of problems with at least one correct sample among k
@@ -9,17 +10,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
+import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import TrainerState
+from transformers.trainer_utils import speed_metrics
 from trl import is_conversational
 
-from .data import prompt_token_ids
+from .core import explained_variance, vapo_loss
+from .data import check_eval_dataset, prompt_token_ids
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine
+from .metric_names import EXPLAINED_VARIANCE
+from .reporting import nan_mean
+from .rollout import EVAL, Rollout, rollout_metrics
 from .scoring import RewardScorer
 
 
@@ -151,3 +161,121 @@ def evaluate_policy(
         num_problems=len(rows),
         mean_length=sum(lengths) / len(lengths),
     )
+
+
+class EvaluationMixin:
+    """`VAPOTrainer.evaluate`, GRPOTrainer's evaluation with the critic's own metrics: held-out prompts rolled out
+    (`_make_rollout`, phase EVAL) and scored as training rolls out and scores, in eval mode, torch's random state
+    restored afterwards."""
+
+    def evaluate(
+        self,
+        eval_dataset: Dataset | IterableDataset | dict | str | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Evaluate the policy and the critic on held-out prompts, as GRPOTrainer evaluates: `num_generations_eval`
+        completions per prompt (default `num_generations`), sampled by the training engine with training's sampling
+        settings and scored by the training rewards, over every prompt of `eval_dataset` (default: the trainer's; a
+        string names an entry of a dict of them; a dict is evaluated entry by entry, prefixed `eval_<name>_`), in
+        batches of `per_device_eval_batch_size` completions per process.
+
+        Returns, and logs, each prefixed `<metric_key_prefix>_`: what GRPOTrainer logs when it evaluates (`loss`,
+        `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `kl` when
+        `beta > 0`, the reward functions' own `log_metric`s), and what only a critic shows: `accuracy` (the share of
+        scored completions whose reward is at least `positive_reward_threshold`), the critic's
+        `value/explained_variance` on these held-out completions (pooled over the whole set) and `value/mean`. `loss`
+        is VAPO's loss at the current weights (`core.vapo_loss`; the policy ratio is 1). Works before, during and after
+        training: the models are in eval mode meanwhile, and torch's random state is restored afterwards, so
+        evaluating does not change what trains (with the transformers engines; vLLM keeps its own sampler state).
+        With `metric_for_best_model`, the evaluations during training track `state.best_metric` (early stopping,
+        `save_strategy="best"`, `state.best_model_checkpoint`).
+        """
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                names = sorted(self.eval_dataset) if isinstance(self.eval_dataset, dict) else []
+                raise KeyError(f"eval_dataset {eval_dataset!r} is not one of the trainer's eval datasets: {names}.")
+            dataset = self.eval_dataset[eval_dataset]
+        else:
+            dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+            if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
+                for row in check_eval_dataset(eval_dataset, self.args).values():
+                    self.scorer.check(row)
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if self.model_wrapped is self.actor_critic and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError(
+                "trainer.evaluate() before train() is not supported under DeepSpeed or FSDP: the models are placed "
+                "and sharded when training starts. Set eval_on_start=True to evaluate before the first step."
+            )
+        if isinstance(dataset, dict):  # DatasetDict, IterableDatasetDict or a dict
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        start = time.time()
+        with self._evaluating():
+            metrics, num_samples = self._evaluation_loop(dataset)
+            metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
+            metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples))
+            self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    @contextlib.contextmanager
+    def _evaluating(self):
+        """Evaluation's own metrics and random state, the models in eval mode; afterwards, training's pending
+        metrics, its next completions table, its random state and the models' mode are as they were."""
+        was_training = self.actor_critic.training
+        saved = self._metrics, self._last_rollout
+        self._metrics, self._last_rollout = defaultdict(list), None
+        device = self.accelerator.device
+        rng = {"devices": []} if device.type == "cpu" else {"devices": [device.index or 0], "device_type": device.type}
+        self.actor_critic.eval()
+        try:
+            with torch.random.fork_rng(**rng):
+                yield
+        finally:
+            self._metrics, self._last_rollout = saved
+            self.actor_critic.train(was_training)
+
+    def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int]:
+        """Every prompt of `dataset` once, in batches: each batch is a rollout (`_make_rollout`, phase EVAL) whose
+        metrics are averaged over batches as GRPOTrainer averages them, except the critic's explained variance,
+        pooled over all the completions. Returns the metrics and the number of completions."""
+        args, world = self.args, self.accelerator.num_processes
+        all_reduce = self._all_reduce if self._distributed else None
+        group = args.num_generations_eval or args.num_generations
+        prompts_per_batch = max(1, args.per_device_eval_batch_size * world // group)
+        rows, values, returns, completions = iter(dataset), [], [], 0
+        while batch := list(itertools.islice(rows, prompts_per_batch)):
+            # Every process takes as many completions (the metrics are collectives): where a last batch does not
+            # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
+            size = next(n for n in itertools.count(len(batch)) if n * group % world == 0)
+            repeated = [row for row in itertools.islice(itertools.cycle(batch), size) for _ in range(group)]
+            share = len(repeated) // world
+            rank = self.accelerator.process_index
+            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group)
+            self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce))
+            self._metrics["loss"].append(self._evaluation_loss(rollout))
+            mask = rollout.loss_mask.bool()
+            values.append(rollout.old_values[mask])
+            returns.append(rollout.returns[mask])
+            completions += len(repeated)
+        metrics = {key: nan_mean(column) for key, column in self._metrics.items()}
+        for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'
+            if key.endswith(("/min_length", "/max_length")):
+                metrics[key] = (min if key.endswith("/min_length") else max)(column)
+        self._metrics.clear()
+        values, returns = torch.cat(values), torch.cat(returns)
+        metrics[EXPLAINED_VARIANCE] = explained_variance(values, returns, torch.ones_like(values), all_reduce).item()
+        return metrics, completions
+
+    def _evaluation_loss(self, rollout: Rollout) -> float:
+        """VAPO's loss (`core.vapo_loss`) on an evaluation rollout at the weights that sampled it, over every
+        process's tokens: the critic's value loss on its targets, the policy's clipped loss at ratio 1 (minus the mean
+        whitened advantage) and the positive examples' NLL."""
+        batch = rollout.micro_batch(torch.arange(len(rollout)))
+        settings = self._loss_settings(EVAL, batch["mask"], batch["is_positive"])
+        loss, _ = vapo_loss(batch["old_logprobs"], batch["old_values"], batch, **settings)
+        return (self._all_reduce(loss.detach()) / self.accelerator.num_processes).item()

@@ -1,6 +1,7 @@
 """GRPOConfig's fields that VAPOConfig takes so a GRPO user's config runs unchanged: GRPO's loss-type names for VAPO's
-two ways of averaging the loss, and the fields of GRPO features VAPO does not have, accepted at GRPO's default and
-refused otherwise with what VAPO does instead (`VAPOConfig._validate`)."""
+two ways of averaging the loss, the fields of GRPO features VAPO does not have, accepted at GRPO's default and
+refused otherwise with what VAPO does instead (`VAPOConfig._validate`), and GRPOTrainer's warnings about its loss
+settings."""
 
 from __future__ import annotations
 
@@ -66,3 +67,20 @@ def grpo_only_field(name: str):
         default=default,
         metadata={"help": f"GRPOConfig's field, accepted at GRPO's default ({default!r}) only: {instead}"},
     )
+
+
+def grpo_setting_warnings(args) -> list[str]:
+    """GRPOTrainer's warnings about loss settings that run but miss what their paper set up, in its words."""
+    warnings = []
+    if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+        warnings.append(
+            "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
+            "paper's setup."
+        )
+    if args.importance_sampling_level == "sequence" and args.loss_type == "token":
+        warnings.append(  # GRPOTrainer's warning for its token-summed losses
+            "With importance_sampling_level='sequence', the 'token' loss sums per-token contributions, which "
+            "weights each sequence by its completion length instead of optimizing the per-sequence objective. To "
+            "reproduce the GSPO paper's setup, set loss_type='sequence'."
+        )
+    return warnings

@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+from transformers.utils import is_liger_kernel_available
 
 from ._compat import get_config_model_id
 from .modeling import (
@@ -288,6 +289,24 @@ def check_value_function_settings(value_model: Any, args: VAPOConfig) -> None:
             f"critic_num_iterations={args.critic_num_iterations} asks for critic-only passes over each rollout, but "
             f"value_model is a frozen value function ({value_function_name(value_model)}): there is no critic to "
             f"train. Set critic_num_iterations={args.num_iterations} (= num_iterations) or leave it unset."
+        )
+
+
+def check_trainer_arguments(model, args: VAPOConfig, peft_config, value_model: Any) -> None:
+    """What the trainer's arguments ask for that cannot run, refused before anything loads: critic-only passes with a
+    frozen value function, a synced reference model under PEFT (GRPOTrainer's error), Liger's kernels without
+    liger-kernel."""
+    check_value_function_settings(value_model, args)
+    if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
+        raise NotImplementedError(  # GRPOTrainer's error
+            "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With "
+            "PEFT, the reference policy is the base with the adapters disabled: there is no standalone reference "
+            "model to synchronize. Use `sync_ref_model=False`, or full fine-tuning for a synced reference model."
+        )
+    if args.use_liger_kernel and not is_liger_kernel_available():
+        raise ImportError(
+            "use_liger_kernel=True needs liger-kernel, which is not installed: `pip install liger-kernel` (it "
+            "needs a GPU with Triton), or leave use_liger_kernel off."
         )
 
 

@@ -5,20 +5,27 @@ rollout's prompts and completions with each reward function's score, printed wit
 logged as a table to wandb / trackio when those are among `report_to`. Ours adds the columns only a value-based
 method has: the completion's mean advantage and the critic's value at its first and last token.
 
-Everything here takes plain lists (or, in `completion_token_stats`, the rollout's tensors), so the trainer wires it
-in with a few lines and the tests exercise it without a training run.
+Everything here but `MetricsMixin` takes plain lists (or, in `completion_token_stats`, the rollout's tensors), so the
+tests exercise it without a training run. `MetricsMixin` is the trainer's side: the metrics each rollout and step
+record, averaged into each log, and GRPOTrainer's `_logs`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+from accelerate.utils import gather_object
 from transformers.trainer_callback import ProgressCallback
+
+from .diagnostics import LOG_FILE
 
 # Column names of the table, after the reward functions' own columns.
 PROMPT, COMPLETION, STEP = "prompt", "completion", "step"
@@ -433,3 +440,99 @@ def rollout_completions_table(rollout, tokenizer, step: int) -> CompletionsTable
         extra_columns=rollout.extra_columns,
         **completion_token_stats(advantages, rollout.old_values, rollout.completion_mask, rollout.loss_mask),
     )
+
+
+def nan_mean(values: list[float]) -> float:
+    """The mean of the values that are not NaN (NaN when none is): how logged metrics are averaged over steps."""
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+class MetricsMixin:
+    """`VAPOTrainer`'s metrics: what each rollout and step records (over every process), averaged into each log
+    (`log`, which also writes `vapo_logs.jsonl` and, with `log_completions`, the completions table)."""
+
+    @property
+    def _logs(self) -> dict[str, Any]:
+        """GRPOTrainer's record of the completions it logs, under its name, for callbacks written for GRPOTrainer:
+        the last rollout's (this process's) `prompt`, `completion`, `rewards` by function, `advantages` and `extra`
+        (the columns reward functions logged with `log_extra`), read from its completions table; `images` is
+        always empty (VAPO takes text). Empty before the first rollout."""
+        logs = {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
+        if self._last_rollout is None:
+            return logs
+        table = rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step)
+        logs.update(prompt=table.columns["prompt"], completion=table.columns["completion"])
+        logs["rewards"] = {name: table.columns[name] for name in table.reward_columns}
+        logs["advantages"] = table.columns.get("advantage", [])
+        logs["extra"] = table.extra_columns
+        return logs
+
+    def _record_reward_metrics(self, values: dict[str, list[float]]) -> None:
+        """The reward functions' `log_metric` values of one rollout, averaged over every process's calls as
+        GRPOTrainer averages them (processes may log different names: all of them are reduced, in one order)."""
+        names = sorted(values)
+        if self._distributed:
+            names = sorted(set(gather_object(names)))
+        if not names:
+            return
+        sums = [[sum(values.get(name, [])), len(values.get(name, []))] for name in names]
+        totals = self._all_reduce(torch.tensor(sums, dtype=torch.float32, device=self.accelerator.device))
+        for name, (total, count) in zip(names, totals.tolist()):
+            if count:
+                self._metrics[name].append(total / count)
+
+    def _record(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._metrics[key].append(value)
+
+    def _record_step(self, sums: dict[str, torch.Tensor], grad_norms: dict[str, torch.Tensor]) -> None:
+        keys = sorted(sums)
+        totals = dict(zip(keys, self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
+        world = self.accelerator.num_processes
+        tokens = max(totals.pop("_tokens"), 1.0)
+        for key, value in totals.items():
+            # Losses were already normalised by the global count: their sum over processes / world is the step's
+            # loss. The other entries are token-weighted sums of per-micro-batch means.
+            self._metrics[key].append(value / world if key.startswith("loss") else value / tokens)
+        for key, value in zip(grad_norms, torch.stack(list(grad_norms.values())).tolist() if grad_norms else []):
+            self._metrics[key].append(value)
+        self._metrics["skipped_steps"].append(float(self.progress.skipped_steps))
+        self._loss_sum += totals["loss"] / world
+        self._loss_steps += 1
+
+    def _note_learning_rates(self) -> None:
+        """The rates of the step about to run, by parameter group: what the next log reports."""
+        self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
+
+    def _log_metrics(self, phase: str) -> None:
+        # The rates the last step used (as transformers.Trainer logs them), not the next step's.
+        rates = self._step_learning_rates
+        first = next(iter(rates.values()))
+        self.log(
+            {
+                "learning_rate": rates.get("policy", first),
+                "critic_learning_rate": rates.get("critic", first),
+                "phase": phase,
+            }
+        )
+
+    def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
+        """Add the averages of the metrics collected since the last log, then log as `Trainer.log` does; with
+        `log_completions`, also the latest rollout's completions table (once per rollout)."""
+        averaged = {key: nan_mean(values) for key, values in self._metrics.items() if values}
+        self._metrics.clear()
+        super().log({**averaged, **logs}, start_time)
+        if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
+            with (Path(self.args.output_dir) / LOG_FILE).open("a") as log_file:
+                log_file.write(json.dumps(self.state.log_history[-1], default=str) + "\n")
+        rollout = self._last_rollout
+        fresh = rollout is not None and rollout is not self._reported_rollout
+        if self.args.log_completions and fresh and self.accelerator.is_main_process:
+            report_completions(
+                rollout_completions_table(rollout, self.processing_class, self.state.global_step),
+                num_completions_to_print=self.args.num_completions_to_print,
+                report_to=self.args.report_to,
+                unique_prompts=self.args.log_unique_prompts,
+            )
+            self._reported_rollout = rollout

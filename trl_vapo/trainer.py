@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
-import json
 import math
 import signal
 import time
@@ -31,14 +29,13 @@ from typing import Any
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
 from datasets import Dataset, IterableDataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.integrations.liger import apply_liger_kernel
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
-from transformers.utils import is_liger_kernel_available
 from trl import SyncRefModelCallback, is_conversational
 
 from . import checkpoint as ckpt
@@ -52,7 +49,6 @@ from ._compat import (
 from .config import VAPOConfig
 from .core import (
     decoupled_gae,
-    explained_variance,
     explained_variance_plateaued,
     importance_sampling_weights,
     masked_mean,
@@ -64,10 +60,11 @@ from .data import (
     check_eval_dataset,
     check_stream_settings,
     check_train_dataset,
+    long_prompts_handled,
     prepare_tokenizer,
     prompt_token_ids,
 )
-from .diagnostics import LOG_FILE, CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
+from .diagnostics import CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
     check_distributed_setup,
     clip_deepspeed_gradients_,
@@ -79,6 +76,7 @@ from .distributed import (
     uses_deepspeed,
     whole_models_under_zero3,
 )
+from .evaluation import EvaluationMixin
 from .generation import (
     EngineSettings,
     GenerationOutput,
@@ -88,12 +86,13 @@ from .generation import (
     stop_token_ids,
     warn_off_policy_sampling,
 )
+from .grpo_fields import grpo_setting_warnings
 from .loading import (
     add_policy_adapter,
     build_actor_critic,
     check_grpo_arguments,
     check_quantization,
-    check_value_function_settings,
+    check_trainer_arguments,
     load_policy,
     policy_init_kwargs,
     router_aux_loss_coefficient,
@@ -110,7 +109,7 @@ from .modeling import (
     value_function_name,
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
-from .reporting import PhaseProgressCallback, report_completions, rollout_completions_table
+from .reporting import MetricsMixin, PhaseProgressCallback
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
 from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
@@ -121,7 +120,7 @@ from .signals import TrainingInterrupted, stop_on_signals
 logger = get_logger(__name__)
 
 
-class VAPOTrainer(ckpt.SavingMixin, Trainer):
+class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
     """Trainer for VAPO: PPO with a value model, value pretraining, decoupled and length-adaptive GAE, token-level
     loss, clip-higher, positive-example NLL and group sampling (arXiv 2504.05118).
 
@@ -217,13 +216,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
             args = VAPOConfig(output_dir=f"{Path(str(name)).name or 'model'}-VAPO")
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
-        check_value_function_settings(value_model, args)
-        if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
-            raise NotImplementedError(  # GRPOTrainer's error
-                "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With "
-                "PEFT, the reference policy is the base with the adapters disabled: there is no standalone reference "
-                "model to synchronize. Use `sync_ref_model=False`, or full fine-tuning for a synced reference model."
-            )
+        check_trainer_arguments(model, args, peft_config, value_model)  # before a model loads
         # Everything a user can get wrong is checked before a model loads.
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
@@ -245,12 +238,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
         self._metrics: dict[str, list[float]] = defaultdict(list)
         check_quantization(model_init_kwargs, peft_config)
-
-        if args.use_liger_kernel and not is_liger_kernel_available():  # said before the model loads
-            raise ImportError(
-                "use_liger_kernel=True needs liger-kernel, which is not installed: `pip install liger-kernel` (it "
-                "needs a GPU with Triton), or leave use_liger_kernel off."
-            )
 
         set_seed(args.seed)  # PEFT initialises adapters randomly
         with whole_models_under_zero3(zero3_config):
@@ -288,17 +275,8 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
         actor_critic.with_router_aux_loss = self.aux_loss_enabled
         actor_critic.with_entropy_grad = args.entropy_coef > 0
-        if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
-            logger.warning(  # GRPOTrainer's
-                "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
-                "paper's setup."
-            )
-        if args.importance_sampling_level == "sequence" and args.loss_type == "token":
-            logger.warning(  # GRPOTrainer's warning for its token-summed losses
-                "With importance_sampling_level='sequence', the 'token' loss sums per-token contributions, which "
-                "weights each sequence by its completion length instead of optimizing the per-sequence objective. To "
-                "reproduce the GSPO paper's setup, set loss_type='sequence'."
-            )
+        for warning in grpo_setting_warnings(args):  # GRPOTrainer's, about its loss settings
+            logger.warning(warning)
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
@@ -359,7 +337,11 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         if self.pop_callback(ProgressCallback) is not None:  # the bar names the phase; none with disable_tqdm
             self.add_callback(PhaseProgressCallback(lambda: self.progress.phase))
         self._critic_bias = CriticBiasWatch()
-        self._handle_long_prompts()  # may drop prompts: the plan counts what is left
+        self.train_dataset, said = long_prompts_handled(  # may drop prompts: the plan counts what is left
+            self.train_dataset, args, lambda prompts: [len(x) for x in self._tokenize_prompts(prompts, truncate=False)]
+        )
+        if said:
+            logger.warning(said)
         streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
         self.run_plan = RunPlan.from_config(
             args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
@@ -433,21 +415,7 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
         self.is_in_train = True
-        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "latest"):
-            if not Path(resume_from_checkpoint).exists():  # the CLI's `--resume_from_checkpoint true|latest`
-                resume_from_checkpoint = True
-        if resume_from_checkpoint is True:
-            # The main process chooses, so that every process resumes the same step whatever it sees on disk.
-            chosen = [None]
-            if self.accelerator.is_main_process:
-                try:
-                    chosen = [str(ckpt.newest_resumable_checkpoint(args.output_dir))]
-                except ValueError as error:
-                    chosen = [error]
-            chosen = broadcast_object_list(chosen)[0] if self._distributed else chosen[0]
-            if isinstance(chosen, ValueError):
-                raise chosen
-            resume_from_checkpoint = chosen
+        resume_from_checkpoint = self.checkpoint_to_resume(resume_from_checkpoint)
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.pretrain_steps + self.run_plan.rl_steps  # a resume reads its progress
@@ -512,22 +480,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
-
-    @property
-    def _logs(self) -> dict[str, Any]:
-        """GRPOTrainer's record of the completions it logs, under its name, for callbacks written for GRPOTrainer:
-        the last rollout's (this process's) `prompt`, `completion`, `rewards` by function, `advantages` and `extra`
-        (the columns reward functions logged with `log_extra`), read from its completions table; `images` is
-        always empty (VAPO takes text). Empty before the first rollout."""
-        logs = {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
-        if self._last_rollout is None:
-            return logs
-        table = rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step)
-        logs.update(prompt=table.columns["prompt"], completion=table.columns["completion"])
-        logs["rewards"] = {name: table.columns[name] for name in table.reward_columns}
-        logs["advantages"] = table.columns.get("advantage", [])
-        logs["extra"] = table.extra_columns
-        return logs
 
     def _train_on_rollout(self) -> None:
         """Steps 1-4 build the rollout (`_make_rollout`), step 5 trains on it: shuffled passes (RL:
@@ -633,39 +585,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         ids = prompt_token_ids(self.processing_class, prompts, self._conversational, self.args.chat_template_kwargs)
         limit = self.args.max_prompt_length
         return [x[-limit:] for x in ids] if truncate and limit is not None else ids
-
-    def _handle_long_prompts(self) -> None:
-        """Count the prompts longer than `max_prompt_length` once, before training: drop them or warn once."""
-        limit, dataset = self.args.max_prompt_length, self.train_dataset
-        if isinstance(dataset, IterableDataset) and limit is not None and self.args.drop_long_prompts:
-            # A stream is not counted ahead: its long prompts are left out as they arrive.
-            self.train_dataset = dataset.filter(
-                lambda row: len(self._tokenize_prompts([row["prompt"]], truncate=False)[0]) <= limit
-            )
-            return
-        if limit is None or isinstance(dataset, IterableDataset):
-            return
-        lengths = []
-        for start in range(0, len(dataset), 1000):
-            lengths += [
-                len(x) for x in self._tokenize_prompts(dataset[start : start + 1000]["prompt"], truncate=False)
-            ]
-        long = [i for i, n in enumerate(lengths) if n > limit]
-        if not long:
-            return
-        counted = f"{len(long)} of {len(dataset)} training prompts"
-        if self.args.drop_long_prompts:
-            self.train_dataset = dataset.select(sorted(set(range(len(dataset))) - set(long)))
-            logger.warning(
-                f"Dropped {counted} longer than max_prompt_length={limit} tokens (longest: {max(lengths)})."
-            )
-            check_train_dataset(self.train_dataset, self.args)
-        else:
-            logger.warning(
-                f"{counted} are longer than max_prompt_length={limit} tokens (longest: {max(lengths)}); they are "
-                "truncated from the left. Raise max_prompt_length to keep them whole, or set drop_long_prompts=True "
-                "to leave them out."
-            )
 
     # ------------------------------------------------------------------------------------------ the rollout
     @torch.no_grad()
@@ -818,119 +737,6 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
         base without adapters, which a trained or non-zero-initialised adapter (PiSSA, LoftQ) makes differ. Evaluation
         measures what RL optimises, the penalty included."""
         return phase != VALUE_PRETRAIN or self.ref_model is None
-
-    # ------------------------------------------------------------------------------------------ evaluation
-    def evaluate(
-        self,
-        eval_dataset: Dataset | IterableDataset | dict | str | None = None,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "eval",
-    ) -> dict[str, float]:
-        """Evaluate the policy and the critic on held-out prompts, as GRPOTrainer evaluates: `num_generations_eval`
-        completions per prompt (default `num_generations`), sampled by the training engine with training's sampling
-        settings and scored by the training rewards, over every prompt of `eval_dataset` (default: the trainer's; a
-        string names an entry of a dict of them; a dict is evaluated entry by entry, prefixed `eval_<name>_`), in
-        batches of `per_device_eval_batch_size` completions per process.
-
-        Returns, and logs, each prefixed `<metric_key_prefix>_`: what GRPOTrainer logs when it evaluates (`loss`,
-        `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `kl` when
-        `beta > 0`, the reward functions' own `log_metric`s), and what only a critic shows: `accuracy` (the share of
-        scored completions whose reward is at least `positive_reward_threshold`), the critic's
-        `value/explained_variance` on these held-out completions (pooled over the whole set) and `value/mean`. `loss`
-        is VAPO's loss at the current weights (`core.vapo_loss`; the policy ratio is 1). Works before, during and after
-        training: the models are in eval mode meanwhile, and torch's random state is restored afterwards, so
-        evaluating does not change what trains (with the transformers engines; vLLM keeps its own sampler state).
-        With `metric_for_best_model`, the evaluations during training track `state.best_metric` (early stopping,
-        `save_strategy="best"`, `state.best_model_checkpoint`).
-        """
-        if isinstance(eval_dataset, str):
-            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
-                names = sorted(self.eval_dataset) if isinstance(self.eval_dataset, dict) else []
-                raise KeyError(f"eval_dataset {eval_dataset!r} is not one of the trainer's eval datasets: {names}.")
-            dataset = self.eval_dataset[eval_dataset]
-        else:
-            dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-            if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
-                for row in check_eval_dataset(eval_dataset, self.args).values():
-                    self.scorer.check(row)
-        if dataset is None:
-            raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        if self.model_wrapped is self.actor_critic and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise ValueError(
-                "trainer.evaluate() before train() is not supported under DeepSpeed or FSDP: the models are placed "
-                "and sharded when training starts. Set eval_on_start=True to evaluate before the first step."
-            )
-        if isinstance(dataset, dict):  # DatasetDict, IterableDatasetDict or a dict
-            metrics = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        start = time.time()
-        with self._evaluating():
-            metrics, num_samples = self._evaluation_loop(dataset)
-            metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
-            metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples))
-            self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
-    @contextlib.contextmanager
-    def _evaluating(self):
-        """Evaluation's own metrics and random state, the models in eval mode; afterwards, training's pending
-        metrics, its next completions table, its random state and the models' mode are as they were."""
-        was_training = self.actor_critic.training
-        saved = self._metrics, self._last_rollout
-        self._metrics, self._last_rollout = defaultdict(list), None
-        device = self.accelerator.device
-        rng = {"devices": []} if device.type == "cpu" else {"devices": [device.index or 0], "device_type": device.type}
-        self.actor_critic.eval()
-        try:
-            with torch.random.fork_rng(**rng):
-                yield
-        finally:
-            self._metrics, self._last_rollout = saved
-            self.actor_critic.train(was_training)
-
-    def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int]:
-        """Every prompt of `dataset` once, in batches: each batch is a rollout (`_make_rollout`, phase EVAL) whose
-        metrics are averaged over batches as GRPOTrainer averages them, except the critic's explained variance,
-        pooled over all the completions. Returns the metrics and the number of completions."""
-        args, world = self.args, self.accelerator.num_processes
-        all_reduce = self._all_reduce if self._distributed else None
-        group = args.num_generations_eval or args.num_generations
-        prompts_per_batch = max(1, args.per_device_eval_batch_size * world // group)
-        rows, values, returns, completions = iter(dataset), [], [], 0
-        while batch := list(itertools.islice(rows, prompts_per_batch)):
-            # Every process takes as many completions (the metrics are collectives): where a last batch does not
-            # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
-            size = next(n for n in itertools.count(len(batch)) if n * group % world == 0)
-            repeated = [row for row in itertools.islice(itertools.cycle(batch), size) for _ in range(group)]
-            share = len(repeated) // world
-            rank = self.accelerator.process_index
-            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group)
-            self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce))
-            self._metrics["loss"].append(self._evaluation_loss(rollout))
-            mask = rollout.loss_mask.bool()
-            values.append(rollout.old_values[mask])
-            returns.append(rollout.returns[mask])
-            completions += len(repeated)
-        metrics = {key: _nanmean(column) for key, column in self._metrics.items()}
-        for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'
-            if key.endswith(("/min_length", "/max_length")):
-                metrics[key] = (min if key.endswith("/min_length") else max)(column)
-        self._metrics.clear()
-        values, returns = torch.cat(values), torch.cat(returns)
-        metrics[EXPLAINED_VARIANCE] = explained_variance(values, returns, torch.ones_like(values), all_reduce).item()
-        return metrics, completions
-
-    def _evaluation_loss(self, rollout: Rollout) -> float:
-        """VAPO's loss (`core.vapo_loss`) on an evaluation rollout at the weights that sampled it, over every
-        process's tokens: the critic's value loss on its targets, the policy's clipped loss at ratio 1 (minus the mean
-        whitened advantage) and the positive examples' NLL."""
-        batch = rollout.micro_batch(torch.arange(len(rollout)))
-        settings = self._loss_settings(EVAL, batch["mask"], batch["is_positive"])
-        loss, _ = vapo_loss(batch["old_logprobs"], batch["old_values"], batch, **settings)
-        return (self._all_reduce(loss.detach()) / self.accelerator.num_processes).item()
 
     # ----------------------------------------------------------------------------------------- the update
     def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True) -> None:
@@ -1186,77 +992,3 @@ class VAPOTrainer(ckpt.SavingMixin, Trainer):
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over processes (the tensor itself on one process)."""
         return self.accelerator.reduce(tensor, "sum") if self._distributed else tensor
-
-    def _record_reward_metrics(self, values: dict[str, list[float]]) -> None:
-        """The reward functions' `log_metric` values of one rollout, averaged over every process's calls as
-        GRPOTrainer averages them (processes may log different names: all of them are reduced, in one order)."""
-        names = sorted(values)
-        if self._distributed:
-            names = sorted(set(gather_object(names)))
-        if not names:
-            return
-        sums = [[sum(values.get(name, [])), len(values.get(name, []))] for name in names]
-        totals = self._all_reduce(torch.tensor(sums, dtype=torch.float32, device=self.accelerator.device))
-        for name, (total, count) in zip(names, totals.tolist()):
-            if count:
-                self._metrics[name].append(total / count)
-
-    def _record(self, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            self._metrics[key].append(value)
-
-    def _record_step(self, sums: dict[str, torch.Tensor], grad_norms: dict[str, torch.Tensor]) -> None:
-        keys = sorted(sums)
-        totals = dict(zip(keys, self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
-        world = self.accelerator.num_processes
-        tokens = max(totals.pop("_tokens"), 1.0)
-        for key, value in totals.items():
-            # Losses were already normalised by the global count: their sum over processes / world is the step's
-            # loss. The other entries are token-weighted sums of per-micro-batch means.
-            self._metrics[key].append(value / world if key.startswith("loss") else value / tokens)
-        for key, value in zip(grad_norms, torch.stack(list(grad_norms.values())).tolist() if grad_norms else []):
-            self._metrics[key].append(value)
-        self._metrics["skipped_steps"].append(float(self.progress.skipped_steps))
-        self._loss_sum += totals["loss"] / world
-        self._loss_steps += 1
-
-    def _note_learning_rates(self) -> None:
-        """The rates of the step about to run, by parameter group: what the next log reports."""
-        self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
-
-    def _log_metrics(self, phase: str) -> None:
-        # The rates the last step used (as transformers.Trainer logs them), not the next step's.
-        rates = self._step_learning_rates
-        first = next(iter(rates.values()))
-        self.log(
-            {
-                "learning_rate": rates.get("policy", first),
-                "critic_learning_rate": rates.get("critic", first),
-                "phase": phase,
-            }
-        )
-
-    def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
-        """Add the averages of the metrics collected since the last log, then log as `Trainer.log` does; with
-        `log_completions`, also the latest rollout's completions table (once per rollout)."""
-        averaged = {key: _nanmean(values) for key, values in self._metrics.items() if values}
-        self._metrics.clear()
-        super().log({**averaged, **logs}, start_time)
-        if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
-            with (Path(self.args.output_dir) / LOG_FILE).open("a") as log_file:
-                log_file.write(json.dumps(self.state.log_history[-1], default=str) + "\n")
-        rollout = self._last_rollout
-        fresh = rollout is not None and rollout is not self._reported_rollout
-        if self.args.log_completions and fresh and self.accelerator.is_main_process:
-            report_completions(
-                rollout_completions_table(rollout, self.processing_class, self.state.global_step),
-                num_completions_to_print=self.args.num_completions_to_print,
-                report_to=self.args.report_to,
-                unique_prompts=self.args.log_unique_prompts,
-            )
-            self._reported_rollout = rollout
-
-
-def _nanmean(values: list[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return sum(finite) / len(finite) if finite else math.nan
