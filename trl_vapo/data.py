@@ -17,6 +17,8 @@ import datasets
 from datasets import Dataset, IterableDataset, load_dataset
 from trl import maybe_apply_chat_template
 
+from .run import prompts_per_rollout
+
 logger = logging.getLogger(__name__)
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -275,10 +277,10 @@ def check_train_dataset(dataset, args) -> dict:
             f"train_dataset has {len(empty)} empty prompt(s) (rows {empty[:5]}{', ...' if len(empty) > 5 else ''}): "
             "their completions are sampled from nothing but the special tokens. Remove them, or check the column."
         )
-    prompts_per_rollout = args.generation_batch_size // args.num_generations
-    if len(dataset) < prompts_per_rollout:
+    needed = prompts_per_rollout(args)
+    if len(dataset) < needed:
         raise ValueError(
-            f"train_dataset has {len(dataset)} prompts but one rollout needs {prompts_per_rollout} "
+            f"train_dataset has {len(dataset)} prompts but one rollout needs {needed} "
             f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}). Add "
             "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
         )

@@ -16,6 +16,11 @@ from datasets import IterableDataset
 from .rollout import RL, VALUE_PRETRAIN
 
 
+def prompts_per_rollout(args) -> int:
+    """Prompts a rollout samples (each `num_generations` times): `generation_batch_size / num_generations`."""
+    return args.generation_batch_size // args.num_generations
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """The step counts of a run, from its config, its dataset's length and whether value pretraining runs.
@@ -37,15 +42,15 @@ class RunPlan:
     def from_config(cls, args, dataset_length: int | None, value_pretraining: bool) -> RunPlan:
         """The plan of `args` (a `VAPOConfig`) over a dataset of `dataset_length` prompts (None: a stream, which
         needs `max_steps`), with or without value pretraining."""
-        prompts_per_rollout = args.generation_batch_size // args.num_generations
+        prompts = prompts_per_rollout(args)
         steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
         if args.max_steps > 0:
             rl_steps = args.max_steps
         else:
-            rollouts = math.ceil(args.num_train_epochs * ((dataset_length or 0) // prompts_per_rollout))
+            rollouts = math.ceil(args.num_train_epochs * ((dataset_length or 0) // prompts))
             rl_steps = rollouts * args.critic_num_iterations * steps_per_pass
         return cls(
-            prompts_per_rollout=prompts_per_rollout,
+            prompts_per_rollout=prompts,
             steps_per_pass=steps_per_pass,
             pretrain_rollouts=args.value_pretrain_steps if value_pretraining else 0,
             steps_per_pretrain_rollout=args.value_pretrain_num_iterations * steps_per_pass,
