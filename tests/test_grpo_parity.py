@@ -155,6 +155,7 @@ def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_doe
     only (not its fused cross-entropy, which would replace the forward its fused head runs; VAPO's tiled head is
     the same case). Without liger-kernel, the trainer says so before the model loads. liger-kernel needs Triton and
     a GPU: here a stand-in for transformers' `apply_liger_kernel` (its real interface) records what it patches."""
+    import trl_vapo.loading as loading_module
     import trl_vapo.trainer as trainer_module
 
     with pytest.warns(FutureWarning, match="`use_liger_kernel=True` is deprecated"):
@@ -164,7 +165,7 @@ def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_doe
         VAPOTrainer(str(tmp_path / "no-such-model"), digit_fraction, args, prompts_dataset(8))
 
     patched = []
-    monkeypatch.setattr(trainer_module, "is_liger_kernel_available", lambda: True)
+    monkeypatch.setattr(loading_module, "is_liger_kernel_available", lambda: True)  # checked before loading
     monkeypatch.setattr(trainer_module, "apply_liger_kernel", lambda model, config: patched.append((model, config)))
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8))
     [(model, config)] = patched
