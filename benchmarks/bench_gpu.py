@@ -15,10 +15,10 @@ Methods, all bf16 (float32 trainable weights, bf16 compute) with gradient checkp
     vapo-full   VAPOTrainer, full fine-tuning: policy + a separate critic copied from it
     vapo-lora   VAPOTrainer, LoRA r=16 on all linear layers, the critic a second adapter on the same base
     vapo-lora-generate  the same, generating with transformers' `generate()` (`use_static_cache_engine=False`)
-VAPO's rows run its defaults: on a CUDA GPU the static-cache engine generates (its decode step a CUDA graph), on the
-CPU `generate()`; each row names the engine that ran (`engine`).
     grpo-full   TRL GRPOTrainer, full fine-tuning
     grpo-lora   TRL GRPOTrainer, the same LoRA
+VAPO's other rows run its defaults: on a CUDA GPU the static-cache engine generates (its decode step a CUDA graph), on
+the CPU `generate()`; each row names the engine that ran (`engine`).
 Same batch for all: `--prompts` x `--generations` completions per optimizer step (one rollout per step, micro-batches
 of `--micro-batch`), completions forced to `--completion-length` tokens (`min_new_tokens`), the same reward (a
 hash of the completion, +1/-1: scoring is not what is measured), `beta=0`, lr 1e-6, VAPO without value pretraining.

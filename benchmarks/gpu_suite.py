@@ -114,6 +114,7 @@ TRAINER_PARTS = {  # part: (size, methods)
     "trainer-full": ("0.5B", ("vapo-full", "grpo-full")),
     "trainer-1.5B": ("1.5B", ("vapo-lora", "grpo-lora")),
 }
+TRAINER_STEPS = 2  # optimizer steps per trainer run, the first a warm-up: one timed step
 TARGETS = {"step": 1.1, "peak": 1.15}  # VAPO LoRA against GRPO LoRA (issue "One command for the GPU")
 GENERATION = {"size": "0.5B", "batch": 64, "new_tokens": 512, "warmup_tokens": 16, "copy_bytes": 2 * 2**30}
 SMOKE_GENERATION = {
@@ -236,7 +237,7 @@ def run_tests(out: Path) -> dict:
     }
 
 
-def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path, steps: int = 2) -> dict:
+def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path, steps: int = TRAINER_STEPS) -> dict:
     """``bench_gpu.py`` for ``methods`` at ``size`` (``--smoke``: its tiny model on the CPU), VAPO's ratios to GRPO."""
     result = out / f"bench_gpu-{size}-{'-'.join(methods)}.json"
     command = [sys.executable, str(BENCH_GPU), "--methods", ",".join(methods), "--json", str(result)]
@@ -377,7 +378,7 @@ def run_generation(smoke: bool, out: Path) -> dict:
     return {"ok": True, **json.loads(result.read_text())}
 
 
-def run_part(part: str, smoke: bool, out: Path, trainer_steps: int = 2) -> dict:
+def run_part(part: str, smoke: bool, out: Path, trainer_steps: int = TRAINER_STEPS) -> dict:
     if part == "tests":
         return run_tests(out)
     if part == "generation":
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, help="seconds after which no further part starts")
     parser.add_argument("--smoke", action="store_true", help="the same parts at tiny shapes on the CPU")
     parser.add_argument(
-        "--trainer-steps", type=int, default=2, help="optimizer steps per trainer run, the first a warm-up"
+        "--trainer-steps", type=int, default=TRAINER_STEPS, help="optimizer steps per trainer run, the first a warm-up"
     )
     parser.add_argument(
         "--download-wheels", choices=sorted(WHEELS), help="download a wheel set (here, with a network)"
