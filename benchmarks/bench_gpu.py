@@ -182,7 +182,8 @@ def run_worker(opts) -> dict:
 
         trainer_class = VAPOTrainer
         engine = False if opts.method.endswith("-generate") else None  # None: VAPO's default for the device
-        args = VAPOConfig(**common, value_pretrain_steps=0, use_static_cache_engine=engine)
+        # No diagnostic PNGs: the run times training, and GRPOTrainer draws none.
+        args = VAPOConfig(**common, value_pretrain_steps=0, use_static_cache_engine=engine, plot_diagnostics=False)
     else:
         from trl import GRPOConfig, GRPOTrainer
 

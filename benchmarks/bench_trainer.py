@@ -160,7 +160,7 @@ def run_worker(opts) -> dict:
             extra = {"value_pretrain_steps": 0, "max_steps": opts.steps}
         else:  # value pretraining only: more pretraining rollouts than we measure, no early stop
             extra = {"value_pretrain_steps": opts.steps + 1, "value_pretrain_patience": None, "max_steps": 1}
-        args = VAPOConfig(**common, **extra)
+        args = VAPOConfig(**common, **extra, plot_diagnostics=False)  # it times training; GRPOTrainer draws no PNGs
         trainer = VAPOTrainer(model=opts.model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
         phase = lambda: trainer.progress.phase  # noqa: E731
     else:

@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         save_steps=args.save_steps,
         report_to="none",
         disable_tqdm=True,
+        plot_diagnostics=False,  # a second or two per run of matplotlib (its import, two figures twice)
         seed=0,
         generation_kwargs={"do_sample": False} if args.greedy else None,
         # Eight completions per evaluation batch over all processes (so one process and two see the same batches).

@@ -23,25 +23,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
-# The slowest files first (seconds on the development VM, 2026-11-25), so that xdist's per-file scheduling ends both
+# The slowest files first (seconds on the development VM, 2026-11-26), so that xdist's per-file scheduling ends both
 # workers together (pyproject.toml passes --no-loadscope-reorder: xdist would otherwise order the files by their
 # number of tests, and the two workers finished up to 30 s apart).
 SLOWEST_FILES = [
-    "test_distributed.py",  # 101
-    "test_reliability.py",  # 92
-    "test_cli.py",  # 65
-    "test_trainer.py",  # 51
-    "test_bench_learning.py",  # 50
-    "test_benchmarks.py",  # 49
-    "test_gpu_suite.py",  # 43 (2026-11-26)
-    "test_rewards.py",  # 32
-    "test_precision_checkpointing.py",  # 17
-    "test_engines.py",  # 14
-    "test_demo_chains.py",  # 14
-    "test_generation.py",  # 12
-    "test_trackers.py",  # 11
-    "test_grpo_parity.py",  # 10
-    "test_bench_gpu.py",  # 7 (2026-11-26)
+    "test_reliability.py",  # 112
+    "test_cli.py",  # 75
+    "test_distributed.py",  # 67
+    "test_benchmarks.py",  # 40
+    "test_bench_learning.py",  # 34
+    "test_gpu_suite.py",  # 32
+    "test_rewards.py",  # 29
+    "test_trainer.py",  # 10
+    "test_engines.py",  # 10
+    "test_reward_models.py",  # 9
+    "test_generation.py",  # 9
+    "test_demo_chains.py",  # 9
+    "test_readme.py",  # 7
+    "test_security.py",  # 7
+    "test_trackers.py",  # 7
 ]
 
 

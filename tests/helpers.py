@@ -52,6 +52,8 @@ def make_args(tmp_path, **overrides) -> VAPOConfig:
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
+        # The diagnostic PNGs cost about a second per run (matplotlib); test_diagnostics and the demo's test draw them.
+        plot_diagnostics=False,
         seed=0,
     )
     settings.update(overrides)

@@ -167,6 +167,7 @@ def test_the_oracle_is_a_value_function_the_trainer_reads(tmp_path):
         report_to="none",
         disable_tqdm=True,
         save_strategy="no",
+        plot_diagnostics=False,
         logging_steps=1,
         seed=0,
     )

@@ -82,6 +82,7 @@ def test_position_correlation_is_pearsons_over_valid_tokens():
 def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, capsys):
     args = make_args(
         tmp_path,
+        plot_diagnostics=True,
         max_steps=3,
         value_pretrain_steps=2,
         value_pretrain_patience=None,

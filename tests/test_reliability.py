@@ -500,7 +500,9 @@ def start_script(model_dir: Path, out: Path, *args: str, default_sigint: bool = 
     )
 
 
-LONG_RUN = ["--max-steps", "20"]  # value pretraining (2 rollouts x 2 steps), then 20 RL steps: time to die in
+# Value pretraining (2 rollouts x 2 steps), then 60 RL steps: time to die in. A step of the tiny model takes 10-50 ms
+# here, so the run lasts about 2 s after its first checkpoint (step 2).
+LONG_RUN = ["--max-steps", "60"]
 
 
 @pytest.fixture(scope="module")
@@ -518,7 +520,7 @@ def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny
     deadline = time.time() + 240
     while not list_checkpoints(out) and time.time() < deadline:  # wait for a first complete checkpoint
         time.sleep(0.02)
-    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.8))  # then die anywhere: mid-step, mid-checkpoint, ...
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.4))  # then die anywhere: mid-step, mid-checkpoint, ...
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
@@ -554,8 +556,8 @@ def test_a_signal_at_a_random_point_checkpoints_and_the_resumed_run_matches(
         # nohup): the run would rightly ignore it too. A run started from a terminal has it at its default.
         default_sigint=True,
     )
-    # Once a random step from 5 to 14 of 24 is logged (a checkpoint is written every 5): wherever the run then is,
-    # mid-rollout, mid-checkpoint or between steps, with 10 or more steps to go.
+    # Once a random step from 5 to 14 of 64 is logged (a checkpoint is written every 5): wherever the run then is,
+    # mid-rollout, mid-checkpoint or between steps, with 50 or more steps to go.
     signal_after = random.Random(os.getpid() + signum).randint(5, 14)
     deadline = time.time() + 240
     while last_logged_step(out) < signal_after and time.time() < deadline:

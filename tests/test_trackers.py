@@ -34,6 +34,7 @@ def tiny_run_args(output_dir, **overrides) -> VAPOConfig:
         "value_pretrain_steps": 1,
         "logging_steps": 1,
         "save_strategy": "no",
+        "plot_diagnostics": False,
         "seed": 0,
         "log_completions": True,
         "num_completions_to_print": 2,
