@@ -4,6 +4,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --stage tune --methods ppo --jobs 2 \
         --out benchmarks/learning/protocol2                                                   # protocol 2's records
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --stage report --tasks chains --methods vapo,grpo
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learning.py --stage report --jobs 2 \
+        --methods oracle-64x1,critic-free-64x1,best-grpo --out benchmarks/learning/protocol2     # the decisive arms
     .venv/bin/python benchmarks/bench_learning.py --stage aggregate                          # table and plots only
     .venv/bin/python benchmarks/bench_learning.py --quick --out /tmp/quick                   # smoke test, < 1 minute
 
@@ -36,6 +38,15 @@ otherwise the result is "no measurable difference". The primary comparisons are 
 against GRPO, per task, on both metrics; ablations against VAPO are secondary. Intervals are not corrected for the
 number of comparisons; the write-up states that number. Training time is secondary and is reported per arm with
 the variant that ran.
+
+Amended on 2026-11-26, before any reporting run (``PROTOCOL["amendments"]``): the primary comparator is the
+best-tuned GRPO, not GRPO 8x8: of the three GRPO arms, the one whose frozen choice scored best on validation by the
+tuning criterion (a tie: the larger group), frozen in ``chosen.json`` as ``best-grpo`` when all three are tuned
+(``--methods best-grpo`` reports it; ``aggregate`` compares every arm with it). The decisive arms, ``oracle-64x1``,
+``critic-free-64x1`` and the best-tuned GRPO, get 10 reporting seeds (2000-2009): 5 seeds gave intervals of
+half-width about 0.05. ``no-group-sampling`` stays an untuned ablation (VAPO's choice), which every table labels
+("tuning: VAPO's"); it is not a primary comparison. ``--seeds`` refuses the tuning and spent seeds, and a reporting
+arm whose frozen choice is missing is refused before any run.
 
 Methods, on top of the task's VAPO recipe (``VAPO_RECIPE``: the demo's recipe when the protocol was fixed; 8
 prompts x 8 samples per rollout, 4 optimizer steps of 16 per rollout, actor lr 1e-4, critic lr 1e-3, length-adaptive
@@ -134,6 +145,9 @@ PROTOCOL = {
     "eval_seed": 1234,
     "protocol": 2,  # protocol 1 (reporting seeds 0, 1, 2) named no primary metric and no decision rule
     "reporting_seeds": [2000, 2001, 2002, 2003, 2004],  # at least 5 per arm, fresh
+    # The arms that decide whether any critic helps here get 10 (the 5-seed interval's half-width is about 0.05):
+    "decisive_arms": ["oracle-64x1", "critic-free-64x1", "best-grpo"],
+    "decisive_seeds": [2000, 2001, 2002, 2003, 2004, 2005, 2006, 2007, 2008, 2009],
     "spent_seeds": [0, 1, 2],  # reported under protocol 1: never reported again
     "tuning_seeds": [1000],
     "tuned_methods": ["vapo", "ppo", "grpo", "grpo-16x4", "grpo-32x2"],  # the others take VAPO's choice
@@ -143,7 +157,17 @@ PROTOCOL = {
     "primary_metrics": ["final held-out avg@k", "area under the held-out avg@k curve / samples"],
     "decision_rule": "better only if the 95% t interval of the mean per-seed difference excludes 0; "
     "otherwise no measurable difference",
+    "primary_comparator": "best-grpo: of the GRPO arms (8x8, 16x4, 32x2), the one whose frozen choice scored best "
+    "on validation by the tuning criterion (a tie: the larger group), frozen in chosen.json before reporting",
+    "amendments": [
+        "2026-11-26, before any reporting run: the primary comparator is the best-tuned GRPO arm (best-grpo), not "
+        "GRPO 8x8; the decisive arms (oracle-64x1, critic-free-64x1, best-grpo) get 10 reporting seeds, 2000-2009, "
+        "because 5 seeds gave intervals of half-width about 0.05; no-group-sampling stays an untuned ablation "
+        "(VAPO's choice), labelled so in every table, and is not a primary comparison.",
+    ],
 }
+BEST_GRPO = "best-grpo"
+"""An arm name for `--methods` that stands, per task, for the GRPO arm frozen as `chosen.json`'s `best-grpo`."""
 
 ARMS = [
     "vapo",
@@ -166,6 +190,7 @@ QUICK = {  # the smoke test: every arm on chains, VAPO and GRPO on the demo, tin
     "eval_k": 2,
     "eval_problems": 4,
     "reporting_seeds": [0],
+    "decisive_seeds": [0],
     "value_pretrain_steps": 1,
 }
 
@@ -450,6 +475,25 @@ def choose_settings(records: list[dict]) -> dict[str, dict[str, dict]]:
     }
 
 
+def choose_best_grpo(choices: dict[str, dict]) -> dict | None:
+    """The primary comparator of one task: of the GRPO arms, the one whose choice scored best on validation (the
+    tuning criterion); a tie goes to the larger group (8x8, then 16x4). ``None`` until all three are chosen."""
+    if not all(method in choices for method in GRPO_METHODS):
+        return None
+    method = max(GRPO_METHODS, key=lambda m: (choices[m]["validation"], -GRPO_METHODS.index(m)))
+    return {"method": method, "validation": choices[method]["validation"]}
+
+
+def freeze_choices(chosen: dict, frozen: dict) -> dict:
+    """``keep_frozen``, then each task's best-tuned GRPO where all three GRPO arms are chosen and none is frozen yet:
+    what ``chosen.json`` holds after a tuning stage."""
+    merged = keep_frozen(chosen, frozen)
+    for choices in merged.values():
+        if BEST_GRPO not in choices and (best := choose_best_grpo(choices)):
+            choices[BEST_GRPO] = best
+    return merged
+
+
 def keep_frozen(chosen: dict, frozen: dict) -> dict:
     """``frozen`` (an earlier ``chosen.json``) with the choices of ``chosen`` it lacks, per task and method: a choice
     once written is never re-chosen, and methods tuned since (e.g. one ``--methods`` at a time) are added."""
@@ -475,6 +519,12 @@ def format_tuning(records: list[dict], chosen: dict | None) -> str:
         lines.append(
             f"{spec['task']:8s}{spec['method']:11s}{spec.get('variant') or 'recipe':24s}{spec['learning_rate']:>8g}"
             f"{spec['seed']:>6d}{statistics.mean(accuracies[-2:]):>12.3f}{accuracies[-1]:>8.3f} {mark}".rstrip()
+        )
+    for task, choices in sorted((chosen or {}).items()):
+        best = choices.get(BEST_GRPO)
+        lines.append(
+            f"{task}: best-tuned GRPO (the primary comparator): "
+            + (f"{best['method']} (validation {best['validation']:.3f})" if best else "not chosen yet")
         )
     return "\n".join(lines)
 
@@ -552,8 +602,9 @@ def samples_to_reach(points: list[dict], target: float) -> int | None:
     return next((point["samples"] for point in points if point["avg@k"] >= target), None)
 
 
-def aggregate(records: list[dict]) -> dict:
-    """Per task and method: curves (mean and std over seeds at each evaluation point) and the table's numbers."""
+def aggregate(records: list[dict], comparators: dict[str, str] | None = None) -> dict:
+    """Per task and method: curves (mean and std over seeds at each evaluation point) and the table's numbers.
+    ``comparators``: each task's primary comparator, its best-tuned GRPO arm (GRPO 8x8 where none is given)."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for record in records:
         groups[(record["spec"]["task"], record["spec"]["method"])].append(record)
@@ -593,17 +644,22 @@ def aggregate(records: list[dict]) -> dict:
             "auc_per_seed": [area_under_curve(r["points"]) for r in runs],
             "points_per_run": [r["points"] for r in runs],
         }
-    for _task, methods in summary.items():
-        target = methods["grpo"]["final"][0] if "grpo" in methods else None
+    for task, methods in summary.items():
+        comparator = (comparators or {}).get(task, "grpo")
+        target = methods[comparator]["final"][0] if comparator in methods else None
         for method, entry in methods.items():
             reached = [samples_to_reach(points, target) for points in entry["points_per_run"]] if target else []
             hits = [s for s in reached if s is not None]
+            entry["comparator"] = comparator
             entry["grpo_target"] = target
             entry["samples_to_grpo_final"] = (statistics.mean(hits) if hits else None, len(hits), len(reached))
-            # The protocol's comparisons, paired by seed: every method against GRPO, every ablation against VAPO,
-            # and the 64x1 arms against each other (what the critic's errors cost: learned vs exact vs none).
+            # The protocol's comparisons, paired by seed: every method against the best-tuned GRPO, every ablation
+            # against VAPO, and the 64x1 arms against each other (what the critic's errors cost: learned vs exact vs
+            # none).
             baselines = [
-                b for b in ("grpo", "vapo") if b in methods and b != method and (b == "grpo" or method != "grpo")
+                b
+                for b in (comparator, "vapo")
+                if b in methods and b != method and (b == comparator or method not in GRPO_METHODS)
             ]
             baselines += [b for b in PAIRED_WITH.get(method, ()) if b in methods]
             entry["differences"] = {
@@ -635,13 +691,16 @@ def format_table(summary: dict, k: int) -> str:
     """The results table: one block per task, one row per method."""
     lines = []
     for task, methods in summary.items():
-        target = next(iter(methods.values()))["grpo_target"]
+        first = next(iter(methods.values()))
+        target, comparator = first["grpo_target"], LABELS.get(first["comparator"], first["comparator"])
         lines.append(
             f"\n{task}: held-out avg@{k} (mean ± std over seeds); 'to GRPO' = samples until avg@{k} first "
-            f"reaches GRPO's final mean" + (f" ({target:.3f})" if target is not None else " (no GRPO runs)")
+            f"reaches the final mean of {comparator}, the primary comparator"
+            + (f" ({target:.3f})" if target is not None else " (not run)")
+            + "; tuning 'own' = the arm's own frozen choice, \"VAPO's\" = an untuned arm run with VAPO's choice"
         )
         header = (
-            f"{'method':28s}{'lr':>8s}{'n':>3s}{'start':>16s}{'final':>16s}{'greedy final':>16s}"
+            f"{'method':28s}{'tuning':>8s}{'lr':>8s}{'n':>3s}{'start':>16s}{'final':>16s}{'greedy final':>16s}"
             f"{'to GRPO':>16s}{'train time s':>16s}{'per seed final':>24s}"
         )
         lines += [header, "-" * len(header)]
@@ -651,8 +710,9 @@ def format_table(summary: dict, k: int) -> str:
             mean_samples, hits, n = e["samples_to_grpo_final"]
             reach = "-" if not n else f"{mean_samples:.0f} ({hits}/{n})" if hits else f"never (0/{n})"
             seeds = " ".join(f"{v:.3f}" for v in e["final_per_seed"])
+            tuning = "own" if method in PROTOCOL["tuned_methods"] else "VAPO's"
             lines.append(
-                f"{LABELS.get(method, method):28s}{e['learning_rate']:>8g}{len(e['seeds']):>3d}"
+                f"{LABELS.get(method, method):28s}{tuning:>8s}{e['learning_rate']:>8g}{len(e['seeds']):>3d}"
                 f"{_fmt(e['initial']):>16s}{_fmt(e['final']):>16s}{_fmt(e['greedy_final']):>16s}{reach:>16s}"
                 f"{_fmt(e['train_time'], 0):>16s}{seeds:>24s}"
             )
@@ -1189,19 +1249,54 @@ def plan(stage: str, settings: dict, chosen: dict | None) -> list[RunSpec]:
                         lr = fields.get("learning_rate", VAPO_RECIPE["learning_rate"])
                         runs.append(RunSpec("tune", task, method, seed, lr, variant=variant, **tuning))
         return runs
-    for seed in settings["reporting_seeds"]:
+    arms = {task: reporting_arms(task, settings, chosen) for task in settings["tasks"]}
+    for seed in sorted({seed for task_arms in arms.values() for seeds in task_arms.values() for seed in seeds}):
         for task in settings["tasks"]:
-            for method in settings.get("methods_by_task", {}).get(task, settings["methods"]):
-                lr, variant = _reporting_choice(task, method, chosen)
-                runs.append(RunSpec("report", task, method, seed, lr, eval_set="test", variant=variant, **base))
+            for method, seeds in arms[task].items():
+                if seed in seeds:
+                    lr, variant = _reporting_choice(task, method, chosen)
+                    runs.append(RunSpec("report", task, method, seed, lr, eval_set="test", variant=variant, **base))
     return runs
 
 
+class MissingChoice(ValueError):
+    """A reporting arm whose frozen choice `chosen.json` lacks: reporting it would run another arm's settings."""
+
+
+def reporting_arms(task: str, settings: dict, chosen: dict | None) -> dict[str, list[int]]:
+    """A task's reporting arms, each with its seeds: ``best-grpo`` resolved to the GRPO arm frozen for the task, the
+    decisive arms (that one included, by either name) on the decisive seeds, the others on the reporting seeds."""
+    best = ((chosen or {}).get(task) or {}).get(BEST_GRPO)
+    decisive = set(settings.get("decisive_arms", ()))
+    if best is not None and BEST_GRPO in decisive:
+        decisive.add(best["method"])
+    arms: dict[str, list[int]] = {}
+    for method in settings.get("methods_by_task", {}).get(task, settings["methods"]):
+        if method == BEST_GRPO:
+            if best is None:
+                raise MissingChoice(
+                    f"{task}: chosen.json has no best-tuned GRPO; tune the three GRPO arms first (--stage tune "
+                    f"--tasks {task} --methods {','.join(GRPO_METHODS)})"
+                )
+            method = best["method"]
+        seeds = settings["decisive_seeds"] if method in decisive else settings["reporting_seeds"]
+        arms[method] = sorted({*arms.get(method, []), *seeds})
+    return arms
+
+
 def _reporting_choice(task: str, method: str, chosen: dict | None) -> tuple[float, str]:
-    """The frozen (learning rate, variant) from tuning (ablations take VAPO's), or the recipe's without tuning."""
+    """The frozen (learning rate, variant) from tuning: a tuned arm's own, an untuned arm VAPO's; the recipe's without
+    tuning. An arm whose choice is not frozen is refused (``MissingChoice``), never run with another's."""
     if chosen is None:
         return VAPO_RECIPE["learning_rate"], ""
-    choice = chosen[task][method if method in chosen[task] else "vapo"]
+    owner = method if method in PROTOCOL["tuned_methods"] else "vapo"
+    choice = (chosen.get(task) or {}).get(owner)
+    if choice is None:
+        whose = "its own" if owner == method else "VAPO's (an untuned arm)"
+        raise MissingChoice(
+            f"{task}/{method} reports with {whose} frozen choice, and chosen.json has none: run --stage tune "
+            f"--tasks {task} --methods {owner} first"
+        )
     return choice["learning_rate"], choice["variant"]
 
 
@@ -1270,8 +1365,16 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs", type=int, default=1, help="runs at once, one process and thread each (0: one by one in this process)"
     )
     parser.add_argument("--tasks", help="comma-separated subset of " + ",".join(PROTOCOL["tasks"]))
-    parser.add_argument("--methods", help="comma-separated subset of " + ",".join(METHODS))
-    parser.add_argument("--seeds", help="reporting seeds, comma-separated (protocol: 2000-2004)")
+    parser.add_argument(
+        "--methods",
+        help="comma-separated subset of "
+        + ",".join(METHODS)
+        + f"; {BEST_GRPO}: the GRPO arm frozen as the best-tuned",
+    )
+    parser.add_argument(
+        "--seeds",
+        help="reporting seeds of every arm, comma-separated (protocol: 2000-2004; the decisive arms 2000-2009)",
+    )
     parser.add_argument("--tuning-seeds", help="comma-separated (protocol: 1000); never reported")
     parser.add_argument("--lr-grid", help="actor learning rates for VAPO, PPO and GRPO (protocol: 3e-5,1e-4,3e-4)")
     parser.add_argument("--rollouts", type=int, help="sample budget in rollouts of 64 (protocol: 35)")
@@ -1301,7 +1404,7 @@ def main(argv: list[str] | None = None) -> int:
         if value:
             settings[name] = value.split(",")
     if opts.seeds:
-        settings["reporting_seeds"] = [int(s) for s in opts.seeds.split(",")]
+        settings["reporting_seeds"] = settings["decisive_seeds"] = [int(s) for s in opts.seeds.split(",")]
     for name in ("rollouts", "eval_every", "eval_problems"):
         if getattr(opts, name) is not None:
             settings[name] = getattr(opts, name)
@@ -1309,7 +1412,14 @@ def main(argv: list[str] | None = None) -> int:
         settings["tuning_seeds"] = [int(s) for s in opts.tuning_seeds.split(",")]
     if opts.lr_grid:
         settings["lr_grid"] = [float(lr) for lr in opts.lr_grid.split(",")]
-    unknown = [m for m in settings["methods"] if m not in METHODS]
+    if opts.seeds and opts.stage in ("all", "report") and not opts.quick:  # aggregating spent seeds reruns nothing
+        spent = [s for s in settings["reporting_seeds"] if s in settings["tuning_seeds"] + settings["spent_seeds"]]
+        if spent:
+            parser.error(
+                f"--seeds {','.join(map(str, spent))}: a tuning seed ({settings['tuning_seeds']}) or one reported "
+                f"under protocol 1 ({settings['spent_seeds']}) is never a reporting seed; take fresh ones"
+            )
+    unknown = [m for m in settings["methods"] if m not in METHODS and m != BEST_GRPO]
     unknown += [t for t in settings["tasks"] if t not in PROTOCOL["tasks"]]
     if unknown:
         parser.error(f"unknown methods or tasks: {unknown}")
@@ -1333,8 +1443,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(failed)} tuning runs failed; not choosing learning rates", file=sys.stderr)
             return 1
         chosen = choose_settings([r for r in load_records(out, "tune") if r["spec"]["task"] in settings["tasks"]])
-        if chosen_path.is_file():
-            chosen = keep_frozen(chosen, json.loads(chosen_path.read_text()))
+        chosen = freeze_choices(chosen, json.loads(chosen_path.read_text()) if chosen_path.is_file() else {})
         chosen_path.write_text(json.dumps(chosen, indent=2))
         print(f"chosen learning rates (frozen in {chosen_path}): {chosen}", flush=True)
         if opts.stage == "tune":
@@ -1344,21 +1453,31 @@ def main(argv: list[str] | None = None) -> int:
     elif opts.stage == "report" and not opts.no_tune:
         parser.error(f"no {chosen_path}: run --stage tune first, or pass --no-tune")
 
-    failed = run_all(plan("report", settings, chosen), out, opts.jobs) if opts.stage in ("all", "report") else []
+    try:  # every arm resolved, and each one that runs with its frozen choice, before any run
+        arms = {task: reporting_arms(task, settings, chosen) for task in settings["tasks"]}
+        specs = plan("report", settings, chosen) if opts.stage in ("all", "report") else []
+    except MissingChoice as error:
+        parser.error(str(error))
+    failed = run_all(specs, out, opts.jobs)
     if failed:
         print(f"{len(failed)} reporting runs failed; aggregating the rest", file=sys.stderr)
 
-    records = [  # this protocol's runs only: another protocol's seeds in the same folder are not mixed in
-        r
-        for r in load_records(out, "report")
-        if r["spec"]["task"] in settings["tasks"]
-        and r["spec"]["method"] in settings["methods"]
-        and r["spec"]["seed"] in settings["reporting_seeds"]
+    tuning = [r for r in load_records(out, "tune") if r["spec"]["task"] in settings["tasks"]]
+    if tuning:
+        (out / "tuning.txt").write_text(format_tuning(tuning, chosen) + "\n")
+        print(f"wrote {out / 'tuning.txt'}")
+    # This protocol's runs only: another protocol's seeds in the same folder are not mixed in.
+    wanted = {(task, method, seed) for task in arms for method, seeds in arms[task].items() for seed in seeds}
+    records = [
+        r for r in load_records(out, "report") if (r["spec"]["task"], r["spec"]["method"], r["spec"]["seed"]) in wanted
     ]
     if not records:
         print("no finished reporting runs to aggregate", file=sys.stderr)
-        return 1
-    summary = aggregate(records)
+        return 0 if tuning and opts.stage == "aggregate" else 1
+    comparators = {
+        task: choices[BEST_GRPO]["method"] for task, choices in (chosen or {}).items() if BEST_GRPO in choices
+    }
+    summary = aggregate(records, comparators)
     k = records[0]["spec"]["eval_k"]
     table = format_table(summary, k)
     print(table)
@@ -1367,10 +1486,6 @@ def main(argv: list[str] | None = None) -> int:
         for entry in methods.values():
             entry.pop("points_per_run")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    tuning = [r for r in load_records(out, "tune") if r["spec"]["task"] in settings["tasks"]]
-    if tuning:
-        (out / "tuning.txt").write_text(format_tuning(tuning, chosen) + "\n")
-        print(f"wrote {out / 'tuning.txt'}")
     for path in plot(summary, out, k):
         print(f"wrote {path}")
     return 1 if failed else 0

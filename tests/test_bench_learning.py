@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -171,18 +172,25 @@ def test_protocol_plan_tunes_every_baseline_alike_and_reports_on_other_seeds():
             "vapo": {"learning_rate": 3e-4, "variant": ""},
             "ppo": {"learning_rate": 1e-4, "variant": ""},
             "grpo": {"learning_rate": 3e-5, "variant": ""},
+            "grpo-16x4": {"learning_rate": 1e-4, "variant": "scale-batch"},
+            "grpo-32x2": {"learning_rate": 1e-4, "variant": ""},
         }
         for task in settings["tasks"]
     }
     report = bench.plan("report", settings, chosen)
     assert {s.seed for s in report}.isdisjoint({s.seed for s in tune})
-    # Protocol 2: at least five fresh reporting seeds, none a tuning seed or one reported under protocol 1.
-    seeds = set(settings["reporting_seeds"])
-    assert len(seeds) >= 5 and seeds.isdisjoint(settings["tuning_seeds"]) and seeds.isdisjoint(settings["spent_seeds"])
-    assert len(report) == len(settings["tasks"]) * len(bench.METHODS) * len(settings["reporting_seeds"])
+    # Protocol 2: at least five fresh reporting seeds, none a tuning seed or one reported under protocol 1; the
+    # decisive arms ten (no best-tuned GRPO frozen here: the oracle and critic-free arms).
+    seeds = set(settings["decisive_seeds"])
+    assert set(settings["reporting_seeds"]) < seeds and len(seeds) == 10
+    assert seeds.isdisjoint(settings["tuning_seeds"]) and seeds.isdisjoint(settings["spent_seeds"])
+    decisive = {"oracle-64x1", "critic-free-64x1"}
+    per_task = (len(bench.METHODS) - len(decisive)) * len(settings["reporting_seeds"]) + len(decisive) * len(seeds)
+    assert len(report) == len(settings["tasks"]) * per_task
     assert {s.eval_set for s in report} == {"test"}
     lrs = {(s.method, s.learning_rate) for s in report}
     assert ("grpo", 3e-5) in lrs and ("ppo", 1e-4) in lrs and ("no-clip-higher", 3e-4) in lrs
+    assert {s.variant for s in report if s.method == "grpo-16x4"} == {"scale-batch"}
     assert len({s.path(Path("out")) for s in tune + report}) == len(tune) + len(report)
     # Group sampling off keeps the samples per rollout; vanilla PPO switches all seven techniques off.
     assert bench.METHODS["no-group-sampling"] == {"num_generations": 1}
@@ -283,6 +291,97 @@ def test_the_lora_critic_variant_trains_adapters_at_its_own_rates(tmp_path):
     assert bench.build_trainer(replay, str(tmp_path), math_reward)[0].args.critic_learning_rate == 1e-4
     sweep = bench.RunSpec("tune", "demo", "vapo", 1000, 3e-5, 35, 5, 4, 0, "validation")
     assert bench.build_trainer(sweep, str(tmp_path), math_reward)[0].args.critic_learning_rate == pytest.approx(3e-4)
+
+
+def tuning_record(spec, accuracy: float) -> dict:
+    return {"spec": asdict(spec), "points": [{"avg@k": 0.1}, {"avg@k": accuracy}, {"avg@k": accuracy}]}
+
+
+def test_the_best_tuned_grpo_is_chosen_on_validation_frozen_and_is_the_primary_comparator(tmp_path, capsys):
+    """Of the three GRPO arms, the best by the tuning criterion is frozen in chosen.json as `best-grpo`: the arm every
+    other is compared with, the one `--methods best-grpo` reports, on the decisive arms' ten seeds."""
+    tied = {"grpo": {"validation": 0.6}, "grpo-16x4": {"validation": 0.7}, "grpo-32x2": {"validation": 0.7}}
+    assert bench.choose_best_grpo(tied) == {"method": "grpo-16x4", "validation": 0.7}  # a tie: the larger group
+    assert bench.choose_best_grpo({m: tied[m] for m in ("grpo", "grpo-32x2")}) is None  # until all three are tuned
+
+    out = tmp_path / "protocol"
+    settings = {**bench.PROTOCOL, "tasks": ["demo"], "methods": list(bench.GRPO_METHODS)}
+    best_at_1e4 = {"grpo": 0.5, "grpo-16x4": 0.8, "grpo-32x2": 0.6}
+    for spec in bench.plan("tune", settings, None):  # every tuning run done: the stage only chooses
+        recipe = not spec.variant and spec.learning_rate == 1e-4
+        spec.path(out).parent.mkdir(parents=True, exist_ok=True)
+        bench.write_record(tuning_record(spec, best_at_1e4[spec.method] if recipe else 0.2), spec.path(out))
+    tune = ["--stage", "tune", "--tasks", "demo", "--methods", ",".join(bench.GRPO_METHODS), "--out", str(out)]
+    assert bench.main(tune) == 0
+    chosen = json.loads((out / "chosen.json").read_text())
+    assert chosen["demo"]["best-grpo"] == {"method": "grpo-16x4", "validation": pytest.approx(0.8)}
+    # Frozen: a later tuning stage adds choices and never re-chooses this one.
+    chosen["demo"]["best-grpo"]["method"] = "grpo-32x2"
+    (out / "chosen.json").write_text(json.dumps(chosen))
+    assert bench.main(tune) == 0
+    assert json.loads((out / "chosen.json").read_text())["demo"]["best-grpo"]["method"] == "grpo-32x2"
+    chosen["demo"]["best-grpo"]["method"] = "grpo-16x4"
+    (out / "chosen.json").write_text(json.dumps(chosen))
+
+    # With no reporting run yet, --stage aggregate still writes tuning.txt, which names the comparator.
+    assert bench.main(["--stage", "aggregate", "--tasks", "demo", "--out", str(out)]) == 0
+    assert "no finished reporting runs" in capsys.readouterr().err
+    assert (
+        "demo: best-tuned GRPO (the primary comparator): grpo-16x4 (validation 0.800)"
+        in (out / "tuning.txt").read_text()
+    )
+
+    # `best-grpo` names that arm; it and the other decisive arms get the ten decisive seeds, by either name.
+    arms = bench.reporting_arms("demo", {**bench.PROTOCOL, "methods": ["best-grpo", "grpo", "oracle-64x1"]}, chosen)
+    decisive, reporting = bench.PROTOCOL["decisive_seeds"], bench.PROTOCOL["reporting_seeds"]
+    assert arms == {"grpo-16x4": decisive, "grpo": reporting, "oracle-64x1": decisive}
+    assert bench.reporting_arms("demo", {**bench.PROTOCOL, "methods": ["grpo-16x4"]}, chosen) == {
+        "grpo-16x4": decisive
+    }
+
+    # Aggregated, every arm is compared with it (paired on the seeds both ran), and the table says so.
+    curves = {"grpo": [0.2, 0.5], "grpo-16x4": [0.2, 0.6], "vapo": [0.2, 0.7], "no-group-sampling": [0.2, 0.4]}
+    records = [synthetic_record("demo", m, seed, accs) for m, accs in curves.items() for seed in (2000, 2001)]
+    summary = bench.aggregate(records, {"demo": "grpo-16x4"})["demo"]
+    assert set(summary["grpo"]["differences"]) == {"grpo-16x4"} and summary["grpo-16x4"]["differences"] == {}
+    assert set(summary["vapo"]["differences"]) == {"grpo-16x4"}
+    assert set(summary["no-group-sampling"]["differences"]) == {"grpo-16x4", "vapo"}
+    assert summary["vapo"]["grpo_target"] == pytest.approx(0.6)
+    table = bench.format_table(bench.aggregate(records, {"demo": "grpo-16x4"}), 4)
+    assert "reaches the final mean of GRPO 16x4, the primary comparator (0.600)" in table
+    # Every table labels the untuned arms: no-group-sampling ran with VAPO's choice.
+    tuning = {}
+    for line in table.splitlines():
+        tuning.setdefault(line[:28].strip(), line[28:].split()[:1])
+    assert tuning["VAPO"] == tuning["GRPO 16x4"] == ["own"] and tuning["w/o group sampling"] == ["VAPO's"]
+
+
+def test_reporting_refuses_spent_seeds_and_arms_without_their_frozen_choice(tmp_path, capsys):
+    chosen = {"demo": {"vapo": {"learning_rate": 1e-4, "variant": "pretrain5-critic-x4", "validation": 0.8}}}
+    (tmp_path / "chosen.json").write_text(json.dumps(chosen))
+
+    def refused(*args: str) -> str:
+        with pytest.raises(SystemExit) as stop:
+            bench.main(["--stage", "report", "--tasks", "demo", "--out", str(tmp_path), *args])
+        assert stop.value.code == 2
+        return capsys.readouterr().err
+
+    assert "--seeds 1000: a tuning seed ([1000]) or one reported under protocol 1" in refused("--seeds", "2000,1000")
+    assert "--seeds 0,2:" in refused("--seeds", "0,2005,2")
+    # A tuned arm reports only with its own choice (it fell back to VAPO's, which a PPO or GRPO worker cannot run).
+    assert "demo/ppo reports with its own frozen choice, and chosen.json has none: run --stage tune" in refused(
+        "--methods", "vapo,ppo"
+    )
+    assert "demo: chosen.json has no best-tuned GRPO; tune the three GRPO arms first" in refused(
+        "--methods", "best-grpo"
+    )
+    assert not (tmp_path / "report").exists()  # refused before any run
+    # An untuned arm takes VAPO's, and is refused where VAPO has none.
+    assert bench._reporting_choice("demo", "no-group-sampling", chosen) == (1e-4, "pretrain5-critic-x4")
+    with pytest.raises(bench.MissingChoice, match="chains/no-group-sampling reports with VAPO's"):
+        bench._reporting_choice("chains", "no-group-sampling", {"chains": {}})
+    # Aggregating protocol 1's spent seeds reruns nothing: allowed.
+    assert bench.main(["--stage", "aggregate", "--tasks", "demo", "--seeds", "0,1,2", "--out", str(tmp_path)]) == 1
 
 
 @pytest.mark.parametrize("task", ["demo", "chains"])
