@@ -45,7 +45,7 @@ tuning criterion (a tie: the larger group), frozen in ``chosen.json`` as ``best-
 (``--methods best-grpo`` reports it; ``aggregate`` compares every arm with it). The decisive arms, ``oracle-64x1``,
 ``critic-free-64x1`` and the best-tuned GRPO, get 10 reporting seeds (2000-2009): 5 seeds gave intervals of
 half-width about 0.05. ``no-group-sampling`` stays an untuned ablation (VAPO's choice), which every table labels
-("tuning: VAPO's"); it is not a primary comparison. ``--seeds`` refuses the tuning and spent seeds, and a reporting
+("(untuned)"); it is not a primary comparison. ``--seeds`` refuses the tuning and spent seeds, and a reporting
 arm whose frozen choice is missing is refused before any run.
 
 Methods, on top of the task's VAPO recipe (``VAPO_RECIPE``: the demo's recipe when the protocol was fixed; 8
@@ -63,8 +63,10 @@ learned critic (``no-group-sampling``), with the exact value P(correct | prefix)
 (``oracle-64x1``, ``trl_vapo.demo.oracle``: how much a perfect critic buys) and with none (``critic-free-64x1``:
 values 0 and lambda 1, so each token's advantage is its completion's return minus the rollout's mean, whitened);
 VAPO with the paper's settings where the budget allows them (``vapo-paper``: 4 prompts x 16, alpha 0.05, critic
-learning rate 2x the actor's); and vanilla PPO. Besides every arm against GRPO and VAPO, the 64x1 arms are compared
-pairwise (``PAIRED_WITH``).
+learning rate 2x the actor's); and vanilla PPO. Every arm is compared with the best-tuned GRPO and with no critic
+(``critic-free-64x1``), every ablation with VAPO, and the learned critic at 64x1 with the exact value
+(``PAIRED_WITH``); each pair once. ``aggregate`` also gives, from the same runs, each arm's training time and peak
+memory as ratios to the best-tuned GRPO's and the share of the exact value's gain over no critic it reaches.
 
 Tasks: ``demo`` (the shipped cold-start model, ``trl_vapo.demo.data``) and ``chains`` (``trl_vapo.demo.chains``,
 longer chains with free tokens; cold-start model ``benchmarks/models/chains_sft``).
@@ -114,6 +116,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -320,8 +323,21 @@ LABELS = {
 }
 
 
-PAIRED_WITH = {"oracle-64x1": ("no-group-sampling", "critic-free-64x1"), "critic-free-64x1": ("no-group-sampling",)}
-"""Comparisons beyond each method against GRPO and VAPO: the 64x1 arms (learned, exact and no critic) pairwise."""
+ORACLE, CRITIC_FREE = "oracle-64x1", "critic-free-64x1"
+PAIRED_WITH = {ORACLE: ("no-group-sampling",)}
+"""Comparisons beyond each arm's against the best-tuned GRPO and no critic (and each ablation's against VAPO): the
+learned critic against the exact value, both at 64x1."""
+
+
+def choice_owner(method: str) -> str:
+    """Whose frozen choice an arm reports with: its own if it is tuned, else VAPO's (an untuned arm)."""
+    return method if method in PROTOCOL["tuned_methods"] else "vapo"
+
+
+def label(method: str) -> str:
+    """An arm's name in every table and plot; an untuned arm (VAPO's choice) says so."""
+    name = LABELS.get(method, method)
+    return name if choice_owner(method) == method else f"{name} (untuned)"
 
 
 def method_family(method: str) -> str:
@@ -546,10 +562,13 @@ def area_under_curve(points: list[dict]) -> float:
     return total / points[-1]["samples"] if len(points) > 1 and points[-1]["samples"] > 0 else math.nan
 
 
-def t_quantile_975(df: float) -> float:
-    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (for 95% intervals), by bisection on
-    P(|T| <= t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2), the regularized incomplete beta function ``I`` evaluated by
-    its continued fraction (Numerical Recipes' ``betacf``), so that no SciPy is needed."""
+def t_quantile(probability: float, df: float) -> float:
+    """The ``probability`` quantile (above 0.5) of Student's t with ``df`` degrees of freedom (0.975 for 95%
+    intervals), by bisection on P(|T| <= t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) = 2 * probability - 1, the
+    regularized incomplete beta function ``I`` evaluated by its continued fraction (Numerical Recipes' ``betacf``), so
+    that no SciPy is needed."""
+    if not 0.5 < probability < 1:
+        raise ValueError(f"t_quantile takes a probability in (0.5, 1), got {probability}")
 
     def incomplete_beta(x: float, a: float, b: float) -> float:
         if x <= 0.0 or x >= 1.0:
@@ -577,7 +596,7 @@ def t_quantile_975(df: float) -> float:
     low, high = 0.0, 1000.0
     for _ in range(200):
         mid = (low + high) / 2
-        if 1.0 - incomplete_beta(df / (df + mid * mid), df / 2, 0.5) < 0.95:
+        if 1.0 - incomplete_beta(df / (df + mid * mid), df / 2, 0.5) < 2 * probability - 1:
             low = mid
         else:
             high = mid
@@ -593,8 +612,18 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, 
     mean = statistics.mean(diffs)
     if len(diffs) < 2:
         return mean, math.nan, math.nan, len(diffs)
-    half = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    half = t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
     return mean, mean - half, mean + half, len(diffs)
+
+
+def detectable_difference(difference: tuple[float, float, float, int], power: float = 0.8) -> float:
+    """The smallest true difference the paired t test of ``difference`` (``paired_difference``'s) detects with
+    ``power`` at the 5% level (two-sided): (t_{0.975, n-1} + t_{power, n-1}) * sd(d_i) / sqrt(n), i.e. the interval's
+    half-width times (1 + t_{power} / t_{0.975}); nan without an interval."""
+    mean, _, high, n = difference
+    if math.isnan(high):
+        return math.nan
+    return (high - mean) * (1 + t_quantile(power, n - 1) / t_quantile(0.975, n - 1))
 
 
 def samples_to_reach(points: list[dict], target: float) -> int | None:
@@ -637,6 +666,10 @@ def aggregate(records: list[dict], comparators: dict[str, str] | None = None) ->
             "final_per_seed": finals,
             "greedy_final": _mean_std([r["points"][-1].get("pass@1", math.nan) for r in runs]),
             "train_time": _mean_std([r["train_time_s"] for r in runs]),
+            "train_time_per_seed": [r["train_time_s"] for r in runs],
+            # Recorded since protocol 2's reporting runs (None: a run that shared its process with others).
+            "peak_rss_mib": _mean_std([r.get("peak_rss_mib") or math.nan for r in runs]),
+            "peak_rss_mib_per_seed": [r.get("peak_rss_mib") or math.nan for r in runs],
             "samples": runs[0]["samples"],
             "curve": curve,
             "credit": {key: _mean_std([r["credit_summary"].get(key, math.nan) for r in runs]) for key in credit_keys},
@@ -647,21 +680,25 @@ def aggregate(records: list[dict], comparators: dict[str, str] | None = None) ->
     for task, methods in summary.items():
         comparator = (comparators or {}).get(task, "grpo")
         target = methods[comparator]["final"][0] if comparator in methods else None
-        for method, entry in methods.items():
+        compared: set[frozenset] = set()  # each pair of arms once, in the order of METHODS
+        order = [m for m in METHODS if m in methods] + [m for m in methods if m not in METHODS]
+        for method in order:
+            entry = methods[method]
             reached = [samples_to_reach(points, target) for points in entry["points_per_run"]] if target else []
             hits = [s for s in reached if s is not None]
-            entry["comparator"] = comparator
+            entry["comparator"], entry["comparator_frozen"] = comparator, task in (comparators or {})
             entry["grpo_target"] = target
             entry["samples_to_grpo_final"] = (statistics.mean(hits) if hits else None, len(hits), len(reached))
-            # The protocol's comparisons, paired by seed: every method against the best-tuned GRPO, every ablation
-            # against VAPO, and the 64x1 arms against each other (what the critic's errors cost: learned vs exact vs
-            # none).
-            baselines = [
-                b
-                for b in (comparator, "vapo")
-                if b in methods and b != method and (b == comparator or method not in GRPO_METHODS)
-            ]
-            baselines += [b for b in PAIRED_WITH.get(method, ()) if b in methods]
+            # The protocol's comparisons, paired by seed: every method against the best-tuned GRPO and against no
+            # critic at 64x1, every ablation against VAPO, and the 64x1 arms against each other (what the critic's
+            # errors cost: learned vs exact vs none).
+            candidates = [comparator, CRITIC_FREE] + ([] if method in GRPO_METHODS else ["vapo"])
+            candidates += PAIRED_WITH.get(method, ())
+            baselines = []
+            for baseline in candidates:
+                if baseline in methods and baseline != method and frozenset((method, baseline)) not in compared:
+                    compared.add(frozenset((method, baseline)))
+                    baselines.append(baseline)
             entry["differences"] = {
                 baseline: {
                     metric: paired_difference(
@@ -672,7 +709,39 @@ def aggregate(records: list[dict], comparators: dict[str, str] | None = None) ->
                 }
                 for baseline in baselines
             }
+            # Cost, from the same runs: training time and peak memory as ratios of means to the comparator's, over the
+            # seeds both ran.
+            entry["ratios"] = {}
+            for key in ("train_time", "peak_rss_mib"):
+                arm, base = means_on_common_seeds([entry, methods.get(comparator)], f"{key}_per_seed")
+                entry["ratios"][key] = arm / base if base > 0 else math.nan
+            entry["oracle_share"] = oracle_share(methods, method)
     return summary
+
+
+def means_on_common_seeds(entries: list[dict | None], key: str) -> list[float]:
+    """Each entry's mean of ``key`` (a per-seed list) over the seeds every entry ran (arms run 5 or 10 seeds); nan
+    for all where an entry is missing or no seed is common."""
+    if any(entry is None for entry in entries):
+        return [math.nan] * len(entries)
+    seeds = set.intersection(*(set(entry["seeds"]) for entry in entries))
+    if not seeds:
+        return [math.nan] * len(entries)
+    return [statistics.mean(v for s, v in zip(entry["seeds"], entry[key]) if s in seeds) for entry in entries]
+
+
+def oracle_share(methods: dict, method: str) -> dict[str, float]:
+    """What share of the exact value's gain over no critic (both at 64x1) ``method`` reaches, per primary metric:
+    (mean(method) - mean(critic-free)) / (mean(oracle) - mean(critic-free)), the means over the seeds the three ran;
+    nan where an arm is missing. A point estimate: the ratio has no t interval, and it means little where the
+    oracle's gain itself is not measurable (its interval in the differences table includes 0)."""
+    shares = {}
+    for metric in ("final", "auc"):
+        arm, floor, ceiling = means_on_common_seeds(
+            [methods[method], methods.get(CRITIC_FREE), methods.get(ORACLE)], f"{metric}_per_seed"
+        )
+        shares[metric] = (arm - floor) / (ceiling - floor) if ceiling != floor else math.nan
+    return shares
 
 
 def _fmt(mean_std: tuple[float, float], digits: int = 3) -> str:
@@ -693,14 +762,15 @@ def format_table(summary: dict, k: int) -> str:
     for task, methods in summary.items():
         first = next(iter(methods.values()))
         target, comparator = first["grpo_target"], LABELS.get(first["comparator"], first["comparator"])
+        role = "the primary comparator" if first["comparator_frozen"] else "no best-tuned GRPO frozen: GRPO 8x8"
         lines.append(
             f"\n{task}: held-out avg@{k} (mean ± std over seeds); 'to GRPO' = samples until avg@{k} first "
-            f"reaches the final mean of {comparator}, the primary comparator"
-            + (f" ({target:.3f})" if target is not None else " (not run)")
-            + "; tuning 'own' = the arm's own frozen choice, \"VAPO's\" = an untuned arm run with VAPO's choice"
+            f"reaches the final mean of {comparator} ({role})"
+            + (f", {target:.3f}" if target is not None else ", not run")
+            + "; (untuned) = an arm run with VAPO's frozen choice"
         )
         header = (
-            f"{'method':28s}{'tuning':>8s}{'lr':>8s}{'n':>3s}{'start':>16s}{'final':>16s}{'greedy final':>16s}"
+            f"{'method':34s}{'lr':>8s}{'n':>3s}{'start':>16s}{'final':>16s}{'greedy final':>16s}"
             f"{'to GRPO':>16s}{'train time s':>16s}{'per seed final':>24s}"
         )
         lines += [header, "-" * len(header)]
@@ -710,36 +780,74 @@ def format_table(summary: dict, k: int) -> str:
             mean_samples, hits, n = e["samples_to_grpo_final"]
             reach = "-" if not n else f"{mean_samples:.0f} ({hits}/{n})" if hits else f"never (0/{n})"
             seeds = " ".join(f"{v:.3f}" for v in e["final_per_seed"])
-            tuning = "own" if method in PROTOCOL["tuned_methods"] else "VAPO's"
             lines.append(
-                f"{LABELS.get(method, method):28s}{tuning:>8s}{e['learning_rate']:>8g}{len(e['seeds']):>3d}"
+                f"{label(method):34s}{e['learning_rate']:>8g}{len(e['seeds']):>3d}"
                 f"{_fmt(e['initial']):>16s}{_fmt(e['final']):>16s}{_fmt(e['greedy_final']):>16s}{reach:>16s}"
                 f"{_fmt(e['train_time'], 0):>16s}{seeds:>24s}"
             )
         lines.append(
             f"\n{task}: differences paired by seed, mean [95% t interval] (protocol 2: 'better' only where the "
-            "interval excludes 0; otherwise no measurable difference)"
+            "interval excludes 0; otherwise no measurable difference); 'detectable' = the smallest true difference "
+            "these seeds detect with 80% power at the 5% level"
         )
-        header = f"{'method':28s}{'baseline':>18s}{'n':>3s}{'final avg@' + str(k):>30s}{'area under the curve':>30s}"
+        header = (
+            f"{'method':34s}{'baseline':>18s}{'n':>3s}{'final avg@' + str(k):>30s}{'detectable':>12s}"
+            f"{'area under the curve':>30s}{'detectable':>12s}"
+        )
         lines += [header, "-" * len(header)]
+        halves: dict[str, list[float]] = {"final": [], "auc": []}
         for method in order:
             for baseline, metrics in methods[method]["differences"].items():
-                cells = "".join(f"{_fmt_interval(metrics[m]):>30s}" for m in ("final", "auc"))
-                lines.append(f"{LABELS.get(method, method):28s}{baseline:>18s}{metrics['final'][3]:>3d}{cells}")
+                cells = ""
+                for metric in ("final", "auc"):
+                    detectable = detectable_difference(metrics[metric])
+                    cells += f"{_fmt_interval(metrics[metric]):>30s}" + (
+                        f"{'-':>12s}" if math.isnan(detectable) else f"{detectable:>12.3f}"
+                    )
+                    if not math.isnan(metrics[metric][2]):
+                        halves[metric].append(metrics[metric][2] - metrics[metric][0])
+                lines.append(f"{label(method):34s}{baseline:>18s}{metrics['final'][3]:>3d}{cells}")
+        count = sum(len(methods[m]["differences"]) for m in order)
+        spans = ", ".join(
+            f"{name} {min(values):.3f}-{max(values):.3f}"
+            for name, values in (("final", halves["final"]), ("area", halves["auc"]))
+            if values
+        )
+        lines.append(
+            f"({count} comparisons on {task}, each at 95%, uncorrected for their number"
+            + (f"; the intervals' half-widths: {spans})" if spans else ")")
+        )
+        lines.append(
+            f"\n{task}: cost and credit, from the same runs: training time and peak memory (the process's peak RSS) "
+            f"as ratios of means to {comparator}'s; the share of the exact value's gain over no critic (both 64x1) "
+            "each arm reaches, (arm - critic-free) / (oracle - critic-free) of the means (a point estimate)"
+        )
+        header = (
+            f"{'method':34s}{'time x':>10s}{'memory x':>10s}{'peak MiB':>12s}"
+            f"{'oracle share, final':>22s}{'oracle share, area':>22s}"
+        )
+        lines += [header, "-" * len(header)]
+        for method in order:
+            e = methods[method]
+            share, ratios = e["oracle_share"], e["ratios"]
+            lines.append(
+                f"{label(method):34s}{ratios['train_time']:>10.2f}{ratios['peak_rss_mib']:>10.2f}"
+                f"{e['peak_rss_mib'][0]:>12.0f}{share['final']:>22.2f}{share['auc']:>22.2f}"
+            )
         lines.append(
             f"\n{task}: credit assignment over RL rollouts (mean ± std over seeds): the mean per-token advantage by "
             "where the first slip is, and the value's drop across the decisive token (learned values; oracle: the "
             "exact value on the same completions)"
         )
         header = (
-            f"{'method':28s}{'first wrong':>16s}{'wrong, before':>16s}{'wrong, after':>16s}{'correct':>16s}"
+            f"{'method':34s}{'first wrong':>16s}{'wrong, before':>16s}{'wrong, after':>16s}{'correct':>16s}"
             f"{'slip rank':>16s}{'value drop':>16s}{'oracle drop':>16s}"
         )
         lines += [header, "-" * len(header)]
         keys = ("at_first_wrong", "wrong_before", "wrong_after", "correct", "slip_rank", "value_drop", "oracle_drop")
         for method in order:
             credit = methods[method]["credit"]
-            lines.append(f"{LABELS.get(method, method):28s}" + "".join(f"{_fmt(credit[key]):>16s}" for key in keys))
+            lines.append(f"{label(method):34s}" + "".join(f"{_fmt(credit[key]):>16s}" for key in keys))
     return "\n".join(lines)
 
 
@@ -772,7 +880,7 @@ def plot(summary: dict, out: Path, k: int) -> list[Path]:
                     color=colors(i),
                     lw=2.2 if main else 1.0,
                     ls="-" if main else "--",
-                    label=f"{LABELS[method]} (n={len(summary[task][method]['seeds'])})",
+                    label=f"{label(method)} (n={len(summary[task][method]['seeds'])})",
                 )
                 ax.fill_between(
                     x,
@@ -1213,6 +1321,9 @@ def run_worker(spec: RunSpec) -> dict:
         "train_time_s": curve.points[-1]["train_time_s"],
         "excluded_time_s": curve.excluded,
         "total_time_s": time.perf_counter() - started,
+        # The process's peak resident memory (Linux: KiB), the CPU runs' memory figure: one run per process (a run of
+        # `--jobs 0`, which shares its process, records None instead).
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "credit_per_rollout": credit.per_rollout,
         "credit_summary": credit.summary(),
         "log_history": trainer.state.log_history,
@@ -1289,7 +1400,7 @@ def _reporting_choice(task: str, method: str, chosen: dict | None) -> tuple[floa
     tuning. An arm whose choice is not frozen is refused (``MissingChoice``), never run with another's."""
     if chosen is None:
         return VAPO_RECIPE["learning_rate"], ""
-    owner = method if method in PROTOCOL["tuned_methods"] else "vapo"
+    owner = choice_owner(method)
     choice = (chosen.get(task) or {}).get(owner)
     if choice is None:
         whose = "its own" if owner == method else "VAPO's (an untuned arm)"
@@ -1316,7 +1427,9 @@ def _run_here(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
     path.parent.mkdir(parents=True, exist_ok=True)
     began = time.time()
     try:
-        write_record(run_worker(spec), path)
+        record = run_worker(spec)
+        record["peak_rss_mib"] = None  # the process's peak is every run's so far: not this run's
+        write_record(record, path)
     except Exception:  # noqa: BLE001 -- one failed run must not stop the others, as with subprocesses
         import traceback
 
@@ -1413,10 +1526,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.lr_grid:
         settings["lr_grid"] = [float(lr) for lr in opts.lr_grid.split(",")]
     if opts.seeds and opts.stage in ("all", "report") and not opts.quick:  # aggregating spent seeds reruns nothing
-        spent = [s for s in settings["reporting_seeds"] if s in settings["tuning_seeds"] + settings["spent_seeds"]]
+        tuning_seeds = sorted({*PROTOCOL["tuning_seeds"], *settings["tuning_seeds"]})
+        spent = [s for s in settings["reporting_seeds"] if s in tuning_seeds + settings["spent_seeds"]]
         if spent:
             parser.error(
-                f"--seeds {','.join(map(str, spent))}: a tuning seed ({settings['tuning_seeds']}) or one reported "
+                f"--seeds {','.join(map(str, spent))}: a tuning seed ({tuning_seeds}) or one reported "
                 f"under protocol 1 ({settings['spent_seeds']}) is never a reporting seed; take fresh ones"
             )
     unknown = [m for m in settings["methods"] if m not in METHODS and m != BEST_GRPO]
@@ -1442,7 +1556,17 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print(f"{len(failed)} tuning runs failed; not choosing learning rates", file=sys.stderr)
             return 1
-        chosen = choose_settings([r for r in load_records(out, "tune") if r["spec"]["task"] in settings["tasks"]])
+        # The arms whose whole sweep is in (a sweep another call is still running is not chosen from half its runs).
+        sweep = plan("tune", {**settings, "methods": settings["tuned_methods"]}, None)
+        unfinished = {(spec.task, spec.method) for spec in sweep if not spec.path(out).is_file()}
+        chosen = choose_settings(
+            [
+                r
+                for r in load_records(out, "tune")
+                if r["spec"]["task"] in settings["tasks"]
+                and (r["spec"]["task"], r["spec"]["method"]) not in unfinished
+            ]
+        )
         chosen = freeze_choices(chosen, json.loads(chosen_path.read_text()) if chosen_path.is_file() else {})
         chosen_path.write_text(json.dumps(chosen, indent=2))
         print(f"chosen learning rates (frozen in {chosen_path}): {chosen}", flush=True)

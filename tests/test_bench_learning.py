@@ -311,6 +311,14 @@ def test_the_best_tuned_grpo_is_chosen_on_validation_frozen_and_is_the_primary_c
         recipe = not spec.variant and spec.learning_rate == 1e-4
         spec.path(out).parent.mkdir(parents=True, exist_ok=True)
         bench.write_record(tuning_record(spec, best_at_1e4[spec.method] if recipe else 0.2), spec.path(out))
+    # A sweep not yet whole (another call still running it) is not chosen from, nor the best-tuned GRPO.
+    unfinished = next((out / "tune" / "demo" / "grpo-32x2").glob("*.json"))
+    kept = unfinished.read_text()
+    unfinished.unlink()
+    assert bench.main(["--stage", "tune", "--tasks", "demo", "--methods", "grpo", "--out", str(out)]) == 0
+    assert set(json.loads((out / "chosen.json").read_text())["demo"]) == {"grpo", "grpo-16x4"}
+    (out / "chosen.json").unlink()
+    unfinished.write_text(kept)
     tune = ["--stage", "tune", "--tasks", "demo", "--methods", ",".join(bench.GRPO_METHODS), "--out", str(out)]
     assert bench.main(tune) == 0
     chosen = json.loads((out / "chosen.json").read_text())
@@ -348,12 +356,12 @@ def test_the_best_tuned_grpo_is_chosen_on_validation_frozen_and_is_the_primary_c
     assert set(summary["no-group-sampling"]["differences"]) == {"grpo-16x4", "vapo"}
     assert summary["vapo"]["grpo_target"] == pytest.approx(0.6)
     table = bench.format_table(bench.aggregate(records, {"demo": "grpo-16x4"}), 4)
-    assert "reaches the final mean of GRPO 16x4, the primary comparator (0.600)" in table
+    assert "reaches the final mean of GRPO 16x4 (the primary comparator), 0.600" in table
     # Every table labels the untuned arms: no-group-sampling ran with VAPO's choice.
-    tuning = {}
-    for line in table.splitlines():
-        tuning.setdefault(line[:28].strip(), line[28:].split()[:1])
-    assert tuning["VAPO"] == tuning["GRPO 16x4"] == ["own"] and tuning["w/o group sampling"] == ["VAPO's"]
+    rows = [line for line in table.splitlines() if line.startswith(("VAPO ", "GRPO 16x4", "w/o group sampling"))]
+    assert sum(line.startswith("w/o group sampling (untuned) ") for line in rows) == 5  # the four tables' rows
+    assert not any("(untuned)" in line for line in rows if not line.startswith("w/o group sampling"))
+    assert "no best-tuned GRPO frozen: GRPO 8x8" in bench.format_table(bench.aggregate(records), 4)
 
 
 def test_reporting_refuses_spent_seeds_and_arms_without_their_frozen_choice(tmp_path, capsys):
@@ -410,9 +418,15 @@ def test_validation_and_reporting_sets_are_disjoint_held_out_problems(task):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("df", "quantile"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423)])
-def test_t_quantile_matches_the_table(df, quantile):
-    assert bench.t_quantile_975(df) == pytest.approx(quantile, abs=1e-4)
+@pytest.mark.parametrize(
+    ("probability", "df", "quantile"),
+    [(0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 4, 2.7764), (0.975, 10, 2.2281), (0.975, 30, 2.0423)]
+    + [(0.8, 2, 1.0607), (0.8, 4, 0.9410), (0.8, 9, 0.8834)],  # for the detectable difference (80% power)
+)
+def test_t_quantile_matches_the_table(probability, df, quantile):
+    assert bench.t_quantile(probability, df) == pytest.approx(quantile, abs=1e-4)
+    with pytest.raises(ValueError, match=r"in \(0.5, 1\)"):
+        bench.t_quantile(1 - probability, df)  # a lower quantile is never what a caller wants here
 
 
 def synthetic_record(task, method, seed, accuracies, samples_per_point=320):
@@ -461,6 +475,50 @@ def test_aggregate_pairs_each_method_with_grpo_and_each_ablation_with_vapo_by_se
     assert (n, mean, low, high) == (2, pytest.approx(-0.1), pytest.approx(-0.1), pytest.approx(-0.1))
     table = bench.format_table(bench.aggregate(records), 4)
     assert "differences paired by seed" in table and "+0.200 [" in table
+
+
+def test_aggregate_compares_every_arm_with_no_critic_and_states_cost_oracle_share_and_power():
+    finals = {  # per seed; each curve is 0.2 then the final
+        "grpo": [0.4, 0.5, 0.6],
+        "critic-free-64x1": [0.3, 0.3, 0.3],
+        "oracle-64x1": [0.7, 0.9, 0.8, 0.0],  # a fourth seed the others lack (the decisive arms' ten): not compared
+        "no-group-sampling": [0.5, 0.5, 0.5],
+    }
+    cost = {"grpo": (10.0, 1000.0), "critic-free-64x1": (20.0, 1200.0), "oracle-64x1": (20.0, 1500.0)}
+    records = []
+    for method, per_seed in finals.items():
+        for seed, final in enumerate(per_seed):
+            record = synthetic_record("demo", method, seed, [0.2, final])
+            record["train_time_s"], record["peak_rss_mib"] = (
+                (99.0, 9999.0) if seed == 3 else cost.get(method, (30.0, 1100.0))
+            )
+            records.append(record)
+    summary = bench.aggregate(records, {"demo": "grpo"})["demo"]
+    # Every arm against the comparator and against no critic at 64x1, the learned and exact critics against each
+    # other: each pair once (critic-free's own pairs are its partners' rows).
+    assert set(summary["grpo"]["differences"]) == {"critic-free-64x1"}
+    assert summary["critic-free-64x1"]["differences"] == {}
+    assert set(summary["no-group-sampling"]["differences"]) == {"grpo", "critic-free-64x1"}
+    assert set(summary["oracle-64x1"]["differences"]) == {"grpo", "critic-free-64x1", "no-group-sampling"}
+    # Oracle - GRPO: per-seed differences 0.3, 0.4, 0.2 (sd 0.1): half-width t(2) 0.1 / sqrt(3); with 80% power the
+    # test detects (t_0.975(2) + t_0.8(2)) 0.1 / sqrt(3) and more.
+    difference = summary["oracle-64x1"]["differences"]["grpo"]["final"]
+    assert difference[2] - difference[0] == pytest.approx(4.3027 * 0.1 / math.sqrt(3), abs=1e-4)
+    assert bench.detectable_difference(difference) == pytest.approx((4.3027 + 1.0607) * 0.1 / math.sqrt(3), abs=1e-4)
+    # The share of the oracle's gain over no critic, on the seeds the three ran: (0.5 - 0.3) / (0.8 - 0.3) for the
+    # learned critic at 64x1.
+    assert summary["no-group-sampling"]["oracle_share"]["final"] == pytest.approx(0.4)
+    assert summary["oracle-64x1"]["oracle_share"]["final"] == pytest.approx(1.0)
+    assert summary["critic-free-64x1"]["oracle_share"]["final"] == pytest.approx(0.0)
+    # Time and memory from the same runs, as ratios of means to the comparator's over the seeds both ran.
+    assert summary["oracle-64x1"]["ratios"] == {"train_time": 2.0, "peak_rss_mib": 1.5}
+    assert summary["grpo"]["ratios"] == {"train_time": 1.0, "peak_rss_mib": 1.0}
+    table = bench.format_table(bench.aggregate(records, {"demo": "grpo"}), 4)
+    assert (
+        "(6 comparisons on demo, each at 95%, uncorrected for their number; the intervals' half-widths: final" in table
+    )
+    rows = [line for line in table.splitlines() if line.startswith("oracle critic 64x1")]  # each block's, in order
+    assert rows[-2].split()[4:] == ["2.00", "1.50", "3625", "1.00", "1.00"]  # the cost block's: peak over 4 seeds
 
 
 def test_learning_curve_evaluates_at_rollout_boundaries():
@@ -535,6 +593,7 @@ def test_quick_writes_one_sane_curve_per_run(quick_run):
         assert config["num_generations"] == bench.METHODS[spec["method"]].get("num_generations", 8)
         assert record["value_model"] == bench.METHODS[spec["method"]].get("value_model")
         assert record["final"] == record["points"][-1]
+        assert record["peak_rss_mib"] is None  # runs sharing the driver's process: its peak is not one run's
         budget = spec["rollouts"] * spec["samples_per_rollout"]
         assert record["samples"] == budget  # value pretraining counted: VAPO and GRPO generated alike
         points = record["points"]
