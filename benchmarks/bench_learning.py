@@ -715,7 +715,8 @@ def aggregate(records: list[dict], comparators: dict[str, str] | None = None) ->
             for key in ("train_time", "peak_rss_mib"):
                 arm, base = means_on_common_seeds([entry, methods.get(comparator)], f"{key}_per_seed")
                 entry["ratios"][key] = arm / base if base > 0 else math.nan
-            entry["oracle_share"] = oracle_share(methods, method)
+        for method in order:  # once every pair's difference is in: the share reads the oracle's own
+            methods[method]["oracle_share"] = oracle_share(methods, method)
     return summary
 
 
@@ -733,10 +734,16 @@ def means_on_common_seeds(entries: list[dict | None], key: str) -> list[float]:
 def oracle_share(methods: dict, method: str) -> dict[str, float]:
     """What share of the exact value's gain over no critic (both at 64x1) ``method`` reaches, per primary metric:
     (mean(method) - mean(critic-free)) / (mean(oracle) - mean(critic-free)), the means over the seeds the three ran;
-    nan where an arm is missing. A point estimate: the ratio has no t interval, and it means little where the
-    oracle's gain itself is not measurable (its interval in the differences table includes 0)."""
+    nan where an arm is missing, and where the oracle's gain itself is not measurable (the interval of oracle minus
+    critic-free includes 0): a share of a gain that may be 0 is no number. A point estimate: the ratio has no t
+    interval."""
     shares = {}
+    gains = methods[ORACLE]["differences"].get(CRITIC_FREE, {}) if ORACLE in methods else {}
     for metric in ("final", "auc"):
+        _, low, high, _ = gains.get(metric, (math.nan,) * 4)
+        if not (low > 0 or high < 0):  # nan too: no interval
+            shares[metric] = math.nan
+            continue
         arm, floor, ceiling = means_on_common_seeds(
             [methods[method], methods.get(CRITIC_FREE), methods.get(ORACLE)], f"{metric}_per_seed"
         )
@@ -779,7 +786,7 @@ def format_table(summary: dict, k: int) -> str:
             e = methods[method]
             mean_samples, hits, n = e["samples_to_grpo_final"]
             reach = "-" if not n else f"{mean_samples:.0f} ({hits}/{n})" if hits else f"never (0/{n})"
-            seeds = " ".join(f"{v:.3f}" for v in e["final_per_seed"])
+            seeds = "  " + " ".join(f"{v:.3f}" for v in e["final_per_seed"])
             lines.append(
                 f"{label(method):34s}{e['learning_rate']:>8g}{len(e['seeds']):>3d}"
                 f"{_fmt(e['initial']):>16s}{_fmt(e['final']):>16s}{_fmt(e['greedy_final']):>16s}{reach:>16s}"
@@ -820,7 +827,8 @@ def format_table(summary: dict, k: int) -> str:
         lines.append(
             f"\n{task}: cost and credit, from the same runs: training time and peak memory (the process's peak RSS) "
             f"as ratios of means to {comparator}'s; the share of the exact value's gain over no critic (both 64x1) "
-            "each arm reaches, (arm - critic-free) / (oracle - critic-free) of the means (a point estimate)"
+            "each arm reaches, (arm - critic-free) / (oracle - critic-free) of the means (a point estimate; '-' where "
+            "the oracle's gain is not measurable)"
         )
         header = (
             f"{'method':34s}{'time x':>10s}{'memory x':>10s}{'peak MiB':>12s}"
@@ -832,7 +840,8 @@ def format_table(summary: dict, k: int) -> str:
             share, ratios = e["oracle_share"], e["ratios"]
             lines.append(
                 f"{label(method):34s}{ratios['train_time']:>10.2f}{ratios['peak_rss_mib']:>10.2f}"
-                f"{e['peak_rss_mib'][0]:>12.0f}{share['final']:>22.2f}{share['auc']:>22.2f}"
+                f"{e['peak_rss_mib'][0]:>12.0f}"
+                + "".join(f"{'-':>22s}" if math.isnan(share[m]) else f"{share[m]:>22.2f}" for m in ("final", "auc"))
             )
         lines.append(
             f"\n{task}: credit assignment over RL rollouts (mean ± std over seeds): the mean per-token advantage by "
@@ -1448,6 +1457,8 @@ def run_all(specs: list[RunSpec], out: Path, jobs: int) -> list[RunSpec]:
     """Run the specs whose JSON is missing, ``jobs`` at a time (0: one after another in this process); returns the
     failed ones."""
     todo = [s for s in specs if not s.path(out).is_file()]
+    if not specs:  # `--stage aggregate`: nothing to run, nothing to say
+        return []
     how = "in this process" if jobs == 0 else f"with {jobs} job(s)"
     print(f"{len(specs) - len(todo)} of {len(specs)} runs already done; running {len(todo)} {how}", flush=True)
     failed = []

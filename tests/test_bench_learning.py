@@ -510,6 +510,14 @@ def test_aggregate_compares_every_arm_with_no_critic_and_states_cost_oracle_shar
     assert summary["no-group-sampling"]["oracle_share"]["final"] == pytest.approx(0.4)
     assert summary["oracle-64x1"]["oracle_share"]["final"] == pytest.approx(1.0)
     assert summary["critic-free-64x1"]["oracle_share"]["final"] == pytest.approx(0.0)
+    # A gain that is not measurable has no share: here the oracle ends where no critic does, within its interval.
+    flat = [r for r in records if r["spec"]["method"] != "oracle-64x1"]
+    flat += [
+        synthetic_record("demo", "oracle-64x1", seed, [0.2, final]) for seed, final in enumerate([0.3, 0.35, 0.25])
+    ]
+    flat_summary = bench.aggregate(flat, {"demo": "grpo"})["demo"]
+    assert math.isnan(flat_summary["no-group-sampling"]["oracle_share"]["final"])
+    assert "oracle's gain is not measurable" in bench.format_table({"demo": flat_summary}, 4)
     # Time and memory from the same runs, as ratios of means to the comparator's over the seeds both ran.
     assert summary["oracle-64x1"]["ratios"] == {"train_time": 2.0, "peak_rss_mib": 1.5}
     assert summary["grpo"]["ratios"] == {"train_time": 1.0, "peak_rss_mib": 1.0}
