@@ -860,6 +860,14 @@ def format_table(summary: dict, k: int) -> str:
     return "\n".join(lines)
 
 
+def arm_color(method: str) -> tuple[float, ...]:
+    """One colour per arm, the same in every panel and plot: matplotlib's 20-colour "tab20" by the arm's place in
+    ``METHODS`` (tab10 gave every arm from the eleventh on its last colour)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](list(METHODS).index(method))
+
+
 def plot(summary: dict, out: Path, k: int) -> list[Path]:
     """``learning_vs_samples.png`` and ``learning_vs_time.png``: mean avg@k with a ±1 std band, one panel per task."""
     import matplotlib
@@ -867,7 +875,6 @@ def plot(summary: dict, out: Path, k: int) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = plt.get_cmap("tab10")
     paths = []
     for axis, xlabel, filename in (
         ("samples", "training samples generated (value pretraining included)", "learning_vs_samples.png"),
@@ -876,17 +883,18 @@ def plot(summary: dict, out: Path, k: int) -> list[Path]:
         tasks = list(summary)
         fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.8), squeeze=False)
         for ax, task in zip(axes[0], tasks):
+            comparator = next(iter(summary[task].values()))["comparator"]
             for method in (m for m in METHODS if m in summary[task]):
-                i = list(METHODS).index(method)  # one colour per method in every panel
+                color = arm_color(method)
                 curve = summary[task][method]["curve"]
                 x = [p[axis] for p in curve]
                 y = [p["avg@k_mean"] for p in curve]
                 s = [p["avg@k_std"] for p in curve]
-                main = method in ("vapo", "ppo", "grpo")
+                main = method in ("vapo", "ppo", comparator, ORACLE, CRITIC_FREE)
                 ax.plot(
                     x,
                     y,
-                    color=colors(i),
+                    color=color,
                     lw=2.2 if main else 1.0,
                     ls="-" if main else "--",
                     label=f"{label(method)} (n={len(summary[task][method]['seeds'])})",
@@ -895,7 +903,7 @@ def plot(summary: dict, out: Path, k: int) -> list[Path]:
                     x,
                     [a - b for a, b in zip(y, s)],
                     [a + b for a, b in zip(y, s)],
-                    color=colors(i),
+                    color=color,
                     alpha=0.15 if main else 0.06,
                     lw=0,
                 )

@@ -634,6 +634,10 @@ def test_quick_writes_one_sane_curve_per_run(quick_run):
         assert all(math.isnan(oracle) or -2 <= oracle < 0 for _, oracle in drops)
 
 
+def test_every_arm_has_a_colour_of_its_own():
+    assert len({bench.arm_color(method) for method in bench.METHODS}) == len(bench.METHODS)
+
+
 def test_quick_prints_the_table_and_writes_the_plots(quick_run):
     out, stdout = quick_run
     table = (out / "table.txt").read_text()
