@@ -756,6 +756,11 @@ def _fmt(mean_std: tuple[float, float], digits: int = 3) -> str:
     return "-" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def _fmt_number(value: float, width: int, digits: int) -> str:
+    """A right-aligned number, or '-' where there is none (nan)."""
+    return f"{'-':>{width}s}" if math.isnan(value) else f"{value:>{width}.{digits}f}"
+
+
 def _fmt_interval(difference: tuple[float, float, float, int]) -> str:
     mean, low, high, _ = difference
     if math.isnan(mean):
@@ -808,9 +813,7 @@ def format_table(summary: dict, k: int) -> str:
                 cells = ""
                 for metric in ("final", "auc"):
                     detectable = detectable_difference(metrics[metric])
-                    cells += f"{_fmt_interval(metrics[metric]):>30s}" + (
-                        f"{'-':>12s}" if math.isnan(detectable) else f"{detectable:>12.3f}"
-                    )
+                    cells += f"{_fmt_interval(metrics[metric]):>30s}{_fmt_number(detectable, 12, 3)}"
                     if not math.isnan(metrics[metric][2]):
                         halves[metric].append(metrics[metric][2] - metrics[metric][0])
                 lines.append(f"{label(method):34s}{baseline:>18s}{metrics['final'][3]:>3d}{cells}")
@@ -839,9 +842,9 @@ def format_table(summary: dict, k: int) -> str:
             e = methods[method]
             share, ratios = e["oracle_share"], e["ratios"]
             lines.append(
-                f"{label(method):34s}{ratios['train_time']:>10.2f}{ratios['peak_rss_mib']:>10.2f}"
-                f"{e['peak_rss_mib'][0]:>12.0f}"
-                + "".join(f"{'-':>22s}" if math.isnan(share[m]) else f"{share[m]:>22.2f}" for m in ("final", "auc"))
+                f"{label(method):34s}{_fmt_number(ratios['train_time'], 10, 2)}"
+                f"{_fmt_number(ratios['peak_rss_mib'], 10, 2)}{_fmt_number(e['peak_rss_mib'][0], 12, 0)}"
+                f"{_fmt_number(share['final'], 22, 2)}{_fmt_number(share['auc'], 22, 2)}"
             )
         lines.append(
             f"\n{task}: credit assignment over RL rollouts (mean ± std over seeds): the mean per-token advantage by "
