@@ -50,7 +50,7 @@ arm whose frozen choice is missing is refused before any run.
 
 Methods, on top of the task's VAPO recipe (``VAPO_RECIPE``: the demo's recipe when the protocol was fixed; 8
 prompts x 8 samples per rollout, 4 optimizer steps of 16 per rollout, actor lr 1e-4, critic lr 1e-3, length-adaptive
-alpha 0.5, 15 value-pretraining rollouts): ``vapo``; the paper's Table 1 ablations, each switching one technique off
+alpha 0.5, 15 value-pretraining rollouts): ``vapo``; the paper's ablations, each switching one technique off
 (``METHODS``); ``ppo``, all seven off; and ``grpo``, TRL's ``GRPOTrainer`` with DAPO-style settings
 (``loss_type="dapo"``, ``epsilon_high=0.28``, ``beta=0``) and the same prompts x samples per rollout, optimizer
 steps per rollout, learning-rate schedule, lengths and sampling.
@@ -863,12 +863,31 @@ def format_table(summary: dict, k: int) -> str:
     return "\n".join(lines)
 
 
+# The arms protocol 2 plots together, and protocol 1's token-level loss ablation: tab10's ten hues, one each.
+DISTINCT_HUES = (
+    "vapo",
+    "grpo",
+    "ppo",
+    "grpo-16x4",
+    CRITIC_FREE,
+    ORACLE,
+    "no-group-sampling",
+    "vapo-paper",
+    "grpo-32x2",
+    "sequence-loss",
+)
+
+
 def arm_color(method: str) -> tuple[float, ...]:
-    """One colour per arm, the same in every panel and plot: matplotlib's 20-colour "tab20" by the arm's place in
-    ``METHODS`` (tab10 gave every arm from the eleventh on its last colour)."""
+    """One colour per arm, the same in every panel and plot: a hue of its own (tab10) for each arm of
+    ``DISTINCT_HUES``, the light shades of tab20 for protocol 1's other ablations. (tab20 by the place in ``METHODS``
+    gave neighbouring arms two shades of one hue: the exact value and no critic both pink, PPO and GRPO purple.)"""
     import matplotlib
 
-    return matplotlib.colormaps["tab20"](list(METHODS).index(method))
+    if method in DISTINCT_HUES:
+        return matplotlib.colormaps["tab10"](DISTINCT_HUES.index(method))
+    others = [m for m in METHODS if m not in DISTINCT_HUES]
+    return matplotlib.colormaps["tab20"](2 * others.index(method) + 1)
 
 
 def plot(summary: dict, out: Path, k: int) -> list[Path]:
@@ -902,10 +921,10 @@ def plot(summary: dict, out: Path, k: int) -> list[Path]:
                     ls="-" if main else "--",
                     label=f"{label(method)} (n={len(summary[task][method]['seeds'])})",
                 )
-                ax.fill_between(
+                ax.fill_between(  # an accuracy's ±1 std band, kept within [0, 1]
                     x,
-                    [a - b for a, b in zip(y, s)],
-                    [a + b for a, b in zip(y, s)],
+                    [max(a - b, 0.0) for a, b in zip(y, s)],
+                    [min(a + b, 1.0) for a, b in zip(y, s)],
                     color=color,
                     alpha=0.15 if main else 0.06,
                     lw=0,
@@ -1555,6 +1574,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--seeds {','.join(map(str, spent))}: a tuning seed ({tuning_seeds}) or one reported "
                 f"under protocol 1 ({settings['spent_seeds']}) is never a reporting seed; take fresh ones"
             )
+    if opts.no_tune and BEST_GRPO in settings["methods"] and not opts.quick:
+        parser.error(
+            f"--no-tune reports every arm at the recipe's settings, and {BEST_GRPO} is a choice tuning makes: drop "
+            f"--no-tune (the choice is read from chosen.json), or name a GRPO arm ({', '.join(GRPO_METHODS)})"
+        )
     unknown = [m for m in settings["methods"] if m not in METHODS and m != BEST_GRPO]
     unknown += [t for t in settings["tasks"] if t not in PROTOCOL["tasks"]]
     if unknown:

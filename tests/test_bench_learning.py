@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -383,6 +384,10 @@ def test_reporting_refuses_spent_seeds_and_arms_without_their_frozen_choice(tmp_
     assert "demo: chosen.json has no best-tuned GRPO; tune the three GRPO arms first" in refused(
         "--methods", "best-grpo"
     )
+    # --no-tune has no tuned choice to resolve best-grpo with: it names the way out, not a tuning it was told to skip.
+    assert "--no-tune reports every arm at the recipe's settings, and best-grpo is a choice tuning makes" in refused(
+        "--no-tune", "--methods", "best-grpo"
+    )
     assert not (tmp_path / "report").exists()  # refused before any run
     # An untuned arm takes VAPO's, and is refused where VAPO has none.
     assert bench._reporting_choice("demo", "no-group-sampling", chosen) == (1e-4, "pretrain5-critic-x4")
@@ -636,6 +641,11 @@ def test_quick_writes_one_sane_curve_per_run(quick_run):
 
 def test_every_arm_has_a_colour_of_its_own():
     assert len({bench.arm_color(method) for method in bench.METHODS}) == len(bench.METHODS)
+    # The arms protocol 2 plots together are told apart at a glance: no two within 0.25 in RGB (two shades of one
+    # hue were 0.20 apart: GRPO's light purple and the exact value's light pink, the other pinks and purples close).
+    together = ["vapo", "no-group-sampling", "ppo", *bench.GRPO_METHODS, bench.CRITIC_FREE, bench.ORACLE, "vapo-paper"]
+    for a, b in itertools.combinations(together, 2):
+        assert math.dist(bench.arm_color(a)[:3], bench.arm_color(b)[:3]) >= 0.25, (a, b)
 
 
 def test_quick_prints_the_table_and_writes_the_plots(quick_run):
