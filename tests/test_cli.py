@@ -314,6 +314,39 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
     assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
 
 
+# A process that forwards its signals as `trl-vapo train --num_processes 1` does around `accelerate launch`: first with
+# a child running (the child gets the SIGTERM, this process lives on), then with none (SIGTERM ends it as usual).
+FORWARDER = """
+import subprocess, sys, time
+from trl_vapo.cli import _forward_signals_to_children
+_forward_signals_to_children()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("child", child.pid, flush=True)
+print("child exited", child.wait(), flush=True)
+print("no child", flush=True)
+time.sleep(60)
+print("survived", flush=True)
+"""
+
+
+def test_signals_reach_the_launched_child_and_act_as_usual_before_there_is_one():
+    """The relaunching process's SIGTERM handler: with a child (the run `accelerate launch` started) it passes the
+    signal on, so the child stops as it would alone and the launcher lives to report its exit code; with no child
+    yet it puts the previous handler back and raises the signal again: the process ends by SIGTERM, as it would have
+    without the handler (a stop before the run starts is not swallowed)."""
+    proc = subprocess.Popen([sys.executable, "-c", FORWARDER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("child ")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == f"child exited {-signal.SIGTERM}"
+        assert proc.stdout.readline().strip() == "no child"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        assert "survived" not in proc.stdout.read()
+    finally:
+        proc.kill()
+
+
 @pytest.mark.parametrize("processes", [2, 1])
 def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_checkpoint(
     tiny_model_dir, jsonl_data, tmp_path, processes

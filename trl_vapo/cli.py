@@ -557,20 +557,17 @@ def _without_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
     return kept
 
 
-def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
-    """Run this same command under `accelerate launch` with the given launcher arguments; its exit code is the
-    workers' (128 + the signal's number after a stop on SIGTERM or SIGINT, as one process's run)."""
-    import subprocess
+def _forward_signals_to_children(signums=(signal.SIGTERM, signal.SIGINT)) -> dict:
+    """Handlers that pass each of `signums` on to this process's children; returns the handlers they replace, for the
+    caller to restore. With no child (yet), the signal acts as it would have without them: the previous handler is
+    put back and the signal raised again.
 
+    Why: with one process, `accelerate launch` waits on a child of its own and dies at the signal, leaving the child
+    running; forwarded, the child stops as it would alone (with several, torch's launcher takes the signals over once
+    it starts its workers)."""
     import psutil
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     def forward(signum, frame):
-        # One process: `accelerate launch` waits on a child of its own and dies at the signal, leaving the child
-        # running. Forwarded, the child stops as it would alone (several: torch's launcher takes the signals over
-        # once it starts its workers; before, as before any child, the signal acts as it would without this).
         children = psutil.Process().children()
         if not children:
             signal.signal(signum, previous[signum])
@@ -579,8 +576,21 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
             with contextlib.suppress(psutil.Error):
                 child.send_signal(signum)
 
+    previous = {signum: signal.signal(signum, forward) for signum in signums}
+    return previous
+
+
+def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
+    """Run this same command under `accelerate launch` with the given launcher arguments; its exit code is the
+    workers' (128 + the signal's number after a stop on SIGTERM or SIGINT, as one process's run)."""
+    import subprocess
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     args = launch_command_parser().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+    previous = _forward_signals_to_children()
     try:
         launch_command(args)
     except subprocess.CalledProcessError as failed:  # one process

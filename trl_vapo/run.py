@@ -62,13 +62,19 @@ class RunPlan:
         """Value pretraining's optimizer steps, at most (its stop rule may end it earlier)."""
         return self.pretrain_rollouts * self.steps_per_pretrain_rollout
 
+    @property
+    def planned_steps(self) -> int:
+        """The run's optimizer steps as planned: value pretraining's whole budget, then the RL steps. A run starts
+        with this count; `max_steps` corrects it once value pretraining has ended (early or not)."""
+        return self.pretrain_steps + self.rl_steps
+
     def max_steps(self, progress: TrainingProgress) -> int:
         """The run's optimizer steps as `progress` finds it: value pretraining's budget and the RL steps, and once
         value pretraining has ended (at `rl_start_step`, early or not), the steps it took instead of its budget. The
         start of a run, the end of value pretraining and a resume all read their `max_steps` here."""
         if progress.phase == RL and progress.rl_start_step is not None:
             return progress.rl_start_step + self.rl_steps
-        return self.pretrain_steps + self.rl_steps
+        return self.planned_steps
 
 
 @dataclasses.dataclass

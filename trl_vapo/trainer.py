@@ -418,7 +418,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         resume_from_checkpoint = self.checkpoint_to_resume(resume_from_checkpoint)
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
-        self.state.max_steps = self.run_plan.pretrain_steps + self.run_plan.rl_steps  # a resume reads its progress
+        self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
         self.state.num_train_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else 1
         self.state.compute_steps(args, self.state.max_steps)
         self.state.is_local_process_zero = self.is_local_process_zero()
