@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer.train(resume_from_checkpoint=True if args.resume else None)
     except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: exit as `trl-vapo train` does
+        trainer.accelerator.end_training()
         raise SystemExit(stopped.exit_code) from None
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                 "reward_model_sharded": [sharded(f.model) for f in trainer.reward_funcs if hasattr(f, "model")],
             }
             (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
+    trainer.accelerator.end_training()  # as `trl-vapo train` ends: the process group destroyed before exit
 
 
 def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: bool) -> None:

@@ -281,12 +281,16 @@ def train_command(argv: list[str]) -> int:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: the checkpoint is written and named in the log
         print(f"trl-vapo train: {stopped}", file=sys.stderr)
+        trainer.accelerator.end_training()
         return stopped.exit_code
     after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
     trainer.model_card_info = _model_card_info(script_args, before, after, demo)
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         print(_summary(trainer, before, after, time.time() - started, demo))
+    # Several processes: destroy the process group before the interpreter exits; left to exit, a gloo worker once
+    # aborted there ("terminate called without an active exception", SIGABRT) after its model was saved.
+    trainer.accelerator.end_training()
     return 0
 
 
