@@ -79,7 +79,8 @@ def lock_python(path: Path = LOCK) -> str:
 
 
 def torch_spec() -> str:
-    # Pinned even where the rest of the lock does not apply: an unpinned `torch` on Linux is the multi-GB CUDA build.
+    # Pinned even where the rest of the lock does not apply: the version the suite passed on. Which build (CPU or CUDA)
+    # is the configured index's: PyPI's Linux wheel is the multi-GB CUDA one.
     return f"torch=={read_lock()['torch']}"
 
 

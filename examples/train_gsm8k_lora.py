@@ -1,6 +1,6 @@
 """VAPO on GSM8K with LoRA: Qwen2.5-0.5B-Instruct on one GPU (about 16 GB).
 
-    pip install trl-vapo
+    pip install -e ".[tensorboard]"    # in a clone of trl-vapo
     python examples/train_gsm8k_lora.py
 
 The policy and the critic are two LoRA adapters on one frozen copy of the base model; the reference policy (only

@@ -174,6 +174,10 @@ BAD_INPUT = [
         "Nearest valid: steps_per_generation=3 or 6; or gradient_accumulation_steps=2 or 4.",
     ),
     *([] if _cuda_supports_bf16() else [(["--bf16", "true"], "bf16=True needs an accelerator with bf16")]),
+    # A tracker transformers knows but this environment lacks (not in the locked set), and a misspelt one: both were
+    # raised by the Trainer's callbacks, a traceback after the models had loaded.
+    (["--report_to", "clearml"], "report_to names clearml, not installed here: `pip install clearml`, or set"),
+    (["--report_to", "tensorbaord"], "report_to names 'tensorbaord', which transformers does not know: use one of"),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
 # libraries would retry for a minute.
@@ -561,3 +565,29 @@ def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):
     config.write_text("datasets:\n  - path: some/data\ntest_split_size: 0.1\nlearning_rate: 1.0e-5\n")
     assert main(["eval", "--config", str(config), "--model", "some/model"]) == 2
     assert "the config's datasets: mixture is for training" in capsys.readouterr().err
+
+
+def test_train_in_an_output_dir_another_run_holds_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """The trainer refuses a held output_dir too, but only once its models have loaded (a traceback after minutes of
+    a large model's loading): the command looks first. The look takes nothing: a folder without a lock file, or
+    with one a dead run left, is free, and the run then takes it."""
+    from trl_vapo.run_lock import RUN_LOCK, live_holder, output_dir_lock
+
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "out"
+    assert live_holder(out) is None and not out.exists()
+    with output_dir_lock(out):  # another run's lock: flock locks of two opens of one file exclude each other
+        holder = live_holder(out)
+        assert holder["pid"] == os.getpid()
+        assert main(["train", "--output_dir", str(out), "--report_to", "none"]) == 2  # the demo, refused
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"trl-vapo train: error: Another run is writing to {out}: PID {os.getpid()} on {holder['host']}, started "
+        f"{holder['started']} ({out / RUN_LOCK}). Two runs in one output_dir overwrite each other's checkpoints "
+        "and logs. Wait for it or stop it; then resume its run with resume_from_checkpoint=True "
+        "(`--resume_from_checkpoint latest`), or choose another output_dir."
+    ]
+    (out / RUN_LOCK).write_text(json.dumps({"pid": 1, "host": "a-node-that-died"}))  # what kill -9 leaves
+    assert live_holder(out) is None
+    with output_dir_lock(out):  # and the run itself can take it
+        pass

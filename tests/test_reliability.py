@@ -893,6 +893,42 @@ def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
         _load(str(data), "train", None)
 
 
+def test_a_hub_data_set_in_datasets_cache_is_not_refused_when_the_hub_is_unreachable(tmp_path, monkeypatch):
+    """Offline without HF_HUB_OFFLINE, `datasets` falls back to the data set it prepared before: the probe that
+    refuses an unreachable Hub at once must let exactly those through. The cache is the one `datasets` writes
+    (a real JSON builder's arrow files, moved to where `load_dataset("Owner/MathSet")` leaves them:
+    namespace___snake_cased_name/config/version/commit), and `datasets`' own fallback is the judge."""
+    import datasets
+    from datasets.load import CachedDatasetModuleFactory
+    from datasets.packaged_modules.json.json import Json
+    from huggingface_hub import constants
+
+    from trl_vapo.data import _check_hub_reachable
+
+    cache = tmp_path / "datasets-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
+    builder = Json(data_files={"train": str(rows)}, dataset_name="MathSet", hash="0123abcd", cache_dir=str(cache))
+    builder.download_and_prepare()
+    (cache / "math_set").rename(cache / "Owner___math_set")
+
+    for name, cached in (("Owner/MathSet", True), ("Owner/MathSets", False), ("MathSet", False)):
+        try:
+            CachedDatasetModuleFactory(name, cache_dir=str(cache)).get_module()
+            assert cached, f"datasets reads {name} from its cache"
+        except FileNotFoundError:
+            assert not cached, f"datasets finds no {name} in its cache"
+        if cached:
+            _check_hub_reachable(name)
+        else:
+            with pytest.raises(ConnectionError, match=f"Dataset {name} is not a local file .* Hub cannot be reached"):
+                _check_hub_reachable(name)
+
+
 def test_empty_prompts_are_named_in_a_warning(tmp_path, caplog):
     from trl_vapo.data import check_train_dataset
 
@@ -911,7 +947,7 @@ def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny
         time.sleep(0.05)
     assert (out / "stalled").exists(), "the run never reached checkpoint 4"
     # A second run in the same output_dir (a launch twice, a resume started while the run goes on) is refused by
-    # name: it would overwrite the first run's checkpoints, final/ and logs.
+    # name: it would overwrite the first run's checkpoints, saved model and logs.
     second = run_script("--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--log-name", "second")
     assert second.returncode != 0 and not read_logs(out, name="second")
     assert f"Another run is writing to {out}: PID {process.pid} on {socket.gethostname()}" in second.stderr

@@ -246,6 +246,12 @@ def train_command(argv: list[str]) -> int:
         check_engine_available(EngineSettings.from_config(training_args))
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
+    if os.environ.get("RANK", "0") == "0":  # one process looks: two looking at once would each see the other
+        from .run_lock import live_holder, refusal
+
+        holder = live_holder(training_args.output_dir)
+        if holder is not None:  # the trainer would refuse too, but after the models had loaded
+            raise UsageError(refusal(training_args.output_dir, holder))
     if not demo:
         _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")

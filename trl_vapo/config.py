@@ -781,6 +781,17 @@ class VAPOConfig(TrainingArguments):
             f"router_aux_loss_coef must be >= 0 (None: the model's own), got {self.router_aux_loss_coef}.",
         )
         require(self.beta >= 0, f"beta must be >= 0, got {self.beta}.")
+        unknown, uninstalled = _unusable_trackers(self.report_to)
+        require(
+            not unknown,
+            f"report_to names {', '.join(map(repr, unknown))}, which transformers does not know: use one of "
+            f"{', '.join(_trackers())}, 'all' (those installed) or 'none'.",
+        )
+        require(
+            not uninstalled,
+            f"report_to names {', '.join(uninstalled)}, not installed here: `pip install "
+            f"{' '.join(_TRACKER_PACKAGES.get(n, n) for n in uninstalled)}`, or set report_to to 'none'.",
+        )
         require(self.vf_coef > 0, f"vf_coef must be > 0, got {self.vf_coef}.")
         # The fields a user sets, each named: a derived one's error would send them to a field they never set.
         require(self.learning_rate >= 0, f"learning_rate must be >= 0, got {self.learning_rate}.")
@@ -861,6 +872,33 @@ class VAPOConfig(TrainingArguments):
             "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max.",
         )
         check_deepspeed_config(self)
+
+
+# report_to's names whose `is_<name>_available` in transformers' integration_utils, or whose pip package, is
+# spelled otherwise.
+_TRACKER_CHECKS = {"azure_ml": "azureml", "comet_ml": "comet", "flyte": "flytekit"}
+_TRACKER_PACKAGES = {"azure_ml": "azureml-core", "flyte": "flytekit", "kubeflow": "kubeflow-training"}
+
+
+def _trackers() -> list[str]:
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    return list(INTEGRATION_TO_CALLBACK)
+
+
+def _unusable_trackers(report_to: list) -> tuple[list, list[str]]:
+    """The names in `report_to` (a list, as TrainingArguments leaves it) transformers has no callback for, and
+    those whose package is not installed: transformers raises either only when the Trainer builds its callbacks,
+    after the models have loaded."""
+    from transformers.integrations import integration_utils
+
+    unknown = [name for name in report_to if name not in _trackers()]
+    uninstalled = []
+    for name in report_to:
+        check = getattr(integration_utils, f"is_{_TRACKER_CHECKS.get(name, name)}_available", None)
+        if name not in unknown and check is not None and not check():
+            uninstalled.append(name)
+    return unknown, uninstalled
 
 
 def _divisors(n: int) -> list[int]:

@@ -191,17 +191,19 @@ def _check_hub_reachable(dataset_name: str) -> None:
     """Offline without HF_HUB_OFFLINE, `datasets` retries for half a minute before it says so: one request instead.
     In offline mode `datasets` reads its cache, and says at once when the data set is not there."""
     from datasets import config
+    from datasets.naming import camelcase_to_snakecase
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError
 
     from .hub import unreachable
 
-    cached = (
-        Path(config.HF_DATASETS_CACHE) / dataset_name.replace("/", "___"),  # `datasets`' own cache of it
-        Path(constants.HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}",  # its files, as downloaded
-    )
-    if config.HF_HUB_OFFLINE or any(p.exists() for p in cached):  # `datasets` reads (or falls back to) its cache
-        return
+    # Where `datasets` looks when the Hub fails (its CachedDatasetModuleFactory): the name snake-cased after the
+    # namespace, `AI-MO/NuminaMath-CoT` in `AI-MO___numina_math-co_t/<config>/<version>/<commit>`.
+    *namespace, name = dataset_name.split("/")
+    prepared = Path(config.HF_DATASETS_CACHE) / "___".join([*namespace, camelcase_to_snakecase(name)])
+    downloaded = Path(constants.HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}"  # its files
+    if config.HF_HUB_OFFLINE or any(p.is_dir() for p in prepared.glob("*/*/*")) or downloaded.exists():
+        return  # `datasets` reads its cache
     try:
         error = unreachable(dataset_name, "dataset")
     except HfHubHTTPError:  # the Hub answered (no such data set, private, a rate limit): `load_dataset` says it

@@ -1,5 +1,5 @@
 """The lock that gives one run its `output_dir`: a second run there would overwrite the first's checkpoints, its
-`final/` and its logs without a word. Standard library only, so that a process can take it before torch loads."""
+saved model and its logs without a word. Standard library only, so that a process can take it before torch loads."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ RUN_LOCK = ".vapo_run.lock"
 
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str | os.PathLike):
-    """Hold `output_dir` for one run: a second run there would overwrite its checkpoints, its `final/` and its logs
+    """Hold `output_dir` for one run: a second run there would overwrite its checkpoints, its saved model and its logs
     without a word. The lock is an advisory lock (`flock`) on a file naming the holder (PID, host, start time): the
     operating system releases it when the holder dies however it dies, so a lock file left by a run that is gone is
     taken over with a warning, a PID reused since cannot keep it, and two runs taking over at once cannot both win.
@@ -72,13 +72,7 @@ def _take(path: Path, output_dir, warn) -> int | None:
                 return fd
         except BlockingIOError:
             os.close(fd)
-            holder = _lock_holder(path) or {}
-            raise RuntimeError(
-                f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {holder.get('host', '?')}, "
-                f"started {holder.get('started', '?')} ({path}). Two runs in one output_dir overwrite each other's "
-                "checkpoints and logs. Wait for it or stop it; then resume its run with "
-                "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
-            ) from None
+            raise RuntimeError(refusal(output_dir, _lock_holder(path) or {})) from None
         except OSError as error:  # ENOLCK, EOPNOTSUPP: a file system without locks (ESTALE, EACCES: the same)
             os.close(fd)
             warn(f"{output_dir} cannot be locked ({error}): start one run at a time there.")
@@ -87,6 +81,39 @@ def _take(path: Path, output_dir, warn) -> int | None:
             os.close(fd)
             raise
         os.close(fd)
+
+
+def live_holder(output_dir: str | os.PathLike) -> dict | None:
+    """The run that holds `output_dir` now (`{}` where its lock file is unreadable), else None. A look that keeps
+    nothing, for a command to refuse before it loads a model; the run's own `output_dir_lock` still decides (two
+    runs starting at once both see a free folder here). Ask from one process of a job: two looking at the same
+    moment would each see the other's look as a holder."""
+    if fcntl is None:
+        return None
+    path = Path(output_dir) / RUN_LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)  # never created here: no lock file, no holder
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _lock_holder(path) or {}
+    except OSError:  # a file system without locks: the run says so itself
+        return None
+    finally:
+        os.close(fd)  # and with it the lock this look took
+    return None
+
+
+def refusal(output_dir: str | os.PathLike, holder: dict) -> str:
+    """Why a run may not start in `output_dir`, held by `holder`, and the ways on."""
+    return (
+        f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+        f"started {holder.get('started', '?')} ({Path(output_dir) / RUN_LOCK}). Two runs in one output_dir "
+        "overwrite each other's checkpoints and logs. Wait for it or stop it; then resume its run with "
+        "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
+    )
 
 
 def _lock_holder(path: Path) -> dict | None:
