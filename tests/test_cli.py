@@ -173,6 +173,14 @@ BAD_INPUT = [
         ["--steps_per_generation", "4", "--gradient_accumulation_steps", "3"],
         "Nearest valid: steps_per_generation=3 or 6; or gradient_accumulation_steps=2 or 4.",
     ),
+    (  # the rollout's size set in completions: the error names that field, in its unit, not steps_per_generation
+        ["--generation_batch_size", "6", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4"]
+        + ["--num_generations", "2"],
+        "generation_batch_size (6) must be a multiple of per_device_train_batch_size x processes x "
+        "gradient_accumulation_steps (4): a rollout is split into whole optimizer steps, so that every step's token "
+        "mean spans as many completions (GRPO lets a step span two rollouts). Nearest valid: generation_batch_size=4 "
+        "or 8; or gradient_accumulation_steps=3 or 6.",
+    ),
     *([] if _cuda_supports_bf16() else [(["--bf16", "true"], "bf16=True needs an accelerator with bf16")]),
     # A tracker transformers knows but this environment lacks (not in the locked set), and a misspelt one: both were
     # raised by the Trainer's callbacks, a traceback after the models had loaded.

@@ -205,13 +205,16 @@ def test_the_saving_code_reads_the_run_record_not_the_trainers_own_attributes():
 
 
 def test_every_extra_the_docs_and_messages_name_exists():
-    """`pip install trl-vapo[x]` in the README, a help text or an error message names an extra pyproject.toml has."""
+    """`pip install -e ".[x]"` in the README, an example, a help text or an error message names an extra
+    pyproject.toml has; and none names the package as if it were on PyPI (`pip install trl-vapo`: not released)."""
     import re
 
     section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
     extras = set(re.findall(r"^([\w-]+) = \[", section, flags=re.MULTILINE))
     assert {"dev", "qlora"} <= extras
-    texts = [ROOT / "README.md", *sorted((ROOT / "trl_vapo").rglob("*.py"))]
-    named = {(path.name, extra) for path in texts for extra in re.findall(r"trl-vapo\[([\w,-]+)\]", path.read_text())}
-    assert named, "no `trl-vapo[...]` found: the pattern is stale"
+    texts = [ROOT / "README.md", *sorted((ROOT / "examples").rglob("*.*")), *sorted((ROOT / "trl_vapo").rglob("*.py"))]
+    texts = [path for path in texts if path.suffix in (".md", ".py", ".yaml")]
+    named = {(path.name, extra) for path in texts for extra in re.findall(r'"\.\[([\w,-]+)\]"', path.read_text())}
+    assert named, 'no `".[...]"` found: the pattern is stale'
+    assert not [path.name for path in texts if "pip install trl-vapo" in path.read_text()]
     assert not {(name, extra) for name, extra in named if not set(extra.split(",")) <= extras}, extras

@@ -427,6 +427,28 @@ def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_pa
     assert trainer.lr_scheduler.last_epoch == trainer.state.global_step
 
 
+@pytest.mark.parametrize("kind", ["constant_with_warmup", "constant", "linear", "cosine"])
+def test_each_schedule_is_transformers_own_shifted_to_where_its_side_starts(kind):
+    """`Schedule` follows `transformers.get_scheduler`, multiplier for multiplier over a whole run (`constant` has no
+    warm-up, whatever warmup_steps says), started at the step its side starts (the actor's: after value
+    pretraining), and 0 before it."""
+    from transformers import get_scheduler
+
+    from trl_vapo.optim import Schedule
+
+    warmup, total, start = 3, 10, 4
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    reference = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    expected = []
+    for _ in range(total):
+        expected.append(reference.get_last_lr()[0])
+        optimizer.step()
+        reference.step()
+    ours = Schedule(kind, warmup, total, start_step=start)
+    assert [ours(step) for step in range(start)] == [0.0] * start
+    assert [ours(start + step) for step in range(total)] == pytest.approx(expected, abs=1e-12)
+
+
 def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tiny_model_dir, tmp_path):
     PoisonedTrainer.poisoned = {2, 3, 4, 5}
     args = config(tmp_path, max_steps=8, save_strategy="steps", save_steps=1, nonfinite_loss_patience=3)

@@ -146,7 +146,8 @@ file (--config FILE.yaml: its keys are the flags below, and flags override it), 
                                                     --multi_gpu, --config_file, --accelerate_config zero1|zero2|zero3|
                                                     fsdp1|fsdp2|multi_gpu|single_gpu) relaunch the run through it
 
-The defaults below are every run's (VAPOConfig's: the paper's where it has one). The demo changes these:
+The defaults below are every run's (VAPOConfig's: the paper's where it has one, but for the batch: the paper
+samples 512 prompts x 16). The demo changes these:
 {demo}
 """
 
@@ -783,7 +784,7 @@ def plot_command(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
     except ImportError:
-        raise UsageError("plots need matplotlib: pip install trl-vapo[plot]") from None
+        raise UsageError("plots need matplotlib: pip install matplotlib") from None
     for path in paths:
         print(path)
     return 0

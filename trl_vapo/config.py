@@ -22,8 +22,9 @@ _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 class VAPOConfig(TrainingArguments):
     r"""Configuration for [`VAPOTrainer`].
 
-    VAPO (arXiv 2504.05118) is PPO with a value model plus seven techniques; the defaults reproduce the paper
-    wherever the paper gives a value, and each technique is switched off by configuration alone:
+    VAPO (arXiv 2504.05118) is PPO with a value model plus seven techniques; the defaults are the paper's wherever
+    the paper gives a value, except the batch (one device's: 8 completions a rollout, where the paper samples 512
+    prompts x 16), and each technique is switched off by configuration alone:
 
     | technique                  | field(s)                              | VAPO        | off (vanilla PPO)            |
     | -------------------------- | ------------------------------------- | ----------- | ---------------------------- |
@@ -33,16 +34,18 @@ class VAPOConfig(TrainingArguments):
     | 4 token-level loss         | `loss_type`                           | "token"     | "sequence"                   |
     | 5 clip-higher              | `epsilon`, `epsilon_high`             | 0.2, 0.28   | `epsilon_high=0.2`           |
     | 6 positive-example NLL     | `nll_coef` (mu)                       | 0.1         | 0.0                          |
-    | 7 group sampling           | `num_generations`                     | 16 (paper)  | 1                            |
+    | 7 group sampling           | `num_generations`                     | 8 (paper 16)| 1                            |
 
     Batch sizes follow TRL's GRPOConfig: a micro-batch is `per_device_train_batch_size` completions per device; an
     optimizer step accumulates `gradient_accumulation_steps` micro-batches; one rollout (generation round) produces
     `generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation` completions from
-    `generation_batch_size / num_generations` prompts, and is trained on for `num_iterations` passes, i.e.
-    `num_iterations * steps_per_generation / gradient_accumulation_steps` optimizer steps.
+    `generation_batch_size / num_generations` prompts, and is trained on for `critic_num_iterations` passes (the
+    first `num_iterations` of them also train the policy), i.e.
+    `critic_num_iterations * steps_per_generation / gradient_accumulation_steps` optimizer steps.
 
     Differences from `TrainingArguments` defaults: `learning_rate=1e-6` (paper), `lr_scheduler_type=
-    "constant_with_warmup"` (paper: warm-up then constant), `logging_steps=10`, `bf16` on only where the hardware
+    "constant_with_warmup"` (paper: warm-up then constant; `warmup_steps` stays 0, the paper giving no length),
+    `logging_steps=10`, `bf16` on only where the hardware
     supports it (never on CPU), `remove_unused_columns=False` (reward functions read extra columns).
     """
 
@@ -62,8 +65,9 @@ class VAPOConfig(TrainingArguments):
         default="constant_with_warmup",
         metadata={
             "help": "Learning-rate schedule, applied to the actor and the critic separately: one of "
-            f"{', '.join(_LR_SCHEDULES)}. The actor's warm-up starts with its first update, after value pretraining. "
-            "Paper: warm-up then constant."
+            f"{', '.join(_LR_SCHEDULES)}, as `transformers.get_scheduler` computes them (`constant` has no warm-up). "
+            "The actor's warm-up starts with its first update, after value pretraining. Paper: warm-up then "
+            "constant, of a length it does not give: `warmup_steps` is 0 (no warm-up) unless set."
         },
     )
     logging_steps: float = field(
@@ -95,7 +99,7 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Write PNGs of the training curves and of the mean value / advantage / return by response "
             "position to `output_dir/plots/` at the end of value pretraining and of training (needs matplotlib: "
-            "`pip install trl-vapo[plot]`). `trl-vapo plot OUTPUT_DIR` redraws them at any time."
+            "`pip install matplotlib`). `trl-vapo plot OUTPUT_DIR` redraws them at any time."
         },
     )
     diagnostic_position_buckets: int = field(
@@ -137,7 +141,10 @@ class VAPOConfig(TrainingArguments):
     )
     max_completion_length: int = field(
         default=512,
-        metadata={"help": "Maximum number of generated tokens per completion. Paper: 20k (long chain of thought)."},
+        metadata={
+            "help": "Maximum number of generated tokens per completion. The paper trains long chains of thought; "
+            "its lengths are not in this project's sources (VC-PPO's contexts: 8k and 16k tokens)."
+        },
     )
     num_generations: int = field(
         default=8,
@@ -411,7 +418,8 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Value pretraining: rollouts from the frozen initial policy that train only the critic, on "
             "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100). 0: off. "
-            "Skipped when `value_model` was saved by a previous value pretraining."
+            "Skipped when `value_model` was saved by a previous value pretraining, or is a frozen value function "
+            "(a `ValueFunction`, which learns nothing)."
         },
     )
     value_pretrain_num_iterations: int | None = field(
@@ -668,6 +676,7 @@ class VAPOConfig(TrainingArguments):
         per_step = self.per_device_train_batch_size * self.world_size
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError("Set only one of `generation_batch_size` and `steps_per_generation`; the other follows.")
+        self._rollout_size_set = self.generation_batch_size is not None  # which of the two fields errors name
         if self.generation_batch_size is not None:
             if self.generation_batch_size % per_step != 0:
                 raise ValueError(
@@ -695,13 +704,22 @@ class VAPOConfig(TrainingArguments):
         )
         steps, accumulation = self.steps_per_generation, self.gradient_accumulation_steps
         below = steps // accumulation * accumulation
-        multiples = " or ".join(str(m) for m in (below, below + accumulation) if m)
         divisors = " or ".join(map(str, _nearest_divisors(steps, accumulation)))
+        if self._rollout_size_set:  # the field the user set, in its own unit (completions)
+            per_step = self.per_device_train_batch_size * self.world_size
+            what = (
+                f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                f"per_device_train_batch_size x processes x gradient_accumulation_steps ({per_step * accumulation})"
+            )
+            field, unit = "generation_batch_size", per_step
+        else:
+            what = f"steps_per_generation ({steps}) must be a multiple of gradient_accumulation_steps ({accumulation})"
+            field, unit = "steps_per_generation", 1
+        multiples = " or ".join(str(m * unit) for m in (below, below + accumulation) if m)
         require(
             steps % accumulation == 0,
-            f"steps_per_generation ({steps}) must be a multiple of gradient_accumulation_steps ({accumulation}): a "
-            "rollout is split into whole optimizer steps, so that every step's token mean spans as many completions "
-            f"(GRPO lets a step span two rollouts). Nearest valid: steps_per_generation={multiples}; or "
+            f"{what}: a rollout is split into whole optimizer steps, so that every step's token mean spans as many "
+            f"completions (GRPO lets a step span two rollouts). Nearest valid: {field}={multiples}; or "
             f"gradient_accumulation_steps={divisors}.",
         )
         refused = self._refused_grpo_settings()

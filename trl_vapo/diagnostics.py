@@ -189,7 +189,7 @@ def write_plots_if_possible(output_dir: str | Path, logs: list[dict[str, Any]]) 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        logger.info("plot_diagnostics: matplotlib is not installed (`pip install trl-vapo[plot]`); no PNGs.")
+        logger.info("plot_diagnostics: matplotlib is not installed (`pip install matplotlib`); no PNGs.")
         return
     if not any("phase" in entry for entry in logs):
         return  # nothing logged yet

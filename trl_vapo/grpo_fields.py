@@ -31,7 +31,7 @@ GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instea
     "scale_rewards": (
         "group",
         "VAPO does not scale rewards: the advantages come from the critic (GAE) and are whitened over the rollout "
-        "(`whiten_advantages`). 'none' is accepted too.",
+        "(`whiten_advantages`). True and False, GRPO's old spellings of 'group' and 'none', are accepted too.",
         ("none",),
     ),
     "top_entropy_quantile": (1.0, _ENTROPY),
@@ -62,11 +62,10 @@ GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instea
 def grpo_only_field(name: str):
     """A GRPOConfig field of a feature VAPO does not have (`GRPO_ONLY`): accepted at GRPO's default (and the other
     values listed there), else refused by `VAPOConfig._validate` with what VAPO does instead."""
-    default, instead, *_ = GRPO_ONLY[name]
-    return field(
-        default=default,
-        metadata={"help": f"GRPOConfig's field, accepted at GRPO's default ({default!r}) only: {instead}"},
-    )
+    default, instead, *also = GRPO_ONLY[name]
+    accepted = " and ".join(repr(value) for value in (default, *(also[0] if also else ())))
+    where = f"GRPO's default ({default!r}) only" if not also else f"{accepted} only (GRPO's default first)"
+    return field(default=default, metadata={"help": f"GRPOConfig's field, accepted at {where}: {instead}"})
 
 
 def grpo_setting_warnings(args) -> list[str]:

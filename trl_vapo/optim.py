@@ -48,9 +48,11 @@ class Schedule:
         if self.start_step is None or step < self.start_step:
             return 0.0
         step -= self.start_step
+        if self.kind == "constant":  # transformers' `constant` has no warm-up, whatever warmup_steps says
+            return 1.0
         if step < self.warmup_steps:
             return step / max(1, self.warmup_steps)
-        if self.kind in ("constant", "constant_with_warmup"):
+        if self.kind == "constant_with_warmup":
             return 1.0
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         if self.kind == "linear":
