@@ -872,3 +872,81 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
         train_dataset=prompts_dataset(),
     )
     assert no_kl.ref_model is None
+
+
+class LocalHub:
+    """A stand-in for `huggingface_hub.HfApi` where the Hub cannot be reached (these machines): the two calls the
+    Trainer makes, `create_repo` and `upload_folder`, with HfApi's own selection of a folder's files (its ignore
+    patterns and defaults, `path_in_repo`), written to `root/<repo_id>/` when called; each upload recorded with its
+    commit message."""
+
+    def __init__(self, root):
+        from huggingface_hub import HfApi
+
+        self.root, self.api, self.commits = root, HfApi(endpoint="http://127.0.0.1:9"), []
+        self.api._validate_yaml = lambda content, **kwargs: None  # the Hub's YAML check of a README: a request
+
+    def create_repo(self, repo_id, **kwargs):
+        from types import SimpleNamespace
+
+        (self.root / repo_id).mkdir(parents=True, exist_ok=True)
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, commit_message, ignore_patterns=None, **kw):
+        import shutil
+        from concurrent.futures import Future
+
+        from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS
+
+        ignore = [*(ignore_patterns or []), *DEFAULT_IGNORE_PATTERNS]
+        added = self.api._prepare_upload_folder_additions(folder_path, path_in_repo or "", ignore_patterns=ignore)
+        for operation in added:
+            target = self.root / repo_id / operation.path_in_repo
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(operation.path_or_fileobj, target)
+        self.commits.append(commit_message)
+        done = Future()
+        done.set_result(None)
+        return done if kw.get("run_as_future") else None
+
+
+def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers_does(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """`push_to_hub=True` pushes while training (`hub_strategy`) and on `save_model`, as the Trainer does: the
+    repository's root is a model that loads (policy, critic, tokenizer, card), without the training state, and
+    `last-checkpoint/` is a checkpoint a run resumes from. Both were missing: the trainer's own checkpoint and save
+    never pushed, so `trl-vapo train --push_to_hub` made an empty repository."""
+    import transformers.trainer
+
+    hub = LocalHub(tmp_path / "hub")
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    pushing = dict(push_to_hub=True, hub_model_id="me/vapo", hub_strategy="checkpoint", save_strategy="steps")
+    args = make_args(tmp_path, save_steps=1, per_device_train_batch_size=8, **pushing)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(16)
+    )
+    trainer.train()
+    trainer.save_model()
+    assert hub.commits == [
+        "Training in progress, step 1",
+        "Training in progress, step 1, checkpoint",
+        "Training in progress, step 2",
+        "Training in progress, step 2, checkpoint",
+        "Model save",
+    ]
+    repo = tmp_path / "hub" / "me" / "vapo"
+    AutoModelForCausalLM.from_pretrained(repo)
+    AutoModelForSequenceClassification.from_pretrained(repo / "critic")
+    assert 'model="me/vapo"' in (repo / "README.md").read_text()
+    root = {p.name for p in repo.iterdir()}
+    assert not root & {"optimizer.pt", "scheduler.pt", "trainer_state.json", "vapo_state.json", ".vapo_run.lock"}
+    assert not [name for name in root if name.startswith(("checkpoint-", "."))]
+
+    more = make_args(tmp_path / "resumed", max_steps=3, per_device_train_batch_size=8)
+    resumed = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=more, train_dataset=prompts_dataset(16)
+    )
+    resumed.train(resume_from_checkpoint=str(repo / "last-checkpoint"))
+    assert resumed.state.global_step == 3
+    assert [h["step"] for h in resumed.state.log_history if "phase" in h] == [1, 2, 3]  # 1-2 read from the Hub

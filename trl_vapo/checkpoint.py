@@ -49,6 +49,9 @@ CHECKPOINT_PREFIX = "checkpoint"
 PRETRAINED_CRITIC_DIR = "value_pretrained_critic"
 DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
+# A checkpoint's files that only a resume reads: the model pushed to the Hub's root leaves them out.
+TRAINING_STATE = ["optimizer.pt", "scheduler.pt", "rng_state_*", "trainer_state.json", COMPLETE_MARKER]
+TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*"]  # ZeRO's partitioned optimizer state
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
 
@@ -413,6 +416,8 @@ class SavingMixin:
                     shutil.rmtree(tmp, ignore_errors=True)
                 self.create_model_card(output_dir=output_dir)  # it names output_dir's paths: written in place
         self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:  # as transformers: a user's save is pushed
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     @contextlib.contextmanager
     def _full_weights(self):
@@ -498,7 +503,45 @@ class SavingMixin:
         with write_errors_named(final, tmp):
             self._write_checkpoint(final, tmp)
         self._checkpoint_step = self.state.global_step
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(str(final))
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """`push_to_hub=True` while training, as transformers pushes (by `hub_strategy`; one upload at a time unless
+        `hub_always_push`; in the background), from this trainer's checkpoint: its policy, critic and tokenizer to
+        the repository's root, and with `checkpoint` / `all_checkpoints` the whole checkpoint (what a resume reads)
+        to `last-checkpoint/` or a folder of its name. transformers copies the policy's files into `output_dir` and
+        uploads that folder, which here holds no critic and may hold the next checkpoint, half-written."""
+        from transformers.trainer import PushInProgress, hf_api
+        from transformers.trainer_utils import HubStrategy
+
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        message = f"Training in progress, step {self.state.global_step}"
+        hub = dict(repo_id=self.hub_model_id, token=self.args.hub_token, run_as_future=True)
+        hub["revision"] = self.args.hub_revision
+        jobs = [
+            hf_api().upload_folder(
+                folder_path=checkpoint_folder, commit_message=message, ignore_patterns=TRAINING_STATE, **hub
+            )
+        ]
+        if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            name = (
+                "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
+            )
+            jobs.append(
+                hf_api().upload_folder(
+                    folder_path=checkpoint_folder, path_in_repo=name, commit_message=f"{message}, checkpoint", **hub
+                )
+            )
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress(jobs)
+        else:
+            self.push_in_progress.jobs.extend(jobs)
 
     def _write_checkpoint(self, final: Path, tmp: Path) -> None:
         main = self.accelerator.is_main_process

@@ -478,6 +478,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        self._finish_current_push()  # as transformers: the last checkpoint's upload ends with the run
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
