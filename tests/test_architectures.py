@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import digit_fraction, make_args, prompts_dataset
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
 from trl_vapo import VAPOTrainer
@@ -25,7 +25,7 @@ SMALL = dict(
     max_position_embeddings=128,
 )
 ARCHITECTURES = {
-    "qwen2": {},
+    "qwen2": dict(pad_token_id=None),  # as Qwen2.5's config: no pad id (its tokenizer has one)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1),
     "cohere2": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16),  # no seq. classifier
     "codegen": dict(n_ctx=128, rotary_dim=4),  # none either, and its backbone is `transformer`, not `model`
@@ -36,7 +36,7 @@ def save_tiny(directory: Path, model_type: str, **config) -> Path:
     """A tiny randomly initialised causal LM of `model_type` with the character tokenizer, saved to `directory`."""
     tokenizer = build_char_tokenizer()
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **SMALL, **ids, **config)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **SMALL, **{**ids, **config})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -72,6 +72,17 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
         assert torch.equal(value, trained[name]), name
     if model_type in ("cohere2", "codegen"):
         assert model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES  # the case this test is for
+    # The card says how the critic loads, and it loads so: transformers' class scores a padded batch (the saved
+    # config names the pad id, which Qwen2.5's lacks), or, where transformers has no class, trl-vapo alone.
+    card = (tmp_path / "out" / "README.md").read_text()
+    if model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        assert "one-label `AutoModelForSequenceClassification` (`from_pretrained` loads it)" in card
+        saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "critic")
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+        batch = tokenizer(["1+1=2", "12+3="], padding=True, return_tensors="pt")
+        assert saved(**batch).logits.shape == (2, 1)
+    else:
+        assert "transformers has no `AutoModelForSequenceClassification` class for this architecture" in card
 
 
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled-head", "own-forward"])

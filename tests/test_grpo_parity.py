@@ -67,6 +67,17 @@ def test_a_peft_model_the_user_already_wrapped_trains_with_the_critic_on_its_bas
     assert all("lora_" in n for n in changed)  # the base stays frozen: it is the reference and the critic's too
 
 
+def test_a_peft_model_whose_adapter_has_another_name_is_refused_naming_it(tiny_model_dir, tmp_path):
+    """The policy's adapter is the one named "default": another name was a bare KeyError: 'default'."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config, adapter_name="math")
+    with pytest.raises(ValueError, match="model is a PeftModel whose adapter is named 'math'; VAPOTrainer trains the"):
+        VAPOTrainer(model, digit_fraction, make_args(tmp_path), prompts_dataset())
+
+
 # ---------------------------------------------------------------------------------------------------- the config
 def _grpo_init_defaults() -> dict:
     """GRPOConfig's fields with the defaults its `__init__` gives them: the fields a GRPO script may pass (the

@@ -481,6 +481,7 @@ class SavingMixin:
             dataset_description=info.get("dataset_description"),
             is_adapter=run.is_adapter,
             critic_shares_base=run.critic_shares_base,
+            critic_auto_class=run.critic_auto_class,
             value_function=run.value_function,
             value_pretraining=value_pretraining,
             pretrained_critic_dir=pretrained_dir if pretrained_dir.is_dir() else None,

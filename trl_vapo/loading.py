@@ -144,6 +144,12 @@ def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
             "The model is quantized (4-bit or 8-bit), and quantized weights cannot be trained: pass a peft_config "
             "(e.g. LoraConfig(r=16)) to train adapters on the frozen quantized base (QLoRA)."
         )
+    if is_peft_model(policy) and POLICY_ADAPTER not in policy.peft_config:
+        raise ValueError(
+            f"model is a PeftModel whose adapter is named {', '.join(map(repr, policy.peft_config))}; VAPOTrainer "
+            f"trains the adapter named {POLICY_ADAPTER!r} (what `get_peft_model(base, config)` names it) and adds the "
+            "critic's beside it: wrap the base without `adapter_name`, or pass the base model with peft_config."
+        )
     if peft_config is None or is_peft_model(policy):
         return policy
     from peft import get_peft_model, prepare_model_for_kbit_training

@@ -94,6 +94,8 @@ class RunRecord:
         critic_shares_base: the critic is a second adapter on the policy's base.
         value_function: the name of a frozen value function that gives the values, else None.
         critic_pretrained: the critic came from an earlier value pretraining (`value_model=`).
+        critic_auto_class: a separate critic's architecture has an `AutoModelForSequenceClassification` class (else
+            the critic loads back as `value_model=` alone).
     """
 
     base_model: str | None = None
@@ -103,6 +105,7 @@ class RunRecord:
     critic_shares_base: bool = False
     value_function: str | None = None
     critic_pretrained: bool = False
+    critic_auto_class: bool = True
 
 
 def build_model_card(
@@ -117,6 +120,7 @@ def build_model_card(
     dataset_description: str | None = None,
     is_adapter: bool = False,
     critic_shares_base: bool = False,
+    critic_auto_class: bool = True,
     value_function: str | None = None,
     value_pretraining: dict[str, Any] | None = None,
     pretrained_critic_dir: str | os.PathLike | None = None,
@@ -143,6 +147,7 @@ def build_model_card(
         is_adapter: the folder holds a PEFT adapter (`library_name: peft`) rather than full weights.
         critic_shares_base: the critic is a LoRA adapter on the policy's base (`ActorCritic.shares_base`), not a
             separate model.
+        critic_auto_class: a separate critic's architecture has an `AutoModelForSequenceClassification` class.
         value_function: the name of the frozen value function (`value_model=` a `ValueFunction`) that replaced the
             critic, if one did: no critic was trained or saved.
         value_pretraining: what value pretraining did, e.g. the record saved with the pretrained critic
@@ -192,7 +197,9 @@ def build_model_card(
         ),
         _held_out_section(held_out),
         _training_section(args, value_pretraining, log_history, wandb_url, trackio_url),
-        _critic_section(critic_shares_base, output_dir, pretrained_critic_dir, value_pretraining, value_function),
+        _critic_section(
+            critic_shares_base, critic_auto_class, output_dir, pretrained_critic_dir, value_pretraining, value_function
+        ),
         _versions_section(is_adapter),
         _citations_section(citation),
     ]
@@ -405,7 +412,12 @@ def _metrics_summary(log_history) -> str:
 
 
 def _critic_section(
-    shares_base: bool, output_dir: Path, pretrained_critic_dir, value_pretraining, value_function: str | None = None
+    shares_base: bool,
+    auto_class: bool,
+    output_dir: Path,
+    pretrained_critic_dir,
+    value_pretraining,
+    value_function: str | None = None,
 ) -> str:
     if value_function is not None:
         return (
@@ -418,10 +430,17 @@ def _critic_section(
             "`critic/` in this folder holds the adapter (`adapter_config.json`, `adapter_model.safetensors`) and "
             "the head (`value_head.safetensors`)."
         )
-    else:
+    elif auto_class:
         kind = (
             "The critic is a separate model that started from the policy's weights: `critic/` in this folder is a "
             "one-label `AutoModelForSequenceClassification` (`from_pretrained` loads it)."
+        )
+    else:
+        kind = (
+            "The critic is a separate model that started from the policy's weights: `critic/` in this folder is the "
+            "policy's backbone with a one-label linear head, laid out as a sequence classifier; transformers has no "
+            "`AutoModelForSequenceClassification` class for this architecture, so trl-vapo loads it "
+            '(`VAPOTrainer(..., value_model="critic")`).'
         )
     lines = ["### Value model (critic)", "", kind, ""]
     outcome = _value_pretraining_outcome(value_pretraining)

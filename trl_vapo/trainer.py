@@ -93,6 +93,7 @@ from .loading import (
     check_grpo_arguments,
     check_quantization,
     check_trainer_arguments,
+    has_sequence_classifier,
     load_policy,
     policy_init_kwargs,
     router_aux_loss_coefficient,
@@ -255,8 +256,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         fingerprint = policy_fingerprint(policy)
         with whole_models_under_zero3(zero3_config):
             actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint)
-        # What the saving code and the model card know of this run.
         frozen = actor_critic.value_function
+        separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
+        if separate and getattr(actor_critic.critic.config, "pad_token_id", None) is None:  # as Qwen2.5's config
+            # The saved critic then scores a padded batch with `from_pretrained` (at each row's last non-pad token),
+            # as TRL's reward models do; training reads its values at every position and needs none.
+            actor_critic.critic.config.pad_token_id = tokenizer.pad_token_id
+        # What the saving code and the model card know of this run.
         self.run_record = RunRecord(
             base_model=get_config_model_id(actor_critic.config),
             policy_fingerprint=fingerprint,
@@ -265,6 +271,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             critic_shares_base=actor_critic.shares_base,
             value_function=None if frozen is None else value_function_name(frozen),
             critic_pretrained=critic_pretrained,
+            critic_auto_class=not separate
+            or has_sequence_classifier(actor_critic.critic.config, args.trust_remote_code),
         )
         if args.cast_lm_head_to_fp32:
             # After the critic is built and the dtypes to save in are recorded (a tied head casts the embeddings
