@@ -568,6 +568,50 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     assert_trained_lora_with_evaluations(out, reward_model_dir.name, evaluations=2)
 
 
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--model", "{tmp}/empty"], "--model {tmp}/empty is not a model folder: it has no config.json"),
+        (["--model", "{tmp}/file"], "--model {tmp}/file is a file: name the model's folder"),
+        (["--model_name_or_path", "{tmp}/empty"], "--model {tmp}/empty is not a model folder"),  # the alias
+        (["--model", "{model}", "--k", "0"], "--k must be >= 1, got 0"),
+        (["--model", "{model}", "--num_prompts", "-1"], "--num_prompts must be >= 1, got -1"),
+        (["--model", "{model}", "--temperature", "0", "--top_p", "1.5"], "--temperature must be > 0 (sampling), got"),
+        (["--model", "{model}", "--reward_model_name_or_path", "./nope"], "--reward_model_name_or_path ./nope: no"),
+        (["--model", "{model}", "--config", "nope.yaml"], "nope.yaml: no such file (--config takes a YAML file's"),
+        (["--model", "{model}", "--output_json", "{tmp}"], "--output_json {tmp} is a folder: name a file"),
+    ],
+)
+def test_eval_bad_input_is_one_line_before_any_model_loads(args, needle, tiny_model_dir, tmp_path, capsys):
+    """Each was a traceback: from transformers once the model had loaded, or from writing the scores after the whole
+    evaluation had run."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("")
+    fill = dict(tmp=tmp_path, model=tiny_model_dir)
+    assert main(["eval", *(a.format(**fill) for a in args)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"trl-vapo eval: error: {needle.format(**fill)}"), lines
+
+
+def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(tiny_model_dir, tmp_path, capsys):
+    """A PEFT adapter folder without a tokenizer reads its base's; a config's `reward_weights` score as in training
+    (0: nothing is correct); `--k 1` reports the greedy pass@1 beside avg@1 (its own pass@1 overwrote the greedy
+    one); `--output_json` makes its folder."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "tokenizer_config.json").exists()
+    (tmp_path / "run.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nreward_weights: [0.0]\n")
+    scores = tmp_path / "new" / "scores.json"
+    common = ["eval", "--model", str(tmp_path / "adapter"), "--num_prompts", "4", "--max_new_tokens", "4"]
+    assert main([*common, "--k", "1", "--output_json", str(scores), "--config", str(tmp_path / "run.yaml")]) == 0
+    result = json.loads(scores.read_text())
+    assert set(result) == {"pass@1", "avg@1", "num_problems", "mean_length"}
+    assert result["pass@1"] == result["avg@1"] == 0.0 and result["num_problems"] == 4
+
+
 def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):
     config = tmp_path / "grpo.yaml"
     config.write_text("datasets:\n  - path: some/data\ntest_split_size: 0.1\nlearning_rate: 1.0e-5\n")

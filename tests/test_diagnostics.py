@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -117,6 +118,19 @@ def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, c
     assert (out / LOG_FILE).is_file()
     assert cli_main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # A running run's log ends in the line it is writing: plotted without it. A damaged line elsewhere is named.
+    log = (out / LOG_FILE).read_text()
+    (out / LOG_FILE).write_text(log + '{"step": 6, "phase": "r')
+    assert cli_main(["plot", str(out)]) == 0
+    lines = log.splitlines()
+    (out / LOG_FILE).write_text("\n".join([*lines[:2], '{"step": 3, "pha', *lines[3:]]) + "\n")
+    assert cli_main(["plot", str(out)]) == 2
+    assert f"{out / LOG_FILE}, line 3: not JSON" in capsys.readouterr().err
+    (out / LOG_FILE).write_text(log)
+    shutil.rmtree(plots)
+    plots.write_text("")  # where the PNGs go, a file: one line, not a traceback
+    assert cli_main(["plot", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("trl-vapo plot: error: ")
 
 
 def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):

@@ -623,12 +623,25 @@ class EvalArguments:
     """How `trl-vapo eval` samples and scores; the data flags are the same as `train`'s."""
 
     model: str | None = field(
-        default=None, metadata={"help": "Model folder or hub id (a PEFT adapter folder works too)."}
+        default=None,
+        metadata={
+            "help": "Model folder or hub id (a PEFT adapter folder works too). `--model_name_or_path` is an alias; a "
+            "config's `model_name_or_path` (the base a run trained from) is not read.",
+            "aliases": ["--model_name_or_path"],
+        },
     )
-    num_prompts: int | None = field(default=None, metadata={"help": "Score the first N prompts only."})
+    num_prompts: int | None = field(
+        default=None, metadata={"help": "Score the first N prompts only (the demo's task: 200 unless set)."}
+    )
     k: int = field(default=32, metadata={"help": "Samples per prompt for avg@k and pass@k (paper: avg@32)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (paper: 1.0)."})
-    top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling (paper: 0.7)."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature (paper: 1.0; a config's `temperature` applies)."}
+    )
+    top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling (paper: 0.7; a config's `top_p` applies)."})
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weights of the reward functions, as in training (a config's `reward_weights` applies)."},
+    )
     max_completion_length: int = field(
         default=1024,
         metadata={
@@ -685,6 +698,8 @@ def eval_command(argv: list[str]) -> int:
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
+    except FileNotFoundError as error:  # --config naming no file
+        raise UsageError(f"{error.filename or error}: no such file (--config takes a YAML file's path)") from None
     unknown = [arg for arg in cli_remaining if arg.startswith("-")]
     # A training YAML works as is: its training-only keys (learning_rate, lora_r, ...) are left for `train`, and
     # only keys that neither command knows are errors.
@@ -700,7 +715,12 @@ def eval_command(argv: list[str]) -> int:
         )
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
+    _check_eval_numbers(args)
     _check_model_source(args.model, "--model")
+    tokenizer_source = _tokenizer_source(args.model)
+    _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
+    if args.output_json and Path(args.output_json).is_dir():
+        raise UsageError(f"--output_json {args.output_json} is a folder: name a file")
     from .generation import EngineSettings, build_engine, check_engine_available
 
     try:
@@ -731,6 +751,7 @@ def eval_command(argv: list[str]) -> int:
         from .config import VAPOConfig
 
         script.dataset_train_split = script.dataset_test_split or "test"
+        script.dataset_streaming = False  # a training config's: eval selects and scores a whole split
         _, dataset, _, _ = _resolve_data(
             script,
             ModelConfig(model_name_or_path=args.model),
@@ -747,7 +768,7 @@ def eval_command(argv: list[str]) -> int:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=args.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -763,13 +784,56 @@ def eval_command(argv: list[str]) -> int:
         top_p=args.top_p,
         max_new_tokens=args.max_completion_length,
         batch_size=args.batch_size,
+        reward_weights=args.reward_weights,
         positive_reward_threshold=args.positive_reward_threshold,
         engine=engine,
     ).as_dict()
     print(json.dumps(result, indent=2))
     if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _check_eval_numbers(args) -> None:
+    """Each number `eval` reads in its range, before any model loads."""
+    problems = [
+        f"--{name} must be {rule}, got {value}"
+        for name, value, ok, rule in (
+            ("k", args.k, args.k >= 1, ">= 1"),
+            ("num_prompts", args.num_prompts, args.num_prompts is None or args.num_prompts >= 1, ">= 1"),
+            ("temperature", args.temperature, args.temperature > 0, "> 0 (sampling)"),
+            ("top_p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+            ("max_completion_length", args.max_completion_length, args.max_completion_length >= 1, ">= 1"),
+            ("batch_size", args.batch_size, args.batch_size >= 1, ">= 1"),
+        )
+        if not ok
+    ]
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def _tokenizer_source(model: str) -> str:
+    """Where `model`'s tokenizer is: the folder itself (or the Hub id), or for a PEFT adapter folder saved without
+    one, its base model (checked as `--model` is). A local path that holds no model is said here, before loading."""
+    folder = Path(model).expanduser()
+    if folder.is_file():
+        raise UsageError(f"--model {model} is a file: name the model's folder")
+    if not folder.is_dir():
+        return model  # a Hub id, checked by _check_model_source
+    adapter = folder / "adapter_config.json"
+    if not (folder / "config.json").is_file() and not adapter.is_file():
+        raise UsageError(
+            f"--model {model} is not a model folder: it has no config.json (a model) nor adapter_config.json (a PEFT "
+            f"adapter). Files there: {sorted(p.name for p in folder.iterdir())[:10]}"
+        )
+    if not adapter.is_file() or (folder / "tokenizer_config.json").is_file():
+        return model
+    base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UsageError(f"--model {model} is a PEFT adapter with neither a tokenizer nor a base_model_name_or_path")
+    _check_model_source(base, f"the adapter's base model (base_model_name_or_path in {adapter})")
+    return base
 
 
 def plot_command(argv: list[str]) -> int:
@@ -781,7 +845,7 @@ def plot_command(argv: list[str]) -> int:
 
     try:
         paths = write_plots(args.output_dir)
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # no such run, a damaged log, a plots/ that is a file
         raise UsageError(str(error)) from None
     except ImportError:
         raise UsageError("plots need matplotlib: pip install matplotlib") from None

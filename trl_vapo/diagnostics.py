@@ -108,10 +108,17 @@ def read_logs(output_dir: str | Path) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"{path} does not exist: is {output_dir} the output_dir of a trl-vapo run?")
     by_step: dict[int, dict] = {}
     extra = []
-    for line in path.read_text().splitlines():
+    text = path.read_text()
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        entry = json.loads(line)
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not text.endswith("\n"):  # the line a running run is writing now
+                break
+            raise ValueError(f"{path}, line {number}: not JSON ({error.msg}): the log is damaged there") from None
         if "phase" in entry:
             by_step[entry["step"]] = entry
         else:

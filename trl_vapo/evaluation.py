@@ -43,13 +43,10 @@ class EvaluationResult:
     mean_length: float
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "pass@1": self.pass_at_1,
-            f"avg@{self.k}": self.avg_at_k,
-            f"pass@{self.k}": self.pass_at_k,
-            "num_problems": self.num_problems,
-            "mean_length": self.mean_length,
-        }
+        scores = {"pass@1": self.pass_at_1, f"avg@{self.k}": self.avg_at_k}
+        if self.k > 1:  # one sample's pass@1 is avg@1, and its key would overwrite the greedy pass@1
+            scores[f"pass@{self.k}"] = self.pass_at_k
+        return {**scores, "num_problems": self.num_problems, "mean_length": self.mean_length}
 
 
 Engine = str | EngineSettings | GenerationEngine
