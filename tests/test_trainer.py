@@ -129,6 +129,8 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
     out = tmp_path / "final"
     trainer.save_model(str(out))
     assert (out / "adapter_config.json").is_file() and (out / "critic" / "value_head.safetensors").is_file()
+    assert "More Information Needed" not in (out / "README.md").read_text()  # the run's card, not peft's template
+    assert not (out / "critic" / "README.md").exists()  # nor peft's template beside the critic adapter
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():

@@ -685,6 +685,8 @@ def eval_command(argv: list[str]) -> int:
     for action in parser._actions:
         if action.dest in TRAIN_ONLY:  # accepted from a training YAML, never read here: not in eval's help
             action.help = argparse.SUPPRESS
+        elif action.dest == "dataset_test_split":  # its help is training's
+            action.help = "The split scored (a single local file is read whole, as this split)."
     given = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--")]
     training_flags = [flag for flag in given if flag[2:].replace("-", "_") in TRAIN_ONLY]
     if training_flags:

@@ -651,6 +651,9 @@ class ActorCritic(nn.Module):
             for item in nested.iterdir():
                 os.replace(item, directory / item.name)
             nested.rmdir()
+            # peft's template card ("More Information Needed" in every field), which a push would publish: the
+            # run's own card, one folder up, says what the critic is and how to load it.
+            (directory / "README.md").unlink(missing_ok=True)
             head = _sub_state(state_dict, "value_head.") or self.value_head.state_dict()
             save_file({k: v.detach().cpu().contiguous() for k, v in head.items()}, str(directory / VALUE_HEAD_FILE))
         else:
