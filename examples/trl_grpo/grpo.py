@@ -4,7 +4,8 @@
 #   python examples/trl_grpo/grpo.py --config examples/trl_grpo/deepmath_lora.yaml   # a `trl grpo` config
 # It reads `trl grpo` configs (this folder's), plus any of VAPO's own fields; `examples/*.yaml` are `trl-vapo train`
 # configs, which name trl-vapo's rewards and data presets (`math_reward`, `dataset_preset`) that TRL's script does not
-# know. `trl-vapo train --config` runs both kinds.
+# know. `trl-vapo train --config` runs both kinds. Run it in the environment trl-vapo is installed in: the `uv run`
+# dependency list below is TRL's, without trl-vapo.
 # Copyright 2020-2026 The HuggingFace Team. All rights reserved.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");
