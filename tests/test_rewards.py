@@ -95,6 +95,13 @@ TABLE = [
     ("gsm8k-answer-line", GSM8K_GOLD, "48 + 24 = 72\nAnswer: 72", True),
     ("gsm8k-bold-answer-line", GSM8K_GOLD, "48 + 24 = 72\n**Final Answer:** $72$.", True),
     ("gsm8k-no-last-number-fallback", GSM8K_GOLD, "So Natalia sold 72 clips in total.", False),
+    # The count and what it counts: math-verify reads the number off a completion (given "72 clips" as an answer it
+    # would read a product of symbols). Each was scored wrong.
+    ("gsm8k-answer-line-with-unit", GSM8K_GOLD, "48 + 24 = 72\nAnswer: 72 clips", True),
+    ("gsm8k-hash-line-with-unit", GSM8K_GOLD, "48 + 24 = 72\n#### 72 clips.", True),
+    ("gsm8k-final-answer-with-unit", GSM8K_GOLD, "48 + 24 = 72\nThe final answer is $72$ clips.", True),
+    ("gsm8k-wrong-count-with-unit", GSM8K_GOLD, "48 + 24 = 73\nAnswer: 73 clips", False),
+    ("final-answer-slash", r"\frac{1}{2}", "The final answer is 1/2.", True),  # as `Answer: 1/2` is read
     ("gsm8k-marker-not-final", GSM8K_GOLD, "#### 72\nWait, let me recount: 73.", False),
     ("thousands-gold", "#### 1,234", r"\boxed{1234}", True),
     ("thousands-pred", "#### 1234", r"\boxed{1,234}", True),
@@ -325,6 +332,10 @@ def test_find_last_boxed(text, expected):
         (r"So \boxed{5}. Final Answer: The final answer is $6$. I hope it is correct.", "6"),  # the later one wins
         (r"Final Answer: The final answer is $6$. I hope it is correct. Then \boxed{5}", "5"),
         ("The final answer is x + 1. I hope it is correct.", None),  # not a math environment or a number
+        ("steps\nAnswer: 72 clips", "72"),  # a count and what it counts: the number
+        ("Answer: 12 sq. ft", "12"),
+        ("Answer: 5 pi", "5 pi"),  # a math word is no unit
+        ("Answer: 3 and 4", "3 and 4"),
         ("The final answer is $34$.", "34"),
         ("Final Answer: The volume of the box is 120. I hope it is correct.", "120"),
         # Euler's number written upright

@@ -69,6 +69,10 @@ _MV_NUMBER_RE = re.compile(
     re.ASCII,
 )
 _MV_FRACTION_RE = re.compile(r"-?\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
+_SLASH_FRACTION_RE = re.compile(r"-?\d+\s*/\s*\d+")
+# A number and the words naming what it counts, on an answer line: ``72 clips``, ``18 dollars``, ``12 sq. ft``.
+_NUMBER_AND_WORDS_RE = re.compile(r"(?P<number>\S+)(?P<words>(?:\s+[A-Za-z]{2,}\.?){1,3})")
+_MATH_WORDS = {"pi", "sqrt", "and", "or", "times", "over", "plus", "minus"}
 # The MATH few-shot format ends with ``Final Answer: The final answer is $X$. I hope it is correct.``; math-verify
 # takes the last such sentence wherever it stands, and it competes with boxes by position (the later one wins).
 _HOPE_PREFIX_RE = re.compile(r"(?i:final answer is):?\s*")
@@ -316,6 +320,16 @@ def _phrase_answer(text: str) -> str | None:
     return _mv_number(text)
 
 
+def _number_of_a_count(text: str) -> str | None:
+    """The number of ``72 clips`` (a number, a math environment or a ``\\frac``, and up to three words naming what
+    it counts), as math-verify reads it off a completion; ``None`` for anything else. Given whole as an answer,
+    math-verify would parse the words as a product of symbols and score a correct count wrong."""
+    match = _NUMBER_AND_WORDS_RE.fullmatch(text.strip())
+    if match is None or _MATH_WORDS & {w.rstrip(".").lower() for w in match.group("words").split()}:
+        return None
+    return _phrase_answer(match.group("number"))
+
+
 def _hope_answer(text: str) -> tuple[str, int] | None:
     """Answer and end of the last ``final answer is X. I hope`` sentence of ``text`` whose X is an answer.
 
@@ -383,15 +397,20 @@ def _final_line_answer(text: str) -> str | None:
     match = _GSM8K_LINE_RE.match(line)
     if match is None:
         phrase = _FINAL_ANSWER_IS_RE.search(line)
-        if phrase is not None and (answer := _phrase_answer(phrase.group("answer"))) is not None:
-            return answer
+        if phrase is not None:
+            raw = phrase.group("answer").strip()
+            answer = _phrase_answer(raw) or _number_of_a_count(raw)
+            if answer is None and _SLASH_FRACTION_RE.fullmatch(raw):  # as ``Answer: 1/2`` is read
+                answer = raw
+            if answer is not None:
+                return answer
         match = _ANSWER_LINE_RE.match(line)
     if match is None:
         return None
     answer = match.group("answer")
     if answer.endswith(".") and not answer.endswith(".."):
         answer = answer[:-1]
-    return answer
+    return _number_of_a_count(answer) or answer
 
 
 def extract_predicted_answer(text: str) -> str | None:
@@ -406,7 +425,8 @@ def extract_predicted_answer(text: str) -> str | None:
     2. the MATH few-shot sentence ``The final answer is X. I hope it is correct.``, wherever it stands, when it ends
        after the boxes (math-verify's rule: the later of the two wins); X is a math environment or a number;
     3. without either, a final line ``#### x`` (GSM8K), ``... final answer is x`` or ``Answer: x`` (also
-       ``Final answer:``, ``**Answer:**``; a trailing full stop is dropped).
+       ``Final answer:``, ``**Answer:**``; a trailing full stop is dropped, and the words after a count: ``Answer: 72
+       clips`` is ``72``).
 
     "Final line" is the last non-empty line: an answer marker followed by more text is not an answer, and there is no
     "last number anywhere" fallback (math-verify has one), which a policy learns to game. Math delimiters around the
