@@ -580,6 +580,10 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
         (["--model", "{model}", "--reward_model_name_or_path", "./nope"], "--reward_model_name_or_path ./nope: no"),
         (["--model", "{model}", "--config", "nope.yaml"], "nope.yaml: no such file (--config takes a YAML file's"),
         (["--model", "{model}", "--output_json", "{tmp}"], "--output_json {tmp} is a folder: name a file"),
+        (
+            ["--model", "{model}", "--transformers_continuous_batching_config", "{{max_batch_tokens: 8}}"],
+            "--transformers_continuous_batching_config is not JSON (",
+        ),
     ],
 )
 def test_eval_bad_input_is_one_line_before_any_model_loads(args, needle, tiny_model_dir, tmp_path, capsys):

@@ -195,6 +195,12 @@ def test_table_size_and_batch_order(reward):
     assert reward(completions=completions[::-1], answer=golds[::-1]) == expected[::-1]
 
 
+def test_a_gold_column_given_as_one_string_is_refused(reward):
+    """TRL passes each column as a list; a direct call with one string made each character a gold answer."""
+    with pytest.raises(TypeError, match="answer= is one string; pass a list with one gold answer per completion"):
+        reward(completions=[r"\boxed{1}", r"\boxed{2}"], answer="12")
+
+
 def test_chat_completions_and_solution_column(reward):
     completions = [
         [{"role": "assistant", "content": r"It is \boxed{\frac{3}{4}}"}],

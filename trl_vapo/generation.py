@@ -687,13 +687,20 @@ class EngineSettings:
         (`VLLM_DEFAULTS`)."""
         vllm = {name: getattr(args, f"vllm_{name}") for name in VLLM_OPTIONS if hasattr(args, f"vllm_{name}")}
         config = args.transformers_continuous_batching_config
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"--transformers_continuous_batching_config is not JSON ({error}): {config}"
+                ) from None
         return cls(
             engine=cls._engine_named_by(args),
             sampling=SamplingSettings(
                 max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p
             ),
             batch_size=args.batch_size,
-            continuous_batching_config=json.loads(config) if isinstance(config, str) else config,
+            continuous_batching_config=config,
             vllm={**vllm, "trust_remote_code": args.trust_remote_code},
             rollout_size=args.batch_size,
         )

@@ -116,6 +116,11 @@ class MathReward:
     def _golds(self, kwargs: dict) -> list:
         for column in self.answer_columns:
             if kwargs.get(column) is not None:
+                if isinstance(kwargs[column], str):  # list() would make each character a gold answer
+                    raise TypeError(
+                        f"{self.__name__}: {column}= is one string; pass a list with one gold answer per completion "
+                        "(TRL passes each dataset column so)"
+                    )
                 return list(kwargs[column])
         wanted = " or ".join(map(repr, self.answer_columns))
         present = sorted(k for k in kwargs if k not in _TRAINER_KWARGS)
