@@ -201,6 +201,17 @@ def test_a_gold_column_given_as_one_string_is_refused(reward):
         reward(completions=[r"\boxed{1}", r"\boxed{2}"], answer="12")
 
 
+def test_each_row_reads_the_first_column_that_holds_its_gold():
+    """A mixture of data sets gives some rows an `answer` and others only a `solution`: each row is scored against
+    the gold it has (the first column present decided for the whole batch, and the other rows went unscored). Its own
+    instance: a gold warned about is not warned about again, which the module's shared reward counts."""
+    completions = [r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"]
+    answer = [None, "#### 2", None]
+    solution = [r"So it is $\boxed{1}$.", r"\boxed{5}", None]
+    own = make_math_reward(name="mixture_reward")
+    assert own(completions=completions, answer=answer, solution=solution) == [1.0, 1.0, None]
+
+
 def test_chat_completions_and_solution_column(reward):
     completions = [
         [{"role": "assistant", "content": r"It is \boxed{\frac{3}{4}}"}],

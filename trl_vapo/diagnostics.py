@@ -164,7 +164,7 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
             ax.axvspan(logs[0]["step"] - 0.5, rl_start - 0.5, color="0.9", zorder=0)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
-        if len(keys) > 1:
+        if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # a panel with no data yet has nothing to name
             ax.legend(fontsize=7)
     fig.suptitle(f"{Path(output_dir).name}: training curves (grey: value pretraining)")
     curves = folder / "training_curves.png"

@@ -114,14 +114,18 @@ class MathReward:
         return _shared_pool(self.num_workers, self.memory_limit_mb)
 
     def _golds(self, kwargs: dict) -> list:
-        for column in self.answer_columns:
-            if kwargs.get(column) is not None:
-                if isinstance(kwargs[column], str):  # list() would make each character a gold answer
-                    raise TypeError(
-                        f"{self.__name__}: {column}= is one string; pass a list with one gold answer per completion "
-                        "(TRL passes each dataset column so)"
-                    )
-                return list(kwargs[column])
+        """Each completion's gold: from the first of `answer_columns` that holds one for its row (a mixture of data
+        sets may give some rows an `answer` and others only a `solution`)."""
+        columns = [(name, kwargs[name]) for name in self.answer_columns if kwargs.get(name) is not None]
+        for name, column in columns:
+            if isinstance(column, str):  # list() would make each character a gold answer
+                raise TypeError(
+                    f"{self.__name__}: {name}= is one string; pass a list with one gold answer per completion (TRL "
+                    "passes each dataset column so)"
+                )
+        if columns:
+            rows = zip(*(column for _, column in columns), strict=True)
+            return [next((gold for gold in row if gold is not None), None) for row in rows]
         wanted = " or ".join(map(repr, self.answer_columns))
         present = sorted(k for k in kwargs if k not in _TRAINER_KWARGS)
         raise KeyError(
