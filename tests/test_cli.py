@@ -576,7 +576,10 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
         (["--model_name_or_path", "{tmp}/empty"], "--model {tmp}/empty is not a model folder"),  # the alias
         (["--model", "{model}", "--k", "0"], "--k must be >= 1, got 0"),
         (["--model", "{model}", "--num_prompts", "-1"], "--num_prompts must be >= 1, got -1"),
-        (["--model", "{model}", "--temperature", "0", "--top_p", "1.5"], "--temperature must be > 0 (sampling), got"),
+        (
+            ["--model", "{model}", "--temperature", "-1", "--top_p", "1.5"],
+            "--temperature must be >= 0 (0: greedy), got",
+        ),
         (["--model", "{model}", "--reward_model_name_or_path", "./nope"], "--reward_model_name_or_path ./nope: no"),
         (["--model", "{model}", "--config", "nope.yaml"], "nope.yaml: no such file (--config takes a YAML file's"),
         (["--model", "{model}", "--output_json", "{tmp}"], "--output_json {tmp} is a folder: name a file"),
@@ -595,6 +598,16 @@ def test_eval_bad_input_is_one_line_before_any_model_loads(args, needle, tiny_mo
     assert main(["eval", *(a.format(**fill) for a in args)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"trl-vapo eval: error: {needle.format(**fill)}"), lines
+
+
+def test_eval_takes_temperature_zero_as_greedy():
+    """`evaluate_policy` samples greedily at temperature 0: the range check lets it through."""
+    from types import SimpleNamespace
+
+    from trl_vapo.cli import _check_eval_numbers
+
+    numbers = dict(k=1, num_prompts=None, top_p=1.0, max_completion_length=4, batch_size=1)
+    _check_eval_numbers(SimpleNamespace(temperature=0.0, **numbers))
 
 
 def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(tiny_model_dir, tmp_path, capsys):

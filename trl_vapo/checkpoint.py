@@ -51,7 +51,7 @@ DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
 # A checkpoint's files that only a resume reads: the model pushed to the Hub's root leaves them out.
 TRAINING_STATE = ["optimizer.pt", "scheduler.pt", "rng_state_*", "trainer_state.json", COMPLETE_MARKER]
-TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*"]  # ZeRO's partitioned optimizer state
+TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
 
@@ -576,6 +576,9 @@ class SavingMixin:
             publish(tmp, final)
             best = self.state.best_model_checkpoint
             keep = [final] + ([Path(best)] if best and Path(best) != final else [])
+            pushing = getattr(self, "push_in_progress", None)  # transformers' record of the uploads under way
+            if pushing is not None:  # an upload may still read an older checkpoint, which rotation would delete
+                pushing.wait_until_done()
             rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep)
         self.accelerator.wait_for_everyone()
 

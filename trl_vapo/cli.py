@@ -247,7 +247,8 @@ def train_command(argv: list[str]) -> int:
         check_engine_available(EngineSettings.from_config(training_args))
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
-    if os.environ.get("RANK", "0") == "0":  # one process looks: two looking at once would each see the other
+    if all(os.environ.get(rank, "0") == "0" for rank in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):
+        # One process looks (torchrun's, MPI's rank 0): two looking at once would each see the other.
         from .run_lock import live_holder, refusal
 
         holder = live_holder(training_args.output_dir)
@@ -804,7 +805,7 @@ def _check_eval_numbers(args) -> None:
         for name, value, ok, rule in (
             ("k", args.k, args.k >= 1, ">= 1"),
             ("num_prompts", args.num_prompts, args.num_prompts is None or args.num_prompts >= 1, ">= 1"),
-            ("temperature", args.temperature, args.temperature > 0, "> 0 (sampling)"),
+            ("temperature", args.temperature, args.temperature >= 0, ">= 0 (0: greedy)"),
             ("top_p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
             ("max_completion_length", args.max_completion_length, args.max_completion_length >= 1, ">= 1"),
             ("batch_size", args.batch_size, args.batch_size >= 1, ">= 1"),

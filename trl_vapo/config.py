@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import warnings
@@ -894,8 +895,13 @@ class VAPOConfig(TrainingArguments):
 
 # report_to's names whose `is_<name>_available` in transformers' integration_utils, or whose pip package, is
 # spelled otherwise.
-_TRACKER_CHECKS = {"azure_ml": "azureml", "comet_ml": "comet", "flyte": "flytekit"}
-_TRACKER_PACKAGES = {"azure_ml": "azureml-core", "flyte": "flytekit", "kubeflow": "kubeflow-training"}
+_TRACKER_CHECKS = {"azure_ml": "azureml", "flyte": "flytekit"}
+_TRACKER_PACKAGES = {
+    "azure_ml": "azureml-core",
+    "flyte": "flytekit",
+    "kubeflow": "kubeflow-training",
+    "dagshub": "dagshub mlflow",
+}
 
 
 def _trackers() -> list[str]:
@@ -913,7 +919,10 @@ def _unusable_trackers(report_to: list) -> tuple[list, list[str]]:
     unknown = [name for name in report_to if name not in _trackers()]
     uninstalled = []
     for name in report_to:
-        check = getattr(integration_utils, f"is_{_TRACKER_CHECKS.get(name, name)}_available", None)
+        if name == "comet_ml":  # its `is_comet_available` also wants an API key; offline Comet logging needs none
+            check = lambda: importlib.util.find_spec("comet_ml") is not None  # noqa: E731
+        else:
+            check = getattr(integration_utils, f"is_{_TRACKER_CHECKS.get(name, name)}_available", None)
         if name not in unknown and check is not None and not check():
             uninstalled.append(name)
     return unknown, uninstalled

@@ -258,10 +258,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint)
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
-        if separate and getattr(actor_critic.critic.config, "pad_token_id", None) is None:  # as Qwen2.5's config
-            # The saved critic then scores a padded batch with `from_pretrained` (at each row's last non-pad token),
-            # as TRL's reward models do; training reads its values at every position and needs none.
-            actor_critic.critic.config.pad_token_id = tokenizer.pad_token_id
+        if separate:
+            # A config without a pad id (Qwen2.5's): the saved critic could not score a padded batch with
+            # `from_pretrained`, which finds each row's last non-pad token through the text config, as TRL's reward
+            # models do. Training reads the values at every position and needs none.
+            for config in (actor_critic.critic.config, actor_critic.critic.config.get_text_config()):
+                if getattr(config, "pad_token_id", None) is None:
+                    config.pad_token_id = tokenizer.pad_token_id
         # What the saving code and the model card know of this run.
         self.run_record = RunRecord(
             base_model=get_config_model_id(actor_critic.config),
