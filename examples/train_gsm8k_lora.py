@@ -1,4 +1,4 @@
-"""VAPO on GSM8K with LoRA: Qwen2.5-0.5B-Instruct on one GPU (16 GB is plenty: 8 x 8 x 512 tokens peaked at 1.9 GiB).
+"""VAPO on GSM8K with LoRA: Qwen2.5-0.5B-Instruct on one GPU (an H200 run of 8 x 8 x 512 tokens peaked at 1.9 GiB).
 
     pip install -e ".[tensorboard]"    # in a clone of trl-vapo
     python examples/train_gsm8k_lora.py

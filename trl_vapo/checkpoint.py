@@ -523,8 +523,9 @@ class SavingMixin:
             return
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         message = f"Training in progress, step {self.state.global_step}"
-        hub = dict(repo_id=self.hub_model_id, token=self.args.hub_token, run_as_future=True)
-        hub["revision"] = self.args.hub_revision
+        hub = dict(
+            repo_id=self.hub_model_id, token=self.args.hub_token, revision=self.args.hub_revision, run_as_future=True
+        )
         jobs = [
             hf_api().upload_folder(
                 folder_path=checkpoint_folder, commit_message=message, ignore_patterns=TRAINING_STATE, **hub

@@ -916,16 +916,15 @@ def _unusable_trackers(report_to: list) -> tuple[list, list[str]]:
     after the models have loaded."""
     from transformers.integrations import integration_utils
 
-    unknown = [name for name in report_to if name not in _trackers()]
-    uninstalled = []
-    for name in report_to:
+    def installed(name: str) -> bool:
         if name == "comet_ml":  # its `is_comet_available` also wants an API key; offline Comet logging needs none
-            check = lambda: importlib.util.find_spec("comet_ml") is not None  # noqa: E731
-        else:
-            check = getattr(integration_utils, f"is_{_TRACKER_CHECKS.get(name, name)}_available", None)
-        if name not in unknown and check is not None and not check():
-            uninstalled.append(name)
-    return unknown, uninstalled
+            return importlib.util.find_spec("comet_ml") is not None
+        check = getattr(integration_utils, f"is_{_TRACKER_CHECKS.get(name, name)}_available", None)
+        return check is None or check()
+
+    known = _trackers()
+    unknown = [name for name in report_to if name not in known]
+    return unknown, [name for name in report_to if name in known and not installed(name)]
 
 
 def _divisors(n: int) -> list[int]:

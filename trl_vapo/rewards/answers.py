@@ -399,9 +399,8 @@ def _final_line_answer(text: str) -> str | None:
         phrase = _FINAL_ANSWER_IS_RE.search(line)
         if phrase is not None:
             raw = phrase.group("answer").strip()
-            answer = _phrase_answer(raw) or _number_of_a_count(raw)
-            if answer is None and _SLASH_FRACTION_RE.fullmatch(raw):  # as ``Answer: 1/2`` is read
-                answer = raw
+            slash = raw if _SLASH_FRACTION_RE.fullmatch(raw) else None  # as ``Answer: 1/2`` is read
+            answer = _phrase_answer(raw) or _number_of_a_count(raw) or slash
             if answer is not None:
                 return answer
         match = _ANSWER_LINE_RE.match(line)
