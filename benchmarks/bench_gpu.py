@@ -522,10 +522,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"({results[(size, method)]['engine']}); {phase_line(results[(size, method)]['phases'])}",
                 flush=True,
             )
+            if opts.json:  # after each run: a call cut short (the GPU machine's limit) keeps the runs that ended
+                Path(opts.json).write_text(json.dumps({f"{s}/{m}": r for (s, m), r in results.items()}, indent=2))
     print()
     print(static_table(records) if opts.static_memory else table(results, sizes, methods))
-    if opts.json:
-        Path(opts.json).write_text(json.dumps({f"{s}/{m}": r for (s, m), r in results.items()}, indent=2))
 
 
 if __name__ == "__main__":
