@@ -2,9 +2,10 @@
 and a one-GPU FSDP2 step, each part's figures written as soon as it ends.
 
 GPU time is rare and short (minutes, commands of at most 10 minutes, no network), so one prepared command does
-everything, most important part first, and stops starting parts at ``--deadline`` seconds; a later call runs what is
-left with ``--parts``. Here (with a network), once, the wheels the GPU machine lacks (``WHEELS``, versions from
-``constraints.txt``):
+everything, most important part first. ``--limit`` (the call's limit less a margin) stops a part still running then,
+with every process it started, keeping the runs it finished; ``--deadline`` starts no part after its seconds. A later
+call runs what is left with ``--parts``. Here (with a network), once, the wheels the GPU machine lacks (``WHEELS``,
+versions from ``constraints.txt``):
 
     .venv/bin/python benchmarks/gpu_suite.py --download-wheels base --dest .whl     # 9 wheels, about 16 MiB
     .venv/bin/python benchmarks/gpu_suite.py --download-wheels qlora --dest .whl    # for the QLoRA tests, 44 MiB
@@ -12,7 +13,7 @@ left with ``--parts``. Here (with a network), once, the wheels the GPU machine l
 On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps it out of commits), after the offline install line
 (``INSTALL``; ``--download-wheels`` prints it):
 
-    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 420        # every part, in PARTS's order
+    python3 benchmarks/gpu_suite.py --out "$OUT" --limit 570           # every part, in PARTS's order
     python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B
 
 Anywhere, the same code at tiny shapes on the CPU (``tests/test_gpu_suite.py`` runs it):
@@ -39,16 +40,20 @@ Parts (``PARTS``), each in fresh processes:
     trainer-1.5B   ``bench_gpu.py`` at Qwen2.5-1.5B shapes, VAPO and GRPO with LoRA
 
 Printed: each part's table as it ends, then a summary; written to ``--out``: ``gpu_suite.json`` (every figure, the
-machine, each part's status and seconds; rewritten after each part) and ``gpu_suite.txt`` (the tables).
+machine, each part's status (ok, failed, cut at ``--limit``, skipped) and seconds; rewritten after each part) and
+``gpu_suite.txt`` (the tables); the trainer and generation parts also write their own JSON after each run or
+engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -204,9 +209,39 @@ def download_wheels(wheel_set: str, dest: Path) -> int:
 
 
 BAD = ("failure", "error")
+CUT = -signal.SIGKILL
+"""The exit code of a part stopped at ``--limit`` (as of a process killed by SIGKILL)."""
 
 
-def run_tests(out: Path, smoke: bool = False) -> dict:
+def run_command(command: list[str], stop_at: float | None) -> int:
+    """``command`` in the repository's root, its output as it comes (a call cut short still shows it); its exit code,
+    or ``CUT`` when it was still running at ``stop_at`` (``time.time()``), then stopped with everything it started
+    (bench_gpu.py's workers, pytest's, the FSDP2 test's torchrun). It runs in a process group of its own, so that
+    stopping it stops all of them; the group is stopped too when this process is interrupted (Ctrl-C, or SIGTERM:
+    ``main`` turns it into an exit)."""
+    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait(timeout=None if stop_at is None else max(0.0, stop_at - time.time()))
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        return CUT
+    except BaseException:
+        stop_group(proc)
+        raise
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group, SIGKILL to what is left of it 10 s later."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> dict:
     """``pytest -m cuda`` on the files that hold the CUDA tests; each test's outcome from the JUnit report. Without a
     GPU (``--smoke``) every one is skipped: the collection and the report are what the smoke run checks."""
     import importlib.util
@@ -223,9 +258,10 @@ def run_tests(out: Path, smoke: bool = False) -> dict:
         "-o", "junit_family=legacy",  # keeps the properties tests record (the graph pool's bytes, ...)
         *deselect, *CUDA_TEST_FILES,
     ]  # fmt: skip
-    proc = subprocess.run(command, cwd=ROOT, timeout=540)  # its output as it comes: a call cut short still shows it
+    junit.unlink(missing_ok=True)
+    exit_code = run_command(command, stop_at)
     if not junit.is_file():
-        return {"ok": False, "exit_code": proc.returncode, "error": f"pytest wrote no report (exit {proc.returncode})"}
+        return {"ok": False, "exit_code": exit_code, "error": f"pytest wrote no report (exit {exit_code})"}
     outcomes = {}
     properties = {}  # what tests record with `record_property` (the graph pool's bytes, ...)
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
@@ -236,25 +272,32 @@ def run_tests(out: Path, smoke: bool = False) -> dict:
             properties[f"{name}::{prop.get('name')}"] = prop.get("value")
     counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failure", "error", "skipped")}
     return {
-        "exit_code": proc.returncode,
+        "exit_code": exit_code,
         "counts": counts,
         "outcomes": outcomes,
         "properties": properties,
         "qlora": "run" if not deselect else "not run: bitsandbytes is not installed (carry the qlora wheels)",
-        "ok": proc.returncode == 0,
+        "ok": exit_code == 0,
     }
 
 
-def run_trainer(size: str, methods: tuple[str, ...], smoke: bool, out: Path, steps: int = TRAINER_STEPS) -> dict:
+def run_trainer(
+    size: str,
+    methods: tuple[str, ...],
+    smoke: bool,
+    out: Path,
+    steps: int = TRAINER_STEPS,
+    stop_at: float | None = None,
+) -> dict:
     """``bench_gpu.py`` for ``methods`` at ``size`` (``--smoke``: its tiny model on the CPU), VAPO's ratios to GRPO."""
     result = out / f"bench_gpu-{size}-{'-'.join(methods)}.json"
     command = [sys.executable, str(BENCH_GPU), "--methods", ",".join(methods), "--json", str(result)]
     command += ["--smoke"] if smoke else ["--sizes", size, "--steps", str(steps), "--warmup", "1"]
     result.unlink(missing_ok=True)
-    proc = subprocess.run(command, cwd=ROOT)  # its output as it comes
+    exit_code = run_command(command, stop_at)
     rows = json.loads(result.read_text()) if result.is_file() else {}  # written after each run that ended
-    if proc.returncode != 0:
-        return {"ok": False, "exit_code": proc.returncode, "rows": rows}
+    if exit_code != 0:
+        return {"ok": False, "exit_code": exit_code, "rows": rows}
     size = "smoke" if smoke else size
     ratios = {}
     for method in (m for m in methods if m.startswith("vapo-")):  # kind: "lora", "lora-generate", "full"
@@ -306,9 +349,10 @@ def generation_engine(kind: str, options: dict, model, common: dict):
     return TransformersGenerate(model, **common), {}
 
 
-def generation_worker(settings: dict) -> dict:
+def generation_worker(settings: dict, result: Path) -> None:
     """Tokens/s and ms per decode step of each engine of `ENGINES` on one random model with real shapes, against
-    the memory-bandwidth bound of a decode step."""
+    the memory-bandwidth bound of a decode step; written to ``result`` after each engine (a part stopped at
+    ``--limit`` keeps the engines that ended)."""
     import torch
     from bench_gpu import byte_level_tokenizer, qwen_config
     from transformers import AutoModelForCausalLM
@@ -328,6 +372,16 @@ def generation_worker(settings: dict) -> dict:
     bandwidth = copy_bandwidth(device, settings["copy_bytes"])
     bound = settings["batch"] * bandwidth / weight_bytes
     rows = {}
+    report = {
+        **settings,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "bound_tokens_per_s": bound,
+        "engines": rows,
+    }
     for name in settings.get("engines", ENGINES):
         kind, options, full_warmup = ENGINES[name]
         if kind == "generate-compiled" and device != "cuda":
@@ -349,6 +403,7 @@ def generation_worker(settings: dict) -> dict:
         except Exception as error:  # noqa: BLE001 -- one engine failing must not lose the others' figures
             rows[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
             print(f"{name}: FAILED {rows[name]['error']}", flush=True)
+            result.write_text(json.dumps(report))
             continue
         seconds = time.perf_counter() - start
         tokens, steps = int(out.lengths.sum()), out.completion_ids.shape[1]
@@ -362,38 +417,32 @@ def generation_worker(settings: dict) -> dict:
             "warmup_seconds": start - began,
         }
         print(f"{name}: {rows[name]}", flush=True)
+        result.write_text(json.dumps(report))
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {
-        **settings,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "dtype": str(dtype),
-        "params": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": weight_bytes,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "bound_tokens_per_s": bound,
-        "engines": rows,
-    }
+    result.write_text(json.dumps(report))
 
 
-def run_generation(smoke: bool, out: Path) -> dict:
+def run_generation(smoke: bool, out: Path, stop_at: float | None = None) -> dict:
     settings = SMOKE_GENERATION if smoke else GENERATION
     result = out / "generation.json"
+    result.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--generation-worker", json.dumps(settings), "--result", str(result)]
-    proc = subprocess.run(command, cwd=ROOT)
-    if proc.returncode != 0:
-        return {"ok": False, "exit_code": proc.returncode}
-    return {"ok": True, **json.loads(result.read_text())}
+    exit_code = run_command(command, stop_at)
+    figures = json.loads(result.read_text()) if result.is_file() else {}  # written after each engine that ended
+    return {"ok": exit_code == 0, **figures} | ({"exit_code": exit_code} if exit_code else {})
 
 
-def run_part(part: str, smoke: bool, out: Path, trainer_steps: int = TRAINER_STEPS) -> dict:
+def run_part(
+    part: str, smoke: bool, out: Path, trainer_steps: int = TRAINER_STEPS, stop_at: float | None = None
+) -> dict:
     if part == "tests":
-        return run_tests(out, smoke)
+        return run_tests(out, smoke, stop_at)
     if part == "generation":
-        return run_generation(smoke, out)
+        return run_generation(smoke, out, stop_at)
     size, methods = TRAINER_PARTS[part]
-    return run_trainer(size, methods, smoke, out, trainer_steps)
+    return run_trainer(size, methods, smoke, out, trainer_steps, stop_at)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -402,11 +451,21 @@ def run_part(part: str, smoke: bool, out: Path, trainer_steps: int = TRAINER_STE
 
 
 def format_part(part: str, result: dict) -> str:
+    """A part's table; a part that failed or was cut at ``--limit``: a line saying so, then what it finished."""
     if result.get("status") == "skipped":
         return f"{part}: not run ({result['why']})"
-    if not result.get("ok"):
+    if result.get("ok"):
+        return format_figures(part, result)
+    if result.get("status") == "cut":
+        head = f"{part}: CUT at --limit after {result['seconds']:.0f} s"
+    else:
         why = result.get("error") or f"exit {result.get('exit_code')}; its output is above"
-        return f"{part}: FAILED ({why})"
+        head = f"{part}: FAILED ({why})"
+    finished = result.get("rows") or result.get("engines")
+    return f"{head}; what it finished:\n{format_figures(part, result)}" if finished else head
+
+
+def format_figures(part: str, result: dict) -> str:
     if part == "tests":
         counts = ", ".join(f"{v} {k}" for k, v in result["counts"].items() if v)
         lines = [f"tests (pytest -m cuda): {counts or 'none'}; QLoRA {result['qlora']}"]
@@ -447,9 +506,9 @@ def format_part(part: str, result: dict) -> str:
         )
     lines.append("seconds of each run (its steps are `train`):")
     lines += [f"  {name}: {phase_line(r['phases'])}" for name, r in result["rows"].items()]
-    for kind, ratio in result["vapo_over_grpo"].items():
+    for kind, ratio in result.get("vapo_over_grpo", {}).items():
         lines.append(f"VAPO / GRPO, {kind}: step {ratio['step']:.2f}x, peak memory {ratio['peak']:.2f}x")
-    for target, met in result["targets_met"].items():
+    for target, met in result.get("targets_met", {}).items():
         lines.append(f"  target {target}: {'met' if met else 'MISSED'}")
     return "\n".join(lines)
 
@@ -484,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "gpu_suite")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, run in this order: {PARTS}")
     parser.add_argument("--deadline", type=float, help="seconds after which no further part starts")
+    parser.add_argument(
+        "--limit",
+        type=float,
+        help="seconds after which a part still running is stopped, keeping the runs it finished (a call's limit, "
+        "less a margin for the last write)",
+    )
     parser.add_argument("--smoke", action="store_true", help="the same parts at tiny shapes on the CPU")
     parser.add_argument(
         "--trainer-steps", type=int, default=TRAINER_STEPS, help="optimizer steps per trainer run, the first a warm-up"
@@ -498,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.download_wheels:
         return download_wheels(opts.download_wheels, opts.dest)
     if opts.generation_worker:
-        Path(opts.result).write_text(json.dumps(generation_worker(json.loads(opts.generation_worker))))
+        generation_worker(json.loads(opts.generation_worker), Path(opts.result))
         return 0
     parts = opts.parts.split(",")
     unknown = [p for p in parts if p not in PARTS]
@@ -512,19 +577,24 @@ def main(argv: list[str] | None = None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     report = {"command": shlex.join(["gpu_suite.py", *(argv or sys.argv[1:])]), "machine": machine(), "parts": {}}
     print(f"{report['machine']}; parts {parts}; out {opts.out}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a part's processes are stopped too
     started = time.time()
+    stop_at = None if opts.limit is None else started + opts.limit
     for part in parts:
         elapsed = time.time() - started
-        if opts.deadline is not None and elapsed > opts.deadline:
-            result = {"status": "skipped", "why": f"deadline: {elapsed:.0f} s > {opts.deadline:.0f} s"}
+        late = [(name, limit) for name, limit in (("deadline", opts.deadline), ("limit", opts.limit)) if limit]
+        late = [(name, limit) for name, limit in late if elapsed >= limit]
+        if late:
+            result = {"status": "skipped", "why": f"{late[0][0]}: {elapsed:.0f} s >= {late[0][1]:.0f} s"}
         else:
             print(f"\n== {part} ({elapsed:.0f} s)", flush=True)
             began = time.time()
             try:
-                result = run_part(part, opts.smoke, opts.out, opts.trainer_steps)
+                result = run_part(part, opts.smoke, opts.out, opts.trainer_steps, stop_at)
             except Exception as error:  # noqa: BLE001 -- one broken part must not lose the others' figures
                 result = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-            result |= {"status": "ok" if result["ok"] else "failed", "seconds": time.time() - began}
+            status = "ok" if result["ok"] else "cut" if result.get("exit_code") == CUT else "failed"
+            result |= {"status": status, "seconds": time.time() - began}
         report["parts"][part] = result
         # Both files after every part: a call cut off at its limit still brings back what finished.
         text = "\n\n".join(format_part(name, done) for name, done in report["parts"].items())
