@@ -13,6 +13,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def write_json(path: Path, data, indent: int | None = None) -> None:
+    """``data`` as JSON at ``path``, atomically: a reader (or a run killed mid-write) sees the last whole file, never
+    half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=indent))
+    tmp.replace(path)
+
+
 def worker_env(one_thread: bool = True) -> dict[str, str]:
     """A worker's environment: offline and quiet; with `one_thread`, one intra-op thread (the CPU benchmarks: runs
     side by side on a shared machine must not fight over cores)."""

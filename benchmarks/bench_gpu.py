@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import launch_worker, phase_line  # noqa: E402
+from _launch import launch_worker, phase_line, write_json  # noqa: E402
 from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method timers as the CPU benchmark)
 
 # Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
             if opts.json:  # after each run: a call cut short (the GPU machine's limit) keeps the runs that ended
-                Path(opts.json).write_text(json.dumps({f"{s}/{m}": r for (s, m), r in results.items()}, indent=2))
+                write_json(Path(opts.json), {f"{s}/{m}": r for (s, m), r in results.items()}, indent=2)
     print()
     print(static_table(records) if opts.static_memory else table(results, sizes, methods))
 

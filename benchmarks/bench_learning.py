@@ -133,7 +133,7 @@ from transformers import TrainerCallback
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # imported by path too (the tests), not only run as a script
 
-from _launch import worker_env  # noqa: E402
+from _launch import worker_env, write_json  # noqa: E402
 
 CHAINS_MODEL_DIR = ROOT / "benchmarks" / "models" / "chains_sft"
 
@@ -1478,9 +1478,7 @@ def _run_here(spec: RunSpec, out: Path) -> tuple[RunSpec, bool, float]:
 
 
 def write_record(record: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)  # atomic: a JSON that exists is a finished run
+    write_json(path, record)  # atomic: a JSON that exists is a finished run
 
 
 def run_all(specs: list[RunSpec], out: Path, jobs: int) -> list[RunSpec]:

@@ -13,7 +13,7 @@ versions from ``constraints.txt``):
 On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps it out of commits), after the offline install line
 (``INSTALL``; ``--download-wheels`` prints it):
 
-    python3 benchmarks/gpu_suite.py --out "$OUT" --limit 570           # every part, in PARTS's order
+    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 300 --limit 570   # the parts in PARTS's order
     python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B
 
 Anywhere, the same code at tiny shapes on the CPU (``tests/test_gpu_suite.py`` runs it):
@@ -62,10 +62,11 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+STARTED = time.time()  # --limit and --deadline count from here: torch's import and the machine's look too
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import phase_line  # noqa: E402  (bench_gpu.py's runs, by phase)
+from _launch import phase_line, write_json  # noqa: E402  (bench_gpu.py's runs, by phase)
 
 # What the GPU machine's image lacks, or has at a version outside pyproject.toml's ranges, for `import trl_vapo`, the
 # rewards and the tests (its image: torch 2.11 + CUDA, transformers 5.17, accelerate, huggingface-hub, pytest,
@@ -209,36 +210,39 @@ def download_wheels(wheel_set: str, dest: Path) -> int:
 
 
 BAD = ("failure", "error")
-CUT = -signal.SIGKILL
-"""The exit code of a part stopped at ``--limit`` (as of a process killed by SIGKILL)."""
 
 
-def run_command(command: list[str], stop_at: float | None) -> int:
-    """``command`` in the repository's root, its output as it comes (a call cut short still shows it); its exit code,
-    or ``CUT`` when it was still running at ``stop_at`` (``time.time()``), then stopped with everything it started
-    (bench_gpu.py's workers, pytest's, the FSDP2 test's torchrun). It runs in a process group of its own, so that
+def run_command(command: list[str], stop_at: float | None) -> tuple[int, bool]:
+    """``command`` in the repository's root, its output as it comes (a call cut short still shows it): its exit code,
+    and whether it was still running at ``stop_at`` (``time.time()``) and so stopped with everything it started
+    (bench_gpu.py's workers, pytest's, the FSDP2 test's torchrun). It runs in a process group of its own (in this
+    session: the GPU machine's tool ends what a command leaves running, except in a session of its own), so that
     stopping it stops all of them; the group is stopped too when this process is interrupted (Ctrl-C, or SIGTERM:
     ``main`` turns it into an exit)."""
-    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(command, cwd=ROOT, **group)
     try:
-        return proc.wait(timeout=None if stop_at is None else max(0.0, stop_at - time.time()))
+        return proc.wait(timeout=None if stop_at is None else max(0.0, stop_at - time.time())), False
     except subprocess.TimeoutExpired:
         stop_group(proc)
-        return CUT
+        return proc.returncode, True
     except BaseException:
         stop_group(proc)
         raise
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``proc``'s process group, SIGKILL to what is left of it 10 s later."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    """SIGTERM to ``proc``'s process group, SIGKILL to what is left of it 10 s later (or at once, when this process
+    is interrupted meanwhile)."""
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> dict:
@@ -259,9 +263,9 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
         *deselect, *CUDA_TEST_FILES,
     ]  # fmt: skip
     junit.unlink(missing_ok=True)
-    exit_code = run_command(command, stop_at)
+    exit_code, cut = run_command(command, stop_at)
     if not junit.is_file():
-        return {"ok": False, "exit_code": exit_code, "error": f"pytest wrote no report (exit {exit_code})"}
+        return {"ok": False, "exit_code": exit_code, "cut": cut, "error": f"pytest wrote no report (exit {exit_code})"}
     outcomes = {}
     properties = {}  # what tests record with `record_property` (the graph pool's bytes, ...)
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
@@ -278,6 +282,7 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
         "properties": properties,
         "qlora": "run" if not deselect else "not run: bitsandbytes is not installed (carry the qlora wheels)",
         "ok": exit_code == 0,
+        "cut": cut,
     }
 
 
@@ -294,10 +299,10 @@ def run_trainer(
     command = [sys.executable, str(BENCH_GPU), "--methods", ",".join(methods), "--json", str(result)]
     command += ["--smoke"] if smoke else ["--sizes", size, "--steps", str(steps), "--warmup", "1"]
     result.unlink(missing_ok=True)
-    exit_code = run_command(command, stop_at)
+    exit_code, cut = run_command(command, stop_at)
     rows = json.loads(result.read_text()) if result.is_file() else {}  # written after each run that ended
     if exit_code != 0:
-        return {"ok": False, "exit_code": exit_code, "rows": rows}
+        return {"ok": False, "exit_code": exit_code, "cut": cut, "rows": rows}
     size = "smoke" if smoke else size
     ratios = {}
     for method in (m for m in methods if m.startswith("vapo-")):  # kind: "lora", "lora-generate", "full"
@@ -386,7 +391,7 @@ def generation_worker(settings: dict, result: Path) -> None:
         kind, options, full_warmup = ENGINES[name]
         if kind == "generate-compiled" and device != "cuda":
             continue  # transformers compiles the step on CUDA only
-        began = time.perf_counter()
+        began, engine = time.perf_counter(), None
         try:
             engine, extra = generation_engine(kind, options, model, common)
             warmup = settings["new_tokens"] if full_warmup else settings["warmup_tokens"]
@@ -400,28 +405,25 @@ def generation_worker(settings: dict, result: Path) -> None:
             )
             out = engine.generate(prompts, sampling=sampling)
             synchronize(device)
+            seconds = time.perf_counter() - start
+            tokens, steps = int(out.lengths.sum()), out.completion_ids.shape[1]
+            rows[name] = {
+                "seconds": seconds,
+                "tokens": tokens,
+                "decode_steps": steps,
+                "ms_per_step": 1000 * seconds / steps,
+                "tokens_per_s": tokens / seconds,
+                "share_of_bound": tokens / seconds / bound,
+                "warmup_seconds": start - began,
+            }
         except Exception as error:  # noqa: BLE001 -- one engine failing must not lose the others' figures
             rows[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
-            print(f"{name}: FAILED {rows[name]['error']}", flush=True)
-            result.write_text(json.dumps(report))
-            continue
-        seconds = time.perf_counter() - start
-        tokens, steps = int(out.lengths.sum()), out.completion_ids.shape[1]
-        rows[name] = {
-            "seconds": seconds,
-            "tokens": tokens,
-            "decode_steps": steps,
-            "ms_per_step": 1000 * seconds / steps,
-            "tokens_per_s": tokens / seconds,
-            "share_of_bound": tokens / seconds / bound,
-            "warmup_seconds": start - began,
-        }
         print(f"{name}: {rows[name]}", flush=True)
-        result.write_text(json.dumps(report))
-        del engine
+        del engine  # a failed one's memory too, before the next engine
         if device == "cuda":
             torch.cuda.empty_cache()
-    result.write_text(json.dumps(report))
+        write_json(result, report)  # after each engine: a part stopped at --limit keeps those that ended
+    write_json(result, report)
 
 
 def run_generation(smoke: bool, out: Path, stop_at: float | None = None) -> dict:
@@ -429,9 +431,9 @@ def run_generation(smoke: bool, out: Path, stop_at: float | None = None) -> dict
     result = out / "generation.json"
     result.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--generation-worker", json.dumps(settings), "--result", str(result)]
-    exit_code = run_command(command, stop_at)
+    exit_code, cut = run_command(command, stop_at)
     figures = json.loads(result.read_text()) if result.is_file() else {}  # written after each engine that ended
-    return {"ok": exit_code == 0, **figures} | ({"exit_code": exit_code} if exit_code else {})
+    return {"ok": exit_code == 0, **figures} | ({"exit_code": exit_code, "cut": cut} if exit_code else {})
 
 
 def run_part(
@@ -456,12 +458,13 @@ def format_part(part: str, result: dict) -> str:
         return f"{part}: not run ({result['why']})"
     if result.get("ok"):
         return format_figures(part, result)
-    if result.get("status") == "cut":
-        head = f"{part}: CUT at --limit after {result['seconds']:.0f} s"
+    if result.get("status") in ("cut", "interrupted"):
+        why = "at --limit" if result["status"] == "cut" else "by a signal"
+        head = f"{part}: {result['status'].upper()} {why} after {result['seconds']:.0f} s"
     else:
         why = result.get("error") or f"exit {result.get('exit_code')}; its output is above"
         head = f"{part}: FAILED ({why})"
-    finished = result.get("rows") or result.get("engines")
+    finished = result.get("rows") or result.get("engines") or result.get("outcomes")
     return f"{head}; what it finished:\n{format_figures(part, result)}" if finished else head
 
 
@@ -578,12 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": shlex.join(["gpu_suite.py", *(argv or sys.argv[1:])]), "machine": machine(), "parts": {}}
     print(f"{report['machine']}; parts {parts}; out {opts.out}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a part's processes are stopped too
-    started = time.time()
-    stop_at = None if opts.limit is None else started + opts.limit
+    stop_at = None if opts.limit is None else STARTED + opts.limit
     for part in parts:
-        elapsed = time.time() - started
-        late = [(name, limit) for name, limit in (("deadline", opts.deadline), ("limit", opts.limit)) if limit]
-        late = [(name, limit) for name, limit in late if elapsed >= limit]
+        elapsed = time.time() - STARTED
+        late = [(name, at) for name, at in (("deadline", opts.deadline), ("limit", opts.limit)) if at is not None]
+        late = [(name, at) for name, at in late if elapsed >= at]
         if late:
             result = {"status": "skipped", "why": f"{late[0][0]}: {elapsed:.0f} s >= {late[0][1]:.0f} s"}
         else:
@@ -593,17 +595,26 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_part(part, opts.smoke, opts.out, opts.trainer_steps, stop_at)
             except Exception as error:  # noqa: BLE001 -- one broken part must not lose the others' figures
                 result = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-            status = "ok" if result["ok"] else "cut" if result.get("exit_code") == CUT else "failed"
+            except BaseException:  # SIGTERM (an exit, above) or Ctrl-C: the part's processes are stopped; say so
+                report["parts"][part] = {"ok": False, "status": "interrupted", "seconds": time.time() - began}
+                write_report(report, opts.out)
+                raise
+            status = "ok" if result["ok"] else "cut" if result.get("cut") else "failed"
             result |= {"status": status, "seconds": time.time() - began}
         report["parts"][part] = result
-        # Both files after every part: a call cut off at its limit still brings back what finished.
-        text = "\n\n".join(format_part(name, done) for name, done in report["parts"].items())
-        (opts.out / "gpu_suite.json").write_text(json.dumps(report, indent=1))
-        (opts.out / "gpu_suite.txt").write_text(f"{report['machine']}\n\n{text}\n")
+        text = write_report(report, opts.out)  # after every part: a call cut off at its limit brings back what ended
         print(f"== {part}: {result['status']}" + (f" in {result['seconds']:.0f} s" if "seconds" in result else ""))
     times = ", ".join(f"{name} {r['seconds']:.0f} s" for name, r in report["parts"].items() if "seconds" in r)
-    print(f"\n== summary ({time.time() - started:.0f} s: {times or 'no part ran'})\n{text}")
+    print(f"\n== summary ({time.time() - STARTED:.0f} s: {times or 'no part ran'})\n{text}")
     return 0 if all(r["status"] != "failed" for r in report["parts"].values()) else 1
+
+
+def write_report(report: dict, out: Path) -> str:
+    """``gpu_suite.json`` and ``gpu_suite.txt`` (the parts' tables, which it returns)."""
+    text = "\n\n".join(format_part(name, done) for name, done in report["parts"].items())
+    write_json(out / "gpu_suite.json", report, indent=1)
+    (out / "gpu_suite.txt").write_text(f"{report['machine']}\n\n{text}\n")
+    return text
 
 
 if __name__ == "__main__":

@@ -109,19 +109,22 @@ def test_the_wheel_sets_are_the_locked_versions_and_install_offline():
 
 def test_a_part_still_running_at_the_limit_is_stopped_with_every_process_it_started(tmp_path):
     """`run_command` stops the command's whole process group at `stop_at` (a part's workers, pytest's, torchrun's:
-    a grandchild here) and says so with `CUT`; a command that ends in time gives its own exit code."""
+    a grandchild here) and says it cut it; a command that ends in time gives its own exit code, also one a SIGKILL
+    from elsewhere gives (the OOM killer's), which is no cut."""
     import time
 
     pid_file = tmp_path / "grandchild.pid"
     script = f"sleep 60 & echo $! > {pid_file}; wait"
     began = time.time()
-    assert gpu_suite.run_command(["bash", "-c", script], stop_at=began + 1.5) == gpu_suite.CUT
+    exit_code, cut = gpu_suite.run_command(["bash", "-c", script], stop_at=began + 1.5)
+    assert cut and exit_code != 0
     assert time.time() - began < 12  # SIGTERM ended it; no wait for SIGKILL's grace
     grandchild = int(pid_file.read_text())
     time.sleep(0.2)
     status = Path(f"/proc/{grandchild}/stat")
     assert not status.exists() or status.read_text().split()[2] == "Z"  # gone (or a zombie awaiting init)
-    assert gpu_suite.run_command(["bash", "-c", "exit 3"], stop_at=time.time() + 30) == 3
+    assert gpu_suite.run_command(["bash", "-c", "exit 3"], stop_at=time.time() + 30) == (3, False)
+    assert gpu_suite.run_command(["bash", "-c", "kill -9 $$"], stop_at=time.time() + 30) == (-9, False)
 
 
 def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
@@ -131,18 +134,29 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
         "engine": "generate()", "step_s": 2.0, "generation": 1.0, "scoring": 0.1, "update": 0.5, "tokens_per_s": 8.0,
         "peak_gib": 0.1, "phases": {"start": 1.0}, "device": "cpu",
     }  # fmt: skip
-    cut = {"ok": False, "exit_code": gpu_suite.CUT, "rows": {"smoke/vapo-lora": row}, "status": "cut", "seconds": 9.4}
+    cut = {
+        "ok": False,
+        "exit_code": -15,
+        "cut": True,
+        "rows": {"smoke/vapo-lora": row},
+        "status": "cut",
+        "seconds": 9.4,
+    }
     text = gpu_suite.format_part("trainer-lora", cut)
     assert text.startswith("trainer-lora: CUT at --limit after 9 s; what it finished:\n")
     assert "smoke/vapo-lora" in text and "2.00" in text and "VAPO / GRPO" not in text
     failed = {"ok": False, "exit_code": 1, "rows": {}, "status": "failed", "seconds": 3.0}
     assert gpu_suite.format_part("trainer-lora", failed) == "trainer-lora: FAILED (exit 1; its output is above)"
+    tests = {"ok": False, "exit_code": 1, "cut": False, "status": "failed", "seconds": 80.0, "qlora": "run"}
+    tests |= {"counts": {"passed": 1, "failure": 1}, "outcomes": {"a::ok": "passed", "b::bad": "failure"}}
+    text = gpu_suite.format_part("tests", tests)  # the failing tests named where the call's output tail may not reach
+    assert text.startswith("tests: FAILED (exit 1; its output is above); what it finished:\n") and "b::bad" in text
 
     stdout = run_benchmark(
         "gpu_suite.py", "--smoke", "--parts", "trainer-lora,generation", "--limit", "1", "--out", str(tmp_path)
     )
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     trainer, generation = report["parts"]["trainer-lora"], report["parts"]["generation"]
-    assert trainer["status"] == "cut" and trainer["exit_code"] == gpu_suite.CUT and trainer["rows"] == {}
+    assert trainer["status"] == "cut" and trainer["cut"] and trainer["rows"] == {}
     assert generation == {"status": "skipped", "why": generation["why"]} and generation["why"].startswith("limit: ")
     assert "trainer-lora: CUT at --limit" in stdout
