@@ -257,3 +257,29 @@ def test_a_reward_model_under_fsdp2_scores_on_one_process(reward_model_dir):
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
     expected = one_by_one(model, AutoTokenizer.from_pretrained(reward_model_dir), ["1+1=2", "12+30=42"])
     assert first == second == pytest.approx(expected, abs=1e-5)
+
+
+def test_dataset_columns_never_replace_what_the_trainer_passes_to_reward_functions():
+    """As GRPOTrainer: `prompt`, `completion` and `completion_ids` columns are not passed (a reference completion
+    column once replaced nothing, but reached `**kwargs`), and a column named like an argument the trainer passes
+    (`completions`, `trainer_state`, ...) is refused before any compute, naming it and the rename: it used to replace
+    the generated completions silently."""
+    from trl_vapo.scoring import RewardScorer
+
+    seen = {}
+
+    def records(prompts, completions, completion_ids, **kwargs):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, kwargs=kwargs)
+        return [1.0] * len(completions)
+
+    row = {"prompt": "1+1=", "completion": "reference 2", "completion_ids": [9, 9], "answer": "2"}
+    scorer = RewardScorer(records)
+    scorer.check(row)
+    scorer.score([row], ["generated 2"], [[5, 6]])
+    assert seen["prompts"] == ["1+1="] and seen["completions"] == ["generated 2"]
+    assert seen["completion_ids"] == [[5, 6]]
+    assert seen["kwargs"]["answer"] == ["2"] and "completion" not in seen["kwargs"]
+
+    for column in ("completions", "prompts", "trainer_state"):
+        with pytest.raises(ValueError, match=rf"column\(s\) \['{column}'\].*rename_column\('{column}', 'reference_"):
+            scorer.check({"prompt": "1+1=", column: "x"})

@@ -29,6 +29,9 @@ RewardFunc = Callable[..., list[float | None]]
 
 TRAINER_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "kwargs"}
 """Keyword arguments the caller supplies to every reward function; any other required parameter is a data column."""
+UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids")
+"""Dataset columns never passed to reward functions, as GRPOTrainer leaves them out (``prompts`` carries the prompt;
+a reference ``completion`` column would otherwise reach ``**kwargs`` beside the generated ``completions``)."""
 
 
 @dataclass
@@ -308,6 +311,14 @@ class RewardScorer:
         from transformers import TrainerState
 
         common = {"trainer_state": TrainerState(), "log_metric": lambda *a: None, "log_extra": lambda *a: None}
+        clashing = sorted((set(row) - set(UNPASSED_COLUMNS)) & (TRAINER_KWARGS - {"kwargs"}))
+        if clashing:  # GRPOTrainer fails on these too, later: "got multiple values for argument"
+            raise ValueError(
+                f"The dataset column(s) {clashing} have the name of an argument the trainer passes to reward "
+                f"functions (the generated {', '.join(sorted(TRAINER_KWARGS - {'kwargs'}))}), which the column would "
+                "replace; "
+                f"rename it, e.g. dataset.rename_column({clashing[0]!r}, 'reference_{clashing[0]}')."
+            )
         for func, name in zip(self.funcs, self.names):
             missing = [c for c in required_columns(func) if c not in row]
             if missing:
@@ -327,8 +338,9 @@ class RewardScorer:
 
 
 def _arguments(rows: list[dict[str, Any]], completions: list, completion_ids: list, common: dict) -> dict[str, Any]:
-    """The keyword arguments of one call on a batch: TRL's, and every dataset column but `prompt` as a list."""
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    """The keyword arguments of one call on a batch: TRL's, and every dataset column but `UNPASSED_COLUMNS` as a
+    list."""
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key not in UNPASSED_COLUMNS}
     prompts = [row["prompt"] for row in rows]
     return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **common, **columns}
 
