@@ -69,7 +69,7 @@ class JsonlLogger(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         with self.path.open("a") as f:
-            f.write(json.dumps({**logs, "step": state.global_step}) + "\n")
+            f.write(json.dumps({**logs, "step": state.global_step, "world_zero": state.is_world_process_zero}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

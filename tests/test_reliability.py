@@ -24,6 +24,7 @@ from datasets import Dataset
 from helpers import digit_fraction, make_args, prompts_dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
@@ -468,6 +469,52 @@ def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(t
     )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6 and all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
+class StepCounter(TrainerCallback, ExportableState):
+    def __init__(self, steps: int = 0):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def state(self) -> dict:
+        return {"args": {"steps": self.steps}, "attributes": {}}
+
+
+def test_a_resume_takes_this_runs_intervals_and_the_callbacks_saved_states_where_asked(tiny_model_dir, tmp_path):
+    """A run resumed with another `save_steps` saves at the new interval (it kept the checkpoint's, silently), and
+    with `restore_callback_states_from_checkpoint` a stateful callback continues from its saved state (it restarted
+    from its own), as transformers' Trainer restores them; without it, the callback keeps its own."""
+    first = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=prompts_dataset(32),
+        callbacks=[StepCounter()],
+    )
+    first.train()
+    assert [c.name for c in list_checkpoints(tmp_path / "out")] == ["checkpoint-2"]
+    for restore, counted in ((True, 4), (False, 2)):
+        for later in list_checkpoints(tmp_path / "out")[1:]:
+            shutil.rmtree(later)
+        args = config(tmp_path, max_steps=4, save_strategy="steps", save_steps=1)
+        args.restore_callback_states_from_checkpoint = restore
+        resumed = VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=args,
+            train_dataset=prompts_dataset(32),
+            callbacks=[StepCounter()],
+        )
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+        assert [c.name for c in list_checkpoints(tmp_path / "out")][:3] == [
+            "checkpoint-2",
+            "checkpoint-3",
+            "checkpoint-4",
+        ]
+        counter = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, StepCounter))
+        assert counter.steps == counted, restore
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1112,5 +1159,8 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = step_logs(read_logs(tmp_path / "two", name="resumed"))
     assert sorted(again) == [5, 6, 7, 8]
+    # Each process knows its rank after the resume too (the saved state is rank 0's: both logged as the main one).
+    for rank in (0, 1):
+        assert {h["world_zero"] for h in read_logs(tmp_path / "two", rank, "resumed")} == {rank == 0}, rank
     for step in again:
         assert_same_log(again[step], two[step], context=f"step {step}, resumed on 2 processes")

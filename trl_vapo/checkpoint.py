@@ -617,6 +617,14 @@ class SavingMixin:
         apply_resumed_settings(self.optimizer, self.lr_scheduler, asked, schedules)
         stateful = self.state.stateful_callbacks
         self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        # The saved state is the main process's: each process takes back its own rank (else every rank logs, draws
+        # progress bars and starts trackers as the main one), and this run's logging, eval and save intervals
+        # (transformers keeps the checkpoint's, with a warning). The callbacks' saved states come back where
+        # `restore_callback_states_from_checkpoint` asks, as transformers restores them.
+        self.state.is_local_process_zero = self.is_local_process_zero()
+        self.state.is_world_process_zero = self.is_world_process_zero()
+        self.state.compute_steps(self.args, self.run_plan.planned_steps)
+        self._load_callback_state()
         self.state.stateful_callbacks = stateful
         self.progress = TrainingProgress.from_dict(marker["progress"])
         # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
