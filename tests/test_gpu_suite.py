@@ -128,8 +128,8 @@ def test_a_part_still_running_at_the_limit_is_stopped_with_every_process_it_star
 
 
 def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
-    """A part stopped at `--limit` is 'cut' in the JSON and the table, the runs it finished are printed, and the
-    parts after it are skipped; the smoke trainer part, given 1 s, is cut before any run ends."""
+    """A part stopped at `--limit` is 'cut' in the table with the runs it finished, a failed tests part names its
+    failing tests, and no part starts past the limit."""
     row = {
         "engine": "generate()", "step_s": 2.0, "generation": 1.0, "scoring": 0.1, "update": 0.5, "tokens_per_s": 8.0,
         "peak_gib": 0.1, "phases": {"start": 1.0}, "device": "cpu",
@@ -152,11 +152,17 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
     text = gpu_suite.format_part("tests", tests)  # the failing tests named where the call's output tail may not reach
     assert text.startswith("tests: FAILED (exit 1; its output is above); what it finished:\n") and "b::bad" in text
 
+    import time
+
+    began = time.time()  # the smoke trainer part, given 1 s, is cut before either run ends
+    trainer = gpu_suite.run_trainer("smoke", ("vapo-lora", "grpo-lora"), True, tmp_path, stop_at=began + 1)
+    assert trainer == {"ok": False, "exit_code": trainer["exit_code"], "cut": True, "rows": {}}
+    assert time.time() - began < 12
+
     stdout = run_benchmark(
-        "gpu_suite.py", "--smoke", "--parts", "trainer-lora,generation", "--limit", "1", "--out", str(tmp_path)
+        "gpu_suite.py", "--smoke", "--parts", "tests,generation", "--limit", "0", "--out", str(tmp_path)
     )
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
-    trainer, generation = report["parts"]["trainer-lora"], report["parts"]["generation"]
-    assert trainer["status"] == "cut" and trainer["cut"] and trainer["rows"] == {}
-    assert generation == {"status": "skipped", "why": generation["why"]} and generation["why"].startswith("limit: ")
-    assert "trainer-lora: CUT at --limit" in stdout
+    for part in ("tests", "generation"):  # past the limit: not started
+        assert report["parts"][part]["status"] == "skipped" and report["parts"][part]["why"].startswith("limit: ")
+    assert "tests: not run (limit: " in stdout
