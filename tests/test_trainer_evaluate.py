@@ -218,6 +218,29 @@ def test_the_best_metric_drives_early_stopping_and_the_best_checkpoints(tiny_mod
     assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{improving[-1]}")
 
 
+def test_with_several_steps_a_rollout_the_evaluation_waits_for_the_checkpoint_that_holds_its_weights(
+    tiny_model_dir, tmp_path
+):
+    """Two optimizer steps a rollout and `eval_steps=3`: the evaluation asked at step 3 runs when the rollout ends,
+    with the checkpoint, so the best checkpoint is named (mid-rollout, it evaluated step 3's weights, the rollout's
+    checkpoint held step 4's, and `best_model_checkpoint` stayed None)."""
+    args = eval_args(
+        tmp_path,
+        max_steps=4,
+        steps_per_generation=2,
+        gradient_accumulation_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        metric_for_best_model="loss",
+        save_strategy="best",
+    )
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(3))
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [4]
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / "checkpoint-4")
+    assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-4"]
+
+
 def test_load_best_model_at_end_is_refused_naming_what_to_do_instead(tmp_path):
     with pytest.raises(ValueError, match="load_best_model_at_end=True is not supported.*best_model_checkpoint"):
         eval_args(

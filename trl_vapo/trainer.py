@@ -339,6 +339,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             )
         self.progress = TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
         self._save_pending = False
+        self._evaluate_pending = False
         self._last_rollout: Rollout | None = None  # the newest rollout: the next log's completions table, and `_logs`
         self._reported_rollout: Rollout | None = None  # the one whose table was logged (once per rollout)
         self._replay: list[Rollout] = []  # value pretraining's last rollouts (`value_pretrain_replay`)
@@ -555,21 +556,26 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         raise TrainingInterrupted(signum, path, message)
 
     def _save_if_pending(self) -> None:
-        """The checkpoint a step or an epoch end asked for, written once its rollout is done."""
+        """The evaluation and the checkpoint a step or an epoch end asked for, once its rollout is done: a checkpoint
+        holds whole rollouts, and the evaluation waits with it so that the checkpoint holds the weights evaluated
+        (`best_model_checkpoint`, `save_strategy="best"`; with several optimizer steps a rollout, one evaluated
+        mid-rollout was saved steps later, and was never named the best)."""
+        if self._evaluate_pending:
+            self._evaluate_pending = False
+            # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
+            # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
+            new_best = self._determine_best_metric(self.evaluate(), trial=None)
+            self._save_pending |= new_best and self.args.save_strategy == SaveStrategy.BEST
         if self._save_pending:
             self._save_checkpoint()
             self._save_pending = False
 
     def _log_evaluate_save(self) -> None:
-        """What the callbacks asked for at the end of a step or an epoch, in transformers' order: the log, an
-        evaluation, and a checkpoint (written when the rollout ends)."""
+        """What the callbacks asked for at the end of a step or an epoch, in transformers' order: the log, then an
+        evaluation and a checkpoint, both when the rollout ends."""
         if self.control.should_log:
             self._log_metrics(self.progress.phase)
-        if self.control.should_evaluate:
-            # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
-            # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
-            new_best = self._determine_best_metric(self.evaluate(), trial=None)
-            self.control.should_save |= new_best and self.args.save_strategy == SaveStrategy.BEST
+        self._evaluate_pending |= self.control.should_evaluate
         self._save_pending |= self.control.should_save
 
     def _end_epoch(self, completed: bool = True) -> None:
