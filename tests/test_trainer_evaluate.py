@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from datasets import DatasetDict, IterableDataset, IterableDatasetDict
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from helpers import digit_fraction, make_args, prompts_dataset
 
 from trl_vapo import VAPOTrainer
@@ -270,3 +270,22 @@ def test_eval_settings_and_data_are_checked_before_any_model_loads(tmp_path):
 
     with pytest.raises(ValueError, match=r"needs the column\(s\) \['answer'\]"):
         build(make_args(tmp_path), prompts_dataset(2).remove_columns("answer"), needs_answer)
+
+
+def test_an_eval_set_in_another_prompt_format_than_the_train_sets_is_refused_before_any_model_loads(
+    tiny_model_dir, tmp_path
+):
+    """The trainer formats every prompt as the train set's first row: plain-text training with a chat eval set
+    crashed in the tokenizer at the first evaluation (hours in), and chat training with a plain eval set evaluated
+    prompts without their chat template. Refused at construction, and in `evaluate(eval_dataset=...)`."""
+    plain = prompts_dataset()
+    chat = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in plain])
+    for train, evaluated, says in (
+        (plain, chat, "chat messages and train_dataset's are plain text"),
+        (chat, plain, "plain text and train_dataset's are chat messages"),
+    ):
+        with pytest.raises(ValueError, match=rf"eval_dataset's prompts are {says}.*'role': 'user'"):
+            VAPOTrainer("no/such-model", digit_fraction, eval_args(tmp_path), train, evaluated)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, eval_args(tmp_path), plain)
+    with pytest.raises(ValueError, match=r"eval_dataset's prompts are chat messages"):
+        trainer.evaluate(eval_dataset=chat)

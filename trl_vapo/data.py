@@ -15,7 +15,7 @@ from pathlib import Path
 
 import datasets
 from datasets import Dataset, IterableDataset, load_dataset
-from trl import maybe_apply_chat_template
+from trl import is_conversational, maybe_apply_chat_template
 
 from .run import prompts_per_rollout
 
@@ -289,10 +289,12 @@ def check_train_dataset(dataset, args) -> dict:
     return dataset[0]
 
 
-def check_eval_dataset(dataset, args) -> dict[str, dict]:
+def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dict[str, dict]:
     """A clear error unless `dataset` can be evaluated on (in any form `GRPOTrainer` takes: a `Dataset`, an
     `IterableDataset`, or a `DatasetDict` / `IterableDatasetDict` / dict of them), or unless it is there when
-    `args.eval_strategy` asks for evaluation. Returns the first row of each: `{name: row}`, name "" for a single one.
+    `args.eval_strategy` asks for evaluation. With `conversational` (the train set's format), its prompts must be in
+    that format too: the trainer formats every prompt as the train set's. Returns the first row of each: `{name: row}`,
+    name "" for a single one.
     """
     if dataset is None:
         if args.eval_strategy != "no":
@@ -315,6 +317,13 @@ def check_eval_dataset(dataset, args) -> dict[str, dict]:
             raise ValueError(f"{what} is empty: it needs at least one prompt.")
         if "prompt" not in row:
             raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
+        if conversational is not None and is_conversational({"prompt": row["prompt"]}) != conversational:
+            formats = ("plain text", "chat messages") if conversational else ("chat messages", "plain text")
+            raise ValueError(
+                f"{what}'s prompts are {formats[0]} and train_dataset's are {formats[1]}: the trainer formats every "
+                "prompt as the train set's. Give both the same format, e.g. a plain prompt p as chat messages: "
+                "[{'role': 'user', 'content': p}]."
+            )
         rows[name] = row
     return rows
 

@@ -196,7 +196,7 @@ class EvaluationMixin:
         else:
             dataset = self.eval_dataset if eval_dataset is None else eval_dataset
             if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
-                for row in check_eval_dataset(eval_dataset, self.args).values():
+                for row in check_eval_dataset(eval_dataset, self.args, self._conversational).values():
                     self.scorer.check(row)
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")

@@ -225,8 +225,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         check_engine_available(engine_settings, model)
         check_stream_settings(train_dataset, eval_dataset, args)  # first: TRL's order of these errors
         example = check_train_dataset(train_dataset, args)
-        eval_examples = check_eval_dataset(eval_dataset, args)
         self._conversational = is_conversational({"prompt": example["prompt"]})
+        eval_examples = check_eval_dataset(eval_dataset, args, self._conversational)
         zero3_config = getattr(args, "hf_deepspeed_config", None)
         with whole_models_under_zero3(zero3_config):  # whole for the check below; placed after `Trainer.__init__`
             reward_funcs = load_reward_models(reward_funcs, reward_processing_classes, args)
