@@ -186,6 +186,9 @@ BAD_INPUT = [
     # raised by the Trainer's callbacks, a traceback after the models had loaded.
     (["--report_to", "clearml"], "report_to names clearml, not installed here: `pip install clearml`, or set"),
     (["--report_to", "tensorbaord"], "report_to names 'tensorbaord', which transformers does not know: use one of"),
+    # A template's unescaped LaTeX brace or misspelt column: a bare IndexError or KeyError from inside datasets.map.
+    (["--prompt_template", "{question} \\boxed{}"], "has a positional field {}: fields name columns (question, "),
+    (["--prompt_template", "{qestion}"], "names {qestion}, which is no column; the columns are ['question', "),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
 # libraries would retry for a minute.

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +88,9 @@ def load_prompt_dataset(
                 f"Pass --{role} with one of them."
             )
 
+    if prompt_template:
+        check_prompt_template(prompt_template, columns)
+
     def to_prompt(row: dict) -> dict:
         problem = row[prompt_column]
         if isinstance(problem, list):  # already chat messages
@@ -99,6 +104,28 @@ def load_prompt_dataset(
         return {"prompt": prompt, **({"answer": str(row[answer_column])} if answer_column else {})}
 
     return dataset.map(to_prompt) if streaming else dataset.map(to_prompt, desc="Building prompts")
+
+
+def check_prompt_template(template: str, columns: list[str]) -> None:
+    """A clear error unless `template` (`str.format` over a row's columns) names only `columns`, by name: a field
+    that is no column, a positional one (`{}`, `{0}`: often a LaTeX `\\boxed{}` left unescaped), or bad braces
+    raised from inside `datasets.map` as a bare KeyError or IndexError."""
+    escape = "write a literal brace twice: \\boxed{{}}"
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+    except ValueError as error:
+        raise ValueError(f"--prompt_template {template!r} does not parse ({error}); {escape}.") from None
+    for field in fields:
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if name == "" or name.isdigit():
+            raise ValueError(
+                f"--prompt_template {template!r} has a positional field {{{field}}}: fields name columns "
+                f"({', '.join(columns)}); {escape}."
+            )
+        if name not in columns:
+            raise ValueError(
+                f"--prompt_template {template!r} names {{{name}}}, which is no column; the columns are {columns}."
+            )
 
 
 @contextlib.contextmanager
