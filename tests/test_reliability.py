@@ -766,13 +766,25 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(tmp_p
         ".checkpoint-4.host-1.tmp",
         ".checkpoint-4.host-1.old",
         ".value_pretrained_critic.h-2.tmp",
+        ".save_model.host-7.tmp",  # a save_model killed mid-write: a full model copy, kept forever before
     ]
-    kept = [".other.tmp", "checkpoint-6", ".checkpoint-x.tmp"]
+    kept = [".other.tmp", "checkpoint-6", ".checkpoint-x.tmp", ".save_models.tmp"]
     for name in names + kept:
         (tmp_path / name).mkdir()
     with output_dir_lock(tmp_path) as locked:
-        assert locked is True and sorted(remove_debris(tmp_path)) == sorted(names)  # older unnamed folders too
+        # Older unnamed folders too; an .old without its checkpoint but incomplete (no marker) is not put back.
+        assert locked is True and remove_debris(tmp_path) == (sorted(names), [])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+    # A run stopped between publish's two renames (replacing checkpoint-6's folder) left the whole old checkpoint
+    # as .old and the new one as .tmp: the old one goes back in place, not into the bin with the rest.
+    (tmp_path / "checkpoint-6").rename(tmp_path / ".checkpoint-6.host-1.old")
+    (tmp_path / ".checkpoint-6.host-1.old" / "model.safetensors").write_text("weights")
+    (tmp_path / ".checkpoint-6.host-1.old" / "vapo_state.json").write_text("{}")  # its completion marker
+    (tmp_path / ".checkpoint-6.host-1.tmp").mkdir()
+    with output_dir_lock(tmp_path):
+        assert remove_debris(tmp_path) == ([".checkpoint-6.host-1.tmp"], ["checkpoint-6"])
+    assert (tmp_path / "checkpoint-6" / "model.safetensors").read_text() == "weights"
 
 
 @pytest.fixture(scope="module")

@@ -55,15 +55,27 @@ TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
 
-def remove_debris(output_dir: str | os.PathLike) -> list[str]:
-    """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`) that runs stopped mid-write left in
-    `output_dir`; only while holding its lock, when no other run can be writing them. Returns their names."""
+def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`, a `save_model`'s
+    `.save_model.<run>.tmp`: a full model each) that runs stopped mid-write left in `output_dir`; only while holding
+    its lock, when no other run can be writing them. A checkpoint that a stop between `publish`'s two renames left
+    only as `.old` goes back in place. Returns the names removed, and the checkpoints restored."""
     # `(\..+)?`: the run's name; folders of trl-vapo before per-run names have none
-    pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR})(\..+)?\.(tmp|old)$")
-    removed = [p for p in sorted(Path(output_dir).glob(".*")) if p.is_dir() and pattern.match(p.name)]
-    for folder in removed:
+    pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old)$")
+    found = [p for p in sorted(Path(output_dir).glob(".*")) if p.is_dir() and pattern.match(p.name)]
+    removed, restored = [], []
+    for folder in found:
+        name, _, kind = pattern.match(folder.name).groups()
+        final = Path(output_dir) / name
+        whole = (folder / COMPLETE_MARKER).is_file()  # written last: a folder half removed may have lost it
+        if kind == "old" and name.startswith(CHECKPOINT_PREFIX) and whole and not final.exists():
+            # `publish` stopped between its two renames: the checkpoint it replaced is whole, and back in place.
+            os.replace(folder, final)
+            restored.append(final.name)
+            continue
         shutil.rmtree(folder, ignore_errors=True)
-    return [p.name for p in removed]
+        removed.append(folder.name)
+    return removed, restored
 
 
 def run_owner() -> str:

@@ -414,9 +414,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
                 except (RuntimeError, OSError) as error:  # held by another run; a folder it cannot write to
                     refused = error
                 else:  # what a stopped run left half-written: only while no other run can be writing it
-                    removed = ckpt.remove_debris(self.args.output_dir) if locked else []
+                    removed, restored = ckpt.remove_debris(self.args.output_dir) if locked else ([], [])
                     if removed:
                         logger.info(f"Removed what a stopped run left half-written: {', '.join(removed)}")
+                    if restored:  # a stop between a checkpoint's two renames, as it replaced one of the same step
+                        logger.warning(f"Restored {', '.join(restored)}, which a stopped run was replacing.")
             if self._distributed:  # every process stops, not the main one alone; all name temporary folders alike
                 refused, owner = broadcast_object_list([refused, owner])
             if refused is not None:
