@@ -186,6 +186,8 @@ BAD_INPUT = [
     # raised by the Trainer's callbacks, a traceback after the models had loaded.
     (["--report_to", "clearml"], "report_to names clearml, not installed here: `pip install clearml`, or set"),
     (["--report_to", "tensorbaord"], "report_to names 'tensorbaord', which transformers does not know: use one of"),
+    # fp16's GradScaler refuses the second unscale of the separate policy and critic clipping: a crash on a T4.
+    (["--fp16", "true"], "fp16=True is not supported: its loss scaling does not work with the separate clipping"),
     # A template's unescaped LaTeX brace or misspelt column: a bare IndexError or KeyError from inside datasets.map.
     (["--prompt_template", "{question} \\boxed{}"], "has a positional field {}: fields name columns (question, "),
     (["--prompt_template", "{qestion}"], "names {qestion}, which is no column; the columns are ['question', "),
