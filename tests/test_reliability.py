@@ -901,6 +901,26 @@ def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, t
     assert (mount / "model.safetensors").is_file() and not list(mount.glob(".save_model*"))
 
 
+def test_a_resume_from_an_older_checkpoint_warns_of_the_newer_ones(tiny_model_dir, two_checkpoints, tmp_path, caplog):
+    """Going back to checkpoint-1 while checkpoint-2 (another course) is there: the run warns that a later
+    `resume_from_checkpoint=True` would take checkpoint-2 until this run writes over it."""
+    out = tmp_path / "out"
+    shutil.copytree(two_checkpoints, out)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=1),
+        train_dataset=prompts_dataset(32),
+    )
+    with caplog.at_level(logging.WARNING):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert (
+        "Resuming from checkpoint-1 while" in caplog.text
+        and "newer checkpoints of another course: checkpoint-2" in caplog.text
+    )
+    assert "resume_from_checkpoint=True would take checkpoint-2" in caplog.text
+
+
 def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_model_dir, two_checkpoints, tmp_path):
     """Learning rates, weight decay and the schedule given at resume take effect from the next step (they were
     silently the saved run's while the new checkpoints' config named the new ones); the step count and the actor's

@@ -608,6 +608,14 @@ class SavingMixin:
             )
         marker = read_marker(path)
         check_resumable(path, marker["run"], self._fingerprint())
+        siblings = [c.name for c in list_checkpoints(path.parent)]  # oldest first
+        newer = siblings[siblings.index(path.name) + 1 :] if path.name in siblings else []
+        if newer and self.accelerator.is_main_process:  # e.g. going back before a divergence
+            logger.warning(
+                f"Resuming from {path.name} while {path.parent} holds newer checkpoints of another course: "
+                f"{', '.join(newer)}. This run writes over each as it reaches its step; until then "
+                f"resume_from_checkpoint=True would take {newer[-1]}: move them aside if that is not wanted."
+            )
         # What this run's config asks of the optimizer and the schedules: the loaded state would restore the saved
         # run's (its learning rates, weight decay, schedule), and the new checkpoints' config would not be what ran.
         asked = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
