@@ -51,6 +51,24 @@ def test_missing_prompt_column_names_it_and_lists_the_columns(tiny_model_dir, tm
         VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=data)
 
 
+def test_images_in_the_prompts_are_refused_before_any_model_loads(tmp_path):
+    """GRPOTrainer passes an `image` column or chat image parts to a vision-language model; this trainer samples
+    text prompts only, and left the images out silently."""
+    text = [{"prompt": f"{i}+{i}="} for i in range(8)]
+    with_column = Dataset.from_list([{**row, "image": "cat.png"} for row in text])
+    in_messages = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["prompt"]}]}]}
+            for r in text
+        ]
+    )
+    for data, where in ((with_column, "its 'image' column"), (in_messages, "an image in its chat messages")):
+        with pytest.raises(ValueError, match=rf"train_dataset has images \({where}\).*text prompts only"):
+            VAPOTrainer(model="no/such-model", reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=data)
+    with pytest.raises(ValueError, match=r"eval_dataset has images \(its 'image' column\)"):
+        VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), prompts_dataset(), with_column)
+
+
 def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):
     data = Dataset.from_list([{"prompt": "1+1=", "gold": "2"}] * 8)
     with pytest.raises(ValueError, match=r"math_reward.*'answer'.*'solution'.*gold"):

@@ -293,6 +293,7 @@ def check_train_dataset(dataset, args) -> dict:
             raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
         if "prompt" not in row:
             raise ValueError(f"train_dataset has no 'prompt' column; its columns are {sorted(row)}.")
+        refuse_images(row, "train_dataset")
         return row
     if not isinstance(dataset, Dataset):
         raise TypeError(f"train_dataset must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}.")
@@ -313,7 +314,28 @@ def check_train_dataset(dataset, args) -> dict:
             f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}). Add "
             "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
         )
+    refuse_images(dataset[0], "train_dataset")
     return dataset[0]
+
+
+def refuse_images(row: dict, what: str) -> None:
+    """A clear error for a row with images (an `image` / `images` column, or an image part in a chat message): the
+    trainer samples and scores text prompts only, so they would be left out silently (GRPOTrainer passes them to a
+    vision-language model)."""
+    parts = [
+        part
+        for message in (row["prompt"] if isinstance(row.get("prompt"), list) else [])
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    ]
+    columns = [c for c in ("image", "images") if c in row]
+    if columns or any(isinstance(part, dict) and part.get("type") == "image" for part in parts):
+        where = f"its {columns[0]!r} column" if columns else "an image in its chat messages"
+        raise ValueError(
+            f"{what} has images ({where}), and this trainer trains on text prompts only: they would be left out. "
+            "Drop them to train on the text alone (dataset.remove_columns(...)), or use TRL's GRPOTrainer for a "
+            "vision-language model."
+        )
 
 
 def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dict[str, dict]:
@@ -344,6 +366,7 @@ def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dic
             raise ValueError(f"{what} is empty: it needs at least one prompt.")
         if "prompt" not in row:
             raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
+        refuse_images(row, what)
         if conversational is not None and is_conversational({"prompt": row["prompt"]}) != conversational:
             formats = ("plain text", "chat messages") if conversational else ("chat messages", "plain text")
             raise ValueError(
