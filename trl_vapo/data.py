@@ -314,8 +314,9 @@ def check_train_dataset(dataset, args) -> dict:
             f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}). Add "
             "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
         )
-    refuse_images(dataset[0], "train_dataset")
-    return dataset[0]
+    row = dataset[0]
+    refuse_images(row, "train_dataset")
+    return row
 
 
 def refuse_images(row: dict, what: str) -> None:

@@ -311,11 +311,12 @@ class RewardScorer:
         from transformers import TrainerState
 
         common = {"trainer_state": TrainerState(), "log_metric": lambda *a: None, "log_extra": lambda *a: None}
-        clashing = sorted((set(row) - set(UNPASSED_COLUMNS)) & (TRAINER_KWARGS - {"kwargs"}))
+        passed = TRAINER_KWARGS - {"kwargs"}  # what each call gets, whatever the columns
+        clashing = sorted((set(row) - set(UNPASSED_COLUMNS)) & passed)
         if clashing:  # GRPOTrainer fails on these too, later: "got multiple values for argument"
             raise ValueError(
                 f"The dataset column(s) {clashing} have the name of an argument the trainer passes to reward "
-                f"functions (the generated {', '.join(sorted(TRAINER_KWARGS - {'kwargs'}))}), which the column would "
+                f"functions (the generated {', '.join(sorted(passed))}), which the column would "
                 "replace; "
                 f"rename it, e.g. dataset.rename_column({clashing[0]!r}, 'reference_{clashing[0]}')."
             )
