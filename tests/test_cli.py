@@ -55,6 +55,32 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
     assert training.lam_critic == 1.0 and training.epsilon_high == 0.28 and training.length_adaptive_alpha == 0.05
 
 
+def test_a_preset_takes_the_columns_the_user_named(jsonl_data, tmp_path):
+    """`--dataset_preset gsm8k` over a local copy whose problems sit in another column: the column named on the
+    command line is read (and the preset's boxed-answer template formats it); before, the preset's `question`
+    replaced it."""
+    from trl_vapo.cli import _resolve_data
+
+    renamed = tmp_path / "gsm8k.jsonl"
+    rows = [json.loads(line) for line in jsonl_data.read_text().splitlines()]
+    renamed.write_text("".join(json.dumps({"problem": r["question"], "answer": r["answer"]}) + "\n" for r in rows))
+    argv = ["--model_name_or_path", "m", "--dataset_name", str(renamed), "--dataset_preset", "gsm8k"]
+    script, training, model, _, _ = _parser().parse_args_and_config(
+        [*argv, "--prompt_column", "problem", "--prompt_format", "text"], return_remaining_strings=True
+    )
+    _, train, _, _ = _resolve_data(script, model, training, demo=False)
+    assert train[3]["prompt"].startswith("What is 3+3?\n") and "\\boxed{}" in train[3]["prompt"]
+    assert script.prompt_column == "problem" and script.answer_column == "answer"
+    script, training, model, _, _ = _parser().parse_args_and_config(
+        [*argv, "--prompt_format", "text"], return_remaining_strings=True
+    )
+    assert script.prompt_column == "prompt"  # the default, until the preset fills it in
+    from trl_vapo.cli import UsageError
+
+    with pytest.raises(UsageError, match=r"no column 'question' \(prompt_column\)"):  # the preset's own column
+        _resolve_data(script, model, training, demo=False)
+
+
 def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
     assert _split_launch_args([]) == []
     assert _split_launch_args(["--num_processes", "2"]) == ["--num_processes", "2"]

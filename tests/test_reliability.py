@@ -69,6 +69,27 @@ def test_images_in_the_prompts_are_refused_before_any_model_loads(tmp_path):
         VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), prompts_dataset(), with_column)
 
 
+def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(tmp_path):
+    """`--system_prompt` and `--prompt_template` with a data set whose prompts are chat messages were ignored
+    silently: the system prompt now goes first (or is refused where a row has its own), and a template, which formats
+    text, is refused."""
+    from trl_vapo.data import load_prompt_dataset
+
+    chat = tmp_path / "chat.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(4)]
+    chat.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    loaded = load_prompt_dataset(str(chat), system_prompt="Be brief.")
+    assert loaded[1]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
+    assert load_prompt_dataset(str(chat))[1]["prompt"] == rows[1]["prompt"]  # without one, the rows as they are
+    with pytest.raises(ValueError, match=r"--prompt_template formats text, but .*'prompt' holds chat messages"):
+        load_prompt_dataset(str(chat), prompt_template="{prompt} Answer in \\boxed{{}}.")
+    own = tmp_path / "own.jsonl"
+    rows[2]["prompt"] = [{"role": "system", "content": "Think."}, *rows[2]["prompt"]]
+    own.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"already starts with a system message \('Think.'\): drop --system_prompt"):
+        load_prompt_dataset(str(own), system_prompt="Be brief.")
+
+
 def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):
     data = Dataset.from_list([{"prompt": "1+1=", "gold": "2"}] * 8)
     with pytest.raises(ValueError, match=r"math_reward.*'answer'.*'solution'.*gold"):
@@ -159,6 +180,23 @@ def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir,
     assert len(dropping.train_dataset) == 24
     assert any("Dropped 8 of 32" in r.message for r in caplog.records)
     dropping.train()  # and it trains on what is left
+
+    # A stream is not counted ahead: its first prompt cut is said, once; and by default nothing is cut (as GRPO).
+    caplog.clear()
+    streamed = data.to_iterable_dataset()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path, max_prompt_length=10), streamed)
+        assert not [r for r in caplog.records if "max_prompt_length" in r.message]
+        assert [len(x) for x in trainer._tokenize_prompts(["1+1=", "9" * 30, "8" * 40])] == [4, 10, 10]
+        trainer._tokenize_prompts(["7" * 50])
+    warnings = [r.message for r in caplog.records if "max_prompt_length" in r.message]
+    assert [w.removeprefix("[RANK 0] ") for w in warnings] == [
+        "A prompt of 40 tokens is longer than max_prompt_length=10: it and any later such prompt are truncated from "
+        "the left (said once). Raise max_prompt_length or set it to None to keep them whole."
+    ]
+    unlimited = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path / "whole"), streamed)
+    assert unlimited.args.max_prompt_length is None
+    assert [len(x) for x in unlimited._tokenize_prompts(["9" * 600])] == [600]
 
 
 def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog):
@@ -850,6 +888,31 @@ def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints
     with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
         assert newest_resumable_checkpoint(out) == out / "checkpoint-1"
     assert f"Checkpoint {newest} cannot be read ({named})" in caplog.text
+
+
+@pytest.mark.parametrize("spelling", ["relative", "other working directory", "link"])
+def test_rotation_keeps_the_best_checkpoint_however_its_path_was_spelt(tmp_path, monkeypatch, spelling):
+    """`save_total_limit` never deletes the best checkpoint: the state saved by the first run spells its path as that
+    run's `output_dir` did, and a resumed run may spell `output_dir` otherwise (relative, from another working
+    directory, through a link). Before, the spellings were compared, and the best checkpoint was deleted."""
+    from trl_vapo.checkpoint import COMPLETE_MARKER, rotate_checkpoints
+
+    out = tmp_path / "runs" / "out"
+    for step in (1, 2, 3, 4):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / COMPLETE_MARKER).write_text("{}")
+    monkeypatch.chdir(tmp_path / "runs")
+    best = "out/checkpoint-2"  # as the first run, started in runs/ with output_dir="out", saved it
+    if spelling == "relative":  # the first run's output_dir was absolute; the resumed run's is "out"
+        best = str(out / "checkpoint-2")
+    if spelling == "other working directory":  # resumed from runs/'s parent with output_dir="runs/out"
+        monkeypatch.chdir(tmp_path)
+    output_dir = {"relative": Path("out"), "other working directory": Path("runs/out"), "link": tmp_path / "alias"}
+    output_dir = output_dir[spelling]
+    if spelling == "link":
+        output_dir.symlink_to(out)
+    rotate_checkpoints(output_dir, save_total_limit=2, keep=[output_dir / "checkpoint-4", Path(best)])
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
 
 
 def test_a_checkpoint_is_on_the_disk_before_it_is_published(tmp_path, monkeypatch):

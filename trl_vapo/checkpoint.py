@@ -245,11 +245,16 @@ def newest_resumable_checkpoint(output_dir: str | os.PathLike) -> Path:
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, keep: Sequence[Path] = ()) -> None:
-    """Delete the oldest checkpoints beyond ``save_total_limit`` (never those in ``keep``: the newest, the best)."""
+    """Delete the oldest checkpoints beyond ``save_total_limit`` (never those in ``keep``: the newest, the best).
+
+    ``keep`` is matched by the folder it names, not by its spelling: a run resumed with ``output_dir`` written
+    otherwise (``./out``, an absolute path, a link, another working directory) reads the best checkpoint's path, as
+    the first run spelt it, from the saved state. A kept path that names no folder names one of ``output_dir`` by its
+    own name."""
     if not save_total_limit or save_total_limit <= 0:
         return
-    kept = set(keep)
-    checkpoints = [c for c in list_checkpoints(output_dir) if c not in kept]
+    kept = {(Path(p) if Path(p).is_dir() else Path(output_dir) / Path(p).name).resolve() for p in keep}
+    checkpoints = [c for c in list_checkpoints(output_dir) if c.resolve() not in kept]
     excess = len(checkpoints) + len(kept) - save_total_limit
     for stale in checkpoints[: max(excess, 0)]:
         shutil.rmtree(stale, ignore_errors=True)

@@ -21,7 +21,7 @@ import signal
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from . import __version__
@@ -97,9 +97,18 @@ class VAPOScriptArguments:
     answer_column: str = field(default="answer", metadata={"help": "Column with the gold answer, for the rewards."})
     prompt_template: str | None = field(
         default=None,
-        metadata={"help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.'"},
+        metadata={
+            "help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.' (text prompts: "
+            "a column of chat messages is used as it is)"
+        },
     )
-    system_prompt: str | None = field(default=None, metadata={"help": "System message before each problem."})
+    system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "System message before each problem: a chat prompt's first message (refused where the data set's "
+            "messages have their own), or a paragraph before a text prompt."
+        },
+    )
     prompt_format: str = field(
         default="auto",
         metadata={
@@ -342,10 +351,13 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
         preset = PRESETS[script_args.dataset_preset]
         script_args.dataset_name = script_args.dataset_name or preset.dataset_name
         script_args.dataset_config = script_args.dataset_config or preset.dataset_config
-        script_args.prompt_column = preset.prompt_column
-        script_args.answer_column = preset.answer_column
+        # The preset's columns, unless the user named others (a local copy of the set with its columns renamed).
+        defaults = {f.name: f.default for f in fields(VAPOScriptArguments)}
+        for name in ("prompt_column", "answer_column"):
+            if getattr(script_args, name) == defaults[name]:
+                setattr(script_args, name, getattr(preset, name))
         script_args.prompt_template = script_args.prompt_template or "{{{}}}\n{}".format(
-            preset.prompt_column,
+            script_args.prompt_column,
             BOXED_INSTRUCTION.replace("{}", "{{}}"),
         )
     if not model_args.model_name_or_path:

@@ -137,8 +137,12 @@ class VAPOConfig(TrainingArguments):
 
     # ------------------------------------------------------------------------------------- data and generation
     max_prompt_length: int | None = field(
-        default=512,
-        metadata={"help": "Prompts longer than this many tokens are truncated from the left. None: no limit."},
+        default=None,
+        metadata={
+            "help": "Prompts longer than this many tokens are truncated from the left (counted and said before "
+            "training; see drop_long_prompts). None (default): no limit, as in TRL's GRPOTrainer (TRL "
+            "1.16 has no such setting)."
+        },
     )
     max_completion_length: int = field(
         default=512,

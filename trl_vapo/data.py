@@ -67,7 +67,8 @@ def load_prompt_dataset(
             The default, `"answer"`, is skipped when the data set has no such column (GRPO data sets often keep
             theirs under another name, e.g. `solution`, which the reward functions read directly).
         prompt_template: a `str.format` template over the row's columns, e.g. `"{question}\\nAnswer in \\boxed{{}}."`.
-        system_prompt: a system message put before the problem (chat prompts only).
+        system_prompt: a system message put before the problem: the first message of a chat prompt (an error when a
+            row's messages already start with one), or a paragraph before a text prompt.
         chat: build chat messages (`[{"role": "user", ...}]`) rather than plain text.
         streaming: load it as an `IterableDataset` (`datasets`' streaming mode), read as training goes.
 
@@ -88,12 +89,24 @@ def load_prompt_dataset(
                 f"Pass --{role} with one of them."
             )
 
+    if prompt_template and isinstance(first[prompt_column], list):
+        raise ValueError(
+            f"--prompt_template formats text, but {dataset_name} ({split})'s column {prompt_column!r} holds chat "
+            "messages, which are used as they are: drop --prompt_template, or pass a text column as --prompt_column."
+        )
     if prompt_template:
         check_prompt_template(prompt_template, columns)
 
     def to_prompt(row: dict) -> dict:
         problem = row[prompt_column]
-        if isinstance(problem, list):  # already chat messages
+        if isinstance(problem, list):  # already chat messages: the system prompt goes first, unless they have one
+            if system_prompt and problem and problem[0].get("role") == "system":
+                raise ValueError(
+                    f"--system_prompt was given, but a row of {dataset_name} ({split}) already starts with a system "
+                    f"message ({str(problem[0].get('content'))[:60]!r}): drop --system_prompt to keep the data set's."
+                )
+            if system_prompt:
+                problem = [{"role": "system", "content": system_prompt}, *problem]
             return {"prompt": problem, **({"answer": row[answer_column]} if answer_column else {})}
         text = prompt_template.format(**row) if prompt_template else problem
         if chat:

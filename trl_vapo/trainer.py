@@ -354,6 +354,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         )
         if said:
             logger.warning(said)
+        self._said_long_prompts = said is not None  # else the first prompt cut later (a stream's, eval's) is said
         streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
         self.run_plan = RunPlan.from_config(
             args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
@@ -604,7 +605,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`."""
         ids = prompt_token_ids(self.processing_class, prompts, self._conversational, self.args.chat_template_kwargs)
         limit = self.args.max_prompt_length
-        return [x[-limit:] for x in ids] if truncate and limit is not None else ids
+        if not truncate or limit is None:
+            return ids
+        longest = max(map(len, ids), default=0)
+        if longest > limit and not self._said_long_prompts:  # not counted before training: a stream's, an eval set's
+            self._said_long_prompts = True
+            logger.warning(
+                f"A prompt of {longest} tokens is longer than max_prompt_length={limit}: it and any later such "
+                "prompt are truncated from the left (said once). Raise max_prompt_length or set it to None to keep "
+                "them whole."
+            )
+        return [x[-limit:] for x in ids]
 
     # ------------------------------------------------------------------------------------------ the rollout
     @torch.no_grad()
