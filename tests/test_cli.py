@@ -631,6 +631,56 @@ def test_eval_bad_input_is_one_line_before_any_model_loads(args, needle, tiny_mo
     assert len(lines) == 1 and lines[0].startswith(f"trl-vapo eval: error: {needle.format(**fill)}"), lines
 
 
+def test_eval_renders_prompts_with_the_chat_template_kwargs_of_training(tiny_model_dir, jsonl_data, tmp_path, capsys):
+    """The held-out scores (`trl-vapo eval`, and the report of `trl-vapo train`) render the prompts as training does:
+    with `chat_template_kwargs` (Qwen3's `enable_thinking`). Before, they were left out, and a template that reads
+    them rendered another prompt. This template refuses to render without its keyword."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = (
+        "{% if enable_thinking is not defined %}{{ raise_exception('enable_thinking is not given') }}{% endif %}"
+        + tokenizer.chat_template
+    )
+    tokenizer.save_pretrained(model)
+    common = ["eval", "--model", str(model), "--num_prompts", "2", "--k", "1", "--max_new_tokens", "2"]
+    common += ["--dataset_name", str(jsonl_data), "--dataset_test_split", "train", "--prompt_column", "question"]
+    common += ["--prompt_format", "chat"]
+    with pytest.raises(Exception, match="enable_thinking is not given"):
+        main(common)
+    assert main([*common, "--chat_template_kwargs", '{"enable_thinking": false}']) == 0
+    assert json.loads(capsys.readouterr().out)["num_problems"] == 2
+    (tmp_path / "run.yaml").write_text("chat_template_kwargs:\n  enable_thinking: false\n")
+    assert main([*common, "--config", str(tmp_path / "run.yaml")]) == 0  # a training YAML's mapping
+    assert main([*common, "--chat_template_kwargs", "{enable_thinking: false}"]) == 2
+    assert "--chat_template_kwargs is not JSON (" in capsys.readouterr().err
+
+
+def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_empty_set(tiny_model_dir):
+    """A reward of inf or NaN during held-out evaluation was a TypeError (the scorer counted it through a logger
+    that evaluation does not pass), raised after training and before the model was saved."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from trl_vapo.evaluation import evaluate_policy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    data = Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(3)])
+
+    def unbounded(completions, **kwargs):
+        return [float("inf"), float("nan"), 1.0] * (len(completions) // 3)
+
+    result = evaluate_policy(model, tokenizer, data, unbounded, k=1, max_new_tokens=2, greedy=False)
+    assert result.avg_at_k == pytest.approx(1 / 3)  # the finite 1.0 counts; inf and NaN are unscored, not correct
+    with pytest.raises(ValueError, match="The data set to evaluate on is empty"):
+        evaluate_policy(model, tokenizer, data.select([]), unbounded, k=1, max_new_tokens=2)
+
+
 def test_eval_takes_temperature_zero_as_greedy():
     """`evaluate_policy` samples greedily at temperature 0: the range check lets it through."""
     from types import SimpleNamespace

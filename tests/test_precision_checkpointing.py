@@ -96,6 +96,34 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(tiny_model
         torch.testing.assert_close(checkpointed[name], plain[name], **tolerance, msg=name)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])
+def test_transformers_own_checkpointing_options_take_effect(tmp_path, lora):
+    """`gradient_checkpointing_kwargs={"every_n_layers": 2, "offload": True}`, transformers' own keys, which its
+    Trainer takes out of the dict: they were passed on to `torch.utils.checkpoint` and dropped, every layer
+    checkpointed. (On the CPU `offload` has nothing to move, and is left out: transformers would ask for pinned
+    memory, which needs an accelerator.)"""
+    from trl_vapo.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "four-layers", num_layers=4)
+    args = make_args(
+        tmp_path,
+        max_steps=1,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"every_n_layers": 2, "offload": True},
+    )
+    trainer = VAPOTrainer(
+        model=str(model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(),
+        peft_config=lora_config() if lora else None,
+    )
+    trainer.train()
+    flags = [layer.gradient_checkpointing for layer in decoder_layers(trainer)]
+    assert flags == [True, False, True, False] * (1 if lora else 2)  # the policy's layers, then the critic's
+    assert trainer.state.global_step == 1 and trainer.progress.skipped_steps == 0
+
+
 def test_reentrant_checkpointing_with_the_shared_base_critic_is_refused(tiny_model_dir, tmp_path):
     args = make_args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
     trainer = VAPOTrainer(

@@ -549,3 +549,33 @@ def _installed(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_a_fresh_run_in_a_used_output_dir_has_its_own_log_and_card(tiny_model_dir, tmp_path):
+    """A second run in the output_dir of an earlier one: `trl-vapo plot` read the earlier run's later steps spliced
+    after this run's (`vapo_logs.jsonl` was only appended to), and the model card reported the earlier run's value
+    pretraining, and pointed at its critic, for a run that did none."""
+    from helpers import digit_fraction, make_args, prompts_dataset
+
+    from trl_vapo import VAPOTrainer
+    from trl_vapo.checkpoint import PRETRAINED_CRITIC_DIR
+    from trl_vapo.diagnostics import read_logs
+    from trl_vapo.modeling import VALUE_PRETRAINING_FILE
+
+    out = tmp_path / "out"
+    first = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=3), prompts_dataset())
+    first.train()
+    assert [entry["step"] for entry in read_logs(out) if "phase" in entry] == [1, 2, 3]
+    (out / PRETRAINED_CRITIC_DIR).mkdir()  # as an earlier run's value pretraining left it
+    record = {"rollouts": 50, "final_explained_variance": 0.6}
+    (out / PRETRAINED_CRITIC_DIR / VALUE_PRETRAINING_FILE).write_text(json.dumps(record))
+
+    second = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=1), prompts_dataset())
+    second.train()
+    logged = [entry for entry in read_logs(out) if "phase" in entry]
+    assert [entry["step"] for entry in logged] == [1]
+    assert logged[0]["loss"] == next(h["loss"] for h in second.state.log_history if "loss" in h)
+    second.save_model(str(out))
+    card = (out / "README.md").read_text()
+    assert "off (`value_pretrain_steps=0`)" in card
+    assert "ran 50" not in card and PRETRAINED_CRITIC_DIR not in card

@@ -484,8 +484,10 @@ class SavingMixin:
             value_pretraining = {"skipped": "the critic (`value_model`) came from an earlier value pretraining"}
         elif run.value_function is not None:
             value_pretraining = {"skipped": "the values came from a frozen value function (`value_model`)"}
-        else:
+        elif self.progress.value_pretrain_rollouts > 0:  # this run's (or the run it resumed): not an earlier run's
             value_pretraining = value_pretraining_record(pretrained_dir)
+        else:
+            value_pretraining = None
         urls = tracker_urls()
         card = build_model_card(
             base_model=run.base_model,
@@ -501,7 +503,7 @@ class SavingMixin:
             critic_auto_class=run.critic_auto_class,
             value_function=run.value_function,
             value_pretraining=value_pretraining,
-            pretrained_critic_dir=pretrained_dir if pretrained_dir.is_dir() else None,
+            pretrained_critic_dir=pretrained_dir if value_pretraining and pretrained_dir.is_dir() else None,
             held_out=info.get("held_out"),
             log_history=self.state.log_history,
             example_prompt=run.example_prompt,

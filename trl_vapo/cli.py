@@ -300,7 +300,12 @@ def train_command(argv: list[str]) -> int:
         print(f"trl-vapo train: {stopped}", file=sys.stderr)
         trainer.accelerator.end_training()
         return stopped.exit_code
-    after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
+    try:
+        after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
+    except Exception:  # the trained model is saved first, without the held-out scores the report did not give
+        trainer.model_card_info = _model_card_info(script_args, None, None, demo)
+        trainer.save_model(training_args.output_dir)
+        raise
     trainer.model_card_info = _model_card_info(script_args, before, after, demo)
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
@@ -324,7 +329,8 @@ def _model_card_info(script_args, before, after, demo: bool) -> dict:
             "before": before,
             "after": after,
             "description": f"{before['num_problems']} problems of {split}, {script_args.eval_k} samples each at "
-            "temperature 1.0 for avg@k",
+            "temperature 1.0 and top_p 1.0 for avg@k (`trl-vapo eval --top_p 1.0 --k "
+            f"{script_args.eval_k}` samples the same way), greedy for pass@1",
         }
     return info
 
@@ -532,6 +538,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
         reward_weights=args.reward_weights,
         positive_reward_threshold=args.positive_reward_threshold,
         engine=engine,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     return result.as_dict()
 
@@ -676,6 +683,13 @@ class EvalArguments:
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU share of vLLM (colocate)."})
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
+    chat_template_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "The chat template's keyword arguments as JSON, as in training (a config's "
+            "`chat_template_kwargs` applies), e.g. '{\"enable_thinking\": false}'."
+        },
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow the model's own Python code."})
     output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})
 
@@ -731,6 +745,16 @@ def eval_command(argv: list[str]) -> int:
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
     _check_eval_numbers(args)
+    chat_template_kwargs = args.chat_template_kwargs  # a YAML's mapping, or a flag's JSON
+    if isinstance(chat_template_kwargs, str):
+        try:
+            chat_template_kwargs = json.loads(chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            raise UsageError(
+                f"--chat_template_kwargs is not JSON ({error}): e.g. '{{\"enable_thinking\": false}}'"
+            ) from None
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise UsageError(f"--chat_template_kwargs must be a JSON object, got {chat_template_kwargs!r}")
     _check_model_source(args.model, "--model")
     tokenizer_source = _tokenizer_source(args.model)
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
@@ -802,6 +826,7 @@ def eval_command(argv: list[str]) -> int:
         reward_weights=args.reward_weights,
         positive_reward_threshold=args.positive_reward_threshold,
         engine=engine,
+        chat_template_kwargs=chat_template_kwargs,
     ).as_dict()
     print(json.dumps(result, indent=2))
     if args.output_json:

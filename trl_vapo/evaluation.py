@@ -111,12 +111,16 @@ def evaluate_policy(
     positive_reward_threshold: float = 0.5,
     greedy: bool = True,
     engine: Engine = "generate",
+    chat_template_kwargs: dict | None = None,
 ) -> EvaluationResult:
     """pass@1 (greedy), avg@k and pass@k of `model` on `dataset` (a `prompt` column plus what the rewards read).
 
     `engine` picks how to sample (see `Engine`); one engine serves both the sampled and the greedy pass.
+    `chat_template_kwargs`: the chat template's keyword arguments, as in training (`VAPOConfig.chat_template_kwargs`).
     """
     rows = dataset.to_list()
+    if not rows:
+        raise ValueError("The data set to evaluate on is empty: pass one with at least one prompt.")
     prompts = [row["prompt"] for row in rows]
     scorer = RewardScorer(reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}))
 
@@ -136,6 +140,7 @@ def evaluate_policy(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         engine=generator,
+        chat_template_kwargs=chat_template_kwargs,
     )
     hits = correct(sampled, k)
     pass_at_1 = float("nan")
@@ -148,6 +153,7 @@ def evaluate_policy(
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
             engine=generator,
+            chat_template_kwargs=chat_template_kwargs,
         )
         pass_at_1 = correct(greedy_completions, 1).mean().item()
     return EvaluationResult(

@@ -446,6 +446,11 @@ class ActorCritic(nn.Module):
         records the adapter active when each layer ran forward and restores it for that layer's recomputation.
         """
         kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        # transformers' own keys (which layers, where their saved activations live), taken out as its Trainer takes
+        # them: the rest go to `torch.utils.checkpoint`, which would drop these two silently.
+        layer_options = {key: kwargs.pop(key) for key in ("every_n_layers", "offload") if key in kwargs}
+        if next(self.policy.parameters()).device.type == "cpu":  # the activations are on the host already (and
+            layer_options.pop("offload", None)  # transformers would ask for pinned memory, which needs an accelerator)
         if self.shares_base:
             if kwargs["use_reentrant"]:
                 raise ValueError(
@@ -461,9 +466,9 @@ class ActorCritic(nn.Module):
             # transformers 5.x renamed the method; the deprecated name warns from 5.20 on.
             enable = getattr(base, "activation_checkpointing_enable", None)
             if enable is not None:
-                enable(activation_checkpointing_kwargs=kwargs)
+                enable(activation_checkpointing_kwargs=kwargs, **layer_options)
             else:
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layer_options)
 
     def gradient_checkpointing_disable(self) -> None:
         for model in (self.policy, self.critic):

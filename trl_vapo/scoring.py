@@ -253,7 +253,7 @@ class RewardScorer:
             column = torch.tensor([math.nan if v is None else float(v) for v in values])
             non_finite = torch.isinf(column) | (torch.isnan(column) & torch.tensor([v is not None for v in values]))
             if non_finite.any():
-                log_metric(f"rewards/{name}/non_finite_count", float(non_finite.sum()))
+                common["log_metric"](f"rewards/{name}/non_finite_count", float(non_finite.sum()))
                 if name not in self._warned_non_finite:
                     logger.warning(
                         f"Reward function {name!r} returned NaN or inf for {int(non_finite.sum())} of {len(rows)} "
