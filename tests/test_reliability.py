@@ -137,6 +137,9 @@ def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
         ({"length_adaptive_alpha": 0.0}, "length_adaptive_alpha"),
         ({"nll_coef": -1.0}, "nll_coef"),
         ({"value_pretrain_steps": -1}, "value_pretrain_steps"),
+        # Ignored before: the schedules are trl-vapo's own; cosine's num_cycles is the one option they take.
+        ({"lr_scheduler_kwargs": {"num_cycles": 1.0}}, "lr_scheduler_type='constant_with_warmup': it takes none"),
+        ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"min_lr": 0.0}}, "cosine takes num_cycles only"),
         ({"max_steps": -5}, "max_steps"),
         ({"num_iterations": 0}, "num_iterations"),
         ({"loss_type": "cispo"}, "loss_type"),
@@ -484,7 +487,7 @@ def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_pa
     assert trainer.lr_scheduler.last_epoch == trainer.state.global_step
 
 
-@pytest.mark.parametrize("kind", ["constant_with_warmup", "constant", "linear", "cosine"])
+@pytest.mark.parametrize("kind", ["constant_with_warmup", "constant", "linear", "cosine", "cosine-1.0"])
 def test_each_schedule_is_transformers_own_shifted_to_where_its_side_starts(kind):
     """`Schedule` follows `transformers.get_scheduler`, multiplier for multiplier over a whole run (`constant` has no
     warm-up, whatever warmup_steps says), started at the step its side starts (the actor's: after value
@@ -494,14 +497,18 @@ def test_each_schedule_is_transformers_own_shifted_to_where_its_side_starts(kind
     from trl_vapo.optim import Schedule
 
     warmup, total, start = 3, 10, 4
+    kind, *cycles = kind.split("-")  # cosine-1.0: `lr_scheduler_kwargs={"num_cycles": 1.0}`, down and up again
+    options = {"num_cycles": float(cycles[0])} if cycles else {}
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    reference = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    reference = get_scheduler(
+        kind, optimizer, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=options
+    )
     expected = []
     for _ in range(total):
         expected.append(reference.get_last_lr()[0])
         optimizer.step()
         reference.step()
-    ours = Schedule(kind, warmup, total, start_step=start)
+    ours = Schedule(kind, warmup, total, start_step=start, **options)
     assert [ours(step) for step in range(start)] == [0.0] * start
     assert [ours(start + step) for step in range(total)] == pytest.approx(expected, abs=1e-12)
 
@@ -913,6 +920,65 @@ def test_rotation_keeps_the_best_checkpoint_however_its_path_was_spelt(tmp_path,
         output_dir.symlink_to(out)
     rotate_checkpoints(output_dir, save_total_limit=2, keep=[output_dir / "checkpoint-4", Path(best)])
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_save_only_model_checkpoints_hold_the_weights_and_are_not_resumed_from(tiny_model_dir, tmp_path):
+    """`save_only_model=True` (ignored before: every checkpoint held the optimizer state too) writes the policy, the
+    critic and the state, not the optimizer, schedules or random state; such a checkpoint starts a new run from its
+    weights, and a resume from it is refused in one line. The checkpoint a SIGTERM writes is whole: it exists to be
+    resumed from."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.signals import TrainingInterrupted
+
+    args = config(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, save_only_model=True)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.train()
+    out = tmp_path / "out"
+    saved = list_checkpoints(out)
+    assert [c.name for c in saved] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    for checkpoint in saved:
+        names = {p.name for p in checkpoint.iterdir()}
+        assert {"model.safetensors", "trainer_state.json", "critic"} <= names
+        assert not names & {"optimizer.pt", "scheduler.pt", "rng_state_0.safetensors"}
+    AutoModelForCausalLM.from_pretrained(saved[-1])
+    with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-3: it was saved with save_only_model=True"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train(str(saved[-1]))
+    with pytest.raises(ValueError, match="no checkpoint in .* can be read"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train(True)
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, during the rollout
+
+    shutil.rmtree(out)
+    stopped = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[Stop()])
+    with pytest.raises(TrainingInterrupted):
+        stopped.train()
+    whole = list_checkpoints(out)[-1]
+    assert whole.name == "checkpoint-1" and (whole / "optimizer.pt").is_file() and (whole / "scheduler.pt").is_file()
+    resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    resumed.train(True)
+    assert resumed.state.global_step == 3
+
+
+def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tiny_model_dir, tmp_path, monkeypatch):
+    """`torch_empty_cache_steps`, ignored before (the trainer runs its own loop, not transformers' training step). The
+    cache it empties is the GPU allocator's, which this machine has not: the call is counted here, around the real
+    function, and the GPU's effect is transformers' own."""
+    from trl_vapo import trainer as trainer_module
+
+    emptied, real = [], trainer_module.clear_device_cache
+
+    def counted(*args, **kwargs):
+        emptied.append(run.state.global_step)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "clear_device_cache", counted)
+    args = config(tmp_path, max_steps=4, torch_empty_cache_steps=2)
+    run = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    run.train()
+    assert emptied == [1, 3]  # during steps 2 and 4 (global_step counts the steps done)
 
 
 def test_a_checkpoint_is_on_the_disk_before_it_is_published(tmp_path, monkeypatch):

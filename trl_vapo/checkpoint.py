@@ -178,6 +178,11 @@ def checkpoint_problem(path: Path) -> str | None:
     `trainer_state.json` without its step. Headers only: cheap for any model size."""
     from safetensors import safe_open
 
+    if read_marker(path).get("model_only"):
+        return (
+            "it was saved with save_only_model=True: the policy and critic only, without the optimizer state, "
+            "schedules and random state a resume needs (its weights start a new run: model=<its folder>)"
+        )
     missing = missing_files(Path(path))
     if missing:
         return f"missing {', '.join(missing)}"
@@ -515,14 +520,16 @@ class SavingMixin:
         )
         card.save(str(output_dir / "README.md"))
 
-    def _save_checkpoint(self, model=None, trial=None) -> None:
+    def _save_checkpoint(self, model=None, trial=None, model_only: bool | None = None) -> None:
         """Write `checkpoint-<step>` completely (policy, critic, optimizer, scheduler, RNG, state), then rename it
-        into place: a crash mid-write leaves the previous checkpoint intact."""
+        into place: a crash mid-write leaves the previous checkpoint intact. `model_only` (default:
+        `save_only_model`): without the optimizer, the schedules and the random state, which only a resume reads."""
+        model_only = self.args.save_only_model if model_only is None else model_only
         final = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
         tmp = temporary_folder(final, self._run_owner or run_owner())
         with write_errors_named(final, tmp):
-            self._write_checkpoint(final, tmp)
-        self._checkpoint_step = self.state.global_step
+            self._write_checkpoint(final, tmp, model_only)
+        self._checkpoint_step = None if model_only else self.state.global_step  # (a resumable one's step)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(final))
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
@@ -564,23 +571,25 @@ class SavingMixin:
         else:
             self.push_in_progress.jobs.extend(jobs)
 
-    def _write_checkpoint(self, final: Path, tmp: Path) -> None:
+    def _write_checkpoint(self, final: Path, tmp: Path, model_only: bool = False) -> None:
         main = self.accelerator.is_main_process
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        save_rng_state(tmp / f"rng_state_{self.accelerator.process_index}.safetensors")
+        if not model_only:
+            save_rng_state(tmp / f"rng_state_{self.accelerator.process_index}.safetensors")
         with self._full_weights() as state_dict:
             if main:
                 self._write_models(tmp, state_dict)
-        if self.is_deepspeed_enabled:
+        if self.is_deepspeed_enabled and not model_only:
             # ZeRO partitions the optimizer state over the ranks: each writes its own part.
             self.model_wrapped.save_checkpoint(str(tmp), tag=DEEPSPEED_CHECKPOINT_TAG, exclude_frozen_parameters=True)
-        if main:
+        if main and not model_only:
             if not self.is_deepspeed_enabled:
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+        if main:
             if self.state.best_global_step == self.state.global_step:  # `metric_for_best_model`'s best so far
                 self.state.best_model_checkpoint = str(final)
             callbacks = self.callback_handler.callbacks + [self.control]
@@ -592,6 +601,8 @@ class SavingMixin:
         if main:
             # Written last: its presence marks the folder complete.
             marker = {"progress": dataclasses.asdict(self.progress), "run": self._fingerprint()}
+            if model_only:
+                marker["model_only"] = True  # `checkpoint_problem`: not one to resume from
             (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
             publish(tmp, final)
             best = self.state.best_model_checkpoint

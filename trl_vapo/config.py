@@ -431,9 +431,9 @@ class VAPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Passes of the critic over each value-pretraining rollout (each a shuffled pass of optimizer "
-            "steps, counted in `max_steps` like RL's). Default: equal to `num_iterations`. The policy is frozen "
-            "while the critic pretrains, so more passes reuse samples of the same distribution (the `chains` "
-            "benchmark's critic tuning tries 4-16: benchmarks/README.md). The paper does not say (one pass)."
+            "steps, which come on top of `max_steps`: it counts RL's). Default: equal to `num_iterations`. The "
+            "policy is frozen while the critic pretrains, so more passes reuse samples of the same distribution (the "
+            "`chains` benchmark's critic tuning tries 4-16: benchmarks/README.md). The paper does not say (one pass)."
         },
     )
     value_pretrain_replay: int = field(
@@ -778,6 +778,15 @@ class VAPOConfig(TrainingArguments):
         require(
             self.lr_scheduler_type in _LR_SCHEDULES,
             f"lr_scheduler_type must be one of {', '.join(_LR_SCHEDULES)}; got {self.lr_scheduler_type!r}.",
+        )
+        scheduler_kwargs = dict(self.lr_scheduler_kwargs or {})
+        schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
+        taken = {"num_cycles"} if schedule == "cosine" else set()
+        require(
+            set(scheduler_kwargs) <= taken,
+            f"lr_scheduler_kwargs={scheduler_kwargs} is not taken by lr_scheduler_type={schedule!r}: "
+            f"{'cosine takes num_cycles only' if taken else 'it takes none'} (the schedules are "
+            "trl_vapo.optim.Schedule's, one per side).",
         )
         require(self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0.")
         for name in ("lam_actor", "lam_critic", "gamma"):

@@ -38,11 +38,14 @@ class Schedule:
     (the actor's schedule starts only when value pretraining ends). Formulas as in `transformers.get_scheduler`.
     """
 
-    def __init__(self, kind: str, warmup_steps: int, total_steps: int, start_step: int | None = 0):
+    def __init__(
+        self, kind: str, warmup_steps: int, total_steps: int, start_step: int | None = 0, num_cycles: float = 0.5
+    ):
         self.kind = str(getattr(kind, "value", kind))  # a plain string: the state loads with weights_only=True
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
         self.start_step = start_step
+        self.num_cycles = float(num_cycles)  # cosine's waves (`lr_scheduler_kwargs`); 0.5: down to 0 once
 
     def __call__(self, step: int) -> float:
         if self.start_step is None or step < self.start_step:
@@ -57,7 +60,7 @@ class Schedule:
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         if self.kind == "linear":
             return max(0.0, 1.0 - progress)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))  # cosine
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * self.num_cycles * 2.0 * min(progress, 1.0))))  # cosine
 
 
 def side_schedules(
@@ -67,15 +70,18 @@ def side_schedules(
     rl_steps: int,
     pretrain_steps: int,
     actor_starts_at: int | None,
+    scheduler_kwargs: dict | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A `LambdaLR` with one `Schedule` per group: the actor's over the RL steps from `actor_starts_at` (None: when
     value pretraining ends), the critic's over all steps. Groups without a "name" (a user's own optimizer) follow
-    the critic's: never held at zero. `warmup_steps(total)` gives the warm-up of a schedule of `total` steps."""
+    the critic's: never held at zero. `warmup_steps(total)` gives the warm-up of a schedule of `total` steps;
+    `scheduler_kwargs` (`lr_scheduler_kwargs`): cosine's `num_cycles`."""
     schedules = []
     for group in optimizer.param_groups:
         actor = group.get("name") == "policy"
         total = rl_steps + (0 if actor else pretrain_steps)
-        schedules.append(Schedule(kind, warmup_steps(total), total, actor_starts_at if actor else 0))
+        start = actor_starts_at if actor else 0
+        schedules.append(Schedule(kind, warmup_steps(total), total, start, **(scheduler_kwargs or {})))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
 
 

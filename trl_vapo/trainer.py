@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+from accelerate.utils.memory import clear_device_cache
 from datasets import Dataset, IterableDataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
@@ -402,6 +403,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
                 plan.rl_steps,
                 plan.pretrain_steps,
                 0 if self._skips_value_pretraining else None,
+                self.args.lr_scheduler_kwargs,
             )
         return self.lr_scheduler
 
@@ -467,7 +469,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
         self._loss_sum, self._loss_steps = 0.0, 0
-        self._checkpoint_step = None  # the step of the last checkpoint this run wrote (`_save_checkpoint`)
+        self._checkpoint_step = None  # the step of the last resumable checkpoint this run wrote (`_save_checkpoint`)
         self._epoch_ended_at = -1
         if args.eval_on_start:
             self.evaluate()
@@ -551,7 +553,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         wrote it), say so in one line, and raise `TrainingInterrupted`."""
         path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
         if self._checkpoint_step != self.state.global_step:  # this run's own record: the same on every process
-            self._save_checkpoint()
+            self._save_checkpoint(model_only=False)  # whole, whatever save_only_model says: it is to resume from
         message = (
             f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; resume with "
             "resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`)."
@@ -852,6 +854,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         # Stepped on skipped steps too: the schedules count optimizer steps, and the actor's starts at a step number.
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if args.torch_empty_cache_steps and (self.state.global_step + 1) % args.torch_empty_cache_steps == 0:
+            clear_device_cache()  # as transformers.Trainer: the allocator's cached blocks go back to the device
 
         self.state.global_step += 1
         self._record_step(sums, grad_norms)
