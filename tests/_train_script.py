@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", help="the dtype to load the model in (model_init_kwargs)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every 4 steps")
+    parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
+    parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
     args = parser.parse_args(argv)
     if args.fsdp2:
         force_fsdp2_on_cpu()
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         eval_steps=4,
         num_generations_eval=2,
         per_device_eval_batch_size=8 // world,
+        log_completions=args.log_completions,
+        num_completions_to_print=None,  # all of them
     )
     rank = int(os.environ.get("RANK", "0"))
     StallingTrainer.stall_at = args.stall_at
@@ -259,6 +263,15 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: exit as `trl-vapo train` does
         trainer.accelerator.end_training()
         raise SystemExit(stopped.exit_code) from None
+    if args.held_out:  # as `trl-vapo train` reports after training, on every process
+        from types import SimpleNamespace
+
+        from trl_vapo.cli import _held_out_report
+
+        held_out = prompts().select(range(args.held_out))
+        report = _held_out_report(trainer, held_out, SimpleNamespace(eval_k=2), trainer.reward_funcs)
+        if rank == 0:
+            (Path(args.output_dir) / "held_out.json").write_text(json.dumps(report))
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))
         engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None

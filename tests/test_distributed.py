@@ -215,10 +215,18 @@ def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_tw
 
 
 def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_model_dir, tmp_path, reference):
-    run = train(tiny_model_dir, tmp_path / "fsdp2", 2, "--fsdp2", "--save-final", "--save-steps", "100")
+    """Also evaluated during training (FSDP2 shards the actor-critic in place, and `evaluate` took the sharded model
+    for one not yet placed: refused), and the held-out report `trl-vapo train` gives after training, on the sharded
+    policy and reward model, from every process (the main process alone met the others' shards)."""
+    flags = ["--fsdp2", "--save-final", "--save-steps", "100", "--held-out", "4", "--eval-prompts", "4"]
+    run = train(tiny_model_dir, tmp_path / "fsdp2", 2, *flags)
     steps = json.loads((run / "steps.json").read_text())
     assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
     assert steps["reward_model_sharded"] == [True]
+    assert json.loads((run / "held_out.json").read_text())["num_problems"] == 4
+    logged = map(json.loads, (run / "logs-rank0.jsonl").read_text().splitlines())
+    evaluated = [h["step"] for h in logged if "eval_loss" in h]
+    assert evaluated == [5, 8]  # eval_steps=4: step 4 ends mid-rollout, evaluated at its end
     assert steps["sequence_logits_built"] == 0
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -1255,6 +1256,12 @@ def test_reward_worker_that_hangs_or_dies_does_not_stop_training(tiny_model_dir,
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def printed_prompts(stdout: str) -> dict[str, set[str]]:
+    """The prompts (`12+15=`) in each printed completions table (`log_completions`), by the table's title."""
+    tables = re.split(r"(Step \d+ \([^)]*\))", stdout)
+    return {title: set(re.findall(r"\b\d\d\+\d\d=", body)) for title, body in zip(tables[1::2], tables[2::2])}
+
+
 def torchrun(*args, timeout=400):
     return subprocess.run(
         [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args],
@@ -1301,10 +1308,15 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
     common += ["--eval-prompts", "4"]  # evaluated at steps 4 and 8, each process on its half of the completions
     common += ["--dtype", "bfloat16"]  # trained in float32, saved as loaded
-    single = run_script(*common, "--output-dir", str(tmp_path / "one"))
+    single = run_script(*common, "--output-dir", str(tmp_path / "one"), "--log-completions")
     assert single.returncode == 0, single.stderr[-3000:]
-    double = torchrun(*common, "--output-dir", str(tmp_path / "two"), "--save-final")
+    double = torchrun(*common, "--output-dir", str(tmp_path / "two"), "--save-final", "--log-completions")
     assert double.returncode == 0, double.stderr[-3000:]
+    # The completions table holds the whole rollout, every process's share (it held the main process's alone).
+    printed = [printed_prompts(run.stdout) for run in (single, double)]
+    assert (
+        printed[0] == printed[1] and len(printed[0]) == 4 and {len(p) for p in printed[0].values()} == {4}
+    )  # rollouts
     for folder in (tmp_path / "two" / "final", tmp_path / "two" / "final" / "critic"):
         assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16", folder
         assert {v.dtype for v in load_file(folder / "model.safetensors").values()} == {torch.bfloat16}, folder

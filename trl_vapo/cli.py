@@ -515,32 +515,40 @@ def _resolve_rewards(names: list[str]):
 
 
 def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None:
-    if dataset is None or not trainer.accelerator.is_main_process:
+    """avg@k, pass@k and the greedy pass@1 of the trainer's policy on `dataset`, on the main process (None on the
+    others). Every process evaluates the same prompts once training has placed the models: under FSDP2 and ZeRO-3
+    the policy (and a reward model) are sharded, and their forward needs every process; the main process alone
+    waited there for the others forever."""
+    if dataset is None:
         return None
     from .evaluation import evaluate_policy
     from .generation import EngineSettings
 
-    args = trainer.args
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped).policy
+    args, main = trainer.args, trainer.accelerator.is_main_process
+    placed = trainer.models_placed
+    if not placed and not main:
+        return None
     engine = EngineSettings.from_config(args)  # a transformers engine of its own, batched as evaluation batches
     if engine.holds_own_weights:  # vLLM's copy of the policy: the trainer's engine, synced with it
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
-    result = evaluate_policy(
-        model,
-        trainer.processing_class,
-        dataset,
-        reward_funcs,
-        k=script_args.eval_k,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=args.max_completion_length,
-        reward_weights=args.reward_weights,
-        positive_reward_threshold=args.positive_reward_threshold,
-        engine=engine,
-        chat_template_kwargs=args.chat_template_kwargs,
-    )
-    return result.as_dict()
+    policy = contextlib.nullcontext(trainer.actor_critic.policy)
+    with trainer._generation_model() if placed else policy as model:  # gathered whole where sharded
+        result = evaluate_policy(
+            model,
+            trainer.processing_class,
+            dataset,
+            reward_funcs,
+            k=script_args.eval_k,
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=args.max_completion_length,
+            reward_weights=args.reward_weights,
+            positive_reward_threshold=args.positive_reward_threshold,
+            engine=engine,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
+    return result.as_dict() if main else None
 
 
 def _summary(trainer, before, after, seconds, demo) -> str:

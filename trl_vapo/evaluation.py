@@ -206,7 +206,7 @@ class EvaluationMixin:
                     self.scorer.check(row)
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        if self.model_wrapped is self.actor_critic and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+        if not self.models_placed and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(
                 "trainer.evaluate() before train() is not supported under DeepSpeed or FSDP: the models are placed "
                 "and sharded when training starts. Set eval_on_start=True to evaluate before the first step."

@@ -79,6 +79,16 @@ class CompletionsTable:
         first = {entry_text(prompt): i for i, prompt in reversed(list(enumerate(self.columns[PROMPT])))}
         return self._rows(sorted(first.values()))
 
+    @classmethod
+    def concatenate(cls, tables: Sequence[CompletionsTable]) -> CompletionsTable:
+        """The rows of `tables` (one step's, e.g. every process's share of a rollout) in order, as one table; an extra
+        column that some table lacks is left out, as one of the wrong length is."""
+        first = tables[0]
+        columns = {name: [v for table in tables for v in table.columns[name]] for name in first.columns}
+        shared = [name for name in first.extra_columns if all(name in table.extra_columns for table in tables)]
+        extra = {name: [v for table in tables for v in table.extra_columns[name]] for name in shared}
+        return cls(first.step, columns, first.reward_columns, first.phase, extra)
+
     def _rows(self, rows: list[int]) -> CompletionsTable:
         columns = {name: [values[i] for i in rows] for name, values in self.columns.items()}
         extra = {name: [values[i] for i in rows] for name, values in self.extra_columns.items()}
@@ -532,11 +542,17 @@ class MetricsMixin:
             self._log_file_started = True
         rollout = self._last_rollout
         fresh = rollout is not None and rollout is not self._reported_rollout
-        if self.args.log_completions and fresh and self.accelerator.is_main_process:
-            report_completions(
-                rollout_completions_table(rollout, self.processing_class, self.state.global_step),
-                num_completions_to_print=self.args.num_completions_to_print,
-                report_to=self.args.report_to,
-                unique_prompts=self.args.log_unique_prompts,
-            )
+        if self.args.log_completions and fresh:
+            table = rollout_completions_table(rollout, self.processing_class, self.state.global_step)
+            if self.accelerator.num_processes > 1:  # every process's share of the rollout, as GRPOTrainer gathers
+                from accelerate.utils import gather_object
+
+                table = CompletionsTable.concatenate(gather_object([table]))
+            if self.accelerator.is_main_process:
+                report_completions(
+                    table,
+                    num_completions_to_print=self.args.num_completions_to_print,
+                    report_to=self.args.report_to,
+                    unique_prompts=self.args.log_unique_prompts,
+                )
             self._reported_rollout = rollout

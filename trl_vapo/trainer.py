@@ -346,6 +346,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self._replay: list[Rollout] = []  # value pretraining's last rollouts (`value_pretrain_replay`)
         self._resumed_from: str | None = None  # the checkpoint `train` resumed from
         self._log_file_started = False  # whether this trainer wrote `vapo_logs.jsonl` yet (`log`)
+        self.models_placed = False  # by `train`: wrapped (DDP, DeepSpeed) or sharded (FSDP2, ZeRO-3)
         # What only the caller knows, for the model card: dataset_name / dataset_config / dataset_description,
         # held_out ({"before": ..., "after": ..., "description": ...}), license.
         self.model_card_info: dict[str, Any] = {}
@@ -461,6 +462,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             handler.find_unused_parameters = True
             self.accelerator.ddp_handler = handler
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.actor_critic, self.optimizer)
+        self.models_placed = True  # (FSDP2 shards `actor_critic` in place: `model_wrapped` is the same object)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         if resume_from_checkpoint is not None:
