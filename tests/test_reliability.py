@@ -91,6 +91,25 @@ def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(
         load_prompt_dataset(str(own), system_prompt="Be brief.")
 
 
+def test_a_missing_gold_answer_stays_missing(tmp_path):
+    """A row without its answer (null) became the text "None", which the math reward took for the gold answer and
+    scored -1 silently; left None, the reward says it cannot parse it and leaves the row unscored."""
+    from trl_vapo.data import load_prompt_dataset
+    from trl_vapo.rewards import math_reward
+
+    data = tmp_path / "gaps.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"{i}+{i}=", "answer": 2 * i if i else None}) + "\n" for i in range(3))
+    )
+    loaded = load_prompt_dataset(str(data), prompt_column="question", chat=False)
+    assert loaded["answer"] == [None, "2", "4"]
+    assert math_reward(completions=["\\boxed{0}", "\\boxed{2}", "\\boxed{5}"], answer=loaded["answer"]) == [
+        None,
+        1.0,
+        -1.0,
+    ]
+
+
 def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):
     data = Dataset.from_list([{"prompt": "1+1=", "gold": "2"}] * 8)
     with pytest.raises(ValueError, match=r"math_reward.*'answer'.*'solution'.*gold"):

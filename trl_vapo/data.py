@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-from datasets import Dataset, IterableDataset, load_dataset
+from datasets import Dataset, IterableDataset, Value, load_dataset
 from trl import is_conversational, maybe_apply_chat_template
 
 from .run import prompts_per_rollout
@@ -114,9 +114,18 @@ def load_prompt_dataset(
             prompt = messages + [{"role": "user", "content": text}]
         else:
             prompt = f"{system_prompt}\n\n{text}" if system_prompt else text
-        return {"prompt": prompt, **({"answer": str(row[answer_column])} if answer_column else {})}
+        if not answer_column:
+            return {"prompt": prompt}
+        gold = row[answer_column]  # a number read as text; a missing one stays None: the rewards leave it unscored
+        return {"prompt": prompt, "answer": None if gold is None else str(gold)}
 
-    return dataset.map(to_prompt) if streaming else dataset.map(to_prompt, desc="Building prompts")
+    if streaming:
+        return dataset.map(to_prompt)
+    built = dataset.map(to_prompt, desc="Building prompts")
+    gold = built.features.get("answer")
+    if isinstance(gold, Value) and gold.dtype != "string":  # `map` casts "72" back to a number column's type
+        built = built.cast_column("answer", Value("string"))  # the answers are text, as a stream's are
+    return built
 
 
 def check_prompt_template(template: str, columns: list[str]) -> None:
