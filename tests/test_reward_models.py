@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from helpers import make_args, prompts_dataset
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_vapo import VAPOTrainer
 from trl_vapo.rewards import math_reward
@@ -161,6 +161,103 @@ def test_a_sample_no_function_scores_is_named_in_grpos_warning(caplog):
     assert scores.scored.tolist() == [True, False]
     assert "All reward functions returned None for the following kwargs" in caplog.text
     assert "'prompt': '1+1='" in caplog.text and "'completion': '3'" in caplog.text
+
+
+def starts_with_one(completions, **kwargs):  # the verifier: 1 correct, 0 wrong, None where it cannot judge
+    return [None if c == "x" else float(c.startswith("1")) for c in completions]
+
+
+def says_ok(completions, **kwargs):  # a format reward
+    return [float(c.endswith("ok")) for c in completions]
+
+
+def test_positives_are_judged_by_the_reward_functions_named_for_it(tiny_model_dir, tmp_path, caplog):
+    """The NLL loss imitates the positives, which were read from the sum of every reward function: a wrong answer
+    with the format reward counted as correct. `positive_reward_funcs` names the functions that judge; without it,
+    a run with several functions is warned."""
+    from trl_vapo.scoring import RewardScorer
+
+    rows, completions = [{"prompt": "1+0="}] * 4, ["1 ok", "2 ok", "1", "x"]
+    every = RewardScorer([starts_with_one, says_ok]).score(rows, completions)
+    assert every.is_correct(0.5).tolist() == [True, True, True, False]  # "2 ok": wrong, formatted, "correct"
+    judged = RewardScorer([starts_with_one, says_ok], positive_reward_funcs=["starts_with_one"]).score(
+        rows, completions
+    )
+    assert judged.is_correct(0.5).tolist() == [True, False, True, False]
+    assert judged.reward.tolist() == every.reward.tolist()  # what trains is the same sum
+    with pytest.raises(ValueError, match=r"names \['verifier'\], which are not reward functions here"):
+        RewardScorer([starts_with_one, says_ok], positive_reward_funcs=["verifier"])
+
+    with caplog.at_level("WARNING"):
+        VAPOTrainer(str(tiny_model_dir), [starts_with_one, says_ok], make_args(tmp_path), prompts_dataset())
+    assert "positive_reward_funcs=['starts_with_one']" in caplog.text
+    caplog.clear()
+    args = make_args(tmp_path, positive_reward_funcs=["starts_with_one"])
+    with caplog.at_level("WARNING"):
+        trainer = VAPOTrainer(str(tiny_model_dir), [starts_with_one, says_ok], args, prompts_dataset())
+    assert "positive_reward_funcs" not in caplog.text
+    trainer.train()
+    verdict = trainer._last_rollout.scores.verdict  # the verifier's own score decided the rollout's positives
+    assert verdict is not None and verdict.tolist() == trainer._last_rollout.scores.per_function[:, 0].tolist()
+
+
+def test_held_out_evaluation_gives_the_rewards_the_token_ids_as_training_does(tiny_model_dir):
+    """A reward that reads `completion_ids` (TRL's overlong punishment, repetition penalty) was given empty lists by
+    the held-out evaluation (`trl-vapo eval`, the report of `trl-vapo train`): it scored other than in training."""
+    from datasets import Dataset
+    from transformers import TrainerState
+
+    from trl_vapo.evaluation import evaluate_policy
+
+    def has_ids(completions, completion_ids, trainer_state, **kwargs):
+        assert trainer_state.global_step == 7  # the state given, not a fresh one at step 0
+        return [float(len(ids) > 0) for ids in completion_ids]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    data = Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(3)])
+    result = evaluate_policy(
+        model, tokenizer, data, has_ids, k=2, max_new_tokens=4, trainer_state=TrainerState(global_step=7)
+    )
+    assert result.avg_at_k == result.pass_at_1 == 1.0
+
+
+def test_a_reward_model_scores_in_batches_and_loads_in_its_saved_dtype(tmp_path):
+    """A reward model ran one forward over every sequence it was given: an evaluation set at k samples a prompt was
+    one padded batch of thousands. And it loaded in float32 (the trained models' default), where GRPOTrainer loads
+    it as saved: twice the memory for a bf16 model."""
+    from trl_vapo import VAPOConfig
+    from trl_vapo.tiny import save_tiny_reward_model
+
+    path = save_tiny_reward_model(tmp_path / "rm")
+    AutoModelForSequenceClassification.from_pretrained(path).to(torch.bfloat16).save_pretrained(tmp_path / "rm-bf16")
+    AutoTokenizer.from_pretrained(path).save_pretrained(tmp_path / "rm-bf16")
+    args = VAPOConfig(output_dir=str(tmp_path / "o"), report_to="none")
+    (scorer,) = load_reward_models([str(tmp_path / "rm-bf16")], None, args)
+    assert scorer.model.dtype == torch.bfloat16
+    args = VAPOConfig(output_dir=str(tmp_path / "o"), report_to="none", model_init_kwargs={"dtype": "float32"})
+    (scorer,) = load_reward_models([str(path)], None, args)
+    assert scorer.model.dtype == torch.float32  # as the user asks
+    sizes = []
+    scorer.model.register_forward_hook(lambda module, inputs, out: sizes.append(out.logits.shape[0]))
+    prompts, completions = [f"{i}+{i}=" for i in range(5)], [str(2 * i) * (i + 1) for i in range(5)]
+    whole = scorer(prompts, completions)
+    scorer.batch_size = 2
+    assert scorer(prompts, completions) == pytest.approx(whole, abs=1e-5) and sizes == [5, 2, 2, 1]
+
+
+def test_reward_functions_are_named_as_grpo_names_them_and_each_name_once():
+    """A `functools.partial` was named "partial" (GRPOTrainer unwraps it); two functions of one name shared one
+    metric and one table column, the second overwriting the first."""
+    import functools
+
+    from trl_vapo.scoring import check_reward_funcs
+
+    def length_reward(completions, scale=1.0, **kwargs):
+        return [scale * len(c) for c in completions]
+
+    funcs = [functools.partial(length_reward), functools.partial(length_reward, scale=-0.01), math_reward]
+    assert check_reward_funcs(funcs)[1] == ["length_reward", "length_reward_2", "math_reward"]
 
 
 GRPO_SCRIPT = """

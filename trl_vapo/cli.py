@@ -547,6 +547,8 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
             positive_reward_threshold=args.positive_reward_threshold,
             engine=engine,
             chat_template_kwargs=args.chat_template_kwargs,
+            positive_reward_funcs=args.positive_reward_funcs,
+            trainer_state=trainer.state,
         )
     return result.as_dict() if main else None
 
@@ -690,6 +692,13 @@ class EvalArguments:
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "Base URL of a vLLM server."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU share of vLLM (colocate)."})
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
+    positive_reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "The reward functions that judge correctness, as in training (a config's "
+            "`positive_reward_funcs` applies). Default: all of them."
+        },
+    )
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
     chat_template_kwargs: str | None = field(
         default=None,
@@ -786,7 +795,12 @@ def eval_command(argv: list[str]) -> int:
         from .config import VAPOConfig
         from .scoring import load_reward_models
 
-        settings = VAPOConfig(output_dir=".", report_to="none", trust_remote_code=args.trust_remote_code)
+        settings = VAPOConfig(
+            output_dir=".",
+            report_to="none",
+            trust_remote_code=args.trust_remote_code,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         reward_funcs = load_reward_models([script.reward_model_name_or_path, *reward_funcs], None, settings)
     if script.dataset_name is None and script.dataset_preset is None:
         from .demo.data import build_split
@@ -814,7 +828,11 @@ def eval_command(argv: list[str]) -> int:
         model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    for reward_model in (f for f in reward_funcs if isinstance(getattr(f, "model", None), torch.nn.Module)):
+        reward_model.model.to(device)  # beside the policy (it loaded on the CPU)
+        reward_model.device = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=args.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -835,6 +853,7 @@ def eval_command(argv: list[str]) -> int:
         positive_reward_threshold=args.positive_reward_threshold,
         engine=engine,
         chat_template_kwargs=chat_template_kwargs,
+        positive_reward_funcs=args.positive_reward_funcs,
     ).as_dict()
     print(json.dumps(result, indent=2))
     if args.output_json:

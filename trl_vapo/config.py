@@ -313,6 +313,15 @@ class VAPOConfig(TrainingArguments):
             "positive-example NLL loss and the `accuracy` metric. 0.5 suits both the +1/-1 and the 1/0 verifier."
         },
     )
+    positive_reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "The reward functions, by name, that judge correctness: a completion is positive when their "
+            "weighted sum is at least `positive_reward_threshold` (the paper's NLL loss imitates the correct "
+            "answers). None: every reward function's sum, which with a format reward beside the verifier counts a "
+            "wrong but well-formatted answer as correct (a warning says so)."
+        },
+    )
 
     # ---------------------------------------------------------------------------------------- PPO objective
     num_iterations: int = field(
@@ -390,7 +399,9 @@ class VAPOConfig(TrainingArguments):
     whiten_advantages: bool = field(
         default=True,
         metadata={
-            "help": "Normalise the advantages to zero mean and unit variance over all valid tokens of the rollout."
+            "help": "Normalise the advantages to zero mean and unit variance over all valid tokens of the rollout. "
+            "Not in the paper: the PPO baseline it builds on (verl) whitens; one shift and scale for every token, so "
+            "the length-adaptive weighting is kept."
         },
     )
 
@@ -413,7 +424,9 @@ class VAPOConfig(TrainingArguments):
         default=0.2,
         metadata={
             "help": "Clip the critic's new values to old +/- this in the value loss (PPO), during RL. None: no "
-            "clipping. Value pretraining never clips: it is plain regression on Monte-Carlo returns (VC-PPO)."
+            "clipping. The papers give no value clip (0.2: PPO's clip range); with critic_num_iterations > 1 it "
+            "caps how far the extra passes move a value. Value pretraining never clips: it is plain regression on "
+            "Monte-Carlo returns (VC-PPO)."
         },
     )
 
@@ -452,7 +465,8 @@ class VAPOConfig(TrainingArguments):
             "help": "Stop value pretraining early when the mean explained variance of the last this-many rollouts "
             "is less than `value_pretrain_min_delta` above the mean of the this-many before them (rollouts whose "
             "returns are all equal, and so have no explained variance, are not counted). None: always run "
-            "`value_pretrain_steps`."
+            "`value_pretrain_steps`, as the paper does (a fixed 50; this stop rule is trl-vapo's, and can end a slow "
+            "but steady rise early)."
         },
     )
     value_pretrain_min_delta: float = field(

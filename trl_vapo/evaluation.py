@@ -86,14 +86,43 @@ def sample_completions(
     and their lengths in tokens (stop token included; `max_new_tokens` when cut). `batch_size` applies to the
     `"generate"` engine; continuous batching schedules the requests itself.
     """
+    completions, lengths, _ = _sample(
+        model,
+        tokenizer,
+        prompts,
+        num_samples,
+        temperature,
+        top_p,
+        max_new_tokens,
+        batch_size,
+        chat_template_kwargs,
+        engine,
+    )
+    return completions, lengths
+
+
+def _sample(
+    model,
+    tokenizer,
+    prompts,
+    num_samples,
+    temperature,
+    top_p,
+    max_new_tokens,
+    batch_size,
+    chat_template_kwargs,
+    engine,
+) -> tuple[list[str], list[int], list[list[int]]]:
+    """`sample_completions`, with each completion's token ids: what the reward functions are given in training."""
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     repeated = [x for x in ids for _ in range(num_samples)]
     generator = _engine(engine, model, tokenizer, batch_size)
     sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     output = generator.generate(repeated, sampling=sampling, num_generations=num_samples)
-    completions = tokenizer.batch_decode(output.completion_lists(), skip_special_tokens=True)
-    return completions, output.lengths.tolist()
+    completion_ids = output.completion_lists()
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return completions, output.lengths.tolist(), completion_ids
 
 
 def evaluate_policy(
@@ -112,50 +141,44 @@ def evaluate_policy(
     greedy: bool = True,
     engine: Engine = "generate",
     chat_template_kwargs: dict | None = None,
+    positive_reward_funcs: list[str] | None = None,
+    trainer_state: TrainerState | None = None,
 ) -> EvaluationResult:
     """pass@1 (greedy), avg@k and pass@k of `model` on `dataset` (a `prompt` column plus what the rewards read).
 
     `engine` picks how to sample (see `Engine`); one engine serves both the sampled and the greedy pass.
     `chat_template_kwargs`: the chat template's keyword arguments, as in training (`VAPOConfig.chat_template_kwargs`).
+    `positive_reward_funcs`: the reward functions that judge correctness, as in training (None: all of them).
+    The reward functions get what training gives them (the completions' token ids too), and `trainer_state` (default:
+    a state at step 0).
     """
     rows = dataset.to_list()
     if not rows:
         raise ValueError("The data set to evaluate on is empty: pass one with at least one prompt.")
     prompts = [row["prompt"] for row in rows]
-    scorer = RewardScorer(reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}))
+    scorer = RewardScorer(
+        reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}), positive_reward_funcs
+    )
 
-    def correct(completions: list[str], group: int) -> torch.Tensor:
-        # Outside training, functions that read `trainer_state` get one at step 0, as in the check before training.
-        scores = scorer.score([row for row in rows for _ in range(group)], completions, trainer_state=TrainerState())
+    state = trainer_state or TrainerState()  # outside training: step 0, as in the check before training
+
+    def correct(completions: list[str], completion_ids: list[list[int]], group: int) -> torch.Tensor:
+        repeated = [row for row in rows for _ in range(group)]
+        scores = scorer.score(repeated, completions, completion_ids, trainer_state=state)
         return scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
 
     generator = _engine(engine, model, tokenizer, batch_size)
-    sampled, lengths = sample_completions(
-        model,
-        tokenizer,
-        prompts,
-        num_samples=k,
-        temperature=temperature,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        engine=generator,
-        chat_template_kwargs=chat_template_kwargs,
+    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, chat_template_kwargs=chat_template_kwargs)
+    sampled, lengths, sampled_ids = _sample(
+        model, tokenizer, prompts, k, temperature, top_p, engine=generator, **settings
     )
-    hits = correct(sampled, k)
+    hits = correct(sampled, sampled_ids, k)
     pass_at_1 = float("nan")
     if greedy:
-        greedy_completions, _ = sample_completions(
-            model,
-            tokenizer,
-            prompts,
-            temperature=0.0,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            engine=generator,
-            chat_template_kwargs=chat_template_kwargs,
+        greedy_completions, _, greedy_ids = _sample(
+            model, tokenizer, prompts, 1, 0.0, 1.0, engine=generator, **settings
         )
-        pass_at_1 = correct(greedy_completions, 1).mean().item()
+        pass_at_1 = correct(greedy_completions, greedy_ids, 1).mean().item()
     return EvaluationResult(
         pass_at_1=pass_at_1,
         avg_at_k=hits.mean().item(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import json
 import logging
@@ -42,9 +43,15 @@ class Scores:
     reward: torch.Tensor  # [N] the weighted sum of the scores given (0 where none was)
     scored: torch.Tensor  # [N] bool, at least one function scored the completion
     names: list[str]
+    # [N] the weighted sum of the functions that judge correctness (`positive_reward_funcs`), NaN where none of them
+    # scored; None: all of them (`reward`)
+    verdict: torch.Tensor | None = None
 
     def is_correct(self, threshold: float) -> torch.Tensor:
-        """[N] bool: scored, with a reward of at least `threshold` ("correct": the NLL loss and accuracy)."""
+        """[N] bool: scored, with a reward of at least `threshold` ("correct": the NLL loss and accuracy); only the
+        functions that judge correctness count, where they are named."""
+        if self.verdict is not None:
+            return ~torch.isnan(self.verdict) & (self.verdict >= threshold)
         return self.scored & (self.reward >= threshold)
 
 
@@ -66,6 +73,7 @@ class RewardModel:
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.device = next(model.parameters()).device
+        self.batch_size = 256  # sequences a forward
         self.__name__ = get_config_model_id(model.config).split("/")[-1]
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
@@ -78,21 +86,30 @@ class RewardModel:
             ]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        inputs = self.tokenizer(
-            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
-        ).to(self.device)
-        # no_grad, not inference_mode: FSDP2 keeps the gathered weights' buffers across calls, and a buffer first
-        # made under inference mode is an inference tensor, whose version counter FSDP2 reads on its next gather
-        # ("Inference tensors do not track version counter", on one process).
-        with torch.no_grad():
-            return self.model(**inputs).logits[:, 0].float().tolist()
+        rewards = []
+        # In batches of `batch_size`: a rollout is one or a few (as GRPOTrainer scores it), an evaluation set at k
+        # samples a prompt (thousands of sequences) many.
+        for start in range(0, len(texts), self.batch_size):
+            inputs = self.tokenizer(
+                text=texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+            ).to(self.device)
+            # no_grad, not inference_mode: FSDP2 keeps the gathered weights' buffers across calls, and a buffer first
+            # made under inference mode is an inference tensor, whose version counter FSDP2 reads on its next gather
+            # ("Inference tensors do not track version counter", on one process).
+            with torch.no_grad():
+                rewards += self.model(**inputs).logits[:, 0].float().tolist()
+        return rewards
 
 
 def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     """`reward_funcs` with each reward model (a model id, a local path or a `PreTrainedModel` for sequence
-    classification, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs` and
-    `num_labels=1`, with its tokenizer from `reward_processing_classes` (one per entry, None for functions) or its
-    own."""
+    classification, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs` (in
+    its saved dtype unless they name one) and `num_labels=1`, with its tokenizer from `reward_processing_classes`
+    (one per entry, None for functions) or its own."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
     from ._compat import get_config_model_id
@@ -109,8 +126,11 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     loaded = []
     for func, tokenizer in zip(funcs, classes):
         if isinstance(func, (str, os.PathLike)):
+            # Frozen: in the dtype it was saved in ("auto", as GRPOTrainer loads it), unless model_init_kwargs says;
+            # the float32 default is the trained models' (their master weights).
+            init = {"dtype": "auto", **(args.model_init_kwargs or {})}
             func = AutoModelForSequenceClassification.from_pretrained(
-                str(func), num_labels=1, **from_pretrained_kwargs(args)
+                str(func), num_labels=1, **from_pretrained_kwargs(args, init)
             )
         if isinstance(func, PreTrainedModel):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(
@@ -140,7 +160,22 @@ def check_reward_funcs(
                 f"Reward functions must be callables following TRL's protocol, a reward model's id or path, or a "
                 f"PreTrainedModel for sequence classification; got {type(func).__name__}."
             )
-    return funcs, [getattr(func, "__name__", type(func).__name__) for func in funcs]
+    # One name, one metric and one table column each: a second function of a name (two partials of one function,
+    # two reward models saved as checkpoint-500) is `<name>_2`, where it overwrote the first.
+    names, count = [], {}
+    for func in funcs:
+        name = reward_func_name(func)
+        count[name] = count.get(name, 0) + 1
+        names.append(name if count[name] == 1 else f"{name}_{count[name]}")
+    return funcs, names
+
+
+def reward_func_name(func: RewardFunc) -> str:
+    """A reward function's name, as GRPOTrainer names it: a `functools.partial` by the function it wraps, a callable
+    object by its class."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__name__", type(func).__name__)
 
 
 def is_async(func: RewardFunc) -> bool:
@@ -196,6 +231,8 @@ class RewardScorer:
         reward_funcs: one function or a list (TRL's protocol).
         reward_weights: one weight per function (default: 1 each).
         conversational: the prompts are chat messages, so completions are passed as one assistant message each.
+        positive_reward_funcs: the names of the functions whose weighted sum says whether a completion is correct
+            (`Scores.is_correct`); None: all of them.
     """
 
     def __init__(
@@ -203,6 +240,7 @@ class RewardScorer:
         reward_funcs: RewardFunc | Sequence[RewardFunc],
         reward_weights: Sequence[float] | None = None,
         conversational: bool = False,
+        positive_reward_funcs: Sequence[str] | None = None,
     ):
         self.funcs, self.names = check_reward_funcs(reward_funcs)
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.funcs)
@@ -211,6 +249,14 @@ class RewardScorer:
                 f"reward_weights has {len(weights)} values but there are {len(self.funcs)} reward functions."
             )
         self.weights = torch.tensor(weights, dtype=torch.float32)
+        unknown = [name for name in positive_reward_funcs or [] if name not in self.names]
+        if unknown:
+            raise ValueError(
+                f"positive_reward_funcs names {unknown}, which are not reward functions here: they are {self.names}."
+            )
+        self.judges = None
+        if positive_reward_funcs is not None:
+            self.judges = torch.tensor([name in positive_reward_funcs for name in self.names])
         self.conversational = conversational
         self._warned_non_finite: set[str] = set()
 
@@ -272,7 +318,12 @@ class RewardScorer:
                 "one reward function returns a valid reward."
             )
         reward = torch.where(scored, torch.nansum(per_function * self.weights, dim=1), torch.zeros(len(rows)))
-        return Scores(per_function=per_function, reward=reward, scored=scored, names=self.names)
+        verdict = None
+        if self.judges is not None:
+            judged = per_function[:, self.judges]
+            verdict = torch.nansum(judged * self.weights[self.judges], dim=1)
+            verdict[torch.isnan(judged).all(dim=1)] = math.nan
+        return Scores(per_function=per_function, reward=reward, scored=scored, names=self.names, verdict=verdict)
 
     def _as_messages(self, completions: list[str]) -> list:
         return [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions

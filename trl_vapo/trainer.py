@@ -231,7 +231,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         zero3_config = getattr(args, "hf_deepspeed_config", None)
         with whole_models_under_zero3(zero3_config):  # whole for the check below; placed after `Trainer.__init__`
             reward_funcs = load_reward_models(reward_funcs, reward_processing_classes, args)
-        self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational)
+        self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational, args.positive_reward_funcs)
+        if args.positive_reward_funcs is None and len(self.scorer.names) > 1 and args.nll_coef > 0:
+            logger.warning(
+                f"Positive examples (the NLL loss imitates them; `accuracy` counts them) are read from the weighted "
+                f"sum of all {len(self.scorer.names)} reward functions ({', '.join(self.scorer.names)}): a wrong "
+                "answer that another function rewards (a format reward) can count as correct. Name the functions "
+                f"that judge correctness: positive_reward_funcs=['{self.scorer.names[0]}'] (if it is the verifier)."
+            )
         self.scorer.check(example)
         for eval_example in eval_examples.values():  # the rewards read the eval rows' columns too
             self.scorer.check(eval_example)
