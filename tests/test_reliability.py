@@ -1295,6 +1295,7 @@ COMPARED = [
     "prompts/mean_operands",  # the reward function's log_metric: both processes' calls, averaged
     "reward",
     "reward_std",
+    "frac_reward_zero_std",  # each prompt's group whole over the processes' shares
     "accuracy",
     "completions/mean_length",
     "value/mean",

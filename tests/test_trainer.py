@@ -53,6 +53,7 @@ REQUIRED_METRICS = [
     "entropy",
     "loss/nll",
     "positive_fraction",
+    "frac_reward_zero_std",  # GRPOTrainer's
     "learning_rate",
     "critic_learning_rate",
     "phase",
@@ -84,6 +85,9 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     for key in REQUIRED_METRICS:
         assert key in logs[0], key
     assert all(math.isfinite(h["loss/value"]) for h in logs)
+    # The last rollout's groups (4 completions a prompt) whose rewards are all alike, as GRPOTrainer counts them.
+    groups = trainer._last_rollout.scores.reward.view(-1, 4)
+    assert logs[-1]["frac_reward_zero_std"] == (groups.std(dim=1) == 0).float().mean().item()
     changed = any(not torch.equal(initial[n], p) for n, p in trainer.actor_critic.policy.named_parameters())
     assert changed, "two RL steps must update the policy"
 

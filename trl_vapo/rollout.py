@@ -45,6 +45,7 @@ class Rollout:
     sampling_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # reward functions' `log_extra`
     pad_to_multiple_of: int | None = None  # P and C are multiples of it, and so is every micro-batch's width
+    group_size: int = 1  # completions per prompt, consecutive rows (over all processes, in rank order)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -153,6 +154,10 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         column = column[~torch.isnan(column)]
         metrics[f"rewards/{name}/mean"] = _mean(column)
         metrics[f"rewards/{name}/std"] = _std(column)
+    if rollout.group_size > 1:  # GRPOTrainer's: the share of groups whose completions all got the same reward
+        grouped = gathered(scores.reward).view(-1, rollout.group_size)
+        spread = grouped.std(dim=1)
+        metrics["frac_reward_zero_std"] = spread.isclose(torch.zeros_like(spread)).float().mean().item()
     if rollout.ref_logprobs is not None:
         metrics["kl"] = masked_mean(rollout.old_logprobs - rollout.ref_logprobs, mask, all_reduce=all_reduce).item()
     metrics.update(reduce_sampling_metrics(rollout.sampling_metrics, gather, mask.device))

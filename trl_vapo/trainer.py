@@ -728,6 +728,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             sampling_metrics=sampling_metrics,
             extra_columns=dict(extra_columns),
             pad_to_multiple_of=args.pad_to_multiple_of,
+            group_size=num_generations or args.num_generations,
         )
 
     @contextlib.contextmanager
