@@ -660,6 +660,24 @@ def test_eval_renders_prompts_with_the_chat_template_kwargs_of_training(tiny_mod
     assert "--chat_template_kwargs is not JSON (" in capsys.readouterr().err
 
 
+def test_eval_ends_completions_where_training_ends_them(tiny_model_dir, tmp_path, capsys):
+    """`generation_kwargs` (stop tokens, stop strings, min_new_tokens) decide where a completion ends; evaluation
+    sampled without them, past where training's completions stopped. Here every character stops."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    every = [i for i in range(len(tokenizer)) if i != tokenizer.pad_token_id]  # every token but padding
+    stops = json.dumps({"eos_token_id": [tokenizer.eos_token_id, *every]})
+    common = ["eval", "--model", str(tiny_model_dir), "--num_prompts", "4", "--k", "2", "--max_new_tokens", "8"]
+    assert main([*common, "--generation_kwargs", stops]) == 0
+    assert json.loads(capsys.readouterr().out)["mean_length"] == 1.0
+    (tmp_path / "run.yaml").write_text(f"generation_kwargs: {stops}\n")  # a training YAML's mapping
+    assert main([*common, "--config", str(tmp_path / "run.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out)["mean_length"] == 1.0
+    assert main([*common, "--generation_kwargs", "[1]"]) == 2
+    assert "--generation_kwargs must be a JSON object, got [1]" in capsys.readouterr().err
+
+
 def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_empty_set(tiny_model_dir):
     """A reward of inf or NaN during held-out evaluation was a TypeError (the scorer counted it through a logger
     that evaluation does not pass), raised after training and before the model was saved."""

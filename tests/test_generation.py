@@ -269,6 +269,10 @@ def test_continuous_batching_refuses_what_it_would_ignore(tiny):
     settings = EngineSettings("continuous_batching", SamplingSettings(generation_kwargs={"stop_strings": ["\n\n"]}))
     with pytest.raises(ValueError, match="stop_strings"):
         check_engine_available(settings)
+    for key in ("min_new_tokens", "min_length"):  # dropped there: a first token that stops ended the completion
+        settings = EngineSettings("continuous_batching", SamplingSettings(generation_kwargs={key: 6}))
+        with pytest.raises(ValueError, match=rf"generation_kwargs\['{key}'\] is not supported by transformers' cont"):
+            check_engine_available(settings)
 
 
 def test_continuous_batching_restores_the_training_mode(tiny_model_dir):

@@ -549,6 +549,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
             chat_template_kwargs=args.chat_template_kwargs,
             positive_reward_funcs=args.positive_reward_funcs,
             trainer_state=trainer.state,
+            generation_kwargs=args.generation_kwargs,
         )
     return result.as_dict() if main else None
 
@@ -707,6 +708,14 @@ class EvalArguments:
             "`chat_template_kwargs` applies), e.g. '{\"enable_thinking\": false}'."
         },
     )
+    generation_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "Generation settings as JSON, as in training (a config's `generation_kwargs` applies): where "
+            "completions end (stop_strings, eos_token_id, min_new_tokens) as training's did, e.g. "
+            '\'{"stop_strings": ["</answer>"]}\'.'
+        },
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow the model's own Python code."})
     output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})
 
@@ -762,16 +771,11 @@ def eval_command(argv: list[str]) -> int:
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
     _check_eval_numbers(args)
-    chat_template_kwargs = args.chat_template_kwargs  # a YAML's mapping, or a flag's JSON
-    if isinstance(chat_template_kwargs, str):
-        try:
-            chat_template_kwargs = json.loads(chat_template_kwargs)
-        except json.JSONDecodeError as error:
-            raise UsageError(
-                f"--chat_template_kwargs is not JSON ({error}): e.g. '{{\"enable_thinking\": false}}'"
-            ) from None
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-        raise UsageError(f"--chat_template_kwargs must be a JSON object, got {chat_template_kwargs!r}")
+    chat_template_kwargs = _json_object(
+        args.chat_template_kwargs, "--chat_template_kwargs", '{"enable_thinking": false}'
+    )
+    generation_kwargs = _json_object(args.generation_kwargs, "--generation_kwargs", '{"stop_strings": ["</answer>"]}')
+    args.generation_kwargs = generation_kwargs  # the engine's stop tokens read them (`EngineSettings.from_eval_args`)
     _check_model_source(args.model, "--model")
     tokenizer_source = _tokenizer_source(args.model)
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
@@ -854,12 +858,25 @@ def eval_command(argv: list[str]) -> int:
         engine=engine,
         chat_template_kwargs=chat_template_kwargs,
         positive_reward_funcs=args.positive_reward_funcs,
+        generation_kwargs=generation_kwargs,
     ).as_dict()
     print(json.dumps(result, indent=2))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _json_object(value, flag: str, example: str) -> dict | None:
+    """A flag's JSON object (a YAML config's mapping as it is), or a one-line error."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{flag} is not JSON ({error}): e.g. '{example}'") from None
+    if value is not None and not isinstance(value, dict):
+        raise UsageError(f"{flag} must be a JSON object, got {value!r}: e.g. '{example}'")
+    return value
 
 
 def _check_eval_numbers(args) -> None:

@@ -67,6 +67,10 @@ def _engine(engine: Engine, model, tokenizer, batch_size: int) -> GenerationEngi
     return build_engine(dataclasses.replace(settings, batch_size=settings.batch_size or batch_size), model, tokenizer)
 
 
+SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+"""`generation_kwargs` keys that say how to sample, not where a completion ends: the greedy pass leaves them out."""
+
+
 def sample_completions(
     model,
     tokenizer,
@@ -112,13 +116,18 @@ def _sample(
     batch_size,
     chat_template_kwargs,
     engine,
+    generation_kwargs=None,
 ) -> tuple[list[str], list[int], list[list[int]]]:
-    """`sample_completions`, with each completion's token ids: what the reward functions are given in training."""
+    """`sample_completions`, with each completion's token ids: what the reward functions are given in training.
+    `generation_kwargs` (`SamplingSettings.generation_kwargs`): training's, where completions end (stop strings)."""
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     repeated = [x for x in ids for _ in range(num_samples)]
     generator = _engine(engine, model, tokenizer, batch_size)
-    sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    kwargs = dict(generation_kwargs or {})
+    if temperature == 0:  # greedy, whatever training sampled with: only where completions end carries over
+        kwargs = {key: value for key, value in kwargs.items() if key not in SAMPLING_KEYS}
+    sampling = SamplingSettings(max_new_tokens, temperature, top_p, generation_kwargs=kwargs)
     output = generator.generate(repeated, sampling=sampling, num_generations=num_samples)
     completion_ids = output.completion_lists()
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -143,6 +152,7 @@ def evaluate_policy(
     chat_template_kwargs: dict | None = None,
     positive_reward_funcs: list[str] | None = None,
     trainer_state: TrainerState | None = None,
+    generation_kwargs: dict | None = None,
 ) -> EvaluationResult:
     """pass@1 (greedy), avg@k and pass@k of `model` on `dataset` (a `prompt` column plus what the rewards read).
 
@@ -150,7 +160,8 @@ def evaluate_policy(
     `chat_template_kwargs`: the chat template's keyword arguments, as in training (`VAPOConfig.chat_template_kwargs`).
     `positive_reward_funcs`: the reward functions that judge correctness, as in training (None: all of them).
     The reward functions get what training gives them (the completions' token ids too), and `trainer_state` (default:
-    a state at step 0).
+    a state at step 0). `generation_kwargs`: training's (`VAPOConfig.generation_kwargs`), so that completions end
+    where training's end (stop strings, stop tokens, `min_new_tokens`); the greedy pass keeps only those.
     """
     rows = dataset.to_list()
     if not rows:
@@ -169,6 +180,7 @@ def evaluate_policy(
 
     generator = _engine(engine, model, tokenizer, batch_size)
     settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, chat_template_kwargs=chat_template_kwargs)
+    settings.update(generation_kwargs=generation_kwargs)
     sampled, lengths, sampled_ids = _sample(
         model, tokenizer, prompts, k, temperature, top_p, engine=generator, **settings
     )

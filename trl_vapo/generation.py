@@ -506,6 +506,12 @@ def _check_continuous_batching_sampling(sampling: SamplingSettings) -> None:
             "generation_kwargs['stop_strings'] is not supported by transformers' continuous batching (it has no "
             "stopping criteria). Name stop tokens in generation_kwargs['eos_token_id'], or use the default engine."
         )
+    lengths = [key for key in ("min_new_tokens", "min_length") if sampling.generation_kwargs.get(key)]
+    if lengths:  # transformers drops its length processors there without a word: a completion may end at once
+        raise ValueError(
+            f"generation_kwargs['{lengths[0]}'] is not supported by transformers' continuous batching, which would "
+            "drop it silently. Remove it, or generate with use_vllm or the default engine."
+        )
 
 
 class VLLMEngine(GenerationEngine):
@@ -697,7 +703,10 @@ class EngineSettings:
         return cls(
             engine=cls._engine_named_by(args),
             sampling=SamplingSettings(
-                max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p
+                max_new_tokens=args.max_completion_length,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                generation_kwargs=dict(getattr(args, "generation_kwargs", None) or {}),  # parsed by `eval`
             ),
             batch_size=args.batch_size,
             continuous_batching_config=config,
