@@ -98,10 +98,14 @@ def test_evaluate_scores_every_prompt_and_reports_grpos_metrics_and_the_critics(
     batch_means = [torch.tensor(call["rewards"]).mean() for call in reward.calls]
     assert metrics["eval_reward"] == pytest.approx(torch.stack(batch_means).mean().item(), abs=1e-6)  # as GRPO
     assert metrics["eval_rewards/recording/mean"] == pytest.approx(metrics["eval_reward"])
-    batch_accuracies = [
-        (torch.tensor(call["rewards"]) >= args.positive_reward_threshold).float().mean() for call in reward.calls
-    ]
-    assert metrics["eval_accuracy"] == pytest.approx(torch.stack(batch_accuracies).mean().item())
+    # VAPO's accuracy pooled over the completions (a mean of the batches' weighed the last batch's prompt double).
+    assert metrics["eval_accuracy"] == pytest.approx((rewards >= args.positive_reward_threshold).float().mean().item())
+
+    def only_the_last_prompt(prompts, **kwargs):  # correct on "4+4=", the last batch's only prompt
+        return [float(p == "4+4=") for p in prompts]
+
+    pooled = VAPOTrainer(str(tiny_model_dir), only_the_last_prompt, args, prompts_dataset(), prompts_dataset(5))
+    assert pooled.evaluate()["eval_accuracy"] == pytest.approx(2 / 10)  # not (0 + 0 + 1) / 3
     assert metrics["eval_reward_std"] > 0 and rewards.numel() == 10
     assert metrics["eval_completions/min_length"] == lengths.min().item()
     assert metrics["eval_completions/max_length"] == lengths.max().item()

@@ -27,7 +27,7 @@ from trl import is_conversational
 from .core import explained_variance, vapo_loss
 from .data import check_eval_dataset, prompt_token_ids
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine
-from .metric_names import EXPLAINED_VARIANCE
+from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
 from .rollout import EVAL, Rollout, rollout_metrics
 from .scoring import RewardScorer
@@ -279,13 +279,15 @@ class EvaluationMixin:
 
     def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int]:
         """Every prompt of `dataset` once, in batches: each batch is a rollout (`_make_rollout`, phase EVAL) whose
-        metrics are averaged over batches as GRPOTrainer averages them, except the critic's explained variance,
-        pooled over all the completions. Returns the metrics and the number of completions."""
+        metrics are averaged over batches as GRPOTrainer averages them, except two of VAPO's own, pooled over all the
+        completions: the critic's explained variance and the accuracy (each prompt counted once: the prompts a last
+        batch repeats to split evenly are left out). Returns the metrics and the number of completions."""
         args, world = self.args, self.accelerator.num_processes
         all_reduce = self._all_reduce if self._distributed else None
         group = args.num_generations_eval or args.num_generations
         prompts_per_batch = max(1, args.per_device_eval_batch_size * world // group)
         rows, values, returns, completions = iter(dataset), [], [], 0
+        correct = judged = 0.0
         while batch := list(itertools.islice(rows, prompts_per_batch)):
             # Every process takes as many completions (the metrics are collectives): where a last batch does not
             # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
@@ -294,6 +296,10 @@ class EvaluationMixin:
             share = len(repeated) // world
             rank = self.accelerator.process_index
             rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group)
+            real = len(batch) * group  # the rows before the repeated prompts, in the gathered order
+            device = rollout.loss_mask.device
+            correct += self.accelerator.gather(rollout.is_positive.to(device))[:real].sum().item()
+            judged += self.accelerator.gather(rollout.scores.scored.to(device))[:real].sum().item()
             self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce))
             self._metrics["loss"].append(self._evaluation_loss(rollout))
             mask = rollout.loss_mask.bool()
@@ -307,6 +313,7 @@ class EvaluationMixin:
         self._metrics.clear()
         values, returns = torch.cat(values), torch.cat(returns)
         metrics[EXPLAINED_VARIANCE] = explained_variance(values, returns, torch.ones_like(values), all_reduce).item()
+        metrics[ACCURACY] = correct / judged if judged else float("nan")
         return metrics, completions
 
     def _evaluation_loss(self, rollout: Rollout) -> float:
