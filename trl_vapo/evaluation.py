@@ -83,43 +83,17 @@ def sample_completions(
     batch_size: int = 64,
     chat_template_kwargs: dict | None = None,
     engine: Engine = "generate",
-) -> tuple[list[str], list[int]]:
+    generation_kwargs: dict | None = None,
+    return_ids: bool = False,
+) -> tuple[list[str], list[int]] | tuple[list[str], list[int], list[list[int]]]:
     """Generate `num_samples` completions per prompt (grouped by prompt); `temperature=0` decodes greedily.
 
     Prompts are plain text or chat messages, tokenized exactly as the trainer does. Returns the decoded completions
-    and their lengths in tokens (stop token included; `max_new_tokens` when cut). `batch_size` applies to the
-    `"generate"` engine; continuous batching schedules the requests itself.
+    and their lengths in tokens (stop token included; `max_new_tokens` when cut), and with `return_ids` their token
+    ids (what training gives the reward functions). `batch_size` applies to the `"generate"` engine; continuous
+    batching schedules the requests itself. `generation_kwargs`: training's (`SamplingSettings.generation_kwargs`),
+    where completions end (stop strings, stop tokens); a greedy pass leaves out those that say how to sample.
     """
-    completions, lengths, _ = _sample(
-        model,
-        tokenizer,
-        prompts,
-        num_samples,
-        temperature,
-        top_p,
-        max_new_tokens,
-        batch_size,
-        chat_template_kwargs,
-        engine,
-    )
-    return completions, lengths
-
-
-def _sample(
-    model,
-    tokenizer,
-    prompts,
-    num_samples,
-    temperature,
-    top_p,
-    max_new_tokens,
-    batch_size,
-    chat_template_kwargs,
-    engine,
-    generation_kwargs=None,
-) -> tuple[list[str], list[int], list[list[int]]]:
-    """`sample_completions`, with each completion's token ids: what the reward functions are given in training.
-    `generation_kwargs` (`SamplingSettings.generation_kwargs`): training's, where completions end (stop strings)."""
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     repeated = [x for x in ids for _ in range(num_samples)]
@@ -131,7 +105,9 @@ def _sample(
     output = generator.generate(repeated, sampling=sampling, num_generations=num_samples)
     completion_ids = output.completion_lists()
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return completions, output.lengths.tolist(), completion_ids
+    if return_ids:
+        return completions, output.lengths.tolist(), completion_ids
+    return completions, output.lengths.tolist()
 
 
 def evaluate_policy(
@@ -180,15 +156,15 @@ def evaluate_policy(
 
     generator = _engine(engine, model, tokenizer, batch_size)
     settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, chat_template_kwargs=chat_template_kwargs)
-    settings.update(generation_kwargs=generation_kwargs)
-    sampled, lengths, sampled_ids = _sample(
-        model, tokenizer, prompts, k, temperature, top_p, engine=generator, **settings
+    settings.update(generation_kwargs=generation_kwargs, return_ids=True)
+    sampled, lengths, sampled_ids = sample_completions(
+        model, tokenizer, prompts, num_samples=k, temperature=temperature, top_p=top_p, engine=generator, **settings
     )
     hits = correct(sampled, sampled_ids, k)
     pass_at_1 = float("nan")
     if greedy:
-        greedy_completions, _, greedy_ids = _sample(
-            model, tokenizer, prompts, 1, 0.0, 1.0, engine=generator, **settings
+        greedy_completions, _, greedy_ids = sample_completions(
+            model, tokenizer, prompts, temperature=0.0, engine=generator, **settings
         )
         pass_at_1 = correct(greedy_completions, greedy_ids, 1).mean().item()
     return EvaluationResult(
