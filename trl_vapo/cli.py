@@ -771,11 +771,9 @@ def eval_command(argv: list[str]) -> int:
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
     _check_eval_numbers(args)
-    chat_template_kwargs = _json_object(
-        args.chat_template_kwargs, "--chat_template_kwargs", '{"enable_thinking": false}'
-    )
-    generation_kwargs = _json_object(args.generation_kwargs, "--generation_kwargs", '{"stop_strings": ["</answer>"]}')
-    args.generation_kwargs = generation_kwargs  # the engine's stop tokens read them (`EngineSettings.from_eval_args`)
+    # The JSON flags as mappings, once, for every reader (a YAML config's are mappings already).
+    for name, example in JSON_FLAGS.items():
+        setattr(args, name, _json_object(getattr(args, name), f"--{name}", example))
     _check_model_source(args.model, "--model")
     tokenizer_source = _tokenizer_source(args.model)
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
@@ -803,7 +801,7 @@ def eval_command(argv: list[str]) -> int:
             output_dir=".",
             report_to="none",
             trust_remote_code=args.trust_remote_code,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template_kwargs=args.chat_template_kwargs,
         )
         reward_funcs = load_reward_models([script.reward_model_name_or_path, *reward_funcs], None, settings)
     if script.dataset_name is None and script.dataset_preset is None:
@@ -856,15 +854,23 @@ def eval_command(argv: list[str]) -> int:
         reward_weights=args.reward_weights,
         positive_reward_threshold=args.positive_reward_threshold,
         engine=engine,
-        chat_template_kwargs=chat_template_kwargs,
+        chat_template_kwargs=args.chat_template_kwargs,
         positive_reward_funcs=args.positive_reward_funcs,
-        generation_kwargs=generation_kwargs,
+        generation_kwargs=args.generation_kwargs,
     ).as_dict()
     print(json.dumps(result, indent=2))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+JSON_FLAGS = {
+    "chat_template_kwargs": '{"enable_thinking": false}',
+    "generation_kwargs": '{"stop_strings": ["</answer>"]}',
+    "transformers_continuous_batching_config": '{"max_batch_tokens": 512}',
+}
+"""`trl-vapo eval`'s flags that take a JSON object, with an example of each."""
 
 
 def _json_object(value, flag: str, example: str) -> dict | None:

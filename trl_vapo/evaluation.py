@@ -155,8 +155,13 @@ def evaluate_policy(
         return scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
 
     generator = _engine(engine, model, tokenizer, batch_size)
-    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, chat_template_kwargs=chat_template_kwargs)
-    settings.update(generation_kwargs=generation_kwargs, return_ids=True)
+    settings = dict(
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        chat_template_kwargs=chat_template_kwargs,
+        generation_kwargs=generation_kwargs,
+        return_ids=True,
+    )
     sampled, lengths, sampled_ids = sample_completions(
         model, tokenizer, prompts, num_samples=k, temperature=temperature, top_p=top_p, engine=generator, **settings
     )
@@ -273,9 +278,9 @@ class EvaluationMixin:
             rank = self.accelerator.process_index
             rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group)
             real = len(batch) * group  # the rows before the repeated prompts, in the gathered order
-            device = rollout.loss_mask.device
-            correct += self.accelerator.gather(rollout.is_positive.to(device))[:real].sum().item()
-            judged += self.accelerator.gather(rollout.scores.scored.to(device))[:real].sum().item()
+            verdicts = torch.stack([rollout.is_positive.cpu(), rollout.scores.scored]).to(rollout.loss_mask.device)
+            positive, scored = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
+            correct, judged = correct + positive, judged + scored
             self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce))
             self._metrics["loss"].append(self._evaluation_loss(rollout))
             mask = rollout.loss_mask.bool()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -689,27 +688,19 @@ class EngineSettings:
 
     @classmethod
     def from_eval_args(cls, args) -> EngineSettings:
-        """The engine of `trl-vapo eval` (`cli.EvalArguments`); vLLM options it does not take keep their defaults
-        (`VLLM_DEFAULTS`)."""
+        """The engine of `trl-vapo eval` (`cli.EvalArguments`, its JSON flags parsed into mappings); vLLM options it
+        does not take keep their defaults (`VLLM_DEFAULTS`)."""
         vllm = {name: getattr(args, f"vllm_{name}") for name in VLLM_OPTIONS if hasattr(args, f"vllm_{name}")}
-        config = args.transformers_continuous_batching_config
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"--transformers_continuous_batching_config is not JSON ({error}): {config}"
-                ) from None
         return cls(
             engine=cls._engine_named_by(args),
             sampling=SamplingSettings(
                 max_new_tokens=args.max_completion_length,
                 temperature=args.temperature,
                 top_p=args.top_p,
-                generation_kwargs=dict(getattr(args, "generation_kwargs", None) or {}),  # parsed by `eval`
+                generation_kwargs=dict(args.generation_kwargs or {}),
             ),
             batch_size=args.batch_size,
-            continuous_batching_config=config,
+            continuous_batching_config=args.transformers_continuous_batching_config,
             vllm={**vllm, "trust_remote_code": args.trust_remote_code},
             rollout_size=args.batch_size,
         )
