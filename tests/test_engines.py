@@ -124,6 +124,27 @@ def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tin
     assert sum("sampling/importance_sampling_ratio/mean" in h for h in rl_logs(trainer)) == len(rl_rollouts)
 
 
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
+def test_a_vllm_server_without_processed_logprobs_is_warned_about(
+    tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch, caplog, mode
+):
+    """The server's `/server_info` as TRL's `VLLMClient.get_server_info` returns it (stand-in: no server here)."""
+    from types import SimpleNamespace
+
+    stand_in_init = StandInVLLMGeneration._init_vllm
+
+    def init(self):
+        stand_in_init(self)
+        self.vllm_client = SimpleNamespace(get_server_info=lambda: {"model_config": {"logprobs_mode": mode}})
+
+    monkeypatch.setattr(StandInVLLMGeneration, "_init_vllm", init)
+    args = make_args(tmp_path, use_vllm=True, vllm_mode="server")
+    with caplog.at_level("WARNING"):
+        VAPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
+    warned = [r.getMessage() for r in caplog.records if "--logprobs-mode" in r.getMessage()]
+    assert len(warned) == (mode != "processed_logprobs") and all(mode in message for message in warned)
+
+
 def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path):
     args = make_args(tmp_path, use_vllm=True)
     with pytest.raises(ImportError, match="pip install vllm"):

@@ -541,6 +541,23 @@ class VLLMEngine(GenerationEngine):
         self.vllm_generation.sync_weights()
         self._synced_step = step
 
+    def warn_unprocessed_server_logprobs(self) -> None:
+        """Warn, as GRPOTrainer does, when a vLLM server reports log-probs other than "processed_logprobs": the
+        importance-sampling correction divides by them, and raw log-probs ignore the temperature and top-p/top-k
+        the token was sampled with. Colocated vLLM is built with "processed_logprobs"; the server is the user's."""
+        client = getattr(self.vllm_generation, "vllm_client", None)  # the main process's, in server mode
+        if client is None:
+            return
+        mode = client.get_server_info()["model_config"]["logprobs_mode"]
+        if mode != "processed_logprobs":
+            import logging
+
+            logging.getLogger(__name__).warning(
+                f"The vLLM server runs with `--logprobs-mode {mode}`, which biases the importance-sampling "
+                "correction. Restart it with `--logprobs-mode processed_logprobs`, or set "
+                "`vllm_importance_sampling_correction=False`."
+            )
+
     def _generate(self, prompt_ids, sampling, num_generations):
         _apply_sampling(self.vllm_generation, sampling, self.stop_token_ids)
         _, completion_ids, logprobs, _ = self.vllm_generation.generate(

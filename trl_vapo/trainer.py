@@ -339,6 +339,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             stop_ids=self._stop_ids,
         )
         warn_off_policy_sampling(self.generation_engine.sampling, policy, self._stop_ids, tokenizer.pad_token_id)
+        if args.use_vllm and args.vllm_importance_sampling_correction and self.accelerator.is_main_process:
+            self.generation_engine.warn_unprocessed_server_logprobs()
 
         if not actor_critic.learns_values and args.value_pretrain_steps > 0:
             logger.info(
