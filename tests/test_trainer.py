@@ -126,7 +126,7 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
     assert base_params > 0 and trainable
     before_policy = {n: p.detach().clone() for n, p in model.policy.named_parameters() if ".default." in n}
     before_critic = {n: p.detach().clone() for n, p in model.policy.named_parameters() if ".critic." in n}
-    trainer.train()
+    trainer.train(resume_from_checkpoint=False)  # a script's boolean flag, as transformers reads it: a fresh run
     assert any(not torch.equal(before_policy[n], p) for n, p in model.policy.named_parameters() if ".default." in n)
     assert any(not torch.equal(before_critic[n], p) for n, p in model.policy.named_parameters() if ".critic." in n)
 
@@ -152,6 +152,64 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
     )
     for name, param in again.actor_critic.value_head.state_dict().items():
         assert torch.equal(param, trainer.actor_critic.value_head.state_dict()[name])
+
+
+@pytest.mark.parametrize("layout", ["lora-on-embeddings", "frozen-peft-model-and-a-critic", "reward-model-as-critic"])
+def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, tmp_path, layout):
+    """The optimizer's two groups cover every weight that requires a gradient, and each side has some: a weight left
+    out is silently never trained."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from trl_vapo.tiny import save_tiny_reward_model
+
+    kwargs, reward_funcs = {}, digit_fraction
+    if layout == "lora-on-embeddings":  # peft keeps an embedding's LoRA in ParameterDicts (`lora_embedding_A.default`)
+        kwargs = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"])}
+        model = str(tiny_model_dir)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        critic = AutoModelForSequenceClassification.from_pretrained(save_tiny_reward_model(tmp_path / "rm"))
+        if layout == "frozen-peft-model-and-a-critic":  # an SFT adapter as `PeftModel.from_pretrained` loads it
+            get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "sft")
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "sft")
+            assert not any(p.requires_grad for p in model.parameters())
+        else:  # the paper's recipe, one object for both: the reward model is frozen in place
+            model, reward_funcs = base, [digit_fraction, critic]
+        kwargs = {"value_model": critic}
+    trainer = VAPOTrainer(
+        model=model, reward_funcs=reward_funcs, args=make_args(tmp_path), train_dataset=prompts_dataset(), **kwargs
+    )
+    actor_critic = trainer.actor_critic
+    policy, critic = actor_critic.policy_parameters(), actor_critic.critic_parameters()
+    trainable = {id(p) for p in actor_critic.parameters() if p.requires_grad}
+    assert policy and critic and {id(p) for p in policy}.isdisjoint(id(p) for p in critic)
+    assert trainable == {id(p) for p in policy + critic}
+    if layout == "lora-on-embeddings":
+        names = {id(p): n for n, p in actor_critic.named_parameters()}
+        assert any("lora_embedding_A.default" in names[id(p)] for p in policy)
+        assert any("lora_embedding_A.critic" in names[id(p)] for p in critic)
+    if layout == "reward-model-as-critic":  # the reward model scores as it was given
+        assert trainer.reward_funcs[1].model is not actor_critic.critic
+        trainer.create_model_card(tmp_path / "card")
+        card = (tmp_path / "card" / "README.md").read_text()
+        assert f"started from `{tmp_path / 'rm'}` (`value_model`)" in card and "the policy's weights" not in card
+
+
+def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_the_policy(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from trl_vapo.tiny import save_tiny_reward_model
+
+    wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4))
+    with pytest.raises(ValueError, match="PeftModel and peft_config"):
+        VAPOTrainer(wrapped, digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config=LoraConfig(r=8))
+    critic = AutoModelForSequenceClassification.from_pretrained(save_tiny_reward_model(tmp_path / "rm"))
+    critic.is_loaded_in_4bit = True  # what transformers sets on a bitsandbytes model (which needs a GPU here)
+    with pytest.raises(ValueError, match="quantized, and a critic trains all of its weights"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), value_model=critic)
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    trainer = VAPOTrainer(eager, digit_fraction, make_args(tmp_path), prompts_dataset())
+    assert trainer.actor_critic.critic.config._attn_implementation == "eager"  # to_dict drops it: sdpa before
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["shared-base-lora", "critic-copy"])

@@ -372,6 +372,8 @@ class SavingMixin:
         if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "latest"):
             if not Path(resume_from_checkpoint).exists():
                 resume_from_checkpoint = True
+        if resume_from_checkpoint is False:  # a script's boolean flag, as transformers' Trainer reads it: no resume
+            return None
         if resume_from_checkpoint is not True:
             return resume_from_checkpoint
         chosen = [None]
@@ -506,6 +508,7 @@ class SavingMixin:
             is_adapter=run.is_adapter,
             critic_shares_base=run.critic_shares_base,
             critic_auto_class=run.critic_auto_class,
+            critic_source=run.critic_source,
             value_function=run.value_function,
             value_pretraining=value_pretraining,
             pretrained_critic_dir=pretrained_dir if value_pretraining and pretrained_dir.is_dir() else None,

@@ -78,15 +78,19 @@ def critic_from_policy(policy: PreTrainedModel, trust_remote_code: bool = False)
     config = policy.config.__class__.from_dict(policy.config.to_dict())
     config.num_labels = 1
     config.problem_type = "regression"
+    # `to_dict` leaves out the attention kernel the policy was loaded with (eager for Gemma-2's softcap, flash): the
+    # critic's backbone runs the policy's.
+    attention = {"attn_implementation": policy.config._attn_implementation}
     # Built where the policy is: its random initialisation, soon overwritten but for the head, took 18.7 s of a 0.5B
     # trainer's start on a GPU machine's CPU.
     with torch.device(next(policy.parameters()).device):
         if has_sequence_classifier(config, trust_remote_code):
             critic = AutoModelForSequenceClassification.from_config(
-                config, dtype=policy.dtype, trust_remote_code=trust_remote_code
+                config, dtype=policy.dtype, trust_remote_code=trust_remote_code, **attention
             )
         else:
-            critic = sequence_classifier_class(type(policy.base_model))._from_config(config, dtype=policy.dtype)
+            critic_class = sequence_classifier_class(type(policy.base_model))
+            critic = critic_class._from_config(config, dtype=policy.dtype, **attention)
     missing, unexpected = critic.base_model.load_state_dict(policy.base_model.state_dict(), strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -150,7 +154,16 @@ def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
             f"trains the adapter named {POLICY_ADAPTER!r} (what `get_peft_model(base, config)` names it) and adds the "
             "critic's beside it: wrap the base without `adapter_name`, or pass the base model with peft_config."
         )
-    if peft_config is None or is_peft_model(policy):
+    if is_peft_model(policy):
+        if peft_config is not None:  # GRPOTrainer's error: the adapter to train would be ambiguous
+            raise ValueError(
+                "model is a PeftModel and peft_config is given too: train the model's own adapter (leave peft_config "
+                "out), or merge and unload it, save that base model, and pass the base with the new peft_config."
+            )
+        # `PeftModel.from_pretrained` loads an adapter frozen (is_trainable=False): the policy would train nothing.
+        policy.set_requires_grad(POLICY_ADAPTER, True)
+        return policy
+    if peft_config is None:
         return policy
     from peft import get_peft_model, prepare_model_for_kbit_training
 
@@ -174,7 +187,8 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
         if shared:
             policy.add_adapter(CRITIC_ADAPTER, policy.peft_config[POLICY_ADAPTER])
             policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
-            head = ValueHead(policy.config.hidden_size, getattr(policy.config, "initializer_range", 0.02))
+            text_config = policy.config.get_text_config()  # a multimodal config keeps its sizes there
+            head = ValueHead(text_config.hidden_size, getattr(text_config, "initializer_range", 0.02))
             return ActorCritic(policy, value_head=head.to(policy.device)), False
         return ActorCritic(policy, critic=critic_from_policy(policy, args.trust_remote_code)), False
 
@@ -191,7 +205,8 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
             )
         policy.load_adapter(str(path), adapter_name=CRITIC_ADAPTER, is_trainable=True)
         policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
-        actor_critic = ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size).to(policy.device))
+        hidden_size = policy.config.get_text_config().hidden_size
+        actor_critic = ActorCritic(policy, value_head=ValueHead(hidden_size).to(policy.device))
         actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
         return actor_critic, pretrained
     if path.is_dir() and not (path / "config.json").is_file():
@@ -209,7 +224,10 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
         critic_class = AutoModelForSequenceClassification
     else:  # the class `critic_from_policy` built, over this config's backbone class
         critic_class = sequence_classifier_class(_backbone_class(config, args.trust_remote_code))
-    critic = critic_class.from_pretrained(str(value_model), **from_pretrained_kwargs(args), **extra)
+    # The policy's loading options but those that belong to its checkpoint alone: a critic trains all of its weights
+    # (never quantized), and `model_revision` names a commit of the policy's repository.
+    kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k not in ("quantization_config", "revision")}
+    critic = critic_class.from_pretrained(str(value_model), **kwargs, **extra)
     check_value_model(critic)
     return ActorCritic(policy, critic=critic), pretrained
 

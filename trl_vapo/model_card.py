@@ -96,6 +96,7 @@ class RunRecord:
         critic_pretrained: the critic came from an earlier value pretraining (`value_model=`).
         critic_auto_class: a separate critic's architecture has an `AutoModelForSequenceClassification` class (else
             the critic loads back as `value_model=` alone).
+        critic_source: where a critic passed as `value_model` started (its path or model id); None: from the policy.
     """
 
     base_model: str | None = None
@@ -106,6 +107,7 @@ class RunRecord:
     value_function: str | None = None
     critic_pretrained: bool = False
     critic_auto_class: bool = True
+    critic_source: str | None = None
 
 
 def build_model_card(
@@ -121,6 +123,7 @@ def build_model_card(
     is_adapter: bool = False,
     critic_shares_base: bool = False,
     critic_auto_class: bool = True,
+    critic_source: str | None = None,
     value_function: str | None = None,
     value_pretraining: dict[str, Any] | None = None,
     pretrained_critic_dir: str | os.PathLike | None = None,
@@ -148,6 +151,7 @@ def build_model_card(
         critic_shares_base: the critic is a LoRA adapter on the policy's base (`ActorCritic.shares_base`), not a
             separate model.
         critic_auto_class: a separate critic's architecture has an `AutoModelForSequenceClassification` class.
+        critic_source: where a critic passed as `value_model` started (a path or model id); None: the policy's weights.
         value_function: the name of the frozen value function (`value_model=` a `ValueFunction`) that replaced the
             critic, if one did: no critic was trained or saved.
         value_pretraining: what value pretraining did, e.g. the record saved with the pretrained critic
@@ -198,7 +202,13 @@ def build_model_card(
         _held_out_section(held_out),
         _training_section(args, value_pretraining, log_history, wandb_url, trackio_url),
         _critic_section(
-            critic_shares_base, critic_auto_class, output_dir, pretrained_critic_dir, value_pretraining, value_function
+            critic_shares_base,
+            critic_auto_class,
+            output_dir,
+            pretrained_critic_dir,
+            value_pretraining,
+            value_function,
+            critic_source,
         ),
         _versions_section(is_adapter),
         _citations_section(citation),
@@ -418,26 +428,30 @@ def _critic_section(
     pretrained_critic_dir,
     value_pretraining,
     value_function: str | None = None,
+    source: str | None = None,
 ) -> str:
     if value_function is not None:
         return (
             "### Value model (critic)\n\nNo critic was trained: GAE read the values of a frozen value function "
             f"(`{value_function}`, passed as `value_model`), which is not saved here."
         )
+    started = "the policy's weights" if source is None else f"`{source}` (`value_model`)"
     if shares_base:
         kind = (
             "The critic is a second LoRA adapter on the policy's frozen base model, with a linear value head. "
             "`critic/` in this folder holds the adapter (`adapter_config.json`, `adapter_model.safetensors`) and "
             "the head (`value_head.safetensors`)."
         )
+        if source is not None:
+            kind += f" It started from the critic `{source}` (`value_model`)."
     elif auto_class:
         kind = (
-            "The critic is a separate model that started from the policy's weights: `critic/` in this folder is a "
+            f"The critic is a separate model that started from {started}: `critic/` in this folder is a "
             "one-label `AutoModelForSequenceClassification` (`from_pretrained` loads it)."
         )
     else:
         kind = (
-            "The critic is a separate model that started from the policy's weights: `critic/` in this folder is the "
+            f"The critic is a separate model that started from {started}: `critic/` in this folder is the "
             "policy's backbone with a one-label linear head, laid out as a sequence classifier; transformers has no "
             "`AutoModelForSequenceClassification` class for this architecture, so trl-vapo loads it "
             '(`VAPOTrainer(..., value_model="critic")`).'

@@ -54,6 +54,13 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_PRETRAINING_FILE = "vapo_value_pretraining.json"
 
 
+def of_adapter(name: str, adapter: str) -> bool:
+    """Whether the parameter called `name` belongs to the PEFT adapter `adapter`: a LoRA matrix (``...lora_A.critic
+    .weight``) and a weight peft keeps in a ParameterDict (``...lora_embedding_A.critic``, ``...trainable_tokens_delta
+    .critic``, IA3's vectors) alike, which a test for ``.critic.`` would miss."""
+    return adapter in name.split(".")
+
+
 def is_peft_model(model: nn.Module) -> bool:
     try:
         from peft import PeftModel
@@ -141,6 +148,11 @@ def check_value_model(model: nn.Module) -> None:
             "token. Load it with `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
         )
     _sequence_classification_head(model)
+    if any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")):
+        raise ValueError(
+            f"value_model {type(model).__name__} is quantized, and a critic trains all of its weights: load it in "
+            "bfloat16 or float32, or leave value_model out to train a critic adapter on the quantized policy's base."
+        )
 
 
 class Float32Linear(nn.Linear):
@@ -478,17 +490,19 @@ class ActorCritic(nn.Module):
             disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
             disable()
 
+    def _adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
+        return [p for n, p in self.policy.named_parameters() if of_adapter(n, adapter) and p.requires_grad]
+
     def policy_parameters(self) -> list[nn.Parameter]:
         if self.shares_base:
-            return [p for n, p in self.policy.named_parameters() if f".{POLICY_ADAPTER}." in n and p.requires_grad]
+            return self._adapter_parameters(POLICY_ADAPTER)
         return [p for p in self.policy.parameters() if p.requires_grad]
 
     def critic_parameters(self) -> list[nn.Parameter]:
         if not self.learns_values:
             return []
         if self.shares_base:
-            adapter = [p for n, p in self.policy.named_parameters() if f".{CRITIC_ADAPTER}." in n and p.requires_grad]
-            return adapter + list(self.value_head.parameters())
+            return self._adapter_parameters(CRITIC_ADAPTER) + list(self.value_head.parameters())
         return [p for p in self.critic.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
@@ -854,7 +868,7 @@ def policy_fingerprint(policy: nn.Module) -> str:
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, param in policy.named_parameters():
-            if f".{CRITIC_ADAPTER}." in name:
+            if of_adapter(name, CRITIC_ADAPTER):
                 continue
             values = param.detach().to(torch.float64)
             digest.update(

@@ -229,6 +229,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self._conversational = is_conversational({"prompt": example["prompt"]})
         eval_examples = check_eval_dataset(eval_dataset, args, self._conversational)
         zero3_config = getattr(args, "hf_deepspeed_config", None)
+        if isinstance(value_model, nn.Module) and any(
+            value_model is f for f in (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        ):
+            # The paper's critic starts from the reward model; one object for both would be frozen as the reward
+            # model (in place) and train nothing, or, trained, move the rewards. The critic gets a copy.
+            value_model = copy.deepcopy(value_model)
         with whole_models_under_zero3(zero3_config):  # whole for the check below; placed after `Trainer.__init__`
             reward_funcs = load_reward_models(reward_funcs, reward_processing_classes, args)
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational, args.positive_reward_funcs)
@@ -274,6 +280,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
                 if getattr(config, "pad_token_id", None) is None:
                     config.pad_token_id = tokenizer.pad_token_id
         # What the saving code and the model card know of this run.
+        critic_source = None  # a critic from the policy, or none (a value function)
+        if value_model is not None and frozen is None:
+            is_model = isinstance(value_model, nn.Module)
+            critic_source = get_config_model_id(value_model.config) if is_model else str(value_model)
         self.run_record = RunRecord(
             base_model=get_config_model_id(actor_critic.config),
             policy_fingerprint=fingerprint,
@@ -284,6 +294,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             critic_pretrained=critic_pretrained,
             critic_auto_class=not separate
             or has_sequence_classifier(actor_critic.critic.config, args.trust_remote_code),
+            critic_source=critic_source,
         )
         if args.cast_lm_head_to_fp32:
             # After the critic is built and the dtypes to save in are recorded (a tied head casts the embeddings
