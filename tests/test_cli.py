@@ -90,6 +90,8 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
 
     with pytest.raises(UsageError, match="--not_a_flag"):
         _split_launch_args(["--not_a_flag", "3"])
+    with pytest.raises(UsageError, match="FSDP version 1 is not supported; use --accelerate_config fsdp2"):
+        _split_launch_args(["--accelerate_config", "fsdp1"])
 
 
 def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys):

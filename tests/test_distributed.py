@@ -274,3 +274,52 @@ def test_groups_held_out_leave_their_weights_and_adam_state_alone_and_name_a_mis
     with pytest.raises(ValueError, match="No parameter group of the optimizer is named 'policy'"):
         with groups_held_out(unnamed, "policy"):
             pass
+
+
+@pytest.mark.parametrize(
+    "setup, refused",
+    [
+        ({"fsdp_version": 1}, "FSDP version 1 is not supported"),
+        ({"fsdp_version": 2, "use_static_cache_engine": True}, "use_static_cache_engine=True cannot sample"),
+        ({"fsdp_version": 2, "use_static_cache_engine": True, "processes": 1}, None),
+        ({"fsdp_version": 2}, None),
+        ({"zero_stage": 3, "use_transformers_continuous_batching": True, "gather": False}, "ZeRO-3 shards"),
+        ({"zero_stage": 3, "use_transformers_continuous_batching": True, "gather": True}, None),
+        ({"zero_stage": 2, "use_transformers_continuous_batching": True, "gather": False}, None),
+    ],
+)
+def test_setups_that_would_clip_apart_or_hang_are_refused(tmp_path, monkeypatch, setup, refused):
+    """`check_distributed_setup` reads the accelerator's plugins: here a stand-in with their attributes (FSDP is
+    set up on GPUs only, FSDP1's wrapping needs one). The engines that stop each process at its own last completion
+    would leave the others waiting in a layer's all-gather."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from helpers import make_args
+
+    from trl_vapo.distributed import check_distributed_setup
+
+    setup = dict(setup)
+    processes = setup.pop("processes", 2)
+    fsdp_version, zero_stage = setup.pop("fsdp_version", None), setup.pop("zero_stage", None)
+    args = make_args(tmp_path, ds3_gather_for_generation=setup.pop("gather", True), **setup)
+    monkeypatch.setenv("WORLD_SIZE", str(processes))  # what the launcher sets (after the config: it would connect)
+    state = SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version),
+        deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage, deepspeed_config={}),
+    )
+    kind = DistributedType.FSDP if fsdp_version else DistributedType.DEEPSPEED
+    accelerator = SimpleNamespace(num_processes=processes, distributed_type=kind, state=state)
+    if refused is None:
+        check_distributed_setup(accelerator, args)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            check_distributed_setup(accelerator, args)
+
+
+def test_the_gradient_norm_of_a_rank_without_fragments_is_reduced_on_its_device():
+    from trl_vapo.distributed import clip_deepspeed_gradients_
+
+    seen = []
+    clip_deepspeed_gradients_([], None, lambda t: seen.append(t.device) or t, device="meta")
+    assert seen == [torch.device("meta")]  # NCCL refuses a CPU tensor: this rank's sum was on the CPU before

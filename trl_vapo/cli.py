@@ -153,7 +153,7 @@ file (--config FILE.yaml: its keys are the flags below, and flags override it), 
   trl-vapo train --config examples/gsm8k_lora.yaml  a recipe; --model_name_or_path and --dataset_name as flags work too
   trl-vapo train --config x.yaml --num_processes 2  several processes: `accelerate launch`'s flags (--num_processes,
                                                     --multi_gpu, --config_file, --accelerate_config zero1|zero2|zero3|
-                                                    fsdp1|fsdp2|multi_gpu|single_gpu) relaunch the run through it
+                                                    fsdp2|multi_gpu|single_gpu) relaunch the run through it
 
 The defaults below are every run's (VAPOConfig's: the paper's where it has one, but for the batch: the paper
 samples 512 prompts x 16). The demo changes these:
@@ -206,6 +206,8 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
         launch_args = resolve_accelerate_config_argument(list(remaining))
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if any(Path(arg).name == "fsdp1.yaml" for arg in launch_args):  # TRL's name for its FSDP1 config
+        raise UsageError("--accelerate_config fsdp1: FSDP version 1 is not supported; use --accelerate_config fsdp2")
     launcher = launch_command_parser()
     _, unknown = launcher.parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
     unknown = [arg for arg in unknown if arg.startswith("-")]

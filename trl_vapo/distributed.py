@@ -96,15 +96,20 @@ def deepspeed_local_gradients(params: Iterable[nn.Parameter]) -> Iterator[torch.
 
 
 def clip_deepspeed_gradients_(
-    params: list[nn.Parameter], max_norm: float | None, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+    params: list[nn.Parameter],
+    max_norm: float | None,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """The gradient norm of ``params`` over all ranks, clipped in place to ``max_norm`` (None: not clipped).
 
         norm = sqrt(sum over ranks of sum |g_partition|^2);   g <- g * min(1, max_norm / (norm + 1e-6))
 
-    the same rule (and epsilon) as ``torch.nn.utils.clip_grad_norm_``. Returns the norm before clipping.
+    the same rule (and epsilon) as ``torch.nn.utils.clip_grad_norm_``. Returns the norm before clipping. ``device``
+    is where the sum is reduced (the process's accelerator: NCCL takes no CPU tensor, and a rank may hold no
+    fragment of a side's gradients at all).
     """
-    squares = torch.zeros((), dtype=torch.float32)
+    squares = torch.zeros((), dtype=torch.float32, device=device)
     for fragment in deepspeed_local_gradients(params):
         squares = squares.to(fragment.device) + fragment.float().pow(2).sum()
     norm = all_reduce_sum(squares).sqrt()
@@ -321,6 +326,29 @@ def check_distributed_setup(accelerator, args) -> None:
         logger.warning(
             f"FSDP was asked for (fsdp={args.fsdp}) but accelerate set up {accelerator.distributed_type}:"
             " it enables FSDP only on GPUs (on CPUs it runs plain data parallelism). The model is not sharded."
+        )
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp and accelerator.state.fsdp_plugin.fsdp_version == 1:
+        raise ValueError(
+            "FSDP version 1 is not supported: VAPOTrainer clips the actor's and the critic's gradients apart and "
+            "samples from the sharded policy as FSDP2 allows. Set fsdp_version: 2 in the accelerate config (trl-vapo "
+            "train --accelerate_config fsdp2)."
+        )
+    zero3 = (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+        and accelerator.state.deepspeed_plugin.zero_stage == 3
+    )
+    gathers_per_layer = fsdp or (zero3 and not args.ds3_gather_for_generation)
+    engine = "use_static_cache_engine" if args.use_static_cache_engine else None
+    engine = "use_transformers_continuous_batching" if args.use_transformers_continuous_batching else engine
+    if gathers_per_layer and engine and accelerator.num_processes > 1:
+        # Each decode step's forward gathers the layers' shards, a collective: generate() keeps the processes in step
+        # (synced_gpus) until the last one finishes; these engines stop each process at its own last completion.
+        raise ValueError(
+            f"{engine}=True cannot sample from weights that {'FSDP' if fsdp else 'ZeRO-3'} shards across "
+            "processes: a process whose completions end first would stop gathering and the others would wait. "
+            "Generate with generate() (leave the flag unset)"
+            + ("." if fsdp else ", or gather the weights for generation (ds3_gather_for_generation=True).")
         )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         config = accelerator.state.deepspeed_plugin.deepspeed_config

@@ -989,7 +989,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
         for side, params in sides:
             if self.is_deepspeed_enabled:
-                norm = clip_deepspeed_gradients_(params, max_norm, self._all_reduce)
+                norm = clip_deepspeed_gradients_(params, max_norm, self._all_reduce, self.accelerator.device)
             else:
                 params = [p for p in params if p.grad is not None]
                 if not params:
