@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from trl_vapo.checkpoint import list_checkpoints
-from trl_vapo.cli import _parser, _split_launch_args, main
+from trl_vapo.cli import _parse_args_and_config, _parser, _split_launch_args, main
 from trl_vapo.config import _cuda_supports_bf16
 
 TRL_VAPO = str(Path(sys.executable).parent / "trl-vapo")
@@ -79,6 +79,19 @@ def test_a_preset_takes_the_columns_the_user_named(jsonl_data, tmp_path):
 
     with pytest.raises(UsageError, match=r"no column 'question' \(prompt_column\)"):  # the preset's own column
         _resolve_data(script, model, training, demo=False)
+
+
+def test_a_yaml_list_key_given_one_value_without_brackets_is_a_list_of_it(tmp_path):
+    """argparse leaves a YAML default as written: `reward_funcs: math_reward` was read as the names 'm', 'a', ..."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "reward_funcs: math_reward\npositive_reward_funcs: math_reward\nreward_weights: 1.0\n"
+        "lora_target_modules: all-linear\noutput_dir: out\n"
+    )
+    script, training, model, *_ = _parse_args_and_config(_parser(), ["--config", str(config)])
+    assert script.reward_funcs == training.positive_reward_funcs == ["math_reward"]
+    assert training.reward_weights == [1.0]
+    assert model.lora_target_modules == "all-linear"  # a string peft reads as such: left alone
 
 
 def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
@@ -219,6 +232,13 @@ BAD_INPUT = [
     # A template's unescaped LaTeX brace or misspelt column: a bare IndexError or KeyError from inside datasets.map.
     (["--prompt_template", "{question} \\boxed{}"], "has a positional field {}: fields name columns (question, "),
     (["--prompt_template", "{qestion}"], "names {qestion}, which is no column; the columns are ['question', "),
+    # argparse's own errors printed the usage of some 300 flags first; a YAML error or a folder was a traceback.
+    (["--max_steps", "1e3"], "--max_steps/--max-steps: invalid int value: '1e3' (see `trl-vapo train --help`)"),
+    (["--config", "broken.yaml"], 'is not valid YAML: while parsing a flow sequence in "broken.yaml", line 1'),
+    (["--config", "."], ".: a folder (--config takes a YAML file's path)"),
+    # What the trainer refuses before training (a traceback before): settings against the data and the rewards.
+    (["--reward_weights", "1", "2"], "reward_weights has 2 values but there are 1 reward functions."),
+    (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
 # libraries would retry for a minute.
@@ -265,6 +285,7 @@ def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
     ):
         out = tmp_path_factory.mktemp(f"bad-input-{name}")
         (out / "typo.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nlearnin_rate: 1.0e-4\n")
+        (out / "broken.yaml").write_text("learning_rate: [1\nmax_steps: 2\n")
         common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
         common += ["--prompt_column", "question", "--report_to", "none"]
         cases = [[*common, "--output_dir", str(out / f"run{i}"), *args] for i, (args, _) in enumerate(rows)]
@@ -296,7 +317,7 @@ def test_bad_input_is_a_one_line_error_naming_it(bad_input_runs, rows, case):
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("trl-vapo train: error:") and needle in lines[0]
-    if "column" in lines[0]:
+    if "_column" in lines[0]:  # a column flag's error
         assert "question" in lines[0] and "answer" in lines[0]  # lists the columns present
 
 
@@ -590,14 +611,17 @@ def test_trls_grpo_script_with_the_import_swapped_trains_lora_evaluates_and_relo
 
 
 def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
-    tiny_model_dir, reward_model_dir, grpo_data, tmp_path
+    tiny_model_dir, reward_model_dir, grpo_data, tmp_path, capsys
 ):
     """The same config, its data as a `datasets` mixture with a test split cut off (TRL's DatasetMixtureConfig), run by
     `trl-vapo train --config`; the held-out report also scores with the reward model."""
     out = tmp_path / "trl-vapo"
     mixture = f"datasets:\n  - path: {grpo_data}\n    split: train\ntest_split_size: 0.25\n"
     config = grpo_yaml(tmp_path / "grpo.yaml", out, tiny_model_dir, reward_model_dir, mixture)
-    assert main(["train", "--config", str(config), "--eval_num_prompts", "2", "--eval_k", "1"]) == 0
+    # A flag that formats --dataset_name's rows would be ignored: refused, before any data loads.
+    assert main(["train", f"--config={config}", "--prompt_column", "question"]) == 2
+    assert "--prompt_column format(s) --dataset_name's rows" in capsys.readouterr().err
+    assert main(["train", f"--config={config}", "--eval_num_prompts", "2", "--eval_k", "1"]) == 0  # `=`: one flag
     assert_trained_lora_with_evaluations(out, reward_model_dir.name, evaluations=2)
 
 
@@ -711,10 +735,12 @@ def test_eval_takes_temperature_zero_as_greedy():
     _check_eval_numbers(SimpleNamespace(temperature=0.0, **numbers))
 
 
-def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(tiny_model_dir, tmp_path, capsys):
-    """A PEFT adapter folder without a tokenizer reads its base's; a config's `reward_weights` score as in training
-    (0: nothing is correct); `--k 1` reports the greedy pass@1 beside avg@1 (its own pass@1 overwrote the greedy
-    one); `--output_json` makes its folder."""
+def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
+    tiny_model_dir, jsonl_data, tmp_path, capsys
+):
+    """A PEFT adapter folder without a tokenizer reads its base's, on a data set too (whose prompts the tokenizer
+    formats); a config's `reward_weights` score as in training (0: nothing is correct); `--k 1` reports the greedy
+    pass@1 beside avg@1 (its own pass@1 overwrote the greedy one); `--output_json` makes its folder."""
     from peft import LoraConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -728,6 +754,8 @@ def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
     result = json.loads(scores.read_text())
     assert set(result) == {"pass@1", "avg@1", "num_problems", "mean_length"}
     assert result["pass@1"] == result["avg@1"] == 0.0 and result["num_problems"] == 4
+    data = ["--dataset_name", str(jsonl_data), "--prompt_column", "question", "--dataset_test_split", "train"]
+    assert main([*common, "--k", "1", *data]) == 0  # the adapter folder was read as the tokenizer's: an OSError
 
 
 def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):

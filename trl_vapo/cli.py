@@ -172,17 +172,61 @@ def _parser():
     demo = textwrap.fill(", ".join(f"{k}={v}" for k, v in DEMO_DEFAULTS.items()), 118, initial_indent="  ",
                          subsequent_indent="  ")  # fmt: skip
     # allow_abbrev=False: `--learning_rat` is a typo to name, not a prefix to take silently (a YAML key never is one)
-    return TrlParser(
+    parser = TrlParser(
         (VAPOScriptArguments, VAPOConfig, ModelConfig, DatasetMixtureConfig),
         prog="trl-vapo train",
         description=TRAIN_DESCRIPTION.format(demo=demo),
         formatter_class=Help,
         allow_abbrev=False,
     )
+    return _in_one_line(parser)
 
 
 class UsageError(Exception):
     """A problem with what the user asked for: printed as one line, exit status 2."""
+
+
+def _in_one_line(parser):
+    """`parser` with argparse's errors (a flag's or a YAML key's value of the wrong type, a bad choice) raised as a
+    `UsageError`: one line, where argparse prints the usage of every flag (some 300 of them) first."""
+
+    def error(message: str):
+        raise UsageError(f"{message} (see `{parser.prog} --help`)")
+
+    parser.error = error
+    return parser
+
+
+LIST_FIELDS = ("reward_funcs", "positive_reward_funcs", "reward_weights")
+"""List flags a YAML file may give one value of without brackets (argparse leaves a default as it is, and the
+string's characters would be taken as the names). Not TRL's list fields that take a string too (`lora_target_modules:
+all-linear`)."""
+
+
+def _parse_args_and_config(parser, argv: list[str]):
+    """`TrlParser.parse_args_and_config` with the remaining strings apart, its failures one line each."""
+    import yaml
+
+    # TrlParser finds `--config FILE` alone; `--config=FILE` would be left over as an unknown flag.
+    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    try:
+        *parsed_args, config_remaining, cli_remaining = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except ValueError as error:  # the config classes' validation
+        raise UsageError(str(error)) from None
+    except FileNotFoundError as error:  # --config naming no file
+        raise UsageError(f"{error.filename or error}: no such file (--config takes a YAML file's path)") from None
+    except IsADirectoryError as error:
+        raise UsageError(f"{error.filename}: a folder (--config takes a YAML file's path)") from None
+    except yaml.YAMLError as error:  # its message names the file, the line and the column
+        raise UsageError("--config is not valid YAML: " + " ".join(str(error).split())) from None
+    for parsed in parsed_args:
+        for name in LIST_FIELDS:  # a YAML scalar (`reward_funcs: math_reward`) is the default as written
+            value = getattr(parsed, name, None)
+            if value is not None and not isinstance(value, list):
+                setattr(parsed, name, [value])
+    return (*parsed_args, config_remaining, cli_remaining)
 
 
 # ------------------------------------------------------------------------------------------------------------- train
@@ -231,14 +275,9 @@ def train_command(argv: list[str]) -> int:
     parser = _parser()
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS)
-    try:
-        script_args, training_args, model_args, mixture, config_remaining, cli_remaining = (
-            parser.parse_args_and_config(argv, return_remaining_strings=True, separate_remaining_strings=True)
-        )
-    except ValueError as error:  # VAPOConfig validation
-        raise UsageError(str(error)) from None
-    except FileNotFoundError as error:  # --config naming no file
-        raise UsageError(f"{error.filename or error}: no such file (--config takes a YAML file's path)") from None
+    script_args, training_args, model_args, mixture, config_remaining, cli_remaining = _parse_args_and_config(
+        parser, argv
+    )
     launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
     if launch_args and "LOCAL_RANK" not in os.environ:
         return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
@@ -281,20 +320,24 @@ def train_command(argv: list[str]) -> int:
         model_kwargs["quantization_config"] = quantization
     training_args.model_init_kwargs = {**model_kwargs, **(training_args.model_init_kwargs or {})}
 
-    trainer = VAPOTrainer(
-        model=model_id,
-        reward_funcs=[script_args.reward_model_name_or_path, *reward_funcs]
-        if script_args.reward_model_name_or_path
-        else reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=AutoTokenizer.from_pretrained(
-            model_id, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
-        ),
-        value_model=script_args.value_model_name_or_path,
-        peft_config=get_peft_config(model_args),
-    )
+    try:  # the trainer checks the settings against the data and the models before training: each a line here
+        trainer = VAPOTrainer(
+            model=model_id,
+            reward_funcs=[script_args.reward_model_name_or_path, *reward_funcs]
+            if script_args.reward_model_name_or_path
+            else reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=AutoTokenizer.from_pretrained(
+                model_id, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+            ),
+            value_model=script_args.value_model_name_or_path,
+            peft_config=get_peft_config(model_args),
+        )
+    except (ValueError, ImportError, NotImplementedError) as error:
+        logging.getLogger(__name__).debug("The trainer refused the run", exc_info=True)  # the traceback, if asked
+        raise UsageError(" ".join(str(error).split())) from None
     before = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -427,6 +470,14 @@ def _resolve_mixture(script_args, model_args, mixture, evaluates: bool):
 
     if script_args.dataset_name:
         logger.warning("Both `datasets` and `dataset_name` are given: `datasets` is used, as by `trl grpo`.")
+    defaults = VAPOScriptArguments()
+    flags = ("dataset_preset", "prompt_column", "answer_column", "prompt_template", "system_prompt", "prompt_format")
+    formatting = [f"--{name}" for name in flags if getattr(script_args, name) != getattr(defaults, name)]
+    if formatting:
+        raise UsageError(
+            f"{', '.join(formatting)} format(s) --dataset_name's rows; a `datasets:` mixture's rows are used as "
+            "they are, as `trl grpo` uses them (a prompt column): drop the flag(s), or name the data in --dataset_name"
+        )
     if not model_args.model_name_or_path:
         raise UsageError("--model_name_or_path is required with a data set (omit both for the offline demo)")
     try:
@@ -736,7 +787,7 @@ TRAIN_ONLY = {
 def eval_command(argv: list[str]) -> int:
     from trl import TrlParser
 
-    parser = TrlParser((VAPOScriptArguments, EvalArguments), prog="trl-vapo eval", allow_abbrev=False)
+    parser = _in_one_line(TrlParser((VAPOScriptArguments, EvalArguments), prog="trl-vapo eval", allow_abbrev=False))
     for action in parser._actions:
         if action.dest in TRAIN_ONLY:  # accepted from a training YAML, never read here: not in eval's help
             action.help = argparse.SUPPRESS
@@ -749,14 +800,7 @@ def eval_command(argv: list[str]) -> int:
             f"{', '.join(training_flags)}: a `trl-vapo train` flag, which eval does not read (eval scores "
             "--dataset_test_split; its own flags: `trl-vapo eval --help`)"
         )
-    try:
-        script, args, config_remaining, cli_remaining = parser.parse_args_and_config(
-            argv, return_remaining_strings=True, separate_remaining_strings=True
-        )
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    except FileNotFoundError as error:  # --config naming no file
-        raise UsageError(f"{error.filename or error}: no such file (--config takes a YAML file's path)") from None
+    script, args, config_remaining, cli_remaining = _parse_args_and_config(parser, argv)
     unknown = [arg for arg in cli_remaining if arg.startswith("-")]
     # A training YAML works as is: its training-only keys (learning_rate, lora_r, ...) are left for `train`, and
     # only keys that neither command knows are errors.
@@ -819,7 +863,7 @@ def eval_command(argv: list[str]) -> int:
         script.dataset_streaming = False  # a training config's: eval selects and scores a whole split
         _, dataset, _, _ = _resolve_data(
             script,
-            ModelConfig(model_name_or_path=args.model),
+            ModelConfig(model_name_or_path=tokenizer_source),  # whose chat template formats the prompts
             VAPOConfig(output_dir=".", report_to="none"),
             demo=False,
         )

@@ -130,7 +130,7 @@ class MathReward:
         present = sorted(k for k in kwargs if k not in _TRAINER_KWARGS)
         raise KeyError(
             f"{self.__name__} reads the gold answer from the dataset column {wanted}, but the batch only has the "
-            f"columns {present}; pass answer_column= to make_math_reward"
+            f"columns {present}; pass answer_column= to make_math_reward (--answer_column on the command line)"
         )
 
     def verdicts(
