@@ -229,6 +229,8 @@ BAD_INPUT = [
     (["--report_to", "tensorbaord"], "report_to names 'tensorbaord', which transformers does not know: use one of"),
     # fp16's GradScaler refuses the second unscale of the separate policy and critic clipping: a crash on a T4.
     (["--fp16", "true"], "fp16=True is not supported: its loss scaling does not work with the separate clipping"),
+    # Each process's random state is written beside the main process's files: one output_dir for all (was ignored).
+    (["--save_on_each_node", "true"], "save_on_each_node=True is not supported: checkpoints are written into"),
     # A template's unescaped LaTeX brace or misspelt column: a bare IndexError or KeyError from inside datasets.map.
     (["--prompt_template", "{question} \\boxed{}"], "has a positional field {}: fields name columns (question, "),
     (["--prompt_template", "{qestion}"], "names {qestion}, which is no column; the columns are ['question', "),
@@ -789,3 +791,8 @@ def test_train_in_an_output_dir_another_run_holds_is_one_line_before_any_model_l
     assert live_holder(out) is None
     with output_dir_lock(out):  # and the run itself can take it
         pass
+    # An earlier run's checkpoint: a fresh run is refused as soon (`resume` would take it, rotation delete its own).
+    (out / "checkpoint-3").mkdir()
+    (out / "checkpoint-3" / "vapo_state.json").write_text("{}")
+    assert main(["train", "--output_dir", str(out), "--report_to", "none"]) == 2
+    assert f"output_dir {out} holds an earlier run's checkpoints (checkpoint-3)" in capsys.readouterr().err

@@ -871,8 +871,15 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     assert [h["phase"] for h in full.state.log_history if "phase" in h] == ["value_pretrain"] * 4 + ["rl"] * 3
     checkpoint = tmp_path / "full" / "out" / "checkpoint-4"
     assert (checkpoint / "vapo_state.json").is_file()
+    assert not (checkpoint / "README.md").exists()  # peft's template card, which a checkpoint's push published
+    # A fresh run over them would share their list: save_total_limit deleted its own first, a resume took theirs.
+    with pytest.raises(ValueError, match=r"holds an earlier run's checkpoints \(\.\.\., checkpoint-4, checkpoint-6, "):
+        run("full")
     resumed = run("full", resume=str(checkpoint))
     assert resumed.state.global_step == 7 == resumed.run_plan.max_steps(resumed.progress)  # resumed mid-plan
+    # The log file is the resumed run's history: the checkpoint's, then its own (not the abandoned steps besides).
+    logged = (tmp_path / "full" / "out" / "vapo_logs.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in logged] == json.loads(json.dumps(resumed.state.log_history, default=str))
     after = [h for h in comparable(resumed.state.log_history) if h["step"] > 4]
     expected = [h for h in comparable(full.state.log_history) if h["step"] > 4]
     assert len(after) == 3

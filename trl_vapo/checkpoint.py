@@ -158,6 +158,21 @@ def read_marker(path: Path) -> dict:
     return json.loads(marker.read_text())
 
 
+def earlier_checkpoints_refusal(output_dir: str | os.PathLike) -> str | None:
+    """The error for a fresh run (no resume) in an ``output_dir`` that holds an earlier run's checkpoints, else None:
+    the two runs' checkpoints would be one list, which rotation and ``resume_from_checkpoint=True`` order by step."""
+    found = list_checkpoints(output_dir)
+    if not found:
+        return None
+    names = ", ".join(c.name for c in found[-3:])
+    return (
+        f"output_dir {output_dir} holds an earlier run's checkpoints ({'..., ' if len(found) > 3 else ''}{names}): a "
+        "fresh run there would mix its own with them (save_total_limit would delete this run's first, and "
+        "resume_from_checkpoint=True would take the earlier run's). Resume it (resume_from_checkpoint=True; "
+        "--resume_from_checkpoint true), choose another output_dir, or delete those folders."
+    )
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints in ``output_dir``, oldest first (a folder without its state file is incomplete)."""
     output_dir = Path(output_dir)
@@ -368,20 +383,22 @@ class SavingMixin:
     def checkpoint_to_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """The checkpoint `train(resume_from_checkpoint=...)` names: a path as given; True (or the CLI's "true" /
         "latest", where no such path exists) the newest one that reads, chosen by the main process so that every
-        process resumes the same step whatever it sees on disk."""
+        process resumes the same step whatever it sees on disk; None or False none, refused where `output_dir` holds
+        an earlier run's checkpoints (`earlier_checkpoints_refusal`)."""
         if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "latest"):
             if not Path(resume_from_checkpoint).exists():
                 resume_from_checkpoint = True
-        if resume_from_checkpoint is False:  # a script's boolean flag, as transformers' Trainer reads it: no resume
-            return None
-        if resume_from_checkpoint is not True:
+        if resume_from_checkpoint not in (True, None, False):  # a path
             return resume_from_checkpoint
         chosen = [None]
         if self.accelerator.is_main_process:
-            try:
-                chosen = [str(newest_resumable_checkpoint(self.args.output_dir))]
-            except ValueError as error:
-                chosen = [error]
+            if resume_from_checkpoint is True:
+                try:
+                    chosen = [str(newest_resumable_checkpoint(self.args.output_dir))]
+                except ValueError as error:
+                    chosen = [error]
+            elif refused := earlier_checkpoints_refusal(self.args.output_dir):  # False: a script's boolean flag
+                chosen = [ValueError(refused)]
         if self.accelerator.num_processes > 1:
             chosen = broadcast_object_list(chosen)
         if isinstance(chosen[0], ValueError):

@@ -304,6 +304,11 @@ def train_command(argv: list[str]) -> int:
         holder = live_holder(training_args.output_dir)
         if holder is not None:  # the trainer would refuse too, but after the models had loaded
             raise UsageError(refusal(training_args.output_dir, holder))
+        if not training_args.resume_from_checkpoint:  # as for these two
+            from .checkpoint import earlier_checkpoints_refusal
+
+            if refused := earlier_checkpoints_refusal(training_args.output_dir):
+                raise UsageError(refused)
     if not demo:
         _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")

@@ -772,6 +772,12 @@ class VAPOConfig(TrainingArguments):
             "by save_total_limit); load its policy with from_pretrained.",
         )
         require(
+            not self.save_on_each_node,
+            "save_on_each_node=True is not supported: checkpoints are written into output_dir by the main process "
+            "and each process's random-number state beside them, so every node needs the same output_dir (a shared "
+            "file system). Leave it False.",
+        )
+        require(
             self.num_generations_eval is None or self.num_generations_eval >= 1,
             f"num_generations_eval must be >= 1 or None, got {self.num_generations_eval}.",
         )

@@ -710,10 +710,12 @@ class ActorCritic(nn.Module):
         ``state_dict`` and ``as_loaded`` as in :meth:`save_critic`.
         """
         policy_state = _sub_state(state_dict, "policy.", self.policy)
-        if self.shares_base:
-            self.policy.save_pretrained(str(directory), selected_adapters=[POLICY_ADAPTER], state_dict=policy_state)
-        elif is_peft_model(self.policy):
-            self.policy.save_pretrained(directory, state_dict=policy_state)
+        if is_peft_model(self.policy):
+            adapters = {"selected_adapters": [POLICY_ADAPTER]} if self.shares_base else {}
+            self.policy.save_pretrained(str(directory), state_dict=policy_state, **adapters)
+            # peft's template card, as beside the critic: a checkpoint pushed to the Hub (hub_strategy every_save)
+            # would replace the run's card with it; `save_model` writes the run's card after this.
+            (Path(directory) / "README.md").unlink(missing_ok=True)
         else:
             _save_pretrained(self.policy, directory, policy_state, self.loaded_dtypes["policy"] if as_loaded else None)
 

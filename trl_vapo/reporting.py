@@ -534,11 +534,12 @@ class MetricsMixin:
         self._metrics.clear()
         super().log({**averaged, **logs}, start_time)
         if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
-            # A fresh run starts the file anew (an earlier run's in this folder would splice into its curves); a
-            # resumed run adds to it, and `read_logs` keeps the newest entry of each step.
-            mode = "a" if self._log_file_started or self._resumed_from is not None else "w"
-            with (Path(self.args.output_dir) / LOG_FILE).open(mode) as log_file:
-                log_file.write(json.dumps(self.state.log_history[-1], default=str) + "\n")
+            # The file starts anew with each run's first log: a fresh run's (an earlier run's entries in this folder
+            # would splice into its curves) and a resumed run's, whose history is the checkpoint's (the steps the
+            # crashed run logged after it are abandoned, and would splice in where the resumed run logs otherwise).
+            entries = self.state.log_history[-1:] if self._log_file_started else self.state.log_history
+            with (Path(self.args.output_dir) / LOG_FILE).open("a" if self._log_file_started else "w") as log_file:
+                log_file.writelines(json.dumps(entry, default=str) + "\n" for entry in entries)
             self._log_file_started = True
         rollout = self._last_rollout
         fresh = rollout is not None and rollout is not self._reported_rollout

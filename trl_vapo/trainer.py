@@ -364,7 +364,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self._last_rollout: Rollout | None = None  # the newest rollout: the next log's completions table, and `_logs`
         self._reported_rollout: Rollout | None = None  # the one whose table was logged (once per rollout)
         self._replay: list[Rollout] = []  # value pretraining's last rollouts (`value_pretrain_replay`)
-        self._resumed_from: str | None = None  # the checkpoint `train` resumed from
         self._log_file_started = False  # whether this trainer wrote `vapo_logs.jsonl` yet (`log`)
         self.models_placed = False  # by `train`: wrapped (DDP, DeepSpeed) or sharded (FSDP2, ZeRO-3)
         # What only the caller knows, for the model card: dataset_name / dataset_config / dataset_description,
@@ -456,7 +455,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         args = self.args
         self.is_in_train = True
         resume_from_checkpoint = self.checkpoint_to_resume(resume_from_checkpoint)
-        self._resumed_from = resume_from_checkpoint
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
