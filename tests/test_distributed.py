@@ -214,12 +214,22 @@ def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_tw
     assert_saved_as_loaded(run)
 
 
-def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_model_dir, tmp_path, reference):
+FSDP2_EVALUATED = ["--eval-prompts", "4"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
+    """FSDP2 on two processes, with checkpoints (steps 2, 5, 8) and the final weights: one launch that the comparison
+    with the plain run and the resume test both read."""
+    flags = ["--fsdp2", "--save-final", "--save-steps", "2", "--held-out", "4", *FSDP2_EVALUATED]
+    return train(tiny_model_dir, tmp_path_factory.mktemp("fsdp2-2"), 2, *flags)
+
+
+def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_model_dir, fsdp2_two_ranks, reference):
     """Also evaluated during training (FSDP2 shards the actor-critic in place, and `evaluate` took the sharded model
     for one not yet placed: refused), and the held-out report `trl-vapo train` gives after training, on the sharded
     policy and reward model, from every process (the main process alone met the others' shards)."""
-    flags = ["--fsdp2", "--save-final", "--save-steps", "100", "--held-out", "4", "--eval-prompts", "4"]
-    run = train(tiny_model_dir, tmp_path / "fsdp2", 2, *flags)
+    run = fsdp2_two_ranks
     steps = json.loads((run / "steps.json").read_text())
     assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
     assert steps["reward_model_sharded"] == [True]
@@ -230,6 +240,23 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     assert steps["sequence_logits_built"] == 0
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)
+
+
+def test_fsdp2_resumes_exactly(tiny_model_dir, tmp_path, reference, fsdp2_two_ranks):
+    """FSDP2 on two processes, resumed from the checkpoint written when value pretraining ended. The optimizer state
+    is sharded as the weights are (only the main process's shards were saved), and the weights were loaded whole
+    into sharded parameters (an error): both now whole in the checkpoint and sharded again on loading, the policy's
+    weights without optimizer state, as they were held out of value pretraining's steps."""
+    run = tmp_path / "fsdp2"
+    shutil.copytree(fsdp2_two_ranks, run)
+    for later in ("checkpoint-5", "checkpoint-8", "final"):  # written by the first run after step 2
+        shutil.rmtree(run / later)
+    (run / "state-8.pt").unlink()
+    (run / "logs-rank0.jsonl").rename(run / "first-rank0.jsonl")
+    train(tiny_model_dir, run, 2, "--fsdp2", "--save-steps", "100", "--resume", "--save-final", *FSDP2_EVALUATED)
+    assert sorted(step_logs(run)) == [3, 4, 5, 6, 7, 8]
+    assert_same_state(run, reference)  # the optimizer state resumed too
+    assert_saved_as_loaded(run)
 
 
 @pytest.mark.cuda

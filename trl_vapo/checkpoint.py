@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from ._compat import get_config_model_id
-from .distributed import full_state_dict
+from .distributed import fsdp2_optimizer_state, full_state_dict, load_fsdp2_optimizer_state
 from .model_card import VAPO_CITATION, RunRecord, build_model_card
 from .modeling import (
     CRITIC_SUBFOLDER,
@@ -605,9 +605,15 @@ class SavingMixin:
         if self.is_deepspeed_enabled and not model_only:
             # ZeRO partitions the optimizer state over the ranks: each writes its own part.
             self.model_wrapped.save_checkpoint(str(tmp), tag=DEEPSPEED_CHECKPOINT_TAG, exclude_frozen_parameters=True)
+        elif not model_only:
+            optimizer_state = (  # FSDP2's is sharded as the weights are: gathered whole (a collective)
+                fsdp2_optimizer_state(self.model_wrapped, self.optimizer)
+                if self.is_fsdp_enabled
+                else self.optimizer.state_dict()
+            )
         if main and not model_only:
             if not self.is_deepspeed_enabled:
-                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+                torch.save(optimizer_state, tmp / "optimizer.pt")
             torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
         if main:
             if self.state.best_global_step == self.state.global_step:  # `metric_for_best_model`'s best so far
@@ -636,7 +642,8 @@ class SavingMixin:
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
 
-    def _load_checkpoint(self, path: Path) -> None:
+    def _checked_marker(self, path: Path) -> dict[str, Any]:
+        """The marker of the checkpoint `path`, once it is known to be one this run can resume from."""
         problem = checkpoint_problem(path) if (path / COMPLETE_MARKER).is_file() else None
         if problem is not None:
             earlier = [c.name for c in list_checkpoints(path.parent) if c != path]
@@ -654,6 +661,15 @@ class SavingMixin:
                 f"{', '.join(newer)}. This run writes over each as it reaches its step; until then "
                 f"resume_from_checkpoint=True would take {newer[-1]}: move them aside if that is not wanted."
             )
+        return marker
+
+    def _load_weights(self, path: Path) -> None:
+        """The policy's and the critic's weights of the checkpoint `path`, into `actor_critic` as it is."""
+        self.actor_critic.load_policy(path)
+        self.actor_critic.load_critic(path / CRITIC_SUBFOLDER)
+
+    def _load_checkpoint(self, path: Path, marker: dict[str, Any]) -> None:
+        """Resume from `path` (`_checked_marker` read `marker`) once the models and the optimizer are placed."""
         # What this run's config asks of the optimizer and the schedules: the loaded state would restore the saved
         # run's (its learning rates, weight decay, schedule), and the new checkpoints' config would not be what ran.
         asked = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
@@ -666,9 +682,10 @@ class SavingMixin:
                 raise ValueError(
                     f"{path} holds no DeepSpeed state ({DEEPSPEED_CHECKPOINT_TAG}/): not a DeepSpeed run's."
                 )
+        elif self.is_fsdp_enabled:  # the weights were loaded before FSDP2 sharded them (`_train`)
+            load_fsdp2_optimizer_state(self.model_wrapped, self.optimizer, path / "optimizer.pt")
         else:
-            self.actor_critic.load_policy(path)
-            self.actor_critic.load_critic(path / CRITIC_SUBFOLDER)
+            self._load_weights(path)
             # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

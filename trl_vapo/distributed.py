@@ -33,6 +33,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -304,6 +305,31 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole state of an FSDP2 model's optimizer (``accelerator.prepare``'s wrapper or the torch optimizer),
+    keyed by parameter name, on the main process's CPU (empty elsewhere). A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, _optimizer_chain(optimizer)[-1], options=options)
+
+
+def load_fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
+    """Load what `fsdp2_optimizer_state` saved at `path` into the sharded optimizer (every rank reads the file).
+
+    A weight the saved optimizer never stepped (the policy's, held out of value pretraining) gets no state: torch
+    gives each one an initial state at step 1 to load into, and Adam's bias correction would then count a step that
+    never happened."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    inner = _optimizer_chain(optimizer)[-1]
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, inner, saved, options=StateDictOptions(full_state_dict=True, strict=False))
+    for name, param in model.named_parameters():
+        if name not in saved["state"]:
+            inner.state.pop(param, None)
 
 
 def check_distributed_setup(accelerator, args) -> None:

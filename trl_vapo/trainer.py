@@ -455,6 +455,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         args = self.args
         self.is_in_train = True
         resume_from_checkpoint = self.checkpoint_to_resume(resume_from_checkpoint)
+        marker = None if resume_from_checkpoint is None else self._checked_marker(Path(resume_from_checkpoint))
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
@@ -479,12 +480,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
             handler.find_unused_parameters = True
             self.accelerator.ddp_handler = handler
+        if resume_from_checkpoint is not None and self.is_fsdp_enabled:
+            # FSDP2 shards the weights in place as it places them: the checkpoint's whole weights load before.
+            self._load_weights(Path(resume_from_checkpoint))
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.actor_critic, self.optimizer)
         self.models_placed = True  # (FSDP2 shards `actor_critic` in place: `model_wrapped` is the same object)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         if resume_from_checkpoint is not None:
-            self._load_checkpoint(Path(resume_from_checkpoint))
+            self._load_checkpoint(Path(resume_from_checkpoint), marker)
 
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
