@@ -350,3 +350,31 @@ def test_the_gradient_norm_of_a_rank_without_fragments_is_reduced_on_its_device(
     seen = []
     clip_deepspeed_gradients_([], None, lambda t: seen.append(t.device) or t, device="meta")
     assert seen == [torch.device("meta")]  # NCCL refuses a CPU tensor: this rank's sum was on the CPU before
+
+
+def test_zero3_weights_are_gathered_for_saving_one_module_at_a_time(tiny_model_dir, monkeypatch):
+    """What a ZeRO-3 checkpoint or `save_model` writes: the model's state dict (tied weights under both names, the
+    persistent buffers), gathered module by module (one gather of every parameter put the whole model on each GPU).
+    Here the weights are whole (no ZeRO-3 process group on one CPU process), so the gathers read them as they are;
+    the ZeRO-3 runs above save through the same function with the weights partitioned."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.distributed import zero3_full_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.register_buffer("counter", torch.arange(3))  # a persistent buffer: saved too
+    gathered, gather = [], deepspeed.zero.GatheredParameters
+
+    def recording(params, *args, **kwargs):
+        gathered.append(list(params))
+        return gather(gathered[-1], *args, **kwargs)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recording)
+    state = zero3_full_state_dict(model, main=True)
+    expected = model.state_dict()
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
+    assert zero3_full_state_dict(model, main=False) is None
+    owners = {id(p): name for name, module in model.named_modules() for p in module.parameters(recurse=False)}
+    assert max(len(params) for params in gathered) <= 2  # a linear layer's weight and bias, at most
+    assert all(len({owners[id(p)] for p in params}) <= 1 for params in gathered)

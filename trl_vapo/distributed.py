@@ -307,6 +307,30 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def zero3_full_state_dict(model: nn.Module, main: bool) -> dict[str, torch.Tensor] | None:
+    """The whole weights (and persistent buffers) of a ZeRO-3 partitioned ``model`` on the main process, on the CPU,
+    keyed as ``model.state_dict()``; None elsewhere. A collective: every rank calls it.
+
+    Gathered one module at a time, as transformers saves a ZeRO-3 model: gathering every parameter at once puts the
+    whole model on every GPU, which is what ZeRO-3 was chosen to avoid (the first checkpoint would run out of
+    memory). A parameter not partitioned is read as it is.
+    """
+    import deepspeed
+
+    state: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        params = list(module.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):  # read only: no modifier rank
+            if main:
+                state.update({prefix + name: p.detach().cpu().clone() for name, p in params})
+        if main:
+            skipped = getattr(module, "_non_persistent_buffers_set", set())
+            buffers = module.named_buffers(recurse=False)
+            state.update({prefix + name: b.detach().cpu().clone() for name, b in buffers if name not in skipped})
+    return state if main else None
+
+
 def fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The whole state of an FSDP2 model's optimizer (``accelerator.prepare``'s wrapper or the torch optimizer),
     keyed by parameter name, on the main process's CPU (empty elsewhere). A collective: every rank calls it."""
