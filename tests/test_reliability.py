@@ -476,10 +476,11 @@ def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
         train_dataset=prompts_dataset(32),
     )
     before = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters()}
-    trainer.train()
+    result = trainer.train()
     assert trainer.state.global_step == 4 and trainer.progress.skipped_steps == 1
     logs = [h for h in trainer.state.log_history if "phase" in h]
     assert [h["skipped_steps"] for h in logs] == [0, 1, 1, 1]
+    assert math.isfinite(result.training_loss)  # the skipped step's NaN made it NaN for the rest of the run
     assert all(torch.isfinite(p).all() for p in trainer.actor_critic.parameters())
     assert any(not torch.equal(before[n], p) for n, p in trainer.actor_critic.named_parameters())
 

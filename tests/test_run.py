@@ -62,6 +62,12 @@ def test_the_plan_counts_the_steps_a_loop_takes(value_pretraining, overrides):
         assert plan.max_steps(early) == _steps_of_a_loop(args, 21, True, early_after=2)
 
 
+def test_a_fraction_of_epochs_is_its_rollouts_without_float_round_off():
+    # 1.1 epochs of 100 rollouts: 1.1 * 100 is 110.00000000000001 in floats, whose ceiling ran a 111th rollout.
+    plan = RunPlan.from_config(_args(num_train_epochs=1.1, critic_num_iterations=1), 400, value_pretraining=False)
+    assert plan.max_steps(TrainingProgress(phase=RL)) == 110 * plan.steps_per_pass
+
+
 def test_a_stream_is_planned_by_max_steps():
     plan = RunPlan.from_config(_args(max_steps=9), None, value_pretraining=False)
     assert plan.max_steps(TrainingProgress(phase=RL)) == 9 and plan.prompts_per_rollout == 4

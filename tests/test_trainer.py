@@ -54,6 +54,9 @@ REQUIRED_METRICS = [
     "loss/nll",
     "positive_fraction",
     "frac_reward_zero_std",  # GRPOTrainer's
+    "num_tokens",  # GRPOTrainer's
+    "grad_norm",  # the Trainer's
+    "completions/mean_terminated_length",  # GRPOTrainer's
     "learning_rate",
     "critic_learning_rate",
     "phase",
@@ -88,6 +91,11 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     # The last rollout's groups (4 completions a prompt) whose rewards are all alike, as GRPOTrainer counts them.
     groups = trainer._last_rollout.scores.reward.view(-1, 4)
     assert logs[-1]["frac_reward_zero_std"] == (groups.std(dim=1) == 0).float().mean().item()
+    # The prompt and completion tokens of both rollouts (16 prompts of 3 tokens each); the sides' norms together.
+    rollout = trainer._last_rollout
+    assert logs[-1]["num_tokens"] == trainer.state.num_input_tokens_seen > 2 * rollout.input_ids.shape[0] * 3
+    for log in logs:
+        assert log["grad_norm"] == pytest.approx(math.hypot(log["grad_norm/policy"], log["grad_norm/critic"]))
     changed = any(not torch.equal(initial[n], p) for n, p in trainer.actor_critic.policy.named_parameters())
     assert changed, "two RL steps must update the policy"
 
@@ -102,6 +110,37 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     generated = policy.generate(**tokenizer(["1+1="], return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert generated.shape[1] >= 5
     assert (out / "README.md").is_file()
+
+
+def test_data_seed_zero_orders_the_prompts(tiny_model_dir, tmp_path):
+    """`data_seed=0` is a seed (`data_seed or seed` took the run's seed instead): the prompts' order is data_seed's."""
+    orders = []
+    for seed, data_seed in ((1, 0), (0, None), (1, None)):
+        args = make_args(tmp_path, seed=seed, data_seed=data_seed)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+        orders.append([row["prompt"] for row in trainer._prompts.next(trainer.progress, lambda: None)])
+    assert orders[0] == orders[1] != orders[2]
+
+
+def test_unscored_completions_are_no_reading(tiny_model_dir, tmp_path):
+    """A step with no scored completion trains nothing: its token means are not logged as zeros (a falling entropy).
+    A group's unscored completions are left out of `frac_reward_zero_std`, as GRPOTrainer leaves them (NaN): they
+    counted as rewards of 0."""
+
+    def sometimes_unscored(completions, trainer_state=None, **kwargs):
+        if trainer_state is not None and trainer_state.global_step == 0:  # the first rollout
+            return [None] * len(completions)
+        return [None if i % 4 == 0 else float(i % 8 < 4) for i in range(len(completions))]
+
+    args, prompts = make_args(tmp_path), prompts_dataset()
+    trainer = CapturingTrainer(str(tiny_model_dir), sometimes_unscored, args, prompts)
+    trainer.train()
+    first, second = rl_logs(trainer)
+    assert first["rewards/unscored_fraction"] == 1.0 and "entropy" not in first and "loss/policy" not in first
+    assert math.isfinite(second["entropy"])
+    scores = trainer.rollouts[-1][1].scores
+    assert not scores.scored.all() and scores.reward[~scores.scored].eq(0).all()  # an unscored reward reads 0
+    assert second["frac_reward_zero_std"] == 1.0  # each group 1, 1, 1 or 0, 0, 0 beside an unscored one
 
 
 def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path):

@@ -500,16 +500,22 @@ class MetricsMixin:
         keys = sorted(sums)
         totals = dict(zip(keys, self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
         world = self.accelerator.num_processes
-        tokens = max(totals.pop("_tokens"), 1.0)
+        self._metrics["skipped_steps"] = [float(self.progress.skipped_steps)]  # a running count: the latest
+        tokens = totals.pop("_tokens")
+        if tokens == 0:  # nothing scored in the step, nothing trained: its zeros are no reading (a falling entropy)
+            return
         for key, value in totals.items():
             # Losses were already normalised by the global count: their sum over processes / world is the step's
             # loss. The other entries are token-weighted sums of per-micro-batch means.
             self._metrics[key].append(value / world if key.startswith("loss") else value / tokens)
-        for key, value in zip(grad_norms, torch.stack(list(grad_norms.values())).tolist() if grad_norms else []):
+        norms = torch.stack(list(grad_norms.values())).tolist() if grad_norms else []
+        for key, value in zip(grad_norms, norms):
             self._metrics[key].append(value)
-        self._metrics["skipped_steps"].append(float(self.progress.skipped_steps))
-        self._loss_sum += totals["loss"] / world
-        self._loss_steps += 1
+        if norms:  # the Trainer's `grad_norm`: of every weight that trains, before clipping (the sides' together)
+            self._metrics["grad_norm"].append(math.sqrt(sum(n * n for n in norms)))
+        if math.isfinite(totals["loss"]):  # a skipped non-finite step would make `train_loss` NaN for good
+            self._loss_sum += totals["loss"] / world
+            self._loss_steps += 1
 
     def _note_learning_rates(self) -> None:
         """The rates of the step about to run, by parameter group: what the next log reports."""

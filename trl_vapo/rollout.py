@@ -144,6 +144,10 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": gathered(rollout.truncated).float().mean().item(),
+        # GRPOTrainer's: the lengths of the completions that ended (NaN where none did, TRL logs 0).
+        "completions/mean_terminated_length": _mean(lengths[~gathered(rollout.truncated)]),
+        "completions/min_terminated_length": _min(lengths[~gathered(rollout.truncated)]),
+        "completions/max_terminated_length": _max(lengths[~gathered(rollout.truncated)]),
         "value/mean": masked_mean(rollout.old_values, mask, all_reduce=all_reduce).item(),
         EXPLAINED_VARIANCE: explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
         "advantages/mean": masked_mean(rollout.raw_advantages, mask, all_reduce=all_reduce).item(),
@@ -154,9 +158,10 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         column = column[~torch.isnan(column)]
         metrics[f"rewards/{name}/mean"] = _mean(column)
         metrics[f"rewards/{name}/std"] = _std(column)
-    if rollout.group_size > 1:  # GRPOTrainer's: the share of groups whose completions all got the same reward
-        grouped = gathered(scores.reward).view(-1, rollout.group_size)
-        spread = grouped.std(dim=1)
+    if rollout.group_size > 1:  # GRPOTrainer's: the share of groups whose scored completions got the same reward
+        all_rewards = gathered(scores.reward)
+        grouped = torch.where(scored, all_rewards, torch.full_like(all_rewards, math.nan)).view(-1, rollout.group_size)
+        spread = _nanstd(grouped.float())  # an unscored completion is NaN, as in GRPOTrainer: not a reward of 0
         metrics["frac_reward_zero_std"] = spread.isclose(torch.zeros_like(spread)).float().mean().item()
     if rollout.ref_logprobs is not None:
         metrics["kl"] = masked_mean(rollout.old_logprobs - rollout.ref_logprobs, mask, all_reduce=all_reduce).item()
@@ -191,3 +196,19 @@ def _mean(values: torch.Tensor) -> float:
 
 def _std(values: torch.Tensor) -> float:
     return values.float().std().item() if values.numel() > 1 else math.nan
+
+
+def _min(values: torch.Tensor) -> float:
+    return values.float().min().item() if values.numel() else math.nan
+
+
+def _max(values: torch.Tensor) -> float:
+    return values.float().max().item() if values.numel() else math.nan
+
+
+def _nanstd(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's standard deviation over its non-NaN entries, with Bessel's correction (TRL's `nanstd`): NaN for a
+    row with fewer than two."""
+    count = (~rows.isnan()).sum(dim=1)
+    squares = (rows - rows.nanmean(dim=1, keepdim=True)).pow(2).nansum(dim=1)
+    return torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.full_like(squares, math.nan)).sqrt()

@@ -47,7 +47,8 @@ class RunPlan:
         if args.max_steps > 0:
             rl_steps = args.max_steps
         else:
-            rollouts = math.ceil(args.num_train_epochs * ((dataset_length or 0) // prompts))
+            # Rounded first: 1.1 epochs of 100 rollouts is 110.00000000000001 in floats, and one more rollout.
+            rollouts = math.ceil(round(args.num_train_epochs * ((dataset_length or 0) // prompts), 6))
             rl_steps = rollouts * args.critic_num_iterations * steps_per_pass
         return cls(
             prompts_per_rollout=prompts,

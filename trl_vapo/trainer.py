@@ -382,9 +382,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self.run_plan = RunPlan.from_config(
             args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
         )
-        self._prompts = PromptCursor(
-            self.train_dataset, self.run_plan.prompts_per_rollout, args.shuffle_dataset, args.data_seed or args.seed
-        )
+        data_seed = args.seed if args.data_seed is None else args.data_seed  # 0 is a seed
+        per_rollout = self.run_plan.prompts_per_rollout
+        self._prompts = PromptCursor(self.train_dataset, per_rollout, args.shuffle_dataset, data_seed)
         # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
         set_seed(args.seed, device_specific=True)
 
@@ -676,6 +676,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         # 3. Value, and the policy's log-probs before any update when the updates (or the IS correction) need them.
         input_ids = torch.cat([prompts, sample.completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, sample.completion_mask], dim=1)
+        if phase != EVAL:  # GRPOTrainer's `num_tokens`: the prompt and completion tokens trained on so far
+            self.state.num_input_tokens_seen += int(self._all_reduce(attention_mask.sum()).item())
+            self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
         corrects_sampler = (
             phase == RL and sample.sampler_logprobs is not None and args.vllm_importance_sampling_correction
         )
