@@ -1,4 +1,5 @@
-"""VAPO on GSM8K with LoRA: Qwen2.5-0.5B-Instruct on one GPU (an H200 run of 8 x 8 x 512 tokens peaked at 1.9 GiB).
+"""VAPO on GSM8K with LoRA: Qwen2.5-0.5B-Instruct on one GPU (`bench_gpu.py`'s LoRA step at these shapes, 8 x 8 x 512
+tokens, peaked at 1.9 GiB on an H200 with micro-batches of 8; this script's micro-batches of 16 need more).
 
     pip install -e ".[tensorboard]"    # in a clone of trl-vapo
     python examples/train_gsm8k_lora.py

@@ -488,6 +488,25 @@ def test_every_example_config_parses_into_valid_settings(example):
         assert model.use_peft  # QLoRA trains adapters
 
 
+def test_the_python_example_builds_valid_settings():
+    """`examples/train_gsm8k_lora.py`'s `VAPOConfig(...)` as written (the script itself loads GSM8K and a model)."""
+    import ast
+
+    from trl_vapo import VAPOConfig
+
+    source = (Path(__file__).parent.parent / "examples" / "train_gsm8k_lora.py").read_text()
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "VAPOConfig"
+    ]
+    assert len(calls) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = eval(compile(ast.Expression(calls[0]), "train_gsm8k_lora.py", "eval"), {"VAPOConfig": VAPOConfig})
+    assert config.activation_checkpointing and config.value_pretrain_steps == 50
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Coming from `trl grpo`: its script with the import swapped, and its YAML config, run unchanged
 # ---------------------------------------------------------------------------------------------------------------------
