@@ -946,26 +946,31 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
         assert torch.equal(value, expected_weights[name]), name
 
 
-@pytest.mark.parametrize("layout", ["full", "full-bf16", "lora"])
+@pytest.mark.parametrize("layout", ["full", "full-bf16", "lora", "given-adapter"])
 def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_path, layout):
-    peft_config = None
-    if layout == "lora":
-        from peft import LoraConfig
+    peft_config, model = None, str(tiny_model_dir)
+    if layout in ("lora", "given-adapter"):
+        from peft import LoraConfig, get_peft_model
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    if layout == "given-adapter":  # a trained adapter (an SFT run's): the base alone is not the initial policy
+        trained = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model, peft_config = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), trained), None
     # bf16: the reference is the policy as it trains (float32 weights), not the bf16 checkpoint: the first KL is 0.
     dtype = {"model_init_kwargs": {"dtype": "bfloat16"}} if layout == "full-bf16" else {}
     args = make_args(tmp_path, max_steps=3, beta=0.1, learning_rate=1e-2, value_pretrain_steps=1, **dtype)
     trainer = CapturingTrainer(
-        model=str(tiny_model_dir),
-        reward_funcs=digit_fraction,
-        args=args,
-        train_dataset=prompts_dataset(),
-        peft_config=peft_config,
+        model=model, reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(), peft_config=peft_config
     )
-    # With PEFT the reference is the base with adapters off: no second copy of the weights.
-    assert (trainer.ref_model is None) == (layout == "lora")
+    # With PEFT the reference is the base with adapters off, or a given adapter's frozen copy: no copy of the base.
+    assert (trainer.ref_model is None) == (layout in ("lora", "given-adapter"))
+    reference = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if ".ref." in n}
+    assert bool(reference) == (layout == "given-adapter") and not any(
+        p.requires_grad for n, p in trainer.actor_critic.named_parameters() if ".ref." in n
+    )
     trainer.train()
+    for name, param in trainer.actor_critic.named_parameters():  # the copy never trains
+        assert name not in reference or (torch.equal(param, reference[name]) and not param.requires_grad), name
     phases = [rollout.phase for _, rollout in trainer.rollouts]
     assert phases[0] == "value_pretrain" and phases[1:] == ["rl"] * (len(phases) - 1)
     # Value pretraining under full fine-tuning: the policy is still its own copy, the reference; no log-prob pass for a

@@ -49,6 +49,7 @@ logger = get_logger(__name__)  # the main process only: these run on every proce
 
 POLICY_ADAPTER = "default"
 CRITIC_ADAPTER = "critic"
+REFERENCE_ADAPTER = "ref"  # GRPOTrainer's name: a frozen copy of a given adapter, the KL penalty's reference
 CRITIC_SUBFOLDER = "critic"
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_PRETRAINING_FILE = "vapo_value_pretraining.json"
@@ -517,6 +518,36 @@ class ActorCritic(nn.Module):
             self.policy.set_adapter(POLICY_ADAPTER)
             self.policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
 
+    def add_reference_adapter(self) -> None:
+        """A frozen copy of the policy adapter as it is now, named `REFERENCE_ADAPTER`: the KL penalty's reference
+        when the policy came with a trained adapter (the base alone is not the initial policy then), as GRPOTrainer
+        adds its "ref" adapter."""
+        self.policy.add_adapter(REFERENCE_ADAPTER, self.policy.peft_config[POLICY_ADAPTER])
+        with torch.no_grad():
+            for name, param in self.policy.named_parameters():
+                if of_adapter(name, POLICY_ADAPTER):
+                    parts = [REFERENCE_ADAPTER if part == POLICY_ADAPTER else part for part in name.split(".")]
+                    self.policy.get_parameter(".".join(parts)).copy_(param)
+        self.policy.set_requires_grad(REFERENCE_ADAPTER, False)
+
+    def _as_reference(self, reference: nn.Module | str):
+        """Where the policy computes as `reference` ("base", `REFERENCE_ADAPTER`); nothing for a model of its own."""
+        if reference == "base":
+            return self.policy.disable_adapter()
+        return self._reference_adapter() if reference == REFERENCE_ADAPTER else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _reference_adapter(self):
+        """The policy computes as `add_reference_adapter`'s copy for the duration; the trainable adapters stay so."""
+        trainable = [POLICY_ADAPTER] + ([CRITIC_ADAPTER] if self.shares_base else [])
+        self.policy.set_adapter(REFERENCE_ADAPTER)
+        try:
+            yield
+        finally:
+            self.policy.set_adapter(POLICY_ADAPTER)
+            self.policy.set_requires_grad(REFERENCE_ADAPTER, False)
+            self.policy.set_requires_grad(trainable, True)
+
     # ---------------------------------------------------------------------------------------------- forward
     def forward(
         self,
@@ -613,7 +644,8 @@ class ActorCritic(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Log-probs (when ``with_policy``), values, and log-probs under ``reference`` of the completions after the
         first ``prompt_length`` columns, without gradients, in micro-batches of ``batch_size``, padded to the
-        completions' width. ``reference``: a model, ``"base"`` (this policy with its adapters disabled), or None.
+        completions' width. ``reference``: a model, ``"base"`` (this policy with its adapters disabled),
+        `REFERENCE_ADAPTER` (this policy with `add_reference_adapter`'s copy), or None.
         ``pad_to_multiple_of``: see :func:`trim_padding`."""
         width = input_ids.shape[1] - prompt_length
         if self.learns_values:
@@ -642,8 +674,8 @@ class ActorCritic(nn.Module):
                 if with_policy:
                     logprobs[rows, columns] = out["logprobs"]
                 if reference is not None:
-                    model = self.policy if reference == "base" else reference
-                    with self.policy.disable_adapter() if reference == "base" else contextlib.nullcontext():
+                    model = self.policy if isinstance(reference, str) else reference
+                    with self._as_reference(reference):
                         ref[rows, columns] = completion_logprobs(model, ids, attention, length, temperature)
         return logprobs, values, ref
 
@@ -710,9 +742,8 @@ class ActorCritic(nn.Module):
         ``state_dict`` and ``as_loaded`` as in :meth:`save_critic`.
         """
         policy_state = _sub_state(state_dict, "policy.", self.policy)
-        if is_peft_model(self.policy):
-            adapters = {"selected_adapters": [POLICY_ADAPTER]} if self.shares_base else {}
-            self.policy.save_pretrained(str(directory), state_dict=policy_state, **adapters)
+        if is_peft_model(self.policy):  # the policy adapter alone (not the critic's, nor a reference copy)
+            self.policy.save_pretrained(str(directory), state_dict=policy_state, selected_adapters=[POLICY_ADAPTER])
             # peft's template card, as beside the critic: a checkpoint pushed to the Hub (hub_strategy every_save)
             # would replace the run's card with it; `save_model` writes the run's card after this.
             (Path(directory) / "README.md").unlink(missing_ok=True)

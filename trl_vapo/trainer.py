@@ -102,6 +102,7 @@ from .loading import (
 from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
 from .model_card import VAPO_CITATION, RunRecord
 from .modeling import (
+    REFERENCE_ADAPTER,
     ActorCritic,
     ValueFunction,
     cast_lm_head_to_fp32,
@@ -266,6 +267,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             model_id, trust_remote_code=args.trust_remote_code
         )
         prepare_tokenizer(tokenizer, self._conversational)
+        adapter_given = is_peft_model(policy)  # a trained adapter, maybe: the base alone is not the initial policy
         policy = add_policy_adapter(policy, peft_config)
         fingerprint = policy_fingerprint(policy)
         with whole_models_under_zero3(zero3_config):
@@ -311,11 +313,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
             logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
-        # With PEFT the reference policy is the base with adapters disabled; otherwise a frozen copy, only if used,
-        # of the policy as it trains (in its float32 weights: it computes exactly as the policy, the first KL is 0).
+        # With PEFT the reference policy is the base with adapters disabled, or, for an adapter given trained, a frozen
+        # copy of it (GRPOTrainer's "ref" adapter); otherwise a frozen copy, only if used, of the policy as it trains
+        # (in its float32 weights: it computes exactly as the policy, the first KL is 0).
         self.ref_model = (
             copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not is_peft_model(policy) else None
         )
+        self._peft_reference = "base"
+        if args.beta > 0 and adapter_given:
+            actor_critic.add_reference_adapter()
+            self._peft_reference = REFERENCE_ADAPTER
 
         with deepspeed_quiet_unless_used(uses_deepspeed(args)):
             super().__init__(
@@ -685,7 +692,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         with_policy = phase == EVAL or self._needs_old_logprobs(phase) or corrects_sampler  # EVAL: for its loss
         reference = None
         if args.beta > 0 and self._kl_penalised(phase):
-            reference = self.ref_model if self.ref_model is not None else "base"
+            reference = self.ref_model if self.ref_model is not None else self._peft_reference
         old_logprobs, old_values, ref_logprobs = self.actor_critic.score_completions(
             input_ids,
             attention_mask,
@@ -797,10 +804,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
 
     def _kl_penalised(self, phase: str) -> bool:
         """Whether the rewards of this phase's rollouts carry the KL penalty. Value pretraining's policy is the
-        reference itself under full fine-tuning (a copy, KL 0: no log-prob passes); with PEFT the reference is the
-        base without adapters, which a trained or non-zero-initialised adapter (PiSSA, LoftQ) makes differ. Evaluation
-        measures what RL optimises, the penalty included."""
-        return phase != VALUE_PRETRAIN or self.ref_model is None
+        reference itself under full fine-tuning and for a given adapter (copies, KL 0: no log-prob passes); with a
+        new PEFT adapter the reference is the base without adapters, which a non-zero-initialised adapter (PiSSA,
+        LoftQ) makes differ. Evaluation measures what RL optimises, the penalty included."""
+        return phase != VALUE_PRETRAIN or (self.ref_model is None and self._peft_reference == "base")
 
     # ----------------------------------------------------------------------------------------- the update
     def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True) -> None:
