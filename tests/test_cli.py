@@ -55,6 +55,20 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
     assert training.lam_critic == 1.0 and training.epsilon_high == 0.28 and training.length_adaptive_alpha == 0.05
 
 
+def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_model_dir, tmp_path):
+    """`trl grpo` passes a standard-format `prompt` as it is (no chat template); a prompt trl-vapo builds from another
+    column goes through the chat template where the tokenizer has one (the tiny model's has)."""
+    from trl_vapo.cli import _resolve_data
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "question": f"{i}+{i}="}) + "\n" for i in range(8)))
+    for column, expected in (("prompt", "3+3="), ("question", [{"role": "user", "content": "3+3="}])):
+        argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--prompt_column", column]
+        script, training, model, _, _ = _parser().parse_args_and_config(argv, return_remaining_strings=True)
+        _, train, _, _ = _resolve_data(script, model, training, demo=False)
+        assert train[3]["prompt"] == expected, column
+
+
 def test_a_preset_takes_the_columns_the_user_named(jsonl_data, tmp_path):
     """`--dataset_preset gsm8k` over a local copy whose problems sit in another column: the column named on the
     command line is read (and the preset's boxed-answer template formats it); before, the preset's `question`

@@ -113,7 +113,9 @@ class VAPOScriptArguments:
         default="auto",
         metadata={
             "help": "'chat' (messages through the chat template), 'text', or 'auto': chat when the tokenizer "
-            "has a chat template."
+            "has a chat template and the prompt is built here (from another column than `prompt`, a template, a "
+            "preset or a system prompt); a `prompt` column is used as `trl grpo` uses it (text as text, chat "
+            "messages through the chat template)."
         },
     )
     reward_funcs: list[str] | None = field(
@@ -425,7 +427,11 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
     if script_args.prompt_format not in ("auto", "chat", "text"):
         raise UsageError(f"--prompt_format must be auto, chat or text, got {script_args.prompt_format!r}")
     chat = script_args.prompt_format == "chat"
-    if script_args.prompt_format == "auto":
+    # A `prompt` column taken as it is, as `trl grpo` takes it: its text is the model's input, no chat template.
+    as_trl = script_args.prompt_column == "prompt" and not (
+        script_args.dataset_preset or script_args.prompt_template or script_args.system_prompt
+    )
+    if script_args.prompt_format == "auto" and not as_trl:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(
