@@ -245,6 +245,7 @@ BAD_INPUT = [
     (["--fp16", "true"], "fp16=True is not supported: its loss scaling does not work with the separate clipping"),
     # Each process's random state is written beside the main process's files: one output_dir for all (was ignored).
     (["--save_on_each_node", "true"], "save_on_each_node=True is not supported: checkpoints are written into"),
+    (["--remove_unused_columns", "true"], "remove_unused_columns=True is not supported: the reward functions"),
     # A template's unescaped LaTeX brace or misspelt column: a bare IndexError or KeyError from inside datasets.map.
     (["--prompt_template", "{question} \\boxed{}"], "has a positional field {}: fields name columns (question, "),
     (["--prompt_template", "{qestion}"], "names {qestion}, which is no column; the columns are ['question', "),

@@ -108,6 +108,11 @@ def test_a_missing_gold_answer_stays_missing(tmp_path):
         1.0,
         -1.0,
     ]
+    # A missing problem is no prompt: through a chat template it was the text "None".
+    rows = [{"question": f"{i}+{i}=" if i else None, "answer": "0"} for i in range(3)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"A row of .*gaps.jsonl \(train\) has no 'question' \(null\)"):
+        load_prompt_dataset(str(data), prompt_column="question")
 
 
 def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):

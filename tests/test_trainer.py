@@ -884,7 +884,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
-    def run(output, resume=None):
+    def run(output, resume=None, prompts=64):
         args = make_args(
             tmp_path / output,
             max_steps=3,
@@ -898,7 +898,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=args,
-            train_dataset=prompts_dataset(),
+            train_dataset=prompts_dataset(prompts),
             peft_config=peft_config,
         )
         trainer.train(resume_from_checkpoint=resume)
@@ -914,6 +914,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     # A fresh run over them would share their list: save_total_limit deleted its own first, a resume took theirs.
     with pytest.raises(ValueError, match=r"holds an earlier run's checkpoints \(\.\.\., checkpoint-4, checkpoint-6, "):
         run("full")
+    # Other training data: the saved position indexes another order (prompts would be skipped or repeated).
+    with pytest.raises(ValueError, match=r"train_prompts: checkpoint 64, this run 48"):
+        run("full", resume=str(checkpoint), prompts=48)
     resumed = run("full", resume=str(checkpoint))
     assert resumed.state.global_step == 7 == resumed.run_plan.max_steps(resumed.progress)  # resumed mid-plan
     # The log file is the resumed run's history: the checkpoint's, then its own (not the abandoned steps besides).

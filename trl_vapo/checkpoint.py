@@ -19,7 +19,7 @@ import re
 import shutil
 import socket
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -339,8 +339,11 @@ def load_rng_state(path: Path) -> None:
                 torch.cuda.set_rng_state(state, index)
 
 
-def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> dict[str, Any]:
-    """What a checkpoint must share with the run that resumes it: the model and the batch layout."""
+def run_fingerprint(
+    actor_critic, args, num_processes: int, deepspeed: bool, train_prompts: int | None = None
+) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it: the model, the batch layout and the number of
+    training prompts (None: a stream), whose order the saved data position indexes."""
     config = actor_critic.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
         config.pop(key, None)
@@ -358,14 +361,16 @@ def run_fingerprint(actor_critic, args, num_processes: int, deepspeed: bool) -> 
         "critic_num_iterations": args.critic_num_iterations,
         "value_pretrain_num_iterations": args.value_pretrain_num_iterations,
         "deepspeed": deepspeed,
+        "train_prompts": train_prompts,
     }
 
 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote."""
-    # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`.
+    # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`, and
+    # their data set went unrecorded.
     defaults = {key: saved.get("num_iterations") for key in ("critic_num_iterations", "value_pretrain_num_iterations")}
-    saved = {"deepspeed": False, **defaults, **saved}
+    saved = {"deepspeed": False, "train_prompts": current.get("train_prompts"), **defaults, **saved}
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
         for key in current
@@ -375,7 +380,8 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
         raise ValueError(
             f"Cannot resume from {path}: it was written by a different run (model {saved.get('model')!r}). "
             + "; ".join(differences)
-            + ". Resume with the same model, PEFT setting, process count and batch sizes, or start a new run."
+            + ". Resume with the same model, PEFT setting, process count, batch sizes and training data (the saved "
+            "position in the data is an index into its order), or start a new run."
         )
 
 
@@ -643,7 +649,9 @@ class SavingMixin:
         self.accelerator.wait_for_everyone()
 
     def _fingerprint(self) -> dict[str, Any]:
-        return run_fingerprint(self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
+        prompts = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None  # a stream: None
+        args = (self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
+        return run_fingerprint(*args, train_prompts=prompts)
 
     def _checked_marker(self, path: Path) -> dict[str, Any]:
         """The marker of the checkpoint `path`, once it is known to be one this run can resume from."""

@@ -772,6 +772,11 @@ class VAPOConfig(TrainingArguments):
             "by save_total_limit); load its policy with from_pretrained.",
         )
         require(
+            not self.remove_unused_columns,
+            "remove_unused_columns=True is not supported: the reward functions receive every column of the data set "
+            "(the gold answer), as GRPOTrainer's default False does. Leave it False.",
+        )
+        require(
             not self.save_on_each_node,
             "save_on_each_node=True is not supported: checkpoints are written into output_dir by the main process "
             "and each process's random-number state beside them, so every node needs the same output_dir (a shared "

@@ -108,6 +108,11 @@ def load_prompt_dataset(
             if system_prompt:
                 problem = [{"role": "system", "content": system_prompt}, *problem]
             return {"prompt": problem, **({"answer": row[answer_column]} if answer_column else {})}
+        if problem is None and not prompt_template:  # a chat template would render it as the text "None"
+            raise ValueError(
+                f"A row of {dataset_name} ({split}) has no {prompt_column!r} (null): {str(row)[:120]}. Drop such rows "
+                "(dataset.filter) or fill them in."
+            )
         text = prompt_template.format(**row) if prompt_template else problem
         if chat:
             messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
