@@ -108,6 +108,17 @@ def test_a_yaml_list_key_given_one_value_without_brackets_is_a_list_of_it(tmp_pa
     assert model.lora_target_modules == "all-linear"  # a string peft reads as such: left alone
 
 
+def test_the_overlong_punishment_by_name_warns_where_it_cannot_penalise(caplog):
+    """By name it is `trl grpo`'s, penalising beyond 1,024 tokens: at 512 it gives 0 to everything."""
+    from trl_vapo.cli import _resolve_rewards
+
+    for length, warned in ((512, True), (4096, False)):
+        caplog.clear()
+        (punish,) = _resolve_rewards(["get_soft_overlong_punishment"], length)
+        assert punish(completion_ids=[[1] * length]) == [0.0 if warned else -1.0]
+        assert ("never reaches them" in caplog.text) == warned
+
+
 def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
     assert _split_launch_args([]) == []
     assert _split_launch_args(["--num_processes", "2"]) == ["--num_processes", "2"]

@@ -292,7 +292,7 @@ def train_command(argv: list[str]) -> int:
 
     started = time.time()
     # Everything a typo can break is checked before the model loads; a failure is one line on stderr.
-    reward_funcs = _resolve_rewards(_reward_names(script_args))
+    reward_funcs = _resolve_rewards(_reward_names(script_args), training_args.max_completion_length)
     from .generation import EngineSettings, check_engine_available
 
     try:  # before any model or data loads: vLLM asked for but not installed, say, in one line
@@ -568,9 +568,16 @@ def _reward_names(script_args) -> list[str]:
     return [] if script_args.reward_model_name_or_path else ["math_reward"]
 
 
-def _resolve_rewards(names: list[str]):
+def _resolve_rewards(names: list[str], max_completion_length: int | None = None):
     from .rewards import get_reward_function
 
+    if "get_soft_overlong_punishment" in names and max_completion_length is not None and max_completion_length <= 1024:
+        logger.warning(
+            f"get_soft_overlong_punishment is built as `trl grpo` builds it (max_completion_len=1280, "
+            f"soft_punish_cache=256): it penalises completions beyond 1,024 tokens, and max_completion_length="
+            f"{max_completion_length} never reaches them: it gives 0 to every completion. For another length, "
+            "build it with trl.rewards.get_soft_overlong_punishment and pass it to VAPOTrainer in Python."
+        )
     sys.path.insert(0, os.getcwd())  # dotted paths to the user's own modules resolve from the working directory
     try:
         return [get_reward_function(name) for name in names]
@@ -849,7 +856,7 @@ def eval_command(argv: list[str]) -> int:
 
     from .evaluation import evaluate_policy
 
-    reward_funcs = _resolve_rewards(_reward_names(script))
+    reward_funcs = _resolve_rewards(_reward_names(script), args.max_completion_length)
     if script.reward_model_name_or_path:  # scored as in training (loaded as `VAPOTrainer` loads it)
         from .config import VAPOConfig
         from .scoring import load_reward_models
