@@ -177,20 +177,26 @@ class StandInVLLMGeneration(VLLMGeneration):
         self.pushes += 1
 
     def generate(self, prompts, images, num_generations, profiler=None):
-        """Like vLLM: greedy at temperature 0, stop at EOS and `stop_token_ids` (kept in the output), the sampled
-        token's processed log-prob per position, shape (N, len, 1)."""
+        """Like vLLM: greedy at temperature 0, stop at EOS and `stop_token_ids` (kept in the output) or where the
+        prompt and the completion fill `max_model_length`, the sampled token's processed log-prob per position, shape
+        (N, len, 1)."""
         stops = [self.processing_class.eos_token_id, *self.generation_kwargs.get("stop_token_ids", [])]
-        config = GenerationConfig(
-            do_sample=self.temperature > 0,
-            **(
-                {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k} if self.temperature else {}
-            ),
-            max_new_tokens=self.max_completion_length,
-            eos_token_id=stops,
-            pad_token_id=self.processing_class.pad_token_id,
-        )
         completions, logprobs = [], []
         for prompt in prompts:  # one at a time: no padding to get wrong
+            room = self.max_completion_length
+            if self.max_model_length is not None:
+                room = min(room, self.max_model_length - len(prompt))
+            config = GenerationConfig(
+                do_sample=self.temperature > 0,
+                **(
+                    {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+                    if self.temperature
+                    else {}
+                ),
+                max_new_tokens=room,
+                eos_token_id=stops,
+                pad_token_id=self.processing_class.pad_token_id,
+            )
             with torch.no_grad():
                 out = self.sampler.generate(
                     input_ids=torch.tensor([prompt]),

@@ -12,6 +12,7 @@ receives and copies it into its model by name, failing on a name the model does 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import string
 from pathlib import Path
@@ -392,6 +393,23 @@ def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):
     mask = out.completion_mask.bool()
     torch.testing.assert_close(out.sampler_logprobs[mask], trainer[mask], atol=1e-4, rtol=0)
     assert (out.sampler_logprobs[~mask] == 0).all()
+
+
+def test_a_vllm_completion_cut_by_the_context_length_is_truncated(tiny_model_dir):
+    """vLLM ends a completion where the prompt and it fill `vllm_max_model_length`, short of max_completion_length
+    and without a stop token: out of budget, as one that reaches max_completion_length (it was taken as finished,
+    and `mask_truncated_completions` trained on it)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor_critic = peft_actor_critic(tiny_model_dir, seed=1)
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
+    context = max(map(len, prompts)) + 4  # the longest prompt has room for 4 tokens, the shortest for more
+    engine = _vllm_engine(actor_critic, tokenizer, vllm_max_model_length=context)
+    never_stop = dataclasses.replace(GREEDY, max_new_tokens=16, generation_kwargs={"eos_token_id": []})
+    engine.stop_token_ids = [tokenizer.pad_token_id]  # a token the tiny model does not sample: no completion stops
+    out = engine.generate(prompts, sampling=never_stop)
+    lengths = out.completion_mask.sum(dim=1).tolist()
+    assert lengths == [min(16, context - len(p)) for p in prompts] and min(lengths) == 4
+    assert out.is_truncated.all()
 
 
 def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):

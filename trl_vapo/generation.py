@@ -92,14 +92,14 @@ def cut_at_stop(
     pad_id: int,
     valid: torch.Tensor | None = None,
     logprobs: torch.Tensor | None = None,
-    max_new_tokens: int | None = None,
+    max_new_tokens: int | torch.Tensor | None = None,
 ) -> GenerationOutput:
     """Cut each row of `token_ids` [N, C] after its first token in `stop_ids`; pad the rest with `pad_id`.
 
     `valid` [N, C] marks the generated tokens when rows are right-padded lists of different lengths (a prefix of
     each row; default: all). A row without a stop token keeps all its valid tokens; it is truncated (it ran out of
-    budget) when it has `max_new_tokens` of them (default: whenever it has no stop token). `logprobs` [N, C], when
-    given, is returned with zeros past the cut.
+    budget) when it has `max_new_tokens` of them (one for all, or [N] a row's own; default: whenever it has no stop
+    token). `logprobs` [N, C], when given, is returned with zeros past the cut.
     """
     if valid is None:
         valid = torch.ones_like(token_ids, dtype=torch.bool)
@@ -111,7 +111,8 @@ def cut_at_stop(
     mask = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :] < end[:, None]
     if logprobs is not None:
         logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))  # not a product: -inf * 0 is NaN
-    truncated = ~has_stop if max_new_tokens is None else ~has_stop & (end >= max_new_tokens)
+    budget = torch.as_tensor(max_new_tokens, device=end.device) if max_new_tokens is not None else None
+    truncated = ~has_stop if budget is None else ~has_stop & (end >= budget)
     return GenerationOutput(
         completion_ids=torch.where(mask, token_ids, torch.full_like(token_ids, pad_id)),
         completion_mask=mask.long(),
@@ -125,7 +126,7 @@ def _from_lists(
     logprobs: Sequence[Sequence[float]] | None,
     stop_ids,
     pad_id: int,
-    max_new_tokens: int | None = None,
+    max_new_tokens: int | torch.Tensor | None = None,
 ) -> GenerationOutput:
     """`cut_at_stop` over variable-length completions (continuous batching, vLLM)."""
     width = max(1, *map(len, completions))  # at least one column, so every tensor has a completion axis
@@ -567,7 +568,11 @@ class VLLMEngine(GenerationEngine):
         if logprobs is not None:
             # One entry per token: [sampled token's log-prob] with logprobs=0; vLLM reports NaN as None.
             sampler = [[math.nan if lp is None or lp[0] is None else lp[0] for lp in row] for row in logprobs]
-        return _from_lists(completion_ids, sampler, self.stop_token_ids, self.pad_token_id, sampling.max_new_tokens)
+        budget = sampling.max_new_tokens
+        context = getattr(self.vllm_generation, "max_model_length", None)
+        if context is not None:  # vLLM ends a completion where the prompt and it fill the context: out of budget too
+            budget = torch.tensor([min(budget, context - len(prompt)) for prompt in prompt_ids])
+        return _from_lists(completion_ids, sampler, self.stop_token_ids, self.pad_token_id, budget)
 
 
 def _apply_sampling(vllm_generation, sampling: SamplingSettings, stop_ids: Sequence[int]) -> None:
