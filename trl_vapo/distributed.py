@@ -389,8 +389,10 @@ def check_distributed_setup(accelerator, args) -> None:
         and accelerator.state.deepspeed_plugin.zero_stage == 3
     )
     gathers_per_layer = fsdp or (zero3 and not args.ds3_gather_for_generation)
-    engine = "use_static_cache_engine" if args.use_static_cache_engine else None
-    engine = "use_transformers_continuous_batching" if args.use_transformers_continuous_batching else engine
+    from .generation import EngineSettings
+
+    flags = {"static_cache": "use_static_cache_engine", "continuous_batching": "use_transformers_continuous_batching"}
+    engine = flags.get(EngineSettings._engine_named_by(args))  # the flag that chose one of these engines
     if gathers_per_layer and engine and accelerator.num_processes > 1:
         # Each decode step's forward gathers the layers' shards, a collective: generate() keeps the processes in step
         # (synced_gpus) until the last one finishes; these engines stop each process at its own last completion.

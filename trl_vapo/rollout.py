@@ -132,6 +132,8 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
     is_positive = gathered(rollout.is_positive)
     rewards = gathered(scores.reward)[scored]
     lengths = gathered(rollout.lengths).float()
+    truncated = gathered(rollout.truncated)
+    ended = lengths[~truncated]  # GRPOTrainer's terminated completions (NaN where none ended, TRL logs 0)
     per_function = gathered(scores.per_function)
     mask = rollout.loss_mask
     metrics = {
@@ -143,11 +145,10 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": gathered(rollout.truncated).float().mean().item(),
-        # GRPOTrainer's: the lengths of the completions that ended (NaN where none did, TRL logs 0).
-        "completions/mean_terminated_length": _mean(lengths[~gathered(rollout.truncated)]),
-        "completions/min_terminated_length": _min(lengths[~gathered(rollout.truncated)]),
-        "completions/max_terminated_length": _max(lengths[~gathered(rollout.truncated)]),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": _mean(ended),
+        "completions/min_terminated_length": _min(ended),
+        "completions/max_terminated_length": _max(ended),
         "value/mean": masked_mean(rollout.old_values, mask, all_reduce=all_reduce).item(),
         EXPLAINED_VARIANCE: explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
         "advantages/mean": masked_mean(rollout.raw_advantages, mask, all_reduce=all_reduce).item(),
