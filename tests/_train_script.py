@@ -127,6 +127,15 @@ class StateDump(TrainerCallback):
                 dump[f"weight/{name}"] = full(param.detach()).float().clone()
                 for key in moments:
                     dump[f"{key}/{name}"] = full(inner.state.get(param, {}).get(key, torch.zeros_like(param))).clone()
+        reference = trainer.accelerator.unwrap_model(trainer.ref_model) if trainer.ref_model is not None else None
+        for name, param in reference.named_parameters() if reference is not None else ():
+            if hasattr(param, "ds_id"):  # partitioned by ZeRO-3: gathered (a collective)
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([param]):
+                    dump[f"weight/reference.{name}"] = param.detach().float().clone()
+            else:
+                dump[f"weight/reference.{name}"] = full(param.detach()).float().clone()
         if state.is_world_process_zero:  # on the CPU, whatever the device: the tests compare with saved files
             dump = {key: value.cpu() if torch.is_tensor(value) else value for key, value in dump.items()}
             torch.save(dump, Path(args.output_dir) / f"state-{state.global_step}.pt")
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dump-state-at", type=int, nargs="*", default=[])
     parser.add_argument("--dtype", help="the dtype to load the model in (model_init_kwargs)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
+    parser.add_argument("--sync-ref-steps", type=int, help="sync_ref_model every this many steps (with --beta)")
     parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every 4 steps")
     parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
     parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
@@ -221,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         critic_num_iterations=args.critic_num_iterations,
         weight_decay=args.weight_decay,
         beta=args.beta,
+        sync_ref_model=args.sync_ref_steps is not None,
+        ref_model_sync_steps=args.sync_ref_steps or 1,
         ds3_gather_for_generation=not args.no_ds3_gather,
         model_init_kwargs={"dtype": args.dtype} if args.dtype else None,
         logging_steps=1,

@@ -3,7 +3,8 @@
 Every run is `tests/_train_script.py`: value pretraining (2 rollouts), then RL with one policy pass and three critic
 passes over each rollout (`num_iterations=1, critic_num_iterations=3`: the demo recipe also trains the critic more
 often than the policy), weight decay, gradient accumulation 2, per-side clipping that bites (`--max-grad-norm 0.05`),
-greedy sampling so that every run sees the same completions, a KL penalty (`beta=0.05`, a reference model). The
+greedy sampling so that every run sees the same completions, a KL penalty (`beta=0.05`, a reference model that
+`sync_ref_model` mixes the policy into every 3 steps, placed as TRL places it, and held by each checkpoint). The
 reference is one plain process. DeepSpeed must take exactly one optimizer step per trainer step (it stepped after every
 micro-batch), keep the step-wide token mean, clip the actor and the critic separately, log both gradient norms, leave
 the policy's weights and Adam state untouched on critic-only steps (value pretraining, the extra critic passes: ZeRO
@@ -48,6 +49,8 @@ COMMON = [
     "bfloat16",
     "--beta",
     "0.05",
+    "--sync-ref-steps",
+    "3",
     "--dump-state-at",
     "2",
     "8",
@@ -108,7 +111,7 @@ def assert_policy_untouched_by_value_pretraining(run: Path, model_dir: Path) -> 
     """After value pretraining (step 2) the policy has its initial weights (loaded in bf16), bit for bit, and no Adam
     state: it was never stepped, as in the plain run. (Its learning rate is 0 until RL starts, so weight decay cannot
     move it either; what a stepped policy shows here is its step count and, with momentum left over, its moments.)"""
-    pretrained = {k: v for k, v in torch.load(run / "state-2.pt").items() if "/critic." not in k}
+    pretrained = {k: v for k, v in torch.load(run / "state-2.pt").items() if "/policy." in k or k == "adam_step"}
     initial = load_file(model_dir / "model.safetensors")
     assert pretrained.pop("adam_step") == 0
     for key, value in pretrained.items():
@@ -118,14 +121,26 @@ def assert_policy_untouched_by_value_pretraining(run: Path, model_dir: Path) -> 
 
 
 def assert_same_state(run: Path, reference: Path) -> None:
-    """After the last step (8), the float32 weights of both sides and the policy's Adam moments and step count are
-    the plain run's: the critic-only passes left the policy alone."""
+    """After the last step (8), the float32 weights of both sides and of the synced reference, and the policy's Adam
+    moments and step count are the plain run's: the critic-only passes left the policy alone."""
     expected, got = torch.load(reference / "state-8.pt"), torch.load(run / "state-8.pt")
     assert got.pop("adam_step") == expected.pop("adam_step") == 2  # one policy step per RL rollout
     assert got.keys() == expected.keys()
-    assert {key.split("/")[1].split(".")[0] for key in expected} == {"policy", "critic"}
+    assert {key.split("/")[1].split(".")[0] for key in expected} == {"policy", "critic", "reference"}
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], atol=ATOL[key.split("/")[0]], rtol=1e-4, msg=key)
+
+
+def assert_checkpoint_holds_the_reference(run: Path) -> None:
+    """The last checkpoint holds the synced reference model whole: the weights the run itself read at step 8 (gathered
+    parameter by parameter, where the checkpoint gathers module by module or through FSDP2's state dict)."""
+    saved = load_file(run / "checkpoint-8" / "reference_model.safetensors")
+    dumped = {
+        k.removeprefix("weight/reference."): v for k, v in torch.load(run / "state-8.pt").items() if "/reference." in k
+    }
+    assert dumped and set(dumped) <= set(saved)
+    for name, value in dumped.items():
+        assert torch.equal(saved[name], value), name
 
 
 def assert_same_training(run: Path, reference: Path) -> None:
@@ -199,6 +214,7 @@ def test_deepspeed_steps_once_per_trainer_step_matches_the_run_without_it_and_sa
 def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_two_ranks):
     """ZeRO-3 on two processes, resumed from the checkpoint written when value pretraining ended: the policy's groups
     have no optimizer state yet (they were held out of every step), which DeepSpeed must load as such."""
+    assert_checkpoint_holds_the_reference(zero3_two_ranks)
     run = tmp_path / "ds"
     shutil.copytree(zero3_two_ranks, run)
     assert (run / "checkpoint-2" / "deepspeed").is_dir()
@@ -240,6 +256,7 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     assert steps["sequence_logits_built"] == 0
     assert_policy_untouched_by_value_pretraining(run, tiny_model_dir)
     assert_same_training(run, reference)
+    assert_checkpoint_holds_the_reference(run)
 
 
 def test_fsdp2_resumes_exactly(tiny_model_dir, tmp_path, reference, fsdp2_two_ranks):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 
 import pytest
 import torch
@@ -487,6 +488,36 @@ def test_a_synced_reference_mixes_in_the_policy_every_ref_model_sync_steps(tiny_
         make_args(tmp_path, sync_ref_model=True, beta=0.0)
     with pytest.raises(NotImplementedError, match="PEFT model"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=LoraConfig(r=2))
+
+
+def test_a_synced_reference_resumes_as_it_was(tiny_model_dir, tmp_path, caplog):
+    """With sync_ref_model the reference moves with the policy: a checkpoint holds it, and the resumed run computes
+    its KL penalty against it, as the uninterrupted run does (it restarted from the initial policy)."""
+    settings = dict(max_steps=3, num_iterations=1, beta=0.5, sync_ref_model=True, ref_model_mixup_alpha=0.5)
+    settings.update(ref_model_sync_steps=1, save_strategy="steps", save_steps=2)
+
+    def run(name, resume=None):
+        args = make_args(tmp_path / name, **settings)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "out" / "checkpoint-2")
+    resumed = run("resumed", resume=True)
+    kl = [[h["kl"] for h in comparable(trainer.state.log_history)] for trainer in (resumed, full)]
+    assert kl[0] == kl[1] and len(set(kl[1])) == 3  # (the checkpoint's history, then step 3's)
+    for side in ("actor_critic", "ref_model"):
+        expected = getattr(full, side).state_dict()
+        for name, value in getattr(resumed, side).state_dict().items():
+            assert torch.equal(value, expected[name]), (side, name)
+    # A checkpoint without it (sync_ref_model=False, or an older trl-vapo): resumed with a warning naming the file.
+    (checkpoint / "reference_model.safetensors").unlink()
+    shutil.rmtree(tmp_path / "full" / "out" / "checkpoint-3")
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+        run("full", resume=str(checkpoint))
+    assert any("reference_model.safetensors is missing" in m for m in caplog.messages), caplog.messages
 
 
 def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_path):

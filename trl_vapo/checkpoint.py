@@ -35,6 +35,8 @@ from .distributed import (
     fsdp2_optimizer_state,
     full_state_dict,
     load_fsdp2_optimizer_state,
+    load_placed_state_dict,
+    placed_state_dict,
     zero3_full_state_dict,
 )
 from .model_card import VAPO_CITATION, RunRecord, build_model_card
@@ -54,8 +56,10 @@ CHECKPOINT_PREFIX = "checkpoint"
 PRETRAINED_CRITIC_DIR = "value_pretrained_critic"
 DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
+# With sync_ref_model the KL penalty's reference moves with the policy (TR-DPO): a resume needs it as it was.
+REFERENCE_FILE = "reference_model.safetensors"
 # A checkpoint's files that only a resume reads: the model pushed to the Hub's root leaves them out.
-TRAINING_STATE = ["optimizer.pt", "scheduler.pt", "rng_state_*", "trainer_state.json", COMPLETE_MARKER]
+TRAINING_STATE = ["optimizer.pt", "scheduler.pt", "rng_state_*", "trainer_state.json", REFERENCE_FILE, COMPLETE_MARKER]
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
@@ -339,6 +343,18 @@ def load_rng_state(path: Path) -> None:
                 torch.cuda.set_rng_state(state, index)
 
 
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with a copy of each tensor whose storage an earlier one shares (tied embeddings): safetensors refuses
+    shared storage. Only those are copied."""
+    seen: set[int] = set()
+    unshared = {}
+    for name, tensor in state.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        unshared[name] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return unshared
+
+
 def run_fingerprint(
     actor_critic, args, num_processes: int, deepspeed: bool, train_prompts: int | None = None
 ) -> dict[str, Any]:
@@ -611,6 +627,10 @@ class SavingMixin:
         with self._full_weights() as state_dict:
             if main:
                 self._write_models(tmp, state_dict)
+        if self._reference_moves() and not model_only:
+            reference = placed_state_dict(self.ref_model, self.accelerator)  # a collective
+            if main:
+                save_file(_unshared(reference), str(tmp / REFERENCE_FILE))
         if self.is_deepspeed_enabled and not model_only:
             # ZeRO partitions the optimizer state over the ranks: each writes its own part.
             self.model_wrapped.save_checkpoint(str(tmp), tag=DEEPSPEED_CHECKPOINT_TAG, exclude_frozen_parameters=True)
@@ -647,6 +667,11 @@ class SavingMixin:
                 pushing.wait_until_done()
             rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep)
         self.accelerator.wait_for_everyone()
+
+    def _reference_moves(self) -> bool:
+        """Whether the KL penalty's reference is a model that `sync_ref_model` mixes the policy into: a checkpoint
+        holds it, as it holds the policy."""
+        return self.ref_model is not None and self.args.sync_ref_model
 
     def _fingerprint(self) -> dict[str, Any]:
         prompts = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None  # a stream: None
@@ -715,6 +740,14 @@ class SavingMixin:
         self.progress = TrainingProgress.from_dict(marker["progress"])
         # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
         self.state.max_steps = self.run_plan.max_steps(self.progress)
+        if self._reference_moves():
+            if (path / REFERENCE_FILE).is_file():
+                load_placed_state_dict(self.ref_model, self.accelerator, load_file(path / REFERENCE_FILE))
+            else:
+                logger.warning(
+                    f"{REFERENCE_FILE} is missing in {path} (written with sync_ref_model=False, or before trl-vapo "
+                    "saved it): the KL penalty's reference restarts as the initial policy, not as it was synced."
+                )
         rng_file = path / f"rng_state_{self.accelerator.process_index}.safetensors"
         if rng_file.is_file():
             load_rng_state(rng_file)

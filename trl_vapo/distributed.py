@@ -331,6 +331,49 @@ def zero3_full_state_dict(model: nn.Module, main: bool) -> dict[str, torch.Tenso
     return state if main else None
 
 
+def placed_state_dict(model: nn.Module, accelerator) -> dict[str, torch.Tensor] | None:
+    """The whole weights of a model that `prepare_frozen_model` placed (a DeepSpeed engine, partitioned under ZeRO-3;
+    sharded by FSDP2; or on the device), keyed as its own ``state_dict()``, on the main process's CPU; None elsewhere.
+    A collective: every rank calls it."""
+    inner = accelerator.unwrap_model(model)  # DeepSpeed's engine holds the model as `module`
+    main = accelerator.is_main_process
+    if is_zero3_partitioned(inner):
+        return zero3_full_state_dict(inner, main)
+    sharded = full_state_dict(inner)
+    if sharded is not None:
+        return sharded if main else None
+    return {name: tensor.detach().cpu().clone() for name, tensor in inner.state_dict().items()} if main else None
+
+
+def load_placed_state_dict(model: nn.Module, accelerator, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state``, the whole weights that `placed_state_dict` returned, into ``model`` placed as it was (every
+    rank passes the whole state). Under ZeRO-3 one module at a time: the main process's copy is partitioned again."""
+    inner = accelerator.unwrap_model(model)
+    if is_zero3_partitioned(inner):
+        import deepspeed
+
+        for module_name, module in inner.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            params = list(module.named_parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0), torch.no_grad():
+                for name, param in params:
+                    param.copy_(state[prefix + name])
+            for name, buffer in module.named_buffers(recurse=False):
+                if prefix + name in state:
+                    buffer.copy_(state[prefix + name])
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = ()  # noqa: N806 (torch without FSDP2: nothing is sharded)
+    if isinstance(inner, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(inner, state, options=StateDictOptions(full_state_dict=True))
+        return
+    inner.load_state_dict(state)
+
+
 def fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The whole state of an FSDP2 model's optimizer (``accelerator.prepare``'s wrapper or the torch optimizer),
     keyed by parameter name, on the main process's CPU (empty elsewhere). A collective: every rank calls it."""
