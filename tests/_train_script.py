@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     parser.add_argument("--sync-ref-steps", type=int, help="sync_ref_model every this many steps (with --beta)")
     parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every 4 steps")
+    parser.add_argument("--eval-generations", type=int, default=2, help="num_generations_eval")
     parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
     parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
     args = parser.parse_args(argv)
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         # Eight completions per evaluation batch over all processes (so one process and two see the same batches).
         eval_strategy="steps" if args.eval_prompts else "no",
         eval_steps=4,
-        num_generations_eval=2,
+        num_generations_eval=args.eval_generations,
         per_device_eval_batch_size=8 // world,
         log_completions=args.log_completions,
         num_completions_to_print=None,  # all of them

@@ -259,7 +259,7 @@ def test_continuous_batching_sampling_respects_budget_and_stop_ids(tiny):
 
 
 def test_continuous_batching_refuses_what_it_would_ignore(tiny):
-    model, _ = tiny
+    model, tokenizer = tiny
     with pytest.raises(ValueError, match="repetition_penalty"):
         ContinuousBatching(
             model, pad_token_id=0, stop_token_ids=[1], sampling=SamplingSettings(repetition_penalty=1.1)
@@ -270,6 +270,11 @@ def test_continuous_batching_refuses_what_it_would_ignore(tiny):
     settings = EngineSettings("continuous_batching", SamplingSettings(generation_kwargs={"stop_strings": ["\n\n"]}))
     with pytest.raises(ValueError, match="stop_strings"):
         check_engine_available(settings)
+    suppressing = copy.deepcopy(model)  # the model's own generation_config, which generate() applies
+    suppressing.generation_config.suppress_tokens = [5, 6]
+    settings = EngineSettings("continuous_batching", SamplingSettings())
+    with pytest.raises(ValueError, match=r"generation_config sets suppress_tokens=\[5, 6\], which generate\(\) app"):
+        build_engine(settings, suppressing, tokenizer)
     for key in ("min_new_tokens", "min_length"):  # dropped there: a first token that stops ended the completion
         settings = EngineSettings("continuous_batching", SamplingSettings(generation_kwargs={key: 6}))
         with pytest.raises(ValueError, match=rf"generation_kwargs\['{key}'\] is not supported by transformers' cont"):
@@ -569,6 +574,14 @@ def test_importance_sampling_metrics():
     # No scored token on this process: NaN, which the reduction over processes leaves out (0.0 would pull means down).
     empty = importance_sampling_metrics(trainer, sampler, weights, torch.zeros_like(mask))
     assert all(math.isnan(value) for value in empty.values())
+    # Sequence weights: a completion that does not train (truncated and masked, unscored) is left out; its masked
+    # difference would read exp(0) = 1 whatever the samplers did.
+    drifted = torch.full((3, 2), -1.0), torch.full((3, 2), -1.3)
+    kept = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    weights = importance_sampling_weights(*drifted, kept, "sequence_truncate", 3.0)
+    metrics = importance_sampling_metrics(*drifted, weights, kept)
+    assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.6))  # 2 tokens x 0.3
+    assert metrics["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(0.3))  # not 1
 
 
 def _rollout_metrics_on_rank(rank: int, port: int, out: str) -> None:
@@ -603,6 +616,7 @@ def _rollout_metrics_on_rank(rank: int, port: int, out: str) -> None:
         truncated=torch.zeros(n, dtype=torch.bool),
         scores=Scores(torch.ones(n, 1), torch.ones(n), torch.ones(n, dtype=torch.bool), ["r"]),
         loss_mask=torch.ones(n, c),
+        is_correct=torch.ones(n, dtype=torch.bool),
         is_positive=torch.ones(n, dtype=torch.bool),
         old_values=zeros,
         returns=zeros,
@@ -665,6 +679,12 @@ def test_evaluation_cuts_at_the_generation_configs_eos_ids(tiny_model_dir):
     for text, full in zip(cut, free):
         assert full.startswith(text) and (text == full or text.endswith(stop_char))
     assert max(lengths) == 12
+    # Training's generation_kwargs name stop tokens too: `sample_completions` (and `evaluate_policy`) built their
+    # engine without them and sampled past where training's completions end.
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    stops = {"eos_token_id": [tokenizer.convert_tokens_to_ids(stop_char)]}
+    kwargs = dict(temperature=0.0, max_new_tokens=12, generation_kwargs=stops)
+    assert sample_completions(model, tokenizer, TEXT_PROMPTS, **kwargs) == (cut, cut_lengths)
 
 
 @pytest.mark.parametrize("engine", ["generate", "continuous_batching"])

@@ -30,6 +30,7 @@ from transformers.trainer_callback import ExportableState
 from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.rewards import make_math_reward
+from trl_vapo.tiny import save_tiny_reward_model
 
 SCRIPT = Path(__file__).parent / "_train_script.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter, wherever pip put it
@@ -1332,7 +1333,15 @@ EVALUATED = [
 
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
-    common += ["--eval-prompts", "4"]  # evaluated at steps 4 and 8, each process on its half of the completions
+    # Evaluated at steps 4 and 8, each process on its half of the completions: three prompts x 3 in batches of two
+    # prompts, so that on two processes the last prompt's 3 completions are repeated to split evenly (greedy: the same
+    # completions), which the pooled metrics (accuracy, explained variance) must leave out. A reward model scores
+    # too, so that the returns vary (greedy completions have no digits) and the explained variance is a number.
+    common += ["--eval-prompts", "3", "--eval-generations", "3"]
+    reward_model = tiny_model_dir.parent / "reward-model"  # (test_distributed's, where both files run)
+    if not (reward_model / "config.json").is_file():
+        save_tiny_reward_model(reward_model)
+    common += ["--reward-model", str(reward_model)]
     common += ["--dtype", "bfloat16"]  # trained in float32, saved as loaded
     single = run_script(*common, "--output-dir", str(tmp_path / "one"), "--log-completions")
     assert single.returncode == 0, single.stderr[-3000:]
@@ -1356,6 +1365,7 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     )
     assert sorted(one_eval) == sorted(two_eval) == [4, 8]
     for step in one_eval:
+        assert not math.isnan(one_eval[step]["eval_value/explained_variance"])
         assert_same_log(two_eval[step], one_eval[step], keys=EVALUATED, rel=1e-4, context=f"eval at step {step}")
 
     # Checkpoints are written once, with one random-number state per process, and resume on two processes.

@@ -7,6 +7,7 @@ run concurrently; a sample no function scores is named in a warning."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -131,12 +132,18 @@ async def slow_length(completions, **kwargs):
 def test_async_reward_functions_run_concurrently_and_name_a_failing_sample(tiny_model_dir, tmp_path):
     from trl_vapo.scoring import RewardScorer
 
-    scorer = RewardScorer([slow_digits, slow_length, lambda completions, **kw: [1.0] * len(completions)])
+    class SlowJudge:  # an async callable object, in a functools.partial (GRPOTrainer awaits it too)
+        async def __call__(self, completions, bonus, **kwargs):
+            await asyncio.sleep(0.4)
+            return [bonus + (c == "4") for c in completions]
+
+    judge = functools.partial(SlowJudge(), bonus=0.5)
+    scorer = RewardScorer([slow_digits, slow_length, judge, lambda completions, **kw: [1.0] * len(completions)])
     rows = [{"prompt": "1+1="}, {"prompt": "2+2="}]
     start = time.perf_counter()
     scores = scorer.score(rows, ["2 is it", "4"])
-    assert time.perf_counter() - start < 0.75  # two 0.4 s functions at once, not one after the other
-    assert scores.per_function.tolist() == [[1.0, 7.0, 1.0], [1.0, 1.0, 1.0]]
+    assert time.perf_counter() - start < 0.75  # three 0.4 s functions at once, not one after the other
+    assert scores.per_function.tolist() == [[1.0, 7.0, 0.5, 1.0], [1.0, 1.0, 1.5, 1.0]]
 
     async def fails_on_four(completions, **kwargs):
         return [1 / (c != "4") for c in completions]
@@ -262,6 +269,7 @@ def test_reward_functions_are_named_as_grpo_names_them_and_each_name_once():
 
 GRPO_SCRIPT = """
 import asyncio
+import functools
 
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
@@ -380,3 +388,28 @@ def test_dataset_columns_never_replace_what_the_trainer_passes_to_reward_functio
     for column in ("completions", "prompts", "trainer_state"):
         with pytest.raises(ValueError, match=rf"column\(s\) \['{column}'\].*rename_column\('{column}', 'reference_"):
             scorer.check({"prompt": "1+1=", column: "x"})
+
+
+def test_the_tokenizers_are_loaded_at_the_revision_their_models_are(tmp_path, monkeypatch):
+    """model_init_kwargs' revision: the policy and a reward model named by id load their tokenizers at it too, as
+    GRPOTrainer does (they came from the default branch, whose chat template or special tokens may differ). The
+    revisions are in a local hub cache, as `from_pretrained` leaves them; nothing is downloaded."""
+    import huggingface_hub.constants
+
+    from trl_vapo.tiny import save_tiny_model, save_tiny_reward_model
+
+    cache = tmp_path / "hub"
+    for name, save in (("policy", save_tiny_model), ("judge", save_tiny_reward_model)):
+        repo = cache / f"models--org--{name}"
+        for ref, commit in (("main", "a" * 40), ("v1", "b" * 40)):
+            save(repo / "snapshots" / commit)
+            (repo / "refs").mkdir(exist_ok=True)
+            (repo / "refs" / ref).write_text(commit)
+        tokenizer = AutoTokenizer.from_pretrained(repo / "snapshots" / ("b" * 40))
+        tokenizer.chat_template = "v1: {{ messages }}"
+        tokenizer.save_pretrained(repo / "snapshots" / ("b" * 40))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    args = make_args(tmp_path, model_init_kwargs={"revision": "v1"})
+    trainer = VAPOTrainer("org/policy", ["org/judge"], args, prompts_dataset())
+    assert trainer.processing_class.chat_template == "v1: {{ messages }}"
+    assert trainer.reward_processing_classes[0].chat_template == "v1: {{ messages }}"

@@ -277,6 +277,17 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     windowed = copy.deepcopy(model)  # Mistral's and Phi-3's configs name a window but no layer_types
     windowed.config.sliding_window = 4096
     assert StaticCacheEngine.unsupported_settings(GREEDY, windowed) == ["sliding_window=4096"]
+    # The model's own generation_config, which generate() applies where the rollout's settings leave a field unset
+    # (the engine sampled without it): its processors always, its warpers when sampling.
+    ngram = copy.deepcopy(model)
+    ngram.generation_config.no_repeat_ngram_size, ngram.generation_config.min_p = 1, 0.1
+    assert StaticCacheEngine.unsupported_settings(GREEDY, ngram) == ["no_repeat_ngram_size=1"]
+    sampled = SamplingSettings(max_new_tokens=8)
+    assert StaticCacheEngine.unsupported_settings(sampled, ngram) == ["min_p=0.1", "no_repeat_ngram_size=1"]
+    generate, static = _engines(ngram, tokenizer, [tokenizer.eos_token_id])
+    assert static.generate(prompts, sampling=GREEDY).completion_lists() == (
+        generate.generate(prompts, sampling=GREEDY).completion_lists()
+    )
 
 
 def test_the_trainer_rolls_out_with_it_on_policy(tiny_model_dir, tmp_path):

@@ -124,6 +124,26 @@ def test_evaluate_scores_every_prompt_and_reports_grpos_metrics_and_the_critics(
     assert all(r.old_logprobs is not None for r in rollouts)  # the policy's log-probs, for the loss
 
 
+def test_accuracy_counts_a_correct_completion_that_mask_truncated_completions_keeps_from_the_loss(
+    tiny_model_dir, tmp_path
+):
+    """mask_truncated_completions masks the loss only, as in GRPOTrainer: a correct completion cut at
+    max_completion_length is correct in `accuracy` and `eval_accuracy` (it counted as wrong), and it is no positive
+    example for the NLL loss (it does not train)."""
+
+    def always_right(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    args = eval_args(tmp_path, max_steps=1, max_completion_length=2, mask_truncated_completions=True)
+    trainer = VAPOTrainer(str(tiny_model_dir), always_right, args, prompts_dataset(), prompts_dataset(4))
+    trainer.train()
+    (logged,) = [h for h in trainer.state.log_history if "accuracy" in h]
+    assert logged["completions/clipped_ratio"] > 0.5  # most completions were cut
+    assert logged["accuracy"] == 1.0
+    metrics = trainer.evaluate()
+    assert metrics["eval_completions/clipped_ratio"] > 0.5 and metrics["eval_accuracy"] == 1.0
+
+
 def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tmp_path):
     """`eval_on_start` and `eval_strategy="steps"` over one value-pretraining step and four RL steps: evaluations at
     steps 0, 2, 4 and 5 (the last, as transformers evaluates when training ends between two `eval_steps`), logged

@@ -26,7 +26,7 @@ from trl import is_conversational
 
 from .core import explained_variance, vapo_loss
 from .data import check_eval_dataset, prompt_token_ids
-from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine
+from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
 from .rollout import EVAL, Rollout, rollout_metrics
@@ -54,8 +54,11 @@ Engine = str | EngineSettings | GenerationEngine
 `EngineSettings`, or a built `GenerationEngine` (e.g. the trainer's vLLM engine)."""
 
 
-def _engine(engine: Engine, model, tokenizer, batch_size: int) -> GenerationEngine:
-    """The engine evaluation samples with, built by `build_engine` (completions stop where training's stop)."""
+def _engine(
+    engine: Engine, model, tokenizer, batch_size: int, generation_kwargs: dict | None = None
+) -> GenerationEngine:
+    """The engine evaluation samples with, built by `build_engine`: completions stop where training's stop (the
+    tokenizer's and the model's EOS, and any `eos_token_id` / `stop_token_ids` in `generation_kwargs`)."""
     if isinstance(engine, GenerationEngine):
         return engine
     settings = engine if isinstance(engine, EngineSettings) else EngineSettings(engine=engine)
@@ -64,7 +67,9 @@ def _engine(engine: Engine, model, tokenizer, batch_size: int) -> GenerationEngi
             "Evaluate with vLLM through a built engine (the trainer's `generation_engine`): it holds the "
             "policy's weights, which these settings cannot give it."
         )
-    return build_engine(dataclasses.replace(settings, batch_size=settings.batch_size or batch_size), model, tokenizer)
+    stop_ids = stop_token_ids(tokenizer, model, {**settings.sampling.generation_kwargs, **(generation_kwargs or {})})
+    settings = dataclasses.replace(settings, batch_size=settings.batch_size or batch_size)
+    return build_engine(settings, model, tokenizer, stop_ids=stop_ids)
 
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
@@ -97,7 +102,7 @@ def sample_completions(
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     repeated = [x for x in ids for _ in range(num_samples)]
-    generator = _engine(engine, model, tokenizer, batch_size)
+    generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     kwargs = dict(generation_kwargs or {})
     if temperature == 0:  # greedy, whatever training sampled with: only where completions end carries over
         kwargs = {key: value for key, value in kwargs.items() if key not in SAMPLING_KEYS}
@@ -154,7 +159,7 @@ def evaluate_policy(
         scores = scorer.score(repeated, completions, completion_ids, trainer_state=state)
         return scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
 
-    generator = _engine(engine, model, tokenizer, batch_size)
+    generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     settings = dict(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
@@ -278,15 +283,16 @@ class EvaluationMixin:
             rank = self.accelerator.process_index
             rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group)
             real = len(batch) * group  # the rows before the repeated prompts, in the gathered order
-            verdicts = torch.stack([rollout.is_positive.cpu(), rollout.scores.scored]).to(rollout.loss_mask.device)
-            positive, scored = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
-            correct, judged = correct + positive, judged + scored
+            verdicts = torch.stack([rollout.is_correct.cpu(), rollout.scores.scored]).to(rollout.loss_mask.device)
+            right, scored = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
+            correct, judged = correct + right, judged + scored
             self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce))
             self._metrics["loss"].append(self._evaluation_loss(rollout))
-            mask = rollout.loss_mask.bool()
-            values.append(rollout.old_values[mask])
-            returns.append(rollout.returns[mask])
-            completions += len(repeated)
+            mine = min(max(real - rank * share, 0), share)  # this process's rows among the real ones
+            mask = rollout.loss_mask[:mine].bool()
+            values.append(rollout.old_values[:mine][mask])
+            returns.append(rollout.returns[:mine][mask])
+            completions += real
         metrics = {key: nan_mean(column) for key, column in self._metrics.items()}
         for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'
             if key.endswith(("/min_length", "/max_length")):

@@ -220,34 +220,68 @@ class SamplingSettings:
         return GenerationConfig(**kwargs)
 
 
-def off_policy_sampling_settings(config: GenerationConfig, model, temperature: float) -> list[str]:
-    """Sampling settings, in `config` or inherited from the model's `generation_config`, that move the sampling
-    distribution away from softmax(logits / temperature), which is what the losses' log-probabilities assume."""
+# The settings of a GenerationConfig that make `generate()` sample from other than softmax(logits / temperature), each
+# with when it does: the warpers (applied only when sampling), then the processors (greedy decoding too).
+WARPER_SETTINGS = {
+    "top_p": lambda v: v is not None and v < 1.0,
+    "top_k": lambda v: v is not None and v > 0,
+    "min_p": lambda v: v is not None and v > 0,
+    "top_h": lambda v: v is not None and v > 0,
+    "typical_p": lambda v: v is not None and v < 1.0,
+    "epsilon_cutoff": lambda v: v is not None and v > 0,
+    "eta_cutoff": lambda v: v is not None and v > 0,
+}
+PROCESSOR_SETTINGS = {
+    "num_beams": lambda v: v is not None and v > 1,
+    "repetition_penalty": lambda v: v is not None and v != 1.0,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+    "no_repeat_ngram_size": lambda v: v is not None and v > 0,
+    "min_length": lambda v: v is not None and v > 0,
+    "min_new_tokens": lambda v: v is not None and v > 0,
+    "bad_words_ids": lambda v: bool(v),
+    "suppress_tokens": lambda v: bool(v),
+    "begin_suppress_tokens": lambda v: bool(v),
+    "sequence_bias": lambda v: bool(v),
+    "forced_bos_token_id": lambda v: v is not None,
+    "forced_eos_token_id": lambda v: v is not None,
+    "exponential_decay_length_penalty": lambda v: v is not None,
+}
+
+
+def _with_model_defaults(config: GenerationConfig, model):
+    """The value `generate()` uses for a setting of `config`: its own, or where it leaves one unset (None), the
+    model's `generation_config`'s (transformers' `_prepare_generation_config`)."""
     defaults = getattr(model, "generation_config", None)
 
     def value(name):
         mine = getattr(config, name, None)
         return mine if mine is not None else getattr(defaults, name, None)
 
+    return value
+
+
+def off_policy_sampling_settings(config: GenerationConfig, model, temperature: float) -> list[str]:
+    """Sampling settings, in `config` or inherited from the model's `generation_config`, that move the sampling
+    distribution away from softmax(logits / temperature), which is what the losses' log-probabilities assume."""
+    value = _with_model_defaults(config, model)
     changes = {
         "do_sample": lambda v: v is False,
-        "num_beams": lambda v: v is not None and v > 1,
-        "top_p": lambda v: v is not None and v < 1.0,
-        "top_k": lambda v: v is not None and v > 0,
-        "min_p": lambda v: v is not None and v > 0,
-        "typical_p": lambda v: v is not None and v < 1.0,
-        "epsilon_cutoff": lambda v: v is not None and v > 0,
-        "eta_cutoff": lambda v: v is not None and v > 0,
-        "repetition_penalty": lambda v: v is not None and v != 1.0,
-        "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
-        "no_repeat_ngram_size": lambda v: v is not None and v > 0,
-        "min_new_tokens": lambda v: v is not None and v > 0,
-        "bad_words_ids": lambda v: bool(v),
-        "suppress_tokens": lambda v: bool(v),
-        "sequence_bias": lambda v: bool(v),
+        **WARPER_SETTINGS,
+        **PROCESSOR_SETTINGS,
         "temperature": lambda v: v is not None and not math.isclose(v, temperature),
     }
     return [f"{name}={value(name)!r}" for name, changed in changes.items() if changed(value(name))]
+
+
+def model_generation_settings(sampling: SamplingSettings, model) -> list[str]:
+    """The settings of the model's own `generation_config` that `generate()` applies to samples drawn with
+    `sampling` (which leaves them unset), each as ``name=value``: what an engine that builds its sampling from
+    `sampling` alone (the static cache, continuous batching) would leave out."""
+    config = sampling.generation_config((), 0)
+    defaults = getattr(model, "generation_config", None)  # (a PeftModel's is its base model's)
+    settings = {**({} if sampling.greedy else WARPER_SETTINGS), **PROCESSOR_SETTINGS}
+    inherited = {name: getattr(defaults, name, None) for name in settings if getattr(config, name, None) is None}
+    return [f"{name}={value!r}" for name, value in inherited.items() if settings[name](value)]
 
 
 def warn_off_policy_sampling(sampling: SamplingSettings, model, stop_ids: Sequence[int], pad_id: int) -> None:
@@ -446,9 +480,9 @@ class ContinuousBatching(GenerationEngine):
         self.logprobs = logprobs
 
     def _generate(self, prompt_ids, sampling, num_generations):
-        _check_continuous_batching_sampling(sampling)
         generation_config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
         with self.model_provider() as model, _inference(model):
+            _check_continuous_batching_sampling(sampling, model)
             results = model.generate_batch(
                 prompt_ids,
                 generation_config=generation_config,
@@ -493,8 +527,16 @@ def _check_continuous_batching_available() -> None:
         )
 
 
-def _check_continuous_batching_sampling(sampling: SamplingSettings) -> None:
-    """Refuse what transformers' continuous batching would silently ignore."""
+def _check_continuous_batching_sampling(sampling: SamplingSettings, model: nn.Module | None = None) -> None:
+    """Refuse what transformers' continuous batching would silently ignore (in `sampling`, and in the model's own
+    `generation_config` where `model` is given)."""
+    inherited = model_generation_settings(sampling, model) if model is not None else []
+    if inherited:
+        raise ValueError(
+            f"The model's generation_config sets {', '.join(inherited)}, which generate() applies and transformers' "
+            "continuous batching would drop silently. Clear them (model.generation_config.<name> = None), or "
+            "generate with the default engine."
+        )
     if sampling.repetition_penalty != 1.0:
         raise ValueError(
             f"repetition_penalty={sampling.repetition_penalty} is not supported by transformers' continuous batching, "
@@ -833,6 +875,8 @@ def build_engine(
         )
         return VLLMEngine(vllm_generation, **common)
     if settings.engine == "continuous_batching":
+        if policy is not None:  # before anything is sampled (each call checks its own settings again)
+            _check_continuous_batching_sampling(settings.sampling, policy)
         return ContinuousBatching(model, config=settings.continuous_batching_config, **common)
     if settings.engine == "static_cache":
         from .static_cache import StaticCacheEngine  # its module builds on this one's engines
@@ -852,11 +896,12 @@ def importance_sampling_metrics(
     trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
     """This process's share of TRL's `sampling/*` metrics (lines 2860-2896): the mean and max |log-prob
-    difference| over scored tokens, and the min, mean and max weight (over tokens, or sequences in sequence modes).
+    difference over the tokens that train (`mask`), and the min, mean and max weight (over those tokens, or their
+    sequences in sequence modes: a sequence that does not train has the weight exp(0) = 1 of its masked difference).
     TRL reduces them over processes with mean / max / min."""
     delta = (trainer_logprobs - sampler_logprobs).abs()
     delta = delta[mask.bool() & ~torch.isnan(delta)]
-    flat = weights.flatten() if weights.shape[-1] == 1 else weights[mask.bool()]
+    flat = weights[mask.bool().any(dim=-1)].flatten() if weights.shape[-1] == 1 else weights[mask.bool()]
 
     def stat(x, f):  # NaN without a reading: left out when the processes' values are reduced
         return f(x).item() if x.numel() else math.nan

@@ -33,7 +33,8 @@ class Rollout:
     truncated: torch.Tensor  # [N] bool: reached max_completion_length without a stop
     scores: Scores  # the reward functions' verdicts
     loss_mask: torch.Tensor  # [N, C] completion tokens that train (scored completions)
-    is_positive: torch.Tensor  # [N] bool: correct (reward >= positive_reward_threshold)
+    is_correct: torch.Tensor  # [N] bool: scored with a reward >= positive_reward_threshold (`accuracy`)
+    is_positive: torch.Tensor  # [N] bool: correct and trains (the NLL loss; not a truncated one it masks)
     old_values: torch.Tensor  # [N, C] V(s_t) before any update
     returns: torch.Tensor  # [N, C] the critic's targets
     raw_advantages: torch.Tensor  # [N, C] GAE advantages (zeros during value pretraining)
@@ -114,7 +115,8 @@ def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
             padded.append(part)
         return torch.cat(padded)
 
-    fields = ("input_ids", "attention_mask", "truncated", "loss_mask", "is_positive", "old_values", "returns")
+    fields = ("input_ids", "attention_mask", "truncated", "loss_mask", "is_correct", "is_positive", "old_values")
+    fields += ("returns",)
     fields += ("raw_advantages", "advantages", "lambda_actor", "old_logprobs", "ref_logprobs", "is_weights")
     return dataclasses.replace(newest, prompt_length=prompt_width, **{name: joined(name) for name in fields})
 
@@ -129,7 +131,7 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
     scores = rollout.scores
     scored = gathered(scores.scored)
     trains = gathered(rollout.loss_mask.sum(dim=1) > 0)
-    is_positive = gathered(rollout.is_positive)
+    is_correct, is_positive = gathered(rollout.is_correct), gathered(rollout.is_positive)
     rewards = gathered(scores.reward)[scored]
     lengths = gathered(rollout.lengths).float()
     truncated = gathered(rollout.truncated)
@@ -139,7 +141,7 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
     metrics = {
         REWARD: _mean(rewards),
         "reward_std": _std(rewards),
-        ACCURACY: _mean(is_positive[scored].float()),
+        ACCURACY: _mean(is_correct[scored].float()),  # a truncated correct answer too (TRL masks only the loss)
         "positive_fraction": _mean(is_positive[trains].float()),
         "rewards/unscored_fraction": 1.0 - scored.float().mean().item(),
         "completions/mean_length": lengths.mean().item(),

@@ -125,16 +125,18 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
         )
     loaded = []
     for func, tokenizer in zip(funcs, classes):
+        revision = None  # a model loaded here: its tokenizer at the same revision (GRPOTrainer's)
         if isinstance(func, (str, os.PathLike)):
             # Frozen: in the dtype it was saved in ("auto", as GRPOTrainer loads it), unless model_init_kwargs says;
             # the float32 default is the trained models' (their master weights).
             init = {"dtype": "auto", **(args.model_init_kwargs or {})}
+            revision = init.get("revision")
             func = AutoModelForSequenceClassification.from_pretrained(
                 str(func), num_labels=1, **from_pretrained_kwargs(args, init)
             )
         if isinstance(func, PreTrainedModel):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(
-                get_config_model_id(func.config), trust_remote_code=args.trust_remote_code
+                get_config_model_id(func.config), revision=revision, trust_remote_code=args.trust_remote_code
             )
             func = RewardModel(func, tokenizer, args.chat_template_kwargs)
         loaded.append(func)
@@ -179,7 +181,10 @@ def reward_func_name(func: RewardFunc) -> str:
 
 
 def is_async(func: RewardFunc) -> bool:
-    """An `async def` reward function (or a callable object whose `__call__` is one)."""
+    """An `async def` reward function, a callable object whose `__call__` is one, or a `functools.partial` of
+    either (TRL's `is_async_callable`)."""
+    while isinstance(func, functools.partial):
+        func = func.func
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 

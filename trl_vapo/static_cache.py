@@ -21,6 +21,7 @@ from .generation import (
     _inference,
     as_model_provider,
     cut_at_stop,
+    model_generation_settings,
 )
 from .modeling import is_peft_model
 
@@ -101,6 +102,7 @@ class StaticCacheEngine(GenerationEngine):
         ]
         if sampling.repetition_penalty != 1.0:
             unsupported.append(f"repetition_penalty={sampling.repetition_penalty}")
+        unsupported += model_generation_settings(sampling, model)  # what generate() takes from the model's config
         config = model.config.get_text_config()
         attention = getattr(config, "_attn_implementation", None)
         if attention not in ("sdpa", "eager"):

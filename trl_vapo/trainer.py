@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import signal
 import time
 from collections import defaultdict
@@ -263,8 +264,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             # loaded policy before its adapter and its critic are built from it; not its fused cross-entropy, which
             # would replace the forward that VAPO's tiled LM head runs (VAPOConfig refuses it).
             apply_liger_kernel(policy, args.liger_kernel_config)
+        # At the revision the policy was loaded at, as GRPOTrainer loads it (the default branch's may differ).
+        revision = (model_init_kwargs or {}).get("revision") if isinstance(model, (str, os.PathLike)) else None
         tokenizer = processing_class or AutoTokenizer.from_pretrained(
-            model_id, trust_remote_code=args.trust_remote_code
+            model_id, revision=revision, trust_remote_code=args.trust_remote_code
         )
         prepare_tokenizer(tokenizer, self._conversational)
         adapter_given = is_peft_model(policy)  # a trained adapter, maybe: the base alone is not the initial policy
@@ -705,6 +708,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
         # 4. Advantage: decoupled, length-adaptive GAE (Monte-Carlo targets during value pretraining).
+        is_correct = scores.is_correct(args.positive_reward_threshold).to(device)
         rewards = terminal_rewards(scores.reward.to(device) * trains, loss_mask)
         if ref_logprobs is not None:
             rewards = rewards - args.beta * (old_logprobs - ref_logprobs) * loss_mask
@@ -741,7 +745,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             truncated=sample.is_truncated,
             scores=scores,
             loss_mask=loss_mask,
-            is_positive=trains & scores.is_correct(args.positive_reward_threshold).to(device),
+            is_correct=is_correct,
+            is_positive=trains & is_correct,
             old_values=old_values,
             returns=returns,
             raw_advantages=raw_advantages,
