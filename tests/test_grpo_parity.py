@@ -203,11 +203,30 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"ds3_gather_for_generation": False, "use_vllm": True}, "vLLM needs the policy's whole weights"),
         ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
+        # Sizes: accepted, they trained on nonsense (-8) or failed after the models loaded (0: an IndexError).
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be a whole number >= 1, got 0"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1, got 0"),
+        ({"generation_batch_size": -8}, "generation_batch_size must be a whole number >= 1, got -8"),
+        ({"steps_per_generation": -8}, "steps_per_generation must be a whole number >= 1, got -8"),
+        ({"per_device_eval_batch_size": 0}, "per_device_eval_batch_size must be a whole number >= 1"),
+        ({"epsilon": 1.5}, r"epsilon must be in \[0, 1\)"),
+        ({"vllm_importance_sampling_clip_max": -1.0}, "vllm_importance_sampling_clip_max > 0"),
+        ({"positive_reward_funcs": []}, "positive_reward_funcs=\\[\\] names no function"),
+        # GRPOConfig's own refusals; enable_jit_checkpoint's SIGTERM handler would replace VAPOTrainer's.
+        ({"auto_find_batch_size": True}, "auto_find_batch_size=True is not supported"),
+        ({"enable_jit_checkpoint": True}, "enable_jit_checkpoint=True is not supported"),
     ],
 )
 def test_grpo_settings_that_cannot_go_together_say_why(tmp_path, settings, says):
     with pytest.raises(ValueError, match=says):
         make_args(tmp_path, **settings)
+
+
+def test_sequence_parallelism_is_refused_as_grpo_refuses_it(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError, match="cp_size > 1 or sp_size > 1 .sequence parallelism. is not supported"):
+        make_args(tmp_path, parallelism_config=ParallelismConfig(cp_size=2))
 
 
 def test_the_command_line_parses_grpos_fields(tmp_path):

@@ -404,7 +404,7 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     for needle in (
         "`value_pretrain_steps=15` (stops early when explained variance stops improving, window 10)",
         "ran 15 rollouts, final explained variance 0.340 (best 0.360)",
-        "`lam_critic=1.0`, `lam_actor=0.95`",
+        "`lam_critic=1.0`, the policy's: length-adaptive (3)",  # lam_actor is not used with alpha set
         "`length_adaptive_alpha=0.5`",
         '`loss_type="token"`',
         "`epsilon=0.2`, `epsilon_high=0.28`",

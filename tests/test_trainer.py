@@ -230,9 +230,10 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
         assert any("lora_embedding_A.critic" in names[id(p)] for p in critic)
     if layout == "reward-model-as-critic":  # the reward model scores as it was given
         assert trainer.reward_funcs[1].model is not actor_critic.critic
-        trainer.create_model_card(tmp_path / "card")
+        trainer.create_model_card(tmp_path / "card", tags="math")  # one tag as a string, as transformers takes it
         card = (tmp_path / "card" / "README.md").read_text()
         assert f"started from `{tmp_path / 'rm'}` (`value_model`)" in card and "the policy's weights" not in card
+        assert "- math\n" in card and "- m\n" not in card  # (it was one tag a letter)
 
 
 def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_the_policy(tiny_model_dir, tmp_path):
@@ -364,11 +365,15 @@ def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_mo
         value_pretrain_patience=2,
         value_pretrain_min_delta=0.02,
         critic_learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=0.5,  # half the run: the run that took place, not the planned budget's 31 steps
     )
     trainer = VAPOTrainer(
         model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset()
     )
     trainer.train()
+    half = math.ceil(trainer.state.max_steps / 2)
+    assert trainer.state.save_steps == half  # from the step value pretraining ended at
     readings = [h["value/explained_variance"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]
     assert 4 <= len(readings) < 30
     assert explained_variance_plateaued(readings, 2, 0.02)
@@ -1057,6 +1062,52 @@ class LocalHub:
         done = Future()
         done.set_result(None)
         return done if kw.get("run_as_future") else None
+
+
+class SlowHub(LocalHub):
+    """`LocalHub` whose uploads stay in progress until `release` is set (or 30 s pass): a slow connection."""
+
+    def __init__(self, root):
+        import threading
+
+        super().__init__(root)
+        self.release = threading.Event()
+
+    def upload_folder(self, **kwargs):
+        import threading
+        from concurrent.futures import Future
+
+        super().upload_folder(**kwargs)
+        pending = Future()
+        threading.Thread(target=lambda: (self.release.wait(30), pending.set_result(None)), daemon=True).start()
+        return pending
+
+
+def test_a_checkpoint_neither_waits_for_an_upload_nor_deletes_the_folder_it_reads(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A Hub upload still running at the next checkpoint: training went on waiting for it (on every process: a
+    multi-GPU run's collectives time out after ddp_timeout), at every save. Now the checkpoint it reads is kept past
+    save_total_limit until it ends, and rotated away after the run's last upload."""
+    import transformers.trainer
+
+    hub = SlowHub(tmp_path / "hub")
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    seen = {}
+
+    class AtTheLastSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                seen["uploading"] = not trainer.push_in_progress.is_done()
+                seen["checkpoints"] = [c.name for c in list_checkpoints(args.output_dir)]
+                hub.release.set()
+
+    pushing = dict(push_to_hub=True, hub_model_id="me/vapo", save_strategy="steps", save_steps=1, save_total_limit=1)
+    args = make_args(tmp_path, max_steps=3, per_device_train_batch_size=8, **pushing)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), callbacks=[AtTheLastSave()])
+    trainer.train()
+    assert seen == {"uploading": True, "checkpoints": ["checkpoint-1", "checkpoint-3"]}  # step 1's upload
+    assert [c.name for c in list_checkpoints(args.output_dir)] == ["checkpoint-3"]
 
 
 def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers_does(

@@ -144,6 +144,28 @@ def test_accuracy_counts_a_correct_completion_that_mask_truncated_completions_ke
     assert metrics["eval_completions/clipped_ratio"] > 0.5 and metrics["eval_accuracy"] == 1.0
 
 
+def test_a_checkpoint_a_callback_asks_for_on_evaluate_is_written(tiny_model_dir, tmp_path):
+    """transformers reads `control.should_save` after `on_evaluate`: a callback may ask for a checkpoint there (of
+    the weights just evaluated). It was read before the evaluation, and the request was dropped."""
+    from transformers import TrainerCallback
+
+    class SaveWhatWasEvaluated(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            control.should_save = True
+
+    args = eval_args(tmp_path, max_steps=3, eval_strategy="steps", eval_steps=2, save_strategy="no")
+    trainer = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        args,
+        prompts_dataset(),
+        prompts_dataset(2),
+        callbacks=[SaveWhatWasEvaluated()],
+    )
+    trainer.train()
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
+
+
 def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tmp_path):
     """`eval_on_start` and `eval_strategy="steps"` over one value-pretraining step and four RL steps: evaluations at
     steps 0, 2, 4 and 5 (the last, as transformers evaluates when training ends between two `eval_steps`), logged

@@ -273,8 +273,11 @@ def newest_resumable_checkpoint(output_dir: str | os.PathLike) -> Path:
     raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {output_dir} can be read (see above).")
 
 
-def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, keep: Sequence[Path] = ()) -> None:
+def rotate_checkpoints(
+    output_dir: str | os.PathLike, save_total_limit: int | None, keep: Sequence[Path] = (), busy: Sequence[Path] = ()
+) -> None:
     """Delete the oldest checkpoints beyond ``save_total_limit`` (never those in ``keep``: the newest, the best).
+    Those in ``busy`` (a Hub upload still reads them) are left for a later rotation: over the limit until then.
 
     ``keep`` is matched by the folder it names, not by its spelling: a run resumed with ``output_dir`` written
     otherwise (``./out``, an absolute path, a link, another working directory) reads the best checkpoint's path, as
@@ -285,8 +288,10 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
     kept = {(Path(p) if Path(p).is_dir() else Path(output_dir) / Path(p).name).resolve() for p in keep}
     checkpoints = [c for c in list_checkpoints(output_dir) if c.resolve() not in kept]
     excess = len(checkpoints) + len(kept) - save_total_limit
+    reading = {Path(p).resolve() for p in busy}
     for stale in checkpoints[: max(excess, 0)]:
-        shutil.rmtree(stale, ignore_errors=True)
+        if stale.resolve() not in reading:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def apply_resumed_settings(optimizer, scheduler, asked: list[dict], schedules: list[dict]) -> None:
@@ -557,7 +562,7 @@ class SavingMixin:
             held_out=info.get("held_out"),
             log_history=self.state.log_history,
             example_prompt=run.example_prompt,
-            tags=list(tags or []),
+            tags=[tags] if isinstance(tags, str) else list(tags or []),  # one tag, as transformers takes it
             license=info.get("license"),
             wandb_url=urls["wandb"],
             trackio_url=urls["trackio"],
@@ -578,6 +583,16 @@ class SavingMixin:
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(final))
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _rotate_checkpoints(self, newest: Path) -> None:
+        """`save_total_limit`'s rotation, keeping `newest` and the best checkpoint, and the checkpoints a Hub upload
+        still reads (for a later rotation: waiting for the upload here would stall training, and the processes
+        waiting at the next collective could time out)."""
+        best = self.state.best_model_checkpoint
+        keep = [newest] + ([Path(best)] if best and Path(best) != newest else [])
+        pushing = getattr(self, "push_in_progress", None)  # transformers' record of the uploads under way
+        reading = getattr(self, "_uploads_read", []) if pushing is not None and not pushing.is_done() else []
+        rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep, busy=reading)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """`push_to_hub=True` while training, as transformers pushes (by `hub_strategy`; one upload at a time unless
@@ -612,9 +627,10 @@ class SavingMixin:
                 )
             )
         if self.push_in_progress is None or self.push_in_progress.is_done():
-            self.push_in_progress = PushInProgress(jobs)
+            self.push_in_progress, self._uploads_read = PushInProgress(jobs), [Path(checkpoint_folder)]
         else:
             self.push_in_progress.jobs.extend(jobs)
+            self._uploads_read.append(Path(checkpoint_folder))
 
     def _write_checkpoint(self, final: Path, tmp: Path, model_only: bool = False) -> None:
         main = self.accelerator.is_main_process
@@ -660,12 +676,7 @@ class SavingMixin:
                 marker["model_only"] = True  # `checkpoint_problem`: not one to resume from
             (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
             publish(tmp, final)
-            best = self.state.best_model_checkpoint
-            keep = [final] + ([Path(best)] if best and Path(best) != final else [])
-            pushing = getattr(self, "push_in_progress", None)  # transformers' record of the uploads under way
-            if pushing is not None:  # an upload may still read an older checkpoint, which rotation would delete
-                pushing.wait_until_done()
-            rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep)
+            self._rotate_checkpoints(final)
         self.accelerator.wait_for_everyone()
 
     def _reference_moves(self) -> bool:
@@ -734,12 +745,12 @@ class SavingMixin:
         # `restore_callback_states_from_checkpoint` asks, as transformers restores them.
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
-        self.state.compute_steps(self.args, self.run_plan.planned_steps)
         self._load_callback_state()
         self.state.stateful_callbacks = stateful
         self.progress = TrainingProgress.from_dict(marker["progress"])
         # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
         self.state.max_steps = self.run_plan.max_steps(self.progress)
+        self.state.compute_steps(self.args, self.state.max_steps)
         if self._reference_moves():
             if (path / REFERENCE_FILE).is_file():
                 load_placed_state_dict(self.ref_model, self.accelerator, load_file(path / REFERENCE_FILE))

@@ -25,7 +25,8 @@ class VAPOConfig(TrainingArguments):
 
     VAPO (arXiv 2504.05118) is PPO with a value model plus seven techniques; the defaults are the paper's wherever
     the paper gives a value, except the batch (one device's: 8 completions a rollout, where the paper samples 512
-    prompts x 16), and each technique is switched off by configuration alone:
+    prompts x 16) and value pretraining's early stop (`value_pretrain_patience=10`: the paper runs all 50 steps,
+    None here), and each technique is switched off by configuration alone:
 
     | technique                  | field(s)                              | VAPO        | off (vanilla PPO)            |
     | -------------------------- | ------------------------------------- | ----------- | ---------------------------- |
@@ -703,6 +704,11 @@ class VAPOConfig(TrainingArguments):
         return refused
 
     def _resolve_batch_sizes(self) -> None:
+        sizes = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+        for name in (*sizes, "generation_batch_size", "steps_per_generation"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}.")
         per_step = self.per_device_train_batch_size * self.world_size
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError("Set only one of `generation_batch_size` and `steps_per_generation`; the other follows.")
@@ -813,7 +819,11 @@ class VAPOConfig(TrainingArguments):
             f"{'cosine takes num_cycles only' if taken else 'it takes none'} (the schedules are "
             "trl_vapo.optim.Schedule's, one per side).",
         )
-        require(self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0.")
+        require(
+            0 <= self.epsilon < 1 and self.epsilon_high >= 0,
+            f"epsilon must be in [0, 1) (the ratio's lower bound is 1 - epsilon) and epsilon_high >= 0, got "
+            f"{self.epsilon} and {self.epsilon_high}.",
+        )
         for name in ("lam_actor", "lam_critic", "gamma"):
             value = getattr(self, name)
             require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}.")
@@ -931,6 +941,11 @@ class VAPOConfig(TrainingArguments):
         )
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         require(
+            (low is None or low >= 0) and (high is None or high > 0),
+            f"vllm_importance_sampling_clip_min must be >= 0 and vllm_importance_sampling_clip_max > 0 (bounds of a "
+            f"ratio of probabilities), got {low} and {high}.",
+        )
+        require(
             low is None or high is None or low < high,
             f"vllm_importance_sampling_clip_min ({low}) must be below vllm_importance_sampling_clip_max ({high}).",
         )
@@ -938,6 +953,30 @@ class VAPOConfig(TrainingArguments):
             not self.vllm_importance_sampling_mode.endswith("truncate") or low is not None or high is not None,
             f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs "
             "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max.",
+        )
+        require(
+            self.positive_reward_funcs is None or len(self.positive_reward_funcs) > 0,
+            "positive_reward_funcs=[] names no function, so no completion would ever be correct (the NLL loss and "
+            "`accuracy` would read 0): name the functions that judge correctness, or leave it None (all of them).",
+        )
+        require(
+            not self.auto_find_batch_size,
+            "auto_find_batch_size=True is not supported (nor by GRPO): a rollout must hold whole groups of "
+            "num_generations completions, and halving the batch on out-of-memory breaks that. Lower "
+            "per_device_train_batch_size instead (gradient_accumulation_steps keeps the batch).",
+        )
+        parallel = self.parallelism_config
+        require(
+            parallel is None or not (getattr(parallel, "cp_enabled", False) or getattr(parallel, "sp_enabled", False)),
+            "parallelism_config with cp_size > 1 or sp_size > 1 (sequence parallelism) is not supported (nor by "
+            "GRPO): the model inputs are built after generation, where transformers' input sharding does not apply. "
+            "Set cp_size=1 and sp_size=1, or leave parallelism_config unset.",
+        )
+        require(
+            not getattr(self, "enable_jit_checkpoint", False),
+            "enable_jit_checkpoint=True is not supported: its SIGTERM handler would take the signal from "
+            "VAPOTrainer's, which ends the rollout under way, writes a checkpoint that resumes exactly and stops "
+            "(with exit code 143 from trl-vapo train). Leave it False.",
         )
         check_deepspeed_config(self)
 

@@ -345,9 +345,11 @@ def _vapo_table(args, value_pretraining) -> str:
             pretrain += f": {done}"
     alpha = get("length_adaptive_alpha")
     alpha_text = f"`length_adaptive_alpha={alpha}`" if alpha is not None else "off (`length_adaptive_alpha=None`)"
+    # With length-adaptive GAE the policy's lambda is 1 - 1/(alpha l) per completion: `lam_actor` is not used.
+    actor_lambda = f"`lam_actor={get('lam_actor')}`" if alpha is None else "the policy's: length-adaptive (3)"
     rows = [
         ("1", "value pretraining", pretrain, "50 rollouts"),
-        ("2", "decoupled GAE", f"`lam_critic={get('lam_critic')}`, `lam_actor={get('lam_actor')}`", "1.0, 0.95"),
+        ("2", "decoupled GAE", f"`lam_critic={get('lam_critic')}`, {actor_lambda}", "1.0, 0.95"),
         ("3", "length-adaptive GAE", alpha_text, "alpha = 0.05"),
         ("4", "token-level policy loss", f'`loss_type="{get("loss_type")}"`', "token"),
         ("5", "clip-higher", f"`epsilon={get('epsilon')}`, `epsilon_high={get('epsilon_high')}`", "0.2, 0.28"),

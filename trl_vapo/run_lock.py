@@ -86,8 +86,9 @@ def _take(path: Path, output_dir, warn) -> int | None:
 def live_holder(output_dir: str | os.PathLike) -> dict | None:
     """The run that holds `output_dir` now (`{}` where its lock file is unreadable), else None. A look that keeps
     nothing, for a command to refuse before it loads a model; the run's own `output_dir_lock` still decides (two
-    runs starting at once both see a free folder here). Ask from one process of a job: two looking at the same
-    moment would each see the other's look as a holder."""
+    runs starting at once both see a free folder here). A shared lock: it conflicts with a run's exclusive one and not
+    with another look, and a file opened read-only can take it on NFS too (an exclusive lock there needs write
+    access: the look failed and saw no holder)."""
     if fcntl is None:
         return None
     path = Path(output_dir) / RUN_LOCK
@@ -96,7 +97,7 @@ def live_holder(output_dir: str | os.PathLike) -> dict | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return _lock_holder(path) or {}
     except OSError:  # a file system without locks: the run says so itself

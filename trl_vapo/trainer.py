@@ -533,6 +533,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # as transformers: the last checkpoint's upload ends with the run
+        newest = ckpt.list_checkpoints(args.output_dir)[-1:] if args.push_to_hub else []
+        if newest and self.is_world_process_zero():  # what the uploads read, past save_total_limit until now
+            self._rotate_checkpoints(newest[0])
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
@@ -607,6 +610,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
             # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
             new_best = self._determine_best_metric(self.evaluate(), trial=None)
+            self._save_pending |= self.control.should_save  # as transformers reads it after `on_evaluate`
             self._save_pending |= new_best and self.args.save_strategy == SaveStrategy.BEST
         if self._save_pending:
             self._save_checkpoint()
@@ -1042,6 +1046,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         max_steps = self.run_plan.max_steps(progress)  # fewer when the stop rule ended value pretraining early
         if max_steps != self.state.max_steps:
             self.state.max_steps = max_steps
+            self.state.compute_steps(self.args, max_steps)  # logging/eval/save_steps given as a share of the run
             for callback in self.callback_handler.callbacks:
                 if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                     callback.training_bar.total = self.state.max_steps
