@@ -404,6 +404,45 @@ def test_a_streamed_dataset_trains_as_the_same_rows_in_order_and_resumes(tiny_mo
     assert [h for h in resumed if h["step"] > 2] == streamed[2:]
 
 
+def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_not(tiny_model_dir, tmp_path):
+    """8 prompts, 4 a rollout: an epoch is 2 steps. The epoch strategies evaluate and save at its end, with
+    `on_epoch_begin` and `on_epoch_end` around it, as transformers calls them. A stream's end is found as the next
+    rollout reads it: its evaluation and checkpoint waited for that rollout (step 3's weights, named checkpoint-3),
+    and `on_epoch_begin` was never called."""
+    from transformers import TrainerCallback
+
+    from trl_vapo.checkpoint import list_checkpoints
+
+    settings = dict(max_steps=5, shuffle_dataset=False, save_strategy="epoch", eval_strategy="epoch")
+    settings.update(per_device_eval_batch_size=4, num_generations_eval=2)
+
+    def run(name, dataset):
+        events = []
+
+        class Epochs(TrainerCallback):
+            def on_epoch_begin(self, args, state, control, **kwargs):
+                events.append(("begin", state.global_step))
+
+            def on_epoch_end(self, args, state, control, **kwargs):
+                events.append(("end", state.global_step))
+
+            def on_evaluate(self, args, state, control, **kwargs):
+                events.append(("evaluate", state.global_step))
+
+        args = make_args(tmp_path / name, **settings)
+        trainer = VAPOTrainer(
+            str(tiny_model_dir), digit_fraction, args, dataset, prompts_dataset(2), callbacks=[Epochs()]
+        )
+        trainer.train()
+        return events, [c.name for c in list_checkpoints(tmp_path / name / "out")]
+
+    epochs = [("begin", 0), ("end", 2), ("evaluate", 2), ("begin", 2), ("end", 4), ("evaluate", 4), ("begin", 4)]
+    epochs += [("end", 5), ("evaluate", 5)]  # training ends mid-epoch: transformers ends that epoch too
+    expected = (epochs, ["checkpoint-2", "checkpoint-4", "checkpoint-5"])
+    assert run("mapped", prompts_dataset(8)) == expected
+    assert run("streamed", prompts_dataset(8).to_iterable_dataset()) == expected
+
+
 def test_streamed_data_takes_grpos_loader_settings(tiny_model_dir, tmp_path, caplog):
     """As GRPOTrainer: a stream (train or eval) refuses `dispatch_batches=True` with TRL's message and sets it
     False; a streamed train set sets `dataloader_num_workers` to 0 with TRL's warning, a streamed eval set alone

@@ -833,6 +833,20 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
     assert said[1] == "held" and said[0].startswith(f"Another run is writing to {tmp_path}: PID "), said
 
 
+def test_a_command_holds_the_output_dir_until_its_model_is_saved(tiny_model_dir, tmp_path):
+    """`trl-vapo train` evaluates and saves after `train()`: the lock was released when `train()` returned, and a run
+    started then took the folder and removed the model being saved as a stopped run's debris. The command holds it
+    around all of that (`holding_output_dir`), and `train()` inside holds it once."""
+    from trl_vapo.run_lock import live_holder
+
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=1), prompts_dataset())
+    out = trainer.args.output_dir
+    with trainer.holding_output_dir():
+        trainer.train()
+        assert live_holder(out)["pid"] == os.getpid()  # still held after train()
+    assert live_holder(out) is None
+
+
 def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(tmp_path, monkeypatch, caplog):
     """A file system without locks (ENOLCK on some network mounts): the run goes on with a warning, told it holds no
     lock (so it removes nothing another run may be writing), and its own errors carry no trace of the lock's."""

@@ -388,6 +388,16 @@ def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_mo
     assert record["final_explained_variance"] == pytest.approx(sum(readings[-2:]) / 2)
 
 
+def test_value_pretrainings_last_readings_are_logged_as_its_own(tiny_model_dir, tmp_path):
+    """Value pretraining ends at step 3, between logs (every 2 steps): its last step's readings were averaged into
+    the first RL log, labelled `rl`. They are logged when it ends, as value pretraining's."""
+    args = make_args(tmp_path, max_steps=3, value_pretrain_steps=3, value_pretrain_patience=None, logging_steps=2)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.train()
+    logged = [(h["step"], h["phase"]) for h in trainer.state.log_history if "phase" in h]
+    assert logged == [(2, "value_pretrain"), (3, "value_pretrain"), (4, "rl"), (6, "rl")]
+
+
 def test_value_pretraining_readings_without_variance_do_not_stop_it(tiny_model_dir, tmp_path):
     # A constant reward leaves nothing to explain (NaN explained variance): no evidence of a stall, the budget runs.
     args = make_args(tmp_path, max_steps=1, value_pretrain_steps=4, value_pretrain_patience=1)
@@ -1127,6 +1137,8 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
         model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(16)
     )
     trainer.train()
+    repo = tmp_path / "hub" / "me" / "vapo"
+    assert 'model="me/vapo"' in (repo / "README.md").read_text()  # a card before save_model (GRPOTrainer's)
     trainer.save_model()
     assert hub.commits == [
         "Training in progress, step 1",
@@ -1135,7 +1147,6 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
         "Training in progress, step 2, checkpoint",
         "Model save",
     ]
-    repo = tmp_path / "hub" / "me" / "vapo"
     AutoModelForCausalLM.from_pretrained(repo)
     AutoModelForSequenceClassification.from_pretrained(repo / "critic")
     assert 'model="me/vapo"' in (repo / "README.md").read_text()

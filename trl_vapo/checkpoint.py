@@ -608,6 +608,9 @@ class SavingMixin:
         if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
             return
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        # The model card with it, as GRPOTrainer writes one at each checkpoint: a run that stops before
+        # `save_model` leaves a repository whose model says what it is (and the trackers' pages while they run).
+        self.create_model_card(checkpoint_folder)
         message = f"Training in progress, step {self.state.global_step}"
         hub = dict(
             repo_id=self.hub_model_id, token=self.args.hub_token, revision=self.args.hub_revision, run_as_future=True

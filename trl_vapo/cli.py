@@ -346,20 +346,21 @@ def train_command(argv: list[str]) -> int:
         logging.getLogger(__name__).debug("The trainer refused the run", exc_info=True)  # the traceback, if asked
         raise UsageError(" ".join(str(error).split())) from None
     before = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
-    try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: the checkpoint is written and named in the log
-        print(f"trl-vapo train: {stopped}", file=sys.stderr)
-        trainer.accelerator.end_training()
-        return stopped.exit_code
-    try:
-        after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
-    except Exception:  # the trained model is saved first, without the held-out scores the report did not give
-        trainer.model_card_info = _model_card_info(script_args, None, None, demo)
+    with trainer.holding_output_dir():  # until the model is saved: a run started meanwhile would remove it half-saved
+        try:
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: the checkpoint is written and named in the log
+            print(f"trl-vapo train: {stopped}", file=sys.stderr)
+            trainer.accelerator.end_training()
+            return stopped.exit_code
+        try:
+            after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
+        except Exception:  # the trained model is saved first, without the held-out scores the report did not give
+            trainer.model_card_info = _model_card_info(script_args, None, None, demo)
+            trainer.save_model(training_args.output_dir)
+            raise
+        trainer.model_card_info = _model_card_info(script_args, before, after, demo)
         trainer.save_model(training_args.output_dir)
-        raise
-    trainer.model_card_info = _model_card_info(script_args, before, after, demo)
-    trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         print(_summary(trainer, before, after, time.time() - started, demo))
     # Several processes: destroy the process group before the interpreter exits; left to exit, a gloo worker once

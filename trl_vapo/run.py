@@ -144,6 +144,12 @@ class PromptCursor:
             return float(progress.data_epoch)
         return progress.data_epoch + progress.data_index / len(self.dataset)
 
+    def starts_epoch(self, progress: TrainingProgress) -> bool:
+        """Whether the next rollout is its epoch's first (a stream's next epoch is found as the rollout reads it)."""
+        if self.streamed:
+            return progress.data_index == 0
+        return progress.data_index == 0 or progress.data_index + self.count > len(self.dataset)
+
     def epoch_is_over(self, progress: TrainingProgress) -> bool:
         """Whether this epoch's prompts are used up: the next rollout starts the next epoch (a stream's epoch ends
         when the stream does, found when the next rollout reads it)."""

@@ -440,7 +440,20 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
     # -------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs) -> TrainOutput:
         """Run value pretraining (unless skipped) then VAPO; `resume_from_checkpoint` continues a saved run. The run
-        holds `output_dir` while it trains (`run_lock.output_dir_lock`): a second run there is refused."""
+        holds `output_dir` while it trains (`holding_output_dir`): a second run there is refused."""
+        with self.holding_output_dir():
+            return self._train(resume_from_checkpoint)
+
+    @contextlib.contextmanager
+    def holding_output_dir(self):
+        """Hold `output_dir` for this run (`run_lock.output_dir_lock`, on the main process; every process raises
+        where it is refused), and remove what a stopped run left half-written there. `train` holds it; a command
+        that goes on to evaluate and save the model holds it around all of that (`trl-vapo train`), or a second run
+        could start as the first saves, and remove its half-written model as debris. Held once: `train` inside
+        holds nothing more."""
+        if getattr(self, "_holding_output_dir", False):
+            yield
+            return
         with contextlib.ExitStack() as held:
             refused, owner = None, ckpt.run_owner()
             if self.accelerator.is_main_process:
@@ -459,7 +472,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             if refused is not None:
                 raise refused
             self._run_owner = owner  # `checkpoint.temporary_folder`
-            return self._train(resume_from_checkpoint)
+            self._holding_output_dir = True
+            try:
+                yield
+            finally:
+                self._holding_output_dir = False
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
@@ -505,6 +522,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self._loss_sum, self._loss_steps = 0.0, 0
         self._checkpoint_step = None  # the step of the last resumable checkpoint this run wrote (`_save_checkpoint`)
         self._epoch_ended_at = -1
+        self._epoch_begun = False  # `on_epoch_begin` for the epoch this call starts in (`_next_rows`)
         if args.eval_on_start:
             self.evaluate()
         self.model_wrapped.train()
@@ -633,11 +651,26 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
         self._log_evaluate_save()
 
+    def _begin_epoch(self) -> None:
+        self._epoch_begun = True
+        self.control = self.callback_handler.on_epoch_begin(self.args, self.state, self.control)
+
+    def _end_streamed_epoch(self) -> None:
+        """A stream ran out as the next rollout read it: its epoch ended with the rollout before. What the epoch
+        strategies ask for happens now, on the weights of that rollout (it waited for the next rollout's end, and
+        was saved under the next step's name); the position saved is the stream's end, where a resume starts the next
+        epoch. Then the next epoch begins."""
+        self._end_epoch()
+        self._save_if_pending()
+        self._begin_epoch()
+
     def _next_rows(self) -> list[dict[str, Any]]:
         """This process's share of the next rollout: each prompt repeated `num_generations` times. A stream that ran
         out ends its epoch on the way (`_end_epoch`: the callbacks, and what the epoch strategies ask for)."""
         args, progress = self.args, self.progress
-        prompts = self._prompts.next(progress, on_epoch_end=self._end_epoch)
+        if self._prompts.starts_epoch(progress) or not self._epoch_begun:  # (a resumed run's epoch too)
+            self._begin_epoch()
+        prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
         self.state.epoch = self._prompts.epoch(progress)
         repeated = [row for row in prompts for _ in range(args.num_generations)]
         per_process = args.generation_batch_size // self.accelerator.num_processes
@@ -1041,6 +1074,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
 
     def _finish_value_pretraining(self, early: bool) -> None:
         progress = self.progress
+        if any(self._metrics.values()):  # its last steps' readings since the last log: logged as its own, not RL's
+            self._log_metrics(VALUE_PRETRAIN)
         progress.phase = RL
         progress.rl_start_step = self.state.global_step
         max_steps = self.run_plan.max_steps(progress)  # fewer when the stop rule ended value pretraining early
