@@ -151,6 +151,14 @@ class StallingTrainer(VAPOTrainer):
             time.sleep(600)
 
 
+def stop_ids(model: str, characters: str) -> list[int]:
+    """The tokenizer's EOS and the ids of `characters`: completions of several lengths from a random tiny model."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list(characters))]
+
+
 def sharded(model) -> bool:
     """Partitioned by ZeRO-3 (`ds_id`) or sharded by FSDP2 (DTensors), as the policy is."""
     return model is not None and all(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in model.parameters())
@@ -182,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", help="the dtype to load the model in (model_init_kwargs)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     parser.add_argument("--sync-ref-steps", type=int, help="sync_ref_model every this many steps (with --beta)")
+    parser.add_argument("--stop-chars", default="", help="characters that also end a completion (lengths vary)")
+    parser.add_argument("--positive-threshold", type=float, help="positive_reward_threshold (default VAPOConfig's)")
     parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every 4 steps")
     parser.add_argument("--eval-generations", type=int, default=2, help="num_generations_eval")
     parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
@@ -243,7 +253,12 @@ def main(argv: list[str] | None = None) -> None:
         disable_tqdm=True,
         plot_diagnostics=False,  # a second or two per run of matplotlib (its import, two figures twice)
         seed=0,
-        generation_kwargs={"do_sample": False} if args.greedy else None,
+        generation_kwargs={
+            **({"do_sample": False} if args.greedy else {}),
+            **({"eos_token_id": stop_ids(args.model, args.stop_chars)} if args.stop_chars else {}),
+        }
+        or None,
+        **({"positive_reward_threshold": args.positive_threshold} if args.positive_threshold is not None else {}),
         # Eight completions per evaluation batch over all processes (so one process and two see the same batches).
         eval_strategy="steps" if args.eval_prompts else "no",
         eval_steps=4,

@@ -783,7 +783,7 @@ def test_eval_takes_temperature_zero_as_greedy():
 
 
 def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
-    tiny_model_dir, jsonl_data, tmp_path, capsys
+    tiny_model_dir, jsonl_data, tmp_path, capsys, monkeypatch
 ):
     """A PEFT adapter folder without a tokenizer reads its base's, on a data set too (whose prompts the tokenizer
     formats); a config's `reward_weights` score as in training (0: nothing is correct); `--k 1` reports the greedy
@@ -794,13 +794,23 @@ def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
     config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
     get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
     assert not (tmp_path / "adapter" / "tokenizer_config.json").exists()
-    (tmp_path / "run.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nreward_weights: [0.0]\n")
+    # A reward that finds every completion correct (a module of the working directory, by its dotted path): the
+    # config's weight 0 makes none correct (the tiny model is never right by math_reward: 0 proved nothing).
+    (tmp_path / "always.py").write_text("def right(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    config = f"model_name_or_path: {tiny_model_dir}\nreward_funcs: [always.right]\n"
+    (tmp_path / "run.yaml").write_text(config + "reward_weights: [0.0]\n")
+    (tmp_path / "unweighted.yaml").write_text(config)
     scores = tmp_path / "new" / "scores.json"
     common = ["eval", "--model", str(tmp_path / "adapter"), "--num_prompts", "4", "--max_new_tokens", "4"]
     assert main([*common, "--k", "1", "--output_json", str(scores), "--config", str(tmp_path / "run.yaml")]) == 0
     result = json.loads(scores.read_text())
     assert set(result) == {"pass@1", "avg@1", "num_problems", "mean_length"}
     assert result["pass@1"] == result["avg@1"] == 0.0 and result["num_problems"] == 4
+    assert (
+        main([*common, "--k", "1", "--output_json", str(scores), "--config", str(tmp_path / "unweighted.yaml")]) == 0
+    )
+    assert json.loads(scores.read_text())["pass@1"] == json.loads(scores.read_text())["avg@1"] == 1.0
     data = ["--dataset_name", str(jsonl_data), "--prompt_column", "question", "--dataset_test_split", "train"]
     assert main([*common, "--k", "1", *data]) == 0  # the adapter folder was read as the tokenizer's: an OSError
 

@@ -673,11 +673,12 @@ def test_terminal_rewards_sit_on_the_last_valid_token():
 @pytest.mark.parametrize("alpha", [None, 0.3])
 def test_decoupled_gae_is_two_gae_calls_with_the_actor_and_critic_lambdas(alpha):
     lengths, mask, rewards, values, _ = random_batch(batch=6, steps=9, seed=29)
-    advantages, returns, lam = decoupled_gae(rewards, values, mask, 1.0, 0.9, 1.0, alpha)
-    expected_lam = length_adaptive_lambda(lengths, alpha) if alpha is not None else torch.full((6,), 0.9)
+    # Three different values (gamma 0.9, lam_actor 0.8, lam_critic 0.95): the paper's 1.0s would hide a swap.
+    advantages, returns, lam = decoupled_gae(rewards, values, mask, 0.9, 0.8, 0.95, alpha)
+    expected_lam = length_adaptive_lambda(lengths, alpha) if alpha is not None else torch.full((6,), 0.8)
     torch.testing.assert_close(lam, expected_lam)
-    expected_advantages, _ = naive_gae(rewards, values, lengths, 1.0, expected_lam)
-    _, expected_returns = naive_gae(rewards, values, lengths, 1.0, torch.ones(6))
+    expected_advantages, _ = naive_gae(rewards, values, lengths, 0.9, expected_lam)
+    _, expected_returns = naive_gae(rewards, values, lengths, 0.9, torch.full((6,), 0.95))
     torch.testing.assert_close(advantages.double(), expected_advantages, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(returns.double(), expected_returns, atol=1e-5, rtol=1e-5)
 

@@ -51,6 +51,10 @@ COMMON = [
     "0.05",
     "--sync-ref-steps",
     "3",
+    # Between the scores of greedy completions (-0.923 to -0.913 for the first rollouts, 2e-3 from any): some groups
+    # are positive and some are not, so the NLL loss and its token count over the processes train too.
+    "--positive-threshold",
+    "-0.918",
     "--dump-state-at",
     "2",
     "8",
@@ -150,6 +154,8 @@ def assert_same_training(run: Path, reference: Path) -> None:
     assert sorted(logs) == sorted(reference_logs) == list(range(1, STEPS + 1))
     # The KL penalty's reference is the policy before its first update, however it is sharded.
     assert "kl" not in logs[1] and logs[3]["kl"] == reference_logs[3]["kl"] == 0.0
+    # Positive examples in some groups only (the NLL loss trains): `accuracy` and `loss/nll` compared below.
+    assert 0 < reference_logs[3]["accuracy"] < 1 and reference_logs[3]["loss/nll"] > 0
     # Every step trains the critic; the policy trains on the first pass over each RL rollout only.
     assert [step for step, log in sorted(reference_logs.items()) if "grad_norm/policy" in log] == [3, 6]
     # The reward model scores as in the plain run (its weights gathered or sharded as TRL places them).
@@ -164,6 +170,9 @@ def assert_same_training(run: Path, reference: Path) -> None:
         assert {key for key in log if key.startswith("grad_norm/")} == norms.keys(), step
         for key, value in norms.items():
             assert log[key] == pytest.approx(value, rel=1e-3), (step, key)
+        for key in ("accuracy", "loss/nll"):
+            if key in reference_logs[step]:
+                assert log[key] == pytest.approx(reference_logs[step][key], rel=1e-3, abs=1e-7), (step, key)
 
 
 @pytest.fixture(scope="module")

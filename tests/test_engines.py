@@ -9,6 +9,7 @@ vLLM cannot be installed here (no GPU): the vLLM test runs the trainer against `
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -122,6 +123,39 @@ def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tin
     rl_rollouts = [r for _, r in trainer.rollouts if r.phase == "rl"]
     assert rl_rollouts and all(r.is_weights is not None and r.is_weights.shape[1] == 1 for r in rl_rollouts)
     assert sum("sampling/importance_sampling_ratio/mean" in h for h in rl_logs(trainer)) == len(rl_rollouts)
+
+
+def test_the_policy_loss_is_weighted_by_the_samplers_mismatch(tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch):
+    """A sampler whose log-prob of every token is 0.05 above the trainer's: with `token_truncate` each token's weight
+    is exp(-0.05), and the first step's policy loss (ratio 1, advantages not whitened) is exp(-0.05) times the loss
+    without the correction. (The stand-in samples with the trainer's own weights, whose weights read 1: leaving them
+    out of the loss passed the test above.)"""
+    generate = StandInVLLMGeneration.generate
+
+    def drifted(self, *args, **kwargs):
+        prompts, completions, logprobs, token_ids = generate(self, *args, **kwargs)
+        return prompts, completions, [[[lp + 0.05 for lp in tok] for tok in row] for row in logprobs], token_ids
+
+    monkeypatch.setattr(StandInVLLMGeneration, "generate", drifted)
+
+    def first_step(correction: bool) -> dict:
+        args = make_args(
+            tmp_path / str(correction),
+            max_steps=1,
+            whiten_advantages=False,
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_importance_sampling_correction=correction,
+            vllm_importance_sampling_mode="token_truncate",
+        )
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=lora())
+        trainer.train()
+        return rl_logs(trainer)[0]
+
+    corrected, plain = first_step(True), first_step(False)
+    assert corrected["sampling/sampling_logp_difference/mean"] == pytest.approx(0.05, abs=1e-4)
+    assert abs(plain["loss/policy"]) > 1e-3
+    assert corrected["loss/policy"] == pytest.approx(math.exp(-0.05) * plain["loss/policy"], rel=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])

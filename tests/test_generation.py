@@ -687,7 +687,7 @@ def test_evaluation_cuts_at_the_generation_configs_eos_ids(tiny_model_dir):
     assert sample_completions(model, tokenizer, TEXT_PROMPTS, **kwargs) == (cut, cut_lengths)
 
 
-@pytest.mark.parametrize("engine", ["generate", "continuous_batching"])
+@pytest.mark.parametrize("engine", ["continuous_batching", "static_cache"])  # each against generate()
 def test_evaluation_engines_agree_greedily(engine, demo):
     from trl_vapo.demo.data import build_split
     from trl_vapo.evaluation import sample_completions

@@ -131,8 +131,7 @@ def test_sampled_logprobs_are_the_trainers_teacher_forced_logprobs(tiny):
         dict(temperature=0.9, top_p=0.8),
         dict(temperature=1.0, min_p=0.05),
         dict(temperature=0.6, top_k=20, top_p=0.9, min_p=0.02),
-        dict(temperature=0.0),
-    ],
+    ],  # (greedy: no processor on either side; its decoding equals generate()'s in the tests above)
 )
 def test_processed_logits_equal_transformers_processors(tiny, settings):
     """On random logits, the engine's processing equals the processors `generate()` builds for the same settings
@@ -299,10 +298,15 @@ def test_the_trainer_rolls_out_with_it_on_policy(tiny_model_dir, tmp_path):
     )
     assert type(trainer.generation_engine).__name__ == "StaticCacheEngine"
     assert not trainer.generation_engine.keep_buffers  # the update between two rollouts gets the memory back
+    # The engine's own log-probs of what it sampled, which the trainer's must equal (`approx_kl` is 0 at a rollout's
+    # first update whatever was sampled: the old log-probs are the ones computed then): read through the
+    # sampler-mismatch metrics of the importance-sampling correction.
+    trainer.generation_engine.logprobs = True
     trainer.train()
     assert trainer.generation_engine.state is None
     logs = rl_logs(trainer)
     assert logs[0]["approx_kl"] == 0.0 and all(h["completions/mean_length"] > 0 for h in logs)
+    assert all(h["sampling/sampling_logp_difference/max"] < 1e-4 for h in logs)
     settings = EngineSettings.from_config(make_args(tmp_path, use_static_cache_engine=True))
     assert settings.engine == "static_cache"
     with pytest.raises(ValueError, match="use_transformers_continuous_batching and use_static_cache_engine"):

@@ -816,6 +816,7 @@ def test_decoupled_and_length_adaptive_gae_wiring(tiny_model_dir, tmp_path, alph
         length_adaptive_alpha=alpha,
         lam_actor=0.7,
         lam_critic=lam_critic,
+        gamma=0.95,  # (not the paper's 1.0: a gamma left out of the GAE calls would show)
         max_completion_length=12,
         generation_kwargs=stop_on_common_characters(tiny_model_dir),
     )
@@ -829,8 +830,8 @@ def test_decoupled_and_length_adaptive_gae_wiring(tiny_model_dir, tmp_path, alph
     expected_lam = torch.full((len(rows),), 0.7) if alpha is None else length_adaptive_lambda(lengths, alpha)
     if alpha is not None:
         assert len(set(expected_lam.tolist())) > 1, "lengths must differ for this test to mean something"
-    advantages, _ = compute_gae(rewards, rollout.old_values, mask, 1.0, expected_lam)
-    _, returns = compute_gae(rewards, rollout.old_values, mask, 1.0, lam_critic)
+    advantages, _ = compute_gae(rewards, rollout.old_values, mask, 0.95, expected_lam)
+    _, returns = compute_gae(rewards, rollout.old_values, mask, 0.95, lam_critic)
     torch.testing.assert_close(rollout.advantages, advantages)
     torch.testing.assert_close(rollout.returns, returns)
     logged = rl_logs(trainer)[0]["lambda_actor/mean"]

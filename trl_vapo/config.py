@@ -68,8 +68,10 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Learning-rate schedule, applied to the actor and the critic separately: one of "
             f"{', '.join(_LR_SCHEDULES)}, as `transformers.get_scheduler` computes them (`constant` has no warm-up). "
-            "The actor's warm-up starts with its first update, after value pretraining. Paper: warm-up then "
-            "constant, of a length it does not give: `warmup_steps` is 0 (no warm-up) unless set."
+            "The actor's warm-up starts with its first update, after value pretraining; the critic's schedule spans "
+            "the planned run (value pretraining's whole budget, then RL), and keeps that length when "
+            "`value_pretrain_patience` ends value pretraining early (a decaying one then ends above its last rate). "
+            "Paper: warm-up then constant, of a length it does not give: `warmup_steps` is 0 (no warm-up) unless set."
         },
     )
     logging_steps: float = field(
