@@ -222,6 +222,25 @@ def test_grpo_settings_that_cannot_go_together_say_why(tmp_path, settings, says)
         make_args(tmp_path, **settings)
 
 
+def test_training_arguments_that_act_only_in_transformers_loop_are_named_when_set(tiny_model_dir, tmp_path, caplog):
+    """Accepted and silently ignored: the DataLoader settings, `skip_memory_metrics`, `debug`, ... (VAPOTrainer's own
+    loop replaces transformers'); NEFTune, which GRPOTrainer applies, is refused (noise in the updates' log-probs)."""
+    from trl_vapo.config import settings_without_effect
+
+    assert settings_without_effect(make_args(tmp_path)) == []
+    args = make_args(tmp_path, dataloader_pin_memory=False, skip_memory_metrics=False, debug="underflow_overflow")
+    assert [s.split("=")[0] for s in settings_without_effect(args)] == [
+        "debug",
+        "skip_memory_metrics",
+        "dataloader_pin_memory",
+    ]
+    with caplog.at_level("WARNING"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8))
+    assert "skip_memory_metrics=False, dataloader_pin_memory=False: these TrainingArguments act in" in caplog.text
+    with pytest.raises(ValueError, match="neftune_noise_alpha=5.0 is not supported"):
+        make_args(tmp_path, neftune_noise_alpha=5.0)
+
+
 def test_sequence_parallelism_is_refused_as_grpo_refuses_it(tmp_path):
     from accelerate.parallelism_config import ParallelismConfig
 

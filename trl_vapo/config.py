@@ -6,7 +6,7 @@ import importlib.util
 import json
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
@@ -975,12 +975,45 @@ class VAPOConfig(TrainingArguments):
             "Set cp_size=1 and sp_size=1, or leave parallelism_config unset.",
         )
         require(
+            self.neftune_noise_alpha is None,
+            f"neftune_noise_alpha={self.neftune_noise_alpha} is not supported: NEFTune's noise on the embeddings in "
+            "the updates would make the policy's log-probs differ from those of the policy that sampled (the PPO "
+            "ratio and the KL would read the noise). Leave it unset.",
+        )
+        require(
             not getattr(self, "enable_jit_checkpoint", False),
             "enable_jit_checkpoint=True is not supported: its SIGTERM handler would take the signal from "
             "VAPOTrainer's, which ends the rollout under way, writes a checkpoint that resumes exactly and stops "
             "(with exit code 143 from trl-vapo train). Leave it False.",
         )
         check_deepspeed_config(self)
+
+
+# TrainingArguments fields that act inside `Trainer.train`'s loop and its DataLoaders, which VAPOTrainer replaces with
+# its own (each rollout reads its prompts from the data set itself): set, they would change nothing.
+_WITHOUT_EFFECT = (
+    "debug",
+    "skip_memory_metrics",
+    "logging_nan_inf_filter",
+    "ignore_data_skip",
+    "bf16_full_eval",
+    "fp16_full_eval",
+    "eval_accumulation_steps",
+    "label_smoothing_factor",
+    "train_sampling_strategy",
+    "dataloader_num_workers",
+    "dataloader_pin_memory",
+    "dataloader_prefetch_factor",
+    "dataloader_persistent_workers",
+    "dataloader_drop_last",
+)
+
+
+def settings_without_effect(args: VAPOConfig) -> list[str]:
+    """``name=value`` of each `_WITHOUT_EFFECT` field set to other than `TrainingArguments`' default."""
+    defaults = {f.name: f.default for f in fields(TrainingArguments) if f.name in _WITHOUT_EFFECT}
+    changed = [name for name in _WITHOUT_EFFECT if (getattr(args, name) or None) != (defaults[name] or None)]
+    return [f"{name}={getattr(args, name)!r}" for name in changed]
 
 
 # report_to's names whose `is_<name>_available` in transformers' integration_utils, or whose pip package, is

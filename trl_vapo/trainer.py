@@ -48,7 +48,7 @@ from ._compat import (
     prepare_frozen_model,
     unwrap_model_for_generation,
 )
-from .config import VAPOConfig
+from .config import VAPOConfig, settings_without_effect
 from .core import (
     decoupled_gae,
     explained_variance_plateaued,
@@ -312,6 +312,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         actor_critic.with_entropy_grad = args.entropy_coef > 0
         for warning in grpo_setting_warnings(args):  # GRPOTrainer's, about its loss settings
             logger.warning(warning)
+        if unused := settings_without_effect(args):
+            logger.warning(
+                f"{', '.join(unused)}: these TrainingArguments act in transformers' training loop and its data "
+                "loaders, which VAPOTrainer replaces with its own (each rollout reads its prompts from the data set; "
+                "shuffle_dataset orders them): they change nothing here."
+            )
         if args.disable_dropout:
             disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
