@@ -11,12 +11,15 @@ Models are randomly initialised from configs with the real shapes of Qwen2.5-0.5
 downloaded), with a byte-level BPE tokenizer trained on the spot (the model keeps Qwen's 151,936-token vocabulary,
 so the LM head costs what it costs). Every run is a fresh subprocess, so peak memory is its own.
 
-Methods, all bf16 (float32 trainable weights, bf16 compute) with gradient checkpointing:
+Methods, all bf16 with gradient checkpointing (VAPO: float32 trainable weights under bf16 compute; GRPOTrainer trains
+the bf16 model as handed to it):
     vapo-full   VAPOTrainer, full fine-tuning: policy + a separate critic copied from it
     vapo-lora   VAPOTrainer, LoRA r=16 on all linear layers, the critic a second adapter on the same base
     vapo-lora-generate  the same, generating with transformers' `generate()` (`use_static_cache_engine=False`)
     grpo-full   TRL GRPOTrainer, full fine-tuning
     grpo-lora   TRL GRPOTrainer, the same LoRA
+    grpo-lora-static  the same, generating with transformers' static cache (`cache_implementation="static"`, which
+                compiles the decode step on a GPU): GRPOTrainer's fastest transformers engine, against VAPO's
 VAPO's other rows run its defaults: on a CUDA GPU the static-cache engine generates (its decode step a CUDA graph), on
 the CPU `generate()`; each row names the engine that ran (`engine`).
 Same batch for all: `--prompts` x `--generations` completions per optimizer step (one rollout per step, micro-batches
@@ -79,7 +82,7 @@ QWEN25 = {
 }
 # The smoke model's body with Qwen's vocabulary: the LM head and the logits weigh what they weigh at real sizes.
 QWEN25["smoke-152k"] = QWEN25["smoke"]
-METHODS = ("vapo-full", "vapo-lora", "vapo-lora-generate", "grpo-full", "grpo-lora")
+METHODS = ("vapo-full", "vapo-lora", "vapo-lora-generate", "grpo-full", "grpo-lora", "grpo-lora-static")
 PARTS = {
     "generation": ("generate", "tokenize"),
     "scoring": ("reward", "old logp/values fwd", "GAE + whiten", "advantages + metrics", "metrics"),
@@ -177,6 +180,7 @@ def run_worker(opts) -> dict:
     )
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     peft_config = lora if "-lora" in opts.method else None
+    static = opts.method.endswith("-static")  # GRPOTrainer with transformers' static cache
     if opts.method.startswith("vapo"):
         from trl_vapo import VAPOConfig, VAPOTrainer
 
@@ -197,6 +201,7 @@ def run_worker(opts) -> dict:
             mask_truncated_completions=False,
             use_vllm=False,
             scale_rewards="group",
+            cache_implementation="static" if static else None,
         )
     trainer = trainer_class(
         model=model,
@@ -231,7 +236,7 @@ def run_worker(opts) -> dict:
     record["static"] = static_bytes(trainer)
     record["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     engine = getattr(trainer, "generation_engine", None)  # VAPO's; GRPOTrainer calls generate() (use_vllm=False)
-    record["engine"] = type(engine).__name__ if engine is not None else "generate()"
+    record["engine"] = type(engine).__name__ if engine is not None else f"generate(){', static cache' * static}"
     phases["train"] = sum(record["step_s"])
     phases["total"] = time.perf_counter() - started
     trained = getattr(trainer, "actor_critic", trainer.model)  # VAPO's: policy and critic; GRPO's: the policy

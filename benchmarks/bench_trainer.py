@@ -6,16 +6,19 @@
 Every measured run is a fresh subprocess with one intra-op thread (`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`),
 and the runs are interleaved (VAPO, GRPO, VAPO value pretraining, then the next repeat in a rotated order) so that
 background load on a shared machine hits every trainer alike. A run trains `--steps` optimizer steps; the first
-`--warmup` are dropped; its score is the median wall time of the others, measured between consecutive `on_step_end`
-callbacks (so a step includes its generation round). The table gives the median over repeats of those medians, the
-ratio against GRPO, and completion tokens generated per second.
+`--warmup` are dropped; its score is the mean wall time of the others, measured between consecutive `on_step_end`
+callbacks (so a step includes its generation round; a mean, as tokens per second is total tokens over total time: a
+median left out VAPO's recurring slower steps). The table gives the median over repeats of those means, the ratio
+against GRPO, and completion tokens generated per second (the ratio of work done per second: the trainers' samples
+differ in length where their random states do).
 
 Both trainers get the same model, data, reward function, batch sizes and sampling settings (see `common_args`).
 One rollout per optimizer step (`steps_per_generation = gradient_accumulation_steps`, `num_iterations = 1`), TRL's
 default regime. Each worker also times the parts of a step (generation, reward, old log-probs / values, GAE,
 update forward, loss, backward, gradient clipping, optimizer, logging) by wrapping the trainers' methods from the
 outside (nothing in `trl_vapo` is changed); the times are exclusive (a timed call inside another timed call is
-subtracted from it), cost a few microseconds per step, and `--breakdown` prints each part's median over steps.
+subtracted from it), cost a few microseconds per step, and `--breakdown` prints each part's mean over steps (a
+part that runs every few steps, such as logging, counts its share).
 """
 
 from __future__ import annotations
@@ -238,7 +241,22 @@ def common_args(opts, out_dir: str) -> dict:
         dataloader_num_workers=0,
         # The generation engine, under TRL's name in both configs.
         use_transformers_continuous_batching=opts.engine == "continuous_batching",
+        # Continuous batching's KV cache, sized alike for both: left to transformers on the CPU, it reserves a share
+        # of the machine's memory at every generation call (GRPOTrainer paid about 8 s a step for it; trl-vapo's
+        # engine sizes it to the batch by itself, as here).
+        transformers_continuous_batching_config=(
+            {"num_blocks": _cache_blocks(opts)} if opts.engine == "continuous_batching" else None
+        ),
     )
+
+
+def _cache_blocks(opts) -> int:
+    """Pages of the continuous-batching KV cache for one generation call: every completion of a step, each with
+    room for a prompt of up to 128 tokens and `max_completion_length` new ones (trl-vapo's engine's own rule)."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    per_request = -(-(128 + opts.max_completion_length) // ContinuousBatchingConfig.page_size) + 1
+    return opts.batch_size * opts.grad_accum * per_request
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -283,19 +301,19 @@ def _summarise(record: dict, warmup: int, want_phase: str) -> dict:
     idx = [i for i, p in enumerate(record["phase"]) if p == want_phase][warmup:]
     steps = [record["step_s"][i] for i in idx]
     toks = [record["tokens"][i] for i in idx]
-    # Each part's median over the steps (robust to a one-off cost such as math_reward starting its math-verify
-    # workers the first time a completion is not a plain number); "other" is the median step minus their sum.
+    # Each part's mean over the steps, so that the parts add up to the mean step ("other" is the rest) and a part
+    # that runs every few steps (logging) counts.
     keys = {key for i in idx for key in record["parts"][i]}
-    part_medians = {k: statistics.median(record["parts"][i].get(k, 0.0) for i in idx) for k in keys}
-    part_medians["other (untimed)"] = statistics.median(steps) - sum(part_medians.values())
+    part_means = {k: sum(record["parts"][i].get(k, 0.0) for i in idx) / len(idx) for k in keys}
+    part_means["other (untimed)"] = sum(steps) / len(steps) - sum(part_means.values())
     return {
         "median_s": statistics.median(steps),
         "mean_s": sum(steps) / len(steps),
         "tokens_per_s": sum(toks) / sum(steps),
         "tokens_per_step": sum(toks) / len(toks),
         # Completion tokens per second of generation alone (the engine's throughput inside training).
-        "gen_tokens_per_s": (sum(toks) / len(toks)) / part_medians["generate"] if part_medians.get("generate") else 0,
-        "parts": part_medians,
+        "gen_tokens_per_s": (sum(toks) / len(toks)) / part_means["generate"] if part_means.get("generate") else 0,
+        "parts": part_means,
         "n": len(steps),
     }
 
@@ -380,24 +398,24 @@ def main() -> None:
                 params[(model, trainer)] = record["params"]
                 print(
                     f"  [{time.time() - started:6.0f}s] {model:8s} {trainer:14s} repeat {r + 1}: "
-                    f"{summary['median_s']:.3f} s/step, {summary['tokens_per_s']:.0f} tok/s",
+                    f"{summary['mean_s']:.3f} s/step, {summary['tokens_per_s']:.0f} tok/s",
                     flush=True,
                 )
 
     print()
     header = (
-        f"{'trainer':36s}{'model':10s}{'trainable params':>18s}{'median s/step':>15s}{'ratio vs GRPO':>15s}"
+        f"{'trainer':36s}{'model':10s}{'trainable params':>18s}{'mean s/step':>15s}{'ratio vs GRPO':>15s}"
         f"{'tokens/step':>13s}{'tokens/s':>10s}{'ratio tok/s':>13s}{'gen tok/s':>11s}"
     )
     print(header)
     print("-" * len(header))
     for model in models:
         base = results.get((model, "grpo"))
-        base_s = statistics.median(s["median_s"] for s in base) if base else None
+        base_s = statistics.median(s["mean_s"] for s in base) if base else None
         base_t = statistics.median(s["tokens_per_s"] for s in base) if base else None
         for trainer in trainers:
             runs = results[(model, trainer)]
-            med = statistics.median(s["median_s"] for s in runs)
+            med = statistics.median(s["mean_s"] for s in runs)
             tps = statistics.median(s["tokens_per_s"] for s in runs)
             tpst = statistics.median(s["tokens_per_step"] for s in runs)
             gen = statistics.median(s["gen_tokens_per_s"] for s in runs)
@@ -408,14 +426,14 @@ def main() -> None:
                 f"{label:36s}{model:10s}{params[(model, trainer)]:>18,d}{med:>15.3f}{ratio:>15s}{tpst:>13.0f}"
                 f"{tps:>10.0f}{ratio_t:>13s}{gen:>11.0f}"
             )
-        spread = {t: [round(s["median_s"], 3) for s in results[(model, t)]] for t in trainers}
-        print(f"  per-repeat medians (s/step): {spread}")
+        spread = {t: [round(s["mean_s"], 3) for s in results[(model, t)]] for t in trainers}
+        print(f"  per-repeat means (s/step): {spread}")
 
     if opts.breakdown:
         for model in models:
             print(
-                f"\nbreakdown, {model}: seconds per step (exclusive; median over steps, then over repeats), "
-                "share of the median step"
+                f"\nbreakdown, {model}: seconds per step (exclusive; mean over steps, then median over repeats), "
+                "share of the mean step"
             )
             parts = {k for t in trainers for s in results[(model, t)] for k in s["parts"]}
             print(f"{'part':24s}" + "".join(f"{t:>30s}" for t in trainers))
@@ -423,7 +441,7 @@ def main() -> None:
                 cells = []
                 for t in trainers:
                     values = [s["parts"].get(part, 0.0) for s in results[(model, t)]]
-                    total = statistics.median(s["median_s"] for s in results[(model, t)])
+                    total = statistics.median(s["mean_s"] for s in results[(model, t)])
                     v = statistics.median(values)
                     cells.append(f"{v:9.4f} ({100 * v / total:4.1f}%)" if v else "-")
                 print(f"{part:24s}" + "".join(f"{c:>30s}" for c in cells))
