@@ -259,3 +259,24 @@ def test_model_card_of_the_tiny_run_loads_its_quick_start(lora_run, tiny_model_d
     generated = namespace["output"]["generated_text"]
     assert isinstance(generated, str) and printed.getvalue() == generated + "\n"
     assert namespace["generator"].model.active_adapters()  # transformers applied the adapter to its local base
+
+
+def test_trackers_that_log_numbers_only_get_the_logs_without_the_phase(tiny_model_dir, tmp_path):
+    """transformers' MLflow, ClearML and DVCLive callbacks log numbers only, and warn about a text value at every log:
+    `phase` would give a warning each logging step. They get the logs without it; the log history keeps it. (mlflow,
+    clearml and dvclive are not installed here: a stand-in with MLflowCallback's name and `on_log` records what it
+    receives.)"""
+    from helpers import make_args
+    from transformers import TrainerCallback
+
+    received = []
+
+    class MLflowCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs, model=None, **kwargs):
+            received.append(dict(logs))
+
+    args = make_args(tmp_path, max_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[MLflowCallback()])
+    trainer.train()
+    assert received and "reward" in received[0] and not any("phase" in logs for logs in received)
+    assert trainer.state.log_history[0]["phase"] == "rl"

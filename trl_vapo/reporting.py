@@ -394,6 +394,23 @@ def report_completions(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# transformers' tracker callbacks that log numbers only and warn, at every log, about any other value: `phase`, the one
+# text in the logs (TensorBoard writes it as text, wandb and trackio take it, AzureML drops it without a word).
+NUMBERS_ONLY_TRACKERS = ("MLflowCallback", "ClearMLCallback", "DVCLiveCallback")
+
+
+def leave_text_out_of_logs(callback) -> None:
+    """Make `callback.on_log` receive the logs without their text values (`NUMBERS_ONLY_TRACKERS`), in place."""
+    on_log = callback.on_log
+
+    def numbers_only(*args, **kwargs):
+        if kwargs.get("logs") is not None:
+            kwargs["logs"] = {key: value for key, value in kwargs["logs"].items() if not isinstance(value, str)}
+        return on_log(*args, **kwargs)
+
+    callback.on_log = numbers_only
+
+
 class PhaseProgressCallback(ProgressCallback):
     """transformers' progress bar, with the training phase as its description: `value pretraining: 40%|...` then
     `RL: ...`.

@@ -113,7 +113,7 @@ from .modeling import (
     value_function_name,
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
-from .reporting import MetricsMixin, PhaseProgressCallback
+from .reporting import NUMBERS_ONLY_TRACKERS, MetricsMixin, PhaseProgressCallback, leave_text_out_of_logs
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
 from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
@@ -387,6 +387,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self.model_card_info: dict[str, Any] = {}
         if self.pop_callback(ProgressCallback) is not None:  # the bar names the phase; none with disable_tqdm
             self.add_callback(PhaseProgressCallback(lambda: self.progress.phase))
+        for callback in self.callback_handler.callbacks:  # they would warn about `phase` at every log
+            if type(callback).__name__ in NUMBERS_ONLY_TRACKERS:
+                leave_text_out_of_logs(callback)
         self._critic_bias = CriticBiasWatch()
         self.train_dataset, said = long_prompts_handled(  # may drop prompts: the plan counts what is left
             self.train_dataset, args, lambda prompts: [len(x) for x in self._tokenize_prompts(prompts, truncate=False)]
