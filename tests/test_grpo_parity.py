@@ -462,6 +462,31 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
     assert run("streamed", prompts_dataset(8).to_iterable_dataset()) == expected
 
 
+def test_a_callback_ends_an_epoch_early_with_should_epoch_stop(tiny_model_dir, tmp_path):
+    """transformers' `control.should_epoch_stop` (it was never read): the epoch ends after the step that asked for
+    it, with its callbacks and epoch strategies, and the next rollout starts the next epoch from its first prompts."""
+    from helpers import CapturingTrainer
+    from transformers import TrainerCallback
+
+    ended = []
+
+    class StopTheFirstEpoch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_epoch_stop = state.global_step == 1
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            ended.append((state.global_step, state.epoch))
+
+    args = make_args(tmp_path, max_steps=3, shuffle_dataset=False)  # 8 prompts, 4 a rollout
+    trainer = CapturingTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), callbacks=[StopTheFirstEpoch()]
+    )
+    trainer.train()
+    prompts = [[row["prompt"] for row in rows][::4] for rows, _ in trainer.rollouts]
+    assert prompts[1] == prompts[0] != prompts[2]  # the second epoch, from its first prompts
+    assert ended[0] == (1, 1.0)
+
+
 def test_streamed_data_takes_grpos_loader_settings(tiny_model_dir, tmp_path, caplog):
     """As GRPOTrainer: a stream (train or eval) refuses `dispatch_batches=True` with TRL's message and sets it
     False; a streamed train set sets `dataloader_num_workers` to 0 with TRL's warning, a streamed eval set alone

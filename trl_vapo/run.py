@@ -150,6 +150,10 @@ class PromptCursor:
             return progress.data_index == 0
         return progress.data_index == 0 or progress.data_index + self.count > len(self.dataset)
 
+    def skip_to_next_epoch(self, progress: TrainingProgress) -> None:
+        """Leave this epoch's remaining prompts: the next rollout starts the next epoch (`should_epoch_stop`)."""
+        progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
+
     def epoch_is_over(self, progress: TrainingProgress) -> bool:
         """Whether this epoch's prompts are used up: the next rollout starts the next epoch (a stream's epoch ends
         when the stream does, found when the next rollout reads it)."""

@@ -610,6 +610,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             self._after_value_pretrain_rollout(metrics[EXPLAINED_VARIANCE])
         if self._prompts.epoch_is_over(self.progress):
             self._end_epoch()
+        elif self.control.should_epoch_stop:  # a callback ended the epoch early, as transformers lets it
+            self._end_epoch()
+            self._prompts.skip_to_next_epoch(self.progress)  # (before the checkpoint: a resume starts the next one)
         self._save_if_pending()
 
     def _stop_after_signal(self, signum: signal.Signals) -> None:
