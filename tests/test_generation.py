@@ -188,6 +188,12 @@ def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny):
     ):
         assert tokenizer.pad_token_id not in ids[:length].tolist()
         assert bool(truncated) == (not stopped and ids[length - 1] not in stops and length == 16), text
+    # A stop string completed by the last token the budget allows: stopped, not cut (it was marked truncated, and
+    # mask_truncated_completions left it out of the loss). Here every character stops, and the budget is one token.
+    characters = [t for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if len(t) == 1]
+    one = SamplingSettings(max_new_tokens=1, generation_kwargs={"stop_strings": characters})
+    out = engine.generate(token_ids(tokenizer, TEXT_PROMPTS) * 3, sampling=one)
+    assert out.lengths.tolist() == [1] * len(out.lengths) and not out.is_truncated.any()
 
 
 def test_transformers_engine_logprobs_are_the_trainers_on_policy(tiny):

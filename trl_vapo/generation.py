@@ -414,9 +414,15 @@ class TransformersGenerate(GenerationEngine):
         ids = torch.cat([_pad_columns(ids, width, self.pad_token_id) for ids, _ in chunks])
         logprobs = torch.cat([_pad_columns(lp, width, 0.0) for _, lp in chunks]) if self.logprobs else None
         valid = _generated_mask(ids, self.stop_token_ids, self.pad_token_id, bool(config.stop_strings))
-        return cut_at_stop(
+        output = cut_at_stop(
             ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, max_new_tokens=sampling.max_new_tokens
         )
+        if config.stop_strings and self.tokenizer is not None:
+            # A row that ended on a stop string with its last allowed token stopped: it did not run out of budget.
+            strings = (config.stop_strings,) if isinstance(config.stop_strings, str) else tuple(config.stop_strings)
+            texts = self.tokenizer.batch_decode(output.completion_lists())
+            output.is_truncated &= ~torch.tensor([text.endswith(strings) for text in texts])
+        return output
 
     def _generate_chunk(self, model, prompt_ids, config, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_ids = pad([torch.tensor(x) for x in prompt_ids], padding_value=self.pad_token_id, padding_side="left")
