@@ -132,8 +132,21 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
         _split_launch_args(["--accelerate_config", "fsdp1"])
 
 
-def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys):
+def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys, monkeypatch):
+    from trl_vapo import VAPOTrainer
+    from trl_vapo.run_lock import live_holder
+
     out = tmp_path / "run"
+    # The command holds its output_dir until the model is saved: a run started after train() returned took the
+    # folder, and removed the model being saved as a stopped run's debris.
+    held_while_saving = []
+    save_model = VAPOTrainer.save_model
+
+    def saving(self, *args, **kwargs):
+        held_while_saving.append(live_holder(out))
+        return save_model(self, *args, **kwargs)
+
+    monkeypatch.setattr(VAPOTrainer, "save_model", saving)
     code = main(
         [
             "train",
@@ -174,6 +187,7 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
         ]
     )
     assert code == 0
+    assert [holder["pid"] for holder in held_while_saving] == [os.getpid()]
     printed = capsys.readouterr().out
     assert "trl-vapo summary" in printed and "held-out avg@2" in printed and str(out) in printed
     assert AutoModelForCausalLM.from_pretrained(out) is not None

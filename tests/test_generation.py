@@ -196,6 +196,17 @@ def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny):
     assert out.lengths.tolist() == [1] * len(out.lengths) and not out.is_truncated.any()
 
 
+def test_a_stop_string_may_end_inside_the_last_token():
+    """transformers' `StopStringCriteria` stops where a stop string ends inside the last token (a BPE token such as
+    `">\n"` after `"</answer"`); the character tokenizer here has no such token, so the rule is checked on text."""
+    from trl_vapo.generation import ends_on_stop_string
+
+    assert ends_on_stop_string("x</answer>\n", len("x</answer"), ["</answer>"])  # ends inside ">\n"
+    assert ends_on_stop_string("x</answer>", len("x</answer"), ["</answer>"])  # ends with it
+    assert not ends_on_stop_string("</answer> more", len("</answer> mo"), ["</answer>"])  # ended tokens before
+    assert not ends_on_stop_string("", 0, ["</answer>"])
+
+
 def test_transformers_engine_logprobs_are_the_trainers_on_policy(tiny):
     """With logprobs=True the sampler's log-probs equal the trainer's (same model, same temperature): on-policy, the
     importance-sampling weights are 1."""

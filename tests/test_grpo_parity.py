@@ -435,7 +435,7 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
     settings = dict(max_steps=5, shuffle_dataset=False, save_strategy="epoch", eval_strategy="epoch")
     settings.update(per_device_eval_batch_size=4, num_generations_eval=2)
 
-    def run(name, dataset):
+    def run(name, dataset, resume=None):
         events = []
 
         class Epochs(TrainerCallback):
@@ -452,7 +452,7 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
         trainer = VAPOTrainer(
             str(tiny_model_dir), digit_fraction, args, dataset, prompts_dataset(2), callbacks=[Epochs()]
         )
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
         return events, [c.name for c in list_checkpoints(tmp_path / name / "out")]
 
     epochs = [("begin", 0), ("end", 2), ("evaluate", 2), ("begin", 2), ("end", 4), ("evaluate", 4), ("begin", 4)]
@@ -460,6 +460,11 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
     expected = (epochs, ["checkpoint-2", "checkpoint-4", "checkpoint-5"])
     assert run("mapped", prompts_dataset(8)) == expected
     assert run("streamed", prompts_dataset(8).to_iterable_dataset()) == expected
+    # Resumed from the first epoch's checkpoint: the second epoch begins (a stream's saved position was the first
+    # epoch's end, which the resumed run found again: its end, evaluation and checkpoint a second time).
+    for name, dataset in (("mapped", prompts_dataset(8)), ("streamed", prompts_dataset(8).to_iterable_dataset())):
+        resumed, _ = run(name, dataset, resume=str(tmp_path / name / "out" / "checkpoint-2"))
+        assert resumed == epochs[3:], name
 
 
 def test_a_callback_ends_an_epoch_early_with_should_epoch_stop(tiny_model_dir, tmp_path):

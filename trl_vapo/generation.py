@@ -313,6 +313,13 @@ def as_model_provider(model: nn.Module | ModelProvider) -> ModelProvider:
     return model
 
 
+def ends_on_stop_string(text: str, last_token_start: int, stop_strings: Sequence[str]) -> bool:
+    """Whether one of `stop_strings` ends within the last token of `text` (the characters from `last_token_start`):
+    where transformers' `StopStringCriteria` stops, a stop string's end may fall inside that token (`"</answer"`
+    then `">\n"` stops on `"</answer>"`)."""
+    return any(s in text and text.rfind(s) + len(s) > last_token_start for s in stop_strings)
+
+
 @contextlib.contextmanager
 def _inference(model: nn.Module) -> Iterator[None]:
     """Sampling mode without gradients, restored afterwards: `modeling.generation_mode` (eval mode, except for
@@ -419,9 +426,12 @@ class TransformersGenerate(GenerationEngine):
         )
         if config.stop_strings and self.tokenizer is not None:
             # A row that ended on a stop string with its last allowed token stopped: it did not run out of budget.
-            strings = (config.stop_strings,) if isinstance(config.stop_strings, str) else tuple(config.stop_strings)
-            texts = self.tokenizer.batch_decode(output.completion_lists())
-            output.is_truncated &= ~torch.tensor([text.endswith(strings) for text in texts])
+            strings = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
+            rows = output.completion_lists()
+            texts = self.tokenizer.batch_decode(rows)
+            before_last = self.tokenizer.batch_decode([row[:-1] for row in rows])
+            stopped = [ends_on_stop_string(t, len(b), strings) for t, b in zip(texts, before_last)]
+            output.is_truncated &= ~torch.tensor(stopped, dtype=torch.bool)
         return output
 
     def _generate_chunk(self, model, prompt_ids, config, device) -> tuple[torch.Tensor, torch.Tensor | None]:

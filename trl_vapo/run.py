@@ -127,7 +127,7 @@ class PromptCursor:
 
     def next(self, progress: TrainingProgress, on_epoch_end: Callable[[], None]) -> list[dict[str, Any]]:
         """The next rollout's prompts (rows of the dataset); `progress` moves past them. `on_epoch_end` is called
-        when a stream ends under this rollout, before the next epoch starts it."""
+        when a stream ends under this rollout, with `progress` at the next epoch's start, before it is read."""
         if self.streamed:
             return self._next_streamed(progress, on_epoch_end)
         if progress.data_index + self.count > len(self.dataset):
@@ -169,8 +169,10 @@ class PromptCursor:
             if len(rows) == self.count:
                 progress.data_index += self.count
                 return rows
-            on_epoch_end()
+            # The next epoch first: what `on_epoch_end` saves resumes there (at the old epoch's end, a resume
+            # would find that end again and repeat its callbacks, evaluation and checkpoint).
             progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
+            on_epoch_end()
         raise ValueError(
             f"train_dataset streams fewer prompts than one rollout needs ({self.count} = generation_batch_size / "
             "num_generations)."

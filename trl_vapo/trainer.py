@@ -572,6 +572,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         `value_pretrain_num_iterations`)."""
         args, phase = self.args, self.progress.phase
         rows = self._next_rows()
+        if self.control.should_training_stop:  # asked at a stream's epoch end, met as these rows were read
+            return
         rollout = self._make_rollout(rows, phase)
         all_reduce = self._all_reduce if self._distributed else None
         metrics = rollout_metrics(rollout, self.accelerator.gather, all_reduce)
@@ -654,12 +656,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         self._evaluate_pending |= self.control.should_evaluate
         self._save_pending |= self.control.should_save
 
-    def _end_epoch(self, completed: bool = True) -> None:
-        """An epoch of the prompts ended (`completed`), or training did: the callbacks' `on_epoch_end`, then the log,
-        evaluation and checkpoint that the "epoch" logging / eval / save strategies ask for."""
+    def _end_epoch(self, completed: bool = True, epochs_done: int | None = None) -> None:
+        """An epoch of the prompts ended (`completed`; `epochs_done` counts it, default the epoch `progress` is in),
+        or training did: the callbacks' `on_epoch_end`, then the log, evaluation and checkpoint that the "epoch"
+        logging / eval / save strategies ask for."""
         self._epoch_ended_at = self.state.global_step
         if completed:  # its last rollout may have left a few prompts unused: the epoch is over all the same
-            self.state.epoch = float(self.progress.data_epoch + 1)
+            self.state.epoch = float(self.progress.data_epoch + 1 if epochs_done is None else epochs_done)
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
         self._log_evaluate_save()
 
@@ -670,9 +673,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
     def _end_streamed_epoch(self) -> None:
         """A stream ran out as the next rollout read it: its epoch ended with the rollout before. What the epoch
         strategies ask for happens now, on the weights of that rollout (it waited for the next rollout's end, and
-        was saved under the next step's name); the position saved is the stream's end, where a resume starts the next
-        epoch. Then the next epoch begins."""
-        self._end_epoch()
+        was saved under the next step's name); the position saved is the next epoch's start, where a resume begins.
+        Then the next epoch begins."""
+        self._end_epoch(epochs_done=self.progress.data_epoch)  # (`progress` is at the next epoch's start)
         self._save_if_pending()
         self._begin_epoch()
 
