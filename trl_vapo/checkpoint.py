@@ -33,11 +33,10 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from ._compat import get_config_model_id
 from .distributed import (
     fsdp2_optimizer_state,
-    full_state_dict,
+    gathered_state_dict,
     load_fsdp2_optimizer_state,
     load_placed_state_dict,
     placed_state_dict,
-    zero3_full_state_dict,
 )
 from .model_card import VAPO_CITATION, RunRecord, build_model_card
 from .modeling import (
@@ -497,12 +496,7 @@ class SavingMixin:
         """Under ZeRO-3 and FSDP2 each rank holds a shard of every weight: gather them for saving (a collective:
         every rank enters, the main process writes). Yields the gathered state dict on the main process, else None
         (the parameters themselves are whole, or another process writes)."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if self.is_deepspeed_enabled and plugin is not None and plugin.zero_stage == 3:
-            model = self.accelerator.unwrap_model(self.model_wrapped)
-            yield zero3_full_state_dict(model, self.accelerator.is_main_process)
-        else:
-            yield full_state_dict(self.model_wrapped)
+        yield gathered_state_dict(self.model_wrapped, self.accelerator)
 
     def _write_models(
         self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None, as_loaded: bool = False

@@ -331,18 +331,28 @@ def zero3_full_state_dict(model: nn.Module, main: bool) -> dict[str, torch.Tenso
     return state if main else None
 
 
+def gathered_state_dict(model: nn.Module | None, accelerator) -> dict[str, torch.Tensor] | None:
+    """The whole weights of a model that ZeRO-3 partitions or FSDP2 shards (a DeepSpeed engine or accelerate's
+    wrapper too), gathered on the main process's CPU, keyed as its own ``state_dict()`` (another process gets None or
+    an empty dict); None for a model that is whole, whose parameters read as they are. A collective: every rank
+    calls it."""
+    inner = accelerator.unwrap_model(model) if model is not None else None  # DeepSpeed's engine: its `module`
+    if inner is not None and is_zero3_partitioned(inner):
+        return zero3_full_state_dict(inner, accelerator.is_main_process)
+    return full_state_dict(inner)
+
+
 def placed_state_dict(model: nn.Module, accelerator) -> dict[str, torch.Tensor] | None:
-    """The whole weights of a model that `prepare_frozen_model` placed (a DeepSpeed engine, partitioned under ZeRO-3;
-    sharded by FSDP2; or on the device), keyed as its own ``state_dict()``, on the main process's CPU; None elsewhere.
-    A collective: every rank calls it."""
-    inner = accelerator.unwrap_model(model)  # DeepSpeed's engine holds the model as `module`
-    main = accelerator.is_main_process
-    if is_zero3_partitioned(inner):
-        return zero3_full_state_dict(inner, main)
-    sharded = full_state_dict(inner)
-    if sharded is not None:
-        return sharded if main else None
-    return {name: tensor.detach().cpu().clone() for name, tensor in inner.state_dict().items()} if main else None
+    """The whole weights of a model that `prepare_frozen_model` placed (partitioned under ZeRO-3, sharded by FSDP2,
+    or whole on the device), on the main process's CPU; None elsewhere. A collective: every rank calls it."""
+    whole = gathered_state_dict(model, accelerator)
+    if not accelerator.is_main_process:
+        return None
+    if whole is not None:
+        return whole
+    return {
+        name: tensor.detach().cpu().clone() for name, tensor in accelerator.unwrap_model(model).state_dict().items()
+    }
 
 
 def load_placed_state_dict(model: nn.Module, accelerator, state: dict[str, torch.Tensor]) -> None:
