@@ -254,6 +254,45 @@ def test_gae_does_not_bootstrap_from_the_first_pad_position():
     torch.testing.assert_close(returns, torch.tensor([[0.3, 1.0, 0.0, 0.0]]))
 
 
+def naive_gae_over_actions(rewards, values, mask, gamma, lam):
+    """Textbook GAE over each sequence's valid tokens only, wherever they lie: the next state is the next valid
+    token's (a multi-turn episode, whose environment tokens are not actions)."""
+    advantages = torch.zeros(mask.shape, dtype=torch.float64)
+    returns = torch.zeros(mask.shape, dtype=torch.float64)
+    for i in range(mask.shape[0]):
+        actions = mask[i].nonzero().flatten().tolist()
+        running, next_value = 0.0, 0.0
+        for t in reversed(actions):
+            delta = float(rewards[i, t]) + gamma * next_value - float(values[i, t])
+            running = delta + gamma * lam * running
+            advantages[i, t], returns[i, t] = running, running + float(values[i, t])
+            next_value = float(values[i, t])
+    return advantages, returns
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_steps_over_the_tokens_a_mask_leaves_out_inside_a_completion(gamma, lam):
+    """An environment's tokens inside a completion (holes in the mask) are no actions: V(s_{t+1}) is the value at the
+    next action, the sums skip them, and nothing at them, NaN included, reaches the result."""
+    g = torch.Generator().manual_seed(41)
+    mask = (torch.rand(8, 12, generator=g) < 0.6).float()
+    mask[0], mask[1] = 0.0, torch.tensor([1.0] * 3 + [0.0] * 4 + [1.0] * 2 + [0.0] * 3)  # empty; two turns
+    rewards = terminal_rewards(torch.randn(8, generator=g), mask)
+    values = torch.randn(8, 12, generator=g)
+    advantages, returns = compute_gae(rewards, scramble_padding(values, mask), mask, gamma, lam)
+    expected_advantages, expected_returns = naive_gae_over_actions(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(advantages.double(), expected_advantages, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns.double(), expected_returns, rtol=1e-5, atol=1e-5)
+
+
+def test_terminal_rewards_sit_on_the_last_action_not_on_an_environments_tokens_after_it():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]])
+    rewards = terminal_rewards(torch.tensor([2.0, 3.0, 4.0]), mask)
+    expected = torch.zeros(3, 6)
+    expected[0, 4], expected[1, 1], expected[2, 2] = 2.0, 3.0, 4.0
+    assert torch.equal(rewards, expected)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # policy loss
 # ---------------------------------------------------------------------------------------------------------------------

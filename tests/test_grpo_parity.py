@@ -33,9 +33,8 @@ def test_a_positional_grpo_call_binds_eval_dataset_and_processing_class_where_gr
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("tools", "tool use"),
-        ("rollout_func", "generation engines"),
-        ("environment_factory", "environments"),
+        ("tools", "tool-calling loop is not built in; write the episode as a `rollout_func`"),
+        ("environment_factory", "environment loop is not built in; write the episode as a `rollout_func`"),
     ],
 )
 def test_grpo_arguments_vapo_does_not_take_are_refused_before_any_model_loads(tmp_path, name, says):

@@ -126,15 +126,17 @@ def test_select_keeps_each_row_together():
 
 
 def test_completion_token_stats_from_rollout_tensors():
-    advantages = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
-    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
-    loss_mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 1 unscored: no advantage
-    stats = completion_token_stats(advantages, values, completion_mask, loss_mask)
-    assert stats["advantages"] == [2.0, None, None]
-    assert stats["first_values"][:2] == pytest.approx([0.1, 0.4]) and stats["first_values"][2] is None
-    assert stats["last_values"][:2] == pytest.approx([0.2, 0.4]) and stats["last_values"][2] is None
-    assert completion_token_stats(None, values, completion_mask)["advantages"] is None
+    advantages = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9], [1.0, 1.1, 1.2]])
+    # The policy's tokens; row 3's first and last are an environment's (a rollout_func's env_mask).
+    action_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 1, 0]])
+    loss_mask = action_mask.float()
+    loss_mask[1] = 0.0  # row 1 unscored: no advantage
+    stats = completion_token_stats(advantages, values, action_mask, loss_mask)
+    assert stats["advantages"] == [2.0, None, None, 5.0]
+    assert stats["first_values"] == pytest.approx([0.1, 0.4, None, 1.1])
+    assert stats["last_values"] == pytest.approx([0.2, 0.4, None, 1.1])
+    assert completion_token_stats(None, values, action_mask)["advantages"] is None
 
 
 def test_dataframe_for_trackers_has_text_and_nan():

@@ -301,18 +301,35 @@ def compute_gae(
     Nothing leaks from padding: rewards and values at padded positions are ignored, the value after a sequence's
     last valid token is 0 (no bootstrap from a pad position), and padded outputs are 0.
 
+    A mask may have holes: tokens inside a completion that the policy did not sample (an environment's reply in a
+    multi-turn rollout, a `rollout_func`'s `env_mask`). They are not actions, so t runs over each sequence's valid
+    tokens only: s_{t+1} is the state at the next valid token, whatever tokens lie between.
+
     Args:
         rewards: ``[B, T]`` per-token rewards (the verifier's score sits on each sequence's last valid token).
         values: ``[B, T]`` critic values V(s_t).
-        mask: ``[B, T]`` 1 for valid response tokens (right-padded).
+        mask: ``[B, T]`` 1 for valid response tokens (right-padded, maybe with holes).
         gamma: discount factor.
         lam: GAE lambda, a float or a ``[B]`` tensor.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` (float32 or the inputs' dtype, whichever is wider).
     """
-    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
     valid = mask.bool()
+    # Each row's valid tokens moved to its front, in order, so that holes become trailing padding; a right-padded
+    # mask has none, and its order is the identity. The results are put back where the tokens were.
+    order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)
+    advantages, returns = _gae_right_padded(
+        rewards.gather(1, order), values.gather(1, order), valid.gather(1, order), gamma, lam
+    )
+    return tuple(torch.empty_like(x).scatter_(1, order, x) for x in (advantages, returns))
+
+
+def _gae_right_padded(
+    rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float, lam: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compute_gae` on a right-padded mask (`valid`, bool): a prefix of each row."""
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
     rewards = torch.where(valid, rewards.to(dtype), torch.zeros((), dtype=dtype, device=rewards.device))
     values = torch.where(valid, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
     m = valid.to(dtype)
@@ -347,14 +364,16 @@ def compute_gae(
 def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token rewards with each sequence's verifier score on its last valid token (VAPO / VC-PPO: sparse reward).
 
-        r_{i,t} = R_i  if t = l_i - 1,  else 0          l_i = number of valid tokens of sequence i
+        r_{i,t} = R_i  if t = last_i,  else 0          last_i = the position of sequence i's last valid token
 
-    Never on the first pad after the sequence; a sequence without valid tokens gets nothing.
+    Never on the first pad after the sequence, nor on a token a hole in the mask leaves out (see `compute_gae`);
+    a sequence without valid tokens gets nothing.
     """
-    lengths = mask.sum(dim=1).long()
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask.bool(), positions, -1).amax(dim=1)
     rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     rows = torch.arange(mask.shape[0], device=mask.device)
-    rewards[rows, (lengths - 1).clamp(min=0)] = torch.where(lengths > 0, sequence_rewards.float(), 0.0)
+    rewards[rows, last.clamp(min=0)] = torch.where(last >= 0, sequence_rewards.float(), 0.0)
     return rewards
 
 

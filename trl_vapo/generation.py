@@ -55,6 +55,9 @@ class GenerationOutput:
     completion_mask: torch.Tensor  # [N, C] long, 1 up to and including the first stop token
     is_truncated: torch.Tensor  # [N] bool, ran out of `max_new_tokens` without a stop token
     sampler_logprobs: torch.Tensor | None = None  # [N, C] float, log-prob of each sampled token (0 at padding)
+    # [N, C] long, 1 where the policy sampled the token; 0 where an environment wrote it (a `rollout_func`'s
+    # `env_mask`). None: every completion token was sampled.
+    action_mask: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -75,6 +78,7 @@ class GenerationOutput:
             _pad_columns(self.completion_mask, width, 0),
             self.is_truncated,
             None if self.sampler_logprobs is None else _pad_columns(self.sampler_logprobs, width, 0.0),
+            None if self.action_mask is None else _pad_columns(self.action_mask, width, 0),
         )
 
     def to(self, device: torch.device | str) -> GenerationOutput:
@@ -901,6 +905,69 @@ def build_engine(
             model, cuda_graph=settings.cuda_graph, keep_buffers=settings.keep_buffers, tokenizer=tokenizer, **common
         )
     return TransformersGenerate(model, batch_size=settings.batch_size, tokenizer=tokenizer, **common)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Custom rollouts: GRPOTrainer's `rollout_func`
+# ---------------------------------------------------------------------------------------------------------------------
+
+ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+"""What a `rollout_func` must return, one list per prompt it got (GRPOTrainer's contract)."""
+
+
+def read_rollout_func_output(
+    output: Any, num_prompts: int, stop_ids: Sequence[int], pad_id: int, keep_logprobs: bool
+) -> tuple[list[list[int]], GenerationOutput, dict[str, Any]]:
+    """A `rollout_func`'s output as an engine's: the prompts' token ids, the completions, and the other fields (the
+    reward functions get them as columns).
+
+    `output` holds `prompt_ids`, `completion_ids` and `logprobs`, one list per prompt it was given, and may hold
+    `env_mask` (per completion token: 1 sampled by the policy, 0 written by an environment), which becomes
+    `action_mask`. A completion is taken whole, as GRPOTrainer takes it (a multi-turn one holds stop tokens between
+    its turns), and counts as truncated when its last token is no stop (or pad) token. `logprobs` become the
+    sampler's log-probs where `keep_logprobs` (vLLM's importance-sampling correction, which GRPOTrainer applies with
+    `use_vllm`), a None among them NaN (no correction of that token, as for vLLM's).
+    """
+    if not isinstance(output, dict):
+        raise TypeError(f"rollout_func must return a dict, got {type(output).__name__}.")
+    missing = sorted(set(ROLLOUT_FUNC_KEYS) - output.keys())
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict.")  # GRPOTrainer's words
+    fields = {key: value for key, value in output.items() if key not in ROLLOUT_FUNC_KEYS}
+    env_mask = fields.pop("env_mask", None)
+    completions = output["completion_ids"]
+    per_prompt = {name: output[name] for name in ROLLOUT_FUNC_KEYS}
+    if env_mask is not None:
+        per_prompt["env_mask"] = env_mask
+    for name, rows in per_prompt.items():
+        if len(rows) != num_prompts:
+            raise ValueError(
+                f"rollout_func returned {len(rows)} `{name}` for the {num_prompts} prompts it got: it must return "
+                "one per prompt (each prompt comes once per completion: num_generations copies in a row)."
+            )
+    for name, rows in (("logprobs", output["logprobs"] if keep_logprobs else None), ("env_mask", env_mask)):
+        for i, (row, completion) in enumerate(zip(rows or [], completions)):
+            if len(row) != len(completion):
+                raise ValueError(
+                    f"rollout_func's `{name}` for prompt {i} has {len(row)} entries for its {len(completion)} "
+                    "completion tokens: it needs one per token."
+                )
+    width = max(1, *map(len, completions))  # at least one column, so every tensor has a completion axis
+    shape = (num_prompts, width)
+    ids, mask = torch.full(shape, pad_id, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    action = None if env_mask is None else torch.zeros(shape, dtype=torch.long)
+    logprobs = torch.zeros(shape) if keep_logprobs else None
+    for i, row in enumerate(completions):
+        ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, : len(row)] = 1
+        if action is not None:
+            action[i, : len(row)] = torch.tensor([int(bool(x)) for x in env_mask[i]], dtype=torch.long)
+        if logprobs is not None:
+            logprobs[i, : len(row)] = torch.tensor([math.nan if x is None else x for x in output["logprobs"][i]])
+    ends = set(stop_ids) | {pad_id}
+    truncated = torch.tensor([bool(row) and row[-1] not in ends for row in completions], dtype=torch.bool)
+    sample = GenerationOutput(ids, mask, truncated, logprobs, action)
+    return [list(p) for p in output["prompt_ids"]], sample, fields
 
 
 # ---------------------------------------------------------------------------------------------------------------------

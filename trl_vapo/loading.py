@@ -336,13 +336,10 @@ def check_trainer_arguments(model, args: VAPOConfig, peft_config, value_model: A
 
 def check_grpo_arguments(**given: Any) -> None:
     """Refuse, before any model loads, the `GRPOTrainer` arguments VAPO does not take, saying what to do instead."""
+    instead = "write the episode as a `rollout_func`, whose `env_mask` marks the tokens the policy did not sample"
     refusals = {
-        "tools": "multi-turn tool use is beyond VAPO's paper and not supported: VAPO samples one completion per "
-        "prompt",
-        "rollout_func": "custom rollouts are not supported: VAPO samples with its generation engines "
-        "(`use_vllm`, `use_transformers_continuous_batching`)",
-        "environment_factory": "environments (multi-turn episodes) are not supported: VAPO samples one completion per "
-        "prompt",
+        "tools": f"its tool-calling loop is not built in; {instead}",
+        "environment_factory": f"its environment loop is not built in; {instead}",
     }
     for name, value in given.items():
         if value is not None:

@@ -154,28 +154,31 @@ def build_completions_table(
     return CompletionsTable(step, columns, reward_columns, phase, extra)
 
 
-def completion_token_stats(advantages, values, completion_mask, loss_mask=None) -> dict[str, list[float | None]]:
+def completion_token_stats(advantages, values, action_mask, loss_mask=None) -> dict[str, list[float | None]]:
     """Per-completion statistics of a rollout's `[N, C]` tensors, for `build_completions_table`.
 
     Returns `advantages` (the mean over the completion's trained tokens, `loss_mask`, or None when it has none),
-    `first_values` and `last_values` (the critic's value at the first and last token of `completion_mask`, None for
-    an empty completion). Pass `advantages=None` during value pretraining.
+    `first_values` and `last_values` (the critic's value at the first and last token of `action_mask`, the tokens
+    the policy sampled; None for a completion without one). Pass `advantages=None` during value pretraining.
     """
     import torch
 
-    completion_mask = completion_mask.float()
-    lengths = completion_mask.sum(dim=1).long()
-    rows = torch.arange(len(lengths), device=lengths.device)
-    first_values = values[:, 0].float().tolist()
-    last_values = values[rows, (lengths - 1).clamp(min=0)].float().tolist()
-    empty = (lengths == 0).tolist()
+    action_mask = action_mask.float()
+    positions = torch.arange(action_mask.shape[1], device=action_mask.device)
+    valid = action_mask.bool()
+    first = torch.where(valid, positions, action_mask.shape[1]).amin(dim=1).clamp(max=action_mask.shape[1] - 1)
+    last = torch.where(valid, positions, -1).amax(dim=1).clamp(min=0)
+    rows = torch.arange(len(action_mask), device=action_mask.device)
+    first_values = values[rows, first].float().tolist()
+    last_values = values[rows, last].float().tolist()
+    empty = (~valid.any(dim=1)).tolist()
     stats = {
         "first_values": [None if e else v for v, e in zip(first_values, empty)],
         "last_values": [None if e else v for v, e in zip(last_values, empty)],
         "advantages": None,
     }
     if advantages is not None:
-        mask = completion_mask if loss_mask is None else loss_mask.float()
+        mask = action_mask if loss_mask is None else loss_mask.float()
         count = mask.sum(dim=1)
         means = ((advantages.float() * mask).sum(dim=1) / count.clamp(min=1)).tolist()
         stats["advantages"] = [None if c == 0 else m for m, c in zip(means, count.tolist())]
@@ -465,7 +468,7 @@ def rollout_completions_table(rollout, tokenizer, step: int) -> CompletionsTable
         sequence_rewards=torch.where(scores.scored, scores.reward, torch.nan).tolist(),
         phase=rollout.phase,
         extra_columns=rollout.extra_columns,
-        **completion_token_stats(advantages, rollout.old_values, rollout.completion_mask, rollout.loss_mask),
+        **completion_token_stats(advantages, rollout.old_values, rollout.action_mask, rollout.loss_mask),
     )
 
 

@@ -32,7 +32,8 @@ class Rollout:
     prompt_length: int  # P
     truncated: torch.Tensor  # [N] bool: reached max_completion_length without a stop
     scores: Scores  # the reward functions' verdicts
-    loss_mask: torch.Tensor  # [N, C] completion tokens that train (scored completions)
+    action_mask: torch.Tensor  # [N, C] completion tokens the policy sampled (not an environment's: `env_mask`)
+    loss_mask: torch.Tensor  # [N, C] the actions that train (scored completions)
     is_correct: torch.Tensor  # [N] bool: scored with a reward >= positive_reward_threshold (`accuracy`)
     is_positive: torch.Tensor  # [N] bool: correct and trains (the NLL loss; not a truncated one it masks)
     old_values: torch.Tensor  # [N, C] V(s_t) before any update
@@ -58,6 +59,7 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
+        """[N] completion lengths in tokens, an environment's tokens included."""
         return self.completion_mask.sum(dim=1)
 
     @property
@@ -115,7 +117,8 @@ def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
             padded.append(part)
         return torch.cat(padded)
 
-    fields = ("input_ids", "attention_mask", "truncated", "loss_mask", "is_correct", "is_positive", "old_values")
+    fields = ("input_ids", "attention_mask", "truncated", "action_mask", "loss_mask", "is_correct", "is_positive")
+    fields += ("old_values",)
     fields += ("returns",)
     fields += ("raw_advantages", "advantages", "lambda_actor", "old_logprobs", "ref_logprobs", "is_weights")
     return dataclasses.replace(newest, prompt_length=prompt_width, **{name: joined(name) for name in fields})
@@ -133,7 +136,7 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
     trains = gathered(rollout.loss_mask.sum(dim=1) > 0)
     is_correct, is_positive = gathered(rollout.is_correct), gathered(rollout.is_positive)
     rewards = gathered(scores.reward)[scored]
-    lengths = gathered(rollout.lengths).float()
+    lengths = gathered(rollout.action_mask.sum(dim=1)).float()  # the policy's tokens, as GRPOTrainer counts them
     truncated = gathered(rollout.truncated)
     ended = lengths[~truncated]  # GRPOTrainer's terminated completions (NaN where none ended, TRL logs 0)
     per_function = gathered(scores.per_function)

@@ -394,6 +394,28 @@ class RewardScorer:
                 ) from error
 
 
+def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows with a `rollout_func`'s other fields as columns, which reward functions read as they read the
+    dataset's: a list gives each row its entry, anything else every row the same value (as GRPOTrainer merges them).
+    New dicts: the dataset's rows stay as they were."""
+    clashing = sorted(set(fields) & (TRAINER_KWARGS | set(UNPASSED_COLUMNS)))
+    if clashing:
+        raise ValueError(
+            f"rollout_func returned the field(s) {clashing}, the name of what the trainer passes to reward functions "
+            "itself; rename them."
+        )
+    for name, values in fields.items():
+        if isinstance(values, list) and len(values) != len(rows):
+            raise ValueError(
+                f"rollout_func's field `{name}` is a list of {len(values)} for {len(rows)} prompts: give one entry "
+                "per prompt, or a value that is not a list to give every completion the same one."
+            )
+    return [
+        {**row, **{name: values[i] if isinstance(values, list) else values for name, values in fields.items()}}
+        for i, row in enumerate(rows)
+    ]
+
+
 def _arguments(rows: list[dict[str, Any]], completions: list, completion_ids: list, common: dict) -> dict[str, Any]:
     """The keyword arguments of one call on a batch: TRL's, and every dataset column but `UNPASSED_COLUMNS` as a
     list."""

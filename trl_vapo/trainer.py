@@ -85,6 +85,7 @@ from .generation import (
     build_engine,
     check_engine_available,
     importance_sampling_metrics,
+    read_rollout_func_output,
     stop_token_ids,
     warn_off_policy_sampling,
 )
@@ -117,7 +118,7 @@ from .reporting import NUMBERS_ONLY_TRACKERS, MetricsMixin, PhaseProgressCallbac
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
 from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
-from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models
+from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models, rows_with_fields
 from .signals import TrainingInterrupted, stop_on_signals
 
 # Logs once, from the main process, however many processes train.
@@ -166,8 +167,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             or a list with one per entry, None for functions); default: each model's own.
         quantization_config: as `GRPOTrainer`'s: a `BitsAndBytesConfig` to load `model` (an id or path) quantized,
             merged into `args.model_init_kwargs`; with `peft_config`, QLoRA.
-        tools, rollout_func, environment_factory: `GRPOTrainer`'s, in its order; each is refused with an error that
-            says what to do instead (see `check_grpo_arguments`).
+        tools, environment_factory: `GRPOTrainer`'s, in its order; each is refused with an error that says what to do
+            instead (see `check_grpo_arguments`).
+        rollout_func: as `GRPOTrainer`'s (experimental there): `rollout_func(prompts, trainer)` samples the
+            completions instead of the generation engine. It gets this process's prompts as the dataset holds them
+            (each `num_generations` times in a row; chat templates are its to apply) and returns a dict of
+            `prompt_ids`, `completion_ids` and `logprobs`, one list per prompt, and optionally `env_mask`: per
+            completion token, 1 where the policy sampled it and 0 where an environment wrote it (a multi-turn
+            episode's tool output). Tokens with 0 are context, not actions: no loss, and GAE steps over them. Other
+            fields reach the reward functions as columns. `logprobs` correct for the sampler as vLLM's do, with
+            `use_vllm` (whose weights are synced before each call). See the README's "Custom rollouts".
         value_model: (keyword only) the critic. None (default) initialises it from the policy's weights with a fresh
             scalar head (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a
             value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer),
@@ -210,16 +219,18 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         value_model: str | PreTrainedModel | ValueFunction | None = None,
     ):
         # GRPOTrainer's parameters, in its order, so that a GRPO call binds the same way; VAPO's own are keywords.
-        check_grpo_arguments(
-            tools=tools,
-            rollout_func=rollout_func,
-            environment_factory=environment_factory,
-        )
+        check_grpo_arguments(tools=tools, environment_factory=environment_factory)
+        if rollout_func is not None and not callable(rollout_func):
+            raise TypeError(f"rollout_func must be a callable `(prompts, trainer) -> dict`, got {rollout_func!r}.")
+        self.rollout_func = rollout_func
         if args is None:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = VAPOConfig(output_dir=f"{Path(str(name)).name or 'model'}-VAPO")
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
+        # GRPOTrainer's attributes, which a rollout_func written for it may read.
+        self.num_generations = args.num_generations
+        self.num_generations_eval = args.num_generations_eval or args.num_generations
         check_trainer_arguments(model, args, peft_config, value_model)  # before a model loads
         # Everything a user can get wrong is checked before a model loads.
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
@@ -247,9 +258,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
                 "answer that another function rewards (a format reward) can count as correct. Name the functions "
                 f"that judge correctness: positive_reward_funcs=['{self.scorer.names[0]}'] (if it is the verifier)."
             )
-        self.scorer.check(example)
-        for eval_example in eval_examples.values():  # the rewards read the eval rows' columns too
-            self.scorer.check(eval_example)
+        if rollout_func is None:  # its fields are columns too, which no dataset row shows
+            self.scorer.check(example)
+            for eval_example in eval_examples.values():  # the rewards read the eval rows' columns too
+                self.scorer.check(eval_example)
         self.reward_funcs, self.reward_func_names = self.scorer.funcs, self.scorer.names
         # GRPOTrainer's attribute: each reward model's tokenizer (given or its own), None for the functions.
         self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
@@ -715,8 +727,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         `args.num_generations`): sample, score, value, advantage."""
         args, device = self.args, self.accelerator.device
         # 1. Sample.
-        prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows])
-        prompts, prompt_mask, sample = self._generate(prompt_ids, num_generations or args.num_generations)
+        prompts, prompt_mask, sample, rows = self._generate(rows, num_generations or args.num_generations)
         # 2. Score; the verdict of a completion that trains lands on its last token.
         completion_ids = sample.completion_lists()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -734,12 +745,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
         trains = scores.scored.to(device) & (sample.lengths > 0)
         if args.mask_truncated_completions:
             trains &= ~sample.is_truncated
-        loss_mask = sample.completion_mask.float() * trains[:, None].float()
+        # The policy's tokens: the actions. An environment's (a rollout_func's `env_mask`) are context only.
+        action_mask = sample.completion_mask * (1 if sample.action_mask is None else sample.action_mask)
+        loss_mask = action_mask.float() * trains[:, None].float()
         # 3. Value, and the policy's log-probs before any update when the updates (or the IS correction) need them.
         input_ids = torch.cat([prompts, sample.completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, sample.completion_mask], dim=1)
-        if phase != EVAL:  # GRPOTrainer's `num_tokens`: the prompt and completion tokens trained on so far
-            self.state.num_input_tokens_seen += int(self._all_reduce(attention_mask.sum()).item())
+        if phase != EVAL:  # GRPOTrainer's `num_tokens`: the prompt and sampled tokens trained on so far
+            seen = prompt_mask.sum() + action_mask.sum()
+            self.state.num_input_tokens_seen += int(self._all_reduce(seen).item())
             self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
         corrects_sampler = (
             phase == RL and sample.sampler_logprobs is not None and args.vllm_importance_sampling_correction
@@ -796,6 +810,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             prompt_length=prompts.shape[1],
             truncated=sample.is_truncated,
             scores=scores,
+            action_mask=action_mask,
             loss_mask=loss_mask,
             is_correct=is_correct,
             is_positive=trains & is_correct,
@@ -829,21 +844,31 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             yield unwrapped.policy
 
     def _generate(
-        self, prompt_ids: list[list[int]], num_generations: int
-    ) -> tuple[torch.Tensor, torch.Tensor, GenerationOutput]:
-        """Left-padded prompts, their mask, and one completion per prompt from the generation engine (the prompts come
-        in groups of `num_generations` copies)."""
+        self, rows: list[dict[str, Any]], num_generations: int
+    ) -> tuple[torch.Tensor, torch.Tensor, GenerationOutput, list[dict[str, Any]]]:
+        """Left-padded prompts, their mask, and one completion per row (the rows come in groups of `num_generations`
+        copies of a prompt), from the generation engine or the `rollout_func`; and the rows the reward functions
+        read (with the rollout_func's other fields)."""
         device, pad_id = self.accelerator.device, self.processing_class.pad_token_id
-        # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines).
+        # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines),
+        # before a rollout_func too, which may sample with it.
         self.generation_engine.sync_weights(self.state.global_step if self.progress.phase == RL else -1)
-        sample = self.generation_engine.generate(prompt_ids, num_generations=num_generations)
+        if self.rollout_func is None:
+            prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows])
+            sample = self.generation_engine.generate(prompt_ids, num_generations=num_generations)
+        else:  # GRPOTrainer's call: the prompts as the dataset holds them (copies: it may edit them), and the trainer
+            output = self.rollout_func([copy.deepcopy(row["prompt"]) for row in rows], self)
+            prompt_ids, sample, fields = read_rollout_func_output(
+                output, len(rows), self._stop_ids, pad_id, keep_logprobs=self.args.use_vllm
+            )
+            rows = rows_with_fields(rows, fields)
         sample = sample.padded(self.args.pad_to_multiple_of, pad_id).to(device)
         multiple = self.args.pad_to_multiple_of
         prompts = [torch.tensor(x) for x in prompt_ids]
         prompts = pad(prompts, padding_value=pad_id, padding_side="left", pad_to_multiple_of=multiple)
         prompt_mask = [torch.ones(len(x), dtype=torch.long) for x in prompt_ids]
         prompt_mask = pad(prompt_mask, padding_side="left", pad_to_multiple_of=multiple)
-        return prompts.to(device), prompt_mask.to(device), sample
+        return prompts.to(device), prompt_mask.to(device), sample, rows
 
     def _needs_old_logprobs(self, phase: str) -> bool:
         """Whether the updates need log-probs from before the first update of the rollout.

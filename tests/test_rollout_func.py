@@ -1,0 +1,136 @@
+"""GRPOTrainer's `rollout_func`: completions a user's function samples (a multi-turn episode, an agent server),
+trained on as VAPO trains its own, where the tokens an environment wrote (`env_mask` 0) are context, not actions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import CapturingTrainer, digit_fraction, make_args, prompts_dataset, rl_logs
+
+from trl_vapo.generation import read_rollout_func_output
+from trl_vapo.scoring import rows_with_fields
+
+ENV_REPLY = "|ok|"  # what the environment answers after the policy's first turn
+
+
+def two_turn_episodes(calls: list):
+    """A rollout_func: the policy answers, the environment replies, the policy answers again, sampled with the
+    trainer's own engine; the prompt it shows the policy is its own ("Q: " before the dataset's)."""
+
+    def rollout_func(prompts, trainer):
+        calls.append((list(prompts), trainer))
+        tokenizer, engine = trainer.processing_class, trainer.generation_engine
+        prompt_ids = tokenizer(text=[f"Q: {p}" for p in prompts])["input_ids"]
+        first = engine.generate(prompt_ids).completion_lists()
+        reply = tokenizer(text=ENV_REPLY)["input_ids"]
+        second = engine.generate([p + a + reply for p, a in zip(prompt_ids, first)]).completion_lists()
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [a + reply + b for a, b in zip(first, second)],
+            "logprobs": [[0.0] * (len(a) + len(reply) + len(b)) for a, b in zip(first, second)],
+            "env_mask": [[1] * len(a) + [0] * len(reply) + [1] * len(b) for a, b in zip(first, second)],
+            "turns": [2] * len(prompts),  # one per prompt: each reward call gets its own
+            "episode": "two-turn",  # not a list: every completion gets it
+        }
+
+    return rollout_func
+
+
+def test_multi_turn_episodes_train_with_the_environments_tokens_as_context_only(tiny_model_dir, tmp_path):
+    calls, seen = [], []
+
+    def reward(completions, turns, episode, **kwargs):
+        seen.append((list(completions), list(turns), list(episode)))
+        return digit_fraction(completions)
+
+    args = make_args(tmp_path, max_completion_length=6)
+    trainer = CapturingTrainer(
+        str(tiny_model_dir), reward, args, prompts_dataset(), rollout_func=two_turn_episodes(calls)
+    )
+    trainer.train()
+
+    # GRPOTrainer's call: this process's prompts as the dataset holds them, each num_generations times in a row.
+    prompts, given = calls[0]
+    assert given is trainer and len(prompts) == 16 and prompts[:4] == [prompts[0]] * 4 != prompts[4:8]
+    completions, turns, episode = seen[0]
+    assert turns == [2] * 16 and episode == ["two-turn"] * 16 and all(ENV_REPLY in c for c in completions)
+    tokenizer = trainer.processing_class
+    for rows, rollout in trainer.rollouts:
+        prompt = rollout.input_ids[:, : rollout.prompt_length][rollout.attention_mask[:, : rollout.prompt_length] > 0]
+        assert tokenizer.decode(prompt[: 3 + len(rows[0]["prompt"])]) == f"Q: {rows[0]['prompt']}"
+        environment = rollout.completion_mask.bool() & ~rollout.action_mask.bool()
+        assert environment.sum(dim=1).tolist() == [len(ENV_REPLY)] * len(rollout)
+        assert not rollout.loss_mask.bool()[environment].any()
+        assert not rollout.advantages[environment].any() and not rollout.returns[environment].any()
+        # GAE steps over the reply: with gamma = lam_critic = 1 the critic's target at every action, the first
+        # turn's included, is the episode's reward (it sits on the second turn's last token).
+        for i in range(len(rollout)):
+            actions = rollout.loss_mask[i].bool()
+            if actions.any():
+                torch.testing.assert_close(rollout.returns[i][actions], rollout.scores.reward[i].expand(actions.sum()))
+    # Completion lengths count the policy's tokens, as GRPOTrainer counts them.
+    first = trainer.rollouts[0][1]
+    assert rl_logs(trainer)[0]["completions/mean_length"] == pytest.approx(first.action_mask.sum(1).float().mean())
+
+
+def test_a_rollout_funcs_output_becomes_an_engines():
+    output = {
+        "prompt_ids": [[1, 2], [3], [4]],
+        "completion_ids": [[5, 9, 6], [7], []],  # 9 ends a turn: the first completion is taken whole
+        "logprobs": [[-0.5, None, -0.25], [-1.0], []],
+        "env_mask": [[1, 0, 1], [1], []],
+        "tool": "calculator",
+    }
+    prompt_ids, sample, fields = read_rollout_func_output(output, 3, stop_ids=[9], pad_id=0, keep_logprobs=True)
+    assert prompt_ids == [[1, 2], [3], [4]] and fields == {"tool": "calculator"}
+    assert sample.completion_ids.tolist() == [[5, 9, 6], [7, 0, 0], [0, 0, 0]]
+    assert sample.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    assert sample.action_mask.tolist() == [[1, 0, 1], [1, 0, 0], [0, 0, 0]]
+    assert sample.is_truncated.tolist() == [True, True, False]  # no stop token last; an empty one ran out of nothing
+    assert sample.sampler_logprobs[0, 0] == -0.5 and math.isnan(sample.sampler_logprobs[0, 1])
+    assert read_rollout_func_output(output, 3, [6], 0, keep_logprobs=False)[1].is_truncated.tolist()[0] is False
+    output["logprobs"] = [[0.0], [0.0], [0.0]]  # not read without vLLM's correction, as GRPOTrainer leaves them
+    assert read_rollout_func_output(output, 3, [9], 0, keep_logprobs=False)[1].sampler_logprobs is None
+    with pytest.raises(ValueError, match="`logprobs` for prompt 0 has 1 entries for its 3 completion tokens"):
+        read_rollout_func_output(output, 3, [9], 0, keep_logprobs=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"logprobs": None}, r"must return keys \['logprobs'\]"),  # GRPOTrainer's words
+        ({"completion_ids": [[5]]}, "returned 1 `completion_ids` for the 2 prompts"),
+        ({"env_mask": [[1], [1, 0]]}, "`env_mask` for prompt 1 has 2 entries for its 1 completion tokens"),
+    ],
+)
+def test_a_rollout_funcs_output_that_does_not_fit_is_refused_naming_what(change, says):
+    output = {"prompt_ids": [[1], [2]], "completion_ids": [[5], [6]], "logprobs": [[0.0], [0.0]]}
+    output.update(change)
+    output = {key: value for key, value in output.items() if value is not None}
+    with pytest.raises(ValueError, match=says):
+        read_rollout_func_output(output, 2, [9], 0, keep_logprobs=False)
+    with pytest.raises(TypeError, match="must return a dict"):
+        read_rollout_func_output([output], 2, [9], 0, keep_logprobs=False)
+
+
+def test_a_rollout_funcs_fields_become_columns_of_new_rows():
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    merged = rows_with_fields(rows, {"env_reward": [0.5, 1.0], "task": "sum"})
+    assert merged == [
+        {"prompt": "a", "answer": "1", "env_reward": 0.5, "task": "sum"},
+        {"prompt": "b", "answer": "2", "env_reward": 1.0, "task": "sum"},
+    ]
+    assert rows[0] == {"prompt": "a", "answer": "1"}  # the dataset's rows are left as they were
+    with pytest.raises(ValueError, match="`env_reward` is a list of 3 for 2 prompts"):
+        rows_with_fields(rows, {"env_reward": [0.5, 1.0, 2.0]})
+    with pytest.raises(ValueError, match=r"returned the field\(s\) \['completions'\]"):
+        rows_with_fields(rows, {"completions": ["x", "y"]})
+
+
+def test_a_rollout_func_that_is_no_callable_is_refused_before_any_model_loads(tmp_path):
+    from trl_vapo import VAPOTrainer
+
+    with pytest.raises(TypeError, match="rollout_func must be a callable"):
+        VAPOTrainer("no/such-model", digit_fraction, make_args(tmp_path), prompts_dataset(), rollout_func="vllm")
