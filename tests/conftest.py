@@ -95,3 +95,17 @@ def reward_model_dir(tmp_path_factory):
     from trl_vapo.tiny import save_tiny_reward_model
 
     return save_tiny_reward_model(tmp_path_factory.mktemp("reward-model"))
+
+
+@pytest.fixture
+def stand_in_vllm(monkeypatch):
+    """TRL's `VLLMGeneration` replaced by `helpers.StandInVLLMGeneration` (vLLM cannot be installed here: no GPU), with
+    TRL's `is_vllm_available` answering yes: `use_vllm=True` then builds the trainer's vLLM engine on it."""
+    import importlib
+
+    from helpers import StandInVLLMGeneration
+
+    vllm_generation = importlib.import_module("trl.generation.vllm_generation")
+    # TRL's `is_vllm_available`, as the engine check reads it (imported through `trl_vapo._compat`).
+    monkeypatch.setattr(importlib.import_module("trl_vapo.generation"), "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(vllm_generation, "VLLMGeneration", StandInVLLMGeneration)

@@ -45,6 +45,10 @@ def test_position_profile_matches_a_direct_loop():
         expected.append(sum(picked) / len(picked) if picked else math.nan)
     got = position_profile(values, mask, edges)
     assert got == pytest.approx(expected, nan_ok=True)
+    # Positions past the last edge (a rollout_func's completions longer than max_completion_length) count in the last
+    # bucket, [3, 7) here.
+    last = [values[i, t].item() for i in range(values.shape[0]) for t in range(3, values.shape[1]) if mask[i, t]]
+    assert position_profile(values, mask, [0, 3, 7])[-1] == pytest.approx(sum(last) / len(last))
 
 
 def test_position_statistics_pool_over_processes():

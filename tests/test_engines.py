@@ -65,16 +65,6 @@ def test_continuous_batching_trains_end_to_end_and_resumes_exactly(tiny_model_di
     assert after == [h for h in comparable(full.state.log_history) if h["step"] > 4] and len(after) == 3
 
 
-@pytest.fixture
-def stand_in_vllm(monkeypatch):
-    import importlib
-
-    vllm_generation = importlib.import_module("trl.generation.vllm_generation")
-    # TRL's `is_vllm_available`, as the engine check reads it (imported through `trl_vapo._compat`).
-    monkeypatch.setattr(importlib.import_module("trl_vapo.generation"), "is_vllm_available", lambda *a, **k: True)
-    monkeypatch.setattr(vllm_generation, "VLLMGeneration", StandInVLLMGeneration)
-
-
 def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tiny_model_dir, tmp_path, stand_in_vllm):
     # Two optimizer steps per rollout, three rollouts: the policy changes between rollouts, so every rollout but the
     # first (value pretraining's frozen policy) samples from freshly pushed weights.

@@ -632,6 +632,7 @@ def _rollout_metrics_on_rank(rank: int, port: int, out: str) -> None:
         prompt_length=1,
         truncated=torch.zeros(n, dtype=torch.bool),
         scores=Scores(torch.ones(n, 1), torch.ones(n), torch.ones(n, dtype=torch.bool), ["r"]),
+        action_mask=torch.ones(n, c, dtype=torch.long),
         loss_mask=torch.ones(n, c),
         is_correct=torch.ones(n, dtype=torch.bool),
         is_positive=torch.ones(n, dtype=torch.bool),

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 from helpers import CapturingTrainer, digit_fraction, make_args, prompts_dataset, rl_logs
+from peft import LoraConfig
 
+from trl_vapo import VAPOTrainer
 from trl_vapo.generation import read_rollout_func_output
 from trl_vapo.scoring import rows_with_fields
 
@@ -73,6 +75,35 @@ def test_multi_turn_episodes_train_with_the_environments_tokens_as_context_only(
     # Completion lengths count the policy's tokens, as GRPOTrainer counts them.
     first = trainer.rollouts[0][1]
     assert rl_logs(trainer)[0]["completions/mean_length"] == pytest.approx(first.action_mask.sum(1).float().mean())
+    # Evaluation samples with it too, on a data set given then: the reward's `turns` comes from the function.
+    trained = len(calls)
+    metrics = trainer.evaluate(prompts_dataset(4))
+    asked = [prompt for prompts, _ in calls[trained:] for prompt in prompts]
+    assert asked == [p for p in prompts_dataset(4)["prompt"] for _ in range(4)] and "eval_reward" in metrics
+
+
+def test_a_grpo_style_rollout_func_samples_with_vllm_and_its_logprobs_are_the_samplers(
+    tiny_model_dir, tmp_path, stand_in_vllm
+):
+    """With `use_vllm`, a function written for GRPOTrainer samples with `trainer.vllm_generation` (vLLM's stand-in
+    here, synced before each call) and returns vLLM's log-probs, which correct the loss for the sampler: 0.05 above
+    the trainer's here, as the logged difference says."""
+
+    def with_vllm(prompts, trainer):
+        assert trainer.use_vllm
+        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
+        vllm = trainer.vllm_generation
+        _, completions, logprobs, _ = vllm.generate(prompts=prompt_ids, images=None, num_generations=1)
+        drifted = [[token[0] + 0.05 for token in row] for row in logprobs]
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": drifted}
+
+    args = make_args(tmp_path, max_steps=1, use_vllm=True, vllm_mode="colocate")
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=peft, rollout_func=with_vllm
+    )
+    trainer.train()
+    assert rl_logs(trainer)[0]["sampling/sampling_logp_difference/mean"] == pytest.approx(0.05, abs=1e-4)
 
 
 def test_a_rollout_funcs_output_becomes_an_engines():
@@ -93,6 +124,9 @@ def test_a_rollout_funcs_output_becomes_an_engines():
     assert read_rollout_func_output(output, 3, [6], 0, keep_logprobs=False)[1].is_truncated.tolist()[0] is False
     output["logprobs"] = [[0.0], [0.0], [0.0]]  # not read without vLLM's correction, as GRPOTrainer leaves them
     assert read_rollout_func_output(output, 3, [9], 0, keep_logprobs=False)[1].sampler_logprobs is None
+    output["logprobs"] = None  # none known: nothing to correct with, even with vLLM's correction on
+    assert read_rollout_func_output(output, 3, [9], 0, keep_logprobs=True)[1].sampler_logprobs is None
+    output["logprobs"] = [[0.0], [0.0], [0.0]]
     with pytest.raises(ValueError, match="`logprobs` for prompt 0 has 1 entries for its 3 completion tokens"):
         read_rollout_func_output(output, 3, [9], 0, keep_logprobs=True)
 
@@ -130,7 +164,5 @@ def test_a_rollout_funcs_fields_become_columns_of_new_rows():
 
 
 def test_a_rollout_func_that_is_no_callable_is_refused_before_any_model_loads(tmp_path):
-    from trl_vapo import VAPOTrainer
-
     with pytest.raises(TypeError, match="rollout_func must be a callable"):
         VAPOTrainer("no/such-model", digit_fraction, make_args(tmp_path), prompts_dataset(), rollout_func="vllm")

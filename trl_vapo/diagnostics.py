@@ -45,12 +45,14 @@ def position_profile(
     values: torch.Tensor, mask: torch.Tensor, edges: list[int], all_reduce: AllReduce | None = None
 ) -> list[float]:
     """The mean of `values` [N, C] over valid tokens in each position bucket [edges[i], edges[i+1]); NaN for an
-    empty bucket. Pooled over processes with `all_reduce` (sums and counts, one call)."""
+    empty bucket. The last bucket also holds the positions past the last edge (a `rollout_func`'s completions may
+    be longer than `max_completion_length`). Pooled over processes with `all_reduce` (sums and counts, one call)."""
     positions = torch.arange(values.shape[1], device=values.device)
     valid = mask.bool()
     sums, counts = [], []
     for low, high in zip(edges[:-1], edges[1:]):
-        in_bucket = valid & ((positions >= low) & (positions < high))[None, :]
+        below = positions < high if high < edges[-1] else torch.ones_like(positions, dtype=torch.bool)
+        in_bucket = valid & ((positions >= low) & below)[None, :]
         sums.append(torch.where(in_bucket, values.double(), 0.0).sum())
         counts.append(in_bucket.sum().double())
     totals = torch.stack(sums + counts)

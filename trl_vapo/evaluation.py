@@ -224,7 +224,8 @@ class EvaluationMixin:
             dataset = self.eval_dataset if eval_dataset is None else eval_dataset
             if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
                 for row in check_eval_dataset(eval_dataset, self.args, self._conversational).values():
-                    self.scorer.check(row)
+                    if self.rollout_func is None:  # its fields are columns too, which no dataset row shows
+                        self.scorer.check(row)
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if not self.models_placed and (self.is_deepspeed_enabled or self.is_fsdp_enabled):

@@ -921,7 +921,7 @@ def read_rollout_func_output(
     """A `rollout_func`'s output as an engine's: the prompts' token ids, the completions, and the other fields (the
     reward functions get them as columns).
 
-    `output` holds `prompt_ids`, `completion_ids` and `logprobs`, one list per prompt it was given, and may hold
+    `output` holds `prompt_ids`, `completion_ids` and `logprobs` (None: none known), one list per prompt, and may hold
     `env_mask` (per completion token: 1 sampled by the policy, 0 written by an environment), which becomes
     `action_mask`. A completion is taken whole, as GRPOTrainer takes it (a multi-turn one holds stop tokens between
     its turns), and counts as truncated when its last token is no stop (or pad) token. `logprobs` become the
@@ -936,7 +936,8 @@ def read_rollout_func_output(
     fields = {key: value for key, value in output.items() if key not in ROLLOUT_FUNC_KEYS}
     env_mask = fields.pop("env_mask", None)
     completions = output["completion_ids"]
-    per_prompt = {name: output[name] for name in ROLLOUT_FUNC_KEYS}
+    keep_logprobs = keep_logprobs and output["logprobs"] is not None
+    per_prompt = {name: output[name] for name in ROLLOUT_FUNC_KEYS if output[name] is not None}
     if env_mask is not None:
         per_prompt["env_mask"] = env_mask
     for name, rows in per_prompt.items():

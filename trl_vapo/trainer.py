@@ -378,6 +378,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             stop_ids=self._stop_ids,
         )
         warn_off_policy_sampling(self.generation_engine.sampling, policy, self._stop_ids, tokenizer.pad_token_id)
+        # GRPOTrainer's attributes, which a rollout_func written for it may read to sample with vLLM.
+        self.use_vllm = args.use_vllm
+        self.vllm_generation = getattr(self.generation_engine, "vllm_generation", None)
         if args.use_vllm and args.vllm_importance_sampling_correction and self.accelerator.is_main_process:
             self.generation_engine.warn_unprocessed_server_logprobs()
 
@@ -403,9 +406,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             if type(callback).__name__ in NUMBERS_ONLY_TRACKERS:
                 leave_text_out_of_logs(callback)
         self._critic_bias = CriticBiasWatch()
-        self.train_dataset, said = long_prompts_handled(  # may drop prompts: the plan counts what is left
-            self.train_dataset, args, lambda prompts: [len(x) for x in self._tokenize_prompts(prompts, truncate=False)]
-        )
+        said = None  # a rollout_func's prompt ids are its own: max_prompt_length does not apply to them
+        if rollout_func is None:  # may drop prompts: the plan counts what is left
+            self.train_dataset, said = long_prompts_handled(
+                self.train_dataset, args, lambda rows: [len(x) for x in self._tokenize_prompts(rows, truncate=False)]
+            )
         if said:
             logger.warning(said)
         self._said_long_prompts = said is not None  # else the first prompt cut later (a stream's, eval's) is said
