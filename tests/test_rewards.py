@@ -374,6 +374,9 @@ def test_extract_predicted_answer(text, expected):
         ("  x^2+7x ", "x^2+7x"),
         (72, "72"),
         (0.5, "0.5"),
+        (1e20, "100000000000000000000"),  # not 1e+20, nor 2.5e-07 below: math-verify reads neither as the number
+        (2.5e-07, "0.00000025"),
+        (-1.25e-05, "-0.0000125"),
         (None, None),
         (True, None),
         (["72"], None),

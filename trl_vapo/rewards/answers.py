@@ -9,6 +9,7 @@ import bisect
 import math
 import re
 from collections.abc import Sequence
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -475,7 +476,8 @@ def normalize_gold_answer(gold: Any) -> str | None:
       environment, so ``$$\\boxed{2}, \\boxed{3}, \\boxed{5}$$`` gives ``"2,3,5"`` (all of them are the answer, and
       a completion giving one of them is wrong);
     - bare answers (DeepScaleR, DAPO-Math): ``"\\frac{1}{2}"``, ``"$2\\sqrt{3}$"``, ``"(3,-1)"`` are kept, minus
-      surrounding math delimiters (``"$6$ and $8$"`` gives ``"6,8"``); ints and floats are converted with ``str``.
+      surrounding math delimiters (``"$6$ and $8$"`` gives ``"6,8"``); ints and floats become their digits in full
+      (``1e20`` is ``"100000000000000000000"``, ``2.5e-07`` is ``"0.00000025"``).
 
     ``\\mathrm{e}`` becomes ``e``. ``None`` when the gold is empty, not text or a number, has an unterminated last
     box or unbalanced braces, or is longer than :data:`MAX_ANSWER_CHARS` (a solution without any answer marker is not
@@ -486,8 +488,9 @@ def normalize_gold_answer(gold: Any) -> str | None:
     if isinstance(gold, float):
         if not math.isfinite(gold):
             return None
-        # ``str(1e20)`` is ``1e+20``, which no parser reads as a number.
-        gold = str(int(gold)) if gold.is_integer() else repr(gold)
+        # ``str(1e20)`` is ``1e+20`` and ``str(2.5e-07)`` is ``2.5e-07``, which math-verify does not read as those
+        # numbers: written out in full, with the digits of the float's shortest repr.
+        gold = str(int(gold)) if gold.is_integer() else format(Decimal(repr(gold)), "f")
     if isinstance(gold, (int, Fraction)):
         gold = str(gold)
     if not isinstance(gold, str):
