@@ -130,6 +130,33 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
         _split_launch_args(["--not_a_flag", "3"])
     with pytest.raises(UsageError, match="FSDP version 1 is not supported; use --accelerate_config fsdp2"):
         _split_launch_args(["--accelerate_config", "fsdp1"])
+    # A config's `multi_gpu: true` / `false` arrives as `--multi_gpu True` / `False`: accelerate took "True" for the
+    # script to run.
+    assert _split_launch_args(["--multi_gpu", "True", "--num_processes", "2"]) == [
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+    ]
+    assert _split_launch_args(["--multi_gpu", "False"]) == []
+
+
+def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path):
+    """`trl-vapo train --config tweaks.yaml` with neither a model nor data in it runs the offline demo with the file's
+    settings over the demo's; it was refused, asking for a model it did not mention."""
+    from trl_vapo.cli import DEMO_DEFAULTS, _is_demo
+
+    tweaks = tmp_path / "tweaks.yaml"
+    tweaks.write_text("max_steps: 32\n")
+    assert _is_demo(["--config", str(tweaks)]) and _is_demo([f"--config={tweaks}"])
+    parser = _parser()
+    parser.set_defaults(**DEMO_DEFAULTS)
+    _, training_args, *_ = _parse_args_and_config(parser, ["--config", str(tweaks)])
+    assert (
+        training_args.max_steps == 32 and training_args.critic_num_iterations == DEMO_DEFAULTS["critic_num_iterations"]
+    )
+    (tmp_path / "run.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nmax_steps: 32\n")
+    assert not _is_demo(["--config", str(tmp_path / "run.yaml")])
+    assert not _is_demo(["--config", str(tweaks), "--dataset_name", "data.jsonl"])
 
 
 def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys, monkeypatch):
@@ -278,6 +305,13 @@ BAD_INPUT = [
     (["--max_steps", "1e3"], "--max_steps/--max-steps: invalid int value: '1e3' (see `trl-vapo train --help`)"),
     (["--config", "broken.yaml"], 'is not valid YAML: while parsing a flow sequence in "broken.yaml", line 1'),
     (["--config", "."], ".: a folder (--config takes a YAML file's path)"),
+    (["--config"], "--config needs a YAML file's path"),  # was TRL's IndexError
+    # A resume that cannot be was a traceback once the models had loaded (train() refused it).
+    (["--resume_from_checkpoint", "latest"], "resume_from_checkpoint=True but no complete checkpoint in"),
+    (["--resume_from_checkpoint", "gone/checkpoint-3"], "--resume_from_checkpoint gone/checkpoint-3: no such folder"),
+    (["--resume_from_checkpoint", "."], ". is not a complete trl-vapo checkpoint (no vapo_state.json)"),
+    # `false` turns a config's resume off (it was taken as a path): a fresh run, refused in a folder of checkpoints.
+    (["--output_dir", "earlier", "--resume_from_checkpoint", "false"], "holds an earlier run's checkpoints"),
     # What the trainer refuses before training (a traceback before): settings against the data and the rewards.
     (["--reward_weights", "1", "2"], "reward_weights has 2 values but there are 1 reward functions."),
     (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
@@ -328,6 +362,8 @@ def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"bad-input-{name}")
         (out / "typo.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nlearnin_rate: 1.0e-4\n")
         (out / "broken.yaml").write_text("learning_rate: [1\nmax_steps: 2\n")
+        (out / "earlier" / "checkpoint-1").mkdir(parents=True)
+        (out / "earlier" / "checkpoint-1" / "vapo_state.json").write_text("{}")
         common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
         common += ["--prompt_column", "question", "--report_to", "none"]
         cases = [[*common, "--output_dir", str(out / f"run{i}"), *args] for i, (args, _) in enumerate(rows)]
@@ -481,10 +517,15 @@ def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_check
         "--save_steps": 1000,  # the signal's checkpoint is the only one
         "--report_to": "none",
         "--disable_tqdm": "true",
-        "--num_processes": processes,
     }
+    # Launch settings in a config: the launched command reads them again and must not launch once more (one process:
+    # accelerate's launcher sets no LOCAL_RANK, and the command relaunched itself without end); `multi_gpu: true`
+    # reaches accelerate as the flag (it was `--multi_gpu True`, "True" taken for the script to run).
+    launch = tmp_path / "launch.yaml"
+    launch.write_text(f"num_processes: {processes}\n" if processes == 1 else "multi_gpu: true\n")
+    flags["--config"] = launch
     command = [TRL_VAPO, "train", *(str(x) for item in flags.items() for x in item)]
-    command += ["--multi_gpu"] if processes > 1 else []
+    command += ["--num_processes", str(processes)] if processes > 1 else []
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     log = out / "vapo_logs.jsonl"
     deadline = time.time() + 240

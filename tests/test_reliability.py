@@ -963,6 +963,19 @@ def test_rotation_keeps_the_best_checkpoint_however_its_path_was_spelt(tmp_path,
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
 
 
+def test_rotation_keeps_as_many_checkpoints_as_the_limit_when_the_best_one_is_gone(tmp_path):
+    """A best checkpoint that is no longer there (deleted by hand, or of a run resumed from a copy elsewhere) takes
+    no place among the `save_total_limit` kept: it used to, and one checkpoint too many was deleted."""
+    from trl_vapo.checkpoint import COMPLETE_MARKER, rotate_checkpoints
+
+    out = tmp_path / "out"
+    for step in (1, 2, 3, 4):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / COMPLETE_MARKER).write_text("{}")
+    rotate_checkpoints(out, save_total_limit=2, keep=[out / "checkpoint-4", tmp_path / "elsewhere" / "checkpoint-9"])
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3", "checkpoint-4"]
+
+
 def test_save_only_model_checkpoints_hold_the_weights_and_are_not_resumed_from(tiny_model_dir, tmp_path):
     """`save_only_model=True` (ignored before: every checkpoint held the optimizer state too) writes the policy, the
     critic and the state, not the optimizer, schedules or random state; such a checkpoint starts a new run from its
@@ -1043,6 +1056,27 @@ def test_a_checkpoint_is_on_the_disk_before_it_is_published(tmp_path, monkeypatc
     assert {str(tmp / n) for n in ("model.safetensors", "optimizer.pt", "critic/model.safetensors")} <= before
     assert {str(tmp), str(tmp / "critic")} <= before
     assert (str(tmp_path), True) in synced and final.is_dir()
+
+
+def test_a_save_into_the_folder_of_an_earlier_one_leaves_none_of_its_model_files(tiny_model_dir, tmp_path):
+    """A LoRA run saved into a folder that holds a full model's weights, or the other way round: the earlier save's
+    weights go, or `from_pretrained` (and `trl-vapo eval`) would load the adapter's base with the adapter, or the
+    full weights, instead of what this run trained."""
+    from peft import LoraConfig
+
+    final = tmp_path / "final"
+    full = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path / "a"), prompts_dataset(32))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    adapter = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, config(tmp_path / "b"), prompts_dataset(32), peft_config=lora
+    )
+    full.save_model(str(final))
+    adapter.save_model(str(final))
+    names = {p.name for p in final.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names and "model.safetensors" not in names
+    full.save_model(str(final))
+    names = {p.name for p in final.iterdir()}
+    assert "model.safetensors" in names and not {"adapter_config.json", "adapter_model.safetensors"} & names
 
 
 def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, tmp_path, monkeypatch):

@@ -61,6 +61,18 @@ REFERENCE_FILE = "reference_model.safetensors"
 TRAINING_STATE = ["optimizer.pt", "scheduler.pt", "rng_state_*", "trainer_state.json", REFERENCE_FILE, COMPLETE_MARKER]
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+MODEL_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
+"""The files a saved model is loaded from (`from_pretrained`: a full model's or a PEFT adapter's weights): a save
+removes those of an earlier save into its folder that it does not write itself."""
 
 
 def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
@@ -285,8 +297,9 @@ def rotate_checkpoints(
     if not save_total_limit or save_total_limit <= 0:
         return
     kept = {(Path(p) if Path(p).is_dir() else Path(output_dir) / Path(p).name).resolve() for p in keep}
-    checkpoints = [c for c in list_checkpoints(output_dir) if c.resolve() not in kept]
-    excess = len(checkpoints) + len(kept) - save_total_limit
+    found = list_checkpoints(output_dir)
+    checkpoints = [c for c in found if c.resolve() not in kept]
+    excess = len(found) - save_total_limit  # a kept path that is no checkpoint here (deleted, elsewhere) counts none
     reading = {Path(p).resolve() for p in busy}
     for stale in checkpoints[: max(excess, 0)]:
         if stale.resolve() not in reading:
@@ -479,10 +492,15 @@ class SavingMixin:
                     self._write_models(tmp, state_dict, as_loaded=True)
                     fsync_tree(tmp)
                     output_dir.mkdir(parents=True, exist_ok=True)
+                    written = {item.name for item in tmp.iterdir()}
                     for item in sorted(tmp.iterdir()):
                         if item.is_dir() and (output_dir / item.name).is_dir():
                             shutil.rmtree(output_dir / item.name)  # an earlier save's critic/
                         os.replace(item, output_dir / item.name)
+                    for pattern in MODEL_FILES:  # an earlier save's adapter beside this full model would load as it
+                        for stale in output_dir.glob(pattern):
+                            if stale.name not in written and stale.is_file():
+                                stale.unlink()
                     _fsync_dir(output_dir)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -685,6 +703,13 @@ class SavingMixin:
         prompts = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None  # a stream: None
         args = (self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
         return run_fingerprint(*args, train_prompts=prompts)
+
+    def resume_point(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, dict[str, Any] | None]:
+        """The checkpoint `train(resume_from_checkpoint=...)` resumes from (`checkpoint_to_resume`) and its marker,
+        once it is known to be one this run can resume from; (None, None) for a fresh run. A clear ValueError
+        otherwise: the command line calls it before training, to say it in one line."""
+        path = self.checkpoint_to_resume(resume_from_checkpoint)
+        return (None, None) if path is None else (path, self._checked_marker(Path(path)))
 
     def _checked_marker(self, path: Path) -> dict[str, Any]:
         """The marker of the checkpoint `path`, once it is known to be one this run can resume from."""

@@ -211,6 +211,8 @@ def _parse_args_and_config(parser, argv: list[str]):
 
     # TrlParser finds `--config FILE` alone; `--config=FILE` would be left over as an unknown flag.
     argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    if "--config" in argv and argv.index("--config") + 1 == len(argv):  # TrlParser: IndexError, a traceback
+        raise UsageError("--config needs a YAML file's path")
     try:
         *parsed_args, config_remaining, cli_remaining = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -232,9 +234,25 @@ def _parse_args_and_config(parser, argv: list[str]):
 
 
 # ------------------------------------------------------------------------------------------------------------- train
+DATA_AND_MODEL_FLAGS = {"--model_name_or_path", "--dataset_name", "--dataset_preset", "--datasets"}
+"""What makes a `train` run other than the offline demo, as a flag or as a config's key."""
+
+
 def _is_demo(argv: list[str]) -> bool:
+    """No model and no data, as flags or in the `--config` file: the offline demo (a config then changes its
+    settings, `max_steps: 5` say)."""
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    return not given & {"--config", "--model_name_or_path", "--dataset_name", "--dataset_preset", "--datasets"}
+    if "--config" in argv[:-1] or any(arg.startswith("--config=") for arg in argv):
+        import yaml
+
+        at = argv.index("--config") + 1 if "--config" in argv else None
+        path = argv[at] if at is not None else next(a for a in argv if a.startswith("--config="))[len("--config=") :]
+        try:
+            keys = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):  # the parser says what is wrong with the file
+            return False
+        given |= {f"--{key}" for key in keys} if isinstance(keys, dict) else set()
+    return not given & DATA_AND_MODEL_FLAGS
 
 
 def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser=None) -> list[str]:
@@ -248,13 +266,21 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
 
     from ._compat import resolve_accelerate_config_argument
 
+    launcher = launch_command_parser()
+    switches = {o for a in launcher._actions if a.nargs == 0 for o in a.option_strings}  # `--multi_gpu`
+    flags = []
+    for arg in remaining:  # a config's `multi_gpu: true` arrives as `--multi_gpu True`: the flag, or nothing
+        if flags and flags[-1] in switches and arg in ("True", "False"):
+            if arg == "False":
+                flags.pop()
+            continue
+        flags.append(arg)
     try:
-        launch_args = resolve_accelerate_config_argument(list(remaining))
+        launch_args = resolve_accelerate_config_argument(flags)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if any(Path(arg).name == "fsdp1.yaml" for arg in launch_args):  # TRL's name for its FSDP1 config
         raise UsageError("--accelerate_config fsdp1: FSDP version 1 is not supported; use --accelerate_config fsdp2")
-    launcher = launch_command_parser()
     _, unknown = launcher.parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
     unknown = [arg for arg in unknown if arg.startswith("-")]
     if unknown:
@@ -272,6 +298,31 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
     return launch_args
 
 
+def _check_resume(output_dir: str, resume: str | bool | None) -> None:
+    """What the trainer would refuse of `--resume_from_checkpoint`, said before any model loads: no checkpoint to
+    resume from in `output_dir` (true / latest), a folder that is none, or, without it, an earlier run's checkpoints.
+    (A checkpoint of another run's settings is said once the trainer is built: it needs the run's fingerprint.)"""
+    from .checkpoint import checkpoint_problem, earlier_checkpoints_refusal, newest_resumable_checkpoint
+
+    if isinstance(resume, str) and resume.lower() in ("true", "latest") and not Path(resume).exists():
+        resume = True
+    try:
+        if not resume:
+            if refused := earlier_checkpoints_refusal(output_dir):
+                raise ValueError(refused)
+        elif resume is True:
+            newest_resumable_checkpoint(output_dir)
+        elif not Path(resume).is_dir():
+            raise ValueError(
+                f"--resume_from_checkpoint {resume}: no such folder; name a checkpoint folder, or pass true (or "
+                f"latest) for the newest one in {output_dir}"
+            )
+        elif problem := checkpoint_problem(Path(resume)):
+            raise ValueError(f"Cannot resume from {resume}: {problem}")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def train_command(argv: list[str]) -> int:
     demo = _is_demo(argv) and not {"-h", "--help"} & set(argv)  # help shows every run's defaults, naming the demo's
     parser = _parser()
@@ -281,7 +332,9 @@ def train_command(argv: list[str]) -> int:
         parser, argv
     )
     launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
-    if launch_args and "LOCAL_RANK" not in os.environ:
+    # The launched command reads the same config, launch keys included: it runs them, it does not launch again
+    # (accelerate's one-process launcher sets no LOCAL_RANK).
+    if launch_args and "LOCAL_RANK" not in os.environ and LAUNCHED not in os.environ:
         return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
 
     from transformers import AutoTokenizer
@@ -299,6 +352,9 @@ def train_command(argv: list[str]) -> int:
         check_engine_available(EngineSettings.from_config(training_args))
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
+    resume = training_args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("false", "none", "") and not Path(resume).is_dir():
+        training_args.resume_from_checkpoint = None  # a flag's way to turn off a config's `resume_from_checkpoint`
     if all(os.environ.get(rank, "0") == "0" for rank in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):
         # One process looks (torchrun's, MPI's rank 0): two looking at once would each see the other.
         from .run_lock import live_holder, refusal
@@ -306,11 +362,7 @@ def train_command(argv: list[str]) -> int:
         holder = live_holder(training_args.output_dir)
         if holder is not None:  # the trainer would refuse too, but after the models had loaded
             raise UsageError(refusal(training_args.output_dir, holder))
-        if not training_args.resume_from_checkpoint:  # as for these two
-            from .checkpoint import earlier_checkpoints_refusal
-
-            if refused := earlier_checkpoints_refusal(training_args.output_dir):
-                raise UsageError(refused)
+        _check_resume(training_args.output_dir, training_args.resume_from_checkpoint)  # as for these two
     if not demo:
         _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")
@@ -342,6 +394,7 @@ def train_command(argv: list[str]) -> int:
             value_model=script_args.value_model_name_or_path,
             peft_config=get_peft_config(model_args),
         )
+        trainer.resume_point(training_args.resume_from_checkpoint)  # a checkpoint of other settings, say
     except (ValueError, ImportError, NotImplementedError) as error:
         logging.getLogger(__name__).debug("The trainer refused the run", exc_info=True)  # the traceback, if asked
         raise UsageError(" ".join(str(error).split())) from None
@@ -694,6 +747,10 @@ def _forward_signals_to_children(signums=(signal.SIGTERM, signal.SIGINT)) -> dic
     return previous
 
 
+LAUNCHED = "TRL_VAPO_LAUNCHED"
+"""Set in the environment of the processes `_relaunch` starts."""
+
+
 def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     """Run this same command under `accelerate launch` with the given launcher arguments; its exit code is the
     workers' (128 + the signal's number after a stop on SIGTERM or SIGINT, as one process's run)."""
@@ -704,6 +761,7 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
+    os.environ[LAUNCHED] = "1"  # the launched processes inherit it
     previous = _forward_signals_to_children()
     try:
         launch_command(args)

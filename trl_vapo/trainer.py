@@ -507,8 +507,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
         self.is_in_train = True
-        resume_from_checkpoint = self.checkpoint_to_resume(resume_from_checkpoint)
-        marker = None if resume_from_checkpoint is None else self._checked_marker(Path(resume_from_checkpoint))
+        resume_from_checkpoint, marker = self.resume_point(resume_from_checkpoint)
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
