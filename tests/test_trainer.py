@@ -462,7 +462,8 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
 
 def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reaches_the_loss(tiny_model_dir, tmp_path):
     """GRPOConfig's static `entropy_coef`: from the same rollout, the policy steps elsewhere with the bonus than
-    without it, the critic the same; `loss/entropy_bonus` is logged. `delta` reaches the policy loss's settings."""
+    without it, the critic the same; `loss/entropy_bonus` is logged, and GRPOTrainer's `policy_loss` and
+    `entropy_coef`. `delta` reaches the policy loss's settings."""
     trained = {}
     for coef in (0.0, 0.5):
         args = make_args(tmp_path / str(coef), max_steps=1, num_iterations=1, entropy_coef=coef, delta=4.0)
@@ -470,6 +471,10 @@ def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reach
         assert trainer._loss_settings(RL, torch.ones(2, 3), torch.ones(2, dtype=torch.bool))["delta"] == 4.0
         trainer.train()
         assert any("loss/entropy_bonus" in h for h in trainer.state.log_history) == (coef > 0)
+        logged = [h for h in trainer.state.log_history if "loss/policy" in h]
+        assert [(h.get("policy_loss"), h.get("entropy_coef")) for h in logged] == [
+            (h["loss/policy"], 0.5) if coef else (None, None) for h in logged
+        ]
         trained[coef] = [
             {n: p.detach().clone() for n, p in side.named_parameters()}
             for side in (trainer.actor_critic.policy, trainer.actor_critic.critic)
