@@ -140,6 +140,16 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
     assert _split_launch_args(["--multi_gpu", "False"]) == []
 
 
+def test_the_mark_of_a_launched_command_is_its_childrens_only(monkeypatch):
+    """The command a launch starts is marked, so that it does not launch again on reading the same config; the
+    process that launched it is not, so that a later command in it (a notebook, a sweep) launches again."""
+    from trl_vapo.cli import LAUNCHED, _relaunch
+
+    monkeypatch.delenv(LAUNCHED, raising=False)
+    code = _relaunch(["--num_processes", "1"], ["--no_such_flag"])  # the child's one-line error, exit status 2
+    assert code == 2 and LAUNCHED not in os.environ
+
+
 def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path):
     """`trl-vapo train --config tweaks.yaml` with neither a model nor data in it runs the offline demo with the file's
     settings over the demo's; it was refused, asking for a model it did not mention."""

@@ -1058,10 +1058,10 @@ def test_a_checkpoint_is_on_the_disk_before_it_is_published(tmp_path, monkeypatc
     assert (str(tmp_path), True) in synced and final.is_dir()
 
 
-def test_a_save_into_the_folder_of_an_earlier_one_leaves_none_of_its_model_files(tiny_model_dir, tmp_path):
-    """A LoRA run saved into a folder that holds a full model's weights, or the other way round: the earlier save's
-    weights go, or `from_pretrained` (and `trl-vapo eval`) would load the adapter's base with the adapter, or the
-    full weights, instead of what this run trained."""
+def test_a_full_model_saved_where_an_adapter_was_leaves_no_adapter_to_load_instead(tiny_model_dir, tmp_path):
+    """A full fine-tune saved into the folder of an earlier LoRA save: the adapter's files go, or `from_pretrained`
+    (and `trl-vapo eval`) would load the adapter on its base instead of the model this run trained. An adapter saved
+    over full weights leaves them (its config says what loads; the folder may hold the base model itself)."""
     from peft import LoraConfig
 
     final = tmp_path / "final"
@@ -1073,7 +1073,7 @@ def test_a_save_into_the_folder_of_an_earlier_one_leaves_none_of_its_model_files
     full.save_model(str(final))
     adapter.save_model(str(final))
     names = {p.name for p in final.iterdir()}
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= names and "model.safetensors" not in names
+    assert {"adapter_config.json", "adapter_model.safetensors", "model.safetensors"} <= names
     full.save_model(str(final))
     names = {p.name for p in final.iterdir()}
     assert "model.safetensors" in names and not {"adapter_config.json", "adapter_model.safetensors"} & names

@@ -61,18 +61,10 @@ REFERENCE_FILE = "reference_model.safetensors"
 TRAINING_STATE = ["optimizer.pt", "scheduler.pt", "rng_state_*", "trainer_state.json", REFERENCE_FILE, COMPLETE_MARKER]
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
-MODEL_FILES = (
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "model.safetensors",
-    "model-*-of-*.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model*.bin",
-    "pytorch_model.bin.index.json",
-)
-"""The files a saved model is loaded from (`from_pretrained`: a full model's or a PEFT adapter's weights): a save
-removes those of an earlier save into its folder that it does not write itself."""
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+"""A PEFT adapter's files: a full model saved where an earlier save left them removes them, or `from_pretrained`
+(and `trl-vapo eval`) would load the adapter on its base instead of the model. (An adapter saved over a full model's
+weights leaves them: its config names what loads, and the folder may be the base model's own.)"""
 
 
 def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
@@ -497,10 +489,9 @@ class SavingMixin:
                         if item.is_dir() and (output_dir / item.name).is_dir():
                             shutil.rmtree(output_dir / item.name)  # an earlier save's critic/
                         os.replace(item, output_dir / item.name)
-                    for pattern in MODEL_FILES:  # an earlier save's adapter beside this full model would load as it
-                        for stale in output_dir.glob(pattern):
-                            if stale.name not in written and stale.is_file():
-                                stale.unlink()
+                    if "adapter_config.json" not in written:  # an earlier save's adapter would load instead
+                        for stale in ADAPTER_FILES:
+                            (output_dir / stale).unlink(missing_ok=True)
                     _fsync_dir(output_dir)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)

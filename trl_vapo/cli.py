@@ -270,8 +270,8 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
     switches = {o for a in launcher._actions if a.nargs == 0 for o in a.option_strings}  # `--multi_gpu`
     flags = []
     for arg in remaining:  # a config's `multi_gpu: true` arrives as `--multi_gpu True`: the flag, or nothing
-        if flags and flags[-1] in switches and arg in ("True", "False"):
-            if arg == "False":
+        if flags and flags[-1] in switches and arg.lower() in ("true", "false"):
+            if arg.lower() == "false":
                 flags.pop()
             continue
         flags.append(arg)
@@ -761,7 +761,8 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
-    os.environ[LAUNCHED] = "1"  # the launched processes inherit it
+    marked = os.environ.get(LAUNCHED)
+    os.environ[LAUNCHED] = "1"  # the launched processes inherit it; this one's is restored below
     previous = _forward_signals_to_children()
     try:
         launch_command(args)
@@ -775,6 +776,8 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if marked is None:
+            os.environ.pop(LAUNCHED, None)  # a later command in this process (a notebook, a sweep) launches again
     return 0
 
 
