@@ -140,9 +140,10 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
     assert _split_launch_args(["--multi_gpu", "False"]) == []
 
 
-def test_the_mark_of_a_launched_command_is_its_childrens_only(monkeypatch):
-    """The command a launch starts is marked, so that it does not launch again on reading the same config; the
-    process that launched it is not, so that a later command in it (a notebook, a sweep) launches again."""
+def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):
+    """The command a launch starts is marked (so that it does not launch again on reading the same config: the
+    relaunch test's one-process run); the process that launched it is not, so that a later command in it (a
+    notebook, a sweep) launches again."""
     from trl_vapo.cli import LAUNCHED, _relaunch
 
     monkeypatch.delenv(LAUNCHED, raising=False)
@@ -167,6 +168,7 @@ def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path):
     (tmp_path / "run.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nmax_steps: 32\n")
     assert not _is_demo(["--config", str(tmp_path / "run.yaml")])
     assert not _is_demo(["--config", str(tweaks), "--dataset_name", "data.jsonl"])
+    assert not _is_demo(["--model-name-or-path", "Qwen/Qwen2.5-0.5B"])  # argparse's other spelling (was the demo)
 
 
 def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys, monkeypatch):

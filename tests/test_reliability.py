@@ -742,6 +742,16 @@ def test_a_signal_at_a_random_point_checkpoints_and_the_resumed_run_matches(
         assert_same_log(logs[step], reference_run[step], context=f"step {step} after resuming from {last.name}")
 
 
+def test_each_spelling_of_resume_from_checkpoint_reads_as_python_and_the_command_line_mean_it(tmp_path, monkeypatch):
+    from trl_vapo.checkpoint import resume_request
+
+    monkeypatch.chdir(tmp_path)
+    given = [True, "true", "Latest", None, False, "false", "None", "", "out/checkpoint-3"]
+    assert [resume_request(x) for x in given] == [True, True, True, None, None, None, None, None, "out/checkpoint-3"]
+    (tmp_path / "latest").mkdir()
+    assert resume_request("latest") == "latest"  # a folder of that name is that folder
+
+
 @pytest.mark.parametrize("word", ["latest", "true", "True"])
 def test_resume_from_checkpoint_latest_or_true_as_a_string_is_the_newest_checkpoint(tiny_model_dir, tmp_path, word):
     """`trl-vapo train --resume_from_checkpoint latest` (or `true`) reaches `train` as a string: the newest

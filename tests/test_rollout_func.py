@@ -86,11 +86,12 @@ def test_a_grpo_style_rollout_func_samples_with_vllm_and_its_logprobs_are_the_sa
     tiny_model_dir, tmp_path, stand_in_vllm
 ):
     """With `use_vllm`, a function written for GRPOTrainer samples with `trainer.vllm_generation` (vLLM's stand-in
-    here, synced before each call) and returns vLLM's log-probs, which correct the loss for the sampler: 0.05 above
-    the trainer's here, as the logged difference says."""
+    here, synced and given the engine's sampling before each call) and returns vLLM's log-probs, which correct the
+    loss for the sampler: 0.05 above the trainer's here, as the logged difference says."""
 
     def with_vllm(prompts, trainer):
-        assert trainer.use_vllm
+        assert trainer.use_vllm  # and vLLM stops where the trainer's engines stop
+        assert trainer.vllm_generation.generation_kwargs["stop_token_ids"] == trainer.generation_engine.stop_token_ids
         prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
         vllm = trainer.vllm_generation
         _, completions, logprobs, _ = vllm.generate(prompts=prompt_ids, images=None, num_generations=1)

@@ -472,7 +472,7 @@ def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reach
         trainer.train()
         assert any("loss/entropy_bonus" in h for h in trainer.state.log_history) == (coef > 0)
         logged = [h for h in trainer.state.log_history if "loss/policy" in h]
-        assert [(h.get("policy_loss"), h.get("entropy_coef")) for h in logged] == [
+        assert logged and [(h.get("policy_loss"), h.get("entropy_coef")) for h in logged] == [
             (h["loss/policy"], 0.5) if coef else (None, None) for h in logged
         ]
         trained[coef] = [

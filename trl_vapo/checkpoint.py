@@ -170,6 +170,18 @@ def read_marker(path: Path) -> dict:
     return json.loads(marker.read_text())
 
 
+def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | None:
+    """`resume_from_checkpoint` as given in Python or on the command line: True for True, "true" and "latest"; None for
+    None, False, "false", "none" and ""; else the path it names. (A folder named "latest", say, is that folder.)"""
+    value = resume_from_checkpoint
+    if isinstance(value, str) and (not value or not Path(value).exists()):
+        if value.lower() in ("true", "latest"):
+            return True
+        if value.lower() in ("false", "none", ""):
+            return None
+    return None if value is False else value
+
+
 def earlier_checkpoints_refusal(output_dir: str | os.PathLike) -> str | None:
     """The error for a fresh run (no resume) in an ``output_dir`` that holds an earlier run's checkpoints, else None:
     the two runs' checkpoints would be one list, which rotation and ``resume_from_checkpoint=True`` order by step."""
@@ -417,14 +429,12 @@ class SavingMixin:
     run_record: RunRecord  # what the trainer knows of the run, for the card and the pretrained critic's record
 
     def checkpoint_to_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
-        """The checkpoint `train(resume_from_checkpoint=...)` names: a path as given; True (or the CLI's "true" /
-        "latest", where no such path exists) the newest one that reads, chosen by the main process so that every
-        process resumes the same step whatever it sees on disk; None or False none, refused where `output_dir` holds
-        an earlier run's checkpoints (`earlier_checkpoints_refusal`)."""
-        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "latest"):
-            if not Path(resume_from_checkpoint).exists():
-                resume_from_checkpoint = True
-        if resume_from_checkpoint not in (True, None, False):  # a path
+        """The checkpoint `train(resume_from_checkpoint=...)` names (`resume_request`): a path as given; True the
+        newest one that reads, chosen by the main process so that every process resumes the same step whatever it
+        sees on disk; None none, refused where `output_dir` holds an earlier run's checkpoints
+        (`earlier_checkpoints_refusal`)."""
+        resume_from_checkpoint = resume_request(resume_from_checkpoint)
+        if resume_from_checkpoint not in (True, None):  # a path
             return resume_from_checkpoint
         chosen = [None]
         if self.accelerator.is_main_process:

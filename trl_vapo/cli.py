@@ -151,7 +151,7 @@ TRAIN_DESCRIPTION = """\
 Train a model with VAPO (arXiv 2504.05118): PPO with a value model, as `trl grpo` trains with GRPO, from flags, a YAML
 file (--config FILE.yaml: its keys are the flags below, and flags override it), or both.
 
-  trl-vapo train                                    the offline demo (no model, data set or --config given)
+  trl-vapo train                                    the offline demo (no model or data set given, nor in --config)
   trl-vapo train --config examples/gsm8k_lora.yaml  a recipe; --model_name_or_path and --dataset_name as flags work too
   trl-vapo train --config x.yaml --num_processes 2  several processes: `accelerate launch`'s flags (--num_processes,
                                                     --multi_gpu, --config_file, --accelerate_config zero1|zero2|zero3|
@@ -241,7 +241,7 @@ DATA_AND_MODEL_FLAGS = {"--model_name_or_path", "--dataset_name", "--dataset_pre
 def _is_demo(argv: list[str]) -> bool:
     """No model and no data, as flags or in the `--config` file: the offline demo (a config then changes its
     settings, `max_steps: 5` say)."""
-    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    given = {"--" + arg.split("=", 1)[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
     if "--config" in argv[:-1] or any(arg.startswith("--config=") for arg in argv):
         import yaml
 
@@ -299,13 +299,12 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
 
 
 def _check_resume(output_dir: str, resume: str | bool | None) -> None:
-    """What the trainer would refuse of `--resume_from_checkpoint`, said before any model loads: no checkpoint to
+    """What the trainer would refuse of `--resume_from_checkpoint` (read by `resume_request`: True, None or a path),
+    said before any model loads: no checkpoint to
     resume from in `output_dir` (true / latest), a folder that is none, or, without it, an earlier run's checkpoints.
     (A checkpoint of another run's settings is said once the trainer is built: it needs the run's fingerprint.)"""
     from .checkpoint import checkpoint_problem, earlier_checkpoints_refusal, newest_resumable_checkpoint
 
-    if isinstance(resume, str) and resume.lower() in ("true", "latest") and not Path(resume).exists():
-        resume = True
     try:
         if not resume:
             if refused := earlier_checkpoints_refusal(output_dir):
@@ -352,9 +351,10 @@ def train_command(argv: list[str]) -> int:
         check_engine_available(EngineSettings.from_config(training_args))
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("false", "none", "") and not Path(resume).is_dir():
-        training_args.resume_from_checkpoint = None  # a flag's way to turn off a config's `resume_from_checkpoint`
+    from .checkpoint import resume_request
+
+    # `--resume_from_checkpoint false` turns off a config's `resume_from_checkpoint`; `latest` is True.
+    training_args.resume_from_checkpoint = resume_request(training_args.resume_from_checkpoint)
     if all(os.environ.get(rank, "0") == "0" for rank in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):
         # One process looks (torchrun's, MPI's rank 0): two looking at once would each see the other.
         from .run_lock import live_holder, refusal

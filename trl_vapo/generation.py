@@ -384,6 +384,11 @@ class GenerationEngine:
     def sync_weights(self, step: int | None = None) -> None:
         """Make the engine sample from the current policy. A no-op for engines that read the policy's weights."""
 
+    def prepare_backend(self) -> None:
+        """Set the engine's sampling (`self.sampling`, its stop ids) on the backend it drives, for a caller that
+        samples with that backend directly: a `rollout_func` with `trainer.vllm_generation`. A no-op for the engines
+        that take their settings at each call."""
+
 
 class TransformersGenerate(GenerationEngine):
     """transformers' `generate()` on left-padded batches: the default engine.
@@ -603,6 +608,9 @@ class VLLMEngine(GenerationEngine):
         check_policy_adapter_active(self.vllm_generation.model)
         self.vllm_generation.sync_weights()
         self._synced_step = step
+
+    def prepare_backend(self) -> None:
+        _apply_sampling(self.vllm_generation, self.sampling, self.stop_token_ids)
 
     def warn_unprocessed_server_logprobs(self) -> None:
         """Warn, as GRPOTrainer does, when a vLLM server reports log-probs other than "processed_logprobs": the

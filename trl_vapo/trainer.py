@@ -861,6 +861,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows])
             sample = self.generation_engine.generate(prompt_ids, num_generations=num_generations)
         else:  # GRPOTrainer's call: the prompts as the dataset holds them (copies: it may edit them), and the trainer
+            self.generation_engine.prepare_backend()  # `trainer.vllm_generation` samples as the engine would
             output = self.rollout_func([copy.deepcopy(row["prompt"]) for row in rows], self)
             prompt_ids, sample, fields = read_rollout_func_output(
                 output, len(rows), self._stop_ids, pad_id, keep_logprobs=self.args.use_vllm
