@@ -182,6 +182,19 @@ def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | No
     return None if value is False else value
 
 
+def resolve_resume(output_dir: str | os.PathLike, request: str | bool | None) -> str | None:
+    """The checkpoint a `resume_request` answer names in `output_dir`: a path as given; for True the newest one that
+    reads; for None none. A ValueError where there is none to take, or where a fresh run (None) would share
+    `output_dir` with an earlier run's checkpoints (`earlier_checkpoints_refusal`)."""
+    if request is True:
+        return str(newest_resumable_checkpoint(output_dir))
+    if request is None:
+        if refused := earlier_checkpoints_refusal(output_dir):
+            raise ValueError(refused)
+        return None
+    return request
+
+
 def earlier_checkpoints_refusal(output_dir: str | os.PathLike) -> str | None:
     """The error for a fresh run (no resume) in an ``output_dir`` that holds an earlier run's checkpoints, else None:
     the two runs' checkpoints would be one list, which rotation and ``resume_from_checkpoint=True`` order by step."""
@@ -438,13 +451,10 @@ class SavingMixin:
             return resume_from_checkpoint
         chosen = [None]
         if self.accelerator.is_main_process:
-            if resume_from_checkpoint is True:
-                try:
-                    chosen = [str(newest_resumable_checkpoint(self.args.output_dir))]
-                except ValueError as error:
-                    chosen = [error]
-            elif refused := earlier_checkpoints_refusal(self.args.output_dir):  # False: a script's boolean flag
-                chosen = [ValueError(refused)]
+            try:
+                chosen = [resolve_resume(self.args.output_dir, resume_from_checkpoint)]
+            except ValueError as error:
+                chosen = [error]
         if self.accelerator.num_processes > 1:
             chosen = broadcast_object_list(chosen)
         if isinstance(chosen[0], ValueError):

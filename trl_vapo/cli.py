@@ -205,12 +205,16 @@ string's characters would be taken as the names). Not TRL's list fields that tak
 all-linear`)."""
 
 
+def _config_flag_apart(argv: list[str]) -> list[str]:
+    """`--config=FILE` as `--config FILE`: TrlParser finds that one alone (the other is left over as unknown)."""
+    return [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+
+
 def _parse_args_and_config(parser, argv: list[str]):
     """`TrlParser.parse_args_and_config` with the remaining strings apart, its failures one line each."""
     import yaml
 
-    # TrlParser finds `--config FILE` alone; `--config=FILE` would be left over as an unknown flag.
-    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    argv = _config_flag_apart(argv)
     if "--config" in argv and argv.index("--config") + 1 == len(argv):  # TrlParser: IndexError, a traceback
         raise UsageError("--config needs a YAML file's path")
     try:
@@ -241,14 +245,13 @@ DATA_AND_MODEL_FLAGS = {"--model_name_or_path", "--dataset_name", "--dataset_pre
 def _is_demo(argv: list[str]) -> bool:
     """No model and no data, as flags or in the `--config` file: the offline demo (a config then changes its
     settings, `max_steps: 5` say)."""
+    argv = _config_flag_apart(argv)
     given = {"--" + arg.split("=", 1)[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
-    if "--config" in argv[:-1] or any(arg.startswith("--config=") for arg in argv):
+    if "--config" in argv[:-1]:
         import yaml
 
-        at = argv.index("--config") + 1 if "--config" in argv else None
-        path = argv[at] if at is not None else next(a for a in argv if a.startswith("--config="))[len("--config=") :]
         try:
-            keys = yaml.safe_load(Path(path).read_text())
+            keys = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
         except (OSError, yaml.YAMLError):  # the parser says what is wrong with the file
             return False
         given |= {f"--{key}" for key in keys} if isinstance(keys, dict) else set()
@@ -303,14 +306,11 @@ def _check_resume(output_dir: str, resume: str | bool | None) -> None:
     said before any model loads: no checkpoint to
     resume from in `output_dir` (true / latest), a folder that is none, or, without it, an earlier run's checkpoints.
     (A checkpoint of another run's settings is said once the trainer is built: it needs the run's fingerprint.)"""
-    from .checkpoint import checkpoint_problem, earlier_checkpoints_refusal, newest_resumable_checkpoint
+    from .checkpoint import checkpoint_problem, resolve_resume
 
     try:
-        if not resume:
-            if refused := earlier_checkpoints_refusal(output_dir):
-                raise ValueError(refused)
-        elif resume is True:
-            newest_resumable_checkpoint(output_dir)
+        if resume in (True, None):
+            resolve_resume(output_dir, resume)
         elif not Path(resume).is_dir():
             raise ValueError(
                 f"--resume_from_checkpoint {resume}: no such folder; name a checkpoint folder, or pass true (or "

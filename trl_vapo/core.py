@@ -361,6 +361,12 @@ def _gae_right_padded(
     return advantages, returns
 
 
+def last_valid_position(mask: torch.Tensor) -> torch.Tensor:
+    """[B] the position of each row's last valid token in `mask` [B, T] (holes allowed), -1 for a row without one."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return torch.where(mask.bool(), positions, -1).amax(dim=1)
+
+
 def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token rewards with each sequence's verifier score on its last valid token (VAPO / VC-PPO: sparse reward).
 
@@ -369,8 +375,7 @@ def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torc
     Never on the first pad after the sequence, nor on a token a hole in the mask leaves out (see `compute_gae`);
     a sequence without valid tokens gets nothing.
     """
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    last = torch.where(mask.bool(), positions, -1).amax(dim=1)
+    last = last_valid_position(mask)
     rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows, last.clamp(min=0)] = torch.where(last >= 0, sequence_rewards.float(), 0.0)

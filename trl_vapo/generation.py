@@ -133,16 +133,22 @@ def _from_lists(
     max_new_tokens: int | torch.Tensor | None = None,
 ) -> GenerationOutput:
     """`cut_at_stop` over variable-length completions (continuous batching, vLLM)."""
-    width = max(1, *map(len, completions))  # at least one column, so every tensor has a completion axis
-    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
-    valid = torch.zeros((len(completions), width), dtype=torch.bool)
-    lp = None if logprobs is None else torch.zeros((len(completions), width))
-    for i, row in enumerate(completions):
-        ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
-        valid[i, : len(row)] = True
-        if lp is not None:
-            lp[i, : len(logprobs[i])] = torch.tensor(list(logprobs[i]), dtype=torch.float32)
+    ids, valid = _padded_rows(completions, pad_id, torch.long)
+    lp = None if logprobs is None else _padded_rows(logprobs, 0.0, torch.float32, ids.shape[1])[0]
     return cut_at_stop(ids, stop_ids, pad_id, valid=valid, logprobs=lp, max_new_tokens=max_new_tokens)
+
+
+def _padded_rows(
+    rows: Sequence[Sequence], value, dtype: torch.dtype, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged `rows` as one `[N, width]` tensor right-padded with `value` (width: the longest row's, at least one
+    column, so that every tensor has a completion axis), and the mask of the rows' own entries."""
+    width = width or max(1, *map(len, rows))
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(list(row), dtype=dtype)
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    return out, torch.arange(width)[None, :] < lengths[:, None]
 
 
 def stop_token_ids(tokenizer, model: nn.Module | None = None, generation_kwargs: dict | None = None) -> list[int]:
@@ -961,21 +967,18 @@ def read_rollout_func_output(
                     f"rollout_func's `{name}` for prompt {i} has {len(row)} entries for its {len(completion)} "
                     "completion tokens: it needs one per token."
                 )
-    width = max(1, *map(len, completions))  # at least one column, so every tensor has a completion axis
-    shape = (num_prompts, width)
-    ids, mask = torch.full(shape, pad_id, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
-    action = None if env_mask is None else torch.zeros(shape, dtype=torch.long)
-    logprobs = torch.zeros(shape) if keep_logprobs else None
-    for i, row in enumerate(completions):
-        ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
-        mask[i, : len(row)] = 1
-        if action is not None:
-            action[i, : len(row)] = torch.tensor([int(bool(x)) for x in env_mask[i]], dtype=torch.long)
-        if logprobs is not None:
-            logprobs[i, : len(row)] = torch.tensor([math.nan if x is None else x for x in output["logprobs"][i]])
+    ids, mask = _padded_rows(completions, pad_id, torch.long)
+    width = ids.shape[1]
+    action = None
+    if env_mask is not None:
+        action = _padded_rows([[int(bool(x)) for x in row] for row in env_mask], 0, torch.long, width)[0]
+    logprobs = None
+    if keep_logprobs:
+        known = [[math.nan if x is None else x for x in row] for row in output["logprobs"]]
+        logprobs = _padded_rows(known, 0.0, torch.float32, width)[0]
     ends = set(stop_ids) | {pad_id}
     truncated = torch.tensor([bool(row) and row[-1] not in ends for row in completions], dtype=torch.bool)
-    sample = GenerationOutput(ids, mask, truncated, logprobs, action)
+    sample = GenerationOutput(ids, mask.long(), truncated, logprobs, action)
     return [list(p) for p in output["prompt_ids"]], sample, fields
 
 

@@ -163,14 +163,14 @@ def completion_token_stats(advantages, values, action_mask, loss_mask=None) -> d
     """
     import torch
 
+    from .core import last_valid_position
+
     action_mask = action_mask.float()
-    positions = torch.arange(action_mask.shape[1], device=action_mask.device)
     valid = action_mask.bool()
-    first = torch.where(valid, positions, action_mask.shape[1]).amin(dim=1).clamp(max=action_mask.shape[1] - 1)
-    last = torch.where(valid, positions, -1).amax(dim=1).clamp(min=0)
+    first = valid.int().argmax(dim=1)  # the first maximum: the first valid token (0 for an empty row)
     rows = torch.arange(len(action_mask), device=action_mask.device)
     first_values = values[rows, first].float().tolist()
-    last_values = values[rows, last].float().tolist()
+    last_values = values[rows, last_valid_position(valid).clamp(min=0)].float().tolist()
     empty = (~valid.any(dim=1)).tolist()
     stats = {
         "first_values": [None if e else v for v, e in zip(first_values, empty)],

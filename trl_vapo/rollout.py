@@ -118,8 +118,7 @@ def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         return torch.cat(padded)
 
     fields = ("input_ids", "attention_mask", "truncated", "action_mask", "loss_mask", "is_correct", "is_positive")
-    fields += ("old_values",)
-    fields += ("returns",)
+    fields += ("old_values", "returns")
     fields += ("raw_advantages", "advantages", "lambda_actor", "old_logprobs", "ref_logprobs", "is_weights")
     return dataclasses.replace(newest, prompt_length=prompt_width, **{name: joined(name) for name in fields})
 
