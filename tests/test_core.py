@@ -12,17 +12,20 @@ from hypothesis import strategies as st
 
 from trl_vapo.core import (
     IMPORTANCE_SAMPLING_MODES,
+    adaptive_entropy_coef,
     aggregate_loss,
     compute_gae,
     decoupled_gae,
     explained_variance,
     explained_variance_plateaued,
+    high_entropy_mask,
     importance_sampling_weights,
     length_adaptive_lambda,
     lm_head_logprobs_and_entropy,
     masked_mean,
     masked_var,
     masked_whiten,
+    off_policy_mask,
     policy_loss,
     positive_nll_loss,
     terminal_rewards,
@@ -767,6 +770,107 @@ def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
         vapo_loss(
             logprobs, values, batch, normalizers=normalizers, entropy_coef=0.3, entropy=entropy.detach(), **settings
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GRPOConfig's policy-token filters and entropy control (not in VAPO)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def naive_quantile(values: list[float], q: float) -> float:
+    """torch.quantile's default: linear interpolation between the order statistics around q * (n - 1)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+
+
+@pytest.mark.parametrize("q", [0.0, 0.5, 0.8, 1.0])
+def test_high_entropy_mask_keeps_the_valid_tokens_at_or_above_the_quantile_pooled_over_processes(q):
+    lengths, mask, entropy, _, _ = random_batch(batch=6, steps=9, seed=41)
+    entropy = entropy.abs()
+    entropy[~mask.bool()] = 100.0  # padding above every valid entropy: it must neither count nor be kept
+    keep = high_entropy_mask(entropy, mask, q)
+    valid = [entropy[i, t].item() for i in range(6) for t in range(int(lengths[i]))]
+    threshold = naive_quantile(valid, q)
+    for i in range(6):
+        for t in range(9):
+            assert keep[i, t].item() == (t < lengths[i] and entropy[i, t].item() >= threshold), (i, t)
+    assert keep.sum() >= 1 and (q != 0.0 or torch.equal(keep, mask.bool()))
+    # Two processes holding three rows each, pooled by `gather`: the same threshold as the whole batch.
+    halves = [(entropy[:3], mask[:3]), (entropy[3:], mask[3:])]
+    pooled = torch.cat([h[m.bool()] for h, m in halves])
+    split = torch.cat([high_entropy_mask(h, m, q, gather=lambda local: pooled) for h, m in halves])
+    assert torch.equal(split, keep)
+    assert not high_entropy_mask(entropy, torch.zeros_like(mask), q).any()
+
+
+def test_off_policy_mask_drops_negative_advantages_of_sequences_whose_sampler_drifted():
+    lengths, mask, advantages, logprobs, g = random_batch(batch=6, steps=8, seed=43)
+    drift_per_row = torch.tensor([0.0, 0.3, 0.6, 0.9, 1.2, -0.5])
+    sampling = logprobs + drift_per_row[:, None] + 0.1 * torch.randn(mask.shape, generator=g)
+    sampling[1, 0] = math.nan  # a token vLLM could not score: no drift
+    logprobs = torch.where(mask.bool(), logprobs, torch.full_like(logprobs, -1e4))  # padding: anything
+    keep = off_policy_mask(advantages, logprobs, sampling, mask, threshold=0.5)
+    for i in range(6):
+        n = int(lengths[i])
+        drifts = [0.0 if math.isnan(d) else d for d in (sampling[i, :n] - logprobs[i, :n]).tolist()]
+        mean_drift = sum(drifts) / max(n, 1)
+        for t in range(8):
+            expected = advantages[i, t].item() >= 0 or mean_drift <= 0.5
+            assert keep[i, t].item() == float(expected), (i, t)
+    assert keep.dtype == mask.dtype and not keep.requires_grad
+    # GRPO's one advantage per sequence: a [B, 1] mask.
+    per_sequence = off_policy_mask(advantages[:, :1], logprobs, sampling, mask, threshold=0.5)
+    assert per_sequence.shape == (6, 1)
+
+
+def test_adaptive_entropy_coef_climbs_at_or_below_the_target_and_falls_above_within_its_bounds():
+    coef, readings = 0.01, [0.1, 0.2, 0.3, 0.3, 0.3, 0.1]
+    trace = []
+    for reading in readings:
+        coef = adaptive_entropy_coef(coef, reading, target=0.2, delta=0.005, coef_min=0.0, coef_max=0.018)
+        trace.append(coef)
+    assert trace == pytest.approx([0.015, 0.018, 0.013, 0.008, 0.003, 0.008])
+    assert adaptive_entropy_coef(0.002, 0.9, 0.2, 0.005, 0.0, 1.0) == 0.0
+
+
+def test_a_policy_filter_zeroes_the_filtered_tokens_ppo_loss_and_bonus_but_keeps_their_count_and_the_nll():
+    lengths, mask, advantages, logprobs, g = random_batch(batch=6, steps=8, seed=47)
+    values = torch.randn(mask.shape, generator=g)
+    batch = {
+        "mask": mask,
+        "old_logprobs": logprobs + 0.05 * torch.randn(mask.shape, generator=g),
+        "old_values": values,
+        "returns": torch.randn(mask.shape, generator=g),
+        "advantages": advantages,
+        "is_positive": torch.tensor([True, False, True, False, False, True]),
+        "is_weights": 0.5 + torch.rand(6, 1, generator=g),
+    }
+    tokens, positive = mask.sum(), (mask * batch["is_positive"][:, None]).sum()
+    normalizers = {"tokens": tokens, "sequences": (lengths > 0).sum(), "positive_tokens": positive}
+    settings = dict(epsilon_low=0.2, epsilon_high=0.28, loss_type="token", nll_coef=0.1, vf_coef=0.5)
+    settings.update(cliprange_value=0.2, normalizers=normalizers, entropy_coef=0.3)
+    keep = (torch.rand(mask.shape, generator=g) > 0.4).float()
+    entropy = torch.rand(mask.shape, generator=g).requires_grad_()
+    loss, stats = vapo_loss(logprobs, values, batch, entropy=entropy, policy_filter=keep, **settings)
+
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    ppo = 0.0
+    for i in range(6):
+        for t in range(int(lengths[i])):
+            a, r = advantages[i, t], ratio[i, t]
+            token = -min(r * a, r.clamp(0.8, 1.28) * a) * batch["is_weights"][i, 0] * keep[i, t]
+            ppo += token / tokens  # a filtered token still counts in the mean's denominator
+    bonus = (entropy * mask * keep).sum() / tokens
+    v, _ = value_loss(values, values, batch["returns"], mask, 0.2)
+    nll = positive_nll_loss(logprobs, mask, batch["is_positive"])  # every positive token: the filter is not its
+    assert stats["loss/policy"].item() == pytest.approx(ppo.item(), rel=1e-5)
+    assert stats["loss/entropy_bonus"].item() == pytest.approx(bonus.item(), rel=1e-5)
+    assert loss.item() == pytest.approx((0.5 * v + ppo + 0.1 * nll - 0.3 * bonus).item(), rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(entropy.grad, -0.3 * mask * keep / tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

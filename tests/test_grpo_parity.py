@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import digit_fraction, make_args, prompts_dataset
+from helpers import comparable, digit_fraction, make_args, prompts_dataset, rl_logs
 from transformers import AutoTokenizer
 from trl import GRPOTrainer
 
@@ -148,13 +148,13 @@ def test_all_refused_grpo_settings_come_in_one_error(tmp_path):
     with pytest.raises(ValueError) as error:
         make_args(
             tmp_path,
-            scale_rewards="batch",
-            top_entropy_quantile=0.2,
+            multi_objective_aggregation="normalize_then_sum",
+            use_bias_correction_kl=False,
             use_liger_kernel=True,
             liger_kernel_config={"fused_linear_cross_entropy": True},
         )
     message = str(error.value)
-    assert "scale_rewards='batch'" in message and "top_entropy_quantile=0.2" in message
+    assert "multi_objective_aggregation='normalize_then_sum'" in message and "use_bias_correction_kl=False" in message
     assert '"fused_linear_cross_entropy": True}' in message and "tiled kernel" in message
 
 
@@ -185,6 +185,7 @@ def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_doe
 def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tmp_path):
     make_args(tmp_path, scale_rewards="none", router_aux_loss_coef=0.0, log_multimodal=False)
     make_args(tmp_path, scale_rewards=False)  # GRPOConfig's boolean spelling of 'none'
+    make_args(tmp_path, scale_rewards="batch")  # VAPO's advantages are whitened over the rollout: batch scaling
 
 
 def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
@@ -211,6 +212,9 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"epsilon": 1.5}, r"epsilon must be in \[0, 1\)"),
         ({"vllm_importance_sampling_clip_max": -1.0}, "vllm_importance_sampling_clip_max > 0"),
         ({"positive_reward_funcs": []}, "positive_reward_funcs=\\[\\] names no function"),
+        ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
+        ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
+        ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min <="),
         # GRPOConfig's own refusals; enable_jit_checkpoint's SIGTERM handler would replace VAPOTrainer's.
         ({"auto_find_batch_size": True}, "auto_find_batch_size=True is not supported"),
         ({"enable_jit_checkpoint": True}, "enable_jit_checkpoint=True is not supported"),
@@ -593,3 +597,113 @@ def test_the_completions_that_reward_functions_logged_stay_in_logs_after_trainin
     assert logs["rewards"]["first_characters"] == [float(len(c)) for c in logs["completion"]]
     with pytest.raises(ValueError, match="`train_dataset` is required"):
         VAPOTrainer(str(tiny_model_dir), first_characters, args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GRPOConfig's policy-token filters and adaptive entropy control, on VAPO's loss
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _first_step_policy_loss(batch: dict, keep=None) -> float:
+    """The first step's PPO term from its micro-batch or rollout (`mask` and `advantages`; ratio 1, advantages not
+    whitened): the mean of -A over the step's tokens, a filtered-out token counting with 0."""
+    mask = batch["mask"]
+    keep = torch.ones_like(mask) if keep is None else keep
+    return (-(batch["advantages"] * mask * keep).sum() / mask.sum()).item()
+
+
+def test_top_entropy_quantile_trains_the_policy_on_the_highest_entropy_fifth_of_the_tokens(tiny_model_dir, tmp_path):
+    """GRPOConfig's `top_entropy_quantile` (Beyond the 80/20 Rule): the first step's policy loss is the mean of -A
+    over the tokens whose entropy is in the top 20% of the micro-batch's, the others counting as 0."""
+    from helpers import CapturingTrainer
+
+    args = make_args(tmp_path, max_steps=1, whiten_advantages=False, top_entropy_quantile=0.2)
+    trainer = CapturingTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    filters = []
+    policy_filter = trainer._policy_filter
+
+    def recording(out, batch):
+        keep = policy_filter(out, batch)
+        filters.append((keep, out["entropy"].detach(), batch))
+        return keep
+
+    trainer._policy_filter = recording
+    trainer.train()
+    [(keep, entropy, batch)] = filters  # one micro-batch: the whole rollout, its rows shuffled
+    mask = batch["mask"]
+    valid = entropy[mask.bool()]
+    assert 0 < keep.sum() <= math.ceil(0.2 * valid.numel()) + 1
+    assert torch.equal(keep.bool(), mask.bool() & (entropy >= torch.quantile(valid, 0.8)))
+    logged = rl_logs(trainer)[0]["loss/policy"]
+    assert logged == pytest.approx(_first_step_policy_loss(batch, keep), rel=1e-4, abs=1e-6)
+    assert logged != pytest.approx(_first_step_policy_loss(batch), rel=1e-3)
+
+
+@pytest.mark.parametrize("threshold", [0.01, 0.1])
+def test_off_policy_mask_drops_negative_advantages_only_where_the_sampler_drifted_past_the_threshold(
+    tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch, threshold
+):
+    """GRPOConfig's `off_policy_mask_threshold` (DeepSeek-V3.2): a vLLM sampler whose log-prob of every token is 0.05
+    above the trainer's drifted 0.05 per token. Under a threshold of 0.01 the first step's policy loss leaves out
+    every negative advantage; under 0.1 it keeps every token."""
+    from helpers import CapturingTrainer, StandInVLLMGeneration
+    from peft import LoraConfig
+
+    generate = StandInVLLMGeneration.generate
+
+    def drifted(self, *args, **kwargs):
+        prompts, completions, logprobs, token_ids = generate(self, *args, **kwargs)
+        return prompts, completions, [[[lp + 0.05 for lp in tok] for tok in row] for row in logprobs], token_ids
+
+    monkeypatch.setattr(StandInVLLMGeneration, "generate", drifted)
+    args = make_args(
+        tmp_path,
+        max_steps=1,
+        whiten_advantages=False,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_importance_sampling_correction=False,
+        off_policy_mask_threshold=threshold,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = CapturingTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=lora)
+    trainer.train()
+    [(_, rollout)] = trainer.rollouts
+    assert rollout.sampling_logprobs is not None
+    negative = (rollout.advantages < 0) & rollout.loss_mask.bool()
+    assert negative.any() and (rollout.advantages * rollout.loss_mask > 0).any()
+    keep = None if threshold > 0.05 else (~negative).float()
+    logged = rl_logs(trainer)[0]["loss/policy"]
+    whole = {"mask": rollout.loss_mask, "advantages": rollout.advantages}
+    assert logged == pytest.approx(_first_step_policy_loss(whole, keep), rel=1e-4, abs=1e-6)
+
+
+def test_adaptive_entropy_moves_the_coefficient_each_step_applies_it_below_the_target_and_resumes(
+    tiny_model_dir, tmp_path
+):
+    """GRPOConfig's `use_adaptive_entropy` (Skywork-OR1): with a target above the tiny model's entropy the coefficient
+    climbs by `entropy_coef_delta` after every step; the bonus applies from the second step (the first has no
+    reading yet); a resumed run goes on from the checkpointed coefficient."""
+    settings = dict(
+        max_steps=3,
+        entropy_coef=0.01,
+        use_adaptive_entropy=True,
+        entropy_target=50.0,
+        entropy_coef_delta=0.005,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, **settings), prompts_dataset())
+    trainer.train()
+    logs = rl_logs(trainer)
+    assert [h["entropy_coef"] for h in logs] == pytest.approx([0.015, 0.02, 0.025])
+    assert trainer.entropy_coef == pytest.approx(0.025)
+    assert ["loss/entropy_bonus" in h for h in logs] == [False, True, True]
+    assert all(h["policy_loss"] == h["loss/policy"] for h in logs)
+
+    resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, **settings), prompts_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.entropy_coef == pytest.approx(0.025)
+    assert [h for h in comparable(resumed.state.log_history) if h["step"] == 3] == [
+        h for h in comparable(trainer.state.log_history) if h["step"] == 3
+    ]

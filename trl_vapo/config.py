@@ -558,8 +558,54 @@ class VAPOConfig(TrainingArguments):
         default=0.0,
         metadata={
             "help": "An entropy bonus: entropy_coef times the step's token mean of the policy's entropy is "
-            "subtracted from the policy loss, as GRPOConfig's static `entropy_coef` (its adaptive form is not "
-            "supported). 0.0 (default, as the paper: Eq. 8-10 have no entropy term): off."
+            "subtracted from the policy loss, as GRPOConfig's `entropy_coef`; with `use_adaptive_entropy`, the "
+            "coefficient it starts from. 0.0 (default, as the paper: Eq. 8-10 have no entropy term): off."
+        },
+    )
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "Skywork-OR1's adaptive entropy control, as GRPOConfig's: after each optimizer step the entropy "
+            "bonus's coefficient (from `entropy_coef`) rises by `entropy_coef_delta` while the step's entropy is at "
+            "or below `entropy_target` and falls otherwise, within [entropy_coef_min, entropy_coef_max]; the bonus "
+            "applies only while the entropy is at or below the target. Checkpointed. False (default, as the paper): "
+            "off."
+        },
+    )
+    entropy_coef_min: float = field(
+        default=0.0, metadata={"help": "With use_adaptive_entropy: the coefficient's lower bound (GRPO's 0.0)."}
+    )
+    entropy_coef_max: float = field(
+        default=1.0, metadata={"help": "With use_adaptive_entropy: the coefficient's upper bound (GRPO's 1.0)."}
+    )
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "With use_adaptive_entropy: the coefficient's step (GRPO's 0.005)."}
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={
+            "help": "With use_adaptive_entropy: the target token-mean entropy in nats, measured over the tokens the "
+            "bonus acts on (the top-entropy ones under top_entropy_quantile). GRPO's default 0.2 engages only near "
+            "collapse: set it near the `entropy` logged early in training."
+        },
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Beyond the 80/20 Rule's token filter, as GRPOConfig's: the PPO term (and an entropy bonus) "
+            "trains only on the top-rho share of each micro-batch's tokens by entropy, pooled over processes; "
+            "the NLL and value losses keep every token. The paper recommends 0.2. 1.0 (default, as VAPO): every "
+            "token."
+        },
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSeek-V3.2's off-policy sequence mask (Eq. 9), as GRPOConfig's: a token with a negative "
+            "advantage does not train when its sequence's mean log-ratio log pi_sampler - log pi (an estimate of "
+            "KL(sampler || policy)) exceeds this threshold, e.g. 0.5. The sampler is vLLM's log-probs, else the "
+            "policy's before the rollout's first update (no drift with one update per rollout). None (default, as "
+            "VAPO): off."
         },
     )
     importance_sampling_level: str = field(
@@ -604,13 +650,6 @@ class VAPOConfig(TrainingArguments):
     vespo_lambda_neg: float = grpo_only_field("vespo_lambda_neg")
     multi_objective_aggregation: str = grpo_only_field("multi_objective_aggregation")
     scale_rewards: str = grpo_only_field("scale_rewards")
-    top_entropy_quantile: float = grpo_only_field("top_entropy_quantile")
-    use_adaptive_entropy: bool = grpo_only_field("use_adaptive_entropy")
-    entropy_coef_min: float = grpo_only_field("entropy_coef_min")
-    entropy_coef_max: float = grpo_only_field("entropy_coef_max")
-    entropy_coef_delta: float = grpo_only_field("entropy_coef_delta")
-    entropy_target: float = grpo_only_field("entropy_target")
-    off_policy_mask_threshold: float | None = grpo_only_field("off_policy_mask_threshold")
     use_bias_correction_kl: bool = grpo_only_field("use_bias_correction_kl")
     max_tool_calling_iterations: int | None = grpo_only_field("max_tool_calling_iterations")
     log_completions_hub_repo: str | None = grpo_only_field("log_completions_hub_repo")
@@ -836,6 +875,21 @@ class VAPOConfig(TrainingArguments):
         )
         require(self.nll_coef >= 0, f"nll_coef must be >= 0, got {self.nll_coef}.")
         require(self.entropy_coef >= 0, f"entropy_coef must be >= 0 (0: no entropy bonus), got {self.entropy_coef}.")
+        require(
+            0.0 <= self.top_entropy_quantile <= 1.0,
+            f"top_entropy_quantile must be in [0, 1] (1: every token trains), got {self.top_entropy_quantile}.",
+        )
+        require(
+            self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+            f"off_policy_mask_threshold must be >= 0 (a KL estimate) or None (off), got "
+            f"{self.off_policy_mask_threshold}.",
+        )
+        if self.use_adaptive_entropy:
+            require(
+                0 <= self.entropy_coef_min <= self.entropy_coef_max and self.entropy_coef_delta >= 0,
+                f"use_adaptive_entropy needs 0 <= entropy_coef_min <= entropy_coef_max and entropy_coef_delta >= 0, "
+                f"got {self.entropy_coef_min}, {self.entropy_coef_max} and {self.entropy_coef_delta}.",
+            )
         require(
             not self.sync_ref_model or self.beta > 0,
             "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model is not used during "

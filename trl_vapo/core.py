@@ -25,16 +25,19 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over data-parallel ranks (e.g. ``accelerator.reduce(t, "sum")``); ``None`` means one process."""
 
 __all__ = [
+    "adaptive_entropy_coef",
     "compute_gae",
     "decoupled_gae",
     "explained_variance",
     "explained_variance_plateaued",
+    "high_entropy_mask",
     "importance_sampling_weights",
     "length_adaptive_lambda",
     "lm_head_logprobs_and_entropy",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "off_policy_mask",
     "policy_loss",
     "positive_nll_loss",
     "terminal_rewards",
@@ -579,6 +582,72 @@ def positive_nll_loss(
     return aggregate_loss(torch.where(selected, -logprobs, torch.zeros_like(logprobs)), selected, "token", normalizer)
 
 
+# ------------------------------------------------------------------ GRPOConfig's policy-token filters (not in VAPO)
+def high_entropy_mask(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    threshold_quantile: float,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The high-entropy "forking" tokens, the only ones the policy gradient trains on under GRPOConfig's
+    ``top_entropy_quantile`` rho (Wang et al., "Beyond the 80/20 Rule", arXiv 2506.01939; not in VAPO):
+
+        keep_t = m_t and H_t >= Q_q({H_s : m_s = 1}),        q = ``threshold_quantile`` = 1 - rho
+
+    Q_q is ``torch.quantile``'s (linear interpolation) over every valid token of the batch, pooled over processes by
+    ``gather`` (the concatenation of every process's 1-D tensor, whatever its length), as GRPOTrainer pools them.
+    q = 0 keeps every valid token; q = 1 only those at the maximum. Returns a bool ``[B, T]``; no valid token
+    anywhere keeps none.
+    """
+    valid = mask.bool()
+    entropy = entropy.detach()
+    local = entropy[valid].float()
+    pooled = gather(local) if gather is not None else local
+    if pooled.numel() == 0:
+        return torch.zeros_like(valid)
+    return valid & (entropy >= torch.quantile(pooled, threshold_quantile))
+
+
+def off_policy_mask(
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (GRPOConfig's ``off_policy_mask_threshold`` delta; not in VAPO): a
+    negative advantage does not train where the policy that sampled the sequence has drifted too far from this one.
+
+        keep_{i,t} = A_{i,t} >= 0  or  D_i <= delta,    D_i = mean_{s : m_{i,s} = 1} (log pi_old(y_s) - log pi(y_s))
+
+    D_i, the sequence's own estimate of KL(pi_old || pi), uses the sampler's log-probs ``sampling_logprobs`` (vLLM's,
+    or the policy's before this rollout's first update) and the current ``logprobs`` (detached); tokens without a
+    sampler log-prob (NaN) count as no drift. GRPO's advantages are one per sequence (``[B, 1]``), VAPO's one per
+    token (``[B, T]``): either broadcasts, so a VAPO token is dropped when its own advantage is negative. Returns the
+    keep mask in ``mask``'s dtype, ``advantages``' shape broadcast against ``[B, 1]``.
+    """
+    valid = mask.bool()
+    drift = torch.nan_to_num(sampling_logprobs.float() - logprobs.detach().float(), nan=0.0)
+    drift = torch.where(valid, drift, torch.zeros_like(drift))
+    mean_drift = drift.sum(dim=1, keepdim=True) / valid.sum(dim=1, keepdim=True).clamp(min=1)
+    return ((advantages >= 0) | (mean_drift <= threshold)).to(mask.dtype)
+
+
+def adaptive_entropy_coef(
+    coef: float, entropy: float, target: float, delta: float, coef_min: float, coef_max: float
+) -> float:
+    """GRPOConfig's adaptive entropy control (``use_adaptive_entropy``; not in VAPO), after each optimizer step: the
+    coefficient c of the entropy bonus climbs while the policy's entropy H (the step's token mean over every
+    process) is at or below the target, and falls while above it.
+
+        c <- min(c + delta, c_max)   if H <= target
+        c <- max(c - delta, c_min)   otherwise
+
+    The next step applies c only if H <= target (no bonus while the entropy is high enough).
+    """
+    return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
+
+
 def explained_variance(
     values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None = None
 ) -> torch.Tensor:
@@ -614,6 +683,7 @@ def vapo_loss(
     entropy_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     importance_sampling_level: str = "token",
+    policy_filter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (VAPO §3; the spec's formulas), actor and critic together:
 
@@ -625,6 +695,11 @@ def vapo_loss(
     ``entropy_coef`` c_H > 0 (not in VAPO, whose Eq. 8-10 have no entropy term; GRPOConfig's static
     ``entropy_coef``) subtracts an entropy bonus, H = the step's token mean of the policy's per-token ``entropy``
     (which must then carry its gradient), normalised as the token-level loss is.
+
+    ``policy_filter`` (``[B, T]`` 0/1, no gradient; None: every token) is the tokens the PPO term and the entropy
+    bonus train on, GRPOConfig's :func:`high_entropy_mask` and :func:`off_policy_mask`: a filtered-out token's loss
+    is 0 but it still counts in the means' denominators, as GRPOTrainer multiplies its masks into the per-token loss.
+    The NLL term of the positive examples and the critic's loss keep every token.
 
     ``batch`` holds ``mask``, ``old_logprobs`` (None: the policy that sampled is the one being updated, so the
     detached ``logprobs`` are used), ``old_values``, ``returns``, ``advantages``, ``is_positive`` and optionally
@@ -648,6 +723,9 @@ def vapo_loss(
         return loss, stats
     old_logprobs = batch["old_logprobs"] if batch.get("old_logprobs") is not None else logprobs.detach()
     normalizer = normalizers["tokens"] if loss_type == "token" else normalizers["sequences"]
+    weights = batch.get("is_weights")
+    if policy_filter is not None:
+        weights = policy_filter if weights is None else weights * policy_filter
     pg_loss, pg_stats = policy_loss(
         logprobs,
         old_logprobs,
@@ -657,7 +735,7 @@ def vapo_loss(
         epsilon_high,
         loss_type,
         normalizer,
-        weights=batch.get("is_weights"),
+        weights=weights,
         delta=delta,
         importance_sampling_level=importance_sampling_level,
     )
@@ -666,8 +744,9 @@ def vapo_loss(
     if entropy_coef:
         if entropy is None or not entropy.requires_grad:
             raise ValueError("entropy_coef > 0 needs the policy's per-token entropy with its gradient.")
+        acted_on = mask.bool() if policy_filter is None else mask.bool() & policy_filter.bool()
         bonus = aggregate_loss(
-            torch.where(mask.bool(), entropy, torch.zeros_like(entropy)), mask, "token", normalizers["tokens"]
+            torch.where(acted_on, entropy, torch.zeros_like(entropy)), mask, "token", normalizers["tokens"]
         )
         loss = loss - entropy_coef * bonus
         stats["loss/entropy_bonus"] = bonus.detach()

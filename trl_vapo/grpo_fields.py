@@ -11,10 +11,6 @@ from dataclasses import field
 # optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
 GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
 _OTHER_LOSS = "it parametrises one of GRPO's other losses (SAPO, VESPO); VAPO's is PPO's clipped loss (Eq. 8)."
-_ENTROPY = (
-    "VAPO takes a static entropy bonus (entropy_coef), not GRPO's adaptive entropy control or entropy mask (VAPO's "
-    "Eq. 8-10 have no entropy term)."
-)
 
 
 GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instead[, other accepted values])
@@ -31,18 +27,9 @@ GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instea
     "scale_rewards": (
         "group",
         "VAPO does not scale rewards: the advantages come from the critic (GAE) and are whitened over the rollout "
-        "(`whiten_advantages`). True and False, GRPO's old spellings of 'group' and 'none', are accepted too.",
-        ("none",),
-    ),
-    "top_entropy_quantile": (1.0, _ENTROPY),
-    "use_adaptive_entropy": (False, _ENTROPY),
-    "entropy_coef_min": (0.0, _ENTROPY),
-    "entropy_coef_max": (1.0, _ENTROPY),
-    "entropy_coef_delta": (0.005, _ENTROPY),
-    "entropy_target": (0.2, _ENTROPY),
-    "off_policy_mask_threshold": (
-        None,
-        "VAPO masks no sequence for being off-policy: PPO's clipped ratio bounds each token's update.",
+        "(`whiten_advantages`), GRPO's 'batch' scaling, whichever of the three is set. True and False, GRPO's old "
+        "spellings of 'group' and 'none', are accepted too.",
+        ("none", "batch"),
     ),
     "use_bias_correction_kl": (
         True,

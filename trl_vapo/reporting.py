@@ -528,9 +528,10 @@ class MetricsMixin:
             # Losses were already normalised by the global count: their sum over processes / world is the step's
             # loss. The other entries are token-weighted sums of per-micro-batch means.
             self._metrics[key].append(value / world if key.startswith("loss") else value / tokens)
-        if self.args.entropy_coef > 0 and "loss/policy" in totals:  # GRPOTrainer's names, with its entropy bonus
+        bonus = self.args.entropy_coef > 0 or self.args.use_adaptive_entropy
+        if bonus and "loss/policy" in totals:  # GRPOTrainer's names, with its entropy bonus
             self._metrics["policy_loss"].append(totals["loss/policy"] / world)  # the policy's loss before the bonus
-            self._metrics["entropy_coef"].append(self.args.entropy_coef)
+            self._metrics["entropy_coef"].append(self.entropy_coef)  # after this step's control, as GRPOTrainer's
         norms = torch.stack(list(grad_norms.values())).tolist() if grad_norms else []
         for key, value in zip(grad_norms, norms):
             self._metrics[key].append(value)

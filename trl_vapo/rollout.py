@@ -44,6 +44,7 @@ class Rollout:
     old_logprobs: torch.Tensor | None = None  # [N, C]; None: each sample trains the policy that sampled it
     ref_logprobs: torch.Tensor | None = None  # [N, C] under the reference policy, when beta > 0
     is_weights: torch.Tensor | None = None  # [N, C] or [N, 1] importance-sampling weights of another sampler
+    sampling_logprobs: torch.Tensor | None = None  # [N, C] another sampler's (vLLM's), for off_policy_mask_threshold
     sampling_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # reward functions' `log_extra`
     pad_to_multiple_of: int | None = None  # P and C are multiples of it, and so is every micro-batch's width
@@ -88,6 +89,7 @@ class Rollout:
             "advantages": self.advantages[rows, :length],
             "is_positive": self.is_positive[rows],
             "is_weights": cut(self.is_weights),
+            "sampling_logprobs": cut(self.sampling_logprobs),
         }
 
 
@@ -120,6 +122,7 @@ def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     fields = ("input_ids", "attention_mask", "truncated", "action_mask", "loss_mask", "is_correct", "is_positive")
     fields += ("old_values", "returns")
     fields += ("raw_advantages", "advantages", "lambda_actor", "old_logprobs", "ref_logprobs", "is_weights")
+    fields += ("sampling_logprobs",)
     return dataclasses.replace(newest, prompt_length=prompt_width, **{name: joined(name) for name in fields})
 
 

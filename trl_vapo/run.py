@@ -91,6 +91,10 @@ class TrainingProgress:
     skipped_steps: int = 0  # updates dropped: a NaN/inf loss or gradient, or no token to train on
     consecutive_nonfinite_steps: int = 0
     scored_completions: int = 0  # over every process and rollout: 0 at the end of a run means nothing trained
+    # `use_adaptive_entropy`'s controller: its coefficient (None: `entropy_coef`, not moved yet) and its last reading
+    # of the entropy (None: none yet, so no bonus applies)
+    entropy_coef: float | None = None
+    controlled_entropy: float | None = None
 
     @classmethod
     def from_dict(cls, saved: dict) -> TrainingProgress:
