@@ -836,7 +836,7 @@ def test_adaptive_entropy_coef_climbs_at_or_below_the_target_and_falls_above_wit
     assert adaptive_entropy_coef(0.002, 0.9, 0.2, 0.005, 0.0, 1.0) == 0.0
 
 
-def test_a_policy_filter_zeroes_the_filtered_tokens_ppo_loss_and_bonus_but_keeps_their_count_and_the_nll():
+def test_grpos_token_masks_zero_the_masked_tokens_ppo_loss_and_the_entropy_mask_restricts_the_bonus():
     lengths, mask, advantages, logprobs, g = random_batch(batch=6, steps=8, seed=47)
     values = torch.randn(mask.shape, generator=g)
     batch = {
@@ -849,28 +849,34 @@ def test_a_policy_filter_zeroes_the_filtered_tokens_ppo_loss_and_bonus_but_keeps
         "is_weights": 0.5 + torch.rand(6, 1, generator=g),
     }
     tokens, positive = mask.sum(), (mask * batch["is_positive"][:, None]).sum()
-    normalizers = {"tokens": tokens, "sequences": (lengths > 0).sum(), "positive_tokens": positive}
+    # The micro-batch is a third of a step of 3 * `tokens` tokens.
+    normalizers = {"tokens": 3 * tokens, "sequences": (lengths > 0).sum(), "positive_tokens": positive}
     settings = dict(epsilon_low=0.2, epsilon_high=0.28, loss_type="token", nll_coef=0.1, vf_coef=0.5)
     settings.update(cliprange_value=0.2, normalizers=normalizers, entropy_coef=0.3)
-    keep = (torch.rand(mask.shape, generator=g) > 0.4).float()
+    top = (torch.rand(mask.shape, generator=g) > 0.6).float()
+    drifted = (torch.rand(mask.shape, generator=g) > 0.3).float()
     entropy = torch.rand(mask.shape, generator=g).requires_grad_()
-    loss, stats = vapo_loss(logprobs, values, batch, entropy=entropy, policy_filter=keep, **settings)
+    loss, stats = vapo_loss(
+        logprobs, values, batch, entropy=entropy, entropy_mask=top, off_policy_mask=drifted, **settings
+    )
 
     ratio = torch.exp(logprobs - batch["old_logprobs"])
-    ppo = 0.0
+    ppo, bonus_sum, bonus_tokens = 0.0, 0.0, 0
     for i in range(6):
         for t in range(int(lengths[i])):
             a, r = advantages[i, t], ratio[i, t]
-            token = -min(r * a, r.clamp(0.8, 1.28) * a) * batch["is_weights"][i, 0] * keep[i, t]
-            ppo += token / tokens  # a filtered token still counts in the mean's denominator
-    bonus = (entropy * mask * keep).sum() / tokens
-    v, _ = value_loss(values, values, batch["returns"], mask, 0.2)
-    nll = positive_nll_loss(logprobs, mask, batch["is_positive"])  # every positive token: the filter is not its
+            token = -min(r * a, r.clamp(0.8, 1.28) * a) * batch["is_weights"][i, 0] * top[i, t] * drifted[i, t]
+            ppo += token / (3 * tokens)  # a masked token still counts in the mean's denominator
+            if top[i, t]:  # the bonus: over the top-entropy tokens, whatever the off-policy mask says
+                bonus_sum, bonus_tokens = bonus_sum + entropy[i, t], bonus_tokens + 1
+    bonus = (tokens / (3 * tokens)) * bonus_sum / bonus_tokens  # this micro-batch's share of the step's mean
+    v, _ = value_loss(values, values, batch["returns"], mask, 0.2, 3 * tokens)
+    nll = positive_nll_loss(logprobs, mask, batch["is_positive"])  # every positive token: no mask is the NLL's
     assert stats["loss/policy"].item() == pytest.approx(ppo.item(), rel=1e-5)
     assert stats["loss/entropy_bonus"].item() == pytest.approx(bonus.item(), rel=1e-5)
     assert loss.item() == pytest.approx((0.5 * v + ppo + 0.1 * nll - 0.3 * bonus).item(), rel=1e-5)
     loss.backward()
-    torch.testing.assert_close(entropy.grad, -0.3 * mask * keep / tokens)
+    torch.testing.assert_close(entropy.grad, -0.3 / 3 * mask * top / (mask * top).sum())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -620,14 +620,14 @@ def test_top_entropy_quantile_trains_the_policy_on_the_highest_entropy_fifth_of_
     args = make_args(tmp_path, max_steps=1, whiten_advantages=False, top_entropy_quantile=0.2)
     trainer = CapturingTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
     filters = []
-    policy_filter = trainer._policy_filter
+    token_masks = trainer._token_masks
 
     def recording(out, batch):
-        keep = policy_filter(out, batch)
-        filters.append((keep, out["entropy"].detach(), batch))
-        return keep
+        masks = token_masks(out, batch)
+        filters.append((masks["entropy_mask"], out["entropy"].detach(), batch))
+        return masks
 
-    trainer._policy_filter = recording
+    trainer._token_masks = recording
     trainer.train()
     [(keep, entropy, batch)] = filters  # one micro-batch: the whole rollout, its rows shuffled
     mask = batch["mask"]
@@ -682,8 +682,9 @@ def test_adaptive_entropy_moves_the_coefficient_each_step_applies_it_below_the_t
     tiny_model_dir, tmp_path
 ):
     """GRPOConfig's `use_adaptive_entropy` (Skywork-OR1): with a target above the tiny model's entropy the coefficient
-    climbs by `entropy_coef_delta` after every step; the bonus applies from the second step (the first has no
-    reading yet); a resumed run goes on from the checkpointed coefficient."""
+    climbs by `entropy_coef_delta` after every step and the bonus applies from the second step (the first has no
+    reading yet); a resumed run goes on from the checkpointed coefficient. With a target below it, the coefficient
+    falls to `entropy_coef_min` and the bonus never applies."""
     settings = dict(
         max_steps=3,
         entropy_coef=0.01,
@@ -699,7 +700,6 @@ def test_adaptive_entropy_moves_the_coefficient_each_step_applies_it_below_the_t
     assert [h["entropy_coef"] for h in logs] == pytest.approx([0.015, 0.02, 0.025])
     assert trainer.entropy_coef == pytest.approx(0.025)
     assert ["loss/entropy_bonus" in h for h in logs] == [False, True, True]
-    assert all(h["policy_loss"] == h["loss/policy"] for h in logs)
 
     resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, **settings), prompts_dataset())
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
@@ -707,3 +707,33 @@ def test_adaptive_entropy_moves_the_coefficient_each_step_applies_it_below_the_t
     assert [h for h in comparable(resumed.state.log_history) if h["step"] == 3] == [
         h for h in comparable(trainer.state.log_history) if h["step"] == 3
     ]
+
+    settings.update(entropy_target=0.0, save_strategy="no", output_dir=str(tmp_path / "below"))
+    below = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, **settings), prompts_dataset())
+    below.train()
+    logs = rl_logs(below)
+    assert [h["entropy_coef"] for h in logs] == pytest.approx([0.005, 0.0, 0.0])
+    assert not any("loss/entropy_bonus" in h for h in logs)
+
+
+def test_get_high_entropy_mask_pools_every_processs_tokens_padded_with_nan():
+    """`trainer.get_high_entropy_mask` under data parallelism: each process's valid entropies, padded to the longest
+    with NaN by accelerate's `pad_across_processes` and gathered, set one threshold. Two processes stood in for by an
+    accelerator whose gather adds the other process's padded tensor (torch.distributed needs processes)."""
+    from types import SimpleNamespace
+
+    other = torch.tensor([5.0, 6.0, 7.0, 8.0, 9.0])  # the other process's five valid entropies
+
+    def pad_across_processes(values, dim, pad_index):
+        width = max(len(values), len(other))
+        return torch.cat([values, torch.full((width - len(values),), pad_index)])
+
+    def gather(padded):
+        return torch.cat([padded, pad_across_processes(other, 0, math.nan)])
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=pad_across_processes, gather=gather))
+    entropies = torch.tensor([[0.0, 10.0, 3.0], [4.0, 2.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # three valid entropies here: 0, 10 and 4
+    keep = VAPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold=0.5)
+    # The median of [0, 10, 4, 5, 6, 7, 8, 9] is 6.5: of this process's tokens only the 10 is kept.
+    assert keep.tolist() == [[False, True, False], [False, False, False]]

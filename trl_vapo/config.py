@@ -557,9 +557,10 @@ class VAPOConfig(TrainingArguments):
     entropy_coef: float = field(
         default=0.0,
         metadata={
-            "help": "An entropy bonus: entropy_coef times the step's token mean of the policy's entropy is "
-            "subtracted from the policy loss, as GRPOConfig's `entropy_coef`; with `use_adaptive_entropy`, the "
-            "coefficient it starts from. 0.0 (default, as the paper: Eq. 8-10 have no entropy term): off."
+            "help": "An entropy bonus: entropy_coef times the step's token mean of the policy's entropy (over the "
+            "top-entropy tokens under top_entropy_quantile) is subtracted from the policy loss, as GRPOConfig's "
+            "`entropy_coef`; with `use_adaptive_entropy`, the coefficient it starts from. 0.0 (default, as the "
+            "paper: Eq. 8-10 have no entropy term): off."
         },
     )
     use_adaptive_entropy: bool = field(

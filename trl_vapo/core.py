@@ -683,7 +683,8 @@ def vapo_loss(
     entropy_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     importance_sampling_level: str = "token",
-    policy_filter: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
+    off_policy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (VAPO §3; the spec's formulas), actor and critic together:
 
@@ -692,14 +693,19 @@ def vapo_loss(
                                                            value function has none to learn)
 
     ``delta`` and ``importance_sampling_level``: :func:`policy_loss`'s two-sided clipping and GSPO-token ratio.
-    ``entropy_coef`` c_H > 0 (not in VAPO, whose Eq. 8-10 have no entropy term; GRPOConfig's static
-    ``entropy_coef``) subtracts an entropy bonus, H = the step's token mean of the policy's per-token ``entropy``
-    (which must then carry its gradient), normalised as the token-level loss is.
+    ``entropy_coef`` c_H > 0 (not in VAPO, whose Eq. 8-10 have no entropy term; GRPOConfig's ``entropy_coef``)
+    subtracts an entropy bonus on the policy's per-token ``entropy`` (which must then carry its gradient):
 
-    ``policy_filter`` (``[B, T]`` 0/1, no gradient; None: every token) is the tokens the PPO term and the entropy
-    bonus train on, GRPOConfig's :func:`high_entropy_mask` and :func:`off_policy_mask`: a filtered-out token's loss
-    is 0 but it still counts in the means' denominators, as GRPOTrainer multiplies its masks into the per-token loss.
-    The NLL term of the positive examples and the critic's loss keep every token.
+        H = sum_b (n_b / N) * mean_{t in A_b} H_t         n_b: the micro-batch's tokens, N: the step's (``tokens``)
+
+    the step's token-weighted mean of each micro-batch's mean over the tokens A_b the bonus acts on: every token
+    (then H is the step's token mean), or the ``entropy_mask``'s, as GRPOTrainer averages its bonus.
+
+    GRPOConfig's token masks (``[B, T]`` 0/1, no gradient; None: every token) multiply the PPO term's per-token loss,
+    as GRPOTrainer multiplies them in: a masked token's loss is 0, and it still counts in the mean's denominator.
+    ``entropy_mask`` (:func:`high_entropy_mask`) also restricts the entropy bonus; ``off_policy_mask``
+    (:func:`off_policy_mask`) only the PPO term. The NLL term of the positive examples and the critic's loss keep
+    every token.
 
     ``batch`` holds ``mask``, ``old_logprobs`` (None: the policy that sampled is the one being updated, so the
     detached ``logprobs`` are used), ``old_values``, ``returns``, ``advantages``, ``is_positive`` and optionally
@@ -724,8 +730,9 @@ def vapo_loss(
     old_logprobs = batch["old_logprobs"] if batch.get("old_logprobs") is not None else logprobs.detach()
     normalizer = normalizers["tokens"] if loss_type == "token" else normalizers["sequences"]
     weights = batch.get("is_weights")
-    if policy_filter is not None:
-        weights = policy_filter if weights is None else weights * policy_filter
+    for token_mask in (entropy_mask, off_policy_mask):
+        if token_mask is not None:
+            weights = token_mask if weights is None else weights * token_mask
     pg_loss, pg_stats = policy_loss(
         logprobs,
         old_logprobs,
@@ -744,10 +751,8 @@ def vapo_loss(
     if entropy_coef:
         if entropy is None or not entropy.requires_grad:
             raise ValueError("entropy_coef > 0 needs the policy's per-token entropy with its gradient.")
-        acted_on = mask.bool() if policy_filter is None else mask.bool() & policy_filter.bool()
-        bonus = aggregate_loss(
-            torch.where(acted_on, entropy, torch.zeros_like(entropy)), mask, "token", normalizers["tokens"]
-        )
+        acted_on = mask if entropy_mask is None else mask * entropy_mask
+        bonus = mask.sum() / normalizers["tokens"] * masked_mean(entropy, acted_on)
         loss = loss - entropy_coef * bonus
         stats["loss/entropy_bonus"] = bonus.detach()
     if nll_coef > 0:

@@ -26,9 +26,9 @@ GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instea
     ),
     "scale_rewards": (
         "group",
-        "VAPO does not scale rewards: the advantages come from the critic (GAE) and are whitened over the rollout "
-        "(`whiten_advantages`), GRPO's 'batch' scaling, whichever of the three is set. True and False, GRPO's old "
-        "spellings of 'group' and 'none', are accepted too.",
+        "VAPO does not scale rewards, whichever of the three is set: its advantages come from the critic (GAE), "
+        "whitened over the rollout's tokens with `whiten_advantages`. True and False, GRPO's old spellings of "
+        "'group' and 'none', are accepted too.",
         ("none", "batch"),
     ),
     "use_bias_correction_kl": (

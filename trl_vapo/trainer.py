@@ -50,14 +50,11 @@ from ._compat import (
 )
 from .config import VAPOConfig, settings_without_effect
 from .core import (
-    adaptive_entropy_coef,
     decoupled_gae,
     explained_variance_plateaued,
-    high_entropy_mask,
     importance_sampling_weights,
     masked_mean,
     masked_whiten,
-    off_policy_mask,
     terminal_rewards,
     vapo_loss,
 )
@@ -93,6 +90,7 @@ from .generation import (
     warn_off_policy_sampling,
 )
 from .grpo_fields import grpo_setting_warnings
+from .grpo_objective import GRPOObjectiveMixin
 from .loading import (
     add_policy_adapter,
     build_actor_critic,
@@ -128,7 +126,7 @@ from .signals import TrainingInterrupted, stop_on_signals
 logger = get_logger(__name__)
 
 
-class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
+class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.SavingMixin, Trainer):
     """Trainer for VAPO: PPO with a value model, value pretraining, decoupled and length-adaptive GAE, token-level
     loss, clip-higher, positive-example NLL and group sampling (arXiv 2504.05118).
 
@@ -936,21 +934,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
                             with_policy=with_policy,
                             with_values=with_values,
                         )
-                    policy_filter = self._policy_filter(out, batch) if trains_policy and "logprobs" in out else None
+                    masks = self._token_masks(out, batch) if trains_policy and "logprobs" in out else {}
                     loss, stats = vapo_loss(
-                        out.get("logprobs"),
-                        out.get("values"),
-                        batch,
-                        entropy=out.get("entropy"),
-                        policy_filter=policy_filter,
-                        **settings,
+                        out.get("logprobs"), out.get("values"), batch, entropy=out.get("entropy"), **masks, **settings
                     )
                     for key, value in stats.items():  # losses are shares of the step's mean; the rest token means
                         sums[key] += value if key.startswith("loss") else value * n
                     if "entropy" in out:
                         sums["entropy"] += masked_mean(out["entropy"].detach(), batch["mask"]) * n
                         if controls_entropy:  # over the tokens the bonus acts on, as GRPOTrainer's controller
-                            acted = batch["mask"] if policy_filter is None else batch["mask"] * policy_filter
+                            top = masks.get("entropy_mask")
+                            acted = batch["mask"] if top is None else batch["mask"] * top
                             entropy_reading += torch.stack([(out["entropy"].detach() * acted).sum(), acted.sum()])
                     if out.get("aux_loss") is not None:  # the routers' balance, the step's mean over micro-batches
                         loss = loss + self.router_aux_loss_coef * out["aux_loss"] / len(micro_batches)
@@ -1038,75 +1032,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, ckpt.SavingMixin, Trainer):
             # Value pretraining is plain regression on Monte-Carlo returns: no clipping around the rollout's values.
             cliprange_value=None if phase == VALUE_PRETRAIN else args.cliprange_value,
         )
-
-    # ---------------------------------------------- GRPOConfig's entropy control and policy-token filters (not VAPO's)
-    @property
-    def entropy_coef(self) -> float:
-        """The entropy bonus's coefficient now (GRPOTrainer's attribute): `args.entropy_coef`, or under
-        `use_adaptive_entropy` the controller's, which the run's progress checkpoints."""
-        if self.args.use_adaptive_entropy and self.progress.entropy_coef is not None:
-            return self.progress.entropy_coef
-        return self.args.entropy_coef
-
-    def _applied_entropy_coef(self) -> float:
-        """The coefficient of this step's bonus: under adaptive control, only while the last step's entropy was at
-        or below `entropy_target` (none before the first reading), as GRPOTrainer applies it."""
-        args, reading = self.args, self.progress.controlled_entropy
-        if not args.use_adaptive_entropy:
-            return args.entropy_coef
-        return self.entropy_coef if reading is not None and reading <= args.entropy_target else 0.0
-
-    def _control_entropy(self, entropy: float) -> None:
-        """`core.adaptive_entropy_coef` after an optimizer step that trained the policy: `entropy` is the step's
-        token mean over every process of the tokens the bonus acts on."""
-        args = self.args
-        self.progress.entropy_coef = adaptive_entropy_coef(
-            self.entropy_coef,
-            entropy,
-            args.entropy_target,
-            args.entropy_coef_delta,
-            args.entropy_coef_min,
-            args.entropy_coef_max,
-        )
-        self.progress.controlled_entropy = entropy
-
-    def _policy_filter(self, out: dict[str, torch.Tensor], batch: dict[str, Any]) -> torch.Tensor | None:
-        """The tokens of a micro-batch the PPO term trains on under GRPOConfig's filters (None: every token): the
-        top `top_entropy_quantile` by entropy, and under `off_policy_mask_threshold` not the negative advantages of
-        sequences whose sampler drifted (vLLM's log-probs, else the policy's before the rollout's first update; with
-        neither, the policy that sampled is this one)."""
-        args, mask, keep = self.args, batch["mask"], None
-        if args.top_entropy_quantile < 1.0:
-            keep = self.get_high_entropy_mask(out["entropy"], mask, 1.0 - args.top_entropy_quantile).to(mask.dtype)
-        sampler = batch["sampling_logprobs"] if batch["sampling_logprobs"] is not None else batch["old_logprobs"]
-        if args.off_policy_mask_threshold is not None and sampler is not None:
-            kept = self.get_off_policy_mask(
-                batch["advantages"], out["logprobs"], sampler, mask, args.off_policy_mask_threshold
-            )
-            keep = kept if keep is None else keep * kept
-        return keep
-
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """GRPOTrainer's method: `core.high_entropy_mask` at the quantile `threshold` (1 - top_entropy_quantile) of
-        every process's valid tokens (a collective under data parallelism)."""
-
-        def gather(values: torch.Tensor) -> torch.Tensor:  # processes hold different token counts: pad with NaN
-            padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=math.nan)
-            gathered = self.accelerator.gather(padded)
-            return gathered[~torch.isnan(gathered)]
-
-        return high_entropy_mask(entropies, mask, threshold, gather)
-
-    @staticmethod
-    def get_off_policy_mask(
-        advantages: torch.Tensor,
-        per_token_logps: torch.Tensor,
-        sampling_per_token_logps: torch.Tensor,
-        mask: torch.Tensor,
-        off_policy_threshold: float,
-    ) -> torch.Tensor:
-        """GRPOTrainer's static method, in its argument names: `core.off_policy_mask`."""
-        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         """Backward of one micro-batch; `last` marks the one that ends the optimizer step.
