@@ -18,6 +18,7 @@ from trl_vapo.core import (
     decoupled_gae,
     explained_variance,
     explained_variance_plateaued,
+    group_normalized_rewards,
     high_entropy_mask,
     importance_sampling_weights,
     length_adaptive_lambda,
@@ -775,6 +776,30 @@ def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
 # ---------------------------------------------------------------------------------------------------------------------
 # GRPOConfig's policy-token filters and entropy control (not in VAPO)
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 4])
+def test_group_normalized_rewards_standardise_each_function_within_its_group_then_sum(group_size):
+    g = torch.Generator().manual_seed(53)
+    scores = torch.randn(12, 3, generator=g) * torch.tensor([1.0, 100.0, 0.01])  # three scales
+    scores[torch.rand(12, 3, generator=g) < 0.3] = math.nan  # functions that gave no score
+    scores[5] = math.nan  # a completion no function scored
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    rewards = group_normalized_rewards(scores, weights, group_size)
+    for i in range(12):
+        group = range(i - i % group_size, i - i % group_size + group_size)
+        if all(math.isnan(scores[i, k]) for k in range(3)):
+            assert math.isnan(rewards[i])
+            continue
+        expected = 0.0
+        for k in range(3):
+            given = [scores[j, k].item() for j in group if not math.isnan(scores[j, k])]
+            if math.isnan(scores[i, k]) or len(given) < 2:
+                continue  # no score, or no spread to standardise by: nothing of this function
+            mean = sum(given) / len(given)
+            std = math.sqrt(sum((x - mean) ** 2 for x in given) / (len(given) - 1))
+            expected += weights[k].item() * (scores[i, k].item() - mean) / (std + 1e-4)
+        assert rewards[i].item() == pytest.approx(expected, rel=1e-4, abs=1e-5), i
 
 
 def naive_quantile(values: list[float], q: float) -> float:

@@ -148,13 +148,13 @@ def test_all_refused_grpo_settings_come_in_one_error(tmp_path):
     with pytest.raises(ValueError) as error:
         make_args(
             tmp_path,
-            multi_objective_aggregation="normalize_then_sum",
+            sapo_temperature_pos=2.0,
             use_bias_correction_kl=False,
             use_liger_kernel=True,
             liger_kernel_config={"fused_linear_cross_entropy": True},
         )
     message = str(error.value)
-    assert "multi_objective_aggregation='normalize_then_sum'" in message and "use_bias_correction_kl=False" in message
+    assert "sapo_temperature_pos=2.0" in message and "use_bias_correction_kl=False" in message
     assert '"fused_linear_cross_entropy": True}' in message and "tiled kernel" in message
 
 
@@ -213,6 +213,7 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"vllm_importance_sampling_clip_max": -1.0}, "vllm_importance_sampling_clip_max > 0"),
         ({"positive_reward_funcs": []}, "positive_reward_funcs=\\[\\] names no function"),
         ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
+        ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation must be 'sum_then_normalize' or"),
         ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
         ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min <="),
         # GRPOConfig's own refusals; enable_jit_checkpoint's SIGTERM handler would replace VAPOTrainer's.
@@ -737,3 +738,27 @@ def test_get_high_entropy_mask_pools_every_processs_tokens_padded_with_nan():
     keep = VAPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold=0.5)
     # The median of [0, 10, 4, 5, 6, 7, 8, 9] is 6.5: of this process's tokens only the 10 is kept.
     assert keep.tolist() == [[False, True, False], [False, False, False]]
+
+
+def test_normalize_then_sum_standardises_each_reward_function_within_its_group_for_gae(tiny_model_dir, tmp_path):
+    """GRPOConfig's `multi_objective_aggregation="normalize_then_sum"` (GDPO): two reward functions, one a hundred
+    times the scale of the other; each completion's reward, which its last token gets and GAE carries back to its
+    first (gamma = lam_critic = 1: the return there is the reward), is `core.group_normalized_rewards` of its scores.
+    The logged reward stays the weighted sum of the scores."""
+    from helpers import CapturingTrainer, first_char_is_letter
+
+    from trl_vapo.core import group_normalized_rewards
+
+    def hundredfold_digits(completions, **kwargs):
+        return [100 * r for r in digit_fraction(completions)]
+
+    args = make_args(tmp_path, max_steps=1, multi_objective_aggregation="normalize_then_sum", reward_weights=[1, 2])
+    funcs = [hundredfold_digits, first_char_is_letter]
+    trainer = CapturingTrainer(str(tiny_model_dir), funcs, args, prompts_dataset())
+    trainer.train()
+    [(_, rollout)] = trainer.rollouts
+    scores = rollout.scores.per_function
+    expected = group_normalized_rewards(scores, torch.tensor([1.0, 2.0]), args.num_generations)
+    torch.testing.assert_close(rollout.returns[:, 0], expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, rollout.scores.reward, atol=1e-2)
+    assert rl_logs(trainer)[0]["reward"] == pytest.approx(rollout.scores.reward.mean().item(), rel=1e-5)

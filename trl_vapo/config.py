@@ -590,6 +590,17 @@ class VAPOConfig(TrainingArguments):
             "collapse: set it near the `entropy` logged early in training."
         },
     )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "How several reward functions' scores become a completion's reward, as GRPOConfig's: "
+            "'sum_then_normalize' (default, VAPO's): their weighted sum (GRPO then normalises it per group; VAPO's "
+            "critic needs no normalisation); 'normalize_then_sum' (GDPO): each function's scores standardised within "
+            "the prompt's group, then weighted and summed, the reward GAE and the critic see. Accuracy, the NLL's "
+            "positive examples and the logged rewards read the scores themselves.",
+            "choices": ["sum_then_normalize", "normalize_then_sum"],
+        },
+    )
     top_entropy_quantile: float = field(
         default=1.0,
         metadata={
@@ -649,7 +660,6 @@ class VAPOConfig(TrainingArguments):
     vespo_lambda_pos: float = grpo_only_field("vespo_lambda_pos")
     vespo_k_neg: float = grpo_only_field("vespo_k_neg")
     vespo_lambda_neg: float = grpo_only_field("vespo_lambda_neg")
-    multi_objective_aggregation: str = grpo_only_field("multi_objective_aggregation")
     scale_rewards: str = grpo_only_field("scale_rewards")
     use_bias_correction_kl: bool = grpo_only_field("use_bias_correction_kl")
     max_tool_calling_iterations: int | None = grpo_only_field("max_tool_calling_iterations")
@@ -876,6 +886,11 @@ class VAPOConfig(TrainingArguments):
         )
         require(self.nll_coef >= 0, f"nll_coef must be >= 0, got {self.nll_coef}.")
         require(self.entropy_coef >= 0, f"entropy_coef must be >= 0 (0: no entropy bonus), got {self.entropy_coef}.")
+        require(
+            self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+            f"multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got "
+            f"{self.multi_objective_aggregation!r}.",
+        )
         require(
             0.0 <= self.top_entropy_quantile <= 1.0,
             f"top_entropy_quantile must be in [0, 1] (1: every token trains), got {self.top_entropy_quantile}.",

@@ -30,6 +30,7 @@ __all__ = [
     "decoupled_gae",
     "explained_variance",
     "explained_variance_plateaued",
+    "group_normalized_rewards",
     "high_entropy_mask",
     "importance_sampling_weights",
     "length_adaptive_lambda",
@@ -580,6 +581,29 @@ def positive_nll_loss(
     """
     selected = mask.bool() & is_positive.to(torch.bool).reshape(-1, 1)
     return aggregate_loss(torch.where(selected, -logprobs, torch.zeros_like(logprobs)), selected, "token", normalizer)
+
+
+def group_normalized_rewards(per_function: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GDPO's aggregation of several rewards (GRPOConfig's ``multi_objective_aggregation="normalize_then_sum"``,
+    arXiv 2601.05242; not in VAPO, which sums the weighted scores): each function's scores are standardised within
+    the prompt's group before the weighted sum, so that no function outweighs another by its scale or spread.
+
+        r_i = sum_k w_k (s_ik - mean_{j in g(i)} s_jk) / (std_{j in g(i)} s_jk + 1e-4)
+
+    ``per_function`` is ``[N, F]``, NaN where a function gave no score; ``weights`` ``[F]``; the groups are
+    ``group_size`` consecutive rows. A group's mean and standard deviation (Bessel's correction, TRL's ``nanstd``) run
+    over the scores given; a missing score adds nothing to the sum, nor does a function with fewer than two scores in
+    the group (GRPO's NaN standard deviation, or 0 with one completion per prompt). A row no function scored is NaN.
+    """
+    rows, functions = per_function.shape
+    grouped = per_function.float().view(-1, group_size, functions)
+    mean = grouped.nanmean(dim=1, keepdim=True)
+    count = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    variance = (grouped - mean).pow(2).nansum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+    std = torch.where(count > 1, variance.sqrt(), torch.full_like(variance, math.nan))
+    standardised = ((grouped - mean) / (std + 1e-4)).view(rows, functions)
+    rewards = (standardised * weights.to(standardised)).nansum(dim=1)
+    return torch.where(per_function.isnan().all(dim=1), torch.full_like(rewards, math.nan), rewards)
 
 
 # ------------------------------------------------------------------ GRPOConfig's policy-token filters (not in VAPO)

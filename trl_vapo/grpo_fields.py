@@ -20,10 +20,6 @@ GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instea
     "vespo_lambda_pos": (3.0, _OTHER_LOSS),
     "vespo_k_neg": (3.0, _OTHER_LOSS),
     "vespo_lambda_neg": (2.0, _OTHER_LOSS),
-    "multi_objective_aggregation": (
-        "sum_then_normalize",
-        "VAPO sums the weighted rewards (`reward_weights`) into one reward per completion.",
-    ),
     "scale_rewards": (
         "group",
         "VAPO does not scale rewards, whichever of the three is set: its advantages come from the critic (GAE), "

@@ -1,8 +1,9 @@
-"""The parts of GRPOTrainer's objective that VAPO's PPO term takes (none is in the VAPO paper, all are off by
-default): the entropy bonus's adaptive control (`use_adaptive_entropy`), the top-entropy token mask
-(`top_entropy_quantile`) and the off-policy sequence mask (`off_policy_mask_threshold`). The mathematics is in
-`trl_vapo.core` (`adaptive_entropy_coef`, `high_entropy_mask`, `off_policy_mask`); this is the trainer's side:
-which tokens, which log-probs, which coefficient, and GRPOTrainer's names for them."""
+"""The parts of GRPOTrainer's objective that VAPO takes (none is in the VAPO paper, all are off by default): GDPO's
+per-function reward normalisation (`multi_objective_aggregation`), the entropy bonus's adaptive control
+(`use_adaptive_entropy`), the top-entropy token mask (`top_entropy_quantile`) and the off-policy sequence mask
+(`off_policy_mask_threshold`). The mathematics is in `trl_vapo.core` (`group_normalized_rewards`,
+`adaptive_entropy_coef`, `high_entropy_mask`, `off_policy_mask`); this is the trainer's side: which scores, tokens,
+log-probs and coefficient, and GRPOTrainer's names for them."""
 
 from __future__ import annotations
 
@@ -11,11 +12,24 @@ from typing import Any
 
 import torch
 
-from .core import adaptive_entropy_coef, high_entropy_mask, off_policy_mask
+from .core import adaptive_entropy_coef, group_normalized_rewards, high_entropy_mask, off_policy_mask
+from .scoring import Scores
 
 
 class GRPOObjectiveMixin:
     """`VAPOTrainer`'s share of GRPOTrainer's objective settings; reads `args`, `progress` and `accelerator`."""
+
+    def _sequence_rewards(self, scores: Scores, group_size: int) -> torch.Tensor:
+        """[N] each completion's reward, which its last token gets: the weighted sum of its scores, or under
+        `multi_objective_aggregation="normalize_then_sum"` `core.group_normalized_rewards` of every process's scores
+        (a group may span two processes; a collective); 0 where no function gave a score."""
+        if self.args.multi_objective_aggregation == "sum_then_normalize":
+            return scores.reward
+        local = scores.per_function.to(self.accelerator.device)  # NCCL gathers only device tensors
+        pooled = self.accelerator.gather(local) if self.accelerator.num_processes > 1 else local
+        rewards = group_normalized_rewards(pooled, self.scorer.weights, group_size)
+        start = self.accelerator.process_index * len(local)
+        return rewards[start : start + len(local)].nan_to_num(0.0).cpu()
 
     @property
     def entropy_coef(self) -> float:

@@ -155,7 +155,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             dataset column, it returns one float per completion, or `None` (`async def` functions run concurrently).
             An entry may also be a reward model: a model id, a path or a `PreTrainedModel` for sequence
             classification, scored as GRPOTrainer scores it (`scoring.RewardModel`). Rewards are summed with
-            `args.reward_weights`.
+            `args.reward_weights` (each standardised within its prompt's group first under
+            `args.multi_objective_aggregation="normalize_then_sum"`).
         args: a `VAPOConfig`.
         train_dataset: a `datasets.Dataset` with a `prompt` column (plain text or chat messages), or an
             `IterableDataset` (streaming; then `args.max_steps` is required), read in its order.
@@ -780,7 +781,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         )
         # 4. Advantage: decoupled, length-adaptive GAE (Monte-Carlo targets during value pretraining).
         is_correct = scores.is_correct(args.positive_reward_threshold).to(device)
-        rewards = terminal_rewards(scores.reward.to(device) * trains, loss_mask)
+        sequence_rewards = self._sequence_rewards(scores, num_generations or args.num_generations).to(device)
+        rewards = terminal_rewards(sequence_rewards * trains, loss_mask)
         if ref_logprobs is not None:
             rewards = rewards - args.beta * (old_logprobs - ref_logprobs) * loss_mask
         lam_critic = 1.0 if phase == VALUE_PRETRAIN else args.lam_critic
