@@ -3,7 +3,7 @@
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
         [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
         [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dtype D] [--beta X]
-        [--dump-state-at STEP ...]
+        [--dump-state-at STEP ...] [--settings JSON]
 
 Every log entry is appended to `<output-dir>/<log-name>-rank<r>.jsonl` as soon as it is logged, so a killed run leaves
 what it logged behind. With `--stall-at N`, writing checkpoint N hangs (after its files are written, before it is
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-generations", type=int, default=2, help="num_generations_eval")
     parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
     parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
+    parser.add_argument("--settings", type=json.loads, default={}, help="more VAPOConfig fields, as a JSON object")
     args = parser.parse_args(argv)
     if args.fsdp2:
         force_fsdp2_on_cpu()
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         per_device_eval_batch_size=8 // world,
         log_completions=args.log_completions,
         num_completions_to_print=None,  # all of them
+        **args.settings,
     )
     rank = int(os.environ.get("RANK", "0"))
     StallingTrainer.stall_at = args.stall_at

@@ -151,7 +151,7 @@ def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):
     assert code == 2 and LAUNCHED not in os.environ
 
 
-def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path):
+def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, capsys):
     """`trl-vapo train --config tweaks.yaml` with neither a model nor data in it runs the offline demo with the file's
     settings over the demo's; it was refused, asking for a model it did not mention."""
     from trl_vapo.cli import DEMO_DEFAULTS, _is_demo
@@ -169,6 +169,12 @@ def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path):
     assert not _is_demo(["--config", str(tmp_path / "run.yaml")])
     assert not _is_demo(["--config", str(tweaks), "--dataset_name", "data.jsonl"])
     assert not _is_demo(["--model-name-or-path", "Qwen/Qwen2.5-0.5B"])  # argparse's other spelling (was the demo)
+    # A reward or value model alone is a run missing its policy, not the demo trained with that model (it was).
+    (tmp_path / "rm.yaml").write_text("reward_model_name_or_path: my/reward-model\n")
+    assert not _is_demo(["--config", str(tmp_path / "rm.yaml")])
+    assert not _is_demo(["--value_model_name_or_path", "my/critic"])
+    assert main(["train", "--config", str(tmp_path / "rm.yaml"), "--output_dir", str(tmp_path / "out")]) == 2
+    assert "--model_name_or_path is required with a data set, a reward model" in capsys.readouterr().err
 
 
 def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys, monkeypatch):

@@ -214,6 +214,7 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"positive_reward_funcs": []}, "positive_reward_funcs=\\[\\] names no function"),
         ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
         ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation must be 'sum_then_normalize' or"),
+        ({"multi_objective_aggregation": "normalize_then_sum", "num_generations": 1}, "needs num_generations >= 2"),
         ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
         ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min <="),
         # GRPOConfig's own refusals; enable_jit_checkpoint's SIGTERM handler would replace VAPOTrainer's.

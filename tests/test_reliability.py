@@ -746,10 +746,11 @@ def test_each_spelling_of_resume_from_checkpoint_reads_as_python_and_the_command
     from trl_vapo.checkpoint import resume_request
 
     monkeypatch.chdir(tmp_path)
-    given = [True, "true", "Latest", None, False, "false", "None", "", "out/checkpoint-3"]
-    assert [resume_request(x) for x in given] == [True, True, True, None, None, None, None, None, "out/checkpoint-3"]
+    given = [True, "true", "Latest", "yes", "1", None, False, "false", "None", "", "no", "0", "out/checkpoint-3"]
+    assert [resume_request(x) for x in given] == [True] * 5 + [None] * 7 + ["out/checkpoint-3"]
     (tmp_path / "latest").mkdir()
-    assert resume_request("latest") == "latest"  # a folder of that name is that folder
+    (tmp_path / "no").mkdir()
+    assert resume_request("latest") == "latest" and resume_request("no") == "no"  # a folder of that name is it
 
 
 @pytest.mark.parametrize("word", ["latest", "true", "True"])
@@ -1387,6 +1388,36 @@ EVALUATED = [
     "eval_value/explained_variance",
     "eval_loss",
 ]
+
+
+def test_grpos_objective_settings_train_alike_on_two_processes_and_one(tiny_model_dir, tmp_path):
+    """GRPOConfig's token filters and reward aggregation read the whole rollout: the top-entropy quantile is pooled
+    over the processes, the off-policy mask and the adaptive entropy coefficient read the step's pooled numbers, and
+    GDPO's per-function normalisation gathers each prompt's group. Two processes train as one does."""
+    settings = {
+        "top_entropy_quantile": 0.5,
+        "off_policy_mask_threshold": 1e-4,
+        "use_adaptive_entropy": True,
+        "entropy_coef": 0.01,
+        "entropy_target": 100.0,  # above any entropy of this vocabulary: the coefficient rises by delta each step
+        "multi_objective_aggregation": "normalize_then_sum",
+    }
+    common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "3", "--value-pretrain-steps", "1"]
+    reward_model = tiny_model_dir.parent / "reward-model"  # (test_distributed's, where both files run)
+    if not (reward_model / "config.json").is_file():
+        save_tiny_reward_model(reward_model)
+    common += ["--reward-model", str(reward_model), "--stop-chars", "0123", "--settings", json.dumps(settings)]
+    single = run_script(*common, "--output-dir", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = torchrun(*common, "--output-dir", str(tmp_path / "two"))
+    assert double.returncode == 0, double.stderr[-3000:]
+    one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
+    assert sorted(one) == sorted(two)
+    rl = [step for step in one if one[step]["phase"] == "rl"]
+    assert [one[step]["entropy_coef"] for step in rl] == pytest.approx([0.015, 0.02, 0.025])
+    for step in one:
+        keys = [*COMPARED, "entropy_coef", "loss/entropy_bonus"]
+        assert_same_log(two[step], one[step], keys=keys, rel=1e-4, context=f"step {step}, 2 vs 1 process")
 
 
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):

@@ -171,13 +171,15 @@ def read_marker(path: Path) -> dict:
 
 
 def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | None:
-    """`resume_from_checkpoint` as given in Python or on the command line: True for True, "true" and "latest"; None for
-    None, False, "false", "none" and ""; else the path it names. (A folder named "latest", say, is that folder.)"""
+    """`resume_from_checkpoint` as given in Python or on the command line: True for True, "latest" and the words
+    transformers' parser reads as true ("true", "yes", "1", ...); None for None, False, "none", "" and the words it
+    reads as false ("false", "no", "0", ...); else the path it names. (A folder named "latest" or "no", say, is that
+    folder.)"""
     value = resume_from_checkpoint
     if isinstance(value, str) and (not value or not Path(value).exists()):
-        if value.lower() in ("true", "latest"):
+        if value.lower() in ("latest", "yes", "true", "t", "y", "1"):
             return True
-        if value.lower() in ("false", "none", ""):
+        if value.lower() in ("none", "", "no", "false", "f", "n", "0"):
             return None
     return None if value is False else value
 

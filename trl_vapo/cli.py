@@ -238,8 +238,16 @@ def _parse_args_and_config(parser, argv: list[str]):
 
 
 # ------------------------------------------------------------------------------------------------------------- train
-DATA_AND_MODEL_FLAGS = {"--model_name_or_path", "--dataset_name", "--dataset_preset", "--datasets"}
-"""What makes a `train` run other than the offline demo, as a flag or as a config's key."""
+DATA_AND_MODEL_FLAGS = {
+    "--model_name_or_path",
+    "--dataset_name",
+    "--dataset_preset",
+    "--datasets",
+    "--reward_model_name_or_path",
+    "--value_model_name_or_path",
+}
+"""What makes a `train` run other than the offline demo, as a flag or as a config's key: a reward or value model
+too, which the demo (its own model and reward) would have trained with instead of saying the policy is missing."""
 
 
 def _is_demo(argv: list[str]) -> bool:
@@ -364,6 +372,11 @@ def train_command(argv: list[str]) -> int:
             raise UsageError(refusal(training_args.output_dir, holder))
         _check_resume(training_args.output_dir, training_args.resume_from_checkpoint)  # as for these two
     if not demo:
+        if not model_args.model_name_or_path:
+            raise UsageError(
+                "--model_name_or_path is required with a data set, a reward model or a value model (omit them all "
+                "for the offline demo)"
+            )
         _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")
         _check_model_source(script_args.value_model_name_or_path, "--value_model_name_or_path")
@@ -472,8 +485,6 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
             script_args.prompt_column,
             BOXED_INSTRUCTION.replace("{}", "{{}}"),
         )
-    if not model_args.model_name_or_path:
-        raise UsageError("--model_name_or_path is required with a data set (omit both for the offline demo)")
     if not script_args.dataset_name:
         raise UsageError(
             "--dataset_name (or --dataset_preset) is required with a model (omit both for the offline demo)"
@@ -543,8 +554,6 @@ def _resolve_mixture(script_args, model_args, mixture, evaluates: bool):
             f"{', '.join(formatting)} format(s) --dataset_name's rows; a `datasets:` mixture's rows are used as "
             "they are, as `trl grpo` uses them (a prompt column): drop the flag(s), or name the data in --dataset_name"
         )
-    if not model_args.model_name_or_path:
-        raise UsageError("--model_name_or_path is required with a data set (omit both for the offline demo)")
     try:
         splits = get_dataset(mixture)
     except (ValueError, FileNotFoundError) as error:

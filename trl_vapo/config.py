@@ -892,6 +892,11 @@ class VAPOConfig(TrainingArguments):
             f"{self.multi_objective_aggregation!r}.",
         )
         require(
+            self.multi_objective_aggregation != "normalize_then_sum" or self.num_generations >= 2,
+            "multi_objective_aggregation='normalize_then_sum' standardises each function's scores within a prompt's "
+            f"group, which needs num_generations >= 2 (got {self.num_generations}: every reward would be 0).",
+        )
+        require(
             0.0 <= self.top_entropy_quantile <= 1.0,
             f"top_entropy_quantile must be in [0, 1] (1: every token trains), got {self.top_entropy_quantile}.",
         )
