@@ -362,6 +362,88 @@ def test_policy_loss_matches_naive_loop(loss_type):
     assert stats["approx_kl"].item() == pytest.approx(kl.item(), rel=1e-5)
 
 
+def naive_surrogate_terms(surrogate, logprobs, old, advantages, lengths, is_weights=None):
+    """Each sequence's tokens' (loss, d loss / d logprob) under GRPO's other objectives, token by token in floats
+    (CISPO's cap 5.0, SAPO's temperatures 1.0 / 1.05, VESPO's (k, lambda) (2, 3) / (3, 2)): the formulas of
+    GRPOTrainer's `_compute_loss` and `get_gamma_weights`."""
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        ratios = [math.exp(float(logprobs[i, t]) - float(old[i, t])) for t in range(n)]
+        corrections = [1.0 if is_weights is None else float(is_weights[i, t]) for t in range(n)]
+        log_w = sum(max(-20.0, min(20.0, math.log(r))) for r in ratios)
+        log_w += sum(max(math.log(1e-8), min(20.0, math.log(c))) for c in corrections) if is_weights is not None else 0
+        w = math.exp(max(math.log(1e-8), min(20.0, log_w)))
+        row = []
+        for t, (r, c) in enumerate(zip(ratios, corrections)):
+            a, logp = float(advantages[i, t]), float(logprobs[i, t])
+            if surrogate == "cispo":
+                row.append((-min(r, 5.0) * a * logp * c, -min(r, 5.0) * a * c))
+            elif surrogate == "sapo":
+                tau = 1.0 if a > 0 else 1.05
+                gate = 1 / (1 + math.exp(-tau * (r - 1)))
+                row.append((-(4 / tau) * gate * a * c, -4 * gate * (1 - gate) * r * a * c))
+            else:
+                k, lam = (2.0, 3.0) if a >= 0 else (3.0, 2.0)
+                phi = math.exp(lam + k * math.log(w) - lam * w)
+                row.append((-phi * a * logp, -phi * a))
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("surrogate", ["cispo", "sapo", "vespo"])
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+@pytest.mark.parametrize("corrected", [False, True])
+def test_grpos_other_objectives_match_a_naive_loop_in_value_and_gradient(surrogate, loss_type, corrected):
+    """CISPO, SAPO and VESPO on VAPO's per-token advantages, against the token-by-token formulas: the loss and its
+    gradient in each log-prob (CISPO's and VESPO's weights carry none), with vLLM's importance ratios multiplying
+    CISPO's and SAPO's terms and entering VESPO's sequence ratio. Log-ratios of sd 1: CISPO's cap (5.0) binds."""
+    lengths, mask, advantages, old, g = random_batch(batch=7, steps=10, seed=22)
+    old = -old.abs()  # log-probs
+    logprobs = (old + torch.randn(old.shape, generator=g)).requires_grad_()
+    is_weights = (0.5 + torch.rand(old.shape, generator=g)) if corrected else None
+    batch = {"is_weights": is_weights}
+    loss, stats = policy_loss(
+        logprobs, old, advantages, mask, 0.2, 5.0, loss_type, surrogate=surrogate, is_weights=batch["is_weights"]
+    )
+    rows = naive_surrogate_terms(surrogate, logprobs.detach(), old, advantages, lengths, is_weights)
+    sequences = [row for row in rows if row]
+    if loss_type == "token":
+        scale = [[1 / sum(lengths.tolist())] * len(row) for row in rows]
+    else:
+        scale = [[1 / (len(row) * len(sequences))] * len(row) for row in rows]
+    expected = sum(term * s for row, ss in zip(rows, scale) for (term, _), s in zip(row, ss))
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    loss.backward()
+    expected_grad = torch.zeros_like(old)
+    for i, (row, ss) in enumerate(zip(rows, scale)):
+        for t, ((_, grad), s) in enumerate(zip(row, ss)):
+            expected_grad[i, t] = grad * s
+    torch.testing.assert_close(logprobs.grad, expected_grad, rtol=1e-4, atol=1e-7)
+    if surrogate == "cispo":
+        ratio = torch.exp(logprobs.detach() - old)
+        assert (
+            0
+            < stats["clip_frac_high"].item()
+            == pytest.approx(((advantages > 0) & (ratio > 5.0))[mask.bool()].float().mean().item())
+        )
+
+
+def test_vespos_weight_is_one_on_policy_and_small_far_from_it():
+    """phi(1) = 1: with the sampler's own log-probs VESPO's update is the policy gradient's, -A log pi averaged;
+    a sequence 4 nats away on either side weighs almost nothing."""
+    lengths, mask, advantages, old, g = random_batch(batch=5, steps=8, seed=4)
+    old = -old.abs()
+    loss, stats = policy_loss(old, old, advantages, mask, 0.2, 0.28, "token", surrogate="vespo")
+    assert stats["phi"].item() == pytest.approx(1.0)
+    assert loss.item() == pytest.approx(((-advantages * old) * mask).sum().item() / mask.sum().item(), rel=1e-6)
+    for shift in (-4.0, 4.0):
+        far = old + shift / lengths.clamp(min=1)[:, None]  # a sequence log-ratio of `shift`
+        _, stats = policy_loss(far, old, advantages, mask, 0.2, 0.28, "token", surrogate="vespo")
+        assert stats["phi"].item() < 0.05, shift
+    with pytest.raises(ValueError, match="surrogate must be one of 'ppo', 'cispo', 'sapo', 'vespo'"):
+        policy_loss(old, old, advantages, mask, 0.2, 0.28, surrogate="gspo")
+
+
 @pytest.mark.parametrize("loss_type", ["token", "sequence"])
 def test_two_sided_clipping_caps_the_ratio_of_negative_advantages_only(loss_type):
     """`delta` (GRPOConfig's two-sided clipping) against the naive loop, on ratios far from 1 (up to e^3): it lowers

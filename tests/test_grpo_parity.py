@@ -120,10 +120,40 @@ def test_grpo_loss_types_are_vapos_aggregations(tmp_path, grpo, vapo):
     assert make_args(tmp_path, loss_type="luspo").loss_type == "luspo"  # an aggregation of the same loss: kept
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo"])
-def test_grpos_other_losses_are_refused_by_name(tmp_path, loss_type):
-    with pytest.raises(ValueError, match=f"got '{loss_type}': GRPO's other losses"):
-        make_args(tmp_path, loss_type=loss_type)
+@pytest.mark.parametrize(
+    ("grpo", "surrogate", "aggregation"), [("cispo", "cispo", "token"), ("sapo", "sapo", "sequence")]
+)
+def test_grpos_other_losses_set_the_surrogate_and_grpos_aggregation(tmp_path, grpo, surrogate, aggregation):
+    args = make_args(tmp_path, loss_type=grpo)
+    assert (args.surrogate, args.loss_type) == (surrogate, aggregation)
+    assert make_args(tmp_path, loss_type="vespo", surrogate="vespo").surrogate == "vespo"  # both: the same ask
+    with pytest.raises(ValueError, match="loss_type='sapo' sets surrogate='sapo', but surrogate='cispo' is set too"):
+        make_args(tmp_path, loss_type="sapo", surrogate="cispo")
+
+
+@pytest.mark.parametrize("surrogate", ["cispo", "sapo", "vespo"])
+def test_grpos_other_losses_train_on_vapos_advantages(tiny_model_dir, tmp_path, surrogate):
+    """Each of GRPO's other per-token objectives trains the policy from VAPO's critic's advantages, with the
+    gradient accumulated over two micro-batches, and logs GRPOTrainer's statistic for it (SAPO has none)."""
+    args = make_args(tmp_path, surrogate=surrogate, epsilon_high=5.0, gradient_accumulation_steps=2)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    before = {n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters()}
+    trainer.train()
+    after = dict(trainer.actor_critic.policy.named_parameters())
+    assert all(not torch.equal(before[n], after[n]) for n in before), "some policy weight did not move"
+    logs = rl_logs(trainer)
+    assert logs and all(math.isfinite(h["loss/policy"]) for h in logs)
+    statistic = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}.get(surrogate)
+    assert all((statistic in h) for h in logs) if statistic else not any("clip_ratio/region_mean" in h for h in logs)
+    if surrogate == "vespo":  # the first pass over a rollout is on-policy: phi(1) = 1 (a mean with the second pass)
+        assert all(0 < h["vespo/phi_seq_mean"] <= 1.0 + 1e-6 for h in logs)
+
+
+def test_cispos_cap_below_one_is_named(tiny_model_dir, tmp_path, caplog):
+    """GRPO reads `epsilon_high` as CISPO's cap on the weight itself: VAPO's 0.28 would cap every weight below 1."""
+    with caplog.at_level("WARNING", logger="trl_vapo.trainer"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, loss_type="cispo"), prompts_dataset())
+    assert "0.28 caps every weight below 1" in caplog.text
 
 
 def _another_value(default):
@@ -148,13 +178,12 @@ def test_all_refused_grpo_settings_come_in_one_error(tmp_path):
     with pytest.raises(ValueError) as error:
         make_args(
             tmp_path,
-            sapo_temperature_pos=2.0,
             use_bias_correction_kl=False,
             use_liger_kernel=True,
             liger_kernel_config={"fused_linear_cross_entropy": True},
         )
     message = str(error.value)
-    assert "sapo_temperature_pos=2.0" in message and "use_bias_correction_kl=False" in message
+    assert "use_bias_correction_kl=False" in message
     assert '"fused_linear_cross_entropy": True}' in message and "tiled kernel" in message
 
 
@@ -214,6 +243,12 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"positive_reward_funcs": []}, "positive_reward_funcs=\\[\\] names no function"),
         ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
         ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation must be 'sum_then_normalize' or"),
+        ({"surrogate": "gspo"}, "surrogate must be one of 'ppo', 'cispo', 'sapo', 'vespo'"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_pos and sapo_temperature_neg must"),
+        (
+            {"loss_type": "vespo", "use_vllm": True, "vllm_importance_sampling_mode": "sequence_mask"},
+            "needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask'",
+        ),
         ({"multi_objective_aggregation": "normalize_then_sum", "num_generations": 1}, "needs num_generations >= 2"),
         ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
         ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min <="),

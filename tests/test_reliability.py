@@ -168,7 +168,7 @@ def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
         ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"min_lr": 0.0}}, "cosine takes num_cycles only"),
         ({"max_steps": -5}, "max_steps"),
         ({"num_iterations": 0}, "num_iterations"),
-        ({"loss_type": "cispo"}, "loss_type"),
+        ({"loss_type": "gspo"}, "loss_type must be 'token', 'sequence' or 'luspo'"),
         ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation"),
         ({"learning_rate": -1e-5}, "learning_rate must be >= 0"),  # not critic_learning_rate, its derived default
         ({"weight_decay": -0.1}, "weight_decay"),

@@ -11,10 +11,10 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .core import IMPORTANCE_SAMPLING_MODES
+from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config
 from .generation import VLLM_DEFAULTS
-from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, grpo_only_field
+from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 
@@ -358,7 +358,18 @@ class VAPOConfig(TrainingArguments):
             "micro-batches and processes (VAPO). 'sequence': average per sequence, then over sequences (vanilla PPO). "
             "'luspo': sum per sequence, then average over sequences (GRPOConfig's LUSPO). GRPOConfig's names are "
             "accepted: 'dapo' (the same as 'token'), 'bnpo' and 'dr_grpo' (token-level with another normaliser: here "
-            "'token') and 'grpo' ('sequence')."
+            "'token') and 'grpo' ('sequence'); 'cispo' and 'vespo' set `surrogate` and 'token', 'sapo' sets "
+            "`surrogate` and 'sequence', as GRPOTrainer averages those losses."
+        },
+    )
+    surrogate: str = field(
+        default="ppo",
+        metadata={
+            "help": "The per-token policy objective on VAPO's advantages: 'ppo' (default, the paper's Eq. 8: PPO's "
+            "clipped ratio with clip-higher), or GRPOConfig's other losses: 'cispo' (MiniMax-M1: the importance "
+            "weight capped at `epsilon_high`, e.g. 5.0, times A log pi), 'sapo' (a soft sigmoid gate for the clip, "
+            "`sapo_temperature_pos`/`_neg`), 'vespo' (a smooth gamma weight of the sequence's ratio, `vespo_*`). "
+            "GRPO's loss_type='cispo', 'sapo' or 'vespo' sets it."
         },
     )
     nll_coef: float = field(
@@ -652,14 +663,32 @@ class VAPOConfig(TrainingArguments):
             "config's own `router_aux_loss_coef` (0 where it declares none); 0: off. Not in the paper (dense models)."
         },
     )
+    sapo_temperature_pos: float = field(
+        default=1.0,
+        metadata={"help": "With surrogate='sapo': the gate's temperature where the advantage is > 0 (GRPO's 1.0)."},
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05,
+        metadata={"help": "With surrogate='sapo': the gate's temperature elsewhere (GRPO's 1.05)."},
+    )
+    vespo_k_pos: float = field(
+        default=2.0,
+        metadata={"help": "With surrogate='vespo': the weight's power k where the advantage >= 0 (GRPO's 2.0)."},
+    )
+    vespo_lambda_pos: float = field(
+        default=3.0,
+        metadata={"help": "With surrogate='vespo': the weight's decay lambda where the advantage >= 0 (GRPO's 3.0)."},
+    )
+    vespo_k_neg: float = field(
+        default=3.0,
+        metadata={"help": "With surrogate='vespo': the weight's power k where the advantage < 0 (GRPO's 3.0)."},
+    )
+    vespo_lambda_neg: float = field(
+        default=2.0,
+        metadata={"help": "With surrogate='vespo': the weight's decay lambda where the advantage < 0 (GRPO's 2.0)."},
+    )
     # GRPOConfig's switches for features VAPO does not have: GRPO's default (the feature off, or GRPO's own
     # normalisation, which VAPO's critic replaces) is accepted so that a GRPO config runs; any other value is refused.
-    sapo_temperature_neg: float = grpo_only_field("sapo_temperature_neg")
-    sapo_temperature_pos: float = grpo_only_field("sapo_temperature_pos")
-    vespo_k_pos: float = grpo_only_field("vespo_k_pos")
-    vespo_lambda_pos: float = grpo_only_field("vespo_lambda_pos")
-    vespo_k_neg: float = grpo_only_field("vespo_k_neg")
-    vespo_lambda_neg: float = grpo_only_field("vespo_lambda_neg")
     scale_rewards: str = grpo_only_field("scale_rewards")
     use_bias_correction_kl: bool = grpo_only_field("use_bias_correction_kl")
     max_tool_calling_iterations: int | None = grpo_only_field("max_tool_calling_iterations")
@@ -709,6 +738,14 @@ class VAPOConfig(TrainingArguments):
 
     def _accept_grpo_spellings(self) -> None:
         """GRPOConfig's names for VAPO's settings, resolved as GRPOConfig resolves them."""
+        if self.loss_type in GRPO_SURROGATE_LOSS_TYPES:
+            surrogate, aggregation = GRPO_SURROGATE_LOSS_TYPES[self.loss_type]
+            if self.surrogate not in ("ppo", surrogate):
+                raise ValueError(
+                    f"loss_type={self.loss_type!r} sets surrogate={surrogate!r}, but surrogate={self.surrogate!r} is "
+                    f"set too: keep one (surrogate={self.surrogate!r} with loss_type 'token' or 'sequence')."
+                )
+            self.surrogate, self.loss_type = surrogate, aggregation
         self.loss_type = GRPO_LOSS_TYPES.get(self.loss_type, self.loss_type)
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":  # the CLI passes a string
@@ -820,8 +857,24 @@ class VAPOConfig(TrainingArguments):
         require(
             self.loss_type in ("token", "sequence", "luspo"),
             f"loss_type must be 'token', 'sequence' or 'luspo' (or GRPOConfig's "
-            f"{', '.join(map(repr, GRPO_LOSS_TYPES))}), got {self.loss_type!r}: GRPO's other losses (cispo, sapo, "
-            "vespo) are other objectives than VAPO's clipped PPO loss.",
+            f"{', '.join(map(repr, [*GRPO_LOSS_TYPES, *GRPO_SURROGATE_LOSS_TYPES]))}), got {self.loss_type!r}.",
+        )
+        require(
+            self.surrogate in SURROGATES,
+            f"surrogate must be one of {', '.join(map(repr, SURROGATES))}, got {self.surrogate!r}.",
+        )
+        require(
+            self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0,
+            f"sapo_temperature_pos and sapo_temperature_neg must be > 0, got {self.sapo_temperature_pos} and "
+            f"{self.sapo_temperature_neg}.",
+        )
+        require(
+            self.surrogate != "vespo"
+            or not (self.use_vllm and self.vllm_importance_sampling_correction)
+            or self.vllm_importance_sampling_mode in ("token_truncate", "token_mask"),
+            f"surrogate='vespo' takes vLLM's per-token importance ratios into its sequence weight: it needs "
+            f"vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
+            f"{self.vllm_importance_sampling_mode!r}.",
         )
         require(
             not self.load_best_model_at_end,

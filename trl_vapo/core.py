@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -45,7 +46,11 @@ __all__ = [
     "token_logprobs_and_entropy",
     "vapo_loss",
     "value_loss",
+    "vespo_weights",
 ]
+
+SURROGATES = ("ppo", "cispo", "sapo", "vespo")
+"""The per-token policy objectives of :func:`policy_loss`: VAPO's clipped PPO and GRPOConfig's other losses."""
 
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per chunk: ~110 positions of a 152k vocabulary
 
@@ -454,6 +459,11 @@ def policy_loss(
     weights: torch.Tensor | None = None,
     delta: float | None = None,
     importance_sampling_level: str = "token",
+    surrogate: str = "ppo",
+    is_weights: torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_shape: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with asymmetric (clip-higher) clipping (VC-PPO Eq. 2; VAPO §3.2-3.3).
 
@@ -482,19 +492,36 @@ def policy_loss(
     gradients are averaged over ranks); for ``"sequence"`` and ``"luspo"`` the number of sequences likewise.
     Summing the losses of the step's micro-batches then gives exactly the full-batch mean.
 
-    ``weights`` (``[B, T]`` or ``[B, 1]``, no gradient) multiply ``l_t`` before the mean: the importance-sampling
-    correction for completions sampled by another engine (:func:`importance_sampling_weights`).
+    ``surrogate`` (not in VAPO, whose Eq. 8 is ``"ppo"``; GRPOConfig's other losses, each on VAPO's per-token
+    advantages A_t; sg[.] stops the gradient):
+
+        "cispo": l_t = -sg[min(rho_t, epsilon_high)] * A_t * logprob_t      (MiniMax-M1 Eq. 4: the weight is clipped,
+                 never the gradient; ``epsilon_high`` is the weight's cap eps_max itself, as GRPOTrainer reads it)
+        "sapo":  l_t = -(4 / tau_t) * sigmoid(tau_t * (rho_t - 1)) * A_t     (SAPO, arXiv 2511.20347: a soft gate for
+                 hard clipping; tau_t = ``sapo_temperature_pos`` where A_t > 0, else ``sapo_temperature_neg``)
+        "vespo": l_t = -sg[phi(w_i)] * A_t * logprob_t,  phi(w) = exp(lam + k log w - lam w)   (VESPO: phi(1) = 1)
+                 w_i = exp(clip(sum_t clip(log rho_t) + sum_t log is_t)), the sequence's ratio to the sampler,
+                 (k, lam) = ``vespo_shape``[0:2] where A_t >= 0, else [2:4]  (GRPOConfig's vespo_k_pos,
+                 vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+
+    ``is_weights`` (``[B, T]`` or ``[B, 1]``, no gradient; :func:`importance_sampling_weights`) correct for
+    completions sampled by another engine: they multiply ``l_t`` before the mean, except under ``"vespo"``, whose
+    w_i takes them in (as GRPOTrainer does). ``weights`` (the same shapes, no gradient) multiply ``l_t`` too: the
+    token masks of :func:`vapo_loss`.
 
     Returns:
-        ``(loss, stats)`` where ``stats`` holds detached means over this call's valid tokens: ``clip_frac_low``
-        (negative advantage, ratio clipped at ``1 - epsilon_low``), ``clip_frac_high`` (positive advantage, ratio
-        clipped at ``1 + epsilon_high``), ``clip_frac`` (either), ``approx_kl`` (``E[(rho - 1) - log rho]``) and
-        ``ratio`` (mean rho).
+        ``(loss, stats)`` where ``stats`` holds detached means over this call's valid tokens: ``approx_kl``
+        (``E[(rho - 1) - log rho]``) and ``ratio`` (mean rho); under ``"ppo"`` ``clip_frac_low`` (negative
+        advantage, ratio clipped at ``1 - epsilon_low``), ``clip_frac_high`` (positive advantage, ratio clipped at
+        ``1 + epsilon_high``) and ``clip_frac`` (either); under ``"cispo"`` ``clip_frac_high`` (positive advantage,
+        weight capped at ``epsilon_high``); under ``"vespo"`` ``phi`` (the mean weight phi(w_i)).
     """
     if loss_type not in ("token", "sequence", "luspo"):
         raise ValueError(f"loss_type must be 'token', 'sequence' or 'luspo', got {loss_type!r}")
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    if surrogate not in SURROGATES:
+        raise ValueError(f"surrogate must be one of {', '.join(map(repr, SURROGATES))}, got {surrogate!r}")
     valid = mask.bool()
     zeros = torch.zeros_like(logprobs)
     token_log_ratio = log_ratio = torch.where(valid, logprobs - old_logprobs, zeros)
@@ -503,25 +530,74 @@ def policy_loss(
         log_ratio = torch.where(valid, sequence + logprobs - logprobs.detach(), zeros)
     ratio = torch.exp(log_ratio)
     advantages = torch.where(valid, advantages.to(logprobs.dtype), zeros)
-    unclipped = -advantages * (ratio if delta is None else torch.clamp(ratio, max=delta))
-    clipped = -advantages * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token = torch.where(valid, torch.maximum(unclipped, clipped), zeros)
+    stats = {}
+    if surrogate == "ppo":
+        unclipped = -advantages * (ratio if delta is None else torch.clamp(ratio, max=delta))
+        clipped = -advantages * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+        per_token = torch.maximum(unclipped, clipped)
+        with torch.no_grad():
+            high = (advantages > 0) & (ratio > 1.0 + epsilon_high)
+            low = (advantages < 0) & (ratio < 1.0 - epsilon_low)
+            stats["clip_frac_low"] = masked_mean(low.float(), mask)
+            stats["clip_frac_high"] = masked_mean(high.float(), mask)
+            stats["clip_frac"] = masked_mean((low | high).float(), mask)
+    elif surrogate == "cispo":
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs
+        with torch.no_grad():
+            stats["clip_frac_high"] = masked_mean(((advantages > 0) & (ratio > epsilon_high)).float(), mask)
+    elif surrogate == "sapo":
+        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)
+        per_token = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+    else:  # "vespo"
+        phi = vespo_weights(token_log_ratio, advantages, valid, is_weights, *vespo_shape)
+        per_token = -phi * advantages * logprobs
+        stats["phi"] = masked_mean(phi.expand_as(per_token), mask)
+    per_token = torch.where(valid, per_token, zeros)
+    if is_weights is not None and surrogate != "vespo":
+        per_token = per_token * is_weights.to(per_token.dtype)
     if weights is not None:
         per_token = per_token * weights.to(per_token.dtype)
 
     loss = aggregate_loss(per_token, valid, loss_type, normalizer)
 
     with torch.no_grad():
-        high = (advantages > 0) & (ratio > 1.0 + epsilon_high)
-        low = (advantages < 0) & (ratio < 1.0 - epsilon_low)
-        stats = {
-            "clip_frac_low": masked_mean(low.float(), mask),
-            "clip_frac_high": masked_mean(high.float(), mask),
-            "clip_frac": masked_mean((low | high).float(), mask),
-            "approx_kl": masked_mean(token_log_ratio.exp() - 1.0 - token_log_ratio, mask),
-            "ratio": masked_mean(ratio, mask),
-        }
+        stats["approx_kl"] = masked_mean(token_log_ratio.exp() - 1.0 - token_log_ratio, mask)
+        stats["ratio"] = masked_mean(ratio, mask)
     return loss, stats
+
+
+@torch.no_grad()
+def vespo_weights(
+    token_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor | None,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+) -> torch.Tensor:
+    """VESPO's gamma weight of each sequence, per token by its advantage's sign (no gradient; ``policy_loss``):
+
+        log w_i = clip( sum_t clip(log rho_t, -20, 20) + sum_t clip(log is_t, log 1e-8, 20),  log 1e-8, 20 )
+        phi_t   = exp(lam_t + k_t * log w_i - lam_t * w_i),   (k_t, lam_t) = (k_pos, lambda_pos) where A_t >= 0,
+                                                                              else (k_neg, lambda_neg)
+
+    phi(1) = 1: on-policy, the update is the policy gradient's; a sequence far from the sampler (w << 1 or w >> 1)
+    weighs little. ``token_log_ratio`` is 0 outside ``mask``; ``is_weights`` the vLLM correction's per-token ratios
+    (a 0 from its masking mode is clipped to 1e-8). Non-finite weights are 0, as GRPOTrainer's.
+    """
+    valid = mask.bool()
+    log_w = torch.where(valid, token_log_ratio.clamp(-20.0, 20.0), 0.0).sum(dim=1, keepdim=True)
+    if is_weights is not None:
+        log_is = torch.log(is_weights.to(log_w.dtype)).clamp(math.log(1e-8), 20.0)
+        log_w = log_w + torch.where(valid, log_is.expand_as(token_log_ratio), 0.0).sum(dim=1, keepdim=True)
+    log_w = log_w.clamp(math.log(1e-8), 20.0)
+    nonnegative = advantages >= 0
+    k = torch.where(nonnegative, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonnegative, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def value_loss(
@@ -709,6 +785,8 @@ def vapo_loss(
     importance_sampling_level: str = "token",
     entropy_mask: torch.Tensor | None = None,
     off_policy_mask: torch.Tensor | None = None,
+    surrogate: str = "ppo",
+    surrogate_params: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (VAPO §3; the spec's formulas), actor and critic together:
 
@@ -716,7 +794,9 @@ def vapo_loss(
             - c_H * H                                      the value term only when ``values`` are: a frozen
                                                            value function has none to learn)
 
-    ``delta`` and ``importance_sampling_level``: :func:`policy_loss`'s two-sided clipping and GSPO-token ratio.
+    ``delta``, ``importance_sampling_level`` and ``surrogate`` (with ``surrogate_params``, its keyword arguments):
+    :func:`policy_loss`'s two-sided clipping, GSPO-token ratio and per-token objective (VAPO's PPO, or GRPO's CISPO,
+    SAPO or VESPO).
     ``entropy_coef`` c_H > 0 (not in VAPO, whose Eq. 8-10 have no entropy term; GRPOConfig's ``entropy_coef``)
     subtracts an entropy bonus on the policy's per-token ``entropy`` (which must then carry its gradient):
 
@@ -753,7 +833,7 @@ def vapo_loss(
         return loss, stats
     old_logprobs = batch["old_logprobs"] if batch.get("old_logprobs") is not None else logprobs.detach()
     normalizer = normalizers["tokens"] if loss_type == "token" else normalizers["sequences"]
-    weights = batch.get("is_weights")
+    weights = None
     for token_mask in (entropy_mask, off_policy_mask):
         if token_mask is not None:
             weights = token_mask if weights is None else weights * token_mask
@@ -769,6 +849,9 @@ def vapo_loss(
         weights=weights,
         delta=delta,
         importance_sampling_level=importance_sampling_level,
+        surrogate=surrogate,
+        is_weights=batch.get("is_weights"),
+        **(surrogate_params or {}),
     )
     loss = loss + pg_loss
     stats["loss/policy"] = pg_loss.detach()
@@ -783,14 +866,12 @@ def vapo_loss(
         nll = positive_nll_loss(logprobs, mask, batch["is_positive"], normalizers["positive_tokens"])
         loss = loss + nll_coef * nll
         stats["loss/nll"] = nll.detach()
-    stats.update(
-        {
-            "clip_ratio/low_mean": pg_stats["clip_frac_low"],
-            "clip_ratio/high_mean": pg_stats["clip_frac_high"],
-            "clip_ratio/region_mean": pg_stats["clip_frac"],
-            "approx_kl": pg_stats["approx_kl"],
-        }
-    )
+    # GRPOTrainer's names: its clip fractions for PPO, `cispo_clip_ratio`, `vespo/phi_seq_mean` (SAPO has none).
+    names = {"clip_frac_low": "clip_ratio/low_mean", "clip_frac": "clip_ratio/region_mean"}
+    names["phi"] = "vespo/phi_seq_mean"
+    names["clip_frac_high"] = "cispo_clip_ratio" if surrogate == "cispo" else "clip_ratio/high_mean"
+    stats.update({names[key]: value for key, value in pg_stats.items() if key in names})
+    stats["approx_kl"] = pg_stats["approx_kl"]
     return loss, stats
 
 

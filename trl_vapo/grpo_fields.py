@@ -1,7 +1,7 @@
 """GRPOConfig's fields that VAPOConfig takes so a GRPO user's config runs unchanged: GRPO's loss-type names for VAPO's
-two ways of averaging the loss, the fields of GRPO features VAPO does not have, accepted at GRPO's default and
-refused otherwise with what VAPO does instead (`VAPOConfig._validate`), and GRPOTrainer's warnings about its loss
-settings."""
+ways of averaging the loss and for its per-token objectives, the fields of GRPO features VAPO does not have, accepted
+at GRPO's default and refused otherwise with what VAPO does instead (`VAPOConfig._validate`), and GRPOTrainer's
+warnings about its loss settings."""
 
 from __future__ import annotations
 
@@ -10,16 +10,12 @@ from dataclasses import field
 # GRPOConfig's loss types that are VAPO's two aggregations: DAPO's is VAPO's token-level loss (one mean over the
 # optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
 GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
-_OTHER_LOSS = "it parametrises one of GRPO's other losses (SAPO, VESPO); VAPO's is PPO's clipped loss (Eq. 8)."
+# GRPOConfig's loss types with another per-token objective than PPO's clipped one: (VAPOConfig's `surrogate`, the
+# aggregation GRPOTrainer gives that loss).
+GRPO_SURROGATE_LOSS_TYPES = {"cispo": ("cispo", "token"), "sapo": ("sapo", "sequence"), "vespo": ("vespo", "token")}
 
 
 GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instead[, other accepted values])
-    "sapo_temperature_neg": (1.05, _OTHER_LOSS),
-    "sapo_temperature_pos": (1.0, _OTHER_LOSS),
-    "vespo_k_pos": (2.0, _OTHER_LOSS),
-    "vespo_lambda_pos": (3.0, _OTHER_LOSS),
-    "vespo_k_neg": (3.0, _OTHER_LOSS),
-    "vespo_lambda_neg": (2.0, _OTHER_LOSS),
     "scale_rewards": (
         "group",
         "VAPO does not scale rewards, whichever of the three is set: its advantages come from the critic (GAE), "
@@ -58,6 +54,16 @@ def grpo_setting_warnings(args) -> list[str]:
         warnings.append(
             "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
             "paper's setup."
+        )
+    if args.surrogate == "vespo" and args.importance_sampling_level != "token":
+        warnings.append(
+            "VESPO computes sequence-level importance weights internally. `importance_sampling_level` should be "
+            "set to `'token'` (the default)."
+        )
+    if args.surrogate == "cispo" and args.epsilon_high < 1.0:
+        warnings.append(
+            f"With the 'cispo' loss, epsilon_high is the importance weight's upper bound itself (eps_max), not 1 + "
+            f"epsilon_high: {args.epsilon_high} caps every weight below 1. MiniMax-M1 and ScaleRL use 5.0."
         )
     if args.importance_sampling_level == "sequence" and args.loss_type == "token":
         warnings.append(  # GRPOTrainer's warning for its token-summed losses

@@ -1030,6 +1030,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             delta=args.delta,
             entropy_coef=self._applied_entropy_coef() if phase == RL else 0.0,
             importance_sampling_level=args.importance_sampling_level,
+            surrogate=args.surrogate,
+            surrogate_params={
+                "sapo_temperature_pos": args.sapo_temperature_pos,
+                "sapo_temperature_neg": args.sapo_temperature_neg,
+                "vespo_shape": (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+            },
             normalizers={"tokens": tokens, "sequences": sequences, "positive_tokens": positive_tokens},
             # Value pretraining is plain regression on Monte-Carlo returns: no clipping around the rollout's values.
             cliprange_value=None if phase == VALUE_PRETRAIN else args.cliprange_value,
