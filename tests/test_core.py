@@ -33,6 +33,7 @@ from trl_vapo.core import (
     token_logprobs_and_entropy,
     value_loss,
     vapo_loss,
+    vespo_weights,
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -442,6 +443,15 @@ def test_vespos_weight_is_one_on_policy_and_small_far_from_it():
         assert stats["phi"].item() < 0.05, shift
     with pytest.raises(ValueError, match="surrogate must be one of 'ppo', 'cispo', 'sapo', 'vespo'"):
         policy_loss(old, old, advantages, mask, 0.2, 0.28, surrogate="gspo")
+    # vLLM's ratio per sequence (a sequence-level mode, [B, 1]) enters w once: as the product of per-token ones.
+    per_token = torch.exp(0.3 * torch.randn(old.shape, generator=g)) * mask + (1 - mask)
+    per_sequence = per_token.prod(dim=1, keepdim=True)
+    shifted = old + 0.2 * torch.randn(old.shape, generator=g) * mask
+    log_ratio = (shifted - old) * mask
+    torch.testing.assert_close(
+        vespo_weights(log_ratio, advantages, mask, per_sequence, 2.0, 3.0, 3.0, 2.0),
+        vespo_weights(log_ratio, advantages, mask, per_token, 2.0, 3.0, 3.0, 2.0),
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["token", "sequence"])

@@ -134,9 +134,18 @@ def test_grpos_other_losses_set_the_surrogate_and_grpos_aggregation(tmp_path, gr
 @pytest.mark.parametrize("surrogate", ["cispo", "sapo", "vespo"])
 def test_grpos_other_losses_train_on_vapos_advantages(tiny_model_dir, tmp_path, surrogate):
     """Each of GRPO's other per-token objectives trains the policy from VAPO's critic's advantages, with the
-    gradient accumulated over two micro-batches, and logs GRPOTrainer's statistic for it (SAPO has none)."""
-    args = make_args(tmp_path, surrogate=surrogate, epsilon_high=5.0, gradient_accumulation_steps=2)
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    gradient accumulated over two micro-batches and a second pass over each rollout (off-policy: ratios other than
+    1), takes its parameters from the config, and logs GRPOTrainer's statistic for it (SAPO has none)."""
+    settings = dict(surrogate=surrogate, epsilon_high=5.0, gradient_accumulation_steps=2, num_iterations=2)
+    settings.update(sapo_temperature_pos=2.0, sapo_temperature_neg=0.5, vespo_k_pos=1.5, vespo_lambda_neg=2.5)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, **settings), prompts_dataset())
+    mask = torch.ones(2, 3)
+    given = trainer._loss_settings("rl", mask, torch.zeros(2))
+    assert given["surrogate"] == surrogate and given["surrogate_params"] == {
+        "sapo_temperature_pos": 2.0,
+        "sapo_temperature_neg": 0.5,
+        "vespo_shape": (1.5, 3.0, 3.0, 2.5),
+    }
     before = {n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters()}
     trainer.train()
     after = dict(trainer.actor_critic.policy.named_parameters())
@@ -145,8 +154,10 @@ def test_grpos_other_losses_train_on_vapos_advantages(tiny_model_dir, tmp_path, 
     assert logs and all(math.isfinite(h["loss/policy"]) for h in logs)
     statistic = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}.get(surrogate)
     assert all((statistic in h) for h in logs) if statistic else not any("clip_ratio/region_mean" in h for h in logs)
-    if surrogate == "vespo":  # the first pass over a rollout is on-policy: phi(1) = 1 (a mean with the second pass)
-        assert all(0 < h["vespo/phi_seq_mean"] <= 1.0 + 1e-6 for h in logs)
+    if surrogate == "vespo":  # phi(1) = 1 on the first pass over a rollout; the second pass's ratios move it
+        assert all(0 < h["vespo/phi_seq_mean"] for h in logs)
+        assert any(h["vespo/phi_seq_mean"] != pytest.approx(1.0, abs=1e-6) for h in logs)
+    assert any(h["approx_kl"] > 0 for h in logs)  # the second passes were off-policy
 
 
 def test_cispos_cap_below_one_is_named(tiny_model_dir, tmp_path, caplog):
@@ -154,6 +165,10 @@ def test_cispos_cap_below_one_is_named(tiny_model_dir, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="trl_vapo.trainer"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, loss_type="cispo"), prompts_dataset())
     assert "0.28 caps every weight below 1" in caplog.text
+    # GRPO ignores `delta` under its other losses (no clipped ratio to cap): a GRPO config with one still runs.
+    assert make_args(tmp_path, loss_type="cispo", epsilon_high=5.0, delta=2.0).delta == 2.0
+    with pytest.raises(ValueError, match="delta must be > 1 \\+ epsilon_high"):
+        make_args(tmp_path, epsilon_high=5.0, delta=2.0)
 
 
 def _another_value(default):

@@ -475,6 +475,11 @@ def test_card_when_value_pretraining_was_off_or_skipped(vapo_args, tmp_path):
         )
     )
     assert "skipped: the critic came from an earlier value pretraining" in content
+    # GRPO's other losses: the table names the surrogate, and says there is no clip-higher (CISPO: a cap).
+    cispo = VAPOConfig(output_dir=str(tmp_path / "c"), report_to="none", loss_type="cispo", epsilon_high=5.0)
+    content = str(build_model_card(base_model=None, output_dir=tmp_path / "c", args=cispo))
+    assert '`loss_type="token"`, `surrogate="cispo"`' in content
+    assert 'none: `surrogate="cispo"` caps the importance weight at `epsilon_high=5.0`' in content
 
 
 @pytest.mark.parametrize(

@@ -979,8 +979,8 @@ class VAPOConfig(TrainingArguments):
             self.importance_sampling_level in ("token", "sequence"),
             f"importance_sampling_level must be 'token' or 'sequence' (GSPO), got {self.importance_sampling_level!r}.",
         )
-        require(
-            self.delta is None or self.delta > 1 + self.epsilon_high,
+        require(  # CISPO, SAPO and VESPO have no clipped ratio to cap: GRPOTrainer ignores delta for them, as VAPO
+            self.delta is None or self.surrogate != "ppo" or self.delta > 1 + self.epsilon_high,
             f"delta must be > 1 + epsilon_high = {1 + self.epsilon_high} (it caps the ratio of negative advantages; "
             f"lower, it would clip positive ones too), got {self.delta}.",
         )

@@ -470,9 +470,10 @@ def policy_loss(
         rho_t    = exp(logprob_t - old_logprob_t)
         l_t      = -min(min(rho_t, delta) * A_t, clip(rho_t, 1 - epsilon_low, 1 + epsilon_high) * A_t)
 
-    ``delta`` (None: no cap; not in VAPO) is two-sided clipping (INTELLECT-2; GRPOConfig's ``delta``): with A_t < 0
-    the unclipped term -rho_t A_t grows without bound as rho_t does, and the cap bounds it at -delta A_t. With
-    delta > 1 + epsilon_high it changes nothing where A_t > 0 (the clipped term is the smaller there).
+    ``delta`` (None: no cap; not in VAPO; ``"ppo"`` only) is two-sided clipping (INTELLECT-2; GRPOConfig's
+    ``delta``): with A_t < 0 the unclipped term -rho_t A_t grows without bound as rho_t does, and the cap bounds it
+    at -delta A_t. With delta > 1 + epsilon_high it changes nothing where A_t > 0 (the clipped term is the smaller
+    there).
 
     ``importance_sampling_level="sequence"`` (not in VAPO; GRPOConfig's GSPO setting) takes GSPO-token's ratio (GSPO
     Eq. 13-14), which keeps VAPO's per-token advantages: rho_t = sg[s_i] * pi(y_t) / sg[pi(y_t)] with
@@ -584,14 +585,18 @@ def vespo_weights(
                                                                               else (k_neg, lambda_neg)
 
     phi(1) = 1: on-policy, the update is the policy gradient's; a sequence far from the sampler (w << 1 or w >> 1)
-    weighs little. ``token_log_ratio`` is 0 outside ``mask``; ``is_weights`` the vLLM correction's per-token ratios
-    (a 0 from its masking mode is clipped to 1e-8). Non-finite weights are 0, as GRPOTrainer's.
+    weighs little. ``token_log_ratio`` is 0 outside ``mask``; ``is_weights`` the vLLM correction's ratios, per token
+    (``[B, T]``; a 0 from its masking mode is clipped to 1e-8) or per sequence (``[B, 1]``, added once). Non-finite
+    weights are 0, as GRPOTrainer's.
     """
     valid = mask.bool()
     log_w = torch.where(valid, token_log_ratio.clamp(-20.0, 20.0), 0.0).sum(dim=1, keepdim=True)
     if is_weights is not None:
         log_is = torch.log(is_weights.to(log_w.dtype)).clamp(math.log(1e-8), 20.0)
-        log_w = log_w + torch.where(valid, log_is.expand_as(token_log_ratio), 0.0).sum(dim=1, keepdim=True)
+        if log_is.shape[1] == 1:  # a sequence-level mode's ratio: the sequence's once
+            log_w = log_w + log_is
+        else:
+            log_w = log_w + torch.where(valid, log_is, 0.0).sum(dim=1, keepdim=True)
     log_w = log_w.clamp(math.log(1e-8), 20.0)
     nonnegative = advantages >= 0
     k = torch.where(nonnegative, k_pos, k_neg).to(log_w.dtype)

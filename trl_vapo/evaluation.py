@@ -306,8 +306,8 @@ class EvaluationMixin:
 
     def _evaluation_loss(self, rollout: Rollout) -> float:
         """VAPO's loss (`core.vapo_loss`) on an evaluation rollout at the weights that sampled it, over every
-        process's tokens: the critic's value loss on its targets, the policy's clipped loss at ratio 1 (minus the mean
-        whitened advantage) and the positive examples' NLL."""
+        process's tokens: the critic's value loss on its targets, the policy's loss at ratio 1 (PPO's: minus the mean
+        whitened advantage; the `surrogate`'s own under GRPO's other losses) and the positive examples' NLL."""
         batch = rollout.micro_batch(torch.arange(len(rollout)))
         settings = self._loss_settings(EVAL, batch["mask"], batch["is_positive"])
         loss, _ = vapo_loss(batch["old_logprobs"], batch["old_values"], batch, **settings)

@@ -65,7 +65,7 @@ def grpo_setting_warnings(args) -> list[str]:
             f"With the 'cispo' loss, epsilon_high is the importance weight's upper bound itself (eps_max), not 1 + "
             f"epsilon_high: {args.epsilon_high} caps every weight below 1. MiniMax-M1 and ScaleRL use 5.0."
         )
-    if args.importance_sampling_level == "sequence" and args.loss_type == "token":
+    if args.importance_sampling_level == "sequence" and args.loss_type == "token" and args.surrogate != "vespo":
         warnings.append(  # GRPOTrainer's warning for its token-summed losses
             "With importance_sampling_level='sequence', the 'token' loss sums per-token contributions, which "
             "weights each sequence by its completion length instead of optimizing the per-sequence objective. To "

@@ -347,12 +347,20 @@ def _vapo_table(args, value_pretraining) -> str:
     alpha_text = f"`length_adaptive_alpha={alpha}`" if alpha is not None else "off (`length_adaptive_alpha=None`)"
     # With length-adaptive GAE the policy's lambda is 1 - 1/(alpha l) per completion: `lam_actor` is not used.
     actor_lambda = f"`lam_actor={get('lam_actor')}`" if alpha is None else "the policy's: length-adaptive (3)"
+    loss_text = f'`loss_type="{get("loss_type")}"`'
+    clip_text = f"`epsilon={get('epsilon')}`, `epsilon_high={get('epsilon_high')}`"
+    surrogate = get("surrogate") or "ppo"
+    if surrogate != "ppo":  # GRPO's other losses: not PPO's clipped ratio, so no clip-higher
+        loss_text += f', `surrogate="{surrogate}"` (GRPO\'s {surrogate.upper()} loss)'
+        clip_text = f'none: `surrogate="{surrogate}"`' + (
+            f" caps the importance weight at `epsilon_high={get('epsilon_high')}`" if surrogate == "cispo" else ""
+        )
     rows = [
         ("1", "value pretraining", pretrain, "50 rollouts"),
         ("2", "decoupled GAE", f"`lam_critic={get('lam_critic')}`, {actor_lambda}", "1.0, 0.95"),
         ("3", "length-adaptive GAE", alpha_text, "alpha = 0.05"),
-        ("4", "token-level policy loss", f'`loss_type="{get("loss_type")}"`', "token"),
-        ("5", "clip-higher", f"`epsilon={get('epsilon')}`, `epsilon_high={get('epsilon_high')}`", "0.2, 0.28"),
+        ("4", "token-level policy loss", loss_text, "token"),
+        ("5", "clip-higher", clip_text, "0.2, 0.28"),
         ("6", "positive-example LM loss", f"`nll_coef={get('nll_coef')}`", "mu = 0.1"),
         ("7", "group sampling", f"`num_generations={get('num_generations')}`", "16"),
     ]
