@@ -945,6 +945,8 @@ def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints
         (newest / "trainer_state.json").write_text("{}")
     assert checkpoint_problem(newest) == named and checkpoint_problem(out / "checkpoint-1") is None
     with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+        assert newest_resumable_checkpoint(out, warn=False) == out / "checkpoint-1"  # the command line's early look
+        assert not caplog.text
         assert newest_resumable_checkpoint(out) == out / "checkpoint-1"
     assert f"Checkpoint {newest} cannot be read ({named})" in caplog.text
 

@@ -936,7 +936,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
-    def run(output, resume=None, prompts=64):
+    def run(output, resume=None, prompts=64, checked_first=False):
         args = make_args(
             tmp_path / output,
             max_steps=3,
@@ -953,6 +953,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
             train_dataset=prompts_dataset(prompts),
             peft_config=peft_config,
         )
+        if checked_first:  # as `trl-vapo train` checks the resume before the held-out report and `train`
+            trainer.resume_point(resume)
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -991,8 +993,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
         run("full", resume=str(out / "checkpoint-7"))  # named explicitly: an error naming the file, nothing trained
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
-        again = run("full", resume=True)
-    warned = [m for m in caplog.messages if "cannot be read" in m]
+        again = run("full", resume=True, checked_first=True)
+    warned = [m for m in caplog.messages if "cannot be read" in m]  # once each (twice when checked first, before)
     assert len(warned) == 2 and "checkpoint-7 cannot be read (model.safetensors" in warned[0], warned
     assert "checkpoint-6 cannot be read (optimizer.pt" in warned[1], warned
     assert [h for h in comparable(again.state.log_history) if h["step"] > 4] == expected  # resumed at step 4

@@ -184,12 +184,12 @@ def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | No
     return None if value is False else value
 
 
-def resolve_resume(output_dir: str | os.PathLike, request: str | bool | None) -> str | None:
+def resolve_resume(output_dir: str | os.PathLike, request: str | bool | None, warn: bool = True) -> str | None:
     """The checkpoint a `resume_request` answer names in `output_dir`: a path as given; for True the newest one that
-    reads; for None none. A ValueError where there is none to take, or where a fresh run (None) would share
-    `output_dir` with an earlier run's checkpoints (`earlier_checkpoints_refusal`)."""
+    reads (`warn`: name each damaged newer one); for None none. A ValueError where there is none to take, or where a
+    fresh run (None) would share `output_dir` with an earlier run's checkpoints (`earlier_checkpoints_refusal`)."""
     if request is True:
-        return str(newest_resumable_checkpoint(output_dir))
+        return str(newest_resumable_checkpoint(output_dir, warn))
     if request is None:
         if refused := earlier_checkpoints_refusal(output_dir):
             raise ValueError(refused)
@@ -289,9 +289,9 @@ def _starts_with(file: Path, prefix: bytes) -> bool:
         return f.read(len(prefix)) == prefix
 
 
-def newest_resumable_checkpoint(output_dir: str | os.PathLike) -> Path:
-    """The newest complete checkpoint in ``output_dir`` whose files all read; a warning names each damaged newer
-    one passed over."""
+def newest_resumable_checkpoint(output_dir: str | os.PathLike, warn: bool = True) -> Path:
+    """The newest complete checkpoint in ``output_dir`` whose files all read; a warning (unless ``warn`` is False)
+    names each damaged newer one passed over."""
     found = list_checkpoints(output_dir)
     if not found:
         raise ValueError(f"resume_from_checkpoint=True but no complete checkpoint in {output_dir}.")
@@ -299,7 +299,8 @@ def newest_resumable_checkpoint(output_dir: str | os.PathLike) -> Path:
         problem = checkpoint_problem(path)
         if problem is None:
             return path
-        logger.warning(f"Checkpoint {path} cannot be read ({problem}); resuming from an earlier one.")
+        if warn:
+            logger.warning(f"Checkpoint {path} cannot be read ({problem}); resuming from an earlier one.")
     raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {output_dir} can be read (see above).")
 
 
@@ -441,6 +442,7 @@ class SavingMixin:
     """The methods of `VAPOTrainer` that write and read its outputs (policy, critic, model card, checkpoints)."""
 
     _run_owner: str | None = None  # `train` sets the main process's on every process; else this process's own
+    _resume_point: tuple | None = None  # (request, `resume_point`'s answer) until `train` takes it
     run_record: RunRecord  # what the trainer knows of the run, for the card and the pretrained critic's record
 
     def checkpoint_to_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
@@ -721,8 +723,13 @@ class SavingMixin:
         """The checkpoint `train(resume_from_checkpoint=...)` resumes from (`checkpoint_to_resume`) and its marker,
         once it is known to be one this run can resume from; (None, None) for a fresh run. A clear ValueError
         otherwise: the command line calls it before training, to say it in one line."""
-        path = self.checkpoint_to_resume(resume_from_checkpoint)
-        return (None, None) if path is None else (path, self._checked_marker(Path(path)))
+        request = resume_request(resume_from_checkpoint)
+        if self._resume_point is not None and self._resume_point[0] == request:  # asked before `train` (the CLI):
+            return self._resume_point[1]  # its warnings said once
+        path = self.checkpoint_to_resume(request)
+        point = (None, None) if path is None else (path, self._checked_marker(Path(path)))
+        self._resume_point = (request, point)
+        return point
 
     def _checked_marker(self, path: Path) -> dict[str, Any]:
         """The marker of the checkpoint `path`, once it is known to be one this run can resume from."""

@@ -318,7 +318,7 @@ def _check_resume(output_dir: str, resume: str | bool | None) -> None:
 
     try:
         if resume in (True, None):
-            resolve_resume(output_dir, resume)
+            resolve_resume(output_dir, resume, warn=False)  # the trainer names the damaged checkpoints it passes over
         elif not Path(resume).is_dir():
             raise ValueError(
                 f"--resume_from_checkpoint {resume}: no such folder; name a checkpoint folder, or pass true (or "

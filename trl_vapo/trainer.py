@@ -510,6 +510,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         args = self.args
         self.is_in_train = True
         resume_from_checkpoint, marker = self.resume_point(resume_from_checkpoint)
+        self._resume_point = None  # a later `train` looks again
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
