@@ -24,6 +24,23 @@ _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["_train_script"])
 
 
+def _ensure_server() -> None:
+    """Start the fork server with this folder on its path: it is a fresh interpreter, which multiprocessing does not
+    give the test worker's `sys.path` (Python 3.11 passes it and drops it), and whose preload of a module it cannot
+    find fails without a word; every run then imported torch and transformers itself, five seconds each."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), before]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def script_env() -> dict[str, str]:
     """The environment of a run in a fresh interpreter (`torchrun`); the forked runs inherit the test worker's, which
     `conftest.py` sets alike (and `_train_script` takes one torch thread itself)."""
@@ -38,6 +55,7 @@ class ScriptProcess:
         self._stdout, self._stderr = folder / "stdout", folder / "stderr"
         for path in (self._stdout, self._stderr):  # there to read even if the child dies before it writes
             path.touch()
+        _ensure_server()
         self._process = _context.Process(
             target=_train_script.main_in_child, args=(argv, str(self._stdout), str(self._stderr), default_sigint)
         )

@@ -319,12 +319,18 @@ def main(argv: list[str] | None = None) -> None:
     trainer.accelerator.end_training()  # as `trl-vapo train` ends: the process group destroyed before exit
 
 
+IMPORTED_IN = os.getpid()  # the process that imported this module: the fork server, for a forked run
+
+
 def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: bool) -> None:
     """`main(argv)` in a process forked from a server that has imported this module (`tests/_script_process.py`): the
     same run as `python _train_script.py ARGV`, its output in the files `stdout` and `stderr`, without the five
     seconds of imports that every fresh interpreter spends."""
     import signal
     import sys
+
+    if IMPORTED_IN == os.getpid():  # imported here, not inherited: the server's preload failed, and every run pays
+        raise RuntimeError("the fork server did not import _train_script (see tests/_script_process.py)")
 
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
