@@ -232,6 +232,21 @@ def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tmp_path):
     make_args(tmp_path, scale_rewards="batch")  # VAPO's advantages are whitened over the rollout: batch scaling
 
 
+def test_a_config_read_back_builds_the_same_config(tmp_path):
+    """`VAPOConfig(**args.to_dict())` (a saved run's args read back) has both rollout sizes set: agreeing, they are
+    taken (GRPOConfig refuses even these); disagreeing, the error names both."""
+    from dataclasses import fields
+
+    args = make_args(tmp_path, gradient_accumulation_steps=2, steps_per_generation=4, loss_type="sapo")
+    init = {f.name for f in fields(type(args)) if f.init}
+    saved = {k: v for k, v in args.to_dict().items() if k in init and k != "push_to_hub_token"}
+    again = type(args)(**saved)
+    assert (again.generation_batch_size, again.steps_per_generation) == (64, 4) == (args.generation_batch_size, 4)
+    assert (again.surrogate, again.loss_type) == ("sapo", "sequence")
+    with pytest.raises(ValueError, match=r"generation_batch_size \(48\) and steps_per_generation \(4\) disagree"):
+        make_args(tmp_path, generation_batch_size=48, steps_per_generation=4)
+
+
 def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
     with pytest.warns(FutureWarning, match="use_transformers_continuous_batching"):
         assert make_args(tmp_path, use_transformers_paged=True).use_transformers_continuous_batching

@@ -799,8 +799,16 @@ class VAPOConfig(TrainingArguments):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}.")
         per_step = self.per_device_train_batch_size * self.world_size
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            raise ValueError("Set only one of `generation_batch_size` and `steps_per_generation`; the other follows.")
+        both = self.generation_batch_size is not None and self.steps_per_generation is not None
+        if both and self.generation_batch_size != per_step * self.steps_per_generation:
+            # Both agreeing is a config read back (`to_dict`, a saved run's args); GRPOConfig refuses even that.
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) and steps_per_generation "
+                f"({self.steps_per_generation}) disagree: a rollout is per_device_train_batch_size * num_processes "
+                f"({per_step}) * steps_per_generation completions. Set only one of them; the other follows."
+            )
+        if both:
+            self.generation_batch_size = None  # resolved from steps_per_generation below, as given
         self._rollout_size_set = self.generation_batch_size is not None  # which of the two fields errors name
         if self.generation_batch_size is not None:
             if self.generation_batch_size % per_step != 0:
