@@ -19,6 +19,7 @@ import re
 import shutil
 import socket
 import zipfile
+from argparse import ArgumentTypeError
 from collections.abc import Sequence, Sized
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list
 from safetensors.torch import load_file, save_file
+from transformers.hf_argparser import string_to_bool
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from ._compat import get_config_model_id
@@ -177,10 +179,11 @@ def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | No
     folder.)"""
     value = resume_from_checkpoint
     if isinstance(value, str) and (not value or not Path(value).exists()):
-        if value.lower() in ("latest", "yes", "true", "t", "y", "1"):
-            return True
-        if value.lower() in ("none", "", "no", "false", "f", "n", "0"):
-            return None
+        word = value.lower()
+        if word in ("latest", "none", ""):
+            return True if word == "latest" else None
+        with contextlib.suppress(ArgumentTypeError):  # not one of the parser's words: a path
+            return True if string_to_bool(word) else None
     return None if value is False else value
 
 

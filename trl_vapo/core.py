@@ -872,9 +872,9 @@ def vapo_loss(
         loss = loss + nll_coef * nll
         stats["loss/nll"] = nll.detach()
     # GRPOTrainer's names: its clip fractions for PPO, `cispo_clip_ratio`, `vespo/phi_seq_mean` (SAPO has none).
-    names = {"clip_frac_low": "clip_ratio/low_mean", "clip_frac": "clip_ratio/region_mean"}
+    high = "cispo_clip_ratio" if surrogate == "cispo" else "clip_ratio/high_mean"
+    names = {"clip_frac_low": "clip_ratio/low_mean", "clip_frac_high": high, "clip_frac": "clip_ratio/region_mean"}
     names["phi"] = "vespo/phi_seq_mean"
-    names["clip_frac_high"] = "cispo_clip_ratio" if surrogate == "cispo" else "clip_ratio/high_mean"
     stats.update({names[key]: value for key, value in pg_stats.items() if key in names})
     stats["approx_kl"] = pg_stats["approx_kl"]
     return loss, stats
