@@ -4,8 +4,10 @@ A fresh interpreter spends about five seconds importing torch, transformers and 
 reliability tests start a dozen runs. Here each run is a process forked from one server (multiprocessing's
 "forkserver": a single-threaded interpreter started once per test worker, which imported `_train_script` and all it
 imports). The child is a process like any other: its own PID, its own file
-locks and signal handlers, killed by SIGKILL like one; only the imports are shared. What needs a launch as a user makes
-it (`torchrun`, `trl-vapo train`, `accelerate launch`) still starts a fresh interpreter.
+locks and signal handlers, killed by SIGKILL like one; only the imports are shared. A run on several ranks forks one
+process per rank with the environment torchrun gives its workers (`run_ranks`). What tests a launcher itself
+(`torchrun` in test_rewards.py, `trl-vapo train` and `accelerate launch` in test_cli.py) still starts a fresh
+interpreter.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import _train_script
 
-ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["_train_script"])
 
@@ -41,23 +44,18 @@ def _ensure_server() -> None:
             os.environ["PYTHONPATH"] = before
 
 
-def script_env() -> dict[str, str]:
-    """The environment of a run in a fresh interpreter (`torchrun`); the forked runs inherit the test worker's, which
-    `conftest.py` sets alike (and `_train_script` takes one torch thread itself)."""
-    return {**os.environ, **ENV}
-
-
 class ScriptProcess:
     """The parts of `subprocess.Popen` the tests use, for one `_train_script.main(argv)` in a forked process."""
 
-    def __init__(self, argv: list[str], default_sigint: bool = False):
+    def __init__(self, argv: list[str], default_sigint: bool = False, env: dict[str, str] | None = None):
         folder = Path(tempfile.mkdtemp(prefix="train-script-"))
         self._stdout, self._stderr = folder / "stdout", folder / "stderr"
         for path in (self._stdout, self._stderr):  # there to read even if the child dies before it writes
             path.touch()
         _ensure_server()
         self._process = _context.Process(
-            target=_train_script.main_in_child, args=(argv, str(self._stdout), str(self._stderr), default_sigint)
+            target=_train_script.main_in_child,
+            args=(argv, str(self._stdout), str(self._stderr), default_sigint, env or {}),
         )
         self._process.start()
         self.pid = self._process.pid
@@ -97,3 +95,54 @@ def run_script(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
         process.send_signal(signal.SIGKILL)
         raise
     return subprocess.CompletedProcess(["_train_script.py", *argv], process.returncode, stdout, stderr)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:  # the port the OS gives a bind to 0: free now (torchrun's own way to pick one)
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks(*argv: str, processes: int, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node PROCESSES _train_script.py ARGV` to its end, each rank forked from the server.
+
+    Each rank gets the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), so `accelerate` and `torch.distributed` start the process group (gloo, or NCCL on a
+    GPU) that a torchrun launch starts. Left out: torchrun's own interpreter and elastic agent, and each rank's five
+    seconds of imports (under two test workers on two cores, about 20 s of CPU a launch). As torchrun does, a rank
+    that fails brings the others down: they would wait in a collective. Returned as `subprocess.run(...,
+    capture_output=True, text=True)` returns torchrun's: the ranks' output one after another, the first nonzero exit
+    status. A forked rank ends with `os._exit`, without the interpreter's teardown, where torchrun's workers
+    sometimes aborted after a finished run (PyTorch's gloo threads, 'terminate called without an active
+    exception')."""
+    port = str(_free_port())
+    ranks = []
+    for rank in range(processes):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes)}
+        env |= {"LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        ranks.append(ScriptProcess([str(a) for a in argv], env=env))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(r.poll() is None for r in ranks):
+            if any(r.poll() not in (None, 0) for r in ranks):  # one failed: the rest would wait for it forever
+                time.sleep(5)  # their own error first, if they have one
+                for r in ranks:
+                    if r.poll() is None:
+                        r.send_signal(signal.SIGKILL)
+                break
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"_train_script.py on {processes} ranks", timeout)
+            time.sleep(0.05)
+    except BaseException:
+        for r in ranks:
+            if r.poll() is None:
+                r.send_signal(signal.SIGKILL)
+        raise
+    outputs = [r.communicate(timeout=60) for r in ranks]
+    codes = [r.returncode for r in ranks]
+    return subprocess.CompletedProcess(
+        ["_train_script.py", *argv],
+        next((c for c in codes if c != 0), 0),
+        "".join(out for out, _ in outputs),
+        "".join(err for _, err in outputs),
+    )

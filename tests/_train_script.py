@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
 IMPORTED_IN = os.getpid()  # the process that imported this module: the fork server, for a forked run
 
 
-def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: bool) -> None:
+def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: bool, env: dict[str, str]) -> None:
     """`main(argv)` in a process forked from a server that has imported this module (`tests/_script_process.py`): the
     same run as `python _train_script.py ARGV`, its output in the files `stdout` and `stderr`, without the five
     seconds of imports that every fresh interpreter spends."""
@@ -336,6 +336,7 @@ def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: boo
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     if default_sigint:  # as a terminal leaves it; pytest-xdist's workers ignore it, and so would every child
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.environ.update(env)  # a rank's RANK, WORLD_SIZE, MASTER_PORT... (`_script_process.run_ranks`)
     sys.argv = [__file__, *argv]
     main(argv)
 

@@ -14,21 +14,16 @@ steps every group), resume exactly, and save the models in bf16, the dtype they 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _script_process import run_script, script_env
+from _script_process import run_ranks, run_script
 from safetensors.torch import load_file
 
 from trl_vapo.tiny import save_tiny_reward_model
 
-SCRIPT = Path(__file__).parent / "_train_script.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter, wherever pip put it
 COMMON = [
     "--greedy",
     "--grad-accum",
@@ -65,14 +60,11 @@ ATOL = {"weight": 5e-5, "exp_avg": 2e-8, "exp_avg_sq": 1e-12}
 STEPS = 8  # 2 value-pretraining rollouts x 1 step, then 2 RL rollouts x (1 policy-and-critic + 2 critic-only) steps
 
 
-EXIT_ABORT = "terminate called without an active exception"
-
-
 def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Path:
-    """One run of `_train_script.py` on `processes` processes started by `torchrun` (0: the plain run, one process of
-    its own without a launcher); every run also scores with a reward model (GRPOTrainer's `reward_funcs` entry), which
-    each backend places as TRL places it (a ZeRO-3 inference engine, FSDP2 shards), so its rewards, and the whole run,
-    must be the plain run's."""
+    """One run of `_train_script.py` on `processes` ranks as torchrun starts them (`run_ranks`; 0: the plain run, one
+    process without a process group); every run also scores with a reward model (GRPOTrainer's `reward_funcs` entry),
+    which each backend places as TRL places it (a ZeRO-3 inference engine, FSDP2 shards), so its rewards, and the
+    whole run, must be the plain run's."""
     reward_model = model_dir.parent / "reward-model"
     if not (reward_model / "config.json").is_file():
         save_tiny_reward_model(reward_model)
@@ -81,16 +73,7 @@ def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Pat
     if processes == 0:  # the plain run: one process, no launcher, no process group
         result = run_script(*args, timeout=600)
     else:
-        port = str(29500 + (os.getpid() + hash(output_dir.name)) % 1000)
-        command = [*TORCHRUN, "--nproc_per_node", str(processes), "--master_port", port, str(SCRIPT)]
-        result = subprocess.run([*command, *args], env=script_env(), capture_output=True, text=True, timeout=600)
-        if result.returncode != 0 and EXIT_ABORT in result.stderr and "--resume" not in extra:
-            # A worker aborted by a C++ thread torn down at interpreter exit, after `end_training` destroyed the
-            # process group: PyTorch's gloo teardown, seen in about one fresh-clone CI run of twenty (FSDP2 on the
-            # CPU, 2026-11-27), never in the run itself. The run once more, from a clean folder: a real failure fails
-            # twice.
-            shutil.rmtree(output_dir, ignore_errors=True)
-            result = subprocess.run([*command, *args], env=script_env(), capture_output=True, text=True, timeout=600)
+        result = run_ranks(*args, processes=processes)
     assert result.returncode == 0, result.stderr[-4000:]
     return output_dir
 

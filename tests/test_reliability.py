@@ -20,7 +20,7 @@ from pathlib import Path
 import _script_process
 import pytest
 import torch
-from _script_process import ScriptProcess, run_script, script_env
+from _script_process import ScriptProcess, run_ranks, run_script
 from datasets import Dataset
 from helpers import digit_fraction, make_args, prompts_dataset
 from safetensors.torch import load_file
@@ -31,9 +31,6 @@ from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.rewards import make_math_reward
 from trl_vapo.tiny import save_tiny_reward_model
-
-SCRIPT = Path(__file__).parent / "_train_script.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter, wherever pip put it
 
 
 def config(tmp_path, **overrides) -> VAPOConfig:
@@ -1349,14 +1346,8 @@ def printed_prompts(stdout: str) -> dict[str, set[str]]:
     return {title: set(re.findall(r"\b\d\d\+\d\d=", body)) for title, body in zip(tables[1::2], tables[2::2])}
 
 
-def torchrun(*args, timeout=400):
-    return subprocess.run(
-        [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args],
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def on_two_ranks(*args):
+    return run_ranks(*args, processes=2)
 
 
 COMPARED = [
@@ -1411,7 +1402,7 @@ def test_grpos_objective_settings_train_alike_on_two_processes_and_one(tiny_mode
     common += ["--reward-model", str(reward_model), "--stop-chars", "0123", "--settings", json.dumps(settings)]
     single = run_script(*common, "--output-dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr[-3000:]
-    double = torchrun(*common, "--output-dir", str(tmp_path / "two"))
+    double = on_two_ranks(*common, "--output-dir", str(tmp_path / "two"))
     assert double.returncode == 0, double.stderr[-3000:]
     one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
     assert sorted(one) == sorted(two)
@@ -1436,7 +1427,7 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     common += ["--dtype", "bfloat16"]  # trained in float32, saved as loaded
     single = run_script(*common, "--output-dir", str(tmp_path / "one"), "--log-completions")
     assert single.returncode == 0, single.stderr[-3000:]
-    double = torchrun(*common, "--output-dir", str(tmp_path / "two"), "--save-final", "--log-completions")
+    double = on_two_ranks(*common, "--output-dir", str(tmp_path / "two"), "--save-final", "--log-completions")
     assert double.returncode == 0, double.stderr[-3000:]
     # The completions table holds the whole rollout, every process's share (it held the main process's alone).
     printed = [printed_prompts(run.stdout) for run in (single, double)]
@@ -1473,7 +1464,7 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     ]
     for stale in ("checkpoint-6", "checkpoint-8"):
         __import__("shutil").rmtree(tmp_path / "two" / stale)
-    resumed = torchrun(*common, "--output-dir", str(tmp_path / "two"), "--resume", "--log-name", "resumed")
+    resumed = on_two_ranks(*common, "--output-dir", str(tmp_path / "two"), "--resume", "--log-name", "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = step_logs(read_logs(tmp_path / "two", name="resumed"))
     assert sorted(again) == [5, 6, 7, 8]
