@@ -253,9 +253,9 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
     junit = out / "cuda-tests.xml"
     deselect = [] if importlib.util.find_spec("bitsandbytes") else ["-k", "not qlora"]
     # Two processes, a file each at a time (pyproject's --dist loadfile): the FSDP2 test (its plain reference run and
-    # its own torchrun, 51 s on the H200 on 2026-11-27) beside the other files (56 s), which ran one after the other
-    # (113 s in all). The one GPU holds both: each test's figures are outcomes, not timings. On the CPU (--smoke) each
-    # is skipped, and one process collects them sooner.
+    # its FSDP2 run, 51 s on the H200 on 2026-11-27, when that was a torchrun launch) beside the other files (56 s),
+    # which ran one after the other (113 s in all). The one GPU holds both: each test's figures are outcomes, not
+    # timings. On the CPU (--smoke) each is skipped, and one process collects them sooner.
     command = [
         sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0" if smoke else "2", "-p", "no:cacheprovider",
         f"--junitxml={junit}",

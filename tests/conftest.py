@@ -23,25 +23,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
-# The slowest files first (seconds on the development VM, 2026-11-27), so that xdist's per-file scheduling ends both
+# The slowest files first (seconds on the development VM, 2026-11-28), so that xdist's per-file scheduling ends both
 # workers together (pyproject.toml passes --no-loadscope-reorder: xdist would otherwise order the files by their
 # number of tests, and the two workers finished up to 30 s apart).
 SLOWEST_FILES = [
-    "test_reliability.py",  # 103
-    "test_distributed.py",  # 83
-    "test_cli.py",  # 69
-    "test_benchmarks.py",  # 43
-    "test_bench_learning.py",  # 34
-    "test_gpu_suite.py",  # 31
-    "test_rewards.py",  # 27
-    "test_generation.py",  # 10
-    "test_reward_models.py",  # 10
-    "test_engines.py",  # 9
-    "test_demo_chains.py",  # 7
-    "test_trainer.py",  # 7
-    "test_security.py",  # 6
-    "test_trackers.py",  # 6
-    "test_readme.py",  # 6
+    "test_cli.py",  # 113
+    "test_reliability.py",  # 78
+    "test_benchmarks.py",  # 56
+    "test_bench_learning.py",  # 53
+    "test_gpu_suite.py",  # 47
+    "test_distributed.py",  # 43
+    "test_rewards.py",  # 33
+    "test_readme.py",  # 24
+    "test_trainer.py",  # 18
+    "test_demo_chains.py",  # 15
+    "test_generation.py",  # 13
+    "test_engines.py",  # 13
+    "test_reward_models.py",  # 13
+    "test_trackers.py",  # 10
+    "test_security.py",  # 9
 ]
 
 

@@ -175,9 +175,13 @@ def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path):
         VAPOTrainer(model="no/such-model", reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset())
 
 
-def test_eval_takes_the_training_engine_flags(tmp_path, capsys):
+def test_eval_takes_the_training_engine_flags(tmp_path, capsys, monkeypatch):
+    import trl_vapo.generation as generation
     from trl_vapo.demo import MODEL_DIR
 
+    built = []  # the engines `trl-vapo eval` samples with
+    build_engine = generation.build_engine
+    monkeypatch.setattr(generation, "build_engine", lambda *a, **k: built.append(build_engine(*a, **k)) or built[-1])
     out = tmp_path / "scores.json"
     code = cli_main(
         [
@@ -196,6 +200,7 @@ def test_eval_takes_the_training_engine_flags(tmp_path, capsys):
         ]
     )
     assert code == 0
+    assert [type(engine) for engine in built] == [generation.ContinuousBatching]
     scores = json.loads(out.read_text())
     assert scores["num_problems"] == 4 and 0 <= scores["avg@2"] <= 1
     assert cli_main(["eval", "--model", str(MODEL_DIR), "--use_vllm"]) == 2

@@ -442,7 +442,11 @@ def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         policy.model.layers[0].self_attn.q_proj.weight.add_(0.5)  # a trained policy: no longer the checkpoint
-    actor_critic = ActorCritic(policy, critic=critic_from_policy(policy))
+    critic = critic_from_policy(policy)
+    with torch.no_grad():  # a trained critic: its backbone no longer the policy's, so a push of it would show
+        for weight in critic.parameters():
+            weight.add_(1.0)
+    actor_critic = ActorCritic(policy, critic=critic)
     engine = _vllm_engine(actor_critic, tokenizer)
     engine.sync_weights(step=0)
     expected = dict(policy.named_parameters())
@@ -534,8 +538,13 @@ def test_use_vllm_without_vllm_says_how_to_install_it(tiny):
 def test_check_engine_available_accepts_the_defaults_and_refuses_two_engines():
     from trl_vapo.config import VAPOConfig
 
-    default = EngineSettings.from_config(VAPOConfig(output_dir="unused", report_to="none"))
+    config = VAPOConfig(output_dir="unused", report_to="none")
+    default = EngineSettings.from_config(config)
     check_engine_available(default)  # generate(): always available
+    # The config's sampling, vLLM options and rollout size, each read from its own field; the rest the defaults.
+    assert default.sampling == SamplingSettings(config.max_completion_length, config.temperature, config.top_p)
+    assert default.vllm["mode"] == config.vllm_mode == "colocate" and default.vllm["server_port"] == 8000
+    assert default.rollout_size == config.generation_batch_size
     assert default.engine == "generate" and default == EngineSettings(
         sampling=default.sampling, vllm=default.vllm, rollout_size=default.rollout_size, auto=True
     )
@@ -719,12 +728,21 @@ def test_evaluation_engines_agree_greedily(engine, demo):
     assert set(string.digits) & set("".join(texts))
 
 
-def test_evaluation_builds_its_engine_through_build_engine_and_refuses_a_vllm_name(tiny):
-    from trl_vapo.evaluation import sample_completions
+def test_evaluation_builds_its_engine_through_build_engine_and_refuses_a_vllm_name(tiny, monkeypatch):
+    import trl_vapo.evaluation as evaluation
+    from trl_vapo.static_cache import StaticCacheEngine
 
     model, tokenizer = tiny
-    settings = EngineSettings(sampling=SamplingSettings(max_new_tokens=4), batch_size=2)
-    completions, lengths = sample_completions(model, tokenizer, ["1+2=", "a"], max_new_tokens=4, engine=settings)
+    built = []  # (the settings `build_engine` got, the engine it built)
+    build_engine = evaluation.build_engine
+    monkeypatch.setattr(
+        evaluation, "build_engine", lambda s, *a, **k: built.append((s, build_engine(s, *a, **k))) or built[-1][1]
+    )
+    settings = EngineSettings(engine="static_cache", sampling=SamplingSettings(max_new_tokens=4), batch_size=2)
+    prompts = ["1+2=", "a"]
+    completions, lengths = evaluation.sample_completions(model, tokenizer, prompts, max_new_tokens=4, engine=settings)
     assert len(completions) == 2 and max(lengths) <= 4
+    [(given, engine)] = built
+    assert given == settings and isinstance(engine, StaticCacheEngine)
     with pytest.raises(ValueError, match="built engine"):
-        sample_completions(model, tokenizer, ["a"], engine="vllm")
+        evaluation.sample_completions(model, tokenizer, ["a"], engine="vllm")

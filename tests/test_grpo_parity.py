@@ -330,21 +330,31 @@ def test_the_command_line_parses_grpos_fields(tmp_path):
     assert config.pad_to_multiple_of is None
 
 
-def test_cache_implementation_reaches_generate(tiny_model_dir, tmp_path):
-    """GRPOConfig's `cache_implementation` is the rollouts' GenerationConfig field, and a static cache samples what
-    the dynamic one samples."""
+def test_cache_implementation_reaches_generate(tiny_model_dir, tmp_path, monkeypatch):
+    """GRPOConfig's `cache_implementation` is the rollouts' GenerationConfig field, as `generate()` receives it from
+    the engine, and a static cache samples what the dynamic one samples."""
+    import dataclasses
+
     from transformers import AutoModelForCausalLM
 
-    from trl_vapo.generation import SamplingSettings
+    from trl_vapo.generation import EngineSettings, SamplingSettings, build_engine
 
-    settings = SamplingSettings.from_config(make_args(tmp_path, cache_implementation="static"))
-    assert settings.generation_config([0], 0).cache_implementation == "static"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompt = tokenizer(["12+3="], return_tensors="pt")
-    greedy = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
-    static = model.generate(**prompt, **greedy, cache_implementation="static")
-    assert torch.equal(static, model.generate(**prompt, **greedy))
+    caches = []  # the cache each generate() call was asked for
+    generate = model.generate
+    monkeypatch.setattr(
+        model, "generate", lambda **k: caches.append(k["generation_config"].cache_implementation) or generate(**k)
+    )
+    prompt_ids = [tokenizer("12+3=")["input_ids"]]
+    completions = []
+    for cache in ("static", None):
+        settings = SamplingSettings.from_config(make_args(tmp_path, cache_implementation=cache))
+        greedy = dataclasses.replace(settings, max_new_tokens=6, temperature=0)
+        engine = build_engine(EngineSettings(sampling=greedy), model, tokenizer)
+        completions.append(engine.generate(prompt_ids).completion_ids)
+    assert caches == ["static", None]
+    assert torch.equal(*completions)
 
 
 def test_pad_to_multiple_of_pads_every_forward_and_changes_no_number(tiny_model_dir, tmp_path):
@@ -436,7 +446,8 @@ def test_cast_lm_head_to_fp32_trains_a_lora_on_a_bf16_base_and_refuses_an_adapte
     head = lora_trainer.actor_critic.policy.get_base_model().lm_head
     assert type(head) is Float32Linear and head.weight.dtype == torch.float32
     lora_trainer.train()
-    assert all(math.isfinite(h["loss/policy"]) for h in lora_trainer.state.log_history if "loss/policy" in h)
+    logs = rl_logs(lora_trainer)
+    assert len(logs) == 2 and all(math.isfinite(h["loss/policy"]) for h in logs)  # max_steps=2, no pretraining
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True needs the LM head to be a plain linear layer"):
         trainer(["q_proj", "lm_head"])
     # Full fine-tuning of a bf16 model with a tied head: the critic and what `save_model` writes stay bf16.

@@ -25,14 +25,23 @@ def streamed(dataset):
     return IterableDataset.from_generator(lambda: iter(dataset.to_list()))
 
 
-def eval_dataset_of(kind: str):
-    split = prompts_dataset(3)
-    part = streamed(split) if "iterable" in kind else split
+def eval_dataset_of(kind: str, first: int = 0):
+    """An eval set of the form `kind`: three prompts from the `first`-th; in a dict, `data1` those and `data2` the
+    three after them, so that each entry's prompts tell which one was evaluated."""
+    rows = prompts_dataset(first + 6)
+    part, other = rows.select(range(first, first + 3)), rows.select(range(first + 3, first + 6))
+    if "iterable" in kind:
+        part, other = streamed(part), streamed(other)
     if kind in ("dataset", "iterable_dataset"):
         return part
     if kind in ("dataset_dict", "iterable_dataset_dict"):
-        return (IterableDatasetDict if "iterable" in kind else DatasetDict)({"data1": part, "data2": part})
-    return {"data1": part, "data2": part}  # dict_of_dataset, dict_of_iterable_dataset
+        return (IterableDatasetDict if "iterable" in kind else DatasetDict)({"data1": part, "data2": other})
+    return {"data1": part, "data2": other}  # dict_of_dataset, dict_of_iterable_dataset
+
+
+def prompts_of(dataset) -> set[str]:
+    entries = dataset.values() if isinstance(dataset, dict) else [dataset]
+    return {row["prompt"] for entry in entries for row in entry}
 
 
 KINDS = ["dataset", "iterable_dataset", "dataset_dict", "iterable_dataset_dict", "dict_of_dataset", "dict_of_iterable"]
@@ -41,19 +50,32 @@ KINDS = ["dataset", "iterable_dataset", "dataset_dict", "iterable_dataset_dict",
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_eval_dataset_form_grpo_takes_evaluates_at_init_and_passed_to_evaluate(tiny_model_dir, tmp_path, kind):
     """TRL's `test_init_with_eval_dataset` and `test_evaluate_with_eval_dataset`: given at init, `evaluate()` uses it
-    (a dict entry by entry, or one entry by name); passed to `evaluate`, it overrides the trainer's."""
-    dataset = eval_dataset_of(kind)
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, eval_args(tmp_path), prompts_dataset(), dataset)
+    (a dict entry by entry, or one entry by name); passed to `evaluate`, it overrides the trainer's. The reward
+    records the prompts it scored: each evaluation's must be its data set's."""
+    dataset, passed = eval_dataset_of(kind), eval_dataset_of(kind, first=10)
+    reward = RecordingReward()
+    trainer = VAPOTrainer(str(tiny_model_dir), reward, eval_args(tmp_path), prompts_dataset(), dataset)
     single = kind in ("dataset", "iterable_dataset")
     prefixes = ["eval"] if single else ["eval_data1", "eval_data2"]
-    for metrics in (trainer.evaluate(), trainer.evaluate(eval_dataset_of(kind))):
+
+    def scored(evaluate) -> tuple[dict, set[str]]:
+        reward.calls.clear()
+        metrics = evaluate()
+        return metrics, {prompt for call in reward.calls for prompt in call["prompts"]}
+
+    for (metrics, prompts), expected in (
+        (scored(trainer.evaluate), dataset),
+        (scored(lambda: trainer.evaluate(passed)), passed),
+    ):
+        assert prompts == prompts_of(expected)
         for prefix in prefixes:
             assert math.isfinite(metrics[f"{prefix}_loss"])
             assert -1 <= metrics[f"{prefix}_reward"] <= 1
             assert metrics[f"{prefix}_samples_per_second"] > 0
         assert set(prefixes) == {key.rsplit("_", 1)[0] for key in metrics if key.endswith("_loss")}
     if not single:
-        by_name = trainer.evaluate("data2", metric_key_prefix="eval_data2")
+        by_name, prompts = scored(lambda: trainer.evaluate("data2", metric_key_prefix="eval_data2"))
+        assert prompts == prompts_of(dataset["data2"]) and prompts.isdisjoint(prompts_of(dataset["data1"]))
         assert set(by_name) == {key for key in trainer.evaluate() if key.startswith("eval_data2_")}
         with pytest.raises(KeyError, match="'data3' is not one of the trainer's eval datasets"):
             trainer.evaluate("data3")
