@@ -30,18 +30,26 @@ _context.set_forkserver_preload(["_train_script"])
 def _ensure_server() -> None:
     """Start the fork server with this folder on its path: it is a fresh interpreter, which multiprocessing does not
     give the test worker's `sys.path` (Python 3.11 passes it and drops it), and whose preload of a module it cannot
-    find fails without a word; every run then imported torch and transformers itself, five seconds each."""
+    find fails without a word; every run then imported torch and transformers itself, five seconds each. On a GPU
+    the server must not initialise CUDA, which no forked child could then use: torch asks NVML, not the CUDA
+    runtime, whether there is a GPU (`PYTORCH_NVML_BASED_CUDA_CHECK`), and a child that finds CUDA initialised says
+    so (`_train_script.main_in_child`)."""
     from multiprocessing import forkserver
 
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), before]))
+    server_env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    }
+    server_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    before = {name: os.environ.get(name) for name in server_env}
+    os.environ.update(server_env)
     try:
         forkserver.ensure_running()
     finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class ScriptProcess:

@@ -331,6 +331,8 @@ def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: boo
 
     if IMPORTED_IN == os.getpid():  # imported here, not inherited: the server's preload failed, and every run pays
         raise RuntimeError("the fork server did not import _train_script (see tests/_script_process.py)")
+    if torch.cuda.is_initialized():  # inherited from the server: CUDA cannot be used again in a forked process
+        raise RuntimeError("the fork server initialised CUDA while importing _train_script: nothing may touch the GPU")
 
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)

@@ -60,7 +60,9 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
         assert weights.keys() == backbone.keys()
         assert all(torch.equal(value, backbone[name]) for name, value in weights.items())
     critic = trainer.actor_critic.critic
+    initial = {name: value.clone() for name, value in critic.state_dict().items()}
     trainer.train()
+    assert any(not torch.equal(value, initial[name]) for name, value in critic.state_dict().items())  # it trained
     assert any("aux_loss" in h for h in trainer.state.log_history) == moe
     trainer.save_model()
     reloaded = VAPOTrainer(
@@ -196,8 +198,10 @@ def test_a_custom_code_model_trains_with_trust_remote_code_and_is_refused_withou
         type(critic).__name__ == "TinyCustomForSequenceClassification"
         and type(critic.model).__name__ == "TinyCustomModel"
     )
+    initial = {name: value.clone() for name, value in critic.state_dict().items()}
     trainer.train()
     assert any("loss/value" in h for h in trainer.state.log_history)
+    assert any(not torch.equal(value, initial[name]) for name, value in critic.state_dict().items())  # it trained
     trainer.save_model()
     critic_dir = tmp_path / "out" / "critic"
     reloaded = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16), value_model=str(critic_dir))

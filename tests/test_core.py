@@ -845,6 +845,13 @@ def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
     assert stats["loss/value"].item() == pytest.approx(v.item()) and stats["loss/nll"].item() == pytest.approx(
         nll.item()
     )
+    # Two-sided clipping: `delta` reaches the PPO term. Ratios of e^2 on the negative advantages, capped at 3.
+    drifted = {**batch, "old_logprobs": logprobs - 2.0}
+    capped, stats = vapo_loss(logprobs, values, drifted, normalizers=normalizers, delta=3.0, **settings)
+    p_capped, _ = policy_loss(logprobs, drifted["old_logprobs"], advantages, mask, 0.2, 0.28, "token", delta=3.0)
+    p_plain, _ = policy_loss(logprobs, drifted["old_logprobs"], advantages, mask, 0.2, 0.28, "token")
+    assert stats["loss/policy"].item() == pytest.approx(p_capped.item(), rel=1e-6)
+    assert p_capped.item() != pytest.approx(p_plain.item(), rel=1e-3)  # the cap bites here
     # Value pretraining: no policy terms at all.
     critic_only, stats = vapo_loss(None, values, batch, normalizers=normalizers, **settings)
     assert critic_only.item() == pytest.approx(0.5 * v.item(), rel=1e-6) and "loss/policy" not in stats
@@ -930,6 +937,9 @@ def test_off_policy_mask_drops_negative_advantages_of_sequences_whose_sampler_dr
     sampling[1, 0] = math.nan  # a token vLLM could not score: no drift
     logprobs = torch.where(mask.bool(), logprobs, torch.full_like(logprobs, -1e4))  # padding: anything
     keep = off_policy_mask(advantages, logprobs, sampling, mask, threshold=0.5)
+    # GRPO's one advantage per sequence: a [B, 1] mask.
+    per_sequence = off_policy_mask(advantages[:, :1], logprobs, sampling, mask, threshold=0.5)
+    assert per_sequence.shape == (6, 1)
     for i in range(6):
         n = int(lengths[i])
         drifts = [0.0 if math.isnan(d) else d for d in (sampling[i, :n] - logprobs[i, :n]).tolist()]
@@ -937,10 +947,8 @@ def test_off_policy_mask_drops_negative_advantages_of_sequences_whose_sampler_dr
         for t in range(8):
             expected = advantages[i, t].item() >= 0 or mean_drift <= 0.5
             assert keep[i, t].item() == float(expected), (i, t)
+        assert per_sequence[i, 0].item() == float(advantages[i, 0].item() >= 0 or mean_drift <= 0.5), i
     assert keep.dtype == mask.dtype and not keep.requires_grad
-    # GRPO's one advantage per sequence: a [B, 1] mask.
-    per_sequence = off_policy_mask(advantages[:, :1], logprobs, sampling, mask, threshold=0.5)
-    assert per_sequence.shape == (6, 1)
 
 
 def test_adaptive_entropy_coef_climbs_at_or_below_the_target_and_falls_above_within_its_bounds():

@@ -171,10 +171,12 @@ def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(
         frozen = [p for p in model.parameters() if not p.requires_grad]
         assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
 
+    # A layer with float32 weights (a frozen bf16 base layer computes in bf16 with or without autocast).
     compute_dtypes = []
-    decoder_layers(trainer)[0].mlp.gate_proj.register_forward_hook(
-        lambda module, inputs, output: compute_dtypes.append(output.dtype)
-    )
+    layer = decoder_layers(trainer)[0]
+    hooked = layer.self_attn.q_proj.lora_A["default"] if lora else layer.mlp.gate_proj
+    assert hooked.weight.dtype == torch.float32
+    hooked.register_forward_hook(lambda module, inputs, output: compute_dtypes.append(output.dtype))
     trainer.train()
     assert set(compute_dtypes) == {torch.bfloat16}, "the layers compute in bf16 under autocast"
     assert {p.device.type for p in model.parameters()} == {device}
@@ -240,7 +242,8 @@ def test_qlora_trains_both_adapters_and_the_value_head_on_a_4bit_base(tiny_model
         assert names and any(not torch.equal(before[n], after[n]) for n in names), f"{side} did not train"
     assert all(p.dtype == torch.float32 for p in after.values())
     assert {p.device.type for p in after.values()} == {device}
-    assert all("grad_norm/policy" in h and "grad_norm/critic" in h for h in rl_logs(trainer))
+    logs = rl_logs(trainer)
+    assert len(logs) == 2 and all("grad_norm/policy" in h and "grad_norm/critic" in h for h in logs)  # max_steps=2
 
 
 def test_qlora_without_adapters_or_without_bitsandbytes_fails_before_loading(tmp_path, monkeypatch):

@@ -84,7 +84,10 @@ def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_chec
 
     from trl_vapo.reporting import rollout_completions_table
 
+    steps = []  # the step of each call's trainer_state
+
     def progress_reward(completions, trainer_state, log_extra, log_metric, **kwargs):
+        steps.append(trainer_state.global_step)
         log_extra("length", [len(c) for c in completions])
         log_metric("progress", float(trainer_state.global_step))
         return [float(trainer_state.global_step >= 0) - len(c) / 10 for c in completions]
@@ -105,18 +108,24 @@ def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_chec
     assert table.text_columns()["length"] == lengths and "length" not in table.columns  # logged, not printed
     assert table.to_dataframe()["length"].tolist() == lengths
     # GRPOTrainer's `_logs`, which callbacks written for it read: the last rollout's table under TRL's keys.
-    logs = trainer._logs
-    assert logs["extra"]["length"] == lengths and logs["completion"] == table.columns["completion"]
-    assert logs["rewards"] == {"progress_reward": table.columns["progress_reward"]} and logs["images"] == []
-    assert logs["advantages"] == table.columns["advantage"] and len(logs["prompt"]) == len(lengths)
+    # Each value against what the rollout holds, not against the table `_logs` is built from.
+    logs, rollout = trainer._logs, rollouts[-1]
+    completions = trainer.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    assert logs["completion"] == completions and logs["extra"]["length"] == lengths == [len(c) for c in completions]
+    assert logs["rewards"] == {"progress_reward": pytest.approx([1 - len(c) / 10 for c in completions])}
+    mask = rollout.loss_mask.float()
+    advantages = (rollout.advantages * mask).sum(dim=1) / mask.sum(dim=1)
+    assert logs["advantages"] == pytest.approx(advantages.tolist()) and len(logs["prompt"]) == len(lengths)
+    assert logs["images"] == []
 
     from trl_vapo.evaluation import evaluate_policy
 
     # `trl-vapo eval` scores with the same functions outside training: they get a trainer_state at step 0.
+    steps.clear()
     result = evaluate_policy(
         trainer.model, trainer.processing_class, prompts_dataset(2), progress_reward, k=1, max_new_tokens=4
     )
-    assert result.num_problems == 2
+    assert result.num_problems == 2 and steps and set(steps) == {0}
 
 
 async def slow_digits(completions, **kwargs):

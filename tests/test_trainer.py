@@ -78,7 +78,7 @@ def stop_on_common_characters(tiny_model_dir) -> dict:
 
 def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path):
     args = make_args(tmp_path)
-    trainer = VAPOTrainer(
+    trainer = CapturingTrainer(
         model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
     )
     initial = {n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters()}
@@ -92,9 +92,9 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     # The last rollout's groups (4 completions a prompt) whose rewards are all alike, as GRPOTrainer counts them.
     groups = trainer._last_rollout.scores.reward.view(-1, 4)
     assert logs[-1]["frac_reward_zero_std"] == (groups.std(dim=1) == 0).float().mean().item()
-    # The prompt and completion tokens of both rollouts (16 prompts of 3 tokens each); the sides' norms together.
-    rollout = trainer._last_rollout
-    assert logs[-1]["num_tokens"] == trainer.state.num_input_tokens_seen > 2 * rollout.input_ids.shape[0] * 3
+    # The prompt and completion tokens of both rollouts, as GRPOTrainer counts them; the sides' norms together.
+    seen = sum(rollout.attention_mask.sum().item() for _, rollout in trainer.rollouts)
+    assert len(trainer.rollouts) == 2 and logs[-1]["num_tokens"] == trainer.state.num_input_tokens_seen == seen
     for log in logs:
         assert log["grad_norm"] == pytest.approx(math.hypot(log["grad_norm/policy"], log["grad_norm/critic"]))
     changed = any(not torch.equal(initial[n], p) for n, p in trainer.actor_critic.policy.named_parameters())
@@ -107,6 +107,9 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
         assert torch.equal(policy.get_parameter(name), param.detach()), name
     critic = AutoModelForSequenceClassification.from_pretrained(out / "critic")
     assert critic.config.num_labels == 1
+    saved = critic.state_dict()
+    for name, value in trainer.actor_critic.critic.state_dict().items():
+        assert torch.equal(saved[name], value), name
     tokenizer = AutoTokenizer.from_pretrained(out)
     generated = policy.generate(**tokenizer(["1+1="], return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert generated.shape[1] >= 5
@@ -784,10 +787,16 @@ def test_stop_strings_train_no_padding(tiny_model_dir, tmp_path):
     )
     trainer.train()
     pad = trainer.processing_class.pad_token_id
+    stopped = 0  # completions a stop string ended early, which generate() pads out to the batch's length
     for _, rollout in trainer.rollouts:
         completions = rollout.input_ids[:, rollout.prompt_length :]
         trained = rollout.attention_mask[:, rollout.prompt_length :].bool()
         assert not (completions[trained] == pad).any(), "a pad token inside a completion would train"
+        texts = trainer.processing_class.batch_decode(rollout.completion_ids)
+        stopped += sum(
+            len(ids) < 12 and text.endswith(("a", "e", "o")) for ids, text in zip(rollout.completion_ids, texts)
+        )
+    assert stopped > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_a_frozen_value_function_is_what_gae_reads_and_nothing_of_it_trains(tiny
     # Called once per rollout with all of its completions, and its values are the rollout's, read by GAE.
     assert len(value_function.calls) == len(seen.rollouts) == 2
     for (rows, rollout), (input_ids, attention_mask, width) in zip(seen.rollouts, list(value_function.calls)):
-        assert torch.equal(input_ids, rollout.input_ids)
+        assert torch.equal(input_ids, rollout.input_ids) and torch.equal(attention_mask, rollout.attention_mask)
         assert width == rollout.input_ids.shape[1] - rollout.prompt_length
         mask = rollout.loss_mask
         expected = value_function.forward(input_ids, attention_mask, width).detach()
