@@ -369,6 +369,9 @@ def logits_memory_worker(opts) -> dict:
         "seconds": time.perf_counter() - started,
         "logits_bytes": logits_bytes,
         "device": device,
+        # What each path computed, the same numbers whichever it is: the log-probs' sum and its gradient's norm.
+        "logprob_sum": logprobs.detach().float().sum().item(),
+        "grad_norm": hidden.grad.float().norm().item(),
     }
 
 

@@ -7,6 +7,7 @@ import mmap
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +25,12 @@ def test_logits_memory_measures_each_log_prob_path():
         opts = argparse.Namespace(method=path, size="smoke", micro_batch=1, completion_length=4)
         records[("smoke", path)] = logits_memory_worker(opts)
         assert records[("smoke", path)]["logits_bytes"] == 4 * 151936 * 2
+    # Every path computes the same log-probs of the same tokens, and their gradient reaches the hidden states.
+    first = records[("smoke", LOGPROB_PATHS[0])]
+    assert first["grad_norm"] > 0
+    for record in records.values():
+        assert record["logprob_sum"] == pytest.approx(first["logprob_sum"], rel=1e-2)
+        assert record["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-2)
     table = logits_memory_table(records).splitlines()
     assert [line.split()[1] for line in table[1:]] == list(LOGPROB_PATHS)
     assert table[2].split()[4] == "1.00x"  # trl-fused against itself

@@ -416,6 +416,8 @@ def test_validation_and_reporting_sets_are_disjoint_held_out_problems(task):
     assert len(test) == 200 and len(validation) == 200
     assert set(test["prompt"]).isdisjoint(validation["prompt"])
     assert set(test["prompt"]) == set(bench.task_module(task).build_split("held_out", 200)["prompt"])
+    trained = set(bench.task_module(task).build_split("train", 4096)["prompt"])  # what every run trains on
+    assert trained.isdisjoint(test["prompt"]) and trained.isdisjoint(validation["prompt"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

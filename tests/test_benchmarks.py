@@ -42,6 +42,9 @@ def test_trainer_benchmark_runs_both_trainers_with_each_engine(engine):
         "--breakdown",
     )
     assert f"engine: {engine}" in out
+    # --breakdown's table: a part timed in both trainers' steps (a cell "seconds (share%)" each).
+    breakdown = out.split("breakdown, ")[1].split("\nload average")[0].splitlines()[2:]
+    assert any(line.count("%)") == 2 for line in breakdown), out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("VAPO ", "GRPO "))}
     assert set(rows) == {"VAPO", "GRPO"}
     assert rows["GRPO"][4] == "1.00x" and float(rows["VAPO"][-1]) > 0  # the ratio column and generation tokens/s
@@ -54,5 +57,7 @@ def test_quick_probe_trains_the_critic_and_writes_the_table(tmp_path):
     records = json.loads((tmp_path / "lr1e-3.json").read_text())
     assert len(records) == 2  # one per value-pretraining rollout
     assert all(-5 < r["ev"] <= 1 and 0 <= r["oracle_ev"] <= 1 and 0 < r["slipped_share"] < 1 for r in records)
+    assert records[1]["ev"] > records[0]["ev"]  # the critic learned from the first rollout (-0.109 -> -0.045)
+    assert all(0 < r["exact_ev"] <= 1 and r["exact_drop"] < 0 for r in records)  # the exact value, at each slip
     assert "lr1e-3" in (tmp_path / "table.txt").read_text()
     assert (tmp_path / "critic_probe.png").stat().st_size > 10_000

@@ -549,6 +549,11 @@ def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_check
     deadline = time.time() + 240
     while (not log.exists() or '"phase"' not in log.read_text()) and time.time() < deadline:  # training has begun
         time.sleep(0.05)
+    from trl_vapo.run_lock import live_holder
+
+    # The run trains in the process accelerate launched, not in the command's own (so the signal was forwarded).
+    holder = live_holder(out)
+    assert holder and holder["pid"] != process.pid, holder
     if processes > 1:
         os.killpg(process.pid, signal.SIGTERM)
     else:
@@ -743,6 +748,20 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     assert "--prompt_column format(s) --dataset_name's rows" in capsys.readouterr().err
     assert main(["train", f"--config={config}", "--eval_num_prompts", "2", "--eval_k", "1"]) == 0  # `=`: one flag
     assert_trained_lora_with_evaluations(out, reward_model_dir.name, evaluations=2)
+    # The held-out report, on the mixture's test split, scored by the training rewards (the reward model among them).
+    assert re.search(
+        r"held-out avg@1 +\d\.\d{3} -> \d\.\d{3} +\(sampled at T=1, 2 problems\)", capsys.readouterr().out
+    )
+
+
+def refuse_model_loads(monkeypatch) -> None:
+    """Make loading any model (transformers' `from_pretrained`) fail the test: what must happen before it."""
+    from transformers import PreTrainedModel
+
+    def refuse(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained ran: the check came after a model loaded")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(refuse))
 
 
 @pytest.mark.parametrize(
@@ -766,9 +785,12 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
         ),
     ],
 )
-def test_eval_bad_input_is_one_line_before_any_model_loads(args, needle, tiny_model_dir, tmp_path, capsys):
+def test_eval_bad_input_is_one_line_before_any_model_loads(
+    args, needle, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
     """Each was a traceback: from transformers once the model had loaded, or from writing the scores after the whole
     evaluation had run."""
+    refuse_model_loads(monkeypatch)
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("")
     fill = dict(tmp=tmp_path, model=tiny_model_dir)
@@ -884,6 +906,12 @@ def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
         main([*common, "--k", "1", "--output_json", str(scores), "--config", str(tmp_path / "unweighted.yaml")]) == 0
     )
     assert json.loads(scores.read_text())["pass@1"] == json.loads(scores.read_text())["avg@1"] == 1.0
+    # (Both runs' rewards are the same for every completion, greedy or sampled: where they differ, one sample's
+    # pass@1 must not overwrite the greedy one.)
+    from trl_vapo.evaluation import EvaluationResult
+
+    greedy_right = EvaluationResult(pass_at_1=1.0, avg_at_k=0.0, pass_at_k=0.0, k=1, num_problems=4, mean_length=2)
+    assert greedy_right.as_dict() == {"pass@1": 1.0, "avg@1": 0.0, "num_problems": 4, "mean_length": 2}
     data = ["--dataset_name", str(jsonl_data), "--prompt_column", "question", "--dataset_test_split", "train"]
     assert main([*common, "--k", "1", *data]) == 0  # the adapter folder was read as the tokenizer's: an OSError
 
@@ -904,7 +932,8 @@ def test_train_in_an_output_dir_another_run_holds_is_one_line_before_any_model_l
     monkeypatch.delenv("RANK", raising=False)
     out = tmp_path / "out"
     assert live_holder(out) is None and not out.exists()
-    with output_dir_lock(out):  # another run's lock: flock locks of two opens of one file exclude each other
+    with output_dir_lock(out), monkeypatch.context() as no_loads:  # another run's lock: flock locks of two opens
+        refuse_model_loads(no_loads)  # of one file exclude each other
         holder = live_holder(out)
         assert holder["pid"] == os.getpid()
         assert main(["train", "--output_dir", str(out), "--report_to", "none"]) == 2  # the demo, refused

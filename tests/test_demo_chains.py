@@ -134,9 +134,9 @@ def test_first_wrong_index_on_the_demo_task_against_a_direct_search():
 
 
 def test_first_wrong_index_rejects_other_prompts():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a demo or chains prompt"):
         chains.first_wrong_index("What is 2+2?", "4")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need one filler per line"):
         chains.render_completion((1, 2), ["uv"])
 
 

@@ -125,7 +125,7 @@ def test_response_lengths_grow_with_the_number_of_terms():
 
 
 def test_build_split_rejects_unknown_split():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="split must be 'train' or 'held_out', got 'test'"):
         build_split("test", 4)
 
 

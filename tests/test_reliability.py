@@ -333,6 +333,7 @@ def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_p
         trainer.train()
     assert sum("NaN or inf" in r.message for r in caplog.records) == 1
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logs) == trainer.state.max_steps
     assert all(h["rewards/sometimes_nan/non_finite_count"] == 4 for h in logs)
     assert all(h["rewards/unscored_fraction"] == 0.5 for h in logs)
     assert all(h["reward"] == 0.5 and math.isfinite(h["loss/value"]) for h in logs)
@@ -855,7 +856,9 @@ def test_a_command_holds_the_output_dir_until_its_model_is_saved(tiny_model_dir,
     assert live_holder(out) is None
 
 
-def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(tmp_path, monkeypatch, caplog):
+def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
+    tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     """A file system without locks (ENOLCK on some network mounts): the run goes on with a warning, told it holds no
     lock (so it removes nothing another run may be writing), and its own errors carry no trace of the lock's."""
     import fcntl
@@ -872,6 +875,13 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(tmp_p
             assert locked is False
             raise ValueError("training failed")
     assert raised.value.__context__ is None and "cannot be locked" in caplog.text
+    # A trainer in such a folder leaves another run's half-written checkpoint where it is.
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path / "run"), prompts_dataset(8))
+    writing = Path(trainer.args.output_dir) / ".checkpoint-3.tmp"
+    writing.mkdir(parents=True)
+    with trainer.holding_output_dir():
+        assert writing.is_dir()
+    shutil.rmtree(tmp_path / "run")
     monkeypatch.undo()
     names = [
         ".checkpoint-3.tmp",
