@@ -169,6 +169,10 @@ def test_cispos_cap_below_one_is_named(tiny_model_dir, tmp_path, caplog):
     assert make_args(tmp_path, loss_type="cispo", epsilon_high=5.0, delta=2.0).delta == 2.0
     with pytest.raises(ValueError, match="delta must be > 1 \\+ epsilon_high"):
         make_args(tmp_path, epsilon_high=5.0, delta=2.0)
+    # A GRPO config's epsilon=0.2 with delta=1.25, which GRPO's symmetric default accepts: the error names the fix.
+    with pytest.raises(ValueError, match="epsilon_high defaults to VAPO's clip-higher 0.28") as refused:
+        make_args(tmp_path, epsilon=0.2, delta=1.25)
+    assert make_args(tmp_path, epsilon=0.2, epsilon_high=None, delta=1.25).delta == 1.25, refused.value
 
 
 def _another_value(default):

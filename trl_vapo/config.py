@@ -990,7 +990,8 @@ class VAPOConfig(TrainingArguments):
         require(  # CISPO, SAPO and VESPO have no clipped ratio to cap: GRPOTrainer ignores delta for them, as VAPO
             self.delta is None or self.surrogate != "ppo" or self.delta > 1 + self.epsilon_high,
             f"delta must be > 1 + epsilon_high = {1 + self.epsilon_high} (it caps the ratio of negative advantages; "
-            f"lower, it would clip positive ones too), got {self.delta}.",
+            f"lower, it would clip positive ones too), got {self.delta}. epsilon_high defaults to VAPO's clip-higher "
+            "0.28 (GRPOConfig's default is epsilon): set it to epsilon for GRPO's symmetric clipping.",
         )
         require(
             self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
