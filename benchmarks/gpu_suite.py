@@ -215,7 +215,7 @@ BAD = ("failure", "error")
 def run_command(command: list[str], stop_at: float | None) -> tuple[int, bool]:
     """``command`` in the repository's root, its output as it comes (a call cut short still shows it): its exit code,
     and whether it was still running at ``stop_at`` (``time.time()``) and so stopped with everything it started
-    (bench_gpu.py's workers, pytest's, the FSDP2 test's torchrun). It runs in a process group of its own (in this
+    (bench_gpu.py's workers, pytest's, the FSDP2 test's ranks). It runs in a process group of its own (in this
     session: the GPU machine's tool ends what a command leaves running, except in a session of its own), so that
     stopping it stops all of them; the group is stopped too when this process is interrupted (Ctrl-C, or SIGTERM:
     ``main`` turns it into an exit)."""

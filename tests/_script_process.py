@@ -111,7 +111,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_ranks(*argv: str, processes: int, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_ranks(*argv: str, processes: int, timeout: float = 300) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node PROCESSES _train_script.py ARGV` to its end, each rank forked from the server.
 
     Each rank gets the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -119,38 +119,48 @@ def run_ranks(*argv: str, processes: int, timeout: float = 600) -> subprocess.Co
     GPU) that a torchrun launch starts. Left out: torchrun's own interpreter and elastic agent, and each rank's five
     seconds of imports (under two test workers on two cores, about 20 s of CPU a launch). As torchrun does, a rank
     that fails brings the others down: they would wait in a collective. Returned as `subprocess.run(...,
-    capture_output=True, text=True)` returns torchrun's: the ranks' output one after another, the first nonzero exit
-    status. A forked rank ends with `os._exit`, without the interpreter's teardown, where torchrun's workers
-    sometimes aborted after a finished run (PyTorch's gloo threads, 'terminate called without an active
-    exception')."""
-    port = str(_free_port())
-    ranks = []
-    for rank in range(processes):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes)}
-        env |= {"LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        ranks.append(ScriptProcess([str(a) for a in argv], env=env))
+    capture_output=True, text=True)` returns torchrun's: the ranks' stdout one after another, their stderr each
+    under a `--- rank N ---` line with the first rank to fail last (its traceback in the tail a test prints), and that
+    rank's exit status (0 when none failed). A forked rank ends with `os._exit`, without the interpreter's teardown,
+    where torchrun's workers sometimes aborted after a finished run (PyTorch's gloo threads, 'terminate called
+    without an active exception'). A run still going after `timeout` seconds is killed, and the TimeoutExpired
+    carries what it wrote (300 s: each run takes 5-25 s here and under a minute on a GPU, where a hung one would
+    spend the GPU suite's call)."""
+    ranks: list[ScriptProcess] = []
+    failed = None  # the first rank seen to fail
     deadline = time.monotonic() + timeout
+
+    def outputs() -> tuple[str, str]:
+        for r in ranks:
+            if r.poll() is None:
+                r.send_signal(signal.SIGKILL)
+        written = [r.communicate(timeout=60) for r in ranks]
+        order = sorted(range(len(ranks)), key=lambda rank: rank == failed)
+        stdout = "".join(out for out, _ in written)
+        return stdout, "".join(f"--- rank {rank} ---\n{written[rank][1]}" for rank in order)
+
     try:
+        port = str(_free_port())
+        for rank in range(processes):
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes)}
+            env |= {"LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            ranks.append(ScriptProcess([str(a) for a in argv], env=env))
         while any(r.poll() is None for r in ranks):
-            if any(r.poll() not in (None, 0) for r in ranks):  # one failed: the rest would wait for it forever
-                time.sleep(5)  # their own error first, if they have one
-                for r in ranks:
-                    if r.poll() is None:
-                        r.send_signal(signal.SIGKILL)
+            failed = next((rank for rank, r in enumerate(ranks) if r.poll() not in (None, 0)), None)
+            if failed is not None:  # the rest would wait for it forever: their own error first, if they have one
+                time.sleep(min(5, max(0, deadline - time.monotonic())))
                 break
             if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"_train_script.py on {processes} ranks", timeout)
+                stdout, stderr = outputs()
+                raise subprocess.TimeoutExpired(f"_train_script.py on {processes} ranks", timeout, stdout, stderr)
             time.sleep(0.05)
     except BaseException:
         for r in ranks:
             if r.poll() is None:
                 r.send_signal(signal.SIGKILL)
         raise
-    outputs = [r.communicate(timeout=60) for r in ranks]
-    codes = [r.returncode for r in ranks]
-    return subprocess.CompletedProcess(
-        ["_train_script.py", *argv],
-        next((c for c in codes if c != 0), 0),
-        "".join(out for out, _ in outputs),
-        "".join(err for _, err in outputs),
-    )
+    if failed is None:
+        failed = next((rank for rank, r in enumerate(ranks) if r.returncode != 0), None)
+    stdout, stderr = outputs()
+    code = 0 if failed is None else ranks[failed].returncode
+    return subprocess.CompletedProcess(["_train_script.py", *argv], code, stdout, stderr)

@@ -1,4 +1,4 @@
-"""A small VAPO run for tests that need a real separate process: `torchrun`, `kill -9`, resume.
+"""A small VAPO run for tests that need a real separate process: several ranks, `kill -9`, resume.
 
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
         [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
@@ -331,7 +331,7 @@ def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: boo
 
     if IMPORTED_IN == os.getpid():  # imported here, not inherited: the server's preload failed, and every run pays
         raise RuntimeError("the fork server did not import _train_script (see tests/_script_process.py)")
-    if torch.cuda.is_initialized():  # inherited from the server: CUDA cannot be used again in a forked process
+    if torch.cuda._is_in_bad_fork():  # the server initialised CUDA, which a forked process cannot use again
         raise RuntimeError("the fork server initialised CUDA while importing _train_script: nothing may touch the GPU")
 
     for fd, path in ((1, stdout), (2, stderr)):

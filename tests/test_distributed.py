@@ -70,11 +70,10 @@ def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Pat
         save_tiny_reward_model(reward_model)
     extra = (*extra, "--reward-model", str(reward_model))
     args = ["--model", str(model_dir), "--output-dir", str(output_dir), *COMMON, *extra]
-    # 300 s: each run takes 5-25 s here and under a minute on a GPU, where a hung one would spend the GPU suite's call.
     if processes == 0:  # the plain run: one process, no launcher, no process group
-        result = run_script(*args, timeout=300)
+        result = run_script(*args, timeout=300)  # as run_ranks: a hung run would spend the GPU suite's whole call
     else:
-        result = run_ranks(*args, processes=processes, timeout=300)
+        result = run_ranks(*args, processes=processes)
     assert result.returncode == 0, result.stderr[-4000:]
     return output_dir
 

@@ -671,7 +671,7 @@ def test_sampling_metrics_are_reduced_over_processes(tmp_path):
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:  # a free port: torchrun tests on other workers pick theirs from 29500 up
+    with socket.socket() as probe:  # a free port: the OS's pick, as the other tests' forked ranks take theirs
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     mp.start_processes(_rollout_metrics_on_rank, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
