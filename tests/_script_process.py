@@ -36,10 +36,8 @@ def _ensure_server() -> None:
     so (`_train_script.main_in_child`)."""
     from multiprocessing import forkserver
 
-    server_env = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    }
-    server_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    server_env = {"PYTHONPATH": path, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     before = {name: os.environ.get(name) for name in server_env}
     os.environ.update(server_env)
     try:
@@ -130,10 +128,13 @@ def run_ranks(*argv: str, processes: int, timeout: float = 300) -> subprocess.Co
     failed = None  # the first rank seen to fail
     deadline = time.monotonic() + timeout
 
-    def outputs() -> tuple[str, str]:
+    def kill_running() -> None:
         for r in ranks:
             if r.poll() is None:
                 r.send_signal(signal.SIGKILL)
+
+    def outputs() -> tuple[str, str]:
+        kill_running()
         written = [r.communicate(timeout=60) for r in ranks]
         order = sorted(range(len(ranks)), key=lambda rank: rank == failed)
         stdout = "".join(out for out, _ in written)
@@ -155,9 +156,7 @@ def run_ranks(*argv: str, processes: int, timeout: float = 300) -> subprocess.Co
                 raise subprocess.TimeoutExpired(f"_train_script.py on {processes} ranks", timeout, stdout, stderr)
             time.sleep(0.05)
     except BaseException:
-        for r in ranks:
-            if r.poll() is None:
-                r.send_signal(signal.SIGKILL)
+        kill_running()
         raise
     if failed is None:
         failed = next((rank for rank, r in enumerate(ranks) if r.returncode != 0), None)
