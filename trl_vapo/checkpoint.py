@@ -128,17 +128,25 @@ def temporary_folder(final: Path, owner: str) -> Path:
     return final.with_name(f".{final.name}.{owner}.tmp")
 
 
+# Windows flushes a file only through a handle that may write (FlushFileBuffers), and can neither open a folder nor
+# flush one (NTFS journals a rename itself); POSIX flushes any handle, and a folder to make a rename durable.
+FLUSH_FILE_MODE = "r+b" if os.name == "nt" else "rb"
+FLUSHES_FOLDERS = os.name != "nt"
+
+
 def fsync_tree(folder: Path) -> None:
     """Flush every file under ``folder``, and the folders themselves, to the disk: the rename that publishes a
     checkpoint must not reach the disk before its files' contents do (a power loss would leave zero-byte files)."""
     for root, _, files in os.walk(folder):
         for name in files:
-            with open(os.path.join(root, name), "rb") as f:
+            with open(os.path.join(root, name), FLUSH_FILE_MODE) as f:
                 os.fsync(f.fileno())
         _fsync_dir(Path(root))
 
 
 def _fsync_dir(folder: Path) -> None:
+    if not FLUSHES_FOLDERS:
+        return
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -349,13 +357,27 @@ def apply_resumed_settings(optimizer, scheduler, asked: list[dict], schedules: l
             group["lr"] = base * schedule(scheduler.last_epoch)
 
 
+def _accelerator_rng():
+    """(device type, its torch module) of the accelerator this process has started (CUDA, MPS, XPU, ...), whose
+    generators sample on it; None on the CPU alone, or before the accelerator starts (asking would start it)."""
+    device = torch.accelerator.current_accelerator(check_available=True)
+    if device is None:
+        return None
+    module = torch.get_device_module(device.type)
+    started = getattr(module, "is_initialized", None)  # MPS has none: it is started once available
+    return None if started is not None and not started() else (device.type, module)
+
+
 def save_rng_state(path: Path) -> None:
-    """Python, NumPy and torch (CPU and every CUDA device) generator states, as safetensors with JSON metadata."""
+    """Python, NumPy and torch (the CPU's, and each device's of the accelerator in use) generator states, as
+    safetensors with JSON metadata."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors = {"torch_cpu": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for index in range(torch.cuda.device_count()):
-            tensors[f"torch_cuda_{index}"] = torch.cuda.get_rng_state(index)
+    accelerator = _accelerator_rng()
+    if accelerator is not None:
+        kind, module = accelerator
+        for index in range(torch.accelerator.device_count()):
+            tensors[f"torch_{kind}_{index}"] = module.get_rng_state(index)
     version, internal, gauss = random.getstate()
     metadata = {
         "python": json.dumps([version, list(internal), gauss]),
@@ -376,11 +398,13 @@ def load_rng_state(path: Path) -> None:
     np_name, np_pos, np_has_gauss, np_gauss = json.loads(metadata["numpy"])
     np.random.set_state((np_name, tensors["numpy_keys"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
     torch.set_rng_state(tensors["torch_cpu"])
-    for key, state in tensors.items():
-        if key.startswith("torch_cuda_") and torch.cuda.is_available():
-            index = int(key.rsplit("_", 1)[1])
-            if index < torch.cuda.device_count():
-                torch.cuda.set_rng_state(state, index)
+    device = torch.accelerator.current_accelerator(check_available=True)
+    if device is not None:
+        module = torch.get_device_module(device.type)
+        for key, state in tensors.items():
+            kind, _, index = key.removeprefix("torch_").rpartition("_")
+            if kind == device.type and int(index) < torch.accelerator.device_count():
+                module.set_rng_state(state, int(index))
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

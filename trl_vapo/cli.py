@@ -740,7 +740,10 @@ def _forward_signals_to_children(signums=(signal.SIGTERM, signal.SIGINT)) -> dic
 
     Why: with one process, `accelerate launch` waits on a child of its own and dies at the signal, leaving the child
     running; forwarded, the child stops as it would alone (with several, torch's launcher takes the signals over once
-    it starts its workers)."""
+    it starts its workers). Not on Windows, whose console gives Ctrl-C to every process attached to it, and where
+    psutil could forward no other signal than SIGTERM (a TerminateProcess: no checkpoint)."""
+    if os.name == "nt":
+        return {}
     import psutil
 
     def forward(signum, frame):
@@ -965,11 +968,11 @@ def eval_command(argv: list[str]) -> int:
         model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.accelerator.current_accelerator() or torch.device("cpu")  # as training picks: CUDA, MPS, XPU, ...
     model.to(device)
     for reward_model in (f for f in reward_funcs if isinstance(getattr(f, "model", None), torch.nn.Module)):
         reward_model.model.to(device)  # beside the policy (it loaded on the CPU)
-        reward_model.device = torch.device(device)
+        reward_model.device = device
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=args.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

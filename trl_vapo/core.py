@@ -52,6 +52,21 @@ __all__ = [
 SURROGATES = ("ppo", "cispo", "sapo", "vespo")
 """The per-token policy objectives of :func:`policy_loss`: VAPO's clipped PPO and GRPOConfig's other losses."""
 
+NO_FLOAT64_DEVICES = frozenset({"mps"})
+"""Device types without float64 tensors (Apple's MPS refuses them): :func:`exact` sums their tensors on the CPU."""
+
+
+def exact_device(device: torch.device) -> torch.device:
+    """Where :func:`exact` puts a tensor of ``device``: the device itself, or the CPU for one without float64."""
+    return torch.device("cpu") if device.type in NO_FLOAT64_DEVICES else device
+
+
+def exact(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in float64, for sums that must stay exact (moments, digests), on :func:`exact_device` (so an Apple
+    GPU's statistics are the CPU's numbers, not float32's). The package's one door to float64."""
+    return values.to(exact_device(values.device), torch.float64)
+
+
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per chunk: ~110 positions of a 152k vocabulary
 
 
@@ -216,15 +231,15 @@ def _masked_moments(
     enough for float32 inputs.
     """
     valid = mask.bool()
-    selected = torch.where(valid, values, torch.zeros_like(values)).to(torch.float64)
-    sums = torch.stack([valid.sum().to(torch.float64), selected.sum(), (selected * selected).sum()])
+    selected = exact(torch.where(valid, values, torch.zeros_like(values)))
+    sums = torch.stack([exact(valid.sum()), selected.sum(), (selected * selected).sum()])
     if all_reduce is not None:
         sums = all_reduce(sums)
     count, total, total_sq = sums.unbind()
     n = count.clamp(min=1)
     mean = total / n
     var = (total_sq / n - mean * mean).clamp(min=0)
-    return mean.to(values.dtype), var.to(values.dtype), count
+    return mean.to(values.device, values.dtype), var.to(values.device, values.dtype), count
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:

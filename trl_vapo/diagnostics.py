@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .core import AllReduce
+from .core import AllReduce, exact
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE, POSITION_CORRELATION, REWARD, VALUE_LOSS
 
 logger = logging.getLogger(__name__)
@@ -47,14 +47,15 @@ def position_profile(
     """The mean of `values` [N, C] over valid tokens in each position bucket [edges[i], edges[i+1]); NaN for an
     empty bucket. The last bucket also holds the positions past the last edge (a `rollout_func`'s completions may
     be longer than `max_completion_length`). Pooled over processes with `all_reduce` (sums and counts, one call)."""
+    values = exact(values)
+    valid = mask.to(values.device).bool()
     positions = torch.arange(values.shape[1], device=values.device)
-    valid = mask.bool()
     sums, counts = [], []
     for low, high in zip(edges[:-1], edges[1:]):
         below = positions < high if high < edges[-1] else torch.ones_like(positions, dtype=torch.bool)
         in_bucket = valid & ((positions >= low) & below)[None, :]
-        sums.append(torch.where(in_bucket, values.double(), 0.0).sum())
-        counts.append(in_bucket.sum().double())
+        sums.append(torch.where(in_bucket, values, 0.0).sum())
+        counts.append(exact(in_bucket.sum()))
     totals = torch.stack(sums + counts)
     if all_reduce is not None:
         totals = all_reduce(totals)
@@ -65,11 +66,12 @@ def position_profile(
 def position_correlation(values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None = None) -> float:
     """Pearson's correlation between `values` [N, C] and the token position over valid tokens (NaN when either is
     constant). Pooled over processes with `all_reduce`."""
-    valid = mask.bool()
-    t = torch.arange(values.shape[1], device=values.device, dtype=torch.float64)[None, :].expand_as(values)
-    x = torch.where(valid, values.double(), 0.0)
+    values = exact(values)
+    valid = mask.to(values.device).bool()
+    t = exact(torch.arange(values.shape[1], device=values.device))[None, :].expand_as(values)
+    x = torch.where(valid, values, 0.0)
     t = torch.where(valid, t, 0.0)
-    moments = torch.stack([valid.sum().double(), x.sum(), t.sum(), (x * x).sum(), (t * t).sum(), (x * t).sum()])
+    moments = torch.stack([exact(valid.sum()), x.sum(), t.sum(), (x * x).sum(), (t * t).sum(), (x * t).sum()])
     if all_reduce is not None:
         moments = all_reduce(moments)
     n, sx, st, sxx, stt, sxt = moments.tolist()

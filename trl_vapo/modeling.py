@@ -43,7 +43,7 @@ from transformers import (
 )
 
 from ._compat import maybe_gather_lm_head_ctx
-from .core import lm_head_logprobs_and_entropy, token_logprobs_and_entropy
+from .core import exact, lm_head_logprobs_and_entropy, token_logprobs_and_entropy
 
 logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
 
@@ -903,7 +903,7 @@ def policy_fingerprint(policy: nn.Module) -> str:
         for name, param in policy.named_parameters():
             if of_adapter(name, CRITIC_ADAPTER):
                 continue
-            values = param.detach().to(torch.float64)
+            values = exact(param.detach())
             digest.update(
                 f"{name}:{tuple(param.shape)}:{values.sum().item():.6e}:{values.abs().sum().item():.6e}".encode()
             )

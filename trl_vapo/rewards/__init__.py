@@ -20,7 +20,9 @@ How a completion is scored by :func:`math_reward` (and by every reward built wit
 3. When both are plain numbers, :func:`fast_verdict` decides in-process (exact ``fractions.Fraction`` arithmetic)
    wherever its verdict provably equals math-verify's.
 4. Everything else goes to math-verify in a worker *process* (:class:`MathVerifyPool`) with a hard deadline: a worker
-   that overruns it is killed (and replaced), and the sample scores ``incorrect_reward``.
+   that overruns it is killed (and replaced), and the sample scores ``incorrect_reward``. On Windows, whose pipes the
+   pool cannot watch, math-verify runs in the training process without a deadline (:class:`.pool.InProcessVerifier`,
+   which warns once).
 
 Gold and prediction are read as math-verify reads them (``tests/test_rewards_math_verify.py`` compares the two on the
 same strings): several boxes next to each other, or in one math environment, are one answer (``\\boxed{2},

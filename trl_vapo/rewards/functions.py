@@ -10,7 +10,7 @@ from typing import Any
 
 from .answers import MAX_ANSWER_CHARS, extract_predicted_answer, find_last_boxed, normalize_gold_answer
 from .exact_numbers import fast_verdict, parse_plain_number
-from .pool import DEFAULT_MEMORY_LIMIT_MB, DEFAULT_TIMEOUT, MathVerifyPool, _shared_pool
+from .pool import DEFAULT_MEMORY_LIMIT_MB, DEFAULT_TIMEOUT, InProcessVerifier, MathVerifyPool, _shared_pool
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ class MathReward:
         )
 
     @property
-    def pool(self) -> MathVerifyPool:
-        """The worker pool this reward sends non-numeric answers to (shared per worker count, started lazily)."""
+    def pool(self) -> MathVerifyPool | InProcessVerifier:
+        """The worker pool this reward sends non-numeric answers to (shared per worker count, started lazily; on
+        Windows math-verify in this process, without the deadline)."""
         return _shared_pool(self.num_workers, self.memory_limit_mb)
 
     def _golds(self, kwargs: dict) -> list:

@@ -355,7 +355,7 @@ class MathVerifyPool:
 
 
 _LIVE_POOLS: weakref.WeakSet[MathVerifyPool] = weakref.WeakSet()
-_SHARED_POOLS: dict[tuple[int, int], MathVerifyPool] = {}
+_SHARED_POOLS: dict[tuple[int, int], MathVerifyPool | InProcessVerifier] = {}  # by (workers, memory cap)
 _SHARED_POOLS_LOCK = threading.Lock()
 _EXIT_HOOKS_PID: int | None = None
 
@@ -407,10 +407,71 @@ def _default_num_workers() -> int:
     return max(2, min(4, cpus // local_ranks))
 
 
-def _shared_pool(num_workers: int | None, memory_limit_mb: int | None) -> MathVerifyPool:
-    key = (num_workers or _default_num_workers(), memory_limit_mb or 0)
+class InProcessVerifier:
+    """math-verify in this process, with no deadline: :class:`MathVerifyPool`'s interface where its workers cannot run
+    (Windows, whose pipes ``select.poll`` cannot watch). An answer that keeps sympy busy (``9^{9^{9^{9}}}``) holds the
+    rollout until sympy gives up; the first call says so in a warning."""
+
+    def __init__(self) -> None:
+        self.stats = {"verified": 0, "timeouts": 0, "crashes": 0, "started": 0}
+        self._verify_pair = None
+        self._lock = threading.Lock()
+
+    def close(self, lock_timeout: float | None = None) -> None:
+        """Nothing to stop (no workers)."""
+
+    def verify(self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT) -> list[bool | None]:
+        """:meth:`MathVerifyPool.verify`, without its deadline."""
+        return self.verify_with_timeouts(pairs, timeout)[0]
+
+    def verify_with_timeouts(
+        self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT
+    ) -> tuple[list[bool | None], set[int]]:
+        """:meth:`MathVerifyPool.verify_with_timeouts`; no pair overruns (there is no deadline to overrun)."""
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        with self._lock:
+            if self._verify_pair is None:
+                logger.warning(
+                    "math-verify runs in the training process on this system (no select.poll for its worker "
+                    f"processes), without the {timeout:g} s deadline: an answer that keeps it busy holds the rollout."
+                )
+                try:
+                    self._verify_pair = _worker_module()._load_math_verify()
+                except ImportError as error:
+                    raise RuntimeError(f"math-verify cannot be imported: {error}") from error
+            results: list[bool | None] = []
+            for gold, pred in pairs:
+                try:
+                    results.append(self._verify_pair(gold, pred))
+                except Exception:  # noqa: BLE001 - as a worker: MemoryError, RecursionError, sympy bugs, not verified
+                    results.append(False)
+            self.stats["verified"] += len(pairs)
+        return results, set()
+
+
+def _worker_module():
+    """:mod:`.worker`, loaded by path as a worker loads it (this file has no relative imports)."""
+    import importlib.util
+
+    module = sys.modules.get("_trl_vapo_reward_worker")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_trl_vapo_reward_worker", _WORKER_FILE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[spec.name] = module
+    return module
+
+
+def _shared_pool(num_workers: int | None, memory_limit_mb: int | None) -> MathVerifyPool | InProcessVerifier:
+    """The pool of this worker count and memory cap (one per process); math-verify in-process where no pool can run."""
+    if hasattr(select, "poll"):
+        key = (num_workers or _default_num_workers(), memory_limit_mb or 0)
+    else:  # Windows: no worker processes
+        key = (0, 0)
     with _SHARED_POOLS_LOCK:
         pool = _SHARED_POOLS.get(key)
         if pool is None:
-            pool = _SHARED_POOLS[key] = MathVerifyPool(num_workers=key[0], memory_limit_mb=key[1])
+            pool = MathVerifyPool(num_workers=key[0], memory_limit_mb=key[1]) if key[0] else InProcessVerifier()
+            _SHARED_POOLS[key] = pool
         return pool

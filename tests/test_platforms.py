@@ -1,0 +1,157 @@
+"""What differs on the machines users have and the development VM (Linux, CPU) is not: Windows, Apple's MPS, other
+accelerators. None of them runs here, so each test states the platform's behaviour it stands in for; the CUDA
+variants run on the GPU machine (`benchmarks/gpu_suite.py`)."""
+
+from __future__ import annotations
+
+import ast
+import errno
+import fcntl
+import logging
+import os
+import random
+import select
+import signal
+import types
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import trl_vapo
+from trl_vapo import checkpoint as ckpt
+from trl_vapo.core import exact, exact_device
+from trl_vapo.rewards import MathReward
+from trl_vapo.rewards import pool as reward_pool
+
+
+def test_rng_states_come_back_on_the_device(device, tmp_path):
+    """A resumed run samples what the uninterrupted one would: Python's, NumPy's and torch's generators, the
+    accelerator's among them (on CUDA here; MPS and XPU go through the same `torch.accelerator` calls)."""
+    torch.rand(1, device=device)  # the device's generator exists before the save, as in a run that sampled
+
+    def draw():
+        return random.random(), np.random.rand(), torch.rand(3).tolist(), torch.rand(3, device=device).tolist()
+
+    ckpt.save_rng_state(tmp_path / "rng_state_0.safetensors")
+    expected = draw()
+    draw()
+    ckpt.load_rng_state(tmp_path / "rng_state_0.safetensors")
+    assert draw() == expected
+
+
+def _float64_uses(tree: ast.AST) -> list[int]:
+    """Lines that make float64 tensors: `torch.float64`/`torch.double`, `.double()`, `dtype="float64"`."""
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Attribute) and node.attr in ("float64", "double"))
+        or (isinstance(node, ast.Constant) and node.value == "float64")
+    )
+
+
+def test_float64_goes_through_the_one_door_that_keeps_it_off_apples_gpu():
+    """Apple's MPS has no float64 (`TypeError: Cannot convert a MPS Tensor to float64 dtype`): the first rollout's
+    statistics died there. Every float64 in the package goes through `core.exact`, which sums an MPS tensor's on the
+    CPU. MPS cannot run here: this reads the source, and the door's choice of device."""
+    root = Path(trl_vapo.__file__).parent
+    door = ast.parse((root / "core.py").read_text())
+    exact_lines = next(
+        range(node.lineno, node.end_lineno + 1)
+        for node in door.body
+        if isinstance(node, ast.FunctionDef) and node.name == "exact"
+    )
+    elsewhere = {
+        f"{path.relative_to(root)}:{line}"
+        for path in sorted(root.rglob("*.py"))
+        for line in _float64_uses(ast.parse(path.read_text()))
+        if not (path.name == "core.py" and path.parent == root and line in exact_lines)
+    }
+    assert not elsewhere, f"float64 outside core.exact (MPS has none): {sorted(elsewhere)}"
+    assert _float64_uses(ast.parse("x.double()\ntorch.float64\nt.to(dtype='float64')")) == [1, 2, 3]
+
+    assert exact_device(torch.device("mps")) == torch.device("cpu")
+    for kept in ("cpu", "cuda:1", "xpu"):
+        assert exact_device(torch.device(kept)) == torch.device(kept)
+    x = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert exact(x).dtype == torch.float64 and exact(x).tolist() == [1.0, 2.0]
+
+
+class _WindowsOs(types.ModuleType):
+    """`os` as `checkpoint.py` meets it on Windows: a folder cannot be opened (PermissionError), and `os.fsync`
+    (`_commit`, FlushFileBuffers) needs a handle that may write (EBADF otherwise). Everything else is this `os`."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def open(path, flags, *args, **kwargs):
+        if os.path.isdir(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return os.open(path, flags, *args, **kwargs)
+
+    @staticmethod
+    def fsync(fd):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        os.fsync(fd)
+
+
+def test_a_checkpoint_is_published_where_folders_cannot_be_flushed(tmp_path, monkeypatch):
+    """Every `save_model` and checkpoint flushes its files and folders before the rename that publishes them; on
+    Windows that raised (and `save_model` then removed the model it had written). Windows does not run here: its two
+    behaviours are emulated for `checkpoint.py`'s calls, with the module's Windows settings."""
+    monkeypatch.setattr(ckpt, "os", _WindowsOs("os"))
+    monkeypatch.setattr(ckpt, "FLUSH_FILE_MODE", "r+b")
+    monkeypatch.setattr(ckpt, "FLUSHES_FOLDERS", False)
+    final = tmp_path / "checkpoint-2"
+    for generation in ("first", "second"):  # a new checkpoint, then one that replaces it
+        tmp = ckpt.temporary_folder(final, "run")
+        (tmp / "critic").mkdir(parents=True)
+        (tmp / "model.safetensors").write_text(generation)
+        (tmp / "critic" / "value_head.safetensors").write_text(generation)
+        ckpt.publish(tmp, final)
+        assert (final / "model.safetensors").read_text() == generation
+        assert (final / "critic" / "value_head.safetensors").read_text() == generation
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+    monkeypatch.setattr(ckpt, "FLUSH_FILE_MODE", "rb")  # the emulation bites: a read-only handle cannot flush
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        ckpt.fsync_tree(final)
+
+
+def test_math_reward_verifies_in_process_where_no_worker_pool_can_run(monkeypatch, caplog):
+    """Windows has no `select.poll` for the worker pool's pipes: an answer that is not a plain number raised there.
+    There math-verify runs in the training process, without a deadline, and says so once. Windows does not run
+    here: `select.poll` is taken away; math-verify is the real one."""
+    monkeypatch.delattr(select, "poll")
+    monkeypatch.setattr(reward_pool, "_SHARED_POOLS", {})
+    children = {child.pid for child in psutil.Process().children()}
+    reward = MathReward(timeout=2.0)
+    completions = [r"\boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{x^2}", r"\boxed{2x}", "no box"]
+    with caplog.at_level(logging.WARNING, logger=reward_pool.__name__):
+        first = reward(completions, answer=[r"\frac12", r"\frac{1}{2}", "x^2", "x^2", "x^2"])
+        again = reward(completions[:3], answer=[r"\frac12", r"\frac{1}{2}", "2"])
+    assert first == [1.0, 1.0, 1.0, -1.0, -1.0]  # correct_reward, incorrect_reward
+    assert again == [1.0, 1.0, -1.0]
+    assert isinstance(reward.pool, reward_pool.InProcessVerifier)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "without the 2 s deadline" in caplog.records[0].message
+    assert {child.pid for child in psutil.Process().children()} <= children  # no worker process started
+
+
+def test_no_signal_is_forwarded_on_windows(monkeypatch):
+    """`trl-vapo train` with launcher arguments forwards SIGTERM/SIGINT to its launcher on POSIX. On Windows the
+    console gives Ctrl-C to every attached process, and psutil forwards only SIGTERM there (TerminateProcess: no
+    checkpoint), raising ValueError for SIGINT inside the handler: no handler is installed. `os.name` is Windows'
+    for the call alone."""
+    from trl_vapo.cli import _forward_signals_to_children
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "name", "nt")
+        replaced = _forward_signals_to_children()
+    assert replaced == {}
+    assert {signum: signal.getsignal(signum) for signum in before} == before
