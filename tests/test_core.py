@@ -361,6 +361,22 @@ def test_policy_loss_matches_naive_loop(loss_type):
     assert stats["clip_frac"].item() == pytest.approx((high + low).item())
     kl = ((ratio - 1) - (logprobs - old))[valid].mean()
     assert stats["approx_kl"].item() == pytest.approx(kl.item(), rel=1e-5)
+    # GRPOTrainer's clip_ratio/low_min and high_max: each sequence's clipped share's extremes (empty ones left out)
+    lengths[0] = 0
+    loss, stats = policy_loss(logprobs, old, advantages, mask_from_lengths(lengths, 10), 0.2, 0.28)
+    shares = [
+        (
+            sum(advantages[i, t] < 0 and ratio[i, t] < 0.8 for t in range(n)) / n,
+            sum(advantages[i, t] > 0 and ratio[i, t] > 1.28 for t in range(n)) / n,
+        )
+        for i, n in enumerate(lengths)
+        if n
+    ]
+    assert stats["clip_frac_low_min"].item() == pytest.approx(float(min(low for low, _ in shares)))
+    assert stats["clip_frac_high_max"].item() == pytest.approx(float(max(high for _, high in shares)))
+    assert stats["clip_frac_high_max"] > stats["clip_frac_high"] > 0  # the maximum is a sequence's, not the mean
+    _, stats = policy_loss(logprobs, old, advantages, torch.zeros_like(mask), 0.2, 0.28)
+    assert stats["clip_frac_low_min"] == math.inf and stats["clip_frac_high_max"] == -math.inf  # no sequence
 
 
 def naive_surrogate_terms(surrogate, logprobs, old, advantages, lengths, is_weights=None):

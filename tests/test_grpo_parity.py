@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections import defaultdict
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from helpers import comparable, digit_fraction, make_args, prompts_dataset, rl_l
 from transformers import AutoTokenizer
 from trl import GRPOTrainer
 
-from trl_vapo import VAPOTrainer
+from trl_vapo import VAPOTrainer, core
+from trl_vapo import trainer as trainer_module
 
 
 def test_the_constructor_takes_grpo_trainers_parameters_in_its_order():
@@ -158,6 +160,36 @@ def test_grpos_other_losses_train_on_vapos_advantages(tiny_model_dir, tmp_path, 
         assert all(0 < h["vespo/phi_seq_mean"] for h in logs)
         assert any(h["vespo/phi_seq_mean"] != pytest.approx(1.0, abs=1e-6) for h in logs)
     assert any(h["approx_kl"] > 0 for h in logs)  # the second passes were off-policy
+
+
+def test_the_clip_shares_extremes_are_logged_under_grpos_names(tiny_model_dir, tmp_path, monkeypatch):
+    """GRPOTrainer's `clip_ratio/low_min` and `clip_ratio/high_max`: the smallest and largest share of a sequence's
+    tokens clipped, over the step's sequences (two micro-batches here), beside the token means. A second pass over
+    each rollout with a narrow clip range clips some tokens."""
+    settings = dict(epsilon=0.02, epsilon_high=0.02, learning_rate=0.05, gradient_accumulation_steps=2)
+    args = make_args(tmp_path, num_iterations=2, max_steps=4, **settings)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    micro_batches = defaultdict(list)  # each step's micro-batches' extremes, as `core.vapo_loss` gave them
+
+    def vapo_loss(*args, **kwargs):
+        loss, stats = core.vapo_loss(*args, **kwargs)
+        if "clip_ratio/low_min" in stats:
+            extremes = stats["clip_ratio/low_min"].item(), stats["clip_ratio/high_max"].item()
+            micro_batches[trainer.state.global_step + 1].append(extremes)
+        return loss, stats
+
+    monkeypatch.setattr(trainer_module, "vapo_loss", vapo_loss)
+    trainer.train()
+    logs = rl_logs(trainer)
+    assert len(logs) == 4 and all(len(micro_batches[log["step"]]) == 2 for log in logs)
+    for log in logs:  # the step's: the smallest of its micro-batches' minima, the largest of their maxima
+        lows, highs = zip(*micro_batches[log["step"]])
+        assert log["clip_ratio/low_min"] == pytest.approx(min(lows))
+        assert log["clip_ratio/high_max"] == pytest.approx(max(highs))
+        assert 0 <= log["clip_ratio/low_min"] <= log["clip_ratio/low_mean"] <= 1
+        assert 0 <= log["clip_ratio/high_mean"] <= log["clip_ratio/high_max"] <= 1
+    assert [log["clip_ratio/high_max"] > log["clip_ratio/high_mean"] for log in logs] == [False, True, False, True]
+    assert any(len(set(micro_batches[log["step"]])) == 2 for log in logs)  # the micro-batches differ somewhere
 
 
 def test_cispos_cap_below_one_is_named(tiny_model_dir, tmp_path, caplog):

@@ -1379,6 +1379,8 @@ COMPARED = [
     "entropy",
     "approx_kl",
     "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
 ]
 
 

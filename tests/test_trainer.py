@@ -50,6 +50,8 @@ REQUIRED_METRICS = [
     "lambda_actor/mean",
     "clip_ratio/low_mean",
     "clip_ratio/high_mean",
+    "clip_ratio/low_min",  # GRPOTrainer's
+    "clip_ratio/high_max",  # GRPOTrainer's
     "approx_kl",
     "entropy",
     "loss/nll",

@@ -529,7 +529,9 @@ def policy_loss(
         ``(loss, stats)`` where ``stats`` holds detached means over this call's valid tokens: ``approx_kl``
         (``E[(rho - 1) - log rho]``) and ``ratio`` (mean rho); under ``"ppo"`` ``clip_frac_low`` (negative
         advantage, ratio clipped at ``1 - epsilon_low``), ``clip_frac_high`` (positive advantage, ratio clipped at
-        ``1 + epsilon_high``) and ``clip_frac`` (either); under ``"cispo"`` ``clip_frac_high`` (positive advantage,
+        ``1 + epsilon_high``) and ``clip_frac`` (either), and over the sequences with a valid token the smallest
+        share of a sequence's tokens clipped low, ``clip_frac_low_min`` (inf without one), and the largest clipped
+        high, ``clip_frac_high_max`` (-inf without one); under ``"cispo"`` ``clip_frac_high`` (positive advantage,
         weight capped at ``epsilon_high``); under ``"vespo"`` ``phi`` (the mean weight phi(w_i)).
     """
     if loss_type not in ("token", "sequence", "luspo"):
@@ -557,6 +559,12 @@ def policy_loss(
             stats["clip_frac_low"] = masked_mean(low.float(), mask)
             stats["clip_frac_high"] = masked_mean(high.float(), mask)
             stats["clip_frac"] = masked_mean((low | high).float(), mask)
+            # GRPOTrainer's extremes over the sequences (those with a valid token): each one's clipped share
+            scored = valid.any(dim=1)
+            low_share, high_share = masked_mean(low.float(), mask, dim=1), masked_mean(high.float(), mask, dim=1)
+            inf = torch.tensor(math.inf, device=ratio.device)
+            stats["clip_frac_low_min"] = torch.where(scored, low_share, inf).amin()
+            stats["clip_frac_high_max"] = torch.where(scored, high_share, -inf).amax()
     elif surrogate == "cispo":
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs
         with torch.no_grad():
@@ -837,7 +845,8 @@ def vapo_loss(
     ``tokens``, ``sequences`` and ``positive_tokens``, so that summing the micro-batches' losses gives the step's
     token-level mean (see :func:`policy_loss`). Returns the loss and detached statistics: ``loss/value``,
     ``loss/policy``, ``loss/nll`` (each a micro-batch's share of the step's mean, so they sum over micro-batches) and
-    token means over this micro-batch of the clip fractions and ``approx_kl``.
+    token means over this micro-batch of the clip fractions and ``approx_kl``, and the extremes over its sequences
+    ``clip_ratio/low_min`` and ``clip_ratio/high_max``.
     """
     mask = batch["mask"]
     if values is None and logprobs is None:
@@ -889,6 +898,7 @@ def vapo_loss(
     # GRPOTrainer's names: its clip fractions for PPO, `cispo_clip_ratio`, `vespo/phi_seq_mean` (SAPO has none).
     high = "cispo_clip_ratio" if surrogate == "cispo" else "clip_ratio/high_mean"
     names = {"clip_frac_low": "clip_ratio/low_mean", "clip_frac_high": high, "clip_frac": "clip_ratio/region_mean"}
+    names |= {"clip_frac_low_min": "clip_ratio/low_min", "clip_frac_high_max": "clip_ratio/high_max"}
     names["phi"] = "vespo/phi_seq_mean"
     stats.update({names[key]: value for key, value in pg_stats.items() if key in names})
     stats["approx_kl"] = pg_stats["approx_kl"]

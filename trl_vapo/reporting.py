@@ -33,6 +33,9 @@ SEQUENCE_REWARD, ADVANTAGE, VALUE_FIRST, VALUE_LAST = "reward", "advantage", "va
 _RESERVED = {STEP, PROMPT, COMPLETION, SEQUENCE_REWARD, ADVANTAGE, VALUE_FIRST, VALUE_LAST}
 MISSING = "-"  # how a reward no function gave (None / NaN) or an undefined statistic is printed
 
+# Step metrics reduced by their extreme over the step's sequences and processes, not as token means: GRPOTrainer's.
+STEP_EXTREMES = {"clip_ratio/low_min": torch.amin, "clip_ratio/high_max": torch.amax}
+
 # What the progress bar says in each phase of `TrainingProgress.phase`.
 PHASE_LABELS = {"value_pretrain": "value pretraining", "rl": "RL"}
 
@@ -516,9 +519,23 @@ class MetricsMixin:
         for key, value in metrics.items():
             self._metrics[key].append(value)
 
-    def _record_step(self, sums: dict[str, torch.Tensor], grad_norms: dict[str, torch.Tensor]) -> None:
+    def _record_step(
+        self,
+        sums: dict[str, torch.Tensor],
+        grad_norms: dict[str, torch.Tensor],
+        extremes: dict[str, list[torch.Tensor]],
+    ) -> None:
         keys = sorted(sums)
         totals = dict(zip(keys, self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
+        # The extremes over every sequence of the step, on every process (gathered: every process has the same keys).
+        extreme_keys = sorted(extremes)
+        if extreme_keys:
+            local = torch.stack([STEP_EXTREMES[k](torch.stack(extremes[k])) for k in extreme_keys])
+            gathered = self.accelerator.gather(local[None]).view(-1, len(extreme_keys))
+            for key, value in zip(extreme_keys, gathered.unbind(dim=1)):
+                value = STEP_EXTREMES[key](value).item()
+                if math.isfinite(value):  # a step without a scored sequence has none
+                    self._metrics[key].append(value)
         world = self.accelerator.num_processes
         self._metrics["skipped_steps"] = [float(self.progress.skipped_steps)]  # a running count: the latest
         tokens = totals.pop("_tokens")

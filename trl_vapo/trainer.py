@@ -115,7 +115,13 @@ from .modeling import (
     value_function_name,
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
-from .reporting import NUMBERS_ONLY_TRACKERS, MetricsMixin, PhaseProgressCallback, leave_text_out_of_logs
+from .reporting import (
+    NUMBERS_ONLY_TRACKERS,
+    STEP_EXTREMES,
+    MetricsMixin,
+    PhaseProgressCallback,
+    leave_text_out_of_logs,
+)
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
 from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
@@ -916,6 +922,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=mask.device))
+        extremes: dict[str, list[torch.Tensor]] = defaultdict(list)
         controls_entropy = trains_policy and args.use_adaptive_entropy
         entropy_reading = torch.zeros(2, device=mask.device)  # the controller's: the entropy's sum and its tokens
         micro_batches = rows.split(args.per_device_train_batch_size)
@@ -942,7 +949,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                         out.get("logprobs"), out.get("values"), batch, entropy=out.get("entropy"), **masks, **settings
                     )
                     for key, value in stats.items():  # losses are shares of the step's mean; the rest token means
-                        sums[key] += value if key.startswith("loss") else value * n
+                        if key in STEP_EXTREMES:  # but the extremes over sequences
+                            extremes[key].append(value)
+                        else:
+                            sums[key] += value if key.startswith("loss") else value * n
                     if "entropy" in out:
                         sums["entropy"] += masked_mean(out["entropy"].detach(), batch["mask"]) * n
                         if controls_entropy:  # over the tokens the bonus acts on, as GRPOTrainer's controller
@@ -995,7 +1005,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             clear_device_cache()  # as transformers.Trainer: the allocator's cached blocks go back to the device
 
         self.state.global_step += 1
-        self._record_step(sums, grad_norms)
+        self._record_step(sums, grad_norms, extremes)
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         self._log_evaluate_save()
 
