@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import errno
 import fcntl
+import json
 import logging
 import os
 import random
@@ -40,6 +41,48 @@ def test_rng_states_come_back_on_the_device(device, tmp_path):
     draw()
     ckpt.load_rng_state(tmp_path / "rng_state_0.safetensors")
     assert draw() == expected
+
+
+def test_an_accelerators_generators_are_saved_and_restored_under_its_name(tmp_path, monkeypatch):
+    """MPS and XPU do not run here: stand-ins with the interface of torch's device modules (`get_rng_state(index)`,
+    `set_rng_state(state, index)`, `is_initialized()` where CUDA and XPU have it, MPS not), as torch returns them.
+    States go under `torch_<type>_<index>` (CUDA's key before this change too), come back on that accelerator only,
+    and are not read before CUDA has started (reading would start it)."""
+    from safetensors import safe_open
+
+    restored = {}
+
+    def accelerator(kind, started=True):
+        module = types.SimpleNamespace(
+            get_rng_state=lambda index: torch.tensor([index, 7], dtype=torch.uint8),
+            set_rng_state=lambda state, index: restored.__setitem__((kind, index), state.tolist()),
+        )
+        if kind != "mps":
+            module.is_initialized = lambda: started
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device(kind))
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+        monkeypatch.setattr(torch, "get_device_module", lambda device: module)
+
+    def saved_keys(path):
+        with safe_open(str(path), framework="pt") as handle:
+            return sorted(key for key in handle.keys() if key.startswith("torch_") and key != "torch_cpu")
+
+    for kind, started, keys in [("mps", True, ["torch_mps_0", "torch_mps_1"]), ("cuda", False, [])]:
+        accelerator(kind, started)
+        ckpt.save_rng_state(tmp_path / f"{kind}.safetensors")
+        assert saved_keys(tmp_path / f"{kind}.safetensors") == keys
+    accelerator("cuda")
+    ckpt.save_rng_state(tmp_path / "cuda.safetensors")
+    assert saved_keys(tmp_path / "cuda.safetensors") == ["torch_cuda_0", "torch_cuda_1"]
+
+    accelerator("mps")
+    ckpt.load_rng_state(tmp_path / "mps.safetensors")
+    ckpt.load_rng_state(tmp_path / "cuda.safetensors")  # another accelerator's states are left unread
+    assert restored == {("mps", 0): [0, 7], ("mps", 1): [1, 7]}
+    restored.clear()
+    accelerator("cuda", started=False)  # setting a state needs no started device
+    ckpt.load_rng_state(tmp_path / "cuda.safetensors")
+    assert restored == {("cuda", 0): [0, 7], ("cuda", 1): [1, 7]}
 
 
 def _float64_uses(tree: ast.AST) -> list[int]:
@@ -129,6 +172,7 @@ def test_math_reward_verifies_in_process_where_no_worker_pool_can_run(monkeypatc
     monkeypatch.delattr(select, "poll")
     monkeypatch.setattr(reward_pool, "_SHARED_POOLS", {})
     children = {child.pid for child in psutil.Process().children()}
+    levels = {name: logging.getLogger(name).level for name in ("math_verify", "latex2sympy2_extended")}
     reward = MathReward(timeout=2.0)
     completions = [r"\boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{x^2}", r"\boxed{2x}", "no box"]
     with caplog.at_level(logging.WARNING, logger=reward_pool.__name__):
@@ -140,6 +184,7 @@ def test_math_reward_verifies_in_process_where_no_worker_pool_can_run(monkeypatc
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "without the 2 s deadline" in caplog.records[0].message
     assert {child.pid for child in psutil.Process().children()} <= children  # no worker process started
+    assert {name: logging.getLogger(name).level for name in levels} == levels  # the user's math-verify still speaks
 
 
 def test_no_signal_is_forwarded_on_windows(monkeypatch):
@@ -155,3 +200,17 @@ def test_no_signal_is_forwarded_on_windows(monkeypatch):
         replaced = _forward_signals_to_children()
     assert replaced == {}
     assert {signum: signal.getsignal(signum) for signum in before} == before
+
+
+def test_eval_runs_on_the_cpu_where_torch_was_built_for_a_gpu_that_is_not_there(tiny_model_dir, monkeypatch, capsys):
+    """PyPI's Linux torch is a CUDA build: on a machine without a GPU `torch.accelerator` still names CUDA unless
+    asked whether one is present. The torch here is a CPU build: `current_accelerator` answers as a CUDA build does."""
+    from trl_vapo.cli import main
+
+    def current_accelerator(check_available=False):
+        return None if check_available else torch.device("cuda")
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", current_accelerator)
+    command = ["eval", "--model", str(tiny_model_dir), "--num_prompts", "2", "--k", "1", "--max_new_tokens", "4"]
+    assert main(command) == 0
+    assert json.loads(capsys.readouterr().out)["num_problems"] == 2

@@ -1406,6 +1406,9 @@ def test_grpos_objective_settings_train_alike_on_two_processes_and_one(tiny_mode
         "entropy_coef": 0.01,
         "entropy_target": 100.0,  # above any entropy of this vocabulary: the coefficient rises by delta each step
         "multi_objective_aggregation": "normalize_then_sum",
+        # a narrow clip range for the script's second passes (num_iterations 2): GRPO's clip shares' extremes
+        "epsilon": 0.02,
+        "epsilon_high": 0.02,
     }
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "3", "--value-pretrain-steps", "1"]
     reward_model = tiny_model_dir.parent / "reward-model"  # (test_distributed's, where both files run)
@@ -1420,6 +1423,7 @@ def test_grpos_objective_settings_train_alike_on_two_processes_and_one(tiny_mode
     assert sorted(one) == sorted(two)
     rl = [step for step in one if one[step]["phase"] == "rl"]
     assert [one[step]["entropy_coef"] for step in rl] == pytest.approx([0.015, 0.02, 0.025])
+    assert any(one[step]["clip_ratio/low_min"] > 0 for step in rl)  # a second pass clipped every sequence some
     for step in one:
         keys = [*COMPARED, "entropy_coef", "loss/entropy_bonus"]
         assert_same_log(two[step], one[step], keys=keys, rel=1e-4, context=f"step {step}, 2 vs 1 process")

@@ -357,15 +357,18 @@ def apply_resumed_settings(optimizer, scheduler, asked: list[dict], schedules: l
             group["lr"] = base * schedule(scheduler.last_epoch)
 
 
-def _accelerator_rng():
-    """(device type, its torch module) of the accelerator this process has started (CUDA, MPS, XPU, ...), whose
-    generators sample on it; None on the CPU alone, or before the accelerator starts (asking would start it)."""
+def _accelerator_rng(started: bool):
+    """(device type, its torch module) of the accelerator present here (CUDA, MPS, XPU, ...), whose generators
+    sample on it; None on the CPU alone. ``started``: only once this process has started it (its generators exist;
+    reading them would start it). Setting a state is lazy (CUDA's and XPU's apply once they start)."""
     device = torch.accelerator.current_accelerator(check_available=True)
     if device is None:
         return None
     module = torch.get_device_module(device.type)
-    started = getattr(module, "is_initialized", None)  # MPS has none: it is started once available
-    return None if started is not None and not started() else (device.type, module)
+    is_initialized = getattr(module, "is_initialized", None)  # MPS has none: it is started once available
+    if started and is_initialized is not None and not is_initialized():
+        return None
+    return device.type, module
 
 
 def save_rng_state(path: Path) -> None:
@@ -373,7 +376,7 @@ def save_rng_state(path: Path) -> None:
     safetensors with JSON metadata."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors = {"torch_cpu": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
-    accelerator = _accelerator_rng()
+    accelerator = _accelerator_rng(started=True)
     if accelerator is not None:
         kind, module = accelerator
         for index in range(torch.accelerator.device_count()):
@@ -398,12 +401,12 @@ def load_rng_state(path: Path) -> None:
     np_name, np_pos, np_has_gauss, np_gauss = json.loads(metadata["numpy"])
     np.random.set_state((np_name, tensors["numpy_keys"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
     torch.set_rng_state(tensors["torch_cpu"])
-    device = torch.accelerator.current_accelerator(check_available=True)
-    if device is not None:
-        module = torch.get_device_module(device.type)
-        for key, state in tensors.items():
-            kind, _, index = key.removeprefix("torch_").rpartition("_")
-            if kind == device.type and int(index) < torch.accelerator.device_count():
+    accelerator = _accelerator_rng(started=False)
+    if accelerator is not None:
+        kind, module = accelerator
+        for key, state in tensors.items():  # `torch_<device type>_<index>`; another accelerator's states stay unread
+            key_kind, _, index = key.removeprefix("torch_").rpartition("_")
+            if key_kind == kind and int(index) < torch.accelerator.device_count():
                 module.set_rng_state(state, int(index))
 
 

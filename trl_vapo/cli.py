@@ -968,7 +968,8 @@ def eval_command(argv: list[str]) -> int:
         model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    device = torch.accelerator.current_accelerator() or torch.device("cpu")  # as training picks: CUDA, MPS, XPU, ...
+    # As training picks: an accelerator present here (CUDA, MPS, XPU, ...), not merely built into torch; else the CPU.
+    device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     model.to(device)
     for reward_model in (f for f in reward_funcs if isinstance(getattr(f, "model", None), torch.nn.Module)):
         reward_model.model.to(device)  # beside the policy (it loaded on the CPU)

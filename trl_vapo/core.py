@@ -530,8 +530,8 @@ def policy_loss(
         (``E[(rho - 1) - log rho]``) and ``ratio`` (mean rho); under ``"ppo"`` ``clip_frac_low`` (negative
         advantage, ratio clipped at ``1 - epsilon_low``), ``clip_frac_high`` (positive advantage, ratio clipped at
         ``1 + epsilon_high``) and ``clip_frac`` (either), and over the sequences with a valid token the smallest
-        share of a sequence's tokens clipped low, ``clip_frac_low_min`` (inf without one), and the largest clipped
-        high, ``clip_frac_high_max`` (-inf without one); under ``"cispo"`` ``clip_frac_high`` (positive advantage,
+        share of a sequence's tokens clipped low, ``clip_frac_low_min`` (1 without one), and the largest clipped
+        high, ``clip_frac_high_max`` (0 without one); under ``"cispo"`` ``clip_frac_high`` (positive advantage,
         weight capped at ``epsilon_high``); under ``"vespo"`` ``phi`` (the mean weight phi(w_i)).
     """
     if loss_type not in ("token", "sequence", "luspo"):
@@ -559,12 +559,12 @@ def policy_loss(
             stats["clip_frac_low"] = masked_mean(low.float(), mask)
             stats["clip_frac_high"] = masked_mean(high.float(), mask)
             stats["clip_frac"] = masked_mean((low | high).float(), mask)
-            # GRPOTrainer's extremes over the sequences (those with a valid token): each one's clipped share
+            # GRPOTrainer's extremes over the sequences (those with a valid token) of each one's clipped share; a
+            # share lies in [0, 1], so 1 and 0 are the minimum's and the maximum's neutral values (no sequence)
             scored = valid.any(dim=1)
             low_share, high_share = masked_mean(low.float(), mask, dim=1), masked_mean(high.float(), mask, dim=1)
-            inf = torch.tensor(math.inf, device=ratio.device)
-            stats["clip_frac_low_min"] = torch.where(scored, low_share, inf).amin()
-            stats["clip_frac_high_max"] = torch.where(scored, high_share, -inf).amax()
+            stats["clip_frac_low_min"] = torch.where(scored, low_share, 1.0).amin()
+            stats["clip_frac_high_max"] = torch.where(scored, high_share, 0.0).amax()
     elif surrogate == "cispo":
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs
         with torch.no_grad():

@@ -527,15 +527,6 @@ class MetricsMixin:
     ) -> None:
         keys = sorted(sums)
         totals = dict(zip(keys, self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
-        # The extremes over every sequence of the step, on every process (gathered: every process has the same keys).
-        extreme_keys = sorted(extremes)
-        if extreme_keys:
-            local = torch.stack([STEP_EXTREMES[k](torch.stack(extremes[k])) for k in extreme_keys])
-            gathered = self.accelerator.gather(local[None]).view(-1, len(extreme_keys))
-            for key, value in zip(extreme_keys, gathered.unbind(dim=1)):
-                value = STEP_EXTREMES[key](value).item()
-                if math.isfinite(value):  # a step without a scored sequence has none
-                    self._metrics[key].append(value)
         world = self.accelerator.num_processes
         self._metrics["skipped_steps"] = [float(self.progress.skipped_steps)]  # a running count: the latest
         tokens = totals.pop("_tokens")
@@ -545,6 +536,13 @@ class MetricsMixin:
             # Losses were already normalised by the global count: their sum over processes / world is the step's
             # loss. The other entries are token-weighted sums of per-micro-batch means.
             self._metrics[key].append(value / world if key.startswith("loss") else value / tokens)
+        # The extremes over every sequence of the step, on every process (gathered: every process has the same keys).
+        extreme_keys = sorted(extremes)
+        if extreme_keys:
+            local = torch.stack([STEP_EXTREMES[k](torch.stack(extremes[k])) for k in extreme_keys])
+            gathered = self.accelerator.gather(local[None]).view(-1, len(extreme_keys))
+            for key, values in zip(extreme_keys, gathered.unbind(dim=1)):
+                self._metrics[key].append(STEP_EXTREMES[key](values).item())
         bonus = self.args.entropy_coef > 0 or self.args.use_adaptive_entropy
         if bonus and "loss/policy" in totals:  # GRPOTrainer's names, with its entropy bonus
             self._metrics["policy_loss"].append(totals["loss/policy"] / world)  # the policy's loss before the bonus

@@ -56,6 +56,10 @@ def _worker_main(argv: list[str]) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
         except (ImportError, ValueError, OSError):
             pass
+    for name in ("math_verify", "math_verify.parser", "math_verify.grader", "latex2sympy2_extended"):
+        # With its own timeouts off math-verify warns once per process; the parent enforces the deadline. (Here, not
+        # in `_load_math_verify`: the in-process verifier must not silence the training process's math-verify.)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         verify_pair = _load_math_verify()
         # The first parse builds the ANTLR parser and compiles math-verify's regexes; do it before reporting ready so
@@ -79,10 +83,7 @@ def _worker_main(argv: list[str]) -> None:
 
 
 def _load_math_verify() -> Callable[[str, str | None], bool | None]:
-    """Import math-verify in the worker and return ``verify_pair(gold, pred) -> True | False | None (bad gold)``."""
-    for name in ("math_verify", "math_verify.parser", "math_verify.grader", "latex2sympy2_extended"):
-        # With its own timeouts off math-verify warns once per process; the parent enforces the deadline.
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    """Import math-verify and return ``verify_pair(gold, pred) -> True | False | None (bad gold)``."""
     from functools import lru_cache
 
     from latex2sympy2_extended import NormalizationConfig
