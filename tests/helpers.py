@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -210,3 +211,18 @@ class StandInVLLMGeneration(VLLMGeneration):
             logprobs.append([[scores[t, token].item()] for t, token in enumerate(tokens)])
         token_ids = [[[token] for token in row] for row in completions]
         return prompts, completions, logprobs, token_ids
+
+
+class PoisonedTrainer(VAPOTrainer):
+    """Puts NaN into the old values and the returns of the rollouts listed in `poisoned` (0-based), making those
+    steps' loss NaN (value pretraining reads only the returns)."""
+
+    poisoned: set[int] = set()
+
+    def _make_rollout(self, rows, phase, *args):
+        rollout = super()._make_rollout(rows, phase, *args)
+        self.rollout_index = getattr(self, "rollout_index", -1) + 1
+        if self.rollout_index in self.poisoned:
+            rollout.old_values = torch.full_like(rollout.old_values, math.nan)
+            rollout.returns = torch.full_like(rollout.returns, math.nan)
+        return rollout

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import digit_fraction, make_args, prompts_dataset, rl_logs
+from helpers import PoisonedTrainer, digit_fraction, make_args, prompts_dataset, rl_logs
 from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import BitsAndBytesConfig
@@ -259,3 +259,44 @@ def test_qlora_without_adapters_or_without_bitsandbytes_fails_before_loading(tmp
             train_dataset=prompts_dataset(),
             peft_config=lora_config(),
         )
+
+
+def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale(tiny_model_dir, tmp_path, device):
+    """fp16, for GPUs without bf16 (a T4, a V100): the loss is scaled, and the gradients unscaled once a step
+    before the policy's and the critic's are clipped apart (torch refuses a second unscale: the first step crashed).
+    A gradient the scale overflows skips the update and lowers the scale, as under transformers' Trainer, and is no
+    non-finite step (patience 1 here); the scale is checkpointed and resumed. On CUDA accelerate's scaler is replaced
+    by one that starts from a chosen scale. On the CPU accelerate gives fp16 neither autocast nor a scaler: the
+    stand-in is torch's CPU GradScaler and fp16 autocast, put where accelerate puts them on a GPU."""
+    import math
+
+    def train(name, init_scale, max_steps=2, poisoned=(), **overrides):
+        args = make_args(tmp_path / name, fp16=True, use_cpu=device == "cpu", max_steps=max_steps, **overrides)
+        PoisonedTrainer.poisoned = set(poisoned)  # those rollouts' losses are NaN
+        trainer = PoisonedTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+        trainer.accelerator.native_amp = True  # fp16 autocast (accelerate's own on a GPU)
+        scaler = torch.amp.GradScaler(device, init_scale=init_scale, backoff_factor=2.0**-10, growth_interval=10**6)
+        trainer.accelerator.scaler = scaler
+        trainer.train(resume_from_checkpoint=overrides.get("resume_from_checkpoint"))
+        return trainer
+
+    unscaled, scaled = train("one", 1.0), train("scaled", 2.0**16)
+    # Unscaled once: the gradient norms without a scale (twice would read 1/65536 of them, never 65536 times them).
+    scaled_norms = [h["grad_norm/policy"] for h in rl_logs(scaled)] + [h["grad_norm/critic"] for h in rl_logs(scaled)]
+    norms = [h["grad_norm/policy"] for h in rl_logs(unscaled)] + [h["grad_norm/critic"] for h in rl_logs(unscaled)]
+    assert scaled_norms == pytest.approx(norms, rel=1e-2) and scaled.progress.skipped_steps == 0
+
+    saved = dict(save_strategy="steps", save_steps=4)
+    overflowed = train("overflow", 2.0**40, max_steps=4, nonfinite_loss_patience=1, **saved)
+    finite = [math.isfinite(h["grad_norm"]) for h in rl_logs(overflowed)]
+    skipped = overflowed.progress.skipped_steps
+    assert not finite[0] and finite[-1] and skipped == finite.count(False)  # overflows first, then trains
+    assert overflowed.accelerator.scaler.get_scale() == 2.0 ** (40 - 10 * skipped)
+    resumed = train("overflow", 1.0, max_steps=5, resume_from_checkpoint=True)
+    assert resumed.state.global_step == 5 and resumed.accelerator.scaler.get_scale() == 2.0 ** (40 - 10 * skipped)
+
+    # A NaN loss is the model's, not the scale's: a non-finite step, counted; the scaler's step is closed all the same
+    # (its next unscale would be refused), and the next step trains.
+    poisoned = train("nan", 2.0**8, max_steps=3, poisoned={1})
+    assert [math.isfinite(h["loss"]) for h in rl_logs(poisoned)] == [True, False, True]
+    assert poisoned.progress.skipped_steps == 1 and math.isfinite(rl_logs(poisoned)[-1]["grad_norm"])

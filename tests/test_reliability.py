@@ -22,7 +22,7 @@ import pytest
 import torch
 from _script_process import ScriptProcess, run_ranks, run_script
 from datasets import Dataset
-from helpers import digit_fraction, make_args, prompts_dataset
+from helpers import PoisonedTrainer, digit_fraction, make_args, prompts_dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -454,21 +454,6 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
         third.train(resume_from_checkpoint=str(checkpoint))
     with pytest.raises(ValueError, match="not a complete trl-vapo checkpoint"):
         third.train(resume_from_checkpoint=str(tmp_path))
-
-
-class PoisonedTrainer(VAPOTrainer):
-    """Puts NaN into the old values and the returns of the rollouts listed in `poisoned` (0-based), making those
-    steps' loss NaN (value pretraining reads only the returns)."""
-
-    poisoned: set[int] = set()
-
-    def _make_rollout(self, rows, phase, *args):
-        rollout = super()._make_rollout(rows, phase, *args)
-        self.rollout_index = getattr(self, "rollout_index", -1) + 1
-        if self.rollout_index in self.poisoned:
-            rollout.old_values = torch.full_like(rollout.old_values, math.nan)
-            rollout.returns = torch.full_like(rollout.returns, math.nan)
-        return rollout
 
 
 def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):

@@ -59,8 +59,17 @@ DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
 # With sync_ref_model the KL penalty's reference moves with the policy (TR-DPO): a resume needs it as it was.
 REFERENCE_FILE = "reference_model.safetensors"
+SCALER_FILE = "scaler.pt"  # fp16's loss scaler (accelerate's name)
 # A checkpoint's files that only a resume reads: the model pushed to the Hub's root leaves them out.
-TRAINING_STATE = ["optimizer.pt", "scheduler.pt", "rng_state_*", "trainer_state.json", REFERENCE_FILE, COMPLETE_MARKER]
+TRAINING_STATE = [
+    "optimizer.pt",
+    "scheduler.pt",
+    SCALER_FILE,
+    "rng_state_*",
+    "trainer_state.json",
+    REFERENCE_FILE,
+    COMPLETE_MARKER,
+]
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -720,6 +729,8 @@ class SavingMixin:
             if not self.is_deepspeed_enabled:
                 torch.save(optimizer_state, tmp / "optimizer.pt")
             torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+            if self.accelerator.scaler is not None:  # fp16's loss scale, where it has come to
+                torch.save(self.accelerator.scaler.state_dict(), tmp / SCALER_FILE)
         if main:
             if self.state.best_global_step == self.state.global_step:  # `metric_for_best_model`'s best so far
                 self.state.best_model_checkpoint = str(final)
@@ -807,6 +818,8 @@ class SavingMixin:
             self._load_weights(path)
             # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+            if self.accelerator.scaler is not None and (path / SCALER_FILE).is_file():  # else fp16 starts its scale
+                self.accelerator.scaler.load_state_dict(torch.load(path / SCALER_FILE, weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         apply_resumed_settings(self.optimizer, self.lr_scheduler, asked, schedules)
         stateful = self.state.stateful_callbacks

@@ -12,7 +12,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
-from .distributed import check_deepspeed_config
+from .distributed import check_deepspeed_config, uses_deepspeed
 from .generation import VLLM_DEFAULTS
 from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
 
@@ -699,16 +699,13 @@ class VAPOConfig(TrainingArguments):
             # `torchrun` on a machine without GPUs: transformers only sets up CPU data parallelism (gloo) when told
             # `use_cpu`; without it every process would silently train alone on the same output folder.
             self.use_cpu = True
-        if self.fp16:
-            # fp16's loss scaling (accelerate's GradScaler) unscales an optimizer once a step, and absorbs an overflow
-            # by skipping that step and halving its scale. This trainer clips the policy's and the critic's gradients
-            # apart (a second unscale, which torch refuses: the first RL step would fail after the models loaded), and
-            # skips a step whose gradients are not finite itself (the scale would never come down, and the run would
-            # stop after `nonfinite_loss_patience` steps). Refused until a GPU run tests a fix.
+        fsdp = bool(self.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+        if self.fp16 and (uses_deepspeed(self) or fsdp):
+            # DeepSpeed's and FSDP2's fp16 bring loss scalers of their own, which VAPO's separate clipping of the
+            # policy's and the critic's gradients has not been made to work with.
             raise ValueError(
-                "fp16=True is not supported: its loss scaling does not work with the separate clipping of the "
-                "policy's and the critic's gradients. Use bf16 (a GPU from Ampere on: leave bf16 unset) or float32 "
-                "(fp16 false: on a T4 or V100, float32 with LoRA)."
+                "fp16=True is supported on one process and under DDP, not with DeepSpeed or FSDP: use bf16 there (a "
+                "GPU from Ampere on: leave bf16 unset), or float32 with LoRA."
             )
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _cuda_supports_bf16()

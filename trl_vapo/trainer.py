@@ -979,22 +979,27 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 for p in self.actor_critic.policy_parameters():
                     p.grad = None
         grad_norms = self._clip_gradients(trains_policy)
-        checks = torch.stack([sums["loss"].float(), *(n.float().to(mask.device) for n in grad_norms.values())])
-        # Over every process, so that every process skips, or none: the non-finite checks, and the tokens that train.
-        counts = torch.stack([(~torch.isfinite(checks)).sum().float(), sums["_tokens"].float()])
-        nonfinite, trained_tokens, entropy_sum, entropy_tokens = self._all_reduce(
+        step_loss, norms = sums["loss"].float(), [n.float().to(mask.device) for n in grad_norms.values()]
+        # Over every process, so that every process skips, or none: a non-finite loss, the non-finite gradient norms
+        # (fp16's loss scale may overflow them alone), and the tokens that train.
+        nonfinite_norms = sum((~torch.isfinite(n)).float() for n in norms) if norms else torch.zeros_like(step_loss)
+        counts = torch.stack([(~torch.isfinite(step_loss)).float(), nonfinite_norms, sums["_tokens"].float()])
+        nonfinite_loss, nonfinite_grads, trained_tokens, entropy_sum, entropy_tokens = self._all_reduce(
             torch.cat([counts, entropy_reading])
         ).tolist()
         self._note_learning_rates()
+        scaler = self.accelerator.scaler
         with policy_held:
-            if nonfinite == 0 and trained_tokens > 0:
+            if nonfinite_loss == nonfinite_grads == 0 and trained_tokens > 0:
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self._apply_update()
                 self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
                 self.progress.consecutive_nonfinite_steps = 0
                 if controls_entropy and entropy_tokens > 0:
                     self._control_entropy(entropy_sum / entropy_tokens)
-            elif nonfinite:
+            elif nonfinite_loss == 0 and scaler is not None and scaler.get_scale() >= 1:
+                self._skip_fp16_overflow(scaler)
+            elif nonfinite_loss or nonfinite_grads:
                 self._skip_nonfinite_step()
             else:
                 self._skip_untrained_step()
@@ -1075,13 +1080,27 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
     def _drop_update(self) -> None:
         """No optimizer step this time (Adam's momentum and weight decay would move the weights even on zero
         gradients). DeepSpeed's engine must still close the step: NaN gradients make it skip the update and clear
-        them itself."""
+        them itself. fp16's loss scaler closes its step too (its gradients were unscaled: `_clip_gradients`)."""
         if self.is_deepspeed_enabled:
             for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
                 for fragment in deepspeed_local_gradients(params):
                     fragment.fill_(math.nan)
             self.model_wrapped.step()
+        elif self.accelerator.scaler is not None:
+            self.accelerator.scaler.update()
         self.progress.skipped_steps += 1
+
+    def _skip_fp16_overflow(self, scaler) -> None:
+        """fp16's loss scale overflowed a gradient (the loss is finite): the scaler skips the update and halves the
+        scale, as it does under transformers' Trainer. Not a non-finite step: the first steps of a run calibrate the
+        scale so. Once the scale is below 1, inf gradients are the model's own, and count (`_skip_nonfinite_step`)."""
+        scale = scaler.get_scale()
+        self._apply_update()  # the scaler's step: no update, the scale lowered
+        self.progress.skipped_steps += 1
+        logger.info(
+            f"Step {self.state.global_step + 1}: fp16's loss scale {scale:g} overflowed a gradient; the update is "
+            f"skipped and the scale is now {scaler.get_scale():g}."
+        )
 
     def _skip_untrained_step(self) -> None:
         """Drop the update of a step in which no token trains: no completion in it was scored (or each scored one
@@ -1117,6 +1136,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if with_policy:
             sides.insert(0, ("policy", self.actor_critic.policy_parameters()))
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+        fp16_scaled = self.accelerator.scaler is not None
+        if fp16_scaled:  # unscaled once for both sides: accelerate's clipping unscales, and torch allows one a step
+            self.accelerator.unscale_gradients()
         for side, params in sides:
             if self.is_deepspeed_enabled:
                 norm = clip_deepspeed_gradients_(params, max_norm, self._all_reduce, self.accelerator.device)
@@ -1124,7 +1146,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 params = [p for p in params if p.grad is not None]
                 if not params:
                     continue
-                if max_norm is not None:
+                if max_norm is not None and fp16_scaled:
+                    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                elif max_norm is not None:
                     norm = self.accelerator.clip_grad_norm_(params, max_norm)
                 else:
                     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
