@@ -334,6 +334,7 @@ def test_training_arguments_that_act_only_in_transformers_loop_are_named_when_se
     from trl_vapo.config import settings_without_effect
 
     assert settings_without_effect(make_args(tmp_path)) == []
+    assert settings_without_effect(make_args(tmp_path, use_cpu=True)) == []  # (transformers' own pinning off)
     args = make_args(tmp_path, dataloader_pin_memory=False, skip_memory_metrics=False, debug="underflow_overflow")
     assert [s.split("=")[0] for s in settings_without_effect(args)] == [
         "debug",

@@ -14,7 +14,7 @@ import torch
 from helpers import PoisonedTrainer, digit_fraction, make_args, prompts_dataset, rl_logs
 from peft import LoraConfig
 from safetensors.torch import load_file
-from transformers import BitsAndBytesConfig
+from transformers import BitsAndBytesConfig, TrainerCallback
 
 from trl_vapo import VAPOConfig, VAPOTrainer
 
@@ -261,6 +261,17 @@ def test_qlora_without_adapters_or_without_bitsandbytes_fails_before_loading(tmp
         )
 
 
+class WeightsAtStepEnds(TrainerCallback):
+    """Keeps the trainer's trainable weights after each step, by step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainable = [p.detach().clone() for p in self.trainer.actor_critic.parameters() if p.requires_grad]
+        self.trainer.weights_by_step[state.global_step] = trainable
+
+
 def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale(tiny_model_dir, tmp_path, device):
     """fp16, for GPUs without bf16 (a T4, a V100): the loss is scaled, and the gradients unscaled once a step
     before the policy's and the critic's are clipped apart (torch refuses a second unscale: the first step crashed).
@@ -270,10 +281,17 @@ def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale
     stand-in is torch's CPU GradScaler and fp16 autocast, put where accelerate puts them on a GPU."""
     import math
 
-    def train(name, init_scale, max_steps=2, poisoned=(), **overrides):
+    def train(name, init_scale, max_steps=2, poisoned=(), unscored=(), **overrides):
         args = make_args(tmp_path / name, fp16=True, use_cpu=device == "cpu", max_steps=max_steps, **overrides)
         PoisonedTrainer.poisoned = set(poisoned)  # those rollouts' losses are NaN
-        trainer = PoisonedTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+
+        def reward(completions, trainer_state, **kwargs):  # None (unscored) at the steps in `unscored` (0-based)
+            scores = digit_fraction(completions, **kwargs)
+            return [None] * len(scores) if trainer_state.global_step in unscored else scores
+
+        trainer = PoisonedTrainer(str(tiny_model_dir), reward, args, prompts_dataset())
+        trainer.weights_by_step = {}
+        trainer.add_callback(WeightsAtStepEnds(trainer))
         trainer.accelerator.native_amp = True  # fp16 autocast (accelerate's own on a GPU)
         scaler = torch.amp.GradScaler(device, init_scale=init_scale, backoff_factor=2.0**-10, growth_interval=10**6)
         trainer.accelerator.scaler = scaler
@@ -296,7 +314,12 @@ def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale
     assert resumed.state.global_step == 5 and resumed.accelerator.scaler.get_scale() == 2.0 ** (40 - 10 * skipped)
 
     # A NaN loss is the model's, not the scale's: a non-finite step, counted; the scaler's step is closed all the same
-    # (its next unscale would be refused), and the next step trains.
+    # (its next unscale would be refused) at the same scale, and the next step trains.
     poisoned = train("nan", 2.0**8, max_steps=3, poisoned={1})
     assert [math.isfinite(h["loss"]) for h in rl_logs(poisoned)] == [True, False, True]
     assert poisoned.progress.skipped_steps == 1 and math.isfinite(rl_logs(poisoned)[-1]["grad_norm"])
+    assert poisoned.accelerator.scaler.get_scale() == 2.0**8
+    # A step with nothing scored is skipped without an optimizer step (Adam's momentum would move the weights).
+    unscored = train("unscored", 2.0**8, max_steps=2, unscored={1})
+    before, after = unscored.weights_by_step[1], unscored.weights_by_step[2]
+    assert unscored.progress.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, after))

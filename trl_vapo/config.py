@@ -700,7 +700,8 @@ class VAPOConfig(TrainingArguments):
             # `use_cpu`; without it every process would silently train alone on the same output folder.
             self.use_cpu = True
         fsdp = bool(self.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-        if self.fp16 and (uses_deepspeed(self) or fsdp):
+        fp16 = self.fp16 or os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp16"  # accelerate launch's
+        if fp16 and (uses_deepspeed(self) or fsdp):
             # DeepSpeed's and FSDP2's fp16 bring loss scalers of their own, which VAPO's separate clipping of the
             # policy's and the critic's gradients has not been made to work with.
             raise ValueError(
@@ -1146,6 +1147,7 @@ _WITHOUT_EFFECT = (
 def settings_without_effect(args: VAPOConfig) -> list[str]:
     """``name=value`` of each `_WITHOUT_EFFECT` field set to other than `TrainingArguments`' default."""
     defaults = {f.name: f.default for f in fields(TrainingArguments) if f.name in _WITHOUT_EFFECT}
+    defaults["dataloader_pin_memory"] &= not args.use_cpu  # transformers turns it off itself with use_cpu
     changed = [name for name in _WITHOUT_EFFECT if (getattr(args, name) or None) != (defaults[name] or None)]
     return [f"{name}={getattr(args, name)!r}" for name in changed]
 

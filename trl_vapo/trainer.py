@@ -997,7 +997,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self.progress.consecutive_nonfinite_steps = 0
                 if controls_entropy and entropy_tokens > 0:
                     self._control_entropy(entropy_sum / entropy_tokens)
-            elif nonfinite_loss == 0 and scaler is not None and scaler.get_scale() >= 1:
+            elif nonfinite_grads and nonfinite_loss == 0 and scaler is not None and scaler.get_scale() >= 1:
                 self._skip_fp16_overflow(scaler)
             elif nonfinite_loss or nonfinite_grads:
                 self._skip_nonfinite_step()
@@ -1080,14 +1080,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
     def _drop_update(self) -> None:
         """No optimizer step this time (Adam's momentum and weight decay would move the weights even on zero
         gradients). DeepSpeed's engine must still close the step: NaN gradients make it skip the update and clear
-        them itself. fp16's loss scaler closes its step too (its gradients were unscaled: `_clip_gradients`)."""
+        them itself. fp16's loss scaler closes its step too (its gradients were unscaled: `_clip_gradients`), at the
+        same scale: what is skipped here is no overflow of the scale's."""
         if self.is_deepspeed_enabled:
             for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
                 for fragment in deepspeed_local_gradients(params):
                     fragment.fill_(math.nan)
             self.model_wrapped.step()
         elif self.accelerator.scaler is not None:
-            self.accelerator.scaler.update()
+            self.accelerator.scaler.update(self.accelerator.scaler.get_scale())
         self.progress.skipped_steps += 1
 
     def _skip_fp16_overflow(self, scaler) -> None:
