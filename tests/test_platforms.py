@@ -214,3 +214,15 @@ def test_eval_runs_on_the_cpu_where_torch_was_built_for_a_gpu_that_is_not_there(
     command = ["eval", "--model", str(tiny_model_dir), "--num_prompts", "2", "--k", "1", "--max_new_tokens", "4"]
     assert main(command) == 0
     assert json.loads(capsys.readouterr().out)["num_problems"] == 2
+
+
+def test_bf16_is_the_default_only_on_a_gpu_that_computes_in_it_natively(monkeypatch):
+    """torch's `is_bf16_supported()` says yes on a T4 or a V100, which emulate bf16 (no tensor cores for it): the
+    default there is float32, with a warning naming fp16. No GPU here: torch.cuda's answers stand in for a T4's."""
+    from trl_vapo import config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert not config._cuda_supports_bf16() and config._cuda_without_native_bf16()
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
+    assert config._cuda_supports_bf16() and not config._cuda_without_native_bf16()

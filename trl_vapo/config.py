@@ -710,6 +710,12 @@ class VAPOConfig(TrainingArguments):
             )
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _cuda_supports_bf16()
+            if not self.bf16 and not self.fp16 and not self.use_cpu and _cuda_without_native_bf16():
+                warnings.warn(
+                    "This GPU has no native bf16 (a T4, a V100: before Ampere), so training runs in float32. "
+                    "fp16=True computes in fp16 with loss scaling (faster); bf16=True emulates bf16.",
+                    stacklevel=3,
+                )
         if self.bf16 and not self.use_cpu and not _bf16_accelerator():  # what transformers refuses, and its fix
             raise ValueError(
                 "bf16=True needs an accelerator with bf16 (a CUDA GPU from Ampere on, ...) and this machine has none: "
@@ -1210,7 +1216,15 @@ def _bf16_accelerator() -> bool:
     return is_torch_bf16_gpu_available() or is_torch_xla_available()
 
 
-def _cuda_supports_bf16() -> bool:
+def _cuda_without_native_bf16() -> bool:
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.cuda.is_available() and not _cuda_supports_bf16()
+
+
+def _cuda_supports_bf16() -> bool:
+    """A CUDA GPU that computes in bf16 natively (from Ampere on). torch's own check says yes on a T4 or a V100 too,
+    which emulate bf16 without tensor cores for it: fp16 or float32 is the faster choice there."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)

@@ -387,8 +387,10 @@ def _gae_right_padded(
 
 def last_valid_position(mask: torch.Tensor) -> torch.Tensor:
     """[B] the position of each row's last valid token in `mask` [B, T] (holes allowed), -1 for a row without one."""
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    return torch.where(mask.bool(), positions, -1).amax(dim=1)
+    # The maximum of position + 1 over valid tokens (0 elsewhere), so that no row is all negative: torch 2.13's MPS
+    # kernel read 0 for the int64 maximum of a row of negative numbers.
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * positions).amax(dim=1) - 1
 
 
 def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
