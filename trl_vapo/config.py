@@ -710,7 +710,7 @@ class VAPOConfig(TrainingArguments):
             )
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _cuda_supports_bf16()
-            if not self.bf16 and not self.fp16 and not self.use_cpu and _cuda_without_native_bf16():
+            if not self.bf16 and not fp16 and not self.use_cpu and _cuda_without_native_bf16():
                 warnings.warn(
                     "This GPU has no native bf16 (a T4, a V100: before Ampere), so training runs in float32. "
                     "fp16=True computes in fp16 with loss scaling (faster); bf16=True emulates bf16.",

@@ -56,7 +56,31 @@ class _Worker:
         self.deadline = 0.0
 
 
-class MathVerifyPool:
+class _Verifier:
+    """What the worker pool and the in-process verifier share: :meth:`verify` and the checks of
+    :meth:`verify_with_timeouts`; each implements ``_verify``."""
+
+    def verify(self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT) -> list[bool | None]:
+        """Verify ``(gold_answer, predicted_answer)`` pairs; one verdict per pair, in order.
+
+        A predicted answer of ``None`` only checks that the gold parses (``False``, or ``None`` for a bad gold).
+        Raises ``RuntimeError`` when math-verify cannot run at all (e.g. it is not installed).
+        """
+        return self.verify_with_timeouts(pairs, timeout)[0]
+
+    def verify_with_timeouts(
+        self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT
+    ) -> tuple[list[bool | None], set[int]]:
+        """Like :meth:`verify`, also returning the indices of the pairs that overran the deadline (scored False)."""
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        return self._verify(list(pairs), timeout)
+
+    def _verify(self, pairs: list[tuple[str, str | None]], timeout: float) -> tuple[list[bool | None], set[int]]:
+        raise NotImplementedError
+
+
+class MathVerifyPool(_Verifier):
     """A small pool of math-verify worker processes with a hard per-pair deadline.
 
     ``verify(pairs, timeout)`` verifies ``(gold_answer, predicted_answer)`` pairs in parallel, one pair in flight per
@@ -199,23 +223,10 @@ class MathVerifyPool:
 
     # -- verification ----------------------------------------------------------------------------------------------
 
-    def verify(self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT) -> list[bool | None]:
-        """Verify ``(gold_answer, predicted_answer)`` pairs; one verdict per pair, in order.
-
-        A predicted answer of ``None`` only checks that the gold parses (``False``, or ``None`` for a bad gold).
-        Raises ``RuntimeError`` when workers cannot start at all (e.g. math-verify is not installed).
-        """
-        return self.verify_with_timeouts(pairs, timeout)[0]
-
-    def verify_with_timeouts(
-        self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT
-    ) -> tuple[list[bool | None], set[int]]:
-        """Like :meth:`verify`, also returning the indices of the pairs that overran the deadline (scored False)."""
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
+    def _verify(self, pairs: list[tuple[str, str | None]], timeout: float) -> tuple[list[bool | None], set[int]]:
         with self._owned_lock():
             try:
-                return self._run(list(pairs), timeout)
+                return self._run(pairs, timeout)
             except BaseException:
                 # An exception (a KeyboardInterrupt, a signal handler raising) leaves busy workers computing answers
                 # nobody will read: stop them so that the next call starts clean (it starts replacements).
@@ -407,7 +418,7 @@ def _default_num_workers() -> int:
     return max(2, min(4, cpus // local_ranks))
 
 
-class InProcessVerifier:
+class InProcessVerifier(_Verifier):
     """math-verify in this process, with no deadline: :class:`MathVerifyPool`'s interface where its workers cannot run
     (Windows, whose pipes ``select.poll`` cannot watch). An answer that keeps sympy busy (``9^{9^{9^{9}}}``) holds the
     rollout until sympy gives up; the first call says so in a warning."""
@@ -420,16 +431,8 @@ class InProcessVerifier:
     def close(self, lock_timeout: float | None = None) -> None:
         """Nothing to stop (no workers)."""
 
-    def verify(self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT) -> list[bool | None]:
-        """:meth:`MathVerifyPool.verify`, without its deadline."""
-        return self.verify_with_timeouts(pairs, timeout)[0]
-
-    def verify_with_timeouts(
-        self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT
-    ) -> tuple[list[bool | None], set[int]]:
-        """:meth:`MathVerifyPool.verify_with_timeouts`; no pair overruns (there is no deadline to overrun)."""
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
+    def _verify(self, pairs: list[tuple[str, str | None]], timeout: float) -> tuple[list[bool | None], set[int]]:
+        # No pair overruns: there is no deadline to overrun.
         with self._lock:
             if self._verify_pair is None:
                 logger.warning(
