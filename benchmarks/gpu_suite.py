@@ -25,7 +25,8 @@ Parts (``PARTS``), each in fresh processes:
                    and without), the log-probs through the LM head in tiles (TRL's fused-head kernel) against the
                    plain computation, QLoRA's 4-bit kernels (only where bitsandbytes is installed: the ``qlora``
                    wheels), continuous batching's paged attention against ``generate()``, the static-cache engine
-                   against ``generate()`` and its CUDA graph against its eager step, and FSDP2 on one GPU
+                   against ``generate()`` and its CUDA graph against its eager step, FSDP2 on one GPU, fp16's loss
+                   scaling, and the CUDA generators' states restored on resuming
     trainer-lora   ``bench_gpu.py`` at Qwen2.5-0.5B shapes (random weights), VAPO (its defaults: the static-cache
                    engine on a GPU; ``bench_gpu.py --methods vapo-lora-generate`` for ``generate()``) and GRPO (as TRL
                    runs it: ``generate()``) with LoRA: step time split (generation, scoring: rewards and the old
@@ -113,6 +114,7 @@ CUDA_TEST_FILES = [
     "tests/test_generation.py",  # continuous batching's paged attention
     "tests/test_static_cache_engine.py",  # the static-cache engine: exact against generate(), CUDA graphs
     "tests/test_distributed.py",  # FSDP2 on one GPU
+    "tests/test_platforms.py",  # the accelerator's random generators, saved and restored
 ]
 PARTS = ("tests", "trainer-lora", "generation", "trainer-full", "trainer-1.5B")
 TRAINER_PARTS = {  # part: (size, methods)

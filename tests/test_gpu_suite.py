@@ -166,3 +166,23 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
     for part in ("tests", "generation"):  # past the limit: not started
         assert report["parts"][part]["status"] == "skipped" and report["parts"][part]["why"].startswith("limit: ")
     assert "tests: not run (limit: " in stdout
+
+
+def test_every_test_file_with_cuda_tests_is_one_the_gpu_run_runs():
+    """`gpu_suite.py` runs `pytest -m cuda` on `CUDA_TEST_FILES` alone: a file whose CUDA tests are not listed would
+    never run them on a GPU (tests marked `cuda`, or taking the `device` fixture, whose CUDA case is marked)."""
+    import ast
+
+    def has_cuda_tests(tree: ast.AST) -> bool:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+                if any(arg.arg == "device" for arg in node.args.args):
+                    return True
+            if isinstance(node, ast.Attribute) and node.attr == "cuda" and getattr(node.value, "attr", None) == "mark":
+                return True
+        return False
+
+    root = Path(__file__).parent
+    with_cuda = sorted(f"tests/{p.name}" for p in root.glob("test_*.py") if has_cuda_tests(ast.parse(p.read_text())))
+    assert "tests/test_static_cache_engine.py" in with_cuda and "tests/test_logprobs.py" in with_cuda  # both kinds
+    assert with_cuda == sorted(gpu_suite.CUDA_TEST_FILES)
