@@ -712,8 +712,9 @@ class VAPOConfig(TrainingArguments):
             self.bf16 = not self.fp16 and _cuda_supports_bf16()
             if not self.bf16 and not fp16 and not self.use_cpu and _cuda_without_native_bf16():
                 warnings.warn(
-                    "This GPU has no native bf16 (a T4, a V100: before Ampere), so training runs in float32. "
-                    "fp16=True computes in fp16 with loss scaling (faster); bf16=True emulates bf16.",
+                    "This GPU has no native bf16 (a T4, a V100: before Ampere), so bf16 mixed precision stays off "
+                    "(bf16=True would emulate it). fp16=True computes in fp16 with loss scaling, faster; and load the "
+                    "model in float16 or float32 (`dtype`), not bfloat16, whose frozen weights compute emulated.",
                     stacklevel=3,
                 )
         if self.bf16 and not self.use_cpu and not _bf16_accelerator():  # what transformers refuses, and its fix
