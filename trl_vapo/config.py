@@ -713,8 +713,9 @@ class VAPOConfig(TrainingArguments):
             if not self.bf16 and not fp16 and not self.use_cpu and _cuda_without_native_bf16():
                 warnings.warn(
                     "This GPU has no native bf16 (a T4, a V100: before Ampere), so bf16 mixed precision stays off "
-                    "(bf16=True would emulate it). fp16=True computes in fp16 with loss scaling, faster; and load the "
-                    "model in float16 or float32 (`dtype`), not bfloat16, whose frozen weights compute emulated.",
+                    "(bf16=True would emulate it). fp16=True computes in fp16, which these GPUs' tensor cores run, "
+                    "with loss scaling; and load the model in float16 or float32 (`dtype`), not bfloat16, whose "
+                    "frozen weights compute emulated.",
                     stacklevel=3,
                 )
         if self.bf16 and not self.use_cpu and not _bf16_accelerator():  # what transformers refuses, and its fix
@@ -1225,7 +1226,7 @@ def _cuda_without_native_bf16() -> bool:
 
 def _cuda_supports_bf16() -> bool:
     """A CUDA GPU that computes in bf16 natively (from Ampere on). torch's own check says yes on a T4 or a V100 too,
-    which emulate bf16 without tensor cores for it: fp16 or float32 is the faster choice there."""
+    which emulate bf16 (their tensor cores run fp16, not bf16; no speed was measured here)."""
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
