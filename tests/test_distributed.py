@@ -322,6 +322,8 @@ def test_groups_held_out_leave_their_weights_and_adam_state_alone_and_name_a_mis
         ({"zero_stage": 3, "use_transformers_continuous_batching": True, "gather": False}, "ZeRO-3 shards"),
         ({"zero_stage": 3, "use_transformers_continuous_batching": True, "gather": True}, None),
         ({"zero_stage": 2, "use_transformers_continuous_batching": True, "gather": False}, None),
+        ({"zero_stage": 0}, "ZeRO stage 0 is not supported.*zero_stage 1, 2 or 3"),
+        ({"zero_stage": 1}, None),
     ],
 )
 def test_setups_that_would_clip_apart_or_hang_are_refused(tmp_path, monkeypatch, setup, refused):
@@ -353,12 +355,41 @@ def test_setups_that_would_clip_apart_or_hang_are_refused(tmp_path, monkeypatch,
             check_distributed_setup(accelerator, args)
 
 
-def test_the_gradient_norm_of_a_rank_without_fragments_is_reduced_on_its_device():
+def test_the_gradient_norm_is_reduced_on_the_process_device_wherever_its_fragments_are():
+    """NCCL refuses a CPU tensor. A rank without fragments of a side's gradients summed on the CPU, and so did one
+    whose fragments are on the CPU (ZeRO's optimizer offload: each fragment a view of the CPU gradient buffer;
+    stood in for by a parameter with ZeRO-1/2's mapping to one, the "meta" device standing in for the GPU)."""
+    from types import SimpleNamespace
+
     from trl_vapo.distributed import clip_deepspeed_gradients_
 
+    param = torch.nn.Parameter(torch.zeros(3))
+    offloaded = torch.tensor([1.0, 2.0, 2.0])
+    param._hp_mapping = SimpleNamespace(get_lp_grad_fragment=lambda index: offloaded)
+    param._index_in_param_group = 0
     seen = []
-    clip_deepspeed_gradients_([], None, lambda t: seen.append(t.device) or t, device="meta")
-    assert seen == [torch.device("meta")]  # NCCL refuses a CPU tensor: this rank's sum was on the CPU before
+    for params in ([], [param]):
+        clip_deepspeed_gradients_(params, None, lambda t: seen.append(t.device) or t, device="meta")
+    assert seen == [torch.device("meta")] * 2
+    norm = clip_deepspeed_gradients_([param], 1.5, lambda t: t, device="cpu")
+    assert norm.item() == 3.0 and torch.allclose(offloaded, torch.tensor([0.5, 1.0, 1.0]), atol=1e-5)  # clipped
+
+
+def test_a_dropped_step_under_zero12_optimizer_offload_raises_its_overflow_flag():
+    """ZeRO-1/2 with optimizer offload skips a step on the `local_overflow` flag it sets while copying the gradients to
+    the CPU (DeepSpeed's `has_overflow` reads nothing else there), so the NaN that `_drop_update` writes afterwards
+    went unseen. Stand-ins with the attributes DeepSpeed's optimizers have (offload needs DeepSpeed's CPU Adam, and
+    a skipped step's real check a GPU): accelerate's wrapper > the ZeRO optimizer > the torch optimizer."""
+    from types import SimpleNamespace
+
+    from trl_vapo.distributed import mark_offload_overflow
+
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    for offloaded in (True, False):
+        zero = SimpleNamespace(cpu_offload=offloaded, local_overflow=False, optimizer=adam)
+        mark_offload_overflow(SimpleNamespace(optimizer=zero))
+        assert zero.local_overflow == offloaded
+    mark_offload_overflow(adam)  # no DeepSpeed: nothing to set
 
 
 def test_zero3_weights_are_gathered_for_saving_one_module_at_a_time(tiny_model_dir, monkeypatch):

@@ -140,6 +140,18 @@ def test_reentrant_checkpointing_with_the_shared_base_critic_is_refused(tiny_mod
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def test_torch_dtype_is_read_as_dtype(tiny_model_dir, tmp_path):
+    """`torch_dtype`, transformers' former name for `dtype` (many configs still use it), was silently ignored:
+    transformers takes `dtype` over it, and the trainer passes dtype=float32 unless told."""
+    args = make_args(tmp_path, model_init_kwargs={"torch_dtype": "bfloat16"})
+    assert args.model_init_kwargs == {"dtype": "bfloat16"}
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=lora_config())
+    frozen = [p for p in trainer.actor_critic.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    with pytest.raises(ValueError, match=r"both dtype \('float32'\) and torch_dtype \('bfloat16'\).*keep dtype"):
+        make_args(tmp_path, model_init_kwargs={"dtype": "float32", "torch_dtype": "bfloat16"})
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])
 def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(
     tiny_model_dir, tmp_path, lora, device

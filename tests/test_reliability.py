@@ -323,7 +323,12 @@ def test_reward_function_returning_the_wrong_count_is_an_error(tiny_model_dir, t
 
 
 def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_path, caplog):
-    def sometimes_nan(completions, **kwargs):
+    """NaN and inf count as no score, and their share is logged on every rollout: 0 on a rollout with none (logged
+    only where there were some, its average over a logging window would overstate them)."""
+
+    def sometimes_nan(completions, trainer_state, **kwargs):
+        if trainer_state.global_step % 2:  # every other rollout is clean
+            return [0.5] * len(completions)
         return [math.nan if i % 4 == 0 else (math.inf if i % 4 == 1 else 0.5) for i in range(len(completions))]
 
     trainer = VAPOTrainer(
@@ -333,9 +338,10 @@ def test_nan_and_inf_rewards_are_masked_warned_and_counted(tiny_model_dir, tmp_p
         trainer.train()
     assert sum("NaN or inf" in r.message for r in caplog.records) == 1
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    assert len(logs) == trainer.state.max_steps
-    assert all(h["rewards/sometimes_nan/non_finite_count"] == 4 for h in logs)
-    assert all(h["rewards/unscored_fraction"] == 0.5 for h in logs)
+    assert len(logs) == trainer.state.max_steps >= 2
+    shares = [h["rewards/sometimes_nan/non_finite_fraction"] for h in logs]
+    assert shares == [0.5 if i % 2 == 0 else 0.0 for i in range(len(logs))]
+    assert [h["rewards/unscored_fraction"] for h in logs] == shares
     assert all(h["reward"] == 0.5 and math.isfinite(h["loss/value"]) for h in logs)
 
 

@@ -420,6 +420,26 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     assert "@article{yue2025vapo" in content and "@software{vonwerra2020trl" in content
 
 
+def test_a_checkpoints_card_names_the_pretrained_critic_without_a_local_path(vapo_args, tmp_path):
+    """The card pushed while training is a checkpoint's, and the critic value pretraining left is in the run's
+    output_dir, not in the checkpoint: it gave that folder's absolute path (the trainer's home and user name, on the
+    Hub, where the folder is not uploaded)."""
+    out = tmp_path / "run"
+    card = build_model_card(
+        base_model="Qwen/Qwen2.5-0.5B-Instruct",
+        output_dir=out / "checkpoint-20",
+        args=vapo_args,
+        hub_model_id="me/vapo",
+        value_pretraining={"rollouts": 15, "best_explained_variance": 0.36},
+        pretrained_critic_dir=out / "value_pretrained_critic",
+        log_history=HISTORY,
+    )
+    content = str(card)
+    named = "the critic as value pretraining left it: `value_pretrained_critic/` in the training run's `output_dir`"
+    assert named in content.lower()
+    assert str(tmp_path) not in content
+
+
 def test_card_of_a_hub_base_model_and_dataset(vapo_args, tmp_path):
     card = build_model_card(
         base_model="Qwen/Qwen2.5-0.5B-Instruct",

@@ -69,7 +69,10 @@ def test_pickled_weights_are_never_unpickled(tiny_model_dir, tmp_path):
     marker = tmp_path / "unpickled"
     with open(model_dir / "pytorch_model.bin", "wb") as f:
         pickle.dump(Tripwire(marker), f)
-    with pytest.raises(OSError, match="model.safetensors"):
+    # The error says why safetensors, and how to load pickled weights one trusts (transformers' asked the user to
+    # unset `use_safetensors=True`, which they never set).
+    explained = r"model.safetensors.*unpickling.*model_init_kwargs=\{'use_safetensors': False\}"
+    with pytest.raises(OSError, match=explained):
         VAPOTrainer(
             model=str(model_dir), reward_funcs=constant, args=args(tmp_path), train_dataset=prompts_dataset(16)
         )

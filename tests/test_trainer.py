@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -1158,7 +1159,12 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     trainer.train()
     repo = tmp_path / "hub" / "me" / "vapo"
     assert 'model="me/vapo"' in (repo / "README.md").read_text()  # a card before save_model (GRPOTrainer's)
-    trainer.save_model()
+    debris = Path(args.output_dir) / ".checkpoint-9.a-stopped-run.tmp"  # what a stopped run may leave
+    debris.mkdir()
+    (debris / "model.safetensors").write_bytes(b"half")
+    with trainer.holding_output_dir():  # as `trl-vapo train` saves: the run's lock is there
+        assert (Path(args.output_dir) / ".vapo_run.lock").is_file()
+        trainer.save_model()
     assert hub.commits == [
         "Training in progress, step 1",
         "Training in progress, step 1, checkpoint",
@@ -1171,7 +1177,7 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     assert 'model="me/vapo"' in (repo / "README.md").read_text()
     root = {p.name for p in repo.iterdir()}
     assert not root & {"optimizer.pt", "scheduler.pt", "trainer_state.json", "vapo_state.json", ".vapo_run.lock"}
-    assert not [name for name in root if name.startswith(("checkpoint-", "."))]
+    assert not [name for name in root if name.startswith(("checkpoint-", "."))]  # nor the lock, nor the debris
 
     more = make_args(tmp_path / "resumed", max_steps=3, per_device_train_batch_size=8)
     resumed = VAPOTrainer(

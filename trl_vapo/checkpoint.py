@@ -563,6 +563,48 @@ class SavingMixin:
         if self.args.push_to_hub and not _internal_call:  # as transformers: a user's save is pushed
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs,
+    ):
+        """transformers' `Trainer.push_to_hub` (the model saved, its card written, `output_dir` uploaded), leaving out
+        this trainer's own files there as well: transformers skips only `_*` and `checkpoint-*`, and while a run
+        holds `output_dir` (`trl-vapo train` saves and pushes inside `holding_output_dir`) it holds the run's lock
+        (`.vapo_run.lock`: PID, host, start time), and maybe a stopped run's half-written `.<name>.<run>.tmp`."""
+        from transformers.trainer import hf_api
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        model_name = kwargs.pop("model_name", None)
+        if model_name is None and self.args.should_save:
+            model_name = (self.args.hub_model_id or Path(self.args.output_dir).name).split("/")[-1]
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        model_tags = getattr(self.model, "model_tags", None) or []
+        if model_tags:  # the model's own tags with the caller's, as transformers adds them
+            tags = kwargs.get("tags") or []
+            tags = [tags] if isinstance(tags, str) else list(tags)
+            kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
+        self.create_model_card(model_name=model_name, **kwargs)
+        self._finish_current_push()
+        return hf_api().upload_folder(
+            repo_id=self.hub_model_id,
+            folder_path=self.args.output_dir,
+            commit_message=commit_message,
+            token=token,
+            run_as_future=not blocking,
+            ignore_patterns=["_*", f"{CHECKPOINT_PREFIX}-*", ".*"],
+            revision=revision if revision is not None else self.args.hub_revision,
+        )
+
     @contextlib.contextmanager
     def _full_weights(self):
         """Under ZeRO-3 and FSDP2 each rank holds a shard of every weight: gather them for saving (a collective:

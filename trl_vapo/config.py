@@ -15,6 +15,7 @@ from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config, uses_deepspeed
 from .generation import VLLM_DEFAULTS
 from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
+from .pretrained import with_dtype_named
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 
@@ -728,6 +729,7 @@ class VAPOConfig(TrainingArguments):
             value = getattr(self, name, None)
             if isinstance(value, str) and value.strip().startswith("{"):
                 setattr(self, name, json.loads(value))
+        self.model_init_kwargs = with_dtype_named(self.model_init_kwargs)
         super().__post_init__()
         self._accept_grpo_spellings()
         if self.epsilon_high is None:

@@ -108,11 +108,11 @@ def clip_deepspeed_gradients_(
 
     the same rule (and epsilon) as ``torch.nn.utils.clip_grad_norm_``. Returns the norm before clipping. ``device``
     is where the sum is reduced (the process's accelerator: NCCL takes no CPU tensor, and a rank may hold no
-    fragment of a side's gradients at all).
+    fragment of a side's gradients at all, or hold them on the CPU: optimizer offload).
     """
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for fragment in deepspeed_local_gradients(params):
-        squares = squares.to(fragment.device) + fragment.float().pow(2).sum()
+    for fragment in deepspeed_local_gradients(params):  # a CPU fragment's sum is a 0-dim tensor: it adds on `device`
+        squares = squares + fragment.float().pow(2).sum()
     norm = all_reduce_sum(squares).sqrt()
     if max_norm is not None and torch.isfinite(norm):
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -129,6 +129,16 @@ def _optimizer_chain(optimizer: torch.optim.Optimizer) -> list:
     while getattr(chain[-1], "optimizer", None) is not None:
         chain.append(chain[-1].optimizer)
     return chain
+
+
+def mark_offload_overflow(optimizer: torch.optim.Optimizer) -> None:
+    """Make ZeRO-1/2 with optimizer offload skip this step. It decides from an overflow flag set while it copied the
+    gradients to the CPU (`local_overflow`), and takes the norm from the norms it kept then: the NaN that
+    `VAPOTrainer._drop_update` writes into the offloaded partitions afterwards would be stepped. The flag is set here
+    as that copy sets it on a NaN (no effect on any other optimizer)."""
+    for part in _optimizer_chain(optimizer):
+        if getattr(part, "cpu_offload", False) and hasattr(part, "local_overflow"):
+            part.local_overflow = True
 
 
 @contextlib.contextmanager
@@ -456,6 +466,15 @@ def check_distributed_setup(accelerator, args) -> None:
             + ("." if fsdp else ", or gather the weights for generation (ds3_gather_for_generation=True).")
         )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if accelerator.state.deepspeed_plugin.zero_stage == 0:
+            # Stage 0 steps a plain optimizer (float32) or its fp16-style one (bf16): no parameter is linked to a
+            # ZeRO partition, so `deepspeed_local_gradients` finds no gradient to clip or to skip with NaN.
+            raise ValueError(
+                "DeepSpeed ZeRO stage 0 is not supported: VAPOTrainer clips the actor's and the critic's gradients "
+                "apart, and skips a non-finite step, through ZeRO's gradient partitions, which stage 0 does not make "
+                "(its steps would go unclipped). Use zero_stage 1, 2 or 3, or plain data parallelism (accelerate "
+                "launch without a DeepSpeed config), which trains as stage 0 does."
+            )
         config = accelerator.state.deepspeed_plugin.deepspeed_config
         sections = [k for k in ("optimizer", "scheduler") if k in config]
         if sections:

@@ -38,7 +38,7 @@ from .modeling import (
     value_function_name,
     value_pretraining_record,
 )
-from .pretrained import from_pretrained_kwargs
+from .pretrained import from_pretrained_kwargs, load_pretrained
 
 if TYPE_CHECKING:
     from .config import VAPOConfig
@@ -124,9 +124,8 @@ def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.
     `args.model_init_kwargs`), or the instance given."""
     if isinstance(model, (str, os.PathLike)):
         model_id = str(model)
-        return AutoModelForCausalLM.from_pretrained(
-            model_id, **from_pretrained_kwargs(args, model_init_kwargs)
-        ), model_id
+        policy = load_pretrained(AutoModelForCausalLM, model_id, from_pretrained_kwargs(args, model_init_kwargs))
+        return policy, model_id
     if isinstance(model, nn.Module) and hasattr(model, "config"):
         if any(hasattr(param, "ds_id") for param in model.parameters()):
             raise ValueError(
@@ -227,7 +226,7 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
     # The policy's loading options but those that belong to its checkpoint alone: a critic trains all of its weights
     # (never quantized), and `model_revision` names a commit of the policy's repository.
     kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k not in ("quantization_config", "revision")}
-    critic = critic_class.from_pretrained(str(value_model), **kwargs, **extra)
+    critic = load_pretrained(critic_class, str(value_model), {**kwargs, **extra})
     check_value_model(critic)
     return ActorCritic(policy, critic=critic), pretrained
 

@@ -472,7 +472,7 @@ def _critic_section(
         lines.append(f"- Value pretraining: {outcome}.")
     if pretrained_critic_dir is not None:
         lines.append(
-            f"- The critic as value pretraining left it: `{_display_path(pretrained_critic_dir, output_dir)}`. Pass "
+            f"- The critic as value pretraining left it: {_display_path(pretrained_critic_dir, output_dir)}. Pass "
             "that folder as `value_model=` (with the same `peft_config` for an adapter critic) to skip value "
             "pretraining in a new run."
         )
@@ -532,9 +532,11 @@ def _fmt(fmt: str, value) -> str:
 
 
 def _display_path(path, folder: Path) -> str:
-    """`path` relative to the card's folder when it lies inside it (`value_pretrained_critic/`), else absolute."""
+    """`path` relative to the card's folder when it lies inside it (`value_pretrained_critic/`). A checkpoint's card
+    (the one pushed while training) is not beside it: the folder is named in the run's `output_dir`, not by its
+    absolute path, which would say nothing on the Hub (where it is not uploaded) but the trainer's home and user."""
     path = Path(path).resolve()
     try:
-        return f"{path.relative_to(folder.resolve()).as_posix()}/"
+        return f"`{path.relative_to(folder.resolve()).as_posix()}/`"
     except ValueError:
-        return str(path)
+        return f"`{path.name}/` in the training run's `output_dir`"

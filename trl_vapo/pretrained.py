@@ -9,6 +9,23 @@ from typing import Any
 import torch
 
 
+def with_dtype_named(model_init_kwargs: dict | None) -> dict | None:
+    """`model_init_kwargs` with `torch_dtype`, transformers' former name for `dtype` (many configs still use it),
+    renamed `dtype`: transformers takes `dtype` over it, so with the float32 default (or `trl-vapo train`'s
+    `--dtype`) beside it, `torch_dtype` was silently ignored."""
+    if not model_init_kwargs or "torch_dtype" not in model_init_kwargs:
+        return model_init_kwargs
+    kwargs = dict(model_init_kwargs)
+    torch_dtype = kwargs.pop("torch_dtype")
+    if kwargs.get("dtype", torch_dtype) != torch_dtype:
+        raise ValueError(
+            f"model_init_kwargs has both dtype ({kwargs['dtype']!r}) and torch_dtype ({torch_dtype!r}), its former "
+            "name: keep dtype."
+        )
+    kwargs["dtype"] = torch_dtype
+    return kwargs
+
+
 def from_pretrained_kwargs(args, model_init_kwargs: dict | None = None) -> dict[str, Any]:
     """`from_pretrained` keyword arguments from `args.model_init_kwargs` (or `model_init_kwargs` given instead):
     float32 by default, safetensors only."""
@@ -24,3 +41,20 @@ def from_pretrained_kwargs(args, model_init_kwargs: dict | None = None) -> dict[
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     kwargs.setdefault("use_safetensors", True)  # never unpickle weights unless the user asks
     return kwargs
+
+
+def load_pretrained(model_class, name: str, kwargs: dict[str, Any]):
+    """`model_class.from_pretrained(name, **kwargs)` (`kwargs` from :func:`from_pretrained_kwargs`), where a model
+    saved only as pickled weights (`pytorch_model.bin`) gets an error that says why safetensors are asked for and
+    how to load it; transformers' own asks the user to unset `use_safetensors=True`, which they never set."""
+    try:
+        return model_class.from_pretrained(name, **kwargs)
+    except OSError as error:
+        if kwargs.get("use_safetensors") and "safetensors" in str(error):
+            raise OSError(
+                f"{error} trl-vapo loads safetensors weights only (`use_safetensors=True`): unpickling a weights "
+                f"file can run any code in it. If {name} has pickled weights only (`pytorch_model.bin`) and you trust "
+                "them, pass model_init_kwargs={'use_safetensors': False}, or save the model once with "
+                "`save_pretrained`, which writes safetensors."
+            ) from error
+        raise

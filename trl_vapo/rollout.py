@@ -142,6 +142,8 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
     truncated = gathered(rollout.truncated)
     ended = lengths[~truncated]  # GRPOTrainer's terminated completions (NaN where none ended, TRL logs 0)
     per_function = gathered(scores.per_function)
+    non_finite = scores.non_finite if scores.non_finite is not None else torch.zeros_like(scores.per_function).bool()
+    non_finite = gathered(non_finite)
     mask = rollout.loss_mask
     metrics = {
         REWARD: _mean(rewards),
@@ -166,6 +168,7 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         column = column[~torch.isnan(column)]
         metrics[f"rewards/{name}/mean"] = _mean(column)
         metrics[f"rewards/{name}/std"] = _std(column)
+        metrics[f"rewards/{name}/non_finite_fraction"] = non_finite[:, j].float().mean().item()  # scored as None
     if rollout.group_size > 1:  # GRPOTrainer's: the share of groups whose scored completions got the same reward
         all_rewards = gathered(scores.reward)
         grouped = torch.where(scored, all_rewards, torch.full_like(all_rewards, math.nan)).view(-1, rollout.group_size)

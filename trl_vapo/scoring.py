@@ -46,6 +46,8 @@ class Scores:
     # [N] the weighted sum of the functions that judge correctness (`positive_reward_funcs`), NaN where none of them
     # scored; None: all of them (`reward`)
     verdict: torch.Tensor | None = None
+    # [N, F] bool, the function returned NaN or inf (NaN in `per_function`, as if it had returned None); None: none did
+    non_finite: torch.Tensor | None = None
 
     def is_correct(self, threshold: float) -> torch.Tensor:
         """[N] bool: scored, with a reward of at least `threshold` ("correct": the NLL loss and accuracy); only the
@@ -113,7 +115,7 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
     from ._compat import get_config_model_id
-    from .pretrained import from_pretrained_kwargs
+    from .pretrained import from_pretrained_kwargs, load_pretrained
 
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     classes = reward_processing_classes
@@ -131,8 +133,8 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
             # the float32 default is the trained models' (their master weights).
             init = {"dtype": "auto", **(args.model_init_kwargs or {})}
             revision = init.get("revision")
-            func = AutoModelForSequenceClassification.from_pretrained(
-                str(func), num_labels=1, **from_pretrained_kwargs(args, init)
+            func = load_pretrained(
+                AutoModelForSequenceClassification, str(func), {"num_labels": 1, **from_pretrained_kwargs(args, init)}
             )
         if isinstance(func, PreTrainedModel):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(
@@ -278,7 +280,7 @@ class RewardScorer:
 
         `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
         start first and run concurrently with each other and with the synchronous ones, as GRPOTrainer runs them.
-        Non-finite values are counted through `log_metric` as `rewards/<name>/non_finite_count`.
+        A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
         messages = self._as_messages(completions)
         ids = completion_ids if completion_ids is not None else [[] for _ in completions]
@@ -293,6 +295,7 @@ class RewardScorer:
             if is_async(func)
         }
         per_function = torch.full((len(rows), len(self.funcs)), math.nan)
+        non_finite = torch.zeros(len(rows), len(self.funcs), dtype=torch.bool)
         for j, (func, name) in enumerate(zip(self.funcs, self.names)):
             if j in started:
                 try:
@@ -302,17 +305,16 @@ class RewardScorer:
             else:
                 values = self.call(func, name, rows, messages, ids, common)
             column = torch.tensor([math.nan if v is None else float(v) for v in values])
-            non_finite = torch.isinf(column) | (torch.isnan(column) & torch.tensor([v is not None for v in values]))
-            if non_finite.any():
-                common["log_metric"](f"rewards/{name}/non_finite_count", float(non_finite.sum()))
-                if name not in self._warned_non_finite:
-                    logger.warning(
-                        f"Reward function {name!r} returned NaN or inf for {int(non_finite.sum())} of {len(rows)} "
-                        f"completions; they are treated like None (left out unless another function scores them) "
-                        f"and counted in `rewards/{name}/non_finite_count`."
-                    )
-                    self._warned_non_finite.add(name)
-                column[non_finite] = math.nan
+            given = torch.tensor([v is not None for v in values])
+            non_finite[:, j] = torch.isinf(column) | (torch.isnan(column) & given)
+            if non_finite[:, j].any() and name not in self._warned_non_finite:
+                logger.warning(
+                    f"Reward function {name!r} returned NaN or inf for {int(non_finite[:, j].sum())} of {len(rows)} "
+                    f"completions; they are treated like None (left out unless another function scores them) and "
+                    f"their share is logged as `rewards/{name}/non_finite_fraction`."
+                )
+                self._warned_non_finite.add(name)
+            column[non_finite[:, j]] = math.nan
             per_function[:, j] = column
         scored = ~torch.isnan(per_function).all(dim=1)
         if not scored.all():  # GRPOTrainer's warning, naming the first such sample
@@ -328,7 +330,7 @@ class RewardScorer:
             judged = per_function[:, self.judges]
             verdict = torch.nansum(judged * self.weights[self.judges], dim=1)
             verdict[torch.isnan(judged).all(dim=1)] = math.nan
-        return Scores(per_function=per_function, reward=reward, scored=scored, names=self.names, verdict=verdict)
+        return Scores(per_function, reward, scored, self.names, verdict, non_finite)
 
     def _as_messages(self, completions: list[str]) -> list:
         return [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions

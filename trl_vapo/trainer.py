@@ -74,6 +74,7 @@ from .distributed import (
     deepspeed_quiet_unless_used,
     fsdp2_unsharded,
     groups_held_out,
+    mark_offload_overflow,
     reset_adam_step,
     uses_deepspeed,
     whole_models_under_zero3,
@@ -1086,6 +1087,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
                 for fragment in deepspeed_local_gradients(params):
                     fragment.fill_(math.nan)
+            mark_offload_overflow(self.optimizer)
             self.model_wrapped.step()
         elif self.accelerator.scaler is not None:
             self.accelerator.scaler.update(self.accelerator.scaler.get_scale())
