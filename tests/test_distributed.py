@@ -365,7 +365,8 @@ def test_the_gradient_norm_is_reduced_on_the_process_device_wherever_its_fragmen
 
     param = torch.nn.Parameter(torch.zeros(3))
     offloaded = torch.tensor([1.0, 2.0, 2.0])
-    param._hp_mapping = SimpleNamespace(get_lp_grad_fragment=lambda index: offloaded)
+    address = SimpleNamespace(start=0, numel=3)
+    param._hp_mapping = SimpleNamespace(get_lp_grad_fragment=lambda index: offloaded, lp_fragment_address=address)
     param._index_in_param_group = 0
     seen = []
     for params in ([], [param]):
@@ -373,6 +374,27 @@ def test_the_gradient_norm_is_reduced_on_the_process_device_wherever_its_fragmen
     assert seen == [torch.device("meta")] * 2
     norm = clip_deepspeed_gradients_([param], 1.5, lambda t: t, device="cpu")
     assert norm.item() == 3.0 and torch.allclose(offloaded, torch.tensor([0.5, 1.0, 1.0]), atol=1e-5)  # clipped
+
+
+def test_the_bf16_optimizers_whole_gradients_give_each_rank_its_partition():
+    """DeepSpeed's BF16 optimizer (ZeRO-1 with bf16 and grad_accum_dtype fp32) hands every rank each parameter's whole
+    gradient: a parameter spanning two ranks' partitions was counted whole on both (its norm sqrt(2) too large).
+    Stand-ins with DeepSpeed's mapping attributes: the two ranks' views of one parameter, each owning half."""
+    from types import SimpleNamespace
+
+    from trl_vapo.distributed import deepspeed_local_gradients
+
+    whole = torch.tensor([1.0, 2.0, 2.0, 4.0])  # the BF16 optimizer's flat float32 gradient of a 2 x 2 parameter
+    param = torch.nn.Parameter(torch.zeros(2, 2))
+    param._index_in_param_group = 0
+    parts = []
+    for start in (0, 2):  # rank 0's mapping, then rank 1's
+        address = SimpleNamespace(start=start, numel=2)
+        param._hp_mapping = SimpleNamespace(get_lp_grad_fragment=lambda index: whole, lp_fragment_address=address)
+        parts += list(deepspeed_local_gradients([param]))
+    assert torch.equal(torch.cat(parts), whole)
+    parts[1].mul_(0.5)  # a view: clipping reaches the optimizer's buffer
+    assert whole.tolist() == [1.0, 2.0, 1.0, 2.0]
 
 
 def test_a_dropped_step_under_zero12_optimizer_offload_raises_its_overflow_flag():

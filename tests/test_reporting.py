@@ -420,6 +420,26 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     assert "@article{yue2025vapo" in content and "@software{vonwerra2020trl" in content
 
 
+def test_the_cli_summary_and_the_model_card_average_the_same_logs(tmp_path):
+    """`trl-vapo train`'s summary took the first and last 3 RL logs even when they overlapped; the card took up to 3
+    that do not. With 4 logs both now take 2: one run, one pair of start and end numbers."""
+    from types import SimpleNamespace
+
+    from trl_vapo.cli import _summary
+    from trl_vapo.model_card import _metrics_summary
+
+    logs = [{"phase": "rl", "reward": r, "accuracy": r, "step": i + 1} for i, r in enumerate([0.0, 0.2, 0.6, 1.0])]
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(log_history=logs, global_step=4),
+        progress=SimpleNamespace(value_pretrain_rollouts=0),
+        args=SimpleNamespace(output_dir=str(tmp_path)),
+    )
+    summary = _summary(trainer, None, None, 60.0, demo=False)
+    assert "train reward     +0.100 -> +0.800   (mean of the first -> last 2 RL logs)" in summary
+    card = _metrics_summary(logs)
+    assert "the last 2 RL logging steps" in card and "| reward | +0.100 | +0.800 |" in card
+
+
 def test_a_checkpoints_card_names_the_pretrained_critic_without_a_local_path(vapo_args, tmp_path):
     """The card pushed while training is a checkpoint's, and the critic value pretraining left is in the run's
     output_dir, not in the checkpoint: it gave that folder's absolute path (the trainer's home and user name, on the

@@ -697,7 +697,9 @@ def _summary(trainer, before, after, seconds, demo) -> str:
     )
     lines.append(f"wall time        {seconds / 60:.1f} min")
     if history:
-        n = min(3, len(history))
+        from .model_card import start_and_end_window
+
+        n = start_and_end_window(len(history))  # as the model card's
 
         def mean(key, logs):
             return sum(h[key] for h in logs) / len(logs)

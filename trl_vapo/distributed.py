@@ -81,11 +81,22 @@ def _zero3_fragment(param: nn.Parameter) -> Iterator[torch.Tensor | None]:
 @contextlib.contextmanager
 def _zero12_fragment(param: nn.Parameter) -> Iterator[torch.Tensor | None]:
     mapping = getattr(param, "_hp_mapping", None)
-    yield None if mapping is None else mapping.get_lp_grad_fragment(param._index_in_param_group)  # a view
+    if mapping is None:
+        yield None
+        return
+    fragment = mapping.get_lp_grad_fragment(param._index_in_param_group)  # a view
+    if fragment.numel() == param.numel() != mapping.lp_fragment_address.numel:
+        # DeepSpeed's BF16 optimizer (ZeRO-1, bf16, grad_accum_dtype fp32) keeps every parameter's whole gradient on
+        # every rank: this rank's partition is the part at its address, as DeepSpeed's `get_full_hp_grad` takes it
+        # (the whole would count a parameter spanning k partitions k times in the norm).
+        address = mapping.lp_fragment_address
+        fragment = fragment.view(-1).narrow(0, address.start, address.numel)
+    yield fragment
 
 
 def deepspeed_local_gradients(params: Iterable[nn.Parameter]) -> Iterator[torch.Tensor]:
-    """This rank's partition of each parameter's gradient, between the step's last backward and the engine's step.
+    """This rank's partition of each parameter's gradient, between the step's last backward and the engine's step
+    (ZeRO-1/2: a view of the optimizer's gradient buffer, on the CPU under optimizer offload; ZeRO-3: a copy).
 
     Writes to the yielded tensors (in place) reach DeepSpeed's gradient buffers.
     """

@@ -412,12 +412,18 @@ def _value_pretraining_outcome(value_pretraining) -> str:
     return text
 
 
+def start_and_end_window(num_logs: int) -> int:
+    """How many logs the start's and the end's means of a run's metrics take, here and in `trl-vapo train`'s
+    summary: up to 3, so that the two never overlap (with one log, both are it)."""
+    return max(1, min(3, num_logs // 2))
+
+
 def _metrics_summary(log_history) -> str:
-    """Mean of the first and last few RL logs of the summary metrics, as the CLI's end-of-run summary does."""
+    """Mean of the first and last few RL logs of the summary metrics, as the CLI's end-of-run summary takes them."""
     logs = [h for h in (log_history or []) if h.get("phase") == "rl" and REWARD in h]
     if not logs:
         return ""
-    n = max(1, min(3, len(logs) // 2))  # the first and last windows never overlap (with one log, both are it)
+    n = start_and_end_window(len(logs))
     rows = ["| metric | start | end |", "| --- | --- | --- |"]
     for key, label, fmt in _SUMMARY_METRICS:
         first = _mean([h.get(key) for h in logs[:n]])
