@@ -397,6 +397,29 @@ def test_the_bf16_optimizers_whole_gradients_give_each_rank_its_partition():
     assert whole.tolist() == [1.0, 2.0, 1.0, 2.0]
 
 
+def test_measuring_a_zero3_gradient_norm_writes_nothing_back(monkeypatch):
+    """Under ZeRO-3 each fragment is a copy of this rank's partition (host to device and back under offload): the
+    norm's pass wrote each back unchanged. Now only clipping writes. DeepSpeed's get and set of a partition stood in
+    for (its real ones run in the ZeRO-3 launches above, which clip)."""
+    import deepspeed.utils
+
+    from trl_vapo.distributed import clip_deepspeed_gradients_
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.ds_id = 0
+    partition, written = {"grad": torch.tensor([3.0, 4.0])}, []
+    monkeypatch.setattr(deepspeed.utils, "safe_get_local_grad", lambda p: partition["grad"].clone())
+
+    def set_partition(param, grad):
+        written.append(grad)
+        partition["grad"] = grad
+
+    monkeypatch.setattr(deepspeed.utils, "safe_set_local_grad", set_partition)
+    assert clip_deepspeed_gradients_([param], 10.0, lambda t: t).item() == 5.0 and written == []
+    clip_deepspeed_gradients_([param], 1.0, lambda t: t)
+    assert len(written) == 1 and torch.allclose(partition["grad"], torch.tensor([0.6, 0.8]), atol=1e-5)
+
+
 def test_a_dropped_step_under_zero12_optimizer_offload_raises_its_overflow_flag():
     """ZeRO-1/2 with optimizer offload skips a step on the `local_overflow` flag it sets while copying the gradients to
     the CPU (DeepSpeed's `has_overflow` reads nothing else there), so the NaN that `_drop_update` writes afterwards

@@ -174,6 +174,11 @@ def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
         ({"max_prompt_length": 0}, "max_prompt_length"),
         ({"top_k": -1}, "top_k"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        # Accepted before, and stepped wrongly: transformers' optimizers that step outside `optimizer.step()`.
+        ({"optim": "schedule_free_adamw"}, "optim='schedule_free_adamw' is not supported.*train\\(\\)"),
+        ({"optim": "adalomo"}, "optim='adalomo' is not supported.*inside the backward"),
+        ({"optim": "galore_adamw_layerwise"}, "optim='galore_adamw_layerwise' is not supported"),
+        ({"optim": "apollo_adamw"}, "optim='apollo_adamw' is not supported"),
     ],
 )
 def test_config_values_out_of_range_fail_at_config_time(tmp_path, overrides, needle):

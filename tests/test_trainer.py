@@ -117,6 +117,10 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     generated = policy.generate(**tokenizer(["1+1="], return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert generated.shape[1] >= 5
     assert (out / "README.md").is_file()
+    # A second train() went on from the first run's position and schedules (value pretraining skipped, a decayed rate
+    # held at 0): refused, saying how to go on.
+    with pytest.raises(RuntimeError, match=r"already ran on this trainer \(to step 2\).*resume_from_checkpoint=True"):
+        trainer.train()
 
 
 def test_data_seed_zero_orders_the_prompts(tiny_model_dir, tmp_path):

@@ -18,6 +18,22 @@ from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, 
 from .pretrained import with_dtype_named
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
+# transformers' optimizers (`optim`) that cannot step as VAPOTrainer steps: a part of the name, and why.
+_OPTIMIZERS_REFUSED = (
+    (
+        "schedule_free",
+        "a schedule-free optimizer needs `optimizer.train()` and `.eval()` around every step and evaluation",
+    ),
+    ("lomo", "LOMO and AdaLomo update the weights inside the backward pass"),
+    (
+        "galore",
+        "GaLore builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks",
+    ),
+    (
+        "apollo",
+        "APOLLO builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks",
+    ),
+)
 
 
 @dataclass
@@ -73,6 +89,36 @@ class VAPOConfig(TrainingArguments):
             "the planned run (value pretraining's whole budget, then RL), and keeps that length when "
             "`value_pretrain_patience` ends value pretraining early (a decaying one then ends above its last rate). "
             "Paper: warm-up then constant, of a length it does not give: `warmup_steps` is 0 (no warm-up) unless set."
+        },
+    )
+    max_steps: int = field(
+        default=-1,
+        metadata={
+            "help": "RL optimizer steps to train (overrides `num_train_epochs`; -1: train by epochs; needed when the "
+            "dataset has no length, e.g. streamed). Value pretraining's steps come on top of them."
+        },
+    )
+    num_train_epochs: float = field(
+        default=3.0,
+        metadata={
+            "help": "With `max_steps=-1`, the passes over the prompts that size the RL phase: ceil(epochs x rollouts "
+            "per epoch) rollouts of `critic_num_iterations` passes each. Value pretraining's rollouts draw prompts "
+            "from the same stream before RL, on top of them."
+        },
+    )
+    warmup_steps: float = field(
+        default=0,
+        metadata={
+            "help": "Linear warm-up from 0 to each side's learning rate: a number of steps, or a ratio in [0, 1) of "
+            "each side's schedule: the actor's spans the RL steps (critic-only passes beyond `num_iterations` "
+            "included), the critic's value pretraining's budget then RL. 0: none (the paper gives no length)."
+        },
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={
+            "help": "The policy's and the critic's gradients are clipped separately, each to this norm (one side's "
+            "spike never shrinks the other's; logged as `grad_norm/policy` and `grad_norm/critic`). 0: no clipping."
         },
     )
     logging_steps: float = field(
@@ -939,6 +985,14 @@ class VAPOConfig(TrainingArguments):
             f"lr_scheduler_kwargs={scheduler_kwargs} is not taken by lr_scheduler_type={schedule!r}: "
             f"{'cosine takes num_cycles only' if taken else 'it takes none'} (the schedules are "
             "trl_vapo.optim.Schedule's, one per side).",
+        )
+        optim = str(getattr(self.optim, "value", self.optim))
+        why = next((why for prefix, why in _OPTIMIZERS_REFUSED if prefix in optim), None)
+        require(
+            why is None,
+            f"optim={optim!r} is not supported: VAPOTrainer builds the actor's and the critic's parameter groups "
+            f"itself and clips and steps them separately, and {why}. Use an AdamW (adamw_torch, adamw_torch_fused, "
+            "adamw_8bit, paged_adamw_8bit, ...), adafactor, sgd, rmsprop or a Lion.",
         )
         require(
             0 <= self.epsilon < 1 and self.epsilon_high >= 0,

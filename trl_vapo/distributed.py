@@ -69,17 +69,17 @@ def deepspeed_quiet_unless_used(used: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _zero3_fragment(param: nn.Parameter) -> Iterator[torch.Tensor | None]:
+def _zero3_fragment(param: nn.Parameter, writes: bool) -> Iterator[torch.Tensor | None]:
     from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
     fragment = safe_get_local_grad(param)  # a float32 copy of this rank's partition
     yield fragment
-    if fragment is not None:
+    if fragment is not None and writes:  # a copy back (host to device and back under offload): only when written
         safe_set_local_grad(param, fragment)
 
 
 @contextlib.contextmanager
-def _zero12_fragment(param: nn.Parameter) -> Iterator[torch.Tensor | None]:
+def _zero12_fragment(param: nn.Parameter, writes: bool) -> Iterator[torch.Tensor | None]:
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:
         yield None
@@ -94,15 +94,16 @@ def _zero12_fragment(param: nn.Parameter) -> Iterator[torch.Tensor | None]:
     yield fragment
 
 
-def deepspeed_local_gradients(params: Iterable[nn.Parameter]) -> Iterator[torch.Tensor]:
+def deepspeed_local_gradients(params: Iterable[nn.Parameter], writes: bool = True) -> Iterator[torch.Tensor]:
     """This rank's partition of each parameter's gradient, between the step's last backward and the engine's step
     (ZeRO-1/2: a view of the optimizer's gradient buffer, on the CPU under optimizer offload; ZeRO-3: a copy).
 
-    Writes to the yielded tensors (in place) reach DeepSpeed's gradient buffers.
+    With `writes`, writes to the yielded tensors (in place) reach DeepSpeed's gradient buffers; without, the caller
+    only reads them (ZeRO-3's copies are not written back).
     """
     for param in params:
         fragment_of = _zero3_fragment if hasattr(param, "ds_id") else _zero12_fragment
-        with fragment_of(param) as fragment:
+        with fragment_of(param, writes) as fragment:
             if fragment is not None and fragment.numel() > 0:
                 yield fragment
 
@@ -122,7 +123,7 @@ def clip_deepspeed_gradients_(
     fragment of a side's gradients at all, or hold them on the CPU: optimizer offload).
     """
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for fragment in deepspeed_local_gradients(params):  # a CPU fragment's sum is a 0-dim tensor: it adds on `device`
+    for fragment in deepspeed_local_gradients(params, writes=False):  # a CPU fragment's sum (0-dim) adds on `device`
         squares = squares + fragment.float().pow(2).sum()
     norm = all_reduce_sum(squares).sqrt()
     if max_norm is not None and torch.isfinite(norm):

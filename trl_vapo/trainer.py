@@ -518,6 +518,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.is_in_train = True
         resume_from_checkpoint, marker = self.resume_point(resume_from_checkpoint)
         self._resume_point = None  # a later `train` looks again
+        if self.state.global_step > 0 and not resume_from_checkpoint:
+            # Its position, its value-pretraining phase and its schedules are the first run's: a second run from them
+            # would skip value pretraining and continue the schedules (a decayed rate held at 0).
+            raise RuntimeError(
+                f"train() already ran on this trainer (to step {self.state.global_step}). To go on, resume from a "
+                "checkpoint: train(resume_from_checkpoint=True). To train the result anew, start a new run: "
+                "save_model(), then a new VAPOTrainer with that folder as `model` (and its `critic/` as `value_model` "
+                "to keep the critic)."
+            )
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
