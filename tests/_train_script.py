@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-ref-steps", type=int, help="sync_ref_model every this many steps (with --beta)")
     parser.add_argument("--stop-chars", default="", help="characters that also end a completion (lengths vary)")
     parser.add_argument("--positive-threshold", type=float, help="positive_reward_threshold (default VAPOConfig's)")
-    parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every 4 steps")
+    parser.add_argument("--eval-prompts", type=int, default=0, help="evaluate on this many prompts every --eval-steps")
+    parser.add_argument("--eval-steps", type=int, default=4, help="eval_steps (none during value pretraining)")
     parser.add_argument("--eval-generations", type=int, default=2, help="num_generations_eval")
     parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
     parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         **({"positive_reward_threshold": args.positive_threshold} if args.positive_threshold is not None else {}),
         # Eight completions per evaluation batch over all processes (so one process and two see the same batches).
         eval_strategy="steps" if args.eval_prompts else "no",
-        eval_steps=4,
+        eval_steps=args.eval_steps,
         num_generations_eval=args.eval_generations,
         per_device_eval_batch_size=8 // world,
         log_completions=args.log_completions,

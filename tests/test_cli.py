@@ -417,6 +417,42 @@ def test_bad_input_is_a_one_line_error_naming_it(bad_input_runs, rows, case):
         assert "question" in lines[0] and "answer" in lines[0]  # lists the columns present
 
 
+@pytest.mark.parametrize("granted", [False, True])
+def test_a_gated_model_without_access_is_named_before_anything_loads(tmp_path, monkeypatch, granted):
+    """The Hub gives a gated repository's metadata to anyone and its files only to those granted access: the check
+    asked for the metadata alone, so a gated model one had not been granted passed it, and failed as transformers
+    downloaded it. The Hub is stood in for by an HTTP transport that answers as it does (huggingface_hub's own
+    client and error mapping run)."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils._http import default_client_factory
+
+    from trl_vapo.cli import UsageError, _check_model_source
+
+    asked = []
+
+    def hub(request):
+        asked.append(request.url.path)
+        if request.url.path.endswith("/auth-check") and not granted:
+            headers = {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model org/gated is restricted."}
+            return httpx2.Response(403, headers=headers, request=request)
+        return httpx2.Response(200, json={"id": "org/gated", "gated": "manual", "private": False}, request=request)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # not in the cache
+    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(hub)))
+    try:
+        if granted:
+            _check_model_source("org/gated", "--model_name_or_path")
+        else:
+            with pytest.raises(UsageError, match="--model_name_or_path org/gated is gated: accept its terms"):
+                _check_model_source("org/gated", "--model_name_or_path")
+    finally:
+        huggingface_hub.set_client_factory(default_client_factory)
+    assert asked == ["/api/models/org/gated", "/api/models/org/gated/auth-check"]
+
+
 def test_help_tells_every_runs_defaults_and_each_commands_own_flags(capsys):
     """`train --help` shows VAPOConfig's defaults (the paper's learning rate), not the demo's, and names what the demo
     changes and the launcher's flags; `eval --help` lists no flag eval does not read, and refuses one given."""

@@ -229,7 +229,7 @@ def qlora_args(tmp_path, device: str = "cpu", **overrides) -> VAPOConfig:
         gradient_checkpointing=True,
         value_pretrain_steps=1,
         max_steps=2,
-        model_init_kwargs={"quantization_config": quantization},
+        model_init_kwargs={"quantization_config": quantization, "dtype": "bfloat16"},
         **overrides,
     )
 
@@ -246,6 +246,10 @@ def test_qlora_trains_both_adapters_and_the_value_head_on_a_4bit_base(tiny_model
     )
     model = trainer.actor_critic
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.policy.modules())
+    # The frozen weights that are not 4-bit (embeddings, LM head, norms) stay as loaded, bf16: peft's
+    # `prepare_model_for_kbit_training` cast them to float32, and the activations and the KV cache with them.
+    frozen = [p for p in model.policy.parameters() if not p.requires_grad and p.dtype.is_floating_point]
+    assert frozen and {p.dtype for p in frozen} == {torch.bfloat16}
     before = trainable(trainer)
     trainer.train()
     after = trainable(trainer)

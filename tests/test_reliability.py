@@ -1427,11 +1427,12 @@ def test_grpos_objective_settings_train_alike_on_two_processes_and_one(tiny_mode
 
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
-    # Evaluated at steps 4 and 8, each process on its half of the completions: three prompts x 3 in batches of two
-    # prompts, so that on two processes the last prompt's 3 completions are repeated to split evenly (greedy: the same
-    # completions), which the pooled metrics (accuracy, explained variance) must leave out. A reward model scores
-    # too, so that the returns vary (greedy completions have no digits) and the explained variance is a number.
-    common += ["--eval-prompts", "3", "--eval-generations", "3"]
+    # Evaluated at steps 6 and 8 (every 2 steps after the 4 of value pretraining), each process on its half of the
+    # completions: three prompts x 3 in batches of two prompts, so that on two processes the last prompt's 3
+    # completions are repeated to split evenly (greedy: the same completions), which the pooled metrics (accuracy,
+    # explained variance) must leave out. A reward model scores too, so that the returns vary (greedy completions
+    # have no digits) and the explained variance is a number.
+    common += ["--eval-prompts", "3", "--eval-generations", "3", "--eval-steps", "2"]
     reward_model = tiny_model_dir.parent / "reward-model"  # (test_distributed's, where both files run)
     if not (reward_model / "config.json").is_file():
         save_tiny_reward_model(reward_model)
@@ -1457,7 +1458,7 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     one_eval, two_eval = (
         {h["step"]: h for h in read_logs(tmp_path / run) if "eval_loss" in h} for run in ("one", "two")
     )
-    assert sorted(one_eval) == sorted(two_eval) == [4, 8]
+    assert sorted(one_eval) == sorted(two_eval) == [6, 8]
     for step in one_eval:
         assert not math.isnan(one_eval[step]["eval_value/explained_variance"])
         assert_same_log(two_eval[step], one_eval[step], keys=EVALUATED, rel=1e-4, context=f"eval at step {step}")

@@ -45,6 +45,35 @@ def test_a_reward_model_scores_prompt_and_completion_as_grpo_does(reward_model_d
     assert scorer(prompts=chats, completions=replies) == pytest.approx(one_by_one(model, tokenizer, texts), abs=1e-5)
 
 
+def test_a_prefilled_assistant_message_and_its_continuation_are_scored_as_one_turn(reward_model_dir, tmp_path):
+    """The policy continues a chat prompt's final assistant message (TRL's `maybe_apply_chat_template`); the reward
+    model read the prefill and the continuation as two closed turns, and functions got the continuation alone. Now the
+    completion is the whole turn and the prompt the rest, as GRPOTrainer passed them when it continued prefills."""
+    from trl_vapo.scoring import RewardScorer
+
+    seen = {}
+
+    def capture(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions)
+        return [0.0] * len(prompts)
+
+    (reward_model,) = load_reward_models(str(reward_model_dir), None, make_args(tmp_path))
+    scorer = RewardScorer([capture, reward_model], conversational=True)
+    user = {"role": "user", "content": "12+30="}
+    rows = [{"prompt": [user, {"role": "assistant", "content": "It is "}]}, {"prompt": [user]}]
+    scores = scorer.score(rows, ["42", "42"])
+    assert seen["prompts"] == [[user], [user]]
+    assert seen["completions"] == [
+        [{"role": "assistant", "content": "It is 42"}],
+        [{"role": "assistant", "content": "42"}],
+    ]
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    turns = [[user, *completion] for completion in seen["completions"]]
+    expected = one_by_one(model, tokenizer, [tokenizer.apply_chat_template(t, tokenize=False) for t in turns])
+    assert scores.per_function[:, 1].tolist() == pytest.approx(expected, abs=1e-5)
+
+
 def test_reward_models_train_alone_and_mixed_with_reward_functions(tiny_model_dir, reward_model_dir, tmp_path):
     dataset = prompts_dataset(16)
     alone = VAPOTrainer(str(tiny_model_dir), str(reward_model_dir), make_args(tmp_path / "a", max_steps=1), dataset)

@@ -218,6 +218,20 @@ def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tm
     assert evaluated.state.log_history[-1]["step"] == 5 and "eval_reward" in evaluated.state.log_history[-1]
 
 
+def test_no_scheduled_evaluation_runs_during_value_pretraining(tiny_model_dir, tmp_path):
+    """The policy does not change while the critic pretrains: evaluating it then read the initial policy again and
+    again, and `EarlyStoppingCallback` compared that noise, which could end the run before its first update. And
+    `predict`, which failed in transformers' collator, says what to call instead."""
+    settings = dict(max_steps=1, value_pretrain_steps=2, per_device_train_batch_size=8)
+    args = eval_args(tmp_path, **settings, eval_strategy="steps", eval_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(3))
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "phase" in h] == [1, 2, 3]  # two of value pretraining
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [3]
+    with pytest.raises(NotImplementedError, match=r"no predict\(\).*trainer.evaluate\(test_dataset"):
+        trainer.predict(prompts_dataset(3))
+
+
 def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_dir, tmp_path):
     """Ten prompts, four per rollout: two epochs of two rollouts (two prompts left over each time); the "epoch"
     strategies evaluate, checkpoint and log at the end of each, at epochs 1 and 2. Resumed when it is over, the run

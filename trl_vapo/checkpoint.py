@@ -773,9 +773,9 @@ class SavingMixin:
             torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
             if self.accelerator.scaler is not None:  # fp16's loss scale, where it has come to
                 torch.save(self.accelerator.scaler.state_dict(), tmp / SCALER_FILE)
+        if self.state.best_global_step == self.state.global_step:  # `metric_for_best_model`'s best so far
+            self.state.best_model_checkpoint = str(final)  # on every process, as transformers sets it
         if main:
-            if self.state.best_global_step == self.state.global_step:  # `metric_for_best_model`'s best so far
-                self.state.best_model_checkpoint = str(final)
             callbacks = self.callback_handler.callbacks + [self.control]
             self.state.stateful_callbacks = {
                 type(cb).__name__: cb.state() for cb in callbacks if isinstance(cb, ExportableState)

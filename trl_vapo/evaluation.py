@@ -247,6 +247,16 @@ class EvaluationMixin:
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
+    def predict(self, test_dataset=None, ignore_keys=None, metric_key_prefix: str = "test"):
+        """transformers' `predict` tokenizes a labelled set and runs the model's loss on it, which this trainer's
+        prompts and losses do not fit (it failed in the default collator): a policy's predictions are samples, which
+        `evaluate` draws and scores."""
+        raise NotImplementedError(
+            "VAPOTrainer has no predict(): a policy's predictions are samples. Use "
+            f"trainer.evaluate(test_dataset, metric_key_prefix={metric_key_prefix!r}) for the rewards, accuracy and "
+            "lengths of sampled completions, or generate with trainer.model."
+        )
+
     @contextlib.contextmanager
     def _evaluating(self):
         """Evaluation's own metrics and random state, the models in eval mode; afterwards, training's pending

@@ -164,11 +164,12 @@ def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
         return policy
     if peft_config is None:
         return policy
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
-    if quantized:
-        # Norms in float32 for stable QLoRA; checkpointing is switched on by the trainer, adapter-aware.
-        policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)
+    # No `prepare_model_for_kbit_training` for a quantized base (GRPOTrainer calls none either): it would cast every
+    # frozen weight that is not 4-bit (embeddings, LM head, norms) to float32, and with them the activations and the
+    # KV cache, twice bf16's memory. The norms compute in float32 inside anyway, the adapters and the value head train
+    # in float32 under autocast, and the trainer switches checkpointing on, adapter-aware.
     return get_peft_model(policy, peft_config)
 
 

@@ -903,10 +903,12 @@ def policy_fingerprint(policy: nn.Module) -> str:
         for name, param in policy.named_parameters():
             if of_adapter(name, CRITIC_ADAPTER):
                 continue
-            values = exact(param.detach())
-            digest.update(
-                f"{name}:{tuple(param.shape)}:{values.sum().item():.6e}:{values.abs().sum().item():.6e}".encode()
-            )
+            # In chunks: float64 copies of a whole 7B model's embedding would take 9 GB of its GPU at once.
+            total = absolute = 0.0
+            for chunk in param.detach().reshape(-1).split(1 << 24):
+                values = exact(chunk)
+                total, absolute = total + values.sum().item(), absolute + values.abs().sum().item()
+            digest.update(f"{name}:{tuple(param.shape)}:{total:.6e}:{absolute:.6e}".encode())
     return digest.hexdigest()
 
 

@@ -282,7 +282,7 @@ class RewardScorer:
         start first and run concurrently with each other and with the synchronous ones, as GRPOTrainer runs them.
         A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
-        messages = self._as_messages(completions)
+        rows, messages = self._as_messages(rows, completions)
         ids = completion_ids if completion_ids is not None else [[] for _ in completions]
         common = {
             "trainer_state": trainer_state,
@@ -332,8 +332,22 @@ class RewardScorer:
             verdict[torch.isnan(judged).all(dim=1)] = math.nan
         return Scores(per_function, reward, scored, self.names, verdict, non_finite)
 
-    def _as_messages(self, completions: list[str]) -> list:
-        return [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions
+    def _as_messages(self, rows: list[dict[str, Any]], completions: list[str]) -> tuple[list[dict[str, Any]], list]:
+        """The rows and completions as reward functions take them: for chat data, each completion one assistant
+        message. A prompt that ends with an assistant message (a prefill) was continued by the policy (TRL's
+        `maybe_apply_chat_template` continues it): that message and its continuation are one turn, the completion,
+        and the prompt is the rest, as GRPOTrainer passed them when it continued prefills. Else a reward model
+        read two closed turns where the policy wrote one."""
+        if not self.conversational:
+            return rows, completions
+        joined_rows, messages = [], []
+        for row, text in zip(rows, completions, strict=True):
+            prompt = row["prompt"]
+            if prompt and prompt[-1].get("role") == "assistant" and isinstance(prompt[-1].get("content"), str):
+                row, text = {**row, "prompt": prompt[:-1]}, prompt[-1]["content"] + text
+            joined_rows.append(row)
+            messages.append([{"role": "assistant", "content": text}])
+        return joined_rows, messages
 
     @staticmethod
     def call(func, name, rows, completions, completion_ids, common: dict[str, Any]) -> list:
@@ -387,7 +401,7 @@ class RewardScorer:
                 )
             try:
                 self.call(
-                    _blocking(func) if is_async(func) else func, name, [row], self._as_messages([""]), [[]], common
+                    _blocking(func) if is_async(func) else func, name, *self._as_messages([row], [""]), [[]], common
                 )
             except RuntimeError as error:
                 raise ValueError(

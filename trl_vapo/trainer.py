@@ -688,7 +688,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         evaluation and a checkpoint, both when the rollout ends."""
         if self.control.should_log:
             self._log_metrics(self.progress.phase)
-        self._evaluate_pending |= self.control.should_evaluate
+        # Not during value pretraining: the policy does not change, and early stopping would compare readings of the
+        # initial policy, whose noise alone could end the run before its first update.
+        self._evaluate_pending |= self.control.should_evaluate and self.progress.phase != VALUE_PRETRAIN
         self._save_pending |= self.control.should_save
 
     def _end_epoch(self, completed: bool = True, epochs_done: int | None = None) -> None:
