@@ -87,6 +87,12 @@ def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(
     own.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError, match=r"already starts with a system message \('Think.'\): drop --system_prompt"):
         load_prompt_dataset(str(own), system_prompt="Be brief.")
+    # TRL's "messages" format as the prompt: its last message, the reply to learn, would be continued as a prefill.
+    messages = tmp_path / "messages.jsonl"
+    reply = {"role": "assistant", "content": "2"}
+    messages.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}, reply], "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"'messages' messages of .* end with an assistant message .* drop it"):
+        load_prompt_dataset(str(messages), prompt_column="messages")
 
 
 def test_a_missing_gold_answer_stays_missing(tmp_path):

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import logging
 import math
+import types
 
 import pytest
 import torch
@@ -431,6 +432,8 @@ def test_the_default_engine_is_the_static_cache_engine_on_a_cuda_gpu_without_sha
     assert named.placed("cuda", sharded=False).cuda_graph and not named.placed("cuda", sharded=True).cuda_graph
     quantized = dataclasses.replace(default, quantization_config={"load_in_4bit": True})
     assert quantized.placed("cuda", sharded=False).engine == "generate"  # QLoRA: not captured on a GPU yet
+    saved_quantized = types.SimpleNamespace(is_loaded_in_4bit=True)  # a checkpoint saved in 4 bits, as transformers
+    assert default.placed("cuda", sharded=False, model=saved_quantized).engine == "generate"  # marks it once loaded
     batching = EngineSettings.from_config(make_args(tmp_path, use_transformers_continuous_batching=True))
     assert batching.placed("cuda", sharded=False).engine == "continuous_batching"
 

@@ -204,7 +204,10 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
         assert torch.equal(param, trainer.actor_critic.value_head.state_dict()[name])
 
 
-@pytest.mark.parametrize("layout", ["lora-on-embeddings", "frozen-peft-model-and-a-critic", "reward-model-as-critic"])
+LAYOUTS = ["lora-on-embeddings", "lora-saving-the-head", "frozen-peft-model-and-a-critic", "reward-model-as-critic"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, tmp_path, layout):
     """The optimizer's two groups cover every weight that requires a gradient, and each side has some: a weight left
     out is silently never trained."""
@@ -215,6 +218,9 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
     kwargs, reward_funcs = {}, digit_fraction
     if layout == "lora-on-embeddings":  # peft keeps an embedding's LoRA in ParameterDicts (`lora_embedding_A.default`)
         kwargs = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"])}
+        model = str(tiny_model_dir)
+    elif layout == "lora-saving-the-head":  # `modules_to_save`: a trainable copy of the LM head, the policy's alone
+        kwargs = {"peft_config": LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])}
         model = str(tiny_model_dir)
     else:
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -238,6 +244,11 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
         names = {id(p): n for n, p in actor_critic.named_parameters()}
         assert any("lora_embedding_A.default" in names[id(p)] for p in policy)
         assert any("lora_embedding_A.critic" in names[id(p)] for p in critic)
+    if layout == "lora-saving-the-head":  # the critic never reads the LM head: a copy of its own would never train
+        names = {id(p): n for n, p in actor_critic.named_parameters()}
+        assert any("lm_head.modules_to_save.default" in names[id(p)] for p in policy)
+        assert not any("modules_to_save.critic" in name for name in names.values())
+        trainer.train()
     if layout == "reward-model-as-critic":  # the reward model scores as it was given
         assert trainer.reward_funcs[1].model is not actor_critic.critic
         trainer.create_model_card(tmp_path / "card", tags="math")  # one tag as a string, as transformers takes it

@@ -105,6 +105,16 @@ def load_prompt_dataset(
                     f"--system_prompt was given, but a row of {dataset_name} ({split}) already starts with a system "
                     f"message ({str(problem[0].get('content'))[:60]!r}): drop --system_prompt to keep the data set's."
                 )
+            if prompt_column != "prompt" and problem and problem[-1].get("role") == "assistant":
+                # TRL's conversational "messages" format ends with the reply to learn: as a prompt, the policy would
+                # be asked to continue it (a final assistant message is a prefill, continued as it stands).
+                raise ValueError(
+                    f"The {prompt_column!r} messages of {dataset_name} ({split}) end with an assistant message (in "
+                    'TRL\'s "messages" format, the reply to learn), which the policy would continue: drop it '
+                    f"(dataset.map(lambda row: {{'prompt': row[{prompt_column!r}][:-1]}}), then --prompt_column "
+                    "prompt), or name a column whose messages end with the user's turn. A prefill to continue on "
+                    "purpose goes in a column named prompt."
+                )
             if system_prompt:
                 problem = [{"role": "system", "content": system_prompt}, *problem]
             return {"prompt": problem, **({"answer": row[answer_column]} if answer_column else {})}

@@ -734,13 +734,14 @@ class EngineSettings:
         update: a model handed to `build_engine` alone is not what it would sample from."""
         return self.engine == "vllm"
 
-    def placed(self, device_type: str, sharded: bool) -> EngineSettings:
-        """These settings for a trainer on `device_type` whose weights DeepSpeed or FSDP place (`sharded`): the
-        engine the user left to the default (`auto`), the CUDA graph, and buffers released between rollouts."""
+    def placed(self, device_type: str, sharded: bool, model: nn.Module | None = None) -> EngineSettings:
+        """These settings for a trainer on `device_type` whose weights DeepSpeed or FSDP place (`sharded`), sampling
+        from `model`: the engine the user left to the default (`auto`), the CUDA graph, and buffers released between
+        rollouts."""
         engine = self.engine
-        # Not for a quantized base: bitsandbytes' kernels were not captured on a GPU yet (named, it runs; a failed
-        # capture falls back to the eager step with a warning).
-        quantized = self.quantization_config is not None
+        # Not for a quantized base, asked for or loaded so (a checkpoint saved quantized): bitsandbytes' kernels were
+        # not captured on a GPU yet (named, it runs; a failed capture falls back to the eager step with a warning).
+        quantized = self.quantization_config is not None or loaded_quantized(model)
         if self.auto and engine == "generate" and device_type == "cuda" and not sharded and not quantized:
             engine = "static_cache"
         return dataclasses.replace(self, engine=engine, cuda_graph=self.cuda_graph and not sharded, keep_buffers=False)
@@ -827,6 +828,12 @@ class EngineSettings:
         }
 
 
+def loaded_quantized(model: Any) -> bool:
+    """Whether `model` (a PEFT model's base too) holds quantized weights: bitsandbytes 4-bit / 8-bit and the like,
+    whether `quantization_config` asked for them or the checkpoint was saved so."""
+    return any(getattr(model, attr, False) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"))
+
+
 def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     """Raise a clear error for an engine this machine or these settings cannot run: call it before loading any model.
 
@@ -837,9 +844,7 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     if settings.engine == "vllm":
         asked = settings.quantization_config
         dequantized = asked.get("dequantize") if isinstance(asked, dict) else getattr(asked, "dequantize", False)
-        quantized = (asked is not None and not dequantized) or any(
-            getattr(model, attr, False) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized")
-        )
+        quantized = (asked is not None and not dequantized) or loaded_quantized(model)
         if quantized:
             # Syncing would merge the policy adapter into packed 4-bit weights: vLLM would receive packed uint8
             # under bf16 names, and the live base would come back re-quantized.

@@ -379,7 +379,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
         sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
         self.generation_engine = build_engine(
-            engine_settings.placed(self.accelerator.device.type, sharded),
+            engine_settings.placed(self.accelerator.device.type, sharded, actor_critic.policy),
             self._generation_model,
             tokenizer,
             policy=actor_critic.policy,
