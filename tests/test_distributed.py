@@ -13,6 +13,7 @@ steps every group), resume exactly, and save the models in bf16, the dtype they 
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -420,21 +421,29 @@ def test_measuring_a_zero3_gradient_norm_writes_nothing_back(monkeypatch):
     assert len(written) == 1 and torch.allclose(partition["grad"], torch.tensor([0.6, 0.8]), atol=1e-5)
 
 
-def test_a_dropped_step_under_zero12_optimizer_offload_raises_its_overflow_flag():
-    """ZeRO-1/2 with optimizer offload skips a step on the `local_overflow` flag it sets while copying the gradients to
-    the CPU (DeepSpeed's `has_overflow` reads nothing else there), so the NaN that `_drop_update` writes afterwards
-    went unseen. Stand-ins with the attributes DeepSpeed's optimizers have (offload needs DeepSpeed's CPU Adam, and
-    a skipped step's real check a GPU): accelerate's wrapper > the ZeRO optimizer > the torch optimizer."""
+def test_a_dropped_step_under_zero12_optimizer_offload_is_seen_as_an_overflow():
+    """ZeRO-1/2 with optimizer offload decides to skip a step from what it recorded while copying the gradients to the
+    CPU: the `local_overflow` flag (bf16, fp16) and each parameter's norm, whose NaN sum is an overflow (float32). The
+    NaN that `_drop_update` writes afterwards went unseen, and was stepped. Its copies are waited for before the
+    partitions are touched. Stand-ins with the attributes DeepSpeed's optimizers have (offload needs DeepSpeed's CPU
+    Adam, and a skipped step's real check a GPU): accelerate's wrapper > the ZeRO optimizer > the torch optimizer."""
     from types import SimpleNamespace
 
-    from trl_vapo.distributed import mark_offload_overflow
+    from trl_vapo.distributed import mark_offload_overflow, settle_offloaded_gradients
 
     adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     for offloaded in (True, False):
-        zero = SimpleNamespace(cpu_offload=offloaded, local_overflow=False, optimizer=adam)
+        waited = []
+        norms = {0: torch.tensor(1.5), 1: torch.tensor(0.5)}
+        zero = SimpleNamespace(cpu_offload=offloaded, local_overflow=False, norm_for_param_grads=norms, optimizer=adam)
+        zero._wait_for_offload_copies = functools.partial(waited.append, True)
+        settle_offloaded_gradients(SimpleNamespace(optimizer=zero))
         mark_offload_overflow(SimpleNamespace(optimizer=zero))
-        assert zero.local_overflow == offloaded
+        assert zero.local_overflow == offloaded and waited == [True] * offloaded
+        total = sum(norm.item() ** 2 for norm in norms.values())  # as DeepSpeed's norm over the offloaded grads
+        assert (total != total) == offloaded  # NaN
     mark_offload_overflow(adam)  # no DeepSpeed: nothing to set
+    settle_offloaded_gradients(adam)
 
 
 def test_zero3_weights_are_gathered_for_saving_one_module_at_a_time(tiny_model_dir, monkeypatch):

@@ -150,6 +150,8 @@ def test_torch_dtype_is_read_as_dtype(tiny_model_dir, tmp_path):
     assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
     with pytest.raises(ValueError, match=r"both dtype \('float32'\) and torch_dtype \('bfloat16'\).*keep dtype"):
         make_args(tmp_path, model_init_kwargs={"dtype": "float32", "torch_dtype": "bfloat16"})
+    both = make_args(tmp_path, model_init_kwargs={"dtype": torch.bfloat16, "torch_dtype": "bfloat16"})  # one dtype
+    assert both.model_init_kwargs == {"dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])

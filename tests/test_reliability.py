@@ -91,8 +91,9 @@ def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(
     messages = tmp_path / "messages.jsonl"
     reply = {"role": "assistant", "content": "2"}
     messages.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}, reply], "answer": "2"}) + "\n")
-    with pytest.raises(ValueError, match=r"'messages' messages of .* end with an assistant message .* drop it"):
-        load_prompt_dataset(str(messages), prompt_column="messages")
+    for streaming in (False, True):  # a stream too, before any model loads (it maps rows as they are read)
+        with pytest.raises(ValueError, match=r"'messages' messages of .* end with an assistant message .* drop it"):
+            load_prompt_dataset(str(messages), prompt_column="messages", streaming=streaming)
 
 
 def test_a_missing_gold_answer_stays_missing(tmp_path):

@@ -1174,11 +1174,11 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     trainer.train()
     repo = tmp_path / "hub" / "me" / "vapo"
     assert 'model="me/vapo"' in (repo / "README.md").read_text()  # a card before save_model (GRPOTrainer's)
-    debris = Path(args.output_dir) / ".checkpoint-9.a-stopped-run.tmp"  # what a stopped run may leave
-    debris.mkdir()
-    (debris / "model.safetensors").write_bytes(b"half")
     with trainer.holding_output_dir():  # as `trl-vapo train` saves: the run's lock is there
         assert (Path(args.output_dir) / ".vapo_run.lock").is_file()
+        debris = Path(args.output_dir) / ".checkpoint-9.another-run.tmp"  # a checkpoint another run is writing
+        debris.mkdir()
+        (debris / "model.safetensors").write_bytes(b"half")
         trainer.save_model()
     assert hub.commits == [
         "Training in progress, step 1",

@@ -135,6 +135,7 @@ def load_prompt_dataset(
         return {"prompt": prompt, "answer": None if gold is None else str(gold)}
 
     if streaming:
+        to_prompt(first)  # a stream maps as it is read: its first row's errors now, before any model loads
         return dataset.map(to_prompt)
     built = dataset.map(to_prompt, desc="Building prompts")
     gold = built.features.get("answer")

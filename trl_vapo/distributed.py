@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -143,14 +144,27 @@ def _optimizer_chain(optimizer: torch.optim.Optimizer) -> list:
     return chain
 
 
+def settle_offloaded_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Wait for ZeRO-1/2's copies of the gradients to the CPU under optimizer offload (issued non-blocking as the
+    backward goes; DeepSpeed waits for them only as its step begins) before the partitions are read or written here:
+    a copy landing later would overwrite the clipped gradients. No effect on any other optimizer."""
+    for part in _optimizer_chain(optimizer):
+        if getattr(part, "cpu_offload", False) and hasattr(part, "_wait_for_offload_copies"):
+            part._wait_for_offload_copies()
+
+
 def mark_offload_overflow(optimizer: torch.optim.Optimizer) -> None:
-    """Make ZeRO-1/2 with optimizer offload skip this step. It decides from an overflow flag set while it copied the
-    gradients to the CPU (`local_overflow`), and takes the norm from the norms it kept then: the NaN that
-    `VAPOTrainer._drop_update` writes into the offloaded partitions afterwards would be stepped. The flag is set here
-    as that copy sets it on a NaN (no effect on any other optimizer)."""
+    """Make ZeRO-1/2 with optimizer offload skip this step. It decides from what it recorded while it copied the
+    gradients to the CPU: an overflow flag (`local_overflow`, which bf16 and fp16 read) and each parameter's
+    gradient norm (`norm_for_param_grads`, whose NaN sum is an overflow in float32): the NaN that
+    `VAPOTrainer._drop_update` writes into the offloaded partitions afterwards would be stepped. Both are set here as
+    a NaN gradient sets them (no effect on any other optimizer)."""
     for part in _optimizer_chain(optimizer):
         if getattr(part, "cpu_offload", False) and hasattr(part, "local_overflow"):
             part.local_overflow = True
+            norms = getattr(part, "norm_for_param_grads", None)
+            if isinstance(norms, dict):  # read with `.item()`
+                norms.update(dict.fromkeys(norms, torch.tensor(math.nan)))
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ def with_dtype_named(model_init_kwargs: dict | None) -> dict | None:
         return model_init_kwargs
     kwargs = dict(model_init_kwargs)
     torch_dtype = kwargs.pop("torch_dtype")
-    if kwargs.get("dtype", torch_dtype) != torch_dtype:
+    if _dtype_name(kwargs.get("dtype", torch_dtype)) != _dtype_name(torch_dtype):
         raise ValueError(
             f"model_init_kwargs has both dtype ({kwargs['dtype']!r}) and torch_dtype ({torch_dtype!r}), its former "
             "name: keep dtype."
@@ -26,10 +26,14 @@ def with_dtype_named(model_init_kwargs: dict | None) -> dict | None:
     return kwargs
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # torch.bfloat16 and "bfloat16" alike
+
+
 def from_pretrained_kwargs(args, model_init_kwargs: dict | None = None) -> dict[str, Any]:
     """`from_pretrained` keyword arguments from `args.model_init_kwargs` (or `model_init_kwargs` given instead):
     float32 by default, safetensors only."""
-    kwargs = dict((args.model_init_kwargs if model_init_kwargs is None else model_init_kwargs) or {})
+    kwargs = dict(with_dtype_named(args.model_init_kwargs if model_init_kwargs is None else model_init_kwargs) or {})
     dtype = kwargs.get("dtype", "float32")
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in ("float32", "bfloat16", "float16"):

@@ -115,7 +115,7 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
     from ._compat import get_config_model_id
-    from .pretrained import from_pretrained_kwargs, load_pretrained
+    from .pretrained import from_pretrained_kwargs, load_pretrained, with_dtype_named
 
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     classes = reward_processing_classes
@@ -131,7 +131,7 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
         if isinstance(func, (str, os.PathLike)):
             # Frozen: in the dtype it was saved in ("auto", as GRPOTrainer loads it), unless model_init_kwargs says;
             # the float32 default is the trained models' (their master weights).
-            init = {"dtype": "auto", **(args.model_init_kwargs or {})}
+            init = {"dtype": "auto", **(with_dtype_named(args.model_init_kwargs) or {})}
             revision = init.get("revision")
             func = load_pretrained(
                 AutoModelForSequenceClassification, str(func), {"num_labels": 1, **from_pretrained_kwargs(args, init)}
@@ -337,7 +337,7 @@ class RewardScorer:
         message. A prompt that ends with an assistant message (a prefill) was continued by the policy (TRL's
         `maybe_apply_chat_template` continues it): that message and its continuation are one turn, the completion,
         and the prompt is the rest, as GRPOTrainer passed them when it continued prefills. Else a reward model
-        read two closed turns where the policy wrote one."""
+        read two closed turns where the policy wrote one. `completion_ids` stay the tokens the policy sampled."""
         if not self.conversational:
             return rows, completions
         joined_rows, messages = [], []

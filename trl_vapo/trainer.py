@@ -76,6 +76,7 @@ from .distributed import (
     groups_held_out,
     mark_offload_overflow,
     reset_adam_step,
+    settle_offloaded_gradients,
     uses_deepspeed,
     whole_models_under_zero3,
 )
@@ -515,7 +516,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
-        self.is_in_train = True
         resume_from_checkpoint, marker = self.resume_point(resume_from_checkpoint)
         self._resume_point = None  # a later `train` looks again
         if self.state.global_step > 0 and not resume_from_checkpoint:
@@ -527,6 +527,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 "save_model(), then a new VAPOTrainer with that folder as `model` (and its `critic/` as `value_model` "
                 "to keep the critic)."
             )
+        self.is_in_train = True
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
@@ -1095,6 +1096,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         them itself. fp16's loss scaler closes its step too (its gradients were unscaled: `_clip_gradients`), at the
         same scale: what is skipped here is no overflow of the scale's."""
         if self.is_deepspeed_enabled:
+            settle_offloaded_gradients(self.optimizer)
             for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
                 for fragment in deepspeed_local_gradients(params):
                     fragment.fill_(math.nan)
@@ -1153,6 +1155,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         fp16_scaled = self.accelerator.scaler is not None
         if fp16_scaled:  # unscaled once for both sides: accelerate's clipping unscales, and torch allows one a step
             self.accelerator.unscale_gradients()
+        if self.is_deepspeed_enabled:
+            settle_offloaded_gradients(self.optimizer)
         for side, params in sides:
             if self.is_deepspeed_enabled:
                 norm = clip_deepspeed_gradients_(params, max_norm, self._all_reduce, self.accelerator.device)
