@@ -808,14 +808,18 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
     """The lock is the operating system's (`flock`), not the file's contents: a file no live process locks is taken
     over whatever it names (a dead PID, a PID reused since, another host, nothing), and of two runs taking over one
     lock file at once exactly one gets it."""
-    from trl_vapo.run_lock import RUN_LOCK, output_dir_lock
+    from trl_vapo.run_lock import RUN_LOCK, output_dir_lock, refusal
 
     lock = tmp_path / RUN_LOCK
     with output_dir_lock(tmp_path):
         assert json.loads(lock.read_text())["pid"] == os.getpid()
-        with pytest.raises(RuntimeError, match=f"Another run is writing to {tmp_path}: PID {os.getpid()}"):
+        with pytest.raises(RuntimeError, match=f"Another run is writing to {tmp_path}: PID {os.getpid()}") as held:
             with output_dir_lock(tmp_path):
                 pass
+        assert "delete" not in str(held.value)  # this host's holder is alive: no way round it is offered
+    # A holder on another host may be a lost node whose lock the file server keeps (NFS): the way on is named.
+    elsewhere = refusal(tmp_path, {"pid": 7, "host": "gone-node", "started": "yesterday"})
+    assert "If gone-node is gone (a lost or deleted node)" in elsewhere and f"delete {lock}" in elsewhere
     assert not lock.exists()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     here = socket.gethostname()
@@ -1034,9 +1038,15 @@ def test_save_only_model_checkpoints_hold_the_weights_and_are_not_resumed_from(t
         stopped.train()
     whole = list_checkpoints(out)[-1]
     assert whole.name == "checkpoint-1" and (whole / "optimizer.pt").is_file() and (whole / "scheduler.pt").is_file()
-    resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    # Resumed to step 3 keeping one checkpoint: the model-only ones of steps 2 and 3 rotated the whole one away, and
+    # with it the only way to resume; the newest resumable one is now kept besides the newest.
+    more = config(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, save_only_model=True, save_total_limit=1)
+    resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, more, prompts_dataset())
     resumed.train(True)
-    assert resumed.state.global_step == 2
+    assert resumed.state.global_step == 3
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-3"]
+    again = VAPOTrainer(str(tiny_model_dir), digit_fraction, more, prompts_dataset())
+    assert again.resume_point(True)[0] == str(whole)
 
 
 def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tiny_model_dir, tmp_path, monkeypatch):
@@ -1199,20 +1209,32 @@ def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_
     assert saved["learning_rate"] == 5e-5 and saved["critic_learning_rate"] == 2e-4
 
 
+@pytest.mark.parametrize("writer", ["torch", "safetensors"])
 def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_what_is_intact(
-    tiny_model_dir, tmp_path, monkeypatch
+    tiny_model_dir, tmp_path, monkeypatch, writer
 ):
-    """A full disk during `torch.save` reads "inline_container.cc ... unexpected pos" from torch: the error names
-    the checkpoint, the space left and the checkpoints intact, and the half-written folder is removed."""
-    real_save, saves = torch.save, []
+    """A full disk during `torch.save` reads "inline_container.cc ... unexpected pos" from torch, and during a weights
+    file safetensors' `SafetensorError` (an `Exception`, which went past the handling as a bare traceback): the error
+    names the checkpoint, the space left and the checkpoints intact, and the half-written folder is removed."""
+    import safetensors
+
+    import trl_vapo.checkpoint
+
+    if writer == "torch":
+        module, name = torch, "save"
+        failure = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3136 vs 3024")
+    else:  # the random state's file, written by the checkpoint's own `save_file`; the message is safetensors'
+        module, name = trl_vapo.checkpoint, "save_file"
+        text = "Error while serializing: I/O error: No space left on device (os error 28)"
+        failure = safetensors.SafetensorError(text)
+    real_save = getattr(module, name)
 
     def disk_full_at_the_second_checkpoint(obj, f, *args, **kwargs):
-        saves.append(f)
         if "checkpoint-2" in str(f):
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3136 vs 3024")
+            raise failure
         return real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", disk_full_at_the_second_checkpoint)
+    monkeypatch.setattr(module, name, disk_full_at_the_second_checkpoint)
     trainer = VAPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
@@ -1220,9 +1242,8 @@ def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_wha
         train_dataset=prompts_dataset(32),
     )
     out = tmp_path / "out"
-    with pytest.raises(
-        OSError, match=r"Writing checkpoint-2 in .*out failed \(\[enforce fail at inline_container"
-    ) as raised:
+    named = "[enforce fail at inline_container" if writer == "torch" else "Error while serializing: I/O error"
+    with pytest.raises(OSError, match=rf"Writing checkpoint-2 in .*out failed \({re.escape(named)}") as raised:
         trainer.train()
     assert "GiB are free there: a full disk? The checkpoints written before (checkpoint-1) are intact" in str(
         raised.value

@@ -106,17 +106,20 @@ def run_owner() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left")
-"""What torch's archive writer says when a write fails (a full disk reads "inline_container.cc ... unexpected pos")."""
+WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left", "I/O error")
+"""What torch's archive writer says when a write fails (a full disk reads "inline_container.cc ... unexpected pos"),
+and safetensors' ("Error while serializing: I/O error: No space left on device (os error 28)")."""
 
 
 @contextlib.contextmanager
 def write_errors_named(final: Path, tmp: Path):
     """A checkpoint that could not be written (a full disk, a quota, a lost mount) as an error naming it, the space
     left and what is intact; its half-written folder `tmp` is removed, which frees the space it took."""
+    from safetensors import SafetensorError  # every weights file (policy, critic, reference, random state) is one
+
     try:
         yield
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, SafetensorError) as error:
         text = str(error)
         if not isinstance(error, OSError) and not any(sign in text for sign in WRITE_FAILURES):
             raise
@@ -698,6 +701,10 @@ class SavingMixin:
         waiting at the next collective could time out)."""
         best = self.state.best_model_checkpoint
         keep = [newest] + ([Path(best)] if best and Path(best) != newest else [])
+        # With save_only_model, the newest checkpoint a resume can read (the one a SIGTERM forced, or the run's own
+        # before the setting changed): later model-only ones would otherwise rotate away the only way to resume.
+        resumable = [c for c in list_checkpoints(self.args.output_dir) if not read_marker(c).get("model_only")]
+        keep += resumable[-1:]
         pushing = getattr(self, "push_in_progress", None)  # transformers' record of the uploads under way
         reading = getattr(self, "_uploads_read", []) if pushing is not None and not pushing.is_done() else []
         rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep, busy=reading)

@@ -190,8 +190,9 @@ class VAPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Prompts longer than this many tokens are truncated from the left (counted and said before "
-            "training; see drop_long_prompts). None (default): no limit, as in TRL's GRPOTrainer (TRL "
-            "1.16 has no such setting)."
+            "training; see drop_long_prompts): the start of the rendered prompt goes, with a chat template its "
+            "first tokens and system message, as GRPOTrainer cut them before TRL 1.0; reward functions still get "
+            "the whole prompt. None (default): no limit, as in TRL's GRPOTrainer (TRL 1.16 has no such setting)."
         },
     )
     max_completion_length: int = field(

@@ -108,12 +108,21 @@ def live_holder(output_dir: str | os.PathLike) -> dict | None:
 
 
 def refusal(output_dir: str | os.PathLike, holder: dict) -> str:
-    """Why a run may not start in `output_dir`, held by `holder`, and the ways on."""
+    """Why a run may not start in `output_dir`, held by `holder`, and the ways on. A holder on another host may be
+    gone with its host: a shared file system's server keeps a lost client's lock (NFSv4 for its lease, about 90 s;
+    NFSv3 until that client restarts, which a deleted machine never does)."""
+    host = holder.get("host", "?")
+    elsewhere = (
+        f" If {host} is gone (a lost or deleted node), the file server may keep its lock: once sure no run there "
+        f"writes, delete {Path(output_dir) / RUN_LOCK} and start again."
+        if host not in ("?", socket.gethostname())
+        else ""
+    )
     return (
-        f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+        f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {host}, "
         f"started {holder.get('started', '?')} ({Path(output_dir) / RUN_LOCK}). Two runs in one output_dir "
         "overwrite each other's checkpoints and logs. Wait for it or stop it; then resume its run with "
-        "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir."
+        "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir." + elsewhere
     )
 
 
