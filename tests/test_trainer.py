@@ -1155,6 +1155,40 @@ def test_a_checkpoint_neither_waits_for_an_upload_nor_deletes_the_folder_it_read
     assert [c.name for c in list_checkpoints(args.output_dir)] == ["checkpoint-3"]
 
 
+def test_the_checkpoint_a_sigterm_writes_is_pushed_even_behind_a_slow_upload(tiny_model_dir, tmp_path, monkeypatch):
+    """A SIGTERM with an upload still running: the stop's checkpoint was not pushed (one upload at a time unless
+    `hub_always_push`), and on a preemptible machine whose disk goes with it `last-checkpoint/` held an older step.
+    Now the stop waits for the running upload, pushes its checkpoint and waits for that too."""
+    import os
+    import signal
+    import threading
+
+    import transformers.trainer
+
+    from trl_vapo.signals import TrainingInterrupted
+
+    hub = SlowHub(tmp_path / "hub")
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+
+    class PreemptedAtStepTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # step 1's upload still runs; released a moment after the signal
+                threading.Timer(1.0, hub.release.set).start()
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    pushing = dict(push_to_hub=True, hub_model_id="me/vapo", hub_strategy="checkpoint", save_strategy="steps")
+    args = make_args(tmp_path, max_steps=4, save_steps=1, per_device_train_batch_size=8, **pushing)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), callbacks=[PreemptedAtStepTwo()]
+    )
+    with pytest.raises(TrainingInterrupted):
+        trainer.train()
+    assert "Training in progress, step 2, checkpoint" in hub.commits
+    assert trainer.push_in_progress.is_done()  # waited for before the stop
+    state = json.loads((tmp_path / "hub" / "me" / "vapo" / "last-checkpoint" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+
+
 def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers_does(
     tiny_model_dir, tmp_path, monkeypatch
 ):
