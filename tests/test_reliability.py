@@ -1209,32 +1209,19 @@ def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_
     assert saved["learning_rate"] == 5e-5 and saved["critic_learning_rate"] == 2e-4
 
 
-@pytest.mark.parametrize("writer", ["torch", "safetensors"])
 def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_what_is_intact(
-    tiny_model_dir, tmp_path, monkeypatch, writer
+    tiny_model_dir, tmp_path, monkeypatch
 ):
-    """A full disk during `torch.save` reads "inline_container.cc ... unexpected pos" from torch, and during a weights
-    file safetensors' `SafetensorError` (an `Exception`, which went past the handling as a bare traceback): the error
-    names the checkpoint, the space left and the checkpoints intact, and the half-written folder is removed."""
-    import safetensors
-
-    import trl_vapo.checkpoint
-
-    if writer == "torch":
-        module, name = torch, "save"
-        failure = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3136 vs 3024")
-    else:  # the random state's file, written by the checkpoint's own `save_file`; the message is safetensors'
-        module, name = trl_vapo.checkpoint, "save_file"
-        text = "Error while serializing: I/O error: No space left on device (os error 28)"
-        failure = safetensors.SafetensorError(text)
-    real_save = getattr(module, name)
+    """A full disk during `torch.save` reads "inline_container.cc ... unexpected pos" from torch: the error names
+    the checkpoint, the space left and the checkpoints intact, and the half-written folder is removed."""
+    real_save = torch.save
 
     def disk_full_at_the_second_checkpoint(obj, f, *args, **kwargs):
         if "checkpoint-2" in str(f):
-            raise failure
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3136 vs 3024")
         return real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(module, name, disk_full_at_the_second_checkpoint)
+    monkeypatch.setattr(torch, "save", disk_full_at_the_second_checkpoint)
     trainer = VAPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
@@ -1242,13 +1229,39 @@ def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_wha
         train_dataset=prompts_dataset(32),
     )
     out = tmp_path / "out"
-    named = "[enforce fail at inline_container" if writer == "torch" else "Error while serializing: I/O error"
-    with pytest.raises(OSError, match=rf"Writing checkpoint-2 in .*out failed \({re.escape(named)}") as raised:
+    with pytest.raises(
+        OSError, match=r"Writing checkpoint-2 in .*out failed \(\[enforce fail at inline_container"
+    ) as raised:
         trainer.train()
     assert "GiB are free there: a full disk? The checkpoints written before (checkpoint-1) are intact" in str(
         raised.value
     )
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1"] and not list(out.glob(".checkpoint-2.*"))
+
+
+def test_a_weights_file_that_cannot_be_written_is_named_as_a_full_disk(tmp_path):
+    """Every weights file (policy, critic, reference, random state) is safetensors', whose full disk raises
+    `SafetensorError`, an `Exception`: it went past the handling as a bare traceback, the half-written folder left.
+    The real writer under a real file-size limit (a quota's EFBIG, as a full disk's ENOSPC)."""
+    import resource
+
+    from safetensors.torch import save_file
+
+    from trl_vapo.checkpoint import write_errors_named
+
+    final, tmp = tmp_path / "checkpoint-2", tmp_path / ".checkpoint-2.me.tmp"
+    tmp.mkdir()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, not the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+    try:
+        with pytest.raises(OSError, match=r"Writing checkpoint-2 in .* failed \(Error while serializing: I/O error"):
+            with write_errors_named(final, tmp):
+                save_file({"w": torch.zeros(4096)}, str(tmp / "model.safetensors"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert not tmp.exists()
 
 
 def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
