@@ -820,6 +820,7 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
     # A holder on another host may be a lost node whose lock the file server keeps (NFS): the way on is named.
     elsewhere = refusal(tmp_path, {"pid": 7, "host": "gone-node", "started": "yesterday"})
     assert "If gone-node is gone (a lost or deleted node)" in elsewhere and f"delete {lock}" in elsewhere
+    assert "If its host is gone" in refusal(tmp_path, {})  # a holder that died before naming itself
     assert not lock.exists()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     here = socket.gethostname()

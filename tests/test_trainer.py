@@ -1158,7 +1158,8 @@ def test_a_checkpoint_neither_waits_for_an_upload_nor_deletes_the_folder_it_read
 def test_the_checkpoint_a_sigterm_writes_is_pushed_even_behind_a_slow_upload(tiny_model_dir, tmp_path, monkeypatch):
     """A SIGTERM with an upload still running: the stop's checkpoint was not pushed (one upload at a time unless
     `hub_always_push`), and on a preemptible machine whose disk goes with it `last-checkpoint/` held an older step.
-    Now the stop waits for the running upload, pushes its checkpoint and waits for that too."""
+    Now the stop writes its checkpoint at once (the launcher's kill comes some 30 s after the signal: not after
+    the running upload), queues its push behind the running one and waits for both."""
     import os
     import signal
     import threading
@@ -1169,12 +1170,21 @@ def test_the_checkpoint_a_sigterm_writes_is_pushed_even_behind_a_slow_upload(tin
 
     hub = SlowHub(tmp_path / "hub")
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    seen = {}
 
     class PreemptedAtStepTwo(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:  # step 1's upload still runs; released a moment after the signal
-                threading.Timer(1.0, hub.release.set).start()
+            if state.global_step == 2:  # step 1's upload still runs; no checkpoint at this rollout's end
+                control.should_save = False
+                fallback = threading.Timer(10.0, hub.release.set)  # (the old order waited for it: failing, not hung)
+                fallback.daemon = True
+                fallback.start()
                 os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # the stop's checkpoint, written while step 1's upload still runs
+                seen["uploading"] = not trainer.push_in_progress.is_done()
+                hub.release.set()
 
     pushing = dict(push_to_hub=True, hub_model_id="me/vapo", hub_strategy="checkpoint", save_strategy="steps")
     args = make_args(tmp_path, max_steps=4, save_steps=1, per_device_train_batch_size=8, **pushing)
@@ -1183,6 +1193,7 @@ def test_the_checkpoint_a_sigterm_writes_is_pushed_even_behind_a_slow_upload(tin
     )
     with pytest.raises(TrainingInterrupted):
         trainer.train()
+    assert seen == {"uploading": True}
     assert "Training in progress, step 2, checkpoint" in hub.commits
     assert trainer.push_in_progress.is_done()  # waited for before the stop
     state = json.loads((tmp_path / "hub" / "me" / "vapo" / "last-checkpoint" / "trainer_state.json").read_text())

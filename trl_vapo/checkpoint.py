@@ -327,6 +327,15 @@ def newest_resumable_checkpoint(output_dir: str | os.PathLike, warn: bool = True
     raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {output_dir} can be read (see above).")
 
 
+def _resumable(checkpoint: Path) -> bool:
+    """Whether a complete checkpoint holds what a resume reads (not `save_only_model`'s); an unreadable marker (a
+    partial copy of `output_dir`) counts as not, rather than failing the save that rotates."""
+    try:
+        return not read_marker(checkpoint).get("model_only")
+    except (ValueError, OSError):
+        return False
+
+
 def rotate_checkpoints(
     output_dir: str | os.PathLike, save_total_limit: int | None, keep: Sequence[Path] = (), busy: Sequence[Path] = ()
 ) -> None:
@@ -703,24 +712,26 @@ class SavingMixin:
         keep = [newest] + ([Path(best)] if best and Path(best) != newest else [])
         # With save_only_model, the newest checkpoint a resume can read (the one a SIGTERM forced, or the run's own
         # before the setting changed): later model-only ones would otherwise rotate away the only way to resume.
-        resumable = [c for c in list_checkpoints(self.args.output_dir) if not read_marker(c).get("model_only")]
+        resumable = [c for c in list_checkpoints(self.args.output_dir) if _resumable(c)]
         keep += resumable[-1:]
         pushing = getattr(self, "push_in_progress", None)  # transformers' record of the uploads under way
         reading = getattr(self, "_uploads_read", []) if pushing is not None and not pushing.is_done() else []
         rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep, busy=reading)
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+    def _push_from_checkpoint(self, checkpoint_folder: str, always: bool = False) -> None:
         """`push_to_hub=True` while training, as transformers pushes (by `hub_strategy`; one upload at a time unless
-        `hub_always_push`; in the background), from this trainer's checkpoint: its policy, critic and tokenizer to
-        the repository's root, and with `checkpoint` / `all_checkpoints` the whole checkpoint (what a resume reads)
-        to `last-checkpoint/` or a folder of its name. transformers copies the policy's files into `output_dir` and
-        uploads that folder, which here holds no critic and may hold the next checkpoint, half-written."""
+        `hub_always_push` or `always`: queued behind the running one; in the background), from this trainer's
+        checkpoint: its policy, critic and tokenizer to the repository's root, and with `checkpoint` /
+        `all_checkpoints` the whole checkpoint (what a resume reads) to `last-checkpoint/` or a folder of its name.
+        transformers copies the policy's files into `output_dir` and uploads that folder, which here holds no critic
+        and may hold the next checkpoint, half-written."""
         from transformers.trainer import PushInProgress, hf_api
         from transformers.trainer_utils import HubStrategy
 
         if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
             return
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+        running = self.push_in_progress is not None and not self.push_in_progress.is_done()
+        if running and not (always or self.args.hub_always_push):
             return
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         # The model card with it, as GRPOTrainer writes one at each checkpoint: a run that stops before

@@ -111,11 +111,12 @@ def refusal(output_dir: str | os.PathLike, holder: dict) -> str:
     """Why a run may not start in `output_dir`, held by `holder`, and the ways on. A holder on another host may be
     gone with its host: a shared file system's server keeps a lost client's lock (NFSv4 for its lease, about 90 s;
     NFSv3 until that client restarts, which a deleted machine never does)."""
-    host = holder.get("host", "?")
+    host = holder.get("host") or "?"
+    node = "its host" if host == "?" else host  # unknown: a holder that died before writing the file, maybe
     elsewhere = (
-        f" If {host} is gone (a lost or deleted node), the file server may keep its lock: once sure no run there "
+        f" If {node} is gone (a lost or deleted node), the file server may keep its lock: once sure no run there "
         f"writes, delete {Path(output_dir) / RUN_LOCK} and start again."
-        if host not in ("?", socket.gethostname())
+        if host != socket.gethostname()
         else ""
     )
     return (

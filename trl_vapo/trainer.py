@@ -657,14 +657,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """SIGTERM or SIGINT arrived during the rollout just trained on: write its checkpoint (unless the rollout's end
         wrote it), say so in one line, and raise `TrainingInterrupted`."""
         path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
-        pushing = self.args.push_to_hub
-        if pushing:  # an upload under way would make this checkpoint's be skipped (unless hub_always_push)
-            self._finish_current_push()
         if self._checkpoint_step != self.state.global_step:  # this run's own record: the same on every process
             self._save_checkpoint(model_only=False)  # whole, whatever save_only_model says: it is to resume from
-        elif pushing and path not in getattr(self, "_uploads_read", []):  # written at the rollout's end, not pushed
-            self._push_from_checkpoint(str(path))
-        if pushing:  # on a machine whose disk goes with it, the upload is the checkpoint's only copy
+        if self.args.push_to_hub:
+            # Its upload was skipped behind a running one (one at a time): queued now, after the checkpoint is on the
+            # disk (the launcher's kill comes some 30 s after the signal), and waited for: on a machine whose disk
+            # goes with it, the upload is the checkpoint's only copy.
+            if path not in getattr(self, "_uploads_read", []):
+                self._push_from_checkpoint(str(path), always=True)
             self._finish_current_push()
         message = (
             f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; resume with "
