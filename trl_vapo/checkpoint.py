@@ -584,10 +584,12 @@ class SavingMixin:
         private: bool | None = None,
         **kwargs,
     ):
-        """transformers' `Trainer.push_to_hub` (the model saved, its card written, `output_dir` uploaded), leaving out
-        this trainer's own files there as well: transformers skips only `_*` and `checkpoint-*`, and while a run
-        holds `output_dir` (`trl-vapo train` saves and pushes inside `holding_output_dir`) it holds the run's lock
-        (`.vapo_run.lock`: PID, host, start time), and maybe a stopped run's half-written `.<name>.<run>.tmp`."""
+        """transformers' `Trainer.push_to_hub` (5.x: the model saved, its card written, `output_dir` uploaded; its
+        steps copied, the ignore patterns extended), leaving out this trainer's own files there as well: transformers
+        skips only `_*` and `checkpoint-*`, and while a run holds `output_dir` (`trl-vapo train` saves and pushes
+        inside `holding_output_dir`) it holds the run's lock (`.vapo_run.lock`: PID, host, start time), and maybe a
+        stopped run's half-written `.<name>.<run>.tmp`. (Renaming those `_...` would change the lock's on-disk name,
+        which runs of earlier versions look for.)"""
         from transformers.trainer import hf_api
 
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
@@ -710,10 +712,12 @@ class SavingMixin:
         waiting at the next collective could time out)."""
         best = self.state.best_model_checkpoint
         keep = [newest] + ([Path(best)] if best and Path(best) != newest else [])
-        # With save_only_model, the newest checkpoint a resume can read (the one a SIGTERM forced, or the run's own
-        # before the setting changed): later model-only ones would otherwise rotate away the only way to resume.
-        resumable = [c for c in list_checkpoints(self.args.output_dir) if _resumable(c)]
-        keep += resumable[-1:]
+        if self.args.save_only_model and self.args.save_total_limit:
+            # The newest checkpoint a resume can read (the one a SIGTERM forced, or the run's own before the setting
+            # changed): the model-only ones after it would otherwise rotate away the only way to resume.
+            resumable = next((c for c in reversed(list_checkpoints(self.args.output_dir)) if _resumable(c)), None)
+            if resumable is not None:
+                keep.append(resumable)
         pushing = getattr(self, "push_in_progress", None)  # transformers' record of the uploads under way
         reading = getattr(self, "_uploads_read", []) if pushing is not None and not pushing.is_done() else []
         rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep, busy=reading)

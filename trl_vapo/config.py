@@ -19,20 +19,12 @@ from .pretrained import with_dtype_named
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 # transformers' optimizers (`optim`) that cannot step as VAPOTrainer steps: a part of the name, and why.
+_OWN_GROUPS = "it builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks"
 _OPTIMIZERS_REFUSED = (
-    (
-        "schedule_free",
-        "a schedule-free optimizer needs `optimizer.train()` and `.eval()` around every step and evaluation",
-    ),
+    ("schedule_free", "a schedule-free optimizer needs `optimizer.train()` and `.eval()` around every step"),
     ("lomo", "LOMO and AdaLomo update the weights inside the backward pass"),
-    (
-        "galore",
-        "GaLore builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks",
-    ),
-    (
-        "apollo",
-        "APOLLO builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks",
-    ),
+    ("galore", _OWN_GROUPS),
+    ("apollo", _OWN_GROUPS),
 )
 
 

@@ -128,10 +128,10 @@ def clip_deepspeed_gradients_(
         squares = squares + fragment.float().pow(2).sum()
     norm = all_reduce_sum(squares).sqrt()
     if max_norm is not None and torch.isfinite(norm):
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0).item()  # read once: fragments may sit on the CPU
         if coefficient < 1.0:
             for fragment in deepspeed_local_gradients(params):
-                fragment.mul_(coefficient.to(fragment.device, fragment.dtype))
+                fragment.mul_(coefficient)
     return norm
 
 
@@ -144,12 +144,17 @@ def _optimizer_chain(optimizer: torch.optim.Optimizer) -> list:
     return chain
 
 
+def _offloading_zero12(optimizer: torch.optim.Optimizer) -> list:
+    """The ZeRO-1/2 optimizer in `optimizer`'s chain that offloads to the CPU (`offload_optimizer`), if any."""
+    return [part for part in _optimizer_chain(optimizer) if getattr(part, "cpu_offload", False)]
+
+
 def settle_offloaded_gradients(optimizer: torch.optim.Optimizer) -> None:
     """Wait for ZeRO-1/2's copies of the gradients to the CPU under optimizer offload (issued non-blocking as the
     backward goes; DeepSpeed waits for them only as its step begins) before the partitions are read or written here:
     a copy landing later would overwrite the clipped gradients. No effect on any other optimizer."""
-    for part in _optimizer_chain(optimizer):
-        if getattr(part, "cpu_offload", False) and hasattr(part, "_wait_for_offload_copies"):
+    for part in _offloading_zero12(optimizer):
+        if hasattr(part, "_wait_for_offload_copies"):
             part._wait_for_offload_copies()
 
 
@@ -159,8 +164,8 @@ def mark_offload_overflow(optimizer: torch.optim.Optimizer) -> None:
     gradient norm (`norm_for_param_grads`, whose NaN sum is an overflow in float32): the NaN that
     `VAPOTrainer._drop_update` writes into the offloaded partitions afterwards would be stepped. Both are set here as
     a NaN gradient sets them (no effect on any other optimizer)."""
-    for part in _optimizer_chain(optimizer):
-        if getattr(part, "cpu_offload", False) and hasattr(part, "local_overflow"):
+    for part in _offloading_zero12(optimizer):
+        if hasattr(part, "local_overflow"):
             part.local_overflow = True
             norms = getattr(part, "norm_for_param_grads", None)
             if isinstance(norms, dict):  # read with `.item()`

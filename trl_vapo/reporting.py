@@ -541,8 +541,9 @@ class MetricsMixin:
         if extreme_keys:
             local = torch.stack([STEP_EXTREMES[k](torch.stack(extremes[k])) for k in extreme_keys])
             gathered = self.accelerator.gather(local[None]).view(-1, len(extreme_keys))
-            for key, values in zip(extreme_keys, gathered.unbind(dim=1)):
-                self._metrics[key].append(STEP_EXTREMES[key](values).item())
+            reduced = torch.stack([STEP_EXTREMES[key](values) for key, values in zip(extreme_keys, gathered.T)])
+            for key, value in zip(extreme_keys, reduced.tolist()):  # one host sync
+                self._metrics[key].append(value)
         bonus = self.args.entropy_coef > 0 or self.args.use_adaptive_entropy
         if bonus and "loss/policy" in totals:  # GRPOTrainer's names, with its entropy bonus
             self._metrics["policy_loss"].append(totals["loss/policy"] / world)  # the policy's loss before the bonus

@@ -142,8 +142,7 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
     truncated = gathered(rollout.truncated)
     ended = lengths[~truncated]  # GRPOTrainer's terminated completions (NaN where none ended, TRL logs 0)
     per_function = gathered(scores.per_function)
-    non_finite = scores.non_finite if scores.non_finite is not None else torch.zeros_like(scores.per_function).bool()
-    non_finite = gathered(non_finite)
+    non_finite = gathered(scores.non_finite)
     mask = rollout.loss_mask
     metrics = {
         REWARD: _mean(rewards),

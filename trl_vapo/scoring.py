@@ -46,8 +46,12 @@ class Scores:
     # [N] the weighted sum of the functions that judge correctness (`positive_reward_funcs`), NaN where none of them
     # scored; None: all of them (`reward`)
     verdict: torch.Tensor | None = None
-    # [N, F] bool, the function returned NaN or inf (NaN in `per_function`, as if it had returned None); None: none did
+    # [N, F] bool, the function returned NaN or inf (NaN in `per_function`, as if it had returned None); default: none
     non_finite: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.non_finite is None:
+            self.non_finite = torch.zeros(self.per_function.shape, dtype=torch.bool)
 
     def is_correct(self, threshold: float) -> torch.Tensor:
         """[N] bool: scored, with a reward of at least `threshold` ("correct": the NLL loss and accuracy); only the
