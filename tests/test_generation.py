@@ -169,11 +169,13 @@ def test_transformers_engine_output_invariants(tiny):
     assert model.training is False  # restored as found (from_pretrained models are in eval mode)
 
 
-def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny):
+@pytest.mark.parametrize("pad_stops", [False, True], ids=["pad-not-a-stop-token", "pad-is-a-stop-token"])
+def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny, pad_stops):
     """generate() pads a row that stopped on a stop string: the padding is not part of the completion, and the row
-    did not run out of budget."""
+    did not run out of budget. Also where the pad token is a stop token (a tokenizer without one gets EOS as its pad;
+    Qwen2.5-Instruct's pad is in its EOS list): the first pad was kept as the row's end, a token never sampled."""
     model, tokenizer = tiny
-    stops = [tokenizer.eos_token_id]
+    stops = [tokenizer.eos_token_id] + ([tokenizer.pad_token_id] if pad_stops else [])
     engine = TransformersGenerate(
         model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops, tokenizer=tokenizer
     )
@@ -186,7 +188,10 @@ def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny):
     for ids, length, truncated, text, stopped in zip(
         out.completion_ids, out.lengths, out.is_truncated, texts, on_string
     ):
-        assert tokenizer.pad_token_id not in ids[:length].tolist()
+        assert tokenizer.pad_token_id not in ids[: length - 1].tolist()
+        if ids[length - 1] == tokenizer.pad_token_id:  # sampled as the stop token it is, after no stop string
+            before = tokenizer.decode(ids[: length - 1])
+            assert pad_stops and not before.endswith(("e", "a")), text
         assert bool(truncated) == (not stopped and ids[length - 1] not in stops and length == 16), text
     # A stop string completed by the last token the budget allows: stopped, not cut (it was marked truncated, and
     # mask_truncated_completions left it out of the loss). Here every character stops, and the budget is one token.
@@ -364,6 +369,27 @@ def test_vllm_sync_pushes_the_base_merged_with_the_policy_adapter_only(tiny_mode
     for name, param in policy.named_parameters():
         torch.testing.assert_close(param.detach(), before[name], atol=1e-6, rtol=0, msg=name)
     assert not any(getattr(m, "merged", False) for m in policy.modules())
+
+
+def test_vllm_gets_transformers_generation_kwargs_under_its_own_names():
+    """`VLLMGeneration` passes `generation_kwargs` to vLLM's `SamplingParams` as they are: transformers' names that
+    vLLM spells otherwise are renamed (`min_new_tokens` was an unexpected keyword at the first rollout, where the
+    continuous-batching engine's refusal of it recommends vLLM)."""
+    from types import SimpleNamespace
+
+    from trl_vapo.generation import _apply_sampling
+
+    sampler = SimpleNamespace()
+    kwargs = {"min_new_tokens": 4, "stop_strings": "</answer>", "do_sample": True, "eos_token_id": 9, "seed": 3}
+    _apply_sampling(sampler, SamplingSettings(max_new_tokens=32, generation_kwargs=kwargs), [2, 9])
+    assert sampler.generation_kwargs == {
+        "min_tokens": 4,
+        "stop": ["</answer>"],
+        "include_stop_str_in_output": True,
+        "stop_token_ids": [2, 9],
+        "seed": 3,
+    }
+    assert sampler.max_completion_length == 32
 
 
 def test_vllm_sync_leaves_a_bf16_base_bit_exact(tiny_model_dir):

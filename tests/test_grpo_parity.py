@@ -296,6 +296,9 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"cache_implementation": "static", "use_vllm": True}, "cache_implementation='static' sets"),
         ({"cache_implementation": "static", "use_transformers_continuous_batching": True}, "paged"),
         ({"ds3_gather_for_generation": False, "use_vllm": True}, "vLLM needs the policy's whole weights"),
+        # A budget of its own hid the completions it cut: not marked truncated (that budget is max_completion_length).
+        ({"generation_kwargs": {"max_new_tokens": 64}}, "generation_kwargs sets max_new_tokens: the rollouts' token"),
+        ({"generation_kwargs": {"max_tokens": 64}}, "Set max_completion_length instead"),
         ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
         # Sizes: accepted, they trained on nonsense (-8) or failed after the models loaded (0: an IndexError).

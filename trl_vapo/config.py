@@ -961,6 +961,13 @@ class VAPOConfig(TrainingArguments):
             f"cache_implementation={self.cache_implementation!r} sets model.generate()'s KV cache; vLLM and "
             "continuous batching keep their own (paged) cache. Remove it, or generate with model.generate().",
         )
+        budget = sorted(set(self.generation_kwargs or {}) & {"max_new_tokens", "max_length", "max_tokens"})
+        require(
+            not budget,
+            f"generation_kwargs sets {', '.join(budget)}: the rollouts' token budget is max_completion_length, which "
+            "also tells a completion cut by the budget from one that ended (mask_truncated_completions, "
+            "completions/clipped_ratio). Set max_completion_length instead.",
+        )
         require(
             self.ds3_gather_for_generation or not self.use_vllm,
             "ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the policy's whole "

@@ -343,7 +343,8 @@ def _inference(model: nn.Module) -> Iterator[None]:
 def _generated_mask(ids: torch.Tensor, stop_ids: Sequence[int], pad_id: int, stop_strings: bool) -> torch.Tensor:
     """[N, C] mask of the tokens `generate()` produced. It pads a row that ended on a stop string with `pad_id`, so
     with `stop_strings` a row without a stop token ends at its last non-pad token (unless the pad token is itself a
-    stop token: then `cut_at_stop` ends the row there anyway). Without stop strings nothing but a stop token ends a
+    stop token: then `cut_at_stop` ends the row there, and `TransformersGenerate` takes that pad back where the
+    text before it ends on a stop string). Without stop strings nothing but a stop token ends a
     row, and a trailing pad token is one the model sampled."""
     positions = torch.arange(ids.shape[1], device=ids.device)
     if not stop_strings or pad_id in stop_ids:
@@ -440,8 +441,25 @@ class TransformersGenerate(GenerationEngine):
             ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, max_new_tokens=sampling.max_new_tokens
         )
         if config.stop_strings and self.tokenizer is not None:
-            # A row that ended on a stop string with its last allowed token stopped: it did not run out of budget.
             strings = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
+            if self.pad_token_id in self.stop_token_ids:
+                # generate() pads a row that ended on a stop string with the pad token, here a stop token too:
+                # `cut_at_stop` kept the first pad as the row's end, a token the policy never sampled (the reward
+                # would land on it, and it would train). The row ends on the stop string, as vLLM ends it.
+                decode = self.tokenizer.decode
+                padded = [
+                    len(row) > 1
+                    and row[-1] == self.pad_token_id
+                    and ends_on_stop_string(decode(row[:-1]), len(decode(row[:-2])), strings)
+                    for row in output.completion_lists()
+                ]
+                if any(padded):
+                    ends = output.lengths - torch.tensor(padded, dtype=output.lengths.dtype)
+                    valid = torch.arange(ids.shape[1])[None, :] < ends[:, None]
+                    output = cut_at_stop(
+                        ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, sampling.max_new_tokens
+                    )
+            # A row that ended on a stop string with its last allowed token stopped: it did not run out of budget.
             rows = output.completion_lists()
             texts = self.tokenizer.batch_decode(rows)
             before_last = self.tokenizer.batch_decode([row[:-1] for row in rows])
@@ -662,6 +680,8 @@ def _apply_sampling(vllm_generation, sampling: SamplingSettings, stop_ids: Seque
     kwargs = {k: v for k, v in sampling.generation_kwargs.items() if k not in ("eos_token_id", "do_sample")}
     # vLLM stops at its own EOS; name every stop id so that it ends completions where the other engines do.
     kwargs["stop_token_ids"] = list(stop_ids)
+    if "min_new_tokens" in kwargs:  # transformers' name; vLLM's SamplingParams takes `min_tokens`
+        kwargs["min_tokens"] = kwargs.pop("min_new_tokens")
     if kwargs.get("stop_strings"):  # transformers' name; vLLM's is `stop`, and transformers keeps the string
         strings = kwargs.pop("stop_strings")
         kwargs["stop"] = [strings] if isinstance(strings, str) else list(strings)

@@ -83,8 +83,21 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # The head is float32 (it trains); a half-precision base without autocast (a bf16 LoRA on a CPU) is not.
-        return self.summary(hidden_states.to(self.summary.weight.dtype)).squeeze(-1)
+        return value_head_forward(self.summary, hidden_states)
+
+
+def value_head_forward(head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``head(hidden_states)`` in the head's own dtype (float32: it trains), outside autocast, squeezed to ``[B, T]``.
+
+    Under bf16 autocast a linear layer computes in bf16 whatever its weight's dtype: values near 1 would be spaced
+    2^-8 apart, the size of the TD errors V(s_{t+1}) - V(s_t) whose sum over some alpha * l tokens is the policy's
+    advantage. The base's hidden states stay as autocast made them; only the head (hidden x 1) computes in float32.
+    """
+    dtype = next(head.parameters()).dtype
+    if not dtype.is_floating_point:  # a quantized head computes as its kernels do
+        return head(hidden_states).squeeze(-1)
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return head(hidden_states.to(dtype)).squeeze(-1)
 
 
 def _sequence_classification_head(model: PreTrainedModel) -> nn.Module:
@@ -597,7 +610,7 @@ class ActorCritic(nn.Module):
             if self.shares_base:
                 outputs["values"] = self.value_head(hidden).float()
             else:
-                outputs["values"] = _sequence_classification_head(self.critic)(hidden).squeeze(-1).float()
+                outputs["values"] = value_head_forward(_sequence_classification_head(self.critic), hidden).float()
         return outputs
 
     @torch.no_grad()
