@@ -1,4 +1,4 @@
-"""Sampling completions, one interface for training and evaluation, three engines picked by TRL's config names.
+"""Sampling completions, one interface for training and evaluation, four engines picked by config names.
 
 Every engine takes prompt token ids and returns a `GenerationOutput`: completion ids right-padded with the pad token,
 their mask (up to and including the first stop token), whether each completion ran out of budget, and, where the
@@ -10,6 +10,7 @@ ids), whichever engine produced them.
 | ---------------------- | -------------------------------------- | ------- | ------------------ | ----------------- |
 | `TransformersGenerate` | default                                | any     | if `logprobs=True` | no-op             |
 | `ContinuousBatching`   | `use_transformers_continuous_batching` | any     | if `logprobs=True` | no-op             |
+| `StaticCacheEngine`    | `use_static_cache_engine`              | any     | if `logprobs=True` | no-op             |
 | `VLLMEngine`           | `use_vllm`, `vllm_mode`, `vllm_*`      | GPU     | always             | pushes the policy |
 
 The transformers engines generate with the model a *model provider* yields: a zero-argument callable returning a
@@ -721,7 +722,8 @@ class EngineSettings:
     arguments (`from_eval_args`), or directly (`EngineSettings(engine="continuous_batching")`).
 
     Args:
-        engine: one of `ENGINES`: transformers' `generate()`, its continuous-batching engine, or vLLM.
+        engine: one of `ENGINES`: transformers' `generate()`, its continuous-batching engine, the static-cache
+            engine, or vLLM.
         sampling: the default sampling settings (a call to `generate` may pass others).
         batch_size: prompts per `generate()` call (None: all at once); the `generate` engine only.
         continuous_batching_config: keyword arguments of transformers' `ContinuousBatchingConfig`.
