@@ -884,7 +884,9 @@ def test_eval_ends_completions_where_training_ends_them(tiny_model_dir, tmp_path
 
 def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_empty_set(tiny_model_dir):
     """A reward of inf or NaN during held-out evaluation was a TypeError (the scorer counted it through a logger
-    that evaluation does not pass), raised after training and before the model was saved."""
+    that evaluation does not pass), raised after training and before the model was saved. What no reward scored is
+    left out of the estimates, as training's accuracy leaves it out (it counted as wrong: a data set with 3% of its
+    reference answers unreadable could never score above 0.97)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -898,7 +900,9 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
         return [float("inf"), float("nan"), 1.0] * (len(completions) // 3)
 
     result = evaluate_policy(model, tokenizer, data, unbounded, k=1, max_new_tokens=2, greedy=False)
-    assert result.avg_at_k == pytest.approx(1 / 3)  # the finite 1.0 counts; inf and NaN are unscored, not correct
+    # The finite 1.0 counts; inf and NaN are unscored, neither correct nor wrong.
+    assert (result.avg_at_k, result.pass_at_k, result.num_problems, result.num_unscored) == (1.0, 1.0, 1, 2)
+    assert result.as_dict()["num_unscored"] == 2
     with pytest.raises(ValueError, match="The data set to evaluate on is empty"):
         evaluate_policy(model, tokenizer, data.select([]), unbounded, k=1, max_new_tokens=2)
 

@@ -104,15 +104,12 @@ def test_a_missing_gold_answer_stays_missing(tmp_path):
 
     data = tmp_path / "gaps.jsonl"
     data.write_text(
-        "".join(json.dumps({"question": f"{i}+{i}=", "answer": 2 * i if i else None}) + "\n" for i in range(3))
+        "".join(json.dumps({"question": f"{i}+{i}=", "answer": 2e-5 * i if i else None}) + "\n" for i in range(3))
     )
     loaded = load_prompt_dataset(str(data), prompt_column="question", chat=False)
-    assert loaded["answer"] == [None, "2", "4"]
-    assert math_reward(completions=["\\boxed{0}", "\\boxed{2}", "\\boxed{5}"], answer=loaded["answer"]) == [
-        None,
-        1.0,
-        -1.0,
-    ]
+    assert loaded["answer"] == [None, "0.00002", "0.00004"]  # written out (`str` made "2e-05", not read so)
+    completions = ["\\boxed{0}", "\\boxed{0.00002}", "\\boxed{0.00005}"]
+    assert math_reward(completions=completions, answer=loaded["answer"]) == [None, 1.0, -1.0]
     # A missing problem is no prompt: through a chat template it was the text "None".
     rows = [{"question": f"{i}+{i}=" if i else None, "answer": "0"} for i in range(3)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -1310,7 +1307,7 @@ def test_a_hub_data_set_in_datasets_cache_is_not_refused_when_the_hub_is_unreach
                 _check_hub_reachable(name)
 
 
-def test_empty_prompts_are_named_in_a_warning(tmp_path, caplog):
+def test_empty_prompts_are_named_in_a_warning_and_chat_prompts_with_nothing_to_answer_refused(tmp_path, caplog):
     from trl_vapo.data import check_train_dataset
 
     rows = prompts_dataset(n=8).to_list()
@@ -1318,6 +1315,14 @@ def test_empty_prompts_are_named_in_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trl_vapo.data"):
         check_train_dataset(Dataset.from_list(rows), config(tmp_path))
     assert "train_dataset has 2 empty prompt(s) (rows [2, 5])" in caplog.text
+    # Chat prompts with no message to reply to (none, or a system message alone: `messages[:-1]` of a conversation
+    # that is one assistant turn) are refused: the chat template raised an IndexError in the rollout that drew one.
+    chat = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
+    chat[3]["prompt"], chat[6]["prompt"] = [], [{"role": "system", "content": "Be brief."}]
+    with pytest.raises(
+        ValueError, match=r"2 chat prompt\(s\) with no message to reply to \(rows \[3, 6\]: no message"
+    ):
+        check_train_dataset(Dataset.from_list(chat), config(tmp_path))
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):

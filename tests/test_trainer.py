@@ -963,7 +963,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
-    def run(output, resume=None, prompts=64, checked_first=False):
+    def run(output, resume=None, prompts=64, checked_first=False, **settings):
         args = make_args(
             tmp_path / output,
             max_steps=3,
@@ -972,6 +972,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
             save_strategy="steps",
             save_steps=2,
             num_iterations=2,
+            **settings,
         )
         trainer = VAPOTrainer(
             model=str(tiny_model_dir),
@@ -998,6 +999,11 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     # Other training data: the saved position indexes another order (prompts would be skipped or repeated).
     with pytest.raises(ValueError, match=r"train_prompts: checkpoint 64, this run 48"):
         run("full", resume=str(checkpoint), prompts=48)
+    # Another order of the same prompts: the position would skip some and repeat others.
+    with pytest.raises(
+        ValueError, match=r"data_order: checkpoint 'shuffled with seed=\d+', this run 'shuffled with data_"
+    ):
+        run("full", resume=str(checkpoint), data_seed=12345)
     resumed = run("full", resume=str(checkpoint))
     assert resumed.state.global_step == 7 == resumed.run_plan.max_steps(resumed.progress)  # resumed mid-plan
     # The log file is the resumed run's history: the checkpoint's, then its own (not the abandoned steps besides).

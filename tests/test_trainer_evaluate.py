@@ -107,7 +107,8 @@ def test_evaluate_scores_every_prompt_and_reports_grpos_metrics_and_the_critics(
     """Five prompts x `num_generations_eval` 2 in batches of `per_device_eval_batch_size` 4 completions: three
     batches (the last one of one prompt), each prompt once; the metrics are what the reward function saw."""
     reward = RecordingReward()
-    args = eval_args(tmp_path, nll_coef=0.0)
+    # A stop string ends some completions (terminated: GRPO's terminated-length metrics), the budget others.
+    args = eval_args(tmp_path, nll_coef=0.0, generation_kwargs={"stop_strings": ["7", "5"]})
     trainer = CapturingEvalTrainer(str(tiny_model_dir), reward, args, prompts_dataset(), prompts_dataset(5))
     reward.calls.clear()  # the check before training
     metrics = trainer.evaluate()
@@ -131,10 +132,14 @@ def test_evaluate_scores_every_prompt_and_reports_grpos_metrics_and_the_critics(
     assert metrics["eval_reward_std"] > 0 and rewards.numel() == 10
     assert metrics["eval_completions/min_length"] == lengths.min().item()
     assert metrics["eval_completions/max_length"] == lengths.max().item()
+    rollouts = trainer.eval_rollouts
+    ended = torch.cat([r.action_mask.sum(dim=1)[~r.truncated] for r in rollouts]).float()
+    assert ended.numel() > 1  # the extremes of the batches' terminated completions, not a mean of their extremes
+    assert metrics["eval_completions/min_terminated_length"] == ended.min().item()
+    assert metrics["eval_completions/max_terminated_length"] == ended.max().item()
 
     # The critic's explained variance pooled over every completion (not a mean of the batches'), and the loss:
     # with nll_coef 0 and advantages whitened per batch, VAPO's loss at ratio 1 is vf_coef x the value loss.
-    rollouts = trainer.eval_rollouts
     assert len(rollouts) == 3
     values = torch.cat([r.old_values[r.loss_mask.bool()] for r in rollouts])
     returns = torch.cat([r.returns[r.loss_mask.bool()] for r in rollouts])
@@ -216,6 +221,20 @@ def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tm
     assert evaluated.actor_critic.training  # back in training mode after each evaluation
     assert math.isfinite(evaluated.evaluate()["eval_loss"])  # and after training
     assert evaluated.state.log_history[-1]["step"] == 5 and "eval_reward" in evaluated.state.log_history[-1]
+
+
+def test_the_command_lines_held_out_report_leaves_the_random_state_as_it_was(tiny_model_dir, tmp_path):
+    """`trl-vapo train --eval_num_prompts N` scores the policy before training (`_held_out_report`), which sampled
+    from training's random stream: the run trained on other rollouts than the same command without the report."""
+    from types import SimpleNamespace
+
+    from trl_vapo.cli import _held_out_report
+
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, eval_args(tmp_path, max_steps=1), prompts_dataset())
+    before = torch.get_rng_state()
+    report = _held_out_report(trainer, prompts_dataset(2), SimpleNamespace(eval_k=2), trainer.reward_funcs)
+    assert report["num_problems"] == 2
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_no_scheduled_evaluation_runs_during_value_pretraining(tiny_model_dir, tmp_path):

@@ -446,8 +446,9 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_fingerprint(
     actor_critic, args, num_processes: int, deepspeed: bool, train_prompts: int | None = None
 ) -> dict[str, Any]:
-    """What a checkpoint must share with the run that resumes it: the model, the batch layout and the number of
-    training prompts (None: a stream), whose order the saved data position indexes."""
+    """What a checkpoint must share with the run that resumes it: the model, the batch layout, the number of
+    training prompts (None: a stream) and what orders them (`shuffle_dataset`, and the seed it shuffles with): the
+    saved data position indexes that order."""
     config = actor_critic.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
         config.pop(key, None)
@@ -466,7 +467,16 @@ def run_fingerprint(
         "value_pretrain_num_iterations": args.value_pretrain_num_iterations,
         "deepspeed": deepspeed,
         "train_prompts": train_prompts,
+        "data_order": data_order(args),
     }
+
+
+def data_order(args) -> str:
+    """What orders the training prompts (`PromptCursor`): a shuffle by `data_seed`, else `seed`, or none."""
+    if not args.shuffle_dataset:
+        return "in the data set's order (shuffle_dataset=False)"
+    seed, name = (args.seed, "seed") if args.data_seed is None else (args.data_seed, "data_seed")
+    return f"shuffled with {name}={seed}"
 
 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -474,7 +484,8 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
     # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`, and
     # their data set went unrecorded.
     defaults = {key: saved.get("num_iterations") for key in ("critic_num_iterations", "value_pretrain_num_iterations")}
-    saved = {"deepspeed": False, "train_prompts": current.get("train_prompts"), **defaults, **saved}
+    unrecorded = {key: current.get(key) for key in ("train_prompts", "data_order")}
+    saved = {"deepspeed": False, **unrecorded, **defaults, **saved}
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
         for key in current
@@ -484,8 +495,8 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
         raise ValueError(
             f"Cannot resume from {path}: it was written by a different run (model {saved.get('model')!r}). "
             + "; ".join(differences)
-            + ". Resume with the same model, PEFT setting, process count, batch sizes and training data (the saved "
-            "position in the data is an index into its order), or start a new run."
+            + ". Resume with the same model, PEFT setting, process count, batch sizes, training data and data order "
+            "(the saved position in the data is an index into its order), or start a new run."
         )
 
 

@@ -655,7 +655,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
     waited there for the others forever."""
     if dataset is None:
         return None
-    from .evaluation import evaluate_policy
+    from .evaluation import evaluate_policy, random_state_kept
     from .generation import EngineSettings
 
     args, main = trainer.args, trainer.accelerator.is_main_process
@@ -667,7 +667,9 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
     policy = contextlib.nullcontext(trainer.actor_critic.policy)
-    with trainer._generation_model() if placed else policy as model:  # gathered whole where sharded
+    # Training's random state kept: the report before training sampled from it, and the run trained on other
+    # rollouts than the same command without the report.
+    with trainer._generation_model() if placed else policy as model, random_state_kept(trainer.accelerator.device):
         result = evaluate_policy(
             model,
             trainer.processing_class,
@@ -713,7 +715,8 @@ def _summary(trainer, before, after, seconds, demo) -> str:
     if before and after:
         k = next(key for key in before if key.startswith("avg@"))
         lines.append(
-            f"held-out {k:<8s} {before[k]:.3f} -> {after[k]:.3f}   (sampled at T=1, {before['num_problems']} problems)"
+            f"held-out {k:<8s} {before[k]:.3f} -> {after[k]:.3f}   (sampled at T=1, {before['num_problems']} problems"
+            + (f"; {before['num_unscored']} no reward scored, left out)" if before.get("num_unscored") else ")")
         )
         lines.append(f"held-out pass@1  {before['pass@1']:.3f} -> {after['pass@1']:.3f}   (greedy)")
         lines.append(f"mean length      {before['mean_length']:.1f} -> {after['mean_length']:.1f} tokens")

@@ -117,7 +117,7 @@ def load_prompt_dataset(
                 )
             if system_prompt:
                 problem = [{"role": "system", "content": system_prompt}, *problem]
-            return {"prompt": problem, **({"answer": row[answer_column]} if answer_column else {})}
+            return {"prompt": problem, **({"answer": answer_text(row[answer_column])} if answer_column else {})}
         if problem is None and not prompt_template:  # a chat template would render it as the text "None"
             raise ValueError(
                 f"A row of {dataset_name} ({split}) has no {prompt_column!r} (null): {str(row)[:120]}. Drop such rows "
@@ -131,8 +131,7 @@ def load_prompt_dataset(
             prompt = f"{system_prompt}\n\n{text}" if system_prompt else text
         if not answer_column:
             return {"prompt": prompt}
-        gold = row[answer_column]  # a number read as text; a missing one stays None: the rewards leave it unscored
-        return {"prompt": prompt, "answer": None if gold is None else str(gold)}
+        return {"prompt": prompt, "answer": answer_text(row[answer_column])}
 
     if streaming:
         to_prompt(first)  # a stream maps as it is read: its first row's errors now, before any model loads
@@ -142,6 +141,15 @@ def load_prompt_dataset(
     if isinstance(gold, Value) and gold.dtype != "string":  # `map` casts "72" back to a number column's type
         built = built.cast_column("answer", Value("string"))  # the answers are text, as a stream's are
     return built
+
+
+def answer_text(gold):
+    """A reference answer as the rewards read it: a number as text written out in full (`str` made 1e-05 the text
+    "1e-05", which math-verify does not read as that number; inf and NaN None), anything else as it is (a missing
+    one stays None: the rewards leave it unscored)."""
+    from .rewards.answers import number_text
+
+    return number_text(gold) if isinstance(gold, (int, float)) and not isinstance(gold, bool) else gold
 
 
 def check_prompt_template(template: str, columns: list[str]) -> None:
@@ -339,7 +347,20 @@ def check_train_dataset(dataset, args) -> dict:
         raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
     if "prompt" not in dataset.column_names:
         raise ValueError(f"train_dataset has no 'prompt' column; its columns are {dataset.column_names}.")
-    empty = [i for i, prompt in enumerate(dataset["prompt"]) if not prompt]
+    prompts = dataset["prompt"]
+    unanswerable = [
+        i
+        for i, prompt in enumerate(prompts)
+        if isinstance(prompt, list)
+        and (not prompt or (isinstance(prompt[-1], dict) and prompt[-1].get("role") == "system"))
+    ]
+    if unanswerable:  # the chat template fails on them in the rollout that draws them, hours in
+        raise ValueError(
+            f"train_dataset has {len(unanswerable)} chat prompt(s) with no message to reply to (rows "
+            f"{unanswerable[:5]}{', ...' if len(unanswerable) > 5 else ''}: no message, or a system message alone). "
+            "Remove them: dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] != 'system')."
+        )
+    empty = [i for i, prompt in enumerate(prompts) if not prompt]
     if empty:
         logger.warning(
             f"train_dataset has {len(empty)} empty prompt(s) (rows {empty[:5]}{', ...' if len(empty) > 5 else ''}): "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -39,14 +40,18 @@ class EvaluationResult:
     avg_at_k: float
     pass_at_k: float
     k: int
-    num_problems: int
+    num_problems: int  # those scored: the estimates' problems
     mean_length: float
+    num_unscored: int = 0  # problems none of whose completions a reward function scored (left out of the estimates)
 
     def as_dict(self) -> dict[str, float]:
         scores = {"pass@1": self.pass_at_1, f"avg@{self.k}": self.avg_at_k}
         if self.k > 1:  # one sample's pass@1 is avg@1, and its key would overwrite the greedy pass@1
             scores[f"pass@{self.k}"] = self.pass_at_k
-        return {**scores, "num_problems": self.num_problems, "mean_length": self.mean_length}
+        counts = {"num_problems": self.num_problems} | (
+            {"num_unscored": self.num_unscored} if self.num_unscored else {}
+        )
+        return {**scores, **counts, "mean_length": self.mean_length}
 
 
 Engine = str | EngineSettings | GenerationEngine
@@ -115,6 +120,13 @@ def sample_completions(
     return completions, output.lengths.tolist()
 
 
+def random_state_kept(device: torch.device):
+    """`torch.random.fork_rng` over the CPU's generator and `device`'s: what samples inside leaves the random state
+    as it found it, so that evaluating during or before training never changes what trains."""
+    rng = {"devices": []} if device.type == "cpu" else {"devices": [device.index or 0], "device_type": device.type}
+    return torch.random.fork_rng(**rng)
+
+
 def evaluate_policy(
     model,
     tokenizer,
@@ -154,10 +166,12 @@ def evaluate_policy(
 
     state = trainer_state or TrainerState()  # outside training: step 0, as in the check before training
 
-    def correct(completions: list[str], completion_ids: list[list[int]], group: int) -> torch.Tensor:
+    def correct(completions: list[str], completion_ids: list[list[int]], group: int) -> tuple[torch.Tensor, ...]:
+        """[problems, group] 1.0 where correct, and where a reward function scored the completion at all."""
         repeated = [row for row in rows for _ in range(group)]
         scores = scorer.score(repeated, completions, completion_ids, trainer_state=state)
-        return scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
+        hits = scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
+        return hits, scores.scored.view(len(rows), group)
 
     generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     settings = dict(
@@ -170,20 +184,25 @@ def evaluate_policy(
     sampled, lengths, sampled_ids = sample_completions(
         model, tokenizer, prompts, num_samples=k, temperature=temperature, top_p=top_p, engine=generator, **settings
     )
-    hits = correct(sampled, sampled_ids, k)
+    # What no reward function scored (None: a problem without a usable reference answer) is left out of every
+    # estimate, as training's accuracy leaves it out, rather than counted wrong.
+    hits, scored = correct(sampled, sampled_ids, k)
+    problems = scored.any(dim=1)
     pass_at_1 = float("nan")
     if greedy:
         greedy_completions, _, greedy_ids = sample_completions(
             model, tokenizer, prompts, temperature=0.0, engine=generator, **settings
         )
-        pass_at_1 = correct(greedy_completions, greedy_ids, 1).mean().item()
+        greedy_hits, greedy_scored = correct(greedy_completions, greedy_ids, 1)
+        pass_at_1 = greedy_hits[greedy_scored].mean().item()
     return EvaluationResult(
         pass_at_1=pass_at_1,
-        avg_at_k=hits.mean().item(),
-        pass_at_k=hits.max(dim=1).values.mean().item(),
+        avg_at_k=hits[scored].mean().item(),
+        pass_at_k=hits.max(dim=1).values[problems].mean().item(),
         k=k,
-        num_problems=len(rows),
+        num_problems=int(problems.sum()),
         mean_length=sum(lengths) / len(lengths),
+        num_unscored=len(rows) - int(problems.sum()),
     )
 
 
@@ -264,11 +283,9 @@ class EvaluationMixin:
         was_training = self.actor_critic.training
         saved = self._metrics, self._last_rollout
         self._metrics, self._last_rollout = defaultdict(list), None
-        device = self.accelerator.device
-        rng = {"devices": []} if device.type == "cpu" else {"devices": [device.index or 0], "device_type": device.type}
         self.actor_critic.eval()
         try:
-            with torch.random.fork_rng(**rng):
+            with random_state_kept(self.accelerator.device):
                 yield
         finally:
             self._metrics, self._last_rollout = saved
@@ -306,8 +323,10 @@ class EvaluationMixin:
             completions += real
         metrics = {key: nan_mean(column) for key, column in self._metrics.items()}
         for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'
-            if key.endswith(("/min_length", "/max_length")):
-                metrics[key] = (min if key.endswith("/min_length") else max)(column)
+            name = key.rsplit("/", 1)[-1]
+            if name.startswith(("min_", "max_")) and name.endswith("_length"):
+                finite = [value for value in column if not math.isnan(value)]  # a batch where none terminated: NaN
+                metrics[key] = (min if name.startswith("min_") else max)(finite) if finite else float("nan")
         self._metrics.clear()
         values, returns = torch.cat(values), torch.cat(returns)
         metrics[EXPLAINED_VARIANCE] = explained_variance(values, returns, torch.ones_like(values), all_reduce).item()

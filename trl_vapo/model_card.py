@@ -281,7 +281,7 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
     rows = ["| metric | before training | after training |", "| --- | --- | --- |"]
     names = {"pass@1": "pass@1 (greedy)"}
     for key in before:
-        if key in ("num_problems",) or key not in after:
+        if key in ("num_problems", "num_unscored") or key not in after:
             continue
         label = names.get(key, "mean completion length (tokens)" if key == "mean_length" else key)
         if key.startswith("avg@"):

@@ -467,6 +467,21 @@ def _clean_answer(answer: str | None) -> str | None:
     return None if answer is None else _MATHRM_E_RE.sub("e", answer)
 
 
+def number_text(number: int | float | Fraction) -> str | None:
+    """``number`` written out as math-verify reads it; None for inf and NaN.
+
+    ``str(1e20)`` is ``1e+20`` and ``str(2.5e-07)`` is ``2.5e-07``, which math-verify does not read as those numbers:
+    a float is written out in full, with the digits of its shortest repr (``1e23`` is ``1`` and 23 zeros, not the
+    binary value's ``99999999999999991611392``).
+    """
+    if isinstance(number, float):
+        if not math.isfinite(number):
+            return None
+        exact = Decimal(repr(number))
+        return str(int(exact)) if number.is_integer() else format(exact, "f")
+    return str(number)
+
+
 def normalize_gold_answer(gold: Any) -> str | None:
     """Reduce a data set's gold answer to the bare answer string, or ``None`` when it holds no usable answer.
 
@@ -485,14 +500,8 @@ def normalize_gold_answer(gold: Any) -> str | None:
     """
     if isinstance(gold, bool) or gold is None:
         return None
-    if isinstance(gold, float):
-        if not math.isfinite(gold):
-            return None
-        # ``str(1e20)`` is ``1e+20`` and ``str(2.5e-07)`` is ``2.5e-07``, which math-verify does not read as those
-        # numbers: written out in full, with the digits of the float's shortest repr.
-        gold = str(int(gold)) if gold.is_integer() else format(Decimal(repr(gold)), "f")
-    if isinstance(gold, (int, Fraction)):
-        gold = str(gold)
+    if isinstance(gold, (int, float, Fraction)):
+        gold = number_text(gold)
     if not isinstance(gold, str):
         return None
     spans, truncated = _box_spans(gold)
