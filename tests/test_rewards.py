@@ -324,7 +324,7 @@ def test_find_last_boxed(text, expected):
     ("text", "expected"),
     [
         (r"\boxed{72} then #### 5", "72"),  # a box beats the other markers
-        ("steps\n#### 1,234  \n", "1,234"),
+        ("steps\n#### 1,234  \n", "1234"),  # a number as math-verify reads it
         ("steps\nThe final answer is: $\\frac{1}{2}$.", r"\frac{1}{2}"),
         ("Answer: **(3,-1)**", "(3,-1)"),
         ("Answer: 3\nbecause 1 + 2 = 3", None),  # the marker must be on the final line

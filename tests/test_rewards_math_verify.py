@@ -102,6 +102,12 @@ CASES = {
         ("overrides-box", r"$6$", r"So \boxed{5}. Final Answer: The final answer is $6$. I hope it is correct."),
         ("sentence-thousands", r"$12000023$", "Final Answer: The final answer is 12,000,023. I hope it is correct."),
         ("no-hope", r"$34$", "The final answer is $34$."),
+        # Without "final", as GSM8K-style prompts ask ("end with 'The answer is N'"): read as math-verify reads it.
+        ("the-answer-is", "#### 18", "Janet makes 9 * 2 = 18 dollars.\nTherefore, the answer is $18$."),
+        ("the-answer-is-wrong", "#### 18", "Therefore, the answer is $19$."),
+        ("answer-is-colon", "#### 18", "So the answer is: 18"),
+        ("answer-is-count", "#### 18", "The answer is 18 dollars."),
+        ("answer-line-percent", "0.5", "Answer: 50 percent"),  # the percent kept, as on a "final answer is" line
     ],
     "mathrm e": [
         ("e-alone", r"$\mathrm{e}$", r"\boxed{e}"),

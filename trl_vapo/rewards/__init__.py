@@ -14,7 +14,7 @@ How a completion is scored by :func:`math_reward` (and by every reward built wit
    answer by :func:`normalize_gold_answer`: GSM8K's ``... #### 72``, a solution with boxes (MATH, NuminaMath), or a
    bare answer as DeepScaleR / DAPO-Math store it.
 2. The prediction is extracted by :func:`extract_predicted_answer`: the boxes, else the MATH few-shot sentence ``The
-   final answer is X. I hope it is correct.``, else a final ``#### x``, ``... final answer is x`` or ``Answer: x``
+   final answer is X. I hope it is correct.``, else a final ``#### x``, ``... (final) answer is x`` or ``Answer: x``
    line. There is deliberately no "last number in the text" fallback, and an answer longer than
    :data:`MAX_ANSWER_CHARS` is no answer.
 3. When both are plain numbers, :func:`fast_verdict` decides in-process (exact ``fractions.Fraction`` arithmetic)

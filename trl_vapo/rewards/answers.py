@@ -1,6 +1,6 @@
 """Answer extraction: the gold answer of a dataset row (:func:`normalize_gold_answer`) and the predicted answer of a
 completion (:func:`extract_predicted_answer`), each read as math-verify reads it: the boxes, the MATH few-shot
-sentence, a final ``#### x``, ``... final answer is x`` or ``Answer: x`` line. Pure text: no math-verify, no
+sentence, a final ``#### x``, ``... (final) answer is x`` or ``Answer: x`` line. Pure text: no math-verify, no
 processes (what is done with the two answers is :mod:`.exact_numbers`' and :mod:`.pool`'s)."""
 
 from __future__ import annotations
@@ -79,9 +79,10 @@ _MATH_WORDS = {"pi", "sqrt", "and", "or", "times", "over", "plus", "minus"}
 _HOPE_PREFIX_RE = re.compile(r"(?i:final answer is):?\s*")
 _MAX_HOPES = 20
 # ``The final answer is $34$.`` on the final line (math-verify's "final answer ... is" pattern), also as ``Final
-# Answer: The volume is 120. I hope it is correct.`` where the sentence lacks "final answer is".
+# Answer: The volume is 120. I hope it is correct.`` where the sentence lacks "final answer is", and without "final"
+# (``Therefore, the answer is $18$.``, ``So the answer is: 18``: what a GSM8K-style prompt asks for).
 _FINAL_ANSWER_IS_RE = re.compile(
-    r"(?i:final answer).{0,100}?\s+is:?\s*(?P<answer>.+?)\.?(?:\s?I hope it is correct\.?)?\s*$"
+    r"(?i:(?:final )?answer).{0,100}?\s+is:?\s*(?P<answer>.+?)\.?(?:\s?I hope it is correct\.?)?\s*$"
 )
 # ISO style writes Euler's number upright. math-verify reads ``\mathrm{e}`` as a symbol named e, not as e (so
 # ``\mathrm{e}^2`` differs from ``e^2``), and its unit stripping eats the ``\mathrm{e}}`` ending
@@ -390,7 +391,7 @@ def _final_line(text: str) -> str:
 
 
 def _final_line_answer(text: str) -> str | None:
-    """The answer a completion without boxes states on its final line: ``#### x``, ``... final answer is x``,
+    """The answer a completion without boxes states on its final line: ``#### x``, ``... (final) answer is x``,
     ``Answer: x``; a trailing full stop is dropped."""
     line = _final_line(text)
     if len(line) > _MAX_RAW_CHARS:
@@ -410,7 +411,8 @@ def _final_line_answer(text: str) -> str | None:
     answer = match.group("answer")
     if answer.endswith(".") and not answer.endswith(".."):
         answer = answer[:-1]
-    return _number_of_a_count(answer) or answer
+    # A number as math-verify reads it first (`50 percent` is 50%), then a count's (`72 clips` is 72).
+    return _phrase_answer(answer) or _number_of_a_count(answer) or answer
 
 
 def extract_predicted_answer(text: str) -> str | None:
@@ -424,7 +426,7 @@ def extract_predicted_answer(text: str) -> str | None:
        last box means no answer;
     2. the MATH few-shot sentence ``The final answer is X. I hope it is correct.``, wherever it stands, when it ends
        after the boxes (math-verify's rule: the later of the two wins); X is a math environment or a number;
-    3. without either, a final line ``#### x`` (GSM8K), ``... final answer is x`` or ``Answer: x`` (also
+    3. without either, a final line ``#### x`` (GSM8K), ``... (final) answer is x`` or ``Answer: x`` (also
        ``Final answer:``, ``**Answer:**``; a trailing full stop is dropped, and the words after a count: ``Answer: 72
        clips`` is ``72``).
 
