@@ -87,6 +87,23 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
         assert "transformers has no `AutoModelForSequenceClassification` class for this architecture" in card
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])  # one that converts nothing, one that does
+def test_saved_weights_load_back_into_the_model_in_memory_as_a_resume_loads_them(model_type, tmp_path):
+    """`save_pretrained` writes transformers' original layout, undoing the weight conversions `from_pretrained`
+    applies (Qwen3-MoE's experts one tensor each, where the model holds them stacked): a full fine-tuning run's
+    resume read its checkpoint back with `load_state_dict`, and failed on every MoE model."""
+    from trl_vapo.modeling import _load_safetensors_into
+
+    saved = AutoModelForCausalLM.from_pretrained(
+        save_tiny(tmp_path / "model", model_type, **ARCHITECTURES[model_type])
+    )
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_config(saved.config)
+    _load_safetensors_into(other, tmp_path / "model")
+    for (name, expected), loaded in zip(saved.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(expected, loaded), name
+
+
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled-head", "own-forward"])
 def test_a_moe_policys_load_balancing_loss_is_the_one_its_own_forward_computes(tmp_path, monkeypatch, tiled):
     """The log-probs' pass returns the routers' load-balancing loss as the model's own forward computes it with

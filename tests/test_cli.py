@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from trl_vapo.checkpoint import list_checkpoints
-from trl_vapo.cli import _parse_args_and_config, _parser, _split_launch_args, main
+from trl_vapo.cli import UsageError, _parse_args_and_config, _parser, _split_launch_args, main
 from trl_vapo.config import _cuda_supports_bf16
 
 TRL_VAPO = str(Path(sys.executable).parent / "trl-vapo")
@@ -53,6 +53,14 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
     assert script.reward_funcs == ["math_reward", "think_boxed_format_reward"]
     # VAPO defaults the YAML did not touch
     assert training.lam_critic == 1.0 and training.epsilon_high == 0.28 and training.length_adaptive_alpha == 0.05
+    # A number that may be None takes None on the command line too, as the README's ablation commands pass it
+    # (`--length_adaptive_alpha None` was an invalid float: HfArgumentParser reads `float | None` as a float).
+    parsed = _parse_args_and_config(
+        _parser(), ["--length_adaptive_alpha", "None", "--value_pretrain_patience", "null"]
+    )
+    assert parsed[1].length_adaptive_alpha is None and parsed[1].value_pretrain_patience is None
+    with pytest.raises(UsageError, match=r"--learning_rate/--learning-rate: invalid float value: 'None'"):
+        _parse_args_and_config(_parser(), ["--learning_rate", "None"])  # not one that may be None
 
 
 def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_model_dir, tmp_path):
@@ -89,7 +97,6 @@ def test_a_preset_takes_the_columns_the_user_named(jsonl_data, tmp_path):
         [*argv, "--prompt_format", "text"], return_remaining_strings=True
     )
     assert script.prompt_column == "prompt"  # the default, until the preset fills it in
-    from trl_vapo.cli import UsageError
 
     with pytest.raises(UsageError, match=r"no column 'question' \(prompt_column\)"):  # the preset's own column
         _resolve_data(script, model, training, demo=False)
@@ -275,6 +282,7 @@ def run_cli(*args, cwd=None):
 
 BAD_INPUT = [
     (["--bogus_flag", "1"], "--bogus_flag"),
+    (["--torch_dtype", "bfloat16"], "--torch_dtype (did you mean --dtype?)"),  # TRL's ModelConfig renamed it
     (["--prompt_column", "problem"], "'problem'"),
     (["--answer_column", "solution"], "'solution'"),
     (["--lam_actor", "1.5"], "lam_actor"),

@@ -481,6 +481,34 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
     assert [h["phase"] for h in second.state.log_history if "phase" in h] == ["value_pretrain"] * 2 + ["rl"]
 
 
+def test_a_new_adapters_random_initialisation_is_no_other_policy_for_a_pretrained_critic(tiny_model_dir, tmp_path):
+    """A new LoRA adapter computes as its base (B is zero), but its A is drawn with the run's seed: the fingerprint
+    a value-pretrained critic records took it in, and a run with another seed pretrained that critic again. A
+    trained adapter does change the policy."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def fingerprint(seed, model=str(tiny_model_dir), peft_config=lora):
+        args = make_args(tmp_path, seed=seed, max_steps=1)
+        trainer = VAPOTrainer(model, digit_fraction, args, prompts_dataset(), peft_config=peft_config)
+        return trainer.run_record.policy_fingerprint
+
+    assert fingerprint(1) == fingerprint(2)
+
+    def given_adapter(b: float):  # the same A (seeded), B as given
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.fill_(b)
+        return model
+
+    assert fingerprint(1, given_adapter(0.01), None) != fingerprint(1, given_adapter(0.0), None)
+
+
 def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reaches_the_loss(tiny_model_dir, tmp_path):
     """GRPOConfig's static `entropy_coef`: from the same rollout, the policy steps elsewhere with the bonus than
     without it, the critic the same; `loss/entropy_bonus` is logged, and GRPOTrainer's `policy_loss` and
@@ -963,7 +991,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
-    def run(output, resume=None, prompts=64, checked_first=False, **settings):
+    def run(output, resume=None, prompts=64, checked_first=False, lora=None, **settings):
         args = make_args(
             tmp_path / output,
             max_steps=3,
@@ -979,7 +1007,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
             reward_funcs=digit_fraction,
             args=args,
             train_dataset=prompts_dataset(prompts),
-            peft_config=peft_config,
+            peft_config=lora or peft_config,
         )
         if checked_first:  # as `trl-vapo train` checks the resume before the held-out report and `train`
             trainer.resume_point(resume)
@@ -1004,6 +1032,10 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
         ValueError, match=r"data_order: checkpoint 'shuffled with seed=\d+', this run 'shuffled with data_"
     ):
         run("full", resume=str(checkpoint), data_seed=12345)
+    if peft:  # another rank: the saved adapter would not load into its shapes (a traceback after the model loaded)
+        other = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        with pytest.raises(ValueError, match=r"policy_adapter: r checkpoint 4, this run 8"):
+            run("full", resume=str(checkpoint), lora=other)
     resumed = run("full", resume=str(checkpoint))
     assert resumed.state.global_step == 7 == resumed.run_plan.max_steps(resumed.progress)  # resumed mid-plan
     # The log file is the resumed run's history: the checkpoint's, then its own (not the abandoned steps besides).

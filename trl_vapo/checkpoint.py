@@ -43,6 +43,7 @@ from .distributed import (
 from .model_card import VAPO_CITATION, RunRecord, build_model_card
 from .modeling import (
     CRITIC_SUBFOLDER,
+    POLICY_ADAPTER,
     VALUE_HEAD_FILE,
     VALUE_PRETRAINING_FILE,
     is_peft_model,
@@ -457,6 +458,7 @@ def run_fingerprint(
         "model_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "critic": actor_critic.critic_description,
         "peft_policy": is_peft_model(actor_critic.policy),
+        "policy_adapter": adapter_settings(actor_critic.policy),
         "num_processes": num_processes,
         "generation_batch_size": args.generation_batch_size,
         "num_generations": args.num_generations,
@@ -469,6 +471,19 @@ def run_fingerprint(
         "train_prompts": train_prompts,
         "data_order": data_order(args),
     }
+
+
+def adapter_settings(policy) -> dict[str, Any] | None:
+    """The policy adapter's config as a checkpoint records it (None without PEFT): a resume with another rank, other
+    target modules or another scaling would load the saved adapter into other shapes, or silently into other
+    modules, or train it at another scale."""
+    if not is_peft_model(policy):
+        return None
+    config = policy.peft_config[POLICY_ADAPTER].to_dict()
+    for key in ("base_model_name_or_path", "revision", "inference_mode"):  # where it was loaded from, not what
+        config.pop(key, None)
+    config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
+    return json.loads(json.dumps(config, sort_keys=True, default=str))  # as the marker reads back
 
 
 def data_order(args) -> str:
@@ -484,20 +499,30 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
     # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`, and
     # their data set went unrecorded.
     defaults = {key: saved.get("num_iterations") for key in ("critic_num_iterations", "value_pretrain_num_iterations")}
-    unrecorded = {key: current.get(key) for key in ("train_prompts", "data_order")}
+    unrecorded = {key: current.get(key) for key in ("train_prompts", "data_order", "policy_adapter")}
     saved = {"deepspeed": False, **unrecorded, **defaults, **saved}
-    differences = [
-        f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r}"
-        for key in current
-        if key != "model" and saved.get(key) != current[key]
-    ]
+    differences = [_difference(key, saved.get(key), current[key]) for key in current if key != "model"]
+    differences = [difference for difference in differences if difference]
     if differences:
         raise ValueError(
             f"Cannot resume from {path}: it was written by a different run (model {saved.get('model')!r}). "
             + "; ".join(differences)
-            + ". Resume with the same model, PEFT setting, process count, batch sizes, training data and data order "
+            + ". Resume with the same model, PEFT settings, process count, batch sizes, training data and data order "
             "(the saved position in the data is an index into its order), or start a new run."
         )
+
+
+def _difference(key: str, saved: Any, current: Any) -> str | None:
+    """How a checkpoint's fingerprint entry differs from this run's (None: alike). Of two settings dicts, the keys
+    that differ among those both have (a newer library's new field is no difference)."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        keys = sorted(k for k in saved.keys() & current.keys() if saved[k] != current[k])
+        return (
+            f"{key}: " + ", ".join(f"{k} checkpoint {saved[k]!r}, this run {current[k]!r}" for k in keys)
+            if keys
+            else None
+        )
+    return None if saved == current else f"{key}: checkpoint {saved!r}, this run {current!r}"
 
 
 class SavingMixin:

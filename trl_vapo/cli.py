@@ -21,6 +21,7 @@ import signal
 import sys
 import textwrap
 import time
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -190,13 +191,32 @@ class UsageError(Exception):
 
 def _in_one_line(parser):
     """`parser` with argparse's errors (a flag's or a YAML key's value of the wrong type, a bad choice) raised as a
-    `UsageError`: one line, where argparse prints the usage of every flag (some 300 of them) first."""
+    `UsageError`: one line, where argparse prints the usage of every flag (some 300 of them) first. A number field
+    that may be None takes `None` (or `null`) on the command line too (`--length_adaptive_alpha None`):
+    HfArgumentParser reads `float | None` as a float, and `None` was an invalid float value."""
 
     def error(message: str):
         raise UsageError(f"{message} (see `{parser.prog} --help`)")
 
     parser.error = error
+    optional = set()
+    for dataclass_type in parser.dataclass_types:
+        hints = typing.get_type_hints(dataclass_type)
+        optional |= {f.name for f in fields(dataclass_type) if type(None) in typing.get_args(hints[f.name])}
+    for action in parser._actions:
+        if action.dest in optional and action.type in (int, float):
+            action.type = _or_none(action.type)
     return parser
+
+
+def _or_none(number_type):
+    """`number_type`, or None for the text None / null (argparse names the type in its error: `invalid float`)."""
+
+    def parse(text: str):
+        return None if text.strip().lower() in ("none", "null") else number_type(text)
+
+    parse.__name__ = number_type.__name__
+    return parse
 
 
 LIST_FIELDS = ("reward_funcs", "positive_reward_funcs", "reward_weights")
@@ -299,7 +319,8 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
         named = []
         for arg in unknown:
             flag = arg.split("=")[0]
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            close = [RENAMED_FLAGS[flag]] if flag in RENAMED_FLAGS else []
+            close = close or difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
             if flag in from_config:  # a YAML key, named as the file spells it
                 hint = f" (did you mean {close[0][2:]!r}?)" if close else ""
                 named.append(f"the config's key {flag[2:]!r}{hint}")
@@ -307,6 +328,10 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
                 named.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
         raise UsageError(f"unrecognized argument(s): {', '.join(named)} (see `trl-vapo train --help`)")
     return launch_args
+
+
+RENAMED_FLAGS = {"--torch_dtype": "--dtype"}
+"""Flags of older TRL and transformers versions under their names now (TRL's ModelConfig has no `torch_dtype`)."""
 
 
 def _check_resume(output_dir: str, resume: str | bool | None) -> None:
@@ -826,8 +851,9 @@ class EvalArguments:
     max_completion_length: int = field(
         default=1024,
         metadata={
-            "help": "Maximum number of generated tokens per completion, as in training (a training YAML's value "
-            "applies). `--max_new_tokens` is an alias.",
+            "help": "Maximum number of generated tokens per completion; a training YAML's value applies, so that "
+            "evaluation cuts completions where training did (training's default is 512). `--max_new_tokens` is an "
+            "alias.",
             "aliases": ["--max_new_tokens"],
         },
     )

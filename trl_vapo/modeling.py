@@ -937,6 +937,14 @@ def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    if unexpected:
+        # `save_pretrained` writes transformers' original layout, undoing the weight conversions `from_pretrained`
+        # applies (an MoE's experts one tensor each, which the model holds stacked): read through `from_pretrained`,
+        # which converts them, on the CPU in float32, and copied in (for those architectures, a second copy for now).
+        del state
+        converted = type(model).from_pretrained(directory, dtype=torch.float32, device_map="cpu").state_dict()
+        missing, unexpected = model.load_state_dict(converted, strict=False)
+        missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if missing or unexpected:
         raise ValueError(
             f"Weights in {directory} do not match {type(model).__name__}: missing {missing[:5]}, "

@@ -293,8 +293,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         )
         prepare_tokenizer(tokenizer, self._conversational)
         adapter_given = is_peft_model(policy)  # a trained adapter, maybe: the base alone is not the initial policy
+        # Of the initial policy as it computes: a new adapter (LoRA's B is zero) computes as its base, and its random
+        # initialisation, which differs by seed, would make a critic value-pretrained with another seed look like one
+        # for another policy. Prompt learning's new virtual tokens, and LoRA initialised at random, do change it.
+        fresh = peft_config is not None and not adapter_given and getattr(peft_config, "init_lora_weights", True)
+        fresh = fresh is not False and not getattr(peft_config, "is_prompt_learning", False)
+        fingerprint = policy_fingerprint(policy) if fresh else None
         policy = add_policy_adapter(policy, peft_config)
-        fingerprint = policy_fingerprint(policy)
+        fingerprint = fingerprint or policy_fingerprint(policy)
         with whole_models_under_zero3(zero3_config):
             actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint)
         frozen = actor_critic.value_function
