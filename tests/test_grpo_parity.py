@@ -713,6 +713,14 @@ def test_the_completions_that_reward_functions_logged_stay_in_logs_after_trainin
     assert len(logs["completion"]) == args.generation_batch_size
     assert logs["extra"]["start"] == [c[:5] for c in logs["completion"]]
     assert logs["rewards"]["first_characters"] == [float(len(c)) for c in logs["completion"]]
+    # And the table in `output_dir/completions/`, as GRPOTrainer writes it: one parquet file per logged rollout.
+    import pandas as pd
+
+    [written] = (tmp_path / "out" / "completions").glob("*.parquet")
+    assert written.name == "completions_00001.parquet"
+    frame = pd.read_parquet(written)
+    assert frame["completion"].tolist() == logs["completion"] and frame["start"].tolist() == logs["extra"]["start"]
+    assert frame["first_characters"].tolist() == logs["rewards"]["first_characters"] and set(frame["step"]) == {1}
     with pytest.raises(ValueError, match="`train_dataset` is required"):
         VAPOTrainer(str(tiny_model_dir), first_characters, args)
 

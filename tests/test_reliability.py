@@ -1108,6 +1108,28 @@ def test_a_full_model_saved_where_an_adapter_was_leaves_no_adapter_to_load_inste
     full.save_model(str(final))
     names = {p.name for p in final.iterdir()}
     assert "model.safetensors" in names and not {"adapter_config.json", "adapter_model.safetensors"} & names
+    # Full weights saved over full weights sharded otherwise: the earlier shards go, or they would be pushed along
+    # (and an earlier whole file beside new shards is what `from_pretrained` loads).
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (final / name).write_text("an earlier save's")
+    full.save_model(str(final))
+    names = {p.name for p in final.iterdir()}
+    assert (
+        "model.safetensors" in names
+        and not {"model-00001-of-00002.safetensors", "model.safetensors.index.json"} & names
+    )
+
+    # A run with a frozen value function saves no critic: an earlier save's would stay beside its policy (and be
+    # pushed with it), though its card names none.
+    def zero(input_ids, attention_mask, completion_length):
+        return torch.zeros(len(input_ids), completion_length)
+
+    frozen = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, config(tmp_path / "c"), prompts_dataset(32), value_model=zero
+    )
+    assert (final / "critic").is_dir()
+    frozen.save_model(str(final))
+    assert (final / "model.safetensors").is_file() and not (final / "critic").exists()
 
 
 def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, tmp_path, monkeypatch):

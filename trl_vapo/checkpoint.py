@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import os
@@ -74,6 +75,13 @@ TRAINING_STATE = [
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+WEIGHT_FILES = (
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
+"""A full model's weights as `save_pretrained` writes them, sharded or not (glob patterns)."""
 """A PEFT adapter's files: a full model saved where an earlier save left them removes them, or `from_pretrained`
 (and `trl-vapo eval`) would load the adapter on its base instead of the model. (An adapter saved over a full model's
 weights leaves them: its config names what loads, and the folder may be the base model's own.)"""
@@ -600,9 +608,22 @@ class SavingMixin:
                         if item.is_dir() and (output_dir / item.name).is_dir():
                             shutil.rmtree(output_dir / item.name)  # an earlier save's critic/
                         os.replace(item, output_dir / item.name)
-                    if "adapter_config.json" not in written:  # an earlier save's adapter would load instead
-                        for stale in ADAPTER_FILES:
-                            (output_dir / stale).unlink(missing_ok=True)
+                    # An earlier save's files that this one did not write would load instead, or be pushed with it:
+                    # its adapter; its full weights in another sharding, where this save wrote full weights
+                    # (`from_pretrained` prefers a `model.safetensors` to the shards beside it; an adapter saved over
+                    # full weights leaves them: the folder may hold the base model); its critic, where this run has
+                    # none (a frozen value function).
+                    stale = (
+                        [output_dir / name for name in ADAPTER_FILES] if "adapter_config.json" not in written else []
+                    )
+                    if any(fnmatch.fnmatch(name, pattern) for name in written for pattern in WEIGHT_FILES):
+                        stale += [
+                            p for pattern in WEIGHT_FILES for p in output_dir.glob(pattern) if p.name not in written
+                        ]
+                    for path in stale:
+                        path.unlink(missing_ok=True)
+                    if CRITIC_SUBFOLDER not in written:
+                        shutil.rmtree(output_dir / CRITIC_SUBFOLDER, ignore_errors=True)
                     _fsync_dir(output_dir)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)

@@ -362,6 +362,19 @@ def log_completions_to_trackers(table: CompletionsTable, report_to: str | Sequen
     return used
 
 
+COMPLETIONS_DIR = "completions"
+"""Where `log_completions` writes each logged rollout's table in `output_dir`, as GRPOTrainer does."""
+
+
+def write_completions_file(table: CompletionsTable, directory: Path) -> Path:
+    """`table` as GRPOTrainer writes its completions with `log_completions`: `completions_<step, 5 digits>.parquet`
+    in `directory`, the columns the trackers' table has (`to_dataframe`). Returns the file's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"completions_{table.step:05d}.parquet"
+    table.to_dataframe().to_parquet(path)
+    return path
+
+
 def tracker_urls() -> dict[str, str | None]:
     """Dashboards of the live tracker runs, for the model card's badges: `wandb` (an online run's page) and
     `trackio` (a Space's, when the run logs to one). None where there is none: an offline wandb run has no page, a
@@ -602,4 +615,5 @@ class MetricsMixin:
                     report_to=self.args.report_to,
                     unique_prompts=self.args.log_unique_prompts,
                 )
+                write_completions_file(table, Path(self.args.output_dir) / COMPLETIONS_DIR)
             self._reported_rollout = rollout
