@@ -88,8 +88,13 @@ def token_rewards_of(trainer, rows, rollout):
     return rewards, lengths, scores
 
 
+def clock_free(entry: dict) -> dict:
+    """A log entry less what the clock says (the run's time, each step's seconds), which no two runs share."""
+    return {k: v for k, v in entry.items() if not k.startswith("train_") and k != "step_time"}
+
+
 def comparable(history):
-    return [{k: v for k, v in h.items() if not k.startswith("train_")} for h in history if "phase" in h]
+    return [clock_free(h) for h in history if "phase" in h]
 
 
 def run_benchmark(script: str, *args: str) -> str:

@@ -61,6 +61,8 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
     assert parsed[1].length_adaptive_alpha is None and parsed[1].value_pretrain_patience is None
     with pytest.raises(UsageError, match=r"--learning_rate/--learning-rate: invalid float value: 'None'"):
         _parse_args_and_config(_parser(), ["--learning_rate", "None"])  # not one that may be None
+    with pytest.raises(UsageError, match=r"--reward_weights/--reward-weights: invalid float value: 'None'"):
+        _parse_args_and_config(_parser(), ["--reward_weights", "None"])  # a list's values are numbers
 
 
 def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_model_dir, tmp_path):
@@ -911,6 +913,17 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
     # The finite 1.0 counts; inf and NaN are unscored, neither correct nor wrong.
     assert (result.avg_at_k, result.pass_at_k, result.num_problems, result.num_unscored) == (1.0, 1.0, 1, 2)
     assert result.as_dict()["num_unscored"] == 2
+
+    # Judged by `positive_reward_funcs`: a format reward scores the problems the judge cannot (no reference answer).
+    def judge(completions, answer, **kwargs):
+        return [None if a == "0" else 1.0 for a in answer]
+
+    def format_reward(completions, **kwargs):
+        return [0.1] * len(completions)
+
+    funcs = [judge, format_reward]
+    result = evaluate_policy(model, tokenizer, data, funcs, k=1, max_new_tokens=2, positive_reward_funcs=["judge"])
+    assert (result.avg_at_k, result.pass_at_1, result.num_problems, result.num_unscored) == (1.0, 1.0, 2, 1)
     with pytest.raises(ValueError, match="The data set to evaluate on is empty"):
         evaluate_policy(model, tokenizer, data.select([]), unbounded, k=1, max_new_tokens=2)
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from _script_process import ScriptProcess, run_ranks, run_script
 from datasets import Dataset
-from helpers import PoisonedTrainer, digit_fraction, make_args, prompts_dataset
+from helpers import PoisonedTrainer, clock_free, digit_fraction, make_args, prompts_dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -110,6 +110,11 @@ def test_a_missing_gold_answer_stays_missing(tmp_path):
     assert loaded["answer"] == [None, "0.00002", "0.00004"]  # written out (`str` made "2e-05", not read so)
     completions = ["\\boxed{0}", "\\boxed{0.00002}", "\\boxed{0.00005}"]
     assert math_reward(completions=completions, answer=loaded["answer"]) == [None, 1.0, -1.0]
+    from decimal import Decimal
+
+    from trl_vapo.data import answer_text
+
+    assert [answer_text(x) for x in (Decimal("0.50"), Decimal("NaN"), 3, "x", None)] == ["0.50", None, "3", "x", None]
     # A missing problem is no prompt: through a chat template it was the text "None".
     rows = [{"question": f"{i}+{i}=" if i else None, "answer": "0"} for i in range(3)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -632,7 +637,7 @@ def last_logged_step(output_dir: Path) -> int:
 
 def step_logs(logs: list[dict]) -> dict[int, dict]:
     """The per-step training logs by step (the last one per step wins: a resumed run re-logs nothing earlier)."""
-    return {h["step"]: {k: v for k, v in h.items() if not k.startswith("train_")} for h in logs if "phase" in h}
+    return {h["step"]: clock_free(h) for h in logs if "phase" in h}
 
 
 def assert_same_log(got: dict, expected: dict, keys=None, rel: float = 0.0, context: str = "") -> None:
@@ -1341,9 +1346,8 @@ def test_empty_prompts_are_named_in_a_warning_and_chat_prompts_with_nothing_to_a
     # that is one assistant turn) are refused: the chat template raised an IndexError in the rollout that drew one.
     chat = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     chat[3]["prompt"], chat[6]["prompt"] = [], [{"role": "system", "content": "Be brief."}]
-    with pytest.raises(
-        ValueError, match=r"2 chat prompt\(s\) with no message to reply to \(rows \[3, 6\]: no message"
-    ):
+    chat[7]["prompt"] = [*chat[7]["prompt"], {"role": "developer", "content": "Be brief."}]  # TRL refuses it last
+    with pytest.raises(ValueError, match=r"3 chat prompt\(s\) with no message to reply to \(rows \[3, 6, 7\]: no"):
         check_train_dataset(Dataset.from_list(chat), config(tmp_path))
 
 

@@ -16,6 +16,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -376,6 +377,7 @@ def test_extract_predicted_answer(text, expected):
         (0.5, "0.5"),
         (1e20, "100000000000000000000"),  # not 1e+20, nor 2.5e-07 below: math-verify reads neither as the number
         (1e23, "1" + "0" * 23),  # the repr's digits, not the binary value's 99999999999999991611392
+        (np.float64(72.0), "72"),  # numpy's repr is np.float64(72.0)
         (2.5e-07, "0.00000025"),
         (-1.25e-05, "-0.0000125"),
         (None, None),

@@ -59,6 +59,7 @@ REQUIRED_METRICS = [
     "positive_fraction",
     "frac_reward_zero_std",  # GRPOTrainer's
     "num_tokens",  # GRPOTrainer's
+    "step_time",  # GRPOTrainer's: seconds a step took, its rollout's sampling and scoring in a rollout's first
     "grad_norm",  # the Trainer's
     "completions/mean_terminated_length",  # GRPOTrainer's
     "learning_rate",
@@ -92,6 +93,7 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     for key in REQUIRED_METRICS:
         assert key in logs[0], key
     assert all(math.isfinite(h["loss/value"]) for h in logs)
+    assert all(0 < h["step_time"] < 60 for h in logs)
     # The last rollout's groups (4 completions a prompt) whose rewards are all alike, as GRPOTrainer counts them.
     groups = trainer._last_rollout.scores.reward.view(-1, 4)
     assert logs[-1]["frac_reward_zero_std"] == (groups.std(dim=1) == 0).float().mean().item()
@@ -695,9 +697,9 @@ def test_value_pretraining_replay_draws_each_pass_from_the_last_rollouts(tiny_mo
     still one rollout's worth of rows, so the steps are as many and as large; RL trains on its own rollout."""
 
     class ReplayTrainer(CapturingTrainer):
-        def _optimizer_step(self, rollout, rows, update_policy=True):
+        def _optimizer_step(self, rollout, rows, *args):
             self.steps = getattr(self, "steps", []) + [(rollout, rows)]
-            super()._optimizer_step(rollout, rows, update_policy)
+            super()._optimizer_step(rollout, rows, *args)
 
     with pytest.raises(ValueError, match="value_pretrain_replay must be >= 0"):
         make_args(tmp_path, value_pretrain_replay=-1)
@@ -1028,10 +1030,12 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     with pytest.raises(ValueError, match=r"train_prompts: checkpoint 64, this run 48"):
         run("full", resume=str(checkpoint), prompts=48)
     # Another order of the same prompts: the position would skip some and repeat others.
-    with pytest.raises(
-        ValueError, match=r"data_order: checkpoint 'shuffled with seed=\d+', this run 'shuffled with data_"
-    ):
-        run("full", resume=str(checkpoint), data_seed=12345)
+    order = r"data_order: checkpoint 'shuffled with seed 0 \(data_seed, else seed\)', this run 'shuffled with seed 7 "
+    with pytest.raises(ValueError, match=order):
+        run("full", resume=str(checkpoint), data_seed=7)
+    from trl_vapo.checkpoint import data_order  # the same order, whichever field holds its seed
+
+    assert data_order(make_args(tmp_path, seed=42)) == data_order(make_args(tmp_path, seed=1, data_seed=42))
     if peft:  # another rank: the saved adapter would not load into its shapes (a traceback after the model loaded)
         other = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         with pytest.raises(ValueError, match=r"policy_adapter: r checkpoint 4, this run 8"):

@@ -75,6 +75,9 @@ TRAINING_STATE = [
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+"""A PEFT adapter's files: a full model saved where an earlier save left them removes them, or `from_pretrained`
+(and `trl-vapo eval`) would load the adapter on its base instead of the model. (An adapter saved over a full model's
+weights leaves them: its config names what loads, and the folder may be the base model's own.)"""
 WEIGHT_FILES = (
     "model*.safetensors",
     "model.safetensors.index.json",
@@ -82,9 +85,6 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 """A full model's weights as `save_pretrained` writes them, sharded or not (glob patterns)."""
-"""A PEFT adapter's files: a full model saved where an earlier save left them removes them, or `from_pretrained`
-(and `trl-vapo eval`) would load the adapter on its base instead of the model. (An adapter saved over a full model's
-weights leaves them: its config names what loads, and the folder may be the base model's own.)"""
 
 
 def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
@@ -488,7 +488,7 @@ def adapter_settings(policy) -> dict[str, Any] | None:
     if not is_peft_model(policy):
         return None
     config = policy.peft_config[POLICY_ADAPTER].to_dict()
-    for key in ("base_model_name_or_path", "revision", "inference_mode"):  # where it was loaded from, not what
+    for key in ("base_model_name_or_path", "revision", "inference_mode", "peft_version"):  # not what trains
         config.pop(key, None)
     config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
     return json.loads(json.dumps(config, sort_keys=True, default=str))  # as the marker reads back
@@ -498,8 +498,7 @@ def data_order(args) -> str:
     """What orders the training prompts (`PromptCursor`): a shuffle by `data_seed`, else `seed`, or none."""
     if not args.shuffle_dataset:
         return "in the data set's order (shuffle_dataset=False)"
-    seed, name = (args.seed, "seed") if args.data_seed is None else (args.data_seed, "data_seed")
-    return f"shuffled with {name}={seed}"
+    return f"shuffled with seed {args.seed if args.data_seed is None else args.data_seed} (data_seed, else seed)"
 
 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -204,7 +204,7 @@ def _in_one_line(parser):
         hints = typing.get_type_hints(dataclass_type)
         optional |= {f.name for f in fields(dataclass_type) if type(None) in typing.get_args(hints[f.name])}
     for action in parser._actions:
-        if action.dest in optional and action.type in (int, float):
+        if action.dest in optional and action.type in (int, float) and action.nargs is None:  # not a list's
             action.type = _or_none(action.type)
     return parser
 

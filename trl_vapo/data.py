@@ -145,10 +145,14 @@ def load_prompt_dataset(
 
 def answer_text(gold):
     """A reference answer as the rewards read it: a number as text written out in full (`str` made 1e-05 the text
-    "1e-05", which math-verify does not read as that number; inf and NaN None), anything else as it is (a missing
-    one stays None: the rewards leave it unscored)."""
+    "1e-05", which math-verify does not read as that number; inf and NaN None; a decimal column's values as
+    written), anything else as it is (a missing one stays None: the rewards leave it unscored)."""
+    from decimal import Decimal
+
     from .rewards.answers import number_text
 
+    if isinstance(gold, Decimal):
+        return format(gold, "f") if gold.is_finite() else None
     return number_text(gold) if isinstance(gold, (int, float)) and not isinstance(gold, bool) else gold
 
 
@@ -322,6 +326,10 @@ def check_stream_settings(train_dataset, eval_dataset, args) -> None:
         args.dataloader_num_workers = 0
 
 
+CHAT_TURNS_TO_CONTINUE = ("user", "tool", "assistant")
+"""The roles a chat prompt's last message may have: TRL's chat templating refuses any other (a system message)."""
+
+
 def check_train_dataset(dataset, args) -> dict:
     """A clear error unless `dataset` can feed the trainer: a non-empty `Dataset` with a `prompt` column and enough
     prompts for one rollout of `args` (a VAPOConfig), or an `IterableDataset` (streaming) with `max_steps` set.
@@ -352,13 +360,14 @@ def check_train_dataset(dataset, args) -> dict:
         i
         for i, prompt in enumerate(prompts)
         if isinstance(prompt, list)
-        and (not prompt or (isinstance(prompt[-1], dict) and prompt[-1].get("role") == "system"))
+        and (not prompt or (isinstance(prompt[-1], dict) and prompt[-1].get("role") not in CHAT_TURNS_TO_CONTINUE))
     ]
     if unanswerable:  # the chat template fails on them in the rollout that draws them, hours in
         raise ValueError(
             f"train_dataset has {len(unanswerable)} chat prompt(s) with no message to reply to (rows "
-            f"{unanswerable[:5]}{', ...' if len(unanswerable) > 5 else ''}: no message, or a system message alone). "
-            "Remove them: dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] != 'system')."
+            f"{unanswerable[:5]}{', ...' if len(unanswerable) > 5 else ''}: no message, or a last message that is "
+            "not the user's, a tool's or an assistant prefill, e.g. a system message alone). Remove them: "
+            "dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] in ('user', 'tool', 'assistant'))."
         )
     empty = [i for i, prompt in enumerate(prompts) if not prompt]
     if empty:

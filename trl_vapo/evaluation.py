@@ -167,11 +167,14 @@ def evaluate_policy(
     state = trainer_state or TrainerState()  # outside training: step 0, as in the check before training
 
     def correct(completions: list[str], completion_ids: list[list[int]], group: int) -> tuple[torch.Tensor, ...]:
-        """[problems, group] 1.0 where correct, and where a reward function scored the completion at all."""
+        """[problems, group] 1.0 where correct, and where a reward function judged the completion at all."""
         repeated = [row for row in rows for _ in range(group)]
         scores = scorer.score(repeated, completions, completion_ids, trainer_state=state)
         hits = scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
-        return hits, scores.scored.view(len(rows), group)
+        # Judged by what judges correctness (`positive_reward_funcs`: a format reward scores what math_reward leaves
+        # unscored).
+        judged = scores.scored if scores.verdict is None else ~torch.isnan(scores.verdict)
+        return hits, judged.view(len(rows), group)
 
     generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     settings = dict(

@@ -139,6 +139,18 @@ def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.
     raise TypeError(f"model must be a model id, a path or a PreTrainedModel, got {type(model).__name__}.")
 
 
+def is_fresh_lora(peft_config) -> bool:
+    """Whether a new adapter of `peft_config` computes exactly as its base: a LoRA at peft's default initialisation
+    (B zero; A random), without `layer_replication` (which changes the layer stack)."""
+    from peft import LoraConfig
+
+    return (
+        isinstance(peft_config, LoraConfig)
+        and peft_config.init_lora_weights is True
+        and not getattr(peft_config, "layer_replication", None)
+    )
+
+
 def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
     """The policy with a trainable adapter from `peft_config` (none: as it is). A quantized model needs one (QLoRA)."""
     quantized = getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False)

@@ -942,8 +942,13 @@ def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
         # applies (an MoE's experts one tensor each, which the model holds stacked): read through `from_pretrained`,
         # which converts them, on the CPU in float32, and copied in (for those architectures, a second copy for now).
         del state
-        converted = type(model).from_pretrained(directory, dtype=torch.float32, device_map="cpu").state_dict()
-        missing, unexpected = model.load_state_dict(converted, strict=False)
+        loaded, info = type(model).from_pretrained(
+            directory, dtype=torch.float32, device_map="cpu", output_loading_info=True
+        )
+        if any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")):  # it fills them in
+            missing, unexpected = info.get("missing_keys", []), info.get("unexpected_keys", [])
+        else:
+            missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
         missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if missing or unexpected:
         raise ValueError(

@@ -100,6 +100,7 @@ from .loading import (
     check_quantization,
     check_trainer_arguments,
     has_sequence_classifier,
+    is_fresh_lora,
     load_policy,
     policy_init_kwargs,
     router_aux_loss_coefficient,
@@ -293,11 +294,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         )
         prepare_tokenizer(tokenizer, self._conversational)
         adapter_given = is_peft_model(policy)  # a trained adapter, maybe: the base alone is not the initial policy
-        # Of the initial policy as it computes: a new adapter (LoRA's B is zero) computes as its base, and its random
-        # initialisation, which differs by seed, would make a critic value-pretrained with another seed look like one
-        # for another policy. Prompt learning's new virtual tokens, and LoRA initialised at random, do change it.
-        fresh = peft_config is not None and not adapter_given and getattr(peft_config, "init_lora_weights", True)
-        fresh = fresh is not False and not getattr(peft_config, "is_prompt_learning", False)
+        # Of the initial policy as it computes: a new LoRA adapter (B is zero) computes as its base, and its random A,
+        # drawn with the run's seed, would make a critic value-pretrained with another seed look like one for another
+        # policy. Other adapters may start random (FourierFT, VB-LoRA, a LoRA with init_lora_weights=False).
+        fresh = not adapter_given and is_fresh_lora(peft_config)
         fingerprint = policy_fingerprint(policy) if fresh else None
         policy = add_policy_adapter(policy, peft_config)
         fingerprint = fingerprint or policy_fingerprint(policy)
@@ -613,6 +613,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         `critic_num_iterations`, the first `num_iterations` with the policy; value pretraining:
         `value_pretrain_num_iterations`)."""
         args, phase = self.args, self.progress.phase
+        began = (
+            time.perf_counter()
+        )  # GRPOTrainer's `step_time`: a rollout's sampling and scoring count in its first step
         rows = self._next_rows()
         if self.control.should_training_stop:  # asked at a stream's epoch end, met as these rows were read
             return
@@ -646,7 +649,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             for rows in torch.randperm(len(trains_on))[: len(rollout)].split(rows_per_step)
         )
         for step_rows, update_policy in steps:
-            self._optimizer_step(trains_on, step_rows, update_policy)
+            self._optimizer_step(trains_on, step_rows, update_policy, began)
+            began = time.perf_counter()
             if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
                 break
 
@@ -934,13 +938,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         return phase != VALUE_PRETRAIN or (self.ref_model is None and self._peft_reference == "base")
 
     # ----------------------------------------------------------------------------------------- the update
-    def _optimizer_step(self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True) -> None:
+    def _optimizer_step(
+        self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True, began: float | None = None
+    ) -> None:
         """One optimizer step over `rows` of the rollout, split into `gradient_accumulation_steps` micro-batches; the
-        critic's alone during value pretraining and without `update_policy`.
+        critic's alone during value pretraining and without `update_policy`. `began`: when the step's time began
+        (logged as GRPOTrainer's `step_time`; default: now).
 
         The token mean spans the whole step: every micro-batch's loss is divided by the step's token count summed
         over micro-batches and processes (times the process count, which DDP's gradient averaging divides back).
         """
+        began = time.perf_counter() if began is None else began
         args, phase = self.args, rollout.phase
         trains_policy = phase == RL and update_policy
         mask = rollout.loss_mask[rows]
@@ -1037,6 +1045,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
         self.state.global_step += 1
         self._record_step(sums, grad_norms, extremes)
+        self._metrics["step_time"].append(time.perf_counter() - began)  # this process's, as GRPOTrainer's
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         self._log_evaluate_save()
 

@@ -479,7 +479,7 @@ def number_text(number: int | float | Fraction) -> str | None:
     if isinstance(number, float):
         if not math.isfinite(number):
             return None
-        exact = Decimal(repr(number))
+        exact = Decimal(repr(float(number)))  # (numpy's repr of its own floats is `np.float64(72.0)`)
         return str(int(exact)) if number.is_integer() else format(exact, "f")
     return str(number)
 
