@@ -226,3 +226,5 @@ def test_bf16_is_the_default_only_on_a_gpu_that_computes_in_it_natively(monkeypa
     assert not config._cuda_supports_bf16() and config._cuda_without_native_bf16()
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
     assert config._cuda_supports_bf16() and not config._cuda_without_native_bf16()
+    # Training on the CPU of a machine with such a GPU (`use_cpu`): off, as on any CPU (it was on, under CPU autocast).
+    assert config.VAPOConfig(output_dir="unused", use_cpu=True).bf16 is False

@@ -749,7 +749,7 @@ class VAPOConfig(TrainingArguments):
                 "GPU from Ampere on: leave bf16 unset), or float32 with LoRA."
             )
         if self.bf16 is None:
-            self.bf16 = not self.fp16 and _cuda_supports_bf16()
+            self.bf16 = not self.fp16 and not self.use_cpu and _cuda_supports_bf16()  # `use_cpu`: off, as on a CPU
             if not self.bf16 and not fp16 and not self.use_cpu and _cuda_without_native_bf16():
                 warnings.warn(
                     "This GPU has no native bf16 (a T4, a V100: before Ampere), so bf16 mixed precision stays off "
