@@ -524,11 +524,9 @@ def _difference(key: str, saved: Any, current: Any) -> str | None:
     that differ among those both have (a newer library's new field is no difference)."""
     if isinstance(saved, dict) and isinstance(current, dict):
         keys = sorted(k for k in saved.keys() & current.keys() if saved[k] != current[k])
-        return (
-            f"{key}: " + ", ".join(f"{k} checkpoint {saved[k]!r}, this run {current[k]!r}" for k in keys)
-            if keys
-            else None
-        )
+        if not keys:
+            return None
+        return f"{key}: " + ", ".join(f"{k} checkpoint {saved[k]!r}, this run {current[k]!r}" for k in keys)
     return None if saved == current else f"{key}: checkpoint {saved!r}, this run {current!r}"
 
 

@@ -162,12 +162,13 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         "advantages/mean": masked_mean(rollout.raw_advantages, mask, all_reduce=all_reduce).item(),
         "lambda_actor/mean": _mean(gathered(rollout.lambda_actor)[trains]),
     }
+    non_finite_fractions = non_finite.float().mean(dim=0).tolist()  # scored as None; one host read for all
     for j, name in enumerate(scores.names):
         column = per_function[:, j]
         column = column[~torch.isnan(column)]
         metrics[f"rewards/{name}/mean"] = _mean(column)
         metrics[f"rewards/{name}/std"] = _std(column)
-        metrics[f"rewards/{name}/non_finite_fraction"] = non_finite[:, j].float().mean().item()  # scored as None
+        metrics[f"rewards/{name}/non_finite_fraction"] = non_finite_fractions[j]
     if rollout.group_size > 1:  # GRPOTrainer's: the share of groups whose scored completions got the same reward
         all_rewards = gathered(scores.reward)
         grouped = torch.where(scored, all_rewards, torch.full_like(all_rewards, math.nan)).view(-1, rollout.group_size)

@@ -613,9 +613,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         `critic_num_iterations`, the first `num_iterations` with the policy; value pretraining:
         `value_pretrain_num_iterations`)."""
         args, phase = self.args, self.progress.phase
-        began = (
-            time.perf_counter()
-        )  # GRPOTrainer's `step_time`: a rollout's sampling and scoring count in its first step
+        # GRPOTrainer's `step_time`: a rollout's sampling and scoring count in its first optimizer step.
+        began = time.perf_counter()
         rows = self._next_rows()
         if self.control.should_training_stop:  # asked at a stream's epoch end, met as these rows were read
             return
@@ -1117,8 +1116,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         gradients). DeepSpeed's engine must still close the step: NaN gradients make it skip the update and clear
         them itself. fp16's loss scaler closes its step too (its gradients were unscaled: `_clip_gradients`), at the
         same scale: what is skipped here is no overflow of the scale's."""
-        if self.is_deepspeed_enabled:
-            settle_offloaded_gradients(self.optimizer)
+        if self.is_deepspeed_enabled:  # (offloaded gradients already settled: `_clip_gradients`, this step)
             for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
                 for fragment in deepspeed_local_gradients(params):
                     fragment.fill_(math.nan)
