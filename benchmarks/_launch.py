@@ -36,16 +36,21 @@ def worker_env(one_thread: bool = True) -> dict[str, str]:
     return env
 
 
+class WorkerFailed(SystemExit):
+    """A worker exited with an error. A SystemExit, so that a benchmark that does not catch it stops with its message
+    (no traceback of the launcher); one that measures several runs catches it and goes on with the others."""
+
+
 def launch_worker(script: str | Path, args: list[str], name: str, one_thread: bool = True) -> dict:
     """`python SCRIPT ARGS --result FILE` in a fresh process; the record it wrote to FILE. A failed worker's output
-    tail goes to stderr and the benchmark stops, naming `name`."""
+    tail goes to stderr and `WorkerFailed` is raised, naming `name`."""
     result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     command = [sys.executable, str(script), *args, "--result", result]
     proc = subprocess.run(command, env=worker_env(one_thread), cwd=ROOT, capture_output=True, text=True)
     try:
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-            raise SystemExit(f"worker {name} failed (exit {proc.returncode})")
+            raise WorkerFailed(f"worker {name} failed (exit {proc.returncode})")
         with open(result) as f:
             return json.load(f)
     finally:

@@ -18,8 +18,9 @@ the bf16 model as handed to it):
     vapo-lora-generate  the same, generating with transformers' `generate()` (`use_static_cache_engine=False`)
     grpo-full   TRL GRPOTrainer, full fine-tuning
     grpo-lora   TRL GRPOTrainer, the same LoRA
-    grpo-lora-static  the same, generating with transformers' static cache (`cache_implementation="static"`, which
-                compiles the decode step on a GPU): GRPOTrainer's fastest transformers engine, against VAPO's
+    grpo-lora-static  the same, generating with transformers' static cache (`cache_implementation="static"`): the
+                other transformers engine GRPOTrainer offers; its decode step is not compiled (TRL 1.16 builds its
+                GenerationConfig with `disable_compile=True`)
 VAPO's other rows run its defaults: on a CUDA GPU the static-cache engine generates (its decode step a CUDA graph), on
 the CPU `generate()`; each row names the engine that ran (`engine`).
 Same batch for all: `--prompts` x `--generations` completions per optimizer step (one rollout per step, micro-batches
@@ -29,7 +30,8 @@ hash of the completion, +1/-1: scoring is not what is measured), `beta=0`, lr 1e
 Printed per method: median step time over the steps after `--warmup`, split into generation, scoring (rewards, and
 the no-grad pass for old log-probs and values, GAE) and update (forward, loss, backward, clipping, optimizer);
 completion tokens per second; peak GPU memory (`torch.cuda.max_memory_allocated`; on CPU, the process's peak RSS), and
-the ratios of VAPO to GRPO in the same mode. Targets (issue "Train correctly on one GPU"): VAPO LoRA peak memory at
+the ratios of VAPO to GRPO in the same mode. A run that fails is a FAILED row: the others still run, and the
+driver exits 1 at the end. Targets (issue "Train correctly on one GPU"): VAPO LoRA peak memory at
 most 1.15x GRPO LoRA; a VAPO step at most 1.3x GRPO's at these lengths.
 
 `--static-memory` measures, on whatever device is there (the CPU here), what does not depend on the batch: the bytes
@@ -65,7 +67,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import launch_worker, phase_line, write_json  # noqa: E402
+from _launch import WorkerFailed, launch_worker, phase_line, write_json  # noqa: E402
 from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method timers as the CPU benchmark)
 
 # Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
@@ -446,7 +448,11 @@ def table(results: dict, sizes: list[str], methods: list[str]) -> str:
     for size in sizes:
         for method in methods:
             r = results[(size, method)]
+            if "error" in r:
+                lines.append(f"{size:6s}{method:17s}  FAILED: {r['error']}")
+                continue
             base = results.get((size, "grpo-" + method.split("-")[1]))
+            base = base if base and "error" not in base else None
             step_ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
             mem_ratio = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if base else "-"
             lines.append(
@@ -484,6 +490,10 @@ def main(argv: list[str] | None = None) -> None:
         record = logits_memory_worker(opts) if opts.logits_memory else run_worker(opts)
         Path(opts.result).write_text(json.dumps(record))
         return
+    unknown = [m for m in opts.methods.split(",") if m not in METHODS]
+    unknown += [size for size in opts.sizes.split(",") if size not in QWEN25]
+    if unknown:  # before any worker starts: a typo is not a failed run minutes later
+        parser.error(f"unknown methods or sizes {unknown}; methods: {', '.join(METHODS)}; sizes: {', '.join(QWEN25)}")
     if opts.smoke:
         opts.sizes, opts.prompts, opts.generations, opts.completion_length = "smoke", 2, 2, 8
         opts.micro_batch, opts.steps, opts.warmup = 2, 2, 1
@@ -523,17 +533,25 @@ def main(argv: list[str] | None = None) -> None:
     results, records, started = {}, {}, time.time()
     for size in sizes:
         for method in methods:
-            records[(size, method)] = launch(opts, size, method)
-            results[(size, method)] = summarise(records[(size, method)], opts.warmup)
-            print(
-                f"  [{time.time() - started:5.0f}s] {size} {method}: {results[(size, method)]['step_s']:.2f} s/step "
-                f"({results[(size, method)]['engine']}); {phase_line(results[(size, method)]['phases'])}",
-                flush=True,
-            )
+            try:
+                records[(size, method)] = launch(opts, size, method)
+            except WorkerFailed as failure:  # one failed run must not cost the others (GRPO's side of the ratios)
+                results[(size, method)] = {"error": str(failure)}
+                print(f"  [{time.time() - started:5.0f}s] {size} {method}: FAILED ({failure})", flush=True)
+            else:
+                results[(size, method)] = summarise(records[(size, method)], opts.warmup)
+                print(
+                    f"  [{time.time() - started:5.0f}s] {size} {method}: {results[(size, method)]['step_s']:.2f} "
+                    f"s/step ({results[(size, method)]['engine']}); {phase_line(results[(size, method)]['phases'])}",
+                    flush=True,
+                )
             if opts.json:  # after each run: a call cut short (the GPU machine's limit) keeps the runs that ended
                 write_json(Path(opts.json), {f"{s}/{m}": r for (s, m), r in results.items()}, indent=2)
     print()
     print(static_table(records) if opts.static_memory else table(results, sizes, methods))
+    failed = [f"{size}/{method}" for (size, method), r in results.items() if "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(results)} runs failed: {', '.join(failed)} (their output is above)")
 
 
 if __name__ == "__main__":

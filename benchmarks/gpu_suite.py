@@ -26,7 +26,9 @@ Parts (``PARTS``), each in fresh processes:
                    plain computation, QLoRA's 4-bit kernels (only where bitsandbytes is installed: the ``qlora``
                    wheels), continuous batching's paged attention against ``generate()``, the static-cache engine
                    against ``generate()`` and its CUDA graph against its eager step, FSDP2 on one GPU, fp16's loss
-                   scaling, and the CUDA generators' states restored on resuming
+                   scaling, and the CUDA generators' states restored on resuming; stopped at ``TESTS_LIMIT`` seconds
+                   whatever ``--limit`` leaves (a hung test does not take the call), each outcome streamed as it
+                   happens (a stopped run keeps the ended tests' outcomes and names the ones it interrupted)
     trainer-lora   ``bench_gpu.py`` at Qwen2.5-0.5B shapes (random weights), VAPO (its defaults: the static-cache
                    engine on a GPU; ``bench_gpu.py --methods vapo-lora-generate`` for ``generate()``) and GRPO (as TRL
                    runs it: ``generate()``) with LoRA: step time split (generation, scoring: rewards and the old
@@ -68,6 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _launch import phase_line, write_json  # noqa: E402  (bench_gpu.py's runs, by phase)
+from _pytest_outcomes import OUTCOMES, read_outcomes  # noqa: E402  (the tests part's outcomes, as they happen)
 
 # What the GPU machine's image lacks, or has at a version outside pyproject.toml's ranges, for `import trl_vapo`, the
 # rewards and the tests (its image: torch 2.11 + CUDA, transformers 5.17, accelerate, huggingface-hub, pytest,
@@ -117,6 +120,8 @@ CUDA_TEST_FILES = [
     "tests/test_platforms.py",  # the accelerator's random generators, saved and restored
 ]
 PARTS = ("tests", "trainer-lora", "generation", "trainer-full", "trainer-1.5B")
+TESTS_LIMIT = 240
+"""Seconds the tests part may take, whatever ``--limit`` leaves: about twice its 113 s on the H200 (2026-11-27)."""
 TRAINER_PARTS = {  # part: (size, methods)
     "trainer-lora": ("0.5B", ("vapo-lora", "grpo-lora")),
     "trainer-full": ("0.5B", ("vapo-full", "grpo-full")),
@@ -211,10 +216,10 @@ def download_wheels(wheel_set: str, dest: Path) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-BAD = ("failure", "error")
+BAD = ("failure", "error", "running")  # "running": a test a stop at the limit interrupted
 
 
-def run_command(command: list[str], stop_at: float | None) -> tuple[int, bool]:
+def run_command(command: list[str], stop_at: float | None, env: dict[str, str] | None = None) -> tuple[int, bool]:
     """``command`` in the repository's root, its output as it comes (a call cut short still shows it): its exit code,
     and whether it was still running at ``stop_at`` (``time.time()``) and so stopped with everything it started
     (bench_gpu.py's workers, pytest's, the FSDP2 test's ranks). It runs in a process group of its own (in this
@@ -222,7 +227,7 @@ def run_command(command: list[str], stop_at: float | None) -> tuple[int, bool]:
     stopping it stops all of them; the group is stopped too when this process is interrupted (Ctrl-C, or SIGTERM:
     ``main`` turns it into an exit)."""
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    proc = subprocess.Popen(command, cwd=ROOT, **group)
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, **group)
     try:
         return proc.wait(timeout=None if stop_at is None else max(0.0, stop_at - time.time())), False
     except subprocess.TimeoutExpired:
@@ -252,7 +257,7 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
     GPU (``--smoke``) every one is skipped: the collection and the report are what the smoke run checks."""
     import importlib.util
 
-    junit = out / "cuda-tests.xml"
+    junit, stream = out / "cuda-tests.xml", out / "cuda-tests.jsonl"
     deselect = [] if importlib.util.find_spec("bitsandbytes") else ["-k", "not qlora"]
     # Two processes, a file each at a time (pyproject's --dist loadfile): the FSDP2 test (its plain reference run and
     # its FSDP2 run, 51 s on the H200 on 2026-11-27, when that was a torchrun launch) beside the other files (56 s),
@@ -262,29 +267,37 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
         sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0" if smoke else "2", "-p", "no:cacheprovider",
         f"--junitxml={junit}",
         "-o", "junit_family=legacy",  # keeps the properties tests record (the graph pool's bytes, ...)
+        "-p", "_pytest_outcomes",  # each outcome as it happens: a run cut short keeps them (JUnit comes at the end)
         *deselect, *CUDA_TEST_FILES,
     ]  # fmt: skip
     junit.unlink(missing_ok=True)
-    exit_code, cut = run_command(command, stop_at)
-    if not junit.is_file():
-        return {"ok": False, "exit_code": exit_code, "cut": cut, "error": f"pytest wrote no report (exit {exit_code})"}
-    outcomes = {}
+    stream.unlink(missing_ok=True)
+    benchmarks = str(ROOT / "benchmarks")
+    path = os.pathsep.join(p for p in (benchmarks, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, OUTCOMES: str(stream)}
+    # Its own limit besides the call's: a test that hangs (a distributed launch waiting on a rank) stops here, not
+    # after the trainer and generation parts' minutes too.
+    own_stop = time.time() + TESTS_LIMIT
+    exit_code, cut = run_command(command, own_stop if stop_at is None else min(stop_at, own_stop), env)
+    outcomes = read_outcomes(stream) if stream.is_file() else {}  # a cut run: what ended, and what was "running"
     properties = {}  # what tests record with `record_property` (the graph pool's bytes, ...)
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
-        kinds = {child.tag for child in case}
-        outcomes[name] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
-        for prop in case.iter("property"):
-            properties[f"{name}::{prop.get('name')}"] = prop.get("value")
-    counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failure", "error", "skipped")}
-    return {
-        "exit_code": exit_code,
+    if junit.is_file():
+        outcomes = {}
+        for case in ElementTree.parse(junit).getroot().iter("testcase"):
+            name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+            kinds = {child.tag for child in case}
+            outcomes[name] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+            for prop in case.iter("property"):
+                properties[f"{name}::{prop.get('name')}"] = prop.get("value")
+    result = {"exit_code": exit_code, "cut": cut, "ok": exit_code == 0 and junit.is_file()}
+    if not outcomes:
+        return result | {"ok": False, "error": f"pytest wrote no report (exit {exit_code})"}
+    counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failure", "error", "skipped", "running")}
+    return result | {
         "counts": counts,
         "outcomes": outcomes,
         "properties": properties,
         "qlora": "run" if not deselect else "not run: bitsandbytes is not installed (carry the qlora wheels)",
-        "ok": exit_code == 0,
-        "cut": cut,
     }
 
 
@@ -303,19 +316,19 @@ def run_trainer(
     result.unlink(missing_ok=True)
     exit_code, cut = run_command(command, stop_at)
     rows = json.loads(result.read_text()) if result.is_file() else {}  # written after each run that ended
-    if exit_code != 0:
-        return {"ok": False, "exit_code": exit_code, "cut": cut, "rows": rows}
     size = "smoke" if smoke else size
+    measured = {name: row for name, row in rows.items() if "error" not in row}  # a failed run: {"error": ...}
     ratios = {}
     for method in (m for m in methods if m.startswith("vapo-")):  # kind: "lora", "lora-generate", "full"
         kind = method.removeprefix("vapo-")
-        vapo, grpo = rows.get(f"{size}/{method}"), rows.get(f"{size}/grpo-{kind.split('-')[0]}")
+        vapo, grpo = measured.get(f"{size}/{method}"), measured.get(f"{size}/grpo-{kind.split('-')[0]}")
         if vapo and grpo:
             ratios[kind] = {"step": vapo["step_s"] / grpo["step_s"], "peak": vapo["peak_gib"] / grpo["peak_gib"]}
     targets = {}
     if "lora" in ratios:
         targets = {f"lora {k} <= {limit}x": ratios["lora"][k] <= limit for k, limit in TARGETS.items()}
-    return {"ok": True, "rows": rows, "vapo_over_grpo": ratios, "targets_met": targets}
+    figures = {"rows": rows, "vapo_over_grpo": ratios, "targets_met": targets}
+    return {"ok": exit_code == 0, **figures} | ({"exit_code": exit_code, "cut": cut} if exit_code else {})
 
 
 def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
@@ -503,14 +516,19 @@ def format_figures(part: str, result: dict) -> str:
         f"{'row':24s}{'engine':>20s}{'step s':>8s}{'gen s':>8s}{'score s':>9s}{'update s':>10s}{'tok/s':>9s}"
         f"{'peak GiB':>10s}"
     )
-    lines = [f"{part} (bench_gpu.py; {next(iter(result['rows'].values()))['device']})", header, "-" * len(header)]
+    measured = {name: r for name, r in result["rows"].items() if "error" not in r}
+    device = next(iter(measured.values()))["device"] if measured else "no run measured"
+    lines = [f"{part} (bench_gpu.py; {device})", header, "-" * len(header)]
     for name, r in result["rows"].items():
+        if "error" in r:
+            lines.append(f"{name:24s}FAILED: {r['error'][:200]}")
+            continue
         lines.append(
             f"{name:24s}{r['engine']:>20s}{r['step_s']:>8.2f}{r['generation']:>8.2f}{r['scoring']:>9.2f}"
             f"{r['update']:>10.2f}{r['tokens_per_s']:>9.0f}{r['peak_gib']:>10.2f}"
         )
     lines.append("seconds of each run (its steps are `train`):")
-    lines += [f"  {name}: {phase_line(r['phases'])}" for name, r in result["rows"].items()]
+    lines += [f"  {name}: {phase_line(r['phases'])}" for name, r in measured.items()]
     for kind, ratio in result.get("vapo_over_grpo", {}).items():
         lines.append(f"VAPO / GRPO, {kind}: step {ratio['step']:.2f}x, peak memory {ratio['peak']:.2f}x")
     for target, met in result.get("targets_met", {}).items():

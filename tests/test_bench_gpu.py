@@ -59,3 +59,56 @@ def test_peak_memory_sees_an_allocation_made_and_freed_after_the_reset():
     }
     rows = [line.split() for line in step_memory_table(records).splitlines()[1:]]
     assert rows == [["s", "vapo-lora", "300", "0.25x", "2.0"], ["s", "grpo-lora", "1,200", "1.00x", "1.5"]]
+
+
+def test_a_failed_run_costs_only_its_own_row(tmp_path, monkeypatch, capsys):
+    """A worker that fails (VAPO's, here: a real process exiting 1) is a FAILED row; the driver still measures the
+    others (GRPO's side, the ratios' base), writes both to `--json`, and exits naming the failure. The GRPO record
+    is a stand-in for a worker's (its real run is `tests/test_gpu_suite.py`'s smoke)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu
+    from _launch import WorkerFailed, launch_worker
+
+    failing = tmp_path / "failing_worker.py"
+    failing.write_text("import sys\nprint('CUDA out of memory', file=sys.stderr)\nsys.exit(1)\n")
+    grpo = {
+        "step_s": [3.0, 2.0], "parts": [{"generate": 1.0}, {"generate": 1.5, "backward": 0.5}],
+        "tokens_per_step": 64, "peak_bytes": 2**30, "trainable": 10, "device": "cpu", "engine": "generate()",
+        "phases": {"start": 1.0},
+    }  # fmt: skip
+    launched = []
+
+    def launch(opts, size, method):
+        launched.append(method)
+        if method == "vapo-lora":
+            return launch_worker(failing, [], f"{size}/{method}")
+        return grpo
+
+    monkeypatch.setattr(bench_gpu, "launch", launch)
+    result = tmp_path / "rows.json"
+    with pytest.raises(SystemExit, match=r"1 of 2 runs failed: smoke/vapo-lora") as stopped:
+        bench_gpu.main(["--smoke", "--methods", "vapo-lora,grpo-lora", "--json", str(result)])
+    assert not isinstance(stopped.value, WorkerFailed)  # the driver's own exit, after every run
+    assert launched == ["vapo-lora", "grpo-lora"]
+    rows = json.loads(result.read_text())
+    assert rows["smoke/vapo-lora"] == {"error": "worker smoke/vapo-lora failed (exit 1)"}
+    assert rows["smoke/grpo-lora"]["step_s"] == 2.0 and rows["smoke/grpo-lora"]["generation"] == 1.5
+    out = capsys.readouterr()
+    assert "smoke vapo-lora: FAILED (worker smoke/vapo-lora failed (exit 1))" in out.out
+    assert "CUDA out of memory" in out.err  # the failed worker's own output, for the reader of the call's log
+    table = out.out.split("\n\n")[-1]
+    assert "vapo-lora" in table and "FAILED" in table and "grpo-lora" in table and "1.00x" in table
+
+
+def test_an_unknown_method_or_size_is_refused_before_any_run(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu
+
+    for flags in (["--methods", "vapo-lora,grpo-loar"], ["--sizes", "0.5b"]):
+        with pytest.raises(SystemExit) as stopped:
+            bench_gpu.main(flags)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert ("grpo-loar" in err or "0.5b" in err) and "grpo-lora" in err and "0.5B" in err

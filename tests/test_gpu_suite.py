@@ -147,6 +147,15 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
     assert "smoke/vapo-lora" in text and "2.00" in text and "VAPO / GRPO" not in text
     failed = {"ok": False, "exit_code": 1, "rows": {}, "status": "failed", "seconds": 3.0}
     assert gpu_suite.format_part("trainer-lora", failed) == "trainer-lora: FAILED (exit 1; its output is above)"
+    # One run failed (bench_gpu.py went on with the others): its row says so, the others are whole.
+    one_failed = {"ok": False, "exit_code": 1, "status": "failed", "seconds": 20.0}
+    one_failed["rows"] = {
+        "smoke/vapo-lora": {"error": "worker smoke/vapo-lora failed (exit 1)"},
+        "smoke/grpo-lora": row,
+    }
+    text = gpu_suite.format_part("trainer-lora", one_failed)
+    assert "smoke/vapo-lora         FAILED: worker smoke/vapo-lora failed (exit 1)" in text
+    assert "smoke/grpo-lora" in text and "(bench_gpu.py; cpu)" in text and "  smoke/grpo-lora: start 1.0 s" in text
     tests = {"ok": False, "exit_code": 1, "cut": False, "status": "failed", "seconds": 80.0, "qlora": "run"}
     tests |= {"counts": {"passed": 1, "failure": 1}, "outcomes": {"a::ok": "passed", "b::bad": "failure"}}
     text = gpu_suite.format_part("tests", tests)  # the failing tests named where the call's output tail may not reach
@@ -156,7 +165,8 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
 
     began = time.time()  # the smoke trainer part, given 1 s, is cut before either run ends
     trainer = gpu_suite.run_trainer("smoke", ("vapo-lora", "grpo-lora"), True, tmp_path, stop_at=began + 1)
-    assert trainer == {"ok": False, "exit_code": trainer["exit_code"], "cut": True, "rows": {}}
+    assert trainer["ok"] is False and trainer["cut"] is True and trainer["rows"] == {}
+    assert trainer["vapo_over_grpo"] == {} and trainer["targets_met"] == {}
     assert time.time() - began < 12
 
     stdout = run_benchmark(
@@ -166,6 +176,65 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
     for part in ("tests", "generation"):  # past the limit: not started
         assert report["parts"][part]["status"] == "skipped" and report["parts"][part]["why"].startswith("limit: ")
     assert "tests: not run (limit: " in stdout
+
+
+def test_a_trainer_part_with_a_failed_run_keeps_the_pairs_that_ran(tmp_path, monkeypatch):
+    """`bench_gpu.py` exits 1 after a run failed, its JSON holding every row (a failed one as `{"error": ...}`): the
+    part is failed, and the ratios are those of the pairs both of whose runs were measured. The command is a stand-in
+    that writes what bench_gpu.py writes (tests/test_bench_gpu.py runs the driver's failure for real)."""
+    row = {"step_s": 2.0, "peak_gib": 1.0}
+    rows = {
+        "smoke/vapo-lora": {"step_s": 1.0, "peak_gib": 1.1},
+        "smoke/vapo-full": {"error": "worker smoke/vapo-full failed (exit 1)"},
+        "smoke/grpo-lora": row,
+        "smoke/grpo-full": row,
+    }
+
+    def bench_gpu(command, stop_at, env=None):
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(rows))
+        return 1, False
+
+    monkeypatch.setattr(gpu_suite, "run_command", bench_gpu)
+    methods = ("vapo-lora", "vapo-full", "grpo-lora", "grpo-full")
+    result = gpu_suite.run_trainer("smoke", methods, True, tmp_path)
+    assert result["ok"] is False and result["exit_code"] == 1 and result["rows"] == rows
+    assert result["vapo_over_grpo"] == {"lora": {"step": 0.5, "peak": 1.1}}
+    assert result["targets_met"] == {"lora step <= 1.1x": True, "lora peak <= 1.15x": True}
+
+
+def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test_left_running(tmp_path, monkeypatch):
+    """pytest writes its JUnit report at the end: stopped at the tests part's own limit (a hang here: a test that
+    sleeps), it writes none. The part still has each ended test's outcome, as the plugin streamed them (from xdist's
+    controller: two workers, as on the GPU), names the test it interrupted, and is cut."""
+    (tmp_path / "test_standin.py").write_text(
+        "import time\nimport pytest\n\n"
+        "@pytest.mark.cuda\ndef test_passes():\n    pass\n\n"
+        "@pytest.mark.cuda\ndef test_fails():\n    assert False\n\n"
+        "@pytest.mark.cuda\n@pytest.mark.skip(reason='no GPU')\ndef test_skips():\n    pass\n\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('setup')\n\n"
+        "@pytest.mark.cuda\ndef test_errors(broken):\n    pass\n\n"
+        "@pytest.mark.cuda\ndef test_hangs():\n    time.sleep(120)\n"
+    )
+    monkeypatch.setattr(gpu_suite, "CUDA_TEST_FILES", [str(tmp_path / "test_standin.py")])
+    monkeypatch.setattr(gpu_suite, "TESTS_LIMIT", 10)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = gpu_suite.run_tests(out, smoke=False)
+    assert result["cut"] is True and result["ok"] is False and not (out / "cuda-tests.xml").exists()
+    assert result["outcomes"] == {
+        "test_standin::test_passes": "passed",
+        "test_standin::test_fails": "failure",
+        "test_standin::test_skips": "skipped",
+        "test_standin::test_errors": "error",
+        "test_standin::test_hangs": "running",
+    }
+    assert result["counts"] == {"passed": 1, "failure": 1, "error": 1, "skipped": 1, "running": 1}
+    lines = [json.loads(line) for line in (out / "cuda-tests.jsonl").read_text().splitlines()]
+    starts = [line["test"] for line in lines if line["when"] == "start"]
+    assert len(starts) == len(set(starts)) == 5  # the controller alone writes, not each worker besides
+    text = gpu_suite.format_part("tests", result | {"status": "cut", "seconds": 10.0})
+    assert text.startswith("tests: CUT at --limit after 10 s; what it finished:\n")
+    assert "running  test_standin::test_hangs" in text and "failure  test_standin::test_fails" in text
 
 
 def test_every_test_file_with_cuda_tests_is_one_the_gpu_run_runs():
