@@ -511,6 +511,38 @@ def test_a_new_adapters_random_initialisation_is_no_other_policy_for_a_pretraine
     assert fingerprint(1, given_adapter(0.01), None) != fingerprint(1, given_adapter(0.0), None)
 
 
+def test_the_base_weights_digest_leaves_every_adapter_out_and_tells_bases_apart(tiny_model_dir):
+    """What a checkpoint records of its base model (a resume onto other weights is refused): the same for the model
+    alone and with adapters on it (peft's wrapping renames the weights; a trained adapter is the checkpoint's to
+    restore), and for a cast that keeps the values; another weight, or a cast that rounds them, differs."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.modeling import policy_fingerprints
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    policy, digest = policy_fingerprints(base)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    wrapped = get_peft_model(copy.deepcopy(base), lora)
+    wrapped.add_adapter("critic", lora)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.3)  # trained
+    assert policy_fingerprints(wrapped) == (policy_fingerprints(wrapped)[0], digest)
+    assert policy_fingerprints(wrapped)[0] != policy  # the policy's digest takes its adapter in (not the critic's)
+
+    other = copy.deepcopy(base)
+    with torch.no_grad():
+        other.model.layers[1].self_attn.o_proj.weight[3, 2] *= 1.01
+    assert policy_fingerprints(other)[1] != digest
+    rounded = copy.deepcopy(base).to(torch.bfloat16)  # the tiny model's float32 weights are not bf16 values
+    assert policy_fingerprints(rounded)[1] != digest
+    assert policy_fingerprints(rounded.float())[1] == policy_fingerprints(rounded)[1]
+
+
 def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reaches_the_loss(tiny_model_dir, tmp_path):
     """GRPOConfig's static `entropy_coef`: from the same rollout, the policy steps elsewhere with the bonus than
     without it, the critic the same; `loss/entropy_bonus` is logged, and GRPOTrainer's `policy_loss` and
@@ -993,7 +1025,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
-    def run(output, resume=None, prompts=64, checked_first=False, lora=None, **settings):
+    def run(output, resume=None, prompts=64, checked_first=False, lora=None, model=tiny_model_dir, **settings):
         args = make_args(
             tmp_path / output,
             max_steps=3,
@@ -1005,7 +1037,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
             **settings,
         )
         trainer = VAPOTrainer(
-            model=str(tiny_model_dir),
+            model=str(model),
             reward_funcs=digit_fraction,
             args=args,
             train_dataset=prompts_dataset(prompts),
@@ -1036,6 +1068,17 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     from trl_vapo.checkpoint import data_order  # the same order, whichever field holds its seed
 
     assert data_order(make_args(tmp_path, seed=42)) == data_order(make_args(tmp_path, seed=1, data_seed=42))
+    # Another model of the same architecture (one weight differs): the checkpoint's adapter or weights were trained
+    # on the first, and its architecture's name alone would not tell them apart.
+    from transformers import AutoModelForCausalLM
+
+    other_base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        other_base.model.layers[0].mlp.up_proj.weight[0, 0] += 0.5
+    shutil.copytree(tiny_model_dir, tmp_path / "other-base")  # its tokenizer too
+    other_base.save_pretrained(tmp_path / "other-base")
+    with pytest.raises(ValueError, match=r"base_weights: the model's weights are not those the checkpoint's run"):
+        run("full", resume=str(checkpoint), model=tmp_path / "other-base")
     if peft:  # another rank: the saved adapter would not load into its shapes (a traceback after the model loaded)
         other = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         with pytest.raises(ValueError, match=r"policy_adapter: r checkpoint 4, this run 8"):

@@ -453,17 +453,24 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def run_fingerprint(
-    actor_critic, args, num_processes: int, deepspeed: bool, train_prompts: int | None = None
+    actor_critic,
+    args,
+    num_processes: int,
+    deepspeed: bool,
+    train_prompts: int | None = None,
+    base_weights: str | None = None,
 ) -> dict[str, Any]:
-    """What a checkpoint must share with the run that resumes it: the model, the batch layout, the number of
-    training prompts (None: a stream) and what orders them (`shuffle_dataset`, and the seed it shuffles with): the
-    saved data position indexes that order."""
+    """What a checkpoint must share with the run that resumes it: the model (its architecture, and the base weights'
+    digest `base_weights`, `modeling.policy_fingerprints`: the checkpoint's adapters or deltas were trained on
+    them), the batch layout, the number of training prompts (None: a stream) and what orders them
+    (`shuffle_dataset`, and the seed it shuffles with): the saved data position indexes that order."""
     config = actor_critic.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
         config.pop(key, None)
     return {
         "model": get_config_model_id(actor_critic.config),
         "model_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "base_weights": base_weights,
         "critic": actor_critic.critic_description,
         "peft_policy": is_peft_model(actor_critic.policy),
         "policy_adapter": adapter_settings(actor_critic.policy),
@@ -506,7 +513,7 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
     # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`, and
     # their data set went unrecorded.
     defaults = {key: saved.get("num_iterations") for key in ("critic_num_iterations", "value_pretrain_num_iterations")}
-    unrecorded = {key: current.get(key) for key in ("train_prompts", "data_order", "policy_adapter")}
+    unrecorded = {key: current.get(key) for key in ("train_prompts", "data_order", "policy_adapter", "base_weights")}
     saved = {"deepspeed": False, **unrecorded, **defaults, **saved}
     differences = [_difference(key, saved.get(key), current[key]) for key in current if key != "model"]
     differences = [difference for difference in differences if difference]
@@ -522,6 +529,11 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
 def _difference(key: str, saved: Any, current: Any) -> str | None:
     """How a checkpoint's fingerprint entry differs from this run's (None: alike). Of two settings dicts, the keys
     that differ among those both have (a newer library's new field is no difference)."""
+    if key == "base_weights" and saved != current:  # two digests: say what differs, not their hex
+        return (
+            "base_weights: the model's weights are not those the checkpoint's run started from (another checkpoint "
+            "of the same architecture, or one stored in float32 and loaded in another dtype)"
+        )
     if isinstance(saved, dict) and isinstance(current, dict):
         keys = sorted(k for k in saved.keys() & current.keys() if saved[k] != current[k])
         if not keys:
@@ -876,7 +888,7 @@ class SavingMixin:
     def _fingerprint(self) -> dict[str, Any]:
         prompts = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None  # a stream: None
         args = (self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
-        return run_fingerprint(*args, train_prompts=prompts)
+        return run_fingerprint(*args, train_prompts=prompts, base_weights=self.run_record.base_fingerprint)
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, dict[str, Any] | None]:
         """The checkpoint `train(resume_from_checkpoint=...)` resumes from (`checkpoint_to_resume`) and its marker,

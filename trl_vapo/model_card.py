@@ -89,6 +89,8 @@ class RunRecord:
         base_model: the policy's starting point (`config._name_or_path`).
         policy_fingerprint: `modeling.policy_fingerprint` of the loaded policy: a saved critic records which policy it
             was pretrained against.
+        base_fingerprint: the base model's weights alone (`modeling.policy_fingerprints`): a checkpoint records them,
+            and a resume onto other weights is refused.
         example_prompt: the first training prompt, for the card's quick start.
         is_adapter: the policy is a PEFT adapter.
         critic_shares_base: the critic is a second adapter on the policy's base.
@@ -101,6 +103,7 @@ class RunRecord:
 
     base_model: str | None = None
     policy_fingerprint: str | None = None
+    base_fingerprint: str | None = None
     example_prompt: Any = None
     is_adapter: bool = False
     critic_shares_base: bool = False

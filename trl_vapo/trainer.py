@@ -114,7 +114,7 @@ from .modeling import (
     cast_lm_head_to_fp32,
     is_peft_model,
     keep_trainable_weights_in_float32,
-    policy_fingerprint,
+    policy_fingerprints,
     value_function_name,
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
@@ -298,9 +298,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # drawn with the run's seed, would make a critic value-pretrained with another seed look like one for another
         # policy. Other adapters may start random (FourierFT, VB-LoRA, a LoRA with init_lora_weights=False).
         fresh = not adapter_given and is_fresh_lora(peft_config)
-        fingerprint = policy_fingerprint(policy) if fresh else None
+        fingerprints = policy_fingerprints(policy) if fresh else None
         policy = add_policy_adapter(policy, peft_config)
-        fingerprint = fingerprint or policy_fingerprint(policy)
+        fingerprint, base_fingerprint = fingerprints or policy_fingerprints(policy)
         with whole_models_under_zero3(zero3_config):
             actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint)
         frozen = actor_critic.value_function
@@ -320,6 +320,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.run_record = RunRecord(
             base_model=get_config_model_id(actor_critic.config),
             policy_fingerprint=fingerprint,
+            base_fingerprint=base_fingerprint,
             example_prompt=example["prompt"],  # the card's quick start
             is_adapter=is_peft_model(actor_critic.policy),
             critic_shares_base=actor_critic.shares_base,
