@@ -1331,3 +1331,43 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     resumed.train(resume_from_checkpoint=str(repo / "last-checkpoint"))
     assert resumed.state.global_step == 3
     assert [h["step"] for h in resumed.state.log_history if "phase" in h] == [1, 2, 3]  # 1-2 read from the Hub
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_adapter_initialisation_that_rewrites_the_base_runs_once(tiny_model_dir, tmp_path, init):
+    """PiSSA, OLoRA, ... move part of each base weight into the adapter. The critic's adapter (and the KL reference's)
+    took the policy adapter's config, so peft ran that initialisation again on the shared base: the policy under its
+    own adapter computed another function before its first rollout. The base is rewritten once; the policy computes
+    as the loaded model, and so do the critic's backbone (a copy of the policy adapter on the residual base) and the
+    reference adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    lora.init_lora_weights = init
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[3, 7, 11, 5, 9, 2, 14, 6]])
+    with torch.no_grad():
+        expected = loaded(ids, output_hidden_states=True)
+
+    def computes_as_loaded(policy, adapter):
+        policy.set_adapter(adapter)
+        with torch.no_grad():
+            out = policy(ids, output_hidden_states=True)
+        policy.set_adapter("default")
+        torch.testing.assert_close(out.hidden_states[-1], expected.hidden_states[-1], atol=1e-4, rtol=1e-4)
+
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=1), prompts_dataset(), peft_config=lora
+    )
+    policy = trainer.actor_critic.policy
+    computes_as_loaded(policy, "default")
+    computes_as_loaded(policy, "critic")
+    # An adapter given, trained (here: as initialised), with a KL penalty: the reference is a copy of it.
+    given = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    args = make_args(tmp_path / "kl", max_steps=1, beta=0.04)
+    trainer = VAPOTrainer(given, digit_fraction, args, prompts_dataset())
+    policy = trainer.actor_critic.policy
+    assert "ref" in policy.peft_config
+    for adapter in ("default", "critic", "ref"):
+        computes_as_loaded(policy, adapter)

@@ -27,14 +27,17 @@ from transformers.utils import is_liger_kernel_available
 
 from ._compat import get_config_model_id
 from .modeling import (
+    BASE_PRESERVING_INITS,
     CRITIC_ADAPTER,
     POLICY_ADAPTER,
     VALUE_HEAD_FILE,
     ActorCritic,
     ValueHead,
     check_value_model,
+    copy_adapter_weights,
     is_peft_model,
     is_value_function,
+    second_adapter_config,
     value_function_name,
     value_pretraining_record,
 )
@@ -186,12 +189,11 @@ def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
 
 
 def _critic_adapter_config(policy) -> Any:
-    """The policy adapter's config for the critic's, without the LM head in `modules_to_save`: the critic reads the
-    backbone's hidden states into its value head and never the LM head, whose trainable copy (a vocabulary x hidden
-    float32 matrix, 2.2 GB at 7B) would never train."""
-    import copy
-
-    config = copy.deepcopy(policy.peft_config[POLICY_ADAPTER])
+    """The policy adapter's config for the critic's (`second_adapter_config`: initialised without touching the
+    base), without the LM head in `modules_to_save`: the critic reads the backbone's hidden states into its value
+    head and never the LM head, whose trainable copy (a vocabulary x hidden float32 matrix, 2.2 GB at 7B) would never
+    train."""
+    config = second_adapter_config(policy.peft_config[POLICY_ADAPTER])
     head = policy.get_output_embeddings()
     head_name = next((name.rsplit(".", 1)[-1] for name, module in policy.named_modules() if module is head), None)
     if config.modules_to_save and head_name in config.modules_to_save:
@@ -212,6 +214,10 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
     if value_model is None:
         if shared:
             policy.add_adapter(CRITIC_ADAPTER, _critic_adapter_config(policy))
+            if getattr(policy.peft_config[POLICY_ADAPTER], "init_lora_weights", True) not in BASE_PRESERVING_INITS:
+                # The base is the residual of PiSSA, OLoRA, ...: the critic starts from the policy's function, as
+                # it does on an untouched base, with the policy adapter's weights.
+                copy_adapter_weights(policy, POLICY_ADAPTER, CRITIC_ADAPTER)
             policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
             text_config = policy.config.get_text_config()  # a multimodal config keeps its sizes there
             head = ValueHead(text_config.hidden_size, getattr(text_config, "initializer_range", 0.02))

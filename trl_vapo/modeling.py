@@ -62,6 +62,37 @@ def of_adapter(name: str, adapter: str) -> bool:
     return adapter in name.split(".")
 
 
+BASE_PRESERVING_INITS = (True, False, "gaussian")
+"""peft's `init_lora_weights` values that leave the base weights as they are. The others (PiSSA, OLoRA, CorDA, LoftQ,
+LoRA-GA, ...) move part of each base weight into the adapter: the base then computes another function, and the
+adapter restores it."""
+
+
+def second_adapter_config(config):
+    """A copy of the policy adapter's config for another adapter on the same base (the critic's, the reference's):
+    peft initialises an added adapter by its config, and an initialisation that rewrites the base (PiSSA, OLoRA, ...)
+    would run again and change the policy under its own trained adapter. The copy initialises as peft's default
+    (B zero): it never touches the base."""
+    import copy
+
+    config = copy.deepcopy(config)
+    if getattr(config, "init_lora_weights", True) not in BASE_PRESERVING_INITS:
+        config.init_lora_weights = True
+    return config
+
+
+def copy_adapter_weights(model: nn.Module, source: str, target: str) -> None:
+    """Copy adapter `source`'s weights into adapter `target`'s of the same shapes (those `target` has: the critic's
+    adapter has no LM-head copy)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if of_adapter(name, source):
+                twin = params.get(".".join(target if part == source else part for part in name.split(".")))
+                if twin is not None:
+                    twin.copy_(param)
+
+
 def is_peft_model(model: nn.Module) -> bool:
     try:
         from peft import PeftModel
@@ -535,12 +566,8 @@ class ActorCritic(nn.Module):
         """A frozen copy of the policy adapter as it is now, named `REFERENCE_ADAPTER`: the KL penalty's reference
         when the policy came with a trained adapter (the base alone is not the initial policy then), as GRPOTrainer
         adds its "ref" adapter."""
-        self.policy.add_adapter(REFERENCE_ADAPTER, self.policy.peft_config[POLICY_ADAPTER])
-        with torch.no_grad():
-            for name, param in self.policy.named_parameters():
-                if of_adapter(name, POLICY_ADAPTER):
-                    parts = [REFERENCE_ADAPTER if part == POLICY_ADAPTER else part for part in name.split(".")]
-                    self.policy.get_parameter(".".join(parts)).copy_(param)
+        self.policy.add_adapter(REFERENCE_ADAPTER, second_adapter_config(self.policy.peft_config[POLICY_ADAPTER]))
+        copy_adapter_weights(self.policy, POLICY_ADAPTER, REFERENCE_ADAPTER)
         self.policy.set_requires_grad(REFERENCE_ADAPTER, False)
 
     def _as_reference(self, reference: nn.Module | str):
