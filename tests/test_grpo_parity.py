@@ -310,6 +310,10 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"epsilon": 1.5}, r"epsilon must be in \[0, 1\)"),
         ({"vllm_importance_sampling_clip_max": -1.0}, "vllm_importance_sampling_clip_max > 0"),
         ({"positive_reward_funcs": []}, "positive_reward_funcs=\\[\\] names no function"),
+        # Not JSON: accepted, then a TypeError while the trainer was built ('str' object is not a mapping).
+        ({"generation_kwargs": "do_sample=False"}, "generation_kwargs must be a dict or a JSON object, got 'do_sa"),
+        ({"model_init_kwargs": "dtype=bfloat16"}, """e.g. model_init_kwargs='{"dtype": "bfloat16"}'"""),
+        ({"reward_weights": [1.0, float("nan")]}, r"reward_weights must be finite numbers, got \[1.0, nan\]"),
         ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
         ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation must be 'sum_then_normalize' or"),
         ({"surrogate": "gspo"}, "surrogate must be one of 'ppo', 'cispo', 'sapo', 'vespo'"),
@@ -329,6 +333,12 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
 def test_grpo_settings_that_cannot_go_together_say_why(tmp_path, settings, says):
     with pytest.raises(ValueError, match=says):
         make_args(tmp_path, **settings)
+
+
+def test_one_value_where_a_list_is_expected_is_a_list_of_one(tmp_path):
+    """A YAML scalar (`positive_reward_funcs: accuracy`): each of its characters was a function's name."""
+    assert make_args(tmp_path, positive_reward_funcs="accuracy").positive_reward_funcs == ["accuracy"]
+    assert make_args(tmp_path, reward_weights=0.5).reward_weights == [0.5]
 
 
 def test_training_arguments_that_act_only_in_transformers_loop_are_named_when_set(tiny_model_dir, tmp_path, caplog):

@@ -228,3 +228,8 @@ def test_bf16_is_the_default_only_on_a_gpu_that_computes_in_it_natively(monkeypa
     assert config._cuda_supports_bf16() and not config._cuda_without_native_bf16()
     # Training on the CPU of a machine with such a GPU (`use_cpu`): off, as on any CPU (it was on, under CPU autocast).
     assert config.VAPOConfig(output_dir="unused", use_cpu=True).bf16 is False
+    # `accelerate launch --mixed_precision fp16` asks for fp16: bf16's default was on and overrode it (transformers
+    # lets bf16 win over the launcher's fp16). The A100's answers stand; a whole config would set up the CUDA device.
+    assert config.default_bf16(config.fp16_asked(False), use_cpu=False) is True
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    assert config.fp16_asked(False) is True and config.default_bf16(config.fp16_asked(False), use_cpu=False) is False

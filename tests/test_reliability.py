@@ -1498,6 +1498,17 @@ def test_grpos_objective_settings_train_alike_on_two_processes_and_one(tiny_mode
         assert_same_log(two[step], one[step], keys=keys, rel=1e-4, context=f"step {step}, 2 vs 1 process")
 
 
+def test_ddp_without_unused_parameter_detection_is_refused_before_value_pretraining(tiny_model_dir, tmp_path):
+    """`ddp_find_unused_parameters=False` (GRPO recipes set it for speed) on two processes: value pretraining's
+    critic-only forward left the policy's parameters without gradients, and DDP raised at the second step ('Expected
+    to have finished reduction in the prior iteration'), the models loaded and a step spent. Refused in the config."""
+    settings = json.dumps({"ddp_find_unused_parameters": False})
+    run = on_two_ranks("--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--settings", settings)
+    assert run.returncode != 0
+    assert "ddp_find_unused_parameters=False on several processes: value pretraining" in run.stderr
+    assert "RuntimeError: Expected to have finished" not in run.stderr and not (tmp_path / "checkpoint-2").exists()
+
+
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
     # Evaluated at steps 6 and 8 (every 2 steps after the 4 of value pretraining), each process on its half of the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field, fields
@@ -740,7 +741,7 @@ class VAPOConfig(TrainingArguments):
             # `use_cpu`; without it every process would silently train alone on the same output folder.
             self.use_cpu = True
         fsdp = bool(self.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-        fp16 = self.fp16 or os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp16"  # accelerate launch's
+        fp16 = fp16_asked(self.fp16)
         if fp16 and (uses_deepspeed(self) or fsdp):
             # DeepSpeed's and FSDP2's fp16 bring loss scalers of their own, which VAPO's separate clipping of the
             # policy's and the critic's gradients has not been made to work with.
@@ -749,7 +750,7 @@ class VAPOConfig(TrainingArguments):
                 "GPU from Ampere on: leave bf16 unset), or float32 with LoRA."
             )
         if self.bf16 is None:
-            self.bf16 = not self.fp16 and not self.use_cpu and _cuda_supports_bf16()  # `use_cpu`: off, as on a CPU
+            self.bf16 = default_bf16(fp16, self.use_cpu)
             if not self.bf16 and not fp16 and not self.use_cpu and _cuda_without_native_bf16():
                 warnings.warn(
                     "This GPU has no native bf16 (a T4, a V100: before Ampere), so bf16 mixed precision stays off "
@@ -768,6 +769,20 @@ class VAPOConfig(TrainingArguments):
             value = getattr(self, name, None)
             if isinstance(value, str) and value.strip().startswith("{"):
                 setattr(self, name, json.loads(value))
+        examples = {
+            "model_init_kwargs": '{"dtype": "bfloat16"}',
+            "generation_kwargs": '{"stop_strings": ["</answer>"]}',
+            "chat_template_kwargs": '{"enable_thinking": false}',
+        }
+        for name, example in examples.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):  # read later as a mapping: a TypeError mid-setup
+                raise ValueError(f"{name} must be a dict or a JSON object, got {value!r}: e.g. {name}='{example}'")
+        # One value where a list is expected (a YAML scalar): a name's characters were names, a number not iterable.
+        if isinstance(self.positive_reward_funcs, str):
+            self.positive_reward_funcs = [self.positive_reward_funcs]
+        if isinstance(self.reward_weights, (int, float)):
+            self.reward_weights = [self.reward_weights]
         self.model_init_kwargs = with_dtype_named(self.model_init_kwargs)
         super().__post_init__()
         self._accept_grpo_spellings()
@@ -1156,9 +1171,23 @@ class VAPOConfig(TrainingArguments):
             "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max.",
         )
         require(
+            self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
+            f"reward_weights must be finite numbers, got {self.reward_weights}: a NaN or infinite weight makes every "
+            "reward NaN or infinite.",
+        )
+        require(
             self.positive_reward_funcs is None or len(self.positive_reward_funcs) > 0,
             "positive_reward_funcs=[] names no function, so no completion would ever be correct (the NLL loss and "
             "`accuracy` would read 0): name the functions that judge correctness, or leave it None (all of them).",
+        )
+        processes = int(os.environ.get("WORLD_SIZE", "1"))  # as launched (torchrun, accelerate launch)
+        critic_only_passes = self.value_pretrain_steps > 0 or self.critic_num_iterations > self.num_iterations
+        require(
+            processes == 1 or self.ddp_find_unused_parameters is not False or not critic_only_passes,
+            "ddp_find_unused_parameters=False on several processes: value pretraining and the critic's extra "
+            "passes (critic_num_iterations > num_iterations) leave the policy out of the forward pass, which DDP "
+            "then refuses at the next step ('Expected to have finished reduction in the prior iteration'). Leave it "
+            "unset (VAPO turns it on for those steps), or set value_pretrain_steps=0 and no extra critic passes.",
         )
         require(
             not self.auto_find_batch_size,
@@ -1278,6 +1307,19 @@ def _cuda_without_native_bf16() -> bool:
     import torch
 
     return torch.cuda.is_available() and not _cuda_supports_bf16()
+
+
+def fp16_asked(fp16: bool) -> bool:
+    """Whether the run computes in fp16: `fp16=True`, or `accelerate launch --mixed_precision fp16` (its environment
+    variable, which transformers reads too)."""
+    return fp16 or os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp16"
+
+
+def default_bf16(fp16: bool, use_cpu: bool) -> bool:
+    """`bf16`'s default: on where a CUDA GPU computes in it natively (Ampere on), unless fp16 is asked for
+    (`fp16_asked`: transformers lets bf16 override the launcher's fp16) or the run trains on the CPU (`use_cpu`,
+    whatever GPU the machine has)."""
+    return not fp16 and not use_cpu and _cuda_supports_bf16()
 
 
 def _cuda_supports_bf16() -> bool:
