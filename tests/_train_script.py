@@ -177,6 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--log-name", default="logs")
     parser.add_argument("--deepspeed", type=int, choices=(2, 3), help="ZeRO stage (DeepSpeed through accelerate)")
+    parser.add_argument(
+        "--deepspeed-launcher",
+        action="store_true",
+        help="with --deepspeed: configured as `accelerate launch` with a DeepSpeed config file configures it (TRL's "
+        "zero3.yaml: zero3_init_flag), in the environment, not VAPOConfig(deepspeed=...)",
+    )
     parser.add_argument("--reward-model", help="a reward model's folder, scored with digit_fraction")
     parser.add_argument("--no-ds3-gather", action="store_true", help="ZeRO-3: generate with the weights sharded")
     parser.add_argument("--grad-accum", type=int, default=1)
@@ -219,6 +225,16 @@ def main(argv: list[str] | None = None) -> None:
             "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto",
         }
+        if args.deepspeed_launcher:  # `accelerate launch`'s environment for `--config_file zero3.yaml` (or zero2)
+            deepspeed = None
+            os.environ.update(
+                ACCELERATE_USE_DEEPSPEED="true",
+                ACCELERATE_DEEPSPEED_ZERO_STAGE=str(args.deepspeed),
+                ACCELERATE_DEEPSPEED_ZERO3_INIT="true",
+                ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="none",
+                ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE="none",
+                ACCELERATE_MIXED_PRECISION="no",
+            )
     fsdp = {}
     if args.fsdp2:
         fsdp = {
@@ -282,6 +298,11 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"), dump],
     )
     dump.trainer = trainer
+    from trl_vapo.distributed import is_zero3_partitioned
+
+    # The models as built, before `train` places them: partitioned by ZeRO-3's `zero.Init`, the critic could not copy
+    # the policy's weights (empty tensors), nor the fingerprints read them.
+    built_partitioned = [is_zero3_partitioned(m) for m in trainer.actor_critic.children()]
     # The LM heads run as modules only to sample (one position at a time): log-probs go through them in tiles.
     sequence_logits = []
     for model in (trainer.actor_critic.policy, trainer.ref_model):
@@ -313,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                 "distributed_type": str(trainer.accelerator.distributed_type),
                 "sequence_logits_built": len(sequence_logits),
                 # Partitioned by ZeRO-3 (`ds_id`) or sharded by FSDP2 (DTensors), as the policy is.
+                "built_partitioned": built_partitioned,
                 "reference_sharded": sharded(trainer.ref_model),
                 "reward_model_sharded": [sharded(f.model) for f in trainer.reward_funcs if hasattr(f, "model")],
             }

@@ -182,8 +182,10 @@ def deepspeed_run(request, tiny_model_dir, tmp_path_factory) -> Path:
         return request.getfixturevalue("zero3_two_ranks")
     run = tmp_path_factory.mktemp(f"zero{stage}-{processes}")
     # ZeRO-3 on one process generates with its weights left sharded (GRPOConfig's ds3_gather_for_generation=False),
-    # parameter by parameter as each layer runs: the same samples, so the same training, as the plain run.
-    sharded = ["--no-ds3-gather"] if stage == 3 else []
+    # parameter by parameter as each layer runs: the same samples, so the same training, as the plain run. It is
+    # configured as `accelerate launch --config_file zero3.yaml` configures it (the two-process run: by
+    # VAPOConfig(deepspeed=...)), where transformers built every model partitioned (zero3_init_flag).
+    sharded = ["--no-ds3-gather", "--deepspeed-launcher"] if stage == 3 else []
     return train(
         tiny_model_dir, run, processes, "--deepspeed", str(stage), "--save-final", "--save-steps", "100", *sharded
     )
@@ -198,6 +200,7 @@ def test_deepspeed_steps_once_per_trainer_step_matches_the_run_without_it_and_sa
 ):
     steps = json.loads((deepspeed_run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
+    assert steps["built_partitioned"] == [False, False]  # whole until placed: the critic copied the policy
     assert steps["reference_sharded"] == ("zero3" in deepspeed_run.name)  # as the policy: a ZeRO-2 reference is whole
     assert steps["reward_model_sharded"] == [steps["reference_sharded"]]  # placed as TRL places its reward models
     assert steps["sequence_logits_built"] == 0  # the policy's and the reference's log-probs went through tiles

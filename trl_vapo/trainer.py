@@ -252,7 +252,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         example = check_train_dataset(train_dataset, args)
         self._conversational = is_conversational({"prompt": example["prompt"]})
         eval_examples = check_eval_dataset(eval_dataset, args, self._conversational)
-        zero3_config = getattr(args, "hf_deepspeed_config", None)
+        # VAPOConfig(deepspeed=...)'s, or `accelerate launch`'s with a DeepSpeed config file (TRL's zero3.yaml: its
+        # plugin's, which `zero3_init_flag` makes transformers build every model partitioned under)
+        zero3_config = getattr(args, "hf_deepspeed_config", None) or getattr(args.deepspeed_plugin, "dschf", None)
         if isinstance(value_model, nn.Module) and any(
             value_model is f for f in (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
         ):
