@@ -169,6 +169,22 @@ def test_a_vllm_server_without_processed_logprobs_is_warned_about(
     assert len(warned) == (mode != "processed_logprobs") and all(mode in message for message in warned)
 
 
+def test_the_processes_of_a_colocated_vllm_group_share_their_sampling_seed(tmp_path, stand_in_vllm):
+    """Each process seeds its generators apart (as GRPOTrainer's `set_seed(seed, device_specific=True)`), but the
+    processes of one colocated vLLM tensor-parallel group run one engine and must draw alike: the trainer seeded them
+    apart after the engine's start had seeded them alike, so a group's processes fed different tokens into one forward.
+    A vLLM server's processes do not sample (the server does)."""
+    from trl_vapo.generation import sampling_seed
+
+    plain = make_args(tmp_path, seed=7)
+    assert [sampling_seed(plain, rank) for rank in range(4)] == [7, 8, 9, 10]
+    vllm = {"use_vllm": True, "vllm_tensor_parallel_size": 2, "seed": 7}
+    colocated = make_args(tmp_path, vllm_mode="colocate", **vllm)
+    assert [sampling_seed(colocated, rank) for rank in range(4)] == [7, 7, 8, 8]
+    server = make_args(tmp_path, vllm_mode="server", **vllm)
+    assert [sampling_seed(server, rank) for rank in range(4)] == [7, 8, 9, 10]
+
+
 def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path):
     args = make_args(tmp_path, use_vllm=True)
     with pytest.raises(ImportError, match="pip install vllm"):

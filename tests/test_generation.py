@@ -542,7 +542,6 @@ def test_vllm_generation_kwargs_follow_grpo_trainer(tiny_model_dir):
         vllm_mode="colocate",
         top_p=0.9,
         vllm_gpu_memory_utilization=0.4,
-        generation_kwargs={"seed": 1},
     )
     generation = engine.vllm_generation
     assert generation.mode == "colocate" and generation.gpu_memory_utilization == 0.4 and generation.top_p == 0.9

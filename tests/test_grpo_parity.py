@@ -296,6 +296,13 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"cache_implementation": "static", "use_vllm": True}, "cache_implementation='static' sets"),
         ({"cache_implementation": "static", "use_transformers_continuous_batching": True}, "paged"),
         ({"ds3_gather_for_generation": False, "use_vllm": True}, "vLLM needs the policy's whole weights"),
+        # One seed for every request: each group's copies identical. A server gives the n samples seed + index.
+        ({"use_vllm": True, "generation_kwargs": {"seed": 3}}, "generation_kwargs sets a seed, with colocated vLLM"),
+        # vLLM's SamplingParams refuses n > 1 when greedy: a 400 at every rollout.
+        (
+            {"use_vllm": True, "vllm_mode": "server", "generation_kwargs": {"do_sample": False}},
+            "Greedy sampling .* with a vLLM server and num_generations > 1",
+        ),
         # A budget of its own hid the completions it cut: not marked truncated (that budget is max_completion_length).
         ({"generation_kwargs": {"max_new_tokens": 64}}, "generation_kwargs sets max_new_tokens: the rollouts' token"),
         ({"generation_kwargs": {"max_tokens": 64}}, "Set max_completion_length instead"),

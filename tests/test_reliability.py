@@ -442,6 +442,13 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
             train_dataset=prompts_dataset(32),
             value_model=str(tmp_path / "three"),
         )
+    # Another family's reward model as the critic (the paper's start), with a smaller vocabulary: the policy's ids
+    # past its embeddings were an index error at the first rollout's values.
+    narrow_config = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).config
+    narrow_config.vocab_size = 16
+    narrow = AutoModelForSequenceClassification.from_config(narrow_config)
+    with pytest.raises(ValueError, match=r"embeds 16 tokens, and the policy's tokenizer has \d+: the critic reads"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path), prompts_dataset(32), value_model=narrow)
 
 
 def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_dir, tmp_path):

@@ -21,6 +21,7 @@ from helpers import (
     rl_logs,
     token_rewards_of,
 )
+from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -376,6 +377,15 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
     )
     again.train()
     assert [h["phase"] for h in again.state.log_history if "phase" in h] == ["rl"]
+    # Loaded in bf16 as the policy is (the one-GPU setup): the critic is the float32 one saved, bit for bit, not its
+    # rounding (most of a pretraining's updates at the paper's rate are below bf16's resolution).
+    args = make_args(tmp_path / "bf16", max_steps=1, value_pretrain_steps=5, model_init_kwargs={"dtype": "bfloat16"})
+    in_bf16 = VAPOTrainer(str(tiny_model_dir), first_char_is_letter, args, prompts_dataset(), value_model=str(saved))
+    critic = in_bf16.actor_critic.critic.state_dict()
+    weights = load_file(saved / "model.safetensors")
+    assert {value.dtype for value in weights.values()} == {torch.float32}
+    assert all(torch.equal(critic[name], value) for name, value in weights.items())
+    assert in_bf16.actor_critic.loaded_dtypes["critic"]["score.weight"] == torch.bfloat16  # saved back as loaded
 
 
 def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_model_dir, tmp_path):

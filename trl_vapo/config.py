@@ -983,6 +983,24 @@ class VAPOConfig(TrainingArguments):
             "also tells a completion cut by the budget from one that ended (mask_truncated_completions, "
             "completions/clipped_ratio). Set max_completion_length instead.",
         )
+        generation = self.generation_kwargs or {}
+        require(
+            not (self.use_vllm and self.vllm_mode == "colocate" and "seed" in generation),
+            "generation_kwargs sets a seed, with colocated vLLM: each copy of a prompt is one request, each sampled "
+            "with that seed, so every group's completions would be identical (no advantage to learn from). Leave it "
+            "out: the trainer seeds each process (`seed`).",
+        )
+        require(
+            not (
+                self.use_vllm
+                and self.vllm_mode == "server"
+                and self.num_generations > 1
+                and (generation.get("do_sample") is False or self.temperature == 0)
+            ),
+            "Greedy sampling (do_sample=False or temperature=0) with a vLLM server and num_generations > 1: vLLM "
+            "refuses n > 1 under greedy sampling ('n must be 1 when using greedy sampling'), at every rollout; the "
+            "copies would be identical anyway. Sample (temperature > 0), or num_generations=1.",
+        )
         require(
             self.ds3_gather_for_generation or not self.use_vllm,
             "ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the policy's whole "

@@ -670,6 +670,16 @@ class VLLMEngine(GenerationEngine):
         return _from_lists(completion_ids, sampler, self.stop_token_ids, self.pad_token_id, budget)
 
 
+def sampling_seed(args, process_index: int) -> int:
+    """The seed of a process's random generators once the trainer is built: `seed + process_index` (each process
+    samples its own completions, as GRPOTrainer seeds them), one per tensor-parallel group under colocated vLLM
+    (`seed + process_index // vllm_tensor_parallel_size`). The processes of a group run one vLLM engine together: they
+    must draw the same random numbers, which vLLM draws from the process's generator for requests without a seed of
+    their own (TRL seeds the group alike for this; its engine start seeds each process with the group's index)."""
+    group = args.vllm_tensor_parallel_size if args.use_vllm and args.vllm_mode == "colocate" else 1
+    return args.seed + process_index // group
+
+
 def _apply_sampling(vllm_generation, sampling: SamplingSettings, stop_ids: Sequence[int]) -> None:
     """Set a call's sampling on `VLLMGeneration`, which reads these attributes at every `generate`."""
     vllm_generation.temperature = 0.0 if sampling.greedy else sampling.temperature  # vLLM: 0 is greedy

@@ -37,6 +37,7 @@ from .modeling import (
     copy_adapter_weights,
     is_peft_model,
     is_value_function,
+    keep_trainable_weights_in_float32,
     second_adapter_config,
     value_function_name,
     value_pretraining_record,
@@ -261,7 +262,26 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
     kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k not in ("quantization_config", "revision")}
     critic = load_pretrained(critic_class, str(value_model), {**kwargs, **extra})
     check_value_model(critic)
-    return ActorCritic(policy, critic=critic), pretrained
+    actor_critic = ActorCritic(policy, critic=critic)  # the dtypes as loaded: what `save_model` writes back
+    if value_pretraining_record(path) is not None and keep_trainable_weights_in_float32(critic):
+        # Value pretraining saved it in float32, its training weights: loaded in the policy's half precision, its
+        # updates (1e-4 or less on weights of 0.02, at the paper's critic rate) rounded back to where it started.
+        actor_critic.load_critic(path)
+    return actor_critic, pretrained
+
+
+def check_critic_vocabulary(critic: nn.Module, tokenizer) -> None:
+    """Refuse a critic whose embeddings have fewer rows than the policy's tokenizer has tokens: it reads the policy's
+    token ids (the paper starts it from a reward model, which may be another family's, with its own vocabulary), and
+    an id past its rows is an index error mid-rollout, or a device-side assert on a GPU."""
+    rows = critic.get_input_embeddings().num_embeddings
+    if rows < len(tokenizer):
+        raise ValueError(
+            f"value_model {critic.config.name_or_path or type(critic).__name__} embeds {rows:,} tokens, and the "
+            f"policy's tokenizer has {len(tokenizer):,}: the critic reads the policy's token ids, so it needs the "
+            "policy's tokenizer (a critic or reward model of the policy's family; without value_model the critic "
+            "starts from the policy)."
+        )
 
 
 def _backbone_class(config, trust_remote_code: bool) -> type[PreTrainedModel]:

@@ -88,6 +88,7 @@ from .generation import (
     check_engine_available,
     importance_sampling_metrics,
     read_rollout_func_output,
+    sampling_seed,
     stop_token_ids,
     warn_off_policy_sampling,
 )
@@ -96,6 +97,7 @@ from .grpo_objective import GRPOObjectiveMixin
 from .loading import (
     add_policy_adapter,
     build_actor_critic,
+    check_critic_vocabulary,
     check_grpo_arguments,
     check_quantization,
     check_trainer_arguments,
@@ -308,6 +310,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
         if separate:
+            check_critic_vocabulary(actor_critic.critic, tokenizer)
             # A config without a pad id (Qwen2.5's): the saved critic could not score a padded batch with
             # `from_pretrained`, which finds each row's last non-pad token through the text config, as TRL's reward
             # models do. Training reads the values at every position and needs none.
@@ -440,8 +443,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         data_seed = args.seed if args.data_seed is None else args.data_seed  # 0 is a seed
         per_rollout = self.run_plan.prompts_per_rollout
         self._prompts = PromptCursor(self.train_dataset, per_rollout, args.shuffle_dataset, data_seed)
-        # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does).
-        set_seed(args.seed, device_specific=True)
+        # Each process samples different completions even for the same prompt (as TRL's GRPOTrainer does), but those
+        # of a colocated vLLM's tensor-parallel group, which sample together (after the engine's start reseeded them).
+        set_seed(sampling_seed(args, self.accelerator.process_index))
 
     def _write_plots(self) -> None:
         """The diagnostic PNGs in `output_dir/plots/` (`trl_vapo.diagnostics`), when asked for."""
@@ -534,7 +538,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 f"train() already ran on this trainer (to step {self.state.global_step}). To go on, resume from a "
                 "checkpoint: train(resume_from_checkpoint=True). To train the result anew, start a new run: "
                 "save_model(), then a new VAPOTrainer with that folder as `model` (and its `critic/` as `value_model` "
-                "to keep the critic)."
+                "to keep the critic, with value_pretrain_steps=0: it is trained already)."
             )
         self.is_in_train = True
         callbacks = self.callback_handler.callbacks + [self.control]
