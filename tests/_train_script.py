@@ -18,6 +18,7 @@ partitions under DeepSpeed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -143,6 +144,22 @@ class StateDump(TrainerCallback):
 
 class StallingTrainer(VAPOTrainer):
     stall_at: int | None = None
+    whole_while_sampling: dict[str, bool] | None = None  # DeepSpeed: which models' weights were whole while sampling
+
+    @contextlib.contextmanager
+    def _generation_model(self):
+        with super()._generation_model() as policy:
+            if (
+                self.whole_while_sampling is None
+                and self.is_deepspeed_enabled
+                and self.actor_critic.critic is not None
+            ):
+
+                def whole(model) -> bool:  # a ZeRO-3 parameter gathered holds its `ds_numel` values, else none
+                    return all(p.data.numel() == getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+                self.whole_while_sampling = {"policy": whole(policy), "critic": whole(self.actor_critic.critic)}
+            yield policy
 
     def _write_models(self, directory, *args, **kwargs):
         super()._write_models(directory, *args, **kwargs)
@@ -335,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                 "sequence_logits_built": len(sequence_logits),
                 # Partitioned by ZeRO-3 (`ds_id`) or sharded by FSDP2 (DTensors), as the policy is.
                 "built_partitioned": built_partitioned,
+                "whole_while_sampling": trainer.whole_while_sampling,
                 "reference_sharded": sharded(trainer.ref_model),
                 "reward_model_sharded": [sharded(f.model) for f in trainer.reward_funcs if hasattr(f, "model")],
             }

@@ -201,6 +201,10 @@ def test_deepspeed_steps_once_per_trainer_step_matches_the_run_without_it_and_sa
     steps = json.loads((deepspeed_run / "steps.json").read_text())
     assert steps["trainer"] == steps["deepspeed"] == STEPS
     assert steps["built_partitioned"] == [False, False]  # whole until placed: the critic copied the policy
+    # Sampling gathers the policy's weights whole (ds3_gather_for_generation, the two-process run), never the
+    # critic's: TRL's unwrapping gathered the whole engine, the critic too (as large, in float32).
+    zero3, gathers = "zero3" in deepspeed_run.name, deepspeed_run.name.startswith("zero3-2")
+    assert steps["whole_while_sampling"] == {"policy": gathers or not zero3, "critic": not zero3}
     assert steps["reference_sharded"] == ("zero3" in deepspeed_run.name)  # as the policy: a ZeRO-2 reference is whole
     assert steps["reward_model_sharded"] == [steps["reference_sharded"]]  # placed as TRL places its reward models
     assert steps["sequence_logits_built"] == 0  # the policy's and the reference's log-probs went through tiles

@@ -10,7 +10,7 @@ from trl.cli.accelerate_config import resolve_accelerate_config_argument
 from trl.import_utils import is_vllm_available
 from trl.kernels import ChunkedLogProbFunction as TiledLogProbs
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE as TOKEN_TILE_ROWS
-from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.models.utils import add_hooks, prepare_deepspeed, prepare_fsdp, remove_hooks
 from trl.trainer.utils import (
     disable_dropout_in_model,
     entropy_from_logits,
@@ -53,6 +53,7 @@ def prepare_frozen_model(model, accelerator):
 __all__ = [
     "TOKEN_TILE_ROWS",
     "TiledLogProbs",
+    "add_hooks",
     "disable_dropout_in_model",
     "entropy_from_logits",
     "generate_model_card",
@@ -62,10 +63,10 @@ __all__ = [
     "maybe_gather_lm_head_ctx",
     "pad",
     "prepare_frozen_model",
+    "remove_hooks",
     "resolve_accelerate_config_argument",
     "selective_log_softmax",
     "start_event_loop_in_daemon",
     "trl_reward_function",
-    "unwrap_model_for_generation",
     "vllm_generation_class",
 ]

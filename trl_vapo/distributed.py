@@ -281,6 +281,41 @@ def check_deepspeed_config(args) -> None:
 
 
 @contextlib.contextmanager
+def unwrapped_for_generation(
+    model_wrapped: nn.Module, accelerator, gather_zero3: bool, gradient_checkpointing_kwargs: dict | None = None
+) -> Iterator[nn.Module]:
+    """The actor-critic unwrapped from DDP / DeepSpeed / FSDP to sample from its policy, gradient checkpointing off
+    meanwhile: TRL's `unwrap_model_for_generation`, except that under ZeRO-3 with `gather_zero3`
+    (`ds3_gather_for_generation`) it gathers the policy's weights alone. TRL gathers every weight of the engine it is
+    given, here the critic's too: a separate critic is the policy's size, and its trainable weights are float32, so
+    the gathered copy took twice the memory, on a setup chosen because the model hardly fits."""
+    unwrapped = accelerator.unwrap_model(model_wrapped)
+    checkpointing = unwrapped.is_gradient_checkpointing
+    if checkpointing:
+        unwrapped.gradient_checkpointing_disable()
+    zero3 = getattr(accelerator.state, "deepspeed_plugin", None) is not None and (
+        accelerator.state.deepspeed_plugin.zero_stage == 3
+    )
+    try:
+        if zero3 and gather_zero3:
+            import deepspeed
+
+            from ._compat import add_hooks, remove_hooks
+
+            with deepspeed.zero.GatheredParameters(list(unwrapped.policy.parameters())):
+                remove_hooks(model_wrapped)  # ZeRO-3's fetch and release around each module: gathered already
+                try:
+                    yield unwrapped
+                finally:
+                    add_hooks(model_wrapped)
+        else:
+            yield unwrapped
+    finally:
+        if checkpointing:
+            unwrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs)
+
+
+@contextlib.contextmanager
 def fsdp2_unsharded(model: nn.Module) -> Iterator[None]:
     """Gather an FSDP2 root module's own parameters for the duration (no-op for anything else); the decoder layers
     gather theirs in their own forward hooks."""

@@ -46,7 +46,6 @@ from ._compat import (
     get_config_model_id,
     pad,
     prepare_frozen_model,
-    unwrap_model_for_generation,
 )
 from .config import VAPOConfig, settings_without_effect
 from .core import (
@@ -77,6 +76,7 @@ from .distributed import (
     mark_offload_overflow,
     reset_adam_step,
     settle_offloaded_gradients,
+    unwrapped_for_generation,
     uses_deepspeed,
     whole_models_under_zero3,
 )
@@ -883,10 +883,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
     def _generation_model(self):
         """The policy to sample from, unwrapped from DDP / DeepSpeed / FSDP, under autocast (the engines' provider)."""
         with (
-            unwrap_model_for_generation(
+            unwrapped_for_generation(
                 self.model_wrapped,
                 self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gather_zero3=self.args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             ) as unwrapped,
             fsdp2_unsharded(self.model_wrapped),
