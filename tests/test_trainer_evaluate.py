@@ -241,6 +241,38 @@ def test_the_command_lines_held_out_report_leaves_the_random_state_as_it_was(tin
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_the_held_out_report_before_training_samples_on_every_process_with_vllm(
+    tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch
+):
+    """Before training only the main process scored the policy, the others going on into `train`: with vLLM, whose
+    calls are collectives (a server gathers every process's requests; a tensor-parallel group samples together), the
+    main process waited for them forever, and its weight push left the others' record of it behind. Here one process
+    and the vLLM stand-in (vLLM cannot run here, nor its collectives): the report as a process other than the main one
+    makes it. Without vLLM such a process leaves it to the main one."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from trl_vapo.cli import _held_out_report
+
+    args = eval_args(tmp_path, max_steps=1, use_vllm=True, vllm_mode="colocate")
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    monkeypatch.setattr(Accelerator, "is_main_process", property(lambda self: False))
+    vllm = trainer.generation_engine.vllm_generation
+    pushes, sample = vllm.pushes, vllm.generate
+    calls = []
+    monkeypatch.setattr(vllm, "generate", lambda *a, **k: calls.append(1) or sample(*a, **k))
+    assert _held_out_report(trainer, prompts_dataset(2), SimpleNamespace(eval_k=2), trainer.reward_funcs) is None
+    assert vllm.pushes > pushes and calls  # synced and sampled, as the main process
+    plain = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, eval_args(tmp_path / "plain", max_steps=1), prompts_dataset()
+    )
+    sampled = []
+    monkeypatch.setattr(type(plain.generation_engine), "generate", lambda *a, **k: sampled.append(1))
+    assert _held_out_report(plain, prompts_dataset(2), SimpleNamespace(eval_k=2), plain.reward_funcs) is None
+    assert not sampled
+
+
 def test_no_scheduled_evaluation_runs_during_value_pretraining(tiny_model_dir, tmp_path):
     """The policy does not change while the critic pretrains: evaluating it then read the initial policy again and
     again, and `EarlyStoppingCallback` compared that noise, which could end the run before its first update. And

@@ -675,9 +675,9 @@ def _resolve_rewards(names: list[str], max_completion_length: int | None = None)
 
 def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None:
     """avg@k, pass@k and the greedy pass@1 of the trainer's policy on `dataset`, on the main process (None on the
-    others). Every process evaluates the same prompts once training has placed the models: under FSDP2 and ZeRO-3
-    the policy (and a reward model) are sharded, and their forward needs every process; the main process alone
-    waited there for the others forever."""
+    others). Every process evaluates the same prompts once training has placed the models, and always with vLLM:
+    under FSDP2 and ZeRO-3 the policy (and a reward model) are sharded, and their forward needs every process; a vLLM
+    server gathers every process's requests; the main process alone waited there for the others forever."""
     if dataset is None:
         return None
     from .evaluation import evaluate_policy, random_state_kept
@@ -685,9 +685,11 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
     args, main = trainer.args, trainer.accelerator.is_main_process
     placed = trainer.models_placed
-    if not placed and not main:
-        return None
     engine = EngineSettings.from_config(args)  # a transformers engine of its own, batched as evaluation batches
+    # vLLM's calls are collectives too (a server's requests gather every process's prompts; a tensor-parallel group
+    # samples together): every process takes part, placed or not.
+    if not placed and not main and not engine.holds_own_weights:
+        return None
     if engine.holds_own_weights:  # vLLM's copy of the policy: the trainer's engine, synced with it
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
