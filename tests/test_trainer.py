@@ -371,7 +371,7 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
     again = VAPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=first_char_is_letter,
-        args=make_args(tmp_path / "again", max_steps=1, value_pretrain_steps=5),
+        args=make_args(tmp_path / "again", max_steps=1, value_pretrain_steps=5, max_completion_length=2),
         train_dataset=prompts_dataset(),
         value_model=str(saved),
     )
@@ -379,7 +379,7 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
     assert [h["phase"] for h in again.state.log_history if "phase" in h] == ["rl"]
     # Loaded in bf16 as the policy is (the one-GPU setup): the critic is the float32 one saved, bit for bit, not its
     # rounding (most of a pretraining's updates at the paper's rate are below bf16's resolution).
-    args = make_args(tmp_path / "bf16", max_steps=1, value_pretrain_steps=5, model_init_kwargs={"dtype": "bfloat16"})
+    args = make_args(tmp_path / "bf16", max_steps=1, max_completion_length=2, model_init_kwargs={"dtype": "bfloat16"})
     in_bf16 = VAPOTrainer(str(tiny_model_dir), first_char_is_letter, args, prompts_dataset(), value_model=str(saved))
     critic = in_bf16.actor_critic.critic.state_dict()
     weights = load_file(saved / "model.safetensors")
@@ -491,6 +491,22 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
     assert "value pretraining runs again" in caplog.text
     second.train()
     assert [h["phase"] for h in second.state.log_history if "phase" in h] == ["value_pretrain"] * 2 + ["rl"]
+    # The same policy, other returns: another reward, another temperature (a critic predicts the returns of the
+    # rewards and the sampling it was pretrained under); the same ones skip value pretraining.
+    record = json.loads((critic / "vapo_value_pretraining.json").read_text())
+    assert record["value_targets"]["reward_funcs"] == ["first_char_is_letter"]
+    for rewards, settings, again in (
+        (first_char_is_letter, {}, False),
+        (digit_fraction, {}, True),
+        (first_char_is_letter, {"temperature": 0.7}, True),
+    ):
+        caplog.clear()
+        args = make_args(tmp_path / "c", max_steps=1, value_pretrain_steps=2, **settings)
+        with caplog.at_level("WARNING"):
+            third = VAPOTrainer(str(tiny_model_dir), rewards, args, prompts_dataset(), value_model=str(critic))
+        assert third.run_record.critic_pretrained is not again
+        assert ("was value-pretrained for other returns than this run's" in caplog.text) is again
+    assert "temperature 1.0 there, 0.7 here" in caplog.text
 
 
 def test_a_new_adapters_random_initialisation_is_no_other_policy_for_a_pretrained_critic(tiny_model_dir, tmp_path):

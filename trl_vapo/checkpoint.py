@@ -586,6 +586,7 @@ class SavingMixin:
                 "explained_variances": self.progress.explained_variances,
                 "policy": self.run_record.base_model,
                 "policy_fingerprint": self.run_record.policy_fingerprint,
+                "value_targets": self.run_record.value_targets,
             }
             (tmp / VALUE_PRETRAINING_FILE).write_text(json.dumps(record, indent=2))
             publish(tmp, directory)

@@ -202,8 +202,11 @@ def _critic_adapter_config(policy) -> Any:
     return config
 
 
-def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -> tuple[ActorCritic, bool]:
-    """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy.
+def build_actor_critic(
+    policy: nn.Module, value_model, args, fingerprint: str, value_targets: dict[str, Any] | None = None
+) -> tuple[ActorCritic, bool]:
+    """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy, under
+    the same `value_targets` (`modeling.value_target_settings`: the rewards, the sampling, the discount).
 
     ``value_model`` None: a critic initialised from the policy (a second adapter on its base under PEFT). A path or
     id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is. A
@@ -229,7 +232,7 @@ def build_actor_critic(policy: nn.Module, value_model, args, fingerprint: str) -
         check_value_model(value_model)
         return ActorCritic(policy, critic=value_model), False
     path = Path(value_model).expanduser()
-    pretrained = _pretrained_for_this_policy(path, fingerprint, args.value_pretrain_steps)
+    pretrained = _pretrained_for_this_policy(path, fingerprint, args.value_pretrain_steps, value_targets)
     if (path / "adapter_config.json").is_file() and (path / VALUE_HEAD_FILE).is_file():
         if not shared:
             raise ValueError(
@@ -294,11 +297,14 @@ def _backbone_class(config, trust_remote_code: bool) -> type[PreTrainedModel]:
             return type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).base_model)
 
 
-def _pretrained_for_this_policy(path: Path, fingerprint: str, value_pretrain_steps: int) -> bool:
-    """Whether the critic at `path` was value-pretrained against this run's initial policy.
+def _pretrained_for_this_policy(
+    path: Path, fingerprint: str, value_pretrain_steps: int, value_targets: dict[str, Any] | None = None
+) -> bool:
+    """Whether the critic at `path` was value-pretrained against this run's initial policy, for the same returns.
 
-    A critic pretrained against another policy predicts that policy's returns: starting RL from it would skip the
-    phase VAPO needs. It is then used as an initialisation and value pretraining runs again.
+    A critic pretrained against another policy, or under other rewards, sampling or discount (`value_targets`),
+    predicts other returns: starting RL from it would skip the phase VAPO needs. It is then used as an initialisation
+    and value pretraining runs again.
     """
     record = value_pretraining_record(path)
     if record is None:
@@ -307,7 +313,17 @@ def _pretrained_for_this_policy(path: Path, fingerprint: str, value_pretrain_ste
         logger.warning(f"{path} does not record which policy it was pretrained against; trusting that it is this one.")
         return True
     if record["policy_fingerprint"] == fingerprint:
-        return True
+        saved, current = record.get("value_targets") or {}, value_targets or {}  # older records: not kept
+        changed = sorted(key for key in saved.keys() & current.keys() if saved[key] != current[key])
+        if not changed:
+            return True
+        logger.warning(
+            f"value_model {path} was value-pretrained for other returns than this run's: "
+            + ", ".join(f"{key} {saved[key]!r} there, {current[key]!r} here" for key in changed)
+            + f". It starts from those weights and value pretraining runs again (value_pretrain_steps="
+            f"{value_pretrain_steps})."
+        )
+        return False
     logger.warning(
         f"value_model {path} was value-pretrained against the policy {record.get('policy')!r}, whose weights differ "
         f"from this run's policy: it starts from those weights and value pretraining runs again "

@@ -89,6 +89,8 @@ class RunRecord:
         base_model: the policy's starting point (`config._name_or_path`).
         policy_fingerprint: `modeling.policy_fingerprint` of the loaded policy: a saved critic records which policy it
             was pretrained against.
+        value_targets: what the critic's targets depend on besides the policy (`modeling.value_target_settings`):
+            a saved pretrained critic records them.
         base_fingerprint: the base model's weights alone (`modeling.policy_fingerprints`): a checkpoint records them,
             and a resume onto other weights is refused.
         example_prompt: the first training prompt, for the card's quick start.
@@ -104,6 +106,7 @@ class RunRecord:
     base_model: str | None = None
     policy_fingerprint: str | None = None
     base_fingerprint: str | None = None
+    value_targets: dict[str, Any] | None = None
     example_prompt: Any = None
     is_adapter: bool = False
     critic_shares_base: bool = False

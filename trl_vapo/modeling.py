@@ -231,6 +231,22 @@ def cast_lm_head_to_fp32(model: nn.Module) -> None:
         embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
+def value_target_settings(args, reward_names: list[str]) -> dict[str, Any]:
+    """What the returns a critic is pretrained to predict depend on, besides the policy's weights: the rewards (which
+    functions, how weighted), how the completions are sampled (temperature, top-p/top-k/min-p, the repetition penalty,
+    the token budget) and the discount. A value-pretraining record keeps them; a critic pretrained under others
+    predicts other returns (the functions' own settings, such as a math reward's score for a wrong answer, are not
+    seen here)."""
+    weights = args.reward_weights or [1.0] * len(reward_names)
+    return {
+        "reward_funcs": list(reward_names),
+        "reward_weights": [float(w) for w in weights],
+        **{key: getattr(args, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
+        "max_completion_length": args.max_completion_length,
+        "gamma": args.gamma,
+    }
+
+
 def value_pretraining_record(path: str | os.PathLike) -> dict | None:
     """The record written next to a critic saved by value pretraining, or None if the critic was not pretrained."""
     record = Path(path) / VALUE_PRETRAINING_FILE

@@ -118,6 +118,7 @@ from .modeling import (
     keep_trainable_weights_in_float32,
     policy_fingerprints,
     value_function_name,
+    value_target_settings,
 )
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import (
@@ -305,8 +306,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         fingerprints = policy_fingerprints(policy) if fresh else None
         policy = add_policy_adapter(policy, peft_config)
         fingerprint, base_fingerprint = fingerprints or policy_fingerprints(policy)
+        value_targets = value_target_settings(args, self.scorer.names)
         with whole_models_under_zero3(zero3_config):
-            actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint)
+            actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint, value_targets)
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
         if separate:
@@ -326,6 +328,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             base_model=get_config_model_id(actor_critic.config),
             policy_fingerprint=fingerprint,
             base_fingerprint=base_fingerprint,
+            value_targets=value_targets,
             example_prompt=example["prompt"],  # the card's quick start
             is_adapter=is_peft_model(actor_critic.policy),
             critic_shares_base=actor_critic.shares_base,
