@@ -438,6 +438,12 @@ def test_the_cli_summary_and_the_model_card_average_the_same_logs(tmp_path):
     assert "train reward     +0.100 -> +0.800   (mean of the first -> last 2 RL logs)" in summary
     card = _metrics_summary(logs)
     assert "the last 2 RL logging steps" in card and "| reward | +0.100 | +0.800 |" in card
+    # A step that judged nothing logs a NaN accuracy: left out of the mean (the summary printed "nan"), and a mean of
+    # nothing is "n/a", in both.
+    logs[0]["accuracy"] = logs[2]["accuracy"] = logs[3]["accuracy"] = float("nan")
+    summary = _summary(trainer, None, None, 60.0, demo=False)
+    assert "train accuracy   0.200 -> n/a" in summary
+    assert "| accuracy | 0.200 | n/a |" in _metrics_summary(logs)
 
 
 def test_a_checkpoints_card_names_the_pretrained_critic_without_a_local_path(vapo_args, tmp_path):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from . import __version__
-from .metric_names import REWARD
+from .metric_names import ACCURACY, REWARD
 
 logger = logging.getLogger("trl_vapo")
 
@@ -718,27 +718,24 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
 
 def _summary(trainer, before, after, seconds, demo) -> str:
-    history = [h for h in trainer.state.log_history if REWARD in h and h.get("phase") == "rl"]
+    from .model_card import format_finite, start_and_end_means  # as the model card's table takes them
+
+    n, means = start_and_end_means(trainer.state.log_history, (REWARD, ACCURACY))
     lines = ["", "=" * 72, "trl-vapo " + ("demo " if demo else "") + "summary", "-" * 72]
     lines.append(
         f"steps            {trainer.state.global_step} "
         f"({trainer.progress.value_pretrain_rollouts} value-pretraining rollouts, then RL)"
     )
     lines.append(f"wall time        {seconds / 60:.1f} min")
-    if history:
-        from .model_card import start_and_end_window
-
-        n = start_and_end_window(len(history))  # as the model card's
-
-        def mean(key, logs):
-            return sum(h[key] for h in logs) / len(logs)
-
-        first, last = history[:n], history[-n:]
+    if n:
+        (reward_start, reward_end), (accuracy_start, accuracy_end) = means[REWARD], means[ACCURACY]
         lines.append(
-            f"train reward     {mean('reward', first):+.3f} -> {mean('reward', last):+.3f}   "
+            f"train reward     {format_finite('{:+.3f}', reward_start)} -> {format_finite('{:+.3f}', reward_end)}   "
             f"(mean of the first -> last {n} RL logs)"
         )
-        lines.append(f"train accuracy   {mean('accuracy', first):.3f} -> {mean('accuracy', last):.3f}")
+        lines.append(
+            f"train accuracy   {format_finite('{:.3f}', accuracy_start)} -> {format_finite('{:.3f}', accuracy_end)}"
+        )
     if before and after:
         k = next(key for key in before if key.startswith("avg@"))
         lines.append(

@@ -293,7 +293,7 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
         if key.startswith("avg@"):
             label = f"{key} (sampled)"
         fmt = "{:.1f}" if key == "mean_length" else "{:.3f}"
-        rows.append(f"| {label} | {_fmt(fmt, before[key])} | {_fmt(fmt, after[key])} |")
+        rows.append(f"| {label} | {format_finite(fmt, before[key])} | {format_finite(fmt, after[key])} |")
     count = before.get("num_problems")
     description = held_out.get("description") or (f"{count} held-out problems" if count else "held-out problems")
     return (
@@ -424,18 +424,27 @@ def start_and_end_window(num_logs: int) -> int:
     return max(1, min(3, num_logs // 2))
 
 
-def _metrics_summary(log_history) -> str:
-    """Mean of the first and last few RL logs of the summary metrics, as the CLI's end-of-run summary takes them."""
+def start_and_end_means(log_history, keys) -> tuple[int, dict[str, tuple[float, float]]]:
+    """Each metric of `keys` at a run's start and end: the mean of the first and of the last n RL logs
+    (`start_and_end_window`), NaN and missing values left out (NaN where none is left), and n (0, {}: no RL log). The
+    model card's training table and `trl-vapo train`'s summary."""
     logs = [h for h in (log_history or []) if h.get("phase") == "rl" and REWARD in h]
     if not logs:
-        return ""
+        return 0, {}
     n = start_and_end_window(len(logs))
+    return n, {key: (_mean([h.get(key) for h in logs[:n]]), _mean([h.get(key) for h in logs[-n:]])) for key in keys}
+
+
+def _metrics_summary(log_history) -> str:
+    """Mean of the first and last few RL logs of the summary metrics, as the CLI's end-of-run summary takes them."""
+    n, means = start_and_end_means(log_history, [key for key, _, _ in _SUMMARY_METRICS])
+    if not n:
+        return ""
     rows = ["| metric | start | end |", "| --- | --- | --- |"]
     for key, label, fmt in _SUMMARY_METRICS:
-        first = _mean([h.get(key) for h in logs[:n]])
-        last = _mean([h.get(key) for h in logs[-n:]])
+        first, last = means[key]
         if _finite(first) or _finite(last):
-            rows.append(f"| {label} | {_fmt(fmt, first)} | {_fmt(fmt, last)} |")
+            rows.append(f"| {label} | {format_finite(fmt, first)} | {format_finite(fmt, last)} |")
     steps = max((h.get("step", 0) for h in log_history), default=0)
     return (
         f"### Training metrics\n\n{steps} optimizer steps. Start and end: the mean of the first and of the last {n} "
@@ -539,7 +548,8 @@ def _mean(values) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
-def _fmt(fmt: str, value) -> str:
+def format_finite(fmt: str, value) -> str:
+    """`value` in `fmt`, or "n/a" for a NaN, an infinity or None (a metric no log held)."""
     return fmt.format(value) if _finite(value) else "n/a"
 
 
