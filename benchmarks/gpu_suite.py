@@ -279,6 +279,8 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
     # after the trainer and generation parts' minutes too.
     own_stop = time.time() + TESTS_LIMIT
     exit_code, cut = run_command(command, own_stop if stop_at is None else min(stop_at, own_stop), env)
+    hung = cut and (stop_at is None or own_stop < stop_at)  # its own limit, not the call's: a failure to report
+    cut = cut and not hung
     outcomes = read_outcomes(stream) if stream.is_file() else {}  # a cut run: what ended, and what was "running"
     properties = {}  # what tests record with `record_property` (the graph pool's bytes, ...)
     if junit.is_file():
@@ -290,8 +292,11 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
             for prop in case.iter("property"):
                 properties[f"{name}::{prop.get('name')}"] = prop.get("value")
     result = {"exit_code": exit_code, "cut": cut, "ok": exit_code == 0 and junit.is_file()}
+    if hung:
+        running = sum(outcome == "running" for outcome in outcomes.values())
+        result["error"] = f"stopped at TESTS_LIMIT ({TESTS_LIMIT} s) with {running} test(s) still running"
     if not outcomes:
-        return result | {"ok": False, "error": f"pytest wrote no report (exit {exit_code})"}
+        return result | {"ok": False, "error": result.get("error") or f"pytest wrote no report (exit {exit_code})"}
     counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failure", "error", "skipped", "running")}
     return result | {
         "counts": counts,

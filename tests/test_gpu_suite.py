@@ -205,7 +205,7 @@ def test_a_trainer_part_with_a_failed_run_keeps_the_pairs_that_ran(tmp_path, mon
 def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test_left_running(tmp_path, monkeypatch):
     """pytest writes its JUnit report at the end: stopped at the tests part's own limit (a hang here: a test that
     sleeps), it writes none. The part still has each ended test's outcome, as the plugin streamed them (from xdist's
-    controller: two workers, as on the GPU), names the test it interrupted, and is cut."""
+    controller: two workers, as on the GPU), names the test it interrupted, and failed."""
     (tmp_path / "test_standin.py").write_text(
         "import time\nimport pytest\n\n"
         "@pytest.mark.cuda\ndef test_passes():\n    pass\n\n"
@@ -220,7 +220,9 @@ def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test
     out = tmp_path / "out"
     out.mkdir()
     result = gpu_suite.run_tests(out, smoke=False)
-    assert result["cut"] is True and result["ok"] is False and not (out / "cuda-tests.xml").exists()
+    # Its own limit (a hang), not the call's: a failure, which makes the suite's exit status 1.
+    assert result["cut"] is False and result["ok"] is False and not (out / "cuda-tests.xml").exists()
+    assert result["error"] == "stopped at TESTS_LIMIT (10 s) with 1 test(s) still running"
     assert result["outcomes"] == {
         "test_standin::test_passes": "passed",
         "test_standin::test_fails": "failure",
@@ -232,8 +234,8 @@ def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test
     lines = [json.loads(line) for line in (out / "cuda-tests.jsonl").read_text().splitlines()]
     starts = [line["test"] for line in lines if line["when"] == "start"]
     assert len(starts) == len(set(starts)) == 5  # the controller alone writes, not each worker besides
-    text = gpu_suite.format_part("tests", result | {"status": "cut", "seconds": 10.0})
-    assert text.startswith("tests: CUT at --limit after 10 s; what it finished:\n")
+    text = gpu_suite.format_part("tests", result | {"status": "failed", "seconds": 10.0})
+    assert text.startswith("tests: FAILED (stopped at TESTS_LIMIT (10 s) with 1 test(s) still running); what it fin")
     assert "running  test_standin::test_hangs" in text and "failure  test_standin::test_fails" in text
 
 

@@ -1198,14 +1198,17 @@ class VAPOConfig(TrainingArguments):
             "positive_reward_funcs=[] names no function, so no completion would ever be correct (the NLL loss and "
             "`accuracy` would read 0): name the functions that judge correctness, or leave it None (all of them).",
         )
-        processes = int(os.environ.get("WORLD_SIZE", "1"))  # as launched (torchrun, accelerate launch)
+        # DDP's setting: several processes (as launched: torchrun, accelerate launch), neither DeepSpeed nor FSDP
+        ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not uses_deepspeed(self) and not self.fsdp
+        ddp = ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true")
         critic_only_passes = self.value_pretrain_steps > 0 or self.critic_num_iterations > self.num_iterations
         require(
-            processes == 1 or self.ddp_find_unused_parameters is not False or not critic_only_passes,
+            not ddp or self.ddp_find_unused_parameters is not False or not critic_only_passes,
             "ddp_find_unused_parameters=False on several processes: value pretraining and the critic's extra "
             "passes (critic_num_iterations > num_iterations) leave the policy out of the forward pass, which DDP "
             "then refuses at the next step ('Expected to have finished reduction in the prior iteration'). Leave it "
-            "unset (VAPO turns it on for those steps), or set value_pretrain_steps=0 and no extra critic passes.",
+            "unset (VAPO turns it on for those steps), or set value_pretrain_steps=0 (a frozen value function or a "
+            "pretrained critic skips the phase anyway) and no extra critic passes.",
         )
         require(
             not self.auto_find_batch_size,

@@ -27,7 +27,6 @@ from transformers.utils import is_liger_kernel_available
 
 from ._compat import get_config_model_id
 from .modeling import (
-    BASE_PRESERVING_INITS,
     CRITIC_ADAPTER,
     POLICY_ADAPTER,
     VALUE_HEAD_FILE,
@@ -38,6 +37,7 @@ from .modeling import (
     is_peft_model,
     is_value_function,
     keep_trainable_weights_in_float32,
+    rewrites_base,
     second_adapter_config,
     value_function_name,
     value_pretraining_record,
@@ -218,7 +218,7 @@ def build_actor_critic(
     if value_model is None:
         if shared:
             policy.add_adapter(CRITIC_ADAPTER, _critic_adapter_config(policy))
-            if getattr(policy.peft_config[POLICY_ADAPTER], "init_lora_weights", True) not in BASE_PRESERVING_INITS:
+            if rewrites_base(policy.peft_config[POLICY_ADAPTER]):
                 # The base is the residual of PiSSA, OLoRA, ...: the critic starts from the policy's function, as
                 # it does on an untouched base, with the policy adapter's weights.
                 copy_adapter_weights(policy, POLICY_ADAPTER, CRITIC_ADAPTER)
@@ -320,16 +320,20 @@ def _pretrained_for_this_policy(
         logger.warning(
             f"value_model {path} was value-pretrained for other returns than this run's: "
             + ", ".join(f"{key} {saved[key]!r} there, {current[key]!r} here" for key in changed)
-            + f". It starts from those weights and value pretraining runs again (value_pretrain_steps="
-            f"{value_pretrain_steps})."
+            + f". It starts from those weights{_pretrains_again(value_pretrain_steps)}."
         )
         return False
     logger.warning(
         f"value_model {path} was value-pretrained against the policy {record.get('policy')!r}, whose weights differ "
-        f"from this run's policy: it starts from those weights and value pretraining runs again "
-        f"(value_pretrain_steps={value_pretrain_steps})."
+        f"from this run's policy: it starts from those weights{_pretrains_again(value_pretrain_steps)}."
     )
     return False
+
+
+def _pretrains_again(value_pretrain_steps: int) -> str:
+    if value_pretrain_steps > 0:
+        return f" and value pretraining runs again (value_pretrain_steps={value_pretrain_steps})"
+    return ", with no value pretraining for this run's returns (value_pretrain_steps=0)"
 
 
 def _looks_like_a_path(name: str) -> bool:

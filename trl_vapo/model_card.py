@@ -495,7 +495,8 @@ def _critic_section(
         lines.append(
             f"- The critic as value pretraining left it: {_display_path(pretrained_critic_dir, output_dir)}. Pass "
             "that folder as `value_model=` (with the same `peft_config` for an adapter critic) to skip value "
-            "pretraining in a new run from the same starting policy (the base model above, not this trained one)."
+            "pretraining in a new run from the same starting policy (the base model above, not this trained one) "
+            "under the same rewards and sampling settings."
         )
     lines.append("- Only further training needs the critic: generation uses the policy alone.")
     return "\n".join(lines)

@@ -62,10 +62,12 @@ def of_adapter(name: str, adapter: str) -> bool:
     return adapter in name.split(".")
 
 
-BASE_PRESERVING_INITS = (True, False, "gaussian")
-"""peft's `init_lora_weights` values that leave the base weights as they are. The others (PiSSA, OLoRA, CorDA, LoftQ,
-LoRA-GA, ...) move part of each base weight into the adapter: the base then computes another function, and the
-adapter restores it."""
+def rewrites_base(config) -> bool:
+    """Whether peft's initialisation of an adapter of `config` rewrites the base weights: PiSSA, CorDA, OLoRA, LoftQ
+    and LoRA-GA move part of each base weight into the adapter (the base then computes another function, which the
+    adapter restores). peft's default, Gaussian, EVA, orthogonal and MiCA leave the base as it is."""
+    init = getattr(config, "init_lora_weights", True)
+    return isinstance(init, str) and init.lower().startswith(("pissa", "corda", "olora", "loftq", "lora_ga"))
 
 
 def second_adapter_config(config):
@@ -75,8 +77,9 @@ def second_adapter_config(config):
     (B zero): it never touches the base."""
     import copy
 
+    rewrite = rewrites_base(config)
     config = copy.deepcopy(config)
-    if getattr(config, "init_lora_weights", True) not in BASE_PRESERVING_INITS:
+    if rewrite:
         config.init_lora_weights = True
     return config
 
@@ -233,18 +236,22 @@ def cast_lm_head_to_fp32(model: nn.Module) -> None:
 
 def value_target_settings(args, reward_names: list[str]) -> dict[str, Any]:
     """What the returns a critic is pretrained to predict depend on, besides the policy's weights: the rewards (which
-    functions, how weighted), how the completions are sampled (temperature, top-p/top-k/min-p, the repetition penalty,
-    the token budget) and the discount. A value-pretraining record keeps them; a critic pretrained under others
-    predicts other returns (the functions' own settings, such as a math reward's score for a wrong answer, are not
-    seen here)."""
+    functions, how weighted and combined), how the completions are sampled (temperature, top-p/top-k/min-p, the
+    repetition penalty, the token budget, `generation_kwargs`, the chat template's) and the discount. A
+    value-pretraining record keeps them; a critic pretrained under others predicts other returns (the functions' own
+    settings, such as a math reward's score for a wrong answer, are not seen here)."""
     weights = args.reward_weights or [1.0] * len(reward_names)
-    return {
+    sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
+    settings = {
         "reward_funcs": list(reward_names),
         "reward_weights": [float(w) for w in weights],
-        **{key: getattr(args, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
-        "max_completion_length": args.max_completion_length,
+        "multi_objective_aggregation": args.multi_objective_aggregation,  # the reward the critic sees
+        **{key: getattr(args, key) for key in sampling},
+        "generation_kwargs": args.generation_kwargs,  # stop strings, ...
+        "chat_template_kwargs": args.chat_template_kwargs,  # enable_thinking, ...
         "gamma": args.gamma,
     }
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))  # as the record reads back
 
 
 def value_pretraining_record(path: str | os.PathLike) -> dict | None:
