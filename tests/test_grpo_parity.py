@@ -296,6 +296,16 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"cache_implementation": "static", "use_vllm": True}, "cache_implementation='static' sets"),
         ({"cache_implementation": "static", "use_transformers_continuous_batching": True}, "paged"),
         ({"ds3_gather_for_generation": False, "use_vllm": True}, "vLLM needs the policy's whole weights"),
+        # Nothing to compare at: no checkpoint was ever written (transformers accepts it).
+        ({"save_strategy": "best"}, "save_strategy='best' writes a checkpoint when metric_for_best_model improves"),
+        ({"save_strategy": "best", "metric_for_best_model": "reward"}, "and eval_strategy"),
+        # vLLM's own refusals, which came once it started, after the policy loaded.
+        ({"use_vllm": True, "vllm_tensor_parallel_size": 0}, "vllm_tensor_parallel_size must be >= 1, got 0"),
+        ({"use_vllm": True, "vllm_gpu_memory_utilization": 1.5}, r"in \(0, 1\]; got 1.5"),
+        (
+            {"use_vllm": True, "vllm_max_model_length": 60, "max_prompt_length": 32, "max_completion_length": 64},
+            r"vllm_max_model_length \(60\) is shorter than a prompt \(max_prompt_length 32\) plus max_completion",
+        ),
         # One seed for every request: each group's copies identical. A server gives the n samples seed + index.
         ({"use_vllm": True, "generation_kwargs": {"seed": 3}}, "generation_kwargs sets a seed, with colocated vLLM"),
         # vLLM's SamplingParams refuses n > 1 when greedy: a 400 at every rollout.

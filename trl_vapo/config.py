@@ -947,6 +947,29 @@ class VAPOConfig(TrainingArguments):
             f"{self.vllm_importance_sampling_mode!r}.",
         )
         require(
+            self.save_strategy != "best" or (self.metric_for_best_model and self.eval_strategy != "no"),
+            "save_strategy='best' writes a checkpoint when metric_for_best_model improves at an evaluation: set "
+            "metric_for_best_model (e.g. 'reward', 'accuracy') and eval_strategy ('steps' or 'epoch', with an "
+            "eval_dataset); without them no checkpoint would ever be written.",
+        )
+        if self.use_vllm:  # vLLM refuses these only once it starts, after the policy has loaded
+            require(
+                self.vllm_tensor_parallel_size >= 1,
+                f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}.",
+            )
+            require(
+                0 < self.vllm_gpu_memory_utilization <= 1,
+                f"vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1]; got "
+                f"{self.vllm_gpu_memory_utilization}.",
+            )
+            shortest = (self.max_prompt_length or 1) + self.max_completion_length
+            require(
+                self.vllm_max_model_length is None or self.vllm_max_model_length >= shortest,
+                f"vllm_max_model_length ({self.vllm_max_model_length}) is shorter than a prompt "
+                f"({'max_prompt_length ' + str(self.max_prompt_length) if self.max_prompt_length else 'one token'}) "
+                f"plus max_completion_length ({self.max_completion_length}): vLLM would cut completions short.",
+            )
+        require(
             not self.load_best_model_at_end,
             "load_best_model_at_end=True is not supported: VAPOTrainer ends with the policy and critic it trained "
             "last. With metric_for_best_model, trainer.state.best_model_checkpoint names the best checkpoint (kept "
