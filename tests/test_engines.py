@@ -185,6 +185,33 @@ def test_the_processes_of_a_colocated_vllm_group_share_their_sampling_seed(tmp_p
     assert [sampling_seed(server, rank) for rank in range(4)] == [7, 8, 9, 10]
 
 
+def test_generation_kwargs_vllm_does_not_take_are_refused_before_anything_loads(tmp_path, stand_in_vllm, monkeypatch):
+    """vLLM's `SamplingParams` is a struct of fixed fields: a transformers-only key in `generation_kwargs` was a
+    TypeError at the first colocated rollout (a server ignores it). vLLM cannot be installed here: a stand-in module
+    whose `SamplingParams` carries field names of the real msgspec struct in `__struct_fields__`, which the check
+    reads (a subset of them is enough here). transformers' names that the engine renames (`min_new_tokens`,
+    `stop_strings`) pass."""
+    import sys
+    from types import ModuleType
+
+    from trl_vapo.generation import EngineSettings, check_engine_available
+
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = type("SamplingParams", (), {"__struct_fields__": (
+        "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+        "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+        "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "logits_processors",
+        "include_stop_str_in_output", "truncate_prompt_tokens", "output_kind", "guided_decoding", "logit_bias",
+        "allowed_token_ids", "extra_args", "bad_words",
+    )})  # fmt: skip
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    refused = make_args(tmp_path, use_vllm=True, generation_kwargs={"no_repeat_ngram_size": 3, "top_k": 5})
+    with pytest.raises(ValueError, match=r"generation_kwargs \['no_repeat_ngram_size'\]: vLLM's SamplingParams"):
+        check_engine_available(EngineSettings.from_config(refused))
+    renamed = {"min_new_tokens": 4, "stop_strings": ["</answer>"], "presence_penalty": 0.5, "do_sample": True}
+    check_engine_available(EngineSettings.from_config(make_args(tmp_path, use_vllm=True, generation_kwargs=renamed)))
+
+
 def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path):
     args = make_args(tmp_path, use_vllm=True)
     with pytest.raises(ImportError, match="pip install vllm"):

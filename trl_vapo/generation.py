@@ -30,6 +30,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -895,9 +896,30 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
                 "vLLM 0.22 to 0.31; `pip install trl[vllm]` picks a matching version), or set use_vllm=False to "
                 "generate with transformers."
             )
+        _check_vllm_sampling_keys(settings.sampling)
     if settings.engine == "continuous_batching":
         _check_continuous_batching_available()
         _check_continuous_batching_sampling(settings.sampling)
+
+
+def _check_vllm_sampling_keys(sampling: SamplingSettings) -> None:
+    """Refuse `generation_kwargs` that vLLM's `SamplingParams` does not take, as `_apply_sampling` passes them on
+    (transformers' names renamed): colocated vLLM raised a TypeError at the first rollout, after the models and vLLM
+    loaded, and a server ignores them, sampling otherwise than asked. Checked against the installed vLLM's fields."""
+    try:
+        from vllm import SamplingParams
+    except ImportError:  # vLLM's own import error comes when the engine starts
+        return
+    fields = set(getattr(SamplingParams, "__struct_fields__", ()))  # a msgspec struct's fields
+    passed = SimpleNamespace()
+    _apply_sampling(passed, sampling, [])
+    unknown = sorted(set(passed.generation_kwargs) - fields) if fields else []
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs {unknown}: vLLM's SamplingParams has no such field (transformers' generate() has), "
+            "so vLLM would refuse them at the first rollout or, as a server, ignore them. Leave them out with "
+            "use_vllm=True, or use vLLM's names (SamplingParams)."
+        )
 
 
 def build_engine(
