@@ -281,10 +281,10 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
     exit_code, cut = run_command(command, own_stop if stop_at is None else min(stop_at, own_stop), env)
     hung = cut and (stop_at is None or own_stop < stop_at)  # its own limit, not the call's: a failure to report
     cut = cut and not hung
-    outcomes = read_outcomes(stream) if stream.is_file() else {}  # a cut run: what ended, and what was "running"
-    properties = {}  # what tests record with `record_property` (the graph pool's bytes, ...)
-    if junit.is_file():
-        outcomes = {}
+    outcomes, properties = {}, {}  # properties: what tests record with `record_property` (the graph pool's bytes)
+    if not junit.is_file():  # a stopped run: the streamed outcomes, of what ended and what was "running"
+        outcomes = read_outcomes(stream) if stream.is_file() else {}
+    else:
         for case in ElementTree.parse(junit).getroot().iter("testcase"):
             name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
             kinds = {child.tag for child in case}

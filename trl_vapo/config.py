@@ -740,9 +740,8 @@ class VAPOConfig(TrainingArguments):
             # `torchrun` on a machine without GPUs: transformers only sets up CPU data parallelism (gloo) when told
             # `use_cpu`; without it every process would silently train alone on the same output folder.
             self.use_cpu = True
-        fsdp = bool(self.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
         fp16 = fp16_asked(self.fp16)
-        if fp16 and (uses_deepspeed(self) or fsdp):
+        if fp16 and (uses_deepspeed(self) or self._uses_fsdp()):
             # DeepSpeed's and FSDP2's fp16 bring loss scalers of their own, which VAPO's separate clipping of the
             # policy's and the critic's gradients has not been made to work with.
             raise ValueError(
@@ -797,6 +796,10 @@ class VAPOConfig(TrainingArguments):
             self.value_pretrain_num_iterations = self.num_iterations
         self._resolve_batch_sizes()
         self._validate()
+
+    def _uses_fsdp(self) -> bool:
+        """FSDP asked for here (`fsdp`) or by `accelerate launch` (its environment)."""
+        return bool(self.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
 
     def _accept_grpo_spellings(self) -> None:
         """GRPOConfig's names for VAPO's settings, resolved as GRPOConfig resolves them."""
@@ -1018,9 +1021,9 @@ class VAPOConfig(TrainingArguments):
                 self.use_vllm
                 and self.vllm_mode == "server"
                 and self.num_generations > 1
-                and (generation.get("do_sample") is False or self.temperature == 0)
+                and generation.get("do_sample") is False
             ),
-            "Greedy sampling (do_sample=False or temperature=0) with a vLLM server and num_generations > 1: vLLM "
+            "Greedy sampling (do_sample=False) with a vLLM server and num_generations > 1: vLLM "
             "refuses n > 1 under greedy sampling ('n must be 1 when using greedy sampling'), at every rollout; the "
             "copies would be identical anyway. Sample (temperature > 0), or num_generations=1.",
         )
@@ -1222,8 +1225,7 @@ class VAPOConfig(TrainingArguments):
             "`accuracy` would read 0): name the functions that judge correctness, or leave it None (all of them).",
         )
         # DDP's setting: several processes (as launched: torchrun, accelerate launch), neither DeepSpeed nor FSDP
-        ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not uses_deepspeed(self) and not self.fsdp
-        ddp = ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true")
+        ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not uses_deepspeed(self) and not self._uses_fsdp()
         critic_only_passes = self.value_pretrain_steps > 0 or self.critic_num_iterations > self.num_iterations
         require(
             not ddp or self.ddp_find_unused_parameters is not False or not critic_only_passes,

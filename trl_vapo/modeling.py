@@ -77,9 +77,8 @@ def second_adapter_config(config):
     (B zero): it never touches the base."""
     import copy
 
-    rewrite = rewrites_base(config)
     config = copy.deepcopy(config)
-    if rewrite:
+    if rewrites_base(config):
         config.init_lora_weights = True
     return config
 
@@ -947,12 +946,6 @@ def generation_mode(model: nn.Module):
         yield model
     finally:
         model.train(was_training)
-
-
-def policy_fingerprint(policy: nn.Module) -> str:
-    """A digest of the policy's architecture and weights, to tell whether a saved critic was trained against it (the
-    policy's adapters count: a trained one is part of the policy; the critic's does not). `policy_fingerprints`."""
-    return policy_fingerprints(policy)[0]
 
 
 def policy_fingerprints(policy: nn.Module) -> tuple[str, str]:
