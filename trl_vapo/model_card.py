@@ -87,8 +87,8 @@ class RunRecord:
 
     Args:
         base_model: the policy's starting point (`config._name_or_path`).
-        policy_fingerprint: `modeling.policy_fingerprints`' first of the loaded policy: a saved critic records which policy it
-            was pretrained against.
+        policy_fingerprint: the loaded policy's digest (`modeling.policy_fingerprints`): a saved critic records
+            which policy it was pretrained against.
         value_targets: what the critic's targets depend on besides the policy (`modeling.value_target_settings`):
             a saved pretrained critic records them.
         base_fingerprint: the base model's weights alone (`modeling.policy_fingerprints`): a checkpoint records them,
