@@ -125,15 +125,30 @@ def test_a_moe_policys_load_balancing_loss_is_the_one_its_own_forward_computes(t
 
 def test_a_moe_policys_load_balancing_loss_joins_its_loss_never_the_critics(tmp_path):
     """`router_aux_loss_coef` weighs the routers' loss in the policy's step: from the same rollout, the policy's
-    routers step elsewhere with it than without it, and the critic's step is the same; `aux_loss` is logged."""
+    routers step elsewhere with it than without it, and the critic's step is the same; `aux_loss` is logged, the mean
+    over the step's micro-batches, as it joins the loss (and as GRPOTrainer logs it), whatever their token counts."""
     model_dir = save_tiny(tmp_path / "model", "qwen3_moe", **ARCHITECTURES["qwen3_moe"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stops = {"eos_token_id": [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("aeiou"))]}
     trained = {}
     for coef in (0.0, 10.0):
-        args = make_args(tmp_path / str(coef), max_steps=1, num_iterations=1, router_aux_loss_coef=coef)
+        args = make_args(
+            tmp_path / str(coef), max_steps=1, num_iterations=1, router_aux_loss_coef=coef,
+            per_device_train_batch_size=8, gradient_accumulation_steps=2, generation_kwargs=stops,
+        )  # fmt: skip
         trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16))
         assert trainer.aux_loss_enabled == (coef > 0)
+        readings = []  # each micro-batch's routers' loss
+
+        def read(module, inputs, out, readings=readings):
+            if "aux_loss" in out:
+                readings.append(float(out["aux_loss"]))
+
+        trainer.actor_critic.register_forward_hook(read)
         trainer.train()
-        assert any("aux_loss" in h for h in trainer.state.log_history) == (coef > 0)
+        logged = [h["aux_loss"] for h in trainer.state.log_history if "aux_loss" in h]
+        assert logged == ([pytest.approx(sum(readings) / 2, rel=1e-6)] if coef else [])
+        assert len(readings) == (2 if coef else 0)
         trained[coef] = {
             "routers": {
                 n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters() if ".gate." in n

@@ -447,6 +447,10 @@ def test_grpos_other_objectives_match_a_naive_loop_in_value_and_gradient(surroga
         for t, ((_, grad), s) in enumerate(zip(row, ss)):
             expected_grad[i, t] = grad * s
     torch.testing.assert_close(logprobs.grad, expected_grad, rtol=1e-4, atol=1e-7)
+    if surrogate == "vespo":  # GRPOTrainer's phi_seq_mean: each sequence counts once, whatever its length
+        phis = [[-grad / float(advantages[i, t]) for t, (_, grad) in enumerate(row)] for i, row in enumerate(rows)]
+        per_sequence = [sum(phi) / len(phi) for phi in phis if phi]
+        assert stats["phi"].item() == pytest.approx(sum(per_sequence) / len(per_sequence), rel=1e-5)
     if surrogate == "cispo":
         ratio = torch.exp(logprobs.detach() - old)
         assert (

@@ -585,13 +585,14 @@ class StepCounter(TrainerCallback, ExportableState):
 def test_a_resume_takes_this_runs_intervals_and_the_callbacks_saved_states_where_asked(tiny_model_dir, tmp_path):
     """A run resumed with another `save_steps` saves at the new interval (it kept the checkpoint's, silently), and
     with `restore_callback_states_from_checkpoint` a stateful callback continues from its saved state (it restarted
-    from its own), as transformers' Trainer restores them; without it, the callback keeps its own."""
+    from its own), as transformers' Trainer restores them, each of two of one class to its own; without it, the
+    callbacks keep theirs."""
     first = VAPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,
         args=config(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
         train_dataset=prompts_dataset(32),
-        callbacks=[StepCounter()],
+        callbacks=[StepCounter(), StepCounter(100)],
     )
     first.train()
     assert [c.name for c in list_checkpoints(tmp_path / "out")] == ["checkpoint-2"]
@@ -605,7 +606,7 @@ def test_a_resume_takes_this_runs_intervals_and_the_callbacks_saved_states_where
             reward_funcs=digit_fraction,
             args=args,
             train_dataset=prompts_dataset(32),
-            callbacks=[StepCounter()],
+            callbacks=[StepCounter(), StepCounter(100)],
         )
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
         assert [c.name for c in list_checkpoints(tmp_path / "out")][:3] == [
@@ -613,8 +614,8 @@ def test_a_resume_takes_this_runs_intervals_and_the_callbacks_saved_states_where
             "checkpoint-3",
             "checkpoint-4",
         ]
-        counter = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, StepCounter))
-        assert counter.steps == counted, restore
+        counters = [cb.steps for cb in resumed.callback_handler.callbacks if isinstance(cb, StepCounter)]
+        assert counters == [counted, 100 + counted], restore
 
 
 # ---------------------------------------------------------------------------------------------------------------------

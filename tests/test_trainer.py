@@ -254,10 +254,15 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
         trainer.train()
     if layout == "reward-model-as-critic":  # the reward model scores as it was given
         assert trainer.reward_funcs[1].model is not actor_critic.critic
-        trainer.create_model_card(tmp_path / "card", tags="math")  # one tag as a string, as transformers takes it
+        trainer.create_model_card(
+            output_dir=tmp_path / "card", tags="math"
+        )  # one tag as a string, as transformers takes it
         card = (tmp_path / "card" / "README.md").read_text()
         assert f"started from `{tmp_path / 'rm'}` (`value_model`)" in card and "the policy's weights" not in card
         assert "- math\n" in card and "- m\n" not in card  # (it was one tag a letter)
+        trainer.create_model_card("my-vapo-model", "my-data")  # TRL's order: the model's name first, not a folder
+        card = (Path(trainer.args.output_dir) / "README.md").read_text()
+        assert "my-vapo-model" in card and "my-data" in card and not Path("my-vapo-model").exists()
 
 
 def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_the_policy(tiny_model_dir, tmp_path):
@@ -332,6 +337,31 @@ class PolicySnapshot(TrainerCallback):
         )
 
 
+class NormRecordingTrainer(VAPOTrainer):
+    """Keeps each step's gradient norms as `_clip_gradients` measured them."""
+
+    def _clip_gradients(self, with_policy):
+        norms = super()._clip_gradients(with_policy)
+        self.step_norms = getattr(self, "step_norms", []) + [{key: float(norm) for key, norm in norms.items()}]
+        return norms
+
+
+def test_a_log_holds_its_last_steps_gradient_norms_as_the_trainer_logs_them(tiny_model_dir, tmp_path):
+    """transformers.Trainer logs the gradient norm of the step a log ends, not a mean over the log's steps (one fp16
+    overflow's inf would fill a window's mean): with logging_steps=2, the second step's, each side and both."""
+    args = make_args(tmp_path, max_steps=4, logging_steps=2)
+    trainer = NormRecordingTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.train()
+    logs = [h for h in rl_logs(trainer) if "grad_norm" in h]
+    assert [h["step"] for h in logs] == [2, 4] and len(trainer.step_norms) == 4
+    assert trainer.step_norms[0] != trainer.step_norms[1]
+    for log, norms in zip(logs, trainer.step_norms[1::2]):
+        assert set(norms) == {"grad_norm/policy", "grad_norm/critic"}
+        for key, norm in norms.items():
+            assert log[key] == pytest.approx(norm, rel=1e-6), key
+        assert log["grad_norm"] == pytest.approx(math.hypot(*norms.values()), rel=1e-6)
+
+
 def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freezes_policy(tiny_model_dir, tmp_path):
     args = make_args(
         tmp_path,
@@ -361,6 +391,9 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
     assert sum(losses[-8:]) / 8 < sum(losses[:8]) / 8 - 0.1
     assert sum(evs[-8:]) / 8 > sum(evs[:8]) / 8 + 0.15
     assert all("loss/policy" not in h for h in pre)
+    # No advantage is computed while the policy waits: none is logged (a 0.0 would read as a well-centred critic).
+    assert not any("advantages/mean" in h or "lambda_actor/mean" in h for h in pre)
+    assert all("advantages/mean" in h and "lambda_actor/mean" in h for h in rl_logs(trainer))
     # The policy is frozen during value pretraining and moves at the first RL step.
     pretrain_sums = [s for phase, s in snapshot.sums if phase == "value_pretrain"]
     assert len(pretrain_sums) == 40 and all(s == initial for s in pretrain_sums)
@@ -1175,6 +1208,11 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
     kls = [h["kl"] for h in rl_logs(trainer)]
     assert kls[0] == 0.0  # the first rollout comes from the reference policy itself
     assert kls[-1] != 0.0
+    # GRPOTrainer's estimate, exp(r) - r - 1 (r = log ref - log policy), over each rollout's trained tokens
+    rl = [rollout for _, rollout in trainer.rollouts if rollout.phase == "rl"]
+    for kl, rollout in zip(kls, rl, strict=True):
+        r = (rollout.ref_logprobs - rollout.old_logprobs)[rollout.loss_mask.bool()]
+        assert kl == pytest.approx((r.exp() - r - 1).mean().item(), rel=1e-5, abs=1e-9) and kl >= 0
     no_kl = VAPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=digit_fraction,

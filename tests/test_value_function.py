@@ -8,6 +8,7 @@ GAE reads, and nothing of it may train, save or checkpoint.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from helpers import digit_fraction, make_args, prompts_dataset, rl_logs, token_r
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from trl_vapo import VAPOTrainer
+from trl_vapo import VAPOTrainer, core, evaluation
 from trl_vapo.core import compute_gae
 from trl_vapo.modeling import ValueFunction
 
@@ -49,7 +50,9 @@ class Rollouts(TrainerCallback):
 
 
 @pytest.mark.parametrize("layout", ["full", "lora"])
-def test_a_frozen_value_function_is_what_gae_reads_and_nothing_of_it_trains(tiny_model_dir, tmp_path, layout):
+def test_a_frozen_value_function_is_what_gae_reads_and_nothing_of_it_trains(
+    tiny_model_dir, tmp_path, layout, monkeypatch
+):
     from peft import LoraConfig
 
     peft_config = None
@@ -91,6 +94,7 @@ def test_a_frozen_value_function_is_what_gae_reads_and_nothing_of_it_trains(tiny
     assert [h["phase"] for h in trainer.state.log_history if "phase" in h] == ["rl", "rl"]
     assert all("loss/value" not in h and "grad_norm/critic" not in h for h in rl_logs(trainer))
     assert {g["name"] for g in trainer.optimizer.param_groups} == {"policy"}
+    assert not any("critic_learning_rate" in h for h in trainer.state.log_history)  # no critic, no rate of one
     assert any(not torch.equal(policy_before[n], p) for n, p in model.policy.named_parameters() if p.requires_grad)
     assert value_function.scale.item() == 1.0 and value_function.scale.grad is None
 
@@ -108,6 +112,16 @@ def test_a_frozen_value_function_is_what_gae_reads_and_nothing_of_it_trains(tiny
         _, returns = compute_gae(rewards, expected * mask, mask, 1.0, 0.8)
         torch.testing.assert_close(rollout.advantages, advantages)
         torch.testing.assert_close(rollout.returns, returns)
+
+    # Evaluation's loss is training's: no value term for a value function that does not learn.
+    values_given = []
+
+    def vapo_loss(logprobs, values, *args, **kwargs):
+        values_given.append(values is not None)
+        return core.vapo_loss(logprobs, values, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "vapo_loss", vapo_loss)
+    assert math.isfinite(trainer.evaluate(prompts_dataset())["eval_loss"]) and values_given and not any(values_given)
 
     # Checkpoints and the saved model hold the policy only; the card says where the values came from.
     checkpoint = tmp_path / "out" / "checkpoint-2"

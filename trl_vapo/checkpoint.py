@@ -709,14 +709,16 @@ class SavingMixin:
 
     def create_model_card(
         self,
-        output_dir: str | Path | None = None,
         model_name: str | None = None,
         dataset_name: str | None = None,
-        tags: list[str] | None = None,
+        tags: str | list[str] | None = None,
+        *,
+        output_dir: str | Path | None = None,
         **kwargs,
     ) -> None:
-        """Write `README.md`: base model, data, the VAPO settings, value pretraining, the critic and where it is,
-        held-out scores when `model_card_info["held_out"]` has them, training metrics (`trl_vapo.model_card`)."""
+        """Write `README.md` in `output_dir` (default `args.output_dir`): base model, data, the VAPO settings, value
+        pretraining, the critic and where it is, held-out scores when `model_card_info["held_out"]` has them, training
+        metrics (`trl_vapo.model_card`). The arguments before `output_dir` are TRL's, in its order."""
         if not self.is_world_process_zero():
             return
         output_dir = Path(output_dir or self.args.output_dir)
@@ -807,7 +809,7 @@ class SavingMixin:
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         # The model card with it, as GRPOTrainer writes one at each checkpoint: a run that stops before
         # `save_model` leaves a repository whose model says what it is (and the trackers' pages while they run).
-        self.create_model_card(checkpoint_folder)
+        self.create_model_card(output_dir=checkpoint_folder)
         message = f"Training in progress, step {self.state.global_step}"
         hub = dict(
             repo_id=self.hub_model_id, token=self.args.hub_token, revision=self.args.hub_revision, run_as_future=True
@@ -866,9 +868,10 @@ class SavingMixin:
             self.state.best_model_checkpoint = str(final)  # on every process, as transformers sets it
         if main:
             callbacks = self.callback_handler.callbacks + [self.control]
-            self.state.stateful_callbacks = {
-                type(cb).__name__: cb.state() for cb in callbacks if isinstance(cb, ExportableState)
-            }
+            # As transformers.Trainer stores them: by class, a list where a class has several instances (two early
+            # stopping callbacks), each restored to its own on resume (`_load_callback_state`).
+            stateful = [cb for cb in callbacks if isinstance(cb, ExportableState)]
+            self.state.stateful_callbacks = TrainerState(stateful_callbacks=stateful).stateful_callbacks
             self.state.save_to_json(str(tmp / "trainer_state.json"))
         self.accelerator.wait_for_everyone()
         if main:

@@ -539,7 +539,8 @@ def policy_loss(
         ``1 + epsilon_high``) and ``clip_frac`` (either), and over the sequences with a valid token the smallest
         share of a sequence's tokens clipped low, ``clip_frac_low_min`` (1 without one), and the largest clipped
         high, ``clip_frac_high_max`` (0 without one); under ``"cispo"`` ``clip_frac_high`` (positive advantage,
-        weight capped at ``epsilon_high``); under ``"vespo"`` ``phi`` (the mean weight phi(w_i)).
+        weight capped at ``epsilon_high``); under ``"vespo"`` ``phi`` (the mean over those sequences of each one's
+        mean weight phi_t).
     """
     if loss_type not in ("token", "sequence", "luspo"):
         raise ValueError(f"loss_type must be 'token', 'sequence' or 'luspo', got {loss_type!r}")
@@ -582,7 +583,10 @@ def policy_loss(
     else:  # "vespo"
         phi = vespo_weights(token_log_ratio, advantages, valid, is_weights, *vespo_shape)
         per_token = -phi * advantages * logprobs
-        stats["phi"] = masked_mean(phi.expand_as(per_token), mask)
+        # GRPOTrainer's `phi_seq_mean`: a mean over the sequences with a valid token of each one's mean phi (one
+        # value per sequence where the advantage is, per token where GAE gives each token its own sign)
+        per_sequence = masked_mean(phi.expand_as(per_token), mask, dim=1)
+        stats["phi"] = masked_mean(per_sequence, valid.any(dim=1).float())
     per_token = torch.where(valid, per_token, zeros)
     if is_weights is not None and surrogate != "vespo":
         per_token = per_token * is_weights.to(per_token.dtype)

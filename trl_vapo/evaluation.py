@@ -338,9 +338,11 @@ class EvaluationMixin:
 
     def _evaluation_loss(self, rollout: Rollout) -> float:
         """VAPO's loss (`core.vapo_loss`) on an evaluation rollout at the weights that sampled it, over every
-        process's tokens: the critic's value loss on its targets, the policy's loss at ratio 1 (PPO's: minus the mean
-        whitened advantage; the `surrogate`'s own under GRPO's other losses) and the positive examples' NLL."""
+        process's tokens: the critic's value loss on its targets (none for a frozen value function, as in training),
+        the policy's loss at ratio 1 (PPO's: minus the mean whitened advantage; the `surrogate`'s own under GRPO's
+        other losses) and the positive examples' NLL."""
         batch = rollout.micro_batch(torch.arange(len(rollout)))
         settings = self._loss_settings(EVAL, batch["mask"], batch["is_positive"])
-        loss, _ = vapo_loss(batch["old_logprobs"], batch["old_values"], batch, **settings)
+        values = batch["old_values"] if self.actor_critic.learns_values else None  # as training: a frozen one has none
+        loss, _ = vapo_loss(batch["old_logprobs"], values, batch, **settings)
         return (self._all_reduce(loss.detach()) / self.accelerator.num_processes).item()

@@ -33,8 +33,11 @@ SEQUENCE_REWARD, ADVANTAGE, VALUE_FIRST, VALUE_LAST = "reward", "advantage", "va
 _RESERVED = {STEP, PROMPT, COMPLETION, SEQUENCE_REWARD, ADVANTAGE, VALUE_FIRST, VALUE_LAST}
 MISSING = "-"  # how a reward no function gave (None / NaN) or an undefined statistic is printed
 
-# Step metrics reduced by their extreme over the step's sequences and processes, not as token means: GRPOTrainer's.
+# Step metrics that are not token means: GRPOTrainer's extremes, over the step's sequences on every process (its are
+# over each micro-batch's, averaged: a reading that would change with the micro-batches' size and the processes), and
+# its mean over sequences.
 STEP_EXTREMES = {"clip_ratio/low_min": torch.amin, "clip_ratio/high_max": torch.amax}
+SEQUENCE_MEANS = {"vespo/phi_seq_mean"}
 
 # What the progress bar says in each phase of `TrainingProgress.phase`.
 PHASE_LABELS = {"value_pretrain": "value pretraining", "rl": "RL"}
@@ -542,13 +545,16 @@ class MetricsMixin:
         totals = dict(zip(keys, self._all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
         world = self.accelerator.num_processes
         self._metrics["skipped_steps"] = [float(self.progress.skipped_steps)]  # a running count: the latest
-        tokens = totals.pop("_tokens")
+        tokens, sequences = totals.pop("_tokens"), totals.pop("_sequences", 0.0)
         if tokens == 0:  # nothing scored in the step, nothing trained: its zeros are no reading (a falling entropy)
             return
         for key, value in totals.items():
-            # Losses were already normalised by the global count: their sum over processes / world is the step's
-            # loss. The other entries are token-weighted sums of per-micro-batch means.
-            self._metrics[key].append(value / world if key.startswith("loss") else value / tokens)
+            # Losses (and the routers' `aux_loss`) were already normalised by the global count or the micro-batches:
+            # their sum over processes / world is the step's. The others are weighted sums of per-micro-batch means.
+            if key.startswith("loss") or key == "aux_loss":
+                self._metrics[key].append(value / world)
+            else:
+                self._metrics[key].append(value / (sequences if key in SEQUENCE_MEANS else tokens))
         # The extremes over every sequence of the step, on every process (gathered: every process has the same keys).
         extreme_keys = sorted(extremes)
         if extreme_keys:
@@ -561,11 +567,13 @@ class MetricsMixin:
         if bonus and "loss/policy" in totals:  # GRPOTrainer's names, with its entropy bonus
             self._metrics["policy_loss"].append(totals["loss/policy"] / world)  # the policy's loss before the bonus
             self._metrics["entropy_coef"].append(self.entropy_coef)  # after this step's control, as GRPOTrainer's
+        # The gradient norms of the log's last step, as transformers.Trainer logs `grad_norm` (not a mean over the
+        # steps, which one fp16 overflow's inf would fill): of every weight that trains, before clipping.
         norms = torch.stack(list(grad_norms.values())).tolist() if grad_norms else []
         for key, value in zip(grad_norms, norms):
-            self._metrics[key].append(value)
-        if norms:  # the Trainer's `grad_norm`: of every weight that trains, before clipping (the sides' together)
-            self._metrics["grad_norm"].append(math.sqrt(sum(n * n for n in norms)))
+            self._metrics[key] = [value]
+        if norms:  # the sides' together
+            self._metrics["grad_norm"] = [math.sqrt(sum(n * n for n in norms))]
         if math.isfinite(totals["loss"]):  # a skipped non-finite step would make `train_loss` NaN for good
             self._loss_sum += totals["loss"] / world
             self._loss_steps += 1
@@ -578,13 +586,10 @@ class MetricsMixin:
         # The rates the last step used (as transformers.Trainer logs them), not the next step's.
         rates = self._step_learning_rates
         first = next(iter(rates.values()))
-        self.log(
-            {
-                "learning_rate": rates.get("policy", first),
-                "critic_learning_rate": rates.get("critic", first),
-                "phase": phase,
-            }
-        )
+        logs = {"learning_rate": rates.get("policy", first), "phase": phase}
+        if "critic" in rates:  # a frozen value function has no rate
+            logs["critic_learning_rate"] = rates["critic"]
+        self.log(logs)
 
     def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
         """Add the averages of the metrics collected since the last log, then log as `Trainer.log` does; with

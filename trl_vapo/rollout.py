@@ -159,9 +159,10 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         "completions/max_terminated_length": _max(ended),
         "value/mean": masked_mean(rollout.old_values, mask, all_reduce=all_reduce).item(),
         EXPLAINED_VARIANCE: explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
-        "advantages/mean": masked_mean(rollout.raw_advantages, mask, all_reduce=all_reduce).item(),
-        "lambda_actor/mean": _mean(gathered(rollout.lambda_actor)[trains]),
     }
+    if rollout.phase != VALUE_PRETRAIN:  # value pretraining computes no advantage (zeros, not a reading)
+        metrics["advantages/mean"] = masked_mean(rollout.raw_advantages, mask, all_reduce=all_reduce).item()
+        metrics["lambda_actor/mean"] = _mean(gathered(rollout.lambda_actor)[trains])
     non_finite_fractions = non_finite.float().mean(dim=0).tolist()  # scored as None; one host read for all
     for j, name in enumerate(scores.names):
         column = per_function[:, j]
@@ -175,7 +176,10 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         spread = _nanstd(grouped.float())  # an unscored completion is NaN, as in GRPOTrainer: not a reward of 0
         metrics["frac_reward_zero_std"] = spread.isclose(torch.zeros_like(spread)).float().mean().item()
     if rollout.ref_logprobs is not None:
-        metrics["kl"] = masked_mean(rollout.old_logprobs - rollout.ref_logprobs, mask, all_reduce=all_reduce).item()
+        # GRPOTrainer's estimator of KL(policy || reference), exp(r) - r - 1 with r = log ref - log policy: never
+        # negative, as the per-token penalty the reward is charged (beta * -r, an estimate of the same KL) can be
+        log_ratio = rollout.ref_logprobs - rollout.old_logprobs
+        metrics["kl"] = masked_mean(log_ratio.exp() - log_ratio - 1, mask, all_reduce=all_reduce).item()
     metrics.update(reduce_sampling_metrics(rollout.sampling_metrics, gather, mask.device))
     return metrics
 

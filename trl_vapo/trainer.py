@@ -123,6 +123,7 @@ from .modeling import (
 from .optim import parameter_groups, side_schedules, start_actor_schedule
 from .reporting import (
     NUMBERS_ONLY_TRACKERS,
+    SEQUENCE_MEANS,
     STEP_EXTREMES,
     MetricsMixin,
     PhaseProgressCallback,
@@ -975,7 +976,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             last = i == len(micro_batches) - 1
             no_sync = not last and not self.is_deepspeed_enabled
             batch = rollout.micro_batch(micro_rows)
-            n = batch["mask"].sum()
+            n, n_sequences = batch["mask"].sum(), (batch["mask"].sum(dim=1) > 0).sum()
             sums["_tokens"] += n
             with self.accelerator.no_sync(self.model_wrapped) if no_sync else contextlib.nullcontext():
                 for with_policy, with_values in self._update_passes(trains_policy, learns_values):
@@ -992,9 +993,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                     loss, stats = vapo_loss(
                         out.get("logprobs"), out.get("values"), batch, entropy=out.get("entropy"), **masks, **settings
                     )
-                    for key, value in stats.items():  # losses are shares of the step's mean; the rest token means
-                        if key in STEP_EXTREMES:  # but the extremes over sequences
+                    for key, value in stats.items():  # losses are shares of the step's mean; most others token means
+                        if key in STEP_EXTREMES:  # over the step's sequences
                             extremes[key].append(value)
+                        elif key in SEQUENCE_MEANS:
+                            sums[key] += value * n_sequences
+                            sums["_sequences"] += n_sequences
                         else:
                             sums[key] += value if key.startswith("loss") else value * n
                     if "entropy" in out:
@@ -1004,8 +1008,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                             acted = batch["mask"] if top is None else batch["mask"] * top
                             entropy_reading += torch.stack([(out["entropy"].detach() * acted).sum(), acted.sum()])
                     if out.get("aux_loss") is not None:  # the routers' balance, the step's mean over micro-batches
-                        loss = loss + self.router_aux_loss_coef * out["aux_loss"] / len(micro_batches)
-                        sums["aux_loss"] += out["aux_loss"].detach() * n
+                        aux_loss = out["aux_loss"] / len(micro_batches)
+                        loss = loss + self.router_aux_loss_coef * aux_loss
+                        sums["aux_loss"] += aux_loss.detach()  # logged as trained, as GRPOTrainer's
                     sums["loss"] += loss.detach()
                     self._backward(loss, last)
                     del out, loss  # this pass's activations go before the next pass makes its own
