@@ -573,6 +573,29 @@ def test_a_streamed_dataset_trains_as_the_same_rows_in_order_and_resumes(tiny_mo
     assert [h for h in resumed if h["step"] > 2] == streamed[2:]
 
 
+def test_a_rollouts_sampling_and_scoring_run_inside_its_first_steps_callbacks(tiny_model_dir, tmp_path):
+    """GRPOTrainer generates inside its training step, so a callback that times or profiles steps from
+    `on_step_begin` to `on_step_end` sees the sampling and scoring: VAPO's rollout (two steps each here) belongs to its
+    first step the same way."""
+    from transformers import TrainerCallback
+
+    events = []
+
+    class Events(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            events.append("begin")
+
+        def on_rollout(self, args, state, control, rollout=None, rows=None, **kwargs):  # once the rollout is scored
+            events.append("rollout")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append("end")
+
+    args = make_args(tmp_path, max_steps=4, steps_per_generation=2, gradient_accumulation_steps=1)
+    VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[Events()]).train()
+    assert events == ["begin", "rollout", "end", "begin", "end"] * 2
+
+
 def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_not(tiny_model_dir, tmp_path):
     """8 prompts, 4 a rollout: an epoch is 2 steps. The epoch strategies evaluate and save at its end, with
     `on_epoch_begin` and `on_epoch_end` around it, as transformers calls them. A stream's end is found as the next

@@ -289,6 +289,12 @@ class WeightsAtStepEnds(TrainerCallback):
         trainable = [p.detach().clone() for p in self.trainer.actor_critic.parameters() if p.requires_grad]
         self.trainer.weights_by_step[state.global_step] = trainable
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.optimizer_hooks.append(("pre", state.global_step))
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.optimizer_hooks.append(("post", state.global_step))
+
 
 def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale(tiny_model_dir, tmp_path, device):
     """fp16, for GPUs without bf16 (a T4, a V100): the loss is scaled, and the gradients unscaled once a step
@@ -308,7 +314,7 @@ def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale
             return [None] * len(scores) if trainer_state.global_step in unscored else scores
 
         trainer = PoisonedTrainer(str(tiny_model_dir), reward, args, prompts_dataset())
-        trainer.weights_by_step = {}
+        trainer.weights_by_step, trainer.optimizer_hooks = {}, []
         trainer.add_callback(WeightsAtStepEnds(trainer))
         trainer.accelerator.native_amp = True  # fp16 autocast (accelerate's own on a GPU)
         scaler = torch.amp.GradScaler(device, init_scale=init_scale, backoff_factor=2.0**-10, growth_interval=10**6)
@@ -328,6 +334,8 @@ def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale
     skipped = overflowed.progress.skipped_steps
     assert not finite[0] and finite[-1] and skipped == finite.count(False)  # overflows first, then trains
     assert overflowed.accelerator.scaler.get_scale() == 2.0 ** (40 - 10 * skipped)
+    # The callbacks' optimizer hooks around each step's optimizer step, the scaler's skipped ones too (the Trainer's)
+    assert overflowed.optimizer_hooks == [(hook, step) for step in range(4) for hook in ("pre", "post")]
     resumed = train("overflow", 1.0, max_steps=5, resume_from_checkpoint=True)
     assert resumed.state.global_step == 5 and resumed.accelerator.scaler.get_scale() == 2.0 ** (40 - 10 * skipped)
 

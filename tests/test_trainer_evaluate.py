@@ -10,6 +10,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from helpers import digit_fraction, make_args, prompts_dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_vapo import VAPOTrainer
 from trl_vapo.core import explained_variance
@@ -378,14 +379,63 @@ def test_with_several_steps_a_rollout_the_evaluation_waits_for_the_checkpoint_th
     assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-4"]
 
 
-def test_load_best_model_at_end_is_refused_naming_what_to_do_instead(tmp_path):
-    with pytest.raises(ValueError, match="load_best_model_at_end=True is not supported.*best_model_checkpoint"):
+class WeightsByStep(TrainerCallback):
+    """The trainer's weights (policy and critic) after each step."""
+
+    def __init__(self):
+        self.trainer, self.weights = None, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        model = self.trainer.actor_critic
+        self.weights[state.global_step] = {name: p.detach().clone() for name, p in model.state_dict().items()}
+
+
+def test_load_best_model_at_end_ends_with_the_best_checkpoints_policy_and_critic(tiny_model_dir, tmp_path):
+    """`load_best_model_at_end` with TRL's usual `EarlyStoppingCallback`, as transformers' Trainer runs it: training
+    stops at the first evaluation that does not improve `eval_loss`, and the trainer ends with the weights of the
+    best checkpoint (policy and critic), not the last step's, which `save_model` then writes."""
+    from transformers import EarlyStoppingCallback
+
+    args = eval_args(
+        tmp_path,
+        max_steps=8,
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="loss",
+        save_strategy="best",
+        load_best_model_at_end=True,
+        learning_rate=3e-2,
+        critic_learning_rate=3e-2,
+    )
+    by_step = WeightsByStep()
+    stop = EarlyStoppingCallback(early_stopping_patience=1)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(3), callbacks=[stop, by_step]
+    )
+    by_step.trainer = trainer
+    trainer.train()
+    best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
+    last = trainer.state.global_step
+    assert best < last, "the run must end after its best checkpoint for this test to mean something"
+    weights = trainer.actor_critic.state_dict()
+    assert all(torch.equal(weights[name], value) for name, value in by_step.weights[best].items())
+    assert not all(torch.equal(weights[name], value) for name, value in by_step.weights[last].items())
+    trainer.save_model(str(tmp_path / "final"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    policy = trainer.actor_critic.policy
+    assert all(torch.equal(p, policy.get_parameter(name)) for name, p in saved.named_parameters())
+
+
+@pytest.mark.parametrize("sharded", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])
+def test_load_best_model_at_end_is_refused_where_the_weights_are_sharded(tmp_path, sharded):
+    with pytest.raises(ValueError, match="load_best_model_at_end=True is not supported under.*best_model_checkpoint"):
         eval_args(
             tmp_path,
             eval_strategy="steps",
             save_strategy="steps",
             load_best_model_at_end=True,
             metric_for_best_model="loss",
+            **sharded,
         )
 
 

@@ -927,6 +927,15 @@ class SavingMixin:
             )
         return marker
 
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`, as transformers' Trainer ends a run: the best checkpoint's policy and critic (on
+        every process: each has its copy; VAPOConfig refuses the option where the weights are sharded)."""
+        best = Path(self.state.best_model_checkpoint)
+        logger.info(
+            f"Loading the best checkpoint {best} ({self.args.metric_for_best_model}: {self.state.best_metric})."
+        )
+        self._load_weights(best)
+
     def _load_weights(self, path: Path) -> None:
         """The policy's and the critic's weights of the checkpoint `path`, into `actor_critic` as it is."""
         self.actor_critic.load_policy(path)

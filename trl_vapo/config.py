@@ -748,6 +748,13 @@ class VAPOConfig(TrainingArguments):
                 "fp16=True is supported on one process and under DDP, not with DeepSpeed or FSDP: use bf16 there (a "
                 "GPU from Ampere on: leave bf16 unset), or float32 with LoRA."
             )
+        if self.load_best_model_at_end and (uses_deepspeed(self) or self._uses_fsdp()):
+            # The best checkpoint's weights would load into sharded models: not built for either.
+            raise ValueError(
+                "load_best_model_at_end=True is not supported under DeepSpeed or FSDP: the run ends with the weights "
+                "it trained last. trainer.state.best_model_checkpoint names the best checkpoint (kept by "
+                "save_total_limit); load its policy with from_pretrained."
+            )
         if self.bf16 is None:
             self.bf16 = default_bf16(fp16, self.use_cpu)
             if not self.bf16 and not fp16 and not self.use_cpu and _cuda_without_native_bf16():
@@ -972,12 +979,6 @@ class VAPOConfig(TrainingArguments):
                 f"({'max_prompt_length ' + str(self.max_prompt_length) if self.max_prompt_length else 'one token'}) "
                 f"plus max_completion_length ({self.max_completion_length}): vLLM would cut completions short.",
             )
-        require(
-            not self.load_best_model_at_end,
-            "load_best_model_at_end=True is not supported: VAPOTrainer ends with the policy and critic it trained "
-            "last. With metric_for_best_model, trainer.state.best_model_checkpoint names the best checkpoint (kept "
-            "by save_total_limit); load its policy with from_pretrained.",
-        )
         require(
             not self.remove_unused_columns,
             "remove_unused_columns=True is not supported: the reward functions receive every column of the data set "

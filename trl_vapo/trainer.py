@@ -607,6 +607,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if start_step < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
             self._end_epoch(completed=False)
             self._save_if_pending()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_model()
 
         metrics = speed_metrics("train", start_time, num_steps=self.state.global_step - start_step)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
@@ -630,6 +632,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         rows = self._next_rows()
         if self.control.should_training_stop:  # asked at a stream's epoch end, met as these rows were read
             return
+        # The rollout's sampling and scoring belong to its first step, as GRPOTrainer generates inside its training
+        # step: a callback that times or profiles steps from `on_step_begin` to `on_step_end` sees them.
+        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         rollout = self._make_rollout(rows, phase)
         all_reduce = self._all_reduce if self._distributed else None
         metrics = rollout_metrics(rollout, self.accelerator.gather, all_reduce)
@@ -659,9 +664,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             for n in range(passes)
             for rows in torch.randperm(len(trains_on))[: len(rollout)].split(rows_per_step)
         )
+        begun = True  # the first step's `on_step_begin` came before its rollout
         for step_rows, update_policy in steps:
-            self._optimizer_step(trains_on, step_rows, update_policy, began)
-            began = time.perf_counter()
+            self._optimizer_step(trains_on, step_rows, update_policy, began, begun)
+            began, begun = time.perf_counter(), False
             if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
                 break
 
@@ -950,11 +956,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     # ----------------------------------------------------------------------------------------- the update
     def _optimizer_step(
-        self, rollout: Rollout, rows: torch.Tensor, update_policy: bool = True, began: float | None = None
+        self,
+        rollout: Rollout,
+        rows: torch.Tensor,
+        update_policy: bool = True,
+        began: float | None = None,
+        begun: bool = False,
     ) -> None:
         """One optimizer step over `rows` of the rollout, split into `gradient_accumulation_steps` micro-batches; the
         critic's alone during value pretraining and without `update_policy`. `began`: when the step's time began
-        (logged as GRPOTrainer's `step_time`; default: now).
+        (logged as GRPOTrainer's `step_time`; default: now); `begun`: the callbacks' `on_step_begin` was called.
 
         The token mean spans the whole step: every micro-batch's loss is divided by the step's token count summed
         over micro-batches and processes (times the process count, which DDP's gradient averaging divides back).
@@ -965,7 +976,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         mask = rollout.loss_mask[rows]
         settings = self._loss_settings(phase, mask, rollout.is_positive[rows])
 
-        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+        if not begun:
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=mask.device))
         extremes: dict[str, list[torch.Tensor]] = defaultdict(list)
         controls_entropy = trains_policy and args.use_adaptive_entropy
@@ -1040,9 +1052,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         scaler = self.accelerator.scaler
         with policy_held:
             if nonfinite_loss == nonfinite_grads == 0 and trained_tokens > 0:
-                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self._apply_update()
-                self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
                 self.progress.consecutive_nonfinite_steps = 0
                 if controls_entropy and entropy_tokens > 0:
                     self._control_entropy(entropy_sum / entropy_tokens)
@@ -1122,10 +1132,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self.accelerator.backward(loss)
 
     def _apply_update(self) -> None:
+        """The optimizer's step, between the callbacks' `on_pre_optimizer_step` and `on_optimizer_step`, as the
+        Trainer calls them around its step (an fp16 step the scaler skips included)."""
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
         if self.is_deepspeed_enabled:
             self.model_wrapped.step()  # DeepSpeed's optimizer step; its own gradient clipping is off (`train`)
         else:
             self.optimizer.step()
+        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
 
     def _drop_update(self) -> None:
         """No optimizer step this time (Adam's momentum and weight decay would move the weights even on zero
