@@ -247,34 +247,24 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert AutoModelForCausalLM.from_pretrained(out) is not None
     assert (out / "critic" / "config.json").is_file()
 
-    code = main(
-        [
-            "eval",
-            "--model",
-            str(out),
-            "--dataset_name",
-            str(jsonl_data),
-            "--dataset_test_split",
-            "train",
-            "--prompt_column",
-            "question",
-            "--prompt_format",
-            "chat",
-            "--k",
-            "2",
-            "--num_prompts",
-            "5",
-            "--max_new_tokens",
-            "8",
-            "--output_json",
-            str(tmp_path / "scores.json"),
-        ]
-    )
+    # eval on the run's output scores as the run did without being told: its data (the 40 local prompts as chat
+    # with its system prompt, not the demo's held-out problems), its completion length (8, not eval's 1024)
+    capsys.readouterr()
+    scores_file = tmp_path / "scores.json"
+    code = main(["eval", "--model", str(out), "--k", "2", "--num_prompts", "50", "--output_json", str(scores_file)])
     assert code == 0
-    scores = json.loads((tmp_path / "scores.json").read_text())
+    told = capsys.readouterr().err
+    assert f"the run's settings ({out / 'vapo_script_args.json'}, {out / 'vapo_config.json'})" in told
+    assert "prompt_column='question'" in told and "system_prompt='Be brief.'" in told
+    scores = json.loads(scores_file.read_text())
     assert set(scores) == {"pass@1", "avg@2", "pass@2", "num_problems", "mean_length"}
-    assert scores["num_problems"] == 5 and 0 <= scores["avg@2"] <= scores["pass@2"] <= 1
+    assert scores["num_problems"] == 40 and 0 <= scores["avg@2"] <= scores["pass@2"] <= 1
     assert 1 <= scores["mean_length"] <= 8
+    # A flag overrides the run's setting.
+    main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "3", "--max_new_tokens", "2", "--output_json",
+          str(scores_file)])  # fmt: skip
+    scores = json.loads(scores_file.read_text())
+    assert scores["num_problems"] == 3 and 1 <= scores["mean_length"] <= 2
 
 
 def run_cli(*args, cwd=None):
@@ -798,6 +788,9 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     assert re.search(
         r"held-out avg@1 +\d\.\d{3} -> \d\.\d{3} +\(sampled at T=1, 2 problems\)", capsys.readouterr().out
     )
+    # eval reads a run's data set, but a mixture is not one: it asks for the one to score (not the demo's problems).
+    assert main(["eval", "--model", str(out)]) == 2
+    assert "was trained on a data set mixture (datasets:); eval scores one data set" in capsys.readouterr().err
 
 
 def refuse_model_loads(monkeypatch) -> None:

@@ -22,7 +22,7 @@ import sys
 import textwrap
 import time
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import __version__
@@ -438,6 +438,9 @@ def train_command(argv: list[str]) -> int:
         raise UsageError(" ".join(str(error).split())) from None
     before = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
     with trainer.holding_output_dir():  # until the model is saved: a run started meanwhile would remove it half-saved
+        if trainer.accelerator.is_main_process:  # what `trl-vapo eval --model OUTPUT_DIR` scores by default
+            settings = {**asdict(script_args), "mixture": mixture is not None}
+            Path(training_args.output_dir, RUN_DATA_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         try:
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: the checkpoint is written and named in the log
@@ -473,8 +476,9 @@ def _model_card_info(script_args, before, after, demo: bool) -> dict:
             "before": before,
             "after": after,
             "description": f"{before['num_problems']} problems of {split}, {script_args.eval_k} samples each at "
-            "temperature 1.0 and top_p 1.0 for avg@k (`trl-vapo eval --top_p 1.0 --k "
-            f"{script_args.eval_k}` samples the same way), greedy for pass@1",
+            "temperature 1.0 and top_p 1.0 for avg@k (`trl-vapo eval --model <this folder> --temperature 1.0 "
+            f"--top_p 1.0 --k {script_args.eval_k} --num_prompts {before['num_problems']}` samples the same way: "
+            "it reads the run's data and sampling settings), greedy for pass@1",
         }
     return info
 
@@ -906,10 +910,76 @@ TRAIN_ONLY = {
 """`VAPOScriptArguments` fields that only `train` reads: a training YAML's keys that `eval` accepts and ignores."""
 
 
+RUN_DATA_FILE = "vapo_script_args.json"
+"""What `trl-vapo train` writes in its output_dir: its data and reward flags (`VAPOScriptArguments`), for `eval`."""
+RUN_CONFIG_FILE = "vapo_config.json"  # (the VAPOConfig that `save_model` and each checkpoint write)
+EVAL_FROM_RUN_CONFIG = (
+    "max_completion_length",
+    "temperature",
+    "reward_weights",
+    "positive_reward_funcs",
+    "positive_reward_threshold",
+    "chat_template_kwargs",
+    "generation_kwargs",
+)
+EVAL_FROM_RUN_DATA = (
+    "dataset_name",
+    "dataset_config",
+    "dataset_test_split",
+    "dataset_preset",
+    "prompt_column",
+    "answer_column",
+    "prompt_template",
+    "system_prompt",
+    "prompt_format",
+    "reward_funcs",
+    "reward_model_name_or_path",
+)
+"""What `eval` takes from the run that saved `--model`, so that it scores as training sampled and scored: not
+`top_p` (the paper evaluates at 0.7, the run's 1.0 is a default a config cannot tell from a choice) nor `k`."""
+
+
+def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
+    """The settings of the trl-vapo run whose output `--model` names (its folder, or for a checkpoint its folder
+    and the run's output_dir above it), as eval's defaults, and the files they came from."""
+    import yaml
+
+    model = None
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name in ("--model", "--model_name_or_path"):
+            model = value or (argv[i + 1] if i + 1 < len(argv) else None)
+    if model is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        config = Path(argv[argv.index("--config") + 1])
+        try:
+            model = (yaml.safe_load(config.read_text()) or {}).get("model") if config.is_file() else None
+        except (yaml.YAMLError, AttributeError):  # the parser says what is wrong with it
+            model = None
+    if not model or not Path(model).is_dir():
+        return {}, []
+    folder = Path(model)
+    places = [folder, folder.parent] if folder.name.startswith("checkpoint-") else [folder]
+    settings, read = {}, []
+    for name, keys in ((RUN_DATA_FILE, EVAL_FROM_RUN_DATA), (RUN_CONFIG_FILE, EVAL_FROM_RUN_CONFIG)):
+        path = next((place / name for place in places if (place / name).is_file()), None)
+        if path is None:
+            continue
+        saved = json.loads(path.read_text())
+        settings.update({key: saved[key] for key in keys if key in saved})
+        if saved.get("mixture"):
+            settings["mixture"] = True
+        read.append(path)
+    return settings, read
+
+
 def eval_command(argv: list[str]) -> int:
     from trl import TrlParser
 
     parser = _in_one_line(TrlParser((VAPOScriptArguments, EvalArguments), prog="trl-vapo eval", allow_abbrev=False))
+    # The run's own settings are the defaults (a training YAML given with --config, then the flags, override them).
+    run_settings, run_files = _run_settings(argv)
+    trained_on_mixture = run_settings.pop("mixture", False)
+    parser.set_defaults(**run_settings)
     for action in parser._actions:
         if action.dest in TRAIN_ONLY:  # accepted from a training YAML, never read here: not in eval's help
             action.help = argparse.SUPPRESS
@@ -938,7 +1008,18 @@ def eval_command(argv: list[str]) -> int:
         )
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
+    if trained_on_mixture and script.dataset_name is None and script.dataset_preset is None:
+        raise UsageError(
+            f"{args.model} was trained on a data set mixture (datasets:); eval scores one data set: pass "
+            "--dataset_name (or --dataset_preset)"
+        )
     _check_eval_numbers(args)
+    if run_files:
+        taken = ", ".join(f"{key}={value!r}" for key, value in run_settings.items() if value is not None)
+        print(
+            f"trl-vapo eval: the run's settings ({', '.join(map(str, run_files))}) unless given: {taken}",
+            file=sys.stderr,
+        )
     # The JSON flags as mappings, once, for every reader (a YAML config's are mappings already).
     for name, example in JSON_FLAGS.items():
         setattr(args, name, _json_object(getattr(args, name), f"--{name}", example))
@@ -986,7 +1067,7 @@ def eval_command(argv: list[str]) -> int:
         _, dataset, _, _ = _resolve_data(
             script,
             ModelConfig(model_name_or_path=tokenizer_source),  # whose chat template formats the prompts
-            VAPOConfig(output_dir=".", report_to="none"),
+            VAPOConfig(output_dir=".", report_to="none", trust_remote_code=args.trust_remote_code),
             demo=False,
         )
         if args.num_prompts:
