@@ -142,9 +142,10 @@ def peft_actor_critic(model_dir, modules_to_save=None, seed=0, dtype=torch.float
 
 
 def merged_policy_only(policy) -> dict[str, torch.Tensor]:
-    """What vLLM should hold: the base merged with the policy adapter alone (critic adapter deleted first)."""
+    """What vLLM should hold: the base merged with the policy adapter alone (the others deleted first)."""
     alone = copy.deepcopy(policy)
-    alone.delete_adapter(CRITIC_ADAPTER)
+    for adapter in [name for name in alone.peft_config if name != POLICY_ADAPTER]:
+        alone.delete_adapter(adapter)
     return {name: p.detach() for name, p in alone.merge_and_unload().named_parameters()}
 
 

@@ -240,3 +240,25 @@ def test_a_custom_code_model_trains_with_trust_remote_code_and_is_refused_withou
     trained = critic.state_dict()
     for name, value in reloaded.actor_critic.critic.state_dict().items():
         assert torch.equal(value, trained[name]), name
+
+
+def test_lora_bias_training_with_the_shared_base_critic_is_refused_and_a_separate_critic_trains_it(tmp_path):
+    """`LoraConfig(bias="all")` makes the base's biases (Qwen2's q/k/v projections') trainable. With the shared-base
+    critic they were in neither side's optimizer (they never moved, silently), and they are shared by the policy, the
+    critic and the KL reference: refused, saying what to do. With a separate critic they are the policy's, and train
+    as in GRPOTrainer."""
+    from peft import LoraConfig
+
+    model_dir = save_tiny(tmp_path / "model", "qwen2")
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], bias="all", task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"LoraConfig\(bias='all'\) makes the base's biases trainable.*bias='none'"):
+        VAPOTrainer(str(model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(16), peft_config=config)
+    args = make_args(tmp_path, max_steps=1, num_iterations=1)
+    separate = VAPOTrainer(
+        str(model_dir), digit_fraction, args, prompts_dataset(16), peft_config=config, value_model=str(model_dir)
+    )
+    policy = separate.actor_critic.policy
+    biases = {n: p.detach().clone() for n, p in policy.named_parameters() if n.endswith("q_proj.base_layer.bias")}
+    assert biases and all(policy.get_parameter(n).requires_grad for n in biases)
+    separate.train()
+    assert all(not torch.equal(policy.get_parameter(n), value) for n, value in biases.items())

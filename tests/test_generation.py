@@ -500,11 +500,14 @@ def test_vllm_sync_once_per_step(tiny_model_dir):
         torch.testing.assert_close(stand_in.received[name], value, atol=1e-6, rtol=0, msg=name)
 
 
-def test_vllm_sync_leaves_out_the_critics_modules_to_save(tiny_model_dir):
+def test_vllm_sync_leaves_out_the_other_adapters_modules_to_save(tiny_model_dir):
     """With `modules_to_save`, each adapter has its own copy of those modules; TRL renames the policy's copy and
-    would pass the critic's on under a name vLLM does not know (the stand-in's load_weights raises KeyError)."""
+    would pass the critic's and the KL reference's (`ref`, a given adapter's frozen copy) on under names vLLM does not
+    know (the stand-in's load_weights raises KeyError)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     actor_critic = peft_actor_critic(tiny_model_dir, modules_to_save=["norm"])
+    actor_critic.add_reference_adapter()
+    assert any(".modules_to_save.ref." in name for name, _ in actor_critic.policy.named_parameters())
     engine = _vllm_engine(actor_critic, tokenizer)
     engine.sync_weights(step=0)
     expected = merged_policy_only(actor_critic.policy)

@@ -14,13 +14,13 @@ import torch
 from helpers import PoisonedTrainer, digit_fraction, make_args, prompts_dataset, rl_logs
 from peft import LoraConfig
 from safetensors.torch import load_file
-from transformers import BitsAndBytesConfig, TrainerCallback
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainerCallback
 
 from trl_vapo import VAPOConfig, VAPOTrainer
 
 
-def lora_config() -> LoraConfig:
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+def lora_config(**kwargs) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", **kwargs)
 
 
 def decoder_layers(trainer) -> list[torch.nn.Module]:
@@ -50,12 +50,32 @@ def trainable(trainer) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-shared-critic"])
-def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(tiny_model_dir, tmp_path, lora, device):
+@pytest.mark.parametrize(
+    "lora, on_the_model",
+    [(None, False), ({}, False), ({"modules_to_save": ["input_layernorm"]}, False), ({}, True)],
+    ids=["full", "lora-shared-critic", "lora-shared-critic-modules-to-save", "lora-given-checkpointed"],
+)
+def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(
+    tiny_model_dir, tmp_path, lora, on_the_model, device
+):
     """Same greedy rollouts, same optimizer steps (value pretraining, then RL with two steps per rollout): identical
     weights with and without checkpointing, and with it every decoder layer runs forward twice per update (once
     more in backward). With the shared-base critic this holds only if the recomputation replays each layer under the
-    adapter (policy or critic) that ran its forward."""
+    adapter (policy or critic) that ran its forward: its LoRA matrices, and its copies of `modules_to_save` modules
+    inside the layers (each adapter trains its own copy of every layer's norm here). `on_the_model`: checkpointing
+    is switched on in the model given (transformers' reentrant default, as peft's prepare_model_for_kbit_training
+    does), not by `gradient_checkpointing`: the layers replay under their adapters from the start of training (the
+    engine's re-enabling after each generation made the updates right here, not with an engine that never pauses
+    checkpointing, vLLM's or a rollout_func's own)."""
+    from functools import partial
+
+    replaying = []  # at the start of training: whether every checkpointed layer recomputes under its adapters
+    layers = []  # the run's decoder layers
+
+    class AtTrainBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            functions = [getattr(layer, "_gradient_checkpointing_func", None) for layer in layers]
+            replaying.append(all(isinstance(f, partial) and "context_fn" in f.keywords for f in functions))
 
     def run(checkpointing: bool):
         args = make_args(
@@ -66,18 +86,24 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(tiny_model
             value_pretrain_steps=1,
             per_device_train_batch_size=8,
             steps_per_generation=2,
-            gradient_checkpointing=checkpointing,
+            gradient_checkpointing=checkpointing and not on_the_model,
             generation_kwargs={"do_sample": False},
         )
+        model = str(tiny_model_dir)
+        if checkpointing and on_the_model:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+            model.gradient_checkpointing_enable()
         trainer = VAPOTrainer(
-            model=str(tiny_model_dir),
+            model=model,
             reward_funcs=digit_fraction,
             args=args,
             train_dataset=prompts_dataset(),
-            peft_config=lora_config() if lora else None,
+            peft_config=lora_config(**lora) if lora is not None else None,
+            callbacks=[AtTrainBegin()],
         )
         calls = [0]
-        for layer in decoder_layers(trainer):
+        layers[:] = decoder_layers(trainer)
+        for layer in layers:
             # Count the MLP's forward itself: module hooks do not fire in torch's checkpoint recomputation.
             layer.mlp.forward = counting(layer.mlp.forward, calls)
         trainer.train()
@@ -86,6 +112,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(tiny_model
     plain, plain_calls, plain_on = run(False)
     checkpointed, checkpointed_calls, on = run(True)
     assert on and not plain_on
+    assert replaying == [False, lora is not None]  # (a full fine-tuning's layers recompute as they are)
     assert checkpointed_calls == 2 * plain_calls > 0
     assert plain.keys() == checkpointed.keys()
     # CUDA's backward kernels may sum in another order each run (atomics): round-off, which Adam's division by

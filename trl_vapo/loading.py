@@ -32,6 +32,7 @@ from .modeling import (
     VALUE_HEAD_FILE,
     ActorCritic,
     ValueHead,
+    check_only_adapters_train,
     check_value_model,
     copy_adapter_weights,
     is_peft_model,
@@ -217,6 +218,7 @@ def build_actor_critic(
         return ActorCritic(policy, value_function=value_model), False
     if value_model is None:
         if shared:
+            check_only_adapters_train(policy)  # (before peft's own refusal of a second adapter with a bias)
             policy.add_adapter(CRITIC_ADAPTER, _critic_adapter_config(policy))
             if rewrites_base(policy.peft_config[POLICY_ADAPTER]):
                 # The base is the residual of PiSSA, OLoRA, ...: the critic starts from the policy's function, as
@@ -239,6 +241,7 @@ def build_actor_critic(
                 f"value_model {path} is a critic adapter, which needs the policy's base: pass the same peft_config "
                 "you trained it with."
             )
+        check_only_adapters_train(policy)
         policy.load_adapter(str(path), adapter_name=CRITIC_ADAPTER, is_trainable=True)
         policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
         hidden_size = policy.config.get_text_config().hidden_size

@@ -537,7 +537,7 @@ class ActorCritic(nn.Module):
                     "critic: reentrant checkpointing cannot replay a layer under the adapter that ran it. Use "
                     "use_reentrant=False (the default)."
                 )
-            kwargs["context_fn"] = _replay_under_forward_adapter(_lora_layers(self.policy))
+            kwargs["context_fn"] = _replay_under_forward_adapter(_adapter_layers(self.policy))
         for model in (self.policy, self.critic):
             if model is None:
                 continue
@@ -877,27 +877,54 @@ def _sub_state(
     }
 
 
-def _lora_layers(model: nn.Module) -> list[nn.Module]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
+def check_only_adapters_train(policy: nn.Module) -> None:
+    """The shared-base layout trains the policy's adapter and the critic's, over a base that the policy, the critic
+    and the KL reference all compute with: a trainable base weight would be in neither side's optimizer (it would
+    never move, silently), and moving it would move all three."""
+    shared = [
+        name
+        for name, param in policy.named_parameters()
+        if param.requires_grad and not of_adapter(name, POLICY_ADAPTER) and not of_adapter(name, CRITIC_ADAPTER)
+    ]
+    if shared:
+        bias = getattr(policy.peft_config.get(POLICY_ADAPTER), "bias", "none")
+        cause = (
+            f"LoraConfig(bias={bias!r}) makes the base's biases trainable"
+            if bias != "none"
+            else "they are the base's, trainable"
+        )
+        raise ValueError(
+            f"{len(shared)} weights of the policy ({', '.join(shared[:2])}, ...) would train in neither the policy's "
+            f"adapter nor the critic's: {cause}, and the base is shared by the policy, the critic and the KL "
+            "reference. Use bias='none' (peft's default), or a separate critic (value_model=...), or freeze them."
+        )
 
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+def _adapter_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules that compute as the active adapter says: LoRA's (and other tuners') layers, and the wrappers of
+    `modules_to_save` copies (a norm inside each decoder layer, say), each with its own `_active_adapter`."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import AuxiliaryTrainingWrapper
+
+    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
 
 
 def _replay_under_forward_adapter(layers: list[nn.Module]):
-    """A ``torch.utils.checkpoint`` ``context_fn`` that recomputes a layer under the adapter its forward used.
+    """A ``torch.utils.checkpoint`` ``context_fn`` that recomputes a layer under the adapters its forward used.
 
-    Sets the adapters' private ``_active_adapter`` directly: peft's ``set_adapter`` would also flip
-    ``requires_grad``, which must not change in the middle of a backward pass.
+    Sets the modules' private ``_active_adapter`` directly, each to what it was at the forward (a wrapper without
+    the adapter's copy holds none): peft's ``set_adapter`` would also flip ``requires_grad``, which must not change
+    in the middle of a backward pass.
     """
 
     def context_fn():
-        active = layers[0].active_adapter if layers else None
+        active = [copy.copy(layer._active_adapter) for layer in layers]  # a list for some: copied, not shared
 
         @contextlib.contextmanager
         def recompute():
             saved = [layer._active_adapter for layer in layers]
-            for layer in layers:
-                layer._active_adapter = active
+            for layer, adapter in zip(layers, active):
+                layer._active_adapter = adapter
             try:
                 yield
             finally:

@@ -559,7 +559,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         self._note_learning_rates()  # what a log reads even before the first step (an epoch end on resuming)
-        if args.gradient_checkpointing:
+        if args.gradient_checkpointing or self.actor_critic.is_gradient_checkpointing:
+            # Also where the model came with it on (peft's prepare_model_for_kbit_training, a user's
+            # gradient_checkpointing_enable()): made adapter-aware, or the shared-base critic's backward would replay
+            # its layers under the policy's adapter.
             self.actor_critic.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
         if self.is_deepspeed_enabled:
             # Actor and critic are clipped separately in `_clip_gradients`; DeepSpeed would clip their joint norm.

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .modeling import CRITIC_ADAPTER, POLICY_ADAPTER
+from .modeling import POLICY_ADAPTER
 
 
 def check_policy_only(model: nn.Module) -> None:
@@ -39,8 +39,10 @@ def check_policy_adapter_active(model: nn.Module) -> None:
         )
 
 
-def _is_critic_weight(name: str) -> bool:
-    return f"modules_to_save.{CRITIC_ADAPTER}." in name
+def _is_another_adapters_weight(name: str) -> bool:
+    """A `modules_to_save` copy of an adapter other than the policy's (the critic's, the KL reference's `ref`)."""
+    parts = name.split(".")
+    return any(part == "modules_to_save" and parts[i + 1] != POLICY_ADAPTER for i, part in enumerate(parts[:-1]))
 
 
 def policy_only(vllm_generation_cls: type) -> type:
@@ -50,7 +52,8 @@ def policy_only(vllm_generation_cls: type) -> type:
     Two changes to TRL's `_iter_named_params` under PEFT:
 
     * TRL skips LoRA matrices and renames the policy's `modules_to_save.default` copies, but passes any other
-      adapter's `modules_to_save` copy to vLLM under a name vLLM does not know: the critic's. They are dropped.
+      adapter's `modules_to_save` copy to vLLM under a name vLLM does not know: the critic's, the KL reference's
+      (`ref`). They are dropped.
     * TRL merges the active adapter into the base in place and unmerges it after the push. In bf16 `W + BA - BA`
       is not `W`: one sync moves about 15% of the base weights by a rounding step, and the errors accumulate (after
       100 syncs of a tiny Llama the largest change was 20% of the mean |weight|; trl issue #6688). Here the base is
@@ -67,7 +70,7 @@ def policy_only(vllm_generation_cls: type) -> type:
             else:
                 params = super()._iter_named_params()
             for name, param in params:  # run to the end: TRL's generator unmerges after its last item
-                if not _is_critic_weight(name):
+                if not _is_another_adapters_weight(name):
                     yield name, param
 
     name = f"PolicyOnly{vllm_generation_cls.__name__}"
