@@ -267,6 +267,41 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert scores["num_problems"] == 3 and 1 <= scores["mean_length"] <= 2
 
 
+def test_a_stop_during_the_held_out_report_after_training_keeps_the_trained_model(
+    tiny_model_dir, jsonl_data, tmp_path, monkeypatch
+):
+    """The held-out report after training takes minutes at eval_k x eval_num_prompts: a Ctrl-C there (a SIGTERM's
+    default action ends the process at once) lost the trained model, saved only after the report. It is saved first
+    (policy, critic, card), and the card is written again with the report's scores when the report ends."""
+    import torch
+
+    from trl_vapo import cli
+
+    reports, real = [], cli._held_out_report
+
+    def report(*args, **kwargs):
+        reports.append(len(reports))
+        if len(reports) == 2:  # the report after training
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "_held_out_report", report)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        main(
+            ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data),
+             "--prompt_column", "question", "--output_dir", str(out), "--max_steps", "1",
+             "--value_pretrain_steps", "0", "--learning_rate", "1e-2", "--per_device_train_batch_size", "8",
+             "--num_generations", "4",
+             "--max_completion_length", "4", "--report_to", "none", "--disable_tqdm", "true",
+             "--dataset_test_split", "train", "--eval_num_prompts", "2", "--eval_k", "1"]
+        )  # fmt: skip
+    assert reports == [0, 1]
+    trained, initial = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any(not torch.equal(p, initial.get_parameter(n)) for n, p in trained.named_parameters())
+    assert (out / "critic" / "config.json").is_file() and (out / "README.md").is_file()
+
+
 def run_cli(*args, cwd=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([TRL_VAPO, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)

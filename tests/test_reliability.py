@@ -949,6 +949,8 @@ def two_checkpoints(tiny_model_dir, tmp_path_factory) -> Path:
         ("no model.safetensors", "missing model.safetensors"),
         ("no critic/", "missing critic/model.safetensors"),
         ("trainer_state.json {}", "trainer_state.json: ValueError: no global_step"),
+        # its completion marker itself, cut short (a partial copy of output_dir): it was an error, not passed over
+        ("empty vapo_state.json", "vapo_state.json: JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
     ],
 )
 def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints, tmp_path, caplog, fault, named):
@@ -1058,6 +1060,27 @@ def test_save_only_model_checkpoints_hold_the_weights_and_are_not_resumed_from(t
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-3"]
     again = VAPOTrainer(str(tiny_model_dir), digit_fraction, more, prompts_dataset())
     assert again.resume_point(True)[0] == str(whole)
+
+
+def test_a_signal_during_the_evaluation_after_the_loop_stops_with_a_checkpoint(tiny_model_dir, tmp_path):
+    """A run that ends mid-epoch (max_steps) ends that epoch after its loop, as transformers does, with the evaluation
+    `eval_strategy="epoch"` asks for: minutes on a large eval set. A SIGTERM then ended the process at once (the
+    handler covered the loop alone), every step lost under save_strategy="no"; it now stops as during the loop,
+    with a checkpoint to resume from."""
+    from trl_vapo.signals import TrainingInterrupted
+
+    class Stop(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, during the evaluation
+
+    args = config(tmp_path, max_steps=2, eval_strategy="epoch", per_device_eval_batch_size=4, num_generations_eval=2)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2), callbacks=[Stop()]
+    )
+    with pytest.raises(TrainingInterrupted):
+        trainer.train()
+    assert any("eval_loss" in h for h in trainer.state.log_history)  # the evaluation ran to its end
+    assert [c.name for c in list_checkpoints(tmp_path / "out")] == ["checkpoint-2"]
 
 
 def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tiny_model_dir, tmp_path, monkeypatch):

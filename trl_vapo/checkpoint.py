@@ -264,7 +264,11 @@ def checkpoint_problem(path: Path) -> str | None:
     `trainer_state.json` without its step. Headers only: cheap for any model size."""
     from safetensors import safe_open
 
-    if read_marker(path).get("model_only"):
+    try:
+        marker = read_marker(path)
+    except (OSError, ValueError) as error:  # a truncated or damaged marker (a partial copy of output_dir)
+        return f"{COMPLETE_MARKER}: {type(error).__name__}: {error}"
+    if marker.get("model_only"):
         return (
             "it was saved with save_only_model=True: the policy and critic only, without the optimizer state, "
             "schedules and random state a resume needs (its weights start a new run: model=<its folder>)"

@@ -447,14 +447,15 @@ def train_command(argv: list[str]) -> int:
             print(f"trl-vapo train: {stopped}", file=sys.stderr)
             trainer.accelerator.end_training()
             return stopped.exit_code
-        try:
-            after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
-        except Exception:  # the trained model is saved first, without the held-out scores the report did not give
-            trainer.model_card_info = _model_card_info(script_args, None, None, demo)
-            trainer.save_model(training_args.output_dir)
-            raise
+        # The trained model is saved before the held-out report, which takes minutes at eval_k x eval_num_prompts: a
+        # stop there (Ctrl-C; SIGTERM's default action) or a crash no longer loses it. Pushed once, with the scores.
+        trainer.model_card_info = _model_card_info(script_args, before, None, demo)
+        trainer.save_model(training_args.output_dir, _internal_call=True)
+        after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
         trainer.model_card_info = _model_card_info(script_args, before, after, demo)
-        trainer.save_model(training_args.output_dir)
+        trainer.create_model_card(output_dir=training_args.output_dir)
+        if training_args.push_to_hub:
+            trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
     if trainer.accelerator.is_main_process:
         print(_summary(trainer, before, after, time.time() - started, demo))
     # Several processes: destroy the process group before the interpreter exits; left to exit, a gloo worker once

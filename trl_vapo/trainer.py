@@ -593,23 +593,29 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self.evaluate()
         self.model_wrapped.train()
         with stop_on_signals() as received:
+
+            def stop_if_signalled() -> None:
+                asked = self._all_reduce(torch.tensor(float(received.signum is not None), device=self.args.device))
+                if asked.item():  # every process stops at the same point
+                    self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
+
             while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
                 self._train_on_rollout()
-                asked = self._all_reduce(torch.tensor(float(received.signum is not None), device=self.args.device))
-                if asked.item():  # every process stops after the same rollout
-                    self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
-        if self.state.global_step > start_step and self.progress.scored_completions == 0:
-            self.control = self.callback_handler.on_train_end(args, self.state, self.control)  # trackers close
-            self.is_in_train = False
-            raise RuntimeError(
-                f"No completion was scored in this run ({self.state.global_step} steps, every update skipped): "
-                f"each reward function ({', '.join(self.reward_func_names)}) returned None for every completion. "
-                "Check that the columns they read (e.g. `answer`) are in the dataset and that they return a float "
-                "for the completions they can judge."
-            )
-        if start_step < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
-            self._end_epoch(completed=False)
-            self._save_if_pending()
+                stop_if_signalled()
+            if self.state.global_step > start_step and self.progress.scored_completions == 0:
+                self.control = self.callback_handler.on_train_end(args, self.state, self.control)  # trackers close
+                self.is_in_train = False
+                raise RuntimeError(
+                    f"No completion was scored in this run ({self.state.global_step} steps, every update skipped): "
+                    f"each reward function ({', '.join(self.reward_func_names)}) returned None for every completion. "
+                    "Check that the columns they read (e.g. `answer`) are in the dataset and that they return a "
+                    "float for the completions they can judge."
+                )
+            if start_step < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
+                # (its evaluation and checkpoint may take minutes: a signal then stops with a checkpoint too)
+                self._end_epoch(completed=False)
+                self._save_if_pending()
+                stop_if_signalled()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
 
