@@ -286,6 +286,14 @@ def trim_padding(
     return input_ids[rows, first_prompt_column:end], attention[:, first_prompt_column:end], completion_length
 
 
+def length_sorted(rows: torch.Tensor, completion_lengths: torch.Tensor) -> torch.Tensor:
+    """`rows` (indices, on the CPU) in the order of their completions' lengths (stable): micro-batches split from them
+    hold rows of similar lengths, so each, cut to its longest (`trim_padding`), computes few padding positions; split
+    in a random order, nearly every micro-batch is as long as the longest of all. What the micro-batches sum (a step's
+    loss, normalised by its token count, or each row's scores) is the same."""
+    return rows[completion_lengths[rows].cpu().argsort(stable=True)]
+
+
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     # Left padding shifts every token; count positions from each row's first real token, as generation does.
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -718,7 +726,8 @@ class ActorCritic(nn.Module):
         ref = torch.zeros_like(values) if reference is not None else None
         if not (self.learns_values or with_policy or reference is not None):
             return logprobs, values, ref  # the value function gave everything asked for: no model forward
-        for rows in torch.arange(input_ids.shape[0]).split(batch_size):
+        lengths = attention_mask[:, prompt_length:].sum(dim=1)
+        for rows in length_sorted(torch.arange(input_ids.shape[0]), lengths).split(batch_size):
             ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
             columns = slice(0, min(length, width))
             with autocast():

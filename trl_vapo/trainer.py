@@ -116,6 +116,7 @@ from .modeling import (
     cast_lm_head_to_fp32,
     is_peft_model,
     keep_trainable_weights_in_float32,
+    length_sorted,
     policy_fingerprints,
     value_function_name,
     value_target_settings,
@@ -991,7 +992,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         extremes: dict[str, list[torch.Tensor]] = defaultdict(list)
         controls_entropy = trains_policy and args.use_adaptive_entropy
         entropy_reading = torch.zeros(2, device=mask.device)  # the controller's: the entropy's sum and its tokens
-        micro_batches = rows.split(args.per_device_train_batch_size)
+        micro_batches = length_sorted(rows, rollout.attention_mask[:, rollout.prompt_length :].sum(dim=1)).split(
+            args.per_device_train_batch_size
+        )
         learns_values = self.actor_critic.learns_values
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
