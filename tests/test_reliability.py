@@ -925,6 +925,14 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
     with output_dir_lock(tmp_path):
         assert remove_debris(tmp_path) == ([".checkpoint-6.host-1.tmp"], ["checkpoint-6"])
     assert (tmp_path / "checkpoint-6" / "model.safetensors").read_text() == "weights"
+    # The same for the value-pretrained critic (a later run's value_model): it was removed with the new one, and lost.
+    old_critic = tmp_path / ".value_pretrained_critic.host-1.old"
+    old_critic.mkdir()
+    (old_critic / "vapo_value_pretraining.json").write_text("{}")  # its record, written last
+    (tmp_path / ".value_pretrained_critic.host-1.tmp").mkdir()
+    with output_dir_lock(tmp_path):
+        assert remove_debris(tmp_path) == ([".value_pretrained_critic.host-1.tmp"], ["value_pretrained_critic"])
+    assert (tmp_path / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
 
 
 @pytest.fixture(scope="module")

@@ -90,8 +90,8 @@ WEIGHT_FILES = (
 def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
     """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`, a `save_model`'s
     `.save_model.<run>.tmp`: a full model each) that runs stopped mid-write left in `output_dir`; only while holding
-    its lock, when no other run can be writing them. A checkpoint that a stop between `publish`'s two renames left
-    only as `.old` goes back in place. Returns the names removed, and the checkpoints restored."""
+    its lock, when no other run can be writing them. A checkpoint (or the value-pretrained critic) that a stop between
+    `publish`'s two renames left only as `.old` goes back in place. Returns the names removed, and those restored."""
     # `(\..+)?`: the run's name; folders of trl-vapo before per-run names have none
     pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old)$")
     found = [p for p in sorted(Path(output_dir).glob(".*")) if p.is_dir() and pattern.match(p.name)]
@@ -99,9 +99,11 @@ def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
     for folder in found:
         name, _, kind = pattern.match(folder.name).groups()
         final = Path(output_dir) / name
-        whole = (folder / COMPLETE_MARKER).is_file()  # written last: a folder half removed may have lost it
-        if kind == "old" and name.startswith(CHECKPOINT_PREFIX) and whole and not final.exists():
-            # `publish` stopped between its two renames: the checkpoint it replaced is whole, and back in place.
+        # Each folder's record, written last: a folder half removed may have lost it.
+        record = COMPLETE_MARKER if name.startswith(CHECKPOINT_PREFIX) else VALUE_PRETRAINING_FILE
+        whole = name != "save_model" and (folder / record).is_file()
+        if kind == "old" and whole and not final.exists():
+            # `publish` stopped between its two renames: the folder it replaced is whole, and back in place.
             os.replace(folder, final)
             restored.append(final.name)
             continue
