@@ -260,11 +260,39 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert set(scores) == {"pass@1", "avg@2", "pass@2", "num_problems", "mean_length"}
     assert scores["num_problems"] == 40 and 0 <= scores["avg@2"] <= scores["pass@2"] <= 1
     assert 1 <= scores["mean_length"] <= 8
-    # A flag overrides the run's setting.
+    # A flag overrides the run's setting; so does a config (`--config=FILE`, its `model:` read for the run's too).
     main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "3", "--max_new_tokens", "2", "--output_json",
           str(scores_file)])  # fmt: skip
     scores = json.loads(scores_file.read_text())
     assert scores["num_problems"] == 3 and 1 <= scores["mean_length"] <= 2
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"model: {out}\nk: 1\nnum_prompts: 50\nmax_completion_length: 2\noutput_json: {scores_file}\n")
+    assert main(["eval", f"--config={config}"]) == 0
+    scores = json.loads(scores_file.read_text())
+    assert scores["num_problems"] == 40 and 1 <= scores["mean_length"] <= 2  # the run's data, the config's length
+    # Another data set named: none of the run's data settings (its `question` column, its system prompt) applies.
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    capsys.readouterr()
+    main(["eval", "--model", str(out), "--dataset_name", str(other), "--k", "1", "--output_json", str(scores_file)])
+    assert json.loads(scores_file.read_text())["num_problems"] == 6
+    told = capsys.readouterr().err
+    assert "prompt_column" not in told and "system_prompt" not in told and "max_completion_length=8" in told
+
+
+def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(tiny_model_dir, tmp_path, capsys):
+    """A run trained in Python saves its VAPOConfig (vapo_config.json) but not its reward functions: eval takes its
+    length, and not its reward_weights or positive_reward_funcs, which count and name functions eval does not know
+    (two weights for eval's one reward function were an error after the model loaded)."""
+    import shutil
+
+    out = tmp_path / "python-run"
+    shutil.copytree(tiny_model_dir, out)
+    saved = {"max_completion_length": 3, "reward_weights": [1.0, 0.5], "positive_reward_funcs": ["my_reward"]}
+    (out / "vapo_config.json").write_text(json.dumps(saved))
+    assert main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "2"]) == 0
+    told = capsys.readouterr().err
+    assert "max_completion_length=3" in told and "reward_weights" not in told and "positive_reward_funcs" not in told
 
 
 def test_a_stop_during_the_held_out_report_after_training_keeps_the_trained_model(

@@ -115,6 +115,31 @@ def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tin
     assert sum("sampling/importance_sampling_ratio/mean" in h for h in rl_logs(trainer)) == len(rl_rollouts)
 
 
+def test_the_best_checkpoint_loaded_at_the_end_reaches_vllm(tiny_model_dir, tmp_path, stand_in_vllm):
+    """`load_best_model_at_end` loads the best checkpoint after the last step's evaluation had pushed the last weights
+    to vLLM at that step: the next sampling (the command line's held-out report, an `evaluate()`) pushed nothing, the
+    step unchanged, and scored the last weights. It pushes the best ones."""
+    from transformers import EarlyStoppingCallback
+
+    args = make_args(
+        tmp_path, max_steps=8, eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+        save_strategy="best", load_best_model_at_end=True, learning_rate=3e-2, critic_learning_rate=3e-2,
+        per_device_eval_batch_size=4, num_generations_eval=2, use_vllm=True, vllm_mode="colocate",
+    )  # fmt: skip
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(3), peft_config=lora(),
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=1)],
+    )  # fmt: skip
+    trainer.train()
+    assert int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1]) < trainer.state.global_step
+    sampler = trainer.generation_engine.vllm_generation
+    pushes = sampler.pushes
+    trainer.generation_engine.sync_weights(trainer.state.global_step)  # as the next rollout or evaluation asks
+    assert sampler.pushes > pushes
+    for name, value in merged_policy_only(trainer.actor_critic.policy).items():  # the best weights, loaded
+        torch.testing.assert_close(sampler.received[name], value, atol=1e-6, rtol=0, msg=name)
+
+
 def test_the_policy_loss_is_weighted_by_the_samplers_mismatch(tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch):
     """A sampler whose log-prob of every token is 0.05 above the trainer's: with `token_truncate` each token's weight
     is exp(-0.05), and the first step's policy loss (ratio 1, advantages not whitened) is exp(-0.05) times the loss

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import shutil
 
 import pytest
 import torch
@@ -390,7 +392,7 @@ class WeightsByStep(TrainerCallback):
         self.weights[state.global_step] = {name: p.detach().clone() for name, p in model.state_dict().items()}
 
 
-def test_load_best_model_at_end_ends_with_the_best_checkpoints_policy_and_critic(tiny_model_dir, tmp_path):
+def test_load_best_model_at_end_ends_with_the_best_checkpoints_policy_and_critic(tiny_model_dir, tmp_path, caplog):
     """`load_best_model_at_end` with TRL's usual `EarlyStoppingCallback`, as transformers' Trainer runs it: training
     stops at the first evaluation that does not improve `eval_loss`, and the trainer ends with the weights of the
     best checkpoint (policy and critic), not the last step's, which `save_model` then writes."""
@@ -424,6 +426,15 @@ def test_load_best_model_at_end_ends_with_the_best_checkpoints_policy_and_critic
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     policy = trainer.actor_critic.policy
     assert all(torch.equal(p, policy.get_parameter(name)) for name, p in saved.named_parameters())
+    # A best checkpoint that is gone (deleted, not copied along with a resumed run) is said, and the weights stay:
+    # as transformers' Trainer, not a FileNotFoundError after the whole run.
+    shutil.rmtree(trainer.state.best_model_checkpoint)
+    policy.get_parameter(next(iter(dict(policy.named_parameters())))).data.add_(1.0)  # (not the best's any more)
+    before = {name: value.clone() for name, value in trainer.actor_critic.state_dict().items()}
+    with caplog.at_level(logging.WARNING):
+        trainer._load_best_model()
+    assert "is gone: the run ends with the weights it trained last" in caplog.text
+    assert all(torch.equal(value, before[name]) for name, value in trainer.actor_critic.state_dict().items())
 
 
 @pytest.mark.parametrize("sharded", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])

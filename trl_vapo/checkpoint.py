@@ -937,10 +937,19 @@ class SavingMixin:
         """`load_best_model_at_end`, as transformers' Trainer ends a run: the best checkpoint's policy and critic (on
         every process: each has its copy; VAPOConfig refuses the option where the weights are sharded)."""
         best = Path(self.state.best_model_checkpoint)
+        if not best.is_dir():  # spelt by a run resumed from another working directory, say: output_dir's own
+            best = Path(self.args.output_dir) / best.name
+        if not (best / COMPLETE_MARKER).is_file():  # moved, deleted: as transformers, the run keeps its last weights
+            logger.warning(
+                f"The best checkpoint {self.state.best_model_checkpoint} is gone: the run ends with the weights it "
+                "trained last, not the best ones (load_best_model_at_end)."
+            )
+            return
         logger.info(
             f"Loading the best checkpoint {best} ({self.args.metric_for_best_model}: {self.state.best_metric})."
         )
         self._load_weights(best)
+        self.generation_engine.weights_changed()  # vLLM holds the last step's weights: pushed again at its next use
 
     def _load_weights(self, path: Path) -> None:
         """The policy's and the critic's weights of the checkpoint `path`, into `actor_critic` as it is."""

@@ -270,20 +270,36 @@ DATA_AND_MODEL_FLAGS = {
 too, which the demo (its own model and reward) would have trained with instead of saying the policy is missing."""
 
 
-def _is_demo(argv: list[str]) -> bool:
-    """No model and no data, as flags or in the `--config` file: the offline demo (a config then changes its
-    settings, `max_steps: 5` say)."""
+def _given(argv: list[str]) -> tuple[dict[str, typing.Any], dict[str, typing.Any] | None]:
+    """A look at what a command is given before its parser reads it: the flags (`--name value`, `--name=value`, a
+    flag alone as True) and the `--config` file's keys, each by field name; the file's None where it cannot be read
+    (the parser then says what is wrong with it)."""
     argv = _config_flag_apart(argv)
-    given = {"--" + arg.split("=", 1)[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
+    flags = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--") and arg != "--config":
+            name, equals, value = arg[2:].partition("=")
+            following = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
+            flags[name.replace("-", "_")] = value if equals else following
+    config = {}
     if "--config" in argv[:-1]:
         import yaml
 
         try:
-            keys = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
-        except (OSError, yaml.YAMLError):  # the parser says what is wrong with the file
-            return False
-        given |= {f"--{key}" for key in keys} if isinstance(keys, dict) else set()
-    return not given & DATA_AND_MODEL_FLAGS
+            config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        except (OSError, yaml.YAMLError):
+            config = None
+        config = config if isinstance(config, dict) or config is None else {}
+    return flags, config
+
+
+def _is_demo(argv: list[str]) -> bool:
+    """No model and no data, as flags or in the `--config` file: the offline demo (a config then changes its
+    settings, `max_steps: 5` say)."""
+    flags, config = _given(argv)
+    if config is None:  # the parser says what is wrong with the file
+        return False
+    return not {f"--{name}" for name in [*flags, *config]} & DATA_AND_MODEL_FLAGS
 
 
 def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser=None) -> list[str]:
@@ -405,6 +421,11 @@ def train_command(argv: list[str]) -> int:
         _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")
         _check_model_source(script_args.value_model_name_or_path, "--value_model_name_or_path")
+    run_data = asdict(script_args)  # as given (`_resolve_data` fills a preset's fields in), for `trl-vapo eval`
+    for key in ("dataset_name", "reward_model_name_or_path"):  # read from any working directory
+        if run_data[key] and Path(run_data[key]).exists():
+            run_data[key] = str(Path(run_data[key]).resolve())
+    run_data["mixture"] = mixture is not None
     model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
         script_args, model_args, training_args, demo, mixture
     )
@@ -439,8 +460,7 @@ def train_command(argv: list[str]) -> int:
     before = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
     with trainer.holding_output_dir():  # until the model is saved: a run started meanwhile would remove it half-saved
         if trainer.accelerator.is_main_process:  # what `trl-vapo eval --model OUTPUT_DIR` scores by default
-            settings = {**asdict(script_args), "mixture": mixture is not None}
-            Path(training_args.output_dir, RUN_DATA_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+            Path(training_args.output_dir, RUN_DATA_FILE).write_text(json.dumps(run_data, indent=2) + "\n")
         try:
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: the checkpoint is written and named in the log
@@ -451,7 +471,12 @@ def train_command(argv: list[str]) -> int:
         # stop there (Ctrl-C; SIGTERM's default action) or a crash no longer loses it. Pushed once, with the scores.
         trainer.model_card_info = _model_card_info(script_args, before, None, demo)
         trainer.save_model(training_args.output_dir, _internal_call=True)
-        after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
+        try:
+            after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
+        except Exception:
+            if training_args.push_to_hub:  # the trained model reaches the Hub all the same, without the scores
+                trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
+            raise
         trainer.model_card_info = _model_card_info(script_args, before, after, demo)
         trainer.create_model_card(output_dir=training_args.output_dir)
         if training_args.push_to_hub:
@@ -938,39 +963,38 @@ EVAL_FROM_RUN_DATA = (
 )
 """What `eval` takes from the run that saved `--model`, so that it scores as training sampled and scored: not
 `top_p` (the paper evaluates at 0.7, the run's 1.0 is a default a config cannot tell from a choice) nor `k`."""
+RUN_REWARDS = ("reward_funcs", "reward_model_name_or_path")
 
 
 def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     """The settings of the trl-vapo run whose output `--model` names (its folder, or for a checkpoint its folder
-    and the run's output_dir above it), as eval's defaults, and the files they came from."""
-    import yaml
-
-    model = None
-    for i, arg in enumerate(argv):
-        name, _, value = arg.partition("=")
-        if name in ("--model", "--model_name_or_path"):
-            model = value or (argv[i + 1] if i + 1 < len(argv) else None)
-    if model is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
-        config = Path(argv[argv.index("--config") + 1])
-        try:
-            model = (yaml.safe_load(config.read_text()) or {}).get("model") if config.is_file() else None
-        except (yaml.YAMLError, AttributeError):  # the parser says what is wrong with it
-            model = None
-    if not model or not Path(model).is_dir():
+    and the run's output_dir above it), as eval's defaults, and the files they came from. A data set named here (flag
+    or config) takes none of the run's data settings; reward functions named here none of its rewards, weights and
+    positive functions (which count and name the run's functions, and come only with them).
+    """
+    flags, config = _given(argv)
+    config = config or {}
+    model = flags.get("model") or flags.get("model_name_or_path") or config.get("model")  # (a config's
+    if not isinstance(model, str) or not Path(model).is_dir():  # model_name_or_path is the base it trained from)
         return {}, []
     folder = Path(model)
     places = [folder, folder.parent] if folder.name.startswith("checkpoint-") else [folder]
-    settings, read = {}, []
-    for name, keys in ((RUN_DATA_FILE, EVAL_FROM_RUN_DATA), (RUN_CONFIG_FILE, EVAL_FROM_RUN_CONFIG)):
-        path = next((place / name for place in places if (place / name).is_file()), None)
-        if path is None:
-            continue
-        saved = json.loads(path.read_text())
-        settings.update({key: saved[key] for key in keys if key in saved})
-        if saved.get("mixture"):
-            settings["mixture"] = True
-        read.append(path)
-    return settings, read
+    found = {name: next((place / name for place in places if (place / name).is_file()), None)
+             for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}  # fmt: skip
+    data = json.loads(found[RUN_DATA_FILE].read_text()) if found[RUN_DATA_FILE] else {}
+    run_config = json.loads(found[RUN_CONFIG_FILE].read_text()) if found[RUN_CONFIG_FILE] else {}
+    named = {*flags, *config}
+    keys = list(EVAL_FROM_RUN_CONFIG)
+    if named & {"reward_funcs", "reward_model_name_or_path"} or not data:
+        keys = [key for key in keys if key not in ("reward_weights", "positive_reward_funcs")]
+    settings = {key: run_config[key] for key in keys if key in run_config}
+    data_keys = [key for key in EVAL_FROM_RUN_DATA if key not in RUN_REWARDS or not named & set(RUN_REWARDS)]
+    if named & {"dataset_name", "dataset_preset"}:
+        data_keys = [key for key in data_keys if key in RUN_REWARDS]
+    settings.update({key: data[key] for key in data_keys if key in data})
+    if data.get("mixture") and not named & {"dataset_name", "dataset_preset"}:
+        settings["mixture"] = True
+    return settings, [path for path in found.values() if path is not None]
 
 
 def eval_command(argv: list[str]) -> int:

@@ -393,6 +393,10 @@ class GenerationEngine:
     def sync_weights(self, step: int | None = None) -> None:
         """Make the engine sample from the current policy. A no-op for engines that read the policy's weights."""
 
+    def weights_changed(self) -> None:
+        """The policy's weights changed outside an optimizer step (a checkpoint loaded into it): the next
+        `sync_weights` pushes them whatever its step. A no-op for engines that read the policy's weights."""
+
     def prepare_backend(self) -> None:
         """Set the engine's sampling (`self.sampling`, its stop ids) on the backend it drives, for a caller that
         samples with that backend directly: a `rollout_func` with `trainer.vllm_generation`. A no-op for the engines
@@ -634,6 +638,9 @@ class VLLMEngine(GenerationEngine):
         check_policy_adapter_active(self.vllm_generation.model)
         self.vllm_generation.sync_weights()
         self._synced_step = step
+
+    def weights_changed(self) -> None:
+        self._synced_step = None
 
     def prepare_backend(self) -> None:
         _apply_sampling(self.vllm_generation, self.sampling, self.stop_token_ids)

@@ -290,7 +290,8 @@ def length_sorted(rows: torch.Tensor, completion_lengths: torch.Tensor) -> torch
     """`rows` (indices, on the CPU) in the order of their completions' lengths (stable): micro-batches split from them
     hold rows of similar lengths, so each, cut to its longest (`trim_padding`), computes few padding positions; split
     in a random order, nearly every micro-batch is as long as the longest of all. What the micro-batches sum (a step's
-    loss, normalised by its token count, or each row's scores) is the same."""
+    loss, normalised by its token count, or each row's scores) is the same; what is taken per micro-batch is not
+    (`top_entropy_quantile`'s threshold: the trainer splits as drawn there)."""
     return rows[completion_lengths[rows].cpu().argsort(stable=True)]
 
 

@@ -992,9 +992,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         extremes: dict[str, list[torch.Tensor]] = defaultdict(list)
         controls_entropy = trains_policy and args.use_adaptive_entropy
         entropy_reading = torch.zeros(2, device=mask.device)  # the controller's: the entropy's sum and its tokens
-        micro_batches = length_sorted(rows, rollout.attention_mask[:, rollout.prompt_length :].sum(dim=1)).split(
-            args.per_device_train_batch_size
-        )
+        if args.top_entropy_quantile >= 1.0:  # (its threshold is each micro-batch's, GRPOTrainer's: of drawn rows)
+            rows = length_sorted(rows, rollout.attention_mask[:, rollout.prompt_length :].sum(dim=1))
+        micro_batches = rows.split(args.per_device_train_batch_size)
         learns_values = self.actor_critic.learns_values
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
