@@ -61,6 +61,20 @@ def make_args(tmp_path, **overrides) -> VAPOConfig:
     return VAPOConfig(**settings)
 
 
+EARLY_STOPPING = dict(
+    max_steps=8,
+    eval_strategy="steps",
+    eval_steps=1,
+    metric_for_best_model="loss",
+    save_strategy="best",
+    load_best_model_at_end=True,
+    learning_rate=3e-2,
+    critic_learning_rate=3e-2,
+)
+"""A run that EarlyStoppingCallback(early_stopping_patience=1) stops after its best checkpoint (an evaluation at each
+step, at a rate that moves eval_loss both ways), ending with the best checkpoint's weights."""
+
+
 class CapturingTrainer(VAPOTrainer):
     """Keeps every rollout it trains on, so tests can recompute what the losses should have been."""
 

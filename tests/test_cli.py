@@ -851,7 +851,10 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     assert re.search(
         r"held-out avg@1 +\d\.\d{3} -> \d\.\d{3} +\(sampled at T=1, 2 problems\)", capsys.readouterr().out
     )
-    # eval reads a run's data set, but a mixture is not one: it asks for the one to score (not the demo's problems).
+    # Its card says where the held-out problems came from, which eval cannot draw again; eval reads a run's data
+    # set, but a mixture is not one: it asks for the one to score (not the demo's problems).
+    card = (out / "README.md").read_text()
+    assert "problems of the data set mixture's test split" in card and "cannot draw again" in card
     assert main(["eval", "--model", str(out)]) == 2
     assert "was trained on a data set mixture (datasets:); eval scores one data set" in capsys.readouterr().err
 

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from helpers import (
+    EARLY_STOPPING,
     CapturingTrainer,
     StandInVLLMGeneration,
     comparable,
@@ -122,9 +123,8 @@ def test_the_best_checkpoint_loaded_at_the_end_reaches_vllm(tiny_model_dir, tmp_
     from transformers import EarlyStoppingCallback
 
     args = make_args(
-        tmp_path, max_steps=8, eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
-        save_strategy="best", load_best_model_at_end=True, learning_rate=3e-2, critic_learning_rate=3e-2,
-        per_device_eval_batch_size=4, num_generations_eval=2, use_vllm=True, vllm_mode="colocate",
+        tmp_path, per_device_eval_batch_size=4, num_generations_eval=2, use_vllm=True, vllm_mode="colocate",
+        **EARLY_STOPPING,
     )  # fmt: skip
     trainer = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(3), peft_config=lora(),

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
-from helpers import digit_fraction, make_args, prompts_dataset
+from helpers import EARLY_STOPPING, digit_fraction, make_args, prompts_dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_vapo import VAPOTrainer
@@ -319,45 +319,6 @@ def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_di
     ]  # nothing logged, evaluated or saved again
 
 
-def test_the_best_metric_drives_early_stopping_and_the_best_checkpoints(tiny_model_dir, tmp_path):
-    """`metric_for_best_model="loss"` with `save_strategy="best"` and TRL's usual `EarlyStoppingCallback`: a
-    checkpoint at each evaluation that lowers `eval_loss`, `best_model_checkpoint` the last of them, and training
-    stops at the first evaluation that does not improve (patience 1)."""
-    from transformers import EarlyStoppingCallback
-
-    args = eval_args(
-        tmp_path,
-        max_steps=8,
-        eval_strategy="steps",
-        eval_steps=1,
-        metric_for_best_model="loss",
-        save_strategy="best",
-        learning_rate=3e-2,
-        critic_learning_rate=3e-2,
-    )
-    trainer = VAPOTrainer(
-        str(tiny_model_dir),
-        digit_fraction,
-        args,
-        prompts_dataset(),
-        prompts_dataset(3),
-        callbacks=[EarlyStoppingCallback(early_stopping_patience=1)],
-    )
-    trainer.train()
-    losses = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
-    improving, best = [], math.inf
-    for step, loss in losses:
-        if loss >= best:
-            break
-        improving.append(step)
-        best = loss
-    assert 1 <= len(improving) < len(losses)  # an evaluation that did not improve...
-    assert losses[-1][0] == trainer.state.global_step == losses[len(improving)][0] < 8  # ...stopped training there
-    assert trainer.state.best_metric == best
-    assert sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*")) == improving
-    assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{improving[-1]}")
-
-
 def test_with_several_steps_a_rollout_the_evaluation_waits_for_the_checkpoint_that_holds_its_weights(
     tiny_model_dir, tmp_path
 ):
@@ -392,23 +353,17 @@ class WeightsByStep(TrainerCallback):
         self.weights[state.global_step] = {name: p.detach().clone() for name, p in model.state_dict().items()}
 
 
-def test_load_best_model_at_end_ends_with_the_best_checkpoints_policy_and_critic(tiny_model_dir, tmp_path, caplog):
-    """`load_best_model_at_end` with TRL's usual `EarlyStoppingCallback`, as transformers' Trainer runs it: training
-    stops at the first evaluation that does not improve `eval_loss`, and the trainer ends with the weights of the
-    best checkpoint (policy and critic), not the last step's, which `save_model` then writes."""
+def test_the_best_metric_drives_early_stopping_the_best_checkpoints_and_the_weights_at_the_end(
+    tiny_model_dir, tmp_path, caplog
+):
+    """`metric_for_best_model="loss"` with `save_strategy="best"`, `load_best_model_at_end` and TRL's usual
+    `EarlyStoppingCallback`, as transformers' Trainer runs them: a checkpoint at each evaluation that lowers
+    `eval_loss`, `best_model_checkpoint` the last of them, training stopped at the first evaluation that does not
+    improve (patience 1), and the trainer ends with the best checkpoint's weights (policy and critic), not the last
+    step's, which `save_model` then writes."""
     from transformers import EarlyStoppingCallback
 
-    args = eval_args(
-        tmp_path,
-        max_steps=8,
-        eval_strategy="steps",
-        eval_steps=1,
-        metric_for_best_model="loss",
-        save_strategy="best",
-        load_best_model_at_end=True,
-        learning_rate=3e-2,
-        critic_learning_rate=3e-2,
-    )
+    args = eval_args(tmp_path, **EARLY_STOPPING)
     by_step = WeightsByStep()
     stop = EarlyStoppingCallback(early_stopping_patience=1)
     trainer = VAPOTrainer(
@@ -416,6 +371,18 @@ def test_load_best_model_at_end_ends_with_the_best_checkpoints_policy_and_critic
     )
     by_step.trainer = trainer
     trainer.train()
+    losses = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    improving, lowest = [], math.inf
+    for step, loss in losses:
+        if loss >= lowest:
+            break
+        improving.append(step)
+        lowest = loss
+    assert 1 <= len(improving) < len(losses)  # an evaluation that did not improve...
+    assert losses[-1][0] == trainer.state.global_step == losses[len(improving)][0] < 8  # ...stopped training there
+    assert trainer.state.best_metric == lowest
+    assert sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*")) == improving
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{improving[-1]}")
     best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
     last = trainer.state.global_step
     assert best < last, "the run must end after its best checkpoint for this test to mean something"

@@ -469,7 +469,7 @@ def train_command(argv: list[str]) -> int:
             return stopped.exit_code
         # The trained model is saved before the held-out report, which takes minutes at eval_k x eval_num_prompts: a
         # stop there (Ctrl-C; SIGTERM's default action) or a crash no longer loses it. Pushed once, with the scores.
-        trainer.model_card_info = _model_card_info(script_args, before, None, demo)
+        trainer.model_card_info = _model_card_info(script_args, before, None, demo, mixture is not None)
         trainer.save_model(training_args.output_dir, _internal_call=True)
         try:
             after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
@@ -477,7 +477,7 @@ def train_command(argv: list[str]) -> int:
             if training_args.push_to_hub:  # the trained model reaches the Hub all the same, without the scores
                 trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
             raise
-        trainer.model_card_info = _model_card_info(script_args, before, after, demo)
+        trainer.model_card_info = _model_card_info(script_args, before, after, demo, mixture is not None)
         trainer.create_model_card(output_dir=training_args.output_dir)
         if training_args.push_to_hub:
             trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
@@ -489,7 +489,7 @@ def train_command(argv: list[str]) -> int:
     return 0
 
 
-def _model_card_info(script_args, before, after, demo: bool) -> dict:
+def _model_card_info(script_args, before, after, demo: bool, mixture: bool = False) -> dict:
     """What the model card needs from the command line: the data set and the held-out scores."""
     info = {
         "dataset_name": None if demo else script_args.dataset_name,
@@ -498,13 +498,18 @@ def _model_card_info(script_args, before, after, demo: bool) -> dict:
     }
     if before and after:
         split = "the demo's held-out split" if demo else f"the `{script_args.dataset_test_split}` split"
+        again = (
+            f"`trl-vapo eval --model <this folder> --temperature 1.0 --top_p 1.0 --k {script_args.eval_k} "
+            f"--num_prompts {before['num_problems']}` samples the same way: it reads the run's data and sampling "
+            "settings"
+        )
+        if mixture:  # cut from the mixture at random (`test_split_size`): no data set eval can name
+            split, again = "the data set mixture's test split", "a split `trl-vapo eval` cannot draw again"
         info["held_out"] = {
             "before": before,
             "after": after,
             "description": f"{before['num_problems']} problems of {split}, {script_args.eval_k} samples each at "
-            "temperature 1.0 and top_p 1.0 for avg@k (`trl-vapo eval --model <this folder> --temperature 1.0 "
-            f"--top_p 1.0 --k {script_args.eval_k} --num_prompts {before['num_problems']}` samples the same way: "
-            "it reads the run's data and sampling settings), greedy for pass@1",
+            f"temperature 1.0 and top_p 1.0 for avg@k ({again}), greedy for pass@1",
         }
     return info
 
