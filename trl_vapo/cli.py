@@ -953,7 +953,7 @@ EVAL_FROM_RUN_CONFIG = (
     "chat_template_kwargs",
     "generation_kwargs",
 )
-EVAL_FROM_RUN_DATA = (
+RUN_DATA = (
     "dataset_name",
     "dataset_config",
     "dataset_test_split",
@@ -963,12 +963,12 @@ EVAL_FROM_RUN_DATA = (
     "prompt_template",
     "system_prompt",
     "prompt_format",
-    "reward_funcs",
-    "reward_model_name_or_path",
 )
-"""What `eval` takes from the run that saved `--model`, so that it scores as training sampled and scored: not
-`top_p` (the paper evaluates at 0.7, the run's 1.0 is a default a config cannot tell from a choice) nor `k`."""
 RUN_REWARDS = ("reward_funcs", "reward_model_name_or_path")
+RUN_REWARD_SETTINGS = ("reward_weights", "positive_reward_funcs")  # (in EVAL_FROM_RUN_CONFIG: they name RUN_REWARDS)
+"""What `eval` takes from the run that saved `--model` (`vapo_config.json`'s EVAL_FROM_RUN_CONFIG, and
+`vapo_script_args.json`'s RUN_DATA and RUN_REWARDS), so that it scores as training sampled and scored: not `top_p`
+(the paper evaluates at 0.7, the run's 1.0 is a default a config cannot tell from a choice) nor `k`."""
 
 
 def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
@@ -989,15 +989,13 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     data = json.loads(found[RUN_DATA_FILE].read_text()) if found[RUN_DATA_FILE] else {}
     run_config = json.loads(found[RUN_CONFIG_FILE].read_text()) if found[RUN_CONFIG_FILE] else {}
     named = {*flags, *config}
-    keys = list(EVAL_FROM_RUN_CONFIG)
-    if named & {"reward_funcs", "reward_model_name_or_path"} or not data:
-        keys = [key for key in keys if key not in ("reward_weights", "positive_reward_funcs")]
+    takes_data = not named & {"dataset_name", "dataset_preset"}
+    takes_rewards = bool(data) and not named & set(RUN_REWARDS)
+    keys = [key for key in EVAL_FROM_RUN_CONFIG if takes_rewards or key not in RUN_REWARD_SETTINGS]
     settings = {key: run_config[key] for key in keys if key in run_config}
-    data_keys = [key for key in EVAL_FROM_RUN_DATA if key not in RUN_REWARDS or not named & set(RUN_REWARDS)]
-    if named & {"dataset_name", "dataset_preset"}:
-        data_keys = [key for key in data_keys if key in RUN_REWARDS]
-    settings.update({key: data[key] for key in data_keys if key in data})
-    if data.get("mixture") and not named & {"dataset_name", "dataset_preset"}:
+    keys = (RUN_DATA if takes_data else ()) + (RUN_REWARDS if takes_rewards else ())
+    settings.update({key: data[key] for key in keys if key in data})
+    if data.get("mixture") and takes_data:
         settings["mixture"] = True
     return settings, [path for path in found.values() if path is not None]
 

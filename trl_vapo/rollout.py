@@ -177,7 +177,7 @@ def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | 
         metrics["frac_reward_zero_std"] = spread.isclose(torch.zeros_like(spread)).float().mean().item()
     if rollout.ref_logprobs is not None:
         # GRPOTrainer's estimator of KL(policy || reference), exp(r) - r - 1 with r = log ref - log policy: never
-        # negative, as the per-token penalty the reward is charged (beta * -r, an estimate of the same KL) can be
+        # negative, where the per-token penalty the reward is charged (beta * -r, the same KL's estimate) can read so
         log_ratio = rollout.ref_logprobs - rollout.old_logprobs
         metrics["kl"] = masked_mean(log_ratio.exp() - log_ratio - 1, mask, all_reduce=all_reduce).item()
     metrics.update(reduce_sampling_metrics(rollout.sampling_metrics, gather, mask.device))

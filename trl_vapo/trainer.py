@@ -993,14 +993,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         controls_entropy = trains_policy and args.use_adaptive_entropy
         entropy_reading = torch.zeros(2, device=mask.device)  # the controller's: the entropy's sum and its tokens
         if args.top_entropy_quantile >= 1.0:  # (its threshold is each micro-batch's, GRPOTrainer's: of drawn rows)
-            rows = length_sorted(rows, rollout.attention_mask[:, rollout.prompt_length :].sum(dim=1))
+            rows = length_sorted(rows, rollout.lengths)
         micro_batches = rows.split(args.per_device_train_batch_size)
         learns_values = self.actor_critic.learns_values
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             no_sync = not last and not self.is_deepspeed_enabled
             batch = rollout.micro_batch(micro_rows)
-            n, n_sequences = batch["mask"].sum(), (batch["mask"].sum(dim=1) > 0).sum()
+            n = batch["mask"].sum()
             sums["_tokens"] += n
             with self.accelerator.no_sync(self.model_wrapped) if no_sync else contextlib.nullcontext():
                 for with_policy, with_values in self._update_passes(trains_policy, learns_values):
@@ -1020,9 +1020,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                     for key, value in stats.items():  # losses are shares of the step's mean; most others token means
                         if key in STEP_EXTREMES:  # over the step's sequences
                             extremes[key].append(value)
-                        elif key in SEQUENCE_MEANS:
-                            sums[key] += value * n_sequences
-                            sums["_sequences"] += n_sequences
+                        elif key in SEQUENCE_MEANS:  # weighted by the micro-batch's sequences with a token
+                            sequences = (batch["mask"].sum(dim=1) > 0).sum()
+                            sums[key] += value * sequences
+                            sums["_sequences"] += sequences
                         else:
                             sums[key] += value if key.startswith("loss") else value * n
                     if "entropy" in out:
