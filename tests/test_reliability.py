@@ -1551,11 +1551,10 @@ def test_ddp_without_unused_parameter_detection_is_refused_before_value_pretrain
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
     # Evaluated at steps 6 and 8 (every 2 steps after the 4 of value pretraining), each process on its half of the
-    # completions: three prompts x 3 in batches of two prompts, so that on two processes the last prompt's 3
-    # completions are repeated to split evenly (greedy: the same completions), which the pooled metrics (accuracy,
-    # explained variance) must leave out. A reward model scores too, so that the returns vary (greedy completions
-    # have no digits) and the explained variance is a number.
-    common += ["--eval-prompts", "3", "--eval-generations", "3", "--eval-steps", "2"]
+    # completions: three prompts x 1 in one batch, so that on two processes the first prompt is taken again to split
+    # evenly, which every metric must leave out (they counted it twice, but for the accuracy and explained variance).
+    # A reward model scores too, so that the rewards and returns vary (greedy completions have no digits).
+    common += ["--eval-prompts", "3", "--eval-generations", "1", "--eval-steps", "2"]
     reward_model = tiny_model_dir.parent / "reward-model"  # (test_distributed's, where both files run)
     if not (reward_model / "config.json").is_file():
         save_tiny_reward_model(reward_model)

@@ -297,8 +297,9 @@ class EvaluationMixin:
     def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int]:
         """Every prompt of `dataset` once, in batches: each batch is a rollout (`_make_rollout`, phase EVAL) whose
         metrics are averaged over batches as GRPOTrainer averages them, except two of VAPO's own, pooled over all the
-        completions: the critic's explained variance and the accuracy (each prompt counted once: the prompts a last
-        batch repeats to split evenly are left out). Returns the metrics and the number of completions."""
+        completions: the critic's explained variance and the accuracy. Each prompt counts once: the prompts a last
+        batch repeats to split evenly over the processes are left out of every metric but the reward functions' own
+        (GRPOTrainer counts them in all but the loss). Returns the metrics and the number of completions."""
         args, world = self.args, self.accelerator.num_processes
         all_reduce = self._all_reduce if self._distributed else None
         group = args.num_generations_eval or args.num_generations
@@ -312,17 +313,18 @@ class EvaluationMixin:
             repeated = [row for row in itertools.islice(itertools.cycle(batch), size) for _ in range(group)]
             share = len(repeated) // world
             rank = self.accelerator.process_index
-            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group)
             real = len(batch) * group  # the rows before the repeated prompts, in the gathered order
+            mine = min(max(real - rank * share, 0), share)  # this process's rows among the real ones
+            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group, counted=mine)
             verdicts = torch.stack([rollout.is_correct.cpu(), rollout.scores.scored]).to(rollout.loss_mask.device)
             right, scored = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
             correct, judged = correct + right, judged + scored
-            self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce))
-            self._metrics["loss"].append(self._evaluation_loss(rollout))
-            mine = min(max(real - rank * share, 0), share)  # this process's rows among the real ones
-            mask = rollout.loss_mask[:mine].bool()
-            values.append(rollout.old_values[:mine][mask])
-            returns.append(rollout.returns[:mine][mask])
+            counted = torch.arange(share, device=rollout.loss_mask.device) < mine
+            self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce, counted))
+            self._metrics["loss"].append(self._evaluation_loss(rollout))  # the repeats are out of its loss mask
+            mask = rollout.loss_mask.bool()
+            values.append(rollout.old_values[mask])
+            returns.append(rollout.returns[mask])
             completions += real
         metrics = {key: nan_mean(column) for key, column in self._metrics.items()}
         for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'

@@ -126,12 +126,18 @@ def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     return dataclasses.replace(newest, prompt_length=prompt_width, **{name: joined(name) for name in fields})
 
 
-def rollout_metrics(rollout: Rollout, gather: Callable, all_reduce: AllReduce | None) -> dict[str, float]:
-    """The rollout's statistics over all processes: rewards, accuracy, lengths, the critic and the advantages."""
+def rollout_metrics(
+    rollout: Rollout, gather: Callable, all_reduce: AllReduce | None, counted: torch.Tensor | None = None
+) -> dict[str, float]:
+    """The rollout's statistics over all processes: rewards, accuracy, lengths, the critic and the advantages.
+    `counted`: this process's rows to count (an evaluation's repeated prompts are not; whole groups, out of the loss
+    mask already, which the masked statistics read); default all."""
     device = rollout.loss_mask.device
+    kept = None if counted is None else gather(counted.to(device))
 
     def gathered(tensor: torch.Tensor) -> torch.Tensor:  # the scores live on the CPU; NCCL gathers only device tensors
-        return gather(tensor.to(device))
+        tensor = gather(tensor.to(device))
+        return tensor if kept is None else tensor[kept]
 
     scores = rollout.scores
     scored = gathered(scores.scored)

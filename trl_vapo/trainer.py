@@ -792,9 +792,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     # ------------------------------------------------------------------------------------------ the rollout
     @torch.no_grad()
-    def _make_rollout(self, rows: list[dict[str, Any]], phase: str, num_generations: int | None = None) -> Rollout:
+    def _make_rollout(
+        self, rows: list[dict[str, Any]], phase: str, num_generations: int | None = None, counted: int | None = None
+    ) -> Rollout:
         """Steps 1-4 of the loop on this process's rows (each prompt repeated `num_generations` times, default
-        `args.num_generations`): sample, score, value, advantage."""
+        `args.num_generations`): sample, score, value, advantage. `counted`: only the first rows are this process's
+        own; the rest repeat an evaluation batch's prompts so that it splits evenly over the processes, and are
+        sampled and scored (the metrics are collectives) but left out of the loss mask, so of the advantages'
+        whitening, the loss and the masked metrics."""
         args, device = self.args, self.accelerator.device
         # 1. Sample.
         prompts, prompt_mask, sample, rows = self._generate(rows, num_generations or args.num_generations)
@@ -813,6 +818,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         )
         self._record_reward_metrics(reward_metrics)
         trains = scores.scored.to(device) & (sample.lengths > 0)
+        if counted is not None:
+            trains[counted:] = False
         if args.mask_truncated_completions:
             trains &= ~sample.is_truncated
         # The policy's tokens: the actions. An environment's (a rollout_func's `env_mask`) are context only.
