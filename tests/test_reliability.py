@@ -1548,6 +1548,22 @@ def test_ddp_without_unused_parameter_detection_is_refused_before_value_pretrain
     assert "RuntimeError: Expected to have finished" not in run.stderr and not (tmp_path / "checkpoint-2").exists()
 
 
+def test_a_resume_the_main_process_cannot_choose_stops_every_process_with_its_error(tiny_model_dir, tmp_path):
+    """The main process chooses the checkpoint to resume and broadcasts it: an error there other than a ValueError
+    (a marker holding JSON null raised AttributeError) left the other process waiting in the broadcast, while the
+    main process had raised. Every error now reaches every process, and the main one names the damaged marker."""
+    damaged = tmp_path / "checkpoint-2"
+    damaged.mkdir(parents=True)
+    (damaged / "vapo_state.json").write_text("null")
+    run = on_two_ranks("--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--resume")
+    assert run.returncode != 0
+    ranks = dict(part.split(" ---\n", 1) for part in run.stderr.split("--- rank ")[1:])
+    assert sorted(ranks) == ["0", "1"]
+    for rank in ranks.values():
+        assert f"but no checkpoint in {tmp_path} can be read" in rank, rank[-2000:]
+    assert "vapo_state.json is damaged: a JSON NoneType, not the object a checkpoint writes" in ranks["0"]
+
+
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
     # Evaluated at steps 6 and 8 (every 2 steps after the 4 of value pretraining), each process on its half of the

@@ -32,7 +32,7 @@ from transformers import (
 from trl_vapo import VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adaptive_lambda
-from trl_vapo.rollout import RL
+from trl_vapo.rollout import RL, load_rollouts
 
 # Metrics the issue requires at every logging step (RL phase).
 REQUIRED_METRICS = [
@@ -724,7 +724,7 @@ def test_vf_coef_only_moves_the_critics_clipping_threshold(tiny_model_dir, tmp_p
     def pretrained_critic(name, vf_coef, max_grad_norm):
         args = make_args(
             tmp_path / name,
-            max_steps=1,
+            max_steps=2,
             value_pretrain_steps=3,
             value_pretrain_patience=None,
             vf_coef=vf_coef,
@@ -1206,6 +1206,44 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     expected_weights = full.actor_critic.state_dict()
     for name, value in again.actor_critic.state_dict().items():
         assert torch.equal(value, expected_weights[name]), name
+
+
+def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, tmp_path):
+    """`value_pretrain_replay`: the critic's steps draw from the last rollouts, which a checkpoint holds; a resume
+    mid-pretraining trained on its first rollout alone (other rows, another random stream) and ended elsewhere."""
+
+    def run(resume=None):
+        args = make_args(
+            tmp_path,
+            max_steps=2,
+            value_pretrain_steps=3,
+            value_pretrain_replay=2,
+            value_pretrain_patience=None,
+            save_strategy="steps",
+            save_steps=2,
+            num_iterations=2,
+        )
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(64)
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run()
+    out = tmp_path / "out"
+    assert [h["phase"] for h in full.state.log_history if "phase" in h] == ["value_pretrain"] * 6 + ["rl"] * 2
+    # Checkpoint 4 follows the second pretraining rollout: the window the third one adds to is both.
+    saved = load_rollouts(str(out / "checkpoint-4" / "value_pretrain_replay_0.safetensors"), torch.device("cpu"))
+    assert len(saved) == 2 and all(len(r) == len(full._last_rollout) for r in saved)
+    assert not (out / "checkpoint-8" / "value_pretrain_replay_0.safetensors").exists()  # RL keeps no window
+    expected = [h for h in comparable(full.state.log_history) if h["step"] > 4]
+    weights = {k: v.clone() for k, v in full.actor_critic.state_dict().items()}
+    for stale in ("checkpoint-6", "checkpoint-8"):
+        shutil.rmtree(out / stale)
+    resumed = run(resume=str(out / "checkpoint-4"))
+    assert [h for h in comparable(resumed.state.log_history) if h["step"] > 4] == expected
+    for name, value in resumed.actor_critic.state_dict().items():
+        assert torch.equal(value, weights[name]), name
 
 
 @pytest.mark.parametrize("layout", ["full", "full-bf16", "lora", "given-adapter"])

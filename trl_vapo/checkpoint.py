@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import broadcast_object_list
 from safetensors.torch import load_file, save_file
 from transformers.hf_argparser import string_to_bool
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from ._compat import get_config_model_id
 from .distributed import (
+    decided_on_main,
     fsdp2_optimizer_state,
     gathered_state_dict,
     load_fsdp2_optimizer_state,
@@ -51,6 +51,7 @@ from .modeling import (
     value_pretraining_record,
 )
 from .reporting import tracker_urls
+from .rollout import VALUE_PRETRAIN, load_rollouts, save_rollouts
 from .run import TrainingProgress
 
 logger = get_logger(__name__)
@@ -62,12 +63,15 @@ COMPLETE_MARKER = "vapo_state.json"
 # With sync_ref_model the KL penalty's reference moves with the policy (TR-DPO): a resume needs it as it was.
 REFERENCE_FILE = "reference_model.safetensors"
 SCALER_FILE = "scaler.pt"  # fp16's loss scaler (accelerate's name)
+# Value pretraining's replay window (`value_pretrain_replay`), each process's own rollouts.
+REPLAY_FILE = "value_pretrain_replay_{}.safetensors"
 # A checkpoint's files that only a resume reads: the model pushed to the Hub's root leaves them out.
 TRAINING_STATE = [
     "optimizer.pt",
     "scheduler.pt",
     SCALER_FILE,
     "rng_state_*",
+    REPLAY_FILE.format("*"),
     "trainer_state.json",
     REFERENCE_FILE,
     COMPLETE_MARKER,
@@ -200,7 +204,10 @@ def read_marker(path: Path) -> dict:
             f"{path} is not a complete trl-vapo checkpoint (no {COMPLETE_MARKER}); complete ones in its folder: "
             f"{[c.name for c in list_checkpoints(Path(path).parent)]}."
         )
-    return json.loads(marker.read_text())
+    content = json.loads(marker.read_text())
+    if not isinstance(content, dict):
+        raise ValueError(f"{marker} is damaged: a JSON {type(content).__name__}, not the object a checkpoint writes.")
+    return content
 
 
 def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | None:
@@ -299,9 +306,10 @@ def checkpoint_problem(path: Path) -> str | None:
 def missing_files(path: Path) -> list[str]:
     """The files a resume from ``path`` reads that are not there (what the checkpoint's marker says it holds)."""
     try:
-        run = json.loads((path / COMPLETE_MARKER).read_text()).get("run", {})
+        run = read_marker(path).get("run", {})
     except (OSError, ValueError):
         run = {}
+    run = run if isinstance(run, dict) else {}
     needed = ["trainer_state.json", "scheduler.pt"]
     if run.get("deepspeed"):
         needed.append(DEEPSPEED_CHECKPOINT_TAG)
@@ -563,17 +571,7 @@ class SavingMixin:
         resume_from_checkpoint = resume_request(resume_from_checkpoint)
         if resume_from_checkpoint not in (True, None):  # a path
             return resume_from_checkpoint
-        chosen = [None]
-        if self.accelerator.is_main_process:
-            try:
-                chosen = [resolve_resume(self.args.output_dir, resume_from_checkpoint)]
-            except ValueError as error:
-                chosen = [error]
-        if self.accelerator.num_processes > 1:
-            chosen = broadcast_object_list(chosen)
-        if isinstance(chosen[0], ValueError):
-            raise chosen[0]
-        return chosen[0]
+        return decided_on_main(lambda: resolve_resume(self.args.output_dir, resume_from_checkpoint), self.accelerator)
 
     def _save_pretrained_critic(self) -> None:
         """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""
@@ -848,6 +846,9 @@ class SavingMixin:
         self.accelerator.wait_for_everyone()
         if not model_only:
             save_rng_state(tmp / f"rng_state_{self.accelerator.process_index}.safetensors")
+            if self.progress.phase == VALUE_PRETRAIN and self._replay:  # the rollouts the next one's window keeps
+                window = self._replay[-self.args.value_pretrain_replay :]
+                save_rollouts(window, str(tmp / REPLAY_FILE.format(self.accelerator.process_index)))
         with self._full_weights() as state_dict:
             if main:
                 self._write_models(tmp, state_dict)
@@ -1007,4 +1008,16 @@ class SavingMixin:
             load_rng_state(rng_file)
         else:
             logger.warning(f"{rng_file.name} is missing in {path}: the resumed run will not replay the same samples.")
+        replay_file = path / REPLAY_FILE.format(self.accelerator.process_index)
+        if replay_file.is_file():
+            self._replay = load_rollouts(str(replay_file), self.accelerator.device)
+        elif (
+            self.progress.phase == VALUE_PRETRAIN
+            and self.args.value_pretrain_replay
+            and self.progress.value_pretrain_rollouts
+        ):
+            logger.warning(
+                f"{replay_file.name} is missing in {path} (written with value_pretrain_replay=0, or before trl-vapo "
+                "saved it): value pretraining's replay window starts anew."
+            )
         logger.info(f"Resumed from {path} at step {self.state.global_step} ({self.progress.phase}).")

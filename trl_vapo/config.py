@@ -510,8 +510,8 @@ class VAPOConfig(TrainingArguments):
             "help": "Value pretraining's replay: the critic's optimizer steps on a rollout draw their samples from it "
             "and the up to this many value-pretraining rollouts before it on the same process (the policy is frozen, "
             "so all are samples of one distribution). Each pass is still one rollout's worth of samples, so the steps "
-            "are as many and as large as without replay. Kept in memory only: a run resumed from a checkpoint starts "
-            "the window anew. 0: each rollout alone (the paper)."
+            "are as many and as large as without replay. Checkpoints hold the window: a resumed run replays the same "
+            "rollouts. 0: each rollout alone (the paper)."
         },
     )
     value_pretrain_patience: int | None = field(

@@ -549,3 +549,35 @@ def check_distributed_setup(accelerator, args) -> None:
                 "with separate actor and critic parameter groups, learning rates and schedules. Remove them and "
                 "set learning_rate, critic_learning_rate, lr_scheduler_type and warmup_steps in VAPOConfig."
             )
+
+
+def decided_on_main(decide: Callable[[], Any], accelerator) -> Any:
+    """``decide()`` run on the main process alone, and its answer on every process; whatever it raises is raised on
+    every process (had the main process raised alone, the others would wait in the broadcast until the collective's
+    timeout). An exception that does not survive pickling crosses as a RuntimeError naming it."""
+    answer, failure = None, None
+    if accelerator.is_main_process:
+        try:
+            answer = decide()
+        except Exception as error:
+            failure = error
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        answer, shared = broadcast_object_list([answer, None if failure is None else _crossable(failure)])
+        if failure is None and shared is not None:
+            raise shared
+    if failure is not None:
+        raise failure
+    return answer
+
+
+def _crossable(error: Exception) -> Exception:
+    """``error`` where it pickles and unpickles (a broadcast sends a pickle), else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 
@@ -124,6 +125,67 @@ def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     fields += ("raw_advantages", "advantages", "lambda_actor", "old_logprobs", "ref_logprobs", "is_weights")
     fields += ("sampling_logprobs",)
     return dataclasses.replace(newest, prompt_length=prompt_width, **{name: joined(name) for name in fields})
+
+
+_SAVED_SCORES = ("per_function", "reward", "scored", "verdict", "non_finite")
+
+
+def save_rollouts(rollouts: Sequence[Rollout], path: str) -> None:
+    """`rollouts` as one safetensors file (value pretraining's replay window in a checkpoint): every tensor, the
+    scores' included, under ``<index>.<field>``; the rest in the metadata. Left out: the reward functions' extra
+    columns (any Python objects; logged already, read by no update)."""
+    from safetensors.torch import save_file
+
+    tensors, settings = {}, []
+    for index, rollout in enumerate(rollouts):
+        fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+        fields |= {f"scores.{name}": getattr(rollout.scores, name) for name in _SAVED_SCORES}
+        tensors |= {
+            f"{index}.{name}": value.detach().to("cpu", copy=True).contiguous()  # (copies: two may share memory)
+            for name, value in fields.items()
+            if isinstance(value, torch.Tensor)
+        }
+        settings.append(
+            {
+                "phase": rollout.phase,
+                "prompt_length": rollout.prompt_length,
+                "pad_to_multiple_of": rollout.pad_to_multiple_of,
+                "group_size": rollout.group_size,
+                "sampling_metrics": rollout.sampling_metrics,
+                "score_names": rollout.scores.names,
+            }
+        )
+    save_file(tensors, path, metadata={"rollouts": json.dumps(settings)})
+
+
+def load_rollouts(path: str, device: torch.device) -> list[Rollout]:
+    """The rollouts `save_rollouts` wrote, their tensors on `device` (the scores' on the CPU, where they live)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, framework="pt") as handle:
+        settings = json.loads(handle.metadata()["rollouts"])
+    tensors = load_file(path)
+    rollouts = []
+    for index, saved in enumerate(settings):
+        mine = {key.split(".", 1)[1]: value for key, value in tensors.items() if key.split(".", 1)[0] == str(index)}
+        scores = Scores(
+            names=saved["score_names"],
+            **{name: mine.pop(f"scores.{name}", None) for name in _SAVED_SCORES},
+        )
+        fields = {name: value.to(device) for name, value in mine.items()}
+        rollouts.append(
+            Rollout(
+                phase=saved["phase"],
+                prompt_length=saved["prompt_length"],
+                pad_to_multiple_of=saved["pad_to_multiple_of"],
+                group_size=saved["group_size"],
+                sampling_metrics=saved["sampling_metrics"],
+                scores=scores,
+                **fields,
+            )
+        )
+    return rollouts
 
 
 def rollout_metrics(

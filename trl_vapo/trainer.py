@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from accelerate.utils.memory import clear_device_cache
 from datasets import Dataset, IterableDataset
 from torch import nn
@@ -69,6 +69,7 @@ from .diagnostics import CriticBiasWatch, rollout_diagnostics, write_plots_if_po
 from .distributed import (
     check_distributed_setup,
     clip_deepspeed_gradients_,
+    decided_on_main,
     deepspeed_local_gradients,
     deepspeed_quiet_unless_used,
     fsdp2_unsharded,
@@ -510,23 +511,19 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             yield
             return
         with contextlib.ExitStack() as held:
-            refused, owner = None, ckpt.run_owner()
-            if self.accelerator.is_main_process:
-                try:
-                    locked = held.enter_context(output_dir_lock(self.args.output_dir))
-                except (RuntimeError, OSError) as error:  # held by another run; a folder it cannot write to
-                    refused = error
-                else:  # what a stopped run left half-written: only while no other run can be writing it
-                    removed, restored = ckpt.remove_debris(self.args.output_dir) if locked else ([], [])
+
+            def hold() -> str:  # on the main process; refused where another run holds it or it cannot be written
+                if held.enter_context(output_dir_lock(self.args.output_dir)):
+                    # What a stopped run left half-written: only while no other run can be writing it.
+                    removed, restored = ckpt.remove_debris(self.args.output_dir)
                     if removed:
                         logger.info(f"Removed what a stopped run left half-written: {', '.join(removed)}")
                     if restored:  # a stop between a checkpoint's two renames, as it replaced one of the same step
                         logger.warning(f"Restored {', '.join(restored)}, which a stopped run was replacing.")
-            if self._distributed:  # every process stops, not the main one alone; all name temporary folders alike
-                refused, owner = broadcast_object_list([refused, owner])
-            if refused is not None:
-                raise refused
-            self._run_owner = owner  # `checkpoint.temporary_folder`
+                return ckpt.run_owner()
+
+            # Every process stops, not the main one alone; all name temporary folders alike.
+            self._run_owner = decided_on_main(hold, self.accelerator)  # `checkpoint.temporary_folder`
             self._holding_output_dir = True
             try:
                 yield
