@@ -78,8 +78,8 @@ step, at a rate that moves eval_loss both ways), ending with the best checkpoint
 class CapturingTrainer(VAPOTrainer):
     """Keeps every rollout it trains on, so tests can recompute what the losses should have been."""
 
-    def _make_rollout(self, rows, phase, *args):
-        rollout = super()._make_rollout(rows, phase, *args)
+    def _make_rollout(self, rows, phase, *args, **kwargs):
+        rollout = super()._make_rollout(rows, phase, *args, **kwargs)
         self.rollouts = getattr(self, "rollouts", []) + [(rows, rollout)]
         return rollout
 
@@ -239,8 +239,8 @@ class PoisonedTrainer(VAPOTrainer):
 
     poisoned: set[int] = set()
 
-    def _make_rollout(self, rows, phase, *args):
-        rollout = super()._make_rollout(rows, phase, *args)
+    def _make_rollout(self, rows, phase, *args, **kwargs):
+        rollout = super()._make_rollout(rows, phase, *args, **kwargs)
         self.rollout_index = getattr(self, "rollout_index", -1) + 1
         if self.rollout_index in self.poisoned:
             rollout.old_values = torch.full_like(rollout.old_values, math.nan)

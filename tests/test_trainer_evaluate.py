@@ -99,8 +99,8 @@ class RecordingReward:
 
 
 class CapturingEvalTrainer(VAPOTrainer):
-    def _make_rollout(self, rows, phase, *args):
-        rollout = super()._make_rollout(rows, phase, *args)
+    def _make_rollout(self, rows, phase, *args, **kwargs):
+        rollout = super()._make_rollout(rows, phase, *args, **kwargs)
         if phase == EVAL:
             self.eval_rollouts = getattr(self, "eval_rollouts", []) + [rollout]
         return rollout

@@ -35,8 +35,8 @@ class VAPOConfig(TrainingArguments):
 
     VAPO (arXiv 2504.05118) is PPO with a value model plus seven techniques; the defaults are the paper's wherever
     the paper gives a value, except the batch (one device's: 8 completions a rollout, where the paper samples 512
-    prompts x 16) and value pretraining's early stop (`value_pretrain_patience=10`: the paper runs all 50 steps,
-    None here), and each technique is switched off by configuration alone:
+    prompts x 16) and value pretraining's early stop (`value_pretrain_patience=10`; the paper runs all 50 steps:
+    None does the same), and each technique is switched off by configuration alone:
 
     | technique                  | field(s)                              | VAPO        | off (vanilla PPO)            |
     | -------------------------- | ------------------------------------- | ----------- | ---------------------------- |
@@ -121,8 +121,8 @@ class VAPOConfig(TrainingArguments):
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "Train with bf16 mixed precision. Default: on when a CUDA GPU supports bf16, off elsewhere "
-            "(CPU and Apple MPS train in float32)."
+            "help": "Train with bf16 mixed precision. Default: on for a CUDA GPU that computes in bf16 natively "
+            "(Ampere on) unless fp16 is asked for, off elsewhere (CPU and Apple MPS train in float32)."
         },
     )
     remove_unused_columns: bool | None = field(
@@ -134,8 +134,9 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Log a table of the latest rollout's prompts and completions at each logging step: each reward "
             "function's score, the sequence reward, the mean advantage and the critic's value at the first and last "
-            "token. Printed (with `rich` when installed, else as plain text), and logged as a table to wandb and "
-            "trackio when they are in `report_to`."
+            "token. Printed (with `rich` when installed, else as plain text), written to "
+            "`output_dir/completions/completions_<step>.parquet`, and logged as a table to wandb and trackio when "
+            "they are in `report_to`; once per rollout."
         },
     )
     plot_diagnostics: bool = field(
@@ -183,9 +184,10 @@ class VAPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Prompts longer than this many tokens are truncated from the left (counted and said before "
-            "training; see drop_long_prompts): the start of the rendered prompt goes, with a chat template its "
-            "first tokens and system message, as GRPOTrainer cut them before TRL 1.0; reward functions still get "
-            "the whole prompt. None (default): no limit, as in TRL's GRPOTrainer (TRL 1.16 has no such setting)."
+            "training; a streamed data set's said at the first; see drop_long_prompts): the start of the rendered "
+            "prompt goes, with a chat template its first tokens and system message, as GRPOTrainer cut them before "
+            "TRL 1.0; reward functions still get the whole prompt. Not a rollout_func's prompts (used as given). "
+            "None (default): no limit, as in TRL's GRPOTrainer (TRL 1.16 has no such setting)."
         },
     )
     max_completion_length: int = field(
@@ -206,8 +208,9 @@ class VAPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Completions generated per rollout over all processes. Default: "
-            "`per_device_train_batch_size * num_processes * steps_per_generation`. Mutually exclusive with "
-            "`steps_per_generation`; must be a multiple of `num_generations`."
+            "`per_device_train_batch_size * num_processes * steps_per_generation`. Set it or `steps_per_generation` "
+            "(both only where they agree); a multiple of `num_generations` and of whole optimizer steps "
+            "(`per_device_train_batch_size * num_processes * gradient_accumulation_steps`)."
         },
     )
     steps_per_generation: int | None = field(
@@ -363,7 +366,7 @@ class VAPOConfig(TrainingArguments):
             "help": "The reward functions, by name, that judge correctness: a completion is positive when their "
             "weighted sum is at least `positive_reward_threshold` (the paper's NLL loss imitates the correct "
             "answers). None: every reward function's sum, which with a format reward beside the verifier counts a "
-            "wrong but well-formatted answer as correct (a warning says so)."
+            "wrong but well-formatted answer as correct (a warning says so where nll_coef > 0)."
         },
     )
 
@@ -440,15 +443,15 @@ class VAPOConfig(TrainingArguments):
     lam_critic: float = field(
         default=1.0,
         metadata={
-            "help": "Decoupled GAE: lambda of the critic's targets. Paper: 1.0 (unbiased Monte-Carlo returns). "
-            "Vanilla PPO uses one lambda for both: set it equal to `lam_actor`."
+            "help": "Decoupled GAE: lambda of the critic's targets in RL (value pretraining always uses 1). Paper: "
+            "1.0 (unbiased Monte-Carlo returns). Vanilla PPO uses one lambda for both: set it equal to `lam_actor`."
         },
     )
     length_adaptive_alpha: float | None = field(
         default=0.05,
         metadata={
-            "help": "Length-adaptive GAE: each completion of length l gets lambda_actor = 1 - 1/(alpha * l). "
-            "Paper: 0.05. None: every completion uses `lam_actor`."
+            "help": "Length-adaptive GAE: each completion of length l gets lambda_actor = 1 - 1/(alpha * l), "
+            "clamped to [0, 1] (0 below 1/alpha tokens). Paper: 0.05. None: every completion uses `lam_actor`."
         },
     )
     whiten_advantages: bool = field(
@@ -469,10 +472,11 @@ class VAPOConfig(TrainingArguments):
         default=0.1,
         metadata={
             "help": "Weight of the value loss: the critic's gradient is that of vf_coef x L_V. Actor and critic share "
-            "no trainable weight and each has its own AdamW group, and Adam's step does not depend on the scale of "
-            "the gradient, so vf_coef changes one thing: the critic's gradient is clipped at max_grad_norm / vf_coef "
-            "in units of L_V's own gradient (10 with the defaults). To make the critic learn faster or slower, change "
-            "critic_learning_rate."
+            "no trainable weight and each has its own optimizer group; an Adam step barely depends on the scale of "
+            "the gradient (Lion's and Adafactor's neither), so there vf_coef mainly sets where the critic's gradient "
+            "is clipped: max_grad_norm / vf_coef in units of L_V's own gradient (10 with the defaults). With sgd it "
+            "scales the critic's step too. It weights L_V in the logged `loss`. To make the critic learn faster or "
+            "slower, change critic_learning_rate."
         },
     )
     cliprange_value: float | None = field(
@@ -491,8 +495,9 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Value pretraining: rollouts from the frozen initial policy that train only the critic, on "
             "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100). 0: off. "
-            "Skipped when `value_model` was saved by a previous value pretraining, or is a frozen value function "
-            "(a `ValueFunction`, which learns nothing)."
+            "Skipped when `value_model` was saved by a previous value pretraining of this initial policy with the "
+            "same rewards, sampling and gamma (else it is an initialisation, pretrained again, with a warning), or is "
+            "a frozen value function (a `ValueFunction`, which learns nothing)."
         },
     )
     value_pretrain_num_iterations: int | None = field(
@@ -534,7 +539,8 @@ class VAPOConfig(TrainingArguments):
         default=False,
         metadata={
             "help": "Drop training prompts longer than `max_prompt_length` tokens instead of truncating them from the "
-            "left. Either way they are counted, with one warning, before training starts."
+            "left. Either way a data set with a length has them counted, with one warning, before training starts; a "
+            "streamed one's are dropped as they come (uncounted), or truncated with a warning at the first."
         },
     )
     nonfinite_loss_patience: int = field(
@@ -578,7 +584,11 @@ class VAPOConfig(TrainingArguments):
     )
     cache_implementation: str | None = field(
         default=None,
-        metadata={"help": "KV-cache implementation of model.generate() (e.g. 'static'); not with vLLM."},
+        metadata={
+            "help": "KV-cache implementation of model.generate() (e.g. 'static'), where generate() samples: the "
+            "static-cache engine (the default on CUDA) has its own cache and ignores it; refused with vLLM and "
+            "continuous batching."
+        },
     )
     log_unique_prompts: bool = field(
         default=False,
@@ -588,7 +598,9 @@ class VAPOConfig(TrainingArguments):
     )
     log_multimodal: bool = field(
         default=True,
-        metadata={"help": "GRPOConfig's; VAPO trains on text prompts, so there is no image or video to log."},
+        metadata={
+            "help": "GRPOConfig's, accepted without effect: VAPO trains on text prompts, no image or video to log."
+        },
     )
     use_transformers_paged: bool = field(
         default=False,
@@ -603,7 +615,8 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Two-sided clipping (INTELLECT-2; GRPOConfig's `delta`): the ratio in the unclipped term of the "
             "policy loss is capped at delta, bounding the loss of a negative advantage whose ratio grows. Must be > 1 "
-            "+ epsilon_high. None (default, as the paper): no cap."
+            "+ epsilon_high. With surrogate='ppo' only (the other surrogates ignore it). None (default, as the "
+            "paper): no cap."
         },
     )
     entropy_coef: float = field(
@@ -618,7 +631,8 @@ class VAPOConfig(TrainingArguments):
     use_adaptive_entropy: bool = field(
         default=False,
         metadata={
-            "help": "Skywork-OR1's adaptive entropy control, as GRPOConfig's: after each optimizer step the entropy "
+            "help": "Skywork-OR1's adaptive entropy control, as GRPOConfig's: after each applied optimizer step that "
+            "trains the policy, the entropy "
             "bonus's coefficient (from `entropy_coef`) rises by `entropy_coef_delta` while the step's entropy is at "
             "or below `entropy_target` and falls otherwise, within [entropy_coef_min, entropy_coef_max]; the bonus "
             "applies only while the entropy is at or below the target. Checkpointed. False (default, as the paper): "
@@ -658,8 +672,8 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "Beyond the 80/20 Rule's token filter, as GRPOConfig's: the PPO term (and an entropy bonus) "
             "trains only on the top-rho share of each micro-batch's tokens by entropy, pooled over processes; "
-            "the NLL and value losses keep every token. The paper recommends 0.2. 1.0 (default, as VAPO): every "
-            "token."
+            "the NLL and value losses keep every token. The 80/20 paper recommends 0.2; VAPO has no such filter. "
+            "1.0 (default): every token."
         },
     )
     off_policy_mask_threshold: float | None = field(
