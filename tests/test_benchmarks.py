@@ -61,3 +61,20 @@ def test_quick_probe_trains_the_critic_and_writes_the_table(tmp_path):
     assert all(0 < r["exact_ev"] <= 1 and r["exact_drop"] < 0 for r in records)  # the exact value, at each slip
     assert "lr1e-3" in (tmp_path / "table.txt").read_text()
     assert (tmp_path / "critic_probe.png").stat().st_size > 10_000
+
+
+def test_padding_count_quick_finds_length_order_computes_less_than_the_drawn_order():
+    """`bench_padding.py --quick` counts what the trainer's own split computes (`trim_padding`, `length_sorted`):
+    in length order the micro-batches compute fewer padding positions than as drawn, and never fewer positions than
+    the completions hold. In process: the count itself takes a second."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_padding
+
+    results = bench_padding.main(["--quick"])
+    assert sorted(results) == ["128/16", "512/64", "64/8"]
+    for layout, summary in results.items():
+        (drawn, _), (ordered, _) = summary["as drawn"], summary["length order"]
+        assert 1.0 <= ordered < 1.2 < 1.5 < drawn < 2.0, (layout, summary)
