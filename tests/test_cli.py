@@ -396,6 +396,8 @@ BAD_INPUT = [
     # What the trainer refuses before training (a traceback before): settings against the data and the rewards.
     (["--reward_weights", "1", "2"], "reward_weights has 2 values but there are 1 reward functions."),
     (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
+    # A reward model's LoRA task type: it trained, and saved an adapter AutoPeftModelForCausalLM refuses.
+    (["--use_peft", "true", "--lora_task_type", "SEQ_CLS"], "peft_config has task_type='SEQ_CLS': the policy is"),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
 # libraries would retry for a minute.

@@ -399,6 +399,15 @@ def check_trainer_arguments(model, args: VAPOConfig, peft_config, value_model: A
     frozen value function, a synced reference model under PEFT (GRPOTrainer's error), Liger's kernels without
     liger-kernel."""
     check_value_function_settings(value_model, args)
+    task_type = getattr(peft_config, "task_type", None)
+    task_type = getattr(task_type, "value", task_type)  # peft's TaskType, a str enum, or a string
+    if task_type not in (None, "CAUSAL_LM"):
+        raise ValueError(
+            f"peft_config has task_type={task_type!r}: the policy is a causal language model, and an adapter of "
+            f"that task wraps it in PEFT's model for {task_type} (its own head and forward), whose saved adapter "
+            "AutoPeftModelForCausalLM and `trl-vapo eval` refuse to load. Use task_type='CAUSAL_LM' "
+            "(`--lora_task_type CAUSAL_LM`), or leave it unset."
+        )
     if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
         raise NotImplementedError(  # GRPOTrainer's error
             "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With "
