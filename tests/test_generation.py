@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import string
 from pathlib import Path
@@ -297,9 +298,18 @@ def test_continuous_batching_refuses_what_it_would_ignore(tiny):
     settings = EngineSettings("continuous_batching", SamplingSettings())
     with pytest.raises(ValueError, match=r"generation_config sets suppress_tokens=\[5, 6\], which generate\(\) app"):
         build_engine(settings, suppressing, tokenizer)
-    for key in ("min_new_tokens", "min_length"):  # dropped there: a first token that stops ended the completion
-        settings = EngineSettings("continuous_batching", SamplingSettings(generation_kwargs={key: 6}))
-        with pytest.raises(ValueError, match=rf"generation_kwargs\['{key}'\] is not supported by transformers' cont"):
+    # Dropped there (a first token that stops ended the completion; no penalty), or run on one token per row
+    # (no_repeat_ngram_size), as fields or in generation_kwargs (which were let through).
+    for key, value in [
+        ("min_new_tokens", 6),
+        ("min_length", 6),
+        ("repetition_penalty", 1.2),
+        ("no_repeat_ngram_size", 2),
+    ]:
+        settings = EngineSettings("continuous_batching", SamplingSettings(generation_kwargs={key: value}))
+        with pytest.raises(
+            ValueError, match=rf"{key}={value} \(generation_kwargs\): not supported by transformers' c"
+        ):
             check_engine_available(settings)
 
 
@@ -550,6 +560,16 @@ def test_vllm_generation_kwargs_follow_grpo_trainer(tiny_model_dir):
     assert generation.mode == "colocate" and generation.gpu_memory_utilization == 0.4 and generation.top_p == 0.9
     assert generation.max_num_seqs == 8 and generation.logprobs == 0 and generation.max_completion_length == 16
     assert generation.server_port == 8000 and generation.enable_sleep_mode is False  # VAPOConfig's (TRL's) defaults
+
+
+def test_vllm_says_it_samples_without_the_models_own_generation_settings(tiny_model_dir, caplog):
+    """generate() takes what the config leaves unset from the model's generation_config (min_p here); vLLM, through
+    TRL's VLLMGeneration, samples with the settings it is given alone: said, naming them (it was silent)."""
+    actor_critic = peft_actor_critic(tiny_model_dir)
+    actor_critic.policy.generation_config.min_p = 0.1
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.generation"):
+        _vllm_engine(actor_critic, AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert any("generation_config sets min_p=0.1, which generate() applies and vLLM" in m for m in caplog.messages)
 
 
 @pytest.mark.skipif(is_vllm_available(), reason="vLLM is installed here")

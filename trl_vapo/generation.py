@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -298,8 +299,6 @@ def model_generation_settings(sampling: SamplingSettings, model) -> list[str]:
 
 def warn_off_policy_sampling(sampling: SamplingSettings, model, stop_ids: Sequence[int], pad_id: int) -> None:
     """Warn, naming each, about rollout sampling settings the losses do not model (`off_policy_sampling_settings`)."""
-    import logging
-
     config = sampling.generation_config(stop_ids, pad_id)
     off_policy = off_policy_sampling_settings(config, model, sampling.temperature)
     if off_policy:
@@ -592,22 +591,23 @@ def _check_continuous_batching_sampling(sampling: SamplingSettings, model: nn.Mo
             "continuous batching would drop silently. Clear them (model.generation_config.<name> = None), or "
             "generate with the default engine."
         )
-    if sampling.repetition_penalty != 1.0:
-        raise ValueError(
-            f"repetition_penalty={sampling.repetition_penalty} is not supported by transformers' continuous batching, "
-            "which would drop it silently. Set repetition_penalty=1.0, or generate with use_vllm or the default "
-            "engine."
-        )
     if sampling.generation_kwargs.get("stop_strings"):
         raise ValueError(
             "generation_kwargs['stop_strings'] is not supported by transformers' continuous batching (it has no "
             "stopping criteria). Name stop tokens in generation_kwargs['eos_token_id'], or use the default engine."
         )
-    lengths = [key for key in ("min_new_tokens", "min_length") if sampling.generation_kwargs.get(key)]
-    if lengths:  # transformers drops its length processors there without a word: a completion may end at once
+    # Per request it runs the temperature, top-k and top-p warpers; it drops the other processors (the repetition
+    # penalty, min_new_tokens: a first token that stops ends the completion) or runs them on one token per row
+    # (no_repeat_ngram_size), whether set as fields or in generation_kwargs.
+    config = sampling.generation_config((), 0)
+    given = {name: getattr(config, name, None) for name in PROCESSOR_SETTINGS}
+    active = [f"{name}={value!r}" for name, value in given.items() if PROCESSOR_SETTINGS[name](value)]
+    if active:
+        where = [name for name in given if name in sampling.generation_kwargs]
         raise ValueError(
-            f"generation_kwargs['{lengths[0]}'] is not supported by transformers' continuous batching, which would "
-            "drop it silently. Remove it, or generate with use_vllm or the default engine."
+            f"{', '.join(active)}{' (generation_kwargs)' if where else ''}: not supported by transformers' continuous "
+            "batching, which would drop or misapply it silently. Remove it (repetition_penalty=1.0), or generate with "
+            "use_vllm or the default engine."
         )
 
 
@@ -654,8 +654,6 @@ class VLLMEngine(GenerationEngine):
             return
         mode = client.get_server_info()["model_config"]["logprobs_mode"]
         if mode != "processed_logprobs":
-            import logging
-
             logging.getLogger(__name__).warning(
                 f"The vLLM server runs with `--logprobs-mode {mode}`, which biases the importance-sampling "
                 "correction. Restart it with `--logprobs-mode processed_logprobs`, or set "
@@ -967,6 +965,14 @@ def build_engine(
 
             accelerator = Accelerator()
         check_policy_only(policy)  # before vLLM loads anything
+        inherited = model_generation_settings(settings.sampling, policy)
+        if inherited:  # GRPOTrainer's vLLM ignores them too; generate() and the other engines apply or refuse them
+            logging.getLogger(__name__).warning(
+                f"The model's generation_config sets {', '.join(inherited)}, which generate() applies and vLLM does "
+                "not: it samples with the settings the config names alone, as GRPOTrainer's vLLM does. Set them in "
+                "the config (min_p, repetition_penalty, generation_kwargs) to sample with them, or clear them "
+                "(model.generation_config.<name> = None) to sample alike with every engine."
+            )
         vllm_generation = policy_only(vllm_generation_cls or vllm_generation_class())(
             model=policy,
             accelerator=accelerator,
