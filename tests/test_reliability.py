@@ -303,6 +303,22 @@ def test_reward_function_that_raises_names_itself_and_the_sample(tiny_model_dir,
         trainer.train()
 
 
+def test_a_reward_that_reads_the_batch_by_groups_passes_the_check_before_training(tiny_model_dir, tmp_path):
+    """A group-relative reward (GRPO recipes rank a completion within its prompt's group) reads the batch as
+    [prompts, num_generations]: the check before training called it on one row, where the reshape fails, and refused
+    it. It is called on one group, as a rollout holds them."""
+    import numpy as np
+
+    def rank_in_group(completions, **kwargs):
+        lengths = np.array([len(c) for c in completions], dtype=float).reshape(-1, 4)
+        return (lengths.argsort(axis=1).argsort(axis=1) / 3.0).ravel().tolist()
+
+    args = make_args(tmp_path, max_steps=1, num_generations=4)
+    trainer = VAPOTrainer(str(tiny_model_dir), rank_in_group, args, prompts_dataset(16))
+    trainer.train()
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(0.5)  # ranks 0, 1/3, 2/3, 1 in every group
+
+
 def test_a_reward_function_that_fails_once_on_a_batch_says_so(tiny_model_dir, tmp_path):
     """A function that fails on the batch (a timeout, a rate limit) but on none of its completions called alone: the
     error says that it was retried one by one and that no completion failed alone, and what to do."""

@@ -247,7 +247,7 @@ class EvaluationMixin:
             if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
                 for row in check_eval_dataset(eval_dataset, self.args, self._conversational).values():
                     if self.rollout_func is None:  # its fields are columns too, which no dataset row shows
-                        self.scorer.check(row)
+                        self.scorer.check(row, self.args.num_generations_eval or self.args.num_generations)
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if not self.models_placed and (self.is_deepspeed_enabled or self.is_fsdp_enabled):

@@ -377,9 +377,11 @@ class RewardScorer:
             ) from error
         return _check_length(values, name, len(rows))
 
-    def check(self, row: dict[str, Any]) -> None:
-        """Call every function once on a dataset row with an empty completion, before any compute, with what
-        training passes (a `TrainerState` at step 0, `log_metric` and `log_extra`).
+    def check(self, row: dict[str, Any], group_size: int = 1) -> None:
+        """Call every function once on a dataset row's group (`group_size` copies, as a rollout holds the completions
+        of a prompt: a function that reads the batch by groups, `reshape(-1, num_generations)`, runs) with empty
+        completions, before any compute, with what training passes (a `TrainerState` at step 0, `log_metric` and
+        `log_extra`).
 
         A missing column, a bad import or a crash then fails here, with the dataset's columns in the message, not
         after the model has loaded and generated.
@@ -404,13 +406,14 @@ class RewardScorer:
                     f"are {sorted(row)}."
                 )
             try:
+                rows, completions = self._as_messages([row] * group_size, [""] * group_size)
                 self.call(
-                    _blocking(func) if is_async(func) else func, name, *self._as_messages([row], [""]), [[]], common
+                    _blocking(func) if is_async(func) else func, name, rows, completions, [[]] * group_size, common
                 )
             except RuntimeError as error:
                 raise ValueError(
-                    f"{error} (checked before training on the first dataset row with an empty completion; dataset "
-                    f"columns: {sorted(row)})"
+                    f"{error} (checked before training on the first dataset row's group of {group_size} with empty "
+                    f"completions; dataset columns: {sorted(row)})"
                 ) from error
 
 
