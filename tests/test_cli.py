@@ -66,17 +66,23 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
 
 
 def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_model_dir, tmp_path):
-    """`trl grpo` passes a standard-format `prompt` as it is (no chat template); a prompt trl-vapo builds from another
-    column goes through the chat template where the tokenizer has one (the tiny model's has)."""
+    """`trl grpo` passes a standard-format `prompt` as it is (no chat template), and the other columns as the data
+    set holds them (a numeric `answer` was made text, which a ported reward comparing numbers scored 0); a prompt
+    trl-vapo builds from another column goes through the chat template where the tokenizer has one (the tiny
+    model's has), its answer column as text."""
     from trl_vapo.cli import _resolve_data
 
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "question": f"{i}+{i}="}) + "\n" for i in range(8)))
-    for column, expected in (("prompt", "3+3="), ("question", [{"role": "user", "content": "3+3="}])):
+    rows = ({"prompt": f"{i}+{i}=", "question": f"{i}+{i}=", "answer": 2 * i} for i in range(8))
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for column, expected, answer in (
+        ("prompt", "3+3=", 6),
+        ("question", [{"role": "user", "content": "3+3="}], "6"),
+    ):
         argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--prompt_column", column]
         script, training, model, _, _ = _parser().parse_args_and_config(argv, return_remaining_strings=True)
         _, train, _, _ = _resolve_data(script, model, training, demo=False)
-        assert train[3]["prompt"] == expected, column
+        assert train[3]["prompt"] == expected and train[3]["answer"] == answer, (column, train[3])
 
 
 def test_a_preset_takes_the_columns_the_user_named(jsonl_data, tmp_path):

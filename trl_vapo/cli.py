@@ -556,6 +556,11 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
     as_trl = script_args.prompt_column == "prompt" and not (
         script_args.dataset_preset or script_args.prompt_template or script_args.system_prompt
     )
+    # `trl grpo` passes every other column as the data set holds it, the gold answer too (a number stays one, which a
+    # ported reward may compare as such); trl-vapo writes a named answer column as text (math-verify reads text).
+    answer_column = script_args.answer_column
+    if as_trl and answer_column == VAPOScriptArguments.answer_column:
+        answer_column = None
     if script_args.prompt_format == "auto" and not as_trl:
         from transformers import AutoTokenizer
 
@@ -576,7 +581,7 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
                 split=split,
                 dataset_config=script_args.dataset_config,
                 prompt_column=script_args.prompt_column,
-                answer_column=script_args.answer_column,
+                answer_column=answer_column,
                 prompt_template=script_args.prompt_template,
                 system_prompt=script_args.system_prompt,
                 chat=chat,

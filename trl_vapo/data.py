@@ -63,7 +63,8 @@ def load_prompt_dataset(
     Args:
         dataset_name: a hub data set name, a local file (`.json`, `.jsonl`, `.csv`, `.parquet`) or a folder of them.
         prompt_column: column holding the problem text (or ready-made chat messages).
-        answer_column: column holding the gold answer, copied to `answer` for the reward functions; None to skip.
+        answer_column: column holding the gold answer, copied to `answer` as text (math-verify reads text) for the
+            reward functions; None: none copied, an `answer` column kept as the data set holds it.
             The default, `"answer"`, is skipped when the data set has no such column (GRPO data sets often keep
             theirs under another name, e.g. `solution`, which the reward functions read directly).
         prompt_template: a `str.format` template over the row's columns, e.g. `"{question}\\nAnswer in \\boxed{{}}."`.
@@ -137,7 +138,7 @@ def load_prompt_dataset(
         to_prompt(first)  # a stream maps as it is read: its first row's errors now, before any model loads
         return dataset.map(to_prompt)
     built = dataset.map(to_prompt, desc="Building prompts")
-    gold = built.features.get("answer")
+    gold = built.features.get("answer") if answer_column else None
     if isinstance(gold, Value) and gold.dtype != "string":  # `map` casts "72" back to a number column's type
         built = built.cast_column("answer", Value("string"))  # the answers are text, as a stream's are
     return built
