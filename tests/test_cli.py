@@ -299,6 +299,41 @@ def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(tiny_m
     assert main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "2"]) == 0
     told = capsys.readouterr().err
     assert "max_completion_length=3" in told and "reward_weights" not in told and "positive_reward_funcs" not in told
+    # The run's other sampling settings and its prompt cut, as training sampled (they were left out).
+    saved = {"max_prompt_length": 4, "top_k": 3, "min_p": 0.05, "repetition_penalty": 1.2}
+    (out / "vapo_config.json").write_text(json.dumps(saved))
+    assert main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "2"]) == 0
+    told = capsys.readouterr().err
+    assert all(f"{key}={value}" in told for key, value in saved.items()), told
+
+
+def test_evaluation_cuts_prompts_and_penalises_repeats_as_training():
+    """`sample_completions` (eval's and the train command's reports) cuts each prompt to its last
+    `max_prompt_length` tokens as training does, and applies `repetition_penalty` (greedy too: a processor): each
+    as the engine samples the prompts cut, or with the penalty (below 1: repeats favoured), itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_vapo.data import prompt_token_ids
+    from trl_vapo.demo import MODEL_DIR, data
+    from trl_vapo.evaluation import sample_completions
+    from trl_vapo.generation import EngineSettings, SamplingSettings, build_engine
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)  # the demo's: its sums read the whole prompt
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    tokenizer.padding_side = "left"
+    prompts = [data.render_prompt((17, 25, 38, 46)), data.render_prompt((9, 8, 7))]
+    engine = build_engine(EngineSettings("generate"), model, tokenizer)
+    greedy = dict(temperature=0.0, max_new_tokens=6, engine=engine, return_ids=True)
+    whole, _, _ = sample_completions(model, tokenizer, prompts, **greedy)
+    cut, _, cut_ids = sample_completions(model, tokenizer, prompts, max_prompt_length=3, **greedy)
+    last_three = [ids[-3:] for ids in prompt_token_ids(tokenizer, prompts, False)]
+    expected = engine.generate(last_three, sampling=SamplingSettings(6, 0.0)).completion_lists()
+    assert cut_ids == expected and cut != whole
+    penalised, _, penalised_ids = sample_completions(model, tokenizer, prompts, repetition_penalty=0.05, **greedy)
+    whole_ids = prompt_token_ids(tokenizer, prompts, False)
+    penalising = SamplingSettings(6, 0.0, repetition_penalty=0.05)
+    expected = engine.generate(whole_ids, sampling=penalising).completion_lists()
+    assert penalised_ids == expected and penalised != whole
 
 
 def test_a_stop_during_the_held_out_report_after_training_keeps_the_trained_model(

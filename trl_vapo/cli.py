@@ -745,7 +745,11 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
             k=script_args.eval_k,
             temperature=1.0,
             top_p=1.0,
+            top_k=args.top_k or 0,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
             max_new_tokens=args.max_completion_length,
+            max_prompt_length=args.max_prompt_length,
             reward_weights=args.reward_weights,
             positive_reward_threshold=args.positive_reward_threshold,
             engine=engine,
@@ -883,6 +887,17 @@ class EvalArguments:
         default=1.0, metadata={"help": "Sampling temperature (paper: 1.0; a config's `temperature` applies)."}
     )
     top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling (paper: 0.7; a config's `top_p` applies)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling, 0: off (the run's `top_k` applies)."})
+    min_p: float | None = field(default=None, metadata={"help": "Min-p sampling, None: off (the run's applies)."})
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Repetition penalty, 1.0: none (the run's `repetition_penalty` applies)."}
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts cut to their last N tokens, as training cut them (the run's applies); None: whole."
+        },
+    )
     reward_weights: list[float] | None = field(
         default=None,
         metadata={"help": "Weights of the reward functions, as in training (a config's `reward_weights` applies)."},
@@ -951,7 +966,11 @@ RUN_DATA_FILE = "vapo_script_args.json"
 RUN_CONFIG_FILE = "vapo_config.json"  # (the VAPOConfig that `save_model` and each checkpoint write)
 EVAL_FROM_RUN_CONFIG = (
     "max_completion_length",
+    "max_prompt_length",
     "temperature",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
     "reward_weights",
     "positive_reward_funcs",
     "positive_reward_threshold",
@@ -1132,7 +1151,11 @@ def eval_command(argv: list[str]) -> int:
         k=args.k,
         temperature=args.temperature,
         top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
         max_new_tokens=args.max_completion_length,
+        max_prompt_length=args.max_prompt_length,
         batch_size=args.batch_size,
         reward_weights=args.reward_weights,
         positive_reward_threshold=args.positive_reward_threshold,
@@ -1177,7 +1200,11 @@ def _check_eval_numbers(args) -> None:
             ("num_prompts", args.num_prompts, args.num_prompts is None or args.num_prompts >= 1, ">= 1"),
             ("temperature", args.temperature, args.temperature >= 0, ">= 0 (0: greedy)"),
             ("top_p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+            ("top_k", args.top_k, args.top_k is None or args.top_k >= 0, ">= 0 (0: off)"),
+            ("min_p", args.min_p, args.min_p is None or 0 <= args.min_p <= 1, "in [0, 1] or None"),
+            ("repetition_penalty", args.repetition_penalty, args.repetition_penalty > 0, "> 0 (1.0: none)"),
             ("max_completion_length", args.max_completion_length, args.max_completion_length >= 1, ">= 1"),
+            ("max_prompt_length", args.max_prompt_length, (args.max_prompt_length or 1) >= 1, ">= 1 or None"),
             ("batch_size", args.batch_size, args.batch_size >= 1, ">= 1"),
         )
         if not ok

@@ -223,6 +223,12 @@ def prompt_token_ids(
     return tokenizer(text=list(prompts))["input_ids"]
 
 
+def left_truncated(ids: list[list[int]], max_prompt_length: int | None) -> list[list[int]]:
+    """Prompt token ids cut to their last `max_prompt_length` (the start goes, as GRPOTrainer cut them before TRL
+    1.0), as training and evaluation cut them; None: whole."""
+    return ids if max_prompt_length is None else [x[-max_prompt_length:] for x in ids]
+
+
 def _raise_on_a_non_utf8_line(path: Path) -> None:
     """A clear error naming the file, the line and the byte when a text data file is not UTF-8 (what `datasets`
     reads it as; its own error names neither)."""

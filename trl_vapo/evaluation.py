@@ -26,7 +26,7 @@ from transformers.trainer_utils import speed_metrics
 from trl import is_conversational
 
 from .core import explained_variance, vapo_loss
-from .data import check_eval_dataset, prompt_token_ids
+from .data import check_eval_dataset, left_truncated, prompt_token_ids
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
@@ -89,7 +89,11 @@ def sample_completions(
     num_samples: int = 1,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
     max_new_tokens: int = 256,
+    max_prompt_length: int | None = None,
     batch_size: int = 64,
     chat_template_kwargs: dict | None = None,
     engine: Engine = "generate",
@@ -98,20 +102,23 @@ def sample_completions(
 ) -> tuple[list[str], list[int]] | tuple[list[str], list[int], list[list[int]]]:
     """Generate `num_samples` completions per prompt (grouped by prompt); `temperature=0` decodes greedily.
 
-    Prompts are plain text or chat messages, tokenized exactly as the trainer does. Returns the decoded completions
+    Prompts are plain text or chat messages, tokenized and cut to `max_prompt_length` exactly as the trainer does;
+    `top_k`, `min_p` and `repetition_penalty` as training's (`SamplingSettings`). Returns the decoded completions
     and their lengths in tokens (stop token included; `max_new_tokens` when cut), and with `return_ids` their token
     ids (what training gives the reward functions). `batch_size` applies to the `"generate"` engine; continuous
     batching schedules the requests itself. `generation_kwargs`: training's (`SamplingSettings.generation_kwargs`),
     where completions end (stop strings, stop tokens); a greedy pass leaves out those that say how to sample.
     """
     conversational = is_conversational({"prompt": prompts[0]})
-    ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
+    ids = left_truncated(prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs), max_prompt_length)
     repeated = [x for x in ids for _ in range(num_samples)]
     generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     kwargs = dict(generation_kwargs or {})
     if temperature == 0:  # greedy, whatever training sampled with: only where completions end carries over
         kwargs = {key: value for key, value in kwargs.items() if key not in SAMPLING_KEYS}
-    sampling = SamplingSettings(max_new_tokens, temperature, top_p, generation_kwargs=kwargs)
+    sampling = SamplingSettings(
+        max_new_tokens, temperature, top_p, top_k or 0, min_p, repetition_penalty, generation_kwargs=kwargs
+    )
     output = generator.generate(repeated, sampling=sampling, num_generations=num_samples)
     completion_ids = output.completion_lists()
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -136,7 +143,11 @@ def evaluate_policy(
     k: int = 8,
     temperature: float = 1.0,
     top_p: float = 0.7,
+    top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
     max_new_tokens: int = 256,
+    max_prompt_length: int | None = None,
     batch_size: int = 64,
     reward_weights: list[float] | None = None,
     positive_reward_threshold: float = 0.5,
@@ -154,7 +165,9 @@ def evaluate_policy(
     `positive_reward_funcs`: the reward functions that judge correctness, as in training (None: all of them).
     The reward functions get what training gives them (the completions' token ids too), and `trainer_state` (default:
     a state at step 0). `generation_kwargs`: training's (`VAPOConfig.generation_kwargs`), so that completions end
-    where training's end (stop strings, stop tokens, `min_new_tokens`); the greedy pass keeps only those.
+    where training's end (stop strings, stop tokens, `min_new_tokens`); the greedy pass keeps only those and
+    `repetition_penalty` (a processor, where `top_k` and `min_p` shape sampling alone). `max_prompt_length`:
+    training's, the prompts cut as training cut them.
     """
     rows = dataset.to_list()
     if not rows:
@@ -179,13 +192,24 @@ def evaluate_policy(
     generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     settings = dict(
         max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length,
+        repetition_penalty=repetition_penalty,
         batch_size=batch_size,
         chat_template_kwargs=chat_template_kwargs,
         generation_kwargs=generation_kwargs,
         return_ids=True,
     )
     sampled, lengths, sampled_ids = sample_completions(
-        model, tokenizer, prompts, num_samples=k, temperature=temperature, top_p=top_p, engine=generator, **settings
+        model,
+        tokenizer,
+        prompts,
+        num_samples=k,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        engine=generator,
+        **settings,
     )
     # What no reward function scored (None: a problem without a usable reference answer) is left out of every
     # estimate, as training's accuracy leaves it out, rather than counted wrong.

@@ -61,6 +61,7 @@ from .data import (
     check_eval_dataset,
     check_stream_settings,
     check_train_dataset,
+    left_truncated,
     long_prompts_handled,
     prepare_tokenizer,
     prompt_token_ids,
@@ -785,7 +786,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 "prompt are truncated from the left (said once). Raise max_prompt_length or set it to None to keep "
                 "them whole."
             )
-        return [x[-limit:] for x in ids]
+        return left_truncated(ids, limit)
 
     # ------------------------------------------------------------------------------------------ the rollout
     @torch.no_grad()
