@@ -1037,7 +1037,10 @@ def test_eval_takes_temperature_zero_as_greedy():
     from trl_vapo.cli import _check_eval_numbers
 
     numbers = dict(k=1, num_prompts=None, top_p=1.0, max_completion_length=4, batch_size=1)
+    numbers |= dict(top_k=0, min_p=None, repetition_penalty=1.0, max_prompt_length=None)
     _check_eval_numbers(SimpleNamespace(temperature=0.0, **numbers))
+    with pytest.raises(UsageError, match=r"--max_prompt_length must be >= 1 or None, got 0"):  # 0 kept them whole
+        _check_eval_numbers(SimpleNamespace(**{**numbers, "temperature": 1.0, "max_prompt_length": 0}))
 
 
 def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(

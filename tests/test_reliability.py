@@ -52,20 +52,28 @@ def test_missing_prompt_column_names_it_and_lists_the_columns(tiny_model_dir, tm
 
 def test_images_in_the_prompts_are_refused_before_any_model_loads(tmp_path):
     """GRPOTrainer passes an `image` column or chat image parts to a vision-language model; this trainer samples
-    text prompts only, and left the images out silently."""
+    text prompts only, and left the images out silently. An image part in a later row's messages (its first row's
+    text alone: the first row was all that was read) is found too."""
     text = [{"prompt": f"{i}+{i}="} for i in range(8)]
     with_column = Dataset.from_list([{**row, "image": "cat.png"} for row in text])
-    in_messages = Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["prompt"]}]}]}
-            for r in text
-        ]
-    )
-    for data, where in ((with_column, "its 'image' column"), (in_messages, "an image in its chat messages")):
-        with pytest.raises(ValueError, match=rf"train_dataset has images \({where}\).*text prompts only"):
+
+    def parts(i: int, image: bool) -> list[dict]:
+        return [{"type": "image", "text": None}] * image + [{"type": "text", "text": text[i]["prompt"]}]
+
+    in_messages = Dataset.from_list([{"prompt": [{"role": "user", "content": parts(i, True)}]} for i in range(8)])
+    in_row_5 = Dataset.from_list([{"prompt": [{"role": "user", "content": parts(i, i == 5)}]} for i in range(8)])
+    for data, where in (
+        (with_column, "train_dataset has images \\(its 'image' column"),
+        (in_messages, "train_dataset \\(row 0\\) has images \\(an image in its chat messages"),
+        (in_row_5, "train_dataset \\(row 5\\) has images \\(an image in its chat messages"),
+    ):
+        with pytest.raises(ValueError, match=rf"{where}\).*text prompts only"):
             VAPOTrainer(model="no/such-model", reward_funcs=digit_fraction, args=config(tmp_path), train_dataset=data)
     with pytest.raises(ValueError, match=r"eval_dataset has images \(its 'image' column\)"):
         VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), prompts_dataset(), with_column)
+    chat = Dataset.from_list([{"prompt": [{"role": "user", "content": parts(i, False)}]} for i in range(8)])
+    with pytest.raises(ValueError, match=r"eval_dataset \(row 5\) has images \(an image in its chat messages\)"):
+        VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), chat, in_row_5)
 
 
 def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(tmp_path):

@@ -846,7 +846,8 @@ class SavingMixin:
         self.accelerator.wait_for_everyone()
         if not model_only:
             save_rng_state(tmp / f"rng_state_{self.accelerator.process_index}.safetensors")
-            if self.progress.phase == VALUE_PRETRAIN and self._replay:  # the rollouts the next one's window keeps
+            if self.progress.phase == VALUE_PRETRAIN and self._replay and self.args.value_pretrain_replay > 0:
+                # the rollouts the next one's window keeps
                 window = self._replay[-self.args.value_pretrain_replay :]
                 save_rollouts(window, str(tmp / REPLAY_FILE.format(self.accelerator.process_index)))
         with self._full_weights() as state_dict:
@@ -1009,13 +1010,10 @@ class SavingMixin:
         else:
             logger.warning(f"{rng_file.name} is missing in {path}: the resumed run will not replay the same samples.")
         replay_file = path / REPLAY_FILE.format(self.accelerator.process_index)
-        if replay_file.is_file():
-            self._replay = load_rollouts(str(replay_file), self.accelerator.device)
-        elif (
-            self.progress.phase == VALUE_PRETRAIN
-            and self.args.value_pretrain_replay
-            and self.progress.value_pretrain_rollouts
-        ):
+        replays = self.progress.phase == VALUE_PRETRAIN and self.args.value_pretrain_replay > 0
+        if replays and replay_file.is_file():
+            self._replay = load_rollouts(str(replay_file), self.accelerator.device)[-self.args.value_pretrain_replay :]
+        elif replays and self.progress.value_pretrain_rollouts:
             logger.warning(
                 f"{replay_file.name} is missing in {path} (written with value_pretrain_replay=0, or before trl-vapo "
                 "saved it): value pretraining's replay window starts anew."

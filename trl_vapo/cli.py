@@ -500,7 +500,8 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
         split = "the demo's held-out split" if demo else f"the `{script_args.dataset_test_split}` split"
         again = (
             f"`trl-vapo eval --model <this folder> --temperature 1.0 --top_p 1.0 --k {script_args.eval_k} "
-            f"--num_prompts {before['num_problems']}` samples the same way: it reads the run's data and sampling "
+            f"--num_prompts {before['num_problems'] + before.get('num_unscored', 0)}` samples the same way: it reads "
+            "the run's data and sampling "
             "settings"
         )
         if mixture:  # cut from the mixture at random (`test_split_size`): no data set eval can name
@@ -1204,7 +1205,12 @@ def _check_eval_numbers(args) -> None:
             ("min_p", args.min_p, args.min_p is None or 0 <= args.min_p <= 1, "in [0, 1] or None"),
             ("repetition_penalty", args.repetition_penalty, args.repetition_penalty > 0, "> 0 (1.0: none)"),
             ("max_completion_length", args.max_completion_length, args.max_completion_length >= 1, ">= 1"),
-            ("max_prompt_length", args.max_prompt_length, (args.max_prompt_length or 1) >= 1, ">= 1 or None"),
+            (
+                "max_prompt_length",
+                args.max_prompt_length,
+                args.max_prompt_length is None or args.max_prompt_length >= 1,
+                ">= 1 or None",
+            ),
             ("batch_size", args.batch_size, args.batch_size >= 1, ">= 1"),
         )
         if not ok

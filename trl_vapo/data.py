@@ -389,8 +389,10 @@ def check_train_dataset(dataset, args) -> dict:
             f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}). Add "
             "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
         )
+    for i, prompt in enumerate(prompts):  # an image part may sit in any row's messages, not the first one's
+        refuse_images({"prompt": prompt}, f"train_dataset (row {i})")
     row = dataset[0]
-    refuse_images(row, "train_dataset")
+    refuse_images(row, "train_dataset")  # its image columns
     return row
 
 
@@ -443,6 +445,9 @@ def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dic
         if "prompt" not in row:
             raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
         refuse_images(row, what)
+        if isinstance(part, Dataset):  # (a stream's rows are read as training goes: its first one is checked)
+            for i, prompt in enumerate(part["prompt"]):
+                refuse_images({"prompt": prompt}, f"{what} (row {i})")
         if conversational is not None and is_conversational({"prompt": row["prompt"]}) != conversational:
             formats = ("plain text", "chat messages") if conversational else ("chat messages", "plain text")
             raise ValueError(

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -559,6 +560,8 @@ def decided_on_main(decide: Callable[[], Any], accelerator) -> Any:
     if accelerator.is_main_process:
         try:
             answer = decide()
+            if accelerator.num_processes > 1:
+                pickle.dumps(answer)  # what the broadcast sends: a failure here is raised everywhere, not alone
         except Exception as error:
             failure = error
     if accelerator.num_processes > 1:
@@ -574,8 +577,6 @@ def decided_on_main(decide: Callable[[], Any], accelerator) -> Any:
 
 def _crossable(error: Exception) -> Exception:
     """``error`` where it pickles and unpickles (a broadcast sends a pickle), else a RuntimeError with its text."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:

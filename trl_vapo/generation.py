@@ -601,13 +601,15 @@ def _check_continuous_batching_sampling(sampling: SamplingSettings, model: nn.Mo
     # (no_repeat_ngram_size), whether set as fields or in generation_kwargs.
     config = sampling.generation_config((), 0)
     given = {name: getattr(config, name, None) for name in PROCESSOR_SETTINGS}
-    active = [f"{name}={value!r}" for name, value in given.items() if PROCESSOR_SETTINGS[name](value)]
+    active = [name for name, value in given.items() if PROCESSOR_SETTINGS[name](value)]
     if active:
-        where = [name for name in given if name in sampling.generation_kwargs]
+        named = [
+            f"{name}={given[name]!r}" + " (generation_kwargs)" * (name in sampling.generation_kwargs)
+            for name in active
+        ]
         raise ValueError(
-            f"{', '.join(active)}{' (generation_kwargs)' if where else ''}: not supported by transformers' continuous "
-            "batching, which would drop or misapply it silently. Remove it (repetition_penalty=1.0), or generate with "
-            "use_vllm or the default engine."
+            f"{', '.join(named)}: not supported by transformers' continuous batching, which would drop or misapply it "
+            "silently. Remove it (repetition_penalty=1.0), or generate with use_vllm or the default engine."
         )
 
 
@@ -834,6 +836,9 @@ class EngineSettings:
                 max_new_tokens=args.max_completion_length,
                 temperature=args.temperature,
                 top_p=args.top_p,
+                top_k=args.top_k or 0,
+                min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty,
                 generation_kwargs=dict(args.generation_kwargs or {}),
             ),
             batch_size=args.batch_size,

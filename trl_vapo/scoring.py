@@ -381,7 +381,7 @@ class RewardScorer:
         """Call every function once on a dataset row's group (`group_size` copies, as a rollout holds the completions
         of a prompt: a function that reads the batch by groups, `reshape(-1, num_generations)`, runs) with empty
         completions, before any compute, with what training passes (a `TrainerState` at step 0, `log_metric` and
-        `log_extra`).
+        `log_extra`); a reward model, which scores each row alone, on one row.
 
         A missing column, a bad import or a crash then fails here, with the dataset's columns in the message, not
         after the model has loaded and generated.
@@ -406,14 +406,13 @@ class RewardScorer:
                     f"are {sorted(row)}."
                 )
             try:
-                rows, completions = self._as_messages([row] * group_size, [""] * group_size)
-                self.call(
-                    _blocking(func) if is_async(func) else func, name, rows, completions, [[]] * group_size, common
-                )
+                copies = 1 if isinstance(func, RewardModel) else group_size  # (a model scores each row alone)
+                rows, completions = self._as_messages([row] * copies, [""] * copies)
+                self.call(_blocking(func) if is_async(func) else func, name, rows, completions, [[]] * copies, common)
             except RuntimeError as error:
                 raise ValueError(
-                    f"{error} (checked before training on the first dataset row's group of {group_size} with empty "
-                    f"completions; dataset columns: {sorted(row)})"
+                    f"{error} (checked before training on {copies} cop{'y' if copies == 1 else 'ies'} of the first "
+                    f"dataset row with empty completions; dataset columns: {sorted(row)})"
                 ) from error
 
 
