@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/bench_gpu.py --static-memory --sizes 0.5B     # weight/optimizer bytes, any machine
     .venv/bin/python benchmarks/bench_gpu.py --logits-memory --sizes 0.5B     # the log-prob step's memory, any machine
     .venv/bin/python benchmarks/bench_gpu.py --step-memory                    # one fp32 LoRA step's memory, on CPU
+    .venv/bin/python benchmarks/bench_gpu.py --adapter-switch --sizes 0.5B    # the critic adapter switch's host time
 
 Models are randomly initialised from configs with the real shapes of Qwen2.5-0.5B and Qwen2.5-1.5B (nothing is
 downloaded), with a byte-level BPE tokenizer trained on the spot (the model keeps Qwen's 151,936-token vocabulary,
@@ -394,6 +395,46 @@ def logits_memory_table(records: dict) -> str:
     return "\n".join(lines)
 
 
+def adapter_switch_times(size: str, repeats: int = 20) -> dict[str, float]:
+    """Milliseconds of one switch of the shared-base LoRA critic's adapter and back (what each critic forward does),
+    at `size`'s shapes with LoRA on every linear layer, on the CPU (host work only: no tensor is computed): VAPO's
+    (`ActorCritic._adapter`) and peft's `set_adapter` with `set_requires_grad` restoring both adapters, each way (what
+    it did before). The vocabulary is cut to 2,048 (it costs memory, not switch time)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.modeling import CRITIC_ADAPTER, POLICY_ADAPTER, ActorCritic, ValueHead
+
+    config = qwen_config(size)
+    config.vocab_size = 2048
+    torch.manual_seed(0)
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    policy = get_peft_model(AutoModelForCausalLM.from_config(config), lora)
+    policy.add_adapter(CRITIC_ADAPTER, lora)
+    policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+    actor_critic = ActorCritic(policy, value_head=ValueHead(config.hidden_size))
+
+    def vapo():
+        with actor_critic._adapter(CRITIC_ADAPTER):
+            pass
+
+    def peft_switch():
+        for adapter in (CRITIC_ADAPTER, POLICY_ADAPTER):
+            policy.set_adapter(adapter)
+            policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+
+    times = {}
+    for name, switch in (("vapo", vapo), ("peft set_adapter", peft_switch)):
+        switch()  # (VAPO's first switch reads each adapter's states from set_adapter)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            switch()
+        times[name] = 1000 * (time.perf_counter() - started) / repeats
+    times["modules"] = sum(1 for _ in policy.modules())
+    return times
+
+
 def step_memory_table(records: dict) -> str:
     lines = [f"{'size':11s}{'method':11s}{'peak growth MB':>16s}{'/ GRPO':>8s}{'step s':>8s}"]
     for (size, method), r in records.items():
@@ -479,6 +520,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--step-memory", action="store_true", help="peak memory growth of one fp32 LoRA step, VAPO and GRPO, on CPU"
     )
+    parser.add_argument(
+        "--adapter-switch", action="store_true", help="host time of one critic adapter switch, VAPO's and peft's (CPU)"
+    )
     parser.add_argument("--fp32", action="store_true", help="float32 weights and compute instead of bf16 autocast")
     parser.add_argument("--json", help="also write the summaries here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -507,6 +551,15 @@ def main(argv: list[str] | None = None) -> None:
         records = {(size, m): launch(opts, size, m) for size in opts.sizes.split(",") for m in opts.methods.split(",")}
         print("one LoRA step: 8 completions of 256 tokens, vocabulary 151,936, float32; peak memory above the start")
         print(step_memory_table(records))
+        return
+    if opts.adapter_switch:
+        for size in opts.sizes.split(","):
+            times = adapter_switch_times(size)
+            print(
+                f"{size}: one critic adapter switch and back, {times['modules']:,} modules, LoRA on every linear "
+                f"layer, CPU: VAPO {times['vapo']:.2f} ms, peft set_adapter + set_requires_grad "
+                f"{times['peft set_adapter']:.1f} ms"
+            )
         return
     if opts.logits_memory:
         records = {(size, path): launch(opts, size, path) for size in opts.sizes.split(",") for path in LOGPROB_PATHS}

@@ -50,6 +50,48 @@ def trainable(trainer) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def test_the_critics_adapter_switch_computes_as_peft_switches_without_walking_the_model(tiny_model_dir, monkeypatch):
+    """Each critic forward ran under peft's `set_adapter`, twice (in and back), with the adapters' `requires_grad`
+    restored after each: about 30 ms a switch at Qwen2.5-0.5B shapes, two per micro-batch of the scoring pass and the
+    update. The switch now sets what `set_adapter` leaves in each layer (read from it once per set of adapters):
+    the same values, the same trainable weights, and `set_adapter` is not called again; a reference adapter added
+    later is read then."""
+    from helpers import peft_actor_critic
+    from peft import PeftModel
+
+    from trl_vapo.modeling import CRITIC_ADAPTER, POLICY_ADAPTER
+
+    actor_critic = peft_actor_critic(tiny_model_dir, modules_to_save=["input_layernorm"])
+    policy = actor_critic.policy
+    ids = torch.randint(3, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    policy.set_adapter(CRITIC_ADAPTER)  # peft's own switch, for the expected values
+    with torch.no_grad():
+        hidden = policy.get_base_model().base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        expected = actor_critic.value_head(hidden[:, -5:-1]).float()
+    policy.set_adapter(POLICY_ADAPTER)
+    policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+    with torch.no_grad():
+        logprobs = actor_critic(ids, mask, 4, with_values=False, with_entropy=False)["logprobs"]
+        first = actor_critic(ids, mask, 4, with_policy=False)["values"]  # reads each adapter's states
+    monkeypatch.setattr(PeftModel, "set_adapter", lambda *a, **k: pytest.fail("set_adapter walked the model"))
+    with torch.no_grad():
+        again = actor_critic(ids, mask, 4, with_policy=False)["values"]
+        after = actor_critic(ids, mask, 4, with_values=False, with_entropy=False)["logprobs"]
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    assert torch.equal(after, logprobs)  # back under the policy's adapter (its LoRA and its norm copies)
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
+    assert policy.active_adapter == POLICY_ADAPTER
+    monkeypatch.undo()
+    actor_critic.add_reference_adapter()  # a copy of the policy's adapter: it computes as the policy
+    with torch.no_grad(), actor_critic._reference_adapter():
+        assert policy.active_adapter == "ref"
+        reference = actor_critic(ids, mask, 4, with_values=False, with_entropy=False)["logprobs"]
+    assert torch.equal(reference, logprobs) and policy.active_adapter == POLICY_ADAPTER
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
+
+
 @pytest.mark.parametrize(
     "lora, on_the_model",
     [(None, False), ({}, False), ({"modules_to_save": ["input_layernorm"]}, False), ({}, True)],
