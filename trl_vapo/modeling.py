@@ -546,7 +546,7 @@ class ActorCritic(nn.Module):
                     "critic: reentrant checkpointing cannot replay a layer under the adapter that ran it. Use "
                     "use_reentrant=False (the default)."
                 )
-            kwargs["context_fn"] = _replay_under_forward_adapter(_adapter_layers(self.policy))
+            kwargs["context_fn"] = self._replay_under_forward_adapter
         for model in (self.policy, self.critic):
             if model is None:
                 continue
@@ -610,8 +610,31 @@ class ActorCritic(nn.Module):
                 param.requires_grad_(n in trainable)
             self._switch_layers, self._adapter_states, self._adapter_states_of = layers, states, adapters
         for layer, state in zip(self._switch_layers, self._adapter_states[name]):
-            layer._active_adapter = copy.copy(state)  # (a list for some: copied, never shared)
+            # (a list for some: copied, never shared; set in the instance's dict, as Module.__setattr__ would, faster)
+            vars(layer)["_active_adapter"] = copy.copy(state)
         self.policy.active_adapter = self.policy.base_model.active_adapter = name  # (the PeftModel's and the tuner's)
+
+    def _replay_under_forward_adapter(self):
+        """A ``torch.utils.checkpoint`` ``context_fn``: a checkpointed layer is recomputed under the adapter that ran
+        its forward (the critic's backward runs after its forward switched back to the policy's adapter). Recorded
+        by name at the forward, switched by `_activate` only where another adapter is active at the recomputation
+        (the critic's side), which sets the layers' ``_active_adapter`` and leaves ``requires_grad`` alone, as it
+        must in the middle of a backward pass."""
+        forward = self.policy.active_adapter
+
+        @contextlib.contextmanager
+        def recompute():
+            current = self.policy.active_adapter
+            if current == forward:
+                yield
+                return
+            self._activate(forward)
+            try:
+                yield
+            finally:
+                self._activate(current)
+
+        return contextlib.nullcontext(), recompute()
 
     def add_reference_adapter(self) -> None:
         """A frozen copy of the policy adapter as it is now, named `REFERENCE_ADAPTER`: the KL penalty's reference
@@ -929,33 +952,6 @@ def _adapter_layers(model: nn.Module) -> list[nn.Module]:
     from peft.utils import AuxiliaryTrainingWrapper
 
     return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
-
-
-def _replay_under_forward_adapter(layers: list[nn.Module]):
-    """A ``torch.utils.checkpoint`` ``context_fn`` that recomputes a layer under the adapters its forward used.
-
-    Sets the modules' private ``_active_adapter`` directly, each to what it was at the forward (a wrapper without
-    the adapter's copy holds none): peft's ``set_adapter`` would also flip ``requires_grad``, which must not change
-    in the middle of a backward pass.
-    """
-
-    def context_fn():
-        active = [copy.copy(layer._active_adapter) for layer in layers]  # a list for some: copied, not shared
-
-        @contextlib.contextmanager
-        def recompute():
-            saved = [layer._active_adapter for layer in layers]
-            for layer, adapter in zip(layers, active):
-                layer._active_adapter = adapter
-            try:
-                yield
-            finally:
-                for layer, adapter in zip(layers, saved):
-                    layer._active_adapter = adapter
-
-        return contextlib.nullcontext(), recompute()
-
-    return context_fn
 
 
 def keep_trainable_weights_in_float32(model: nn.Module) -> int:
