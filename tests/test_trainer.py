@@ -1110,6 +1110,10 @@ def test_group_sampling_repeats_each_prompt(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# Two optimizer steps per rollout, every value-pretraining step run, a checkpoint every 2 steps: resumed mid-phase.
+RESUMABLE = dict(value_pretrain_patience=None, save_strategy="steps", save_steps=2, num_iterations=2)
+
+
 @pytest.mark.parametrize("peft", [False, True])
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft, caplog):
     peft_config = None
@@ -1119,16 +1123,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
     def run(output, resume=None, prompts=64, checked_first=False, lora=None, model=tiny_model_dir, **settings):
-        args = make_args(
-            tmp_path / output,
-            max_steps=3,
-            value_pretrain_steps=2,
-            value_pretrain_patience=None,
-            save_strategy="steps",
-            save_steps=2,
-            num_iterations=2,
-            **settings,
-        )
+        args = make_args(tmp_path / output, max_steps=3, value_pretrain_steps=2, **RESUMABLE, **settings)
         trainer = VAPOTrainer(
             model=str(model),
             reward_funcs=digit_fraction,
@@ -1213,16 +1208,7 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
     mid-pretraining trained on its first rollout alone (other rows, another random stream) and ended elsewhere."""
 
     def run(resume=None):
-        args = make_args(
-            tmp_path,
-            max_steps=2,
-            value_pretrain_steps=3,
-            value_pretrain_replay=2,
-            value_pretrain_patience=None,
-            save_strategy="steps",
-            save_steps=2,
-            num_iterations=2,
-        )
+        args = make_args(tmp_path, max_steps=2, value_pretrain_steps=3, value_pretrain_replay=2, **RESUMABLE)
         trainer = VAPOTrainer(
             model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(64)
         )
