@@ -46,6 +46,12 @@ def test_grpo_arguments_vapo_does_not_take_are_refused_before_any_model_loads(tm
         )
 
 
+def test_an_empty_tools_list_is_no_tools(tiny_model_dir, tmp_path):
+    """GRPOTrainer takes `tools=[]` as none (`tools or []`); it was refused as tools."""
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), tools=[])
+    assert trainer.actor_critic is not None
+
+
 def test_a_peft_model_the_user_already_wrapped_trains_with_the_critic_on_its_base(tiny_model_dir, tmp_path):
     """`GRPOTrainer(model=get_peft_model(...))`: the user's adapter is the policy's, the critic is a second adapter on
     the same frozen base, and both train."""
