@@ -286,7 +286,9 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert "prompt_column" not in told and "system_prompt" not in told and "max_completion_length=8" in told
 
 
-def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(tiny_model_dir, tmp_path, capsys):
+def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
     """A run trained in Python saves its VAPOConfig (vapo_config.json) but not its reward functions: eval takes its
     length, and not its reward_weights or positive_reward_funcs, which count and name functions eval does not know
     (two weights for eval's one reward function were an error after the model loaded)."""
@@ -300,11 +302,21 @@ def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(tiny_m
     told = capsys.readouterr().err
     assert "max_completion_length=3" in told and "reward_weights" not in told and "positive_reward_funcs" not in told
     # The run's other sampling settings and its prompt cut, as training sampled (they were left out).
+    from trl_vapo import evaluation
+
+    given, real = {}, evaluation.evaluate_policy
+
+    def evaluate_policy(*args, **kwargs):  # the real evaluation, its settings kept
+        given.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_policy", evaluate_policy)
     saved = {"max_prompt_length": 4, "top_k": 3, "min_p": 0.05, "repetition_penalty": 1.2}
     (out / "vapo_config.json").write_text(json.dumps(saved))
     assert main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "2"]) == 0
     told = capsys.readouterr().err
     assert all(f"{key}={value}" in told for key, value in saved.items()), told
+    assert {key: given[key] for key in saved} == saved  # and they reach the sampling
 
 
 def test_evaluation_cuts_prompts_and_penalises_repeats_as_training():
