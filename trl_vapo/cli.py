@@ -746,7 +746,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
             k=script_args.eval_k,
             temperature=1.0,
             top_p=1.0,
-            top_k=args.top_k or 0,
+            top_k=args.top_k,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
             max_new_tokens=args.max_completion_length,

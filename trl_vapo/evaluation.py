@@ -339,8 +339,7 @@ class EvaluationMixin:
             rank = self.accelerator.process_index
             real = len(batch) * group  # the rows before the repeated prompts, in the gathered order
             mine = min(max(real - rank * share, 0), share)  # this process's rows among the real ones
-            repeats = {"counted": mine} if mine < share else {}  # (an override of the old signature runs without)
-            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group, **repeats)
+            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group, counted=mine)
             verdicts = torch.stack([rollout.is_correct.cpu(), rollout.scores.scored]).to(rollout.loss_mask.device)
             right, scored = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
             correct, judged = correct + right, judged + scored

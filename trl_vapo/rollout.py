@@ -165,10 +165,12 @@ def load_rollouts(path: str, device: torch.device) -> list[Rollout]:
 
     with safe_open(path, framework="pt") as handle:
         settings = json.loads(handle.metadata()["rollouts"])
-    tensors = load_file(path)
+    by_rollout: list[dict[str, torch.Tensor]] = [{} for _ in settings]
+    for key, value in load_file(path).items():  # `<index>.<field>`
+        index, name = key.split(".", 1)
+        by_rollout[int(index)][name] = value
     rollouts = []
-    for index, saved in enumerate(settings):
-        mine = {key.split(".", 1)[1]: value for key, value in tensors.items() if key.split(".", 1)[0] == str(index)}
+    for saved, mine in zip(settings, by_rollout):
         scores = Scores(
             names=saved["score_names"],
             **{name: mine.pop(f"scores.{name}", None) for name in _SAVED_SCORES},
