@@ -113,11 +113,20 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(
 
     replaying = []  # at the start of training: whether every checkpointed layer recomputes under its adapters
     layers = []  # the run's decoder layers
+    hooks = []  # the forward hooks on the input embeddings (checkpointing's input-requires-grad), at the start
+
+    def embedding_hooks(trainer):
+        models = (trainer.actor_critic.policy, trainer.actor_critic.critic)
+        return sum(len(m.get_input_embeddings()._forward_hooks) for m in models if m is not None)
 
     class AtTrainBegin(TrainerCallback):
+        def __init__(self):
+            self.trainer = None
+
         def on_train_begin(self, args, state, control, **kwargs):
             functions = [getattr(layer, "_gradient_checkpointing_func", None) for layer in layers]
             replaying.append(all(isinstance(f, partial) and "context_fn" in f.keywords for f in functions))
+            hooks.append(embedding_hooks(self.trainer))
 
     def run(checkpointing: bool):
         args = make_args(
@@ -141,14 +150,17 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_updates(
             args=args,
             train_dataset=prompts_dataset(),
             peft_config=lora_config(**lora) if lora is not None else None,
-            callbacks=[AtTrainBegin()],
+            callbacks=[at_begin := AtTrainBegin()],
         )
+        at_begin.trainer = trainer
         calls = [0]
         layers[:] = decoder_layers(trainer)
         for layer in layers:
             # Count the MLP's forward itself: module hooks do not fire in torch's checkpoint recomputation.
             layer.mlp.forward = counting(layer.mlp.forward, calls)
         trainer.train()
+        # Checkpointing is off for each generation and on again after it: no hook left behind each time.
+        assert embedding_hooks(trainer) == hooks[-1], (embedding_hooks(trainer), hooks)
         return trainable(trainer), calls[0], trainer.actor_critic.is_gradient_checkpointing
 
     plain, plain_calls, plain_on = run(False)

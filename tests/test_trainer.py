@@ -1240,7 +1240,8 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     if layout == "given-adapter":  # a trained adapter (an SFT run's): the base alone is not the initial policy
-        trained = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        # (with dropout, as SFT adapters are saved: disable_dropout reaches the reference's copy too, KL 0 at first)
+        trained = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.5)
         model, peft_config = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), trained), None
     # bf16: the reference is the policy as it trains (float32 weights), not the bf16 checkpoint: the first KL is 0.
     dtype = {"model_init_kwargs": {"dtype": "bfloat16"}} if layout == "full-bf16" else {}
@@ -1254,9 +1255,14 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
     assert bool(reference) == (layout == "given-adapter") and not any(
         p.requires_grad for n, p in trainer.actor_critic.named_parameters() if ".ref." in n
     )
+    critic = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if ".critic." in n}
+    assert bool(critic) == (layout in ("lora", "given-adapter"))  # the shared-base critic's adapter
     trainer.train()
     for name, param in trainer.actor_critic.named_parameters():  # the copy never trains
         assert name not in reference or (torch.equal(param, reference[name]) and not param.requires_grad), name
+    # The reference pass (the base with adapters off, or the copy) leaves the critic's adapter trainable: it trained.
+    for name, param in trainer.actor_critic.named_parameters():
+        assert name not in critic or (param.requires_grad and not torch.equal(param, critic[name])), name
     phases = [rollout.phase for _, rollout in trainer.rollouts]
     assert phases[0] == "value_pretrain" and phases[1:] == ["rl"] * (len(phases) - 1)
     # Value pretraining under full fine-tuning: the policy is still its own copy, the reference; no log-prob pass for a

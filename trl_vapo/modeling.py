@@ -565,6 +565,9 @@ class ActorCritic(nn.Module):
             base = model.get_base_model() if is_peft_model(model) else model
             disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
             disable()
+            # The forward hook on the input embeddings that enabling registered: transformers removes it only for a
+            # model with an adapter loaded through it, so each generation's pause and re-enable would add one more.
+            base.disable_input_require_grads()
 
     def _adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
         return [p for n, p in self.policy.named_parameters() if of_adapter(n, adapter) and p.requires_grad]
@@ -598,6 +601,14 @@ class ActorCritic(nn.Module):
         every linear layer (two switches per critic forward, a forward per micro-batch in the scoring pass and in
         the update), against well under a millisecond here. Each adapter's states are read from `set_adapter` once,
         again whenever the adapters change (`add_reference_adapter`)."""
+        for layer, state in zip(self._tuner_layers(), self._adapter_states[name]):
+            # (a list for some: copied, never shared; set in the instance's dict, as Module.__setattr__ would, faster)
+            vars(layer)["_active_adapter"] = copy.copy(state)
+        self.policy.active_adapter = self.policy.base_model.active_adapter = name  # (the PeftModel's and the tuner's)
+
+    def _tuner_layers(self) -> list[nn.Module]:
+        """`_adapter_layers` of the policy, and each adapter's `_active_adapter` states as `set_adapter` leaves
+        them (`self._adapter_states`), read once, again whenever the adapters change."""
         adapters = tuple(self.policy.peft_config)
         if getattr(self, "_adapter_states_of", None) != adapters:
             layers, states = _adapter_layers(self.policy), {}
@@ -609,10 +620,31 @@ class ActorCritic(nn.Module):
             for n, param in self.policy.named_parameters():  # as they were: set_adapter froze the others
                 param.requires_grad_(n in trainable)
             self._switch_layers, self._adapter_states, self._adapter_states_of = layers, states, adapters
-        for layer, state in zip(self._switch_layers, self._adapter_states[name]):
-            # (a list for some: copied, never shared; set in the instance's dict, as Module.__setattr__ would, faster)
-            vars(layer)["_active_adapter"] = copy.copy(state)
-        self.policy.active_adapter = self.policy.base_model.active_adapter = name  # (the PeftModel's and the tuner's)
+        return self._switch_layers
+
+    @contextlib.contextmanager
+    def _base_alone(self):
+        """The policy computes as its base, every adapter off, for the duration (a new adapter's KL reference).
+
+        Not peft's ``disable_adapter()``: leaving it, peft re-enables the adapters with ``set_adapter`` of the active
+        one, which leaves only the policy's adapter trainable: the critic's (and its ``modules_to_save`` copies)
+        would never train again. Each adapter layer's ``_disable_adapters`` flag is what its forward reads; set
+        directly, ``requires_grad`` left alone. Prompt-learning adapters, which peft disables by swapping the
+        forward and without touching ``requires_grad``, go through peft."""
+        config = self.policy.peft_config[self.policy.active_adapter]
+        if config.is_prompt_learning or config.is_adaption_prompt:
+            with self.policy.disable_adapter():
+                yield
+            return
+        layers = self._tuner_layers()
+        was = [layer._disable_adapters for layer in layers]
+        for layer in layers:
+            vars(layer)["_disable_adapters"] = True
+        try:
+            yield
+        finally:
+            for layer, flag in zip(layers, was):
+                vars(layer)["_disable_adapters"] = flag
 
     def _replay_under_forward_adapter(self):
         """A ``torch.utils.checkpoint`` ``context_fn``: a checkpointed layer is recomputed under the adapter that ran
@@ -647,7 +679,7 @@ class ActorCritic(nn.Module):
     def _as_reference(self, reference: nn.Module | str):
         """Where the policy computes as `reference` ("base", `REFERENCE_ADAPTER`); nothing for a model of its own."""
         if reference == "base":
-            return self.policy.disable_adapter()
+            return self._base_alone()
         return self._reference_adapter() if reference == REFERENCE_ADAPTER else contextlib.nullcontext()
 
     def _reference_adapter(self):

@@ -360,8 +360,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 "loaders, which VAPOTrainer replaces with its own (each rollout reads its prompts from the data set; "
                 "shuffle_dataset orders them): they change nothing here."
             )
-        if args.disable_dropout:
-            disable_dropout_in_model(actor_critic)
         if keep_trainable_weights_in_float32(actor_critic):
             logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
         # With PEFT the reference policy is the base with adapters disabled, or, for an adapter given trained, a frozen
@@ -374,6 +372,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.beta > 0 and adapter_given:
             actor_critic.add_reference_adapter()
             self._peft_reference = REFERENCE_ADAPTER
+        if args.disable_dropout:  # (after the reference's adapter is added: its copy of the LoRA dropout too)
+            disable_dropout_in_model(actor_critic)
 
         with deepspeed_quiet_unless_used(uses_deepspeed(args)):
             super().__init__(
