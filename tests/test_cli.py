@@ -451,6 +451,15 @@ BAD_INPUT = [
     (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
     # A reward model's LoRA task type: it trained, and saved an adapter AutoPeftModelForCausalLM refuses.
     (["--use_peft", "true", "--lora_task_type", "SEQ_CLS"], "peft_config has task_type='SEQ_CLS': the policy is"),
+    # A value no flag takes was handed to `accelerate launch` as its script: python ran the YAML file.
+    (["typo.yaml"], "unexpected argument 'typo.yaml' (did you mean --config typo.yaml?)"),
+    (["--eval_strategy", "steps", "100"], "unexpected argument '100': every value follows its flag"),
+    # The launcher's own errors: its usage (some 60 flags) and exit 2, or accelerate's traceback.
+    (["--num_processes", "two"], "--num_processes/--num-processes: invalid int value: 'two' (see `accelerate launch"),
+    (["--cpu", "true", "--multi_gpu", "true"], "accelerate launch: You can only use one of `--cpu`, `--multi_gpu`"),
+    # The held-out report's numbers: a traceback once the model had loaded (an empty set to score).
+    (["--eval_k", "0", "--eval_num_prompts", "2"], "--eval_k must be >= 1 (samples per held-out prompt), got 0"),
+    (["--eval_num_prompts", "-1"], "--eval_num_prompts must be >= 0 (0: no held-out report), got -1"),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
 # libraries would retry for a minute.
@@ -932,6 +941,9 @@ def refuse_model_loads(monkeypatch) -> None:
         (["--model_name_or_path", "{tmp}/empty"], "--model {tmp}/empty is not a model folder"),  # the alias
         (["--model", "{model}", "--k", "0"], "--k must be >= 1, got 0"),
         (["--model", "{model}", "--num_prompts", "-1"], "--num_prompts must be >= 1, got -1"),
+        (["--model", "{model}", "--k", "8", "16"], "unexpected argument '16': every value follows its flag"),
+        # The demo's held-out split without a data set: it drew forever for a distinct problem more than it has.
+        (["--model", "{model}", "--num_prompts", "98330"], "--num_prompts 98330: The held-out split has 98,329"),
         (
             ["--model", "{model}", "--temperature", "-1", "--top_p", "1.5"],
             "--temperature must be >= 0 (0: greedy), got",
@@ -1072,7 +1084,9 @@ def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
     (tmp_path / "always.py").write_text("def right(completions, **kwargs):\n    return [1.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     config = f"model_name_or_path: {tiny_model_dir}\nreward_funcs: [always.right]\n"
-    (tmp_path / "run.yaml").write_text(config + "reward_weights: [0.0]\n")
+    # (and its launcher's keys, which the README suggests: eval runs in one process, and took them for unknown)
+    launch = "num_processes: 2\nmulti_gpu: true\naccelerate_config: zero2\n"
+    (tmp_path / "run.yaml").write_text(config + "reward_weights: [0.0]\n" + launch)
     (tmp_path / "unweighted.yaml").write_text(config)
     scores = tmp_path / "new" / "scores.json"
     common = ["eval", "--model", str(tmp_path / "adapter"), "--num_prompts", "4", "--max_new_tokens", "4"]
@@ -1122,6 +1136,12 @@ def test_train_in_an_output_dir_another_run_holds_is_one_line_before_any_model_l
         "and logs. Wait for it or stop it; then resume its run with resume_from_checkpoint=True "
         "(`--resume_from_checkpoint latest`), or choose another output_dir."
     ]
+    with monkeypatch.context() as no_loads:  # the demo's held-out report asking for more problems than its split
+        refuse_model_loads(no_loads)  # has: said as soon (it drew forever for one more distinct problem)
+        assert main(["train", "--output_dir", str(tmp_path / "free"), "--eval_num_prompts", "98330"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "trl-vapo train: error: --eval_num_prompts 98330: the demo's held-out split has 98,329 problems"
+    )
     (out / RUN_LOCK).write_text(json.dumps({"pid": 1, "host": "a-node-that-died"}))  # what kill -9 leaves
     assert live_holder(out) is None
     with output_dir_lock(out):  # and the run itself can take it

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl_vapo.demo import MODEL_DIR
 from trl_vapo.demo.data import (
     HELD_OUT_PERCENT,
+    HELD_OUT_PROBLEMS,
     MAX_TERMS,
     MIN_TERMS,
     SLIP_RATE_SUM_ABOVE_TEN,
@@ -127,6 +128,15 @@ def test_response_lengths_grow_with_the_number_of_terms():
 def test_build_split_rejects_unknown_split():
     with pytest.raises(ValueError, match="split must be 'train' or 'held_out', got 'test'"):
         build_split("test", 4)
+
+
+def test_the_held_out_split_has_as_many_problems_as_said_and_no_more_are_drawn():
+    from itertools import permutations
+
+    every = [t for k in range(MIN_TERMS, MAX_TERMS + 1) for t in permutations(range(1, 10), k)]
+    assert len(every) == 986_400 and sum(map(is_held_out, every)) == HELD_OUT_PROBLEMS
+    with pytest.raises(ValueError, match="The held-out split has 98,329 distinct problems; 98,330 were asked for"):
+        build_split("held_out", HELD_OUT_PROBLEMS + 1)  # (drew forever)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

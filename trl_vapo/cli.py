@@ -309,11 +309,9 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
         return []
     import difflib
 
-    from accelerate.commands.launch import launch_command_parser
-
     from ._compat import resolve_accelerate_config_argument
 
-    launcher = launch_command_parser()
+    launcher = _launcher_in_one_line()
     switches = {o for a in launcher._actions if a.nargs == 0 for o in a.option_strings}  # `--multi_gpu`
     flags = []
     for arg in remaining:  # a config's `multi_gpu: true` arrives as `--multi_gpu True`: the flag, or nothing
@@ -328,7 +326,7 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
         raise UsageError(str(error)) from None
     if any(Path(arg).name == "fsdp1.yaml" for arg in launch_args):  # TRL's name for its FSDP1 config
         raise UsageError("--accelerate_config fsdp1: FSDP version 1 is not supported; use --accelerate_config fsdp2")
-    _, unknown = launcher.parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
+    parsed, unknown = launcher.parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
     unknown = [arg for arg in unknown if arg.startswith("-")]
     if unknown:
         known = [o for p in (parser or _parser(), launcher) for a in p._actions for o in a.option_strings]
@@ -343,7 +341,27 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
             else:
                 named.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
         raise UsageError(f"unrecognized argument(s): {', '.join(named)} (see `trl-vapo train --help`)")
+    # A value no flag took (an unknown flag's is named above): the launcher would run it as its script.
+    if parsed.training_script != "trl_vapo.cli":
+        stray = parsed.training_script
+        hint = f" (did you mean --config {stray}?)" if stray.endswith((".yaml", ".yml")) else ""
+        raise UsageError(
+            f"unexpected argument {stray!r}{hint}: every value follows its flag (see `trl-vapo train --help`)"
+        )
     return launch_args
+
+
+def _launcher_in_one_line():
+    """`accelerate launch`'s parser, its errors (`--num_processes two`) one line each, as the training flags'."""
+    from accelerate.commands.launch import launch_command_parser
+
+    launcher = launch_command_parser()
+
+    def error(message: str):
+        raise UsageError(f"{message} (see `accelerate launch --help`)")
+
+    launcher.error = error
+    return launcher
 
 
 RENAMED_FLAGS = {"--torch_dtype": "--dtype"}
@@ -371,6 +389,23 @@ def _check_resume(output_dir: str, resume: str | bool | None) -> None:
         raise UsageError(str(error)) from None
 
 
+def _check_held_out_report(script_args, demo: bool) -> None:
+    """The held-out report's numbers in their ranges, before any model loads (the report runs after loading)."""
+    from .demo.data import HELD_OUT_PROBLEMS
+
+    if script_args.eval_num_prompts < 0:
+        raise UsageError(
+            f"--eval_num_prompts must be >= 0 (0: no held-out report), got {script_args.eval_num_prompts}"
+        )
+    if script_args.eval_k < 1:
+        raise UsageError(f"--eval_k must be >= 1 (samples per held-out prompt), got {script_args.eval_k}")
+    if demo and script_args.eval_num_prompts > HELD_OUT_PROBLEMS:
+        raise UsageError(
+            f"--eval_num_prompts {script_args.eval_num_prompts}: the demo's held-out split has {HELD_OUT_PROBLEMS:,} "
+            "problems"
+        )
+
+
 def train_command(argv: list[str]) -> int:
     demo = _is_demo(argv) and not {"-h", "--help"} & set(argv)  # help shows every run's defaults, naming the demo's
     parser = _parser()
@@ -380,6 +415,7 @@ def train_command(argv: list[str]) -> int:
         parser, argv
     )
     launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
+    _check_held_out_report(script_args, demo)
     # The launched command reads the same config, launch keys included: it runs them, it does not launch again
     # (accelerate's one-process launcher sets no LOCAL_RANK).
     if launch_args and "LOCAL_RANK" not in os.environ and LAUNCHED not in os.environ:
@@ -842,16 +878,18 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     workers' (128 + the signal's number after a stop on SIGTERM or SIGINT, as one process's run)."""
     import subprocess
 
-    from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = launch_command_parser().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
+    args = _launcher_in_one_line().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
     marked = os.environ.get(LAUNCHED)
     os.environ[LAUNCHED] = "1"  # the launched processes inherit it; this one's is restored below
     previous = _forward_signals_to_children()
     try:
         launch_command(args)
+    except (ImportError, ValueError) as error:  # accelerate's checks of its settings, before any process starts
+        raise UsageError(f"accelerate launch: {' '.join(str(error).split())}") from None
     except subprocess.CalledProcessError as failed:  # one process
         return failed.returncode if failed.returncode > 0 else 128 - failed.returncode
     except ChildFailedError as failed:  # several: the first worker that failed
@@ -1049,11 +1087,17 @@ def eval_command(argv: list[str]) -> int:
     unknown = [arg for arg in cli_remaining if arg.startswith("-")]
     # A training YAML works as is: its training-only keys (learning_rate, lora_r, ...) are left for `train`, and
     # only keys that neither command knows are errors.
+    # Its launcher keys (num_processes: 2) too: eval runs in one process.
     if config_remaining:
-        train_dests = {action.dest for action in _parser()._actions}
+        train_dests = {action.dest for action in (*_parser()._actions, *_launcher_in_one_line()._actions)}
+        train_dests.add("accelerate_config")
         unknown += [arg for arg in config_remaining if arg.startswith("--") and arg[2:] not in train_dests]
     if unknown:
         raise UsageError(f"unrecognized argument(s): {' '.join(unknown)} (see `trl-vapo eval --help`)")
+    if stray := [arg for arg in cli_remaining if not arg.startswith("-")]:  # `--k 8 16`: the 16
+        raise UsageError(
+            f"unexpected argument {stray[0]!r}: every value follows its flag (see `trl-vapo eval --help`)"
+        )
     if "--datasets" in config_remaining:
         raise UsageError(
             "the config's datasets: mixture is for training; eval scores one data set: pass --dataset_name (and "
@@ -1109,7 +1153,10 @@ def eval_command(argv: list[str]) -> int:
     if script.dataset_name is None and script.dataset_preset is None:
         from .demo.data import build_split
 
-        dataset = build_split("held_out", args.num_prompts or 200)
+        try:
+            dataset = build_split("held_out", args.num_prompts or 200)
+        except ValueError as error:  # more problems than the split has
+            raise UsageError(f"--num_prompts {args.num_prompts}: {error}") from None
     else:
         from trl import ModelConfig
 

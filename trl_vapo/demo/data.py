@@ -31,6 +31,9 @@ MIN_TERMS = 2
 MAX_TERMS = 9
 HELD_OUT_PERCENT = 10
 """Share of all possible problems that belong to the held-out split."""
+HELD_OUT_PROBLEMS = 98_329
+"""How many distinct problems the held-out split has (of 986,400 problems: every ordering of 2 to 9 distinct
+digits), the most a held-out set can hold; counted by the tests."""
 
 SLIP_RATE_SUM_TEN = 0.65
 """Probability that the SFT chain drops a carry when the ones digits sum to exactly ten (above 1/2: greedy slips)."""
@@ -143,6 +146,8 @@ def build_split(split: str, n: int, seed: int | None = None):
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
     held_out = split == "held_out"
+    if held_out and n > HELD_OUT_PROBLEMS:  # (it would draw forever)
+        raise ValueError(f"The held-out split has {HELD_OUT_PROBLEMS:,} distinct problems; {n:,} were asked for.")
     if seed is None:
         seed = HELD_OUT_SEED if held_out else TRAIN_SEED
     problems = sample_problems(n, held_out=held_out, seed=seed, unique=held_out)
