@@ -663,6 +663,22 @@ def test_value_loss_matches_naive_loop(clip):
     assert torch.equal(loss, loss2)
 
 
+@pytest.mark.parametrize("clip", [None, 0.2])
+@pytest.mark.parametrize("garbage", [math.nan, math.inf])
+def test_value_loss_gradient_is_untouched_by_what_padded_positions_hold(clip, garbage):
+    """A critic's NaN or inf at a padded position (an overflow on garbage there) gave the value head a NaN gradient:
+    masked after the square, whose gradient is 0 * NaN."""
+    lengths, mask, returns, old_values, g = random_batch(batch=6, steps=9, seed=14)
+    assert (mask == 0).any()
+    values = (old_values + 0.5 * torch.randn(old_values.shape, generator=g)).requires_grad_()
+    value_loss(values, old_values, returns, mask, clip)[0].backward()
+    clean = values.grad.clone()
+    dirty = values.detach().masked_fill(mask == 0, garbage).requires_grad_()
+    loss, _ = value_loss(dirty, old_values.masked_fill(mask == 0, garbage), returns, mask, clip)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.equal(dirty.grad, clean)
+
+
 def test_value_loss_without_clipping_ignores_old_values():
     lengths, mask, returns, old_values, g = random_batch(seed=13)
     values = torch.randn(old_values.shape, generator=g)

@@ -322,6 +322,9 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         # A budget of its own hid the completions it cut: not marked truncated (that budget is max_completion_length).
         ({"generation_kwargs": {"max_new_tokens": 64}}, "generation_kwargs sets max_new_tokens: the rollouts' token"),
         ({"generation_kwargs": {"max_tokens": 64}}, "Set max_completion_length instead"),
+        # k samples per request: k x N completions for N rows, refused by the reward check or a torch.cat later.
+        ({"generation_kwargs": {"num_return_sequences": 2}}, "generation_kwargs sets num_return_sequences: each "),
+        ({"use_vllm": True, "generation_kwargs": {"n": 4}}, "sets n: .* Set num_generations instead"),
         ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
         # Sizes: accepted, they trained on nonsense (-8) or failed after the models loaded (0: an IndexError).

@@ -193,6 +193,54 @@ def test_async_reward_functions_run_concurrently_and_name_a_failing_sample(tiny_
     assert any("rewards/slow_length/mean" in h for h in trainer.state.log_history)
 
 
+def test_an_async_function_that_fails_on_the_batch_stops_as_one_that_is_not_async():
+    """An async function that raised on the batch was called again on the whole batch, and a result of that second
+    call (a paid judge billed twice) was used without a word, where a function that is not async stopped the run."""
+    from trl_vapo.scoring import RewardScorer
+
+    calls = []
+
+    async def flaky_judge(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) == 1:
+            raise TimeoutError("the judge did not answer")
+        return [1.0] * len(completions)
+
+    rows = [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    with pytest.raises(RuntimeError, match=r"'flaky_judge' raised TimeoutError on the batch of 2: the judge did not"):
+        RewardScorer(flaky_judge).score(rows, ["2", "4"])
+    assert calls == [2, 1, 1]  # the batch, then each completion alone to name a failing one: never the batch again
+
+
+@pytest.mark.parametrize(
+    "returned, named",
+    [
+        (0.5, "returned float (0.5); it must return a list of one float (or None) per completion"),
+        ("1.0", 'returned str ("1.0"); it must return a list'),
+        ((x for x in [1.0, 1.0]), "returned generator"),
+        ([1.0, "right"], 'returned str ("right") as a value; it must return a list of one float'),
+        ([1.0, [1.0]], "returned list ([1.0]) as a value"),
+    ],
+)
+def test_a_reward_function_returning_no_list_of_numbers_is_named(returned, named):
+    """A scalar, a string, a generator or a value that is no number: a bare TypeError or ValueError (`len()` of a
+    float, `float("right")`) that named no function."""
+    from trl_vapo.scoring import RewardScorer
+
+    def judge(completions, **kwargs):
+        return returned
+
+    with pytest.raises(ValueError) as raised:
+        RewardScorer(judge).score([{"prompt": "1+1="}, {"prompt": "2+2="}], ["2", "4"])
+    assert str(raised.value).startswith("Reward function 'judge' ") and named in str(raised.value)
+    import numpy as np
+
+    def judge(completions, **kwargs):  # an array of numpy's numbers: taken
+        return np.array([1, 0])
+
+    assert RewardScorer(judge).score([{"prompt": "1+1="}, {"prompt": "2+2="}], ["2", "4"]).reward.tolist() == [1, 0]
+
+
 def test_a_sample_no_function_scores_is_named_in_grpos_warning(caplog):
     from trl_vapo.scoring import RewardScorer
 

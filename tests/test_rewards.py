@@ -378,6 +378,9 @@ def test_extract_predicted_answer(text, expected):
         (1e20, "100000000000000000000"),  # not 1e+20, nor 2.5e-07 below: math-verify reads neither as the number
         (1e23, "1" + "0" * 23),  # the repr's digits, not the binary value's 99999999999999991611392
         (np.float64(72.0), "72"),  # numpy's repr is np.float64(72.0)
+        (np.int64(72), "72"),  # (a column read with set_format("numpy"): it was no answer, every row unscored)
+        (np.float32(0.1), "0.1"),  # float32's own shortest digits, not float64's 0.10000000149011612
+        (np.bool_(True), None),
         (2.5e-07, "0.00000025"),
         (-1.25e-05, "-0.0000125"),
         (None, None),

@@ -1025,6 +1025,12 @@ class VAPOConfig(TrainingArguments):
             "completions/clipped_ratio). Set max_completion_length instead.",
         )
         generation = self.generation_kwargs or {}
+        samples = sorted(set(generation) & {"num_return_sequences", "n", "best_of"})
+        require(
+            not samples,
+            f"generation_kwargs sets {', '.join(samples)}: each prompt's completions are num_generations, which the "
+            "batches and the groups are counted in (one request per completion). Set num_generations instead.",
+        )
         require(
             not (self.use_vllm and self.vllm_mode == "colocate" and "seed" in generation),
             "generation_kwargs sets a seed, with colocated vLLM: each copy of a prompt is one request, each sampled "

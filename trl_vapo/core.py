@@ -660,12 +660,15 @@ def value_loss(
     valid = mask.bool()
     zeros = torch.zeros_like(values)
     returns = torch.where(valid, returns.to(values.dtype), zeros)
+    # A padded position's value (inf or NaN from a critic's garbage there) is replaced before any arithmetic: masked
+    # after it, its square's gradient would be 0 * NaN = NaN, and reach the value head.
+    values = torch.where(valid, values, returns)
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
         per_token = unclipped
         clipped_more = torch.zeros_like(valid)
     else:
-        old_values = old_values.to(values.dtype)
+        old_values = torch.where(valid, old_values.to(values.dtype), returns)
         clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
         clipped = (clipped_values - returns) ** 2
         per_token = torch.maximum(unclipped, clipped)

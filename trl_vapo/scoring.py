@@ -303,12 +303,13 @@ class RewardScorer:
         for j, (func, name) in enumerate(zip(self.funcs, self.names)):
             if j in started:
                 try:
-                    values = _check_length(started[j].result(), name, len(rows))
-                except Exception:  # again, to name the first sample it fails on
-                    values = self.call(_blocking(func), name, rows, messages, ids, common)
+                    returned = started[j].result()
+                except Exception as error:  # called one by one to name the first sample it fails on, then raised
+                    _raise_naming_the_failing_sample(_blocking(func), name, rows, messages, ids, common, error)
+                values = _checked_values(returned, name, len(rows))
             else:
                 values = self.call(func, name, rows, messages, ids, common)
-            column = torch.tensor([math.nan if v is None else float(v) for v in values])
+            column = torch.tensor([math.nan if v is None else v for v in values])
             given = torch.tensor([v is not None for v in values])
             non_finite[:, j] = torch.isinf(column) | (torch.isnan(column) & given)
             if non_finite[:, j].any() and name not in self._warned_non_finite:
@@ -360,22 +361,8 @@ class RewardScorer:
         try:
             values = func(**_arguments(rows, completions, completion_ids, common))
         except Exception as error:
-            for i in range(len(rows)):
-                try:
-                    func(**_arguments(rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common))
-                except Exception:
-                    sample = {**rows[i], "completion": completions[i]}
-                    raise RuntimeError(
-                        f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
-                        f"(#{i} of the batch): {preview(sample)}"
-                    ) from error
-            raise RuntimeError(
-                f"Reward function {name!r} raised {type(error).__name__} on the batch of {len(rows)}: {error} -- but "
-                f"on none of its {len(rows)} completions called alone, one by one, to find the failing one: a "
-                "transient failure (a timeout, a rate limit), or one that depends on the batch (its size, a mix of "
-                "rows). Make the function retry, or return None for the completions it cannot score."
-            ) from error
-        return _check_length(values, name, len(rows))
+            _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error)
+        return _checked_values(values, name, len(rows))
 
     def check(self, row: dict[str, Any], group_size: int = 1) -> None:
         """Call every function once on a dataset row's group (`group_size` copies, as a rollout holds the completions
@@ -446,10 +433,44 @@ def _arguments(rows: list[dict[str, Any]], completions: list, completion_ids: li
     return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **common, **columns}
 
 
-def _check_length(values, name: str, expected: int) -> list:
-    if values is None or len(values) != expected:
-        raise ValueError(
-            f"Reward function {name!r} returned {None if values is None else len(values)} values for "
-            f"{expected} completions; it must return one float (or None) per completion."
-        )
-    return values
+def _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error: Exception):
+    """`func` raised `error` on the batch: called on each sample alone, the error names the first it fails on (or
+    says that none fails alone). Raised whatever the search finds: a result of a second call is never used (an async
+    function's failure was retried on the whole batch, silently, where a function that is not async's stopped)."""
+    for i in range(len(rows)):
+        try:
+            func(**_arguments(rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common))
+        except Exception:
+            sample = {**rows[i], "completion": completions[i]}
+            raise RuntimeError(
+                f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
+                f"(#{i} of the batch): {preview(sample)}"
+            ) from error
+    raise RuntimeError(
+        f"Reward function {name!r} raised {type(error).__name__} on the batch of {len(rows)}: {error} -- but "
+        f"on none of its {len(rows)} completions called alone, one by one, to find the failing one: a "
+        "transient failure (a timeout, a rate limit), or one that depends on the batch (its size, a mix of "
+        "rows). Make the function retry, or return None for the completions it cannot score."
+    ) from error
+
+
+def _checked_values(values, name: str, expected: int) -> list[float | None]:
+    """A reward function's `values` as floats (None kept), after checking that there is one number (or None) per
+    completion: a scalar, a generator, a coroutine or a string raised a bare TypeError or ValueError that did not
+    name the function."""
+    must = "it must return a list of one float (or None) per completion"
+    if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ValueError(f"Reward function {name!r} returned {type(values).__name__} ({preview(values)}); {must}.")
+    if len(values) != expected:
+        raise ValueError(f"Reward function {name!r} returned {len(values)} values for {expected} completions; {must}.")
+    floats: list[float | None] = []
+    for value in values:
+        try:
+            if isinstance(value, (str, bytes)):  # float("1.0") reads; a reward is a number, not its text
+                raise TypeError
+            floats.append(None if value is None else float(value))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Reward function {name!r} returned {type(value).__name__} ({preview(value)}) as a value; {must}."
+            ) from None
+    return floats

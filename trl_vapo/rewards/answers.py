@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from decimal import Decimal
@@ -502,6 +503,10 @@ def normalize_gold_answer(gold: Any) -> str | None:
     """
     if isinstance(gold, bool) or gold is None:
         return None
+    if isinstance(gold, numbers.Integral):  # numpy's too (a column read with set_format("numpy"))
+        gold = int(gold)
+    elif isinstance(gold, numbers.Real) and not isinstance(gold, (float, Fraction)):  # its shortest digits (float32)
+        gold = float(str(gold))
     if isinstance(gold, (int, float, Fraction)):
         gold = number_text(gold)
     if not isinstance(gold, str):
