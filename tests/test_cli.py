@@ -451,6 +451,9 @@ BAD_INPUT = [
     (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
     # A reward model's LoRA task type: it trained, and saved an adapter AutoPeftModelForCausalLM refuses.
     (["--use_peft", "true", "--lora_task_type", "SEQ_CLS"], "peft_config has task_type='SEQ_CLS': the policy is"),
+    # A folder that holds no model (a parent folder, a run's output_dir): transformers' traceback once data loaded.
+    (["--reward_model_name_or_path", "."], "--reward_model_name_or_path . is not a model folder: it has no config"),
+    (["--value_model_name_or_path", "typo.yaml"], "--value_model_name_or_path typo.yaml is a file: name the model's"),
     # A value no flag takes was handed to `accelerate launch` as its script: python ran the YAML file.
     (["typo.yaml"], "unexpected argument 'typo.yaml' (did you mean --config typo.yaml?)"),
     (["--eval_strategy", "steps", "100"], "unexpected argument '100': every value follows its flag"),

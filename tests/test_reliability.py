@@ -247,8 +247,13 @@ def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir,
     assert [len(x) for x in unlimited._tokenize_prompts(["9" * 600])] == [600]
 
 
-def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog):
+def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog, monkeypatch):
     chat = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}] * 8)
+
+    def refuse(*args, **kwargs):  # a tokenizer given is checked before the policy loads (minutes for a large one)
+        raise AssertionError("the policy loaded before the tokenizer given was checked")
+
+    monkeypatch.setattr("trl_vapo.trainer.load_policy", refuse)
     no_template = AutoTokenizer.from_pretrained(tiny_model_dir)
     no_template.chat_template = None
 
@@ -275,6 +280,7 @@ def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog):
             processing_class=no_eos,
         )
 
+    monkeypatch.undo()  # (a tokenizer it serves: the policy loads)
     no_pad = AutoTokenizer.from_pretrained(tiny_model_dir)
     no_pad.pad_token = None
     with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
@@ -505,6 +511,16 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
         third.train(resume_from_checkpoint=str(checkpoint))
     with pytest.raises(ValueError, match="not a complete trl-vapo checkpoint"):
         third.train(resume_from_checkpoint=str(tmp_path))
+    # FSDP saves the optimizer state keyed by parameter name, one process and DDP by index: FSDP's loader found no
+    # name among the indices and dropped every parameter's Adam state, silently.
+    from trl_vapo.checkpoint import check_resumable, read_marker
+
+    saved = read_marker(checkpoint)["run"]
+    first.is_fsdp_enabled = True
+    with pytest.raises(ValueError, match=r"fsdp: checkpoint False, this run True.*launcher \(DeepSpeed, FSDP or"):
+        check_resumable(checkpoint, saved, first._fingerprint())
+    del saved["fsdp"]  # an earlier version's checkpoint, which did not record it: taken as this run's
+    check_resumable(checkpoint, saved, first._fingerprint())
 
 
 def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
@@ -1008,6 +1024,19 @@ def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints
         assert not caplog.text
         assert newest_resumable_checkpoint(out) == out / "checkpoint-1"
     assert f"Checkpoint {newest} cannot be read ({named})" in caplog.text
+
+
+def test_an_empty_model_card_leaves_a_checkpoint_whole(two_checkpoints, tmp_path):
+    """The Hub's model card is written into a checkpoint after it is published: a power loss then can leave it
+    empty, and the checkpoint (every file a resume reads whole) was passed over as damaged."""
+    from trl_vapo.checkpoint import checkpoint_problem
+
+    out = tmp_path / "out"
+    shutil.copytree(two_checkpoints, out)
+    (out / "checkpoint-2" / "README.md").write_bytes(b"")
+    assert checkpoint_problem(out / "checkpoint-2") is None
+    (out / "checkpoint-2" / "critic" / "README.md").write_bytes(b"")  # one inside is not the card
+    assert checkpoint_problem(out / "checkpoint-2") == "critic/README.md: ValueError: empty file"
 
 
 @pytest.mark.parametrize("spelling", ["relative", "other working directory", "link"])

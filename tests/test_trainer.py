@@ -1207,8 +1207,10 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
     """`value_pretrain_replay`: the critic's steps draw from the last rollouts, which a checkpoint holds; a resume
     mid-pretraining trained on its first rollout alone (other rows, another random stream) and ended elsewhere."""
 
-    def run(resume=None):
-        args = make_args(tmp_path, max_steps=2, value_pretrain_steps=3, value_pretrain_replay=2, **RESUMABLE)
+    def run(resume=None, value_pretrain_steps=3):
+        args = make_args(
+            tmp_path, max_steps=2, value_pretrain_steps=value_pretrain_steps, value_pretrain_replay=2, **RESUMABLE
+        )
         trainer = VAPOTrainer(
             model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(64)
         )
@@ -1230,6 +1232,12 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
     assert [h for h in comparable(resumed.state.log_history) if h["step"] > 4] == expected
     for name, value in resumed.actor_critic.state_dict().items():
         assert torch.equal(value, weights[name]), name
+    # Resumed with a budget that its two rollouts spend (or none): RL starts at once, for its max_steps. The plan
+    # counted this run's budget: with 0, the run ended at once, its RL never trained (step 4 >= 0 + 2).
+    for budget in (2, 0):
+        shorter = run(resume=str(out / "checkpoint-4"), value_pretrain_steps=budget)
+        assert [h["phase"] for h in shorter.state.log_history if "phase" in h and h["step"] > 4] == ["rl"] * 2
+        assert shorter.state.global_step == 6 and shorter.progress.rl_start_step == 4
 
 
 @pytest.mark.parametrize("layout", ["full", "full-bf16", "lora", "given-adapter"])
@@ -1411,6 +1419,39 @@ def test_the_checkpoint_a_sigterm_writes_is_pushed_even_behind_a_slow_upload(tin
     assert trainer.push_in_progress.is_done()  # waited for before the stop
     state = json.loads((tmp_path / "hub" / "me" / "vapo" / "last-checkpoint" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
+
+
+def test_a_sigterm_whose_upload_fails_says_so(tiny_model_dir, tmp_path, monkeypatch):
+    """The stop's upload is the checkpoint's one copy on a machine whose disk goes with it: one that failed (a
+    token, a quota) was waited for and then said nothing, the stop's line saying the same as for one that ended."""
+    import os
+    import signal
+    from concurrent.futures import Future
+
+    import transformers.trainer
+
+    from trl_vapo.signals import TrainingInterrupted
+
+    class FailingHub(LocalHub):
+        def upload_folder(self, **kwargs):
+            failed = Future()
+            failed.set_exception(OSError("quota exceeded"))
+            return failed
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FailingHub(tmp_path / "hub"))
+
+    class Preempted(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    pushing = dict(push_to_hub=True, hub_model_id="me/vapo", hub_strategy="checkpoint")
+    args = make_args(tmp_path, max_steps=4, per_device_train_batch_size=8, **pushing)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), callbacks=[Preempted()])
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer.train()
+    assert str(stopped.value).endswith(
+        "Its upload to the Hub (me/vapo) failed, OSError: quota exceeded; the Hub holds an earlier step or none."
+    )
 
 
 def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers_does(

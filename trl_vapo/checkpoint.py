@@ -286,6 +286,8 @@ def checkpoint_problem(path: Path) -> str | None:
     if missing:
         return f"missing {', '.join(missing)}"
     for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+        if file == Path(path) / "README.md":  # the Hub's model card, written after the checkpoint was published
+            continue  # (a power loss can leave it empty): no resume reads it
         try:
             if file.stat().st_size == 0:
                 raise ValueError("empty file")
@@ -473,11 +475,14 @@ def run_fingerprint(
     deepspeed: bool,
     train_prompts: int | None = None,
     base_weights: str | None = None,
+    fsdp: bool = False,
 ) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it: the model (its architecture, and the base weights'
     digest `base_weights`, `modeling.policy_fingerprints`: the checkpoint's adapters or deltas were trained on
     them), the batch layout, the number of training prompts (None: a stream) and what orders them
-    (`shuffle_dataset`, and the seed it shuffles with): the saved data position indexes that order."""
+    (`shuffle_dataset`, and the seed it shuffles with): the saved data position indexes that order. Whether
+    DeepSpeed or FSDP ran: each saves its optimizer state in its own layout (FSDP's keyed by parameter name, one
+    process's and DDP's by index, which FSDP's loader read as no state at all: Adam restarted, silently)."""
     config = actor_critic.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
         config.pop(key, None)
@@ -497,6 +502,7 @@ def run_fingerprint(
         "critic_num_iterations": args.critic_num_iterations,
         "value_pretrain_num_iterations": args.value_pretrain_num_iterations,
         "deepspeed": deepspeed,
+        "fsdp": fsdp,
         "train_prompts": train_prompts,
         "data_order": data_order(args),
     }
@@ -527,7 +533,9 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
     # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`, and
     # their data set went unrecorded.
     defaults = {key: saved.get("num_iterations") for key in ("critic_num_iterations", "value_pretrain_num_iterations")}
-    unrecorded = {key: current.get(key) for key in ("train_prompts", "data_order", "policy_adapter", "base_weights")}
+    unrecorded = {
+        key: current.get(key) for key in ("train_prompts", "data_order", "policy_adapter", "base_weights", "fsdp")
+    }
     saved = {"deepspeed": False, **unrecorded, **defaults, **saved}
     differences = [_difference(key, saved.get(key), current[key]) for key in current if key != "model"]
     differences = [difference for difference in differences if difference]
@@ -536,7 +544,8 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
             f"Cannot resume from {path}: it was written by a different run (model {saved.get('model')!r}). "
             + "; ".join(differences)
             + ". Resume with the same model, PEFT settings, process count, batch sizes, training data and data order "
-            "(the saved position in the data is an index into its order), or start a new run."
+            "(the saved position in the data is an index into its order) and launcher (DeepSpeed, FSDP or neither), "
+            "or start a new run."
         )
 
 
@@ -900,7 +909,8 @@ class SavingMixin:
     def _fingerprint(self) -> dict[str, Any]:
         prompts = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None  # a stream: None
         args = (self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
-        return run_fingerprint(*args, train_prompts=prompts, base_weights=self.run_record.base_fingerprint)
+        base_weights = self.run_record.base_fingerprint
+        return run_fingerprint(*args, train_prompts=prompts, base_weights=base_weights, fsdp=self.is_fsdp_enabled)
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, dict[str, Any] | None]:
         """The checkpoint `train(resume_from_checkpoint=...)` resumes from (`checkpoint_to_resume`) and its marker,
@@ -1018,4 +1028,11 @@ class SavingMixin:
                 f"{replay_file.name} is missing in {path} (written with value_pretrain_replay=0, or before trl-vapo "
                 "saved it): value pretraining's replay window starts anew."
             )
+        if self.progress.phase == VALUE_PRETRAIN and (
+            self._skips_value_pretraining or self.progress.value_pretrain_rollouts >= self.args.value_pretrain_steps
+        ):
+            # This run's value-pretraining budget (value_pretrain_steps lowered, or 0) is spent: RL starts here, as
+            # at the end of a budget. The plan counts this run's budget: it could be behind the step reached, and
+            # the run end without a step of RL.
+            self._finish_value_pretraining(early=False)
         logger.info(f"Resumed from {path} at step {self.state.global_step} ({self.progress.phase}).")

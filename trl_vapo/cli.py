@@ -688,8 +688,18 @@ def _data_sets(model_id: str, train, test_split, evaluates: bool, script_args):
 def _check_model_source(name: str | None, flag: str, revision: str | None = None) -> None:
     """A model the flag names is a local folder, in the Hugging Face cache, or on a Hub this machine reaches: one line
     saying which is not so, before anything loads (offline, transformers would retry for a minute, then raise
-    through two tracebacks)."""
-    if not name or Path(name).expanduser().exists():
+    through two tracebacks). A local path must be a model's folder (or a PEFT adapter's)."""
+    if not name:
+        return
+    folder = Path(name).expanduser()
+    if folder.is_file():
+        raise UsageError(f"{flag} {name} is a file: name the model's folder")
+    if folder.is_dir():
+        if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+            raise UsageError(
+                f"{flag} {name} is not a model folder: it has no config.json (a model) nor adapter_config.json (a "
+                f"PEFT adapter). Files there: {sorted(p.name for p in folder.iterdir())[:10]}"
+            )
         return
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
@@ -1120,8 +1130,7 @@ def eval_command(argv: list[str]) -> int:
     # The JSON flags as mappings, once, for every reader (a YAML config's are mappings already).
     for name, example in JSON_FLAGS.items():
         setattr(args, name, _json_object(getattr(args, name), f"--{name}", example))
-    _check_model_source(args.model, "--model")
-    tokenizer_source = _tokenizer_source(args.model)
+    tokenizer_source = _tokenizer_source(args.model)  # (`--model` checked there)
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
     if args.output_json and Path(args.output_json).is_dir():
         raise UsageError(f"--output_json {args.output_json} is a folder: name a file")
@@ -1268,18 +1277,12 @@ def _check_eval_numbers(args) -> None:
 
 def _tokenizer_source(model: str) -> str:
     """Where `model`'s tokenizer is: the folder itself (or the Hub id), or for a PEFT adapter folder saved without
-    one, its base model (checked as `--model` is). A local path that holds no model is said here, before loading."""
+    one, its base model (checked as `--model` is). `model` is checked (`_check_model_source`), before loading."""
     folder = Path(model).expanduser()
-    if folder.is_file():
-        raise UsageError(f"--model {model} is a file: name the model's folder")
+    _check_model_source(model, "--model")
     if not folder.is_dir():
-        return model  # a Hub id, checked by _check_model_source
+        return model  # a Hub id
     adapter = folder / "adapter_config.json"
-    if not (folder / "config.json").is_file() and not adapter.is_file():
-        raise UsageError(
-            f"--model {model} is not a model folder: it has no config.json (a model) nor adapter_config.json (a PEFT "
-            f"adapter). Files there: {sorted(p.name for p in folder.iterdir())[:10]}"
-        )
     if not adapter.is_file() or (folder / "tokenizer_config.json").is_file():
         return model
     base = json.loads(adapter.read_text()).get("base_model_name_or_path")

@@ -288,6 +288,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._metrics: dict[str, list[float]] = defaultdict(list)
         check_quantization(model_init_kwargs, peft_config)
 
+        if processing_class is not None:  # what it cannot serve (chat prompts without a template) before any load
+            prepare_tokenizer(processing_class, self._conversational)
         set_seed(args.seed)  # PEFT initialises adapters randomly
         with whole_models_under_zero3(zero3_config):
             policy, model_id = load_policy(model, args, model_init_kwargs)
@@ -701,9 +703,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             if path not in getattr(self, "_uploads_read", []):
                 self._push_from_checkpoint(str(path), always=True)
             self._finish_current_push()
+        pushes = getattr(self, "push_in_progress", None)
+        failed = [job.exception() for job in (pushes.jobs if pushes else []) if job.exception() is not None]
+        upload = (  # said, not only waited for: the stop's one copy on a machine whose disk goes with it
+            f" Its upload to the Hub ({self.hub_model_id}) failed, {type(failed[0]).__name__}: {failed[0]}; the Hub "
+            "holds an earlier step or none."
+            if failed
+            else ""
+        )
         message = (
             f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; resume with "
-            "resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`)."
+            f"resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`).{upload}"
         )
         if self.accelerator.is_main_process:
             logger.warning(message)
