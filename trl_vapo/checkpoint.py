@@ -1028,11 +1028,4 @@ class SavingMixin:
                 f"{replay_file.name} is missing in {path} (written with value_pretrain_replay=0, or before trl-vapo "
                 "saved it): value pretraining's replay window starts anew."
             )
-        if self.progress.phase == VALUE_PRETRAIN and (
-            self._skips_value_pretraining or self.progress.value_pretrain_rollouts >= self.args.value_pretrain_steps
-        ):
-            # This run's value-pretraining budget (value_pretrain_steps lowered, or 0) is spent: RL starts here, as
-            # at the end of a budget. The plan counts this run's budget: it could be behind the step reached, and
-            # the run end without a step of RL.
-            self._finish_value_pretraining(early=False)
         logger.info(f"Resumed from {path} at step {self.state.global_step} ({self.progress.phase}).")

@@ -99,8 +99,8 @@ class VAPOScriptArguments:
     prompt_template: str | None = field(
         default=None,
         metadata={
-            "help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.' (text prompts: "
-            "a column of chat messages is used as it is)"
+            "help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.' (text prompts "
+            "only: with a column of chat messages as the prompt, refused)"
         },
     )
     system_prompt: str | None = field(

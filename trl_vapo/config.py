@@ -420,7 +420,7 @@ class VAPOConfig(TrainingArguments):
         default=0.1,
         metadata={
             "help": "mu, the weight of the positive-example LM (NLL) loss on correct completions. Paper: 0.1. "
-            "0 leaves it out."
+            "0 leaves it out. Its log-probabilities are the policy loss's, at `temperature` (the paper's is 1.0)."
         },
     )
     beta: float = field(

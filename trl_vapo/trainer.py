@@ -583,6 +583,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             setattr(self.callback_handler, attr, getattr(self, attr))
         if resume_from_checkpoint is not None:
             self._load_checkpoint(Path(resume_from_checkpoint), marker)
+            progress = self.progress
+            if progress.phase == VALUE_PRETRAIN and (
+                self._skips_value_pretraining or progress.value_pretrain_rollouts >= args.value_pretrain_steps
+            ):
+                # This run's value-pretraining budget (value_pretrain_steps lowered, or 0) is spent: RL starts here,
+                # as at the end of a budget. The plan counts this run's budget: it could be behind the step reached,
+                # and the run end without a step of RL.
+                self._finish_value_pretraining(early=False)
 
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
