@@ -64,6 +64,19 @@ def force_fsdp2_on_cpu() -> None:
     state.AcceleratorState.__init__ = init_with_fsdp
 
 
+def generate_keeps_processes_in_step(policy) -> bool:
+    """Whether transformers' generate() on `policy` runs with `synced_gpus` (its own test of it): every process
+    takes decode steps until the last one's completions end, which sharded weights gathered layer by layer in each
+    step's forward (a collective) need."""
+    from transformers.generation import utils
+
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    return bool(
+        (utils.is_deepspeed_zero3_enabled() or utils.is_fsdp_managed_module(model))
+        and utils._get_torch_distributed_world_size() > 1
+    )
+
+
 class JsonlLogger(TrainerCallback):
     def __init__(self, path: Path):
         self.path = path
@@ -355,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
                 "whole_while_sampling": trainer.whole_while_sampling,
                 "reference_sharded": sharded(trainer.ref_model),
                 "reward_model_sharded": [sharded(f.model) for f in trainer.reward_funcs if hasattr(f, "model")],
+                "generate_synced": generate_keeps_processes_in_step(trainer.actor_critic.policy),
             }
             (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
     trainer.accelerator.end_training()  # as `trl-vapo train` ends: the process group destroyed before exit

@@ -248,6 +248,11 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     run = fsdp2_two_ranks
     steps = json.loads((run / "steps.json").read_text())
     assert steps["distributed_type"] == "DistributedType.FSDP" and steps["reference_sharded"]
+    # Each decode step's forward gathers every layer's shards, a collective: generate() keeps the processes in step
+    # until the last one's completions end (synced_gpus) for the modules torch's fully_shard marks as managed (a
+    # process whose completions had all ended would leave for the next collective: a hang, which these runs, greedy
+    # to the length limit and so in step, would not meet).
+    assert steps["generate_synced"]
     assert steps["reward_model_sharded"] == [True]
     assert json.loads((run / "held_out.json").read_text())["num_problems"] == 4
     logged = map(json.loads, (run / "logs-rank0.jsonl").read_text().splitlines())

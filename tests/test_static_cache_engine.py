@@ -255,6 +255,24 @@ def test_a_weight_update_and_the_lora_policy_are_seen_by_the_next_rollout(tiny_m
     assert after.completion_lists() != before.completion_lists()
 
 
+def test_the_cache_is_freed_with_the_state_without_waiting_for_the_cycle_collector(tiny):
+    """The engine lets its state go between rollouts to make room for the update: its keys and values must go then,
+    not when Python's cycle collector next runs (each layer held itself through a bound method)."""
+    import gc
+    import weakref
+
+    model, tokenizer = tiny
+    _, static = _engines(model, tokenizer, [tokenizer.eos_token_id], keep_buffers=True)
+    static.generate(token_ids(tokenizer, TEXT_PROMPTS), sampling=GREEDY)
+    buffers = [weakref.ref(t) for layer in static.state.cache.layers for t in (layer.keys, layer.values)]
+    gc.disable()
+    try:
+        static.state = None
+        assert buffers and all(ref() is None for ref in buffers)
+    finally:
+        gc.enable()
+
+
 def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     model, tokenizer = tiny
     generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
@@ -274,6 +292,15 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     assert StaticCacheEngine.unsupported_settings(GREEDY, sliding) == [
         "layer_types=['full_attention', 'sliding_attention']"
     ]
+    from peft import PromptTuningConfig, get_peft_model
+
+    # Prompt learning's virtual tokens take cache slots and mask columns of their own: the first decode step failed.
+    prompted = get_peft_model(copy.deepcopy(model), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert StaticCacheEngine.unsupported_settings(GREEDY, prompted) == ["peft_type=PROMPT_TUNING"]
+    generate, static = _engines(prompted, tokenizer, [tokenizer.eos_token_id])
+    assert static.generate(prompts, sampling=GREEDY).completion_lists() == (
+        generate.generate(prompts, sampling=GREEDY).completion_lists()
+    )
     windowed = copy.deepcopy(model)  # Mistral's and Phi-3's configs name a window but no layer_types
     windowed.config.sliding_window = 4096
     assert StaticCacheEngine.unsupported_settings(GREEDY, windowed) == ["sliding_window=4096"]

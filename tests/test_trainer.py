@@ -1238,6 +1238,9 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
         shorter = run(resume=str(out / "checkpoint-4"), value_pretrain_steps=budget)
         assert [h["phase"] for h in shorter.state.log_history if "phase" in h and h["step"] > 4] == ["rl"] * 2
         assert shorter.state.global_step == 6 and shorter.progress.rl_start_step == 4
+        shorter.create_model_card(output_dir=tmp_path / f"card-{budget}")  # what ran, not "off"
+        card = (tmp_path / f"card-{budget}" / "README.md").read_text()
+        assert f"`value_pretrain_steps={budget}`{' on resuming' if budget == 0 else ''}: ran 2 rollouts" in card
 
 
 @pytest.mark.parametrize("layout", ["full", "full-bf16", "lora", "given-adapter"])

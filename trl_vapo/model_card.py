@@ -340,13 +340,15 @@ def _vapo_table(args, value_pretraining) -> str:
         return getattr(args, name, None)
 
     steps, patience = get("value_pretrain_steps"), get("value_pretrain_patience")
-    if steps == 0:
+    done = _value_pretraining_outcome(value_pretraining)
+    if steps == 0 and done and not value_pretraining.get("skipped"):  # it ran, then a resume set 0 (which ended it)
+        pretrain = f"`value_pretrain_steps=0` on resuming: {done}"
+    elif steps == 0:
         pretrain = "off (`value_pretrain_steps=0`)"
     else:
         pretrain = f"`value_pretrain_steps={steps}`"
         if patience is not None:
             pretrain += f" (stops early when explained variance stops improving, window {patience})"
-        done = _value_pretraining_outcome(value_pretraining)
         if done:
             pretrain += f": {done}"
     alpha = get("length_adaptive_alpha")

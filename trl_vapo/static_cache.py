@@ -100,6 +100,10 @@ class StaticCacheEngine(GenerationEngine):
         unsupported = [
             f"{k}={v!r}" for k, v in sampling.generation_kwargs.items() if k not in StaticCacheEngine.KNOWN_KWARGS
         ]
+        adapter = getattr(model, "active_peft_config", None)
+        if adapter is not None and adapter.is_prompt_learning:  # virtual tokens: their own cache slots and masks
+            unsupported.append(f"peft_type={adapter.peft_type.value}")
+        model = _causal_lm_of(model)
         if sampling.repetition_penalty != 1.0:
             unsupported.append(f"repetition_penalty={sampling.repetition_penalty}")
         unsupported += model_generation_settings(sampling, model)  # what generate() takes from the model's config
@@ -116,7 +120,7 @@ class StaticCacheEngine(GenerationEngine):
 
     def _generate(self, prompt_ids, sampling, num_generations):
         with self.model_provider() as model:  # entered once: under ZeRO-3 it gathers the weights
-            unsupported = self.unsupported_settings(sampling, _causal_lm_of(model))
+            unsupported = self.unsupported_settings(sampling, model)
             if not unsupported:
                 ids, logprobs = self._decode(model, prompt_ids, sampling)
         if unsupported:
@@ -201,6 +205,9 @@ def _allocate_keys_and_values(layer, key_states: torch.Tensor, value_states: tor
     `index_copy_` refuses a mixed pair. `generate()`'s dynamic cache keeps each as it comes, and so does this one
     (attention under autocast casts both to bf16 either way)."""
     type(layer).lazy_initialization(layer, key_states, value_states)
+    # (the instance's override, a method bound to the layer, was a reference cycle: the cache went with the engine's
+    # state only when Python's cycle collector next ran, after the update it was let go to make room for)
+    del layer.lazy_initialization
     if layer.values.dtype != value_states.dtype:
         layer.values = torch.zeros_like(layer.values, dtype=value_states.dtype)
         torch._dynamo.mark_static_address(layer.values)  # as transformers marks its own: a fixed address to capture
