@@ -21,6 +21,19 @@ def write_json(path: Path, data, indent: int | None = None) -> None:
     tmp.replace(path)
 
 
+def run_dir(prefix: str) -> str:
+    """A temporary `output_dir` for one run (its checkpoints and logs; a benchmark's records are written elsewhere),
+    removed when the process exits: each run left one behind, some with checkpoints (a suite run's quick benchmarks
+    too)."""
+    import atexit
+    import shutil
+
+    path, owner = tempfile.mkdtemp(prefix=prefix), os.getpid()
+    # By this process alone: a forked child (a reward worker) that exits normally runs the handlers it inherited.
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    return path
+
+
 def worker_env(one_thread: bool = True) -> dict[str, str]:
     """A worker's environment: offline and quiet; with `one_thread`, one intra-op thread (the CPU benchmarks: runs
     side by side on a shared machine must not fight over cores)."""

@@ -32,7 +32,6 @@ import math
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_learning as bl  # noqa: E402
-from _launch import worker_env  # noqa: E402
+from _launch import run_dir, worker_env  # noqa: E402
 
 # name: VAPOConfig fields of the critic; "-xN": N passes over each value-pretraining rollout; "-mb8": optimizer
 # steps of 8 samples instead of 16 (eight per pass); "-rK": value pretraining's replay of the K rollouts before. The
@@ -169,7 +168,7 @@ def run_probe(name: str, rollouts: int, seed: int = TUNING_SEEDS[0]) -> list[dic
         stage="tune", task="chains", method="vapo", seed=seed, learning_rate=actor_lr, rollouts=rollouts + 1,
         eval_every=rollouts, eval_k=1, eval_problems=0, eval_set="validation", value_pretrain_steps=rollouts,
     )  # fmt: skip
-    out_dir = tempfile.mkdtemp(prefix=f"bench_critic_{name}_")
+    out_dir = run_dir(f"bench_critic_{name}_")
     trainer, _ = bl.build_trainer(spec, out_dir, math_reward, extra)
     probe = Probe(trainer.processing_class)
     trainer.add_callback(probe)

@@ -61,14 +61,13 @@ import hashlib
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import WorkerFailed, launch_worker, phase_line, write_json  # noqa: E402
+from _launch import WorkerFailed, launch_worker, phase_line, run_dir, write_json  # noqa: E402
 from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method timers as the CPU benchmark)
 
 # Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
@@ -156,7 +155,7 @@ def run_worker(opts) -> dict:
     dataset = Dataset.from_list([{"prompt": p} for p in prompts])
     completions = opts.prompts * opts.generations
     common = dict(
-        output_dir=tempfile.mkdtemp(prefix=f"bench_gpu_{opts.method}_"),
+        output_dir=run_dir(f"bench_gpu_{opts.method}_"),
         per_device_train_batch_size=opts.micro_batch,
         gradient_accumulation_steps=completions // opts.micro_batch,
         steps_per_generation=completions // opts.micro_batch,

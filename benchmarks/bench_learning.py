@@ -120,7 +120,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -133,7 +132,7 @@ from transformers import TrainerCallback
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # imported by path too (the tests), not only run as a script
 
-from _launch import worker_env, write_json  # noqa: E402
+from _launch import run_dir, worker_env, write_json  # noqa: E402
 
 CHAINS_MODEL_DIR = ROOT / "benchmarks" / "models" / "chains_sft"
 
@@ -1293,7 +1292,7 @@ def run_worker(spec: RunSpec) -> dict:
     commit = code_commit()  # the code this process loaded, not what the tree holds when it ends
     kind = "grpo" if spec.method in GRPO_METHODS else "vapo"
     counter = [0]
-    out_dir = tempfile.mkdtemp(prefix=f"bench_learning_{spec.method}_")
+    out_dir = run_dir(f"bench_learning_{spec.method}_")
     trainer, steps_per_rollout = build_trainer(spec, out_dir, _counting(math_reward, counter))
     tokenizer = trainer.processing_class
     held_out = eval_dataset(spec)

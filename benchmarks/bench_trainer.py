@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from _launch import launch_worker
+from _launch import launch_worker, run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINERS = ("vapo", "grpo", "vapo-pretrain")
@@ -153,7 +153,7 @@ def run_worker(opts) -> dict:
         dataset = dataset.filter(lambda row: row["prompt"].count("+") + 1 == opts.terms)
     tokens = [0]
     reward = _count_tokens(math_reward, tokens)
-    out_dir = tempfile.mkdtemp(prefix=f"bench_{opts.trainer}_")
+    out_dir = run_dir(f"bench_{opts.trainer}_")
     common = common_args(opts, out_dir)
 
     if opts.trainer.startswith("vapo"):

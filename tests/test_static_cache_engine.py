@@ -255,6 +255,21 @@ def test_a_weight_update_and_the_lora_policy_are_seen_by_the_next_rollout(tiny_m
     assert after.completion_lists() != before.completion_lists()
 
 
+def test_batch_size_sizes_the_static_batch(tiny):
+    """`batch_size` prompts a static batch, as generate()'s per call (evaluation's prompts x k samples were one batch,
+    its cache sized for all of them): the same greedy completions, a cache of at most that many rows."""
+    model, tokenizer = tiny
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
+    _, whole = _engines(model, tokenizer, [tokenizer.eos_token_id])
+    _, batched = _engines(model, tokenizer, [tokenizer.eos_token_id], batch_size=2)
+    assert len(prompts) > 2
+    expected = whole.generate(prompts, sampling=GREEDY)
+    got = batched.generate(prompts, sampling=GREEDY)
+    assert got.completion_lists() == expected.completion_lists()
+    torch.testing.assert_close(got.sampler_logprobs, expected.sampler_logprobs, rtol=1e-5, atol=1e-6)
+    assert whole.state.tokens.shape[0] == len(prompts) and batched.state.tokens.shape[0] <= 2
+
+
 def test_the_cache_is_freed_with_the_state_without_waiting_for_the_cycle_collector(tiny):
     """The engine lets its state go between rollouts to make room for the update: its keys and values must go then,
     not when Python's cycle collector next runs (each layer held itself through a bound method)."""

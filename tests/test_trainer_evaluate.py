@@ -319,6 +319,18 @@ def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_di
     ]  # nothing logged, evaluated or saved again
 
 
+def test_value_pretraining_that_ends_with_an_epoch_is_logged_once_at_that_step(tiny_model_dir, tmp_path):
+    """Logged by epoch, value pretraining that ends as an epoch does: its readings were logged (labelled
+    value_pretrain), then the epoch's end logged a second, empty entry at the same step labelled rl, which the
+    trackers drew and the plots read in place of the first. Once a step, as transformers logs."""
+    args = eval_args(tmp_path, max_steps=-1, num_train_epochs=1, value_pretrain_steps=2, logging_strategy="epoch")
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "phase" in h]
+    assert [(h["step"], h["phase"]) for h in logs] == [(2, "value_pretrain"), (4, "rl")]
+    assert "value/explained_variance" in logs[0]
+
+
 def test_with_several_steps_a_rollout_the_evaluation_waits_for_the_checkpoint_that_holds_its_weights(
     tiny_model_dir, tmp_path
 ):

@@ -743,7 +743,7 @@ class EngineSettings:
         engine: one of `ENGINES`: transformers' `generate()`, its continuous-batching engine, the static-cache
             engine, or vLLM.
         sampling: the default sampling settings (a call to `generate` may pass others).
-        batch_size: prompts per `generate()` call (None: all at once); the `generate` engine only.
+        batch_size: prompts per `generate()` call or static-cache batch (None: all at once).
         continuous_batching_config: keyword arguments of transformers' `ContinuousBatchingConfig`.
         vllm: `VLLMGeneration`'s options (`VLLM_OPTIONS`, plus `trust_remote_code`).
         rollout_size: sequences sampled per rollout over all processes (vLLM's `max_num_seqs` is a process's share).
@@ -993,7 +993,12 @@ def build_engine(
         from .static_cache import StaticCacheEngine  # its module builds on this one's engines
 
         return StaticCacheEngine(
-            model, cuda_graph=settings.cuda_graph, keep_buffers=settings.keep_buffers, tokenizer=tokenizer, **common
+            model,
+            cuda_graph=settings.cuda_graph,
+            keep_buffers=settings.keep_buffers,
+            batch_size=settings.batch_size,
+            tokenizer=tokenizer,
+            **common,
         )
     return TransformersGenerate(model, batch_size=settings.batch_size, tokenizer=tokenizer, **common)
 

@@ -582,7 +582,14 @@ class MetricsMixin:
         """The rates of the step about to run, by parameter group: what the next log reports."""
         self._step_learning_rates = {group.get("name"): group["lr"] for group in self.optimizer.param_groups}
 
+    _logged_step: int | None = None  # the step of the last training log
+
     def _log_metrics(self, phase: str) -> None:
+        # Once a step, as transformers logs: value pretraining's readings logged as it ended, the end of an epoch at
+        # that step logged a second, empty entry labelled RL (drawn by the trackers, read by the plots in its place).
+        if self.state.global_step == self._logged_step:
+            return
+        self._logged_step = self.state.global_step
         # The rates the last step used (as transformers.Trainer logs them), not the next step's.
         rates = self._step_learning_rates
         first = next(iter(rates.values()))

@@ -19,6 +19,7 @@ from .generation import (
     SamplingSettings,
     TransformersGenerate,
     _inference,
+    _pad_columns,
     as_model_provider,
     cut_at_stop,
     model_generation_settings,
@@ -58,6 +59,8 @@ class StaticCacheEngine(GenerationEngine):
         keep_buffers: keep the buffers (the KV cache: 0.4 GiB for 64 x 530 tokens at Qwen2.5-0.5B shapes) and the
             graph for the next call of the same shape; False frees them after each call (training: the update
             between two rollouts needs the memory; the next rollout allocates and captures again).
+        batch_size: prompts per static batch (None: all at once), as `generate()`'s per call: the cache is sized
+            for the batch (evaluation's 200 prompts x 4 samples were one batch of 800 rows).
         tokenizer: passed to the `generate()` fallback (stop strings need it).
     """
 
@@ -77,6 +80,7 @@ class StaticCacheEngine(GenerationEngine):
         cuda_graph: bool = True,
         compile_step: bool = False,
         keep_buffers: bool = True,
+        batch_size: int | None = None,
         tokenizer=None,
         **kwargs,
     ):
@@ -90,7 +94,10 @@ class StaticCacheEngine(GenerationEngine):
         self.cuda_graph = cuda_graph
         self.compile_step = compile_step
         self.keep_buffers = keep_buffers
-        self.fallback = TransformersGenerate(model, logprobs=logprobs, tokenizer=tokenizer, **kwargs)
+        self.batch_size = batch_size
+        self.fallback = TransformersGenerate(
+            model, logprobs=logprobs, tokenizer=tokenizer, batch_size=batch_size, **kwargs
+        )
         self.state: DecodeState | None = None
         self._warned: set[str] = set()
 
@@ -122,7 +129,13 @@ class StaticCacheEngine(GenerationEngine):
         with self.model_provider() as model:  # entered once: under ZeRO-3 it gathers the weights
             unsupported = self.unsupported_settings(sampling, model)
             if not unsupported:
-                ids, logprobs = self._decode(model, prompt_ids, sampling)
+                size = self.batch_size or len(prompt_ids)
+                parts = [
+                    self._decode(model, prompt_ids[i : i + size], sampling) for i in range(0, len(prompt_ids), size)
+                ]
+                width = max(ids.shape[1] for ids, _ in parts)
+                ids = torch.cat([_pad_columns(ids, width, self.pad_token_id) for ids, _ in parts])
+                logprobs = torch.cat([_pad_columns(logprobs, width, 0.0) for _, logprobs in parts])
         if unsupported:
             key = ", ".join(unsupported)
             if key not in self._warned:
@@ -161,7 +174,9 @@ class StaticCacheEngine(GenerationEngine):
                     break
                 state.advance(model, capture)
                 steps += 1
-            ids, logprobs = state.output_ids[:, :steps].cpu(), state.output_logprobs[:, :steps].cpu()
+            # Copies (`.cpu()` of a CPU tensor is the tensor): the next batch of the same shape writes these buffers.
+            ids = state.output_ids[:, :steps].to("cpu", copy=True)
+            logprobs = state.output_logprobs[:, :steps].to("cpu", copy=True)
         if not self.keep_buffers:
             self.state = None
         return ids, logprobs
