@@ -122,6 +122,14 @@ def test_sampled_logprobs_are_the_trainers_teacher_forced_logprobs(tiny):
     assert engine.generate(
         prompts, sampling=SamplingSettings(max_new_tokens=12, temperature=0.7)
     ).completion_lists() == (out.completion_lists())  # seeded
+    # generate() with the same seed samples the same completions (benchmarks/README says so): one draw per row and
+    # step from the same generator, `multinomial`'s one sample being the race of exponentials the engine runs.
+    torch.manual_seed(1)
+    generate = TransformersGenerate(
+        model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id], logprobs=True
+    )
+    sampled = generate.generate(prompts, sampling=SamplingSettings(max_new_tokens=12, temperature=0.7))
+    assert sampled.completion_lists() == out.completion_lists()
 
 
 @pytest.mark.parametrize(
@@ -253,6 +261,30 @@ def test_a_weight_update_and_the_lora_policy_are_seen_by_the_next_rollout(tiny_m
     after = static.generate(prompts, sampling=GREEDY)
     assert after.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
     assert after.completion_lists() != before.completion_lists()
+
+
+def test_a_capture_is_stale_where_an_adapter_computes_otherwise(tiny):
+    """The key a captured step is replayed under (CUDA only: the graph itself runs in the `-m cuda` tests) changes
+    where the adapters compute otherwise: off inside `disable_adapter()`, merged, at another scale. The step replayed
+    the adapter's computation there (an engine keeping its buffers outside the trainer, which recaptures each
+    rollout)."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_vapo.static_cache import capture_key
+
+    model = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=2, target_modules=["q_proj"]))
+    key = capture_key(model)
+    assert capture_key(model) == key
+    with model.disable_adapter():
+        assert capture_key(model) != key
+    assert capture_key(model) == key
+    from peft.helpers import rescale_adapter_scale
+
+    with rescale_adapter_scale(model, 0.5):  # each layer's scaling, a Python float
+        assert capture_key(model) != key
+    assert capture_key(model) == key
+    model.merge_adapter()
+    assert capture_key(model) != key
 
 
 def test_batch_size_sizes_the_static_batch(tiny):

@@ -199,18 +199,36 @@ class StaticCacheEngine(GenerationEngine):
 
 def capture_key(model: nn.Module) -> tuple:
     """What a captured decode step depends on besides its buffers: the parameters' storage (a graph reads the
-    addresses it was captured with; in-place optimizer steps keep them), the active adapter, autocast and training
-    mode. A step captured under another key is stale."""
+    addresses it was captured with; in-place optimizer steps keep them), the active adapter, what each adapter layer
+    computes (`_tuner_states`), autocast and training mode. A step captured under another key is stale."""
     # A PeftModel's adapters (transformers' own `active_adapters()` raises on a model without one)
     adapter = getattr(model, "active_adapters", None) if is_peft_model(model) else None
     device = next(model.parameters()).device.type
     return (
         tuple(p.data_ptr() for p in model.parameters()),
         str(adapter() if callable(adapter) else adapter),
+        _tuner_states(model),
         torch.is_autocast_enabled(device),
         torch.get_autocast_dtype(device),
         model.training,
     )
+
+
+def _tuner_states(model: nn.Module) -> str:
+    """Each adapter layer's active adapters, whether its adapters are off (peft's `disable_adapter()`), merged into
+    the base, and its scaling (`set_scale`, a Python float a graph holds as captured): the step replayed the
+    adapter's computation inside `disable_adapter()`, or at the old scale."""
+    states = [
+        (
+            module.active_adapters,
+            module.disable_adapters,
+            module.merged,
+            sorted(getattr(module, "scaling", {}).items()),
+        )
+        for module in model.modules()
+        if hasattr(module, "disable_adapters") and hasattr(module, "merged")  # peft's BaseTunerLayer
+    ]
+    return repr(states)
 
 
 def _allocate_keys_and_values(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
