@@ -29,7 +29,7 @@ def run_dir(prefix: str) -> str:
     import shutil
 
     path, owner = tempfile.mkdtemp(prefix=prefix), os.getpid()
-    # By this process alone: a forked child (a reward worker) that exits normally runs the handlers it inherited.
+    # By this process alone: a child forked from it that ends through sys.exit would run the handlers it inherited.
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
     return path
 

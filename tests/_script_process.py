@@ -57,7 +57,7 @@ class ScriptProcess:
 
     def __init__(self, argv: list[str], default_sigint: bool = False, env: dict[str, str] | None = None):
         folder = Path(tempfile.mkdtemp(prefix="train-script-"))
-        owner = os.getpid()  # removed as this process exits (one per run was left behind), not as a forked child does
+        owner = os.getpid()  # removed as this process exits (one per run was left behind), never by a child of it
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
         self._stdout, self._stderr = folder / "stdout", folder / "stderr"
         for path in (self._stdout, self._stderr):  # there to read even if the child dies before it writes

@@ -452,7 +452,7 @@ BAD_INPUT = [
     # A reward model's LoRA task type: it trained, and saved an adapter AutoPeftModelForCausalLM refuses.
     (["--use_peft", "true", "--lora_task_type", "SEQ_CLS"], "peft_config has task_type='SEQ_CLS': the policy is"),
     # A folder that holds no model (a parent folder, a run's output_dir): transformers' traceback once data loaded.
-    (["--reward_model_name_or_path", "."], "--reward_model_name_or_path . is not a model folder: it has no config"),
+    (["--reward_model_name_or_path", "."], "--reward_model_name_or_path . is a local folder but not a model's"),
     (["--value_model_name_or_path", "typo.yaml"], "--value_model_name_or_path typo.yaml is a file: name the model's"),
     # A value no flag takes was handed to `accelerate launch` as its script: python ran the YAML file.
     (["typo.yaml"], "unexpected argument 'typo.yaml' (did you mean --config typo.yaml?)"),
@@ -939,9 +939,9 @@ def refuse_model_loads(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--model", "{tmp}/empty"], "--model {tmp}/empty is not a model folder: it has no config.json"),
+        (["--model", "{tmp}/empty"], "--model {tmp}/empty is a local folder but not a model's: it has no config.json"),
         (["--model", "{tmp}/file"], "--model {tmp}/file is a file: name the model's folder"),
-        (["--model_name_or_path", "{tmp}/empty"], "--model {tmp}/empty is not a model folder"),  # the alias
+        (["--model_name_or_path", "{tmp}/empty"], "--model {tmp}/empty is a local folder"),  # the alias
         (["--model", "{model}", "--k", "0"], "--k must be >= 1, got 0"),
         (["--model", "{model}", "--num_prompts", "-1"], "--num_prompts must be >= 1, got -1"),
         (["--model", "{model}", "--k", "8", "16"], "unexpected argument '16': every value follows its flag"),

@@ -216,6 +216,7 @@ def test_an_async_function_that_fails_on_the_batch_stops_as_one_that_is_not_asyn
     "returned, named",
     [
         (0.5, "returned float (0.5); it must return a list of one float (or None) per completion"),
+        (torch.tensor(0.5), "returned Tensor ("),  # (`rewards.mean()`: a 0-d tensor has __len__, which raises)
         ("1.0", 'returned str ("1.0"); it must return a list'),
         ((x for x in [1.0, 1.0]), "returned generator"),
         ([1.0, "right"], 'returned str ("right") as a value; it must return a list of one float'),

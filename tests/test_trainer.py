@@ -1453,7 +1453,7 @@ def test_a_sigterm_whose_upload_fails_says_so(tiny_model_dir, tmp_path, monkeypa
     with pytest.raises(TrainingInterrupted) as stopped:
         trainer.train()
     assert str(stopped.value).endswith(
-        "Its upload to the Hub (me/vapo) failed, OSError: quota exceeded; the Hub holds an earlier step or none."
+        "An upload to the Hub (me/vapo) failed, OSError: quota exceeded; the Hub may not hold this step."
     )
 
 

@@ -694,11 +694,12 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
     folder = Path(name).expanduser()
     if folder.is_file():
         raise UsageError(f"{flag} {name} is a file: name the model's folder")
-    if folder.is_dir():
-        if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+    if folder.is_dir():  # (read before the Hub, as transformers reads it, where a Hub id names a local folder too)
+        markers = ("config.json", "adapter_config.json")
+        if not any((folder / marker).is_file() for marker in markers) and not any(folder.glob("*.gguf")):
             raise UsageError(
-                f"{flag} {name} is not a model folder: it has no config.json (a model) nor adapter_config.json (a "
-                f"PEFT adapter). Files there: {sorted(p.name for p in folder.iterdir())[:10]}"
+                f"{flag} {name} is a local folder but not a model's: it has no config.json (a model) nor "
+                f"adapter_config.json (a PEFT adapter). Files there: {sorted(p.name for p in folder.iterdir())[:10]}"
             )
         return
     from huggingface_hub import constants, try_to_load_from_cache

@@ -1025,7 +1025,7 @@ class VAPOConfig(TrainingArguments):
             "completions/clipped_ratio). Set max_completion_length instead.",
         )
         generation = self.generation_kwargs or {}
-        samples = sorted(set(generation) & {"num_return_sequences", "n", "best_of"})
+        samples = sorted(k for k in set(generation) & {"num_return_sequences", "n", "best_of"} if generation[k] != 1)
         require(
             not samples,
             f"generation_kwargs sets {', '.join(samples)}: each prompt's completions are num_generations, which the "

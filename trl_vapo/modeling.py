@@ -630,7 +630,7 @@ class ActorCritic(nn.Module):
         one, which leaves only the policy's adapter trainable: the critic's (and its ``modules_to_save`` copies)
         would never train again. Each adapter layer's ``_disable_adapters`` flag is what its forward reads; set
         directly, ``requires_grad`` left alone. Prompt-learning adapters, which peft disables by swapping the
-        forward and without touching ``requires_grad``, go through peft."""
+        forward and without touching ``requires_grad``, and adaption prompts (layers of their own) go through peft."""
         config = self.policy.peft_config[self.policy.active_adapter]
         if config.is_prompt_learning or config.is_adaption_prompt:
             with self.policy.disable_adapter():

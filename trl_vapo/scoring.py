@@ -459,7 +459,8 @@ def _checked_values(values, name: str, expected: int) -> list[float | None]:
     completion: a scalar, a generator, a coroutine or a string raised a bare TypeError or ValueError that did not
     name the function."""
     must = "it must return a list of one float (or None) per completion"
-    if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+    zero_d = getattr(values, "ndim", None) == 0  # a 0-d tensor or array has __len__, which raises
+    if values is None or zero_d or isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise ValueError(f"Reward function {name!r} returned {type(values).__name__} ({preview(values)}); {must}.")
     if len(values) != expected:
         raise ValueError(f"Reward function {name!r} returned {len(values)} values for {expected} completions; {must}.")

@@ -24,7 +24,7 @@ from .generation import (
     cut_at_stop,
     model_generation_settings,
 )
-from .modeling import is_peft_model
+from .modeling import _adapter_layers, is_peft_model
 
 
 class StaticCacheEngine(GenerationEngine):
@@ -130,9 +130,14 @@ class StaticCacheEngine(GenerationEngine):
             unsupported = self.unsupported_settings(sampling, model)
             if not unsupported:
                 size = self.batch_size or len(prompt_ids)
-                parts = [
-                    self._decode(model, prompt_ids[i : i + size], sampling) for i in range(0, len(prompt_ids), size)
-                ]
+                parts = []
+                for start in range(0, len(prompt_ids), size):
+                    batch = prompt_ids[start : start + size]
+                    # A short last batch takes copies of its first prompt, dropped after: the batches keep one shape
+                    # (kept buffers and graph serve them all, where a smaller one was allocated and captured anew).
+                    padded = batch + batch[:1] * (size - len(batch)) if len(prompt_ids) > size else batch
+                    ids, logprobs = self._decode(model, padded, sampling)
+                    parts.append((ids[: len(batch)], logprobs[: len(batch)]))
                 width = max(ids.shape[1] for ids, _ in parts)
                 ids = torch.cat([_pad_columns(ids, width, self.pad_token_id) for ids, _ in parts])
                 logprobs = torch.cat([_pad_columns(logprobs, width, 0.0) for _, logprobs in parts])
@@ -218,15 +223,16 @@ def _tuner_states(model: nn.Module) -> str:
     """Each adapter layer's active adapters, whether its adapters are off (peft's `disable_adapter()`), merged into
     the base, and its scaling (`set_scale`, a Python float a graph holds as captured): the step replayed the
     adapter's computation inside `disable_adapter()`, or at the old scale."""
+    if not is_peft_model(model):
+        return ""
     states = [
         (
             module.active_adapters,
             module.disable_adapters,
-            module.merged,
+            getattr(module, "merged", None),  # (a `modules_to_save` wrapper merges nothing)
             sorted(getattr(module, "scaling", {}).items()),
         )
-        for module in model.modules()
-        if hasattr(module, "disable_adapters") and hasattr(module, "merged")  # peft's BaseTunerLayer
+        for module in _adapter_layers(model)
     ]
     return repr(states)
 

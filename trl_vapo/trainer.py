@@ -595,6 +595,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
         self._loss_sum, self._loss_steps = 0.0, 0
+        self._logged_step = None  # (a second train() on this trainer, resumed from an earlier step, logs it again)
         self._checkpoint_step = None  # the step of the last resumable checkpoint this run wrote (`_save_checkpoint`)
         self._epoch_ended_at = -1
         self._epoch_begun = False  # `on_epoch_begin` for the epoch this call starts in (`_next_rows`)
@@ -714,8 +715,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         pushes = getattr(self, "push_in_progress", None)
         failed = [job.exception() for job in (pushes.jobs if pushes else []) if job.exception() is not None]
         upload = (  # said, not only waited for: the stop's one copy on a machine whose disk goes with it
-            f" Its upload to the Hub ({self.hub_model_id}) failed, {type(failed[0]).__name__}: {failed[0]}; the Hub "
-            "holds an earlier step or none."
+            f" An upload to the Hub ({self.hub_model_id}) failed, {type(failed[0]).__name__}: {failed[0]}; the Hub "
+            "may not hold this step."
             if failed
             else ""
         )
