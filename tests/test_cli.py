@@ -155,6 +155,26 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
     assert _split_launch_args(["--multi_gpu", "False"]) == []
 
 
+def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir, jsonl_data, tmp_path, monkeypatch):
+    """The command reads the config before it launches the others, as one process: 2 completions per device and 16
+    per group, which 8 processes hold, were refused ("x 1 process(es)"); for 2 they are refused, naming 2."""
+    import trl_vapo.cli as cli
+
+    launched = []
+    monkeypatch.setattr(cli, "_relaunch", lambda launch_args, argv: launched.append(launch_args) or 0)
+    common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
+    common += ["--prompt_column", "question", "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+    common += ["--per_device_train_batch_size", "2", "--num_generations", "16"]
+    assert main([*common, "--num_processes", "8"]) == 0 and launched == [["--num_processes", "8"]]
+    with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
+        cli.train_command([*common[1:], "--num_processes", "2"])
+    from transformers import TrainingArguments
+
+    from trl_vapo import VAPOConfig
+
+    assert VAPOConfig.world_size is TrainingArguments.world_size  # as it was, after the check
+
+
 def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):
     """The command a launch starts is marked (so that it does not launch again on reading the same config: the
     relaunch test's one-process run); the process that launched it is not, so that a later command in it (a

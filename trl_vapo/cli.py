@@ -389,6 +389,29 @@ def _check_resume(output_dir: str, resume: str | bool | None) -> None:
         raise UsageError(str(error)) from None
 
 
+@contextlib.contextmanager
+def _checked_as_launched(argv: list[str]):
+    """The config's batch checks (`generation_batch_size` a multiple of `num_generations`, ...) made for the process
+    count the command launches (`--num_processes N`, or the config's key), not for this process alone, which reads
+    the config before it launches the others: a per-device batch that fits N processes was refused ("x 1
+    process(es)"), and one that does not fit them was refused only by each launched process."""
+    from .config import VAPOConfig
+
+    flags, config = _given(argv)
+    try:
+        planned = int(flags.get("num_processes", (config or {}).get("num_processes", 1)))
+    except (TypeError, ValueError):  # the launcher's parser says what is wrong with it
+        planned = 1
+    if planned <= 1 or "LOCAL_RANK" in os.environ or LAUNCHED in os.environ:  # launched: its own count is right
+        yield
+        return
+    VAPOConfig.world_size = property(lambda self: planned)  # (TrainingArguments' reads this process's state)
+    try:
+        yield
+    finally:
+        del VAPOConfig.world_size
+
+
 def _check_held_out_report(script_args, demo: bool) -> None:
     """The held-out report's numbers in their ranges, before any model loads (the report runs after loading)."""
     from .demo.data import HELD_OUT_PROBLEMS
@@ -411,9 +434,10 @@ def train_command(argv: list[str]) -> int:
     parser = _parser()
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS)
-    script_args, training_args, model_args, mixture, config_remaining, cli_remaining = _parse_args_and_config(
-        parser, argv
-    )
+    with _checked_as_launched(argv):
+        script_args, training_args, model_args, mixture, config_remaining, cli_remaining = _parse_args_and_config(
+            parser, argv
+        )
     launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
     _check_held_out_report(script_args, demo)
     # The launched command reads the same config, launch keys included: it runs them, it does not launch again
