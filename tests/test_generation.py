@@ -25,8 +25,11 @@ from helpers import (
     GREEDY,
     TEXT_PROMPTS,
     StandInVLLMGeneration,
+    digit_fraction,
+    make_args,
     merged_policy_only,
     peft_actor_critic,
+    prompts_dataset,
     token_ids,
     trainer_logprobs,
 )
@@ -430,6 +433,24 @@ def test_trls_in_place_merge_rounds_a_bf16_base(tiny_model_dir):
     trl_only.sync_weights()
     changed = [n for n, p in policy.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert any(".base_layer." in n for n in changed)
+
+
+def test_vllm_with_an_adapter_under_fsdp_is_refused_before_the_policy_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """Under FSDP the sync keeps TRL's path, which merges the adapter into the sharded base in place (the rounding
+    above, on the base the critic's adapter and the KL reference compute on too): refused, before anything loads."""
+    from peft import LoraConfig
+
+    import trl_vapo.trainer
+    from trl_vapo import VAPOTrainer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the policy loaded")
+
+    monkeypatch.setattr(trl_vapo.trainer, "load_policy", refuse)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as `accelerate launch` with an FSDP config sets it
+    args = make_args(tmp_path, use_vllm=True)
+    with pytest.raises(ValueError, match="use_vllm with a PEFT adapter under FSDP is not supported: the weight sync"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=LoraConfig(r=2))
 
 
 def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):

@@ -254,6 +254,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
         engine_settings.quantization_config = (model_init_kwargs or {}).get("quantization_config")
+        if args.use_vllm and args._uses_fsdp() and (peft_config is not None or is_peft_model(model)):
+            raise ValueError(
+                "use_vllm with a PEFT adapter under FSDP is not supported: the weight sync merges the adapter into "
+                "the sharded base in place and takes it out after (TRL's path under FSDP), and in bf16 W + BA - BA is "
+                "not W: each sync would move the base, which the critic's adapter and the KL reference compute on "
+                "too. Under DeepSpeed ZeRO-3, DDP or on one process the merge is made on a copy; under FSDP, sample "
+                "with generate() (use_vllm=False)."
+            )
         check_engine_available(engine_settings, model)
         check_stream_settings(train_dataset, eval_dataset, args)  # first: TRL's order of these errors
         example = check_train_dataset(train_dataset, args)
