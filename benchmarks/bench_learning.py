@@ -1285,7 +1285,7 @@ def run_worker(spec: RunSpec) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from trl_vapo.evaluation import evaluate_policy
+    from trl_vapo.evaluation import evaluate_policy, random_state_kept
     from trl_vapo.rewards import math_reward
 
     started = time.perf_counter()
@@ -1302,10 +1302,10 @@ def run_worker(spec: RunSpec) -> dict:
         return unwrapped.policy if kind == "vapo" else unwrapped
 
     def evaluate(greedy: bool) -> dict:
-        # A private random stream: the same evaluation samples at every point, and training's stream untouched.
-        saved = torch.get_rng_state()
-        torch.manual_seed(spec.eval_seed)
-        try:
+        # A private random stream: the same evaluation samples at every point, and training's stream untouched
+        # (the device's too: `manual_seed` reseeds CUDA, whose state a GPU run's training then restarted from).
+        with random_state_kept(trainer.accelerator.device):
+            torch.manual_seed(spec.eval_seed)
             result = evaluate_policy(
                 policy(),
                 tokenizer,
@@ -1318,8 +1318,6 @@ def run_worker(spec: RunSpec) -> dict:
                 batch_size=128,
                 greedy=greedy,
             )
-        finally:
-            torch.set_rng_state(saved)
         out = {"avg@k": result.avg_at_k, "pass@k": result.pass_at_k, "mean_length": result.mean_length}
         return out | ({"pass@1": result.pass_at_1} if greedy else {})
 

@@ -50,6 +50,11 @@ def test_an_empty_tools_list_is_no_tools(tiny_model_dir, tmp_path):
     """GRPOTrainer takes `tools=[]` as none (`tools or []`); it was refused as tools."""
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), tools=[])
     assert trainer.actor_critic is not None
+    from trl_vapo.loading import check_grpo_arguments
+
+    check_grpo_arguments(tools=(), environment_factory=None)  # an empty tuple too (it was refused)
+    with pytest.raises(ValueError, match="VAPOTrainer does not take `tools`"):
+        check_grpo_arguments(tools=(print,))
 
 
 def test_a_peft_model_the_user_already_wrapped_trains_with_the_critic_on_its_base(tiny_model_dir, tmp_path):

@@ -130,6 +130,13 @@ def test_a_rollout_funcs_output_becomes_an_engines():
     output["logprobs"] = [[0.0], [0.0], [0.0]]
     with pytest.raises(ValueError, match="`logprobs` for prompt 0 has 1 entries for its 3 completion tokens"):
         read_rollout_func_output(output, 3, [9], 0, keep_logprobs=True)
+    # Rows as tensors (slices of generate()'s output) read as lists: `bool()` of a row raised, and a one-token row's
+    # stop token was never found (a tensor is hashed by identity), the row always truncated.
+    tensors = {**output, "logprobs": None, "env_mask": None}
+    tensors["prompt_ids"] = [torch.tensor(row) for row in output["prompt_ids"]]
+    tensors["completion_ids"] = [torch.tensor([5, 9, 6]), torch.tensor([9]), torch.tensor([], dtype=torch.long)]
+    prompt_ids, sample, _ = read_rollout_func_output(tensors, 3, stop_ids=[9], pad_id=0, keep_logprobs=False)
+    assert prompt_ids == [[1, 2], [3], [4]] and sample.is_truncated.tolist() == [True, False, False]
 
 
 @pytest.mark.parametrize(

@@ -1031,7 +1031,9 @@ def read_rollout_func_output(
         raise ValueError(f"rollout_func must return keys {missing} in its output dict.")  # GRPOTrainer's words
     fields = {key: value for key, value in output.items() if key not in ROLLOUT_FUNC_KEYS}
     env_mask = fields.pop("env_mask", None)
-    completions = output["completion_ids"]
+    # Rows of ints, as a rollout_func may give tensors or arrays (`bool(row)` of a tensor raised; a one-token
+    # tensor row's last token was never `in` the stop ids: hashed by identity, the row always read truncated).
+    completions = [[int(token) for token in row] for row in output["completion_ids"]]
     keep_logprobs = keep_logprobs and output["logprobs"] is not None
     per_prompt = {name: output[name] for name in ROLLOUT_FUNC_KEYS if output[name] is not None}
     if env_mask is not None:
@@ -1059,9 +1061,9 @@ def read_rollout_func_output(
         known = [[math.nan if x is None else x for x in row] for row in output["logprobs"]]
         logprobs = _padded_rows(known, 0.0, torch.float32, width)[0]
     ends = set(stop_ids) | {pad_id}
-    truncated = torch.tensor([bool(row) and row[-1] not in ends for row in completions], dtype=torch.bool)
+    truncated = torch.tensor([len(row) > 0 and row[-1] not in ends for row in completions], dtype=torch.bool)
     sample = GenerationOutput(ids, mask.long(), truncated, logprobs, action)
-    return [list(p) for p in output["prompt_ids"]], sample, fields
+    return [[int(token) for token in row] for row in output["prompt_ids"]], sample, fields
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -429,5 +429,5 @@ def check_grpo_arguments(**given: Any) -> None:
         "environment_factory": f"its environment loop is not built in; {instead}",
     }
     for name, value in given.items():
-        if value is not None and not (name == "tools" and value == []):  # GRPOTrainer's `tools or []`: none
+        if value:  # GRPOTrainer's `tools or []`: an empty one (a list, a tuple) is none
             raise ValueError(f"VAPOTrainer does not take `{name}`: {refusals[name]}.")
