@@ -175,6 +175,23 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     assert VAPOConfig.world_size is TrainingArguments.world_size  # as it was, after the check
 
 
+def test_the_held_out_reports_description_names_the_runs_sampling_settings():
+    """The report samples with the run's top_k, min_p and repetition_penalty (`_held_out_report`); the card said
+    temperature 1.0 and top_p 1.0 alone."""
+    from types import SimpleNamespace
+
+    from trl_vapo.cli import _model_card_info
+
+    script = SimpleNamespace(dataset_name="d", dataset_config=None, dataset_test_split="test", eval_k=4)
+    scores = {"avg@4": 0.5, "pass@1": 0.5, "num_problems": 8, "mean_length": 3.0}
+    run = SimpleNamespace(top_k=50, min_p=None, repetition_penalty=1.1)
+    described = _model_card_info(script, scores, scores, demo=False, args=run)["held_out"]["description"]
+    assert "temperature 1.0 and top_p 1.0 with the run's top_k=50, repetition_penalty=1.1 for avg@k" in described
+    plain = SimpleNamespace(top_k=0, min_p=None, repetition_penalty=1.0)
+    described = _model_card_info(script, scores, scores, demo=False, args=plain)["held_out"]["description"]
+    assert "temperature 1.0 and top_p 1.0 for avg@k" in described
+
+
 def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):
     """The command a launch starts is marked (so that it does not launch again on reading the same config: the
     relaunch test's one-process run); the process that launched it is not, so that a later command in it (a

@@ -537,7 +537,9 @@ def train_command(argv: list[str]) -> int:
             if training_args.push_to_hub:  # the trained model reaches the Hub all the same, without the scores
                 trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
             raise
-        trainer.model_card_info = _model_card_info(script_args, before, after, demo, mixture is not None)
+        trainer.model_card_info = _model_card_info(
+            script_args, before, after, demo, mixture is not None, training_args
+        )
         trainer.create_model_card(output_dir=training_args.output_dir)
         if training_args.push_to_hub:
             trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
@@ -549,7 +551,15 @@ def train_command(argv: list[str]) -> int:
     return 0
 
 
-def _model_card_info(script_args, before, after, demo: bool, mixture: bool = False) -> dict:
+def _report_sampling(args) -> list[str]:
+    """The run's sampling settings the held-out report applies beyond temperature 1 and top_p 1 (`_held_out_report`
+    samples with them), as `name=value`."""
+    settings = (("top_k", args.top_k, (None, 0)), ("min_p", args.min_p, (None, 0.0)))
+    settings += (("repetition_penalty", args.repetition_penalty, (1.0,)),)
+    return [f"{name}={value}" for name, value, off in settings if value not in off]
+
+
+def _model_card_info(script_args, before, after, demo: bool, mixture: bool = False, args=None) -> dict:
     """What the model card needs from the command line: the data set and the held-out scores."""
     info = {
         "dataset_name": None if demo else script_args.dataset_name,
@@ -557,6 +567,8 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
         "dataset_description": "trl-vapo's built-in arithmetic task (the offline demo)" if demo else None,
     }
     if before and after:
+        settings = _report_sampling(args) if args is not None else []
+        run = f" with the run's {', '.join(settings)}" if settings else ""
         split = "the demo's held-out split" if demo else f"the `{script_args.dataset_test_split}` split"
         again = (
             f"`trl-vapo eval --model <this folder> --temperature 1.0 --top_p 1.0 --k {script_args.eval_k} "
@@ -570,7 +582,7 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
             "before": before,
             "after": after,
             "description": f"{before['num_problems']} problems of {split}, {script_args.eval_k} samples each at "
-            f"temperature 1.0 and top_p 1.0 for avg@k ({again}), greedy for pass@1",
+            f"temperature 1.0 and top_p 1.0{run} for avg@k ({again}), greedy for pass@1",
         }
     return info
 
@@ -855,7 +867,8 @@ def _summary(trainer, before, after, seconds, demo) -> str:
     if before and after:
         k = next(key for key in before if key.startswith("avg@"))
         lines.append(
-            f"held-out {k:<8s} {before[k]:.3f} -> {after[k]:.3f}   (sampled at T=1, {before['num_problems']} problems"
+            f"held-out {k:<8s} {before[k]:.3f} -> {after[k]:.3f}   (sampled at "
+            f"{', '.join(['T=1', *_report_sampling(trainer.args)])}, {before['num_problems']} problems"
             + (f"; {before['num_unscored']} no reward scored, left out)" if before.get("num_unscored") else ")")
         )
         lines.append(f"held-out pass@1  {before['pass@1']:.3f} -> {after['pass@1']:.3f}   (greedy)")
