@@ -1093,6 +1093,14 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
     with pytest.raises(ValueError, match="The data set to evaluate on is empty"):
         evaluate_policy(model, tokenizer, data.select([]), unbounded, k=1, max_new_tokens=2)
 
+    # A problem partly scored is one problem: avg@k is the mean over problems of each one's share correct among its
+    # scored samples (one right of one scored, and four wrong: 0.5, where the share pooled over samples read 0.2).
+    def partly(completions, answer, **kwargs):
+        return [(1.0 if i % 4 == 0 else None) if a == "0" else -1.0 for i, a in enumerate(answer)]
+
+    result = evaluate_policy(model, tokenizer, data.select([0, 1]), partly, k=4, max_new_tokens=2, greedy=False)
+    assert (result.avg_at_k, result.pass_at_k, result.num_problems) == (0.5, 0.5, 2)
+
 
 def test_eval_takes_temperature_zero_as_greedy():
     """`evaluate_policy` samples greedily at temperature 0: the range check lets it through."""

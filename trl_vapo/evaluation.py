@@ -222,9 +222,12 @@ def evaluate_policy(
         )
         greedy_hits, greedy_scored = correct(greedy_completions, greedy_ids, 1)
         pass_at_1 = greedy_hits[greedy_scored].mean().item()
+    # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
+    # problem with one sample scored of k counted k times less).
+    shares = (hits * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
     return EvaluationResult(
         pass_at_1=pass_at_1,
-        avg_at_k=hits[scored].mean().item(),
+        avg_at_k=shares[problems].mean().item(),
         pass_at_k=hits.max(dim=1).values[problems].mean().item(),
         k=k,
         num_problems=int(problems.sum()),
