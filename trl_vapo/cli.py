@@ -573,8 +573,7 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
         again = (
             f"`trl-vapo eval --model <this folder> --temperature 1.0 --top_p 1.0 --k {script_args.eval_k} "
             f"--num_prompts {before['num_problems'] + before.get('num_unscored', 0)}` samples the same way: it reads "
-            "the run's data and sampling "
-            "settings"
+            "the run's data and sampling settings"
         )
         if mixture:  # cut from the mixture at random (`test_split_size`): no data set eval can name
             split, again = "the data set mixture's test split", "a split `trl-vapo eval` cannot draw again"
