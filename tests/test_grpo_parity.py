@@ -953,3 +953,39 @@ def test_normalize_then_sum_standardises_each_reward_function_within_its_group_f
     torch.testing.assert_close(rollout.returns[:, 0], expected, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(expected, rollout.scores.reward, atol=1e-2)
     assert rl_logs(trainer)[0]["reward"] == pytest.approx(rollout.scores.reward.mean().item(), rel=1e-5)
+
+
+def test_a_reward_function_that_edits_its_arguments_changes_no_other_completions(tiny_model_dir, tmp_path):
+    """GRPOTrainer's DataLoader builds every row anew, so a reward function may edit what it is given: a judge that
+    appends each completion to its prompt's messages, a function that tags its column. Each completion of a group, the
+    check before training, an evaluation and `evaluate_policy`'s greedy pass (after its sampled one) read the rows as
+    the dataset holds them: the group's copies were one object, so completion k read the k-1 completions before it."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_vapo.evaluation import evaluate_policy
+
+    seen = []
+
+    def judge(prompts, completions, tags, **kwargs):
+        for p, c, t in zip(prompts, completions, tags, strict=True):
+            seen.append((len(p), len(t)))
+            p.append(c[0])
+            t.append("judged")
+        return [0.0] * len(prompts)
+
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "tags": ["x"]} for i in range(8)]
+    args = make_args(tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)
+    assert args.num_generations == 4
+    trainer = VAPOTrainer(str(tiny_model_dir), judge, args, Dataset.from_list(rows), Dataset.from_list(rows[:2]))
+    checked = len(seen)  # the checks before training: a group of copies of the first row, for each dataset
+    trainer.train()
+    trained = len(seen) - checked
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    evaluate_policy(model, tokenizer, Dataset.from_list(rows[:2]), judge, k=2, max_new_tokens=4)
+    evaluated = len(seen) - checked - trained
+    assert (checked, trained, evaluated) == (2 * 4, args.generation_batch_size + 2 * 4, 2 * 2 + 2)
+    assert set(seen) == {(1, 1)}

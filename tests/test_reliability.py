@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import _script_process
@@ -196,11 +197,31 @@ def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
         ({"optim": "adalomo"}, "optim='adalomo' is not supported.*inside the backward"),
         ({"optim": "galore_adamw_layerwise"}, "optim='galore_adamw_layerwise' is not supported"),
         ({"optim": "apollo_adamw"}, "optim='apollo_adamw' is not supported"),
+        # Accepted before, and a silent no-op or a wrong run.
+        ({"drop_long_prompts": True}, "drop_long_prompts=True .* max_prompt_length, which is unset"),
+        (  # every evaluation reward 0 (a group of 1 standardised), while accuracy read right
+            {"multi_objective_aggregation": "normalize_then_sum", "num_generations_eval": 1},
+            "num_generations_eval >= 2 or unset",
+        ),
+        (  # the lowest eval_loss: mostly the critic's error
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
+            "load_best_model_at_end=True needs metric_for_best_model.*'accuracy'",
+        ),
     ],
 )
 def test_config_values_out_of_range_fail_at_config_time(tmp_path, overrides, needle):
     with pytest.raises(ValueError, match=needle):
         config(tmp_path, **overrides)
+
+
+def test_a_lam_actor_that_length_adaptive_gae_overrides_is_named():
+    """With `length_adaptive_alpha` set (the default), each completion's lambda is 1 - 1/(alpha l): `lam_actor` is
+    not read, and a user who set it is told so (its help and the docs' "vanilla PPO" recipe set both)."""
+    with pytest.warns(UserWarning, match=r"lam_actor=0.9 is not used: with length_adaptive_alpha=0.05"):
+        VAPOConfig(output_dir="unused", lam_actor=0.9, report_to="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        VAPOConfig(output_dir="unused", lam_actor=0.9, length_adaptive_alpha=None, report_to="none")
 
 
 def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir, tmp_path, caplog):

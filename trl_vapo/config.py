@@ -233,7 +233,9 @@ class VAPOConfig(TrainingArguments):
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty of the rollouts (1.0: off)."})
     generation_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": 'Extra `GenerationConfig` arguments for the rollouts, e.g. `{"do_sample": false}`.'},
+        metadata={
+            "help": 'Extra `GenerationConfig` arguments for the rollouts, e.g. `{"stop_strings": ["</answer>"]}`.'
+        },
     )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
@@ -444,7 +446,8 @@ class VAPOConfig(TrainingArguments):
         default=1.0,
         metadata={
             "help": "Decoupled GAE: lambda of the critic's targets in RL (value pretraining always uses 1). Paper: "
-            "1.0 (unbiased Monte-Carlo returns). Vanilla PPO uses one lambda for both: set it equal to `lam_actor`."
+            "1.0 (unbiased Monte-Carlo returns). Vanilla PPO uses one lambda for both: set it equal to `lam_actor`, "
+            "with `length_adaptive_alpha=None`."
         },
     )
     length_adaptive_alpha: float | None = field(
@@ -768,6 +771,15 @@ class VAPOConfig(TrainingArguments):
                 "load_best_model_at_end=True is not supported under DeepSpeed or FSDP: the run ends with the weights "
                 "it trained last. trainer.state.best_model_checkpoint names the best checkpoint (kept by "
                 "save_total_limit); load its policy with from_pretrained."
+            )
+        if self.load_best_model_at_end and not self.metric_for_best_model:
+            # transformers would take the lowest eval_loss, which is VAPO's loss: with whitened advantages the policy
+            # term averages to about 0, so it ranks checkpoints by the critic's error, not by how well they solve.
+            raise ValueError(
+                "load_best_model_at_end=True needs metric_for_best_model: without it the best checkpoint is the one "
+                "with the lowest eval_loss, which in VAPO is mostly the critic's error (the policy's term of whitened "
+                "advantages averages to about 0). Name what the best one does best, e.g. "
+                "metric_for_best_model='accuracy' or 'reward' ('loss' keeps the eval loss)."
             )
         if self.bf16 is None:
             self.bf16 = default_bf16(fp16, self.use_cpu)
@@ -1095,10 +1107,23 @@ class VAPOConfig(TrainingArguments):
             f"{self.multi_objective_aggregation!r}.",
         )
         require(
-            self.multi_objective_aggregation != "normalize_then_sum" or self.num_generations >= 2,
+            self.multi_objective_aggregation != "normalize_then_sum"
+            or min(self.num_generations, self.num_generations_eval or self.num_generations) >= 2,
             "multi_objective_aggregation='normalize_then_sum' standardises each function's scores within a prompt's "
-            f"group, which needs num_generations >= 2 (got {self.num_generations}: every reward would be 0).",
+            f"group, which needs num_generations >= 2 and num_generations_eval >= 2 or unset (got "
+            f"{self.num_generations} and {self.num_generations_eval}: every reward of a group of 1 would be 0).",
         )
+        require(
+            not self.drop_long_prompts or self.max_prompt_length is not None,
+            "drop_long_prompts=True drops the prompts longer than max_prompt_length, which is unset (None: no prompt "
+            "is cut or dropped): set max_prompt_length.",
+        )
+        if self.length_adaptive_alpha is not None and self.lam_actor != 0.95:
+            warnings.warn(
+                f"lam_actor={self.lam_actor} is not used: with length_adaptive_alpha={self.length_adaptive_alpha} "
+                "each completion's lambda is 1 - 1/(alpha * length). Set length_adaptive_alpha=None to use lam_actor.",
+                stacklevel=3,
+            )
         require(
             0.0 <= self.top_entropy_quantile <= 1.0,
             f"top_entropy_quantile must be in [0, 1] (1: every token trains), got {self.top_entropy_quantile}.",

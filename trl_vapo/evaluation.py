@@ -31,7 +31,7 @@ from .generation import EngineSettings, GenerationEngine, SamplingSettings, buil
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
 from .rollout import EVAL, Rollout, rollout_metrics
-from .scoring import RewardScorer
+from .scoring import RewardScorer, repeated_rows
 
 
 @dataclass
@@ -181,7 +181,7 @@ def evaluate_policy(
 
     def correct(completions: list[str], completion_ids: list[list[int]], group: int) -> tuple[torch.Tensor, ...]:
         """[problems, group] 1.0 where correct, and where a reward function judged the completion at all."""
-        repeated = [row for row in rows for _ in range(group)]
+        repeated = repeated_rows(rows, group)
         scores = scorer.score(repeated, completions, completion_ids, trainer_state=state)
         hits = scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
         # Judged by what judges correctness (`positive_reward_funcs`: a format reward scores what math_reward leaves
@@ -337,7 +337,7 @@ class EvaluationMixin:
             # Every process takes as many completions (the metrics are collectives): where a last batch does not
             # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
             size = next(n for n in itertools.count(len(batch)) if n * group % world == 0)
-            repeated = [row for row in itertools.islice(itertools.cycle(batch), size) for _ in range(group)]
+            repeated = repeated_rows(list(itertools.islice(itertools.cycle(batch), size)), group)
             share = len(repeated) // world
             rank = self.accelerator.process_index
             real = len(batch) * group  # the rows before the repeated prompts, in the gathered order

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import functools
 import inspect
 import json
@@ -394,13 +395,21 @@ class RewardScorer:
                 )
             try:
                 copies = 1 if isinstance(func, RewardModel) else group_size  # (a model scores each row alone)
-                rows, completions = self._as_messages([row] * copies, [""] * copies)
+                rows, completions = self._as_messages(repeated_rows([row], copies), [""] * copies)
                 self.call(_blocking(func) if is_async(func) else func, name, rows, completions, [[]] * copies, common)
             except RuntimeError as error:
                 raise ValueError(
                     f"{error} (checked before training on {copies} cop{'y' if copies == 1 else 'ies'} of the first "
                     f"dataset row with empty completions; dataset columns: {sorted(row)})"
                 ) from error
+
+
+def repeated_rows(rows: list[dict[str, Any]], times: int) -> list[dict[str, Any]]:
+    """Each row `times` times in a row (a prompt's group), every copy its own objects, as GRPOTrainer's rows are
+    (its DataLoader builds each one anew): a reward function that edits what it is given, e.g. appends each
+    completion to its prompt's messages to ask a judge, changed the other completions' prompts and columns, and the
+    rows a later call (the greedy pass of an evaluation) read."""
+    return [copy.deepcopy(row) for row in rows for _ in range(times)]
 
 
 def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list[dict[str, Any]]:

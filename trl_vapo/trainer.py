@@ -135,7 +135,7 @@ from .reporting import (
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
 from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
-from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models, rows_with_fields
+from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models, repeated_rows, rows_with_fields
 from .signals import TrainingInterrupted, stop_on_signals
 
 # Logs once, from the main process, however many processes train.
@@ -794,7 +794,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._begin_epoch()
         prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
         self.state.epoch = self._prompts.epoch(progress)
-        repeated = [row for row in prompts for _ in range(args.num_generations)]
+        repeated = repeated_rows(prompts, args.num_generations)
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
         return repeated[start : start + per_process]
