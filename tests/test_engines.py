@@ -238,6 +238,29 @@ def test_generation_kwargs_vllm_does_not_take_are_refused_before_anything_loads(
         check_engine_available(EngineSettings.from_config(refused))
     renamed = {"min_new_tokens": 4, "stop_strings": ["</answer>"], "presence_penalty": 0.5, "do_sample": True}
     check_engine_available(EngineSettings.from_config(make_args(tmp_path, use_vllm=True, generation_kwargs=renamed)))
+    # Fields vLLM has that each of the trainer's requests sets: `logprobs` > 0 gave the most likely token's log-prob
+    # as the sampled one's (the importance-sampling correction's input), None turned the correction off silently.
+    monkeypatch.delitem(sys.modules, "vllm")  # refused whether or not vLLM is installed
+    for owned, says in (({"logprobs": 5}, "logprobs"), ({"truncate_prompt_tokens": 8}, "shortened prompt")):
+        with pytest.raises(
+            ValueError, match=rf"generation_kwargs sets {next(iter(owned))}, which the trainer.*{says}"
+        ):
+            check_engine_available(
+                EngineSettings.from_config(make_args(tmp_path, use_vllm=True, generation_kwargs=owned))
+            )
+
+
+def test_a_clock_on_the_rollouts_is_refused_and_another_kv_cache_keeps_generate(tmp_path):
+    """`max_time` stopped completions short of the budget without a stop token: counted as ended, trained on under
+    mask_truncated_completions. A `cache_implementation` other than static (offloaded, quantized) was replaced by the
+    static-cache engine's full cache on a GPU without a word: `generate()` keeps it."""
+    from trl_vapo.generation import EngineSettings
+
+    with pytest.raises(ValueError, match="generation_kwargs sets max_time: a completion the clock stops"):
+        make_args(tmp_path, generation_kwargs={"max_time": 30.0})
+    for cache, engine in ((None, "static_cache"), ("static", "static_cache"), ("offloaded", "generate")):
+        settings = EngineSettings.from_config(make_args(tmp_path, cache_implementation=cache))
+        assert settings.placed("cuda", sharded=False).engine == engine
 
 
 def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path):

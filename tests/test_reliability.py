@@ -709,6 +709,13 @@ def step_logs(logs: list[dict]) -> dict[int, dict]:
     return {h["step"]: clock_free(h) for h in logs if "phase" in h}
 
 
+def assert_logged(logs: dict[int, dict], keys) -> None:
+    """Each of `keys` in some RL step's log: `assert_same_log` passes over a key neither log has, so a renamed
+    metric would leave a comparison of `keys` without a word."""
+    logged = set().union(*(entry for entry in logs.values() if entry.get("phase") == "rl"))
+    assert not set(keys) - logged, f"never logged: {sorted(set(keys) - logged)}"
+
+
 def assert_same_log(got: dict, expected: dict, keys=None, rel: float = 0.0, context: str = "") -> None:
     """Equal log entries, NaN equal to NaN; exact unless `rel` is given."""
     keys = keys if keys is not None else sorted(set(got) | set(expected))
@@ -1606,8 +1613,9 @@ def test_grpos_objective_settings_train_alike_on_two_processes_and_one(tiny_mode
     rl = [step for step in one if one[step]["phase"] == "rl"]
     assert [one[step]["entropy_coef"] for step in rl] == pytest.approx([0.015, 0.02, 0.025])
     assert any(one[step]["clip_ratio/low_min"] > 0 for step in rl)  # a second pass clipped every sequence some
+    keys = [*COMPARED, "entropy_coef", "loss/entropy_bonus"]
+    assert_logged(one, keys)
     for step in one:
-        keys = [*COMPARED, "entropy_coef", "loss/entropy_bonus"]
         assert_same_log(two[step], one[step], keys=keys, rel=1e-4, context=f"step {step}, 2 vs 1 process")
 
 
@@ -1665,6 +1673,7 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
     one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
     assert sorted(one) == sorted(two) == list(range(1, 9))
     assert [one[s]["phase"] for s in one] == [two[s]["phase"] for s in two] == ["value_pretrain"] * 4 + ["rl"] * 4
+    assert_logged(one, COMPARED)
     for step in one:
         assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
     one_eval, two_eval = (

@@ -305,6 +305,8 @@ def test_held_out_evaluation_gives_the_rewards_the_token_ids_as_training_does(ti
 
     def has_ids(completions, completion_ids, trainer_state, **kwargs):
         assert trainer_state.global_step == 7  # the state given, not a fresh one at step 0
+        # Each completion's own sampled tokens (not the prompt's, not placeholders).
+        assert [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids] == completions
         return [float(len(ids) > 0) for ids in completion_ids]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

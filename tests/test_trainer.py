@@ -206,6 +206,25 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
     for name, param in again.actor_critic.value_head.state_dict().items():
         assert torch.equal(param, trainer.actor_critic.value_head.state_dict()[name])
 
+    # A new run from the saved folder (what "train() already ran" advises) goes on from the trained adapters: the
+    # folder is an adapter, which transformers loaded frozen into its base and a peft_config then re-initialised.
+    trained = dict(model.policy.named_parameters())
+    continued = VAPOTrainer(
+        model=str(out),
+        reward_funcs=digit_fraction,
+        args=make_args(tmp_path / "continued", value_pretrain_steps=0),
+        train_dataset=prompts_dataset(),
+        value_model=str(out / "critic"),
+    )
+    policy = continued.actor_critic.policy
+    adapters = {n: p for n, p in policy.named_parameters() if ".default." in n or ".critic." in n}
+    assert len(adapters) == len(before_policy) + len(before_critic)
+    assert all(torch.equal(p, trained[n]) and p.requires_grad for n, p in adapters.items())
+    continued.train()
+    assert any(not torch.equal(trained[n], p) for n, p in policy.named_parameters() if ".default." in n)
+    with pytest.raises(ValueError, match=r"saved adapter's folder.*leave peft_config out"):
+        VAPOTrainer(str(out), digit_fraction, make_args(tmp_path / "x"), prompts_dataset(), peft_config=peft_config)
+
 
 LAYOUTS = ["lora-on-embeddings", "lora-saving-the-head", "frozen-peft-model-and-a-critic", "reward-model-as-critic"]
 
@@ -243,15 +262,21 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
     trainable = {id(p) for p in actor_critic.parameters() if p.requires_grad}
     assert policy and critic and {id(p) for p in policy}.isdisjoint(id(p) for p in critic)
     assert trainable == {id(p) for p in policy + critic}
-    if layout == "lora-on-embeddings":
-        names = {id(p): n for n, p in actor_critic.named_parameters()}
-        assert any("lora_embedding_A.default" in names[id(p)] for p in policy)
-        assert any("lora_embedding_A.critic" in names[id(p)] for p in critic)
-    if layout == "lora-saving-the-head":  # the critic never reads the LM head: a copy of its own would never train
-        names = {id(p): n for n, p in actor_critic.named_parameters()}
-        assert any("lm_head.modules_to_save.default" in names[id(p)] for p in policy)
-        assert not any("modules_to_save.critic" in name for name in names.values())
+    groups = trainer.create_optimizer().param_groups  # what steps: the groups, not the sides' lists they came from
+    for side, params in (("policy", policy), ("critic", critic)):
+        assert sorted(id(p) for g in groups if g["name"] == side for p in g["params"]) == sorted(map(id, params))
+    names = {id(p): n for n, p in actor_critic.named_parameters()}
+    if layout in ("lora-on-embeddings", "lora-saving-the-head"):  # in a group, and stepped
+        marks = ["lora_embedding_A.default", "lora_embedding_B.default", "lora_embedding_B.critic"]
+        if layout == "lora-saving-the-head":  # the critic never reads the LM head: a copy of its own would never train
+            marks = ["lm_head.modules_to_save.default"]
+            assert not any("modules_to_save.critic" in name for name in names.values())
+        watched = {names[id(p)]: p for p in policy + critic if any(mark in names[id(p)] for mark in marks)}
+        assert {mark for mark in marks if any(mark in name for name in watched)} == set(marks)
+        before = {name: p.detach().clone() for name, p in watched.items()}
         trainer.train()
+        for mark in marks:
+            assert any(not torch.equal(before[n], p) for n, p in watched.items() if mark in n), mark
     if layout == "reward-model-as-critic":  # the reward model scores as it was given
         assert trainer.reward_funcs[1].model is not actor_critic.critic
         trainer.create_model_card(
@@ -271,7 +296,9 @@ def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_th
     from trl_vapo.tiny import save_tiny_reward_model
 
     wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4))
-    with pytest.raises(ValueError, match="PeftModel and peft_config"):
+    with pytest.raises(
+        ValueError, match=r"PeftModel \(or a saved adapter.s folder, which loads as one\) and peft_config"
+    ):
         VAPOTrainer(wrapped, digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config=LoraConfig(r=8))
     critic = AutoModelForSequenceClassification.from_pretrained(save_tiny_reward_model(tmp_path / "rm"))
     critic.is_loaded_in_4bit = True  # what transformers sets on a bitsandbytes model (which needs a GPU here)

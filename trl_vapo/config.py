@@ -1036,6 +1036,12 @@ class VAPOConfig(TrainingArguments):
             "also tells a completion cut by the budget from one that ended (mask_truncated_completions, "
             "completions/clipped_ratio). Set max_completion_length instead.",
         )
+        require(
+            "max_time" not in (self.generation_kwargs or {}),
+            "generation_kwargs sets max_time: a completion the clock stops would count as one that ended (it is "
+            "cut short of max_completion_length without a stop token), so mask_truncated_completions would train on "
+            "it and completions/clipped_ratio miss it. Bound the rollouts with max_completion_length instead.",
+        )
         generation = self.generation_kwargs or {}
         samples = sorted(k for k in set(generation) & {"num_return_sequences", "n", "best_of"} if generation[k] != 1)
         require(

@@ -782,7 +782,15 @@ class EngineSettings:
         # Not for a quantized base, asked for or loaded so (a checkpoint saved quantized): bitsandbytes' kernels were
         # not captured on a GPU yet (named, it runs; a failed capture falls back to the eager step with a warning).
         quantized = self.quantization_config is not None or loaded_quantized(model)
-        if self.auto and engine == "generate" and device_type == "cuda" and not sharded and not quantized:
+        # Nor where `cache_implementation` asks for another KV cache (offloaded, quantized): the engine's is static.
+        other_cache = self.sampling.generation_kwargs.get("cache_implementation") not in (None, "static")
+        if (
+            self.auto
+            and engine == "generate"
+            and device_type == "cuda"
+            and not sharded
+            and not (quantized or other_cache)
+        ):
             engine = "static_cache"
         return dataclasses.replace(self, engine=engine, cuda_graph=self.cuda_graph and not sharded, keep_buffers=False)
 
@@ -912,17 +920,35 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
         _check_continuous_batching_sampling(settings.sampling)
 
 
+VLLM_FIELDS_THE_TRAINER_SETS = {
+    "logprobs": "logprobs (0: the sampled token's) is what the importance-sampling correction reads; more gives "
+    "the most likely tokens' first, None none, and the correction turns off",
+    "prompt_logprobs": "prompt_logprobs would return the prompt's, which nothing reads",
+    "truncate_prompt_tokens": "truncate_prompt_tokens would sample from a shortened prompt while the losses score "
+    "the whole one (max_prompt_length cuts prompts for both)",
+}
+
+
 def _check_vllm_sampling_keys(sampling: SamplingSettings) -> None:
     """Refuse `generation_kwargs` that vLLM's `SamplingParams` does not take, as `_apply_sampling` passes them on
     (transformers' names renamed): colocated vLLM raised a TypeError at the first rollout, after the models and vLLM
-    loaded, and a server ignores them, sampling otherwise than asked. Checked against the installed vLLM's fields."""
+    loaded, and a server ignores them, sampling otherwise than asked. Checked against the installed vLLM's fields. And
+    those each request of the trainer's sets itself (`VLLM_FIELDS_THE_TRAINER_SETS`), installed or not."""
+    passed = SimpleNamespace()
+    _apply_sampling(passed, sampling, [])
+    # SamplingParams fields that TRL's own request sets: overridden, they break what the trainer reads back.
+    owned = sorted(set(passed.generation_kwargs) & set(VLLM_FIELDS_THE_TRAINER_SETS))
+    if owned:
+        raise ValueError(
+            f"generation_kwargs sets {', '.join(owned)}, which the trainer sets in each vLLM request itself: "
+            + "; ".join(VLLM_FIELDS_THE_TRAINER_SETS[name] for name in owned)
+            + ". Leave them out."
+        )
     try:
         from vllm import SamplingParams
     except ImportError:  # vLLM's own import error comes when the engine starts
         return
     fields = set(getattr(SamplingParams, "__struct_fields__", ()))  # a msgspec struct's fields
-    passed = SimpleNamespace()
-    _apply_sampling(passed, sampling, [])
     unknown = sorted(set(passed.generation_kwargs) - fields) if fields else []
     if unknown:
         raise ValueError(

@@ -23,7 +23,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-from transformers.utils import is_liger_kernel_available
+from transformers.utils import find_adapter_config_file, is_liger_kernel_available
 
 from ._compat import get_config_model_id
 from .modeling import (
@@ -129,8 +129,15 @@ def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.
     `args.model_init_kwargs`), or the instance given."""
     if isinstance(model, (str, os.PathLike)):
         model_id = str(model)
-        policy = load_pretrained(AutoModelForCausalLM, model_id, from_pretrained_kwargs(args, model_init_kwargs))
-        return policy, model_id
+        kwargs = from_pretrained_kwargs(args, model_init_kwargs)
+        if find_adapter_config_file(model_id, revision=kwargs.get("revision"), token=kwargs.get("token")):
+            # A PEFT adapter (a LoRA run's output): transformers loads it into its base frozen, as a plain model, and
+            # a peft_config then re-initialised it: the run started from the base, the adapter's training lost. Its
+            # adapter trains on, as a PeftModel given as `model` does.
+            from peft import AutoPeftModelForCausalLM
+
+            return load_pretrained(AutoPeftModelForCausalLM, model_id, {**kwargs, "is_trainable": True}), model_id
+        return load_pretrained(AutoModelForCausalLM, model_id, kwargs), model_id
     if isinstance(model, nn.Module) and hasattr(model, "config"):
         if any(hasattr(param, "ds_id") for param in model.parameters()):
             raise ValueError(
@@ -173,8 +180,9 @@ def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
     if is_peft_model(policy):
         if peft_config is not None:  # GRPOTrainer's error: the adapter to train would be ambiguous
             raise ValueError(
-                "model is a PeftModel and peft_config is given too: train the model's own adapter (leave peft_config "
-                "out), or merge and unload it, save that base model, and pass the base with the new peft_config."
+                "model is a PeftModel (or a saved adapter's folder, which loads as one) and peft_config is given too: "
+                "train the model's own adapter (leave peft_config out; --use_peft false), or merge and unload it, "
+                "save that base model, and pass the base with the new peft_config."
             )
         # `PeftModel.from_pretrained` loads an adapter frozen (is_trainable=False): the policy would train nothing.
         policy.set_requires_grad(POLICY_ADAPTER, True)

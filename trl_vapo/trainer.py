@@ -551,8 +551,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             raise RuntimeError(
                 f"train() already ran on this trainer (to step {self.state.global_step}). To go on, resume from a "
                 "checkpoint: train(resume_from_checkpoint=True). To train the result anew, start a new run: "
-                "save_model(), then a new VAPOTrainer with that folder as `model` (and its `critic/` as `value_model` "
-                "to keep the critic, with value_pretrain_steps=0: it is trained already)."
+                "save_model(), then a new VAPOTrainer with that folder as `model` (a LoRA run's adapter trains on: no "
+                "peft_config) and its `critic/` as `value_model` to keep the critic, with value_pretrain_steps=0: it "
+                "is trained already."
             )
         self.is_in_train = True
         callbacks = self.callback_handler.callbacks + [self.control]
