@@ -77,6 +77,35 @@ def test_images_in_the_prompts_are_refused_before_any_model_loads(tmp_path):
         VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), chat, in_row_5)
 
 
+def test_images_in_a_streamed_or_evaluated_row_are_refused_where_they_come(tiny_model_dir, tmp_path):
+    """A stream's rows are read as training goes: its first row alone is checked up front, and an image part in a
+    later row went through a text model's chat template. Each rollout's rows are checked, and `evaluate_policy`'s
+    (`trl-vapo eval`) every row."""
+    from trl_vapo.evaluation import evaluate_policy
+
+    def chat(i: int, image: bool) -> dict:
+        content = [{"type": "image", "text": None}] * image + [{"type": "text", "text": f"{i}+{i}="}]
+        return {"prompt": [{"role": "user", "content": content}]}
+
+    def length(completions, **kwargs):
+        return [float(len(c[0]["content"])) for c in completions]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = (  # a vision-language model's way: the text parts as text (an image part, left out)
+        "{% for m in messages %}{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}{% endif %}"
+        "{% endfor %}{% endfor %}"
+    )
+    rows = Dataset.from_list([chat(i, i == 3) for i in range(16)])
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), length, config(tmp_path), rows.to_iterable_dataset(), processing_class=tokenizer
+    )
+    with pytest.raises(ValueError, match=r"A training row has images \(an image in its chat messages\)"):
+        trainer.train()  # the first rollout (rows 0-1) trains; the second holds the image
+    assert trainer.state.global_step > 0
+    with pytest.raises(ValueError, match=r"evaluate on \(row 3\) has images"):
+        evaluate_policy(trainer.model, trainer.processing_class, rows, length, k=1, max_new_tokens=1)
+
+
 def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(tmp_path):
     """`--system_prompt` and `--prompt_template` with a data set whose prompts are chat messages were ignored
     silently: the system prompt now goes first (or is refused where a row has its own), and a template, which formats
@@ -237,6 +266,23 @@ def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir,
     assert len(warnings) == 1 and "8 of 32" in warnings[0] and "truncated from the left" in warnings[0]
     assert len(trainer.train_dataset) == 32
     assert [len(x) for x in trainer._tokenize_prompts(["9" * 30])] == [10]
+    # An evaluation set's prompts are not counted ahead: their first cut is said, once, apart from training's (it
+    # was never said once a training prompt had been); `trl-vapo eval`'s (evaluate_policy) too.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        for _ in range(2):
+            assert [len(x) for x in trainer._tokenize_prompts(["8" * 40], evaluated=True)] == [10]
+    assert [r.message.removeprefix("[RANK 0] ") for r in caplog.records] == [
+        "An evaluation prompt of 40 tokens is longer than max_prompt_length=10: it and any later such prompt are "
+        "truncated from the left (said once; drop_long_prompts drops training prompts only). Raise "
+        "max_prompt_length or set it to None to keep them whole."
+    ]
+    from trl_vapo.evaluation import sample_completions
+
+    with pytest.warns(UserWarning, match=r"1 of 2 prompts are longer than max_prompt_length=10 tokens: truncated"):
+        sample_completions(
+            trainer.model, trainer.processing_class, ["1+1=", "9" * 30], max_new_tokens=1, max_prompt_length=10
+        )
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):

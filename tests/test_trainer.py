@@ -592,6 +592,7 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
     for rewards, settings, again in (
         (first_char_is_letter, {}, False),
         (digit_fraction, {}, True),
+        (first_char_is_letter, {"max_prompt_length": 3}, True),  # the prompts cut: other states
         (first_char_is_letter, {"temperature": 0.7}, True),
     ):
         caplog.clear()

@@ -499,8 +499,9 @@ class VAPOConfig(TrainingArguments):
             "help": "Value pretraining: rollouts from the frozen initial policy that train only the critic, on "
             "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100). 0: off. "
             "Skipped when `value_model` was saved by a previous value pretraining of this initial policy with the "
-            "same rewards, sampling and gamma (else it is an initialisation, pretrained again, with a warning), or is "
-            "a frozen value function (a `ValueFunction`, which learns nothing)."
+            "same rewards, sampling, max_prompt_length and gamma (else it is an initialisation, pretrained again, "
+            "with a warning; the data set is not compared), or is a frozen value function (a `ValueFunction`, which "
+            "learns nothing)."
         },
     )
     value_pretrain_num_iterations: int | None = field(

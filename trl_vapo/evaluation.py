@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from transformers.trainer_utils import speed_metrics
 from trl import is_conversational
 
 from .core import explained_variance, vapo_loss
-from .data import check_eval_dataset, left_truncated, prompt_token_ids
+from .data import check_eval_dataset, left_truncated, prompt_token_ids, refuse_images
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
@@ -110,7 +111,16 @@ def sample_completions(
     where completions end (stop strings, stop tokens); a greedy pass leaves out those that say how to sample.
     """
     conversational = is_conversational({"prompt": prompts[0]})
-    ids = left_truncated(prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs), max_prompt_length)
+    ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
+    cut = sum(len(x) > max_prompt_length for x in ids) if max_prompt_length is not None else 0
+    if cut:  # (one warning for a sampled and a greedy pass: the same text)
+        warnings.warn(
+            f"{cut} of {len(ids)} prompts are longer than max_prompt_length={max_prompt_length} tokens: truncated "
+            "from the left, as training cuts them (drop_long_prompts drops training prompts only). Raise "
+            "max_prompt_length or set it to None to keep them whole.",
+            stacklevel=2,
+        )
+    ids = left_truncated(ids, max_prompt_length)
     repeated = [x for x in ids for _ in range(num_samples)]
     generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     kwargs = dict(generation_kwargs or {})
@@ -172,6 +182,8 @@ def evaluate_policy(
     rows = dataset.to_list()
     if not rows:
         raise ValueError("The data set to evaluate on is empty: pass one with at least one prompt.")
+    for i, row in enumerate(rows):
+        refuse_images(row, f"The data set to evaluate on (row {i})")
     prompts = [row["prompt"] for row in rows]
     scorer = RewardScorer(
         reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}), positive_reward_funcs

@@ -236,11 +236,13 @@ def cast_lm_head_to_fp32(model: nn.Module) -> None:
 def value_target_settings(args, reward_names: list[str]) -> dict[str, Any]:
     """What the returns a critic is pretrained to predict depend on, besides the policy's weights: the rewards (which
     functions, how weighted and combined), how the completions are sampled (temperature, top-p/top-k/min-p, the
-    repetition penalty, the token budget, `generation_kwargs`, the chat template's) and the discount. A
+    repetition penalty, the token budget, `generation_kwargs`, the chat template's), how much of each prompt the
+    policy reads (`max_prompt_length`) and the discount. The data set is not compared. A
     value-pretraining record keeps them; a critic pretrained under others predicts other returns (the functions' own
     settings, such as a math reward's score for a wrong answer, are not seen here)."""
     weights = args.reward_weights or [1.0] * len(reward_names)
     sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
+    sampling += ("max_prompt_length",)  # a prompt cut from the left: other states
     settings = {
         "reward_funcs": list(reward_names),
         "reward_weights": [float(w) for w in weights],

@@ -65,6 +65,7 @@ from .data import (
     long_prompts_handled,
     prepare_tokenizer,
     prompt_token_ids,
+    refuse_images,
 )
 from .diagnostics import CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
@@ -453,7 +454,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             )
         if said:
             logger.warning(said)
-        self._said_long_prompts = said is not None  # else the first prompt cut later (a stream's, eval's) is said
+        # Else the first training prompt cut later (a stream's) is said; an evaluation set's first cut, always.
+        self._said_long_prompts = {"training"} if said is not None else set()
         streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
         self.run_plan = RunPlan.from_config(
             args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
@@ -800,19 +802,22 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         start = self.accelerator.process_index * per_process
         return repeated[start : start + per_process]
 
-    def _tokenize_prompts(self, prompts: list, truncate: bool = True) -> list[list[int]]:
-        """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`."""
+    def _tokenize_prompts(self, prompts: list, truncate: bool = True, evaluated: bool = False) -> list[list[int]]:
+        """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
+        (`evaluated`: an evaluation set's, whose first cut is said apart from training's)."""
         ids = prompt_token_ids(self.processing_class, prompts, self._conversational, self.args.chat_template_kwargs)
         limit = self.args.max_prompt_length
         if not truncate or limit is None:
             return ids
         longest = max(map(len, ids), default=0)
-        if longest > limit and not self._said_long_prompts:  # not counted before training: a stream's, an eval set's
-            self._said_long_prompts = True
+        which = "evaluation" if evaluated else "training"
+        if longest > limit and which not in self._said_long_prompts:  # not counted before: a stream's, an eval set's
+            self._said_long_prompts.add(which)
             logger.warning(
-                f"A prompt of {longest} tokens is longer than max_prompt_length={limit}: it and any later such "
-                "prompt are truncated from the left (said once). Raise max_prompt_length or set it to None to keep "
-                "them whole."
+                f"{'An evaluation' if evaluated else 'A'} prompt of {longest} tokens is longer than max_prompt_length="
+                f"{limit}: it and any later such prompt are truncated from the left (said once"
+                f"{'; drop_long_prompts drops training prompts only' if evaluated else ''}). Raise max_prompt_length "
+                "or set it to None to keep them whole."
             )
         return left_truncated(ids, limit)
 
@@ -828,7 +833,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         whitening, the loss and the masked metrics."""
         args, device = self.args, self.accelerator.device
         # 1. Sample.
-        prompts, prompt_mask, sample, rows = self._generate(rows, num_generations or args.num_generations)
+        prompts, prompt_mask, sample, rows = self._generate(
+            rows, num_generations or args.num_generations, phase == EVAL
+        )
         # 2. Score; the verdict of a completion that trains lands on its last token.
         completion_ids = sample.completion_lists()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -949,17 +956,19 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             yield unwrapped.policy
 
     def _generate(
-        self, rows: list[dict[str, Any]], num_generations: int
+        self, rows: list[dict[str, Any]], num_generations: int, evaluated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, GenerationOutput, list[dict[str, Any]]]:
         """Left-padded prompts, their mask, and one completion per row (the rows come in groups of `num_generations`
         copies of a prompt), from the generation engine or the `rollout_func`; and the rows the reward functions
-        read (with the rollout_func's other fields)."""
+        read (with the rollout_func's other fields). `evaluated`: the rows are an evaluation set's."""
         device, pad_id = self.accelerator.device, self.processing_class.pad_token_id
         # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines),
         # before a rollout_func too, which may sample with it.
         self.generation_engine.sync_weights(self.state.global_step if self.progress.phase == RL else -1)
+        for row in rows[::num_generations]:  # a stream's rows were checked at the first alone (a map-style set's all)
+            refuse_images(row, f"{'An evaluation' if evaluated else 'A training'} row")
         if self.rollout_func is None:
-            prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows])
+            prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows], evaluated=evaluated)
             sample = self.generation_engine.generate(prompt_ids, num_generations=num_generations)
         else:  # GRPOTrainer's call: the prompts as the dataset holds them (copies: it may edit them), and the trainer
             self.generation_engine.prepare_backend()  # `trainer.vllm_generation` samples as the engine would
