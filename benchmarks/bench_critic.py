@@ -84,8 +84,9 @@ PROBES: dict[str, dict] = {
         for rank, lr in ((16, "1e-3"), (16, "3e-4"), (4, "1e-3"), (64, "1e-3"), (16, "3e-3"))
     },
 }
-TUNING_SEEDS = (1000, 1001, 1002)
+TUNING_SEEDS = bl.CRITIC_PROBE_SEEDS
 """Seeds a probe may run with (``--seed``): the benchmark's tuning seed and two more, never reporting seeds."""
+SEED_FILE = "seed.txt"  # the seed of the records in a folder
 LAST = 5  # the table averages the last five rollouts
 
 
@@ -247,6 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown probes {unknown}; choose from {', '.join(PROBES)}")
     args.out.mkdir(parents=True, exist_ok=True)
+    # A probe whose record is there is not run again: the records must be this seed's (they hold no seed).
+    seed_file = args.out / SEED_FILE
+    recorded = seed_file.read_text().strip() if seed_file.exists() else None
+    if recorded != str(args.seed) and (recorded is not None or any(args.out.glob("*.json"))):
+        parser.error(
+            f"{args.out} holds probe records of --seed {recorded or 'unknown (no ' + SEED_FILE + ')'}, which this run "
+            f"would reuse as --seed {args.seed}'s: give another --out, or the seed they ran with"
+        )
+    seed_file.write_text(f"{args.seed}\n")
 
     def launch(name: str) -> int:
         if (args.out / f"{name}.json").exists():

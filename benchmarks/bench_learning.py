@@ -183,6 +183,10 @@ ARMS = [
     "ppo",
 ]
 """The arms that separate the hypotheses about the critic (the ablations besides are config switches of VAPO)."""
+CRITIC_PROBE_SEEDS = (1000, 1001, 1002)
+"""The seeds `bench_critic.py`'s probes ran with (the benchmark's tuning seed and two more): its probes chose the
+critic settings of VAPO's tuned variants, so these are tuning seeds, never reporting ones."""
+
 QUICK = {  # the smoke test: every arm on chains, VAPO and GRPO on the demo, tiny budgets, in one process
     "tasks": ["demo", "chains"],
     "methods_by_task": {"demo": ["vapo", "grpo"], "chains": ARMS},
@@ -1562,7 +1566,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.lr_grid:
         settings["lr_grid"] = [float(lr) for lr in opts.lr_grid.split(",")]
     if opts.seeds and opts.stage in ("all", "report") and not opts.quick:  # aggregating spent seeds reruns nothing
-        tuning_seeds = sorted({*PROTOCOL["tuning_seeds"], *settings["tuning_seeds"]})
+        tuning_seeds = sorted({*PROTOCOL["tuning_seeds"], *settings["tuning_seeds"], *CRITIC_PROBE_SEEDS})
         spent = [s for s in settings["reporting_seeds"] if s in tuning_seeds + settings["spent_seeds"]]
         if spent:
             parser.error(

@@ -47,3 +47,17 @@ def test_probes_run_on_tuning_seeds_only():
     assert 1000 in TUNING_SEEDS and not set(TUNING_SEEDS) & {0, 1, 2, 2000, 2001, 2002, 2003, 2004}
     with pytest.raises(ValueError, match="seed 2000 is not a tuning seed"):
         run_probe("lr1e-3", rollouts=1, seed=2000)
+
+
+def test_records_of_another_seed_are_not_reused_under_this_one(tmp_path, capsys):
+    """A probe whose record is in `--out` is not run again, and records hold no seed: `--seed 1001` into a folder of
+    seed 1000's took them as its own and labelled the table 1001. The folder says its seed (`seed.txt`)."""
+    from bench_critic import SEED_FILE, main
+
+    (tmp_path / "lr1e-3.json").write_text("[]")
+    for recorded, says in ((None, "unknown"), ("1000", "1000")):
+        if recorded:
+            (tmp_path / SEED_FILE).write_text(recorded + "\n")
+        with pytest.raises(SystemExit) as stop:
+            main(["--out", str(tmp_path), "--seed", "1001", "--probes", "lr1e-3"])
+        assert stop.value.code == 2 and f"holds probe records of --seed {says}" in capsys.readouterr().err

@@ -287,7 +287,9 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert [holder["pid"] for holder in held_while_saving] == [os.getpid()]
     printed = capsys.readouterr().out
     assert "trl-vapo summary" in printed and "held-out avg@2" in printed and str(out) in printed
-    assert AutoModelForCausalLM.from_pretrained(out) is not None
+    saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert saved.keys() == initial.keys() and any(not saved[k].equal(initial[k]) for k in saved)  # the trained policy
     assert (out / "critic" / "config.json").is_file()
 
     # eval on the run's output scores as the run did without being told: its data (the 40 local prompts as chat
@@ -914,7 +916,8 @@ def assert_trained_lora_with_evaluations(output_dir: Path, reward_model_name: st
     from peft import AutoPeftModelForCausalLM
 
     assert (output_dir / "adapter_config.json").is_file()
-    assert AutoPeftModelForCausalLM.from_pretrained(output_dir) is not None  # the saved adapter reloads
+    reloaded = AutoPeftModelForCausalLM.from_pretrained(output_dir)  # the saved adapter reloads, trained (B was 0)
+    assert any(p.abs().sum() > 0 for name, p in reloaded.named_parameters() if "lora_B" in name)
     logs = [json.loads(line) for line in (output_dir / "vapo_logs.jsonl").read_text().splitlines()]
     evaluated = [h for h in logs if "eval_loss" in h]
     assert len(evaluated) == evaluations

@@ -35,12 +35,15 @@ def test_tiny_model_loads_and_generates_until_eos(tiny_model_dir):
     assert model.config.model_type == "llama"
     batch = tokenizer(["1+1=", "12+30="], return_tensors="pt", padding=True)
     torch.manual_seed(0)
-    out = model.generate(**batch, max_new_tokens=8, do_sample=True)
+    # Random weights sample EOS about once in 100 tokens: biased to about one in six, the rows end at different steps.
+    out = model.generate(**batch, max_new_tokens=8, do_sample=True, sequence_bias={(tokenizer.eos_token_id,): 3.0})
     assert out.shape[0] == 2 and out.shape[1] <= batch.input_ids.shape[1] + 8
     # generate() knows where a completion ends, and pads what follows: the saved generation config names both.
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id is not None
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id is not None
-    for row in out[:, batch.input_ids.shape[1] :].tolist():
+    rows = out[:, batch.input_ids.shape[1] :].tolist()
+    assert any(tokenizer.eos_token_id in row[:-1] for row in rows)  # a row ended before the longest one
+    for row in rows:
         if tokenizer.eos_token_id in row:
             after = row[row.index(tokenizer.eos_token_id) + 1 :]
             assert set(after) <= {tokenizer.pad_token_id}, row
