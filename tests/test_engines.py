@@ -238,12 +238,12 @@ def test_generation_kwargs_vllm_does_not_take_are_refused_before_anything_loads(
         check_engine_available(EngineSettings.from_config(refused))
     renamed = {"min_new_tokens": 4, "stop_strings": ["</answer>"], "presence_penalty": 0.5, "do_sample": True}
     check_engine_available(EngineSettings.from_config(make_args(tmp_path, use_vllm=True, generation_kwargs=renamed)))
-    # Fields vLLM has that each of the trainer's requests sets: `logprobs` > 0 gave the most likely token's log-prob
-    # as the sampled one's (the importance-sampling correction's input), None turned the correction off silently.
+    # Fields vLLM has that the trainer needs as its requests leave them: `logprobs` > 0 gave the most likely token's
+    # log-prob as the sampled one's (the importance-sampling correction's input), None turned the correction off.
     monkeypatch.delitem(sys.modules, "vllm")  # refused whether or not vLLM is installed
     for owned, says in (({"logprobs": 5}, "logprobs"), ({"truncate_prompt_tokens": 8}, "shortened prompt")):
         with pytest.raises(
-            ValueError, match=rf"generation_kwargs sets {next(iter(owned))}, which the trainer.*{says}"
+            ValueError, match=rf"generation_kwargs sets {next(iter(owned))}, which the trainer needs.*{says}"
         ):
             check_engine_available(
                 EngineSettings.from_config(make_args(tmp_path, use_vllm=True, generation_kwargs=owned))

@@ -738,6 +738,15 @@ def test_quantization_config_loads_the_model_quantized_as_grpo_takes_it(tiny_mod
     )
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules())
     assert args.model_init_kwargs is None  # the config the user holds is left as it is
+    # Its saved adapter goes on training on the quantized base, without a peft_config (it has its adapter).
+    trainer.save_model(str(tmp_path / "qlora"))
+    again = VAPOTrainer(
+        str(tmp_path / "qlora"), digit_fraction, args, prompts_dataset(), quantization_config=quantization
+    )
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in again.model.modules())
+    assert again.actor_critic.shares_base and any(
+        p.requires_grad for n, p in again.model.named_parameters() if ".default." in n
+    )
     with pytest.raises(ValueError, match="pass a peft_config"):
         VAPOTrainer("no/such-model", digit_fraction, args, prompts_dataset(), quantization_config=quantization)
     both = make_args(tmp_path, model_init_kwargs={"quantization_config": quantization})

@@ -262,10 +262,10 @@ class VAPOConfig(TrainingArguments):
             "synchronisation, captured as a CUDA graph on a GPU, sampling exactly as generate() does (settings it "
             "cannot serve exactly, such as repetition_penalty or stop strings, fall back to generate() with a "
             "warning). None (default): on a CUDA GPU without DeepSpeed or FSDP, for an unquantized base, when no "
-            "other engine is chosen (on an H200, a VAPO LoRA step at Qwen2.5-0.5B shapes took 0.34x the time with "
-            "it), generate() elsewhere (on the CPU generate() gave 1.06-1.12x its tokens/s in one benchmark run); "
-            "under DeepSpeed or FSDP, when chosen, its step runs without a "
-            "CUDA graph. Not in GRPOConfig."
+            "other engine is chosen and no cache_implementation but 'static' is (on an H200, a VAPO LoRA step at "
+            "Qwen2.5-0.5B shapes took 0.34x the time with it), generate() elsewhere (on the CPU generate() gave "
+            "1.06-1.12x its tokens/s in one benchmark run); under DeepSpeed or FSDP, when chosen, its step runs "
+            "without a CUDA graph. Not in GRPOConfig."
         },
     )
     use_vllm: bool = field(
@@ -589,9 +589,10 @@ class VAPOConfig(TrainingArguments):
     cache_implementation: str | None = field(
         default=None,
         metadata={
-            "help": "KV-cache implementation of model.generate() (e.g. 'static'), where generate() samples: the "
-            "static-cache engine (the default on CUDA) has its own cache and ignores it; refused with vLLM and "
-            "continuous batching."
+            "help": "KV-cache implementation of model.generate() (e.g. 'static', 'offloaded'), where generate() "
+            "samples: another than 'static' keeps generate() on a CUDA GPU (the static-cache engine, the default "
+            "there, keeps its own static cache; named with use_static_cache_engine=True, it ignores this); refused "
+            "with vLLM and continuous batching."
         },
     )
     log_unique_prompts: bool = field(

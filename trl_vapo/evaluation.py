@@ -113,12 +113,12 @@ def sample_completions(
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     cut = sum(len(x) > max_prompt_length for x in ids) if max_prompt_length is not None else 0
-    if cut:  # (one warning for a sampled and a greedy pass: the same text)
+    if cut:  # issued here, the same text: once a process for a sampled and a greedy pass, a report before and after
         warnings.warn(
             f"{cut} of {len(ids)} prompts are longer than max_prompt_length={max_prompt_length} tokens: truncated "
             "from the left, as training cuts them (drop_long_prompts drops training prompts only). Raise "
             "max_prompt_length or set it to None to keep them whole.",
-            stacklevel=2,
+            stacklevel=1,
         )
     ids = left_truncated(ids, max_prompt_length)
     repeated = [x for x in ids for _ in range(num_samples)]
@@ -349,12 +349,13 @@ class EvaluationMixin:
             # Every process takes as many completions (the metrics are collectives): where a last batch does not
             # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
             size = next(n for n in itertools.count(len(batch)) if n * group % world == 0)
-            repeated = repeated_rows(list(itertools.islice(itertools.cycle(batch), size)), group)
-            share = len(repeated) // world
+            share = size * group // world
             rank = self.accelerator.process_index
             real = len(batch) * group  # the rows before the repeated prompts, in the gathered order
             mine = min(max(real - rank * share, 0), share)  # this process's rows among the real ones
-            rollout = self._make_rollout(repeated[rank * share : (rank + 1) * share], EVAL, group, counted=mine)
+            prompts = list(itertools.islice(itertools.cycle(batch), size))
+            rows_here = repeated_rows(prompts, group, slice(rank * share, (rank + 1) * share))
+            rollout = self._make_rollout(rows_here, EVAL, group, counted=mine)
             verdicts = torch.stack([rollout.is_correct.cpu(), rollout.scores.scored]).to(rollout.loss_mask.device)
             right, scored = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
             correct, judged = correct + right, judged + scored

@@ -753,8 +753,8 @@ class EngineSettings:
         keep_buffers: the static-cache engine keeps its cache and graph between calls (`placed` turns it off for
             training: the update between two rollouts needs that memory).
         auto: the engine was not named (`use_static_cache_engine=None`): `placed` picks the static-cache engine on a
-            CUDA device without DeepSpeed or FSDP and for an unquantized base (on an H200, one run: a VAPO LoRA
-            step in 0.34x the time, 23x the tokens/s in generation).
+            CUDA device without DeepSpeed or FSDP, for an unquantized base and no `cache_implementation` but static
+            (on an H200, one run: a VAPO LoRA step in 0.34x the time, 23x the tokens/s in generation).
     """
 
     engine: str = "generate"
@@ -920,7 +920,7 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
         _check_continuous_batching_sampling(settings.sampling)
 
 
-VLLM_FIELDS_THE_TRAINER_SETS = {
+VLLM_FIELDS_LEFT_AS_THEY_ARE = {
     "logprobs": "logprobs (0: the sampled token's) is what the importance-sampling correction reads; more gives "
     "the most likely tokens' first, None none, and the correction turns off",
     "prompt_logprobs": "prompt_logprobs would return the prompt's, which nothing reads",
@@ -933,15 +933,15 @@ def _check_vllm_sampling_keys(sampling: SamplingSettings) -> None:
     """Refuse `generation_kwargs` that vLLM's `SamplingParams` does not take, as `_apply_sampling` passes them on
     (transformers' names renamed): colocated vLLM raised a TypeError at the first rollout, after the models and vLLM
     loaded, and a server ignores them, sampling otherwise than asked. Checked against the installed vLLM's fields. And
-    those each request of the trainer's sets itself (`VLLM_FIELDS_THE_TRAINER_SETS`), installed or not."""
+    those the trainer needs as its requests leave them (`VLLM_FIELDS_LEFT_AS_THEY_ARE`), installed or not."""
     passed = SimpleNamespace()
     _apply_sampling(passed, sampling, [])
-    # SamplingParams fields that TRL's own request sets: overridden, they break what the trainer reads back.
-    owned = sorted(set(passed.generation_kwargs) & set(VLLM_FIELDS_THE_TRAINER_SETS))
+    # SamplingParams fields the trainer needs as TRL's requests leave them: changed, what it reads back is wrong.
+    owned = sorted(set(passed.generation_kwargs) & set(VLLM_FIELDS_LEFT_AS_THEY_ARE))
     if owned:
         raise ValueError(
-            f"generation_kwargs sets {', '.join(owned)}, which the trainer sets in each vLLM request itself: "
-            + "; ".join(VLLM_FIELDS_THE_TRAINER_SETS[name] for name in owned)
+            f"generation_kwargs sets {', '.join(owned)}, which the trainer needs as its vLLM requests leave them: "
+            + "; ".join(VLLM_FIELDS_LEFT_AS_THEY_ARE[name] for name in owned)
             + ". Leave them out."
         )
     try:

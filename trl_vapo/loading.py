@@ -6,6 +6,7 @@ are :mod:`trl_vapo.modeling`'s."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,11 +107,12 @@ def critic_from_policy(policy: PreTrainedModel, trust_remote_code: bool = False)
     return critic
 
 
-def check_quantization(model_init_kwargs: dict | None, peft_config) -> None:
-    """Fail before loading anything when a quantized model is asked for where it cannot train."""
+def check_quantization(model_init_kwargs: dict | None, peft_config, model=None) -> None:
+    """Fail before loading anything when a quantized model is asked for where it cannot train (a saved adapter,
+    `model`, trains its own on the quantized base: QLoRA on)."""
     if (model_init_kwargs or {}).get("quantization_config") is None:
         return
-    if peft_config is None:
+    if peft_config is None and not is_saved_adapter(model, model_init_kwargs):
         raise ValueError(
             "model_init_kwargs asks for a quantized model, and quantized weights cannot be trained: pass a "
             "peft_config (e.g. LoraConfig(r=16), or --use_peft on the command line) to train adapters on it (QLoRA)."
@@ -124,13 +126,24 @@ def check_quantization(model_init_kwargs: dict | None, peft_config) -> None:
         ) from None
 
 
+def is_saved_adapter(model, model_init_kwargs: dict | None) -> bool:
+    """Whether `model` names a saved PEFT adapter (an `adapter_config.json`, local or on the Hub), looked up with the
+    loading options that say where (`cache_dir`, `local_files_only`, `revision`, `subfolder`, ...), as transformers'
+    `from_pretrained` looks for one."""
+    if not isinstance(model, (str, os.PathLike)):
+        return False
+    where = inspect.signature(find_adapter_config_file).parameters
+    options = {key: value for key, value in (model_init_kwargs or {}).items() if key in where and key != "model_id"}
+    return find_adapter_config_file(str(model), **options) is not None
+
+
 def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.Module, str]:
     """The policy (a causal LM) and its name: loaded from an id or path (with `model_init_kwargs`, default
     `args.model_init_kwargs`), or the instance given."""
     if isinstance(model, (str, os.PathLike)):
         model_id = str(model)
         kwargs = from_pretrained_kwargs(args, model_init_kwargs)
-        if find_adapter_config_file(model_id, revision=kwargs.get("revision"), token=kwargs.get("token")):
+        if is_saved_adapter(model_id, kwargs):
             # A PEFT adapter (a LoRA run's output): transformers loads it into its base frozen, as a plain model, and
             # a peft_config then re-initialised it: the run started from the base, the adapter's training lost. Its
             # adapter trains on, as a PeftModel given as `model` does.

@@ -404,12 +404,13 @@ class RewardScorer:
                 ) from error
 
 
-def repeated_rows(rows: list[dict[str, Any]], times: int) -> list[dict[str, Any]]:
+def repeated_rows(rows: list[dict[str, Any]], times: int, share: slice = slice(None)) -> list[dict[str, Any]]:
     """Each row `times` times in a row (a prompt's group), every copy its own objects, as GRPOTrainer's rows are
     (its DataLoader builds each one anew): a reward function that edits what it is given, e.g. appends each
     completion to its prompt's messages to ask a judge, changed the other completions' prompts and columns, and the
-    rows a later call (the greedy pass of an evaluation) read."""
-    return [copy.deepcopy(row) for row in rows for _ in range(times)]
+    rows a later call (the greedy pass of an evaluation) read. `share`: the part of the repeated rows wanted (a
+    process's), the others not copied."""
+    return [copy.deepcopy(row) for row in [row for row in rows for _ in range(times)][share]]
 
 
 def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list[dict[str, Any]]:

@@ -295,7 +295,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # GRPOTrainer's attribute: each reward model's tokenizer (given or its own), None for the functions.
         self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        check_quantization(model_init_kwargs, peft_config)
+        check_quantization(model_init_kwargs, peft_config, model)
 
         if processing_class is not None:  # what it cannot serve (chat prompts without a template) before any load
             prepare_tokenizer(processing_class, self._conversational)
@@ -797,10 +797,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._begin_epoch()
         prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
         self.state.epoch = self._prompts.epoch(progress)
-        repeated = repeated_rows(prompts, args.num_generations)
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
-        return repeated[start : start + per_process]
+        return repeated_rows(prompts, args.num_generations, slice(start, start + per_process))
 
     def _tokenize_prompts(self, prompts: list, truncate: bool = True, evaluated: bool = False) -> list[list[int]]:
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
