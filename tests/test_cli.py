@@ -672,6 +672,11 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
     assert after > before + 0.1, line
     assert (out / "model.safetensors").is_file() and (out / "critic" / "model.safetensors").is_file()
     assert (out / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
+    # Its card says how to score it again (TrlParser's empty mixture had every run read as one: a split no eval
+    # could draw, and `trl-vapo eval --model <demo>` refused).
+    card = (out / "README.md").read_text()
+    assert "64 problems of the demo's held-out split" in card and "trl-vapo eval --model <this folder>" in card
+    assert "mixture" not in card and json.loads((out / "vapo_script_args.json").read_text())["mixture"] is False
     # The demo draws its diagnostic plots, and `trl-vapo plot` redraws them from its logs.
     plots = out / "plots"
     assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
@@ -771,7 +776,7 @@ def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_check
     assert list_checkpoints(out) == [checkpoint] == [out / f"checkpoint-{stopped[1]}"]
     logged = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"phase"' in line]
     assert int(stopped[1]) == max(logged)  # nothing trained is lost
-    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == [
+    assert sorted(p.name for p in checkpoint.glob("training_state/rng_state_*")) == [
         f"rng_state_{rank}.safetensors" for rank in range(processes)
     ]
     state = json.loads((checkpoint / "vapo_state.json").read_text())

@@ -122,7 +122,7 @@ def assert_same_state(run: Path, reference: Path) -> None:
 def assert_checkpoint_holds_the_reference(run: Path) -> None:
     """The last checkpoint holds the synced reference model whole: the weights the run itself read at step 8 (gathered
     parameter by parameter, where the checkpoint gathers module by module or through FSDP2's state dict)."""
-    saved = load_file(run / "checkpoint-8" / "reference_model.safetensors")
+    saved = load_file(run / "checkpoint-8" / "training_state" / "reference_model.safetensors")
     dumped = {
         k.removeprefix("weight/reference."): v for k, v in torch.load(run / "state-8.pt").items() if "/reference." in k
     }

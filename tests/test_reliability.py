@@ -1169,7 +1169,7 @@ def test_save_only_model_checkpoints_hold_the_weights_and_are_not_resumed_from(t
     for checkpoint in saved:
         names = {p.name for p in checkpoint.iterdir()}
         assert {"model.safetensors", "trainer_state.json", "critic"} <= names
-        assert not names & {"optimizer.pt", "scheduler.pt", "rng_state_0.safetensors"}
+        assert not names & {"optimizer.pt", "scheduler.pt", "training_state", "rng_state_0.safetensors"}
     AutoModelForCausalLM.from_pretrained(saved[-1])
     with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-2: it was saved with save_only_model=True"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train(str(saved[-1]))
@@ -1732,7 +1732,7 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
 
     # Checkpoints are written once, with one random-number state per process, and resume on two processes.
     checkpoint = tmp_path / "two" / "checkpoint-4"
-    assert sorted(p.name for p in checkpoint.glob("rng_state_*")) == [
+    assert sorted(p.name for p in checkpoint.glob("training_state/rng_state_*")) == [
         "rng_state_0.safetensors",
         "rng_state_1.safetensors",
     ]

@@ -728,8 +728,21 @@ def test_a_synced_reference_resumes_as_it_was(tiny_model_dir, tmp_path, caplog):
 
     full = run("full")
     checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
-    shutil.copytree(checkpoint, tmp_path / "resumed" / "out" / "checkpoint-2")
-    resumed = run("resumed", resume=True)
+    # The tensors only a resume reads are in a folder of their own: at the root, a model loader that takes every
+    # *.safetensors beside config.json (vLLM's) read them as the policy's weights.
+    assert [p.name for p in checkpoint.glob("*.safetensors")] == ["model.safetensors"]
+    state = {p.name for p in (checkpoint / "training_state").iterdir()}
+    assert state == {"reference_model.safetensors", "rng_state_0.safetensors"}
+    # Resumed from a copy laid out as before that folder (the files at the root), it resumes as exactly.
+    old_layout = tmp_path / "resumed" / "out" / "checkpoint-2"
+    shutil.copytree(checkpoint, old_layout)
+    for name in state:
+        (old_layout / "training_state" / name).rename(old_layout / name)
+    (old_layout / "training_state").rmdir()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+        resumed = run("resumed", resume=True)
+    assert not [m for m in caplog.messages if "is missing" in m]
+    caplog.clear()
     kl = [[h["kl"] for h in comparable(trainer.state.log_history)] for trainer in (resumed, full)]
     assert kl[0] == kl[1] and len(set(kl[1])) == 3  # (the checkpoint's history, then step 3's)
     for side in ("actor_critic", "ref_model"):
@@ -737,7 +750,7 @@ def test_a_synced_reference_resumes_as_it_was(tiny_model_dir, tmp_path, caplog):
         for name, value in getattr(resumed, side).state_dict().items():
             assert torch.equal(value, expected[name]), (side, name)
     # A checkpoint without it (sync_ref_model=False, or an older trl-vapo): resumed with a warning naming the file.
-    (checkpoint / "reference_model.safetensors").unlink()
+    (checkpoint / "training_state" / "reference_model.safetensors").unlink()
     shutil.rmtree(tmp_path / "full" / "out" / "checkpoint-3")
     with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
         run("full", resume=str(checkpoint))
@@ -1249,9 +1262,10 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
     out = tmp_path / "out"
     assert [h["phase"] for h in full.state.log_history if "phase" in h] == ["value_pretrain"] * 6 + ["rl"] * 2
     # Checkpoint 4 follows the second pretraining rollout: the window the third one adds to is both.
-    saved = load_rollouts(str(out / "checkpoint-4" / "value_pretrain_replay_0.safetensors"), torch.device("cpu"))
+    window = out / "checkpoint-4" / "training_state" / "value_pretrain_replay_0.safetensors"
+    saved = load_rollouts(str(window), torch.device("cpu"))
     assert len(saved) == 2 and all(len(r) == len(full._last_rollout) for r in saved)
-    assert not (out / "checkpoint-8" / "value_pretrain_replay_0.safetensors").exists()  # RL keeps no window
+    assert not (out / "checkpoint-8" / "training_state" / "value_pretrain_replay_0.safetensors").exists()  # RL: none
     expected = [h for h in comparable(full.state.log_history) if h["step"] > 4]
     weights = {k: v.clone() for k, v in full.actor_critic.state_dict().items()}
     for stale in ("checkpoint-6", "checkpoint-8"):

@@ -60,17 +60,23 @@ CHECKPOINT_PREFIX = "checkpoint"
 PRETRAINED_CRITIC_DIR = "value_pretrained_critic"
 DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
+# A checkpoint's tensors that only a resume reads, in safetensors files of their own: in a folder of their own, since
+# a model loader that takes every *.safetensors beside config.json (vLLM's) read them as the policy's weights.
+TRAINING_STATE_DIR = "training_state"
 # With sync_ref_model the KL penalty's reference moves with the policy (TR-DPO): a resume needs it as it was.
 REFERENCE_FILE = "reference_model.safetensors"
 SCALER_FILE = "scaler.pt"  # fp16's loss scaler (accelerate's name)
 # Value pretraining's replay window (`value_pretrain_replay`), each process's own rollouts.
 REPLAY_FILE = "value_pretrain_replay_{}.safetensors"
-# A checkpoint's files that only a resume reads: the model pushed to the Hub's root leaves them out.
+RNG_FILE = "rng_state_{}.safetensors"  # each process's random-number states
+# A checkpoint's files that only a resume reads: the model pushed to the Hub's root leaves them out (the tensors'
+# names at the checkpoint's root are where checkpoints written before TRAINING_STATE_DIR hold them).
 TRAINING_STATE = [
     "optimizer.pt",
     "scheduler.pt",
     SCALER_FILE,
-    "rng_state_*",
+    f"{TRAINING_STATE_DIR}/*",
+    RNG_FILE.format("*"),
     REPLAY_FILE.format("*"),
     "trainer_state.json",
     REFERENCE_FILE,
@@ -415,6 +421,13 @@ def _accelerator_rng(started: bool):
     if started and is_initialized is not None and not is_initialized():
         return None
     return device.type, module
+
+
+def training_state_file(checkpoint: Path, name: str) -> Path:
+    """Where `checkpoint` holds the training-state file `name`: in its `TRAINING_STATE_DIR`, or at its root where a
+    checkpoint written before that folder holds it (the folder's path where neither does)."""
+    inside, root = checkpoint / TRAINING_STATE_DIR / name, checkpoint / name
+    return root if root.is_file() and not inside.is_file() else inside
 
 
 def save_rng_state(path: Path) -> None:
@@ -849,23 +862,26 @@ class SavingMixin:
 
     def _write_checkpoint(self, final: Path, tmp: Path, model_only: bool = False) -> None:
         main = self.accelerator.is_main_process
+        state = tmp / TRAINING_STATE_DIR
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            if not model_only:
+                state.mkdir()
         self.accelerator.wait_for_everyone()
         if not model_only:
-            save_rng_state(tmp / f"rng_state_{self.accelerator.process_index}.safetensors")
+            save_rng_state(state / RNG_FILE.format(self.accelerator.process_index))
             if self.progress.phase == VALUE_PRETRAIN and self._replay and self.args.value_pretrain_replay > 0:
                 # the rollouts the next one's window keeps
                 window = self._replay[-self.args.value_pretrain_replay :]
-                save_rollouts(window, str(tmp / REPLAY_FILE.format(self.accelerator.process_index)))
+                save_rollouts(window, str(state / REPLAY_FILE.format(self.accelerator.process_index)))
         with self._full_weights() as state_dict:
             if main:
                 self._write_models(tmp, state_dict)
         if self._reference_moves() and not model_only:
             reference = placed_state_dict(self.ref_model, self.accelerator)  # a collective
             if main:
-                save_file(_unshared(reference), str(tmp / REFERENCE_FILE))
+                save_file(_unshared(reference), str(state / REFERENCE_FILE))
         if self.is_deepspeed_enabled and not model_only:
             # ZeRO partitions the optimizer state over the ranks: each writes its own part.
             self.model_wrapped.save_checkpoint(str(tmp), tag=DEEPSPEED_CHECKPOINT_TAG, exclude_frozen_parameters=True)
@@ -1007,19 +1023,20 @@ class SavingMixin:
         self.state.max_steps = self.run_plan.max_steps(self.progress)
         self.state.compute_steps(self.args, self.state.max_steps)
         if self._reference_moves():
-            if (path / REFERENCE_FILE).is_file():
-                load_placed_state_dict(self.ref_model, self.accelerator, load_file(path / REFERENCE_FILE))
+            reference_file = training_state_file(path, REFERENCE_FILE)
+            if reference_file.is_file():
+                load_placed_state_dict(self.ref_model, self.accelerator, load_file(reference_file))
             else:
                 logger.warning(
                     f"{REFERENCE_FILE} is missing in {path} (written with sync_ref_model=False, or before trl-vapo "
                     "saved it): the KL penalty's reference restarts as the initial policy, not as it was synced."
                 )
-        rng_file = path / f"rng_state_{self.accelerator.process_index}.safetensors"
+        rng_file = training_state_file(path, RNG_FILE.format(self.accelerator.process_index))
         if rng_file.is_file():
             load_rng_state(rng_file)
         else:
             logger.warning(f"{rng_file.name} is missing in {path}: the resumed run will not replay the same samples.")
-        replay_file = path / REPLAY_FILE.format(self.accelerator.process_index)
+        replay_file = training_state_file(path, REPLAY_FILE.format(self.accelerator.process_index))
         replays = self.progress.phase == VALUE_PRETRAIN and self.args.value_pretrain_replay > 0
         if replays and replay_file.is_file():
             self._replay = load_rollouts(str(replay_file), self.accelerator.device)[-self.args.value_pretrain_replay :]

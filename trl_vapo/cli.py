@@ -439,6 +439,8 @@ def train_command(argv: list[str]) -> int:
             parser, argv
         )
     launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
+    # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
+    mixed = mixture is not None and bool(mixture.datasets)
     _check_held_out_report(script_args, demo)
     # The launched command reads the same config, launch keys included: it runs them, it does not launch again
     # (accelerate's one-process launcher sets no LOCAL_RANK).
@@ -485,7 +487,7 @@ def train_command(argv: list[str]) -> int:
     for key in ("dataset_name", "reward_model_name_or_path"):  # read from any working directory
         if run_data[key] and Path(run_data[key]).exists():
             run_data[key] = str(Path(run_data[key]).resolve())
-    run_data["mixture"] = mixture is not None
+    run_data["mixture"] = mixed
     model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
         script_args, model_args, training_args, demo, mixture
     )
@@ -529,7 +531,7 @@ def train_command(argv: list[str]) -> int:
             return stopped.exit_code
         # The trained model is saved before the held-out report, which takes minutes at eval_k x eval_num_prompts: a
         # stop there (Ctrl-C; SIGTERM's default action) or a crash no longer loses it. Pushed once, with the scores.
-        trainer.model_card_info = _model_card_info(script_args, before, None, demo, mixture is not None)
+        trainer.model_card_info = _model_card_info(script_args, before, None, demo, mixed)
         trainer.save_model(training_args.output_dir, _internal_call=True)
         try:
             after = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
@@ -537,9 +539,7 @@ def train_command(argv: list[str]) -> int:
             if training_args.push_to_hub:  # the trained model reaches the Hub all the same, without the scores
                 trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
             raise
-        trainer.model_card_info = _model_card_info(
-            script_args, before, after, demo, mixture is not None, training_args
-        )
+        trainer.model_card_info = _model_card_info(script_args, before, after, demo, mixed, training_args)
         trainer.create_model_card(output_dir=training_args.output_dir)
         if training_args.push_to_hub:
             trainer.push_to_hub(commit_message="Model save", revision=training_args.hub_revision)
