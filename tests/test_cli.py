@@ -184,12 +184,13 @@ def test_the_held_out_reports_description_names_the_runs_sampling_settings():
 
     script = SimpleNamespace(dataset_name="d", dataset_config=None, dataset_test_split="test", eval_k=4)
     scores = {"avg@4": 0.5, "pass@1": 0.5, "num_problems": 8, "mean_length": 3.0}
-    run = SimpleNamespace(top_k=50, min_p=None, repetition_penalty=1.1)
+    run = SimpleNamespace(top_k=50, min_p=None, repetition_penalty=1.1, trust_remote_code=True)
     described = _model_card_info(script, scores, scores, demo=False, args=run)["held_out"]["description"]
     assert "temperature 1.0 and top_p 1.0 with the run's top_k=50, repetition_penalty=1.1 for avg@k" in described
-    plain = SimpleNamespace(top_k=0, min_p=None, repetition_penalty=1.0)
+    assert "--num_prompts 8 --trust_remote_code true`" in described  # a model with its own code loads so only
+    plain = SimpleNamespace(top_k=0, min_p=None, repetition_penalty=1.0, trust_remote_code=False)
     described = _model_card_info(script, scores, scores, demo=False, args=plain)["held_out"]["description"]
-    assert "temperature 1.0 and top_p 1.0 for avg@k" in described
+    assert "temperature 1.0 and top_p 1.0 for avg@k" in described and "--num_prompts 8`" in described
 
 
 def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):

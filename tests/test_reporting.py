@@ -374,6 +374,23 @@ HISTORY = [
 ]
 
 
+def test_the_card_names_the_settings_a_run_changed_and_an_early_stop_only_where_it_can_happen(tmp_path):
+    """The card's settings reproduce the run: the demo's 4 passes of the critic alone read as 480 policy steps, and
+    top_p, vf_coef, ... were left out; `max_steps=-1` said nothing of the epochs that set the length. The early-stop
+    clause is there only where the rule can fire (two windows of readings)."""
+    from trl_vapo import VAPOConfig
+    from trl_vapo.model_card import _other_settings, _vapo_table
+
+    args = VAPOConfig(output_dir=str(tmp_path), report_to="none", critic_num_iterations=4, top_p=0.9, vf_coef=0.5)
+    settings = _other_settings(args)
+    assert {"`critic_num_iterations=4`", "`top_p=0.9`", "`vf_coef=0.5`", "`num_train_epochs=3.0`"} <= set(settings)
+    assert not any(s.startswith(("`top_k=", "`whiten_advantages=")) for s in settings)  # at their defaults
+    assert "`num_train_epochs=" not in " ".join(_other_settings(VAPOConfig(output_dir=str(tmp_path), max_steps=5)))
+    for steps, clause in ((19, False), (20, True)):
+        table = _vapo_table(VAPOConfig(output_dir=str(tmp_path), value_pretrain_steps=steps), None)
+        assert ("stops early when explained variance stops improving, window 10" in table) is clause
+
+
 def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     base = str(tmp_path / "my-base")
     os.makedirs(base)
@@ -402,8 +419,9 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     assert "prompt = 'Compute 7+1+3.\\n'" in content and "max_new_tokens=96" in content
     # VAPO section: the seven settings
     for needle in (
-        "`value_pretrain_steps=15` (stops early when explained variance stops improving, window 10)",
-        "ran 15 rollouts, final explained variance 0.340 (best 0.360)",
+        # (no early stop: the rule compares two windows of 10 readings, which 15 rollouts do not hold)
+        "`value_pretrain_steps=15`: ran 15 rollouts, final explained variance 0.340 (mean of its last readings; "
+        "best 0.360)",
         "`lam_critic=1.0`, the policy's: length-adaptive (3)",  # lam_actor is not used with alpha set
         "`length_adaptive_alpha=0.5`",
         '`loss_type="token"`',

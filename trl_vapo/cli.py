@@ -570,10 +570,11 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
         settings = _report_sampling(args) if args is not None else []
         run = f" with the run's {', '.join(settings)}" if settings else ""
         split = "the demo's held-out split" if demo else f"the `{script_args.dataset_test_split}` split"
+        own_code = " --trust_remote_code true" if args is not None and args.trust_remote_code else ""
         again = (
             f"`trl-vapo eval --model <this folder> --temperature 1.0 --top_p 1.0 --k {script_args.eval_k} "
-            f"--num_prompts {before['num_problems'] + before.get('num_unscored', 0)}` samples the same way: it reads "
-            "the run's data and sampling settings"
+            f"--num_prompts {before['num_problems'] + before.get('num_unscored', 0)}{own_code}` samples the same "
+            "way: it reads the run's data and sampling settings"
         )
         if mixture:  # cut from the mixture at random (`test_split_size`): no data set eval can name
             split, again = "the data set mixture's test split", "a split `trl-vapo eval` cannot draw again"

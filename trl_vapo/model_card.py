@@ -347,7 +347,7 @@ def _vapo_table(args, value_pretraining) -> str:
         pretrain = "off (`value_pretrain_steps=0`)"
     else:
         pretrain = f"`value_pretrain_steps={steps}`"
-        if patience is not None:
+        if patience is not None and steps >= 2 * patience:  # the rule compares two windows of readings
             pretrain += f" (stops early when explained variance stops improving, window {patience})"
         if done:
             pretrain += f": {done}"
@@ -377,26 +377,63 @@ def _vapo_table(args, value_pretraining) -> str:
     return "\n".join(lines)
 
 
+OTHER_SETTINGS = [
+    "learning_rate",
+    "critic_learning_rate",
+    "lr_scheduler_type",
+    "beta",
+    "gamma",
+    "temperature",
+    "max_completion_length",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "generation_batch_size",
+    "num_iterations",
+    "max_steps",
+    "seed",
+]
+"""The settings every card names."""
+OTHER_SETTINGS_WHEN_CHANGED = [
+    "num_train_epochs",
+    "critic_num_iterations",
+    "value_pretrain_num_iterations",
+    "value_pretrain_replay",
+    "warmup_steps",
+    "warmup_ratio",
+    "vf_coef",
+    "cliprange_value",
+    "whiten_advantages",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_prompt_length",
+    "reward_weights",
+    "positive_reward_funcs",
+    "multi_objective_aggregation",
+    "mask_truncated_completions",
+    "importance_sampling_level",
+    "delta",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "off_policy_mask_threshold",
+    "sync_ref_model",
+]
+"""The settings a card names where the run changed them from their defaults (a reader needs them to train alike)."""
+
+
 def _other_settings(args) -> list[str]:
-    names = [
-        "learning_rate",
-        "critic_learning_rate",
-        "lr_scheduler_type",
-        "beta",
-        "gamma",
-        "temperature",
-        "max_completion_length",
-        "per_device_train_batch_size",
-        "gradient_accumulation_steps",
-        "generation_batch_size",
-        "num_iterations",
-        "max_steps",
-        "seed",
-    ]
+    defaults = {f.name: f.default for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else {}
+    names = OTHER_SETTINGS + [n for n in OTHER_SETTINGS_WHEN_CHANGED if n in defaults]
     settings = []
     for name in names:
         value = getattr(args, name, None)
-        if value is None:
+        if name == "num_train_epochs":  # named where it decides the run's length: max_steps unset
+            if getattr(args, "max_steps", -1) <= 0:
+                settings.append(f"`num_train_epochs={value}`")
+            continue
+        if value is None or (name in OTHER_SETTINGS_WHEN_CHANGED and value == defaults[name]):
             continue
         value = getattr(value, "value", value)  # enums such as lr_scheduler_type
         settings.append(f"`{name}={value!r}`" if isinstance(value, str) else f"`{name}={value}`")
@@ -412,11 +449,13 @@ def _value_pretraining_outcome(value_pretraining) -> str:
     rollouts = value_pretraining.get("rollouts")
     final = value_pretraining.get("final_explained_variance")
     text = f"ran {rollouts} rollout{'s' if rollouts != 1 else ''}" if rollouts is not None else "ran"
-    if _finite(final):
-        text += f", final explained variance {final:.3f}"
     best = value_pretraining.get("best_explained_variance")
-    if _finite(best) and (not _finite(final) or abs(best - final) > 5e-4):
-        text += f" (best {best:.3f})"
+    best_text = f"best {best:.3f}" if _finite(best) and (not _finite(final) or abs(best - final) > 5e-4) else ""
+    if _finite(final):  # the mean of the last readings (the stop rule's window): one reading is noisy
+        text += f", final explained variance {final:.3f} (mean of its last readings"
+        text += f"; {best_text})" if best_text else ")"
+    elif best_text:
+        text += f" ({best_text})"
     return text
 
 
