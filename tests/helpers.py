@@ -198,8 +198,9 @@ class StandInVLLMGeneration(VLLMGeneration):
         self.pushes += 1
 
     def generate(self, prompts, images, num_generations, profiler=None):
-        """Like vLLM: greedy at temperature 0, stop at EOS and `stop_token_ids` (kept in the output) or where the
-        prompt and the completion fill `max_model_length`, the sampled token's processed log-prob per position, shape
+        """Like vLLM: greedy at temperature 0, stop at EOS and `stop_token_ids` (kept in the output), at a `stop`
+        string (kept: TRL's requests include it, as the engine's) or where the prompt and the completion fill
+        `max_model_length`, the sampled token's processed log-prob per position, shape
         (N, len, 1)."""
         stops = [self.processing_class.eos_token_id, *self.generation_kwargs.get("stop_token_ids", [])]
         completions, logprobs = [], []
@@ -217,6 +218,7 @@ class StandInVLLMGeneration(VLLMGeneration):
                 max_new_tokens=room,
                 eos_token_id=stops,
                 pad_token_id=self.processing_class.pad_token_id,
+                stop_strings=self.generation_kwargs.get("stop"),  # vLLM's `stop`, kept in the output
             )
             with torch.no_grad():
                 out = self.sampler.generate(
@@ -224,6 +226,7 @@ class StandInVLLMGeneration(VLLMGeneration):
                     generation_config=config,
                     return_dict_in_generate=True,
                     output_scores=True,
+                    tokenizer=self.processing_class,
                 )
             tokens = out.sequences[0, len(prompt) :].tolist()
             scores = torch.stack(out.scores, dim=1)[0].float().log_softmax(-1)

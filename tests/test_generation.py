@@ -474,6 +474,20 @@ def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):
     assert (out.sampler_logprobs[~mask] == 0).all()
 
 
+def test_a_vllm_completion_ending_on_a_stop_string_with_its_last_allowed_token_stopped(tiny_model_dir):
+    """As generate()'s: a stop string completed by the last token the budget allows stopped the completion; vLLM's
+    was marked truncated (no stop token last, at the budget), and mask_truncated_completions left it out of the loss.
+    Every one-character token a stop string, a budget of one token: each completion ends on a stop string."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = _vllm_engine(peft_actor_critic(tiny_model_dir, seed=1), tokenizer)
+    characters = [t for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if len(t) == 1]
+    one = dataclasses.replace(GREEDY, max_new_tokens=1, generation_kwargs={"stop_strings": characters})
+    out = engine.generate(token_ids(tokenizer, TEXT_PROMPTS), sampling=one)
+    assert out.lengths.tolist() == [1] * len(TEXT_PROMPTS) and not out.is_truncated.any()
+    cut = engine.generate(token_ids(tokenizer, TEXT_PROMPTS), sampling=dataclasses.replace(one, generation_kwargs={}))
+    assert (cut.is_truncated == (cut.completion_ids[:, 0] != tokenizer.eos_token_id)).all()  # without: cut
+
+
 def test_a_vllm_completion_cut_by_the_context_length_is_truncated(tiny_model_dir):
     """vLLM ends a completion where the prompt and it fill `vllm_max_model_length`, short of max_completion_length
     and without a stop token: out of budget, as one that reaches max_completion_length (it was taken as finished,

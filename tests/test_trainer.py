@@ -226,6 +226,19 @@ def test_two_rl_steps_lora_shares_one_base_and_reloads(tiny_model_dir, tmp_path)
         VAPOTrainer(str(out), digit_fraction, make_args(tmp_path / "x"), prompts_dataset(), peft_config=peft_config)
 
 
+def test_a_saved_adapter_names_its_base_by_absolute_path_and_revision(tiny_model_dir, tmp_path, monkeypatch):
+    """A run from `./models/base` wrote that relative path as the adapter's base (it loaded from that working
+    directory alone), and no revision though the base was loaded at one (loading took the default branch's)."""
+    from peft import LoraConfig
+
+    monkeypatch.chdir(tiny_model_dir.parent)
+    args = make_args(tmp_path, model_init_kwargs={"revision": "main"})
+    trainer = VAPOTrainer(tiny_model_dir.name, digit_fraction, args, prompts_dataset(), peft_config=LoraConfig(r=2))
+    trainer.save_model(str(tmp_path / "saved"))
+    adapter = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(tiny_model_dir.resolve()) and adapter["revision"] == "main"
+
+
 LAYOUTS = ["lora-on-embeddings", "lora-saving-the-head", "frozen-peft-model-and-a-critic", "reward-model-as-critic"]
 
 

@@ -331,6 +331,16 @@ def ends_on_stop_string(text: str, last_token_start: int, stop_strings: Sequence
     return any(s in text and text.rfind(s) + len(s) > last_token_start for s in stop_strings)
 
 
+def untruncate_stop_string_ends(output: GenerationOutput, tokenizer, stop_strings: Sequence[str]) -> None:
+    """A row that ended on a stop string with the last token its budget allowed stopped: it did not run out of budget
+    (`cut_at_stop` knows stop tokens alone, and marked it truncated: `mask_truncated_completions` left it out)."""
+    rows = output.completion_lists()
+    texts = tokenizer.batch_decode(rows)
+    before_last = tokenizer.batch_decode([row[:-1] for row in rows])
+    stopped = [ends_on_stop_string(t, len(b), stop_strings) for t, b in zip(texts, before_last)]
+    output.is_truncated &= ~torch.tensor(stopped, dtype=torch.bool)
+
+
 @contextlib.contextmanager
 def _inference(model: nn.Module) -> Iterator[None]:
     """Sampling mode without gradients, restored afterwards: `modeling.generation_mode` (eval mode, except for
@@ -464,12 +474,7 @@ class TransformersGenerate(GenerationEngine):
                     output = cut_at_stop(
                         ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, sampling.max_new_tokens
                     )
-            # A row that ended on a stop string with its last allowed token stopped: it did not run out of budget.
-            rows = output.completion_lists()
-            texts = self.tokenizer.batch_decode(rows)
-            before_last = self.tokenizer.batch_decode([row[:-1] for row in rows])
-            stopped = [ends_on_stop_string(t, len(b), strings) for t, b in zip(texts, before_last)]
-            output.is_truncated &= ~torch.tensor(stopped, dtype=torch.bool)
+            untruncate_stop_string_ends(output, self.tokenizer, strings)
         return output
 
     def _generate_chunk(self, model, prompt_ids, config, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -675,7 +680,11 @@ class VLLMEngine(GenerationEngine):
         context = getattr(self.vllm_generation, "max_model_length", None)
         if context is not None:  # vLLM ends a completion where the prompt and it fill the context: out of budget too
             budget = torch.tensor([min(budget, context - len(prompt)) for prompt in prompt_ids])
-        return _from_lists(completion_ids, sampler, self.stop_token_ids, self.pad_token_id, budget)
+        output = _from_lists(completion_ids, sampler, self.stop_token_ids, self.pad_token_id, budget)
+        strings = self.vllm_generation.generation_kwargs.get("stop")  # (`_apply_sampling` renamed stop_strings)
+        if strings:  # as generate()'s: a row that ended on one with its last allowed token stopped
+            untruncate_stop_string_ends(output, self.vllm_generation.processing_class, strings)
+        return output
 
 
 def sampling_seed(args, process_index: int) -> int:

@@ -141,7 +141,10 @@ def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.
     """The policy (a causal LM) and its name: loaded from an id or path (with `model_init_kwargs`, default
     `args.model_init_kwargs`), or the instance given."""
     if isinstance(model, (str, os.PathLike)):
-        model_id = str(model)
+        # A local folder by its absolute path: a saved adapter names its base by this path (a relative one loads
+        # from the run's working directory alone), and so do the model card and the value-pretraining record.
+        local = Path(model).expanduser()
+        model_id = str(local.resolve()) if local.is_dir() else str(model)
         kwargs = from_pretrained_kwargs(args, model_init_kwargs)
         if is_saved_adapter(model_id, kwargs):
             # A PEFT adapter (a LoRA run's output): transformers loads it into its base frozen, as a plain model, and
@@ -176,8 +179,9 @@ def is_fresh_lora(peft_config) -> bool:
     )
 
 
-def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
-    """The policy with a trainable adapter from `peft_config` (none: as it is). A quantized model needs one (QLoRA)."""
+def add_policy_adapter(policy: nn.Module, peft_config, revision: str | None = None) -> nn.Module:
+    """The policy with a trainable adapter from `peft_config` (none: as it is). A quantized model needs one (QLoRA).
+    `revision`: the base's, which the saved adapter names (else loading it takes the base's default branch)."""
     quantized = getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False)
     if quantized and peft_config is None and not is_peft_model(policy):
         raise ValueError(
@@ -208,7 +212,7 @@ def add_policy_adapter(policy: nn.Module, peft_config) -> nn.Module:
     # frozen weight that is not 4-bit (embeddings, LM head, norms) to float32, and with them the activations and the
     # KV cache, twice bf16's memory. The norms compute in float32 inside anyway, the adapters and the value head train
     # in float32 under autocast, and the trainer switches checkpointing on, adapter-aware.
-    return get_peft_model(policy, peft_config)
+    return get_peft_model(policy, peft_config, revision=revision)
 
 
 def _critic_adapter_config(policy) -> Any:

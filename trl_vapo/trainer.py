@@ -319,7 +319,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # policy. Other adapters may start random (FourierFT, VB-LoRA, a LoRA with init_lora_weights=False).
         fresh = not adapter_given and is_fresh_lora(peft_config)
         fingerprints = policy_fingerprints(policy) if fresh else None
-        policy = add_policy_adapter(policy, peft_config)
+        policy = add_policy_adapter(policy, peft_config, revision)
         fingerprint, base_fingerprint = fingerprints or policy_fingerprints(policy)
         value_targets = value_target_settings(args, self.scorer.names)
         with whole_models_under_zero3(zero3_config):
