@@ -341,3 +341,16 @@ def test_vllm_with_a_quantized_base_is_refused_before_anything_loads(tiny_model_
             train_dataset=prompts_dataset(),
             peft_config=lora(),
         )
+
+
+def test_generation_kwargs_generate_has_no_field_for_are_refused(tmp_path):
+    """transformers' `GenerationConfig` keeps a key it has no field for as an attribute, and `generate()` samples as if
+    it were not there: vLLM's `presence_penalty`, a `seed` (the config's `seed` seeds the rollouts) changed nothing."""
+    from trl_vapo.generation import EngineSettings, check_engine_available
+
+    for engine in ({}, {"use_static_cache_engine": True}):
+        refused = make_args(tmp_path, generation_kwargs={"presence_penalty": 0.5, "seed": 3}, **engine)
+        with pytest.raises(ValueError, match=r"generation_kwargs \['presence_penalty', 'seed'\]: transformers' Gener"):
+            check_engine_available(EngineSettings.from_config(refused))
+    taken = {"stop_strings": ["</answer>"], "min_new_tokens": 2, "no_repeat_ngram_size": 3, "stop_token_ids": [5]}
+    check_engine_available(EngineSettings.from_config(make_args(tmp_path, generation_kwargs=taken)))

@@ -898,8 +898,9 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     """Raise a clear error for an engine this machine or these settings cannot run: call it before loading any model.
 
     vLLM without vLLM installed says `pip install vllm`; a bad `vllm_mode`, vLLM with a quantized base (the settings'
-    `quantization_config`, or ``model`` when an instance is given), and the settings continuous batching would
-    silently ignore (repetition penalty, `stop_strings`) are refused.
+    `quantization_config`, or ``model`` when an instance is given), the settings continuous batching would
+    silently ignore (repetition penalty, `stop_strings`), and `generation_kwargs` the engine's sampler has no field
+    for are refused.
     """
     if settings.engine == "vllm":
         asked = settings.quantization_config
@@ -924,9 +925,24 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
                 "generate with transformers."
             )
         _check_vllm_sampling_keys(settings.sampling)
+    else:
+        _check_transformers_sampling_keys(settings.sampling)
     if settings.engine == "continuous_batching":
         _check_continuous_batching_available()
         _check_continuous_batching_sampling(settings.sampling)
+
+
+def _check_transformers_sampling_keys(sampling: SamplingSettings) -> None:
+    """Refuse `generation_kwargs` that transformers' `GenerationConfig` has no field for (vLLM's `presence_penalty`,
+    `seed`, `stop`, ...): it keeps them as attributes, and `generate()` samples as if they were not there."""
+    known = set(GenerationConfig().__dict__) | {"stop_token_ids"}  # (trl-vapo's: stop ids, for every engine)
+    unknown = sorted(set(sampling.generation_kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs {unknown}: transformers' GenerationConfig has no such field (vLLM's SamplingParams "
+            "may), so generate() would sample as if they were not given. Use GenerationConfig's names (with "
+            "use_vllm=True, vLLM's); a seed is the config's `seed`."
+        )
 
 
 VLLM_FIELDS_LEFT_AS_THEY_ARE = {
