@@ -1515,6 +1515,12 @@ def test_empty_prompts_are_named_in_a_warning_and_chat_prompts_with_nothing_to_a
     chat[7]["prompt"] = [*chat[7]["prompt"], {"role": "developer", "content": "Be brief."}]  # TRL refuses it last
     with pytest.raises(ValueError, match=r"3 chat prompt\(s\) with no message to reply to \(rows \[3, 6, 7\]: no"):
         check_train_dataset(Dataset.from_list(chat), config(tmp_path))
+    # A prompt ending with an assistant message is continued (a prefill), where GRPOTrainer opens a new turn: said.
+    prefilled = [{"prompt": [*row["prompt"], {"role": "assistant", "content": "It is"}]} for row in chat[:2]]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.data"):
+        check_train_dataset(Dataset.from_list(prefilled + chat[:1] * 6), config(tmp_path))
+    assert "train_dataset has 2 chat prompt(s) ending with an assistant message (rows [0, 1])" in caplog.text
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):

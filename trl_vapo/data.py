@@ -376,6 +376,14 @@ def check_train_dataset(dataset, args) -> dict:
             "not the user's, a tool's or an assistant prefill, e.g. a system message alone). Remove them: "
             "dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] in ('user', 'tool', 'assistant'))."
         )
+    prefills = [i for i, p in enumerate(prompts) if isinstance(p, list) and p and p[-1].get("role") == "assistant"]
+    if prefills:  # GRPOTrainer (TRL 1.16) opens a new assistant turn after them instead
+        logger.warning(
+            f"train_dataset has {len(prefills)} chat prompt(s) ending with an assistant message (rows "
+            f"{prefills[:5]}{', ...' if len(prefills) > 5 else ''}): the policy continues that message, a prefill "
+            "(GRPOTrainer opens a new turn after it). A conversation whose last message is the reply to learn (TRL's "
+            "'messages' format) wants it dropped: dataset.map(lambda row: {'prompt': row['prompt'][:-1]})."
+        )
     empty = [i for i, prompt in enumerate(prompts) if not prompt]
     if empty:
         logger.warning(

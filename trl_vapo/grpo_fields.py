@@ -29,7 +29,8 @@ GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instea
     ),
     "max_tool_calling_iterations": (
         None,
-        "VAPO samples single-turn completions: tools are not supported (see the README).",
+        "VAPO has no built-in tool loop: write the episode, tools included, as a rollout_func (the README's "
+        "Custom rollouts).",
     ),
     "log_completions_hub_repo": (
         None,
