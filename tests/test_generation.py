@@ -314,6 +314,12 @@ def test_continuous_batching_refuses_what_it_would_ignore(tiny):
             ValueError, match=rf"{key}={value} \(generation_kwargs\): not supported by transformers' c"
         ):
             check_engine_available(settings)
+    # A seed of its own: transformers seeds torch's global generator with it as each batch starts, so every rollout
+    # drew the same random numbers (the trainer's shuffles too).
+    settings = EngineSettings("continuous_batching", continuous_batching_config={"seed": 3})
+    with pytest.raises(ValueError, match="sets a seed, which transformers passes to torch.manual_seed at every"):
+        check_engine_available(settings)
+    check_engine_available(EngineSettings("continuous_batching", continuous_batching_config={"seed": None}))
 
 
 def test_continuous_batching_restores_the_training_mode(tiny_model_dir):

@@ -930,6 +930,13 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     if settings.engine == "continuous_batching":
         _check_continuous_batching_available()
         _check_continuous_batching_sampling(settings.sampling)
+        if (settings.continuous_batching_config or {}).get("seed") is not None:
+            # transformers seeds torch's global generator with it each time a batch starts (`set_tp_seed`)
+            raise ValueError(
+                "transformers_continuous_batching_config sets a seed, which transformers passes to "
+                "torch.manual_seed at every rollout: each would draw the same random numbers, the trainer's shuffles "
+                "too. Leave it out: the trainer seeds each process once (`seed`)."
+            )
 
 
 def _check_transformers_sampling_keys(sampling: SamplingSettings) -> None:
