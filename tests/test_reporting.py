@@ -389,6 +389,13 @@ def test_the_card_names_the_settings_a_run_changed_and_an_early_stop_only_where_
     for steps, clause in ((19, False), (20, True)):
         table = _vapo_table(VAPOConfig(output_dir=str(tmp_path), value_pretrain_steps=steps), None)
         assert ("stops early when explained variance stops improving, window 10" in table) is clause
+    # With a frozen value function no critic learns: its settings and targets are not the run's.
+    assert "`critic_learning_rate=" in " ".join(settings)
+    frozen = _other_settings(args, frozen_values=True)
+    assert not any(s.startswith(("`critic_learning_rate=", "`critic_num_iterations=", "`vf_coef=")) for s in frozen)
+    table = _vapo_table(args, {"skipped": "a frozen value function"}, "DigitShareValue")
+    assert "none: the values are the frozen value function's (`DigitShareValue`)" in table
+    assert "no critic targets" in table and "lam_critic" not in table
 
 
 def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):

@@ -131,7 +131,10 @@ def test_a_frozen_value_function_is_what_gae_reads_and_nothing_of_it_trains(
     out = tmp_path / "final"
     trainer.save_model(str(out))
     assert not (out / "critic").exists()
-    assert "frozen value function (`DigitShareValue`" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "frozen value function (`DigitShareValue`" in card
+    # and no critic's settings: none learned (its rate, lambda and pretraining were listed as if one had)
+    assert "none: the values are the frozen value function's" in card and "`critic_learning_rate=" not in card
     if layout == "full":
         reloaded = AutoModelForCausalLM.from_pretrained(out)
         for name, param in model.policy.named_parameters():

@@ -206,7 +206,7 @@ def build_model_card(
             base_model,
         ),
         _held_out_section(held_out),
-        _training_section(args, value_pretraining, log_history, wandb_url, trackio_url),
+        _training_section(args, value_pretraining, log_history, wandb_url, trackio_url, value_function),
         _critic_section(
             critic_shares_base,
             critic_auto_class,
@@ -304,7 +304,7 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
     )
 
 
-def _training_section(args, value_pretraining, log_history, wandb_url, trackio_url) -> str:
+def _training_section(args, value_pretraining, log_history, wandb_url, trackio_url, value_function=None) -> str:
     parts = ["## Training procedure"]
     badges = []
     if wandb_url:
@@ -325,8 +325,8 @@ def _training_section(args, value_pretraining, log_history, wandb_url, trackio_u
     )
     parts.append(intro + (" This run's settings, next to the paper's:" if args is not None else ""))
     if args is not None:
-        parts.append(_vapo_table(args, value_pretraining))
-        other = _other_settings(args)
+        parts.append(_vapo_table(args, value_pretraining, value_function))
+        other = _other_settings(args, frozen_values=value_function is not None)
         if other:
             parts.append("Other settings: " + ", ".join(other) + ".")
     summary = _metrics_summary(log_history)
@@ -335,13 +335,18 @@ def _training_section(args, value_pretraining, log_history, wandb_url, trackio_u
     return "\n\n".join(parts)
 
 
-def _vapo_table(args, value_pretraining) -> str:
+def _vapo_table(args, value_pretraining, value_function: str | None = None) -> str:
+    """The seven techniques as this run set them (`value_function`: the frozen value function that gave the values,
+    whose run pretrained and trained no critic)."""
+
     def get(name):
         return getattr(args, name, None)
 
     steps, patience = get("value_pretrain_steps"), get("value_pretrain_patience")
     done = _value_pretraining_outcome(value_pretraining)
-    if steps == 0 and done and not value_pretraining.get("skipped"):  # it ran, then a resume set 0 (which ended it)
+    if value_function is not None:
+        pretrain = f"none: the values are the frozen value function's (`{value_function}`)"
+    elif steps == 0 and done and not value_pretraining.get("skipped"):  # it ran, then a resume set 0 (which ended it)
         pretrain = f"`value_pretrain_steps=0` on resuming: {done}"
     elif steps == 0:
         pretrain = "off (`value_pretrain_steps=0`)"
@@ -355,6 +360,8 @@ def _vapo_table(args, value_pretraining) -> str:
     alpha_text = f"`length_adaptive_alpha={alpha}`" if alpha is not None else "off (`length_adaptive_alpha=None`)"
     # With length-adaptive GAE the policy's lambda is 1 - 1/(alpha l) per completion: `lam_actor` is not used.
     actor_lambda = f"`lam_actor={get('lam_actor')}`" if alpha is None else "the policy's: length-adaptive (3)"
+    # The critic's lambda sets its targets: with frozen values nothing learns from them.
+    critic_lambda = f"`lam_critic={get('lam_critic')}`" if value_function is None else "no critic targets"
     loss_text = f'`loss_type="{get("loss_type")}"`'
     clip_text = f"`epsilon={get('epsilon')}`, `epsilon_high={get('epsilon_high')}`"
     surrogate = get("surrogate") or "ppo"
@@ -365,7 +372,7 @@ def _vapo_table(args, value_pretraining) -> str:
         )
     rows = [
         ("1", "value pretraining", pretrain, "50 rollouts"),
-        ("2", "decoupled GAE", f"`lam_critic={get('lam_critic')}`, {actor_lambda}", "1.0, 0.95"),
+        ("2", "decoupled GAE", f"{critic_lambda}, {actor_lambda}", "1.0, 0.95"),
         ("3", "length-adaptive GAE", alpha_text, "alpha = 0.05"),
         ("4", "token-level policy loss", loss_text, "token"),
         ("5", "clip-higher", clip_text, "0.2, 0.28"),
@@ -423,12 +430,25 @@ OTHER_SETTINGS_WHEN_CHANGED = [
 """The settings a card names where the run changed them from their defaults (a reader needs them to train alike)."""
 
 
-def _other_settings(args) -> list[str]:
+CRITIC_SETTINGS = {
+    "critic_learning_rate",
+    "critic_num_iterations",
+    "value_pretrain_num_iterations",
+    "value_pretrain_replay",
+    "vf_coef",
+    "cliprange_value",
+}
+"""Settings of a critic that learns: a card of a run with frozen values leaves them out."""
+
+
+def _other_settings(args, frozen_values: bool = False) -> list[str]:
     defaults = {f.name: f.default for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else {}
     names = OTHER_SETTINGS + [n for n in OTHER_SETTINGS_WHEN_CHANGED if n in defaults]
     settings = []
     for name in names:
         value = getattr(args, name, None)
+        if frozen_values and name in CRITIC_SETTINGS:
+            continue
         if name == "num_train_epochs":  # named where it decides the run's length: max_steps unset
             if getattr(args, "max_steps", -1) <= 0:
                 settings.append(f"`num_train_epochs={value}`")
