@@ -86,7 +86,7 @@ PROBES: dict[str, dict] = {
 }
 TUNING_SEEDS = bl.CRITIC_PROBE_SEEDS
 """Seeds a probe may run with (``--seed``): the benchmark's tuning seed and two more, never reporting seeds."""
-SEED_FILE = "seed.txt"  # the seed of the records in a folder
+SETTINGS_FILE = "probe_settings.json"  # the seed and the rollouts of the records in a folder
 LAST = 5  # the table averages the last five rollouts
 
 
@@ -248,15 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown probes {unknown}; choose from {', '.join(PROBES)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    # A probe whose record is there is not run again: the records must be this seed's (they hold no seed).
-    seed_file = args.out / SEED_FILE
-    recorded = seed_file.read_text().strip() if seed_file.exists() else None
-    if recorded != str(args.seed) and (recorded is not None or any(args.out.glob("*.json"))):
+    # A probe whose record is there is not run again: the records must be of this seed and length (they hold neither).
+    settings_file, settings = args.out / SETTINGS_FILE, {"seed": args.seed, "rollouts": args.rollouts}
+    recorded = json.loads(settings_file.read_text()) if settings_file.exists() else None
+    if recorded != settings and (recorded is not None or any(args.out.glob("*.json"))):
         parser.error(
-            f"{args.out} holds probe records of --seed {recorded or 'unknown (no ' + SEED_FILE + ')'}, which this run "
-            f"would reuse as --seed {args.seed}'s: give another --out, or the seed they ran with"
+            f"{args.out} holds probe records of {recorded or 'unknown settings (no ' + SETTINGS_FILE + ')'}, which "
+            f"this run would reuse as {settings}'s: give another --out, or the settings they ran with"
         )
-    seed_file.write_text(f"{args.seed}\n")
+    settings_file.write_text(json.dumps(settings) + "\n")
 
     def launch(name: str) -> int:
         if (args.out / f"{name}.json").exists():

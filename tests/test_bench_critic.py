@@ -49,15 +49,19 @@ def test_probes_run_on_tuning_seeds_only():
         run_probe("lr1e-3", rollouts=1, seed=2000)
 
 
-def test_records_of_another_seed_are_not_reused_under_this_one(tmp_path, capsys):
-    """A probe whose record is in `--out` is not run again, and records hold no seed: `--seed 1001` into a folder of
-    seed 1000's took them as its own and labelled the table 1001. The folder says its seed (`seed.txt`)."""
-    from bench_critic import SEED_FILE, main
+def test_records_of_another_seed_or_length_are_not_reused_under_this_one(tmp_path, capsys):
+    """A probe whose record is in `--out` is not run again, and records hold neither seed nor length: `--seed 1001`
+    into a folder of seed 1000's took them as its own and labelled the table 1001, and a full run took `--quick`'s
+    2-rollout records. The folder says both (`probe_settings.json`)."""
+    import json
+
+    from bench_critic import SETTINGS_FILE, main
 
     (tmp_path / "lr1e-3.json").write_text("[]")
-    for recorded, says in ((None, "unknown"), ("1000", "1000")):
+    for recorded, says in ((None, "unknown settings"), ({"seed": 1000, "rollouts": 30}, "{'seed': 1000")):
         if recorded:
-            (tmp_path / SEED_FILE).write_text(recorded + "\n")
-        with pytest.raises(SystemExit) as stop:
-            main(["--out", str(tmp_path), "--seed", "1001", "--probes", "lr1e-3"])
-        assert stop.value.code == 2 and f"holds probe records of --seed {says}" in capsys.readouterr().err
+            (tmp_path / SETTINGS_FILE).write_text(json.dumps(recorded))
+        for run in (["--seed", "1001"], ["--seed", "1000", "--rollouts", "40"]):
+            with pytest.raises(SystemExit) as stop:
+                main(["--out", str(tmp_path), *run, "--probes", "lr1e-3"])
+            assert stop.value.code == 2 and f"holds probe records of {says}" in capsys.readouterr().err

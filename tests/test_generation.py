@@ -457,6 +457,14 @@ def test_vllm_with_an_adapter_under_fsdp_is_refused_before_the_policy_loads(tiny
     args = make_args(tmp_path, use_vllm=True)
     with pytest.raises(ValueError, match="use_vllm with a PEFT adapter under FSDP is not supported: the weight sync"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=LoraConfig(r=2))
+    # A saved adapter's folder, which loads as a PeftModel with its adapter trainable, too.
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(model, LoraConfig(r=2)).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="use_vllm with a PEFT adapter under FSDP is not supported: the weight sync"):
+        VAPOTrainer(str(tmp_path / "adapter"), digit_fraction, args, prompts_dataset())
 
 
 def test_vllm_engine_samples_the_synced_policy(tiny_model_dir):

@@ -723,7 +723,8 @@ class SavingMixin:
         self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None, as_loaded: bool = False
     ) -> None:
         """Policy, critic, tokenizer and config; ``as_loaded``: the models in the dtype they were loaded in (what
-        `save_model` gives the user), else their float32 training weights (a checkpoint, to resume exactly)."""
+        `save_model` gives the user), else their training weights (a checkpoint, to resume exactly: float32; under
+        DeepSpeed with bf16, DeepSpeed's bf16 copies, its float32 masters in its own state)."""
         directory.mkdir(parents=True, exist_ok=True)
         model = (
             self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.actor_critic

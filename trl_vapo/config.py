@@ -1126,7 +1126,10 @@ class VAPOConfig(TrainingArguments):
             "drop_long_prompts=True drops the prompts longer than max_prompt_length, which is unset (None: no prompt "
             "is cut or dropped): set max_prompt_length.",
         )
-        if self.length_adaptive_alpha is not None and self.lam_actor != 0.95:
+        if (
+            self.length_adaptive_alpha is not None
+            and self.lam_actor != type(self).__dataclass_fields__["lam_actor"].default
+        ):
             warnings.warn(
                 f"lam_actor={self.lam_actor} is not used: with length_adaptive_alpha={self.length_adaptive_alpha} "
                 "each completion's lambda is 1 - 1/(alpha * length). Set length_adaptive_alpha=None to use lam_actor.",

@@ -376,7 +376,11 @@ def check_train_dataset(dataset, args) -> dict:
             "not the user's, a tool's or an assistant prefill, e.g. a system message alone). Remove them: "
             "dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] in ('user', 'tool', 'assistant'))."
         )
-    prefills = [i for i, p in enumerate(prompts) if isinstance(p, list) and p and p[-1].get("role") == "assistant"]
+    prefills = [
+        i
+        for i, p in enumerate(prompts)
+        if isinstance(p, list) and p and isinstance(p[-1], dict) and p[-1].get("role") == "assistant"
+    ]
     if prefills:  # GRPOTrainer (TRL 1.16) opens a new assistant turn after them instead
         logger.warning(
             f"train_dataset has {len(prefills)} chat prompt(s) ending with an assistant message (rows "

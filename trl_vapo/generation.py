@@ -334,11 +334,15 @@ def ends_on_stop_string(text: str, last_token_start: int, stop_strings: Sequence
 def untruncate_stop_string_ends(output: GenerationOutput, tokenizer, stop_strings: Sequence[str]) -> None:
     """A row that ended on a stop string with the last token its budget allowed stopped: it did not run out of budget
     (`cut_at_stop` knows stop tokens alone, and marked it truncated: `mask_truncated_completions` left it out)."""
+    cut = output.is_truncated.nonzero().flatten().tolist()  # only these can change: decoded, the others not
+    if not cut:
+        return
     rows = output.completion_lists()
-    texts = tokenizer.batch_decode(rows)
-    before_last = tokenizer.batch_decode([row[:-1] for row in rows])
-    stopped = [ends_on_stop_string(t, len(b), stop_strings) for t, b in zip(texts, before_last)]
-    output.is_truncated &= ~torch.tensor(stopped, dtype=torch.bool)
+    texts = tokenizer.batch_decode([rows[i] for i in cut])
+    before_last = tokenizer.batch_decode([rows[i][:-1] for i in cut])
+    for i, text, before in zip(cut, texts, before_last):
+        if ends_on_stop_string(text, len(before), stop_strings):
+            output.is_truncated[i] = False
 
 
 @contextlib.contextmanager

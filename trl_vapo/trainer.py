@@ -106,6 +106,7 @@ from .loading import (
     check_trainer_arguments,
     has_sequence_classifier,
     is_fresh_lora,
+    is_saved_adapter,
     load_policy,
     policy_init_kwargs,
     router_aux_loss_coefficient,
@@ -255,7 +256,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
         engine_settings.quantization_config = (model_init_kwargs or {}).get("quantization_config")
-        if args.use_vllm and args._uses_fsdp() and (peft_config is not None or is_peft_model(model)):
+        # (a saved adapter loads as a PeftModel, its adapter trainable; looked up only where it matters)
+        adapter = peft_config is not None or is_peft_model(model)
+        if args.use_vllm and args._uses_fsdp() and (adapter or is_saved_adapter(model, model_init_kwargs)):
             raise ValueError(
                 "use_vllm with a PEFT adapter under FSDP is not supported: the weight sync merges the adapter into "
                 "the sharded base in place and takes it out after (TRL's path under FSDP), and in bf16 W + BA - BA is "
@@ -964,7 +967,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines),
         # before a rollout_func too, which may sample with it.
         self.generation_engine.sync_weights(self.state.global_step if self.progress.phase == RL else -1)
-        for row in rows[::num_generations]:  # a stream's rows were checked at the first alone (a map-style set's all)
+        for row in rows:  # a stream's rows were checked at the first alone (a map-style set's all, up front)
             refuse_images(row, f"{'An evaluation' if evaluated else 'A training'} row")
         if self.rollout_func is None:
             prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows], evaluated=evaluated)
