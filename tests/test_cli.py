@@ -124,14 +124,15 @@ def test_a_yaml_list_key_given_one_value_without_brackets_is_a_list_of_it(tmp_pa
 
 
 def test_the_overlong_punishment_by_name_warns_where_it_cannot_penalise(caplog):
-    """By name it is `trl grpo`'s, penalising beyond 1,024 tokens: at 512 it gives 0 to everything."""
+    """By name it is `trl grpo`'s, penalising beyond 1,024 tokens and giving -1 from 1,280: at 512 it gives 0 to
+    everything; at 4,096 every completion past 1,280 tokens gets -1, right or wrong. Both are warned, 1,280 is not."""
     from trl_vapo.cli import _resolve_rewards
 
-    for length, warned in ((512, True), (4096, False)):
+    for length, reward, warning in ((512, 0.0, "never reaches them"), (1280, -1.0, None), (4096, -1.0, "past 1,280")):
         caplog.clear()
         (punish,) = _resolve_rewards(["get_soft_overlong_punishment"], length)
-        assert punish(completion_ids=[[1] * length]) == [0.0 if warned else -1.0]
-        assert ("never reaches them" in caplog.text) == warned
+        assert punish(completion_ids=[[1] * length]) == [reward]
+        assert (warning in caplog.text) if warning else "get_soft_overlong_punishment" not in caplog.text
 
 
 def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():

@@ -295,6 +295,28 @@ def test_positives_are_judged_by_the_reward_functions_named_for_it(tiny_model_di
     assert verdict is not None and verdict.tolist() == trainer._last_rollout.scores.per_function[:, 0].tolist()
 
 
+def test_accuracy_counts_the_completions_the_judge_scored_in_training_as_in_evaluation(tiny_model_dir, tmp_path):
+    """With `positive_reward_funcs`, a completion only a format reward scored (the judge had no reference answer) is
+    neither right nor wrong: `evaluate_policy` left it out of its accuracy while training's `accuracy` and
+    `trainer.evaluate()`'s `eval_accuracy` counted it wrong."""
+
+    def judge(completions, answer, **kwargs):  # every completion it can judge is right; half it cannot
+        return [None if int(a) % 4 else 1.0 for a in answer]
+
+    def format_reward(completions, **kwargs):
+        return [0.1] * len(completions)
+
+    args = make_args(tmp_path, positive_reward_funcs=["judge"], max_steps=1, per_device_eval_batch_size=8)
+    data = prompts_dataset(16)
+    trainer = VAPOTrainer(str(tiny_model_dir), [judge, format_reward], args, data, eval_dataset=data.select(range(8)))
+    trainer.train()
+    scores = trainer._last_rollout.scores
+    assert 0 < scores.judged.sum() < scores.scored.sum() == len(scores.scored)  # the format reward scored all
+    logged = [h["accuracy"] for h in trainer.state.log_history if "accuracy" in h]
+    assert logged == [1.0]
+    assert trainer.evaluate()["eval_accuracy"] == 1.0
+
+
 def test_held_out_evaluation_gives_the_rewards_the_token_ids_as_training_does(tiny_model_dir):
     """A reward that reads `completion_ids` (TRL's overlong punishment, repetition penalty) was given empty lists by
     the held-out evaluation (`trl-vapo eval`, the report of `trl-vapo train`): it scored other than in training."""
@@ -342,18 +364,26 @@ def test_a_reward_model_scores_in_batches_and_loads_in_its_saved_dtype(tmp_path)
     assert scorer(prompts, completions) == pytest.approx(whole, abs=1e-5) and sizes == [5, 2, 2, 1]
 
 
-def test_reward_functions_are_named_as_grpo_names_them_and_each_name_once():
+def test_reward_functions_are_named_as_grpo_names_them_and_each_name_once(caplog):
     """A `functools.partial` was named "partial" (GRPOTrainer unwraps it); two functions of one name shared one
-    metric and one table column, the second overwriting the first."""
+    metric and one table column, the second overwriting the first. Two math rewards of one name are warned: what
+    each logs itself (its no-answer rate, its answer column) goes under its own name, which they share."""
     import functools
 
+    from trl_vapo.rewards import make_math_reward
     from trl_vapo.scoring import check_reward_funcs
 
     def length_reward(completions, scale=1.0, **kwargs):
         return [scale * len(c) for c in completions]
 
     funcs = [functools.partial(length_reward), functools.partial(length_reward, scale=-0.01), math_reward]
-    assert check_reward_funcs(funcs)[1] == ["length_reward", "length_reward_2", "math_reward"]
+    with caplog.at_level("WARNING"):
+        assert check_reward_funcs(funcs)[1] == ["length_reward", "length_reward_2", "math_reward"]
+    assert "named" not in caplog.text
+    with caplog.at_level("WARNING"):
+        funcs = [math_reward, make_math_reward(answer_column="solution")]
+        assert check_reward_funcs(funcs)[1] == ["math_reward", "math_reward_2"]
+    assert "Two reward functions are named 'math_reward'" in caplog.text and "name=..." in caplog.text
 
 
 GRPO_SCRIPT = """

@@ -150,6 +150,10 @@ CASES = {
         ("inequality-as-interval", r"$-2 \le x \le 7$", r"\boxed{x \in [-2,7]}"),
         ("units", r"$0.06 \text{ yuan}$", r"\boxed{0.06 \text{ yuan}}"),
         ("truncated", r"$5$", r"So \boxed{5}. Checking once more: \boxed{\frac{10}{2"),
+        # An empty box is no box to math-verify (its patterns need a character inside): the answer line is read.
+        ("empty-box-then-answer-line", "72", "I'll put the result in \\boxed{}.\nThe answer is 72."),
+        ("blank-box-then-answer-line", "72", "\\boxed{ }\nAnswer: 72"),
+        ("empty-box-after-the-answer", "72", r"\boxed{72}, then \boxed{}"),
     ],
     # Without a box or an answer phrase ending the completion there is no answer: math-verify falls back to the last
     # number or formula anywhere in the text, which a policy learns to game.

@@ -783,12 +783,18 @@ def _reward_names(script_args) -> list[str]:
 def _resolve_rewards(names: list[str], max_completion_length: int | None = None):
     from .rewards import get_reward_function
 
-    if "get_soft_overlong_punishment" in names and max_completion_length is not None and max_completion_length <= 1024:
+    if "get_soft_overlong_punishment" in names and max_completion_length not in (None, 1280):
+        # Built for a 1,280-token budget: any other budget either never meets its ramp or meets its -1 plateau.
+        if max_completion_length <= 1024:
+            effect = "never reaches them: it gives 0 to every completion"
+        else:
+            effect = "lets completions run on past 1,280 tokens, where it gives -1 (cancelling a correct answer)"
         logger.warning(
             f"get_soft_overlong_punishment is built as `trl grpo` builds it (max_completion_len=1280, "
             f"soft_punish_cache=256): it penalises completions beyond 1,024 tokens, and max_completion_length="
-            f"{max_completion_length} never reaches them: it gives 0 to every completion. For another length, "
-            "build it with trl.rewards.get_soft_overlong_punishment and pass it to VAPOTrainer in Python."
+            f"{max_completion_length} {effect}. For another length, build it with "
+            "trl.rewards.get_soft_overlong_punishment(max_completion_len=<max_completion_length>, ...) and pass it to "
+            "VAPOTrainer in Python."
         )
     sys.path.insert(0, os.getcwd())  # dotted paths to the user's own modules resolve from the working directory
     try:

@@ -192,14 +192,11 @@ def evaluate_policy(
     state = trainer_state or TrainerState()  # outside training: step 0, as in the check before training
 
     def correct(completions: list[str], completion_ids: list[list[int]], group: int) -> tuple[torch.Tensor, ...]:
-        """[problems, group] 1.0 where correct, and where a reward function judged the completion at all."""
+        """[problems, group] 1.0 where correct, and where a function judging correctness scored the completion."""
         repeated = repeated_rows(rows, group)
         scores = scorer.score(repeated, completions, completion_ids, trainer_state=state)
         hits = scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
-        # Judged by what judges correctness (`positive_reward_funcs`: a format reward scores what math_reward leaves
-        # unscored).
-        judged = scores.scored if scores.verdict is None else ~torch.isnan(scores.verdict)
-        return hits, judged.view(len(rows), group)
+        return hits, scores.judged.view(len(rows), group)
 
     generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     settings = dict(
@@ -356,9 +353,9 @@ class EvaluationMixin:
             prompts = list(itertools.islice(itertools.cycle(batch), size))
             rows_here = repeated_rows(prompts, group, slice(rank * share, (rank + 1) * share))
             rollout = self._make_rollout(rows_here, EVAL, group, counted=mine)
-            verdicts = torch.stack([rollout.is_correct.cpu(), rollout.scores.scored]).to(rollout.loss_mask.device)
-            right, scored = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
-            correct, judged = correct + right, judged + scored
+            verdicts = torch.stack([rollout.is_correct.cpu(), rollout.scores.judged]).to(rollout.loss_mask.device)
+            right, graded = self.accelerator.gather(verdicts.T)[:real].sum(dim=0).tolist()  # one collective
+            correct, judged = correct + right, judged + graded
             counted = torch.arange(share, device=rollout.loss_mask.device) < mine
             self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce, counted))
             self._metrics["loss"].append(self._evaluation_loss(rollout))  # the repeats are out of its loss mask

@@ -204,7 +204,7 @@ def rollout_metrics(
         return tensor if kept is None else tensor[kept]
 
     scores = rollout.scores
-    scored = gathered(scores.scored)
+    scored, judged = gathered(scores.scored), gathered(scores.judged)
     trains = gathered(rollout.loss_mask.sum(dim=1) > 0)
     is_correct, is_positive = gathered(rollout.is_correct), gathered(rollout.is_positive)
     rewards = gathered(scores.reward)[scored]
@@ -217,7 +217,8 @@ def rollout_metrics(
     metrics = {
         REWARD: _mean(rewards),
         "reward_std": _std(rewards),
-        ACCURACY: _mean(is_correct[scored].float()),  # a truncated correct answer too (TRL masks only the loss)
+        # Over the completions judged for correctness; a truncated correct answer counts (TRL masks only the loss)
+        ACCURACY: _mean(is_correct[judged].float()),
         "positive_fraction": _mean(is_positive[trains].float()),
         "rewards/unscored_fraction": 1.0 - scored.float().mean().item(),
         "completions/mean_length": lengths.mean().item(),

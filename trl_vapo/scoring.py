@@ -61,6 +61,12 @@ class Scores:
             return ~torch.isnan(self.verdict) & (self.verdict >= threshold)
         return self.scored & (self.reward >= threshold)
 
+    @property
+    def judged(self) -> torch.Tensor:
+        """[N] bool: a function that judges correctness scored the completion (the completions an accuracy counts;
+        with `positive_reward_funcs` a format reward may score what math_reward leaves unscored)."""
+        return self.scored if self.verdict is None else ~torch.isnan(self.verdict)
+
 
 class RewardModel:
     """A sequence-classification reward model as a reward function of TRL's protocol, scored as GRPOTrainer scores
@@ -176,6 +182,12 @@ def check_reward_funcs(
         name = reward_func_name(func)
         count[name] = count.get(name, 0) + 1
         names.append(name if count[name] == 1 else f"{name}_{count[name]}")
+        if count[name] == 2 and hasattr(func, "answer_columns"):  # a MathReward, which logs under its own name
+            logger.warning(
+                f"Two reward functions are named {name!r}: their rewards are logged apart ({name}, {name}_2), but "
+                f"what math_reward logs itself ({name}/no_answer_rate, the {name}_answer column) mixes both. Give "
+                "each its own name: make_math_reward(..., name=...)."
+            )
     return funcs, names
 
 

@@ -424,7 +424,7 @@ def extract_predicted_answer(text: str) -> str | None:
     1. boxes: the last complete ``\\boxed{...}`` together with the boxes math-verify joins to it (those a few
        characters or a separator away, ``\\boxed{1},\\boxed{2}``, and all boxes of the math environment holding it),
        as one answer ``1,2``; if the completion opens a box anywhere, only boxes (or 2.) count, and an unterminated
-       last box means no answer;
+       last box means no answer (boxes that are all empty, ``\\boxed{}``, count as none);
     2. the MATH few-shot sentence ``The final answer is X. I hope it is correct.``, wherever it stands, when it ends
        after the boxes (math-verify's rule: the later of the two wins); X is a math environment or a number;
     3. without either, a final line ``#### x`` (GSM8K), ``... (final) answer is x`` or ``Answer: x`` (also
@@ -439,6 +439,10 @@ def extract_predicted_answer(text: str) -> str | None:
     spans, truncated = _box_spans(text)
     if truncated:
         return None
+    if all(not text[start:end].strip() for _, start, end in spans):
+        # Only empty boxes (a model repeating "put your answer in \\boxed{}"): math-verify's box patterns need a
+        # character inside the braces, so it reads the completion as if they were not there.
+        spans = []
     hope = _hope_answer(text)
     if len(spans) == 1 and hope is None:
         # The common case: one box is the answer whatever environment holds it.
