@@ -1523,6 +1523,43 @@ def test_empty_prompts_are_named_in_a_warning_and_chat_prompts_with_nothing_to_a
     assert "train_dataset has 2 chat prompt(s) ending with an assistant message (rows [0, 1])" in caplog.text
 
 
+def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_train_set(tiny_model_dir, tmp_path):
+    """A JSON-lines row without the 'prompt' key reads as None: it was warned as an "empty prompt" and then crashed
+    the rollout that drew it in the tokenizer. Eval sets, streams and `evaluate_policy` had fewer checks than the
+    train set: a bare KeyError for a missing column, an AttributeError for a stream, a chat prompt with nothing to
+    reply to failing in the chat template at the first evaluation."""
+    from datasets import IterableDataset
+    from transformers import AutoModelForCausalLM
+
+    from trl_vapo.data import check_eval_dataset, check_train_dataset
+    from trl_vapo.evaluation import evaluate_policy
+
+    rows = prompts_dataset(n=8).to_list()
+    rows[4]["prompt"] = None
+    with pytest.raises(ValueError, match=r"train_dataset has 1 row\(s\) without a prompt \(rows \[4\]: None"):
+        check_train_dataset(Dataset.from_list(rows), config(tmp_path))
+    with pytest.raises(ValueError, match=r"eval_dataset has 1 row\(s\) without a prompt"):
+        check_eval_dataset(Dataset.from_list(rows), config(tmp_path))
+    system_only = [{"prompt": [{"role": "system", "content": "Be brief."}], "answer": "1"}]
+    with pytest.raises(ValueError, match=r"eval_dataset\['test'\] has 1 chat prompt\(s\) with no message to reply"):
+        check_eval_dataset({"test": Dataset.from_list(system_only)}, config(tmp_path))
+    stream = IterableDataset.from_generator(lambda: iter(system_only))
+    with pytest.raises(ValueError, match=r"train_dataset has 1 chat prompt\(s\) with no message to reply"):
+        check_train_dataset(stream, config(tmp_path, max_steps=1))
+    with pytest.raises(ValueError, match=r"eval_dataset has 1 chat prompt\(s\) with no message to reply"):
+        check_eval_dataset(stream, config(tmp_path))
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    with pytest.raises(ValueError, match=r"The data set to evaluate on has 1 row\(s\) without a prompt"):
+        evaluate_policy(model, tokenizer, Dataset.from_list(rows), make_math_reward(), k=1, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"has no 'prompt' column; its columns are \['answer', 'question'\]"):
+        evaluate_policy(model, tokenizer, Dataset.from_list([{"question": "1+1=", "answer": "2"}]), make_math_reward())
+    # A stream is evaluated as a data set of its rows.
+    good = IterableDataset.from_generator(lambda: iter(prompts_dataset(n=2).to_list()))
+    assert evaluate_policy(model, tokenizer, good, make_math_reward(), k=1, max_new_tokens=2).num_problems == 2
+
+
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):
     out = tmp_path / "stalled"
     process = start_script(tiny_model_dir, out, "--stall-at", "4")

@@ -354,6 +354,7 @@ def check_train_dataset(dataset, args) -> dict:
             raise ValueError("train_dataset is empty: it needs at least one rollout's worth of prompts.")
         if "prompt" not in row:
             raise ValueError(f"train_dataset has no 'prompt' column; its columns are {sorted(row)}.")
+        check_prompts([row["prompt"]], "train_dataset")  # a stream's rows are read as training goes: its first one
         refuse_images(row, "train_dataset")
         return row
     if not isinstance(dataset, Dataset):
@@ -363,37 +364,7 @@ def check_train_dataset(dataset, args) -> dict:
     if "prompt" not in dataset.column_names:
         raise ValueError(f"train_dataset has no 'prompt' column; its columns are {dataset.column_names}.")
     prompts = dataset["prompt"]
-    unanswerable = [
-        i
-        for i, prompt in enumerate(prompts)
-        if isinstance(prompt, list)
-        and (not prompt or (isinstance(prompt[-1], dict) and prompt[-1].get("role") not in CHAT_TURNS_TO_CONTINUE))
-    ]
-    if unanswerable:  # the chat template fails on them in the rollout that draws them, hours in
-        raise ValueError(
-            f"train_dataset has {len(unanswerable)} chat prompt(s) with no message to reply to (rows "
-            f"{unanswerable[:5]}{', ...' if len(unanswerable) > 5 else ''}: no message, or a last message that is "
-            "not the user's, a tool's or an assistant prefill, e.g. a system message alone). Remove them: "
-            "dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] in ('user', 'tool', 'assistant'))."
-        )
-    prefills = [
-        i
-        for i, p in enumerate(prompts)
-        if isinstance(p, list) and p and isinstance(p[-1], dict) and p[-1].get("role") == "assistant"
-    ]
-    if prefills:  # GRPOTrainer (TRL 1.16) opens a new assistant turn after them instead
-        logger.warning(
-            f"train_dataset has {len(prefills)} chat prompt(s) ending with an assistant message (rows "
-            f"{prefills[:5]}{', ...' if len(prefills) > 5 else ''}): the policy continues that message, a prefill "
-            "(GRPOTrainer opens a new turn after it). A conversation whose last message is the reply to learn (TRL's "
-            "'messages' format) wants it dropped: dataset.map(lambda row: {'prompt': row['prompt'][:-1]})."
-        )
-    empty = [i for i, prompt in enumerate(prompts) if not prompt]
-    if empty:
-        logger.warning(
-            f"train_dataset has {len(empty)} empty prompt(s) (rows {empty[:5]}{', ...' if len(empty) > 5 else ''}): "
-            "their completions are sampled from nothing but the special tokens. Remove them, or check the column."
-        )
+    check_prompts(prompts, "train_dataset")
     needed = prompts_per_rollout(args)
     if len(dataset) < needed:
         raise ValueError(
@@ -406,6 +377,53 @@ def check_train_dataset(dataset, args) -> dict:
     row = dataset[0]
     refuse_images(row, "train_dataset")  # its image columns
     return row
+
+
+def check_prompts(prompts: list, what: str) -> None:
+    """A clear error for prompts the rollout that draws them would fail on, hours in (none at all; chat prompts with
+    no message to reply to), and a warning for those it would sample from as the user may not expect (an assistant
+    prefill, an empty prompt). `what` names the data set in the messages."""
+
+    def rows(indices: list[int]) -> str:
+        return f"rows {indices[:5]}{', ...' if len(indices) > 5 else ''}"
+
+    missing = [i for i, prompt in enumerate(prompts) if prompt is None]
+    if missing:
+        raise ValueError(
+            f"{what} has {len(missing)} row(s) without a prompt ({rows(missing)}: None, as a JSON-lines row without "
+            "the 'prompt' key reads). Remove them: dataset.filter(lambda row: row['prompt'] is not None)."
+        )
+    unanswerable = [
+        i
+        for i, prompt in enumerate(prompts)
+        if isinstance(prompt, list)
+        and (not prompt or (isinstance(prompt[-1], dict) and prompt[-1].get("role") not in CHAT_TURNS_TO_CONTINUE))
+    ]
+    if unanswerable:
+        raise ValueError(
+            f"{what} has {len(unanswerable)} chat prompt(s) with no message to reply to ({rows(unanswerable)}: no "
+            "message, or a last message that is not the user's, a tool's or an assistant prefill, e.g. a system "
+            "message alone). Remove them: "
+            "dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] in ('user', 'tool', 'assistant'))."
+        )
+    prefills = [
+        i
+        for i, p in enumerate(prompts)
+        if isinstance(p, list) and p and isinstance(p[-1], dict) and p[-1].get("role") == "assistant"
+    ]
+    if prefills:  # GRPOTrainer (TRL 1.16) opens a new assistant turn after them instead
+        logger.warning(
+            f"{what} has {len(prefills)} chat prompt(s) ending with an assistant message ({rows(prefills)}): the "
+            "policy continues that message, a prefill (GRPOTrainer opens a new turn after it). A conversation whose "
+            "last message is the reply to learn (TRL's 'messages' format) wants it dropped: "
+            "dataset.map(lambda row: {'prompt': row['prompt'][:-1]})."
+        )
+    empty = [i for i, prompt in enumerate(prompts) if not prompt]
+    if empty:
+        logger.warning(
+            f"{what} has {len(empty)} empty prompt(s) ({rows(empty)}): their completions are sampled from nothing "
+            "but the special tokens. Remove them, or check the column."
+        )
 
 
 def refuse_images(row: dict, what: str) -> None:
@@ -457,7 +475,9 @@ def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dic
         if "prompt" not in row:
             raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
         refuse_images(row, what)
-        if isinstance(part, Dataset):  # (a stream's rows are read as training goes: its first one is checked)
+        # (a stream's rows are read as training goes: its first one is checked)
+        check_prompts(part["prompt"] if isinstance(part, Dataset) else [row["prompt"]], what)
+        if isinstance(part, Dataset):
             for i, prompt in enumerate(part["prompt"]):
                 refuse_images({"prompt": prompt}, f"{what} (row {i})")
         if conversational is not None and is_conversational({"prompt": row["prompt"]}) != conversational:

@@ -27,7 +27,7 @@ from transformers.trainer_utils import speed_metrics
 from trl import is_conversational
 
 from .core import explained_variance, vapo_loss
-from .data import check_eval_dataset, left_truncated, prompt_token_ids, refuse_images
+from .data import check_eval_dataset, check_prompts, left_truncated, prompt_token_ids, refuse_images
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
@@ -147,7 +147,7 @@ def random_state_kept(device: torch.device):
 def evaluate_policy(
     model,
     tokenizer,
-    dataset: Dataset,
+    dataset: Dataset | IterableDataset,
     reward_funcs: Callable | list[Callable],
     *,
     k: int = 8,
@@ -179,12 +179,15 @@ def evaluate_policy(
     `repetition_penalty` (a processor, where `top_k` and `min_p` shape sampling alone). `max_prompt_length`:
     training's, the prompts cut as training cut them.
     """
-    rows = dataset.to_list()
+    rows = list(dataset) if isinstance(dataset, IterableDataset) else dataset.to_list()
     if not rows:
         raise ValueError("The data set to evaluate on is empty: pass one with at least one prompt.")
+    if "prompt" not in rows[0]:
+        raise ValueError(f"The data set to evaluate on has no 'prompt' column; its columns are {sorted(rows[0])}.")
     for i, row in enumerate(rows):
         refuse_images(row, f"The data set to evaluate on (row {i})")
     prompts = [row["prompt"] for row in rows]
+    check_prompts(prompts, "The data set to evaluate on")
     scorer = RewardScorer(
         reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}), positive_reward_funcs
     )
