@@ -509,7 +509,7 @@ def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tin
     assert trainer.progress.skipped_steps == 2 and ended == [2]
 
 
-def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
+def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, caplog):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         VAPOTrainer(
             model=str(tiny_model_dir),
@@ -531,7 +531,7 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
         )
     three = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
     three.save_pretrained(tmp_path / "three")
-    with pytest.raises(ValueError, match="num_labels=3"):
+    with pytest.raises(ValueError, match="num_labels=3") as refusal:
         VAPOTrainer(
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
@@ -539,6 +539,12 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
             train_dataset=prompts_dataset(32),
             value_model=str(tmp_path / "three"),
         )
+    # The remedy the error gives loads (`num_labels=1` alone raises on the head's shape) and is taken.
+    assert "ignore_mismatched_sizes=True" in str(refusal.value)
+    one = AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "three", num_labels=1, ignore_mismatched_sizes=True
+    )
+    VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path), prompts_dataset(32), value_model=one)
     # Another family's reward model as the critic (the paper's start), with a smaller vocabulary: the policy's ids
     # past its embeddings were an index error at the first rollout's values.
     narrow_config = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).config
@@ -546,6 +552,43 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path):
     narrow = AutoModelForSequenceClassification.from_config(narrow_config)
     with pytest.raises(ValueError, match=r"embeds 16 tokens, and the policy's tokenizer has \d+: the critic reads"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path), prompts_dataset(32), value_model=narrow)
+    # As many tokens, numbered otherwise (another family's reward model of the same vocabulary size): its values
+    # were read from other tokens' embeddings, silently. Its saved tokenizer says so.
+    from trl_vapo.tiny import build_char_tokenizer
+
+    policy_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    alphabet = "".join(reversed(dict.fromkeys(__import__("string").printable)))
+    foreign = build_char_tokenizer(alphabet)
+    assert len(foreign) == len(policy_tokenizer) and foreign.get_vocab() != policy_tokenizer.get_vocab()
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    critic.save_pretrained(tmp_path / "foreign")
+    foreign.save_pretrained(tmp_path / "foreign")
+    with pytest.raises(
+        ValueError, match=r"foreign's tokenizer numbers \d+ of the policy's \d+ tokens otherwise, e.g."
+    ):
+        VAPOTrainer(
+            str(tiny_model_dir),
+            digit_fraction,
+            config(tmp_path),
+            prompts_dataset(32),
+            value_model=tmp_path / "foreign",
+        )
+    # Its own tokenizer (the policy's family) is taken; a token the policy's tokenizer added and the critic's lacks
+    # is warned (the critic never learned it).
+    build_char_tokenizer().save_pretrained(tmp_path / "foreign")
+    critic.resize_token_embeddings(len(policy_tokenizer) + 8)
+    critic.save_pretrained(tmp_path / "foreign")
+    policy_tokenizer.add_tokens(["<tool_result>"])
+    with caplog.at_level(logging.WARNING):
+        VAPOTrainer(
+            str(tiny_model_dir),
+            digit_fraction,
+            config(tmp_path),
+            prompts_dataset(32),
+            value_model=tmp_path / "foreign",
+            processing_class=policy_tokenizer,
+        )
+    assert "lacks 1 token(s) the policy's tokenizer added ('<tool_result>')" in caplog.text
 
 
 def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_dir, tmp_path):

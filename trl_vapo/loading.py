@@ -44,7 +44,7 @@ from .modeling import (
     value_function_name,
     value_pretraining_record,
 )
-from .pretrained import from_pretrained_kwargs, load_pretrained
+from .pretrained import from_pretrained_kwargs, load_pretrained, lookup_kwargs
 
 if TYPE_CHECKING:
     from .config import VAPOConfig
@@ -281,16 +281,17 @@ def build_actor_critic(
         )
     if not path.exists() and _looks_like_a_path(str(value_model)):
         raise FileNotFoundError(f"value_model path {value_model} does not exist.")
-    config = AutoConfig.from_pretrained(str(value_model), trust_remote_code=args.trust_remote_code)
+    # The policy's loading options but those that belong to its checkpoint alone: a critic trains all of its weights
+    # (never quantized), and `model_revision` names a commit of the policy's repository. Its config is looked up where
+    # its weights are (`cache_dir`, `local_files_only`, `token`, ...).
+    kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k not in ("quantization_config", "revision")}
+    config = AutoConfig.from_pretrained(str(value_model), **lookup_kwargs(kwargs))
     is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     extra = {} if is_classifier else {"num_labels": 1}
     if has_sequence_classifier(config, args.trust_remote_code):
         critic_class = AutoModelForSequenceClassification
     else:  # the class `critic_from_policy` built, over this config's backbone class
         critic_class = sequence_classifier_class(_backbone_class(config, args.trust_remote_code))
-    # The policy's loading options but those that belong to its checkpoint alone: a critic trains all of its weights
-    # (never quantized), and `model_revision` names a commit of the policy's repository.
-    kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k not in ("quantization_config", "revision")}
     critic = load_pretrained(critic_class, str(value_model), {**kwargs, **extra})
     check_value_model(critic)
     actor_critic = ActorCritic(policy, critic=critic)  # the dtypes as loaded: what `save_model` writes back
@@ -301,21 +302,65 @@ def build_actor_critic(
     return actor_critic, pretrained
 
 
-def check_critic_vocabulary(critic: nn.Module, tokenizer) -> None:
-    """Refuse a critic whose embeddings have fewer rows than the policy's tokenizer has tokens: it reads the policy's
-    token ids (the paper starts it from a reward model, which may be another family's, with its own vocabulary), and
-    an id past its rows is an index error mid-rollout, or a device-side assert on a GPU."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "tekken.json")
+
+
+def check_critic_vocabulary(critic: nn.Module, tokenizer, value_model=None, args=None) -> None:
+    """Refuse a critic that reads the policy's token ids through another vocabulary (the paper starts it from a
+    reward model, which may be another family's): one whose embeddings have fewer rows than the policy's tokenizer
+    has tokens (an index error mid-rollout, a device-side assert on a GPU), or, where `value_model` names a model
+    saved with its tokenizer, one whose tokenizer gives any of the policy's tokens another id (its values would be
+    read from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a chat template's) that the
+    critic's lacks are warned: the critic has not learned them."""
+    name = critic.config.name_or_path or type(critic).__name__
     try:
         rows = critic.get_input_embeddings().num_embeddings
     except (AttributeError, NotImplementedError):  # custom code without the accessor: nothing to check against
-        return
-    if rows < len(tokenizer):
+        rows = None
+    fix = (
+        "the critic reads the policy's token ids, so it needs the policy's tokenizer (a critic or reward model of the "
+        "policy's family; without value_model the critic starts from the policy)"
+    )
+    if rows is not None and rows < len(tokenizer):
         raise ValueError(
-            f"value_model {critic.config.name_or_path or type(critic).__name__} embeds {rows:,} tokens, and the "
-            f"policy's tokenizer has {len(tokenizer):,}: the critic reads the policy's token ids, so it needs the "
-            "policy's tokenizer (a critic or reward model of the policy's family; without value_model the critic "
-            "starts from the policy)."
+            f"value_model {name} embeds {rows:,} tokens, and the policy's tokenizer has {len(tokenizer):,}: {fix}."
         )
+    critic_tokenizer = _saved_tokenizer(value_model, args)
+    if critic_tokenizer is None:
+        return
+    theirs, added = critic_tokenizer.get_vocab(), tokenizer.get_added_vocab()
+    differ = [(token, i) for token, i in tokenizer.get_vocab().items() if theirs.get(token) != i]
+    renumbered = sorted((i, token) for token, i in differ if token not in added)
+    if renumbered:
+        examples = ", ".join(f"{token!r} (policy {i}, critic {theirs.get(token)})" for i, token in renumbered[:3])
+        raise ValueError(
+            f"value_model {value_model}'s tokenizer numbers {len(renumbered):,} of the policy's {len(tokenizer):,} "
+            f"tokens otherwise, e.g. {examples}: {fix}."
+        )
+    if differ:
+        logger.warning(
+            f"value_model {value_model}'s tokenizer lacks {len(differ)} token(s) the policy's tokenizer added "
+            f"({', '.join(repr(token) for token, _ in differ[:5])}): the critic reads them from embeddings it never "
+            "learned."
+        )
+
+
+def _saved_tokenizer(value_model, args):
+    """The tokenizer saved with `value_model` (a path or model id), looked up with the run's loading options; None
+    where there is none to compare with (a model instance, a critic folder saved without one)."""
+    from transformers import AutoTokenizer
+
+    if not isinstance(value_model, (str, os.PathLike)) or args is None:
+        return None
+    path = Path(value_model)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k != "revision"}
+    try:
+        return AutoTokenizer.from_pretrained(str(value_model), **lookup_kwargs(kwargs))
+    except (OSError, ValueError) as error:  # a model id whose repository holds no tokenizer
+        logger.warning(f"value_model {value_model}: no tokenizer to compare the policy's with ({error}).")
+        return None
 
 
 def _backbone_class(config, trust_remote_code: bool) -> type[PreTrainedModel]:

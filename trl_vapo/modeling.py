@@ -192,7 +192,8 @@ def check_value_model(model: nn.Module) -> None:
     if num_labels != 1:
         raise ValueError(
             f"value_model {type(model).__name__} has num_labels={num_labels}; a value model outputs one scalar per "
-            "token. Load it with `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
+            "token. Load it with `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, "
+            "ignore_mismatched_sizes=True)`: its head starts afresh, its body as trained."
         )
     _sequence_classification_head(model)
     if any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")):

@@ -47,6 +47,16 @@ def from_pretrained_kwargs(args, model_init_kwargs: dict | None = None) -> dict[
     return kwargs
 
 
+LOOKUP_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+"""The `from_pretrained` keyword arguments that say where a model's files are: a config or a tokenizer of the same
+name is looked up with them too."""
+
+
+def lookup_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Of `kwargs` (:func:`from_pretrained_kwargs`), those that say where the files are, and `trust_remote_code`."""
+    return {k: v for k, v in kwargs.items() if k in LOOKUP_KWARGS or k == "trust_remote_code"}
+
+
 def load_pretrained(model_class, name: str, kwargs: dict[str, Any]):
     """`model_class.from_pretrained(name, **kwargs)` (`kwargs` from :func:`from_pretrained_kwargs`), where a model
     saved only as pickled weights (`pytorch_model.bin`) gets an error that says why safetensors are asked for and

@@ -330,7 +330,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
         if separate and value_model is not None:  # one of its own (one from the policy reads what the policy reads)
-            check_critic_vocabulary(actor_critic.critic, tokenizer)
+            check_critic_vocabulary(actor_critic.critic, tokenizer, value_model, args)
         if separate:
             # A config without a pad id (Qwen2.5's): the saved critic could not score a padded batch with
             # `from_pretrained`, which finds each row's last non-pad token through the text config, as TRL's reward
