@@ -614,6 +614,8 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
             third = VAPOTrainer(str(tiny_model_dir), rewards, args, prompts_dataset(), value_model=str(critic))
         assert third.run_record.critic_pretrained is not again
         assert ("was value-pretrained for other returns than this run's" in caplog.text) is again
+        # Pretrained for 1 of this run's 2 rollouts (a shorter run's critic): it skips all the same, and says so.
+        assert ("for 1 rollout(s), fewer than this run's value_pretrain_steps=2" in caplog.text) is not again
     assert "temperature 1.0 there, 0.7 here" in caplog.text
 
 

@@ -391,6 +391,15 @@ def _pretrained_for_this_policy(
     if record["policy_fingerprint"] == fingerprint:
         saved, current = record.get("value_targets") or {}, value_targets or {}  # older records: not kept
         changed = sorted(key for key in saved.keys() & current.keys() if saved[key] != current[key])
+        rollouts = record.get("rollouts")
+        if not changed and isinstance(rollouts, int) and rollouts < value_pretrain_steps:
+            # A smoke test's critic reused by the real run would skip its whole budget unsaid.
+            logger.warning(
+                f"value_model {path} was value-pretrained against this policy for these returns, for {rollouts} "
+                f"rollout(s), fewer than this run's value_pretrain_steps={value_pretrain_steps} (a shorter run's, or "
+                "an early stop by value_pretrain_patience): this run skips value pretraining and starts RL from it. "
+                "To pretrain for the whole budget, leave value_model unset."
+            )
         if not changed:
             return True
         logger.warning(
