@@ -194,7 +194,7 @@ QUICK = {  # the smoke test: every arm on chains, VAPO and GRPO on the demo, tin
     "samples_per_rollout": 16,  # e.g. 2 prompts x 8, 4 optimizer steps of 4
     "eval_every": 1,
     "eval_k": 2,
-    "eval_problems": 4,
+    "eval_problems": 2,
     "reporting_seeds": [0],
     "decisive_seeds": [0],
     "value_pretrain_steps": 1,
@@ -1538,7 +1538,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help="smoke test in this process: every arm (ARMS) on chains, VAPO and GRPO on the demo, 1 seed, 2 rollouts "
-        "of 16, 4 held-out problems",
+        "of 16, 2 held-out problems",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

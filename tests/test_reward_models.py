@@ -317,6 +317,50 @@ def test_accuracy_counts_the_completions_the_judge_scored_in_training_as_in_eval
     assert trainer.evaluate()["eval_accuracy"] == 1.0
 
 
+def test_chat_completions_are_the_messages_the_tokenizers_response_template_reads(tiny_model_dir, tmp_path):
+    """GRPOTrainer passes a chat completion to the reward functions as the message the tokenizer's response template
+    parses from its tokens (the reasoning apart from the content: Gemma 4's tokenizers ship one, TRL's
+    `add_response_schema` sets one); VAPOTrainer passed the decoded text as the content, in training and in the
+    held-out evaluation alike. Without a template the decoded text is still the content."""
+    import copy
+
+    from datasets import Dataset
+    from trl.chat_template_utils import qwen3_template
+
+    from trl_vapo.evaluation import evaluate_policy
+    from trl_vapo.scoring import parsed_completions
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = copy.deepcopy(qwen3_template)  # ChatML, as the tiny tokenizer's chat template
+    template["defaults"] = {"role": "assistant", "read_by": "response_template"}  # marks a parsed message
+    tokenizer.response_template = template
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True)
+    ids = tokenizer("<think>sum</think>2<|im_end|>", add_special_tokens=False)["input_ids"]
+    (message,) = parsed_completions(tokenizer, [ids], lambda: [prompt])
+    assert message == {"role": "assistant", "read_by": "response_template", "reasoning_content": "sum", "content": "2"}
+
+    seen = []
+
+    def records(completions, **kwargs):
+        seen.extend(completions)
+        return [1.0] * len(completions)
+
+    chat = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}="}]} for i in range(16)])
+    args = make_args(tmp_path, max_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), records, args, chat, processing_class=tokenizer)
+    seen.clear()  # the check before training passes empty completions, not sampled ones
+    trainer.train()
+    assert seen and all(len(c) == 1 and c[0]["read_by"] == "response_template" for c in seen)
+    seen.clear()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    evaluate_policy(model, tokenizer, chat.select(range(2)), records, k=2, max_new_tokens=4)
+    assert len(seen) == 2 * 2 + 2 and all(c[0]["read_by"] == "response_template" for c in seen)
+    tokenizer.response_template = None
+    seen.clear()
+    evaluate_policy(model, tokenizer, chat.select(range(2)), records, k=1, max_new_tokens=4)
+    assert seen and all(set(c[0]) == {"role", "content"} for c in seen)
+
+
 def test_held_out_evaluation_gives_the_rewards_the_token_ids_as_training_does(tiny_model_dir):
     """A reward that reads `completion_ids` (TRL's overlong punishment, repetition penalty) was given empty lists by
     the held-out evaluation (`trl-vapo eval`, the report of `trl-vapo train`): it scored other than in training."""

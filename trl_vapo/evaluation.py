@@ -32,7 +32,7 @@ from .generation import EngineSettings, GenerationEngine, SamplingSettings, buil
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
 from .rollout import EVAL, Rollout, rollout_metrics
-from .scoring import RewardScorer, repeated_rows
+from .scoring import RewardScorer, parsed_completions, repeated_rows
 
 
 @dataclass
@@ -106,9 +106,10 @@ def sample_completions(
     Prompts are plain text or chat messages, tokenized and cut to `max_prompt_length` exactly as the trainer does;
     `top_k`, `min_p` and `repetition_penalty` as training's (`SamplingSettings`). Returns the decoded completions
     and their lengths in tokens (stop token included; `max_new_tokens` when cut), and with `return_ids` their token
-    ids (what training gives the reward functions). `batch_size` applies to the `"generate"` engine; continuous
-    batching schedules the requests itself. `generation_kwargs`: training's (`SamplingSettings.generation_kwargs`),
-    where completions end (stop strings, stop tokens); a greedy pass leaves out those that say how to sample.
+    ids (what training gives the reward functions) and each one's prompt tokens. `batch_size` applies to the
+    `"generate"` engine; continuous batching schedules the requests itself. `generation_kwargs`: training's
+    (`SamplingSettings.generation_kwargs`), where completions end (stop strings, stop tokens); a greedy pass leaves
+    out those that say how to sample.
     """
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
@@ -133,7 +134,7 @@ def sample_completions(
     completion_ids = output.completion_lists()
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     if return_ids:
-        return completions, output.lengths.tolist(), completion_ids
+        return completions, output.lengths.tolist(), completion_ids, repeated
     return completions, output.lengths.tolist()
 
 
@@ -194,10 +195,11 @@ def evaluate_policy(
 
     state = trainer_state or TrainerState()  # outside training: step 0, as in the check before training
 
-    def correct(completions: list[str], completion_ids: list[list[int]], group: int) -> tuple[torch.Tensor, ...]:
+    def correct(completions: list[str], completion_ids, prompt_ids, group: int) -> tuple[torch.Tensor, ...]:
         """[problems, group] 1.0 where correct, and where a function judging correctness scored the completion."""
         repeated = repeated_rows(rows, group)
-        scores = scorer.score(repeated, completions, completion_ids, trainer_state=state)
+        parsed = scorer.conversational and parsed_completions(tokenizer, completion_ids, lambda: prompt_ids)
+        scores = scorer.score(repeated, parsed or completions, completion_ids, trainer_state=state)
         hits = scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
         return hits, scores.judged.view(len(rows), group)
 
@@ -211,7 +213,7 @@ def evaluate_policy(
         generation_kwargs=generation_kwargs,
         return_ids=True,
     )
-    sampled, lengths, sampled_ids = sample_completions(
+    sampled, lengths, sampled_ids, sampled_prompts = sample_completions(
         model,
         tokenizer,
         prompts,
@@ -225,14 +227,14 @@ def evaluate_policy(
     )
     # What no reward function scored (None: a problem without a usable reference answer) is left out of every
     # estimate, as training's accuracy leaves it out, rather than counted wrong.
-    hits, scored = correct(sampled, sampled_ids, k)
+    hits, scored = correct(sampled, sampled_ids, sampled_prompts, k)
     problems = scored.any(dim=1)
     pass_at_1 = float("nan")
     if greedy:
-        greedy_completions, _, greedy_ids = sample_completions(
+        greedy_completions, _, greedy_ids, greedy_prompts = sample_completions(
             model, tokenizer, prompts, temperature=0.0, engine=generator, **settings
         )
-        greedy_hits, greedy_scored = correct(greedy_completions, greedy_ids, 1)
+        greedy_hits, greedy_scored = correct(greedy_completions, greedy_ids, greedy_prompts, 1)
         pass_at_1 = greedy_hits[greedy_scored].mean().item()
     # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
     # problem with one sample scored of k counted k times less).

@@ -191,6 +191,24 @@ def check_reward_funcs(
     return funcs, names
 
 
+def parsed_completions(
+    tokenizer, completion_ids: list[list[int]], prompt_ids: Callable[[], list[list[int]]]
+) -> list[dict[str, Any]] | None:
+    """Chat completions as the assistant messages the tokenizer's response template reads from their tokens (the
+    reasoning apart from the content: `{"role": "assistant", "reasoning_content": ..., "content": ...}`), as
+    GRPOTrainer passes them to reward functions where the tokenizer has a `response_template` (Gemma 4's own, or
+    one TRL's `add_response_schema` sets; or the former `response_schema`); None where it has neither (the decoded
+    text is then the message's content). `prompt_ids()` gives each completion's prompt tokens, which the parser
+    reads to know where the message began (a template may open the reasoning in the prompt)."""
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        return None
+    from trl.chat_template_utils import parse_response
+
+    return [
+        parse_response(tokenizer, ids, prefix=prefix) for ids, prefix in zip(completion_ids, prompt_ids(), strict=True)
+    ]
+
+
 def reward_func_name(func: RewardFunc) -> str:
     """A reward function's name, as GRPOTrainer names it: a `functools.partial` by the function it wraps, a callable
     object by its class."""
@@ -287,13 +305,14 @@ class RewardScorer:
     def score(
         self,
         rows: list[dict[str, Any]],
-        completions: list[str],
+        completions: list[str] | list[dict[str, Any]],
         completion_ids: list[list[int]] | None = None,
         trainer_state=None,
         log_metric: Callable[[str, float], None] | None = None,
         log_extra: Callable[[str, list], None] | None = None,
     ) -> Scores:
-        """Score `completions` (decoded text) of the prompts in `rows` (dataset rows, one per completion).
+        """Score `completions` (decoded text, or for chat data the messages :func:`parsed_completions` read) of the
+        prompts in `rows` (dataset rows, one per completion).
 
         `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
         start first and run concurrently with each other and with the synchronous ones, as GRPOTrainer runs them.
@@ -350,21 +369,28 @@ class RewardScorer:
             verdict[torch.isnan(judged).all(dim=1)] = math.nan
         return Scores(per_function, reward, scored, self.names, verdict, non_finite)
 
-    def _as_messages(self, rows: list[dict[str, Any]], completions: list[str]) -> tuple[list[dict[str, Any]], list]:
+    def _as_messages(
+        self, rows: list[dict[str, Any]], completions: list[str | dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list]:
         """The rows and completions as reward functions take them: for chat data, each completion one assistant
-        message. A prompt that ends with an assistant message (a prefill) was continued by the policy (TRL's
-        `maybe_apply_chat_template` continues it): that message and its continuation are one turn, the completion,
-        and the prompt is the rest, as GRPOTrainer passed them when it continued prefills. Else a reward model
-        read two closed turns where the policy wrote one. `completion_ids` stay the tokens the policy sampled."""
+        message (the decoded text as its content, or the message :func:`parsed_completions` read). A prompt that ends
+        with an assistant message (a prefill) was continued by the policy (TRL's `maybe_apply_chat_template`
+        continues it): that message and its continuation are one turn, the completion, and the prompt is the rest,
+        as GRPOTrainer passed them when it continued prefills. Else a reward model read two closed turns where the
+        policy wrote one. `completion_ids` stay the tokens the policy sampled."""
         if not self.conversational:
             return rows, completions
         joined_rows, messages = [], []
-        for row, text in zip(rows, completions, strict=True):
+        for row, completion in zip(rows, completions, strict=True):
+            message = (
+                dict(completion) if isinstance(completion, dict) else {"role": "assistant", "content": completion}
+            )
             prompt = row["prompt"]
             if prompt and prompt[-1].get("role") == "assistant" and isinstance(prompt[-1].get("content"), str):
-                row, text = {**row, "prompt": prompt[:-1]}, prompt[-1]["content"] + text
+                row = {**row, "prompt": prompt[:-1]}
+                message["content"] = prompt[-1]["content"] + message.get("content", "")
             joined_rows.append(row)
-            messages.append([{"role": "assistant", "content": text}])
+            messages.append([message])
         return joined_rows, messages
 
     @staticmethod

@@ -137,7 +137,15 @@ from .reporting import (
 from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
 from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
-from .scoring import RewardFunc, RewardModel, RewardScorer, load_reward_models, repeated_rows, rows_with_fields
+from .scoring import (
+    RewardFunc,
+    RewardModel,
+    RewardScorer,
+    load_reward_models,
+    parsed_completions,
+    repeated_rows,
+    rows_with_fields,
+)
 from .signals import TrainingInterrupted, stop_on_signals
 
 # Logs once, from the main process, however many processes train.
@@ -841,11 +849,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # 2. Score; the verdict of a completion that trains lands on its last token.
         completion_ids = sample.completion_lists()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        parsed = self._conversational and parsed_completions(
+            self.processing_class,
+            completion_ids,
+            lambda: [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_mask.cpu(), strict=True)],
+        )
         extra_columns: dict[str, list] = defaultdict(list)  # TRL's `log_extra`: columns of the completions table
         reward_metrics: dict[str, list[float]] = defaultdict(list)  # TRL's `log_metric`
         scores = self.scorer.score(
             rows,
-            texts,
+            parsed or texts,
             completion_ids,
             self.state,
             lambda name, value: reward_metrics[name].append(float(value)),
