@@ -377,12 +377,12 @@ def test_evaluation_cuts_prompts_and_penalises_repeats_as_training():
     prompts = [data.render_prompt((17, 25, 38, 46)), data.render_prompt((9, 8, 7))]
     engine = build_engine(EngineSettings("generate"), model, tokenizer)
     greedy = dict(temperature=0.0, max_new_tokens=6, engine=engine, return_ids=True)
-    whole, _, _ = sample_completions(model, tokenizer, prompts, **greedy)
-    cut, _, cut_ids = sample_completions(model, tokenizer, prompts, max_prompt_length=3, **greedy)
+    whole, _, _, _ = sample_completions(model, tokenizer, prompts, **greedy)
+    cut, _, cut_ids, _ = sample_completions(model, tokenizer, prompts, max_prompt_length=3, **greedy)
     last_three = [ids[-3:] for ids in prompt_token_ids(tokenizer, prompts, False)]
     expected = engine.generate(last_three, sampling=SamplingSettings(6, 0.0)).completion_lists()
     assert cut_ids == expected and cut != whole
-    penalised, _, penalised_ids = sample_completions(model, tokenizer, prompts, repetition_penalty=0.05, **greedy)
+    penalised, _, penalised_ids, _ = sample_completions(model, tokenizer, prompts, repetition_penalty=0.05, **greedy)
     whole_ids = prompt_token_ids(tokenizer, prompts, False)
     penalising = SamplingSettings(6, 0.0, repetition_penalty=0.05)
     expected = engine.generate(whole_ids, sampling=penalising).completion_lists()

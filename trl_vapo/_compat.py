@@ -1,11 +1,12 @@
 """The one place that imports TRL names outside TRL's public API (anything not in `trl.__all__`).
 
 TRL exports its trainers and data utilities from `trl`, but the helpers below live in `trl.trainer.utils`,
-`trl.models.utils`, `trl.kernels`, `trl.generation`, `trl.rewards` and `trl.import_utils`, which may move between
-releases. Import them from here so a TRL upgrade breaks this file, not the trainer
-(`tests/test_dependencies.py` fails if another module imports one).
+`trl.models.utils`, `trl.kernels`, `trl.generation`, `trl.rewards`, `trl.chat_template_utils` and
+`trl.import_utils`, which may move between releases. Import them from here so a TRL upgrade breaks this file, not
+the trainer (`tests/test_dependencies.py` fails if another module imports one).
 """
 
+from trl.chat_template_utils import parse_response
 from trl.cli.accelerate_config import resolve_accelerate_config_argument
 from trl.import_utils import is_vllm_available
 from trl.kernels import ChunkedLogProbFunction as TiledLogProbs
@@ -62,6 +63,7 @@ __all__ = [
     "is_vllm_available",
     "maybe_gather_lm_head_ctx",
     "pad",
+    "parse_response",
     "prepare_frozen_model",
     "remove_hooks",
     "resolve_accelerate_config_argument",

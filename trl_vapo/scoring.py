@@ -202,7 +202,7 @@ def parsed_completions(
     reads to know where the message began (a template may open the reasoning in the prompt)."""
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         return None
-    from trl.chat_template_utils import parse_response
+    from ._compat import parse_response
 
     return [
         parse_response(tokenizer, ids, prefix=prefix) for ids, prefix in zip(completion_ids, prompt_ids(), strict=True)
