@@ -721,15 +721,21 @@ def test_signals_reach_the_launched_child_and_act_as_usual_before_there_is_one()
         proc.kill()
 
 
-@pytest.mark.parametrize("processes", [2, 1])
-def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_checkpoint(
-    tiny_model_dir, jsonl_data, tmp_path, processes
+@pytest.mark.parametrize(
+    ("processes", "stop"), [(2, signal.SIGUSR1), (1, signal.SIGTERM)], ids=["2-SIGUSR1", "1-SIGTERM"]
+)
+def test_accelerate_arguments_relaunch_the_run_and_a_stop_signal_ends_it_with_a_checkpoint(
+    tiny_model_dir, jsonl_data, tmp_path, processes, stop
 ):
     """`--num_processes 2` goes to `accelerate launch` (with `--multi_gpu`, which on a CPU-only machine starts two
-    gloo processes); the training flags reach the relaunched command intact. SIGTERM to every process of the job, as
-    `scancel` sends it, reaches each worker twice (itself, then forwarded by torch's launcher): the run still finishes
-    its rollout, writes a checkpoint at the last step it logged and exits with 143, not killed by the repeat. With
-    one process, SIGTERM to the launcher alone (`kill PID`, a container stop) is forwarded to the run it started."""
+    gloo processes); the training flags reach the relaunched command intact. A stop signal to every process of the
+    job, as `scancel --signal=USR1` (or Slurm's advance warning, `--signal=USR1@600`) sends it, reaches each worker
+    twice (itself, then forwarded by the launcher, which died of SIGUSR1 before, leaving its workers running): the
+    run still finishes its rollout, writes a checkpoint at the last step it logged and exits with 128 + the signal,
+    not killed by the repeat; the launcher gives its workers `WORKERS_STOP_GRACE` to stop, not 30 s. With one process,
+    SIGTERM to the launcher alone (`kill PID`, a container stop) is forwarded to the run it started."""
+    from trl_vapo.cli import WORKERS_STOP_GRACE
+
     out = tmp_path / "two"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     flags = {
@@ -767,12 +773,14 @@ def test_accelerate_arguments_relaunch_the_run_and_sigterm_stops_it_with_a_check
     holder = live_holder(out)
     assert holder and holder["pid"] != process.pid, holder
     if processes > 1:
-        os.killpg(process.pid, signal.SIGTERM)
+        worker = Path(f"/proc/{holder['pid']}/environ").read_bytes().split(b"\0")
+        assert f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={WORKERS_STOP_GRACE}".encode() in worker
+        os.killpg(process.pid, stop)
     else:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(stop)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    stopped = re.search(r"Stopped by SIGTERM at step (\d+): (\S+) holds every step so far", stderr)
+    assert process.returncode == 128 + stop, stderr[-3000:]
+    stopped = re.search(rf"Stopped by {stop.name} at step (\d+): (\S+) holds every step so far", stderr)
     assert stopped, stderr[-3000:]
     checkpoint = Path(stopped[2])
     assert list_checkpoints(out) == [checkpoint] == [out / f"checkpoint-{stopped[1]}"]

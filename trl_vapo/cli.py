@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import __version__
 from .metric_names import ACCURACY, REWARD
+from .signals import STOP_SIGNALS
 
 logger = logging.getLogger("trl_vapo")
 
@@ -897,14 +898,14 @@ def _without_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
     return kept
 
 
-def _forward_signals_to_children(signums=(signal.SIGTERM, signal.SIGINT)) -> dict:
+def _forward_signals_to_children(signums=STOP_SIGNALS) -> dict:
     """Handlers that pass each of `signums` on to this process's children; returns the handlers they replace, for the
     caller to restore. With no child (yet), the signal acts as it would have without them: the previous handler is
     put back and the signal raised again.
 
     Why: with one process, `accelerate launch` waits on a child of its own and dies at the signal, leaving the child
-    running; forwarded, the child stops as it would alone (with several, torch's launcher takes the signals over once
-    it starts its workers). Not on Windows, whose console gives Ctrl-C to every process attached to it, and where
+    running; forwarded, the child stops as it would alone (with several, torch's launcher takes SIGTERM and SIGINT
+    over once it starts its workers, and leaves SIGUSR1 to this handler, where it would die of it). Not on Windows, whose console gives Ctrl-C to every process attached to it, and where
     psutil could forward no other signal than SIGTERM (a TerminateProcess: no checkpoint)."""
     if os.name == "nt":
         return {}
@@ -926,10 +927,16 @@ def _forward_signals_to_children(signums=(signal.SIGTERM, signal.SIGINT)) -> dic
 LAUNCHED = "TRL_VAPO_LAUNCHED"
 """Set in the environment of the processes `_relaunch` starts."""
 
+WORKERS_STOP_GRACE = 1800
+"""Seconds torch's launcher gives its workers to stop after it forwards a stop signal before it kills them
+(`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default: less than a rollout and its checkpoint take, so the stop lost
+everything since the last checkpoint). The scheduler's own deadline (Slurm's `KillWait`, a pod's grace period) still
+holds; a worker that does not stop is killed by it."""
+
 
 def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     """Run this same command under `accelerate launch` with the given launcher arguments; its exit code is the
-    workers' (128 + the signal's number after a stop on SIGTERM or SIGINT, as one process's run)."""
+    workers' (128 + the signal's number after a stop on a stop signal, as one process's run)."""
     import subprocess
 
     from accelerate.commands.launch import launch_command
@@ -939,6 +946,12 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     args = _launcher_in_one_line().parse_args(launch_args + ["-m", "trl_vapo.cli", "train", *training_args])
     marked = os.environ.get(LAUNCHED)
     os.environ[LAUNCHED] = "1"  # the launched processes inherit it; this one's is restored below
+    # The workers' time to stop, where the user set none. (SIGUSR1, which torch's launcher does not take over, is
+    # passed on by `_forward_signals_to_children`'s handler in this process, the launcher's.)
+    added = {}
+    if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ and "PET_SHUTDOWN_TIMEOUT" not in os.environ:
+        added["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(WORKERS_STOP_GRACE)
+    os.environ.update(added)
     previous = _forward_signals_to_children()
     try:
         launch_command(args)
@@ -954,6 +967,8 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        for name in added:
+            os.environ.pop(name, None)
         if marked is None:
             os.environ.pop(LAUNCHED, None)  # a later command in this process (a notebook, a sweep) launches again
     return 0

@@ -1,4 +1,4 @@
-"""Stopping a run on SIGTERM or SIGINT without losing what it trained: the first signal is noted and the loop
+"""Stopping a run on SIGTERM, SIGINT or SIGUSR1 without losing what it trained: the first signal is noted and the loop
 finishes its rollout, writes a checkpoint and raises `TrainingInterrupted` naming it
 (`VAPOTrainer._stop_after_signal`); a repeat within `SIGNAL_REPEAT_WINDOW` is the same request, a later one stops at
 once."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 class TrainingInterrupted(RuntimeError):
-    """`VAPOTrainer.train` stopped on SIGTERM or SIGINT after writing the checkpoint `checkpoint`; a command exits with
+    """`VAPOTrainer.train` stopped on a stop signal after writing the checkpoint `checkpoint`; a command exits with
     `exit_code` (128 + the signal's number, the shell's convention for a process a signal ended)."""
 
     def __init__(self, signum: int, checkpoint: Path, message: str):
@@ -33,13 +33,19 @@ SIGNAL_REPEAT_WINDOW = 5.0
 forwarded by the launcher."""
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
+"""The signals that ask a run to stop with a checkpoint: SIGTERM (preemption, `scancel`, a container stop), SIGINT
+(Ctrl-C) and SIGUSR1, Slurm's advance warning (`#SBATCH --signal=USR1@600`), whose own action is to end the process
+at once. (Windows has no SIGUSR1.)"""
+
+
 @contextlib.contextmanager
-def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
-    """While training: the first SIGTERM or SIGINT is noted (`received.signum`) so that the loop can finish its
+def stop_on_signals(signums=STOP_SIGNALS):
+    """While training: the first of `STOP_SIGNALS` is noted (`received.signum`) so that the loop can finish its
     rollout and write a checkpoint. A repeat within `SIGNAL_REPEAT_WINDOW` seconds is the same request (the launcher
-    forwarding it); a later one acts as it would have without this handler (SIGTERM ends the process, SIGINT raises
-    KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and for signals a caller already
-    handles, nothing changes."""
+    forwarding it); a later one acts as it would have without this handler (SIGTERM and SIGUSR1 end the process,
+    SIGINT raises KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and for signals a caller
+    already handles, nothing changes."""
     received = _Received()
     if threading.current_thread() is not threading.main_thread():
         yield received

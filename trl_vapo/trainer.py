@@ -722,7 +722,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._save_if_pending()
 
     def _stop_after_signal(self, signum: signal.Signals) -> None:
-        """SIGTERM or SIGINT arrived during the rollout just trained on: write its checkpoint (unless the rollout's end
+        """A stop signal arrived during the rollout just trained on: write its checkpoint (unless the rollout's end
         wrote it), say so in one line, and raise `TrainingInterrupted`."""
         path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
         if self._checkpoint_step != self.state.global_step:  # this run's own record: the same on every process
