@@ -905,8 +905,9 @@ def _forward_signals_to_children(signums=STOP_SIGNALS) -> dict:
 
     Why: with one process, `accelerate launch` waits on a child of its own and dies at the signal, leaving the child
     running; forwarded, the child stops as it would alone (with several, torch's launcher takes SIGTERM and SIGINT
-    over once it starts its workers, and leaves SIGUSR1 to this handler, where it would die of it). Not on Windows, whose console gives Ctrl-C to every process attached to it, and where
-    psutil could forward no other signal than SIGTERM (a TerminateProcess: no checkpoint)."""
+    over once it starts its workers, and leaves SIGUSR1 to this handler, where it would die of it). Not on Windows,
+    whose console gives Ctrl-C to every process attached to it, and where psutil could forward no other signal than
+    SIGTERM (a TerminateProcess: no checkpoint)."""
     if os.name == "nt":
         return {}
     import psutil
