@@ -591,6 +591,32 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     assert "lacks 1 token(s) the policy's tokenizer added ('<tool_result>')" in caplog.text
 
 
+def test_auto_resumes_where_there_is_a_checkpoint_and_starts_afresh_where_there_is_none(tiny_model_dir, tmp_path):
+    """A preemptible job is requeued with one command, before its first checkpoint or after: `latest` refused the
+    first (no checkpoint), no resume the second (an earlier run's checkpoints). `auto` takes each as it comes."""
+    from trl_vapo.cli import UsageError, _check_resume
+
+    out = tmp_path / "out"
+    _check_resume(str(out), "auto")  # the command line's check before any model loads: nothing to refuse
+    with pytest.raises(UsageError, match="no complete checkpoint"):
+        _check_resume(str(out), True)
+
+    def run(max_steps: int) -> VAPOTrainer:
+        args = config(tmp_path, save_strategy="steps", save_steps=1, max_steps=max_steps)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32))
+        trainer.train(resume_from_checkpoint="auto")
+        return trainer
+
+    first = run(1)  # a fresh run
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1"]
+    assert [h["step"] for h in first.state.log_history if "phase" in h] == [1]
+    second = run(2)  # resumed from checkpoint-1: its first step is 2
+    assert [h["step"] for h in second.state.log_history if "phase" in h] == [1, 2]
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+    with open(out / "vapo_logs.jsonl") as logs:
+        assert [json.loads(line)["step"] for line in logs if '"phase"' in line] == [1, 2]  # step 1 trained once
+
+
 def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_dir, tmp_path):
     from trl_vapo.tiny import save_tiny_model
 

@@ -216,16 +216,21 @@ def read_marker(path: Path) -> dict:
     return content
 
 
+RESUME_IF_ANY = "auto"
+"""`resume_from_checkpoint="auto"`: the newest checkpoint where `output_dir` holds one, else a fresh run; the one
+setting a preemptible job needs, requeued before or after its first checkpoint."""
+
+
 def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | None:
     """`resume_from_checkpoint` as given in Python or on the command line: True for True, "latest" and the words
     transformers' parser reads as true ("true", "yes", "1", ...); None for None, False, "none", "" and the words it
-    reads as false ("false", "no", "0", ...); else the path it names. (A folder named "latest" or "no", say, is that
-    folder.)"""
+    reads as false ("false", "no", "0", ...); `RESUME_IF_ANY` for "auto"; else the path it names. (A folder named
+    "latest" or "no", say, is that folder.)"""
     value = resume_from_checkpoint
     if isinstance(value, str) and (not value or not Path(value).exists()):
         word = value.lower()
-        if word in ("latest", "none", ""):
-            return True if word == "latest" else None
+        if word in ("latest", "none", "", RESUME_IF_ANY):
+            return {"latest": True, RESUME_IF_ANY: RESUME_IF_ANY}.get(word)
         with contextlib.suppress(ArgumentTypeError):  # not one of the parser's words: a path
             return True if string_to_bool(word) else None
     return None if value is False else value
@@ -234,7 +239,11 @@ def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | No
 def resolve_resume(output_dir: str | os.PathLike, request: str | bool | None, warn: bool = True) -> str | None:
     """The checkpoint a `resume_request` answer names in `output_dir`: a path as given; for True the newest one that
     reads (`warn`: name each damaged newer one); for None none. A ValueError where there is none to take, or where a
-    fresh run (None) would share `output_dir` with an earlier run's checkpoints (`earlier_checkpoints_refusal`)."""
+    fresh run (None) would share `output_dir` with an earlier run's checkpoints (`earlier_checkpoints_refusal`).
+    `RESUME_IF_ANY` is True where `output_dir` holds a complete checkpoint (damaged ones too: they are named, not
+    started over), else None."""
+    if request == RESUME_IF_ANY:
+        request = True if list_checkpoints(output_dir) else None
     if request is True:
         return str(newest_resumable_checkpoint(output_dir, warn))
     if request is None:
@@ -348,7 +357,10 @@ def newest_resumable_checkpoint(output_dir: str | os.PathLike, warn: bool = True
     names each damaged newer one passed over."""
     found = list_checkpoints(output_dir)
     if not found:
-        raise ValueError(f"resume_from_checkpoint=True but no complete checkpoint in {output_dir}.")
+        raise ValueError(
+            f"resume_from_checkpoint=True but no complete checkpoint in {output_dir}. (resume_from_checkpoint='auto' "
+            "resumes where there is one and starts afresh where there is none.)"
+        )
     for path in reversed(found):
         problem = checkpoint_problem(path)
         if problem is None:
@@ -591,7 +603,7 @@ class SavingMixin:
         sees on disk; None none, refused where `output_dir` holds an earlier run's checkpoints
         (`earlier_checkpoints_refusal`)."""
         resume_from_checkpoint = resume_request(resume_from_checkpoint)
-        if resume_from_checkpoint not in (True, None):  # a path
+        if resume_from_checkpoint not in (True, None, RESUME_IF_ANY):  # a path
             return resume_from_checkpoint
         return decided_on_main(lambda: resolve_resume(self.args.output_dir, resume_from_checkpoint), self.accelerator)
 

@@ -374,15 +374,15 @@ def _check_resume(output_dir: str, resume: str | bool | None) -> None:
     said before any model loads: no checkpoint to
     resume from in `output_dir` (true / latest), a folder that is none, or, without it, an earlier run's checkpoints.
     (A checkpoint of another run's settings is said once the trainer is built: it needs the run's fingerprint.)"""
-    from .checkpoint import checkpoint_problem, resolve_resume
+    from .checkpoint import RESUME_IF_ANY, checkpoint_problem, resolve_resume
 
     try:
-        if resume in (True, None):
+        if resume in (True, None, RESUME_IF_ANY):
             resolve_resume(output_dir, resume, warn=False)  # the trainer names the damaged checkpoints it passes over
         elif not Path(resume).is_dir():
             raise ValueError(
                 f"--resume_from_checkpoint {resume}: no such folder; name a checkpoint folder, or pass true (or "
-                f"latest) for the newest one in {output_dir}"
+                f"latest) for the newest one in {output_dir} (auto: the newest, or a fresh run if none)"
             )
         elif problem := checkpoint_problem(Path(resume)):
             raise ValueError(f"Cannot resume from {resume}: {problem}")
