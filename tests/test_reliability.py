@@ -1207,6 +1207,26 @@ def test_rotation_keeps_the_best_checkpoint_however_its_path_was_spelt(tmp_path,
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
 
 
+def test_a_run_resumed_from_a_copy_keeps_the_copys_best_checkpoint(tmp_path):
+    """The saved state names the best checkpoint by the first run's path: resumed from a copy of its `output_dir`
+    (a move to faster disk, a colleague's copy), rotation kept the original's folder of that name and deleted the
+    copy's, and `load_best_model_at_end` read the original's, gone with it once the original was cleaned up."""
+    from trl_vapo.checkpoint import COMPLETE_MARKER, checkpoint_in, rotate_checkpoints
+
+    original, copy = tmp_path / "a", tmp_path / "b"
+    for step in (1, 2, 3, 4):
+        (original / f"checkpoint-{step}").mkdir(parents=True)
+        (original / f"checkpoint-{step}" / COMPLETE_MARKER).write_text("{}")
+    shutil.copytree(original, copy)
+    best = original / "checkpoint-2"  # as the state saved in the original run names it
+    assert checkpoint_in(copy, best) == copy / "checkpoint-2"
+    rotate_checkpoints(copy, save_total_limit=2, keep=[copy / "checkpoint-4", best])
+    assert [p.name for p in list_checkpoints(copy)] == ["checkpoint-2", "checkpoint-4"]
+    assert len(list_checkpoints(original)) == 4  # the original is not this run's to rotate
+    shutil.rmtree(copy / "checkpoint-2")
+    assert checkpoint_in(copy, best) == best  # the copy has none of that name: the path as saved
+
+
 def test_rotation_keeps_as_many_checkpoints_as_the_limit_when_the_best_one_is_gone(tmp_path):
     """A best checkpoint that is no longer there (deleted by hand, or of a run resumed from a copy elsewhere) takes
     no place among the `save_total_limit` kept: it used to, and one checkpoint too many was deleted."""

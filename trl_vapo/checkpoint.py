@@ -379,6 +379,15 @@ def _resumable(checkpoint: Path) -> bool:
         return False
 
 
+def checkpoint_in(output_dir: str | os.PathLike, saved: str | os.PathLike) -> Path:
+    """The checkpoint a path saved in the run's state (the best one's) names for a run writing to `output_dir`:
+    `output_dir`'s own folder of that name where there is one, else the path as saved. A resumed run's `output_dir`
+    may be a copy of the first run's (whose path the state still names: a best checkpoint there was kept in the
+    original, deleted in the copy, and loaded from the original at the end), or spelt otherwise."""
+    own = Path(output_dir) / Path(saved).name
+    return own if own.is_dir() else Path(saved)
+
+
 def rotate_checkpoints(
     output_dir: str | os.PathLike, save_total_limit: int | None, keep: Sequence[Path] = (), busy: Sequence[Path] = ()
 ) -> None:
@@ -386,12 +395,11 @@ def rotate_checkpoints(
     Those in ``busy`` (a Hub upload still reads them) are left for a later rotation: over the limit until then.
 
     ``keep`` is matched by the folder it names, not by its spelling: a run resumed with ``output_dir`` written
-    otherwise (``./out``, an absolute path, a link, another working directory) reads the best checkpoint's path, as
-    the first run spelt it, from the saved state. A kept path that names no folder names one of ``output_dir`` by its
-    own name."""
+    otherwise (``./out``, an absolute path, a link, another working directory), or resumed from a copy of it, reads
+    the best checkpoint's path, as the first run spelt it, from the saved state (`checkpoint_in`)."""
     if not save_total_limit or save_total_limit <= 0:
         return
-    kept = {(Path(p) if Path(p).is_dir() else Path(output_dir) / Path(p).name).resolve() for p in keep}
+    kept = {checkpoint_in(output_dir, p).resolve() for p in keep}
     found = list_checkpoints(output_dir)
     checkpoints = [c for c in found if c.resolve() not in kept]
     excess = len(found) - save_total_limit  # a kept path that is no checkpoint here (deleted, elsewhere) counts none
@@ -977,9 +985,7 @@ class SavingMixin:
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`, as transformers' Trainer ends a run: the best checkpoint's policy and critic (on
         every process: each has its copy; VAPOConfig refuses the option where the weights are sharded)."""
-        best = Path(self.state.best_model_checkpoint)
-        if not best.is_dir():  # spelt by a run resumed from another working directory, say: output_dir's own
-            best = Path(self.args.output_dir) / best.name
+        best = checkpoint_in(self.args.output_dir, self.state.best_model_checkpoint)
         if not (best / COMPLETE_MARKER).is_file():  # moved, deleted: as transformers, the run keeps its last weights
             logger.warning(
                 f"The best checkpoint {self.state.best_model_checkpoint} is gone: the run ends with the weights it "
