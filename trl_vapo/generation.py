@@ -446,15 +446,14 @@ class TransformersGenerate(GenerationEngine):
     def _generate(self, prompt_ids, sampling, num_generations):
         config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
         config.return_dict_in_generate = config.output_scores = self.logprobs
-        size = self.batch_size or len(prompt_ids)
-        chunks = []
         with self.model_provider() as model, _inference(model):
             device = next(model.parameters()).device
-            for start in range(0, len(prompt_ids), size):
-                chunks.append(self._generate_chunk(model, prompt_ids[start : start + size], config, device))
-        width = max(ids.shape[1] for ids, _ in chunks)
-        ids = torch.cat([_pad_columns(ids, width, self.pad_token_id) for ids, _ in chunks])
-        logprobs = torch.cat([_pad_columns(lp, width, 0.0) for _, lp in chunks]) if self.logprobs else None
+            ids, logprobs = in_batches(
+                prompt_ids,
+                self.batch_size,
+                lambda batch: self._generate_chunk(model, batch, config, device),
+                self.pad_token_id,
+            )
         valid = _generated_mask(ids, self.stop_token_ids, self.pad_token_id, bool(config.stop_strings))
         output = cut_at_stop(
             ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, max_new_tokens=sampling.max_new_tokens
@@ -498,6 +497,32 @@ class TransformersGenerate(GenerationEngine):
             scores = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
             logprobs = scores.gather(-1, completions[..., None]).squeeze(-1).cpu()
         return completions.cpu(), logprobs
+
+
+def in_batches(
+    prompt_ids: list[list[int]],
+    batch_size: int | None,
+    generate: Callable[[list[list[int]]], tuple[torch.Tensor, torch.Tensor | None]],
+    pad_id: int,
+    one_shape: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`generate` (a batch of prompts -> its completions' ids and log-probs, or None) on `batch_size` prompts at a
+    time (None: all at once), the batches' columns padded to the widest (ids with `pad_id`, log-probs with 0).
+    `one_shape`: a short last batch takes copies of its first prompt, dropped after, so that every batch has one
+    shape (buffers and a CUDA graph kept for it serve them all, where a smaller one was allocated and captured
+    anew)."""
+    size = batch_size or len(prompt_ids)
+    parts = []
+    for start in range(0, len(prompt_ids), size):
+        batch = prompt_ids[start : start + size]
+        padded = batch + batch[:1] * (size - len(batch)) if one_shape and len(prompt_ids) > size else batch
+        ids, logprobs = generate(padded)
+        parts.append((ids[: len(batch)], None if logprobs is None else logprobs[: len(batch)]))
+    width = max(ids.shape[1] for ids, _ in parts)
+    ids = torch.cat([_pad_columns(ids, width, pad_id) for ids, _ in parts])
+    if parts[0][1] is None:
+        return ids, None
+    return ids, torch.cat([_pad_columns(logprobs, width, 0.0) for _, logprobs in parts])
 
 
 def _pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:

@@ -19,9 +19,9 @@ from .generation import (
     SamplingSettings,
     TransformersGenerate,
     _inference,
-    _pad_columns,
     as_model_provider,
     cut_at_stop,
+    in_batches,
     model_generation_settings,
 )
 from .modeling import _adapter_layers, is_peft_model
@@ -129,18 +129,13 @@ class StaticCacheEngine(GenerationEngine):
         with self.model_provider() as model:  # entered once: under ZeRO-3 it gathers the weights
             unsupported = self.unsupported_settings(sampling, model)
             if not unsupported:
-                size = self.batch_size or len(prompt_ids)
-                parts = []
-                for start in range(0, len(prompt_ids), size):
-                    batch = prompt_ids[start : start + size]
-                    # A short last batch takes copies of its first prompt, dropped after: the batches keep one shape
-                    # (kept buffers and graph serve them all, where a smaller one was allocated and captured anew).
-                    padded = batch + batch[:1] * (size - len(batch)) if len(prompt_ids) > size else batch
-                    ids, logprobs = self._decode(model, padded, sampling)
-                    parts.append((ids[: len(batch)], logprobs[: len(batch)]))
-                width = max(ids.shape[1] for ids, _ in parts)
-                ids = torch.cat([_pad_columns(ids, width, self.pad_token_id) for ids, _ in parts])
-                logprobs = torch.cat([_pad_columns(logprobs, width, 0.0) for _, logprobs in parts])
+                ids, logprobs = in_batches(
+                    prompt_ids,
+                    self.batch_size,
+                    lambda batch: self._decode(model, batch, sampling),
+                    self.pad_token_id,
+                    one_shape=True,
+                )
         if unsupported:
             key = ", ".join(unsupported)
             if key not in self._warned:
