@@ -544,20 +544,33 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     one = AutoModelForSequenceClassification.from_pretrained(
         tmp_path / "three", num_labels=1, ignore_mismatched_sizes=True
     )
-    VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path), prompts_dataset(32), value_model=one)
+
+    def with_critic(value_model, **kwargs) -> VAPOTrainer:
+        return VAPOTrainer(
+            str(tiny_model_dir),
+            digit_fraction,
+            config(tmp_path),
+            prompts_dataset(32),
+            value_model=value_model,
+            **kwargs,
+        )
+
+    with_critic(one)
     # Another family's reward model as the critic (the paper's start), with a smaller vocabulary: the policy's ids
     # past its embeddings were an index error at the first rollout's values.
     narrow_config = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).config
     narrow_config.vocab_size = 16
     narrow = AutoModelForSequenceClassification.from_config(narrow_config)
     with pytest.raises(ValueError, match=r"embeds 16 tokens, and the policy's tokenizer has \d+: the critic reads"):
-        VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path), prompts_dataset(32), value_model=narrow)
+        with_critic(narrow)
     # As many tokens, numbered otherwise (another family's reward model of the same vocabulary size): its values
     # were read from other tokens' embeddings, silently. Its saved tokenizer says so.
+    import string
+
     from trl_vapo.tiny import build_char_tokenizer
 
     policy_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    alphabet = "".join(reversed(dict.fromkeys(__import__("string").printable)))
+    alphabet = "".join(reversed(dict.fromkeys(string.printable)))
     foreign = build_char_tokenizer(alphabet)
     assert len(foreign) == len(policy_tokenizer) and foreign.get_vocab() != policy_tokenizer.get_vocab()
     critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
@@ -566,13 +579,7 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     with pytest.raises(
         ValueError, match=r"foreign's tokenizer numbers \d+ of the policy's \d+ tokens otherwise, e.g."
     ):
-        VAPOTrainer(
-            str(tiny_model_dir),
-            digit_fraction,
-            config(tmp_path),
-            prompts_dataset(32),
-            value_model=tmp_path / "foreign",
-        )
+        with_critic(tmp_path / "foreign")
     # Its own tokenizer (the policy's family) is taken; a token the policy's tokenizer added and the critic's lacks
     # is warned (the critic never learned it).
     build_char_tokenizer().save_pretrained(tmp_path / "foreign")
@@ -580,14 +587,7 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     critic.save_pretrained(tmp_path / "foreign")
     policy_tokenizer.add_tokens(["<tool_result>"])
     with caplog.at_level(logging.WARNING):
-        VAPOTrainer(
-            str(tiny_model_dir),
-            digit_fraction,
-            config(tmp_path),
-            prompts_dataset(32),
-            value_model=tmp_path / "foreign",
-            processing_class=policy_tokenizer,
-        )
+        with_critic(tmp_path / "foreign", processing_class=policy_tokenizer)
     assert "lacks 1 token(s) the policy's tokenizer added ('<tool_result>')" in caplog.text
 
 
