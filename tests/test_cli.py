@@ -128,7 +128,8 @@ def test_the_overlong_punishment_by_name_warns_where_it_cannot_penalise(caplog):
     everything; at 4,096 every completion past 1,280 tokens gets -1, right or wrong. Both are warned, 1,280 is not."""
     from trl_vapo.cli import _resolve_rewards
 
-    for length, reward, warning in ((512, 0.0, "never reaches them"), (1280, -1.0, None), (4096, -1.0, "past 1,280")):
+    cases = ((512, 0.0, "never reaches them"), (1152, -0.5, "gets -0.5, not -1"), (1280, -1.0, None))
+    for length, reward, warning in (*cases, (4096, -1.0, "past 1,280")):
         caplog.clear()
         (punish,) = _resolve_rewards(["get_soft_overlong_punishment"], length)
         assert punish(completion_ids=[[1] * length]) == [reward]

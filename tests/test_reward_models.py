@@ -328,7 +328,14 @@ def test_chat_completions_are_the_messages_the_tokenizers_response_template_read
     from trl.chat_template_utils import qwen3_template
 
     from trl_vapo.evaluation import evaluate_policy
-    from trl_vapo.scoring import parsed_completions
+    from trl_vapo.rewards import think_boxed_format_reward
+    from trl_vapo.scoring import RewardScorer, parsed_completions
+
+    seen = []
+
+    def records(completions, **kwargs):
+        seen.extend(completions)
+        return [1.0] * len(completions)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     template = copy.deepcopy(qwen3_template)  # ChatML, as the tiny tokenizer's chat template
@@ -338,12 +345,15 @@ def test_chat_completions_are_the_messages_the_tokenizers_response_template_read
     ids = tokenizer("<think>sum</think>2<|im_end|>", add_special_tokens=False)["input_ids"]
     (message,) = parsed_completions(tokenizer, [ids], lambda: [prompt])
     assert message == {"role": "assistant", "read_by": "response_template", "reasoning_content": "sum", "content": "2"}
-
-    seen = []
-
-    def records(completions, **kwargs):
-        seen.extend(completions)
-        return [1.0] * len(completions)
+    assert think_boxed_format_reward([[{**message, "content": "\\boxed{2}"}]]) == [1.0]  # the reasoning is the block
+    # A prefill: the parser reads it from the prompt's tokens, so the message holds it once (it was prepended again).
+    messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "The answer is"}]
+    prefilled = tokenizer.apply_chat_template(messages, continue_final_message=True)
+    (message,) = parsed_completions(tokenizer, [tokenizer(" 2<|im_end|>")["input_ids"]], lambda: [prefilled])
+    scorer = RewardScorer([records], conversational=True)
+    seen.clear()
+    scorer.score([{"prompt": messages}], [message])
+    assert seen == [[{"role": "assistant", "read_by": "response_template", "content": "The answer is 2"}]]
 
     chat = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}="}]} for i in range(16)])
     args = make_args(tmp_path, max_steps=1)

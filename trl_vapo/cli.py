@@ -370,7 +370,8 @@ RENAMED_FLAGS = {"--torch_dtype": "--dtype"}
 
 
 def _check_resume(output_dir: str, resume: str | bool | None) -> None:
-    """What the trainer would refuse of `--resume_from_checkpoint` (read by `resume_request`: True, None or a path),
+    """What the trainer would refuse of `--resume_from_checkpoint` (read by `resume_request`: True, None, 'auto' or a
+    path),
     said before any model loads: no checkpoint to
     resume from in `output_dir` (true / latest), a folder that is none, or, without it, an earlier run's checkpoints.
     (A checkpoint of another run's settings is said once the trainer is built: it needs the run's fingerprint.)"""
@@ -526,7 +527,7 @@ def train_command(argv: list[str]) -> int:
             Path(training_args.output_dir, RUN_DATA_FILE).write_text(json.dumps(run_data, indent=2) + "\n")
         try:
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: the checkpoint is written and named in the log
+        except TrainingInterrupted as stopped:  # a stop signal: the checkpoint is written and named in the log
             print(f"trl-vapo train: {stopped}", file=sys.stderr)
             trainer.accelerator.end_training()
             return stopped.exit_code
@@ -785,9 +786,11 @@ def _resolve_rewards(names: list[str], max_completion_length: int | None = None)
     from .rewards import get_reward_function
 
     if "get_soft_overlong_punishment" in names and max_completion_length not in (None, 1280):
-        # Built for a 1,280-token budget: any other budget either never meets its ramp or meets its -1 plateau.
+        # Built for a 1,280-token budget: another never meets its ramp, cuts it short, or meets its -1 plateau.
         if max_completion_length <= 1024:
             effect = "never reaches them: it gives 0 to every completion"
+        elif max_completion_length < 1280:
+            effect = f"cuts its ramp short: a cut completion gets {(1024 - max_completion_length) / 256:g}, not -1"
         else:
             effect = "lets completions run on past 1,280 tokens, where it gives -1 (cancelling a correct answer)"
         logger.warning(

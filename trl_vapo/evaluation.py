@@ -43,7 +43,7 @@ class EvaluationResult:
     k: int
     num_problems: int  # those scored: the estimates' problems
     mean_length: float
-    num_unscored: int = 0  # problems none of whose completions a reward function scored (left out of the estimates)
+    num_unscored: int = 0  # problems none of whose completions was judged (`Scores.judged`: left out of the estimates)
 
     def as_dict(self) -> dict[str, float]:
         scores = {"pass@1": self.pass_at_1, f"avg@{self.k}": self.avg_at_k}
@@ -100,7 +100,7 @@ def sample_completions(
     engine: Engine = "generate",
     generation_kwargs: dict | None = None,
     return_ids: bool = False,
-) -> tuple[list[str], list[int]] | tuple[list[str], list[int], list[list[int]]]:
+) -> tuple[list[str], list[int]] | tuple[list[str], list[int], list[list[int]], list[list[int]]]:
     """Generate `num_samples` completions per prompt (grouped by prompt); `temperature=0` decodes greedily.
 
     Prompts are plain text or chat messages, tokenized and cut to `max_prompt_length` exactly as the trainer does;
@@ -270,7 +270,8 @@ class EvaluationMixin:
         Returns, and logs, each prefixed `<metric_key_prefix>_`: what GRPOTrainer logs when it evaluates (`loss`,
         `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `kl` when
         `beta > 0`, the reward functions' own `log_metric`s), and what only a critic shows: `accuracy` (the share of
-        scored completions whose reward is at least `positive_reward_threshold`), the critic's
+        judged completions, those `positive_reward_funcs` scored, whose reward is at least
+        `positive_reward_threshold`), the critic's
         `value/explained_variance` on these held-out completions (pooled over the whole set) and `value/mean`. `loss`
         is VAPO's loss at the current weights (`core.vapo_loss`; the policy ratio is 1). Works before, during and after
         training: the models are in eval mode meanwhile, and torch's random state is restored afterwards, so

@@ -311,7 +311,7 @@ def check_critic_vocabulary(critic: nn.Module, tokenizer, value_model=None, args
     has tokens (an index error mid-rollout, a device-side assert on a GPU), or, where `value_model` names a model
     saved with its tokenizer, one whose tokenizer gives any of the policy's tokens another id (its values would be
     read from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a chat template's) that the
-    critic's lacks are warned: the critic has not learned them."""
+    critic's lacks or numbers otherwise are warned: the critic has not learned them."""
     name = critic.config.name_or_path or type(critic).__name__
     try:
         rows = critic.get_input_embeddings().num_embeddings
@@ -339,9 +339,9 @@ def check_critic_vocabulary(critic: nn.Module, tokenizer, value_model=None, args
         )
     if differ:
         logger.warning(
-            f"value_model {value_model}'s tokenizer lacks {len(differ)} token(s) the policy's tokenizer added "
-            f"({', '.join(repr(token) for token, _ in differ[:5])}): the critic reads them from embeddings it never "
-            "learned."
+            f"value_model {value_model}'s tokenizer lacks or numbers otherwise {len(differ)} token(s) the policy's "
+            f"tokenizer added ({', '.join(repr(token) for token, _ in differ[:5])}): the critic reads them from "
+            "embeddings it never learned."
         )
 
 
@@ -358,7 +358,7 @@ def _saved_tokenizer(value_model, args):
     kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k != "revision"}
     try:
         return AutoTokenizer.from_pretrained(str(value_model), **lookup_kwargs(kwargs))
-    except (OSError, ValueError) as error:  # a model id whose repository holds no tokenizer
+    except Exception as error:  # noqa: BLE001 - none in the repository, a backend not installed: nothing to compare
         logger.warning(f"value_model {value_model}: no tokenizer to compare the policy's with ({error}).")
         return None
 

@@ -197,10 +197,11 @@ def parsed_completions(
     """Chat completions as the assistant messages the tokenizer's response template reads from their tokens (the
     reasoning apart from the content: `{"role": "assistant", "reasoning_content": ..., "content": ...}`), as
     GRPOTrainer passes them to reward functions where the tokenizer has a `response_template` (Gemma 4's own, or
-    one TRL's `add_response_schema` sets; or the former `response_schema`); None where it has neither (the decoded
-    text is then the message's content). `prompt_ids()` gives each completion's prompt tokens, which the parser
-    reads to know where the message began (a template may open the reasoning in the prompt)."""
-    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+    one TRL's `add_response_schema` sets); None where it has none (the decoded text is then the message's content).
+    `prompt_ids()` gives each completion's prompt tokens, which the parser reads from the assistant turn's start: a
+    template may open the reasoning there, and a prefill's text begins the message. (The former `response_schema`
+    alone is not read: transformers 5.23's parser reads `response_template` only, and raises without one.)"""
+    if getattr(tokenizer, "response_template", None) is None:
         return None
     from ._compat import parse_response
 
@@ -382,13 +383,13 @@ class RewardScorer:
             return rows, completions
         joined_rows, messages = [], []
         for row, completion in zip(rows, completions, strict=True):
-            message = (
-                dict(completion) if isinstance(completion, dict) else {"role": "assistant", "content": completion}
-            )
+            parsed = isinstance(completion, dict)
+            message = dict(completion) if parsed else {"role": "assistant", "content": completion}
             prompt = row["prompt"]
             if prompt and prompt[-1].get("role") == "assistant" and isinstance(prompt[-1].get("content"), str):
                 row = {**row, "prompt": prompt[:-1]}
-                message["content"] = prompt[-1]["content"] + message.get("content", "")
+                if not parsed:  # (the parser read the prefill in the prompt's tokens: its message holds it already)
+                    message["content"] = prompt[-1]["content"] + message.get("content", "")
             joined_rows.append(row)
             messages.append([message])
         return joined_rows, messages
