@@ -576,10 +576,13 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
     critic.save_pretrained(tmp_path / "foreign")
     foreign.save_pretrained(tmp_path / "foreign")
+    weights = (tmp_path / "foreign" / "model.safetensors").read_bytes()
+    (tmp_path / "foreign" / "model.safetensors").write_bytes(b"not read")  # refused before the weights load
     with pytest.raises(
         ValueError, match=r"foreign's tokenizer numbers \d+ of the policy's \d+ tokens otherwise, e.g."
     ):
         with_critic(tmp_path / "foreign")
+    (tmp_path / "foreign" / "model.safetensors").write_bytes(weights)
     # Its own tokenizer (the policy's family) is taken; a token the policy's tokenizer added and the critic's lacks
     # is warned (the critic never learned it).
     build_char_tokenizer().save_pretrained(tmp_path / "foreign")

@@ -305,26 +305,35 @@ def build_actor_critic(
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "tekken.json")
 
 
-def check_critic_vocabulary(critic: nn.Module, tokenizer, value_model=None, args=None) -> None:
-    """Refuse a critic that reads the policy's token ids through another vocabulary (the paper starts it from a
-    reward model, which may be another family's): one whose embeddings have fewer rows than the policy's tokenizer
-    has tokens (an index error mid-rollout, a device-side assert on a GPU), or, where `value_model` names a model
-    saved with its tokenizer, one whose tokenizer gives any of the policy's tokens another id (its values would be
-    read from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a chat template's) that the
-    critic's lacks or numbers otherwise are warned: the critic has not learned them."""
-    name = critic.config.name_or_path or type(critic).__name__
+CRITIC_TOKENIZER_FIX = (
+    "the critic reads the policy's token ids, so it needs the policy's tokenizer (a critic or reward model of the "
+    "policy's family; without value_model the critic starts from the policy)"
+)
+
+
+def check_critic_vocabulary(critic: nn.Module, tokenizer) -> None:
+    """Refuse a critic whose embeddings have fewer rows than the policy's tokenizer has tokens: it reads the policy's
+    token ids (the paper starts it from a reward model, which may be another family's), and an id past its rows is an
+    index error mid-rollout, or a device-side assert on a GPU. (`check_critic_tokenizer` compares the vocabularies
+    themselves, where the critic's tokenizer is saved with it.)"""
     try:
         rows = critic.get_input_embeddings().num_embeddings
     except (AttributeError, NotImplementedError):  # custom code without the accessor: nothing to check against
-        rows = None
-    fix = (
-        "the critic reads the policy's token ids, so it needs the policy's tokenizer (a critic or reward model of the "
-        "policy's family; without value_model the critic starts from the policy)"
-    )
-    if rows is not None and rows < len(tokenizer):
+        return
+    if rows < len(tokenizer):
+        name = critic.config.name_or_path or type(critic).__name__
         raise ValueError(
-            f"value_model {name} embeds {rows:,} tokens, and the policy's tokenizer has {len(tokenizer):,}: {fix}."
+            f"value_model {name} embeds {rows:,} tokens, and the policy's tokenizer has {len(tokenizer):,}: "
+            f"{CRITIC_TOKENIZER_FIX}."
         )
+
+
+def check_critic_tokenizer(value_model, tokenizer, args) -> None:
+    """Before its weights load: refuse a `value_model` (a path or model id) saved with a tokenizer that gives any of
+    the policy's tokens another id (a reward model of another family, as many tokens or more: its values would be read
+    from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a chat template's) that the
+    critic's lacks or numbers otherwise are warned: the critic has not learned them."""
+    fix = CRITIC_TOKENIZER_FIX
     critic_tokenizer = _saved_tokenizer(value_model, args)
     if critic_tokenizer is None:
         return

@@ -100,6 +100,7 @@ from .grpo_objective import GRPOObjectiveMixin
 from .loading import (
     add_policy_adapter,
     build_actor_critic,
+    check_critic_tokenizer,
     check_critic_vocabulary,
     check_grpo_arguments,
     check_quantization,
@@ -333,12 +334,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         policy = add_policy_adapter(policy, peft_config, revision)
         fingerprint, base_fingerprint = fingerprints or policy_fingerprints(policy)
         value_targets = value_target_settings(args, self.scorer.names)
+        check_critic_tokenizer(value_model, tokenizer, args)  # before a critic of another family loads its weights
         with whole_models_under_zero3(zero3_config):
             actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint, value_targets)
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
         if separate and value_model is not None:  # one of its own (one from the policy reads what the policy reads)
-            check_critic_vocabulary(actor_critic.critic, tokenizer, value_model, args)
+            check_critic_vocabulary(actor_critic.critic, tokenizer)
         if separate:
             # A config without a pad id (Qwen2.5's): the saved critic could not score a padded batch with
             # `from_pretrained`, which finds each row's last non-pad token through the text config, as TRL's reward
