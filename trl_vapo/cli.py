@@ -371,9 +371,8 @@ RENAMED_FLAGS = {"--torch_dtype": "--dtype"}
 
 def _check_resume(output_dir: str, resume: str | bool | None) -> None:
     """What the trainer would refuse of `--resume_from_checkpoint` (read by `resume_request`: True, None, 'auto' or a
-    path),
-    said before any model loads: no checkpoint to
-    resume from in `output_dir` (true / latest), a folder that is none, or, without it, an earlier run's checkpoints.
+    path), said before any model loads: no checkpoint to resume from in `output_dir` (true / latest), a folder that
+    is none, or, without it, an earlier run's checkpoints.
     (A checkpoint of another run's settings is said once the trainer is built: it needs the run's fingerprint.)"""
     from .checkpoint import RESUME_IF_ANY, checkpoint_problem, resolve_resume
 

@@ -475,11 +475,13 @@ def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dic
         if "prompt" not in row:
             raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
         refuse_images(row, what)
-        # (a stream's rows are read as training goes: its first one is checked)
-        prompts = part["prompt"] if isinstance(part, Dataset) else [row["prompt"]]
-        check_prompts(prompts, what)
-        for i, prompt in enumerate(prompts):
-            refuse_images({"prompt": prompt}, f"{what} (row {i})")
+        if isinstance(part, Dataset):
+            prompts = part["prompt"]
+            check_prompts(prompts, what)
+            for i, prompt in enumerate(prompts):
+                refuse_images({"prompt": prompt}, f"{what} (row {i})")
+        else:  # a stream's rows are read as training goes: its first one is checked
+            check_prompts([row["prompt"]], what)
         if conversational is not None and is_conversational({"prompt": row["prompt"]}) != conversational:
             formats = ("plain text", "chat messages") if conversational else ("chat messages", "plain text")
             raise ValueError(

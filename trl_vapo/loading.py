@@ -333,7 +333,6 @@ def check_critic_tokenizer(value_model, tokenizer, args) -> None:
     the policy's tokens another id (a reward model of another family, as many tokens or more: its values would be read
     from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a chat template's) that the
     critic's lacks or numbers otherwise are warned: the critic has not learned them."""
-    fix = CRITIC_TOKENIZER_FIX
     critic_tokenizer = _saved_tokenizer(value_model, args)
     if critic_tokenizer is None:
         return
@@ -344,7 +343,7 @@ def check_critic_tokenizer(value_model, tokenizer, args) -> None:
         examples = ", ".join(f"{token!r} (policy {i}, critic {theirs.get(token)})" for i, token in renumbered[:3])
         raise ValueError(
             f"value_model {value_model}'s tokenizer numbers {len(renumbered):,} of the policy's {len(tokenizer):,} "
-            f"tokens otherwise, e.g. {examples}: {fix}."
+            f"tokens otherwise, e.g. {examples}: {CRITIC_TOKENIZER_FIX}."
         )
     if differ:
         logger.warning(
@@ -359,7 +358,7 @@ def _saved_tokenizer(value_model, args):
     where there is none to compare with (a model instance, a critic folder saved without one)."""
     from transformers import AutoTokenizer
 
-    if not isinstance(value_model, (str, os.PathLike)) or args is None:
+    if not isinstance(value_model, (str, os.PathLike)):
         return None
     path = Path(value_model)
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
