@@ -319,7 +319,8 @@ def naive_policy_loss(logprobs, old_logprobs, advantages, lengths, eps_low, eps_
     for i, n in enumerate(lengths.tolist()):
         row = []
         for t in range(n):
-            ratio = math.exp(float(logprobs[i, t]) - float(old_logprobs[i, t]))
+            log_ratio = float(logprobs[i, t]) - float(old_logprobs[i, t])
+            ratio = math.exp(min(max(log_ratio, -20.0), 20.0))  # verl's clamp: e^90 is inf
             a = float(advantages[i, t])
             capped = ratio if delta is None else min(ratio, delta)
             row.append(-min(capped * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a))
@@ -524,6 +525,34 @@ def test_a_sequence_level_ratio_is_gspo_tokens(loss_type):
     torch.testing.assert_close(logprobs.grad[unclipped], expected_grad.expand_as(logprobs)[unclipped])
     with pytest.raises(ValueError, match="importance_sampling_level"):
         policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, importance_sampling_level="sentence")
+
+
+@pytest.mark.parametrize("surrogate", ["ppo", "sapo"])
+def test_a_token_far_from_the_sampler_neither_overflows_the_loss_nor_moves_the_step(surrogate):
+    """A token 90 nats from the sampler (rho = e^90 overflows float32) with a negative advantage made the loss inf,
+    and the trainer skipped the whole step. Its log-ratio is clamped at 20 (verl's): the loss is the naive loop's with
+    that clamp, finite, and the token carries no gradient while every other token's is what it was without it."""
+    lengths, mask, advantages, old, g = random_batch(batch=4, steps=6, seed=21)
+    logprobs = old + 0.1 * torch.randn(old.shape, generator=g)
+    i, j = (lengths > 0).nonzero().flatten()[:2].tolist()
+    far = logprobs.clone()
+    far[i, 0], advantages[i, 0] = old[i, 0] + 90.0, -1.0  # rho = e^90, A < 0: the unclipped term is the larger
+    far[j, 0], advantages[j, 0] = old[j, 0] - 90.0, 1.0
+    far.requires_grad_()
+    loss, stats = policy_loss(far, old, advantages, mask, 0.2, 0.28, surrogate=surrogate)
+    assert torch.isfinite(loss) and torch.isfinite(stats["approx_kl"]) and torch.isfinite(stats["ratio"])
+    if surrogate == "ppo":
+        expected = naive_policy_loss(far.detach(), old, advantages, lengths, 0.2, 0.28, "token")
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+    loss.backward()
+    assert far.grad[i, 0] == 0 and far.grad[j, 0] == 0
+    near = torch.ones_like(mask, dtype=torch.bool)
+    near[i, 0] = near[j, 0] = False
+    without = logprobs.clone().requires_grad_()  # the same tokens, the far ones on the sampler
+    policy_loss(without, old, advantages, mask * near, 0.2, 0.28, surrogate=surrogate, normalizer=mask.sum())[
+        0
+    ].backward()
+    torch.testing.assert_close(far.grad[near], without.grad[near])
 
 
 def test_policy_loss_ignores_padding():

@@ -67,6 +67,9 @@ def exact(values: torch.Tensor) -> torch.Tensor:
     return values.to(exact_device(values.device), torch.float64)
 
 
+# The largest |log rho_t| taken (verl's core_algos clamps alike): one token 90 nats off would make rho = inf, the
+# loss inf and the whole step skipped; clamped, the token's term is bounded and carries no gradient.
+LOG_RATIO_LIMIT = 20.0
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per chunk: ~110 positions of a 152k vocabulary
 
 
@@ -489,8 +492,11 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with asymmetric (clip-higher) clipping (VC-PPO Eq. 2; VAPO §3.2-3.3).
 
-        rho_t    = exp(logprob_t - old_logprob_t)
+        rho_t    = exp(clip(logprob_t - old_logprob_t, -20, 20))
         l_t      = -min(min(rho_t, delta) * A_t, clip(rho_t, 1 - epsilon_low, 1 + epsilon_high) * A_t)
+
+    The log-ratio's clip (``LOG_RATIO_LIMIT``, verl's) changes nothing within e^20 of the sampler; beyond, the token
+    adds a bounded term and no gradient, where rho = inf would make the loss inf and skip the whole step.
 
     ``delta`` (None: no cap; not in VAPO; ``"ppo"`` only) is two-sided clipping (INTELLECT-2; GRPOConfig's
     ``delta``): with A_t < 0 the unclipped term -rho_t A_t grows without bound as rho_t does, and the cap bounds it
@@ -550,7 +556,8 @@ def policy_loss(
         raise ValueError(f"surrogate must be one of {', '.join(map(repr, SURROGATES))}, got {surrogate!r}")
     valid = mask.bool()
     zeros = torch.zeros_like(logprobs)
-    token_log_ratio = log_ratio = torch.where(valid, logprobs - old_logprobs, zeros)
+    clamped = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    token_log_ratio = log_ratio = torch.where(valid, clamped, zeros)
     if importance_sampling_level == "sequence":
         sequence = (log_ratio.sum(dim=1) / valid.sum(dim=1).clamp(min=1)).detach()[:, None]
         log_ratio = torch.where(valid, sequence + logprobs - logprobs.detach(), zeros)
@@ -624,7 +631,7 @@ def vespo_weights(
     weights are 0, as GRPOTrainer's.
     """
     valid = mask.bool()
-    log_w = torch.where(valid, token_log_ratio.clamp(-20.0, 20.0), 0.0).sum(dim=1, keepdim=True)
+    log_w = torch.where(valid, token_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), 0.0).sum(dim=1, keepdim=True)
     if is_weights is not None:
         log_is = torch.log(is_weights.to(log_w.dtype)).clamp(math.log(1e-8), 20.0)
         if log_is.shape[1] == 1:  # a sequence-level mode's ratio: the sequence's once
