@@ -159,7 +159,9 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
 
 def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir, jsonl_data, tmp_path, monkeypatch):
     """The command reads the config before it launches the others, as one process: 2 completions per device and 16
-    per group, which 8 processes hold, were refused ("x 1 process(es)"); for 2 they are refused, naming 2."""
+    per group, which 8 processes hold, were refused ("x 1 process(es)"); for 2 they are refused, naming 2. The count
+    is the launcher's: `--num_processes`, else the accelerate config file's (`_relaunch` is replaced: this test is of
+    the check before it)."""
     import trl_vapo.cli as cli
 
     launched = []
@@ -170,6 +172,14 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     assert main([*common, "--num_processes", "8"]) == 0 and launched == [["--num_processes", "8"]]
     with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
         cli.train_command([*common[1:], "--num_processes", "2"])
+    # The count an accelerate config file gives: TRL's `zero2` says 8 (it was checked for 1 process and refused), as
+    # the run's YAML key too; a file of 2 is refused for 2.
+    assert main([*common, "--accelerate_config", "zero2"]) == 0 and launched[-1][1].endswith("zero2.yaml")
+    (tmp_path / "run.yaml").write_text("accelerate_config: zero2\n")
+    assert main([*common, "--config", str(tmp_path / "run.yaml")]) == 0 and len(launched) == 3
+    (tmp_path / "two.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
+        cli.train_command([*common[1:], "--config_file", str(tmp_path / "two.yaml")])
     from transformers import TrainingArguments
 
     from trl_vapo import VAPOConfig
@@ -450,6 +460,9 @@ BAD_INPUT = [
     (["--dataset_name", "owner/nope"], "not a local file or folder (none in"),
     (["--learning_rat", "1e-3"], "--learning_rat (did you mean --learning_rate?)"),  # not taken as a prefix
     (["--config", "typo.yaml"], "the config's key 'learnin_rate' (did you mean 'learning_rate'?)"),
+    # A YAML key is read by its field's name: the flag's hyphenated alias was offered as the fix of itself.
+    (["--config", "hyphen.yaml"], "the config's key 'max-steps' (did you mean 'max_steps'?)"),
+    (["--warmup_ratio", "0.1"], "--warmup_ratio (did you mean --warmup_steps?)"),  # transformers 5 folded it in
     (["--reward_funcs", "math_rewrd"], "(did you mean 'math_reward'?); expected one of math_reward, "),
     (["--reward_funcs", "x"], "think_format_reward"),  # TRL's rewards are in the list too
     (
@@ -489,7 +502,13 @@ BAD_INPUT = [
     # `false` turns a config's resume off (it was taken as a path): a fresh run, refused in a folder of checkpoints.
     (["--output_dir", "earlier", "--resume_from_checkpoint", "false"], "holds an earlier run's checkpoints"),
     # What the trainer refuses before training (a traceback before): settings against the data and the rewards.
-    (["--reward_weights", "1", "2"], "reward_weights has 2 values but there are 1 reward functions."),
+    # A Python dict's quotes: json's message named no field; a field read as a mapping later: an AttributeError.
+    (["--model_init_kwargs", "{'dtype': 'bfloat16'}"], "model_init_kwargs is not JSON (Expecting property name"),
+    (
+        ["--transformers_continuous_batching_config", "max_batch_tokens=512"],
+        "transformers_continuous_batching_config must be a dict or a JSON object, got 'max_batch_tokens=512'",
+    ),
+    (["--reward_weights", "1", "2"], "reward_weights has 2 values but there are 1 reward functions (a reward model"),
     (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
     # A reward model's LoRA task type: it trained, and saved an adapter AutoPeftModelForCausalLM refuses.
     (["--use_peft", "true", "--lora_task_type", "SEQ_CLS"], "peft_config has task_type='SEQ_CLS': the policy is"),
@@ -551,6 +570,7 @@ def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
     ):
         out = tmp_path_factory.mktemp(f"bad-input-{name}")
         (out / "typo.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nlearnin_rate: 1.0e-4\n")
+        (out / "hyphen.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nmax-steps: 2\n")
         (out / "broken.yaml").write_text("learning_rate: [1\nmax_steps: 2\n")
         (out / "earlier" / "checkpoint-1").mkdir(parents=True)
         (out / "earlier" / "checkpoint-1" / "vapo_state.json").write_text("{}")
@@ -1173,6 +1193,25 @@ def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
     assert greedy_right.as_dict() == {"pass@1": 1.0, "avg@1": 0.0, "num_problems": 4, "mean_length": 2}
     data = ["--dataset_name", str(jsonl_data), "--prompt_column", "question", "--dataset_test_split", "train"]
     assert main([*common, "--k", "1", *data]) == 0  # the adapter folder was read as the tokenizer's: an OSError
+
+
+def test_train_goes_on_from_an_adapter_saved_alone_with_its_bases_tokenizer(tiny_model_dir, jsonl_data, tmp_path):
+    """`--model_name_or_path` names a PEFT adapter folder as peft's `save_pretrained` writes it (no tokenizer): the
+    command read the folder as a tokenizer's (an OSError traceback, where `eval` read its base's); it trains on."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "tokenizer_config.json").exists()
+    out = tmp_path / "run"
+    assert main(
+        ["train", "--model_name_or_path", str(tmp_path / "adapter"), "--dataset_name", str(jsonl_data),
+         "--prompt_column", "question", "--output_dir", str(out), "--max_steps", "1", "--value_pretrain_steps", "0",
+         "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
+         "--report_to", "none", "--disable_tqdm", "true", "--eval_num_prompts", "0"]
+    ) == 0  # fmt: skip
+    assert (out / "adapter_config.json").is_file() and (out / "tokenizer_config.json").is_file()
 
 
 def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):

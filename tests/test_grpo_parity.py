@@ -276,6 +276,7 @@ def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_doe
 def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tmp_path):
     make_args(tmp_path, scale_rewards="none", router_aux_loss_coef=0.0, log_multimodal=False)
     make_args(tmp_path, scale_rewards=False)  # GRPOConfig's boolean spelling of 'none'
+    assert make_args(tmp_path, scale_rewards="False").scale_rewards == "none"  # as `--scale_rewards False` gives it
     make_args(tmp_path, scale_rewards="batch")  # VAPO's advantages are whitened over the rollout: batch scaling
 
 

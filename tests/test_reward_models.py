@@ -107,6 +107,19 @@ def test_reward_processing_classes_must_match_reward_funcs(tiny_model_dir, rewar
         )
 
 
+def test_reward_weights_are_counted_before_a_reward_model_loads(tiny_model_dir, reward_model_dir, tmp_path):
+    """Three weights for a reward model and a function were refused once the reward model had loaded (a 7B judge, for a
+    count the arguments show). The model's weights here are unreadable: had it loaded, the error would be theirs."""
+    import shutil
+
+    judge = shutil.copytree(reward_model_dir, tmp_path / "judge")
+    for weights in judge.glob("*.safetensors"):
+        weights.write_bytes(b"not safetensors")
+    args = make_args(tmp_path / "run", reward_weights=[1.0, 0.5, 0.2])
+    with pytest.raises(ValueError, match=r"reward_weights has 3 values but there are 2 reward functions"):
+        VAPOTrainer(str(tiny_model_dir), [str(judge), math_reward], args, prompts_dataset())
+
+
 # ------------------------------------------------------------------------------------------------- the protocol
 def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_check_and_trains(tiny_model_dir, tmp_path):
     from transformers import TrainerCallback

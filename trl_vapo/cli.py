@@ -334,7 +334,9 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
         named = []
         for arg in unknown:
             flag = arg.split("=")[0]
+            underscored = "--" + flag[2:].replace("-", "_")  # TrlParser reads a YAML key by its field's name only
             close = [RENAMED_FLAGS[flag]] if flag in RENAMED_FLAGS else []
+            close = close or ([underscored] if flag in from_config and underscored in known else [])
             close = close or difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
             if flag in from_config:  # a YAML key, named as the file spells it
                 hint = f" (did you mean {close[0][2:]!r}?)" if close else ""
@@ -365,8 +367,9 @@ def _launcher_in_one_line():
     return launcher
 
 
-RENAMED_FLAGS = {"--torch_dtype": "--dtype"}
-"""Flags of older TRL and transformers versions under their names now (TRL's ModelConfig has no `torch_dtype`)."""
+RENAMED_FLAGS = {"--torch_dtype": "--dtype", "--warmup_ratio": "--warmup_steps"}
+"""Flags of older TRL and transformers versions under their names now (TRL's ModelConfig has no `torch_dtype`;
+transformers 5 folded `warmup_ratio` into `warmup_steps`, which reads a value below 1 as the ratio)."""
 
 
 def _check_resume(output_dir: str, resume: str | bool | None) -> None:
@@ -393,16 +396,12 @@ def _check_resume(output_dir: str, resume: str | bool | None) -> None:
 @contextlib.contextmanager
 def _checked_as_launched(argv: list[str]):
     """The config's batch checks (`generation_batch_size` a multiple of `num_generations`, ...) made for the process
-    count the command launches (`--num_processes N`, or the config's key), not for this process alone, which reads
-    the config before it launches the others: a per-device batch that fits N processes was refused ("x 1
-    process(es)"), and one that does not fit them was refused only by each launched process."""
+    count the command launches (`_planned_processes`), not for this process alone, which reads the config before it
+    launches the others: a per-device batch that fits N processes was refused ("x 1 process(es)"), and one that does
+    not fit them was refused only by each launched process."""
     from .config import VAPOConfig
 
-    flags, config = _given(argv)
-    try:
-        planned = int(flags.get("num_processes", (config or {}).get("num_processes", 1)))
-    except (TypeError, ValueError):  # the launcher's parser says what is wrong with it
-        planned = 1
+    planned = _planned_processes(*_given(argv))
     if planned <= 1 or "LOCAL_RANK" in os.environ or LAUNCHED in os.environ:  # launched: its own count is right
         yield
         return
@@ -411,6 +410,41 @@ def _checked_as_launched(argv: list[str]):
         yield
     finally:
         del VAPOConfig.world_size
+
+
+def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.Any] | None) -> int:
+    """How many processes `accelerate launch` will start, as it decides: `--num_processes` (a flag or the config's
+    key), else the accelerate config file's `num_processes` (`--accelerate_config zero2`: TRL's files say 8;
+    `--config_file`), else with `--multi_gpu` alone accelerate's default config's, else every visible GPU. 1 where it
+    cannot be read: the launcher says what is wrong."""
+    import yaml
+
+    given = {**(config or {}), **flags}
+    try:
+        if given.get("num_processes") is not None:
+            return int(given["num_processes"])
+        launch_file = None
+        if given.get("accelerate_config") not in (None, True):
+            from ._compat import resolve_accelerate_config_argument
+
+            named = str(given["accelerate_config"])
+            launch_file = resolve_accelerate_config_argument(["--accelerate_config", named])[1]
+        elif given.get("config_file") not in (None, True):
+            launch_file = given["config_file"]
+        elif str(given.get("multi_gpu", False)).lower() in ("true", ""):
+            from accelerate.commands.config import default_config_file
+
+            if not Path(default_config_file).is_file():
+                import torch
+
+                return torch.cuda.device_count()
+            launch_file = default_config_file
+        if launch_file is None:
+            return 1
+        launched = yaml.safe_load(Path(launch_file).read_text()) or {}
+        return int(launched.get("num_processes") or 1)
+    except (OSError, TypeError, ValueError, AttributeError, ImportError, yaml.YAMLError):
+        return 1
 
 
 def _check_held_out_report(script_args, demo: bool) -> None:
@@ -448,7 +482,6 @@ def train_command(argv: list[str]) -> int:
     if launch_args and "LOCAL_RANK" not in os.environ and LAUNCHED not in os.environ:
         return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
 
-    from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
     from .signals import TrainingInterrupted
@@ -510,9 +543,7 @@ def train_command(argv: list[str]) -> int:
             args=training_args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            processing_class=AutoTokenizer.from_pretrained(
-                model_id, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
-            ),
+            processing_class=_tokenizer_of(model_id, model_args, training_args),
             value_model=script_args.value_model_name_or_path,
             peft_config=get_peft_config(model_args),
         )
@@ -636,13 +667,7 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
     if as_trl and answer_column == VAPOScriptArguments.answer_column:
         answer_column = None
     if script_args.prompt_format == "auto" and not as_trl:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_args.model_name_or_path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
-        )
+        tokenizer = _tokenizer_of(model_args.model_name_or_path, model_args, training_args)
         chat = getattr(tokenizer, "chat_template", None) is not None
 
     def load(split):
@@ -1190,9 +1215,12 @@ def eval_command(argv: list[str]) -> int:
             file=sys.stderr,
         )
     # The JSON flags as mappings, once, for every reader (a YAML config's are mappings already).
-    for name, example in JSON_FLAGS.items():
-        setattr(args, name, _json_object(getattr(args, name), f"--{name}", example))
-    tokenizer_source = _tokenizer_source(args.model)  # (`--model` checked there)
+    from .config import DICT_FIELD_EXAMPLES
+
+    for name in JSON_FLAGS:
+        setattr(args, name, _json_object(getattr(args, name), f"--{name}", DICT_FIELD_EXAMPLES[name]))
+    _check_model_source(args.model, "--model")
+    tokenizer_source = _tokenizer_source(args.model, "--model")
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
     if args.output_json and Path(args.output_json).is_dir():
         raise UsageError(f"--output_json {args.output_json} is a folder: name a file")
@@ -1290,12 +1318,8 @@ def eval_command(argv: list[str]) -> int:
     return 0
 
 
-JSON_FLAGS = {
-    "chat_template_kwargs": '{"enable_thinking": false}',
-    "generation_kwargs": '{"stop_strings": ["</answer>"]}',
-    "transformers_continuous_batching_config": '{"max_batch_tokens": 512}',
-}
-"""`trl-vapo eval`'s flags that take a JSON object, with an example of each."""
+JSON_FLAGS = ("chat_template_kwargs", "generation_kwargs", "transformers_continuous_batching_config")
+"""`trl-vapo eval`'s flags that take a JSON object (each one's example: `config.DICT_FIELD_EXAMPLES`)."""
 
 
 def _json_object(value, flag: str, example: str) -> dict | None:
@@ -1337,11 +1361,23 @@ def _check_eval_numbers(args) -> None:
         raise UsageError("; ".join(problems))
 
 
-def _tokenizer_source(model: str) -> str:
+def _tokenizer_of(model: str, model_args, training_args):
+    """The tokenizer `trl-vapo train` trains `model` with: its own at `--model_revision`, or for a PEFT adapter folder
+    saved without one, its base model's (`_tokenizer_source`)."""
+    from transformers import AutoTokenizer
+
+    source = _tokenizer_source(model, "--model_name_or_path")
+    return AutoTokenizer.from_pretrained(
+        source,
+        revision=model_args.model_revision if source == model else None,
+        trust_remote_code=training_args.trust_remote_code,
+    )
+
+
+def _tokenizer_source(model: str, flag: str) -> str:
     """Where `model`'s tokenizer is: the folder itself (or the Hub id), or for a PEFT adapter folder saved without
-    one, its base model (checked as `--model` is). `model` is checked (`_check_model_source`), before loading."""
+    one (peft's `save_pretrained`), its base model, checked as `flag`'s model was (`_check_model_source`)."""
     folder = Path(model).expanduser()
-    _check_model_source(model, "--model")
     if not folder.is_dir():
         return model  # a Hub id
     adapter = folder / "adapter_config.json"
@@ -1349,7 +1385,7 @@ def _tokenizer_source(model: str) -> str:
         return model
     base = json.loads(adapter.read_text()).get("base_model_name_or_path")
     if not base:
-        raise UsageError(f"--model {model} is a PEFT adapter with neither a tokenizer nor a base_model_name_or_path")
+        raise UsageError(f"{flag} {model} is a PEFT adapter with neither a tokenizer nor a base_model_name_or_path")
     _check_model_source(base, f"the adapter's base model (base_model_name_or_path in {adapter})")
     return base
 

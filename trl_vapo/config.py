@@ -802,13 +802,14 @@ class VAPOConfig(TrainingArguments):
         for name in self._VALID_DICT_FIELDS:
             value = getattr(self, name, None)
             if isinstance(value, str) and value.strip().startswith("{"):
-                setattr(self, name, json.loads(value))
-        examples = {
-            "model_init_kwargs": '{"dtype": "bfloat16"}',
-            "generation_kwargs": '{"stop_strings": ["</answer>"]}',
-            "chat_template_kwargs": '{"enable_thinking": false}',
-        }
-        for name, example in examples.items():
+                try:
+                    setattr(self, name, json.loads(value))
+                except json.JSONDecodeError as error:  # json's message names no field (a Python dict's quotes)
+                    example = DICT_FIELD_EXAMPLES.get(name, '{"key": "value"}')
+                    raise ValueError(
+                        f"{name} is not JSON ({error}): JSON quotes with \", e.g. {name}='{example}'"
+                    ) from None
+        for name, example in DICT_FIELD_EXAMPLES.items():
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):  # read later as a mapping: a TypeError mid-setup
                 raise ValueError(f"{name} must be a dict or a JSON object, got {value!r}: e.g. {name}='{example}'")
@@ -847,7 +848,10 @@ class VAPOConfig(TrainingArguments):
                 )
             self.surrogate, self.loss_type = surrogate, aggregation
         self.loss_type = GRPO_LOSS_TYPES.get(self.loss_type, self.loss_type)
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        scale = self.scale_rewards
+        if isinstance(scale, str) and scale.lower() in ("true", "false"):  # TRL's booleans as the command line's text
+            scale = scale.lower() == "true"
+        self.scale_rewards = {True: "group", False: "none"}.get(scale, scale)
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":  # the CLI passes a string
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
@@ -1410,6 +1414,15 @@ def _cuda_without_native_bf16() -> bool:
     import torch
 
     return torch.cuda.is_available() and not _cuda_supports_bf16()
+
+
+DICT_FIELD_EXAMPLES = {
+    "model_init_kwargs": '{"dtype": "bfloat16"}',
+    "generation_kwargs": '{"stop_strings": ["</answer>"]}',
+    "chat_template_kwargs": '{"enable_thinking": false}',
+    "transformers_continuous_batching_config": '{"max_batch_tokens": 512}',
+}
+"""The fields VAPO reads as mappings, each with an example of its JSON on the command line."""
 
 
 def fp16_asked(fp16: bool) -> bool:

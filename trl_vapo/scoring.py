@@ -118,6 +118,17 @@ class RewardModel:
         return rewards
 
 
+def checked_reward_weights(reward_weights: Sequence[float] | None, count: int) -> list[float]:
+    """One weight per reward function (1 each by default), or a ValueError naming both counts."""
+    weights = list(reward_weights) if reward_weights is not None else [1.0] * count
+    if len(weights) != count:
+        raise ValueError(
+            f"reward_weights has {len(weights)} values but there are {count} reward functions (a reward model counts "
+            "as one): give one weight per function, in their order, or none (1 each)."
+        )
+    return weights
+
+
 def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     """`reward_funcs` with each reward model (a model id, a local path or a `PreTrainedModel` for sequence
     classification, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs` (in
@@ -129,6 +140,7 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     from .pretrained import from_pretrained_kwargs, load_pretrained, with_dtype_named
 
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    checked_reward_weights(args.reward_weights, len(funcs))  # before a reward model loads
     classes = reward_processing_classes
     classes = [None] * len(funcs) if classes is None else classes if isinstance(classes, list) else [classes]
     if len(classes) != len(funcs):
@@ -286,12 +298,7 @@ class RewardScorer:
         positive_reward_funcs: Sequence[str] | None = None,
     ):
         self.funcs, self.names = check_reward_funcs(reward_funcs)
-        weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.funcs)
-        if len(weights) != len(self.funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} values but there are {len(self.funcs)} reward functions."
-            )
-        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.weights = torch.tensor(checked_reward_weights(reward_weights, len(self.funcs)), dtype=torch.float32)
         unknown = [name for name in positive_reward_funcs or [] if name not in self.names]
         if unknown:
             raise ValueError(
