@@ -293,6 +293,79 @@ def test_fsdp2_on_one_gpu_trains_like_the_run_without_it(tiny_model_dir, tmp_pat
     assert_same_training(run, reference)
 
 
+def test_fsdp2_shards_the_actor_critic_layer_by_layer_where_the_config_names_no_layer_class(tiny_model_dir):
+    """TRL's fsdp2.yaml asks for TRANSFORMER_BASED_WRAP and names no class: accelerate then takes the prepared model's
+    `_no_split_modules`, which the actor-critic lacked, and sharded it as one unit (gathered whole at each forward).
+    accelerate's own policy, on both layouts, now picks every decoder layer of the policy and of the critic."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from helpers import peft_actor_critic
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from trl_vapo.modeling import ActorCritic
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    for model in (ActorCritic(policy, critic=critic), peft_actor_critic(tiny_model_dir)):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+        wraps = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+        assert len(layers) == (4 if model.critic is not None else 2)  # two layers each: the policy's, the critic's
+        assert [m for m in model.modules() if wraps(m)] == layers
+
+
+FSDP2_BF16_FORWARD = """
+import json, sys, tempfile
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from trl_vapo.distributed import keep_fsdp2_outputs_as_computed
+from trl_vapo.modeling import ActorCritic
+
+folder, kept = sys.argv[1], sys.argv[2] == "kept"
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+torch.manual_seed(0)
+critic = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+model = ActorCritic(AutoModelForCausalLM.from_pretrained(folder), critic=critic)
+plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+plugin.set_mixed_precision("bf16")  # what accelerate sets for `mixed_precision: bf16`
+if kept:  # (the trainer's accelerator: only the attributes the function reads)
+    state = SimpleNamespace(fsdp_plugin=plugin)
+    keep_fsdp2_outputs_as_computed(SimpleNamespace(distributed_type=DistributedType.FSDP, state=state))
+mesh = init_device_mesh("cpu", (1,))
+for layer in [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]:
+    fully_shard(layer, mesh=mesh, mp_policy=plugin.mixed_precision_policy)  # as accelerate's fsdp2_prepare_model
+fully_shard(model, mesh=mesh, mp_policy=plugin.mixed_precision_policy)
+ids = torch.randint(3, 20, (2, 8), generator=torch.Generator().manual_seed(0))
+out = model(ids, torch.ones_like(ids), 4)
+print(json.dumps({k: [str(v.dtype), (v.float() == v.bfloat16().float()).all().item()] for k, v in out.items()}))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir):
+    """accelerate's FSDP2 mixed precision for `mixed_precision: bf16` casts a sharded model's outputs to bf16: the
+    actor-critic's log-probs and values came back rounded (the PPO ratio in steps of 3% near log-prob -4.6), its value
+    head computing in bf16 besides. Kept as computed (`keep_fsdp2_outputs_as_computed`, which the trainer calls before
+    sharding anything) and the head computing in float32 (`Float32Linear`), they are float32 and not bf16's values,
+    while the weights still compute in bf16. One process of gloo on the CPU, sharded as accelerate shards it."""
+    import subprocess
+    import sys
+
+    def forward(mode: str) -> dict:
+        script = [sys.executable, "-c", FSDP2_BF16_FORWARD, str(tiny_model_dir), mode]
+        proc = subprocess.run(script, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert forward("accelerate's") == {k: ["torch.bfloat16", True] for k in ("logprobs", "entropy", "values")}
+    kept = forward("kept")
+    assert kept["logprobs"] == kept["values"] == ["torch.float32", False]
+
+
 def test_groups_held_out_leave_their_weights_and_adam_state_alone_and_name_a_missing_group():
     """The hook itself, on the torch AdamW that ZeRO wraps: the held-out group is not stepped (no state, same
     weights) while the other is; the groups are back after the step, also after a step that raised."""

@@ -149,25 +149,29 @@ def test_rollout_and_reference_logprobs_equal_the_models_own_logits(tiny_model_d
     assert not torch.allclose(ref, logprobs, atol=1e-3)  # the reference is another distribution
 
 
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["full", "lora"])
-def test_the_value_head_computes_in_float32_under_bf16_autocast(tiny_model_dir, layout):
+def test_the_value_head_computes_in_float32_under_bf16_autocast(tiny_model_dir, layout, weights):
     """The trainer runs the critic under the accelerator's autocast; a linear layer there computes in bf16 whatever
     its weight's dtype, and values near 1 would be spaced 2^-8 apart, as large as the TD errors the policy's
     advantages sum. The head (the separate critic's `score`, the shared-base critic's value head) computes in float32
-    on the hidden states autocast made."""
+    on the hidden states autocast made, also from bf16 weights (DeepSpeed's bf16 casts every parameter, FSDP2's mixed
+    precision gathers them so), which computed in bf16."""
     model = actor_critic(layout, tiny_model_dir)
     ids, attention, length = batch(model.config.vocab_size, seed=5)
     head = model.critic.score if layout == "full" else model.value_head.summary
+    head.to(getattr(torch, weights))
     seen = []
     head.register_forward_hook(lambda module, args, out: seen.append((args[0], out)))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         values = model(ids, attention, length, 1.0, with_policy=False, with_values=True)["values"]
     ((hidden, out),) = seen
-    assert hidden.dtype == out.dtype == torch.float32
+    assert out.dtype == torch.float32
     expected = torch.nn.functional.linear(
         hidden.double(), head.weight.double(), None if head.bias is None else head.bias.double()
     )
     torch.testing.assert_close(values.double(), expected[:, :, 0], rtol=1e-6, atol=1e-7)
+    assert (values != values.bfloat16().float()).any()  # not bf16's values
 
 
 def tiny_config(family: str):

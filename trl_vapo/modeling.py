@@ -111,7 +111,7 @@ class ValueHead(nn.Module):
 
     def __init__(self, hidden_size: int, init_std: float = 0.02):
         super().__init__()
-        self.summary = nn.Linear(hidden_size, 1)
+        self.summary = Float32Linear(hidden_size, 1)
         nn.init.normal_(self.summary.weight, std=init_std)
         nn.init.zeros_(self.summary.bias)
 
@@ -120,12 +120,17 @@ class ValueHead(nn.Module):
 
 
 def value_head_forward(head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``head(hidden_states)`` in the head's own dtype (float32: it trains), outside autocast, squeezed to ``[B, T]``.
+    """``head(hidden_states)`` in float32, outside autocast, squeezed to ``[B, T]``: a :class:`Float32Linear` head
+    (the shared-base critic's, a separate critic's linear ``score``: `ActorCritic` makes it one) computes in float32
+    whatever its weights' dtype, which DeepSpeed's bf16 and FSDP2's mixed precision make bf16; another head computes
+    in its own dtype.
 
-    Under bf16 autocast a linear layer computes in bf16 whatever its weight's dtype: values near 1 would be spaced
-    2^-8 apart, the size of the TD errors V(s_{t+1}) - V(s_t) whose sum over some alpha * l tokens is the policy's
-    advantage. The base's hidden states stay as autocast made them; only the head (hidden x 1) computes in float32.
+    Under bf16 a linear layer computes in bf16: values near 1 would be spaced 2^-8 apart, the size of the TD errors
+    V(s_{t+1}) - V(s_t) whose sum over some alpha * l tokens is the policy's advantage. The base's hidden states stay
+    as autocast made them; only the head (hidden x 1) computes in float32.
     """
+    if isinstance(head, Float32Linear):  # called as a module: ZeRO-3's and FSDP2's hooks gather its weights
+        return head(hidden_states).squeeze(-1)
     dtype = next(head.parameters()).dtype
     if not dtype.is_floating_point:  # a quantized head computes as its kernels do
         return head(hidden_states).squeeze(-1)
@@ -204,8 +209,9 @@ def check_value_model(model: nn.Module) -> None:
 
 
 class Float32Linear(nn.Linear):
-    """A linear layer that computes in float32 whatever the input's dtype or the autocast: the LM head under
-    GRPOConfig's ``cast_lm_head_to_fp32`` (ScaleRL), so that the logits, and the PPO ratio, carry no bf16 rounding."""
+    """A linear layer that computes in float32 whatever the input's or its weights' dtype or the autocast: the LM head
+    under GRPOConfig's ``cast_lm_head_to_fp32`` (ScaleRL), so that the logits, and the PPO ratio, carry no bf16
+    rounding; the value heads (`value_head_forward`)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden_states.device.type, enabled=False):
@@ -489,6 +495,8 @@ class ActorCritic(nn.Module):
         self.policy = policy
         self.critic = critic
         self.value_head = value_head
+        if critic is not None and type(head := _sequence_classification_head(critic)) is nn.Linear:
+            head.__class__ = Float32Linear  # float32 values whatever its weights' dtype (`value_head_forward`)
         # A Mixture-of-Experts policy's load-balancing loss comes back with its log-probs (`forward`'s `aux_loss`)
         # when the trainer adds it to the policy's loss (`router_aux_loss_coef`).
         self.with_router_aux_loss = False
@@ -522,6 +530,18 @@ class ActorCritic(nn.Module):
     @property
     def config(self):
         return self.policy.config
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The policy's and the critic's layer classes, which FSDP2 shards one by one: accelerate's
+        TRANSFORMER_BASED_WRAP reads the prepared model's `_no_split_modules` where the config names no class (TRL's
+        fsdp2.yaml names none). Without them the whole actor-critic was one FSDP unit, gathered whole on every
+        process at each forward."""
+        names = []
+        for model in (self.policy, self.critic):
+            base = model.get_base_model() if is_peft_model(model) else model
+            names += getattr(base, "_no_split_modules", None) or []
+        return list(dict.fromkeys(names))
 
     @property
     def is_gradient_checkpointing(self) -> bool:

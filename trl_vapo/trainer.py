@@ -76,6 +76,7 @@ from .distributed import (
     deepspeed_quiet_unless_used,
     fsdp2_unsharded,
     groups_held_out,
+    keep_fsdp2_outputs_as_computed,
     mark_offload_overflow,
     reset_adam_step,
     settle_offloaded_gradients,
@@ -410,6 +411,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 optimizers=optimizers,
             )
         check_distributed_setup(self.accelerator, args)
+        keep_fsdp2_outputs_as_computed(self.accelerator)  # before any model is sharded
         # As GRPOTrainer's, `trainer.model` is the policy (its parameter names, `lm_head`, `peft_config`, what
         # callbacks get as `model`); what trains, the policy and the critic as one module, is `trainer.actor_critic`.
         self.actor_critic: ActorCritic = self.model
