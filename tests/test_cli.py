@@ -219,7 +219,7 @@ def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):
 def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, capsys):
     """`trl-vapo train --config tweaks.yaml` with neither a model nor data in it runs the offline demo with the file's
     settings over the demo's; it was refused, asking for a model it did not mention."""
-    from trl_vapo.cli import DEMO_DEFAULTS, _is_demo
+    from trl_vapo.cli import DEMO_DEFAULTS, _demo_defaults, _is_demo
 
     tweaks = tmp_path / "tweaks.yaml"
     tweaks.write_text("max_steps: 32\n")
@@ -230,6 +230,11 @@ def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, c
     assert (
         training_args.max_steps == 32 and training_args.critic_num_iterations == DEMO_DEFAULTS["critic_num_iterations"]
     )
+    # A rollout's size in samples replaces the demo's in optimizer steps (both were set, and refused as disagreeing).
+    parser = _parser()
+    parser.set_defaults(**_demo_defaults(["--generation_batch_size", "128"]))
+    _, training_args, *_ = _parse_args_and_config(parser, ["--generation_batch_size", "128"])
+    assert (training_args.generation_batch_size, training_args.steps_per_generation) == (128, 8)
     (tmp_path / "run.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nmax_steps: 32\n")
     assert not _is_demo(["--config", str(tmp_path / "run.yaml")])
     assert not _is_demo(["--config", str(tweaks), "--dataset_name", "data.jsonl"])

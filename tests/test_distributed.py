@@ -405,6 +405,8 @@ def test_groups_held_out_leave_their_weights_and_adam_state_alone_and_name_a_mis
         ({"fsdp_version": 2, "use_static_cache_engine": True}, "use_static_cache_engine=True cannot sample"),
         ({"fsdp_version": 2, "use_static_cache_engine": True, "processes": 1}, None),
         ({"fsdp_version": 2}, None),
+        # Layers replayed under the adapter active in backward; Adam's state saved under other names.
+        ({"fsdp_version": 2, "activation_checkpointing": True}, "fsdp_activation_checkpointing is not supported"),
         ({"zero_stage": 3, "use_transformers_continuous_batching": True, "gather": False}, "ZeRO-3 shards"),
         ({"zero_stage": 3, "use_transformers_continuous_batching": True, "gather": True}, None),
         ({"zero_stage": 2, "use_transformers_continuous_batching": True, "gather": False}, None),
@@ -426,10 +428,11 @@ def test_setups_that_would_clip_apart_or_hang_are_refused(tmp_path, monkeypatch,
     setup = dict(setup)
     processes = setup.pop("processes", 2)
     fsdp_version, zero_stage = setup.pop("fsdp_version", None), setup.pop("zero_stage", None)
+    checkpointing = setup.pop("activation_checkpointing", False)
     args = make_args(tmp_path, ds3_gather_for_generation=setup.pop("gather", True), **setup)
     monkeypatch.setenv("WORLD_SIZE", str(processes))  # what the launcher sets (after the config: it would connect)
     state = SimpleNamespace(
-        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version),
+        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version, activation_checkpointing=checkpointing),
         deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage, deepspeed_config={}),
     )
     kind = DistributedType.FSDP if fsdp_version else DistributedType.DEEPSPEED

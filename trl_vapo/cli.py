@@ -294,6 +294,18 @@ def _given(argv: list[str]) -> tuple[dict[str, typing.Any], dict[str, typing.Any
     return flags, config
 
 
+def _demo_defaults(argv: list[str]) -> dict[str, typing.Any]:
+    """The demo's settings under those `argv` gives: a rollout's size given as `generation_batch_size` replaces the
+    demo's `steps_per_generation` (both set, they were refused as disagreeing: the user had set only one)."""
+    flags, config = _given(argv)
+    given = {**(config or {}), **flags}
+    return {
+        k: v
+        for k, v in DEMO_DEFAULTS.items()
+        if not (k == "steps_per_generation" and "generation_batch_size" in given)
+    }
+
+
 def _is_demo(argv: list[str]) -> bool:
     """No model and no data, as flags or in the `--config` file: the offline demo (a config then changes its
     settings, `max_steps: 5` say)."""
@@ -468,7 +480,7 @@ def train_command(argv: list[str]) -> int:
     demo = _is_demo(argv) and not {"-h", "--help"} & set(argv)  # help shows every run's defaults, naming the demo's
     parser = _parser()
     if demo:
-        parser.set_defaults(**DEMO_DEFAULTS)
+        parser.set_defaults(**_demo_defaults(argv))
     with _checked_as_launched(argv):
         script_args, training_args, model_args, mixture, config_remaining, cli_remaining = _parse_args_and_config(
             parser, argv

@@ -514,6 +514,14 @@ def check_distributed_setup(accelerator, args) -> None:
             "samples from the sharded policy as FSDP2 allows. Set fsdp_version: 2 in the accelerate config (trl-vapo "
             "train --accelerate_config fsdp2)."
         )
+    if fsdp and getattr(accelerator.state.fsdp_plugin, "activation_checkpointing", False):
+        raise ValueError(
+            "fsdp_activation_checkpointing is not supported: accelerate's checkpoint wrappers replay each layer in "
+            "the backward pass under whichever adapter is active then (the shared-base critic's gradients would come "
+            "from the policy adapter's activations), and rename the parameters the optimizer's state is saved under "
+            "(a resume would restart Adam). Set fsdp_activation_checkpointing: false in the accelerate config and "
+            "gradient_checkpointing=True (--gradient_checkpointing true), which saves the same memory."
+        )
     zero3 = (
         accelerator.distributed_type == DistributedType.DEEPSPEED
         and accelerator.state.deepspeed_plugin.zero_stage == 3

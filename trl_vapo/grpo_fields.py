@@ -25,7 +25,9 @@ GRPO_ONLY: dict[str, tuple] = {  # field: (GRPO's default, what VAPO does instea
     ),
     "use_bias_correction_kl": (
         True,
-        "VAPO's KL (`beta`) is a per-token penalty in the reward, not a loss term to reweight.",
+        "VAPO's KL (`beta`) is a per-token penalty in the reward, not a loss term to reweight: False (no reweighting, "
+        "GRPO's setting before DeepSeek-V3.2's correction) is accepted too.",
+        (False,),
     ),
     "max_tool_calling_iterations": (
         None,
