@@ -32,8 +32,8 @@ Printed per method: median step time over the steps after `--warmup`, split into
 the no-grad pass for old log-probs and values, GAE) and update (forward, loss, backward, clipping, optimizer);
 completion tokens per second; peak GPU memory (`torch.cuda.max_memory_allocated`; on CPU, the process's peak RSS), and
 the ratios of VAPO to GRPO in the same mode. A run that fails is a FAILED row: the others still run, and the
-driver exits 1 at the end. Targets (issue "Train correctly on one GPU"): VAPO LoRA peak memory at
-most 1.15x GRPO LoRA; a VAPO step at most 1.3x GRPO's at these lengths.
+driver exits 1 at the end. Targets (issue "The first GPU run's findings"): VAPO LoRA peak memory at
+most 1.15x GRPO LoRA; a VAPO step at most 1.1x GRPO's at these lengths (1.3x before that issue).
 
 `--static-memory` measures, on whatever device is there (the CPU here), what does not depend on the batch: the bytes
 of the weights (trainable and frozen, by dtype) and of the optimizer state, read off the tensors after one real

@@ -325,23 +325,26 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl_vapo.distributed import keep_fsdp2_outputs_as_computed
 from trl_vapo.modeling import ActorCritic
 
-folder, kept = sys.argv[1], sys.argv[2] == "kept"
+folder = sys.argv[1]
 dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-torch.manual_seed(0)
-critic = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
-model = ActorCritic(AutoModelForCausalLM.from_pretrained(folder), critic=critic)
-plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-plugin.set_mixed_precision("bf16")  # what accelerate sets for `mixed_precision: bf16`
-if kept:  # (the trainer's accelerator: only the attributes the function reads)
-    state = SimpleNamespace(fsdp_plugin=plugin)
-    keep_fsdp2_outputs_as_computed(SimpleNamespace(distributed_type=DistributedType.FSDP, state=state))
 mesh = init_device_mesh("cpu", (1,))
-for layer in [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]:
-    fully_shard(layer, mesh=mesh, mp_policy=plugin.mixed_precision_policy)  # as accelerate's fsdp2_prepare_model
-fully_shard(model, mesh=mesh, mp_policy=plugin.mixed_precision_policy)
 ids = torch.randint(3, 20, (2, 8), generator=torch.Generator().manual_seed(0))
-out = model(ids, torch.ones_like(ids), 4)
-print(json.dumps({k: [str(v.dtype), (v.float() == v.bfloat16().float()).all().item()] for k, v in out.items()}))
+results = {}
+for mode in ("accelerate's", "kept"):
+    torch.manual_seed(0)
+    critic = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    model = ActorCritic(AutoModelForCausalLM.from_pretrained(folder), critic=critic)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")  # what accelerate sets for `mixed_precision: bf16`
+    if mode == "kept":  # (the trainer's accelerator: only the attributes the function reads)
+        state = SimpleNamespace(fsdp_plugin=plugin)
+        keep_fsdp2_outputs_as_computed(SimpleNamespace(distributed_type=DistributedType.FSDP, state=state))
+    for layer in [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]:
+        fully_shard(layer, mesh=mesh, mp_policy=plugin.mixed_precision_policy)  # as accelerate's fsdp2_prepare_model
+    fully_shard(model, mesh=mesh, mp_policy=plugin.mixed_precision_policy)
+    out = model(ids, torch.ones_like(ids), 4)
+    results[mode] = {k: [str(v.dtype), (v.float() == v.bfloat16().float()).all().item()] for k, v in out.items()}
+print(json.dumps(results))
 dist.destroy_process_group()
 """
 
@@ -355,15 +358,12 @@ def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir)
     import subprocess
     import sys
 
-    def forward(mode: str) -> dict:
-        script = [sys.executable, "-c", FSDP2_BF16_FORWARD, str(tiny_model_dir), mode]
-        proc = subprocess.run(script, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    assert forward("accelerate's") == {k: ["torch.bfloat16", True] for k in ("logprobs", "entropy", "values")}
-    kept = forward("kept")
-    assert kept["logprobs"] == kept["values"] == ["torch.float32", False]
+    script = [sys.executable, "-c", FSDP2_BF16_FORWARD, str(tiny_model_dir)]
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outputs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outputs["accelerate's"] == {k: ["torch.bfloat16", True] for k in ("logprobs", "entropy", "values")}
+    assert outputs["kept"]["logprobs"] == outputs["kept"]["values"] == ["torch.float32", False]
 
 
 def test_groups_held_out_leave_their_weights_and_adam_state_alone_and_name_a_missing_group():

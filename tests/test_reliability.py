@@ -703,6 +703,46 @@ def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_pa
     assert trainer.lr_scheduler.last_epoch == trainer.state.global_step
 
 
+def test_a_resume_naming_another_value_pretraining_budget_keeps_the_runs_length_and_the_critics_schedule(
+    tiny_model_dir, tmp_path
+):
+    """Once value pretraining has ended, the run's length and the critic's schedule are the run's, whatever budget a
+    resume names. A run of value_pretrain_steps=0 resumed without it (the phase is RL: nothing pretrains) planned the
+    default budget's steps on top of max_steps and trained them; a run that pretrained, resumed with
+    value_pretrain_steps=0, gave the critic's decaying rate this run's length (RL alone): 0 before the run's end."""
+    save = dict(save_strategy="steps", save_steps=1, value_pretrain_patience=None)
+    started_in_rl = config(tmp_path / "rl", max_steps=2, value_pretrain_steps=0, **save)
+    VAPOTrainer(str(tiny_model_dir), digit_fraction, args=started_in_rl, train_dataset=prompts_dataset(32)).train()
+    resumed = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        args=config(tmp_path / "rl", max_steps=4, value_pretrain_steps=2, **save),
+        train_dataset=prompts_dataset(32),
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == resumed.state.max_steps == 4
+
+    pretrained = config(tmp_path / "vp", max_steps=2, value_pretrain_steps=1, lr_scheduler_type="linear", **save)
+    first = VAPOTrainer(str(tiny_model_dir), digit_fraction, args=pretrained, train_dataset=prompts_dataset(32))
+    first.train()
+    rl_start = first.progress.rl_start_step
+    assert rl_start > 0
+    resumed = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        args=config(tmp_path / "vp", max_steps=4, value_pretrain_steps=0, lr_scheduler_type="linear", **save),
+        train_dataset=prompts_dataset(32),
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == resumed.state.max_steps == rl_start + 4
+    critic = [
+        s for g, s in zip(resumed.optimizer.param_groups, resumed.lr_scheduler.lr_lambdas) if g["name"] == "critic"
+    ]
+    assert {schedule.total_steps for schedule in critic} == {rl_start + 4}
+    rates = [h["critic_learning_rate"] for h in resumed.state.log_history if "critic_learning_rate" in h]
+    assert rates[-1] > 0  # linear over the run: above 0 until its end (it was 0 from step 4 on)
+
+
 @pytest.mark.parametrize("kind", ["constant_with_warmup", "constant", "linear", "cosine", "cosine-1.0"])
 def test_each_schedule_is_transformers_own_shifted_to_where_its_side_starts(kind):
     """`Schedule` follows `transformers.get_scheduler`, multiplier for multiplier over a whole run (`constant` has no

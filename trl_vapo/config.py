@@ -79,8 +79,9 @@ class VAPOConfig(TrainingArguments):
             "help": "Learning-rate schedule, applied to the actor and the critic separately: one of "
             f"{', '.join(_LR_SCHEDULES)}, as `transformers.get_scheduler` computes them (`constant` has no warm-up). "
             "The actor's warm-up starts with its first update, after value pretraining; the critic's schedule spans "
-            "the planned run (value pretraining's whole budget, then RL), and keeps that length when "
-            "`value_pretrain_patience` ends value pretraining early (a decaying one then ends above its last rate). "
+            "the planned run (value pretraining's whole budget, then RL) until value pretraining ends, then the run "
+            "as it is (value pretraining's steps, then RL: shorter where `value_pretrain_patience` ended it early), "
+            "so that a decaying rate reaches 0 at the run's end. "
             "Paper: warm-up then constant, of a length it does not give: `warmup_steps` is 0 (no warm-up) unless set."
         },
     )

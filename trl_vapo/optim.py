@@ -85,6 +85,18 @@ def side_schedules(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
 
 
+def set_critic_length(scheduler, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
+    """The critic's schedule over `total_steps`, the run's length once value pretraining has ended (its stop rule,
+    or a resumed run's other budget, makes it other than planned): a decaying rate reaches 0 at the run's end, not
+    before (a resume with a smaller budget) or never (an early stop). Its warm-up and its position stay."""
+    for group, schedule, base_lr in zip(
+        optimizer.param_groups, getattr(scheduler, "lr_lambdas", []), scheduler.base_lrs
+    ):
+        if group.get("name") != "policy" and isinstance(schedule, Schedule):
+            schedule.total_steps = total_steps
+            group["lr"] = base_lr * schedule(scheduler.last_epoch)
+
+
 def start_actor_schedule(scheduler, optimizer: torch.optim.Optimizer, step: int) -> None:
     """Start the actor's schedule at optimizer step `step` (the end of value pretraining)."""
     for group, schedule, base_lr in zip(

@@ -71,10 +71,12 @@ class RunPlan:
 
     def max_steps(self, progress: TrainingProgress) -> int:
         """The run's optimizer steps as `progress` finds it: value pretraining's budget and the RL steps, and once
-        value pretraining has ended (at `rl_start_step`, early or not), the steps it took instead of its budget. The
-        start of a run, the end of value pretraining and a resume all read their `max_steps` here."""
-        if progress.phase == RL and progress.rl_start_step is not None:
-            return progress.rl_start_step + self.rl_steps
+        value pretraining has ended (at `rl_start_step`, early or not), the steps it took instead of its budget: none
+        for a run that started in RL (`rl_start_step` None), whatever budget a resumed run's config names (a run of
+        `value_pretrain_steps=0` resumed without it trained 50 rollouts' worth of steps too many). The start of a run,
+        the end of value pretraining and a resume all read their `max_steps` here."""
+        if progress.phase == RL:
+            return (progress.rl_start_step or 0) + self.rl_steps
         return self.planned_steps
 
 

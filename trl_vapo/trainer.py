@@ -127,7 +127,7 @@ from .modeling import (
     value_function_name,
     value_target_settings,
 )
-from .optim import parameter_groups, side_schedules, start_actor_schedule
+from .optim import parameter_groups, set_critic_length, side_schedules, start_actor_schedule
 from .reporting import (
     NUMBERS_ONLY_TRACKERS,
     SEQUENCE_MEANS,
@@ -617,6 +617,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 # as at the end of a budget. The plan counts this run's budget: it could be behind the step reached,
                 # and the run end without a step of RL.
                 self._finish_value_pretraining(early=False)
+            elif progress.phase == RL:  # this run's settings gave the critic's schedule the length it planned
+                set_critic_length(self.lr_scheduler, self.optimizer, self.state.max_steps)
 
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
@@ -1334,6 +1336,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if self.is_deepspeed_enabled:  # see `trl_vapo.distributed`: a no-op unless something stepped the policy
             reset_adam_step(self.optimizer, "policy")
         start_actor_schedule(self.lr_scheduler, self.optimizer, progress.rl_start_step)
+        set_critic_length(self.lr_scheduler, self.optimizer, self.state.max_steps)
         reason = "explained variance stopped improving" if early else "its budget is spent"
         final = progress.final_explained_variance(self.args.value_pretrain_patience)
         logger.info(
