@@ -351,6 +351,18 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     windowed = copy.deepcopy(model)  # Mistral's and Phi-3's configs name a window but no layer_types
     windowed.config.sliding_window = 4096
     assert StaticCacheEngine.unsupported_settings(GREEDY, windowed) == ["sliding_window=4096"]
+    # A model that keeps no transformers Cache (RWKV's recurrent state): its forward ignored the engine's cache, which
+    # the engine then read empty (an AttributeError mid-rollout); it samples with generate().
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    shape = dict(hidden_size=16, num_hidden_layers=2, attention_hidden_size=16, intermediate_size=32)
+    recurrent = RwkvForCausalLM(RwkvConfig(vocab_size=model.config.vocab_size, context_length=64, **shape))
+    expected = ["model=RwkvForCausalLM (no transformers Cache)"]
+    assert StaticCacheEngine.unsupported_settings(GREEDY, recurrent) == expected
+    generate, static = _engines(recurrent, tokenizer, [tokenizer.eos_token_id])
+    assert static.generate(prompts, sampling=GREEDY).completion_lists() == (
+        generate.generate(prompts, sampling=GREEDY).completion_lists()
+    )
     # The model's own generation_config, which generate() applies where the rollout's settings leave a field unset
     # (the engine sampled without it): its processors always, its warpers when sampling.
     ngram = copy.deepcopy(model)

@@ -126,6 +126,23 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
         trainer.train()
 
 
+def test_an_8bit_bitsandbytes_optimizer_keeps_the_embeddings_state_in_32_bits(tiny_model_dir, tmp_path):
+    """transformers' `create_optimizer` registers 32-bit Adam state for every embedding under bitsandbytes' 8-bit
+    optimizers (GRPOTrainer's too); VAPO's, which builds per-side groups, did not: a full fine-tune's embeddings (the
+    policy's and the critic's) kept 8-bit state."""
+    import bitsandbytes
+    from torch import nn
+
+    args = make_args(tmp_path, optim="adamw_8bit")
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args=args, train_dataset=prompts_dataset())
+    trainer.create_optimizer()
+    overrides = bitsandbytes.optim.GlobalOptimManager.get_instance().module_weight_config_triple
+    embeddings = [m for m in trainer.actor_critic.modules() if isinstance(m, nn.Embedding)]
+    assert len(embeddings) == 2  # the policy's and the separate critic's
+    for embedding in embeddings:
+        assert any(m is embedding and (name, bits) == ("weight", {"optim_bits": 32}) for m, name, bits in overrides)
+
+
 def test_data_seed_zero_orders_the_prompts(tiny_model_dir, tmp_path):
     """`data_seed=0` is a seed (`data_seed or seed` took the run's seed instead): the prompts' order is data_seed's."""
     orders = []

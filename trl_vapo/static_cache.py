@@ -111,6 +111,9 @@ class StaticCacheEngine(GenerationEngine):
         if adapter is not None and adapter.is_prompt_learning:  # virtual tokens: their own cache slots and masks
             unsupported.append(f"peft_type={adapter.peft_type.value}")
         model = _causal_lm_of(model)
+        keeps_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
+        if keeps_cache is not None and not keeps_cache():  # RWKV's recurrent state: the cache would be ignored
+            unsupported.append(f"model={type(model).__name__} (no transformers Cache)")
         if sampling.repetition_penalty != 1.0:
             unsupported.append(f"repetition_penalty={sampling.repetition_penalty}")
         unsupported += model_generation_settings(sampling, model)  # what generate() takes from the model's config

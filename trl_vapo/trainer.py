@@ -504,6 +504,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(args, self.actor_critic)
             optimizer_kwargs.pop("lr", None)
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+            if "bitsandbytes" in str(optimizer_cls) and optimizer_kwargs.get("optim_bits") == 8:
+                # As transformers' `create_optimizer`: the embeddings' Adam state stays 32-bit (8-bit state there
+                # destabilises training, bitsandbytes' advice), the rest is 8-bit.
+                import bitsandbytes
+
+                manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+                for module in self.actor_critic.modules():
+                    if isinstance(module, nn.Embedding):
+                        manager.register_module_override(module, "weight", {"optim_bits": 32})
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
