@@ -107,6 +107,35 @@ def test_a_grpo_style_rollout_func_samples_with_vllm_and_its_logprobs_are_the_sa
     assert rl_logs(trainer)[0]["sampling/sampling_logp_difference/mean"] == pytest.approx(0.05, abs=1e-4)
 
 
+def test_a_rollout_funcs_logprobs_guard_its_drift_without_vllm(tiny_model_dir, tmp_path):
+    """A rollout_func's log-probs (an agent server's sampler, not vLLM) are what `off_policy_mask_threshold` measures
+    the drift against, as GRPOTrainer reads them whatever the backend: they were dropped without `use_vllm`, and the
+    mask the user set did nothing. Here the function says every token had log-prob 0, far above the policy's: every
+    sequence drifted past 0.5, so the first step's policy loss leaves out every negative advantage. Without vLLM they
+    correct nothing (no importance-sampling weights), as in GRPOTrainer."""
+    from test_grpo_parity import _first_step_policy_loss
+
+    def certain(prompts, trainer):
+        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
+        completions = trainer.generation_engine.generate(prompt_ids).completion_lists()
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completions,
+            "logprobs": [[0.0] * len(c) for c in completions],
+        }
+
+    args = make_args(tmp_path, max_steps=1, whiten_advantages=False, off_policy_mask_threshold=0.5)
+    trainer = CapturingTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), rollout_func=certain)
+    trainer.train()
+    [(_, rollout)] = trainer.rollouts
+    assert rollout.sampling_logprobs is not None and rollout.is_weights is None
+    negative = (rollout.advantages < 0) & rollout.loss_mask.bool()
+    assert negative.any() and (rollout.advantages * rollout.loss_mask > 0).any()
+    whole = {"mask": rollout.loss_mask, "advantages": rollout.advantages}
+    logged = rl_logs(trainer)[0]["loss/policy"]
+    assert logged == pytest.approx(_first_step_policy_loss(whole, (~negative).float()), rel=1e-4, abs=1e-6)
+
+
 def test_a_rollout_funcs_output_becomes_an_engines():
     output = {
         "prompt_ids": [[1, 2], [3], [4]],

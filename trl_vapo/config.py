@@ -687,9 +687,9 @@ class VAPOConfig(TrainingArguments):
         metadata={
             "help": "DeepSeek-V3.2's off-policy sequence mask (Eq. 9), as GRPOConfig's: a token with a negative "
             "advantage does not train when its sequence's mean log-ratio log pi_sampler - log pi (an estimate of "
-            "KL(sampler || policy)) exceeds this threshold, e.g. 0.5. The sampler is vLLM's log-probs, else the "
-            "policy's before the rollout's first update (no drift with one update per rollout). None (default, as "
-            "VAPO): off."
+            "KL(sampler || policy)) exceeds this threshold, e.g. 0.5. The sampler is vLLM's log-probs or a "
+            "rollout_func's, else the policy's before the rollout's first update (no drift with one update per "
+            "rollout). None (default, as VAPO): off."
         },
     )
     importance_sampling_level: str = field(

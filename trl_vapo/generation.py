@@ -1109,7 +1109,7 @@ def read_rollout_func_output(
     `action_mask`. A completion is taken whole, as GRPOTrainer takes it (a multi-turn one holds stop tokens between
     its turns), and counts as truncated when its last token is no stop (or pad) token. `logprobs` become the
     sampler's log-probs where `keep_logprobs` (vLLM's importance-sampling correction, which GRPOTrainer applies with
-    `use_vllm`), a None among them NaN (no correction of that token, as for vLLM's).
+    `use_vllm`; the off-policy mask's drift), a None among them NaN (no correction of that token, as for vLLM's).
     """
     if not isinstance(output, dict):
         raise TypeError(f"rollout_func must return a dict, got {type(output).__name__}.")

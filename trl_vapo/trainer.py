@@ -895,8 +895,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             seen = prompt_mask.sum() + action_mask.sum()
             self.state.num_input_tokens_seen += int(self._all_reduce(seen).item())
             self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
-        corrects_sampler = (
-            phase == RL and sample.sampler_logprobs is not None and args.vllm_importance_sampling_correction
+        corrects_sampler = (  # vLLM's alone, as GRPOTrainer's: a rollout_func's log-probs feed the drift mask only
+            phase == RL
+            and args.use_vllm
+            and sample.sampler_logprobs is not None
+            and args.vllm_importance_sampling_correction
         )
         with_policy = phase == EVAL or self._needs_old_logprobs(phase) or corrects_sampler  # EVAL: for its loss
         reference = None
@@ -1004,7 +1007,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self.generation_engine.prepare_backend()  # `trainer.vllm_generation` samples as the engine would
             output = self.rollout_func([copy.deepcopy(row["prompt"]) for row in rows], self)
             prompt_ids, sample, fields = read_rollout_func_output(
-                output, len(rows), self._stop_ids, pad_id, keep_logprobs=self.args.use_vllm
+                output, len(rows), self._stop_ids, pad_id, keep_logprobs=self._reads_sampler_logprobs
             )
             rows = rows_with_fields(rows, fields)
         sample = sample.padded(self.args.pad_to_multiple_of, pad_id).to(device)
@@ -1014,6 +1017,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         prompt_mask = [torch.ones(len(x), dtype=torch.long) for x in prompt_ids]
         prompt_mask = pad(prompt_mask, padding_side="left", pad_to_multiple_of=multiple)
         return prompts.to(device), prompt_mask.to(device), sample, rows
+
+    @property
+    def _reads_sampler_logprobs(self) -> bool:
+        """Whether a rollout_func's log-probs are kept: vLLM's importance-sampling correction reads them, and the
+        off-policy mask measures the sampler's drift with them whatever the backend (GRPOTrainer keeps them so)."""
+        return self.args.use_vllm or self.args.off_policy_mask_threshold is not None
 
     def _needs_old_logprobs(self, phase: str) -> bool:
         """Whether the updates need log-probs from before the first update of the rollout.
