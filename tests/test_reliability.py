@@ -1687,6 +1687,16 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
         evaluate_policy(model, tokenizer, Dataset.from_list(rows), make_math_reward(), k=1, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"has no 'prompt' column; its columns are \['answer', 'question'\]"):
         evaluate_policy(model, tokenizer, Dataset.from_list([{"question": "1+1=", "answer": "2"}]), make_math_reward())
+    # A stream's later rows, as each rollout reads them: the whole rollout's, on every process alike (one process that
+    # raised on its share left the others waiting); it was the tokenizer's error, on the process that held the row.
+    later = prompts_dataset(n=16).to_list()
+    later[5]["prompt"] = None
+    stream = IterableDataset.from_generator(lambda: iter(later))
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=100), stream)
+    with pytest.raises(
+        ValueError, match=r"rollout read from the stream at step \d+\) has 1 row\(s\) without a prompt"
+    ):
+        trainer.train()
     # A stream is evaluated as a data set of its rows.
     good = IterableDataset.from_generator(lambda: iter(prompts_dataset(n=2).to_list()))
     assert evaluate_policy(model, tokenizer, good, make_math_reward(), k=1, max_new_tokens=2).num_problems == 2

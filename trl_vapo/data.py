@@ -379,10 +379,10 @@ def check_train_dataset(dataset, args) -> dict:
     return row
 
 
-def check_prompts(prompts: list, what: str) -> None:
+def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
     """A clear error for prompts the rollout that draws them would fail on, hours in (none at all; chat prompts with
-    no message to reply to), and a warning for those it would sample from as the user may not expect (an assistant
-    prefill, an empty prompt). `what` names the data set in the messages."""
+    no message to reply to), and (`warn`) a warning for those it would sample from as the user may not expect (an
+    assistant prefill, an empty prompt). `what` names the data set in the messages."""
 
     def rows(indices: list[int]) -> str:
         return f"rows {indices[:5]}{', ...' if len(indices) > 5 else ''}"
@@ -406,6 +406,8 @@ def check_prompts(prompts: list, what: str) -> None:
             "message alone). Remove them: "
             "dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] in ('user', 'tool', 'assistant'))."
         )
+    if not warn:
+        return
     prefills = [
         i
         for i, p in enumerate(prompts)

@@ -59,6 +59,7 @@ from .core import (
 )
 from .data import (
     check_eval_dataset,
+    check_prompts,
     check_stream_settings,
     check_train_dataset,
     left_truncated,
@@ -822,6 +823,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if self._prompts.starts_epoch(progress) or not self._epoch_begun:  # (a resumed run's epoch too)
             self._begin_epoch()
         prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
+        if self._prompts.streamed:  # a map-style set's rows were checked up front, a stream's first alone
+            # The whole rollout's rows, which every process holds: a process that raised on its own share left the
+            # others waiting in the next collective.
+            where = f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
+            check_prompts([row.get("prompt") for row in prompts], where, warn=False)
+            for row in prompts:
+                refuse_images(row, where)
         self.state.epoch = self._prompts.epoch(progress)
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
@@ -895,9 +903,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             seen = prompt_mask.sum() + action_mask.sum()
             self.state.num_input_tokens_seen += int(self._all_reduce(seen).item())
             self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
-        corrects_sampler = (  # vLLM's alone, as GRPOTrainer's: a rollout_func's log-probs feed the drift mask only
+        corrects_sampler = (  # a rollout_func's log-probs correct with vLLM only, as GRPOTrainer's (without it they
+            # feed the drift mask alone); an engine's own (asked with `logprobs=True`) correct as vLLM's
             phase == RL
-            and args.use_vllm
+            and (args.use_vllm or self.rollout_func is None)
             and sample.sampler_logprobs is not None
             and args.vllm_importance_sampling_correction
         )
@@ -998,8 +1007,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines),
         # before a rollout_func too, which may sample with it.
         self.generation_engine.sync_weights(self.state.global_step if self.progress.phase == RL else -1)
-        for row in rows:  # a stream's rows were checked at the first alone (a map-style set's all, up front)
-            refuse_images(row, f"{'An evaluation' if evaluated else 'A training'} row")
+        if evaluated:  # an eval stream's rows past its first (a training stream's: `_next_rows`; a set's: up front)
+            for row in rows:
+                refuse_images(row, "An evaluation row")
         if self.rollout_func is None:
             prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows], evaluated=evaluated)
             sample = self.generation_engine.generate(prompt_ids, num_generations=num_generations)
