@@ -1219,6 +1219,31 @@ def test_train_goes_on_from_an_adapter_saved_alone_with_its_bases_tokenizer(tiny
     assert (out / "adapter_config.json").is_file() and (out / "tokenizer_config.json").is_file()
 
 
+def test_eval_with_vllm_samples_from_the_weights_it_evaluates(tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch):
+    """vLLM loads the checkpoint by name, an adapter folder's base: `trl-vapo eval --use_vllm` pushed no weights to
+    it and scored the base model as the adapter. The engine is synced once before sampling: vLLM's stand-in (vLLM
+    cannot be installed here) receives the adapter merged into its base."""
+    import torch
+    from helpers import StandInVLLMGeneration
+    from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
+
+    built, init = [], StandInVLLMGeneration._init_vllm
+    monkeypatch.setattr(StandInVLLMGeneration, "_init_vllm", lambda self: init(self) or built.append(self))
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.5)
+    adapter.save_pretrained(tmp_path / "adapter")
+    merged = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").merge_and_unload().state_dict()
+    flags = ["--use_vllm", "true", "--num_prompts", "2", "--k", "1", "--max_new_tokens", "2"]
+    assert main(["eval", "--model", str(tmp_path / "adapter"), *flags]) == 0
+    [vllm] = built
+    query = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(vllm.received[query], merged[query].to(vllm.received[query].dtype))
+
+
 def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):
     config = tmp_path / "grpo.yaml"
     config.write_text("datasets:\n  - path: some/data\ntest_split_size: 0.1\nlearning_rate: 1.0e-5\n")

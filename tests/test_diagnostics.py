@@ -108,6 +108,14 @@ def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, c
     }
     assert not any(k.startswith("by_position/advantage/") for k in pretraining)  # no advantages while pretraining
     assert any(k.startswith("by_position/advantage/") for k in rl) and "advantages/position_correlation" in rl
+    # A trainer built on the finished run's folder, evaluating: its log is added to the file, which it replaced (the
+    # run's curves gone: `trl-vapo plot` found no training logs).
+    later = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset()
+    )
+    later.evaluate(prompts_dataset(4))
+    logs = read_logs(out)
+    assert [h["step"] for h in logs if "phase" in h] == [1, 2, 3, 4, 5] and any("eval_reward" in h for h in logs)
     plots = out / "plots"
     assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
 
@@ -135,6 +143,15 @@ def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, c
     plots.write_text("")  # where the PNGs go, a file: one line, not a traceback
     assert cli_main(["plot", str(out)]) == 2
     assert capsys.readouterr().err.startswith("trl-vapo plot: error: ")
+
+
+def test_the_steps_after_the_last_log_get_their_own_entry(tiny_model_dir, tmp_path):
+    """logging_steps=2 over 3 steps: the third step's readings joined the end-of-training summary, which has no phase,
+    so the plots and the card's curves (which read entries by phase) left them out. They are logged at step 3."""
+    args = make_args(tmp_path, max_steps=3, value_pretrain_steps=0, logging_steps=2)
+    VAPOTrainer(str(tiny_model_dir), first_char_is_letter, args=args, train_dataset=prompts_dataset()).train()
+    steps = [h for h in read_logs(tmp_path / "out") if "phase" in h]
+    assert [h["step"] for h in steps] == [2, 3] and "reward" in steps[-1]
 
 
 def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):

@@ -99,7 +99,7 @@ def test_images_in_a_streamed_or_evaluated_row_are_refused_where_they_come(tiny_
     trainer = VAPOTrainer(
         str(tiny_model_dir), length, config(tmp_path), rows.to_iterable_dataset(), processing_class=tokenizer
     )
-    with pytest.raises(ValueError, match=r"A training row has images \(an image in its chat messages\)"):
+    with pytest.raises(ValueError, match=r"from the stream at step 1\) has images \(an image in its chat messages\)"):
         trainer.train()  # the first rollout (rows 0-1) trains; the second holds the image
     assert trainer.state.global_step > 0
     with pytest.raises(ValueError, match=r"evaluate on \(row 3\) has images"):

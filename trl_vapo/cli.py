@@ -1264,6 +1264,11 @@ def eval_command(argv: list[str]) -> int:
     if script.dataset_name is None and script.dataset_preset is None:
         from .demo.data import build_split
 
+        print(  # a model trained on another task (its folder without the run's settings) is scored on this one
+            "trl-vapo eval: no data set named (--dataset_name, --dataset_preset, or the run's settings): scoring the "
+            "offline demo's held-out arithmetic problems",
+            file=sys.stderr,
+        )
         try:
             dataset = build_split("held_out", args.num_prompts or 200)
         except ValueError as error:  # more problems than the split has
@@ -1302,6 +1307,7 @@ def eval_command(argv: list[str]) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(args.seed)
     engine = build_engine(engine_settings, model, tokenizer)
+    engine.sync_weights()  # vLLM loads the checkpoint by name (an adapter's base): the weights evaluated go to it
     result = evaluate_policy(
         model,
         tokenizer,

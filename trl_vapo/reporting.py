@@ -608,10 +608,13 @@ class MetricsMixin:
             # The file starts anew with each run's first log: a fresh run's (an earlier run's entries in this folder
             # would splice into its curves) and a resumed run's, whose history is the checkpoint's (the steps the
             # crashed run logged after it are abandoned, and would splice in where the resumed run logs otherwise).
-            entries = self.state.log_history[-1:] if self._log_file_started else self.state.log_history
-            with (Path(self.args.output_dir) / LOG_FILE).open("a" if self._log_file_started else "w") as log_file:
+            # A log outside `train` (an evaluation by a trainer built on a run's folder) is added: it was the whole
+            # file, the run's curves gone.
+            rewrite = self._rewrite_log_file
+            entries = self.state.log_history if rewrite else self.state.log_history[-1:]
+            with (Path(self.args.output_dir) / LOG_FILE).open("w" if rewrite else "a") as log_file:
                 log_file.writelines(json.dumps(entry, default=str) + "\n" for entry in entries)
-            self._log_file_started = True
+            self._rewrite_log_file = False
         rollout = self._last_rollout
         fresh = rollout is not None and rollout is not self._reported_rollout
         if self.args.log_completions and fresh:

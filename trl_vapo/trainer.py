@@ -452,7 +452,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._last_rollout: Rollout | None = None  # the newest rollout: the next log's completions table, and `_logs`
         self._reported_rollout: Rollout | None = None  # the one whose table was logged (once per rollout)
         self._replay: list[Rollout] = []  # value pretraining's last rollouts (`value_pretrain_replay`)
-        self._log_file_started = False  # whether this trainer wrote `vapo_logs.jsonl` yet (`log`)
+        self._rewrite_log_file = False  # `train` sets it: its first log writes `vapo_logs.jsonl` anew (`log`)
         self.models_placed = False  # by `train`: wrapped (DDP, DeepSpeed) or sharded (FSDP2, ZeRO-3)
         # What only the caller knows, for the model card: dataset_name / dataset_config / dataset_description,
         # held_out ({"before": ..., "after": ..., "description": ...}), license.
@@ -634,6 +634,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         start_time, start_step = time.time(), self.state.global_step
         self._loss_sum, self._loss_steps = 0.0, 0
         self._logged_step = None  # (a second train() on this trainer, resumed from an earlier step, logs it again)
+        self._rewrite_log_file = True
         self._checkpoint_step = None  # the step of the last resumable checkpoint this run wrote (`_save_checkpoint`)
         self._epoch_ended_at = -1
         self._epoch_begun = False  # `on_epoch_begin` for the epoch this call starts in (`_next_rows`)
@@ -667,6 +668,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
 
+        if any(self._metrics.values()):  # the steps since the last log: their own entry, which the plots read (the
+            self._log_metrics(self.progress.phase)  # summary below, that they joined, has no phase)
         metrics = speed_metrics("train", start_time, num_steps=self.state.global_step - start_step)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
         self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
