@@ -769,6 +769,31 @@ def test_reward_funcs_are_optional_where_grpo_makes_them_optional_with_grpos_err
         VAPOTrainer("no/such-model", args=make_args(tmp_path), train_dataset=prompts_dataset())
 
 
+def test_logs_during_value_pretraining_give_each_row_an_advantage_as_grpo_logs_do(tiny_model_dir, tmp_path):
+    """A value-pretraining rollout has no advantages: `_logs["advantages"]` was empty beside its prompts, and a
+    callback that builds GRPOTrainer's table from `_logs` (a DataFrame, as GRPOTrainer's `log` does) failed. It holds
+    NaN for each row then, as GRPOTrainer's holds NaN where a reward is missing."""
+    import pandas as pd
+    from transformers import TrainerCallback
+
+    from trl_vapo.rollout import VALUE_PRETRAIN
+
+    seen, trainers = [], []
+
+    class Read(TrainerCallback):
+        def on_rollout(self, args, state, control, rollout=None, **kwargs):
+            seen.append((rollout.phase, trainers[0]._logs))
+
+    args = make_args(tmp_path, max_steps=1, value_pretrain_steps=1, value_pretrain_patience=None)
+    trainers.append(VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), callbacks=[Read()]))
+    trainers[0].train()
+    phase, logs = seen[0]
+    assert phase == VALUE_PRETRAIN and len(logs["advantages"]) == len(logs["prompt"]) > 0
+    assert all(math.isnan(a) for a in logs["advantages"])
+    table = {"prompt": logs["prompt"], "completion": logs["completion"], **logs["rewards"]}
+    assert len(pd.DataFrame({**table, "advantage": logs["advantages"]})) == len(logs["prompt"])
+
+
 def test_steps_per_generation_off_gradient_accumulation_is_refused_saying_why(tmp_path):
     """GRPOTrainer accepts any steps_per_generation; VAPO trains each rollout in whole optimizer steps."""
     with pytest.raises(ValueError, match=r"steps_per_generation \(3\) must be a multiple of .* whole optimizer steps"):

@@ -1264,15 +1264,15 @@ def eval_command(argv: list[str]) -> int:
     if script.dataset_name is None and script.dataset_preset is None:
         from .demo.data import build_split
 
+        try:
+            dataset = build_split("held_out", args.num_prompts or 200)
+        except ValueError as error:  # more problems than the split has
+            raise UsageError(f"--num_prompts {args.num_prompts}: {error}") from None
         print(  # a model trained on another task (its folder without the run's settings) is scored on this one
             "trl-vapo eval: no data set named (--dataset_name, --dataset_preset, or the run's settings): scoring the "
             "offline demo's held-out arithmetic problems",
             file=sys.stderr,
         )
-        try:
-            dataset = build_split("held_out", args.num_prompts or 200)
-        except ValueError as error:  # more problems than the split has
-            raise UsageError(f"--num_prompts {args.num_prompts}: {error}") from None
     else:
         from trl import ModelConfig
 

@@ -506,14 +506,19 @@ class MetricsMixin:
         """GRPOTrainer's record of the completions it logs, under its name, for callbacks written for GRPOTrainer:
         the last rollout's (this process's) `prompt`, `completion`, `rewards` by function, `advantages` and `extra`
         (the columns reward functions logged with `log_extra`), read from its completions table; `images` is
-        always empty (VAPO takes text). Empty before the first rollout."""
+        always empty (VAPO takes text). A missing reward, and a value-pretraining rollout's advantage, are NaN (as
+        GRPOTrainer's missing rewards): one value per row in each list. Empty before the first rollout."""
         logs = {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
         if self._last_rollout is None:
             return logs
         table = rollout_completions_table(self._last_rollout, self.processing_class, self.state.global_step)
         logs.update(prompt=table.columns["prompt"], completion=table.columns["completion"])
-        logs["rewards"] = {name: table.columns[name] for name in table.reward_columns}
-        logs["advantages"] = table.columns.get("advantage", [])
+
+        def numbers(values: list) -> list[float]:
+            return [math.nan if value is None else value for value in values]
+
+        logs["rewards"] = {name: numbers(table.columns[name]) for name in table.reward_columns}
+        logs["advantages"] = numbers(table.columns.get("advantage", [None] * len(logs["prompt"])))
         logs["extra"] = table.extra_columns
         return logs
 
