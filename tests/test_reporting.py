@@ -491,6 +491,27 @@ def test_a_checkpoints_card_names_the_pretrained_critic_without_a_local_path(vap
     assert str(tmp_path) not in content
 
 
+def test_the_card_names_the_adapters_kind(vapo_args, tmp_path):
+    """An IA3 run's card said "This is a LoRA adapter" and tagged it `lora` (any PEFT type did); the critic adapter,
+    of the policy's kind, was "a second LoRA adapter"."""
+    from peft import IA3Config, LoraConfig
+
+    from trl_vapo.model_card import adapter_type_name
+
+    assert adapter_type_name(LoraConfig(use_dora=True)) == "LoRA" and adapter_type_name(IA3Config()) == "IA3"
+    card = build_model_card(
+        base_model="Qwen/Qwen2.5-0.5B-Instruct",
+        output_dir=tmp_path / "out",
+        args=vapo_args,
+        is_adapter=True,
+        adapter_type="IA3",
+        critic_shares_base=True,
+    )
+    content = str(card)
+    assert "This is a PEFT adapter (IA3) for" in content and "second PEFT adapter (IA3) on the policy's" in content
+    assert "lora" not in front_matter(content)["tags"] and "LoRA" not in content
+
+
 def test_card_of_a_hub_base_model_and_dataset(vapo_args, tmp_path):
     card = build_model_card(
         base_model="Qwen/Qwen2.5-0.5B-Instruct",

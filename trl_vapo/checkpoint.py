@@ -791,6 +791,7 @@ class SavingMixin:
             dataset_config=info.get("dataset_config"),
             dataset_description=info.get("dataset_description"),
             is_adapter=run.is_adapter,
+            adapter_type=run.adapter_type,
             critic_shares_base=run.critic_shares_base,
             critic_auto_class=run.critic_auto_class,
             critic_source=run.critic_source,

@@ -95,6 +95,7 @@ class RunRecord:
             and a resume onto other weights is refused.
         example_prompt: the first training prompt, for the card's quick start.
         is_adapter: the policy is a PEFT adapter.
+        adapter_type: its kind, as the card names it (`adapter_type_name`: "LoRA", "IA3", ...).
         critic_shares_base: the critic is a second adapter on the policy's base.
         value_function: the name of a frozen value function that gives the values, else None.
         critic_pretrained: the critic came from an earlier value pretraining (`value_model=`).
@@ -109,6 +110,7 @@ class RunRecord:
     value_targets: dict[str, Any] | None = None
     example_prompt: Any = None
     is_adapter: bool = False
+    adapter_type: str = "LoRA"
     critic_shares_base: bool = False
     value_function: str | None = None
     critic_pretrained: bool = False
@@ -127,6 +129,7 @@ def build_model_card(
     dataset_config: str | None = None,
     dataset_description: str | None = None,
     is_adapter: bool = False,
+    adapter_type: str = "LoRA",
     critic_shares_base: bool = False,
     critic_auto_class: bool = True,
     critic_source: str | None = None,
@@ -154,6 +157,7 @@ def build_model_card(
         dataset_name, dataset_config: the training data: a hub id (linked, and listed in the front matter) or a local
             file or folder. `dataset_description` replaces the sentence when the data has no name (the demo's task).
         is_adapter: the folder holds a PEFT adapter (`library_name: peft`) rather than full weights.
+        adapter_type: the adapter's kind, as the card names it ("LoRA", "IA3", ...: `adapter_type_name`).
         critic_shares_base: the critic is a LoRA adapter on the policy's base (`ActorCritic.shares_base`), not a
             separate model.
         critic_auto_class: a separate critic's architecture has an `AutoModelForSequenceClassification` class.
@@ -182,7 +186,8 @@ def build_model_card(
     base_on_hub = is_hub_id(base_model)
     dataset_on_hub = is_hub_id(dataset_name)
     model_name = model_name or (hub_model_id.split("/")[-1] if hub_model_id else output_dir.resolve().name)
-    tag_list = list(dict.fromkeys([*DEFAULT_TAGS, *tags, *(["lora", "peft"] if is_adapter else [])]))
+    adapter_tags = [adapter_type.lower(), "peft"] if adapter_type == "LoRA" else ["peft"]
+    tag_list = list(dict.fromkeys([*DEFAULT_TAGS, *tags, *(adapter_tags if is_adapter else [])]))
     if is_adapter and base_on_hub:
         tag_list.append(f"base_model:adapter:{base_model}")
     card_data = ModelCardData(
@@ -196,7 +201,15 @@ def build_model_card(
     )
     sections = [
         f"# Model Card for {model_name}",
-        _intro(base_model, base_on_hub, dataset_name, dataset_config, dataset_on_hub, dataset_description, is_adapter),
+        _intro(
+            base_model,
+            base_on_hub,
+            dataset_name,
+            dataset_config,
+            dataset_on_hub,
+            dataset_description,
+            adapter_type if is_adapter else None,
+        ),
         _quick_start(
             hub_model_id or str(output_dir.resolve()),
             hub_model_id is None,
@@ -215,6 +228,7 @@ def build_model_card(
             value_pretraining,
             value_function,
             critic_source,
+            adapter_type,
         ),
         _versions_section(is_adapter),
         _citations_section(citation),
@@ -228,8 +242,19 @@ def build_model_card(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def adapter_type_name(peft_config) -> str:
+    """How the card names a PEFT config's kind: LoRA (DoRA and the other LoRA variants too), else peft's own name
+    of it (IA3, LOHA, PROMPT_TUNING, ...)."""
+    kind = str(getattr(getattr(peft_config, "peft_type", None), "value", "LORA"))
+    return "LoRA" if kind == "LORA" else kind
+
+
+def _adapter_phrase(adapter_type: str) -> str:
+    return "LoRA adapter" if adapter_type == "LoRA" else f"PEFT adapter ({adapter_type})"
+
+
 def _intro(
-    base_model, base_on_hub, dataset_name, dataset_config, dataset_on_hub, dataset_description, is_adapter
+    base_model, base_on_hub, dataset_name, dataset_config, dataset_on_hub, dataset_description, adapter: str | None
 ) -> str:
     if base_on_hub:
         base = f"[{base_model}](https://huggingface.co/{base_model})"
@@ -237,7 +262,11 @@ def _intro(
         base = f"the local model `{base_model}`"
     else:
         base = "a model whose origin the run did not record"
-    text = f"This is a LoRA adapter for {base}" if is_adapter else f"This model is a fine-tuned version of {base}"
+    text = (
+        f"This is a {_adapter_phrase(adapter)} for {base}"
+        if adapter
+        else f"This model is a fine-tuned version of {base}"
+    )
     config = f" (`{dataset_config}`)" if dataset_config else ""
     if dataset_on_hub:
         text += f", trained on the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}){config} dataset"
@@ -521,6 +550,7 @@ def _critic_section(
     value_pretraining,
     value_function: str | None = None,
     source: str | None = None,
+    adapter_type: str = "LoRA",
 ) -> str:
     if value_function is not None:
         return (
@@ -530,7 +560,8 @@ def _critic_section(
     started = "the policy's weights" if source is None else f"`{source}` (`value_model`)"
     if shares_base:
         kind = (
-            "The critic is a second LoRA adapter on the policy's frozen base model, with a linear value head. "
+            f"The critic is a second {_adapter_phrase(adapter_type)} on the policy's frozen base model, with a linear "
+            "value head. "
             "`critic/` in this folder holds the adapter (`adapter_config.json`, `adapter_model.safetensors`) and "
             "the head (`value_head.safetensors`)."
         )

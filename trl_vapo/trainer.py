@@ -115,7 +115,7 @@ from .loading import (
     router_aux_loss_coefficient,
 )
 from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
-from .model_card import VAPO_CITATION, RunRecord
+from .model_card import VAPO_CITATION, RunRecord, adapter_type_name
 from .modeling import (
     REFERENCE_ADAPTER,
     ActorCritic,
@@ -362,6 +362,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             value_targets=value_targets,
             example_prompt=example["prompt"],  # the card's quick start
             is_adapter=is_peft_model(actor_critic.policy),
+            adapter_type=adapter_type_name(getattr(actor_critic.policy, "active_peft_config", None)),
             critic_shares_base=actor_critic.shares_base,
             value_function=None if frozen is None else value_function_name(frozen),
             critic_pretrained=critic_pretrained,
