@@ -63,6 +63,11 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
         _parse_args_and_config(_parser(), ["--learning_rate", "None"])  # not one that may be None
     with pytest.raises(UsageError, match=r"--reward_weights/--reward-weights: invalid float value: 'None'"):
         _parse_args_and_config(_parser(), ["--reward_weights", "None"])  # a list's values are numbers
+    # So does a text field whose default is None: it was the text "None" (every prompt the word None, silently);
+    # one whose default is text keeps the text.
+    script = _parse_args_and_config(_parser(), ["--prompt_template", "None", "--system_prompt", "null"])[0]
+    assert script.prompt_template is None and script.system_prompt is None
+    assert _parse_args_and_config(_parser(), ["--dataset_train_split", "None"])[0].dataset_train_split == "None"
 
 
 def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_model_dir, tmp_path):

@@ -194,7 +194,9 @@ def _in_one_line(parser):
     """`parser` with argparse's errors (a flag's or a YAML key's value of the wrong type, a bad choice) raised as a
     `UsageError`: one line, where argparse prints the usage of every flag (some 300 of them) first. A number field
     that may be None takes `None` (or `null`) on the command line too (`--length_adaptive_alpha None`):
-    HfArgumentParser reads `float | None` as a float, and `None` was an invalid float value."""
+    HfArgumentParser reads `float | None` as a float, and `None` was an invalid float value. So does a text field
+    whose default is None (`--prompt_template None`, `--system_prompt null`): it was the text "None", every prompt
+    then the word None."""
 
     def error(message: str):
         raise UsageError(f"{message} (see `{parser.prog} --help`)")
@@ -205,7 +207,9 @@ def _in_one_line(parser):
         hints = typing.get_type_hints(dataclass_type)
         optional |= {f.name for f in fields(dataclass_type) if type(None) in typing.get_args(hints[f.name])}
     for action in parser._actions:
-        if action.dest in optional and action.type in (int, float) and action.nargs is None:  # not a list's
+        if action.dest not in optional or action.nargs is not None:  # not a list's
+            continue
+        if action.type in (int, float) or (action.type is str and action.default is None and not action.choices):
             action.type = _or_none(action.type)
     return parser
 
