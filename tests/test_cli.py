@@ -182,6 +182,8 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     assert main([*common, "--accelerate_config", "zero2"]) == 0 and launched[-1][1].endswith("zero2.yaml")
     (tmp_path / "run.yaml").write_text("accelerate_config: zero2\n")
     assert main([*common, "--config", str(tmp_path / "run.yaml")]) == 0 and len(launched) == 3
+    with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 1 process\(es\)"):
+        cli.train_command([*common[1:], "--accelerate_config", "single_gpu"])  # distributed_type NO: one, not its 8
     (tmp_path / "two.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
     with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
         cli.train_command([*common[1:], "--config_file", str(tmp_path / "two.yaml")])

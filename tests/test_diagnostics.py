@@ -145,15 +145,6 @@ def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, c
     assert capsys.readouterr().err.startswith("trl-vapo plot: error: ")
 
 
-def test_the_steps_after_the_last_log_get_their_own_entry(tiny_model_dir, tmp_path):
-    """logging_steps=2 over 3 steps: the third step's readings joined the end-of-training summary, which has no phase,
-    so the plots and the card's curves (which read entries by phase) left them out. They are logged at step 3."""
-    args = make_args(tmp_path, max_steps=3, value_pretrain_steps=0, logging_steps=2)
-    VAPOTrainer(str(tiny_model_dir), first_char_is_letter, args=args, train_dataset=prompts_dataset()).train()
-    steps = [h for h in read_logs(tmp_path / "out") if "phase" in h]
-    assert [h["step"] for h in steps] == [2, 3] and "reward" in steps[-1]
-
-
 def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):
     watch = CriticBiasWatch(threshold=0.5, readings=3)
     with caplog.at_level("WARNING"):

@@ -102,6 +102,9 @@ def test_images_in_a_streamed_or_evaluated_row_are_refused_where_they_come(tiny_
     with pytest.raises(ValueError, match=r"from the stream at step 1\) has images \(an image in its chat messages\)"):
         trainer.train()  # the first rollout (rows 0-1) trains; the second holds the image
     assert trainer.state.global_step > 0
+    # An eval stream's batch, whole, as every process holds it (one process's share raised alone).
+    with pytest.raises(ValueError, match=r"eval_dataset \(a batch read from the stream\) has images"):
+        trainer.evaluate(rows.to_iterable_dataset())
     with pytest.raises(ValueError, match=r"evaluate on \(row 3\) has images"):
         evaluate_policy(trainer.model, trainer.processing_class, rows, length, k=1, max_new_tokens=1)
 

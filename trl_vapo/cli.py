@@ -458,6 +458,8 @@ def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.An
         if launch_file is None:
             return 1
         launched = yaml.safe_load(Path(launch_file).read_text()) or {}
+        if str(launched.get("distributed_type", "")).upper() == "NO":  # one process, whatever else it says
+            return 1  # (TRL's single_gpu.yaml: `num_processes: 8`, and accelerate's simple launcher starts one)
         return int(launched.get("num_processes") or 1)
     except (OSError, TypeError, ValueError, AttributeError, ImportError, yaml.YAMLError):
         return 1

@@ -68,7 +68,7 @@ def exact(values: torch.Tensor) -> torch.Tensor:
 
 
 # The largest |log rho_t| taken (verl's core_algos clamps alike): one token 90 nats off would make rho = inf, the
-# loss inf and the whole step skipped; clamped, the token's term is bounded and carries no gradient.
+# loss inf and the whole step skipped; clamped, the token's term is bounded (see `policy_loss`).
 LOG_RATIO_LIMIT = 20.0
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per chunk: ~110 positions of a 152k vocabulary
 
@@ -496,7 +496,10 @@ def policy_loss(
         l_t      = -min(min(rho_t, delta) * A_t, clip(rho_t, 1 - epsilon_low, 1 + epsilon_high) * A_t)
 
     The log-ratio's clip (``LOG_RATIO_LIMIT``, verl's) changes nothing within e^20 of the sampler; beyond, the token
-    adds a bounded term and no gradient, where rho = inf would make the loss inf and skip the whole step.
+    adds a bounded term, where rho = inf would make the loss inf and skip the whole step. Under ``"ppo"`` and
+    ``"sapo"`` that term carries no gradient (its ratio is the clip's constant; with A_t < 0 its value, e^20 |A_t|,
+    still weighs in the logged loss); under ``"cispo"`` and ``"vespo"`` the gradient is log pi's, weighted by the
+    clipped ratio.
 
     ``delta`` (None: no cap; not in VAPO; ``"ppo"`` only) is two-sided clipping (INTELLECT-2; GRPOConfig's
     ``delta``): with A_t < 0 the unclipped term -rho_t A_t grows without bound as rho_t does, and the cap bounds it
@@ -769,11 +772,12 @@ def off_policy_mask(
 
         keep_{i,t} = A_{i,t} >= 0  or  D_i <= delta,    D_i = mean_{s : m_{i,s} = 1} (log pi_old(y_s) - log pi(y_s))
 
-    D_i, the sequence's own estimate of KL(pi_old || pi), uses the sampler's log-probs ``sampling_logprobs`` (vLLM's,
-    or the policy's before this rollout's first update) and the current ``logprobs`` (detached); tokens without a
-    sampler log-prob (NaN) count as no drift. GRPO's advantages are one per sequence (``[B, 1]``), VAPO's one per
-    token (``[B, T]``): either broadcasts, so a VAPO token is dropped when its own advantage is negative. Returns the
-    keep mask in ``mask``'s dtype, ``advantages``' shape broadcast against ``[B, 1]``.
+    D_i, the sequence's own estimate of KL(pi_old || pi), uses the sampler's log-probs ``sampling_logprobs`` (vLLM's
+    or a rollout_func's, or the policy's before this rollout's first update) and the current ``logprobs``
+    (detached); tokens without a sampler log-prob (NaN) count as no drift. GRPO's advantages are one per sequence
+    (``[B, 1]``), VAPO's one per token (``[B, T]``): either broadcasts, so a VAPO token is dropped when its own
+    advantage is negative. Returns the keep mask in ``mask``'s dtype, ``advantages``' shape broadcast against
+    ``[B, 1]``.
     """
     valid = mask.bool()
     drift = torch.nan_to_num(sampling_logprobs.float() - logprobs.detach().float(), nan=0.0)

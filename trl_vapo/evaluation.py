@@ -349,6 +349,12 @@ class EvaluationMixin:
         rows, values, returns, completions = iter(dataset), [], [], 0
         correct = judged = 0.0
         while batch := list(itertools.islice(rows, prompts_per_batch)):
+            if isinstance(dataset, IterableDataset):  # a set's rows were checked up front, a stream's first alone:
+                # the whole batch's, which every process holds (one that raised on its share left the others waiting)
+                where = "eval_dataset (a batch read from the stream)"
+                check_prompts([row.get("prompt") for row in batch], where, warn=False)
+                for row in batch:
+                    refuse_images(row, where)
             # Every process takes as many completions (the metrics are collectives): where a last batch does not
             # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
             size = next(n for n in itertools.count(len(batch)) if n * group % world == 0)

@@ -158,7 +158,7 @@ def build_model_card(
             file or folder. `dataset_description` replaces the sentence when the data has no name (the demo's task).
         is_adapter: the folder holds a PEFT adapter (`library_name: peft`) rather than full weights.
         adapter_type: the adapter's kind, as the card names it ("LoRA", "IA3", ...: `adapter_type_name`).
-        critic_shares_base: the critic is a LoRA adapter on the policy's base (`ActorCritic.shares_base`), not a
+        critic_shares_base: the critic is a second adapter on the policy's base (`ActorCritic.shares_base`), not a
             separate model.
         critic_auto_class: a separate critic's architecture has an `AutoModelForSequenceClassification` class.
         critic_source: where a critic passed as `value_model` started (a path or model id); None: the policy's weights.
@@ -243,9 +243,10 @@ def build_model_card(
 
 
 def adapter_type_name(peft_config) -> str:
-    """How the card names a PEFT config's kind: LoRA (DoRA and the other LoRA variants too), else peft's own name
-    of it (IA3, LOHA, PROMPT_TUNING, ...)."""
-    kind = str(getattr(getattr(peft_config, "peft_type", None), "value", "LORA"))
+    """How the card names a PEFT config's kind: LoRA (DoRA too: a LoraConfig's), else peft's own name of it (IA3,
+    LOHA, ADALORA, PROMPT_TUNING, ...)."""
+    peft_type = getattr(peft_config, "peft_type", None)
+    kind = str(getattr(peft_type, "value", peft_type) or "LORA")
     return "LoRA" if kind == "LORA" else kind
 
 

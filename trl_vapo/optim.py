@@ -89,20 +89,24 @@ def set_critic_length(scheduler, optimizer: torch.optim.Optimizer, total_steps: 
     """The critic's schedule over `total_steps`, the run's length once value pretraining has ended (its stop rule,
     or a resumed run's other budget, makes it other than planned): a decaying rate reaches 0 at the run's end, not
     before (a resume with a smaller budget) or never (an early stop). Its warm-up and its position stay."""
-    for group, schedule, base_lr in zip(
-        optimizer.param_groups, getattr(scheduler, "lr_lambdas", []), scheduler.base_lrs
-    ):
-        if group.get("name") != "policy" and isinstance(schedule, Schedule):
-            schedule.total_steps = total_steps
-            group["lr"] = base_lr * schedule(scheduler.last_epoch)
+    for group, schedule, base_lr in _side_schedules(scheduler, optimizer, actor=False):
+        schedule.total_steps = total_steps
+        group["lr"] = base_lr * schedule(scheduler.last_epoch)
 
 
 def start_actor_schedule(scheduler, optimizer: torch.optim.Optimizer, step: int) -> None:
     """Start the actor's schedule at optimizer step `step` (the end of value pretraining)."""
+    for group, schedule, base_lr in _side_schedules(scheduler, optimizer, actor=True):
+        schedule.start_step = step
+        # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
+        group["lr"] = base_lr * schedule(scheduler.last_epoch)
+
+
+def _side_schedules(scheduler, optimizer: torch.optim.Optimizer, actor: bool):
+    """(group, `Schedule`, base rate) of the actor's groups (named "policy") or of the critic's (the others); none
+    for a scheduler of the user's own."""
     for group, schedule, base_lr in zip(
-        optimizer.param_groups, getattr(scheduler, "lr_lambdas", []), scheduler.base_lrs
+        optimizer.param_groups, getattr(scheduler, "lr_lambdas", []), getattr(scheduler, "base_lrs", [])
     ):
-        if group.get("name") == "policy" and isinstance(schedule, Schedule):
-            schedule.start_step = step
-            # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
-            group["lr"] = base_lr * schedule(scheduler.last_epoch)
+        if (group.get("name") == "policy") == actor and isinstance(schedule, Schedule):
+            yield group, schedule, base_lr

@@ -207,7 +207,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             completion token, 1 where the policy sampled it and 0 where an environment wrote it (a multi-turn
             episode's tool output). Tokens with 0 are context, not actions: no loss, and GAE steps over them. Other
             fields reach the reward functions as columns. `logprobs` correct for the sampler as vLLM's do, with
-            `use_vllm` (whose weights are synced before each call). See the README's "Custom rollouts".
+            `use_vllm` (whose weights are synced before each call), and `off_policy_mask_threshold` measures the
+            sampler's drift with them, with or without vLLM. See the README's "Custom rollouts".
         value_model: (keyword only) the critic. None (default) initialises it from the policy's weights with a fresh
             scalar head (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a
             value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer),
@@ -669,8 +670,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
 
-        if any(self._metrics.values()):  # the steps since the last log: their own entry, which the plots read (the
-            self._log_metrics(self.progress.phase)  # summary below, that they joined, has no phase)
         metrics = speed_metrics("train", start_time, num_steps=self.state.global_step - start_step)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
         self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
@@ -1011,9 +1010,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # vLLM holds its own copy of the policy: push it once per optimizer step (a no-op for the other engines),
         # before a rollout_func too, which may sample with it.
         self.generation_engine.sync_weights(self.state.global_step if self.progress.phase == RL else -1)
-        if evaluated:  # an eval stream's rows past its first (a training stream's: `_next_rows`; a set's: up front)
-            for row in rows:
-                refuse_images(row, "An evaluation row")
         if self.rollout_func is None:
             prompt_ids = self._tokenize_prompts([row["prompt"] for row in rows], evaluated=evaluated)
             sample = self.generation_engine.generate(prompt_ids, num_generations=num_generations)
