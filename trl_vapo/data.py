@@ -428,6 +428,15 @@ def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
         )
 
 
+def check_streamed_rows(rows: list[dict], what: str) -> None:
+    """A stream's rows as a rollout or an evaluation batch reads them (its first was checked up front), refused as
+    a data set's are up front (no prompt, nothing to reply to, images), without the warnings. Every process checks
+    the whole batch, which each holds: one that raised on its own share left the others waiting in a collective."""
+    check_prompts([row.get("prompt") for row in rows], what, warn=False)
+    for row in rows:
+        refuse_images(row, what)
+
+
 def refuse_images(row: dict, what: str) -> None:
     """A clear error for a row with images (an `image` / `images` column, or an image part in a chat message): the
     trainer samples and scores text prompts only, so they would be left out silently (GRPOTrainer passes them to a

@@ -27,7 +27,14 @@ from transformers.trainer_utils import speed_metrics
 from trl import is_conversational
 
 from .core import explained_variance, vapo_loss
-from .data import check_eval_dataset, check_prompts, left_truncated, prompt_token_ids, refuse_images
+from .data import (
+    check_eval_dataset,
+    check_prompts,
+    check_streamed_rows,
+    left_truncated,
+    prompt_token_ids,
+    refuse_images,
+)
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import nan_mean
@@ -349,12 +356,8 @@ class EvaluationMixin:
         rows, values, returns, completions = iter(dataset), [], [], 0
         correct = judged = 0.0
         while batch := list(itertools.islice(rows, prompts_per_batch)):
-            if isinstance(dataset, IterableDataset):  # a set's rows were checked up front, a stream's first alone:
-                # the whole batch's, which every process holds (one that raised on its share left the others waiting)
-                where = "eval_dataset (a batch read from the stream)"
-                check_prompts([row.get("prompt") for row in batch], where, warn=False)
-                for row in batch:
-                    refuse_images(row, where)
+            if isinstance(dataset, IterableDataset):  # a set's rows were checked up front, a stream's first alone
+                check_streamed_rows(batch, "eval_dataset (a batch read from the stream)")
             # Every process takes as many completions (the metrics are collectives): where a last batch does not
             # split evenly, its first prompts are taken again, as accelerate's even batches repeat samples.
             size = next(n for n in itertools.count(len(batch)) if n * group % world == 0)

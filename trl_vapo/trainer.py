@@ -59,14 +59,13 @@ from .core import (
 )
 from .data import (
     check_eval_dataset,
-    check_prompts,
     check_stream_settings,
+    check_streamed_rows,
     check_train_dataset,
     left_truncated,
     long_prompts_handled,
     prepare_tokenizer,
     prompt_token_ids,
-    refuse_images,
 )
 from .diagnostics import CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
@@ -827,12 +826,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._begin_epoch()
         prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
         if self._prompts.streamed:  # a map-style set's rows were checked up front, a stream's first alone
-            # The whole rollout's rows, which every process holds: a process that raised on its own share left the
-            # others waiting in the next collective.
-            where = f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
-            check_prompts([row.get("prompt") for row in prompts], where, warn=False)
-            for row in prompts:
-                refuse_images(row, where)
+            check_streamed_rows(
+                prompts, f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
+            )
         self.state.epoch = self._prompts.epoch(progress)
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
