@@ -33,7 +33,9 @@ def test_logits_memory_measures_each_log_prob_path():
         assert record["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-2)
     table = logits_memory_table(records).splitlines()
     assert [line.split()[1] for line in table[1:]] == list(LOGPROB_PATHS)
-    assert table[2].split()[4] == "1.00x"  # trl-fused against itself
+    # trl-fused against itself; "-" where the peak read 0 (in this long-lived process, the allocator may serve the
+    # smoke shape's tensors from pages already resident: the benchmark measures each path in a fresh process)
+    assert table[2].split()[4] == ("1.00x" if records[("smoke", "trl-fused")]["peak_bytes"] else "-")
 
 
 def test_peak_memory_sees_an_allocation_made_and_freed_after_the_reset():

@@ -322,7 +322,7 @@ def test_vllm_with_a_quantized_base_is_refused_before_anything_loads(tiny_model_
     # A quantization config that dequantizes at load time (TRL's gpt-oss recipe) gives an unquantized model: not
     # refused, the run gets as far as loading (here a path that does not exist).
     dequantizing = {"quant_method": "mxfp4", "dequantize": True}
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="never-loaded"):
         VAPOTrainer(
             model=str(tmp_path / "never-loaded"),
             reward_funcs=digit_fraction,

@@ -89,6 +89,18 @@ def test_the_critics_adapter_switch_computes_as_peft_switches_without_walking_th
         assert policy.active_adapter == "ref"
         reference = actor_critic(ids, mask, 4, with_values=False, with_entropy=False)["logprobs"]
     assert torch.equal(reference, logprobs) and policy.active_adapter == POLICY_ADAPTER
+    # Moved away from the policy's, the reference adapter's layers compute as peft's own switch to it says.
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B.ref" in name:
+                param.add_(0.05 * torch.randn_like(param))
+        policy.set_adapter("ref")
+        expected = actor_critic(ids, mask, 4, with_values=False, with_entropy=False)["logprobs"]
+        policy.set_adapter(POLICY_ADAPTER)
+    policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+    with torch.no_grad(), actor_critic._reference_adapter():
+        reference = actor_critic(ids, mask, 4, with_values=False, with_entropy=False)["logprobs"]
+    assert torch.equal(reference, expected) and not torch.equal(reference, logprobs)
     assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
 
 

@@ -107,6 +107,14 @@ CASES = {
         ("the-answer-is-wrong", "#### 18", "Therefore, the answer is $19$."),
         ("answer-is-colon", "#### 18", "So the answer is: 18"),
         ("answer-is-count", "#### 18", "The answer is 18 dollars."),
+        # Markdown emphasis around the answer or the whole line: math-verify's patterns read the number inside.
+        ("answer-is-bold", "#### 72", "Natalia sold 48 + 24 = 72 clips.\nThe answer is **72**."),
+        ("answer-is-bold-line", "#### 72", "**The answer is 72.**"),
+        ("answer-is-bold-math", "#### 72", "The final answer is **$72$**."),
+        ("answer-is-bold-count", "#### 72", "The answer is **72 clips**."),
+        ("answer-is-underscored", "#### 72", "The answer is __72__."),  # no answer to math-verify either
+        ("answer-is-bold-wrong", "#### 72", "The answer is **71**."),
+        ("gsm8k-line-bold", "#### 72", "48 + 24 = 72\n#### **72**"),
         ("answer-line-percent", "0.5", "Answer: 50 percent"),  # the percent kept, as on a "final answer is" line
     ],
     "mathrm e": [

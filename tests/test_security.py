@@ -112,6 +112,7 @@ def test_reward_names_are_imported_never_evaluated(tmp_path):
 
 NETWORK_GUARD = """
 import socket, json, os
+open(os.environ["NETWORK_LOG"] + ".loaded", "a").close()  # the guard watched this process
 _connect = socket.socket.connect
 def guarded(self, address):
     host = address[0] if isinstance(address, tuple) else address
@@ -175,6 +176,7 @@ def test_a_local_run_makes_no_network_call(tiny_model_dir, tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert Path(f"{log}.loaded").exists(), "the network guard never loaded: nothing was watched"
     assert not log.exists(), f"network calls: {log.read_text()}"
     # A quiet console too: deepspeed (installed here, unused by this run) is imported by accelerate while the Trainer
     # is built, and logged "Setting accelerator to CPU. If you have GPU ..." on every run before trl_vapo hushed it.

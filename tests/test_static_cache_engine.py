@@ -83,10 +83,15 @@ def test_greedy_completions_and_logprobs_equal_generate(which, tiny, tiny_model_
     elif which != "tiny-lora":
         assert (~got.is_truncated).any() and got.is_truncated.any()  # some rows stopped early, some ran out
     mask = expected.completion_mask.bool()
-    # bf16 attention over the static cache's padded slots sums in another order than over the dynamic cache's (CPU:
-    # up to 9e-5 apart); float32 agrees to 1e-5.
-    atol = 2e-4 if which == "tiny-bf16-autocast" else 1e-5
-    torch.testing.assert_close(got.sampler_logprobs[mask], expected.sampler_logprobs[mask], atol=atol, rtol=0)
+    got_logprobs, expected_logprobs = got.sampler_logprobs[mask], expected.sampler_logprobs[mask]
+    if which == "tiny-bf16-autocast":
+        # bf16 attention over the static cache's padded slots sums in another order than over the dynamic cache's:
+        # nearly all log-probs agree to 2e-4, and a bf16 activation rounded to its neighbour moves a log-prob by a few
+        # thousandths (AVX-512 CPUs: up to 9e-5 apart; an AVX2 one: 0.0038 at one of 121 tokens).
+        difference = (got_logprobs - expected_logprobs).abs()
+        assert (difference <= 2e-4).float().mean() >= 0.95 and difference.max() <= 2**-6, difference.max()
+    else:
+        torch.testing.assert_close(got_logprobs, expected_logprobs, atol=1e-5, rtol=0)  # float32
 
 
 def test_min_new_tokens_holds_the_stop_tokens_back_as_generate_does(tiny):

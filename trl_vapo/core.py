@@ -454,7 +454,7 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """How per-token losses become the loss (verl's ``agg_loss``): kept apart from what each token's loss is.
 
-        "token":    L = sum_{(i,t) in M} l_{i,t} / N,        N = |M|                      (VAPO §3.3, Eq. 8)
+        "token":    L = sum_{(i,t) in M} l_{i,t} / N,        N = |M|                      (VAPO §3.2, Eq. 8)
         "sequence": L = sum_i (sum_t l_{i,t} / |o_i|) / N,  N = sequences with a token    (vanilla PPO)
         "luspo":    L = sum_{(i,t) in M} l_{i,t} / N,        N = sequences with a token    (LUSPO)
 

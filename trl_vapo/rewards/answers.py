@@ -391,6 +391,17 @@ def _final_line(text: str) -> str:
     return text.rstrip().rpartition("\n")[2]
 
 
+def _without_emphasis(answer: str) -> str:
+    """An answer phrase's answer without the Markdown bold around it, as math-verify's patterns read it: ``**72**``,
+    and the line's closing ``**`` after its full stop (``**The answer is 72.**``). (Not ``__72__``: math-verify
+    reads no answer there.)"""
+    answer = answer.strip()
+    if answer.endswith("**"):
+        answer = answer[:-2].rstrip()
+        answer = answer[:-1] if answer.endswith(".") and not answer.endswith("..") else answer
+    return answer.removeprefix("**").lstrip()
+
+
 def _final_line_answer(text: str) -> str | None:
     """The answer a completion without boxes states on its final line: ``#### x``, ``... (final) answer is x``,
     ``Answer: x``; a trailing full stop is dropped."""
@@ -401,7 +412,7 @@ def _final_line_answer(text: str) -> str | None:
     if match is None:
         phrase = _FINAL_ANSWER_IS_RE.search(line)
         if phrase is not None:
-            raw = phrase.group("answer").strip()
+            raw = _without_emphasis(phrase.group("answer"))
             slash = raw if _SLASH_FRACTION_RE.fullmatch(raw) else None  # as ``Answer: 1/2`` is read
             answer = _phrase_answer(raw) or _number_of_a_count(raw) or slash
             if answer is not None:
@@ -409,7 +420,7 @@ def _final_line_answer(text: str) -> str | None:
         match = _ANSWER_LINE_RE.match(line)
     if match is None:
         return None
-    answer = match.group("answer")
+    answer = _without_emphasis(match.group("answer"))  # `#### **72**` (`Answer:` lines' own pattern takes theirs)
     if answer.endswith(".") and not answer.endswith(".."):
         answer = answer[:-1]
     # A number as math-verify reads it first (`50 percent` is 50%), then a count's (`72 clips` is 72).
