@@ -536,6 +536,7 @@ OTHERS = {  # most never reach math-verify; all must return within the deadline
     "deep-braces-closed": r"\boxed{" + "{" * 50_000 + "6" + "}" * 50_001,
     "deep-braces-short": r"\boxed{" + "{" * 140 + "6" + "}" * 141,
     "deep-nested-boxes": r"\boxed{" * 30_000 + "6" + "}" * 30_000,
+    "open-boxes-then-box": r"\boxed{1 " * 30_000 + r"\boxed{6}",  # each open box passed over: one pass, not 30,000
     "answer-line-of-spaces": "Answer:" + " " * 100_000 + "6",
     "unicode-digits-fullwidth": r"\boxed{６}",
     "unicode-digits-arabic": r"\boxed{٦}",
@@ -543,7 +544,12 @@ OTHERS = {  # most never reach math-verify; all must return within the deadline
     "truncated-last-box": r"\boxed{6} and finally \boxed{\frac{12}{2",
     "long-nested-latex": r"\boxed{" + r"\sqrt{" * 40 + "36" + "}" * 41,
 }
-OTHERS_EXPECTED = {"100k-chars-then-box": 1.0, "deep-braces-short": None, "many-boxes": -1.0}
+OTHERS_EXPECTED = {
+    "100k-chars-then-box": 1.0,
+    "open-boxes-then-box": 1.0,
+    "deep-braces-short": None,
+    "many-boxes": -1.0,
+}
 
 
 @pytest.mark.parametrize("name", list(HANGS) + list(OTHERS))

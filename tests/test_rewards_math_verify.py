@@ -158,6 +158,10 @@ CASES = {
         ("inequality-as-interval", r"$-2 \le x \le 7$", r"\boxed{x \in [-2,7]}"),
         ("units", r"$0.06 \text{ yuan}$", r"\boxed{0.06 \text{ yuan}}"),
         ("truncated", r"$5$", r"So \boxed{5}. Checking once more: \boxed{\frac{10}{2"),
+        # A box left open before a complete one (the model began again): passed over, as math-verify passes it over.
+        ("open-box-then-box", r"$4$", r"First \boxed{3, no. Counting again, the answer is \boxed{4}"),
+        ("open-box-around-box", r"$\frac{3}{4}$", r"\boxed{\frac{3}{4} let me write it again: \boxed{\frac{3}{4}}"),
+        ("open-box-then-wrong-box", r"$3$", r"First \boxed{3, no. Counting again, the answer is \boxed{4}"),
         # An empty box is no box to math-verify (its patterns need a character inside): the answer line is read.
         ("empty-box-then-answer-line", "72", "I'll put the result in \\boxed{}.\nThe answer is 72."),
         ("blank-box-then-answer-line", "72", "\\boxed{ }\nAnswer: 72"),

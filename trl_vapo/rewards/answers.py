@@ -107,16 +107,28 @@ def _matching_brace(text: str, start: int) -> int | None:
 
 def _box_spans(text: str) -> tuple[list[tuple[int, int, int]], bool]:
     """The complete top-level boxes of ``text`` as ``(start, content start, index of the closing brace)``, and whether
-    a box opened after the last of them never closes (a truncated completion)."""
-    spans, pos = [], 0
-    while (match := _BOX_OPEN_RE.search(text, pos)) is not None:
-        end = _matching_brace(text, match.end())
-        if end is None:
-            # An unterminated box runs to the end of the text, so it is the last one: the final answer was cut off.
-            return spans, True
-        spans.append((match.start(), match.end(), end))
-        pos = end + 1
-    return spans, False
+    a box opened after the last of them never closes (a truncated completion).
+
+    A box that never closes before a complete one (``\\boxed{3 ... the answer is \\boxed{4}``: a model that opened
+    a box and began again) is passed over, as math-verify passes over it: the boxes inside it count. One pass over
+    the braces, whatever the number of boxes left open."""
+    openers = {match.end() - 1: match for match in _BOX_OPEN_RE.finditer(text)}  # each box's opening brace
+    if not openers:
+        return [], False
+    open_braces, complete = [], []
+    for token in _BRACE_TOKEN_RE.finditer(text, next(iter(openers))):
+        if token.group() == "{":
+            open_braces.append(token.start())
+        elif token.group() == "}" and open_braces:
+            box = openers.get(open_braces.pop())
+            if box is not None:
+                complete.append((box.start(), box.end(), token.start()))
+    spans = []
+    for span in sorted(complete):  # a box inside a complete one belongs to it
+        if not spans or span[0] > spans[-1][2]:
+            spans.append(span)
+    last_end = spans[-1][2] if spans else -1
+    return spans, any(brace > last_end for brace in open_braces if brace in openers)
 
 
 def find_last_boxed(text: str) -> str | None:
