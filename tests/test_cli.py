@@ -513,6 +513,11 @@ BAD_INPUT = [
     (["--resume_from_checkpoint", "."], ". is not a complete trl-vapo checkpoint (no vapo_state.json)"),
     # `false` turns a config's resume off (it was taken as a path): a fresh run, refused in a folder of checkpoints.
     (["--output_dir", "earlier", "--resume_from_checkpoint", "false"], "holds an earlier run's checkpoints"),
+    # Each checkpoint's problem in the line itself ("see above" named nothing: the CLI's check does not warn).
+    (
+        ["--output_dir", "earlier", "--resume_from_checkpoint", "latest"],
+        "no checkpoint in earlier can be read (checkpoint-1: missing trainer_state.json, scheduler.pt, optimizer.pt)",
+    ),
     # What the trainer refuses before training (a traceback before): settings against the data and the rewards.
     # A Python dict's quotes: json's message named no field; a field read as a mapping later: an AttributeError.
     (["--model_init_kwargs", "{'dtype': 'bfloat16'}"], "model_init_kwargs is not JSON (Expecting property name"),

@@ -361,13 +361,17 @@ def newest_resumable_checkpoint(output_dir: str | os.PathLike, warn: bool = True
             f"resume_from_checkpoint=True but no complete checkpoint in {output_dir}. (resume_from_checkpoint='auto' "
             "resumes where there is one and starts afresh where there is none.)"
         )
+    problems = []
     for path in reversed(found):
         problem = checkpoint_problem(path)
         if problem is None:
             return path
         if warn:
             logger.warning(f"Checkpoint {path} cannot be read ({problem}); resuming from an earlier one.")
-    raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {output_dir} can be read (see above).")
+        problems.append(f"{path.name}: {problem}")
+    raise ValueError(
+        f"resume_from_checkpoint=True but no checkpoint in {output_dir} can be read ({'; '.join(problems)})."
+    )
 
 
 def _resumable(checkpoint: Path) -> bool:
