@@ -658,9 +658,12 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
         assert resumed == epochs[3:], name
 
 
-def test_a_callback_ends_an_epoch_early_with_should_epoch_stop(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("steps_per_rollout", [1, 2])
+def test_a_callback_ends_an_epoch_early_with_should_epoch_stop(tiny_model_dir, tmp_path, steps_per_rollout):
     """transformers' `control.should_epoch_stop` (it was never read): the epoch ends after the step that asked for
-    it, with its callbacks and epoch strategies, and the next rollout starts the next epoch from its first prompts."""
+    it, with its callbacks and epoch strategies, and the next rollout starts the next epoch from its first prompts.
+    With two steps a rollout, its second step does not run (transformers' epoch loop ends at once; here the second
+    step ran, and its own `on_step_end` took the request back)."""
     from helpers import CapturingTrainer
     from transformers import TrainerCallback
 
@@ -673,7 +676,10 @@ def test_a_callback_ends_an_epoch_early_with_should_epoch_stop(tiny_model_dir, t
         def on_epoch_end(self, args, state, control, **kwargs):
             ended.append((state.global_step, state.epoch))
 
-    args = make_args(tmp_path, max_steps=3, shuffle_dataset=False)  # 8 prompts, 4 a rollout
+    batch = {"per_device_train_batch_size": 16 // steps_per_rollout, "steps_per_generation": steps_per_rollout}
+    args = make_args(
+        tmp_path, max_steps=1 + 2 * steps_per_rollout, shuffle_dataset=False, **batch
+    )  # 8 prompts, 4 a rollout
     trainer = CapturingTrainer(
         str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), callbacks=[StopTheFirstEpoch()]
     )

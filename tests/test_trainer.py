@@ -851,6 +851,22 @@ def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
     assert len(set(critic)) == 6, "every step moves the critic"
     logs = rl_logs(trainer)
     assert ["loss/policy" in h for h in logs] == [True, True, False, False, False, False]
+    assert ["grad_norm/policy" in h for h in logs] == [True, True, False, False, False, False]
+    with pytest.raises(TypeError, match="resume_from_chekpoint"):  # a misspelt keyword: was a fresh run
+        trainer.train(resume_from_chekpoint=True)
+    # Logged every three steps, each log's last step critic-only: the gradient norms are that step's, the policy's
+    # none (the policy's of the step before it stood beside the critic's alone).
+    args.logging_steps, args.output_dir = 3, str(tmp_path / "every-3")
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(args.generation_batch_size // args.num_generations),
+    )
+    trainer.train()
+    logs = rl_logs(trainer)
+    assert [h["step"] for h in logs] == [3, 6] and not any("grad_norm/policy" in h for h in logs)
+    assert all(h["grad_norm"] == pytest.approx(h["grad_norm/critic"]) for h in logs)
     assert all("loss/value" in h for h in logs)
 
 

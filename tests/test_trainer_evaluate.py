@@ -282,10 +282,13 @@ def test_no_scheduled_evaluation_runs_during_value_pretraining(tiny_model_dir, t
     `predict`, which failed in transformers' collator, says what to call instead."""
     settings = dict(max_steps=1, value_pretrain_steps=2, per_device_train_batch_size=8)
     args = eval_args(tmp_path, **settings, eval_strategy="steps", eval_steps=1)
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(3))
-    trainer.train()
-    assert [h["step"] for h in trainer.state.log_history if "phase" in h] == [1, 2, 3]  # two of value pretraining
-    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [3]
+    # Four prompts, two a rollout: value pretraining ends as the epoch does, whose end (in RL by then) evaluated the
+    # initial policy on the request value pretraining's last step had left.
+    for train_dataset in (prompts_dataset(), prompts_dataset(4)):
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, train_dataset, prompts_dataset(3))
+        trainer.train()
+        assert [h["step"] for h in trainer.state.log_history if "phase" in h] == [1, 2, 3]  # two of value pretraining
+        assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [3], len(train_dataset)
     with pytest.raises(NotImplementedError, match=r"no predict\(\).*trainer.evaluate\(test_dataset"):
         trainer.predict(prompts_dataset(3))
 

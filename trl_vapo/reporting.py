@@ -575,6 +575,8 @@ class MetricsMixin:
         # The gradient norms of the log's last step, as transformers.Trainer logs `grad_norm` (not a mean over the
         # steps, which one fp16 overflow's inf would fill): of every weight that trains, before clipping.
         norms = torch.stack(list(grad_norms.values())).tolist() if grad_norms else []
+        for key in [k for k in self._metrics if k.startswith("grad_norm/") and k not in grad_norms]:
+            del self._metrics[key]  # a side that did not train this step (a critic-only step): no reading
         for key, value in zip(grad_norms, norms):
             self._metrics[key] = [value]
         if norms:  # the sides' together

@@ -533,9 +533,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         return self.lr_scheduler
 
     # -------------------------------------------------------------------------------------------- training
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs) -> TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial=None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> TrainOutput:
         """Run value pretraining (unless skipped) then VAPO; `resume_from_checkpoint` continues a saved run. The run
-        holds `output_dir` while it trains (`holding_output_dir`): a second run there is refused."""
+        holds `output_dir` while it trains (`holding_output_dir`): a second run there is refused. (transformers'
+        signature: a misspelt keyword is a TypeError, not a fresh run; `trial` and `ignore_keys_for_eval` are taken
+        and unused, as GRPOTrainer's evaluation has no ignored keys either.)"""
         with self.holding_output_dir():
             return self._train(resume_from_checkpoint)
 
@@ -727,7 +734,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         for step_rows, update_policy in steps:
             self._optimizer_step(trains_on, step_rows, update_policy, began, begun)
             began, begun = time.perf_counter(), False
+            # (`should_epoch_stop` as transformers reads it: its epoch loop ends at once, the step's rollout here)
             if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
+                break
+            if self.control.should_epoch_stop:
                 break
 
         if phase == VALUE_PRETRAIN:
@@ -792,7 +802,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._log_metrics(self.progress.phase)
         # Not during value pretraining: the policy does not change, and early stopping would compare readings of the
         # initial policy, whose noise alone could end the run before its first update.
+        # The request is consumed either way (as `on_evaluate` would): left set, the epoch end of the rollout that
+        # ends value pretraining read it in RL and evaluated the initial policy.
         self._evaluate_pending |= self.control.should_evaluate and self.progress.phase != VALUE_PRETRAIN
+        self.control.should_evaluate = False
         self._save_pending |= self.control.should_save
 
     def _end_epoch(self, completed: bool = True, epochs_done: int | None = None) -> None:
