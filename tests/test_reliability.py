@@ -350,6 +350,16 @@ def test_tokenizer_problems(tiny_model_dir, tmp_path, caplog, monkeypatch):
             processing_class=no_eos,
         )
 
+    # A vision model's processor (GRPOTrainer takes one): named, where `.eos_token_id` was an AttributeError.
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, extra_special_tokens={"image_token": "<image>"})
+    processor = LlavaProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tokenizer)
+    with pytest.raises(TypeError, match=r"processor \(LlavaProcessor\).*processing_class=processor.tokenizer"):
+        VAPOTrainer(
+            str(tiny_model_dir), digit_fraction, config(tmp_path), prompts_dataset(32), processing_class=processor
+        )
+
     monkeypatch.undo()  # (a tokenizer it serves: the policy loads)
     no_pad = AutoTokenizer.from_pretrained(tiny_model_dir)
     no_pad.pad_token = None

@@ -335,8 +335,32 @@ def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_th
     with pytest.raises(ValueError, match="quantized, and a critic trains all of its weights"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), value_model=critic)
     eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    eager.config.pad_token_id = eager.generation_config.pad_token_id = None  # as Qwen2.5's config has none
     trainer = VAPOTrainer(eager, digit_fraction, make_args(tmp_path), prompts_dataset())
     assert trainer.actor_critic.critic.config._attn_implementation == "eager"  # to_dict drops it: sdpa before
+    # The tokenizer's pad id mirrored onto the policy, as GRPOTrainer does: the saved model pads with it.
+    assert eager.config.pad_token_id == eager.generation_config.pad_token_id == trainer.processing_class.pad_token_id
+
+
+def test_a_policy_that_device_map_spread_or_offloaded_is_refused_by_name(tiny_model_dir, tmp_path):
+    """A device_map over several devices (or offloading some weights to the CPU or the disk): the trainer moves the
+    model whole and copies its critic from it; it failed at the first step ("Tensor.item() cannot be called on meta
+    tensors" here, devices that disagree on several GPUs). As an id with model_init_kwargs, and as a loaded model."""
+    placement = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.rotary_emb": "cpu"}
+    placement |= {"model.norm": "disk", "lm_head": "disk"}
+    offloaded = {"device_map": placement, "offload_folder": str(tmp_path / "offload")}
+    refused = "device_map that places it on cpu, disk: VAPOTrainer trains the whole model on each process's device"
+    with pytest.raises(ValueError, match=refused):
+        VAPOTrainer(
+            str(tiny_model_dir), digit_fraction, make_args(tmp_path, model_init_kwargs=offloaded), prompts_dataset()
+        )
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, **offloaded)
+    with pytest.raises(ValueError, match=refused):
+        VAPOTrainer(loaded, digit_fraction, make_args(tmp_path), prompts_dataset())
+    # One device, named layer by layer: it trains.
+    placed = {name: "cpu" for name in placement}
+    args = make_args(tmp_path, max_steps=1, model_init_kwargs={"device_map": placed})
+    VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train()
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["shared-base-lora", "critic-copy"])

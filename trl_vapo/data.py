@@ -193,6 +193,11 @@ def _no_download_counts():
 
 def prepare_tokenizer(tokenizer, conversational: bool) -> None:
     """Check the tokenizer can serve the rollouts, and pad on the left (prompts are continued on the right)."""
+    if not hasattr(tokenizer, "eos_token_id") and hasattr(tokenizer, "tokenizer"):  # an AttributeError before
+        raise TypeError(
+            f"processing_class is a processor ({type(tokenizer).__name__}): VAPOTrainer trains on text prompts; pass "
+            "its tokenizer, processing_class=processor.tokenizer."
+        )
     if tokenizer.eos_token_id is None:
         raise ValueError(
             "The tokenizer has no EOS token, so completions could never end: set `tokenizer.eos_token` (e.g. to the "

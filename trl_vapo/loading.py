@@ -139,13 +139,37 @@ def is_saved_adapter(model, model_init_kwargs: dict | None) -> bool:
 
 def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.Module, str]:
     """The policy (a causal LM) and its name: loaded from an id or path (with `model_init_kwargs`, default
-    `args.model_init_kwargs`), or the instance given."""
+    `args.model_init_kwargs`), or the instance given; on one device (`check_on_one_device`)."""
+    policy, model_id = _loaded_policy(model, args, model_init_kwargs)
+    check_on_one_device(policy)
+    return policy, model_id
+
+
+def check_on_one_device(policy: nn.Module) -> None:
+    """A policy that `device_map` spread over several devices, or offloaded in part (to the CPU or the disk), is
+    refused: the trainer moves the model whole onto its process's device, and builds the critic beside it (a crash
+    later: inputs sent to devices the weights had left, offloaded weights read as meta tensors)."""
+    placed = getattr(policy, "hf_device_map", None) or {}
+    devices = sorted({str(device) for device in placed.values()})
+    if len(devices) > 1 or set(devices) & {"disk", "meta"}:
+        raise ValueError(
+            f"The policy was loaded with a device_map that places it on {', '.join(devices)}: VAPOTrainer trains the "
+            "whole model on each process's device, with its critic beside it. Load it without device_map "
+            "(model_init_kwargs device_map=None); for a model too large for one device, shard it with DeepSpeed "
+            "ZeRO-3 or FSDP2 (`accelerate launch`), or train LoRA adapters on a 4-bit base (QLoRA)."
+        )
+
+
+def _loaded_policy(model, args, model_init_kwargs: dict | None) -> tuple[nn.Module, str]:
     if isinstance(model, (str, os.PathLike)):
         # A local folder by its absolute path: a saved adapter names its base by this path (a relative one loads
         # from the run's working directory alone), and so do the model card and the value-pretraining record.
         local = Path(model).expanduser()
         model_id = str(local.resolve()) if local.is_dir() else str(model)
         kwargs = from_pretrained_kwargs(args, model_init_kwargs)
+        launched = getattr(getattr(args, "distributed_state", None), "distributed_type", None)
+        if launched in ("MULTI_GPU", "DEEPSPEED", "FSDP"):
+            kwargs["device_map"] = None  # each process's copy on its own device, as GRPOTrainer does ("auto" fails)
         if is_saved_adapter(model_id, kwargs):
             # A PEFT adapter (a LoRA run's output): transformers loads it into its base frozen, as a plain model, and
             # a peft_config then re-initialised it: the run started from the base, the adapter's training lost. Its

@@ -327,6 +327,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             model_id, revision=revision, trust_remote_code=args.trust_remote_code
         )
         prepare_tokenizer(tokenizer, self._conversational)
+        # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
+        # (Qwen2.5's config) warned and padded with EOS in a batched `generate()` after loading.
+        policy.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        if getattr(policy, "generation_config", None) is not None:
+            policy.generation_config.pad_token_id = tokenizer.pad_token_id
         adapter_given = is_peft_model(policy)  # a trained adapter, maybe: the base alone is not the initial policy
         # Of the initial policy as it computes: a new LoRA adapter (B is zero) computes as its base, and its random A,
         # drawn with the run's seed, would make a critic value-pretrained with another seed look like one for another
