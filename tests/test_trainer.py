@@ -363,6 +363,27 @@ def test_a_policy_that_device_map_spread_or_offloaded_is_refused_by_name(tiny_mo
     VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train()
 
 
+def test_the_policys_tokenizer_is_looked_up_where_the_policy_was(tiny_model_dir, tmp_path):
+    """Without processing_class: a model in a subfolder (`model_init_kwargs` subfolder) finds its tokenizer there
+    (looked up at the folder's root, it failed), and an adapter saved alone (peft's `save_pretrained`, no
+    tokenizer) its base's (an OSError), as `trl-vapo train` finds it."""
+    from peft import LoraConfig, get_peft_model
+
+    shutil.copytree(tiny_model_dir, tmp_path / "repo" / "sub")
+    args = make_args(tmp_path, max_steps=1, model_init_kwargs={"subfolder": "sub"})
+    VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset()).train()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(
+        tmp_path / "adapter"
+    )
+    assert not (tmp_path / "adapter" / "tokenizer_config.json").exists()
+    trainer = VAPOTrainer(
+        str(tmp_path / "adapter"), digit_fraction, make_args(tmp_path, max_steps=1), prompts_dataset()
+    )
+    assert trainer.processing_class.name_or_path == str(tiny_model_dir)
+    trainer.train()
+
+
 @pytest.mark.parametrize("lora", [True, False], ids=["shared-base-lora", "critic-copy"])
 def test_one_pass_per_side_trains_as_one_pass_for_both(tiny_model_dir, tmp_path, monkeypatch, lora):
     """On one process the update runs the policy's forward and backward, then the critic's, so that one side's

@@ -1401,17 +1401,16 @@ def _tokenizer_of(model: str, model_args, training_args):
 def _tokenizer_source(model: str, flag: str) -> str:
     """Where `model`'s tokenizer is: the folder itself (or the Hub id), or for a PEFT adapter folder saved without
     one (peft's `save_pretrained`), its base model, checked as `flag`'s model was (`_check_model_source`)."""
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
-        return model  # a Hub id
-    adapter = folder / "adapter_config.json"
-    if not adapter.is_file() or (folder / "tokenizer_config.json").is_file():
+    from .loading import adapter_base_of
+
+    try:
+        base = adapter_base_of(model)
+    except ValueError as error:
+        raise UsageError(f"{flag} {error}") from None
+    if base is None:
         return model
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-    if not base:
-        raise UsageError(f"{flag} {model} is a PEFT adapter with neither a tokenizer nor a base_model_name_or_path")
-    _check_model_source(base, f"the adapter's base model (base_model_name_or_path in {adapter})")
-    return base
+    _check_model_source(base[0], f"the adapter's base model (base_model_name_or_path in {model}/adapter_config.json)")
+    return base[0]
 
 
 def plot_command(argv: list[str]) -> int:

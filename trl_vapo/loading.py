@@ -7,6 +7,7 @@ are :mod:`trl_vapo.modeling`'s."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoTokenizer,
     PreTrainedModel,
 )
 from transformers.modeling_layers import GenericForSequenceClassification
@@ -135,6 +137,33 @@ def is_saved_adapter(model, model_init_kwargs: dict | None) -> bool:
     where = inspect.signature(find_adapter_config_file).parameters
     options = {key: value for key, value in (model_init_kwargs or {}).items() if key in where and key != "model_id"}
     return find_adapter_config_file(str(model), **options) is not None
+
+
+def policy_tokenizer(model, model_id: str, args, model_init_kwargs: dict | None = None):
+    """The tokenizer of the policy `load_policy` loaded from `model`, when none is given: looked up where the policy
+    was, with the same options (`cache_dir`, `revision`, `token`, `subfolder`, ...: without them, the tokenizer of
+    another cache or branch, or none); for an adapter's folder saved without one, its base model's
+    (`adapter_base_of`)."""
+    if not isinstance(model, (str, os.PathLike)):  # a model given loaded: its config names where it came from
+        return AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
+    base = adapter_base_of(model_id)
+    if base is not None:
+        return AutoTokenizer.from_pretrained(base[0], revision=base[1], trust_remote_code=args.trust_remote_code)
+    return AutoTokenizer.from_pretrained(model_id, **lookup_kwargs(from_pretrained_kwargs(args, model_init_kwargs)))
+
+
+def adapter_base_of(model: str) -> tuple[str, str | None] | None:
+    """For a local PEFT adapter's folder saved without a tokenizer (peft's `save_pretrained` writes none), its base
+    model and revision, where the tokenizer is; None for any other model. A ValueError for an adapter that names no
+    base."""
+    folder = Path(model).expanduser()
+    adapter = folder / "adapter_config.json"
+    if not adapter.is_file() or (folder / "tokenizer_config.json").is_file():
+        return None
+    config = json.loads(adapter.read_text())
+    if not config.get("base_model_name_or_path"):
+        raise ValueError(f"{model} is a PEFT adapter with neither a tokenizer nor a base_model_name_or_path")
+    return config["base_model_name_or_path"], config.get("revision")
 
 
 def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.Module, str]:

@@ -34,7 +34,7 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from accelerate.utils.memory import clear_device_cache
 from datasets import Dataset, IterableDataset
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.integrations.liger import apply_liger_kernel
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
@@ -111,6 +111,7 @@ from .loading import (
     is_saved_adapter,
     load_policy,
     policy_init_kwargs,
+    policy_tokenizer,
     router_aux_loss_coefficient,
 )
 from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
@@ -323,9 +324,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             apply_liger_kernel(policy, args.liger_kernel_config)
         # At the revision the policy was loaded at, as GRPOTrainer loads it (the default branch's may differ).
         revision = (model_init_kwargs or {}).get("revision") if isinstance(model, (str, os.PathLike)) else None
-        tokenizer = processing_class or AutoTokenizer.from_pretrained(
-            model_id, revision=revision, trust_remote_code=args.trust_remote_code
-        )
+        tokenizer = processing_class or policy_tokenizer(model, model_id, args, model_init_kwargs)
         prepare_tokenizer(tokenizer, self._conversational)
         # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
         # (Qwen2.5's config) warned and padded with EOS in a batched `generate()` after loading.
