@@ -334,6 +334,14 @@ def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_th
     critic.is_loaded_in_4bit = True  # what transformers sets on a bitsandbytes model (which needs a GPU here)
     with pytest.raises(ValueError, match="quantized, and a critic trains all of its weights"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), value_model=critic)
+    # A prompt-learning adapter: the shared-base critic's copy of it never applied (its forward is the base's).
+    from peft import PromptTuningConfig
+
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    with pytest.raises(ValueError, match="adapter is a PromptTuningConfig: the critic would be a second one"):
+        VAPOTrainer(
+            str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config=prompt_tuning
+        )
     eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
     eager.config.pad_token_id = eager.generation_config.pad_token_id = None  # as Qwen2.5's config has none
     trainer = VAPOTrainer(eager, digit_fraction, make_args(tmp_path), prompts_dataset())
@@ -361,6 +369,13 @@ def test_a_policy_that_device_map_spread_or_offloaded_is_refused_by_name(tiny_mo
     placed = {name: "cpu" for name in placement}
     args = make_args(tmp_path, max_steps=1, model_init_kwargs={"device_map": placed})
     VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train()
+
+
+def test_without_args_the_output_dir_is_named_for_the_model_given_as_a_path(tiny_model_dir, tmp_path, monkeypatch):
+    """`args=None`, as TRL's trainers take it: a `Path` (an AttributeError: it was read as a loaded model)."""
+    monkeypatch.chdir(tmp_path)
+    trainer = VAPOTrainer(tiny_model_dir, digit_fraction, train_dataset=prompts_dataset())
+    assert trainer.args.output_dir == f"{tiny_model_dir.name}-VAPO"
 
 
 def test_the_policys_tokenizer_is_looked_up_where_the_policy_was(tiny_model_dir, tmp_path):

@@ -256,7 +256,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             raise TypeError(f"rollout_func must be a callable `(prompts, trainer) -> dict`, got {rollout_func!r}.")
         self.rollout_func = rollout_func
         if args is None:
-            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            name = model if isinstance(model, (str, os.PathLike)) else get_config_model_id(model.config)
             args = VAPOConfig(output_dir=f"{Path(str(name)).name or 'model'}-VAPO")
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
