@@ -13,7 +13,7 @@ versions from ``constraints.txt``):
 On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps it out of commits), after the offline install line
 (``INSTALL``; ``--download-wheels`` prints it):
 
-    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 300 --limit 570   # the parts in PARTS's order
+    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 350 --limit 570   # the parts in PARTS's order
     python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B
 
 Anywhere, the same code at tiny shapes on the CPU (``tests/test_gpu_suite.py`` runs it):

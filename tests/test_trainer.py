@@ -371,6 +371,32 @@ def test_a_policy_that_device_map_spread_or_offloaded_is_refused_by_name(tiny_mo
     VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train()
 
 
+def test_the_critics_adapter_starts_as_a_copy_of_an_adapter_given_trained(tiny_model_dir, tmp_path):
+    """A PeftModel given with its trained adapter (an SFT run's) is the policy: the critic's adapter starts as its
+    copy, as a full fine-tuning's critic copies the policy's weights (it started from the base's features alone). A
+    new adapter's (peft_config) starts as peft initialises one: its own random A, B zero."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    torch.manual_seed(0)
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B.default" in name:
+                param.normal_()
+    adapters = {"given": VAPOTrainer(trained, digit_fraction, make_args(tmp_path), prompts_dataset())}
+    fresh = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config=config
+    )
+    adapters["new"] = fresh
+    for kind, trainer in adapters.items():
+        params = dict(trainer.actor_critic.policy.named_parameters())
+        pairs = [(p, params[n.replace(".default.", ".critic.")]) for n, p in params.items() if ".default." in n]
+        assert len(pairs) == 8, kind  # A and B of two modules in two layers
+        same = [torch.equal(policy, critic) for policy, critic in pairs]
+        assert all(same) if kind == "given" else not any(same[::2]), kind  # A: the even ones (named first)
+
+
 def test_without_args_the_output_dir_is_named_for_the_model_given_as_a_path(tiny_model_dir, tmp_path, monkeypatch):
     """`args=None`, as TRL's trainers take it: a `Path` (an AttributeError: it was read as a loaded model)."""
     monkeypatch.chdir(tmp_path)

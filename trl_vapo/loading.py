@@ -282,14 +282,20 @@ def _critic_adapter_config(policy) -> Any:
 
 
 def build_actor_critic(
-    policy: nn.Module, value_model, args, fingerprint: str, value_targets: dict[str, Any] | None = None
+    policy: nn.Module,
+    value_model,
+    args,
+    fingerprint: str,
+    value_targets: dict[str, Any] | None = None,
+    adapter_given: bool = False,
 ) -> tuple[ActorCritic, bool]:
     """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy, under
     the same `value_targets` (`modeling.value_target_settings`: the rewards, the sampling, the discount).
 
     ``value_model`` None: a critic initialised from the policy (a second adapter on its base under PEFT). A path or
     id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is. A
-    :class:`ValueFunction`: frozen values instead of a critic.
+    :class:`ValueFunction`: frozen values instead of a critic. `adapter_given`: the policy came with its adapter (an
+    SFT run's), which the critic's starts as a copy of.
     """
     shared = is_peft_model(policy)
     if is_value_function(value_model):
@@ -298,9 +304,11 @@ def build_actor_critic(
         if shared:
             check_only_adapters_train(policy)  # (before peft's own refusal of a second adapter with a bias)
             policy.add_adapter(CRITIC_ADAPTER, _critic_adapter_config(policy))
-            if rewrites_base(policy.peft_config[POLICY_ADAPTER]):
-                # The base is the residual of PiSSA, OLoRA, ...: the critic starts from the policy's function, as
-                # it does on an untouched base, with the policy adapter's weights.
+            if adapter_given or rewrites_base(policy.peft_config[POLICY_ADAPTER]):
+                # The critic starts from the policy's function, as a full fine-tuning's critic copies the policy's
+                # weights: with the policy adapter's weights where they are the policy (a trained adapter given: from
+                # the base's alone, it read features the policy had moved on from) or the base is a residual
+                # (PiSSA, OLoRA, ...); a new LoRA's B is zero, and the critic's on the untouched base computes alike.
                 copy_adapter_weights(policy, POLICY_ADAPTER, CRITIC_ADAPTER)
             policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
             text_config = policy.config.get_text_config()  # a multimodal config keeps its sizes there

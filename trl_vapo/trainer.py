@@ -342,7 +342,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         value_targets = value_target_settings(args, self.scorer.names)
         check_critic_tokenizer(value_model, tokenizer, args)  # before a critic of another family loads its weights
         with whole_models_under_zero3(zero3_config):
-            actor_critic, critic_pretrained = build_actor_critic(policy, value_model, args, fingerprint, value_targets)
+            actor_critic, critic_pretrained = build_actor_critic(
+                policy, value_model, args, fingerprint, value_targets, adapter_given
+            )
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
         if separate and value_model is not None:  # one of its own (one from the policy reads what the policy reads)
