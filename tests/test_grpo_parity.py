@@ -658,6 +658,19 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
         assert resumed == epochs[3:], name
 
 
+def test_the_epoch_moves_with_each_optimizer_step_as_grpos_does(tiny_model_dir, tmp_path):
+    """Eight prompts, four a rollout, two optimizer steps a rollout (and two passes): each step reads its share of the
+    prompts, so `state.epoch` moves by step, as GRPOTrainer's data loader moves it (every step logged the rollout's
+    end: 0.5, 0.5, 0.5, 0.5, 1.0, ...)."""
+    batch = dict(per_device_train_batch_size=8, steps_per_generation=2, num_iterations=2)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=8, **batch), prompts_dataset(8)
+    )
+    trainer.train()
+    epochs = [h["epoch"] for h in trainer.state.log_history if "phase" in h]
+    assert epochs == pytest.approx([0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0])
+
+
 @pytest.mark.parametrize("steps_per_rollout", [1, 2])
 def test_a_callback_ends_an_epoch_early_with_should_epoch_stop(tiny_model_dir, tmp_path, steps_per_rollout):
     """transformers' `control.should_epoch_stop` (it was never read): the epoch ends after the step that asked for

@@ -338,7 +338,9 @@ def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_th
     from peft import PromptTuningConfig
 
     prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
-    with pytest.raises(ValueError, match="adapter is a PromptTuningConfig: the critic would be a second one"):
+    with pytest.raises(
+        ValueError, match=r"adapter is a prompt-learning one \(PromptTuningConfig\): the critic would be a second"
+    ):
         VAPOTrainer(
             str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config=prompt_tuning
         )

@@ -559,10 +559,10 @@ def check_trainer_arguments(model, args: VAPOConfig, peft_config, value_model: A
     adapter = peft_config if peft_config is not None else getattr(model, "active_peft_config", None)
     if value_model is None and adapter is not None and (adapter.is_prompt_learning or adapter.is_adaption_prompt):
         raise ValueError(
-            f"The policy's adapter is a {type(adapter).__name__}: the critic would be a second one on the same base, "
-            "which the critic's forward (the base's own, without the adapter's virtual tokens or prompts) never "
-            "applies, so the critic would train its value head alone. Use an adapter of the layers' weights "
-            "(LoraConfig), or give the critic a model of its own (value_model=...)."
+            f"The policy's adapter is a prompt-learning one ({type(adapter).__name__}): the critic would be a second "
+            "one on the same base, which the critic's forward (the base's own, without the adapter's virtual tokens "
+            "or prompts) never applies, so the critic would train its value head alone. Use an adapter of the "
+            "layers' weights (LoraConfig), or give the critic a model of its own (value_model=...)."
         )
     if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
         raise NotImplementedError(  # GRPOTrainer's error

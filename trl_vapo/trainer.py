@@ -737,7 +737,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             for rows in torch.randperm(len(trains_on))[: len(rollout)].split(rows_per_step)
         )
         begun = True  # the first step's `on_step_begin` came before its rollout
-        for step_rows, update_policy in steps:
+        first, last = self._rollout_epochs
+        count = passes * -(-len(rollout) // rows_per_step)
+        for done, (step_rows, update_policy) in enumerate(steps, 1):
+            self.state.epoch = first + (last - first) * done / count
             self._optimizer_step(trains_on, step_rows, update_policy, began, begun)
             began, begun = time.perf_counter(), False
             # (`should_epoch_stop` as transformers reads it: its epoch loop ends at once, the step's rollout here)
@@ -848,7 +851,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             check_streamed_rows(
                 prompts, f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
             )
-        self.state.epoch = self._prompts.epoch(progress)
+        # The epochs the rollout's prompts span: its optimizer steps move `state.epoch` across them step by step, as
+        # GRPOTrainer's move it (each step reads its share of the prompts); until then it reads the span's end.
+        self._rollout_epochs = (self.state.epoch or 0.0, self._prompts.epoch(progress))
+        self.state.epoch = self._rollout_epochs[1]
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
         return repeated_rows(prompts, args.num_generations, slice(start, start + per_process))
