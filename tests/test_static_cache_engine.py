@@ -87,7 +87,7 @@ def test_greedy_completions_and_logprobs_equal_generate(which, tiny, tiny_model_
     if which == "tiny-bf16-autocast":
         # bf16 attention over the static cache's padded slots sums in another order than over the dynamic cache's:
         # nearly all log-probs agree to 2e-4, and a bf16 activation rounded to its neighbour moves a log-prob by a few
-        # thousandths (AVX-512 CPUs: up to 9e-5 apart; an AVX2 one: 0.0038 at one of 121 tokens).
+        # thousandths (the earlier development CPU: up to 9e-5 apart; an AVX2-only one: 0.0038 at one of 121 tokens).
         difference = (got_logprobs - expected_logprobs).abs()
         assert (difference <= 2e-4).float().mean() >= 0.95 and difference.max() <= 2**-6, difference.max()
     else:
