@@ -744,9 +744,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._optimizer_step(trains_on, step_rows, update_policy, began, begun)
             began, begun = time.perf_counter(), False
             # (`should_epoch_stop` as transformers reads it: its epoch loop ends at once, the step's rollout here)
-            if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
-                break
-            if self.control.should_epoch_stop:
+            stop = self.control.should_training_stop or self.control.should_epoch_stop
+            if stop or self.state.global_step >= self.state.max_steps:
                 break
 
         if phase == VALUE_PRETRAIN:
