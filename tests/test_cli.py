@@ -505,6 +505,12 @@ BAD_INPUT = [
     # argparse's own errors printed the usage of some 300 flags first; a YAML error or a folder was a traceback.
     (["--max_steps", "1e3"], "--max_steps/--max-steps: invalid int value: '1e3' (see `trl-vapo train --help`)"),
     (["--config", "broken.yaml"], 'is not valid YAML: while parsing a flow sequence in "broken.yaml", line 1'),
+    # A YAML value argparse passes on unconverted (not a string): a TypeError's traceback, or an 8.0 taken as is.
+    (["--config", "null.yaml"], "num_generations must be a whole number, got None."),
+    (["--config", "float.yaml"], "num_generations must be a whole number, got 8.0 (a float)."),
+    (["--lr_scheduler_type", "polynomial"], "constant, linear, cosine; got 'polynomial'."),  # not the enum's repr
+    (["--lr_scheduler_type", "cosin"], "constant, linear, cosine; got 'cosin'."),  # not transformers' longer list
+    (["--pad_to_multiple_of", "64.0"], "pad_to_multiple_of must be a whole number >= 1, 'auto' or None, got '64.0'."),
     (["--config", "."], ".: a folder (--config takes a YAML file's path)"),
     (["--config"], "--config needs a YAML file's path"),  # was TRL's IndexError
     # A resume that cannot be was a traceback once the models had loaded (train() refused it).
@@ -589,6 +595,8 @@ def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
         (out / "typo.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nlearnin_rate: 1.0e-4\n")
         (out / "hyphen.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\nmax-steps: 2\n")
         (out / "broken.yaml").write_text("learning_rate: [1\nmax_steps: 2\n")
+        (out / "null.yaml").write_text("num_generations: null\n")
+        (out / "float.yaml").write_text("num_generations: 8.0\n")
         (out / "earlier" / "checkpoint-1").mkdir(parents=True)
         (out / "earlier" / "checkpoint-1" / "vapo_state.json").write_text("{}")
         common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]

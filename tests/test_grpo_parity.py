@@ -334,7 +334,11 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         # k samples per request: k x N completions for N rows, refused by the reward check or a torch.cat later.
         ({"generation_kwargs": {"num_return_sequences": 2}}, "generation_kwargs sets num_return_sequences: each "),
         ({"use_vllm": True, "generation_kwargs": {"n": 4}}, "sets n: .* Set num_generations instead"),
-        ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1"),
+        ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be a whole number >= 1"),
+        # A number field holding another kind: failed later, in a comparison's TypeError or where it indexes.
+        ({"learning_rate": "1e-6"}, r"learning_rate must be a number, got '1e-6' \(a str\)"),
+        ({"max_completion_length": 512.0}, r"max_completion_length must be a whole number, got 512.0 \(a float\)"),
+        ({"max_prompt_length": True}, r"max_prompt_length must be a whole number or None, got True \(a bool\)"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
         # Sizes: accepted, they trained on nonsense (-8) or failed after the models loaded (0: an IndexError).
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be a whole number >= 1, got 0"),

@@ -84,6 +84,26 @@ def test_every_eval_dataset_form_grpo_takes_evaluates_at_init_and_passed_to_eval
             trainer.evaluate("data3")
 
 
+def test_a_dict_of_eval_sets_is_checked_once_not_at_every_evaluation(tiny_model_dir, tmp_path):
+    """The reward functions run on empty completions once, when the trainer checks its data; each evaluation of a
+    dict of eval sets checked every entry again (the reward model or judge called anew, a passing failure of it
+    fatal), where a single eval set is not checked again."""
+    reward = RecordingReward()
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), reward, eval_args(tmp_path), prompts_dataset(), eval_dataset_of("dict_of_dataset")
+    )
+
+    def checks() -> int:
+        return sum(all(length == 0 for length in call["lengths"]) for call in reward.calls)
+
+    at_init = checks()
+    assert at_init >= 1
+    metrics = trainer.evaluate()
+    trainer.evaluate()
+    assert checks() == at_init
+    assert {"eval_data1_loss", "eval_data2_loss"} <= set(metrics)
+
+
 class RecordingReward:
     """`digit_fraction`, keeping what it was called with and what it returned."""
 
@@ -117,6 +137,10 @@ def test_evaluate_scores_every_prompt_and_reports_grpos_metrics_and_the_critics(
     metrics = trainer.evaluate()
 
     assert [len(call["prompts"]) for call in reward.calls] == [4, 4, 2]
+    # The rates count prompts, as transformers' evaluation loop counts GRPOTrainer's eval rows, and batches.
+    runtime = metrics["eval_runtime"]
+    assert metrics["eval_samples_per_second"] == pytest.approx(5 / runtime, rel=0.01, abs=0.002)
+    assert metrics["eval_steps_per_second"] == pytest.approx(3 / runtime, rel=0.01, abs=0.002)
     prompts = [p for call in reward.calls for p in call["prompts"]]
     assert prompts == [f"{i}+{i}=" for i in range(5) for _ in range(2)]
     rewards = torch.tensor([r for call in reward.calls for r in call["rewards"]])

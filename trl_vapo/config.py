@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -19,6 +20,30 @@ from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, 
 from .pretrained import with_dtype_named
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
+# The number fields by their annotation (a string here, a type in transformers' TrainingArguments): the number they
+# hold (an int is a float's number too), and whether None is one of their values.
+_NUMBER_FIELDS = {
+    "int": (int, False),
+    "int | None": (int, True),
+    "float": ((int, float), False),
+    "float | None": ((int, float), True),
+}
+
+
+@functools.cache
+def _number_fields(cls: type) -> dict[str, tuple[type | tuple[type, ...], bool]]:
+    """`cls`'s number fields: `{name: (number, optional)}`, from the classes' annotations (not the fields' `type`,
+    which transformers' HfArgumentParser rewrites in place: `float | None` becomes `float`)."""
+    numbers = {}
+    for klass in reversed(cls.__mro__):
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+            numbers.pop(name, None)  # a subclass's annotation replaces its base's
+            if text in _NUMBER_FIELDS:
+                numbers[name] = _NUMBER_FIELDS[text]
+    return {name: kind for name, kind in numbers.items() if name in {spec.name for spec in fields(cls)}}
+
+
 # transformers' optimizers (`optim`) that cannot step as VAPOTrainer steps: a part of the name, and why.
 _OWN_GROUPS = "it builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks"
 _OPTIMIZERS_REFUSED = (
@@ -756,6 +781,7 @@ class VAPOConfig(TrainingArguments):
     log_completions_hub_repo: str | None = grpo_only_field("log_completions_hub_repo")
 
     def __post_init__(self):
+        self._check_number_fields()
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_gpu():
             # `torchrun` on a machine without GPUs: transformers only sets up CPU data parallelism (gloo) when told
             # `use_cpu`; without it every process would silently train alone on the same output folder.
@@ -834,6 +860,26 @@ class VAPOConfig(TrainingArguments):
         self._resolve_batch_sizes()
         self._validate()
 
+    def _check_number_fields(self) -> None:
+        """A clear error for a number field holding what is not its number: a YAML `null` or `8.0`, which the command
+        line passes on unconverted (argparse converts only strings), or a string through the Python API. They failed
+        later in a comparison (`None >= 1`: a TypeError's traceback) or where a whole number indexes. Both checked
+        before transformers' own setup reads them. A bool is not a number here, though Python counts it one."""
+        for name, (number, optional) in _number_fields(type(self)).items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, number):
+                what = "a whole number" if number is int else "a number"
+                raise ValueError(
+                    f"{name} must be {what}{' or None' if optional else ''}, got {value!r}"
+                    + ("" if value is None else f" (a {type(value).__name__})")
+                    + "."
+                )
+        schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
+        if schedule not in _LR_SCHEDULES:  # before transformers', which lists schedules VAPO then refuses
+            raise ValueError(f"lr_scheduler_type must be one of {', '.join(_LR_SCHEDULES)}; got {schedule!r}.")
+
     def _uses_fsdp(self) -> bool:
         """FSDP asked for here (`fsdp`) or by `accelerate launch` (its environment)."""
         return bool(self.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
@@ -854,7 +900,11 @@ class VAPOConfig(TrainingArguments):
             scale = scale.lower() == "true"
         self.scale_rewards = {True: "group", False: "none"}.get(scale, scale)
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":  # the CLI passes a string
-            text = self.pad_to_multiple_of.lower()
+            text = self.pad_to_multiple_of.strip().lower()
+            if text not in ("none", "null") and not text.isdigit():
+                raise ValueError(
+                    f"pad_to_multiple_of must be a whole number >= 1, 'auto' or None, got {self.pad_to_multiple_of!r}."
+                )
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
         if self.pad_to_multiple_of == "auto":  # Neuron compiles once per input shape: padding bounds the shapes
             self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
@@ -1028,8 +1078,10 @@ class VAPOConfig(TrainingArguments):
             f"num_generations_eval must be >= 1 or None, got {self.num_generations_eval}.",
         )
         require(
-            self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
-            f"pad_to_multiple_of must be >= 1, 'auto' or None, got {self.pad_to_multiple_of}.",
+            self.pad_to_multiple_of is None
+            or (isinstance(self.pad_to_multiple_of, int) and not isinstance(self.pad_to_multiple_of, bool))
+            and self.pad_to_multiple_of >= 1,
+            f"pad_to_multiple_of must be a whole number >= 1, 'auto' or None, got {self.pad_to_multiple_of!r}.",
         )
         require(
             self.cache_implementation is None or not (self.use_vllm or self.use_transformers_continuous_batching),
@@ -1077,10 +1129,6 @@ class VAPOConfig(TrainingArguments):
             self.ds3_gather_for_generation or not self.use_vllm,
             "ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the policy's whole "
             "weights (as in TRL).",
-        )
-        require(
-            self.lr_scheduler_type in _LR_SCHEDULES,
-            f"lr_scheduler_type must be one of {', '.join(_LR_SCHEDULES)}; got {self.lr_scheduler_type!r}.",
         )
         scheduler_kwargs = dict(self.lr_scheduler_kwargs or {})
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))

@@ -304,16 +304,25 @@ class EvaluationMixin:
                 "trainer.evaluate() before train() is not supported under DeepSpeed or FSDP: the models are placed "
                 "and sharded when training starts. Set eval_on_start=True to evaluate before the first step."
             )
-        if isinstance(dataset, dict):  # DatasetDict, IterableDatasetDict or a dict
-            metrics = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
+        if not isinstance(dataset, dict):
+            return self._evaluate_one(dataset, metric_key_prefix)
+        # DatasetDict, IterableDatasetDict or a dict, entry by entry. Not through `evaluate(part)`: each part would be
+        # checked again, the reward functions called on empty completions at every evaluation during training (a
+        # judge's passing failure there stopped the run).
+        return {
+            key: value
+            for name, part in dataset.items()
+            for key, value in self._evaluate_one(part, f"{metric_key_prefix}_{name}").items()
+        }
+
+    def _evaluate_one(self, dataset: Dataset | IterableDataset, metric_key_prefix: str) -> dict[str, float]:
+        """`evaluate` on one checked data set: evaluated, logged, and `on_evaluate` called."""
         start = time.time()
         with self._evaluating():
-            metrics, num_samples = self._evaluation_loop(dataset)
+            metrics, num_prompts, num_batches = self._evaluation_loop(dataset)
             metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
-            metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples))
+            # Samples are prompts, as transformers' evaluation loop counts the rows of GRPOTrainer's eval set.
+            metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_prompts, num_steps=num_batches))
             self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -343,17 +352,17 @@ class EvaluationMixin:
             self._metrics, self._last_rollout = saved
             self.actor_critic.train(was_training)
 
-    def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int]:
+    def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int, int]:
         """Every prompt of `dataset` once, in batches: each batch is a rollout (`_make_rollout`, phase EVAL) whose
         metrics are averaged over batches as GRPOTrainer averages them, except two of VAPO's own, pooled over all the
         completions: the critic's explained variance and the accuracy. Each prompt counts once: the prompts a last
         batch repeats to split evenly over the processes are left out of every metric but the reward functions' own
-        (GRPOTrainer counts them in all but the loss). Returns the metrics and the number of completions."""
+        (GRPOTrainer counts them in all but the loss). Returns the metrics, the number of prompts and of batches."""
         args, world = self.args, self.accelerator.num_processes
         all_reduce = self._all_reduce if self._distributed else None
         group = args.num_generations_eval or args.num_generations
         prompts_per_batch = max(1, args.per_device_eval_batch_size * world // group)
-        rows, values, returns, completions = iter(dataset), [], [], 0
+        rows, values, returns, num_prompts, num_batches = iter(dataset), [], [], 0, 0
         correct = judged = 0.0
         while batch := list(itertools.islice(rows, prompts_per_batch)):
             if isinstance(dataset, IterableDataset):  # a set's rows were checked up front, a stream's first alone
@@ -377,7 +386,7 @@ class EvaluationMixin:
             mask = rollout.loss_mask.bool()
             values.append(rollout.old_values[mask])
             returns.append(rollout.returns[mask])
-            completions += real
+            num_prompts, num_batches = num_prompts + len(batch), num_batches + 1
         metrics = {key: nan_mean(column) for key, column in self._metrics.items()}
         for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'
             name = key.rsplit("/", 1)[-1]
@@ -388,7 +397,7 @@ class EvaluationMixin:
         values, returns = torch.cat(values), torch.cat(returns)
         metrics[EXPLAINED_VARIANCE] = explained_variance(values, returns, torch.ones_like(values), all_reduce).item()
         metrics[ACCURACY] = correct / judged if judged else float("nan")
-        return metrics, completions
+        return metrics, num_prompts, num_batches
 
     def _evaluation_loss(self, rollout: Rollout) -> float:
         """VAPO's loss (`core.vapo_loss`) on an evaluation rollout at the weights that sampled it, over every
