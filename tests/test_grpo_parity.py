@@ -223,7 +223,7 @@ def _another_value(default):
         return not default
     if isinstance(default, (int, float)):
         return default + 1
-    return 1.0 if default is None else "something-else"
+    return 1 if default is None else "something-else"
 
 
 def test_each_grpo_setting_vapo_does_not_have_is_refused_naming_it_and_what_vapo_does(tmp_path):
