@@ -1264,6 +1264,35 @@ def test_eval_with_vllm_samples_from_the_weights_it_evaluates(tiny_model_dir, tm
     torch.testing.assert_close(vllm.received[query], merged[query].to(vllm.received[query].dtype))
 
 
+def test_eval_takes_a_training_configs_vllm_options(tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch):
+    """A training YAML's vLLM options apply to `trl-vapo eval --config` as to `train`: eval knew three of them and
+    took the others' defaults without a word (a server's host and port, the structured-outputs regex, the context).
+    vLLM's stand-in (vLLM cannot be installed here) is TRL's `VLLMGeneration` with transformers sampling: the options
+    are what TRL's constructor was given."""
+    from helpers import StandInVLLMGeneration
+
+    built, init = [], StandInVLLMGeneration._init_vllm
+    monkeypatch.setattr(StandInVLLMGeneration, "_init_vllm", lambda self: init(self) or built.append(self))
+    options = {
+        "max_model_length": 48,
+        "structured_outputs_regex": "[0-9]+",
+        "server_host": "10.0.0.5",
+        "server_port": 8001,
+        "group_port": 51300,
+        "server_timeout": 30.0,
+        "model_impl": "transformers",
+        "gpu_memory_utilization": 0.5,
+    }
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "use_vllm: true\nlearning_rate: 1.0e-5\n" + "".join(f"vllm_{k}: {v!r}\n" for k, v in options.items())
+    )
+    flags = ["--config", str(config), "--num_prompts", "2", "--k", "1", "--max_new_tokens", "2"]
+    assert main(["eval", "--model", str(tiny_model_dir), *flags]) == 0
+    [vllm] = built
+    assert {name: getattr(vllm, name) for name in options} == options
+
+
 def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):
     config = tmp_path / "grpo.yaml"
     config.write_text("datasets:\n  - path: some/data\ntest_split_size: 0.1\nlearning_rate: 1.0e-5\n")

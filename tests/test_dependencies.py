@@ -177,11 +177,13 @@ def test_the_package_has_no_import_cycle_at_module_level():
 
 def test_sampling_and_scoring_import_nothing_of_training_even_inside_functions():
     """An engine samples, it does not train: `generation` takes its vLLM defaults from nowhere above it (the config
-    takes them from `generation.VLLM_DEFAULTS`). The reward models load with `pretrained.from_pretrained_kwargs`, which
-    `modeling` uses too, so `scoring` does not reach into the actor-critic's module."""
+    and `trl-vapo eval` take them from `vllm_fields`, as the engine does). The reward models load with
+    `pretrained.from_pretrained_kwargs`, which `modeling` uses too, so `scoring` does not reach into the actor-critic's
+    module."""
     imports = package_imports()
     above = {"trl_vapo.config", "trl_vapo.trainer", "trl_vapo.cli", "trl_vapo.checkpoint"}
     assert not {target for target, _, _ in imports["trl_vapo.generation"]} & above
+    assert "trl_vapo.vllm_fields" in {target for target, _, _ in imports["trl_vapo.generation"]}
     assert "trl_vapo.modeling" not in {target for target, _, _ in imports["trl_vapo.scoring"]}
     assert "trl_vapo.pretrained" in {target for target, _, _ in imports["trl_vapo.scoring"]}  # the check sees imports
 

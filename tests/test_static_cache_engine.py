@@ -197,6 +197,25 @@ def test_first_tokens_follow_the_softmax_chi_square(tiny):
     assert statistic < quantile, (statistic, quantile)
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logits_that_are_not_finite_are_an_error_not_token_0(tiny, greedy):
+    """Sampled from NaN logits, the exponential race's argmax is token 0 and decoding went on: a rollout of token 0s,
+    scored and trained on. `generate()`'s sampler stops there; so does this engine, naming what it met."""
+    model, tokenizer = tiny
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.get_output_embeddings().weight[5].fill_(math.nan)  # one vocabulary row: every logit vector has a NaN
+    engine = StaticCacheEngine(broken, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])
+    sampling = SamplingSettings(max_new_tokens=4, temperature=0.0 if greedy else 1.0)
+    with pytest.raises(RuntimeError, match=r"logits are NaN or infinite \(sequence 0, token 0; \d+ tokens in all\)"):
+        engine.generate(token_ids(tokenizer, ["ab", "cd"]), sampling=sampling)
+    if not greedy:
+        with pytest.raises(RuntimeError, match="probability tensor contains"):  # generate() refuses them too
+            TransformersGenerate(
+                broken, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id]
+            ).generate(token_ids(tokenizer, ["ab"]), sampling=sampling)
+
+
 def test_buffers_keep_their_addresses_across_steps_and_rollouts(tiny):
     model, tokenizer = tiny
     engine = StaticCacheEngine(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id])

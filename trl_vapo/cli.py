@@ -28,6 +28,7 @@ from pathlib import Path
 from . import __version__
 from .metric_names import ACCURACY, REWARD
 from .signals import STOP_SIGNALS
+from .vllm_fields import vllm_field
 
 logger = logging.getLogger("trl_vapo")
 
@@ -1073,9 +1074,19 @@ class EvalArguments:
         default=None, metadata={"help": "JSON keyword arguments of transformers' ContinuousBatchingConfig."}
     )
     use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (`pip install vllm`), as in training."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' or 'server' (see `trl-vapo train`)."})
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "Base URL of a vLLM server."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU share of vLLM (colocate)."})
+    # vLLM's options, training's (a training YAML's apply: its server, its structured-outputs regex, its context).
+    vllm_mode: str = vllm_field("mode")
+    vllm_model_impl: str = vllm_field("model_impl")
+    vllm_enable_sleep_mode: bool = vllm_field("enable_sleep_mode")
+    vllm_structured_outputs_regex: str | None = vllm_field("structured_outputs_regex")
+    vllm_server_base_url: str | None = vllm_field("server_base_url")
+    vllm_server_host: str = vllm_field("server_host")
+    vllm_server_port: int = vllm_field("server_port")
+    vllm_server_timeout: float = vllm_field("server_timeout")
+    vllm_group_port: int = vllm_field("group_port")
+    vllm_gpu_memory_utilization: float = vllm_field("gpu_memory_utilization")
+    vllm_max_model_length: int | None = vllm_field("max_model_length")
+    vllm_tensor_parallel_size: int = vllm_field("tensor_parallel_size")
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
     positive_reward_funcs: list[str] | None = field(
         default=None,

@@ -15,9 +15,9 @@ from transformers import TrainingArguments
 
 from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config, uses_deepspeed
-from .generation import VLLM_DEFAULTS
 from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
 from .pretrained import with_dtype_named
+from .vllm_fields import vllm_field
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 # The number fields by their annotation (a string here, a type in transformers' TrainingArguments): the number they
@@ -302,51 +302,18 @@ class VAPOConfig(TrainingArguments):
             "pushed to vLLM after each optimizer step. Requires `pip install vllm`."
         },
     )
-    vllm_mode: str = field(
-        default=VLLM_DEFAULTS["mode"],
-        metadata={
-            "help": "'server': send generation requests to a separate vLLM server (start it with `trl vllm-serve`). "
-            "'colocate': run vLLM in the training processes, sharing the GPUs."
-        },
-    )
-    vllm_model_impl: str = field(
-        default=VLLM_DEFAULTS["model_impl"],
-        metadata={"help": "Model implementation for vLLM: 'vllm' or 'transformers'."},
-    )
-    vllm_enable_sleep_mode: bool = field(
-        default=VLLM_DEFAULTS["enable_sleep_mode"],
-        metadata={"help": "Offload vLLM's weights and cache during the optimizer step (colocate mode)."},
-    )
-    vllm_structured_outputs_regex: str | None = field(
-        default=VLLM_DEFAULTS["structured_outputs_regex"],
-        metadata={"help": "Regex for vLLM structured outputs. None: disabled."},
-    )
-    vllm_server_base_url: str | None = field(
-        default=VLLM_DEFAULTS["server_base_url"],
-        metadata={"help": "Base URL of the vLLM server (e.g. 'http://localhost:8000'); overrides host and port."},
-    )
-    vllm_server_host: str = field(default=VLLM_DEFAULTS["server_host"], metadata={"help": "Host of the vLLM server."})
-    vllm_server_port: int = field(default=VLLM_DEFAULTS["server_port"], metadata={"help": "Port of the vLLM server."})
-    vllm_server_timeout: float = field(
-        default=VLLM_DEFAULTS["server_timeout"],
-        metadata={"help": "Seconds to wait for the vLLM server to be up before raising."},
-    )
-    vllm_group_port: int = field(
-        default=VLLM_DEFAULTS["group_port"],
-        metadata={"help": "Port of the weight-update group shared with the vLLM server."},
-    )
-    vllm_gpu_memory_utilization: float = field(
-        default=VLLM_DEFAULTS["gpu_memory_utilization"],
-        metadata={"help": "GPU memory share vLLM may use (colocate mode)."},
-    )
-    vllm_max_model_length: int | None = field(
-        default=VLLM_DEFAULTS["max_model_length"],
-        metadata={"help": "vLLM's context window: at least the longest prompt plus max_completion_length."},
-    )
-    vllm_tensor_parallel_size: int = field(
-        default=VLLM_DEFAULTS["tensor_parallel_size"],
-        metadata={"help": "Tensor-parallel size of vLLM (colocate mode)."},
-    )
+    vllm_mode: str = vllm_field("mode")
+    vllm_model_impl: str = vllm_field("model_impl")
+    vllm_enable_sleep_mode: bool = vllm_field("enable_sleep_mode")
+    vllm_structured_outputs_regex: str | None = vllm_field("structured_outputs_regex")
+    vllm_server_base_url: str | None = vllm_field("server_base_url")
+    vllm_server_host: str = vllm_field("server_host")
+    vllm_server_port: int = vllm_field("server_port")
+    vllm_server_timeout: float = vllm_field("server_timeout")
+    vllm_group_port: int = vllm_field("group_port")
+    vllm_gpu_memory_utilization: float = vllm_field("gpu_memory_utilization")
+    vllm_max_model_length: int | None = vllm_field("max_model_length")
+    vllm_tensor_parallel_size: int = vllm_field("tensor_parallel_size")
     vllm_importance_sampling_correction: bool = field(
         default=True,
         metadata={

@@ -39,6 +39,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ._compat import is_vllm_available, pad, vllm_generation_class
+from .vllm_fields import VLLM_DEFAULTS, VLLM_OPTIONS
 from .vllm_sync import check_policy_adapter_active, check_policy_only, policy_only
 
 ModelProvider = Callable[[], contextlib.AbstractContextManager[nn.Module]]
@@ -751,23 +752,6 @@ def _apply_sampling(vllm_generation, sampling: SamplingSettings, stop_ids: Seque
 # ---------------------------------------------------------------------------------------------------------------------
 
 ENGINES = ("generate", "continuous_batching", "static_cache", "vllm")
-VLLM_DEFAULTS: dict[str, Any] = {
-    "mode": "colocate",
-    "structured_outputs_regex": None,
-    "server_base_url": None,
-    "server_host": "0.0.0.0",
-    "server_port": 8000,
-    "group_port": 51216,
-    "server_timeout": 240.0,
-    "tensor_parallel_size": 1,
-    "gpu_memory_utilization": 0.3,
-    "max_model_length": None,
-    "enable_sleep_mode": False,
-    "model_impl": "vllm",
-}
-"""`VLLMGeneration`'s options and their defaults (TRL's): each a `vllm_<name>` field of `VAPOConfig`, which takes its
-default from here; what an engine is not given keeps it."""
-VLLM_OPTIONS = tuple(VLLM_DEFAULTS)
 
 
 @dataclass

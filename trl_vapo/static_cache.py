@@ -182,6 +182,7 @@ class StaticCacheEngine(GenerationEngine):
             logprobs = state.output_logprobs[:, :steps].to("cpu", copy=True)
         if not self.keep_buffers:
             self.state = None
+        _check_finite(logprobs)
         return ids, logprobs
 
     def _state_for(self, model, prompt_ids, sampling) -> DecodeState:
@@ -260,6 +261,20 @@ def _autocast_without_cache() -> contextlib.AbstractContextManager:
     if not torch.is_autocast_enabled("cuda"):
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
+def _check_finite(logprobs: torch.Tensor) -> None:
+    """An error where a sampled token's log-prob is NaN or infinite: the logits it was drawn from were (a finished
+    row's are 0). The sampler's argmax then picks token 0 from them, and the rollout would train on such tokens;
+    `generate()`'s `torch.multinomial` stops there. Read from the host copy the results make anyway: no extra sync."""
+    bad = (~torch.isfinite(logprobs)).nonzero()
+    if len(bad):
+        row, step = bad[0].tolist()
+        raise RuntimeError(
+            f"The policy's logits are NaN or infinite (sequence {row}, token {step}; {len(bad)} tokens in all): "
+            "nothing can be sampled from them. The weights have likely diverged (a NaN in an update) or float16 "
+            "overflowed: compute in bfloat16 or float32, or resume from an earlier checkpoint."
+        )
 
 
 class DecodeState:
