@@ -543,6 +543,9 @@ BAD_INPUT = [
     (["--eval_strategy", "steps", "100"], "unexpected argument '100': every value follows its flag"),
     # The launcher's own errors: its usage (some 60 flags) and exit 2, or accelerate's traceback.
     (["--num_processes", "two"], "--num_processes/--num-processes: invalid int value: 'two' (see `accelerate launch"),
+    # Checked before launching: each launched process failed on it, among the launcher's report of their failures.
+    (["--num_processes", "2", "--reward_funcs", "no_such_reward"], "no_such_reward"),
+    (["--num_processes", "2", "--resume_from_checkpoint", "gone/checkpoint-3"], "gone/checkpoint-3: no such folder"),
     (["--cpu", "true", "--multi_gpu", "true"], "accelerate launch: You can only use one of `--cpu`, `--multi_gpu`"),
     # The held-out report's numbers: a traceback once the model had loaded (an empty set to score).
     (["--eval_k", "0", "--eval_num_prompts", "2"], "--eval_k must be >= 1 (samples per held-out prompt), got 0"),

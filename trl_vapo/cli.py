@@ -483,35 +483,14 @@ def _check_held_out_report(script_args, demo: bool) -> None:
         )
 
 
-def train_command(argv: list[str]) -> int:
-    demo = _is_demo(argv) and not {"-h", "--help"} & set(argv)  # help shows every run's defaults, naming the demo's
-    parser = _parser()
-    if demo:
-        parser.set_defaults(**_demo_defaults(argv))
-    with _checked_as_launched(argv):
-        script_args, training_args, model_args, mixture, config_remaining, cli_remaining = _parse_args_and_config(
-            parser, argv
-        )
-    launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
-    # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
-    mixed = mixture is not None and bool(mixture.datasets)
-    _check_held_out_report(script_args, demo)
-    # The launched command reads the same config, launch keys included: it runs them, it does not launch again
-    # (accelerate's one-process launcher sets no LOCAL_RANK).
-    if launch_args and "LOCAL_RANK" not in os.environ and LAUNCHED not in os.environ:
-        return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
-
-    from trl import get_peft_config, get_quantization_config
-
-    from .signals import TrainingInterrupted
-    from .trainer import VAPOTrainer
-
-    started = time.time()
-    # Everything a typo can break is checked before the model loads; a failure is one line on stderr.
+def _check_before_loading(script_args, training_args, model_args, demo: bool) -> list:
+    """What a typo can break, checked before any model or data loads (and before a launch): the reward functions
+    (returned, resolved), the engine, the resume request, the output dir's lock, the models' sources. A failure is
+    one line on stderr."""
     reward_funcs = _resolve_rewards(_reward_names(script_args), training_args.max_completion_length)
     from .generation import EngineSettings, check_engine_available
 
-    try:  # before any model or data loads: vLLM asked for but not installed, say, in one line
+    try:  # vLLM asked for but not installed, say
         check_engine_available(EngineSettings.from_config(training_args))
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
@@ -536,6 +515,35 @@ def train_command(argv: list[str]) -> int:
         _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")
         _check_model_source(script_args.value_model_name_or_path, "--value_model_name_or_path")
+    return reward_funcs
+
+
+def train_command(argv: list[str]) -> int:
+    demo = _is_demo(argv) and not {"-h", "--help"} & set(argv)  # help shows every run's defaults, naming the demo's
+    parser = _parser()
+    if demo:
+        parser.set_defaults(**_demo_defaults(argv))
+    with _checked_as_launched(argv):
+        script_args, training_args, model_args, mixture, config_remaining, cli_remaining = _parse_args_and_config(
+            parser, argv
+        )
+    launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
+    # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
+    mixed = mixture is not None and bool(mixture.datasets)
+    _check_held_out_report(script_args, demo)
+    # Checked before a launch too: each launched process would fail on the same line, among the launcher's report.
+    reward_funcs = _check_before_loading(script_args, training_args, model_args, demo)
+    # The launched command reads the same config, launch keys included: it runs them, it does not launch again
+    # (accelerate's one-process launcher sets no LOCAL_RANK).
+    if launch_args and "LOCAL_RANK" not in os.environ and LAUNCHED not in os.environ:
+        return _relaunch(launch_args, _without_subsequence(argv, cli_remaining))
+
+    from trl import get_peft_config, get_quantization_config
+
+    from .signals import TrainingInterrupted
+    from .trainer import VAPOTrainer
+
+    started = time.time()
     run_data = asdict(script_args)  # as given (`_resolve_data` fills a preset's fields in), for `trl-vapo eval`
     for key in ("dataset_name", "reward_model_name_or_path"):  # read from any working directory
         if run_data[key] and Path(run_data[key]).exists():
