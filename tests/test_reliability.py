@@ -569,6 +569,11 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
         )
 
     with_critic(one)
+    # A frozen one (a reward model another trainer used, which froze it) sat in no optimizer group and never learned.
+    one.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"has no trainable weight .* Call value_model.requires_grad_\(True\)"):
+        with_critic(one)
+    one.requires_grad_(True)
     # Another family's reward model as the critic (the paper's start), with a smaller vocabulary: the policy's ids
     # past its embeddings were an index error at the first rollout's values.
     narrow_config = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).config

@@ -1717,6 +1717,11 @@ def test_an_adapter_initialisation_that_rewrites_the_base_runs_once(tiny_model_d
     policy = trainer.actor_critic.policy
     computes_as_loaded(policy, "default")
     computes_as_loaded(policy, "critic")
+    # With a KL penalty the reference is a copy of the adapter: the base with adapters off is the residual, which
+    # the KL pulled the policy toward from its first step.
+    args = make_args(tmp_path / "kl-new", max_steps=1, beta=0.04)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=lora)
+    computes_as_loaded(trainer.actor_critic.policy, "ref")
     # An adapter given, trained (here: as initialised), with a KL penalty: the reference is a copy of it.
     given = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
     args = make_args(tmp_path / "kl", max_steps=1, beta=0.04)

@@ -201,6 +201,15 @@ def check_value_model(model: nn.Module) -> None:
             "ignore_mismatched_sizes=True)`: its head starts afresh, its body as trained."
         )
     _sequence_classification_head(model)
+    if not any(param.requires_grad for param in model.parameters()):
+        # It would sit in no optimizer group: value pretraining failed in backward ("element 0 of tensors does not
+        # require grad"), and without it RL ran on a critic that never learned.
+        raise ValueError(
+            f"value_model {type(model).__name__} has no trainable weight (requires_grad is False throughout: frozen "
+            "by requires_grad_(False), or used as another trainer's reward model, which freezes it), and a critic "
+            "trains. Call value_model.requires_grad_(True), or pass a value function (a callable, see "
+            "`trl_vapo.modeling.ValueFunction`) for values that do not learn."
+        )
     if any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")):
         raise ValueError(
             f"value_model {type(model).__name__} is quantized, and a critic trains all of its weights: load it in "

@@ -395,14 +395,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             )
         if keep_trainable_weights_in_float32(actor_critic):
             logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
-        # With PEFT the reference policy is the base with adapters disabled, or, for an adapter given trained, a frozen
-        # copy of it (GRPOTrainer's "ref" adapter); otherwise a frozen copy, only if used, of the policy as it trains
-        # (in its float32 weights: it computes exactly as the policy, the first KL is 0).
+        # With PEFT the reference policy is the base with adapters disabled where the new adapter computes as its base
+        # (peft's default LoRA: B is zero); else a frozen copy of the adapter (GRPOTrainer's "ref" adapter): one given
+        # trained, or one whose initialisation moved part of the base into it (PiSSA, OLoRA: the base alone is then a
+        # residual) or starts random. Without PEFT a frozen copy, only if used, of the policy as it trains (in its
+        # float32 weights: it computes exactly as the policy, the first KL is 0).
         self.ref_model = (
             copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not is_peft_model(policy) else None
         )
         self._peft_reference = "base"
-        if args.beta > 0 and adapter_given:
+        if args.beta > 0 and is_peft_model(policy) and not fresh:
             actor_critic.add_reference_adapter()
             self._peft_reference = REFERENCE_ADAPTER
         if args.disable_dropout:  # (after the reference's adapter is added: its copy of the LoRA dropout too)
