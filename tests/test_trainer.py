@@ -1425,13 +1425,16 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
         assert f"`value_pretrain_steps={budget}`{' on resuming' if budget == 0 else ''}: ran 2 rollouts" in card
 
 
-@pytest.mark.parametrize("layout", ["full", "full-bf16", "lora", "given-adapter"])
+@pytest.mark.parametrize("layout", ["full", "full-bf16", "lora", "lora-pissa", "given-adapter"])
 def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_path, layout):
     peft_config, model = None, str(tiny_model_dir)
-    if layout in ("lora", "given-adapter"):
+    adapters = ("lora", "lora-pissa", "given-adapter")
+    if layout in adapters:
         from peft import LoraConfig, get_peft_model
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    if layout == "lora-pissa":  # part of each base weight moved into the adapter: the base alone is a residual
+        peft_config.init_lora_weights = "pissa"
     if layout == "given-adapter":  # a trained adapter (an SFT run's): the base alone is not the initial policy
         # (with dropout, as SFT adapters are saved: disable_dropout reaches the reference's copy too, KL 0 at first)
         trained = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.5)
@@ -1442,14 +1445,15 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
     trainer = CapturingTrainer(
         model=model, reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(), peft_config=peft_config
     )
-    # With PEFT the reference is the base with adapters off, or a given adapter's frozen copy: no copy of the base.
-    assert (trainer.ref_model is None) == (layout in ("lora", "given-adapter"))
+    # With PEFT the reference is the base with adapters off (a new LoRA computes as it), or a frozen copy of the
+    # adapter (given trained, or PiSSA's): no copy of the base.
+    assert (trainer.ref_model is None) == (layout in adapters)
     reference = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if ".ref." in n}
-    assert bool(reference) == (layout == "given-adapter") and not any(
+    assert bool(reference) == (layout in ("lora-pissa", "given-adapter")) and not any(
         p.requires_grad for n, p in trainer.actor_critic.named_parameters() if ".ref." in n
     )
     critic = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if ".critic." in n}
-    assert bool(critic) == (layout in ("lora", "given-adapter"))  # the shared-base critic's adapter
+    assert bool(critic) == (layout in adapters)  # the shared-base critic's adapter
     trainer.train()
     for name, param in trainer.actor_critic.named_parameters():  # the copy never trains
         assert name not in reference or (torch.equal(param, reference[name]) and not param.requires_grad), name
@@ -1458,10 +1462,10 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
         assert name not in critic or (param.requires_grad and not torch.equal(param, critic[name])), name
     phases = [rollout.phase for _, rollout in trainer.rollouts]
     assert phases[0] == "value_pretrain" and phases[1:] == ["rl"] * (len(phases) - 1)
-    # Value pretraining under full fine-tuning: the policy is still its own copy, the reference; no log-prob pass for a
-    # KL of 0. With PEFT the reference is the base without adapters, which an adapter can make differ: computed.
+    # Value pretraining's policy is the reference (its copy, or the base a new LoRA computes as): no log-prob pass
+    # for a KL of 0.
     pretraining = trainer.rollouts[0][1]
-    assert (pretraining.old_logprobs is None and pretraining.ref_logprobs is None) == (layout != "lora")
+    assert pretraining.old_logprobs is None and pretraining.ref_logprobs is None
     kls = [h["kl"] for h in rl_logs(trainer)]
     assert kls[0] == 0.0  # the first rollout comes from the reference policy itself
     assert kls[-1] != 0.0

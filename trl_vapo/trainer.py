@@ -1072,10 +1072,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     def _kl_penalised(self, phase: str) -> bool:
         """Whether the rewards of this phase's rollouts carry the KL penalty. Value pretraining's policy is the
-        reference itself under full fine-tuning and for a given adapter (copies, KL 0: no log-prob passes); with a
-        new PEFT adapter the reference is the base without adapters, which a non-zero-initialised adapter (PiSSA,
-        LoftQ) makes differ. Evaluation measures what RL optimises, the penalty included."""
-        return phase != VALUE_PRETRAIN or (self.ref_model is None and self._peft_reference == "base")
+        reference itself: a copy under full fine-tuning and for an adapter that is not a new LoRA's (given trained,
+        PiSSA, a random start), the base where a new LoRA computes as it (B zero). KL 0: no log-prob passes.
+        Evaluation measures what RL optimises, the penalty included."""
+        return phase != VALUE_PRETRAIN
 
     # ----------------------------------------------------------------------------------------- the update
     def _optimizer_step(
