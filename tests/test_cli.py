@@ -532,6 +532,8 @@ BAD_INPUT = [
         "transformers_continuous_batching_config must be a dict or a JSON object, got 'max_batch_tokens=512'",
     ),
     (["--reward_weights", "1", "2"], "reward_weights has 2 values but there are 1 reward functions (a reward model"),
+    # Names a function this run does not have: refused by the trainer, once the data had loaded (and a reward model).
+    (["--positive_reward_funcs", "math_rewrd"], "math_rewrd, which is not a reward function of this run: they are"),
     (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
     # A reward model's LoRA task type: it trained, and saved an adapter AutoPeftModelForCausalLM refuses.
     (["--use_peft", "true", "--lora_task_type", "SEQ_CLS"], "peft_config has task_type='SEQ_CLS': the policy is"),
@@ -1038,6 +1040,19 @@ def refuse_model_loads(monkeypatch) -> None:
         raise AssertionError(f"{cls.__name__}.from_pretrained ran: the check came after a model loaded")
 
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(refuse))
+
+
+@pytest.mark.parametrize("flag", ["--prompt_column question", "--dataset_config main", "--system_prompt Solve."])
+def test_a_data_sets_flag_without_a_data_set_is_refused_not_ignored_by_the_demo(flag, tmp_path, capsys, monkeypatch):
+    """With no data set named (its flag forgotten), the offline demo ran on its own data, the flag ignored."""
+    refuse_model_loads(monkeypatch)
+    name, value = flag.split(" ", 1)
+    assert main(["train", name, value, "--output_dir", str(tmp_path / "out")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"trl-vapo train: error: {name} shapes a data set's prompts, and no data set is named")
+    (tmp_path / "run.yaml").write_text(f"{name[2:]}: {value}\nmax_steps: 2\n")  # from a config too
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output_dir", str(tmp_path / "out")]) == 2
+    assert f"{name} shapes a data set's prompts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -311,6 +311,32 @@ def _demo_defaults(argv: list[str]) -> dict[str, typing.Any]:
     }
 
 
+DEMO_IGNORES = (
+    "dataset_config",
+    "dataset_train_split",
+    "dataset_test_split",
+    "dataset_streaming",
+    "prompt_column",
+    "answer_column",
+    "prompt_template",
+    "system_prompt",
+    "prompt_format",
+)
+"""What shapes a named data set's prompts: given with none, the demo (its own data) would ignore them."""
+
+
+def _check_no_data_flags(argv: list[str]) -> None:
+    """A data set's flags without a data set (its flag forgotten, say) refused: the demo ran, ignoring them."""
+    flags, config = _given(argv)
+    given = [f"--{name}" for name in DEMO_IGNORES if name in flags or name in (config or {})]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} a data set's prompts, and no data set is "
+            "named: without one the offline demo trains on its own. Name it (--dataset_name or --dataset_preset, "
+            "with --model_name_or_path), or drop the flag for the demo"
+        )
+
+
 def _is_demo(argv: list[str]) -> bool:
     """No model and no data, as flags or in the `--config` file: the offline demo (a config then changes its
     settings, `max_steps: 5` say)."""
@@ -483,11 +509,31 @@ def _check_held_out_report(script_args, demo: bool) -> None:
         )
 
 
+def _check_reward_settings(reward_funcs: list, reward_model: str | None, training_args) -> None:
+    """`reward_weights` and `positive_reward_funcs` against the run's reward functions, by count and by name, as the
+    trainer checks them once its reward model has loaded (and the data set before it)."""
+    from .scoring import checked_reward_weights, reward_func_name
+
+    # The trainer names a reward model by its id's last part, a function by its name (`check_reward_funcs`).
+    names = ([Path(reward_model).name] if reward_model else []) + [reward_func_name(f) for f in reward_funcs]
+    try:
+        checked_reward_weights(training_args.reward_weights, len(names))
+    except ValueError as error:
+        raise UsageError(f"{error} Here: {', '.join(names)}.") from None
+    unknown = [name for name in training_args.positive_reward_funcs or [] if name not in names]
+    if unknown:
+        raise UsageError(
+            f"--positive_reward_funcs names {', '.join(unknown)}, which is not a reward function of this run: they "
+            f"are {', '.join(names)} (a function by its name, a reward model by its id's last part)"
+        )
+
+
 def _check_before_loading(script_args, training_args, model_args, demo: bool) -> list:
     """What a typo can break, checked before any model or data loads (and before a launch): the reward functions
     (returned, resolved), the engine, the resume request, the output dir's lock, the models' sources. A failure is
     one line on stderr."""
     reward_funcs = _resolve_rewards(_reward_names(script_args), training_args.max_completion_length)
+    _check_reward_settings(reward_funcs, script_args.reward_model_name_or_path, training_args)
     from .generation import EngineSettings, check_engine_available
 
     try:  # vLLM asked for but not installed, say
@@ -531,6 +577,8 @@ def train_command(argv: list[str]) -> int:
     # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
     mixed = mixture is not None and bool(mixture.datasets)
     _check_held_out_report(script_args, demo)
+    if demo:
+        _check_no_data_flags(argv)
     # Checked before a launch too: each launched process would fail on the same line, among the launcher's report.
     reward_funcs = _check_before_loading(script_args, training_args, model_args, demo)
     # The launched command reads the same config, launch keys included: it runs them, it does not launch again
