@@ -104,6 +104,17 @@ def test_a_dict_of_eval_sets_is_checked_once_not_at_every_evaluation(tiny_model_
     assert {"eval_data1_loss", "eval_data2_loss"} <= set(metrics)
 
 
+def test_an_empty_prompt_the_tokenizer_adds_no_token_to_is_named(tiny_model_dir, tmp_path, caplog):
+    """An empty text prompt is warned about up front; where the tokenizer adds no token to it (the tiny one adds no
+    BOS, as Qwen's), the rollout that drew it sampled its completions from padding alone (here: silently), or,
+    first in its batch, failed in the embedding on a float tensor of no ids. Named now."""
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, eval_args(tmp_path), prompts_dataset())
+    held_out = Dataset.from_list([{"prompt": "1+1=", "answer": "2"}, {"prompt": "", "answer": "0"}])
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match=r"A prompt has no token: '' \(the tok"):
+        trainer.evaluate(held_out)
+    assert "empty prompt(s) (rows [1])" in caplog.text
+
+
 class RecordingReward:
     """`digit_fraction`, keeping what it was called with and what it returned."""
 

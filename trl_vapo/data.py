@@ -429,7 +429,8 @@ def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
     if empty:
         logger.warning(
             f"{what} has {len(empty)} empty prompt(s) ({rows(empty)}): their completions are sampled from nothing "
-            "but the special tokens. Remove them, or check the column."
+            "but the special tokens, and where the tokenizer adds none (Qwen's) the rollout that draws one fails. "
+            "Remove them, or check the column."
         )
 
 

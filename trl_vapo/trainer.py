@@ -864,6 +864,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
         (`evaluated`: an evaluation set's, whose first cut is said apart from training's)."""
         ids = prompt_token_ids(self.processing_class, prompts, self._conversational, self.args.chat_template_kwargs)
+        empty = [prompt for prompt, tokens in zip(prompts, ids, strict=True) if not tokens]
+        if empty:  # (a tokenizer that adds no BOS, as Qwen's: sampled from padding alone, or first in its batch, a
+            # float tensor of no ids failed in the embedding)
+            raise ValueError(
+                f"A prompt has no token: {empty[0]!r} (the tokenizer adds none to it), and a completion cannot be "
+                "sampled from nothing. Remove the empty prompts: dataset.filter(lambda row: len(row['prompt']) > 0)."
+            )
         limit = self.args.max_prompt_length
         if not truncate or limit is None:
             return ids
