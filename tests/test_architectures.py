@@ -262,3 +262,13 @@ def test_lora_bias_training_with_the_shared_base_critic_is_refused_and_a_separat
     assert biases and all(policy.get_parameter(n).requires_grad for n in biases)
     separate.train()
     assert all(not torch.equal(policy.get_parameter(n), value) for n, value in biases.items())
+    # With a KL penalty they would move its reference too (the base with adapters off): refused.
+    with pytest.raises(ValueError, match=r"beta > 0 with \d+ trainable weights of the policy's base .*bias='all'"):
+        VAPOTrainer(
+            str(model_dir),
+            digit_fraction,
+            make_args(tmp_path, beta=0.04),
+            prompts_dataset(16),
+            peft_config=config,
+            value_model=str(model_dir),
+        )

@@ -1715,6 +1715,11 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
         ValueError, match=r"rollout read from the stream at step \d+\) has 1 row\(s\) without a prompt"
     ):
         trainer.train()
+    # Its long prompts dropped as they come: the filter read the row first, and the tokenizer failed on it.
+    dropping = config(tmp_path / "dropping", max_steps=100, max_prompt_length=10, drop_long_prompts=True)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, dropping, stream)
+    with pytest.raises(ValueError, match=r"a row read from the stream\) has 1 row\(s\) without a prompt"):
+        trainer.train()
     # A stream is evaluated as a data set of its rows.
     good = IterableDataset.from_generator(lambda: iter(prompts_dataset(n=2).to_list()))
     assert evaluate_policy(model, tokenizer, good, make_math_reward(), k=1, max_new_tokens=2).num_problems == 2

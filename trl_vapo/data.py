@@ -519,7 +519,14 @@ def long_prompts_handled(
     what to tell the user (None: nothing)."""
     limit = args.max_prompt_length
     if isinstance(dataset, IterableDataset) and limit is not None and args.drop_long_prompts:
-        return dataset.filter(lambda row: prompt_lengths([row["prompt"]])[0] <= limit), None
+
+        def short_enough(row: dict) -> bool:
+            # The filter reads each row before the rollout's check would: checked here, or the tokenizer's error
+            # (or the chat template's) named a bad row.
+            check_streamed_rows([row], "train_dataset (a row read from the stream)")
+            return prompt_lengths([row["prompt"]])[0] <= limit
+
+        return dataset.filter(short_enough), None
     if limit is None or isinstance(dataset, IterableDataset):
         return dataset, None
     lengths = []

@@ -1009,6 +1009,26 @@ def check_only_adapters_train(policy: nn.Module) -> None:
         )
 
 
+def check_reference_is_frozen(policy: nn.Module) -> None:
+    """With PEFT the KL reference is the policy's base (adapters off, or the frozen "ref" copy of the adapter): a base
+    weight that trains (a separate critic lets `LoraConfig(bias=...)` train the biases) would move the reference
+    with the policy, and the penalty would never see that drift."""
+    moving = [
+        name
+        for name, param in policy.named_parameters()
+        if param.requires_grad and not of_adapter(name, POLICY_ADAPTER) and not of_adapter(name, CRITIC_ADAPTER)
+    ]
+    if moving:
+        bias = getattr(policy.peft_config.get(POLICY_ADAPTER), "bias", "none")
+        cause = f"LoraConfig(bias={bias!r}) makes the base's biases trainable" if bias != "none" else "they train"
+        raise ValueError(
+            f"beta > 0 with {len(moving)} trainable weights of the policy's base ({', '.join(moving[:2])}, ...): "
+            f"{cause}, and with PEFT the KL reference is that base, which would move with the policy (the penalty "
+            "blind to their drift). Use bias='none' (peft's default) or freeze them, or beta=0, or full fine-tuning "
+            "(its reference is a frozen copy)."
+        )
+
+
 def _adapter_layers(model: nn.Module) -> list[nn.Module]:
     """The modules that compute as the active adapter says: LoRA's (and other tuners') layers, and the wrappers of
     `modules_to_save` copies (a norm inside each decoder layer, say), each with its own `_active_adapter`."""

@@ -121,6 +121,7 @@ from .modeling import (
     ActorCritic,
     ValueFunction,
     cast_lm_head_to_fp32,
+    check_reference_is_frozen,
     is_peft_model,
     keep_trainable_weights_in_float32,
     length_sorted,
@@ -404,6 +405,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not is_peft_model(policy) else None
         )
         self._peft_reference = "base"
+        if args.beta > 0 and is_peft_model(policy):
+            check_reference_is_frozen(policy)
         if args.beta > 0 and is_peft_model(policy) and not fresh:
             actor_critic.add_reference_adapter()
             self._peft_reference = REFERENCE_ADAPTER
