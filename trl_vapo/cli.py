@@ -28,7 +28,7 @@ from pathlib import Path
 from . import __version__
 from .metric_names import ACCURACY, REWARD
 from .signals import STOP_SIGNALS
-from .vllm_fields import vllm_field
+from .vllm_fields import VLLMOptions
 
 logger = logging.getLogger("trl_vapo")
 
@@ -1079,8 +1079,9 @@ def _relaunch(launch_args: list[str], training_args: list[str]) -> int:
 
 # -------------------------------------------------------------------------------------------------------------- eval
 @dataclass
-class EvalArguments:
-    """How `trl-vapo eval` samples and scores; the data flags are the same as `train`'s."""
+class EvalArguments(VLLMOptions):
+    """How `trl-vapo eval` samples and scores; the data flags are the same as `train`'s, vLLM's options training's (a
+    training YAML's apply: its server, its structured-outputs regex, its context)."""
 
     model: str | None = field(
         default=None,
@@ -1130,19 +1131,6 @@ class EvalArguments:
         default=None, metadata={"help": "JSON keyword arguments of transformers' ContinuousBatchingConfig."}
     )
     use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (`pip install vllm`), as in training."})
-    # vLLM's options, training's (a training YAML's apply: its server, its structured-outputs regex, its context).
-    vllm_mode: str = vllm_field("mode")
-    vllm_model_impl: str = vllm_field("model_impl")
-    vllm_enable_sleep_mode: bool = vllm_field("enable_sleep_mode")
-    vllm_structured_outputs_regex: str | None = vllm_field("structured_outputs_regex")
-    vllm_server_base_url: str | None = vllm_field("server_base_url")
-    vllm_server_host: str = vllm_field("server_host")
-    vllm_server_port: int = vllm_field("server_port")
-    vllm_server_timeout: float = vllm_field("server_timeout")
-    vllm_group_port: int = vllm_field("group_port")
-    vllm_gpu_memory_utilization: float = vllm_field("gpu_memory_utilization")
-    vllm_max_model_length: int | None = vllm_field("max_model_length")
-    vllm_tensor_parallel_size: int = vllm_field("tensor_parallel_size")
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
     positive_reward_funcs: list[str] | None = field(
         default=None,

@@ -17,7 +17,7 @@ from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config, uses_deepspeed
 from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
 from .pretrained import with_dtype_named
-from .vllm_fields import vllm_field
+from .vllm_fields import VLLMOptions
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 # The number fields by their annotation (a string here, a type in transformers' TrainingArguments): the number they
@@ -55,7 +55,7 @@ _OPTIMIZERS_REFUSED = (
 
 
 @dataclass
-class VAPOConfig(TrainingArguments):
+class VAPOConfig(VLLMOptions, TrainingArguments):
     r"""Configuration for [`VAPOTrainer`].
 
     VAPO (arXiv 2504.05118) is PPO with a value model plus seven techniques; the defaults are the paper's wherever
@@ -302,18 +302,6 @@ class VAPOConfig(TrainingArguments):
             "pushed to vLLM after each optimizer step. Requires `pip install vllm`."
         },
     )
-    vllm_mode: str = vllm_field("mode")
-    vllm_model_impl: str = vllm_field("model_impl")
-    vllm_enable_sleep_mode: bool = vllm_field("enable_sleep_mode")
-    vllm_structured_outputs_regex: str | None = vllm_field("structured_outputs_regex")
-    vllm_server_base_url: str | None = vllm_field("server_base_url")
-    vllm_server_host: str = vllm_field("server_host")
-    vllm_server_port: int = vllm_field("server_port")
-    vllm_server_timeout: float = vllm_field("server_timeout")
-    vllm_group_port: int = vllm_field("group_port")
-    vllm_gpu_memory_utilization: float = vllm_field("gpu_memory_utilization")
-    vllm_max_model_length: int | None = vllm_field("max_model_length")
-    vllm_tensor_parallel_size: int = vllm_field("tensor_parallel_size")
     vllm_importance_sampling_correction: bool = field(
         default=True,
         metadata={

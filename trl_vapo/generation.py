@@ -494,9 +494,16 @@ class TransformersGenerate(GenerationEngine):
         completions = sequences[:, input_ids.shape[1] :]
         logprobs = None
         if self.logprobs:
-            # `scores` are the processed logits the token was sampled from, as vLLM's "processed_logprobs".
-            scores = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
-            logprobs = scores.gather(-1, completions[..., None]).squeeze(-1).cpu()
+            # `scores` are the processed logits the token was sampled from, as vLLM's "processed_logprobs". A step at
+            # a time: stacked, the float32 log-softmax of every step was two more [N, steps, vocabulary] tensors
+            # (40 GB each at 64 x 1,024 tokens of a 152k vocabulary).
+            logprobs = torch.stack(
+                [
+                    step.float().log_softmax(dim=-1).gather(-1, completions[:, t, None]).squeeze(-1)
+                    for t, step in enumerate(output.scores)
+                ],
+                dim=1,
+            ).cpu()
         return completions.cpu(), logprobs
 
 

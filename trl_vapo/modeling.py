@@ -986,22 +986,24 @@ def _sub_state(
     }
 
 
-def check_only_adapters_train(policy: nn.Module) -> None:
-    """The shared-base layout trains the policy's adapter and the critic's, over a base that the policy, the critic
-    and the KL reference all compute with: a trainable base weight would be in neither side's optimizer (it would
-    never move, silently), and moving it would move all three."""
-    shared = [
+def _trainable_base_weights(policy: nn.Module) -> tuple[list[str], str]:
+    """The names of the policy's trainable weights outside its adapters (the base's), and why they train."""
+    names = [
         name
         for name, param in policy.named_parameters()
         if param.requires_grad and not of_adapter(name, POLICY_ADAPTER) and not of_adapter(name, CRITIC_ADAPTER)
     ]
+    bias = getattr(policy.peft_config.get(POLICY_ADAPTER), "bias", "none")
+    cause = f"LoraConfig(bias={bias!r}) makes the base's biases trainable" if bias != "none" else "they train"
+    return names, cause
+
+
+def check_only_adapters_train(policy: nn.Module) -> None:
+    """The shared-base layout trains the policy's adapter and the critic's, over a base that the policy, the critic
+    and the KL reference all compute with: a trainable base weight would be in neither side's optimizer (it would
+    never move, silently), and moving it would move all three."""
+    shared, cause = _trainable_base_weights(policy)
     if shared:
-        bias = getattr(policy.peft_config.get(POLICY_ADAPTER), "bias", "none")
-        cause = (
-            f"LoraConfig(bias={bias!r}) makes the base's biases trainable"
-            if bias != "none"
-            else "they are the base's, trainable"
-        )
         raise ValueError(
             f"{len(shared)} weights of the policy ({', '.join(shared[:2])}, ...) would train in neither the policy's "
             f"adapter nor the critic's: {cause}, and the base is shared by the policy, the critic and the KL "
@@ -1013,14 +1015,8 @@ def check_reference_is_frozen(policy: nn.Module) -> None:
     """With PEFT the KL reference is the policy's base (adapters off, or the frozen "ref" copy of the adapter): a base
     weight that trains (a separate critic lets `LoraConfig(bias=...)` train the biases) would move the reference
     with the policy, and the penalty would never see that drift."""
-    moving = [
-        name
-        for name, param in policy.named_parameters()
-        if param.requires_grad and not of_adapter(name, POLICY_ADAPTER) and not of_adapter(name, CRITIC_ADAPTER)
-    ]
+    moving, cause = _trainable_base_weights(policy)
     if moving:
-        bias = getattr(policy.peft_config.get(POLICY_ADAPTER), "bias", "none")
-        cause = f"LoraConfig(bias={bias!r}) makes the base's biases trainable" if bias != "none" else "they train"
         raise ValueError(
             f"beta > 0 with {len(moving)} trainable weights of the policy's base ({', '.join(moving[:2])}, ...): "
             f"{cause}, and with PEFT the KL reference is that base, which would move with the policy (the penalty "

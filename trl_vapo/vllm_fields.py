@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 VLLM_FIELDS: dict[str, tuple[Any, str]] = {
@@ -37,3 +37,21 @@ def vllm_field(name: str):
     """The dataclass field `vllm_<name>`: its default and help."""
     default, help_text = VLLM_FIELDS[name]
     return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class VLLMOptions:
+    """vLLM's options as `vllm_<name>` fields: a base of `VAPOConfig` and of `trl-vapo eval`'s arguments."""
+
+    vllm_mode: str = vllm_field("mode")
+    vllm_model_impl: str = vllm_field("model_impl")
+    vllm_enable_sleep_mode: bool = vllm_field("enable_sleep_mode")
+    vllm_structured_outputs_regex: str | None = vllm_field("structured_outputs_regex")
+    vllm_server_base_url: str | None = vllm_field("server_base_url")
+    vllm_server_host: str = vllm_field("server_host")
+    vllm_server_port: int = vllm_field("server_port")
+    vllm_server_timeout: float = vllm_field("server_timeout")
+    vllm_group_port: int = vllm_field("group_port")
+    vllm_gpu_memory_utilization: float = vllm_field("gpu_memory_utilization")
+    vllm_max_model_length: int | None = vllm_field("max_model_length")
+    vllm_tensor_parallel_size: int = vllm_field("tensor_parallel_size")
