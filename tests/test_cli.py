@@ -533,7 +533,7 @@ BAD_INPUT = [
     ),
     (["--reward_weights", "1", "2"], "reward_weights has 2 values but there are 1 reward functions (a reward model"),
     # Names a function this run does not have: refused by the trainer, once the data had loaded (and a reward model).
-    (["--positive_reward_funcs", "math_rewrd"], "math_rewrd, which is not a reward function of this run: they are"),
+    (["--positive_reward_funcs", "math_rewrd"], "names ['math_rewrd'], which are not reward functions here: they are"),
     (["--dataset_streaming", "true"], "is an IterableDataset (streaming), whose length is unknown: set max_steps"),
     # A reward model's LoRA task type: it trained, and saved an adapter AutoPeftModelForCausalLM refuses.
     (["--use_peft", "true", "--lora_task_type", "SEQ_CLS"], "peft_config has task_type='SEQ_CLS': the policy is"),

@@ -512,20 +512,16 @@ def _check_held_out_report(script_args, demo: bool) -> None:
 def _check_reward_settings(reward_funcs: list, reward_model: str | None, training_args) -> None:
     """`reward_weights` and `positive_reward_funcs` against the run's reward functions, by count and by name, as the
     trainer checks them once its reward model has loaded (and the data set before it)."""
-    from .scoring import checked_reward_weights, reward_func_name
+    from .scoring import check_positive_reward_funcs, checked_reward_weights, reward_func_name, unique_reward_names
 
-    # The trainer names a reward model by its id's last part, a function by its name (`check_reward_funcs`).
-    names = ([Path(reward_model).name] if reward_model else []) + [reward_func_name(f) for f in reward_funcs]
+    # The trainer names a reward model by its id's last part (`RewardModel`), a function by its name.
+    given = ([Path(reward_model).name] if reward_model else []) + [reward_func_name(f) for f in reward_funcs]
+    names = unique_reward_names(given)
     try:
         checked_reward_weights(training_args.reward_weights, len(names))
+        check_positive_reward_funcs(training_args.positive_reward_funcs, names)
     except ValueError as error:
-        raise UsageError(f"{error} Here: {', '.join(names)}.") from None
-    unknown = [name for name in training_args.positive_reward_funcs or [] if name not in names]
-    if unknown:
-        raise UsageError(
-            f"--positive_reward_funcs names {', '.join(unknown)}, which is not a reward function of this run: they "
-            f"are {', '.join(names)} (a function by its name, a reward model by its id's last part)"
-        )
+        raise UsageError(str(error)) from None
 
 
 def _check_before_loading(script_args, training_args, model_args, demo: bool) -> list:

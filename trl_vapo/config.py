@@ -41,7 +41,8 @@ def _number_fields(cls: type) -> dict[str, tuple[type | tuple[type, ...], bool]]
             numbers.pop(name, None)  # a subclass's annotation replaces its base's
             if text in _NUMBER_FIELDS:
                 numbers[name] = _NUMBER_FIELDS[text]
-    return {name: kind for name, kind in numbers.items() if name in {spec.name for spec in fields(cls)}}
+    declared = {spec.name for spec in fields(cls)}
+    return {name: kind for name, kind in numbers.items() if name in declared}
 
 
 # transformers' optimizers (`optim`) that cannot step as VAPOTrainer steps: a part of the name, and why.

@@ -187,14 +187,10 @@ def check_reward_funcs(
                 f"Reward functions must be callables following TRL's protocol, a reward model's id or path, or a "
                 f"PreTrainedModel for sequence classification; got {type(func).__name__}."
             )
-    # One name, one metric and one table column each: a second function of a name (two partials of one function,
-    # two reward models saved as checkpoint-500) is `<name>_2`, where it overwrote the first.
-    names, count = [], {}
-    for func in funcs:
-        name = reward_func_name(func)
-        count[name] = count.get(name, 0) + 1
-        names.append(name if count[name] == 1 else f"{name}_{count[name]}")
-        if count[name] == 2 and hasattr(func, "answer_columns"):  # a MathReward, which logs under its own name
+    given = [reward_func_name(func) for func in funcs]
+    names = unique_reward_names(given)
+    for func, name, unique in zip(funcs, given, names, strict=True):
+        if unique == f"{name}_2" and hasattr(func, "answer_columns"):  # a MathReward, which logs under its own name
             logger.warning(
                 f"Two reward functions are named {name!r}: their rewards are logged apart ({name}, {name}_2), but "
                 f"what math_reward logs itself ({name}/no_answer_rate, the {name}_answer column) mixes both. Give "
@@ -220,6 +216,25 @@ def parsed_completions(
     return [
         parse_response(tokenizer, ids, prefix=prefix) for ids, prefix in zip(completion_ids, prompt_ids(), strict=True)
     ]
+
+
+def unique_reward_names(names: list[str]) -> list[str]:
+    """One name, one metric and one table column each: a second function of a name (two partials of one function,
+    two reward models saved as checkpoint-500) is `<name>_2`, where it overwrote the first."""
+    unique, count = [], {}
+    for name in names:
+        count[name] = count.get(name, 0) + 1
+        unique.append(name if count[name] == 1 else f"{name}_{count[name]}")
+    return unique
+
+
+def check_positive_reward_funcs(positive_reward_funcs: Sequence[str] | None, names: Sequence[str]) -> None:
+    """A clear error where `positive_reward_funcs` names a function that is not one of `names`."""
+    unknown = [name for name in positive_reward_funcs or [] if name not in names]
+    if unknown:
+        raise ValueError(
+            f"positive_reward_funcs names {unknown}, which are not reward functions here: they are {list(names)}."
+        )
 
 
 def reward_func_name(func: RewardFunc) -> str:
@@ -299,11 +314,7 @@ class RewardScorer:
     ):
         self.funcs, self.names = check_reward_funcs(reward_funcs)
         self.weights = torch.tensor(checked_reward_weights(reward_weights, len(self.funcs)), dtype=torch.float32)
-        unknown = [name for name in positive_reward_funcs or [] if name not in self.names]
-        if unknown:
-            raise ValueError(
-                f"positive_reward_funcs names {unknown}, which are not reward functions here: they are {self.names}."
-            )
+        check_positive_reward_funcs(positive_reward_funcs, self.names)
         self.judges = None
         if positive_reward_funcs is not None:
             self.judges = torch.tensor([name in positive_reward_funcs for name in self.names])

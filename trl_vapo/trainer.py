@@ -407,9 +407,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._peft_reference = "base"
         if args.beta > 0 and is_peft_model(policy):
             check_reference_is_frozen(policy)
-        if args.beta > 0 and is_peft_model(policy) and not fresh:
-            actor_critic.add_reference_adapter()
-            self._peft_reference = REFERENCE_ADAPTER
+            if not fresh:
+                actor_critic.add_reference_adapter()
+                self._peft_reference = REFERENCE_ADAPTER
         if args.disable_dropout:  # (after the reference's adapter is added: its copy of the LoRA dropout too)
             disable_dropout_in_model(actor_critic)
 
