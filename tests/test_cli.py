@@ -705,10 +705,13 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
             "train",
             "--output_dir",
             str(out),
+            # The optimizer steps are most of its time (a value-pretraining rollout's 4 cost about what 4 RL steps
+            # do): one pretraining rollout, then 3 RL rollouts of 4 policy-and-critic and 12 critic-only steps each
+            # (held-out avg@2 0.42 -> 0.80 on a 2-core runner, 2026-11-30; with 5 and 4 rollouts: 0.81, 7 s longer).
             "--value_pretrain_steps",
-            "5",
+            "1",
             "--max_steps",
-            "64",  # 4 rollouts, each 4 policy-and-critic steps and 12 critic-only steps (0.42 -> 0.81 today)
+            "48",
             "--eval_num_prompts",
             "64",
             "--eval_k",

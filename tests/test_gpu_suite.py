@@ -216,13 +216,13 @@ def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test
         "@pytest.mark.cuda\ndef test_hangs():\n    time.sleep(120)\n"
     )
     monkeypatch.setattr(gpu_suite, "CUDA_TEST_FILES", [str(tmp_path / "test_standin.py")])
-    monkeypatch.setattr(gpu_suite, "TESTS_LIMIT", 10)
+    monkeypatch.setattr(gpu_suite, "TESTS_LIMIT", 5)  # the other four end within 2 s of the start, alone
     out = tmp_path / "out"
     out.mkdir()
     result = gpu_suite.run_tests(out, smoke=False)
     # Its own limit (a hang), not the call's: a failure, which makes the suite's exit status 1.
     assert result["cut"] is False and result["ok"] is False and not (out / "cuda-tests.xml").exists()
-    assert result["error"] == "stopped at TESTS_LIMIT (10 s) with 1 test(s) still running"
+    assert result["error"] == "stopped at TESTS_LIMIT (5 s) with 1 test(s) still running"
     assert result["outcomes"] == {
         "test_standin::test_passes": "passed",
         "test_standin::test_fails": "failure",
@@ -234,8 +234,8 @@ def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test
     lines = [json.loads(line) for line in (out / "cuda-tests.jsonl").read_text().splitlines()]
     starts = [line["test"] for line in lines if line["when"] == "start"]
     assert len(starts) == len(set(starts)) == 5  # the controller alone writes, not each worker besides
-    text = gpu_suite.format_part("tests", result | {"status": "failed", "seconds": 10.0})
-    assert text.startswith("tests: FAILED (stopped at TESTS_LIMIT (10 s) with 1 test(s) still running); what it fin")
+    text = gpu_suite.format_part("tests", result | {"status": "failed", "seconds": 5.0})
+    assert text.startswith("tests: FAILED (stopped at TESTS_LIMIT (5 s) with 1 test(s) still running); what it fin")
     assert "running  test_standin::test_hangs" in text and "failure  test_standin::test_fails" in text
 
 
