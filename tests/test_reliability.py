@@ -1104,6 +1104,28 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
     assert said[1] == "held" and said[0].startswith(f"Another run is writing to {tmp_path}: PID "), said
 
 
+def test_a_run_ending_removes_its_own_lock_file_not_one_a_later_run_holds(tmp_path):
+    """A lock file deleted while its run lives (the refusal's way on, for a holder taken for gone) lets another run
+    lock a new one; the first run, ending, removed whatever file was at the path: the second's, and a third run
+    could start beside the second."""
+    from trl_vapo.run_lock import RUN_LOCK, output_dir_lock
+
+    with output_dir_lock(tmp_path):
+        (tmp_path / RUN_LOCK).unlink()
+        with output_dir_lock(tmp_path):
+            pass  # a run that ends first removes its own file
+        second = output_dir_lock(tmp_path)
+        second.__enter__()
+    try:
+        assert (tmp_path / RUN_LOCK).is_file()
+        with pytest.raises(RuntimeError, match=f"Another run is writing to {tmp_path}"):
+            with output_dir_lock(tmp_path):
+                pass
+    finally:
+        second.__exit__(None, None, None)
+    assert not (tmp_path / RUN_LOCK).exists()
+
+
 def test_a_command_holds_the_output_dir_until_its_model_is_saved(tiny_model_dir, tmp_path):
     """`trl-vapo train` evaluates and saves after `train()`: the lock was released when `train()` returned, and a run
     started then took the folder and removed the model being saved as a stopped run's debris. The command holds it
@@ -1157,7 +1179,7 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
         (tmp_path / name).mkdir()
     with output_dir_lock(tmp_path) as locked:
         # Older unnamed folders too; an .old without its checkpoint but incomplete (no marker) is not put back.
-        assert locked is True and remove_debris(tmp_path) == (sorted(names), [])
+        assert locked is True and remove_debris(tmp_path) == (sorted(names), [], [])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
     # A run stopped between publish's two renames (replacing checkpoint-6's folder) left the whole old checkpoint
@@ -1167,7 +1189,7 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
     (tmp_path / ".checkpoint-6.host-1.old" / "vapo_state.json").write_text("{}")  # its completion marker
     (tmp_path / ".checkpoint-6.host-1.tmp").mkdir()
     with output_dir_lock(tmp_path):
-        assert remove_debris(tmp_path) == ([".checkpoint-6.host-1.tmp"], ["checkpoint-6"])
+        assert remove_debris(tmp_path) == ([".checkpoint-6.host-1.tmp"], ["checkpoint-6"], [])
     assert (tmp_path / "checkpoint-6" / "model.safetensors").read_text() == "weights"
     # The same for the value-pretrained critic (a later run's value_model): it was removed with the new one, and lost.
     old_critic = tmp_path / ".value_pretrained_critic.host-1.old"
@@ -1175,7 +1197,7 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
     (old_critic / "vapo_value_pretraining.json").write_text("{}")  # its record, written last
     (tmp_path / ".value_pretrained_critic.host-1.tmp").mkdir()
     with output_dir_lock(tmp_path):
-        assert remove_debris(tmp_path) == ([".value_pretrained_critic.host-1.tmp"], ["value_pretrained_critic"])
+        assert remove_debris(tmp_path) == ([".value_pretrained_critic.host-1.tmp"], ["value_pretrained_critic"], [])
     assert (tmp_path / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
 
 
@@ -1228,6 +1250,55 @@ def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints
         assert not caplog.text
         assert newest_resumable_checkpoint(out) == out / "checkpoint-1"
     assert f"Checkpoint {newest} cannot be read ({named})" in caplog.text
+
+
+def test_a_checkpoint_a_stop_left_whole_before_its_renames_is_published_and_resumed_from(
+    two_checkpoints, tiny_model_dir, tmp_path, caplog
+):
+    """A stop while `publish` flushed a written checkpoint to the disk, before its renames (Slurm's SIGKILL after the
+    grace time, another rank's timeout), left it whole as `.tmp`, and the next run removed it as debris: the work
+    since the checkpoint before was lost. Published instead, over the `.old` it was replacing; one with a file that
+    does not read is still removed. The command line looks for the checkpoint to resume from before it takes the
+    lock, which publishes it: `train` looks again."""
+    from trl_vapo.checkpoint import remove_debris
+    from trl_vapo.run_lock import output_dir_lock
+
+    out = tmp_path / "one" / "out"
+    shutil.copytree(two_checkpoints, out)
+    (out / "checkpoint-2").rename(out / ".checkpoint-2.host-1.tmp")
+    # checkpoint-1 being replaced by a save of the same step (a stop signal's after a model-only one): set aside as
+    # .old, the new one whole as .tmp
+    shutil.copytree(out / "checkpoint-1", out / ".checkpoint-1.host-2.tmp")
+    (out / ".checkpoint-1.host-2.tmp" / "newer").write_text("the replacement")
+    (out / "checkpoint-1").rename(out / ".checkpoint-1.host-2.old")
+    shutil.copytree(out / ".checkpoint-2.host-1.tmp", out / ".checkpoint-3.host-1.tmp")
+    (out / ".checkpoint-3.host-1.tmp" / "optimizer.pt").write_bytes(b"")  # its flush cut short by a power loss
+    with output_dir_lock(out):
+        removed, restored, published = remove_debris(out)
+    assert (removed, restored, published) == (
+        [".checkpoint-1.host-2.old", ".checkpoint-3.host-1.tmp"],
+        [],
+        ["checkpoint-1", "checkpoint-2"],
+    )
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", ".checkpoint"))) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+    assert (out / "checkpoint-1" / "newer").is_file()
+
+    second = tmp_path / "two"
+    shutil.copytree(two_checkpoints, second / "out")
+    (second / "out" / "checkpoint-2").rename(second / "out" / ".checkpoint-2.host-1.tmp")
+    args = config(second, save_strategy="steps", save_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32))
+    assert trainer.resume_point(True)[0] == str(second / "out" / "checkpoint-1")  # before the lock: not yet there
+    rollouts = []
+    make_rollout = trainer._make_rollout
+    trainer._make_rollout = lambda *a, **k: rollouts.append(1) or make_rollout(*a, **k)
+    with caplog.at_level(logging.WARNING), trainer.holding_output_dir():
+        trainer.train(resume_from_checkpoint=True)
+    assert "Published checkpoint-2, which a stopped run wrote whole." in caplog.text
+    assert trainer.state.global_step == 2 and not rollouts  # resumed at step 2: nothing left to train
 
 
 def test_an_empty_model_card_leaves_a_checkpoint_whole(two_checkpoints, tmp_path):

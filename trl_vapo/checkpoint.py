@@ -97,21 +97,29 @@ WEIGHT_FILES = (
 """A full model's weights as `save_pretrained` writes them, sharded or not (glob patterns)."""
 
 
-def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
+def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str], list[str]]:
     """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`, a `save_model`'s
     `.save_model.<run>.tmp`: a full model each) that runs stopped mid-write left in `output_dir`; only while holding
-    its lock, when no other run can be writing them. A checkpoint (or the value-pretrained critic) that a stop between
-    `publish`'s two renames left only as `.old` goes back in place. Returns the names removed, and those restored."""
+    its lock, when no other run can be writing them. A checkpoint (or the value-pretrained critic) that a stop left
+    whole goes in place instead: a `.tmp` whose record was written and whose every file reads (stopped while
+    `publish` flushed it to the disk, before its renames), else an `.old` that a stop between `publish`'s two renames
+    left without its replacement. Returns the names removed, those restored (`.old`) and those published (`.tmp`)."""
     # `(\..+)?`: the run's name; folders of trl-vapo before per-run names have none
     pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old)$")
-    found = [p for p in sorted(Path(output_dir).glob(".*")) if p.is_dir() and pattern.match(p.name)]
-    removed, restored = [], []
+    found = [p for p in Path(output_dir).glob(".*") if p.is_dir() and pattern.match(p.name)]
+    # Each folder's `.tmp` before its `.old`: the newer write, when whole, replaces the one it was replacing.
+    found.sort(key=lambda p: (pattern.match(p.name)[1], pattern.match(p.name)[3] != "tmp", p.name))
+    removed, restored, published = [], [], []
     for folder in found:
         name, _, kind = pattern.match(folder.name).groups()
         final = Path(output_dir) / name
         # Each folder's record, written last: a folder half removed may have lost it.
         record = COMPLETE_MARKER if name.startswith(CHECKPOINT_PREFIX) else VALUE_PRETRAINING_FILE
-        whole = name != "save_model" and (folder / record).is_file()
+        whole = name != "save_model" and folder.is_dir() and (folder / record).is_file()
+        if kind == "tmp" and whole and _publishable(folder, name):
+            publish(folder, final)  # over a folder of the same step too: the one it was written to replace
+            published.append(final.name)
+            continue
         if kind == "old" and whole and not final.exists():
             # `publish` stopped between its two renames: the folder it replaced is whole, and back in place.
             os.replace(folder, final)
@@ -119,7 +127,21 @@ def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder.name)
-    return removed, restored
+    return sorted(removed), restored, published
+
+
+def _publishable(folder: Path, name: str) -> bool:
+    """Whether a `.tmp` folder that a stop left with its record written reads whole: the record comes last, after
+    every process wrote its files, but their flush to the disk (`publish`) may not have ended before a power loss.
+    (An `.old` was published, flushed, before it was set aside.)"""
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return unreadable_file(folder) is None
+    try:
+        model_only = read_marker(folder).get("model_only", False)
+    except (OSError, ValueError):  # a damaged marker
+        return False
+    # A `save_only_model` checkpoint is one to publish, not to resume from: its files need only read.
+    return unreadable_file(folder) is None if model_only else checkpoint_problem(folder) is None
 
 
 def run_owner() -> str:
@@ -286,8 +308,6 @@ def checkpoint_problem(path: Path) -> str | None:
     and reads: a missing file (`missing_files`), an empty one, a safetensors header that does not match the file's
     size (a full disk, a partial copy), a torch archive without its closing directory, JSON that does not parse, a
     `trainer_state.json` without its step. Headers only: cheap for any model size."""
-    from safetensors import safe_open
-
     try:
         marker = read_marker(path)
     except (OSError, ValueError) as error:  # a truncated or damaged marker (a partial copy of output_dir)
@@ -300,6 +320,15 @@ def checkpoint_problem(path: Path) -> str | None:
     missing = missing_files(Path(path))
     if missing:
         return f"missing {', '.join(missing)}"
+    return unreadable_file(Path(path))
+
+
+def unreadable_file(path: Path) -> str | None:
+    """The first file under the folder ``path`` that does not read (empty, a safetensors header that does not match
+    its size, a torch archive without its closing directory, JSON that does not parse, a `trainer_state.json` without
+    its step), named with why; None when all read. Headers only: cheap for any model size."""
+    from safetensors import safe_open
+
     for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
         if file == Path(path) / "README.md":  # the Hub's model card, written after the checkpoint was published
             continue  # (a power loss can leave it empty): no resume reads it

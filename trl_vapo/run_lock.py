@@ -50,7 +50,10 @@ def output_dir_lock(output_dir: str | os.PathLike):
         yield True
     finally:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # before the lock goes: a run waiting on this file then opens a new one
+            # Before the lock goes: a run waiting on this file then opens a new one. Only the file this run locked:
+            # one deleted while it ran (a holder taken for gone) may have made way for another run's, which stays.
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                path.unlink()
         os.close(fd)
 
 

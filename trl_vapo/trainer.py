@@ -569,18 +569,23 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             return
         with contextlib.ExitStack() as held:
 
-            def hold() -> str:  # on the main process; refused where another run holds it or it cannot be written
+            def hold() -> tuple[str, bool]:  # on the main process; refused where another holds it or it is read-only
+                restored = published = []
                 if held.enter_context(output_dir_lock(self.args.output_dir)):
                     # What a stopped run left half-written: only while no other run can be writing it.
-                    removed, restored = ckpt.remove_debris(self.args.output_dir)
+                    removed, restored, published = ckpt.remove_debris(self.args.output_dir)
                     if removed:
                         logger.info(f"Removed what a stopped run left half-written: {', '.join(removed)}")
                     if restored:  # a stop between a checkpoint's two renames, as it replaced one of the same step
                         logger.warning(f"Restored {', '.join(restored)}, which a stopped run was replacing.")
-                return ckpt.run_owner()
+                    if published:  # a stop after a checkpoint was written whole, before it was renamed in place
+                        logger.warning(f"Published {', '.join(published)}, which a stopped run wrote whole.")
+                return ckpt.run_owner(), bool(restored or published)
 
             # Every process stops, not the main one alone; all name temporary folders alike.
-            self._run_owner = decided_on_main(hold, self.accelerator)  # `checkpoint.temporary_folder`
+            self._run_owner, moved = decided_on_main(hold, self.accelerator)  # `checkpoint.temporary_folder`
+            if moved:  # the checkpoint to resume from, looked for before (the command line does), is looked for again
+                self._resume_point = None
             self._holding_output_dir = True
             try:
                 yield
