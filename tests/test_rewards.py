@@ -503,6 +503,23 @@ def test_completion_text():
     assert completion_text(None) == ""
 
 
+def test_the_answer_of_a_reasoning_model_is_read_after_its_thinking(reward):
+    """The last box of the whole text was the answer, one inside `<think>...</think>` too: a guess the model went on
+    to revise scored as its answer, and a completion cut off while thinking scored on its last guess."""
+    cases = [
+        ("<think>guess \\boxed{4}? no: 2+3=5</think>\nThe answer is 5.", "5"),
+        ("<think>guess \\boxed{4}</think> so \\boxed{5}", "5"),
+        ("2+3 is \\boxed{4}? no, 5</think>\nThe answer is 5.", "5"),  # `<think>` in the prompt (R1, Qwen3)
+        ("<think>never closed \\boxed{5}", None),
+        ("<think>a</think><think>b \\boxed{5}", None),  # opened again, not closed
+        ("no tags: \\boxed{5}", "5"),
+    ]
+    assert [extract_predicted_answer(text) for text, _ in cases] == [answer for _, answer in cases]
+    completions = [text for text, _ in cases] + [[{"role": "assistant", "content": cases[0][0]}]]
+    assert reward(completions=completions, answer=["5"] * 7) == [1.0, 1.0, 1.0, -1.0, -1.0, 1.0, 1.0]
+    assert reward(completions=[cases[0][0], cases[3][0]], answer=["4", "5"]) == [-1.0, -1.0]
+
+
 def test_think_boxed_format_reward():
     completions = [
         "<think>\n2 + 2 = 4\n</think>\nThe answer is \\boxed{4}.",  # canonical

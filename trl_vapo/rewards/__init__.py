@@ -16,7 +16,8 @@ How a completion is scored by :func:`math_reward` (and by every reward built wit
 2. The prediction is extracted by :func:`extract_predicted_answer`: the boxes, else the MATH few-shot sentence ``The
    final answer is X. I hope it is correct.``, else a final ``#### x``, ``... (final) answer is x`` or ``Answer: x``
    line. There is deliberately no "last number in the text" fallback, and an answer longer than
-   :data:`MAX_ANSWER_CHARS` is no answer.
+   :data:`MAX_ANSWER_CHARS` is no answer. Only the text after a reasoning model's last ``</think>`` is read; a think
+   block left open (cut off while thinking) is no answer.
 3. When both are plain numbers, :func:`fast_verdict` decides in-process (exact ``fractions.Fraction`` arithmetic)
    wherever its verdict provably equals math-verify's.
 4. Everything else goes to math-verify in a worker *process* (:class:`MathVerifyPool`) with a hard deadline: a worker

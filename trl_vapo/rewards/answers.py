@@ -439,6 +439,10 @@ def _final_line_answer(text: str) -> str | None:
     return _phrase_answer(answer) or _number_of_a_count(answer) or answer
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+"""The tags of a reasoning model's thinking (DeepSeek-R1's, Qwen3's): the answer is read after the block."""
+
+
 def extract_predicted_answer(text: str) -> str | None:
     """The answer a completion commits to, or ``None`` when it commits to none.
 
@@ -458,7 +462,15 @@ def extract_predicted_answer(text: str) -> str | None:
     "last number anywhere" fallback (math-verify has one), which a policy learns to game. Math delimiters around the
     answer are removed and ``\\mathrm{e}`` becomes ``e``. An empty answer, or one longer than
     :data:`MAX_ANSWER_CHARS`, is ``None``.
+
+    A reasoning model's thinking is not its answer (a box there is a guess it may go on to revise): only the text
+    after the last ``</think>`` is read, and a completion that opens a ``<think>`` block it does not close (cut off
+    while thinking) commits to none, as TRL's ``reasoning_accuracy_reward`` reads it. A completion without think tags
+    is read whole (a chat template that opens the block in the prompt leaves only ``</think>`` in the completion).
     """
+    text = text.rpartition(THINK_CLOSE)[2]
+    if THINK_OPEN in text:
+        return None
     spans, truncated = _box_spans(text)
     if truncated:
         return None
