@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
@@ -207,7 +208,7 @@ def test_each_row_reads_the_first_column_that_holds_its_gold():
     the gold it has (the first column present decided for the whole batch, and the other rows went unscored). Its own
     instance: a gold warned about is not warned about again, which the module's shared reward counts."""
     completions = [r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"]
-    answer = [None, "#### 2", None]
+    answer = ["", "#### 2", None]  # a blank cell holds no gold either (it was taken, and the row went unscored)
     solution = [r"So it is $\boxed{1}$.", r"\boxed{5}", None]
     own = make_math_reward(name="mixture_reward")
     assert own(completions=completions, answer=answer, solution=solution) == [1.0, 1.0, None]
@@ -381,6 +382,9 @@ def test_extract_predicted_answer(text, expected):
         (np.int64(72), "72"),  # (a column read with set_format("numpy"): it was no answer, every row unscored)
         (np.float32(0.1), "0.1"),  # float32's own shortest digits, not float64's 0.10000000149011612
         (np.bool_(True), None),
+        (Decimal("72.500"), "72.5"),  # a decimal column (Arrow's decimal128): it was no answer, every row unscored
+        (Decimal("1E+2"), "100"),
+        (Decimal("NaN"), None),
         (2.5e-07, "0.00000025"),
         (-1.25e-05, "-0.0000125"),
         (None, None),

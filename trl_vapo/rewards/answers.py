@@ -534,7 +534,7 @@ def normalize_gold_answer(gold: Any) -> str | None:
       a completion giving one of them is wrong);
     - bare answers (DeepScaleR, DAPO-Math): ``"\\frac{1}{2}"``, ``"$2\\sqrt{3}$"``, ``"(3,-1)"`` are kept, minus
       surrounding math delimiters (``"$6$ and $8$"`` gives ``"6,8"``); ints and floats become their digits in full
-      (``1e20`` is ``"100000000000000000000"``, ``2.5e-07`` is ``"0.00000025"``).
+      (``1e20`` is ``"100000000000000000000"``, ``2.5e-07`` is ``"0.00000025"``), and so do decimals.
 
     ``\\mathrm{e}`` becomes ``e``. ``None`` when the gold is empty, not text or a number, has an unterminated last
     box or unbalanced braces, or is longer than :data:`MAX_ANSWER_CHARS` (a solution without any answer marker is not
@@ -548,6 +548,8 @@ def normalize_gold_answer(gold: Any) -> str | None:
         gold = float(str(gold))
     if isinstance(gold, (int, float, Fraction)):
         gold = number_text(gold)
+    elif isinstance(gold, Decimal):  # a decimal column (Arrow's decimal128): no `numbers.Real`, its digits in full
+        gold = format(gold.normalize(), "f") if gold.is_finite() else None
     if not isinstance(gold, str):
         return None
     spans, truncated = _box_spans(gold)

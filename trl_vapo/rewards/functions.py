@@ -40,6 +40,10 @@ def completion_text(completion: Any) -> str:
     return ""
 
 
+def _blank(gold: Any) -> bool:
+    return gold is None or (isinstance(gold, str) and not gold.strip())
+
+
 class MathReward:
     """A configured math reward following TRL's reward-function protocol (:func:`make_math_reward` builds one).
 
@@ -126,7 +130,8 @@ class MathReward:
                 )
         if columns:
             rows = zip(*(column for _, column in columns), strict=True)
-            return [next((gold for gold in row if gold is not None), None) for row in rows]
+            # A blank cell holds no gold either (a mixture's set without answers may fill the column with "").
+            return [next((gold for gold in row if not _blank(gold)), None) for row in rows]
         wanted = " or ".join(map(repr, self.answer_columns))
         present = sorted(k for k in kwargs if k not in _TRAINER_KWARGS)
         raise KeyError(
