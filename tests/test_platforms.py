@@ -122,6 +122,26 @@ def test_float64_goes_through_the_one_door_that_keeps_it_off_apples_gpu():
     assert exact(x).dtype == torch.float64 and exact(x).tolist() == [1.0, 2.0]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_suite.py)")
+def test_the_statistics_of_a_device_without_float64_are_the_cpus(monkeypatch):
+    """An Apple GPU's moments are summed on the CPU (`exact`), and its mask stayed on the GPU: the centring's
+    `torch.where` mixed the two devices and refused, so whitening and the explained variance (every rollout's
+    metric) stopped a run on MPS at its first rollout. MPS cannot run here: CUDA stands in for it, its float64
+    declined as MPS's is."""
+    from trl_vapo import core
+
+    monkeypatch.setattr(core, "NO_FLOAT64_DEVICES", frozenset({"cuda"}))
+    generator = torch.Generator().manual_seed(0)
+    values, returns = torch.randn(2, 4, 9, generator=generator)
+    mask = (torch.rand(4, 9, generator=generator) > 0.3).float()
+    whitened = core.masked_whiten(values.cuda(), mask.cuda())
+    assert whitened.device.type == "cuda"
+    torch.testing.assert_close(whitened.cpu(), core.masked_whiten(values, mask))
+    explained = core.explained_variance(values.cuda(), returns.cuda(), mask.cuda())
+    torch.testing.assert_close(explained.cpu(), core.explained_variance(values, returns, mask))
+
+
 class _WindowsOs(types.ModuleType):
     """`os` as `checkpoint.py` meets it on Windows: a folder cannot be opened (PermissionError), and `os.fsync`
     (`_commit`, FlushFileBuffers) needs a handle that may write (EBADF otherwise). Everything else is this `os`."""

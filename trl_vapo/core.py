@@ -236,6 +236,7 @@ def _masked_moments(
     """
     valid = mask.bool()
     selected = exact(torch.where(valid, values, torch.zeros_like(values)))
+    valid = valid.to(selected.device)  # on the CPU with them for a device without float64 (`exact`)
     sums = torch.stack([exact(valid.sum()), selected.sum()])
     if all_reduce is not None:
         sums = all_reduce(sums)
@@ -980,7 +981,8 @@ def explained_variance_plateaued(readings: Sequence[float], window: int, min_del
     maximum of noisy readings sits above the critic's true level, so a single lucky rollout sets a bar later ones
     rarely clear and pretraining stops early. Two adjacent window means have no such bias. NaN readings (every
     return equal, nothing to explain) say nothing about the critic and are left out; so the rule needs ``2 * window``
-    finite readings before it can stop.
+    finite readings before it can stop. It reads the explained variance alone: the value loss scales with the
+    returns' variance, which moves with the rollout's rewards, where the explained variance is normalised by it.
     """
     finite = [float(r) for r in readings if math.isfinite(r)]
     if window < 1 or len(finite) < 2 * window:

@@ -7,7 +7,8 @@ One rollout of the loop (`_train_on_rollout`), in the paper's order:
 2. **score**: the reward functions' verdict on each completion (`trl_vapo.scoring`), on its last token;
 3. **value**: the critic's values, and the policy's log-probs before any update when the updates need them;
 4. **advantage**: decoupled, length-adaptive GAE (`core.decoupled_gae`): advantages with each completion's
-   `lambda_actor`, critic targets with `lam_critic` (1 during value pretraining), whitened over the whole batch;
+   `lambda_actor` (whitened over the whole batch, `whiten_advantages`), critic targets with `lam_critic` (1 during
+   value pretraining);
 5. **update**: `num_iterations` passes of shuffled optimizer steps on `core.vapo_loss`: the token-level clip-higher
    PPO loss plus the positive-example NLL for the policy, the value loss for the critic.
 
