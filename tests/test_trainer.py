@@ -89,6 +89,9 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
     initial = {n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters()}
     result = trainer.train()
     assert result.global_step == 2
+    # GRPOTrainer's speed metrics: its samples are each step's batch (16 completions here), two steps of them.
+    runtime = result.metrics["train_runtime"]
+    assert result.metrics["train_samples_per_second"] == pytest.approx(2 * 16 / runtime, rel=0.01)
     logs = rl_logs(trainer)
     assert len(logs) == 2
     for key in REQUIRED_METRICS:
@@ -539,6 +542,41 @@ def test_a_log_holds_its_last_steps_gradient_norms_as_the_trainer_logs_them(tiny
         for key, norm in norms.items():
             assert log[key] == pytest.approx(norm, rel=1e-6), key
         assert log["grad_norm"] == pytest.approx(math.hypot(*norms.values()), rel=1e-6)
+
+
+def test_the_saved_model_stops_where_training_stopped(tiny_model_dir, tmp_path):
+    """The saved generation config named the model's EOS ids only: `generate()` or a pipeline on `output_dir` (the
+    model card's quick start) ran past a stop token training's completions ended at (`generation_kwargs`' here; a
+    tokenizer's end of turn that the base model's config lacks), where `trl-vapo eval` stopped."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    newline = tokenizer("\n", add_special_tokens=False).input_ids[0]
+    assert newline != tokenizer.eos_token_id
+    args = make_args(tmp_path, max_steps=1, generation_kwargs={"stop_token_ids": [newline]})
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.save_model(str(tmp_path / "saved"))
+    assert GenerationConfig.from_pretrained(tmp_path / "saved").eos_token_id == [tokenizer.eos_token_id, newline]
+
+
+def test_a_token_in_the_loading_settings_is_never_written_or_logged(tmp_path):
+    """`model_init_kwargs={"token": ...}` (a gated base) was written verbatim into `vapo_config.json`, in every
+    checkpoint and saved model and pushed with them, and into the trackers' run config; transformers hides only
+    fields named `*_token`."""
+    args = make_args(tmp_path, model_init_kwargs={"token": "hf_secret", "dtype": "float32"}, hub_token="hf_other")
+    written = args.to_json_string() + json.dumps(args.to_sanitized_dict())
+    assert "hf_secret" not in written and "hf_other" not in written
+    assert args.to_dict()["model_init_kwargs"] == {"token": "<TOKEN>", "dtype": "float32"}
+    assert args.model_init_kwargs["token"] == "hf_secret"  # what loading reads is untouched
+
+
+def test_logging_strategy_no_logs_nothing_at_the_end_of_value_pretraining(tiny_model_dir, tmp_path):
+    """transformers logs nothing under `logging_strategy="no"`; the end of value pretraining logged its readings
+    anyway (an entry for every tracker, a row in `log_history`)."""
+    args = make_args(tmp_path, max_steps=1, value_pretrain_steps=1, logging_strategy="no", max_completion_length=2)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.train()
+    assert len(trainer.state.log_history) == 1 and "train_runtime" in trainer.state.log_history[0]  # the summary
 
 
 def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freezes_policy(tiny_model_dir, tmp_path):

@@ -816,6 +816,12 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         self._resolve_batch_sizes()
         self._validate()
 
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' serialisation (a `*_token` field's value hidden), with a credential inside a dict field hidden
+        as well: `model_init_kwargs={"token": "hf_..."}` (a gated base) was written verbatim to `vapo_config.json` in
+        every checkpoint and saved model, pushed to the Hub with them, and sent to the trackers' run config."""
+        return {name: _credentials_hidden(value) for name, value in super().to_dict().items()}
+
     def _check_number_fields(self) -> None:
         """A clear error for a number field holding what is not its number: a YAML `null` or `8.0`, which the command
         line passes on unconverted (argparse converts only strings), or a string through the Python API. They failed
@@ -1347,6 +1353,21 @@ _WITHOUT_EFFECT = (
     "dataloader_persistent_workers",
     "dataloader_drop_last",
 )
+
+
+CREDENTIAL_KEYS = frozenset(
+    {"token", "hf_token", "hub_token", "use_auth_token", "auth_token", "access_token", "api_key"}
+)
+"""Keys of a settings dict (`model_init_kwargs`, ...) whose text value is a secret: written as `<KEY>`."""
+
+
+def _credentials_hidden(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    return {
+        key: f"<{key.upper()}>" if key in CREDENTIAL_KEYS and isinstance(item, str) else _credentials_hidden(item)
+        for key, item in value.items()
+    }
 
 
 def settings_without_effect(args: VAPOConfig) -> list[str]:

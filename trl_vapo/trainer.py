@@ -38,7 +38,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.integrations.liger import apply_liger_kernel
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
-from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 from trl import SyncRefModelCallback, is_conversational
 
 from . import checkpoint as ckpt
@@ -438,6 +438,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             if isinstance(func, RewardModel):  # as GRPOTrainer places its reward models
                 func.model, func.device = prepare_frozen_model(func.model, self.accelerator), self.accelerator.device
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
+        if getattr(policy, "generation_config", None) is not None:
+            # The saved model stops where training's completions stopped (`generate()` or a pipeline on output_dir,
+            # as the model card runs it; `trl-vapo eval` stops there): its generation config named the model's EOS
+            # ids only, not a tokenizer's own (a chat model's end of turn) or `generation_kwargs`' stop tokens.
+            ids = self._stop_ids
+            policy.generation_config.eos_token_id = ids if len(ids) > 1 else ids[0]
         sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
         self.generation_engine = build_engine(
             engine_settings.placed(self.accelerator.device.type, sharded, actor_critic.policy),
@@ -693,7 +699,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
 
-        metrics = speed_metrics("train", start_time, num_steps=self.state.global_step - start_step)
+        steps = self.state.global_step - start_step
+        # Samples as transformers counts them for GRPOTrainer: each optimizer step's batch (completions), the
+        # critic-only steps' too.
+        samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
         self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
         self._write_plots()
@@ -1384,7 +1394,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     def _finish_value_pretraining(self, early: bool) -> None:
         progress = self.progress
-        if any(self._metrics.values()):  # its last steps' readings since the last log: logged as its own, not RL's
+        if self.args.logging_strategy == IntervalStrategy.NO:
+            self._metrics.clear()  # nothing is logged (transformers logs nothing): none of it reaches RL's readings
+        elif any(self._metrics.values()):  # its last steps' readings since the last log: its own, not RL's
             self._log_metrics(VALUE_PRETRAIN)
         progress.phase = RL
         progress.rl_start_step = self.state.global_step
