@@ -350,6 +350,36 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert "prompt_column" not in told and "system_prompt" not in told and "max_completion_length=8" in told
 
 
+def test_eval_of_a_model_on_the_hub_reads_the_runs_settings_from_its_repository(tmp_path, monkeypatch):
+    """The model card's `trl-vapo eval --model <this folder>` reads the run's data and sampling settings from two files
+    beside the model; for a model on the Hub (they are pushed with it) they were never read, and eval scored the
+    demo's problems with its own defaults. The Hub cannot be reached here: a stand-in `hf_hub_download`, with the
+    real one's interface, serves a folder as the repository."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from trl_vapo.cli import RUN_CONFIG_FILE, RUN_DATA_FILE, _run_settings
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / RUN_DATA_FILE).write_text(json.dumps({"dataset_name": "me/problems", "prompt_column": "question"}))
+    (repo / RUN_CONFIG_FILE).write_text(json.dumps({"max_completion_length": 8, "learning_rate": 1e-6}))
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        assert repo_id == "me/vapo", repo_id
+        if not (repo / filename).is_file():
+            raise EntryNotFoundError(f"{filename} is not in {repo_id}")
+        return str(repo / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    settings, files = _run_settings(["--model", "me/vapo"])
+    assert settings == {"max_completion_length": 8, "dataset_name": "me/problems", "prompt_column": "question"}
+    assert files == [repo / RUN_DATA_FILE, repo / RUN_CONFIG_FILE]
+    for name in (RUN_DATA_FILE, RUN_CONFIG_FILE):
+        (repo / name).unlink()
+    assert _run_settings(["--model", "me/vapo"]) == ({}, [])  # a model no trl-vapo run pushed
+
+
 def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(
     tiny_model_dir, tmp_path, capsys, monkeypatch
 ):
