@@ -1138,6 +1138,13 @@ def test_a_command_holds_the_output_dir_until_its_model_is_saved(tiny_model_dir,
         trainer.train()
         assert live_holder(out)["pid"] == os.getpid()  # still held after train()
     assert live_holder(out) is None
+    # The same from Python (TRL's `trainer.train(); trainer.save_model()`): `save_model` holds it while it writes.
+    holders = []
+    write_models = trainer._write_models
+    trainer._write_models = lambda *a, **k: holders.append(live_holder(out)) or write_models(*a, **k)
+    trainer.save_model()
+    trainer.save_model(str(tmp_path / "elsewhere"))  # another folder: the run's is not held for it
+    assert [h and h["pid"] for h in holders] == [os.getpid(), None] and live_holder(out) is None
 
 
 def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(

@@ -673,8 +673,15 @@ class SavingMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy (`AutoModelForCausalLM.from_pretrained(output_dir)`, or a PEFT adapter) with the
-        tokenizer, the critic in `output_dir/critic`, and a model card."""
+        tokenizer, the critic in `output_dir/critic`, and a model card. Into the run's `output_dir`, while holding it
+        (`holding_output_dir`): after `train()` returned (TRL's `trainer.train(); trainer.save_model()`), a run started
+        there meanwhile took it as free and removed the save being written as a stopped run's debris."""
         output_dir = Path(output_dir or self.args.output_dir)
+        own = output_dir.resolve() == Path(self.args.output_dir).resolve()
+        with self.holding_output_dir() if own else contextlib.nullcontext():
+            self._save_model(output_dir, _internal_call)
+
+    def _save_model(self, output_dir: Path, _internal_call: bool) -> None:
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
                 # Written aside, then moved in: a full disk leaves `output_dir` as it was, not a policy without
