@@ -1683,6 +1683,22 @@ def test_a_weights_file_that_cannot_be_written_is_named_as_a_full_disk(tmp_path)
     assert not tmp.exists()
 
 
+def test_a_checkpoint_write_refused_for_another_reason_than_space_is_not_called_a_full_disk(tmp_path):
+    """Every OSError was reported as "a full disk? ... Free some space": a folder this process may not write (an
+    output_dir another user made), a lost mount. Named as it is; the half-written folder still goes."""
+    from trl_vapo.checkpoint import write_errors_named
+
+    final, tmp = tmp_path / "checkpoint-2", tmp_path / ".checkpoint-2.me.tmp"
+    tmp.mkdir()
+    with pytest.raises(OSError) as raised:
+        with write_errors_named(final, tmp):
+            raise PermissionError(errno.EACCES, "Permission denied", str(tmp / "optimizer.pt"))
+    said = str(raised.value)
+    assert said.startswith("Writing checkpoint-2 in") and "Permission denied" in said and "full disk" not in said
+    assert "Make the folder writable by this process, then resume with resume_from_checkpoint=True." in said
+    assert not tmp.exists()
+
+
 def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     from trl_vapo.data import _load
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fnmatch
 import hashlib
 import json
@@ -149,6 +150,8 @@ def run_owner() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""A write refused for room: a full disk, a quota, a file-size limit."""
 WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left", "I/O error")
 """What torch's archive writer says when a write fails (a full disk reads "inline_container.cc ... unexpected pos"),
 and safetensors' ("Error while serializing: I/O error: No space left on device (os error 28)")."""
@@ -168,12 +171,20 @@ def write_errors_named(final: Path, tmp: Path):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(final.parent).free / 2**30
-        intact = [c.name for c in list_checkpoints(final.parent)]
+        intact = ", ".join(c.name for c in list_checkpoints(final.parent)[-2:]) or "none"
         first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+        # A write that ran out of room, or one the writers name only as failed: space. Else (no permission, a folder
+        # gone, a lost mount) what the error says, not a full disk.
+        space = getattr(error, "errno", None) in SPACE_ERRNOS or any(sign in text for sign in WRITE_FAILURES)
+        cause = (
+            f"{free:.1f} GiB are free there: a full disk? The checkpoints written before ({intact}) are intact. Free "
+            "some space (save_total_limit keeps fewer checkpoints)"
+            if space
+            else f"the checkpoints written before ({intact}) are intact. Make the folder writable by this process"
+        )
         raise OSError(
-            f"Writing {final.name} in {final.parent} failed ({first_line}); {free:.1f} GiB are free there: a full "
-            f"disk? The checkpoints written before ({', '.join(intact[-2:]) or 'none'}) are intact. Free some space "
-            "(save_total_limit keeps fewer checkpoints), then resume with resume_from_checkpoint=True."
+            f"Writing {final.name} in {final.parent} failed ({first_line}); {cause}, then resume with "
+            "resume_from_checkpoint=True."
         ) from error
 
 
