@@ -29,7 +29,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 from transformers.trainer_callback import ExportableState
 
 from trl_vapo import VAPOConfig, VAPOTrainer
-from trl_vapo.checkpoint import list_checkpoints
+from trl_vapo.checkpoint import COMPLETE_MARKER, list_checkpoints
 from trl_vapo.rewards import make_math_reward
 from trl_vapo.tiny import save_tiny_reward_model
 
@@ -939,17 +939,24 @@ def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     last = list_checkpoints(out)[-1]
+    # Killed after a checkpoint's files and marker were written, before its renames: the resume publishes it.
+    written = [
+        int(re.match(r"\.checkpoint-(\d+)\.", p.name)[1])
+        for p in out.glob(".checkpoint-*.tmp")
+        if (p / COMPLETE_MARKER).is_file()
+    ]
 
     result = run_script(
         "--model", str(tiny_model_dir), "--output-dir", str(out), *LONG_RUN, "--resume", "--log-name", "resumed"
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    resumed_from = int(last.name.split("-")[1])
+    resumed_from = max([int(last.name.split("-")[1]), *written])
     logs = step_logs(read_logs(out, name="resumed"))
     total = max(reference_run)
     assert sorted(logs) == list(range(resumed_from + 1, total + 1))
     for step in logs:
-        assert_same_log(logs[step], reference_run[step], context=f"step {step} after resuming from {last.name}")
+        context = f"step {step} after resuming from checkpoint-{resumed_from}"
+        assert_same_log(logs[step], reference_run[step], context=context)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
