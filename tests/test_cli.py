@@ -348,6 +348,15 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert json.loads(scores_file.read_text())["num_problems"] == 6
     told = capsys.readouterr().err
     assert "prompt_column" not in told and "system_prompt" not in told and "max_completion_length=8" in told
+    # A run without a held-out report, on one file: its "test" split read that file whole, and eval scored the
+    # training prompts as held-out ones, without a word (`train` refuses it).
+    data_file = out / "vapo_script_args.json"
+    data_file.write_text(json.dumps({**json.loads(data_file.read_text()), "dataset_test_split": "test"}))
+    assert main(["eval", "--model", str(out), "--k", "1", "--output_json", str(scores_file)]) == 2
+    assert "(the run's data) is one file, so one split: its 'test' split would be the training prompts. Pass " in (
+        capsys.readouterr().err
+    )
+    assert main(["eval", "--model", str(out), "--dataset_test_split", "train", "--k", "1", "--num_prompts", "2"]) == 0
 
 
 def test_eval_of_a_model_on_the_hub_reads_the_runs_settings_from_its_repository(tmp_path, monkeypatch):
@@ -1213,6 +1222,13 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
     def partly(completions, answer, **kwargs):
         return [(1.0 if i % 4 == 0 else None) if a == "0" else -1.0 for i, a in enumerate(answer)]
 
+    result = evaluate_policy(model, tokenizer, data.select([0, 1]), partly, k=4, max_new_tokens=2, greedy=False)
+    assert (result.avg_at_k, result.pass_at_k, result.num_problems) == (0.5, 0.5, 2)
+
+    # A tokenizer without a pad token (Llama's, as loaded): padded with its EOS, as training pads, where the first
+    # batch's padding failed (a TypeError from `torch.full(..., None)`).
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None
     result = evaluate_policy(model, tokenizer, data.select([0, 1]), partly, k=4, max_new_tokens=2, greedy=False)
     assert (result.avg_at_k, result.pass_at_k, result.num_problems) == (0.5, 0.5, 2)
 

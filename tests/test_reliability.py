@@ -149,6 +149,12 @@ def test_a_missing_gold_answer_stays_missing(tmp_path):
     )
     loaded = load_prompt_dataset(str(data), prompt_column="question", chat=False)
     assert loaded["answer"] == [None, "0.00002", "0.00004"]  # written out (`str` made "2e-05", not read so)
+    # Written into the float column they came from, 2.5e-07 and 2.5e10 came back out as the text "2.5e-7" and
+    # "2.5e+10" (Arrow's own formatting), which math-verify does not read as those numbers; a stream never did.
+    data.write_text("".join(json.dumps({"question": "x", "answer": gold}) + "\n" for gold in (2.5e-7, 2.5e10, 72.0)))
+    for streaming in (False, True):
+        rows = load_prompt_dataset(str(data), prompt_column="question", streaming=streaming)
+        assert [row["answer"] for row in rows] == ["0.00000025", "25000000000", "72"]
     completions = ["\\boxed{0}", "\\boxed{0.00002}", "\\boxed{0.00005}"]
     assert math_reward(completions=completions, answer=loaded["answer"]) == [None, 1.0, -1.0]
     from decimal import Decimal
@@ -161,6 +167,13 @@ def test_a_missing_gold_answer_stays_missing(tmp_path):
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError, match=r"A row of .*gaps.jsonl \(train\) has no 'question' \(null\)"):
         load_prompt_dataset(str(data), prompt_column="question")
+    # Through a template too, which made it "None = ?" (any field it names: here the second row's `topic`).
+    rows = [{"question": f"{i}+{i}=", "topic": None if i == 1 else "sums", "answer": "0"} for i in range(3)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"A row of .*gaps.jsonl \(train\) has no 'topic' \(null\)"):
+        load_prompt_dataset(str(data), prompt_column="question", prompt_template="{topic}: {question}")
+    templated = load_prompt_dataset(str(data), prompt_column="question", prompt_template="{question} = {answer}?")
+    assert templated["prompt"][2] == [{"role": "user", "content": "2+2= = 0?"}]  # the gold, by its own name
 
 
 def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):

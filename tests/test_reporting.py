@@ -6,6 +6,7 @@ Pure functions on plain data, printed to real consoles and written to real track
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -386,6 +387,8 @@ def test_the_card_names_the_settings_a_run_changed_and_an_early_stop_only_where_
     assert {"`critic_num_iterations=4`", "`top_p=0.9`", "`vf_coef=0.5`", "`num_train_epochs=3.0`"} <= set(settings)
     assert not any(s.startswith(("`top_k=", "`whiten_advantages=")) for s in settings)  # at their defaults
     assert "`num_train_epochs=" not in " ".join(_other_settings(VAPOConfig(output_dir=str(tmp_path), max_steps=5)))
+    assert "`max_steps=5`" in _other_settings(VAPOConfig(output_dir=str(tmp_path), max_steps=5))
+    assert not any(s.startswith("`max_steps=") for s in settings)  # -1, unset: it read as a limit beside the epochs
     for steps, clause in ((19, False), (20, True)):
         table = _vapo_table(VAPOConfig(output_dir=str(tmp_path), value_pretrain_steps=steps), None)
         assert ("stops early when explained variance stops improving, window 10" in table) is clause
@@ -548,6 +551,12 @@ def test_card_of_a_hub_base_model_and_dataset(vapo_args, tmp_path):
     from huggingface_hub import ModelCard
 
     assert ModelCard.load(str(path)).data.base_model == "Qwen/Qwen2.5-0.5B-Instruct"
+
+    # Pushed to a branch (`hub_revision`): the quick start loads that branch, where it loaded `main`.
+    args = copy.copy(vapo_args)
+    args.hub_revision = "dev"
+    card = build_model_card(base_model="Qwen/Qwen2.5-0.5B", output_dir=tmp_path, args=args, hub_model_id="a/b")
+    assert 'pipeline("text-generation", model="a/b", revision="dev", device_map="auto")\n' in str(card)
 
 
 def test_card_when_value_pretraining_was_off_or_skipped(vapo_args, tmp_path):

@@ -1291,6 +1291,14 @@ def eval_command(argv: list[str]) -> int:
             "--dataset_name (or --dataset_preset)"
         )
     _check_eval_numbers(args)
+    run_file = run_settings.get("dataset_name")
+    if run_file and run_file == script.dataset_name and Path(run_file).expanduser().is_file():
+        if script.dataset_test_split != script.dataset_train_split:  # (the run itself scored them only when told so)
+            raise UsageError(
+                f"{run_file} (the run's data) is one file, so one split: its {script.dataset_test_split!r} split "
+                "would be the training prompts. Pass --dataset_name with held-out problems, or --dataset_test_split "
+                f"{script.dataset_train_split} to score the training prompts"
+            )
     if run_files:
         taken = ", ".join(f"{key}={value!r}" for key, value in run_settings.items() if value is not None)
         print(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-from datasets import Dataset, IterableDataset, Value, load_dataset
+from datasets import Dataset, IterableDataset, load_dataset
 from trl import is_conversational, maybe_apply_chat_template
 
 from .run import prompts_per_rollout
@@ -95,10 +95,16 @@ def load_prompt_dataset(
             f"--prompt_template formats text, but {dataset_name} ({split})'s column {prompt_column!r} holds chat "
             "messages, which are used as they are: drop --prompt_template, or pass a text column as --prompt_column."
         )
-    if prompt_template:
-        check_prompt_template(prompt_template, columns)
+    template_columns = check_prompt_template(prompt_template, columns) if prompt_template else []
+    # `map` writes a returned column into the data set's own column of that name, in its type: the gold "0.00000025"
+    # went back into a float column (2.5e-07) and came out of it as the text "2.5e-7", which math-verify does not read
+    # as that number. Renamed away first, the answers are a new column, of text.
+    if answer_column and "answer" in columns and not streaming:  # (a stream's mapped rows are not cast)
+        dataset = dataset.rename_column("answer", GOLD_SOURCE)
 
     def to_prompt(row: dict) -> dict:
+        if GOLD_SOURCE in row:  # the row as the data set holds it
+            row = {("answer" if key == GOLD_SOURCE else key): value for key, value in row.items()}
         problem = row[prompt_column]
         if isinstance(problem, list):  # already chat messages: the system prompt goes first, unless they have one
             if system_prompt and problem and problem[0].get("role") == "system":
@@ -119,9 +125,12 @@ def load_prompt_dataset(
             if system_prompt:
                 problem = [{"role": "system", "content": system_prompt}, *problem]
             return {"prompt": problem, **({"answer": answer_text(row[answer_column])} if answer_column else {})}
-        if problem is None and not prompt_template:  # a chat template would render it as the text "None"
+        # A null problem would be the text "None" in the prompt (through a chat template, or a template's field).
+        fields = template_columns if prompt_template else [prompt_column]
+        missing = [column for column in fields if row[column] is None]
+        if missing:
             raise ValueError(
-                f"A row of {dataset_name} ({split}) has no {prompt_column!r} (null): {str(row)[:120]}. Drop such rows "
+                f"A row of {dataset_name} ({split}) has no {missing[0]!r} (null): {str(row)[:120]}. Drop such rows "
                 "(dataset.filter) or fill them in."
             )
         text = prompt_template.format(**row) if prompt_template else problem
@@ -137,11 +146,12 @@ def load_prompt_dataset(
     if streaming:
         to_prompt(first)  # a stream maps as it is read: its first row's errors now, before any model loads
         return dataset.map(to_prompt)
-    built = dataset.map(to_prompt, desc="Building prompts")
-    gold = built.features.get("answer") if answer_column else None
-    if isinstance(gold, Value) and gold.dtype != "string":  # `map` casts "72" back to a number column's type
-        built = built.cast_column("answer", Value("string"))  # the answers are text, as a stream's are
-    return built
+    hidden = [GOLD_SOURCE] if GOLD_SOURCE in dataset.column_names else []
+    return dataset.map(to_prompt, desc="Building prompts", remove_columns=hidden)
+
+
+GOLD_SOURCE = "__trl_vapo_gold__"
+"""The data set's own `answer` column while the gold answers are written as text (`load_prompt_dataset`)."""
 
 
 def answer_text(gold):
@@ -157,15 +167,16 @@ def answer_text(gold):
     return number_text(gold) if isinstance(gold, (int, float)) and not isinstance(gold, bool) else gold
 
 
-def check_prompt_template(template: str, columns: list[str]) -> None:
-    """A clear error unless `template` (`str.format` over a row's columns) names only `columns`, by name: a field
-    that is no column, a positional one (`{}`, `{0}`: often a LaTeX `\\boxed{}` left unescaped), or bad braces
-    raised from inside `datasets.map` as a bare KeyError or IndexError."""
+def check_prompt_template(template: str, columns: list[str]) -> list[str]:
+    """The columns `template` (`str.format` over a row's columns) names; a clear error unless it names only `columns`,
+    by name: a field that is no column, a positional one (`{}`, `{0}`: often a LaTeX `\\boxed{}` left unescaped), or
+    bad braces raised from inside `datasets.map` as a bare KeyError or IndexError."""
     escape = "write a literal brace twice: \\boxed{{}}"
     try:
         fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
     except ValueError as error:
         raise ValueError(f"--prompt_template {template!r} does not parse ({error}); {escape}.") from None
+    names = []
     for field in fields:
         name = re.split(r"[.\[]", field, maxsplit=1)[0]
         if name == "" or name.isdigit():
@@ -177,6 +188,8 @@ def check_prompt_template(template: str, columns: list[str]) -> None:
             raise ValueError(
                 f"--prompt_template {template!r} names {{{name}}}, which is no column; the columns are {columns}."
             )
+        names.append(name)
+    return names
 
 
 @contextlib.contextmanager

@@ -1035,11 +1035,11 @@ def build_engine(
         policy = model
     if vllm_generation_cls is None:
         check_engine_available(settings, policy)  # the loaded policy: a checkpoint may come quantized by its config
-    common = {
-        "pad_token_id": tokenizer.pad_token_id,
-        "stop_token_ids": stop_ids or stop_token_ids(tokenizer, policy, settings.sampling.generation_kwargs),
-        "sampling": settings.sampling,
-    }
+    stop_ids = stop_ids or stop_token_ids(tokenizer, policy, settings.sampling.generation_kwargs)
+    # A tokenizer without a pad token (Llama's) pads with its EOS, as training sets it (`prepare_tokenizer`); given to
+    # `evaluate_policy` as loaded, None failed in the first batch's padding.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    common = {"pad_token_id": pad_id, "stop_token_ids": stop_ids, "sampling": settings.sampling}
     if settings.engine == "vllm":
         if policy is None:
             raise ValueError("The vLLM engine needs the policy model.")

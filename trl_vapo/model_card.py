@@ -286,6 +286,9 @@ def _quick_start(model_ref: str, is_local: bool, example_prompt, args, is_adapte
         example_prompt = [{"role": "user", "content": "What is 17 + 25? Put the final answer in \\boxed{}."}]
     max_new_tokens = getattr(args, "max_completion_length", None) or 256
     where = "  # this folder; once uploaded, its Hub id" if is_local else ""
+    # The branch the run pushed to (`hub_revision`): without it, `main`, which may hold another model or none.
+    revision = None if is_local else getattr(args, "hub_revision", None)
+    branch = f', revision="{revision}"' if revision else ""
     lines = [
         "## Quick start",
         "",
@@ -293,7 +296,7 @@ def _quick_start(model_ref: str, is_local: bool, example_prompt, args, is_adapte
         "from transformers import pipeline",
         "",
         f"prompt = {example_prompt!r}",
-        f'generator = pipeline("text-generation", model="{model_ref}", device_map="auto"){where}',
+        f'generator = pipeline("text-generation", model="{model_ref}"{branch}, device_map="auto"){where}',
         f"output = generator(prompt, max_new_tokens={max_new_tokens}, return_full_text=False)[0]",
         'print(output["generated_text"])',
         "```",
@@ -482,6 +485,8 @@ def _other_settings(args, frozen_values: bool = False) -> list[str]:
         if name == "num_train_epochs":  # named where it decides the run's length: max_steps unset
             if getattr(args, "max_steps", -1) <= 0:
                 settings.append(f"`num_train_epochs={value}`")
+            continue
+        if name == "max_steps" and value is not None and value <= 0:  # unset (-1): the epochs decide
             continue
         if value is None or (name in OTHER_SETTINGS_WHEN_CHANGED and value == defaults[name]):
             continue
