@@ -189,6 +189,9 @@ class StandInVLLMGeneration(VLLMGeneration):
         engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
         self.llm = SimpleNamespace(llm_engine=engine, reset_prefix_cache=lambda: None)
         self._llm_weights_sleeping = False
+        # vLLM's start seeds torch (and `random`, numpy) with the seed TRL gives `LLM`: the process's tensor-parallel
+        # group's index.
+        torch.manual_seed(self.accelerator.process_index // self.tensor_parallel_size)
 
     def _load_weights(self, weights):
         params = dict(self.sampler.named_parameters())

@@ -1116,6 +1116,10 @@ def test_a_data_sets_flag_without_a_data_set_is_refused_not_ignored_by_the_demo(
         (["--model", "{model}", "--config", "nope.yaml"], "nope.yaml: no such file (--config takes a YAML file's"),
         (["--model", "{model}", "--output_json", "{tmp}"], "--output_json {tmp} is a folder: name a file"),
         (
+            ["--model", "{model}", "--use_vllm", "true", "--vllm_mode", "server", "--temperature", "0", "--k", "4"],
+            "greedy sampling (--temperature 0) with a vLLM server and --k 4: vLLM refuses n > 1",
+        ),
+        (
             ["--model", "{model}", "--transformers_continuous_batching_config", "{{max_batch_tokens: 8}}"],
             "--transformers_continuous_batching_config is not JSON (",
         ),
@@ -1304,6 +1308,25 @@ def test_train_goes_on_from_an_adapter_saved_alone_with_its_bases_tokenizer(tiny
          "--report_to", "none", "--disable_tqdm", "true", "--eval_num_prompts", "0"]
     ) == 0  # fmt: skip
     assert (out / "adapter_config.json").is_file() and (out / "tokenizer_config.json").is_file()
+
+
+def test_eval_with_vllm_samples_with_the_seed_it_is_given(tiny_model_dir, stand_in_vllm, monkeypatch):
+    """vLLM's start seeds torch with its own seed (`LLM(seed=...)`; its stand-in here does too, as vLLM cannot be
+    installed): `trl-vapo eval --use_vllm` seeded before building the engine, so every --seed drew the same samples."""
+    import torch
+    from helpers import StandInVLLMGeneration
+
+    seeds, generate = [], StandInVLLMGeneration.generate
+
+    def seeded_generate(self, *args, **kwargs):
+        seeds.append(torch.initial_seed())  # what the last `torch.manual_seed` set
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(StandInVLLMGeneration, "generate", seeded_generate)
+    flags = ["--use_vllm", "true", "--num_prompts", "1", "--k", "1", "--max_new_tokens", "1", "--temperature", "1"]
+    for seed in (3, 4):
+        assert main(["eval", "--model", str(tiny_model_dir), "--seed", str(seed), *flags]) == 0
+    assert seeds and set(seeds[: len(seeds) // 2]) == {3} and set(seeds[len(seeds) // 2 :]) == {4}
 
 
 def test_eval_with_vllm_samples_from_the_weights_it_evaluates(tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch):

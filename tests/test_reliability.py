@@ -174,6 +174,8 @@ def test_a_missing_gold_answer_stays_missing(tmp_path):
         load_prompt_dataset(str(data), prompt_column="question", prompt_template="{topic}: {question}")
     templated = load_prompt_dataset(str(data), prompt_column="question", prompt_template="{question} = {answer}?")
     assert templated["prompt"][2] == [{"role": "user", "content": "2+2= = 0?"}]  # the gold, by its own name
+    # Without --prompt_column, which the template makes of no use: the default `prompt` was required as a column.
+    assert load_prompt_dataset(str(data), prompt_template="{question} = {answer}?")["prompt"] == templated["prompt"]
 
 
 def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_model_dir, tmp_path):

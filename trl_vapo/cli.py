@@ -1310,6 +1310,13 @@ def eval_command(argv: list[str]) -> int:
 
     for name in JSON_FLAGS:
         setattr(args, name, _json_object(getattr(args, name), f"--{name}", DICT_FIELD_EXAMPLES[name]))
+    greedy = args.temperature == 0 or (args.generation_kwargs or {}).get("do_sample") is False
+    if args.use_vllm and args.vllm_mode == "server" and greedy and args.k > 1:  # (training refuses it too)
+        raise UsageError(
+            f"greedy sampling (--temperature 0) with a vLLM server and --k {args.k}: vLLM refuses n > 1 under greedy "
+            "sampling ('n must be 1 when using greedy sampling'), and the k samples would be identical anyway: pass "
+            "--k 1, or a temperature > 0"
+        )
     _check_model_source(args.model, "--model")
     tokenizer_source = _tokenizer_source(args.model, "--model")
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
@@ -1384,9 +1391,11 @@ def eval_command(argv: list[str]) -> int:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    torch.manual_seed(args.seed)
     engine = build_engine(engine_settings, model, tokenizer)
     engine.sync_weights()  # vLLM loads the checkpoint by name (an adapter's base): the weights evaluated go to it
+    # After the engine's start, which for vLLM seeds torch with its own seed (`LLM(seed=...)`): seeded before it,
+    # every --seed sampled the same completions.
+    torch.manual_seed(args.seed)
     result = evaluate_policy(
         model,
         tokenizer,

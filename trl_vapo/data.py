@@ -84,13 +84,15 @@ def load_prompt_dataset(
     if answer_column == "answer" and "answer" not in columns:
         answer_column = None
     for role, column in (("prompt_column", prompt_column), ("answer_column", answer_column)):
+        if role == "prompt_column" and prompt_template:  # the template names its own columns (checked below)
+            continue
         if column is not None and column not in columns:
             raise ValueError(
                 f"{dataset_name} ({split}) has no column {column!r} ({role}); its columns are {columns}. "
                 f"Pass --{role} with one of them."
             )
 
-    if prompt_template and isinstance(first[prompt_column], list):
+    if prompt_template and isinstance(first.get(prompt_column), list):
         raise ValueError(
             f"--prompt_template formats text, but {dataset_name} ({split})'s column {prompt_column!r} holds chat "
             "messages, which are used as they are: drop --prompt_template, or pass a text column as --prompt_column."
@@ -105,7 +107,7 @@ def load_prompt_dataset(
     def to_prompt(row: dict) -> dict:
         if GOLD_SOURCE in row:  # the row as the data set holds it
             row = {("answer" if key == GOLD_SOURCE else key): value for key, value in row.items()}
-        problem = row[prompt_column]
+        problem = row.get(prompt_column)  # (none with a template that names other columns)
         if isinstance(problem, list):  # already chat messages: the system prompt goes first, unless they have one
             if system_prompt and problem and problem[0].get("role") == "system":
                 raise ValueError(
