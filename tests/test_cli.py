@@ -389,6 +389,34 @@ def test_eval_of_a_model_on_the_hub_reads_the_runs_settings_from_its_repository(
     assert _run_settings(["--model", "me/vapo"]) == ({}, [])  # a model no trl-vapo run pushed
 
 
+def test_an_adapter_on_the_hub_pushed_without_a_tokenizer_takes_its_base_models(tiny_model_dir, tmp_path, monkeypatch):
+    """peft's `push_to_hub` uploads no tokenizer: for `--model_name_or_path me/lora` the tokenizer was looked up in the
+    adapter's repository (an OSError once the policy had loaded); it is its base model's, as for a local folder saved
+    so. The Hub cannot be reached here: a stand-in `hf_hub_download`, with the real one's interface, serves a folder
+    as the repository."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from trl_vapo.cli import _tokenizer_source
+    from trl_vapo.loading import adapter_base_of
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        if repo_id != "me/lora" or not (repo / filename).is_file():
+            raise EntryNotFoundError(f"{filename} is not in {repo_id}")
+        return str(repo / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    assert adapter_base_of("me/lora") == (str(tiny_model_dir), None)
+    assert _tokenizer_source("me/lora", "--model_name_or_path") == str(tiny_model_dir)
+    assert adapter_base_of("me/model") is None  # no adapter
+    (repo / "tokenizer_config.json").write_text("{}")
+    assert adapter_base_of("me/lora") is None  # an adapter pushed with its tokenizer: that one
+
+
 def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(
     tiny_model_dir, tmp_path, capsys, monkeypatch
 ):

@@ -1217,7 +1217,9 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
         found = {name: next((place / name for place in places if (place / name).is_file()), None)
                  for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}  # fmt: skip
     else:  # a model on the Hub: `push_to_hub` uploads both files with it (the model card's eval command reads them)
-        found = {name: _hub_file(model, name) for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}
+        from .loading import hub_file
+
+        found = {name: hub_file(model, name) for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}
     data = json.loads(found[RUN_DATA_FILE].read_text()) if found[RUN_DATA_FILE] else {}
     run_config = json.loads(found[RUN_CONFIG_FILE].read_text()) if found[RUN_CONFIG_FILE] else {}
     named = {*flags, *config}
@@ -1230,17 +1232,6 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     if data.get("mixture") and takes_data:
         settings["mixture"] = True
     return settings, [path for path in found.values() if path is not None]
-
-
-def _hub_file(repo_id: str, filename: str) -> Path | None:
-    """`filename` of the Hub model `repo_id` (downloaded, or from the cache offline), or None where there is none:
-    not a repository id, a model no trl-vapo run pushed, a Hub out of reach (loading the model then says why)."""
-    import huggingface_hub
-
-    try:
-        return Path(huggingface_hub.hf_hub_download(repo_id, filename))
-    except Exception:  # (HFValidationError, EntryNotFoundError, LocalEntryNotFoundError, a connection's: the same)
-        return None
 
 
 def eval_command(argv: list[str]) -> int:

@@ -153,17 +153,33 @@ def policy_tokenizer(model, model_id: str, args, model_init_kwargs: dict | None 
 
 
 def adapter_base_of(model: str) -> tuple[str, str | None] | None:
-    """For a local PEFT adapter's folder saved without a tokenizer (peft's `save_pretrained` writes none), its base
-    model and revision, where the tokenizer is; None for any other model. A ValueError for an adapter that names no
-    base."""
+    """For a PEFT adapter saved without a tokenizer (peft's `save_pretrained` and `push_to_hub` write none), in a
+    local folder or on the Hub, its base model and revision, where the tokenizer is; None for any other model. A
+    ValueError for an adapter that names no base."""
     folder = Path(model).expanduser()
-    adapter = folder / "adapter_config.json"
-    if not adapter.is_file() or (folder / "tokenizer_config.json").is_file():
-        return None
+    if folder.is_dir():
+        adapter = folder / "adapter_config.json"
+        if not adapter.is_file() or (folder / "tokenizer_config.json").is_file():
+            return None
+    else:  # a Hub id (the adapter's repository held no tokenizer: an OSError where its base's was at hand)
+        adapter = hub_file(model, "adapter_config.json")
+        if adapter is None or hub_file(model, "tokenizer_config.json") is not None:
+            return None
     config = json.loads(adapter.read_text())
     if not config.get("base_model_name_or_path"):
         raise ValueError(f"{model} is a PEFT adapter with neither a tokenizer nor a base_model_name_or_path")
     return config["base_model_name_or_path"], config.get("revision")
+
+
+def hub_file(repo_id: str, filename: str) -> Path | None:
+    """`filename` of the Hub model `repo_id` (downloaded, or from the cache offline), or None where there is none:
+    not a repository id, no such file, a Hub out of reach (loading the model then says why)."""
+    import huggingface_hub
+
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo_id, filename))
+    except Exception:  # (HFValidationError, EntryNotFoundError, LocalEntryNotFoundError, a connection's: the same)
+        return None
 
 
 def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.Module, str]:
