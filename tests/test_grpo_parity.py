@@ -3,6 +3,7 @@ and under its names, and a clear refusal of what VAPO does not take."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections import defaultdict
@@ -367,6 +368,12 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         # GRPOConfig's own refusals; enable_jit_checkpoint's SIGTERM handler would replace VAPOTrainer's.
         ({"auto_find_batch_size": True}, "auto_find_batch_size=True is not supported"),
         ({"enable_jit_checkpoint": True}, "enable_jit_checkpoint=True is not supported"),
+        # transformers' accelerator settings that VAPO's plan never saw: a run of 0 steps; a batch never split.
+        (
+            {"accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 4}}},
+            "sets num_steps=4: .* Set gradient_accumulation_steps=4 instead",
+        ),
+        ({"accelerator_config": {"split_batches": True}}, "split_batches=True is not supported"),
     ],
 )
 def test_grpo_settings_that_cannot_go_together_say_why(tmp_path, settings, says):
@@ -378,6 +385,31 @@ def test_one_value_where_a_list_is_expected_is_a_list_of_one(tmp_path):
     """A YAML scalar (`positive_reward_funcs: accuracy`): each of its characters was a function's name."""
     assert make_args(tmp_path, positive_reward_funcs="accuracy").positive_reward_funcs == ["accuracy"]
     assert make_args(tmp_path, reward_weights=0.5).reward_weights == [0.5]
+
+
+def watched(no_sync, entered: list, model):
+    entered.append(model)
+    return no_sync(model)
+
+
+def test_sync_each_batch_reduces_every_micro_batchs_gradients(tiny_model_dir, tmp_path):
+    """accelerate's `sync_each_batch` (accelerator_config's gradient_accumulation_kwargs) was ignored: each micro-batch
+    but a step's last ran under the accelerator's `no_sync`, which DDP's and FSDP's accumulation spend the memory in
+    that it is set to spare. `no_sync` is watched (on one process it leaves the model as it is)."""
+    for sync_each_batch in (False, True):
+        accumulation = {"gradient_accumulation_kwargs": {"sync_each_batch": True}} if sync_each_batch else {}
+        args = make_args(
+            tmp_path / str(sync_each_batch),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_steps=1,
+            accelerator_config=accumulation,
+        )
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8))
+        entered = []
+        trainer.accelerator.no_sync = functools.partial(watched, trainer.accelerator.no_sync, entered)
+        trainer.train()
+        assert bool(entered) is not sync_each_batch, (sync_each_batch, len(entered))
 
 
 def test_training_arguments_that_act_only_in_transformers_loop_are_named_when_set(tiny_model_dir, tmp_path, caplog):
@@ -392,6 +424,12 @@ def test_training_arguments_that_act_only_in_transformers_loop_are_named_when_se
         "debug",
         "skip_memory_metrics",
         "dataloader_pin_memory",
+    ]
+    more = make_args(tmp_path, label_names=["labels"], prediction_loss_only=True, average_tokens_across_devices=False)
+    assert settings_without_effect(more) == [
+        "label_names=['labels']",
+        "prediction_loss_only=True",
+        "average_tokens_across_devices=False",
     ]
     with caplog.at_level("WARNING"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8))

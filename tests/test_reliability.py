@@ -1998,6 +1998,10 @@ def test_ddp_without_unused_parameter_detection_is_refused_before_value_pretrain
     assert run.returncode != 0
     assert "ddp_find_unused_parameters=False on several processes: value pretraining" in run.stderr
     assert "RuntimeError: Expected to have finished" not in run.stderr and not (tmp_path / "checkpoint-2").exists()
+    # DDP's static graph, the same contract (the parameters used at every step), declared instead of checked.
+    settings = json.dumps({"ddp_static_graph": True})
+    run = on_two_ranks("--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--settings", settings)
+    assert run.returncode != 0 and "ddp_static_graph=True on several processes: DDP's static graph" in run.stderr
 
 
 def test_a_resume_the_main_process_cannot_choose_stops_every_process_with_its_error(tiny_model_dir, tmp_path):

@@ -1308,6 +1308,30 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "pretrained critic skips the phase anyway) and no extra critic passes.",
         )
         require(
+            not ddp or not self.ddp_static_graph or not critic_only_passes,
+            "ddp_static_graph=True on several processes: DDP's static graph holds only where every step uses the same "
+            "parameters, and value pretraining and the critic's extra passes (critic_num_iterations > num_iterations) "
+            "leave the policy out of the forward pass. Leave it unset, or set value_pretrain_steps=0 (a frozen value "
+            "function or a pretrained critic skips the phase anyway) and no extra critic passes.",
+        )
+        # transformers' Trainer reads these in its DataLoaders and its accelerator, after VAPO has planned its steps.
+        accelerator_config = self.accelerator_config
+        accumulation = getattr(accelerator_config, "gradient_accumulation_kwargs", None) or {}
+        require(
+            "num_steps" not in accumulation,
+            f"accelerator_config's gradient_accumulation_kwargs sets num_steps={accumulation.get('num_steps')}: "
+            "transformers copies it into gradient_accumulation_steps once the trainer is built, after VAPO has "
+            "planned its steps from gradient_accumulation_steps (the run trained no step, or each with one "
+            "micro-batch). Set "
+            f"gradient_accumulation_steps={accumulation.get('num_steps')} instead.",
+        )
+        require(
+            not getattr(accelerator_config, "split_batches", False),
+            "accelerator_config's split_batches=True is not supported: it splits a DataLoader's batches over the "
+            "processes, and VAPO has none (each process takes per_device_train_batch_size rows of a rollout). Divide "
+            "the batch by the number of processes in per_device_train_batch_size instead.",
+        )
+        require(
             not self.auto_find_batch_size,
             "auto_find_batch_size=True is not supported (nor by GRPO): a rollout must hold whole groups of "
             "num_generations completions, and halving the batch on out-of-memory breaks that. Lower "
@@ -1352,6 +1376,15 @@ _WITHOUT_EFFECT = (
     "dataloader_prefetch_factor",
     "dataloader_persistent_workers",
     "dataloader_drop_last",
+    "dataloader_in_order",
+    "dataloader_multiprocessing_context",
+    "length_column_name",
+    "label_names",
+    "prediction_loss_only",
+    "batch_eval_metrics",
+    "eval_do_concat_batches",
+    "eval_use_gather_object",
+    "average_tokens_across_devices",  # (VAPO's token-level loss counts every process's tokens: GRPO ignores it too)
 )
 
 

@@ -84,8 +84,8 @@ def load_prompt_dataset(
     if answer_column == "answer" and "answer" not in columns:
         answer_column = None
     for role, column in (("prompt_column", prompt_column), ("answer_column", answer_column)):
-        if role == "prompt_column" and prompt_template:  # the template names its own columns (checked below)
-            continue
+        if role == "prompt_column" and prompt_template and column not in _template_fields(prompt_template):
+            continue  # of no use: the template names its own columns (checked below)
         if column is not None and column not in columns:
             raise ValueError(
                 f"{dataset_name} ({split}) has no column {column!r} ({role}); its columns are {columns}. "
@@ -169,6 +169,19 @@ def answer_text(gold):
     return number_text(gold) if isinstance(gold, (int, float)) and not isinstance(gold, bool) else gold
 
 
+def _field_column(field: str) -> str:
+    """The column a `str.format` field reads: `{row[0]}` and `{row.x}` read `row`."""
+    return re.split(r"[.\[]", field, maxsplit=1)[0]
+
+
+def _template_fields(template: str) -> list[str]:
+    """The columns `template` names, or none where it does not parse (`check_prompt_template` says why)."""
+    try:
+        return [_field_column(field) for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+    except ValueError:
+        return []
+
+
 def check_prompt_template(template: str, columns: list[str]) -> list[str]:
     """The columns `template` (`str.format` over a row's columns) names; a clear error unless it names only `columns`,
     by name: a field that is no column, a positional one (`{}`, `{0}`: often a LaTeX `\\boxed{}` left unescaped), or
@@ -180,7 +193,7 @@ def check_prompt_template(template: str, columns: list[str]) -> list[str]:
         raise ValueError(f"--prompt_template {template!r} does not parse ({error}); {escape}.") from None
     names = []
     for field in fields:
-        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        name = _field_column(field)
         if name == "" or name.isdigit():
             raise ValueError(
                 f"--prompt_template {template!r} has a positional field {{{field}}}: fields name columns "

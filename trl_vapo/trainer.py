@@ -1135,9 +1135,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             rows = length_sorted(rows, rollout.lengths)
         micro_batches = rows.split(args.per_device_train_batch_size)
         learns_values = self.actor_critic.learns_values
+        # accelerate's `sync_each_batch` (in accelerator_config's gradient_accumulation_kwargs): reduce every
+        # micro-batch's gradients, which spares DDP's and FSDP's unsharded accumulation its memory.
+        sync_each_batch = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            no_sync = not last and not self.is_deepspeed_enabled
+            no_sync = not last and not self.is_deepspeed_enabled and not sync_each_batch
             batch = rollout.micro_batch(micro_rows)
             n = batch["mask"].sum()
             sums["_tokens"] += n
