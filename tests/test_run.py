@@ -102,5 +102,6 @@ def test_a_stream_ends_its_epoch_where_it_runs_out_and_one_too_short_is_refused(
     assert [r["prompt"] for r in cursor.next(TrainingProgress(data_index=2), lambda: None)] == ["p2", "p3", "p4", "p5"]
     short = PromptCursor(_prompts(3).to_iterable_dataset(), 4, shuffle=False, seed=0)
     with pytest.raises(ValueError, match="streams fewer prompts than one rollout needs"):
-        short.next(TrainingProgress(), lambda: None)
+        short.next(TrainingProgress(), lambda: ended.append("short"))
+    assert "short" not in ended  # no epoch of it ended: its evaluation and checkpoint-0 ran, twice, before the error
     assert [r["prompt"] for r in stream] == [f"p{i}" for i in range(6)]  # the dataset itself reads whole, in order

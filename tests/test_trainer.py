@@ -1375,6 +1375,12 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     from trl_vapo.checkpoint import data_order  # the same order, whichever field holds its seed
 
     assert data_order(make_args(tmp_path, seed=42)) == data_order(make_args(tmp_path, seed=1, data_seed=42))
+    # A stream's position counts the rows its long-prompt filter let through: resumed with another filter, it skipped
+    # or repeated prompts without a word (a data set's count differs instead: `train_prompts`).
+    long = dict(max_prompt_length=16)
+    kept, dropped = (data_order(make_args(tmp_path, **long, drop_long_prompts=d), True) for d in (False, True))
+    assert kept != dropped and dropped.endswith("its prompts longer than 16 tokens dropped (drop_long_prompts)")
+    assert data_order(make_args(tmp_path, **long, drop_long_prompts=True)) == data_order(make_args(tmp_path, **long))
     # Another model of the same architecture (one weight differs): the checkpoint's adapter or weights were trained
     # on the first, and its architecture's name alone would not tell them apart.
     from transformers import AutoModelForCausalLM

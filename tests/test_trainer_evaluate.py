@@ -324,6 +324,12 @@ def test_no_scheduled_evaluation_runs_during_value_pretraining(tiny_model_dir, t
         trainer.train()
         assert [h["step"] for h in trainer.state.log_history if "phase" in h] == [1, 2, 3]  # two of value pretraining
         assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [3], len(train_dataset)
+    # By epoch: the epoch that value pretraining's last rollout ends (the phase RL by then) evaluated the initial
+    # policy, the first reading early stopping and `save_strategy="best"` compared the trained ones with.
+    args = eval_args(tmp_path / "epoch", **{**settings, "max_steps": 2}, eval_strategy="epoch")
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(4), prompts_dataset(3))
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [4]  # the next epoch's end
     with pytest.raises(NotImplementedError, match=r"no predict\(\).*trainer.evaluate\(test_dataset"):
         trainer.predict(prompts_dataset(3))
 

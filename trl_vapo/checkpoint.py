@@ -581,7 +581,7 @@ def run_fingerprint(
         "deepspeed": deepspeed,
         "fsdp": fsdp,
         "train_prompts": train_prompts,
-        "data_order": data_order(args),
+        "data_order": data_order(args, streamed=train_prompts is None),
     }
 
 
@@ -598,11 +598,18 @@ def adapter_settings(policy) -> dict[str, Any] | None:
     return json.loads(json.dumps(config, sort_keys=True, default=str))  # as the marker reads back
 
 
-def data_order(args) -> str:
-    """What orders the training prompts (`PromptCursor`): a shuffle by `data_seed`, else `seed`, or none."""
-    if not args.shuffle_dataset:
-        return "in the data set's order (shuffle_dataset=False)"
-    return f"shuffled with seed {args.seed if args.data_seed is None else args.data_seed} (data_seed, else seed)"
+def data_order(args, streamed: bool = False) -> str:
+    """What orders the training prompts (`PromptCursor`): a shuffle by `data_seed`, else `seed`, or none; for a stream,
+    also the filter of `drop_long_prompts`, which drops its long prompts as they arrive: its saved position counts the
+    rows let through (a data set's are counted before training: `train_prompts` differs)."""
+    order = (
+        f"shuffled with seed {args.seed if args.data_seed is None else args.data_seed} (data_seed, else seed)"
+        if args.shuffle_dataset
+        else "in the data set's order (shuffle_dataset=False)"
+    )
+    if streamed and args.drop_long_prompts and args.max_prompt_length is not None:
+        order += f", its prompts longer than {args.max_prompt_length} tokens dropped (drop_long_prompts)"
+    return order
 
 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:

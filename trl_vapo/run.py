@@ -175,13 +175,15 @@ class PromptCursor:
             if len(rows) == self.count:
                 progress.data_index += self.count
                 return rows
+            if progress.data_index == 0:  # a whole epoch short of one rollout: no epoch of it to end (its end's
+                break  # evaluation and checkpoint-0, which made the next fresh run refuse the folder)
             # The next epoch first: what `on_epoch_end` saves resumes there (at the old epoch's end, a resume
             # would find that end again and repeat its callbacks, evaluation and checkpoint).
             progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
             on_epoch_end()
         raise ValueError(
             f"train_dataset streams fewer prompts than one rollout needs ({self.count} = generation_batch_size / "
-            "num_generations)."
+            "num_generations), after drop_long_prompts' filter where it is set."
         )
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:

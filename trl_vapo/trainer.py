@@ -833,7 +833,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # initial policy, whose noise alone could end the run before its first update.
         # The request is consumed either way (as `on_evaluate` would): left set, the epoch end of the rollout that
         # ends value pretraining read it in RL and evaluated the initial policy.
-        self._evaluate_pending |= self.control.should_evaluate and self.progress.phase != VALUE_PRETRAIN
+        # Nor at the end of its last rollout, in RL by then before any update (an epoch that ends with it).
+        progress = self.progress
+        policy_trained = progress.phase != VALUE_PRETRAIN and self.state.global_step != progress.rl_start_step
+        self._evaluate_pending |= self.control.should_evaluate and policy_trained
         self.control.should_evaluate = False
         self._save_pending |= self.control.should_save
 
