@@ -160,8 +160,9 @@ file (--config FILE.yaml: its keys are the flags below, and flags override it), 
                                                     --multi_gpu, --config_file, --accelerate_config zero1|zero2|zero3|
                                                     fsdp2|multi_gpu|single_gpu) relaunch the run through it
 
-The defaults below are every run's (VAPOConfig's: the paper's where it has one, but for the batch: the paper
-samples 512 prompts x 16). The demo changes these:
+The defaults below are every run's (VAPOConfig's: the paper's where it has one, but for the batch, where the paper
+samples 512 prompts x 16, and value pretraining's early stop: --value_pretrain_patience None runs all its steps, as
+the paper does). The demo changes these:
 {demo}
 """
 
@@ -1119,7 +1120,13 @@ class EvalArguments(VLLMOptions):
             "aliases": ["--max_new_tokens"],
         },
     )
-    batch_size: int = field(default=64, metadata={"help": "Sequences generated at once (the generate() engine)."})
+    batch_size: int = field(
+        default=64,
+        metadata={
+            "help": "Sequences generated at once: the batch of generate() and of the static-cache engine, vLLM's "
+            "max_num_seqs (continuous batching schedules its own)."
+        },
+    )
     use_transformers_continuous_batching: bool = field(
         default=False, metadata={"help": "Sample with transformers' continuous-batching engine, as in training."}
     )

@@ -1,4 +1,5 @@
-"""`VAPOConfig`: every knob of VAPO, with the paper's value as the default."""
+"""`VAPOConfig`: every knob of VAPO, with the paper's value as the default where it has one (the batch and value
+pretraining's early stop aside: `VAPOConfig`'s docstring)."""
 
 from __future__ import annotations
 
@@ -190,8 +191,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
-            "help": "Keyword arguments for `from_pretrained` when `model` (and `value_model`) are given as a name or "
-            'path, e.g. `{"dtype": "bfloat16"}`. Default dtype: float32.'
+            "help": "Keyword arguments for `from_pretrained` when `model`, `value_model` or a reward model is given "
+            'as a name or path, e.g. `{"dtype": "bfloat16"}`. Default dtype: float32 for the policy and the critic; '
+            'a reward model loads in its saved dtype ("auto").'
         },
     )
     trust_remote_code: bool = field(
@@ -274,7 +276,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=False,
         metadata={
             "help": "Generate the rollouts with transformers' continuous-batching engine (paged attention, requests "
-            "join and leave the batch one by one). Requires transformers>=5.8.0."
+            "join and leave the batch one by one)."
         },
     )
     transformers_continuous_batching_config: dict[str, Any] | str | None = field(
@@ -404,7 +406,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=0.1,
         metadata={
             "help": "mu, the weight of the positive-example LM (NLL) loss on correct completions. Paper: 0.1. "
-            "0 leaves it out. Its log-probabilities are the policy loss's, at `temperature` (the paper's is 1.0)."
+            "0 leaves it out. Its log-probabilities are the policy loss's, at `temperature` (the paper evaluates "
+            "at 1.0 and gives no training temperature)."
         },
     )
     beta: float = field(
@@ -436,7 +439,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=0.05,
         metadata={
             "help": "Length-adaptive GAE: each completion of length l gets lambda_actor = 1 - 1/(alpha * l), "
-            "clamped to [0, 1] (0 below 1/alpha tokens). Paper: 0.05. None: every completion uses `lam_actor`."
+            "clamped to [0, 1] (0 up to 1/alpha tokens: 20 at 0.05). Paper: 0.05. None: every completion uses "
+            "`lam_actor`."
         },
     )
     whiten_advantages: bool = field(

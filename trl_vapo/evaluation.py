@@ -272,7 +272,9 @@ class EvaluationMixin:
         completions per prompt (default `num_generations`), sampled by the training engine with training's sampling
         settings and scored by the training rewards, over every prompt of `eval_dataset` (default: the trainer's; a
         string names an entry of a dict of them; a dict is evaluated entry by entry, prefixed `eval_<name>_`), in
-        batches of `per_device_eval_batch_size` completions per process.
+        batches of `per_device_eval_batch_size` completions per process: as many whole groups as fit in a batch over
+        the processes, and at least one (a group larger than the batch is sampled whole, where GRPOConfig refuses a
+        global eval batch that does not divide into groups).
 
         Returns, and logs, each prefixed `<metric_key_prefix>_`: what GRPOTrainer logs when it evaluates (`loss`,
         `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `kl` when
