@@ -859,17 +859,26 @@ def test_importance_sampling_weights_refuse_bad_settings():
 
 
 def test_importance_sampling_weights_enter_the_policy_loss_as_trl_applies_them():
-    """TRL multiplies the per-token clipped surrogate by rho, then takes the masked mean (grpo_trainer.py 3146)."""
+    """TRL multiplies the per-token clipped surrogate by rho, then takes the masked mean (grpo_trainer.py 3146).
+    Through `vapo_loss`, which hands the rollout's `is_weights` to `policy_loss` as the trainer does (this test passed
+    them as the token mask `weights`, which a dropped correction left passing)."""
     lengths, mask, advantages, logprobs, g = random_batch(batch=5, steps=7, seed=23)
     old = logprobs + 0.1 * torch.randn(logprobs.shape, generator=g)
     sampler = old + 0.3 * torch.randn(old.shape, generator=g)
+    batch = {"mask": mask, "old_logprobs": old, "advantages": advantages, "is_positive": torch.zeros(5, dtype=bool)}
+    settings = dict(epsilon_low=0.2, epsilon_high=0.28, loss_type="token", nll_coef=0.0, vf_coef=0.5)
+    normalizers = {"tokens": mask.sum()}
+    uncorrected, _ = vapo_loss(logprobs, None, batch, cliprange_value=None, normalizers=normalizers, **settings)
     for mode in IMPORTANCE_SAMPLING_MODES:
         rho = importance_sampling_weights(old, sampler, mask, mode, 2.0, 0.5)
-        loss, _ = policy_loss(logprobs, old, advantages, mask, 0.2, 0.28, "token", weights=rho)
+        loss, _ = vapo_loss(
+            logprobs, None, {**batch, "is_weights": rho}, cliprange_value=None, normalizers=normalizers, **settings
+        )
         ratio = torch.exp(logprobs - old)
         surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.28))
         expected = ((surrogate * rho.expand_as(mask)) * mask).sum() / mask.sum()
         assert loss.item() == pytest.approx(expected.item(), rel=1e-5), mode
+        assert loss.item() != pytest.approx(uncorrected.item(), rel=1e-3), mode
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -898,7 +907,10 @@ def test_decoupled_gae_is_two_gae_calls_with_the_actor_and_critic_lambdas(alpha)
     torch.testing.assert_close(returns.double(), expected_returns, atol=1e-5, rtol=1e-5)
 
 
-def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll(loss_type):
+    """Each term over the normalizer it is given (the step's counts over every micro-batch and process), not its own
+    micro-batch's: the normalizers differ from this batch's counts, so a term that ignored its one would show."""
     lengths, mask, advantages, logprobs, g = random_batch(batch=6, steps=8, seed=31)
     values = torch.randn(mask.shape, generator=g)
     batch = {
@@ -909,18 +921,15 @@ def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
         "advantages": advantages,
         "is_positive": torch.tensor([True, False, True, False, False, True]),
     }
-    normalizers = {
-        "tokens": mask.sum(),
-        "sequences": (lengths > 0).sum(),
-        "positive_tokens": (mask * batch["is_positive"][:, None]).sum(),
-    }
+    normalizers = {"tokens": 2 * mask.sum(), "sequences": torch.tensor(13.0), "positive_tokens": torch.tensor(29.0)}
     settings = dict(
-        epsilon_low=0.2, epsilon_high=0.28, loss_type="token", nll_coef=0.1, vf_coef=0.5, cliprange_value=0.2
+        epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, nll_coef=0.1, vf_coef=0.5, cliprange_value=0.2
     )
     loss, stats = vapo_loss(logprobs, values, batch, normalizers=normalizers, **settings)
-    v, _ = value_loss(values, batch["old_values"], batch["returns"], mask, 0.2)
-    p, _ = policy_loss(logprobs, batch["old_logprobs"], advantages, mask, 0.2, 0.28, "token")
-    nll = positive_nll_loss(logprobs, mask, batch["is_positive"])
+    v, _ = value_loss(values, batch["old_values"], batch["returns"], mask, 0.2, normalizers["tokens"])
+    policy_normalizer = normalizers["tokens" if loss_type == "token" else "sequences"]
+    p, _ = policy_loss(logprobs, batch["old_logprobs"], advantages, mask, 0.2, 0.28, loss_type, policy_normalizer)
+    nll = positive_nll_loss(logprobs, mask, batch["is_positive"], normalizers["positive_tokens"])
     assert loss.item() == pytest.approx((0.5 * v + p + 0.1 * nll).item(), rel=1e-6)
     assert stats["loss/value"].item() == pytest.approx(v.item()) and stats["loss/nll"].item() == pytest.approx(
         nll.item()
@@ -928,8 +937,9 @@ def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
     # Two-sided clipping: `delta` reaches the PPO term. Ratios of e^2 on the negative advantages, capped at 3.
     drifted = {**batch, "old_logprobs": logprobs - 2.0}
     capped, stats = vapo_loss(logprobs, values, drifted, normalizers=normalizers, delta=3.0, **settings)
-    p_capped, _ = policy_loss(logprobs, drifted["old_logprobs"], advantages, mask, 0.2, 0.28, "token", delta=3.0)
-    p_plain, _ = policy_loss(logprobs, drifted["old_logprobs"], advantages, mask, 0.2, 0.28, "token")
+    drifted_policy = (logprobs, drifted["old_logprobs"], advantages, mask, 0.2, 0.28, loss_type, policy_normalizer)
+    p_capped, _ = policy_loss(*drifted_policy, delta=3.0)
+    p_plain, _ = policy_loss(*drifted_policy)
     assert stats["loss/policy"].item() == pytest.approx(p_capped.item(), rel=1e-6)
     assert p_capped.item() != pytest.approx(p_plain.item(), rel=1e-3)  # the cap bites here
     # Value pretraining: no policy terms at all.
@@ -942,10 +952,11 @@ def test_vapo_loss_is_vf_coef_value_plus_policy_plus_mu_nll():
         logprobs, values, batch, normalizers=normalizers, entropy_coef=0.3, entropy=entropy, **settings
     )
     mean_entropy = (entropy * mask).sum() / mask.sum()
-    assert bonus.item() == pytest.approx((loss - 0.3 * mean_entropy).item(), rel=1e-6)
-    assert stats["loss/entropy_bonus"].item() == pytest.approx(mean_entropy.item())
+    share = mask.sum() / normalizers["tokens"]  # this micro-batch's share of the step's tokens: 0.5 here
+    assert bonus.item() == pytest.approx((loss - 0.3 * share * mean_entropy).item(), rel=1e-6)
+    assert stats["loss/entropy_bonus"].item() == pytest.approx((share * mean_entropy).item())
     bonus.backward()
-    torch.testing.assert_close(entropy.grad, -0.3 * mask / mask.sum())
+    torch.testing.assert_close(entropy.grad, -0.3 * share * mask / mask.sum())
     with pytest.raises(ValueError, match="entropy with its gradient"):
         vapo_loss(
             logprobs, values, batch, normalizers=normalizers, entropy_coef=0.3, entropy=entropy.detach(), **settings

@@ -18,6 +18,7 @@ from trl_vapo.diagnostics import (
     position_correlation,
     position_profile,
     read_logs,
+    write_plots,
 )
 
 
@@ -143,6 +144,23 @@ def test_a_run_logs_position_profiles_and_draws_them(tiny_model_dir, tmp_path, c
     plots.write_text("")  # where the PNGs go, a file: one line, not a traceback
     assert cli_main(["plot", str(out)]) == 2
     assert capsys.readouterr().err.startswith("trl-vapo plot: error: ")
+
+
+def test_the_grey_band_covers_value_pretrainings_steps_and_no_rl_step(tmp_path, monkeypatch):
+    """Logged every 10 steps, value pretraining that ended at step 13 (its last readings logged there): the band ran
+    from the first log (step 10, not 1) to the first RL log (step 20), shading RL's steps 14-19. matplotlib's
+    `axvspan` is watched (the band is in the PNG's pixels)."""
+    from matplotlib.axes import Axes
+
+    spans, axvspan = [], Axes.axvspan
+    monkeypatch.setattr(Axes, "axvspan", lambda self, *a, **k: spans.append(a[:2]) or axvspan(self, *a, **k))
+    logs = [{"step": 10, "phase": "value_pretrain"}, {"step": 13, "phase": "value_pretrain"}]
+    logs += [{"step": 20, "phase": "rl", "reward": 0.5}]
+    write_plots(tmp_path, logs)
+    assert spans and set(spans) == {(0.5, 13.5)}
+    spans.clear()
+    write_plots(tmp_path, [{"step": 10, "phase": "rl", "reward": 0.5}])  # no value pretraining: no band
+    assert spans == []
 
 
 def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):

@@ -154,7 +154,9 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
         raise ValueError(f"No training logs in {output_dir} yet.")
     folder = Path(output_dir) / PLOTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    rl_start = next((h["step"] for h in logs if h["phase"] == "rl"), None)
+    # Value pretraining's steps: from the first to its last log, which it writes at the step it ends (not the first
+    # RL log's: with logging_steps=10, RL's first steps were drawn as value pretraining).
+    pretrained_to = max((h["step"] for h in logs if h["phase"] == "value_pretrain"), default=None)
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 7.5), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, CURVES):
@@ -164,8 +166,8 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
             ]
             if points:
                 ax.plot(*zip(*points), marker=".", label=key)
-        if rl_start is not None and logs[0]["phase"] != "rl":
-            ax.axvspan(logs[0]["step"] - 0.5, rl_start - 0.5, color="0.9", zorder=0)
+        if pretrained_to is not None:
+            ax.axvspan(0.5, pretrained_to + 0.5, color="0.9", zorder=0)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # a panel with no data yet has nothing to name
@@ -176,7 +178,7 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
-    snapshots = _profile_snapshots(logs, rl_start)
+    snapshots = _profile_snapshots(logs)
     for ax, name in zip(axes, PROFILED):
         for i, (label, entry) in enumerate(snapshots):  # one colour per snapshot in every panel
             points = _profile(entry, name)
@@ -243,7 +245,7 @@ def _profile(entry: dict[str, Any], name: str) -> list[tuple[float, float]]:
     return sorted(points)
 
 
-def _profile_snapshots(logs: list[dict[str, Any]], rl_start: int | None) -> list[tuple[str, dict]]:
+def _profile_snapshots(logs: list[dict[str, Any]]) -> list[tuple[str, dict]]:
     """A few logged entries to draw the profiles of: end of value pretraining, first and last RL logs."""
     with_profile = [h for h in logs if any(k.startswith("by_position/") for k in h)]
     pretraining = [h for h in with_profile if h["phase"] == "value_pretrain"]
