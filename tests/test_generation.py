@@ -203,6 +203,26 @@ def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny, pad_s
     one = SamplingSettings(max_new_tokens=1, generation_kwargs={"stop_strings": characters})
     out = engine.generate(token_ids(tokenizer, TEXT_PROMPTS) * 3, sampling=one)
     assert out.lengths.tolist() == [1] * len(out.lengths) and not out.is_truncated.any()
+    # The same strings in the model's own generation_config: generate() stopped on them (it fills what the engine's
+    # config leaves unset), but the completions' ends ignored them: a pad after the string trained as a token (pad a
+    # stop token) or every pad did (not). They end as with the strings named; the static cache, which would not stop
+    # on them, names them (and generate() samples instead).
+    from trl_vapo.static_cache import StaticCacheEngine
+
+    torch.manual_seed(2)
+    named = engine.generate(token_ids(tokenizer, TEXT_PROMPTS) * 3, sampling=sampling)
+    model.generation_config.stop_strings = ["e", "a"]
+    try:
+        torch.manual_seed(2)
+        inherited = engine.generate(
+            token_ids(tokenizer, TEXT_PROMPTS) * 3, sampling=SamplingSettings(max_new_tokens=16)
+        )
+        assert "stop_strings=['e', 'a']" in StaticCacheEngine.unsupported_settings(SamplingSettings(), model)
+    finally:
+        model.generation_config.stop_strings = None
+    assert inherited.lengths.tolist() == named.lengths.tolist() and torch.equal(
+        inherited.is_truncated, named.is_truncated
+    )
 
 
 def test_a_stop_string_may_end_inside_the_last_token():

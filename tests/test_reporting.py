@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -278,6 +279,25 @@ def test_table_logged_to_trackio_offline(tmp_path):
     assert rows[0]["digit_fraction"] == 1.0 and rows[0]["advantage"] == 0.25 and rows[0]["value_last"] == 0.75
     assert rows[1]["completion"] == "four" and rows[1]["digit_fraction"] in ("NaN", None)  # no score: not a number
     assert (tmp_path / "trackio" / "vapo-test.db").is_file()
+
+
+def test_the_table_reaches_wandbs_interface(monkeypatch):
+    """wandb is not in the locked set, so the offline run below skips here: a stand-in module with the parts of
+    wandb's interface the table and the card use (`run`, `Table(dataframe=...)`, `log`) runs trl-vapo's wandb code."""
+    logged = []
+    stand_in = types.ModuleType("wandb")
+    stand_in.run, stand_in.log = None, logged.append
+    stand_in.Table = lambda dataframe: ("table", dataframe)
+    monkeypatch.setitem(sys.modules, "wandb", stand_in)
+    assert log_completions_to_trackers(sample_table(), ["wandb"]) == [] and not logged  # no run yet
+    stand_in.run = types.SimpleNamespace(offline=True, url="https://wandb.ai/me/vapo/runs/1")
+    assert log_completions_to_trackers(sample_table(), ["tensorboard", "wandb"]) == ["wandb"]
+    [entry] = logged
+    kind, frame = entry["completions"]
+    assert kind == "table" and frame.equals(sample_table().to_dataframe())
+    assert tracker_urls()["wandb"] is None  # an offline run has no page for the model card to link
+    stand_in.run.offline = False
+    assert tracker_urls()["wandb"] == "https://wandb.ai/me/vapo/runs/1"
 
 
 def test_table_logged_to_wandb_offline(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -268,7 +269,7 @@ def test_answer_column_precedence_and_configuration(reward):
         binary(completions=[r"\boxed{1}"], answer=["1"])
     with pytest.raises(ValueError, match="2 completions but 1 gold"):
         reward(completions=["a", "b"], answer=["1"])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="timeout must be > 0, got 0"):
         make_math_reward(timeout=0)
 
 
@@ -296,7 +297,7 @@ def test_get_reward_function_by_name_and_import_path():
     assert get_reward_function("trl_vapo.rewards.think_boxed_format_reward") is think_boxed_format_reward
     assert get_reward_function("trl_vapo.rewards:math_reward") is math_reward
     for bad in ("no_such_reward", "trl_vapo.rewards.no_such_reward", "no_such_module.reward"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=rf"^(unknown|cannot load) reward function '{re.escape(bad)}'"):
             get_reward_function(bad)
 
 

@@ -1498,9 +1498,19 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
     )
     critic = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if ".critic." in n}
     assert bool(critic) == (layout in adapters)  # the shared-base critic's adapter
+    # Without PEFT the reference is a model of its own: the initial policy's weights, kept (a reference that
+    # followed the policy would still read a first KL of 0).
+    initial = {n: p.detach().clone() for n, p in trainer.actor_critic.policy.named_parameters()}
+    ref_model = {} if trainer.ref_model is None else dict(trainer.ref_model.named_parameters())
+    assert all(torch.equal(p.to(initial[n].dtype), initial[n]) for n, p in ref_model.items()) and (
+        bool(ref_model) == (layout not in adapters)
+    )
     trainer.train()
     for name, param in trainer.actor_critic.named_parameters():  # the copy never trains
         assert name not in reference or (torch.equal(param, reference[name]) and not param.requires_grad), name
+    for name, param in ref_model.items():  # nor the reference model
+        assert torch.equal(param.to(initial[name].dtype), initial[name]) and not param.requires_grad, name
+    assert any(not torch.equal(p, initial[n]) for n, p in trainer.actor_critic.policy.named_parameters())
     # The reference pass (the base with adapters off, or the copy) leaves the critic's adapter trainable: it trained.
     for name, param in trainer.actor_critic.named_parameters():
         assert name not in critic or (param.requires_grad and not torch.equal(param, critic[name])), name

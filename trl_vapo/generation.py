@@ -293,7 +293,7 @@ def model_generation_settings(sampling: SamplingSettings, model) -> list[str]:
     `sampling` alone (the static cache, continuous batching) would leave out."""
     config = sampling.generation_config((), 0)
     defaults = getattr(model, "generation_config", None)  # (a PeftModel's is its base model's)
-    settings = {**({} if sampling.greedy else WARPER_SETTINGS), **PROCESSOR_SETTINGS}
+    settings = {**({} if sampling.greedy else WARPER_SETTINGS), **PROCESSOR_SETTINGS, "stop_strings": bool}
     inherited = {name: getattr(defaults, name, None) for name in settings if getattr(config, name, None) is None}
     return [f"{name}={value!r}" for name, value in inherited.items() if settings[name](value)]
 
@@ -448,6 +448,9 @@ class TransformersGenerate(GenerationEngine):
         config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
         config.return_dict_in_generate = config.output_scores = self.logprobs
         with self.model_provider() as model, _inference(model):
+            # The model's own generation_config may name stop strings: generate() applies them (it fills what
+            # `config` leaves unset), so the completions' ends below read them too.
+            config.stop_strings = _with_model_defaults(config, model)("stop_strings")
             device = next(model.parameters()).device
             ids, logprobs = in_batches(
                 prompt_ids,
