@@ -579,6 +579,17 @@ def test_logging_strategy_no_logs_nothing_at_the_end_of_value_pretraining(tiny_m
     assert len(trainer.state.log_history) == 1 and "train_runtime" in trainer.state.log_history[0]  # the summary
 
 
+def test_the_steps_after_the_last_log_are_logged_at_the_runs_end(tiny_model_dir, tmp_path):
+    """Logged every 2 steps, a run of 3: step 3's readings went into the summary row, which has no phase, so the
+    curves, the model card and the command's summary (which read the phased logs) left them out."""
+    args = make_args(tmp_path, max_steps=3, logging_steps=2, max_completion_length=2)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.train()
+    assert [(h["step"], h["phase"]) for h in trainer.state.log_history if "phase" in h] == [(2, "rl"), (3, "rl")]
+    summary = trainer.state.log_history[-1]
+    assert "train_runtime" in summary and "reward" not in summary and "reward" in trainer.state.log_history[-2]
+
+
 def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freezes_policy(tiny_model_dir, tmp_path):
     args = make_args(
         tmp_path,

@@ -185,7 +185,15 @@ def test_a_value_function_of_the_wrong_shape_is_named(tiny_model_dir, tmp_path):
 def test_models_are_critics_not_value_functions(tiny_model_dir, tmp_path):
     """A PEFT model or a causal LM is callable too: it must be refused as a critic, never called as a value
     function."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_vapo.modeling import is_value_function
+
     causal_lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2))
+    for model in (causal_lm, peft_model):
+        assert not is_value_function(model)
+        model.register_forward_pre_hook(lambda *args: pytest.fail("a model was called as a value function"))
     with pytest.raises(ValueError, match="num_labels"):
         VAPOTrainer(
             model=str(tiny_model_dir),

@@ -389,7 +389,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "'luspo': sum per sequence, then average over sequences (GRPOConfig's LUSPO). GRPOConfig's names are "
             "accepted: 'dapo' (the same as 'token'), 'bnpo' and 'dr_grpo' (token-level with another normaliser: here "
             "'token') and 'grpo' ('sequence'); 'cispo' and 'vespo' set `surrogate` and 'token', 'sapo' sets "
-            "`surrogate` and 'sequence', as GRPOTrainer averages those losses."
+            "`surrogate` and 'sequence', as GRPOTrainer averages those losses. The per-sequence averages count the "
+            "step's sequences that have a token in the loss (GRPOTrainer counts every row, those "
+            "mask_truncated_completions or an unscored reward leave empty too), and 'token' the step's own tokens "
+            "(GRPOTrainer's 'dapo' divides by the rollout's mean tokens per step)."
         },
     )
     surrogate: str = field(

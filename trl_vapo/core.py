@@ -857,7 +857,8 @@ def vapo_loss(
         H = sum_b (n_b / N) * mean_{t in A_b} H_t         n_b: the micro-batch's tokens, N: the step's (``tokens``)
 
     the step's token-weighted mean of each micro-batch's mean over the tokens A_b the bonus acts on: every token
-    (then H is the step's token mean), or the ``entropy_mask``'s, as GRPOTrainer averages its bonus.
+    (then H is the step's token mean), or the ``entropy_mask``'s. (GRPOTrainer weighs each micro-batch's mean alike:
+    its mean divided by the accumulation steps.)
 
     GRPOConfig's token masks (``[B, T]`` 0/1, no gradient; None: every token) multiply the PPO term's per-token loss,
     as GRPOTrainer multiplies them in: a masked token's loss is 0, and it still counts in the mean's denominator.

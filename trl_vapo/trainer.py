@@ -705,6 +705,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
         metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
+        if any(self._metrics.values()) and args.logging_strategy != IntervalStrategy.NO:
+            # The steps after the last log, logged at the step they end with (GRPOTrainer averages them into the
+            # summary row, which has no phase: the curves, the model card and the summary's last logs left them out).
+            self._log_metrics(self.progress.phase)
         self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
