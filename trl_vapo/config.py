@@ -702,7 +702,11 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=0.6, metadata={"help": "With sync_ref_model: the policy's share of each sync (TR-DPO: 0.6)."}
     )
     ref_model_sync_steps: int = field(
-        default=512, metadata={"help": "With sync_ref_model: optimizer steps between syncs (TR-DPO: 512)."}
+        default=512,
+        metadata={
+            "help": "With sync_ref_model: optimizer steps between syncs (TR-DPO: 512), counted as global_step counts "
+            "them: value pretraining's and the critic-only passes' steps too, not the policy's updates alone."
+        },
     )
     router_aux_loss_coef: float | None = field(
         default=None,
