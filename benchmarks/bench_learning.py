@@ -90,10 +90,11 @@ recipe, then the lower learning rate). The choices are written to ``<out>/chosen
 reporting run; the ablations use VAPO's choice untuned, as the paper's ablations do, and so do the oracle,
 critic-free and paper arms (an arm with a frozen value function drops the choice's critic settings); the two other
 GRPO arms are tuned as GRPO is, each with its own six runs. (So the primary comparison's comparator, the best of the
-three tuned GRPO arms, had 18 tuning runs per task behind it against VAPO's six: a choice among batch shapes that
-favours GRPO, as the README says; written after protocol 2's reporting runs.) The tuning budget is per arm:
-an arm added to the comparison gets the same six runs per task and tuning seed before any reporting run, and a
-variant singled out on reporting seeds is not a result on them: it goes through tuning and fresh reporting seeds.
+three tuned GRPO arms, had 18 tuning runs per task behind it against VAPO's six: GRPO also chose its batch shape, as
+the README says; its effect on the comparison was not measured; written after protocol 2's reporting runs.) The tuning
+budget is per arm: an arm added to the comparison gets the same six runs per task and tuning seed before any reporting
+run, and a variant singled out on reporting seeds is not a result on them: it goes through tuning and fresh reporting
+seeds.
 
 Reporting: every method on every task with each reporting seed, scored on the reporting set; mean and sample
 standard deviation over seeds. Evaluation at the start, every ``eval_every`` rollouts and at the end: avg@k at
