@@ -69,6 +69,9 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
         str(model_dir), digit_fraction, args, prompts_dataset(16), value_model=str(tmp_path / "out" / "critic")
     )
     assert type(reloaded.actor_critic.critic).__name__ == type(critic).__name__
+    # The run's folder itself: its root is the trained policy, which loaded as a critic with a new head.
+    with pytest.raises(ValueError, match=r"is a trl-vapo run's output \(or checkpoint\) folder, whose root holds the"):
+        VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16), value_model=str(tmp_path / "out"))
     trained = trainer.actor_critic.critic.state_dict()
     for name, value in reloaded.actor_critic.critic.state_dict().items():
         assert torch.equal(value, trained[name]), name

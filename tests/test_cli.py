@@ -17,7 +17,15 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from trl_vapo.checkpoint import list_checkpoints
-from trl_vapo.cli import UsageError, _parse_args_and_config, _parser, _split_launch_args, main
+from trl_vapo.cli import (
+    RUN_DATA_FILE,
+    UsageError,
+    _parse_args_and_config,
+    _parser,
+    _run_settings,
+    _split_launch_args,
+    main,
+)
 from trl_vapo.config import _cuda_supports_bf16
 
 TRL_VAPO = str(Path(sys.executable).parent / "trl-vapo")
@@ -128,6 +136,55 @@ def test_a_yaml_list_key_given_one_value_without_brackets_is_a_list_of_it(tmp_pa
     assert model.lora_target_modules == "all-linear"  # a string peft reads as such: left alone
 
 
+def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch):
+    """What YAML 1.1 reads otherwise than it reads: `1e-1` without a dot is text (a list's item reached
+    `math.isfinite` unconverted: a TypeError's traceback), an unquoted `no` is false (transformers then refused False
+    "is not a valid SaveStrategy ... 'no'"), a module named without brackets its letters (peft matched `l`, `m`, ...
+    against the module names); and `~`, which no shell expands in a file (it reached `from_pretrained` as a Hub id)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "reward_weights: [1e-1, 1]\nsave_strategy: no\neval_strategy: no\nlora_modules_to_save: lm_head\n"
+        "model_name_or_path: ~/models/qwen\nvalue_model_name_or_path: ~/critic\noutput_dir: ~/out\n"
+        "resume_from_checkpoint: ~/out/checkpoint-3\n"
+    )
+    script, training, model, *_ = _parse_args_and_config(_parser(), ["--config", str(config)])
+    assert training.reward_weights == [0.1, 1]
+    assert training.save_strategy == training.eval_strategy == "no"
+    assert model.lora_modules_to_save == ["lm_head"]
+    assert model.model_name_or_path == str(tmp_path / "models" / "qwen")
+    assert script.value_model_name_or_path == str(tmp_path / "critic")
+    assert training.resume_from_checkpoint == str(tmp_path / "out" / "checkpoint-3")
+    config.write_text("reward_weights: [1e-1, one]\n")
+    with pytest.raises(UsageError, match=r"^reward_weights must be a list of numbers, got \['1e-1', 'one'\]$"):
+        _parse_args_and_config(_parser(), ["--config", str(config)])
+    config.write_text("eval_k: null\n")  # train's own held-out report: a TypeError where it compared None with 1
+    with pytest.raises(UsageError, match=r"^eval_k must be a whole number, got None\.$"):
+        _parse_args_and_config(_parser(), ["--config", str(config)])
+    (tmp_path / "run").mkdir()  # eval's `--model ~/run` reads the run's settings there
+    (tmp_path / "run" / RUN_DATA_FILE).write_text(json.dumps({"dataset_name": "problems.jsonl"}))
+    assert _run_settings(["--model", "~/run"])[0]["dataset_name"] == "problems.jsonl"
+
+
+def test_a_configs_env_block_is_set_before_the_hub_library_reads_its_environment(tmp_path):
+    """huggingface_hub reads HF_HUB_OFFLINE (HF_HOME, HF_TOKEN, ...) once, when imported: TrlParser set the YAML's
+    `env:` block as it parsed, after the parser's imports, so a one-process run went to the Hub it was told not to
+    (here an unreachable one: "the Hub cannot be reached") where a launched one, whose processes start with the
+    variables, ran offline. A real `trl-vapo train` process: what it imports first is what is tested."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\nreport_to: none\noutput_dir: out\nenv:\n  HF_HUB_OFFLINE: 1\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "trl_vapo.cli", "train", "--config", str(config)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "and HF_HUB_OFFLINE is set: download it where the Hub is reachable" in run.stderr, run.stderr[-2000:]
+
+
 def test_the_overlong_punishment_by_name_warns_where_it_cannot_penalise(caplog):
     """By name it is `trl grpo`'s, penalising beyond 1,024 tokens and giving -1 from 1,280: at 512 it gives 0 to
     everything; at 4,096 every completion past 1,280 tokens gets -1, right or wrong. Both are warned, 1,280 is not."""
@@ -187,6 +244,19 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     (tmp_path / "two.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
     with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
         cli.train_command([*common[1:], "--config_file", str(tmp_path / "two.yaml")])
+    # accelerate's default config (`accelerate config` writes it), which `accelerate launch` reads where no file is
+    # named and `trl grpo` always launches with: without launcher arguments, the run trained in one process.
+    import accelerate.commands.config
+
+    default = tmp_path / "default_config.yaml"
+    monkeypatch.setattr(accelerate.commands.config, "default_config_file", str(default))
+    default.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")
+    assert main(common) == 0 and launched[-1] == ["--config_file", str(default)]
+    for one_process in ("distributed_type: 'NO'\nnum_processes: 8\n", "distributed_type: NO\n"):  # (a YAML false)
+        default.write_text(one_process)
+        with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 1 process\(es\)"):
+            cli.train_command(common[1:])  # not launched, and checked for this one process
+    assert len(launched) == 4
     from transformers import TrainingArguments
 
     from trl_vapo import VAPOConfig
@@ -367,7 +437,7 @@ def test_eval_of_a_model_on_the_hub_reads_the_runs_settings_from_its_repository(
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError
 
-    from trl_vapo.cli import RUN_CONFIG_FILE, RUN_DATA_FILE, _run_settings
+    from trl_vapo.cli import RUN_CONFIG_FILE
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -1142,6 +1212,9 @@ def test_a_data_sets_flag_without_a_data_set_is_refused_not_ignored_by_the_demo(
         ),
         (["--model", "{model}", "--reward_model_name_or_path", "./nope"], "--reward_model_name_or_path ./nope: no"),
         (["--model", "{model}", "--config", "nope.yaml"], "nope.yaml: no such file (--config takes a YAML file's"),
+        # A YAML value argparse passes on unconverted: a TypeError's traceback (k: null) or once the model had loaded.
+        (["--model", "{model}", "--config", "{tmp}/k.yaml"], "k must be a whole number, got None."),
+        (["--model", "{model}", "--config", "{tmp}/weights.yaml"], "reward_weights must be a list of numbers, got"),
         (["--model", "{model}", "--output_json", "{tmp}"], "--output_json {tmp} is a folder: name a file"),
         (
             ["--model", "{model}", "--use_vllm", "true", "--vllm_mode", "server", "--temperature", "0", "--k", "4"],
@@ -1161,6 +1234,8 @@ def test_eval_bad_input_is_one_line_before_any_model_loads(
     refuse_model_loads(monkeypatch)
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("")
+    (tmp_path / "k.yaml").write_text("k: null\n")
+    (tmp_path / "weights.yaml").write_text("reward_weights: [one]\n")
     fill = dict(tmp=tmp_path, model=tiny_model_dir)
     assert main(["eval", *(a.format(**fill) for a in args)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

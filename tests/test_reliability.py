@@ -619,6 +619,10 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     ):
         with_critic(tmp_path / "foreign")
     (tmp_path / "foreign" / "model.safetensors").write_bytes(weights)
+    # The same reward model loaded by the user and given as a model: read from the folder it was loaded from.
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "foreign")
+    with pytest.raises(ValueError, match=r"foreign's tokenizer numbers \d+ of the policy's \d+ tokens otherwise"):
+        with_critic(loaded)
     # Its own tokenizer (the policy's family) is taken; a token the policy's tokenizer added and the critic's lacks
     # is warned (the critic never learned it).
     build_char_tokenizer().save_pretrained(tmp_path / "foreign")

@@ -370,6 +370,13 @@ def test_a_policy_that_device_map_spread_or_offloaded_is_refused_by_name(tiny_mo
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, **offloaded)
     with pytest.raises(ValueError, match=refused):
         VAPOTrainer(loaded, digit_fraction, make_args(tmp_path), prompts_dataset())
+    # A critic given so (a reward model as loaded): it trained as spread, or failed on its meta tensors.
+    placement = {**placement, "score": placement.pop("lm_head")}
+    critic = AutoModelForSequenceClassification.from_pretrained(
+        tiny_model_dir, num_labels=1, device_map=placement, offload_folder=str(tmp_path / "offload-critic")
+    )
+    with pytest.raises(ValueError, match="The value_model was loaded with a " + refused):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), value_model=critic)
     # One device, named layer by layer: it trains.
     placed = {name: "cpu" for name in placement}
     args = make_args(tmp_path, max_steps=1, model_init_kwargs={"device_map": placed})
@@ -418,6 +425,8 @@ def test_the_policys_tokenizer_is_looked_up_where_the_policy_was(tiny_model_dir,
     shutil.copytree(tiny_model_dir, tmp_path / "repo" / "sub")
     args = make_args(tmp_path, max_steps=1, model_init_kwargs={"subfolder": "sub"})
     VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset()).train()
+    # The subfolder is the policy's: a critic from elsewhere is not looked up in `<value_model>/sub` (an OSError).
+    VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset(), value_model=str(tiny_model_dir))
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(
         tmp_path / "adapter"

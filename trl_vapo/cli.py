@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import __version__
+from .field_checks import check_number_fields, number_list
 from .metric_names import ACCURACY, REWARD
 from .signals import STOP_SIGNALS
 from .vllm_fields import VLLMOptions
@@ -149,6 +150,9 @@ class VAPOScriptArguments:
         metadata={"help": "TRL's ScriptArguments field, accepted so that a `trl grpo` config runs; unused, as there."},
     )
 
+    def __post_init__(self):
+        check_number_fields(self)  # a YAML `eval_k: null`: one line, not a TypeError where the report compares it
+
 
 TRAIN_DESCRIPTION = """\
 Train a model with VAPO (arXiv 2504.05118): PPO with a value model, as `trl grpo` trains with GRPO, from flags, a YAML
@@ -226,10 +230,34 @@ def _or_none(number_type):
     return parse
 
 
-LIST_FIELDS = ("reward_funcs", "positive_reward_funcs", "reward_weights")
+LIST_FIELDS = ("reward_funcs", "positive_reward_funcs", "reward_weights", "lora_modules_to_save")
 """List flags a YAML file may give one value of without brackets (argparse leaves a default as it is, and the
-string's characters would be taken as the names). Not TRL's list fields that take a string too (`lora_target_modules:
-all-linear`)."""
+string's characters would be taken as the names: peft matched `lora_modules_to_save: lm_head`'s letters against the
+module names). Not TRL's list fields that take a string too (`lora_target_modules: all-linear`)."""
+
+PATH_FIELDS = (
+    "model_name_or_path",
+    "model",
+    "dataset_name",
+    "reward_model_name_or_path",
+    "value_model_name_or_path",
+    "resume_from_checkpoint",
+    "output_json",
+)
+"""Fields naming a file or folder, `~` expanded as the shell expands a flag's (a YAML file's `~/models/qwen` reached
+`from_pretrained` as written: taken for a Hub id). transformers expands `output_dir` itself."""
+
+
+def _apply_config_env(argv: list[str]) -> None:
+    """The `--config` file's `env:` block set in this process's environment before anything imports the Hugging
+    Face libraries, which read theirs once, on import (`HF_HUB_OFFLINE`, `HF_HOME`, `HF_TOKEN`): TrlParser sets the
+    block as it parses, after the parser's own imports, so a one-process run ignored them (a launched one, whose
+    processes start with them, did not). Not a mapping: TrlParser's error, when it parses."""
+    config = _given(argv)[1]
+    env = config.get("env") if isinstance(config, dict) else None
+    if isinstance(env, dict):
+        for key, value in env.items():
+            os.environ[str(key)] = str(value)
 
 
 def _config_flag_apart(argv: list[str]) -> list[str]:
@@ -261,6 +289,10 @@ def _parse_args_and_config(parser, argv: list[str]):
             value = getattr(parsed, name, None)
             if value is not None and not isinstance(value, list):
                 setattr(parsed, name, [value])
+        for name in PATH_FIELDS:
+            value = getattr(parsed, name, None)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(parsed, name, os.path.expanduser(value))
     return (*parsed_args, config_remaining, cli_remaining)
 
 
@@ -459,8 +491,8 @@ def _checked_as_launched(argv: list[str]):
 def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.Any] | None) -> int:
     """How many processes `accelerate launch` will start, as it decides: `--num_processes` (a flag or the config's
     key), else the accelerate config file's `num_processes` (`--accelerate_config zero2`: TRL's files say 8;
-    `--config_file`), else with `--multi_gpu` alone accelerate's default config's, else every visible GPU. 1 where it
-    cannot be read: the launcher says what is wrong."""
+    `--config_file`; else accelerate's default config, `_default_launch_config`), else with `--multi_gpu` every visible
+    GPU. 1 where it cannot be read: the launcher says what is wrong."""
     import yaml
 
     given = {**(config or {}), **flags}
@@ -475,22 +507,44 @@ def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.An
             launch_file = resolve_accelerate_config_argument(["--accelerate_config", named])[1]
         elif given.get("config_file") not in (None, True):
             launch_file = given["config_file"]
+        elif str(given.get("cpu", False)).lower() not in ("true", "") and _default_launch_file().is_file():
+            launch_file = _default_launch_file()  # accelerate reads it where no file is named (not with --cpu)
         elif str(given.get("multi_gpu", False)).lower() in ("true", ""):
-            from accelerate.commands.config import default_config_file
+            import torch
 
-            if not Path(default_config_file).is_file():
-                import torch
-
-                return torch.cuda.device_count()
-            launch_file = default_config_file
+            return torch.cuda.device_count()
         if launch_file is None:
             return 1
         launched = yaml.safe_load(Path(launch_file).read_text()) or {}
-        if str(launched.get("distributed_type", "")).upper() == "NO":  # one process, whatever else it says
+        if str(launched.get("distributed_type", "")).upper() in ("NO", "FALSE"):  # one process, whatever else it says
             return 1  # (TRL's single_gpu.yaml: `num_processes: 8`, and accelerate's simple launcher starts one)
         return int(launched.get("num_processes") or 1)
     except (OSError, TypeError, ValueError, AttributeError, ImportError, yaml.YAMLError):
         return 1
+
+
+def _default_launch_file() -> Path:
+    """Where `accelerate config` writes accelerate's default config (`$HF_HOME/accelerate/default_config.yaml`)."""
+    from accelerate.commands import config as accelerate_config
+
+    return Path(accelerate_config.default_config_file)
+
+
+def _default_launch_config() -> str | None:
+    """accelerate's default config file (`_default_launch_file`) where it exists and says something else than one
+    process (`distributed_type: NO`): `accelerate launch` reads it when no other file is named, and `trl grpo` always
+    launches through it, so `trl-vapo train` given no launcher argument launches with it too (a machine configured
+    for 8 GPUs trained in one process, without a word). None otherwise, or where it cannot be read."""
+    import yaml
+
+    path = _default_launch_file()
+    try:
+        settings = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(settings, dict) or str(settings.get("distributed_type", "NO")).upper() in ("NO", "FALSE"):
+        return None
+    return str(path)
 
 
 def _check_held_out_report(script_args, demo: bool) -> None:
@@ -571,6 +625,8 @@ def train_command(argv: list[str]) -> int:
             parser, argv
         )
     launch_args = _split_launch_args(config_remaining + cli_remaining, config_remaining, parser)
+    if not launch_args and (default := _default_launch_config()) is not None:
+        launch_args = ["--config_file", default]
     # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
     mixed = mixture is not None and bool(mixture.datasets)
     _check_held_out_report(script_args, demo)
@@ -1161,6 +1217,10 @@ class EvalArguments(VLLMOptions):
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow the model's own Python code."})
     output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})
 
+    def __post_init__(self):
+        check_number_fields(self)  # a YAML `k: null` or `num_prompts: 8.0`: one line, before any model loads
+        self.reward_weights = number_list(self.reward_weights, "reward_weights")  # a YAML list's `1e-1` is text
+
 
 TRAIN_ONLY = {
     "dataset_train_split",
@@ -1218,8 +1278,8 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     model = flags.get("model") or flags.get("model_name_or_path") or config.get("model")  # (a config's
     if not isinstance(model, str):  # model_name_or_path is the base it trained from)
         return {}, []
-    if Path(model).is_dir():
-        folder = Path(model)
+    if Path(model).expanduser().is_dir():
+        folder = Path(model).expanduser()
         places = [folder, folder.parent] if folder.name.startswith("checkpoint-") else [folder]
         found = {name: next((place / name for place in places if (place / name).is_file()), None)
                  for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}  # fmt: skip
@@ -1526,6 +1586,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)
         return 2
     try:
+        _apply_config_env(argv[1:])
         return commands[argv[0]](argv[1:])
     except UsageError as error:
         print(f"trl-vapo {argv[0]}: error: {error}", file=sys.stderr)

@@ -3,7 +3,6 @@ pretraining's early stop aside: `VAPOConfig`'s docstring)."""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import math
@@ -16,36 +15,12 @@ from transformers import TrainingArguments
 
 from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config, uses_deepspeed
+from .field_checks import check_number_fields, number_list
 from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
 from .pretrained import with_dtype_named
 from .vllm_fields import VLLMOptions
 
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
-# The number fields by their annotation (a string here, a type in transformers' TrainingArguments): the number they
-# hold (an int is a float's number too), and whether None is one of their values.
-_NUMBER_FIELDS = {
-    "int": (int, False),
-    "int | None": (int, True),
-    "float": ((int, float), False),
-    "float | None": ((int, float), True),
-}
-
-
-@functools.cache
-def _number_fields(cls: type) -> dict[str, tuple[type | tuple[type, ...], bool]]:
-    """`cls`'s number fields: `{name: (number, optional)}`, from the classes' annotations (not the fields' `type`,
-    which transformers' HfArgumentParser rewrites in place: `float | None` becomes `float`)."""
-    numbers = {}
-    for klass in reversed(cls.__mro__):
-        for name, annotation in vars(klass).get("__annotations__", {}).items():
-            text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-            numbers.pop(name, None)  # a subclass's annotation replaces its base's
-            if text in _NUMBER_FIELDS:
-                numbers[name] = _NUMBER_FIELDS[text]
-    declared = {spec.name for spec in fields(cls)}
-    return {name: kind for name, kind in numbers.items() if name in declared}
-
-
 # transformers' optimizers (`optim`) that cannot step as VAPOTrainer steps: a part of the name, and why.
 _OWN_GROUPS = "it builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks"
 _OPTIMIZERS_REFUSED = (
@@ -748,6 +723,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     log_completions_hub_repo: str | None = grpo_only_field("log_completions_hub_repo")
 
     def __post_init__(self):
+        for name in ("eval_strategy", "save_strategy", "logging_strategy"):
+            if getattr(self, name) is False:  # YAML 1.1 reads `save_strategy: no` (unquoted) as false
+                setattr(self, name, "no")
         self._check_number_fields()
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_gpu():
             # `torchrun` on a machine without GPUs: transformers only sets up CPU data parallelism (gloo) when told
@@ -810,8 +788,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         # One value where a list is expected (a YAML scalar): a name's characters were names, a number not iterable.
         if isinstance(self.positive_reward_funcs, str):
             self.positive_reward_funcs = [self.positive_reward_funcs]
-        if isinstance(self.reward_weights, (int, float)):
-            self.reward_weights = [self.reward_weights]
+        self.reward_weights = number_list(self.reward_weights, "reward_weights")
         self.model_init_kwargs = with_dtype_named(self.model_init_kwargs)
         super().__post_init__()
         self._accept_grpo_spellings()
@@ -834,21 +811,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         return {name: _credentials_hidden(value) for name, value in super().to_dict().items()}
 
     def _check_number_fields(self) -> None:
-        """A clear error for a number field holding what is not its number: a YAML `null` or `8.0`, which the command
-        line passes on unconverted (argparse converts only strings), or a string through the Python API. They failed
-        later in a comparison (`None >= 1`: a TypeError's traceback) or where a whole number indexes. Both checked
-        before transformers' own setup reads them. A bool is not a number here, though Python counts it one."""
-        for name, (number, optional) in _number_fields(type(self)).items():
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, number):
-                what = "a whole number" if number is int else "a number"
-                raise ValueError(
-                    f"{name} must be {what}{' or None' if optional else ''}, got {value!r}"
-                    + ("" if value is None else f" (a {type(value).__name__})")
-                    + "."
-                )
+        """A clear error for a number field holding what is not its number (a YAML `null` or `8.0`, a string through
+        the Python API: `check_number_fields`) and for a schedule VAPO does not run, both before transformers' own
+        setup reads them."""
+        check_number_fields(self)
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if schedule not in _LR_SCHEDULES:  # before transformers', which lists schedules VAPO then refuses
             raise ValueError(f"lr_scheduler_type must be one of {', '.join(_LR_SCHEDULES)}; got {schedule!r}.")

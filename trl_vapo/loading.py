@@ -31,6 +31,7 @@ from transformers.utils import find_adapter_config_file, is_liger_kernel_availab
 from ._compat import get_config_model_id
 from .modeling import (
     CRITIC_ADAPTER,
+    CRITIC_SUBFOLDER,
     POLICY_ADAPTER,
     VALUE_HEAD_FILE,
     ActorCritic,
@@ -190,16 +191,17 @@ def load_policy(model, args, model_init_kwargs: dict | None = None) -> tuple[nn.
     return policy, model_id
 
 
-def check_on_one_device(policy: nn.Module) -> None:
-    """A policy that `device_map` spread over several devices, or offloaded in part (to the CPU or the disk), is
-    refused: the trainer moves the model whole onto its process's device, and builds the critic beside it (a crash
-    later: inputs sent to devices the weights had left, offloaded weights read as meta tensors)."""
-    placed = getattr(policy, "hf_device_map", None) or {}
+def check_on_one_device(model: nn.Module, what: str = "policy") -> None:
+    """A model (the policy, or a critic given as a model) that `device_map` spread over several devices, or offloaded
+    in part (to the CPU or the disk), is refused: the trainer moves each model whole onto its process's device, the
+    critic beside the policy (a crash later: inputs sent to devices the weights had left, offloaded weights read as
+    meta tensors)."""
+    placed = getattr(model, "hf_device_map", None) or {}
     devices = sorted({str(device) for device in placed.values()})
     if len(devices) > 1 or set(devices) & {"disk", "meta"}:
         raise ValueError(
-            f"The policy was loaded with a device_map that places it on {', '.join(devices)}: VAPOTrainer trains the "
-            "whole model on each process's device, with its critic beside it. Load it without device_map "
+            f"The {what} was loaded with a device_map that places it on {', '.join(devices)}: VAPOTrainer trains the "
+            "whole model on each process's device, the critic beside the policy. Load it without device_map "
             "(model_init_kwargs device_map=None); for a model too large for one device, shard it with DeepSpeed "
             "ZeRO-3 or FSDP2 (`accelerate launch`), or train LoRA adapters on a 4-bit base (QLoRA)."
         )
@@ -334,8 +336,15 @@ def build_actor_critic(
 
     if not isinstance(value_model, (str, os.PathLike)):
         check_value_model(value_model)
+        check_on_one_device(value_model, "value_model")
         return ActorCritic(policy, critic=value_model), False
     path = Path(value_model).expanduser()
+    if (path / CRITIC_SUBFOLDER).is_dir() and not (path / VALUE_HEAD_FILE).is_file():
+        # Its root is the trained policy: a full model's loaded as a critic with a new head, the trained critic unread.
+        raise ValueError(
+            f"value_model {path} is a trl-vapo run's output (or checkpoint) folder, whose root holds the policy: its "
+            f"critic is {path / CRITIC_SUBFOLDER}; pass that folder."
+        )
     pretrained = _pretrained_for_this_policy(path, fingerprint, args.value_pretrain_steps, value_targets)
     if (path / "adapter_config.json").is_file() and (path / VALUE_HEAD_FILE).is_file():
         if not shared:
@@ -358,17 +367,14 @@ def build_actor_critic(
         )
     if not path.exists() and _looks_like_a_path(str(value_model)):
         raise FileNotFoundError(f"value_model path {value_model} does not exist.")
-    # The policy's loading options but those that belong to its checkpoint alone: a critic trains all of its weights
-    # (never quantized), and `model_revision` names a commit of the policy's repository. Its config is looked up where
-    # its weights are (`cache_dir`, `local_files_only`, `token`, ...).
-    kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k not in ("quantization_config", "revision")}
+    kwargs = critic_loading_kwargs(args)
     config = AutoConfig.from_pretrained(str(value_model), **lookup_kwargs(kwargs))
     is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     extra = {} if is_classifier else {"num_labels": 1}
-    if has_sequence_classifier(config, args.trust_remote_code):
+    if has_sequence_classifier(config, kwargs["trust_remote_code"]):
         critic_class = AutoModelForSequenceClassification
     else:  # the class `critic_from_policy` built, over this config's backbone class
-        critic_class = sequence_classifier_class(_backbone_class(config, args.trust_remote_code))
+        critic_class = sequence_classifier_class(_backbone_class(config, kwargs["trust_remote_code"]))
     critic = load_pretrained(critic_class, str(value_model), {**kwargs, **extra})
     check_value_model(critic)
     actor_critic = ActorCritic(policy, critic=critic)  # the dtypes as loaded: what `save_model` writes back
@@ -377,6 +383,20 @@ def build_actor_critic(
         # updates (1e-4 or less on weights of 0.02, at the paper's critic rate) rounded back to where it started.
         actor_critic.load_critic(path)
     return actor_critic, pretrained
+
+
+CHECKPOINT_ONLY_KWARGS = ("quantization_config", "revision", "subfolder", "variant", "gguf_file", "device_map")
+"""The policy's loading options that belong to its checkpoint alone, not to a critic loaded from another: a critic
+trains all of its weights (never quantized); `model_revision`, `subfolder`, `variant` and `gguf_file` name files of
+the policy's repository (a critic looked up in `<value_model>/<subfolder>` failed); a `device_map` was written for the
+policy's modules, and the trainer places the critic beside the policy."""
+
+
+def critic_loading_kwargs(args) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments for a critic loaded from a path or id: the policy's
+    (:func:`from_pretrained_kwargs`: its dtype, `trust_remote_code`, and where files are looked up: `cache_dir`,
+    `local_files_only`, `token`, ...) but `CHECKPOINT_ONLY_KWARGS`."""
+    return {k: v for k, v in from_pretrained_kwargs(args).items() if k not in CHECKPOINT_ONLY_KWARGS}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "tekken.json")
@@ -406,10 +426,12 @@ def check_critic_vocabulary(critic: nn.Module, tokenizer) -> None:
 
 
 def check_critic_tokenizer(value_model, tokenizer, args) -> None:
-    """Before its weights load: refuse a `value_model` (a path or model id) saved with a tokenizer that gives any of
-    the policy's tokens another id (a reward model of another family, as many tokens or more: its values would be read
-    from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a chat template's) that the
-    critic's lacks or numbers otherwise are warned: the critic has not learned them."""
+    """Before its weights load: refuse a `value_model` (a path or model id, or a model loaded from one) saved with a
+    tokenizer that gives any of the policy's tokens another id (a reward model of another family, as many tokens or
+    more: its values would be read from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a
+    chat template's) that the critic's lacks or numbers otherwise are warned: the critic has not learned them."""
+    if isinstance(value_model, nn.Module):  # (a reward model of another family the user loaded): where it came from
+        value_model = getattr(value_model, "name_or_path", None) or None  # (None: built from a config)
     critic_tokenizer = _saved_tokenizer(value_model, args)
     if critic_tokenizer is None:
         return
@@ -432,17 +454,17 @@ def check_critic_tokenizer(value_model, tokenizer, args) -> None:
 
 def _saved_tokenizer(value_model, args):
     """The tokenizer saved with `value_model` (a path or model id), looked up with the run's loading options; None
-    where there is none to compare with (a model instance, a critic folder saved without one)."""
+    where there is none to compare with (not a path or id, a critic folder saved without one)."""
     from transformers import AutoTokenizer
 
     if not isinstance(value_model, (str, os.PathLike)):
         return None
-    path = Path(value_model)
+    path = Path(value_model).expanduser()
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    kwargs = {k: v for k, v in from_pretrained_kwargs(args).items() if k != "revision"}
+    kwargs = critic_loading_kwargs(args)
     try:
-        return AutoTokenizer.from_pretrained(str(value_model), **lookup_kwargs(kwargs))
+        return AutoTokenizer.from_pretrained(str(path if path.exists() else value_model), **lookup_kwargs(kwargs))
     except Exception as error:  # noqa: BLE001 - none in the repository, a backend not installed: nothing to compare
         logger.warning(f"value_model {value_model}: no tokenizer to compare the policy's with ({error}).")
         return None
