@@ -311,6 +311,79 @@ def test_a_capture_is_stale_where_an_adapter_computes_otherwise(tiny):
     assert capture_key(model) != key
 
 
+def test_a_transformers_models_own_adapters_are_in_the_capture_key(tiny):
+    """Adapters attached with transformers' own API (`add_adapter`, `load_adapter`) on a plain model: `set_adapter`
+    and `disable_adapters` flip their layers' flags and keep every parameter's address, and the key (read from a
+    PeftModel's alone) did not change: a kept graph replayed the adapter it was captured with."""
+    from peft import LoraConfig
+
+    from trl_vapo.static_cache import capture_key
+
+    model = copy.deepcopy(tiny[0])
+    for name in ("a", "b"):
+        model.add_adapter(LoraConfig(r=2, target_modules=["q_proj"]), adapter_name=name)
+    model.set_adapter("a")
+    key = capture_key(model)
+    model.set_adapter("b")
+    assert capture_key(model) != key
+    model.set_adapter("a")
+    assert capture_key(model) == key
+    model.disable_adapters()
+    assert capture_key(model) != key
+
+
+def test_buffers_built_for_one_attention_are_not_reused_for_another(tiny_model_dir, tiny):
+    """The buffers were kept across a switch of the attention (`set_attn_implementation`): eager attention adds its
+    mask, and the bool mask built for sdpa added 1 or 0, masking nothing (the pads and empty slots attended)."""
+    tokenizer = tiny[1]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
+    generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
+    static.generate(prompts, sampling=GREEDY)
+    model.set_attn_implementation("eager")
+    got, expected = (engine.generate(prompts, sampling=GREEDY) for engine in (static, generate))
+    assert static.state.eager
+    assert got.completion_lists() == expected.completion_lists()
+    torch.testing.assert_close(got.sampler_logprobs, expected.sampler_logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_every_batch_of_a_call_has_the_calls_shape(tiny):
+    """Each batch's prompt width was its own longest prompt's (rounded up to `prompt_bucket`): batches of one call
+    allocated buffers (and on a GPU captured a graph) anew whenever their longest prompts fell in other buckets."""
+    model, tokenizer = tiny
+    prompts = sorted(token_ids(tokenizer, TEXT_PROMPTS), key=len, reverse=True)  # the longest in the first batch
+    assert len(prompts[0]) > max(map(len, prompts[4:]))
+    _, whole = _engines(model, tokenizer, [tokenizer.eos_token_id], prompt_bucket=1)
+    _, batched = _engines(model, tokenizer, [tokenizer.eos_token_id], prompt_bucket=1, batch_size=4)
+    made = []
+    original = batched._state_for
+
+    def state_for(*args):
+        state = original(*args)
+        made.append(state) if not made or made[-1] is not state else None
+        return state
+
+    batched._state_for = state_for
+    assert batched.generate(prompts, sampling=GREEDY).completion_lists() == (
+        whole.generate(prompts, sampling=GREEDY).completion_lists()
+    )
+    assert len(made) == 1 and made[0].width == len(prompts[0])
+
+
+def test_greedy_stays_greedy_whatever_generation_kwargs_say(tiny):
+    """temperature 0 with `generation_kwargs={"do_sample": True}`: generate() sampled (at the model's temperature,
+    top-k 50) where this engine and vLLM decode greedily."""
+    model, tokenizer = tiny
+    sampling = SamplingSettings(max_new_tokens=8, temperature=0.0, generation_kwargs={"do_sample": True})
+    assert sampling.generation_config([tokenizer.eos_token_id], tokenizer.pad_token_id).do_sample is False
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
+    generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
+    torch.manual_seed(0)
+    assert generate.generate(prompts, sampling=sampling).completion_lists() == (
+        static.generate(prompts, sampling=sampling).completion_lists()
+    )
+
+
 def test_batch_size_sizes_the_static_batch(tiny):
     """`batch_size` prompts a static batch, as generate()'s per call (evaluation's prompts x k samples were one batch,
     its cache sized for all of them): the same greedy completions, a cache of at most that many rows."""
@@ -358,6 +431,10 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     assert static.state is None  # the engine's own loop never ran
     stop_strings = SamplingSettings(max_new_tokens=8, generation_kwargs={"stop_strings": ["e"]})
     assert StaticCacheEngine.unsupported_settings(stop_strings, model) == ["stop_strings=['e']"]
+    # Another KV cache than its own (a quantized one's values differ): accepted, and sampled without, silently.
+    for cache, refused in (("quantized", ["cache_implementation='quantized'"]), ("static", []), ("dynamic", [])):
+        cached = SamplingSettings(max_new_tokens=8, generation_kwargs={"cache_implementation": cache})
+        assert StaticCacheEngine.unsupported_settings(cached, model) == refused
     sliding = copy.deepcopy(model)
     sliding.config.layer_types = ["sliding_attention", "full_attention"]
     assert StaticCacheEngine.unsupported_settings(GREEDY, sliding) == [

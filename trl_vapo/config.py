@@ -555,8 +555,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         metadata={
             "help": "KV-cache implementation of model.generate() (e.g. 'static', 'offloaded'), where generate() "
             "samples: another than 'static' keeps generate() on a CUDA GPU (the static-cache engine, the default "
-            "there, keeps its own static cache; named with use_static_cache_engine=True, it ignores this); refused "
-            "with vLLM and continuous batching."
+            "there, keeps its own static cache; named with use_static_cache_engine=True, a cache other than 'static' "
+            "or 'dynamic' sends the rollouts to generate(), with a warning); refused with vLLM and continuous "
+            "batching."
         },
     )
     log_unique_prompts: bool = field(

@@ -229,8 +229,11 @@ class SamplingSettings:
             use_cache=True,
             disable_compile=True,
         )
-        # The stop ids already include any eos_token_id of generation_kwargs (see `stop_token_ids`).
-        kwargs.update({k: v for k, v in self.generation_kwargs.items() if k not in ("eos_token_id", "stop_token_ids")})
+        # The stop ids already include any eos_token_id of generation_kwargs (see `stop_token_ids`). Greedy
+        # (temperature 0) keeps do_sample off: generation_kwargs' do_sample=True sampled there, at the model's
+        # temperature and top-k 50, where the static-cache engine and vLLM decoded greedily.
+        named = {"eos_token_id", "stop_token_ids", *(("do_sample",) if self.greedy else ())}
+        kwargs.update({k: v for k, v in self.generation_kwargs.items() if k not in named})
         return GenerationConfig(**kwargs)
 
 

@@ -26,6 +26,10 @@ from .generation import (
 )
 from .modeling import _adapter_layers, is_peft_model
 
+EXACT_CACHES = (None, "static", "dynamic")
+"""The `cache_implementation`s whose values this engine's static cache reproduces; another (quantized: other values;
+offloaded: less device memory) goes to `generate()`, which honours it."""
+
 
 class StaticCacheEngine(GenerationEngine):
     """A decode loop on transformers' `StaticCache` and the model's own forward (gpt-fast's loop), exact and built to
@@ -68,7 +72,8 @@ class StaticCacheEngine(GenerationEngine):
     KNOWN_KWARGS = frozenset(
         {"min_new_tokens", "do_sample", "eos_token_id", "stop_token_ids", "cache_implementation", "disable_compile"}
     )
-    """`generation_kwargs` it serves: the rest (stop strings, processors) go to `generate()`."""
+    """`generation_kwargs` it serves: the rest (stop strings, processors) go to `generate()`. Of `cache_implementation`
+    the values in `EXACT_CACHES` only."""
 
     def __init__(
         self,
@@ -105,7 +110,9 @@ class StaticCacheEngine(GenerationEngine):
     def unsupported_settings(sampling: SamplingSettings, model: nn.Module) -> list[str]:
         """What this engine cannot sample exactly, each as ``name=value``: it would change the distribution."""
         unsupported = [
-            f"{k}={v!r}" for k, v in sampling.generation_kwargs.items() if k not in StaticCacheEngine.KNOWN_KWARGS
+            f"{k}={v!r}"
+            for k, v in sampling.generation_kwargs.items()
+            if k not in StaticCacheEngine.KNOWN_KWARGS or (k == "cache_implementation" and v not in EXACT_CACHES)
         ]
         adapter = getattr(model, "active_peft_config", None)
         if adapter is not None and adapter.is_prompt_learning:  # virtual tokens: their own cache slots and masks
@@ -132,10 +139,13 @@ class StaticCacheEngine(GenerationEngine):
         with self.model_provider() as model:  # entered once: under ZeRO-3 it gathers the weights
             unsupported = self.unsupported_settings(sampling, model)
             if not unsupported:
+                # One prompt width for every batch of the call: the buffers and graph kept serve them all (a batch
+                # whose longest prompt fell in another bucket allocated and captured anew).
+                width = -(-max(map(len, prompt_ids)) // self.prompt_bucket) * self.prompt_bucket
                 ids, logprobs = in_batches(
                     prompt_ids,
                     self.batch_size,
-                    lambda batch: self._decode(model, batch, sampling),
+                    lambda batch: self._decode(model, batch, sampling, width),
                     self.pad_token_id,
                     one_shape=True,
                 )
@@ -164,11 +174,11 @@ class StaticCacheEngine(GenerationEngine):
             None if out.sampler_logprobs is None else out.sampler_logprobs[:, :width],
         )
 
-    def _decode(self, model, prompt_ids, sampling) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampled ids and their log-probs [N, steps run] (CPU): prefill, then decode steps until every row has
-        stopped (read every `check_every` steps) or `max_new_tokens`."""
+    def _decode(self, model, prompt_ids, sampling, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled ids and their log-probs [N, steps run] (CPU): prefill (prompts left-padded to `width`), then
+        decode steps until every row has stopped (read every `check_every` steps) or `max_new_tokens`."""
         with _inference(model):
-            state = self._state_for(model, prompt_ids, sampling)
+            state = self._state_for(model, prompt_ids, sampling, width)
             state.sample_and_record(state.prefill(model, prompt_ids, self.pad_token_id))
             capture = capture_key(model) if self.cuda_graph and state.tokens.device.type == "cuda" else None
             steps = 1
@@ -185,13 +195,14 @@ class StaticCacheEngine(GenerationEngine):
         _check_finite(logprobs)
         return ids, logprobs
 
-    def _state_for(self, model, prompt_ids, sampling) -> DecodeState:
-        """This batch shape's buffers: the last call's when the shape, device and dtype are the same."""
-        width = -(-max(map(len, prompt_ids)) // self.prompt_bucket) * self.prompt_bucket
+    def _state_for(self, model, prompt_ids, sampling, width: int) -> DecodeState:
+        """This batch shape's buffers: the last call's when the shape, device, dtype and attention are the same."""
         parameter = next(model.parameters())
         autocast = torch.is_autocast_enabled(parameter.device.type) and torch.get_autocast_dtype(parameter.device.type)
-        # The cache takes its dtypes from the first forward: the weights' dtype and autocast's decide them.
-        key = (len(prompt_ids), width, sampling.max_new_tokens, parameter.device, parameter.dtype, autocast)
+        # The cache takes its dtypes from the first forward: the weights' dtype and autocast's decide them. The mask
+        # is built for the attention as the buffers were (eager adds it: a bool mask after a switch masked nothing).
+        attention = getattr(_causal_lm_of(model).config, "_attn_implementation", None)
+        key = (len(prompt_ids), width, sampling.max_new_tokens, parameter.device, parameter.dtype, autocast, attention)
         if self.state is None or self.state.key != key:
             self.state = None  # the old cache and graph go before the new ones are allocated
             self.state = DecodeState(
@@ -205,7 +216,8 @@ def capture_key(model: nn.Module) -> tuple:
     """What a captured decode step depends on besides its buffers: the parameters' storage (a graph reads the
     addresses it was captured with; in-place optimizer steps keep them), the active adapter, what each adapter layer
     computes (`_tuner_states`), autocast and training mode. A step captured under another key is stale."""
-    # A PeftModel's adapters (transformers' own `active_adapters()` raises on a model without one)
+    # A PeftModel's adapters (transformers' own `active_adapters()` raises on a model without one; its adapters'
+    # layers, loaded with `load_adapter`, are in `_tuner_states`)
     adapter = getattr(model, "active_adapters", None) if is_peft_model(model) else None
     device = next(model.parameters()).device.type
     return (
@@ -221,9 +233,8 @@ def capture_key(model: nn.Module) -> tuple:
 def _tuner_states(model: nn.Module) -> str:
     """Each adapter layer's active adapters, whether its adapters are off (peft's `disable_adapter()`), merged into
     the base, and its scaling (`set_scale`, a Python float a graph holds as captured): the step replayed the
-    adapter's computation inside `disable_adapter()`, or at the old scale."""
-    if not is_peft_model(model):
-        return ""
+    adapter's computation inside `disable_adapter()`, or at the old scale. A PeftModel's, or a transformers model's
+    own (`load_adapter`, `set_adapter`, `disable_adapters`), which flip the same layers' flags."""
     states = [
         (
             module.active_adapters,
