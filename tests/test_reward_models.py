@@ -130,6 +130,9 @@ def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_chec
 
     def progress_reward(completions, trainer_state, log_extra, log_metric, **kwargs):
         steps.append(trainer_state.global_step)
+        # TRL's reward schedules read the run's progress so: a ZeroDivisionError in the check before training (its
+        # TrainerState had transformers' default max_steps=0), and in `trl-vapo eval`.
+        assert 0 <= trainer_state.global_step / trainer_state.max_steps <= 1
         log_extra("length", [len(c) for c in completions])
         log_metric("progress", float(trainer_state.global_step))
         return [float(trainer_state.global_step >= 0) - len(c) / 10 for c in completions]

@@ -200,7 +200,8 @@ def evaluate_policy(
         reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}), positive_reward_funcs
     )
 
-    state = trainer_state or TrainerState()  # outside training: step 0, as in the check before training
+    # Outside training: step 0 of 1, as in the check before training (a reward schedule divides by max_steps).
+    state = trainer_state or TrainerState(max_steps=1)
 
     def correct(completions: list[str], completion_ids, prompt_ids, group: int) -> tuple[torch.Tensor, ...]:
         """[problems, group] 1.0 where correct, and where a function judging correctness scored the completion."""
@@ -298,7 +299,8 @@ class EvaluationMixin:
             if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
                 for row in check_eval_dataset(eval_dataset, self.args, self._conversational).values():
                     if self.rollout_func is None:  # its fields are columns too, which no dataset row shows
-                        self.scorer.check(row, self.args.num_generations_eval or self.args.num_generations)
+                        group = self.args.num_generations_eval or self.args.num_generations
+                        self.scorer.check(row, group, self.args.max_steps)
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if not self.models_placed and (self.is_deepspeed_enabled or self.is_fsdp_enabled):

@@ -262,6 +262,8 @@ PROCESSOR_SETTINGS = {
     "forced_bos_token_id": lambda v: v is not None,
     "forced_eos_token_id": lambda v: v is not None,
     "exponential_decay_length_penalty": lambda v: v is not None,
+    "guidance_scale": lambda v: v is not None and v != 1.0,
+    "watermarking_config": lambda v: v is not None,
 }
 
 
@@ -296,7 +298,8 @@ def model_generation_settings(sampling: SamplingSettings, model) -> list[str]:
     `sampling` alone (the static cache, continuous batching) would leave out."""
     config = sampling.generation_config((), 0)
     defaults = getattr(model, "generation_config", None)  # (a PeftModel's is its base model's)
-    settings = {**({} if sampling.greedy else WARPER_SETTINGS), **PROCESSOR_SETTINGS, "stop_strings": bool}
+    stops = {"stop_strings": bool, "max_time": lambda v: v is not None}  # where generate() stops: no processor
+    settings = {**({} if sampling.greedy else WARPER_SETTINGS), **PROCESSOR_SETTINGS, **stops}
     inherited = {name: getattr(defaults, name, None) for name in settings if getattr(config, name, None) is None}
     return [f"{name}={value!r}" for name, value in inherited.items() if settings[name](value)]
 

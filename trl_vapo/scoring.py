@@ -422,18 +422,20 @@ class RewardScorer:
             _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error)
         return _checked_values(values, name, len(rows))
 
-    def check(self, row: dict[str, Any], group_size: int = 1) -> None:
+    def check(self, row: dict[str, Any], group_size: int = 1, max_steps: int = 1) -> None:
         """Call every function once on a dataset row's group (`group_size` copies, as a rollout holds the completions
         of a prompt: a function that reads the batch by groups, `reshape(-1, num_generations)`, runs) with empty
-        completions, before any compute, with what training passes (a `TrainerState` at step 0, `log_metric` and
-        `log_extra`); a reward model, which scores each row alone, on one row.
+        completions, before any compute, with what training passes (a `TrainerState` at step 0 of `max_steps`, at
+        least 1: TRL's reward schedules divide by it, and transformers' default 0 was a ZeroDivisionError; `log_metric`
+        and `log_extra`); a reward model, which scores each row alone, on one row.
 
         A missing column, a bad import or a crash then fails here, with the dataset's columns in the message, not
         after the model has loaded and generated.
         """
         from transformers import TrainerState
 
-        common = {"trainer_state": TrainerState(), "log_metric": lambda *a: None, "log_extra": lambda *a: None}
+        state = TrainerState(max_steps=max(1, max_steps))
+        common = {"trainer_state": state, "log_metric": lambda *a: None, "log_extra": lambda *a: None}
         passed = TRAINER_KWARGS - {"kwargs"}  # what each call gets, whatever the columns
         clashing = sorted((set(row) - set(UNPASSED_COLUMNS)) & passed)
         if clashing:  # GRPOTrainer fails on these too, later: "got multiple values for argument"

@@ -305,9 +305,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 f"that judge correctness: positive_reward_funcs=['{self.scorer.names[0]}'] (if it is the verifier)."
             )
         if rollout_func is None:  # its fields are columns too, which no dataset row shows
-            self.scorer.check(example, args.num_generations)
+            self.scorer.check(example, args.num_generations, args.max_steps)
             for eval_example in eval_examples.values():  # the rewards read the eval rows' columns too
-                self.scorer.check(eval_example, args.num_generations_eval or args.num_generations)
+                self.scorer.check(eval_example, args.num_generations_eval or args.num_generations, args.max_steps)
         self.reward_funcs, self.reward_func_names = self.scorer.funcs, self.scorer.names
         # GRPOTrainer's attribute: each reward model's tokenizer (given or its own), None for the functions.
         self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
