@@ -7,11 +7,12 @@ with every process it started, keeping the runs it finished; ``--deadline`` star
 call runs what is left with ``--parts``. Here (with a network), once, the wheels the GPU machine lacks (``WHEELS``,
 versions from ``constraints.txt``):
 
-    .venv/bin/python benchmarks/gpu_suite.py --download-wheels base --dest .whl     # 9 wheels, about 16 MiB
-    .venv/bin/python benchmarks/gpu_suite.py --download-wheels qlora --dest .whl    # for the QLoRA tests, 44 MiB
+    .venv/bin/python benchmarks/gpu_suite.py --download-wheels base --dest .whl           # 9 wheels, about 16 MiB
+    .venv/bin/python benchmarks/gpu_suite.py --download-wheels qlora --dest .whl-qlora    # QLoRA's call, 44 MiB
 
-On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps it out of commits), after the offline install line
-(``INSTALL``; ``--download-wheels`` prints it):
+(a folder per set: the install line installs every wheel of the folder carried, and the two sets with the working
+tree pass the 64 MiB a call carries). On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps ``.whl*``
+folders out of commits), after the offline install line (``INSTALL``; ``--download-wheels`` prints it):
 
     python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 350 --limit 570   # the parts in PARTS's order
     python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B
@@ -75,8 +76,9 @@ from _pytest_outcomes import OUTCOMES, read_outcomes  # noqa: E402  (the tests p
 # What the GPU machine's image lacks, or has at a version outside pyproject.toml's ranges, for `import trl_vapo`, the
 # rewards and the tests (its image: torch 2.11 + CUDA, transformers 5.17, accelerate, huggingface-hub, pytest,
 # pytest-xdist, hypothesis; /work/.library/device/KINDS.md). Versions are constraints.txt's (the locked set), so the
-# GPU runs the code CI tests. A call carries at most 64 MiB with the working tree (about 10 MiB): bitsandbytes (41 MiB)
-# and transformers (13 MiB) do not fit together, so the QLoRA set keeps the image's transformers.
+# GPU runs the code CI tests. A call carries at most 64 MiB with the working tree (`tracked_mib`, about 25 MiB):
+# bitsandbytes (41 MiB) and transformers (13 MiB) do not fit together, so the QLoRA set keeps the image's
+# transformers.
 WHEELS = {
     "base": [
         "transformers",
@@ -196,19 +198,31 @@ def download_wheels(wheel_set: str, dest: Path) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     for requirement in wheel_requirements(wheel_set):
         subprocess.run(download_command(requirement, dest), check=True)
-    wanted = {r.split("==")[0].replace("-", "_").lower() for r in wheel_requirements(wheel_set)}
-    wheels = [w for w in sorted(dest.glob("*.whl")) if w.name.split("-")[0].lower() in wanted]
-    total = sum(w.stat().st_size for w in wheels) / 2**20
-    tree = tracked_mib()
-    for wheel in wheels:
-        print(f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}")
-    fits = total + tree <= CARRY_LIMIT_MIB
-    print(
-        f"{len(wheels)} wheels, {total:.2f} MiB; with the working tree ({tree:.2f} MiB) {total + tree:.2f} MiB of the "
-        f"{CARRY_LIMIT_MIB} MiB a call carries: {'fits' if fits else 'DOES NOT FIT'}\n"
-        f"carry {dest.name!r}, and start the command with: {INSTALL.format(wheels=dest.name)}"
-    )
+    report, fits = carried_wheels(wheel_set, dest, tracked_mib())
+    print(report)
     return 0 if fits else 1
+
+
+def carried_wheels(wheel_set: str, dest: Path, tree_mib: float) -> tuple[str, bool]:
+    """What a call carrying `dest` carries: every wheel in it (the install line installs them all, and each travels),
+    its size with the working tree's (`tree_mib`) against `CARRY_LIMIT_MIB`, and the wheels of no package of
+    `wheel_set` (another set's, downloaded into the same folder: they made the call too large, or put bitsandbytes
+    into the base call). Returns the report and whether the call carries it."""
+    wanted = {r.split("==")[0].replace("-", "_").lower() for r in wheel_requirements(wheel_set)}
+    wheels = sorted(dest.glob("*.whl"))
+    others = [w.name for w in wheels if w.name.split("-")[0].lower() not in wanted]
+    total = sum(w.stat().st_size for w in wheels) / 2**20
+    carried = total + tree_mib
+    fits = carried <= CARRY_LIMIT_MIB and not others
+    lines = [f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}" for wheel in wheels]
+    lines.append(
+        f"{len(wheels)} wheels, {total:.2f} MiB; with the working tree ({tree_mib:.2f} MiB) {carried:.2f} MiB of the "
+        f"{CARRY_LIMIT_MIB} MiB a call carries: {'fits' if carried <= CARRY_LIMIT_MIB else 'DOES NOT FIT'}"
+    )
+    if others:
+        lines.append(f"{dest} also holds wheels of no {wheel_set!r} package, installed with it: {', '.join(others)}")
+    lines.append(f"carry {dest.name!r}, and start the command with: {INSTALL.format(wheels=dest.name)}")
+    return "\n".join(lines), fits
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -107,6 +107,25 @@ def test_the_wheel_sets_are_the_locked_versions_and_install_offline():
         assert flag in install
 
 
+def test_what_a_call_carries_is_every_wheel_of_the_folder(tmp_path):
+    """The install line installs, and the call carries, every wheel in the folder: the report counted only the set's
+    own, so the two sets downloaded into one folder (as the module's instructions said) passed as fitting, at 57 MiB
+    with a tree of 25, and the base call would have installed bitsandbytes too. Wheel files of the sizes that count
+    stand in for the downloads (no network here)."""
+
+    def wheel(name: str, mib: float) -> None:
+        (tmp_path / f"{name}-1.0-py3-none-any.whl").write_bytes(b"\0" * int(mib * 2**20))
+
+    for name in gpu_suite.WHEELS["base"]:
+        wheel(name.replace("-", "_"), 1)
+    report, fits = gpu_suite.carried_wheels("base", tmp_path, tree_mib=25)
+    assert fits and "9 wheels, 9.00 MiB; with the working tree (25.00 MiB) 34.00 MiB of the 64 MiB" in report
+    wheel("bitsandbytes", 2)  # another set's, small enough to fit: still not the base call's
+    report, fits = gpu_suite.carried_wheels("base", tmp_path, tree_mib=25)
+    assert not fits and "also holds wheels of no 'base' package, installed with it: bitsandbytes-1.0" in report
+    assert gpu_suite.carried_wheels("base", tmp_path, tree_mib=25 + 30)[0].count("DOES NOT FIT") == 1
+
+
 def test_a_part_still_running_at_the_limit_is_stopped_with_every_process_it_started(tmp_path):
     """`run_command` stops the command's whole process group at `stop_at` (a part's workers, pytest's, torchrun's:
     a grandchild here) and says it cut it; a command that ends in time gives its own exit code, also one a SIGKILL
