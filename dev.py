@@ -16,6 +16,7 @@ every step already done.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -48,6 +49,55 @@ def _run(*cmd: str | Path, check: bool = True) -> int:
 
 def python_tag() -> str:
     return f"{sys.implementation.name} {sys.version_info.major}.{sys.version_info.minor}"
+
+
+def python_problem(version_info: tuple = sys.version_info) -> str | None:
+    """Why this interpreter cannot set the project up (it needs Python 3.10+; a Mac's own `python3` is 3.9), or None.
+    Said first: the venv was built, and then failed at its first install, with a venv left to repair."""
+    if tuple(version_info[:2]) < (3, 10):
+        return f"dev.py needs Python 3.10 or newer; this is {version_info[0]}.{version_info[1]} ({sys.executable})"
+    return None
+
+
+def venv_python_tag(env: Path) -> str | None:
+    """`python_tag()` of `env`'s interpreter, or None where it does not run or has no pip: a venv left half-built (a
+    first run interrupted while venv installed pip; Debian's and Ubuntu's Python without `python3-venv`, whose venv
+    writes the interpreter, then stops) or made without pip (`uv venv`). Each later run took it for built."""
+    command = "import pip, sys; print(sys.implementation.name, '%d.%d' % sys.version_info[:2])"
+    try:
+        found = subprocess.run([str(python_of(env)), "-c", command], capture_output=True, text=True)
+    except OSError:  # no interpreter there, or not one this machine runs
+        return None
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def ensure_venv(env: Path) -> None:
+    """`env` as a venv of this interpreter with pip: created, or created anew where it is half-built, pip-less or of
+    another Python (whose packages the lock and the install stamp, both this interpreter's, do not describe)."""
+    found = venv_python_tag(env) if python_of(env).exists() else None
+    if found == python_tag():
+        return
+    if python_of(env).exists():
+        why = f"its interpreter is {found}" if found else "it has no working interpreter with pip (left half-built?)"
+        print(f"recreating the virtual environment in {env}: {why}", flush=True)
+    else:
+        print(f"creating virtual environment in {env}", flush=True)
+    # Symlinks where the OS has them, as `python -m venv` makes them: a copied interpreter that loads its libpython
+    # at run time (Apple's, uv's builds of Python on macOS) failed in ensurepip.
+    venv.EnvBuilder(with_pip=True, clear=True, symlinks=os.name != "nt").create(env)
+
+
+def _exec(*cmd: str | Path) -> int:
+    """Run `cmd` in this process's place (POSIX `exec`, from the repository's root), so that a Ctrl-C or a SIGTERM
+    reaches it as it would reach it run directly: under `subprocess.run`, Python killed the child 0.25 s after a Ctrl-C
+    (the demo's checkpoint on a stop never written) and a SIGTERM to dev.py left it running. Returns its exit status
+    where there is no exec to replace the process with (Windows)."""
+    if os.name == "nt":
+        return _run(*cmd, check=False)
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    sys.stderr.flush()
+    os.chdir(ROOT)
+    os.execv(str(cmd[0]), [str(c) for c in cmd])
 
 
 def canonical_name(name: str) -> str:
@@ -101,9 +151,7 @@ def installer(env: Path) -> list[str]:
 def install(env: Path, constraints: Path | None, with_dependencies: bool = True) -> None:
     """Create `env` if needed, install torch first on its own, then this package with its `dev` extra."""
     python = python_of(env)
-    if not python.exists():
-        print(f"creating virtual environment in {env}", flush=True)
-        venv.EnvBuilder(with_pip=True).create(env)
+    ensure_venv(env)
     if subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0:
         # pip, which reads this machine's pip configuration (a local CPU wheel, an extra index) where uv would not.
         _run(python, "-m", "pip", "install", "--quiet", torch_spec())
@@ -133,11 +181,12 @@ def setup() -> None:
     stamp.write_text(digest.hexdigest())
 
 
-def run_checks(python: Path, pytest_args: list[str]) -> int:
-    """`ruff check .` (seconds, so that the code stays ruff-clean), then the test suite."""
+def run_checks(python: Path, pytest_args: list[str], in_place: bool = False) -> int:
+    """`ruff check .` (seconds, so that the code stays ruff-clean), then the test suite (`in_place`: as this
+    process, `_exec`)."""
     if _run(python, "-m", "ruff", "check", ".", check=False) != 0:
         return 1
-    return _run(python, "-m", "pytest", *pytest_args, check=False)
+    return (_exec if in_place else functools.partial(_run, check=False))(python, "-m", "pytest", *pytest_args)
 
 
 def freeze(python: Path) -> dict[str, str]:
@@ -227,13 +276,16 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
+    if problem := python_problem():
+        print(problem, file=sys.stderr)
+        return 2
     if command in ("upgrade", "lowest"):
         return upgrade(rest) if command == "upgrade" else lowest(rest)
     setup()
     if command == "demo":
-        return _run(bin_dir(VENV) / "trl-vapo", "train", *rest, check=False)
+        return _exec(bin_dir(VENV) / "trl-vapo", "train", *rest)
     if command == "test":
-        return run_checks(python_of(VENV), rest)
+        return run_checks(python_of(VENV), rest, in_place=True)
     return 0
 
 

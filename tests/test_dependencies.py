@@ -7,6 +7,7 @@ These tests say which pair broke, so that a bound in pyproject.toml is lifted on
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
@@ -91,6 +92,34 @@ def test_a_frozen_environment_round_trips_through_the_lock(tmp_path):
     dev.write_lock(pins, path)
     assert dev.read_lock(path) == pins and dev.lock_python(path) == dev.python_tag()
     assert dev.parse_pins("# comment\nfoo_bar==1.0+cu12  # why\n\nbaz @ file:///x\n") == {"foo-bar": "1.0"}
+
+
+def test_a_venv_left_half_built_or_without_pip_is_not_taken_for_built(tmp_path):
+    """A first run stopped while venv installed pip, or Ubuntu's Python without `python3-venv` (its venv writes the
+    interpreter, then exits): `.venv/bin/python` existed, so every later run skipped creating it and failed at its
+    first install ("No module named pip"), until the user deleted it. And a Python too old for the project (a Mac's
+    own 3.9) built the venv first, then failed installing."""
+    import venv
+
+    dev = _dev_script()
+    assert dev.venv_python_tag(Path(sys.prefix)) == dev.python_tag()  # the suite's own: whole
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "half")
+    assert dev.python_of(tmp_path / "half").exists() and dev.venv_python_tag(tmp_path / "half") is None
+    assert dev.venv_python_tag(tmp_path / "none") is None
+    assert dev.python_problem((3, 9, 6)).startswith("dev.py needs Python 3.10 or newer; this is 3.9")
+    assert dev.python_problem((3, 10, 0)) is None
+
+
+def test_the_demo_and_the_tests_run_in_dev_pys_place():
+    """`dev.py demo` ran `trl-vapo train` under `subprocess.run`, which kills its child 0.25 s after a Ctrl-C: the
+    demo's stop (the rollout finished, a checkpoint written) never happened under the README's first command, and a
+    SIGTERM to dev.py left the run going. The command now takes dev.py's process: its PID."""
+    load = f"import importlib.util as u; s = u.spec_from_file_location('d', {str(ROOT / 'dev.py')!r}); "
+    load += "d = u.module_from_spec(s); s.loader.exec_module(d); "
+    command = load + "d._exec(__import__('sys').executable, '-c', 'import os; print(os.getpid())')"
+    process = subprocess.Popen([sys.executable, "-c", command], stdout=subprocess.PIPE, text=True)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and stdout.split()[-1] == str(process.pid), stdout
 
 
 def test_upgrade_reports_each_moved_package():
