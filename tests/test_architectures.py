@@ -90,6 +90,26 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
         assert "transformers has no `AutoModelForSequenceClassification` class for this architecture" in card
 
 
+def test_the_lora_critics_value_head_reads_the_width_the_lm_head_reads(tmp_path):
+    """OPT projects its last hidden states (`project_out`) to `word_embed_proj_dim` before its LM head: the shared
+    base's value head, sized by `hidden_size`, failed at the critic's first forward (a shape error); saved and loaded
+    back as a critic adapter, likewise."""
+    from peft import LoraConfig
+
+    model_dir = save_tiny(tmp_path / "opt", "opt", word_embed_proj_dim=16, ffn_dim=64, do_layer_norm_before=True)
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = make_args(tmp_path, max_steps=1)
+    trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16), peft_config=lora)
+    assert trainer.actor_critic.value_head.summary.in_features == 16 != trainer.model.config.hidden_size
+    trainer.train()
+    trainer.save_model()
+    critic = str(tmp_path / "out" / "critic")
+    reloaded = VAPOTrainer(
+        str(model_dir), digit_fraction, args, prompts_dataset(16), peft_config=lora, value_model=critic
+    )
+    assert reloaded.actor_critic.value_head.summary.in_features == 16
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])  # one that converts nothing, one that does
 def test_saved_weights_load_back_into_the_model_in_memory_as_a_resume_loads_them(model_type, tmp_path):
     """`save_pretrained` writes transformers' original layout, undoing the weight conversions `from_pretrained`

@@ -1080,7 +1080,7 @@ def test_a_repeated_sigterm_is_one_request_and_a_later_one_stops_at_once(tiny_mo
     process.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     assert process.poll() is None, "a repeat within the window ended the run"
-    time.sleep(SIGNAL_REPEAT_WINDOW)
+    time.sleep(SIGNAL_REPEAT_WINDOW + 1)  # (past the window however late the first signal was handled)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGTERM
@@ -1120,16 +1120,22 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
         assert ("Taking over the lock of a run that is gone" in caplog.text) == (left is not None), left
 
     lock.write_text(json.dumps({"pid": int(gone.stdout), "host": here}))
+    # The holder keeps the lock until its stdin closes, after both have said their line: a holder that let go after
+    # a second let a racer that started later (a loaded machine) take it too.
     take = (
-        "import sys, time; from trl_vapo.run_lock import output_dir_lock\n"
-        "try:\n    with output_dir_lock(sys.argv[1]):\n        print('held', flush=True); time.sleep(1)\n"
-        "except RuntimeError as refused:\n    print(refused)\n"
+        "import sys; from trl_vapo.run_lock import output_dir_lock\n"
+        "try:\n    with output_dir_lock(sys.argv[1]):\n        print('held', flush=True); sys.stdin.read()\n"
+        "except RuntimeError as refused:\n    print(refused, flush=True)\n"
     )
     racers = [
-        subprocess.Popen([sys.executable, "-c", take, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", take, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
-    said = sorted(racer.communicate(timeout=120)[0].strip() for racer in racers)
+    said = sorted(racer.stdout.readline().strip() for racer in racers)
+    for racer in racers:
+        racer.communicate(timeout=120)
     assert said[1] == "held" and said[0].startswith(f"Another run is writing to {tmp_path}: PID "), said
 
 

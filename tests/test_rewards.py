@@ -446,6 +446,7 @@ def test_parse_plain_number(text, value):
     assert parse_plain_number(text) == value
 
 
+@settings(deadline=None)  # (a descheduled example on a loaded machine is no failure)
 @given(st.integers(min_value=0, max_value=10**30))
 def test_thousands_separators_round_trip(n):
     assert parse_plain_number(f"{n:,}") == n
@@ -453,7 +454,7 @@ def test_thousands_separators_round_trip(n):
     assert fast_verdict(str(n), f"{n:,}") is True
 
 
-@settings(max_examples=50)
+@settings(max_examples=50, deadline=None)
 @given(st.fractions(min_value=-(10**9), max_value=10**9, max_denominator=10**6).filter(lambda f: f.denominator > 1))
 def test_fast_verdict_is_exact_without_decimals(value):
     latex = rf"\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
@@ -464,7 +465,7 @@ def test_fast_verdict_is_exact_without_decimals(value):
     assert fast_verdict(latex, f"{value.numerator + 1}/{value.denominator}") is False
 
 
-@settings(max_examples=100)
+@settings(max_examples=100, deadline=None)
 @given(st.fractions(min_value=-(10**6), max_value=10**6, max_denominator=10**4), st.integers(min_value=1, max_value=8))
 def test_fast_verdict_leaves_close_decimals_to_math_verify(value, places):
     # math-verify rounds to six places before comparing a decimal: the fast path decides only what that cannot change.
@@ -480,7 +481,7 @@ def test_fast_verdict_leaves_close_decimals_to_math_verify(value, places):
         assert verdict is None
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=9999), min_size=2, max_size=4))
 def test_bad_digit_grouping_is_never_a_number(groups):
     text = ",".join(map(str, groups))
@@ -583,7 +584,7 @@ def test_adversarial_completion_returns_within_deadline(fast_deadline_reward, na
     start = time.monotonic()
     result = fast_deadline_reward(completions=[completion], answer=["6"])
     elapsed = time.monotonic() - start
-    assert elapsed < DEADLINE + 1.0, f"{name} took {elapsed:.2f} s"
+    assert elapsed < DEADLINE + 2.0, f"{name} took {elapsed:.2f} s"  # (the kill and the replacement's start)
     if name in HANGS:
         assert result == [-1.0]
         assert elapsed > DEADLINE * 0.9  # it really did hang until the deadline
@@ -610,10 +611,10 @@ def test_batch_with_hangs_keeps_order_and_repeats_are_not_retried():
     assert fn(completions=completions, answer=golds) == expected
     first = time.monotonic() - start
     # The identical hanging pair is verified once, on one worker, while the other worker serves the rest.
-    assert first < DEADLINE + 1.0
+    assert first < DEADLINE + 2.0
     start = time.monotonic()
     assert fn(completions=completions, answer=golds) == expected
-    assert time.monotonic() - start < 0.5 * DEADLINE  # a pair that overran once is not retried
+    assert time.monotonic() - start < DEADLINE  # a pair that overran once is not retried (a retry: a deadline more)
 
 
 def test_caller_alarm_survives(fast_deadline_reward):
@@ -654,6 +655,9 @@ def test_pool_replaces_a_worker_killed_while_idle_or_busy():
         result: list = []
         thread = threading.Thread(target=lambda: result.append(pool.verify([("0", "400000! - 400000!")], timeout=60)))
         thread.start()
+        waited = time.monotonic() + 10  # killed once it has the pair (a kill before is an idle worker's death)
+        while pool._workers[0].task is None and time.monotonic() < waited:
+            time.sleep(0.01)
         time.sleep(0.3)
         os.kill(second, signal.SIGKILL)
         thread.join(timeout=90)
@@ -778,7 +782,7 @@ def test_two_torchrun_processes(tmp_path):
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["rewards"] == [1.0, 1.0, 1.0, -1.0, 1.0, 1.0]
     assert ranks[1]["rewards"] == [-1.0, 1.0, -1.0, 1.0, 1.0, -1.0]
-    assert ranks[1]["s"] < 2.0 + 1.0 + 5.0  # the hang on rank 1 was cut at its deadline (plus worker start-up)
+    assert ranks[1]["s"] < 2.0 + 1.0 + 5.0  # the hang on rank 1 was cut at its deadline (plus the replacement's start)
     workers = [pid for r in ranks for pid in r["workers"]]
     assert len(set(workers)) == len(workers) == 2  # each rank has its own pool
     assert not wait_gone(workers, timeout=10.0)

@@ -299,6 +299,16 @@ def _critic_adapter_config(policy) -> Any:
     return config
 
 
+def head_input_width(policy: nn.Module) -> int:
+    """The width of the hidden states the policy's LM head reads, which the shared-base value head reads too: the
+    output embeddings' input width where they have one (OPT projects its last hidden states to
+    `word_embed_proj_dim` first: a head of `hidden_size` failed at the critic's first forward), else the text
+    config's `hidden_size`."""
+    head = policy.get_output_embeddings()
+    width = getattr(head, "in_features", None)
+    return width if isinstance(width, int) else policy.config.get_text_config().hidden_size
+
+
 def build_actor_critic(
     policy: nn.Module,
     value_model,
@@ -330,7 +340,7 @@ def build_actor_critic(
                 copy_adapter_weights(policy, POLICY_ADAPTER, CRITIC_ADAPTER)
             policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
             text_config = policy.config.get_text_config()  # a multimodal config keeps its sizes there
-            head = ValueHead(text_config.hidden_size, getattr(text_config, "initializer_range", 0.02))
+            head = ValueHead(head_input_width(policy), getattr(text_config, "initializer_range", 0.02))
             return ActorCritic(policy, value_head=head.to(policy.device)), False
         return ActorCritic(policy, critic=critic_from_policy(policy, args.trust_remote_code)), False
 
@@ -355,8 +365,7 @@ def build_actor_critic(
         check_only_adapters_train(policy)
         policy.load_adapter(str(path), adapter_name=CRITIC_ADAPTER, is_trainable=True)
         policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
-        hidden_size = policy.config.get_text_config().hidden_size
-        actor_critic = ActorCritic(policy, value_head=ValueHead(hidden_size).to(policy.device))
+        actor_critic = ActorCritic(policy, value_head=ValueHead(head_input_width(policy)).to(policy.device))
         actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
         return actor_critic, pretrained
     if path.is_dir() and not (path / "config.json").is_file():
