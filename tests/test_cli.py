@@ -264,6 +264,20 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     assert VAPOConfig.world_size is TrainingArguments.world_size  # as it was, after the check
 
 
+def test_the_command_logs_at_info_without_each_hub_request(monkeypatch):
+    """huggingface_hub's HTTP client logs every request at INFO (a cached file's lookup too): under the command's
+    INFO logging, dozens of `HTTP Request: HEAD https://huggingface.co/...` lines before the first step. A level the
+    user set is theirs."""
+    import logging
+
+    from trl_vapo.cli import _configure_logging
+
+    for name, level in (("httpx2", logging.NOTSET), ("httpx", logging.DEBUG)):
+        monkeypatch.setattr(logging.getLogger(name), "level", level)
+    _configure_logging()
+    assert logging.getLogger("httpx2").level == logging.WARNING and logging.getLogger("httpx").level == logging.DEBUG
+
+
 def test_the_held_out_reports_description_names_the_runs_sampling_settings():
     """The report samples with the run's top_k, min_p and repetition_penalty (`_held_out_report`); the card said
     temperature 1.0 and top_p 1.0 alone."""

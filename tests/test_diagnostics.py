@@ -163,6 +163,24 @@ def test_the_grey_band_covers_value_pretrainings_steps_and_no_rl_step(tmp_path, 
     assert spans == []
 
 
+def test_without_matplotlib_a_run_says_so_once(tmp_path, monkeypatch, caplog):
+    """Each run draws at value pretraining's end and at its own: without matplotlib (the `plot` extra), the line
+    that says there are no PNGs came twice a run."""
+    import logging
+    import sys
+
+    from trl_vapo import diagnostics
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(diagnostics._SAID, "no matplotlib", False)
+    with caplog.at_level(logging.INFO, logger="trl_vapo.diagnostics"):
+        for _ in range(2):
+            diagnostics.write_plots_if_possible(tmp_path, [{"phase": "rl", "step": 1}])
+    assert [r.getMessage() for r in caplog.records].count(
+        "plot_diagnostics: matplotlib is not installed (`pip install matplotlib`); no PNGs."
+    ) == 1
+
+
 def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):
     watch = CriticBiasWatch(threshold=0.5, readings=3)
     with caplog.at_level("WARNING"):

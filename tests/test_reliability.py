@@ -1628,6 +1628,21 @@ def test_a_resume_from_an_older_checkpoint_warns_of_the_newer_ones(tiny_model_di
         and "newer checkpoints of another course: checkpoint-2" in caplog.text
     )
     assert "resume_from_checkpoint=True would take checkpoint-2" in caplog.text
+    # A newer checkpoint that does not read is none that `resume_from_checkpoint=True` would take (it passes over it):
+    # the warning named it as the one it would take.
+    shutil.rmtree(out)
+    shutil.copytree(two_checkpoints, out)
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    caplog.clear()
+    again = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=1),
+        train_dataset=prompts_dataset(32),
+    )
+    with caplog.at_level(logging.WARNING):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert "newer checkpoints of another course" not in caplog.text
 
 
 def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_model_dir, two_checkpoints, tmp_path):

@@ -429,6 +429,14 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     ) == 1
     assert got[0].completion_lists() == generate.generate(prompts, sampling=sampling).completion_lists()
     assert static.state is None  # the engine's own loop never ran
+    # Chosen as a GPU's default, not named: generate(), the other default, is said at INFO, not warned of.
+    chosen = build_engine(
+        EngineSettings(engine="static_cache", sampling=sampling, auto=True), model, tokenizer, policy=model
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trl_vapo.static_cache"):
+        chosen.generate(prompts, sampling=sampling)
+    assert [r.levelno for r in caplog.records if "cannot sample with" in r.getMessage()] == [logging.INFO]
     stop_strings = SamplingSettings(max_new_tokens=8, generation_kwargs={"stop_strings": ["e"]})
     assert StaticCacheEngine.unsupported_settings(stop_strings, model) == ["stop_strings=['e']"]
     # Another KV cache than its own (a quantized one's values differ): accepted, and sampled without, silently.

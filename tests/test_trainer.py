@@ -780,6 +780,15 @@ def test_a_critic_pretrained_for_another_policy_is_pretrained_again(tiny_model_d
         # Pretrained for 1 of this run's 2 rollouts (a shorter run's critic): it skips all the same, and says so.
         assert ("for 1 rollout(s), fewer than this run's value_pretrain_steps=2" in caplog.text) is not again
     assert "temperature 1.0 there, 0.7 here" in caplog.text
+    # Stopped early by its own rule under this run's budget (value_pretrain_patience): no shorter run's critic, and no
+    # warning, whose advice (leave value_model unset) would stop at the same point again.
+    assert record["budget"] == 1
+    (critic / "vapo_value_pretraining.json").write_text(json.dumps({**record, "budget": 2}))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        args = make_args(tmp_path / "d", max_steps=1, value_pretrain_steps=2)
+        VAPOTrainer(str(tiny_model_dir), first_char_is_letter, args, prompts_dataset(), value_model=str(critic))
+    assert "fewer than this run's value_pretrain_steps" not in caplog.text
 
 
 def test_a_new_adapters_random_initialisation_is_no_other_policy_for_a_pretrained_critic(tiny_model_dir, tmp_path):

@@ -679,6 +679,7 @@ class SavingMixin:
         if self.accelerator.is_main_process:
             record = {
                 "rollouts": self.progress.value_pretrain_rollouts,
+                "budget": self.args.value_pretrain_steps,  # the rollouts it could have run (its stop rule may end it)
                 "final_explained_variance": self.progress.final_explained_variance(self.args.value_pretrain_patience),
                 "explained_variances": self.progress.explained_variances,
                 "policy": self.run_record.base_model,
@@ -1033,6 +1034,7 @@ class SavingMixin:
         check_resumable(path, marker["run"], self._fingerprint())
         siblings = [c.name for c in list_checkpoints(path.parent)]  # oldest first
         newer = siblings[siblings.index(path.name) + 1 :] if path.name in siblings else []
+        newer = [name for name in newer if checkpoint_problem(path.parent / name) is None]  # (True skips the others)
         if newer and self.accelerator.is_main_process:  # e.g. going back before a divergence
             logger.warning(
                 f"Resuming from {path.name} while {path.parent} holds newer checkpoints of another course: "

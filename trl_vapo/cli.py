@@ -653,7 +653,7 @@ def train_command(argv: list[str]) -> int:
     model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
         script_args, model_args, training_args, demo, mixture
     )
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    _configure_logging()
     model_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation:
         model_kwargs["attn_implementation"] = model_args.attn_implementation
@@ -709,6 +709,20 @@ def train_command(argv: list[str]) -> int:
     # aborted there ("terminate called without an active exception", SIGABRT) after its model was saved.
     trainer.accelerator.end_training()
     return 0
+
+
+QUIET_LOGGERS = ("httpx", "httpx2")
+"""Loggers left at WARNING when the command logs at INFO, unless the user set their level: huggingface_hub's HTTP
+clients log every request at INFO (a cached file's lookup too), dozens of lines before the first step."""
+
+
+def _configure_logging() -> None:
+    """The command's logging: INFO lines as `LEVEL name: message` (transformers', the trainer's), `QUIET_LOGGERS`
+    aside."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    for name in QUIET_LOGGERS:
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _report_sampling(args) -> list[str]:

@@ -28,6 +28,7 @@ from .core import AllReduce, exact
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE, POSITION_CORRELATION, REWARD, VALUE_LOSS
 
 logger = logging.getLogger(__name__)
+_SAID = {"no matplotlib": False}
 
 LOG_FILE = "vapo_logs.jsonl"
 PLOTS_DIR = "plots"
@@ -202,7 +203,9 @@ def write_plots_if_possible(output_dir: str | Path, logs: list[dict[str, Any]]) 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        logger.info("plot_diagnostics: matplotlib is not installed (`pip install matplotlib`); no PNGs.")
+        if not _SAID["no matplotlib"]:  # once a process: each run drew at value pretraining's end and at its own
+            _SAID["no matplotlib"] = True
+            logger.info("plot_diagnostics: matplotlib is not installed (`pip install matplotlib`); no PNGs.")
         return
     if not any("phase" in entry for entry in logs):
         return  # nothing logged yet

@@ -1085,6 +1085,7 @@ def build_engine(
             keep_buffers=settings.keep_buffers,
             batch_size=settings.batch_size,
             tokenizer=tokenizer,
+            chosen_for_you=settings.auto,
             **common,
         )
     return TransformersGenerate(model, batch_size=settings.batch_size, tokenizer=tokenizer, **common)

@@ -233,7 +233,10 @@ def _loaded_policy(model, args, model_init_kwargs: dict | None) -> tuple[nn.Modu
                 "model before creating the VAPOConfig."
             )
         if args.model_init_kwargs:
-            logger.warning("model_init_kwargs is ignored: the model is already instantiated.")
+            logger.warning(
+                "model_init_kwargs is ignored for the policy: it is already instantiated (the critic and reward "
+                "models loaded from a path or id still load with it)."
+            )
         return model, get_config_model_id(model.config)
     raise TypeError(f"model must be a model id, a path or a PreTrainedModel, got {type(model).__name__}.")
 
@@ -507,8 +510,9 @@ def _pretrained_for_this_policy(
     if record["policy_fingerprint"] == fingerprint:
         saved, current = record.get("value_targets") or {}, value_targets or {}  # older records: not kept
         changed = sorted(key for key in saved.keys() & current.keys() if saved[key] != current[key])
-        rollouts = record.get("rollouts")
-        if not changed and isinstance(rollouts, int) and rollouts < value_pretrain_steps:
+        rollouts, budget = record.get("rollouts"), record.get("budget")
+        shorter_budget = not isinstance(budget, int) or budget < value_pretrain_steps  # (not its stop rule's end)
+        if not changed and isinstance(rollouts, int) and rollouts < value_pretrain_steps and shorter_budget:
             # A smoke test's critic reused by the real run would skip its whole budget unsaid.
             logger.warning(
                 f"value_model {path} was value-pretrained against this policy for these returns, for {rollouts} "

@@ -66,6 +66,8 @@ class StaticCacheEngine(GenerationEngine):
         batch_size: prompts per static batch (None: all at once), as `generate()`'s per call: the cache is sized
             for the batch (evaluation's 200 prompts x 4 samples were one batch of 800 rows).
         tokenizer: passed to the `generate()` fallback (stop strings need it).
+        chosen_for_you: the engine was a GPU's default (`EngineSettings.auto`), not named: a rollout it sends to
+            `generate()` is said at INFO, not as a warning.
     """
 
     name = "static_cache"
@@ -87,6 +89,7 @@ class StaticCacheEngine(GenerationEngine):
         keep_buffers: bool = True,
         batch_size: int | None = None,
         tokenizer=None,
+        chosen_for_you: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -105,6 +108,7 @@ class StaticCacheEngine(GenerationEngine):
         )
         self.state: DecodeState | None = None
         self._warned: set[str] = set()
+        self.chosen_for_you = chosen_for_you
 
     @staticmethod
     def unsupported_settings(sampling: SamplingSettings, model: nn.Module) -> list[str]:
@@ -155,8 +159,11 @@ class StaticCacheEngine(GenerationEngine):
                 self._warned.add(key)
                 import logging
 
-                logging.getLogger(__name__).warning(
-                    f"The static-cache engine cannot sample with {key} exactly: these rollouts use generate()."
+                # Chosen as a GPU's default (`use_static_cache_engine=None`): generate(), the other default, is no
+                # surprise to warn of; named by the user, it is.
+                logging.getLogger(__name__).log(
+                    logging.INFO if self.chosen_for_you else logging.WARNING,
+                    f"The static-cache engine cannot sample with {key} exactly: these rollouts use generate().",
                 )
             return self.fallback._generate(prompt_ids, sampling, num_generations)
         out = cut_at_stop(
