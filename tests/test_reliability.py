@@ -520,6 +520,16 @@ def test_a_rollout_no_reward_function_scored_moves_no_weight(tiny_model_dir, tmp
     assert "Step 1: no completion in it was scored by ['scores_after_the_first_rollout']" in caplog.text
 
 
+def test_a_step_whose_completions_were_all_truncated_says_so(tiny_model_dir, tmp_path, caplog):
+    """Under `mask_truncated_completions` a step whose completions were all cut at `max_completion_length` trains
+    nothing: the warning named only unscored completions ("each returned None"), sending users to their rewards."""
+    args = config(tmp_path, max_steps=1, max_completion_length=1, mask_truncated_completions=True)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32))
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer.train()
+    assert "or each one scored was truncated at max_completion_length (mask_truncated_completions=True)" in caplog.text
+
+
 def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tiny_model_dir, tmp_path):
     def never(completions, **kwargs):
         return [None] * len(completions)
@@ -1612,37 +1622,29 @@ def test_save_model_on_a_full_disk_leaves_the_folder_as_it_was(tiny_model_dir, t
 
 def test_a_resume_from_an_older_checkpoint_warns_of_the_newer_ones(tiny_model_dir, two_checkpoints, tmp_path, caplog):
     """Going back to checkpoint-1 while checkpoint-2 (another course) is there: the run warns that a later
-    `resume_from_checkpoint=True` would take checkpoint-2 until this run writes over it."""
+    `resume_from_checkpoint=True` would take checkpoint-2 until this run writes over it. Not where checkpoint-2 does
+    not read: `resume_from_checkpoint=True` passes over it (the warning named it as the one it would take)."""
     out = tmp_path / "out"
-    shutil.copytree(two_checkpoints, out)
-    trainer = VAPOTrainer(
-        model=str(tiny_model_dir),
-        reward_funcs=digit_fraction,
-        args=config(tmp_path, max_steps=1),
-        train_dataset=prompts_dataset(32),
-    )
-    with caplog.at_level(logging.WARNING):
-        trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
-    assert (
-        "Resuming from checkpoint-1 while" in caplog.text
-        and "newer checkpoints of another course: checkpoint-2" in caplog.text
-    )
-    assert "resume_from_checkpoint=True would take checkpoint-2" in caplog.text
-    # A newer checkpoint that does not read is none that `resume_from_checkpoint=True` would take (it passes over it):
-    # the warning named it as the one it would take.
-    shutil.rmtree(out)
-    shutil.copytree(two_checkpoints, out)
-    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
-    caplog.clear()
-    again = VAPOTrainer(
-        model=str(tiny_model_dir),
-        reward_funcs=digit_fraction,
-        args=config(tmp_path, max_steps=1),
-        train_dataset=prompts_dataset(32),
-    )
-    with caplog.at_level(logging.WARNING):
-        again.train(resume_from_checkpoint=str(out / "checkpoint-1"))
-    assert "newer checkpoints of another course" not in caplog.text
+    for damaged in (False, True):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(two_checkpoints, out)
+        if damaged:
+            (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+        caplog.clear()
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=config(tmp_path, max_steps=1),
+            train_dataset=prompts_dataset(32),
+        )
+        with caplog.at_level(logging.WARNING):
+            trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+        for said in (
+            "Resuming from checkpoint-1 while",
+            "newer checkpoints of another course: checkpoint-2",
+            "resume_from_checkpoint=True would take checkpoint-2",
+        ):
+            assert (said in caplog.text) is not damaged, (said, damaged)
 
 
 def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_model_dir, two_checkpoints, tmp_path):

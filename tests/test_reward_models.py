@@ -121,6 +121,18 @@ def test_reward_weights_are_counted_before_a_reward_model_loads(tiny_model_dir, 
 
 
 # ------------------------------------------------------------------------------------------------- the protocol
+def test_several_reward_functions_are_told_which_one_judges_correctness(tiny_model_dir, tmp_path, caplog):
+    """With a format reward first and the verifier second, the warning that positive examples come from the weighted
+    sum suggested the format reward (the first function) as the one that judges correctness."""
+
+    def short_answer(completions, **kwargs):
+        return [float(len(c) < 8) for c in completions]
+
+    with caplog.at_level("WARNING", logger="trl_vapo.trainer"):
+        VAPOTrainer(str(tiny_model_dir), [short_answer, math_reward], make_args(tmp_path), prompts_dataset())
+    assert "that judge correctness: positive_reward_funcs=['math_reward']." in caplog.text
+
+
 def test_a_function_using_trainer_state_log_extra_and_log_metric_passes_the_check_and_trains(tiny_model_dir, tmp_path):
     from transformers import TrainerCallback
 

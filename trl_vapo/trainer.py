@@ -298,11 +298,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             reward_funcs = load_reward_models(reward_funcs, reward_processing_classes, args)
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational, args.positive_reward_funcs)
         if args.positive_reward_funcs is None and len(self.scorer.names) > 1 and args.nll_coef > 0:
+            # The verifiers among them (`math_reward`'s kind, which reads gold answers), else the first function.
+            funcs = zip(self.scorer.funcs, self.scorer.names)
+            verifiers = [name for func, name in funcs if hasattr(func, "answer_columns")]
             logger.warning(
                 f"Positive examples (the NLL loss imitates them; `accuracy` counts them) are read from the weighted "
                 f"sum of all {len(self.scorer.names)} reward functions ({', '.join(self.scorer.names)}): a wrong "
                 "answer that another function rewards (a format reward) can count as correct. Name the functions "
-                f"that judge correctness: positive_reward_funcs=['{self.scorer.names[0]}'] (if it is the verifier)."
+                f"that judge correctness: positive_reward_funcs={verifiers or self.scorer.names[:1]}"
+                + ("." if verifiers else " (if it is the verifier).")
             )
         if rollout_func is None:  # its fields are columns too, which no dataset row shows
             self.scorer.check(example, args.num_generations, args.max_steps)
@@ -1334,9 +1338,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """Drop the update of a step in which no token trains: no completion in it was scored (or each scored one
         was truncated under `mask_truncated_completions`)."""
         self._drop_update()
+        # (Under mask_truncated_completions the likelier cause early in a run: every completion cut at the length.)
+        truncated = (
+            ", or each one scored was truncated at max_completion_length (mask_truncated_completions=True)"
+            if self.args.mask_truncated_completions
+            else ""
+        )
         logger.warning(
             f"Step {self.state.global_step + 1}: no completion in it was scored by {self.reward_func_names} (each "
-            f"returned None), so nothing trains; the update is skipped ({self.progress.skipped_steps} skipped so far)."
+            f"returned None){truncated}, so nothing trains; the update is skipped ({self.progress.skipped_steps} "
+            "skipped so far)."
         )
 
     def _skip_nonfinite_step(self) -> None:
