@@ -276,8 +276,16 @@ def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_doe
     assert model is trainer.actor_critic.policy and config == args.liger_kernel_config
 
 
-def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tmp_path):
-    make_args(tmp_path, scale_rewards="none", router_aux_loss_coef=0.0, log_multimodal=False)
+def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tiny_model_dir, tmp_path, caplog):
+    """Accepted so that a GRPO config runs, and said where set otherwise than GRPO's default: a Dr. GRPO config's
+    `scale_rewards='none'` changed nothing without a word."""
+    from trl_vapo.config import grpo_settings_without_effect
+
+    dr_grpo = make_args(tmp_path, scale_rewards="none", router_aux_loss_coef=0.0, log_multimodal=False)
+    assert grpo_settings_without_effect(make_args(tmp_path)) == []
+    with caplog.at_level("WARNING", logger="trl_vapo.trainer"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, dr_grpo, prompts_dataset(8))
+    assert "GRPOConfig's scale_rewards='none': VAPO does not scale rewards, whichever of the three" in caplog.text
     make_args(tmp_path, scale_rewards=False)  # GRPOConfig's boolean spelling of 'none'
     assert make_args(tmp_path, scale_rewards="False").scale_rewards == "none"  # as `--scale_rewards False` gives it
     make_args(tmp_path, use_bias_correction_kl=False)  # a penalty in the reward: neither value reweights it

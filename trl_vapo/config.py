@@ -1389,6 +1389,17 @@ def settings_without_effect(args: VAPOConfig) -> list[str]:
     return [f"{name}={getattr(args, name)!r}" for name in changed]
 
 
+def grpo_settings_without_effect(args: VAPOConfig) -> list[str]:
+    """``name=value: what VAPO does instead`` of each GRPO_ONLY field set to a value VAPO accepts other than GRPO's
+    default (`scale_rewards='none'`, Dr. GRPO's): accepted so that the config runs, and said, since it changes
+    nothing here."""
+    return [
+        f"{name}={getattr(args, name)!r}: {instead}"
+        for name, (default, instead, *_) in GRPO_ONLY.items()
+        if getattr(args, name) != default
+    ]
+
+
 # report_to's names whose `is_<name>_available` in transformers' integration_utils, or whose pip package, is
 # spelled otherwise.
 _TRACKER_CHECKS = {"azure_ml": "azureml", "flyte": "flytekit"}
