@@ -264,6 +264,16 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     assert VAPOConfig.world_size is TrainingArguments.world_size  # as it was, after the check
 
 
+def test_the_command_alone_prints_its_help_and_a_wrong_one_is_an_error(capsys):
+    """`trl-vapo` alone printed argparse's "the following arguments are required" and exited 2, where `trl` alone
+    prints its help and exits 0."""
+    assert main([]) == 0
+    assert "train: train (no arguments: the offline demo)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stopped:
+        main(["trian"])
+    assert stopped.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
+
+
 def test_the_command_logs_at_info_without_each_hub_request(monkeypatch):
     """huggingface_hub's HTTP client logs every request at INFO (a cached file's lookup too): under the command's
     INFO logging, dozens of `HTTP Request: HEAD https://huggingface.co/...` lines before the first step. A level the

@@ -121,6 +121,26 @@ def test_reward_weights_are_counted_before_a_reward_model_loads(tiny_model_dir, 
 
 
 # ------------------------------------------------------------------------------------------------- the protocol
+def test_a_log_metric_named_as_one_of_vapos_own_is_logged_apart(tiny_model_dir, tmp_path):
+    """`log_metric("accuracy", ...)` was averaged into VAPO's own `accuracy` (GRPOTrainer logs none of that name):
+    one number of two meanings. Logged as `rewards/log_metric/accuracy`; a name of the user's alone keeps its name,
+    in training's logs and in an evaluation's metrics."""
+
+    def judged(completions, log_metric, **kwargs):
+        log_metric("accuracy", 7.0)
+        log_metric("judge_calls", 3.0)
+        return [float(c[:1].isdigit()) for c in completions]
+
+    args = make_args(tmp_path, max_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), judged, args, prompts_dataset(), eval_dataset=prompts_dataset(4))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if h.get("phase") == "rl"][-1]
+    assert logged["rewards/log_metric/accuracy"] == 7.0 and logged["judge_calls"] == 3.0 and logged["accuracy"] <= 1
+    metrics = trainer.evaluate()
+    assert metrics["eval_rewards/log_metric/accuracy"] == 7.0 and metrics["eval_judge_calls"] == 3.0
+    assert metrics["eval_accuracy"] <= 1
+
+
 def test_several_reward_functions_are_told_which_one_judges_correctness(tiny_model_dir, tmp_path, caplog):
     """With a format reward first and the verifier second, the warning that positive examples come from the weighted
     sum suggested the format reward (the first function) as the one that judges correctness."""

@@ -1597,6 +1597,9 @@ def main(argv: list[str] | None = None) -> int:
             choices=sorted(commands),
             help="train: train (no arguments: the offline demo); eval: score a model; plot: redraw a run's plots",
         )
+        if not argv:  # as `trl` alone: the help, not an error
+            parser.print_help()
+            return 0
         parser.parse_args(argv)
         return 2
     try:

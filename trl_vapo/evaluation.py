@@ -37,7 +37,7 @@ from .data import (
 )
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
-from .reporting import nan_mean
+from .reporting import averaged_metrics
 from .rollout import EVAL, Rollout, rollout_metrics
 from .scoring import RewardScorer, parsed_completions, repeated_rows
 
@@ -391,7 +391,7 @@ class EvaluationMixin:
             values.append(rollout.old_values[mask])
             returns.append(rollout.returns[mask])
             num_prompts, num_batches = num_prompts + len(batch), num_batches + 1
-        metrics = {key: nan_mean(column) for key, column in self._metrics.items()}
+        metrics = averaged_metrics(self._metrics)
         for key, column in self._metrics.items():  # the extremes of the whole set, not the mean of the batches'
             name = key.rsplit("/", 1)[-1]
             if name.startswith(("min_", "max_")) and name.endswith("_length"):

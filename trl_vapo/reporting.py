@@ -497,6 +497,25 @@ def nan_mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
+USER_METRIC = "log_metric:"
+"""The prefix under which the reward functions' `log_metric` values are collected (`averaged_metrics` names them)."""
+
+
+def averaged_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:
+    """The averages of the metrics collected since the last log (`nan_mean`), each reward function's `log_metric`
+    value under its own name, as GRPOTrainer logs it, or, where VAPO logs a metric of that name itself (`accuracy`,
+    `value/mean`, ...), under `rewards/log_metric/<name>`: the two were averaged together into one number."""
+    averaged = {key: nan_mean(values) for key, values in metrics.items()}
+    own = {key for key in averaged if not key.startswith(USER_METRIC)}
+    named = {}
+    for key, value in averaged.items():
+        if key.startswith(USER_METRIC):
+            name = key[len(USER_METRIC) :]
+            key = f"rewards/log_metric/{name}" if name in own else name
+        named[key] = value
+    return named
+
+
 class MetricsMixin:
     """`VAPOTrainer`'s metrics: what each rollout and step records (over every process), averaged into each log
     (`log`, which also writes `vapo_logs.jsonl` and, with `log_completions`, the completions table)."""
@@ -534,7 +553,7 @@ class MetricsMixin:
         totals = self._all_reduce(torch.tensor(sums, dtype=torch.float32, device=self.accelerator.device))
         for name, (total, count) in zip(names, totals.tolist()):
             if count:
-                self._metrics[name].append(total / count)
+                self._metrics[USER_METRIC + name].append(total / count)
 
     def _record(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -608,7 +627,7 @@ class MetricsMixin:
     def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
         """Add the averages of the metrics collected since the last log, then log as `Trainer.log` does; with
         `log_completions`, also the latest rollout's completions table (once per rollout)."""
-        averaged = {key: nan_mean(values) for key, values in self._metrics.items() if values}
+        averaged = averaged_metrics({key: values for key, values in self._metrics.items() if values})
         self._metrics.clear()
         super().log({**averaged, **logs}, start_time)
         if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
