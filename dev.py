@@ -16,7 +16,6 @@ every step already done.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
@@ -74,7 +73,7 @@ def venv_python_tag(env: Path) -> str | None:
 def ensure_venv(env: Path) -> None:
     """`env` as a venv of this interpreter with pip: created, or created anew where it is half-built, pip-less or of
     another Python (whose packages the lock and the install stamp, both this interpreter's, do not describe)."""
-    found = venv_python_tag(env) if python_of(env).exists() else None
+    found = venv_python_tag(env)
     if found == python_tag():
         return
     if python_of(env).exists():
@@ -186,7 +185,9 @@ def run_checks(python: Path, pytest_args: list[str], in_place: bool = False) -> 
     process, `_exec`)."""
     if _run(python, "-m", "ruff", "check", ".", check=False) != 0:
         return 1
-    return (_exec if in_place else functools.partial(_run, check=False))(python, "-m", "pytest", *pytest_args)
+    if in_place:
+        return _exec(python, "-m", "pytest", *pytest_args)
+    return _run(python, "-m", "pytest", *pytest_args, check=False)
 
 
 def freeze(python: Path) -> dict[str, str]:

@@ -279,10 +279,10 @@ def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_doe
 def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tiny_model_dir, tmp_path, caplog):
     """Accepted so that a GRPO config runs, and said where set otherwise than GRPO's default: a Dr. GRPO config's
     `scale_rewards='none'` changed nothing without a word."""
-    from trl_vapo.config import grpo_settings_without_effect
+    from trl_vapo.grpo_fields import grpo_setting_warnings
 
     dr_grpo = make_args(tmp_path, scale_rewards="none", router_aux_loss_coef=0.0, log_multimodal=False)
-    assert grpo_settings_without_effect(make_args(tmp_path)) == []
+    assert grpo_setting_warnings(make_args(tmp_path)) == []
     with caplog.at_level("WARNING", logger="trl_vapo.trainer"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, dr_grpo, prompts_dataset(8))
     assert "GRPOConfig's scale_rewards='none': VAPO does not scale rewards, whichever of the three" in caplog.text

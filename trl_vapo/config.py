@@ -554,10 +554,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=None,
         metadata={
             "help": "KV-cache implementation of model.generate() (e.g. 'static', 'offloaded'), where generate() "
-            "samples: another than 'static' keeps generate() on a CUDA GPU (the static-cache engine, the default "
-            "there, keeps its own static cache; named with use_static_cache_engine=True, a cache other than 'static' "
-            "or 'dynamic' sends the rollouts to generate(), with a warning); refused with vLLM and continuous "
-            "batching."
+            "samples: another than 'static' or 'dynamic' keeps generate() on a CUDA GPU (the static-cache engine, the "
+            "default there, keeps its own static cache; named with use_static_cache_engine=True, it sends such "
+            "rollouts to generate(), with a warning); refused with vLLM and continuous batching."
         },
     )
     log_unique_prompts: bool = field(
@@ -1387,17 +1386,6 @@ def settings_without_effect(args: VAPOConfig) -> list[str]:
     defaults["dataloader_pin_memory"] &= not args.use_cpu  # transformers turns it off itself with use_cpu
     changed = [name for name in _WITHOUT_EFFECT if (getattr(args, name) or None) != (defaults[name] or None)]
     return [f"{name}={getattr(args, name)!r}" for name in changed]
-
-
-def grpo_settings_without_effect(args: VAPOConfig) -> list[str]:
-    """``name=value: what VAPO does instead`` of each GRPO_ONLY field set to a value VAPO accepts other than GRPO's
-    default (`scale_rewards='none'`, Dr. GRPO's): accepted so that the config runs, and said, since it changes
-    nothing here."""
-    return [
-        f"{name}={getattr(args, name)!r}: {instead}"
-        for name, (default, instead, *_) in GRPO_ONLY.items()
-        if getattr(args, name) != default
-    ]
 
 
 # report_to's names whose `is_<name>_available` in transformers' integration_utils, or whose pip package, is

@@ -237,6 +237,10 @@ class SamplingSettings:
         return GenerationConfig(**kwargs)
 
 
+EXACT_CACHES = (None, "static", "dynamic")
+"""The `cache_implementation`s whose values the static-cache engine's own static cache reproduces (`generate()`'s
+default is dynamic); another (quantized: other values; offloaded: less device memory) stays with `generate()`."""
+
 # The settings of a GenerationConfig that make `generate()` sample from other than softmax(logits / temperature), each
 # with when it does: the warpers (applied only when sampling), then the processors (greedy decoding too).
 WARPER_SETTINGS = {
@@ -791,8 +795,8 @@ class EngineSettings:
         keep_buffers: the static-cache engine keeps its cache and graph between calls (`placed` turns it off for
             training: the update between two rollouts needs that memory).
         auto: the engine was not named (`use_static_cache_engine=None`): `placed` picks the static-cache engine on a
-            CUDA device without DeepSpeed or FSDP, for an unquantized base and no `cache_implementation` but static
-            (on an H200, one run: a VAPO LoRA step in 0.34x the time, 23x the tokens/s in generation).
+            CUDA device without DeepSpeed or FSDP, for an unquantized base and no `cache_implementation` but
+            `EXACT_CACHES` (on an H200, one run: a VAPO LoRA step in 0.34x the time, 23x the tokens/s in generation).
     """
 
     engine: str = "generate"
@@ -821,7 +825,7 @@ class EngineSettings:
         # not captured on a GPU yet (named, it runs; a failed capture falls back to the eager step with a warning).
         quantized = self.quantization_config is not None or loaded_quantized(model)
         # Nor where `cache_implementation` asks for another KV cache (offloaded, quantized): the engine's is static.
-        other_cache = self.sampling.generation_kwargs.get("cache_implementation") not in (None, "static")
+        other_cache = self.sampling.generation_kwargs.get("cache_implementation") not in EXACT_CACHES
         if (
             self.auto
             and engine == "generate"

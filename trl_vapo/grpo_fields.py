@@ -51,8 +51,14 @@ def grpo_only_field(name: str):
 
 
 def grpo_setting_warnings(args) -> list[str]:
-    """GRPOTrainer's warnings about loss settings that run but miss what their paper set up, in its words."""
-    warnings = []
+    """GRPOTrainer's warnings about loss settings that run but miss what their paper set up, in its words; and each
+    GRPO_ONLY field set to a value VAPO accepts other than GRPO's default (`scale_rewards='none'`, Dr. GRPO's), which
+    changes nothing here (the refused values never reach here)."""
+    warnings = [
+        f"GRPOConfig's {name}={getattr(args, name)!r}: {instead}"
+        for name, (default, instead, *_) in GRPO_ONLY.items()
+        if getattr(args, name) != default
+    ]
     if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
         warnings.append(
             "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .generation import (
+    EXACT_CACHES,
     GenerationEngine,
     GenerationOutput,
     ModelProvider,
@@ -25,10 +26,6 @@ from .generation import (
     model_generation_settings,
 )
 from .modeling import _adapter_layers, is_peft_model
-
-EXACT_CACHES = (None, "static", "dynamic")
-"""The `cache_implementation`s whose values this engine's static cache reproduces; another (quantized: other values;
-offloaded: less device memory) goes to `generate()`, which honours it."""
 
 
 class StaticCacheEngine(GenerationEngine):

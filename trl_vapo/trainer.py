@@ -48,7 +48,7 @@ from ._compat import (
     pad,
     prepare_frozen_model,
 )
-from .config import VAPOConfig, grpo_settings_without_effect, settings_without_effect
+from .config import VAPOConfig, settings_without_effect
 from .core import (
     decoupled_gae,
     explained_variance_plateaued,
@@ -399,8 +399,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 "loaders, which VAPOTrainer replaces with its own (each rollout reads its prompts from the data set; "
                 "shuffle_dataset orders them): they change nothing here."
             )
-        for setting in grpo_settings_without_effect(args):  # (the refused values never reach here)
-            logger.warning(f"GRPOConfig's {setting}")
         if keep_trainable_weights_in_float32(actor_critic):
             logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
         # With PEFT the reference policy is the base with adapters disabled where the new adapter computes as its base
