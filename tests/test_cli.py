@@ -505,10 +505,51 @@ def test_an_adapter_on_the_hub_pushed_without_a_tokenizer_takes_its_base_models(
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
     assert adapter_base_of("me/lora") == (str(tiny_model_dir), None)
-    assert _tokenizer_source("me/lora", "--model_name_or_path") == str(tiny_model_dir)
+    assert _tokenizer_source("me/lora", "--model_name_or_path") == (str(tiny_model_dir), None)
     assert adapter_base_of("me/model") is None  # no adapter
     (repo / "tokenizer_config.json").write_text("{}")
     assert adapter_base_of("me/lora") is None  # an adapter pushed with its tokenizer: that one
+
+
+def test_the_tokenizer_of_an_adapter_on_the_hub_is_read_at_the_revision_the_run_names(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """`--model_revision v2` (or model_init_kwargs' `revision`) of an adapter repository: its base model was read from
+    `main`'s adapter_config.json (where another base, or a full model with its tokenizer, may be), the policy from
+    v2's; the tokenizer is v2's adapter's base's, at the base revision that adapter names. A stand-in
+    `hf_hub_download` (the Hub cannot be reached here), with the real one's interface, serves a folder per revision."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from trl_vapo.cli import _tokenizer_source
+    from trl_vapo.config import VAPOConfig
+    from trl_vapo.loading import adapter_base_of, policy_tokenizer
+
+    branches = {"main": tmp_path / "main", "v2": tmp_path / "v2"}
+    for folder in branches.values():
+        folder.mkdir()
+    (branches["main"] / "tokenizer_config.json").write_text("{}")  # main: pushed with a tokenizer
+    (branches["main"] / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "other/base"}))
+    v2 = {"base_model_name_or_path": str(tiny_model_dir), "revision": "b1"}
+    (branches["v2"] / "adapter_config.json").write_text(json.dumps(v2))
+    asked = []
+
+    def hf_hub_download(repo_id, filename, *, revision=None, subfolder=None, cache_dir=None, token=None, **kwargs):
+        asked.append((filename, revision))
+        path = branches.get(revision or "main", tmp_path / "none") / (subfolder or "") / filename
+        if repo_id != "me/lora" or not path.is_file():
+            raise EntryNotFoundError(f"{filename} is not in {repo_id}@{revision}")
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    assert adapter_base_of("me/lora") is None  # main's has its tokenizer
+    assert adapter_base_of("me/lora", {"revision": "v2", "trust_remote_code": False}) == (str(tiny_model_dir), "b1")
+    assert _tokenizer_source("me/lora", "--model_name_or_path", "v2") == (str(tiny_model_dir), "b1")
+    assert _tokenizer_source(str(tiny_model_dir), "--model_name_or_path", "v3") == (str(tiny_model_dir), "v3")
+    asked.clear()
+    args = VAPOConfig(output_dir=str(tmp_path / "out"), report_to="none")
+    assert policy_tokenizer("me/lora", "me/lora", args, {"revision": "v2"}).name_or_path == str(tiny_model_dir)
+    assert ("adapter_config.json", "v2") in asked and ("adapter_config.json", "main") not in asked
 
 
 def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(

@@ -1390,7 +1390,7 @@ def eval_command(argv: list[str]) -> int:
             "--k 1, or a temperature > 0"
         )
     _check_model_source(args.model, "--model")
-    tokenizer_source = _tokenizer_source(args.model, "--model")
+    tokenizer_source, tokenizer_revision = _tokenizer_source(args.model, "--model")
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
     if args.output_json and Path(args.output_json).is_dir():
         raise UsageError(f"--output_json {args.output_json} is a folder: name a file")
@@ -1438,9 +1438,9 @@ def eval_command(argv: list[str]) -> int:
 
         script.dataset_train_split = script.dataset_test_split or "test"
         script.dataset_streaming = False  # a training config's: eval selects and scores a whole split
-        _, dataset, _, _ = _resolve_data(
+        _, dataset, _, _ = _resolve_data(  # (prompts formatted with the chat template of the tokenizer's model)
             script,
-            ModelConfig(model_name_or_path=tokenizer_source),  # whose chat template formats the prompts
+            ModelConfig(model_name_or_path=tokenizer_source, model_revision=tokenizer_revision),
             VAPOConfig(output_dir=".", report_to="none", trust_remote_code=args.trust_remote_code),
             demo=False,
         )
@@ -1459,7 +1459,9 @@ def eval_command(argv: list[str]) -> int:
     for reward_model in (f for f in reward_funcs if isinstance(getattr(f, "model", None), torch.nn.Module)):
         reward_model.model.to(device)  # beside the policy (it loaded on the CPU)
         reward_model.device = device
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_source, revision=tokenizer_revision, trust_remote_code=args.trust_remote_code
+    )
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -1544,27 +1546,26 @@ def _tokenizer_of(model: str, model_args, training_args):
     saved without one, its base model's (`_tokenizer_source`)."""
     from transformers import AutoTokenizer
 
-    source = _tokenizer_source(model, "--model_name_or_path")
-    return AutoTokenizer.from_pretrained(
-        source,
-        revision=model_args.model_revision if source == model else None,
-        trust_remote_code=training_args.trust_remote_code,
-    )
+    source, revision = _tokenizer_source(model, "--model_name_or_path", model_args.model_revision)
+    return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=training_args.trust_remote_code)
 
 
-def _tokenizer_source(model: str, flag: str) -> str:
-    """Where `model`'s tokenizer is: the folder itself (or the Hub id), or for a PEFT adapter folder saved without
-    one (peft's `save_pretrained`), its base model, checked as `flag`'s model was (`_check_model_source`)."""
+def _tokenizer_source(model: str, flag: str, revision: str | None = None) -> tuple[str, str | None]:
+    """Where `model`'s tokenizer is, and at which revision: the folder itself (or the Hub id) at `revision`, or for a
+    PEFT adapter saved without one (peft's `save_pretrained` and `push_to_hub`), its base model at the revision its
+    `adapter_config.json` (`revision`'s) names, checked as `flag`'s model was (`_check_model_source`)."""
     from .loading import adapter_base_of
 
     try:
-        base = adapter_base_of(model)
+        base = adapter_base_of(model, {"revision": revision})
     except ValueError as error:
         raise UsageError(f"{flag} {error}") from None
     if base is None:
-        return model
-    _check_model_source(base[0], f"the adapter's base model (base_model_name_or_path in {model}/adapter_config.json)")
-    return base[0]
+        return model, revision
+    _check_model_source(
+        base[0], f"the adapter's base model (base_model_name_or_path in {model}/adapter_config.json)", base[1]
+    )
+    return base
 
 
 def plot_command(argv: list[str]) -> int:

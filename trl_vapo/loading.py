@@ -47,7 +47,7 @@ from .modeling import (
     value_function_name,
     value_pretraining_record,
 )
-from .pretrained import from_pretrained_kwargs, load_pretrained, lookup_kwargs
+from .pretrained import LOOKUP_KWARGS, from_pretrained_kwargs, load_pretrained, lookup_kwargs
 
 if TYPE_CHECKING:
     from .config import VAPOConfig
@@ -147,24 +147,27 @@ def policy_tokenizer(model, model_id: str, args, model_init_kwargs: dict | None 
     (`adapter_base_of`)."""
     if not isinstance(model, (str, os.PathLike)):  # a model given loaded: its config names where it came from
         return AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
-    base = adapter_base_of(model_id)
+    where = lookup_kwargs(from_pretrained_kwargs(args, model_init_kwargs))
+    base = adapter_base_of(model_id, where)
     if base is not None:
         return AutoTokenizer.from_pretrained(base[0], revision=base[1], trust_remote_code=args.trust_remote_code)
-    return AutoTokenizer.from_pretrained(model_id, **lookup_kwargs(from_pretrained_kwargs(args, model_init_kwargs)))
+    return AutoTokenizer.from_pretrained(model_id, **where)
 
 
-def adapter_base_of(model: str) -> tuple[str, str | None] | None:
+def adapter_base_of(model: str, where: dict | None = None) -> tuple[str, str | None] | None:
     """For a PEFT adapter saved without a tokenizer (peft's `save_pretrained` and `push_to_hub` write none), in a
     local folder or on the Hub, its base model and revision, where the tokenizer is; None for any other model. A
-    ValueError for an adapter that names no base."""
-    folder = Path(model).expanduser()
-    if folder.is_dir():
+    ValueError for an adapter that names no base. `where`: the options the model is loaded with (`LOOKUP_KWARGS`):
+    the adapter of that `revision` and `subfolder` (another branch's may name another base, or be none)."""
+    where = {key: value for key, value in (where or {}).items() if key in LOOKUP_KWARGS and value is not None}
+    if Path(model).expanduser().is_dir():
+        folder = Path(model).expanduser() / where.get("subfolder", "")
         adapter = folder / "adapter_config.json"
         if not adapter.is_file() or (folder / "tokenizer_config.json").is_file():
             return None
     else:  # a Hub id (the adapter's repository held no tokenizer: an OSError where its base's was at hand)
-        adapter = hub_file(model, "adapter_config.json")
-        if adapter is None or hub_file(model, "tokenizer_config.json") is not None:
+        adapter = hub_file(model, "adapter_config.json", where)
+        if adapter is None or hub_file(model, "tokenizer_config.json", where) is not None:
             return None
     config = json.loads(adapter.read_text())
     if not config.get("base_model_name_or_path"):
@@ -172,13 +175,16 @@ def adapter_base_of(model: str) -> tuple[str, str | None] | None:
     return config["base_model_name_or_path"], config.get("revision")
 
 
-def hub_file(repo_id: str, filename: str) -> Path | None:
+def hub_file(repo_id: str, filename: str, where: dict | None = None) -> Path | None:
     """`filename` of the Hub model `repo_id` (downloaded, or from the cache offline), or None where there is none:
-    not a repository id, no such file, a Hub out of reach (loading the model then says why)."""
+    not a repository id, no such file, a Hub out of reach (loading the model then says why). `where`: `revision`,
+    `subfolder`, `cache_dir`, `token`, ... as `from_pretrained` takes them."""
     import huggingface_hub
 
+    takes = inspect.signature(huggingface_hub.hf_hub_download).parameters  # (not `proxies`, which 1.x dropped)
+    options = {key: value for key, value in (where or {}).items() if key in takes and key != "filename"}
     try:
-        return Path(huggingface_hub.hf_hub_download(repo_id, filename))
+        return Path(huggingface_hub.hf_hub_download(repo_id, filename, **options))
     except Exception:  # (HFValidationError, EntryNotFoundError, LocalEntryNotFoundError, a connection's: the same)
         return None
 
