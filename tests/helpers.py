@@ -240,15 +240,15 @@ class StandInVLLMGeneration(VLLMGeneration):
 
 
 class PoisonedTrainer(VAPOTrainer):
-    """Puts NaN into the old values and the returns of the rollouts listed in `poisoned` (0-based), making those
-    steps' loss NaN (value pretraining reads only the returns)."""
+    """Makes the rewards of the rollouts listed in `poisoned` (0-based) NaN, so their returns and advantages, and
+    those steps' loss: the critic's wherever its backward runs (the scoring pass, or the update), and the policy's."""
 
     poisoned: set[int] = set()
 
     def _make_rollout(self, rows, phase, *args, **kwargs):
-        rollout = super()._make_rollout(rows, phase, *args, **kwargs)
         self.rollout_index = getattr(self, "rollout_index", -1) + 1
-        if self.rollout_index in self.poisoned:
-            rollout.old_values = torch.full_like(rollout.old_values, math.nan)
-            rollout.returns = torch.full_like(rollout.returns, math.nan)
-        return rollout
+        return super()._make_rollout(rows, phase, *args, **kwargs)
+
+    def _sequence_rewards(self, scores, group_size):
+        rewards = super()._sequence_rewards(scores, group_size)
+        return torch.full_like(rewards, math.nan) if self.rollout_index in self.poisoned else rewards

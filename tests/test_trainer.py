@@ -452,7 +452,14 @@ def test_one_pass_per_side_trains_as_one_pass_for_both(tiny_model_dir, tmp_path,
         trainer = VAPOTrainer(
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
-            args=make_args(tmp_path / name, max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=8),
+            # (lam_critic < 1: the critic trains in the update, not in the scoring pass)
+            args=make_args(
+                tmp_path / name,
+                max_steps=3,
+                gradient_accumulation_steps=2,
+                per_device_train_batch_size=8,
+                lam_critic=0.95,
+            ),  # fmt: skip
             train_dataset=prompts_dataset(),
             peft_config=peft_config if lora else None,
         )
@@ -470,6 +477,51 @@ def test_one_pass_per_side_trains_as_one_pass_for_both(tiny_model_dir, tmp_path,
     assert split.keys() == one.keys() and len(split) > 2
     for name, value in split.items():
         torch.testing.assert_close(value, one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["shared-base-lora", "critic-copy"])
+def test_the_critic_trains_in_the_scoring_pass_with_one_forward_a_rollout_as_it_trains_in_the_update(
+    tiny_model_dir, tmp_path, monkeypatch, lora
+):
+    """With one optimizer step per rollout, one pass over it and lam_critic=1 (the defaults), the critic's forward of
+    the scoring pass (GAE's values) and that of the update compute the same values on the same weights, and its
+    targets (Monte-Carlo returns) do not read them: its forward and backward run once a rollout, in the scoring pass
+    (`_critic_trains_while_scoring`). The weights after training and the logged losses are those of the critic
+    trained in the update; the critic's forwards are half as many."""
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def trained(name):
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=make_args(tmp_path / name, max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=8),
+            train_dataset=prompts_dataset(),
+            peft_config=peft_config if lora else None,
+        )
+        forward, critic_forwards = trainer.actor_critic.forward, []
+
+        def counted(*args, **kwargs):
+            critic_forwards.append(torch.is_grad_enabled()) if kwargs.get("with_values", True) else None
+            return forward(*args, **kwargs)
+
+        trainer.actor_critic.forward = counted
+        trainer.train()
+        weights = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if p.requires_grad}
+        losses = [h[key] for h in rl_logs(trainer) for key in ("loss", "loss/value", "loss/policy")]
+        return weights, losses, critic_forwards
+
+    scoring, scoring_losses, scoring_forwards = trained("scoring")
+    monkeypatch.setattr(VAPOTrainer, "_critic_trains_while_scoring", lambda self, phase: False)
+    update, update_losses, update_forwards = trained("update")
+    micro_batches = 3 * 2  # 3 rollouts of 16 completions, micro-batches of 8
+    assert scoring_forwards == [True] * micro_batches  # once, with its gradient
+    assert update_forwards == [False, False, True, True] * 3  # without (the scoring pass's), then with
+    assert scoring.keys() == update.keys() and len(scoring) > 2
+    for name, value in scoring.items():
+        torch.testing.assert_close(value, update[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert len(scoring_losses) == 3 * 3 and scoring_losses == pytest.approx(update_losses, rel=1e-5, abs=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -502,6 +554,7 @@ def test_micro_batches_hold_rows_of_similar_lengths_in_the_steps_and_the_scoring
     completions' tokens computed; 64 of 8: 1.80x); split in length order, 1.09x (1.10x). The step's loss sums the
     same tokens (normalised by the step's count), and the scoring pass writes each row's scores back by its index."""
     from trl_vapo import modeling
+    from trl_vapo import trainer as trainer_module
     from trl_vapo.rollout import Rollout
 
     steps, scored = [], []  # each micro-batch's completion lengths, in the order they ran
@@ -516,7 +569,8 @@ def test_micro_batches_hold_rows_of_similar_lengths_in_the_steps_and_the_scoring
         return trim(input_ids, attention_mask, prompt_length, rows, *args)
 
     monkeypatch.setattr(Rollout, "micro_batch", recorded_micro_batch)
-    monkeypatch.setattr(modeling, "trim_padding", recorded_trim)
+    monkeypatch.setattr(modeling, "trim_padding", recorded_trim)  # the scoring pass's
+    monkeypatch.setattr(trainer_module, "trim_padding", recorded_trim)  # the critic's, when it trains there
     args = make_args(
         tmp_path, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=4,
         generation_kwargs=stop_on_common_characters(tiny_model_dir),

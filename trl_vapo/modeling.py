@@ -808,23 +808,26 @@ class ActorCritic(nn.Module):
         batch_size: int,
         temperature: float,
         with_policy: bool,
+        with_values: bool = True,
         reference: nn.Module | str | None = None,
         autocast=contextlib.nullcontext,
         pad_to_multiple_of: int | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """Log-probs (when ``with_policy``), values, and log-probs under ``reference`` of the completions after the
-        first ``prompt_length`` columns, without gradients, in micro-batches of ``batch_size``, padded to the
-        completions' width. ``reference``: a model, ``"base"`` (this policy with its adapters disabled),
-        `REFERENCE_ADAPTER` (this policy with `add_reference_adapter`'s copy), or None.
+        """Log-probs (when ``with_policy``), values (zeros without ``with_values``, for a critic that learns), and
+        log-probs under ``reference`` of the completions after the first ``prompt_length`` columns, without
+        gradients, in micro-batches of ``batch_size``, padded to the completions' width. ``reference``: a model,
+        ``"base"`` (this policy with its adapters disabled), `REFERENCE_ADAPTER` (this policy with
+        `add_reference_adapter`'s copy), or None.
         ``pad_to_multiple_of``: see :func:`trim_padding`."""
         width = input_ids.shape[1] - prompt_length
+        learned_values = self.learns_values and with_values
         if self.learns_values:
             values = torch.zeros((input_ids.shape[0], width), device=input_ids.device)
         else:  # one call with the whole rollout: a value function may read the rollout as a whole (the oracle does)
             values = self.frozen_values(input_ids, attention_mask, width)
         logprobs = torch.zeros_like(values) if with_policy else None
         ref = torch.zeros_like(values) if reference is not None else None
-        if not (self.learns_values or with_policy or reference is not None):
+        if not (learned_values or with_policy or reference is not None):
             return logprobs, values, ref  # the value function gave everything asked for: no model forward
         lengths = attention_mask[:, prompt_length:].sum(dim=1)
         for rows in length_sorted(torch.arange(input_ids.shape[0]), lengths).split(batch_size):
@@ -837,10 +840,10 @@ class ActorCritic(nn.Module):
                     length,
                     temperature,
                     with_policy=with_policy,
-                    with_values=self.learns_values,
+                    with_values=learned_values,
                     with_entropy=False,
                 )
-                if self.learns_values:
+                if learned_values:
                     values[rows, columns] = out["values"]
                 if with_policy:
                     logprobs[rows, columns] = out["logprobs"]

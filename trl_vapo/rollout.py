@@ -50,6 +50,9 @@ class Rollout:
     extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # reward functions' `log_extra`
     pad_to_multiple_of: int | None = None  # P and C are multiples of it, and so is every micro-batch's width
     group_size: int = 1  # completions per prompt, consecutive rows (over all processes, in rank order)
+    # The loss statistics of the critic's part of the update when it ran in the scoring pass (its gradients wait in
+    # `.grad`: `VAPOTrainer._critic_trains_while_scoring`); taken by the rollout's one optimizer step.
+    critic_step: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

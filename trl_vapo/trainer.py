@@ -50,6 +50,7 @@ from ._compat import (
 )
 from .config import VAPOConfig, settings_without_effect
 from .core import (
+    compute_gae,
     decoupled_gae,
     explained_variance_plateaued,
     importance_sampling_weights,
@@ -127,6 +128,7 @@ from .modeling import (
     keep_trainable_weights_in_float32,
     length_sorted,
     policy_fingerprints,
+    trim_padding,
     value_function_name,
     value_target_settings,
 )
@@ -976,6 +978,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         reference = None
         if args.beta > 0 and self._kl_penalised(phase):
             reference = self.ref_model if self.ref_model is not None else self._peft_reference
+        critic_trains_here = self._critic_trains_while_scoring(phase)
         old_logprobs, old_values, ref_logprobs = self.actor_critic.score_completions(
             input_ids,
             attention_mask,
@@ -983,16 +986,22 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             batch_size=args.per_device_train_batch_size,
             temperature=args.temperature,
             with_policy=with_policy,
+            with_values=not critic_trains_here,
             reference=reference,
             autocast=self.accelerator.autocast,
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
-        # 4. Advantage: decoupled, length-adaptive GAE (Monte-Carlo targets during value pretraining).
         is_correct = scores.is_correct(args.positive_reward_threshold).to(device)
         sequence_rewards = self._sequence_rewards(scores, num_generations or args.num_generations).to(device)
         rewards = terminal_rewards(sequence_rewards * trains, loss_mask)
         if ref_logprobs is not None:
             rewards = rewards - args.beta * (old_logprobs - ref_logprobs) * loss_mask
+        critic_step = None
+        if critic_trains_here:
+            old_values, critic_step = self._critic_forward_backward(
+                input_ids, attention_mask, prompts.shape[1], rewards, loss_mask, trains & is_correct
+            )
+        # 4. Advantage: decoupled, length-adaptive GAE (Monte-Carlo targets during value pretraining).
         lam_critic = 1.0 if phase == VALUE_PRETRAIN else args.lam_critic
         raw_advantages, returns, lambda_actor = decoupled_gae(
             rewards, old_values, loss_mask, args.gamma, args.lam_actor, lam_critic, args.length_adaptive_alpha
@@ -1042,7 +1051,69 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             extra_columns=dict(extra_columns),
             pad_to_multiple_of=args.pad_to_multiple_of,
             group_size=num_generations or args.num_generations,
+            critic_step=critic_step,
         )
+
+    def _critic_trains_while_scoring(self, phase: str) -> bool:
+        """Whether the critic's forward and backward for the rollout's one update run in its scoring pass, and its
+        values come from that forward: the critic's forward then runs once per rollout, not twice.
+
+        Exact where the update's critic forward would compute the same values on the same weights from targets known
+        before them: one optimizer step per rollout and one pass over it (`critic_num_iterations=1`,
+        `steps_per_generation = gradient_accumulation_steps`), `lam_critic=1` (the targets are the Monte-Carlo
+        returns, which do not read the values; the value clip is then a no-op, the old values being the values), in
+        RL. On one process: under DDP, DeepSpeed and FSDP a backward is a collective of its own.
+        """
+        from accelerate.utils import DistributedType
+
+        args = self.args
+        return (
+            phase == RL
+            and self.actor_critic.learns_values
+            and args.critic_num_iterations == 1
+            and args.steps_per_generation == args.gradient_accumulation_steps
+            and args.lam_critic == 1.0
+            and self.accelerator.distributed_type == DistributedType.NO
+        )
+
+    def _critic_forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        rewards: torch.Tensor,
+        loss_mask: torch.Tensor,
+        is_positive: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The critic's part of the rollout's update, in the scoring pass (`_critic_trains_while_scoring`): in
+        micro-batches of `per_device_train_batch_size`, its values' forward and the value loss's backward (the
+        step's token mean, as `_optimizer_step` normalises it), the gradients left for the step. Returns the values
+        (`[N, C]`, detached: GAE's) and the step's loss statistics, as `_optimizer_step` sums them."""
+        args = self.args
+        _, returns = compute_gae(rewards, torch.zeros_like(rewards), loss_mask, args.gamma, 1.0)  # (lam 1: V unread)
+        settings = self._loss_settings(RL, loss_mask, is_positive)
+        values = torch.zeros_like(loss_mask)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=loss_mask.device))
+        lengths = attention_mask[:, prompt_length:].sum(dim=1)
+        micro_batches = length_sorted(torch.arange(len(input_ids)), lengths).split(args.per_device_train_batch_size)
+        pad_to_multiple_of = args.pad_to_multiple_of
+        for i, rows in enumerate(micro_batches):
+            ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
+            with torch.enable_grad():
+                with self.accelerator.autocast():
+                    out = self.model_wrapped(
+                        ids, attention, length, args.temperature, with_policy=False, with_values=True
+                    )
+                mask, new_values = loss_mask[rows, :length], out["values"]
+                batch = {"mask": mask, "returns": returns[rows, :length], "old_values": new_values.detach()}
+                loss, stats = vapo_loss(None, new_values, batch, **settings)
+                self._backward(loss, last=i == len(micro_batches) - 1)
+            values[rows, :length] = new_values.detach()
+            sums["loss"] += loss.detach()
+            for key, value in stats.items():  # as `_optimizer_step` sums them: losses as they are, others by tokens
+                sums[key] += value if key.startswith("loss") else value * mask.sum()
+            del out, loss, new_values
+        return values, dict(sums)
 
     @contextlib.contextmanager
     def _generation_model(self):
@@ -1145,7 +1216,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.top_entropy_quantile >= 1.0:  # (its threshold is each micro-batch's, GRPOTrainer's: of drawn rows)
             rows = length_sorted(rows, rollout.lengths)
         micro_batches = rows.split(args.per_device_train_batch_size)
-        learns_values = self.actor_critic.learns_values
+        # The critic's forward and backward ran in the scoring pass (`_critic_trains_while_scoring`): its gradients
+        # wait in `.grad`, its statistics join this step's.
+        critic_step, rollout.critic_step = rollout.critic_step, None
+        learns_values = self.actor_critic.learns_values and critic_step is None
+        for key, value in (critic_step or {}).items():
+            sums[key] += value
         # accelerate's `sync_each_batch` (in accelerator_config's gradient_accumulation_kwargs): reduce every
         # micro-batch's gradients, which spares DDP's and FSDP's unsharded accumulation its memory.
         sync_each_batch = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
