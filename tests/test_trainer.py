@@ -524,6 +524,55 @@ def test_the_critic_trains_in_the_scoring_pass_with_one_forward_a_rollout_as_it_
     assert len(scoring_losses) == 3 * 3 and scoring_losses == pytest.approx(update_losses, rel=1e-5, abs=1e-7)
 
 
+def test_the_critic_trains_in_the_update_where_a_forward_there_would_differ_from_the_scoring_passs(
+    tiny_model_dir, tmp_path
+):
+    """`_critic_trains_while_scoring` holds for the defaults, and not where the update's critic forward would compute
+    other values than the scoring pass's (or on several processes, `test_distributed`'s runs)."""
+    args = make_args(tmp_path / "default", per_device_train_batch_size=8)
+    assert VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())._critic_trains_while_scoring(RL)
+    for setting in (
+        {"lam_critic": 0.95},  # targets that read the values
+        {"critic_num_iterations": 2},  # a second pass, on updated weights
+        {"steps_per_generation": 2},  # a second step, on updated weights
+        {"disable_dropout": False},  # another dropout mask in each forward
+    ):
+        args = make_args(tmp_path / "other", per_device_train_batch_size=8, **setting)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+        assert not trainer._critic_trains_while_scoring(RL), setting
+
+
+def test_a_train_call_stopped_by_an_error_leaves_no_gradient_to_the_resumed_run(tiny_model_dir, tmp_path):
+    """The critic's backward runs in a rollout's scoring pass, before its optimizer step: an error between the two (a
+    callback's `on_rollout`, the device out of memory in the policy's update) left the critic's gradients in `.grad`,
+    and `train(resume_from_checkpoint=True)` on the same trainer, as the error after a stop advises, added them to
+    its first step. The resumed run ends with the uninterrupted run's weights."""
+
+    class FailsOnce(TrainerCallback):
+        failed = False
+
+        def on_rollout(self, args, state, control, rollout=None, rows=None, **kwargs):
+            if state.global_step == 1 and not self.failed:
+                self.failed = True
+                raise RuntimeError("a callback's error")
+
+    def weights(trainer):
+        return {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if p.requires_grad}
+
+    plain = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / "plain"), prompts_dataset())
+    plain.train()
+    args = make_args(tmp_path / "stopped", save_strategy="steps", save_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[FailsOnce()])
+    with pytest.raises(RuntimeError, match="a callback's error"):
+        trainer.train()
+    assert any(p.grad is not None for p in trainer.actor_critic.critic_parameters())  # the scoring pass's
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 2
+    resumed, expected = weights(trainer), weights(plain)
+    for name, value in expected.items():
+        torch.testing.assert_close(resumed[name], value, msg=name)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Value pretraining
 # ---------------------------------------------------------------------------------------------------------------------

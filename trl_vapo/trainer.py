@@ -222,7 +222,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             no value loss; `critic_num_iterations` must equal `num_iterations`).
         callbacks: extra `TrainerCallback`s. One with an `on_rollout(args, state, control, rollout=..., rows=...)`
             method is also called with every rollout as built (a `trl_vapo.rollout.Rollout`: completions, scores,
-            values, advantages) and its dataset rows, before the rollout's first update.
+            values, advantages) and its dataset rows, before the rollout's first update (where the critic trains in
+            the scoring pass, `_critic_trains_while_scoring`, after its backward: the rollout is there to read).
         optimizers: `(optimizer, lr_scheduler)` to use instead of AdamW with one parameter group per side.
         peft_config: a `peft.PeftConfig` (e.g. `LoraConfig(r=16)`) to train adapters instead of all weights.
     """
@@ -678,6 +679,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.eval_on_start:
             self.evaluate()
         self.model_wrapped.train()
+        # Gradients an interrupted `train()` left (the critic's backward runs in a rollout's scoring pass, before its
+        # optimizer step) would be added to a resumed run's first step.
+        self.actor_critic.zero_grad(set_to_none=True)
         with stop_on_signals() as received:
 
             def stop_if_signalled() -> None:
@@ -1062,7 +1066,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         before them: one optimizer step per rollout and one pass over it (`critic_num_iterations=1`,
         `steps_per_generation = gradient_accumulation_steps`), `lam_critic=1` (the targets are the Monte-Carlo
         returns, which do not read the values; the value clip is then a no-op, the old values being the values), in
-        RL. On one process: under DDP, DeepSpeed and FSDP a backward is a collective of its own.
+        RL, without dropout (`disable_dropout`, the default: with it the two forwards drew two masks). On one process:
+        under DDP, DeepSpeed and FSDP a backward is a collective of its own.
         """
         from accelerate.utils import DistributedType
 
@@ -1073,6 +1078,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             and args.critic_num_iterations == 1
             and args.steps_per_generation == args.gradient_accumulation_steps
             and args.lam_critic == 1.0
+            and args.disable_dropout
             and self.accelerator.distributed_type == DistributedType.NO
         )
 
