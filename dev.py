@@ -155,10 +155,22 @@ def install(env: Path, constraints: Path | None, with_dependencies: bool = True)
         # pip, which reads this machine's pip configuration (a local CPU wheel, an extra index) where uv would not.
         _run(python, "-m", "pip", "install", "--quiet", torch_spec())
     if not with_dependencies:
-        _run(*installer(env), "--no-deps", "-e", ".")
+        install_packages(env, "--no-deps", "-e", ".")
         return
     pin = ["-c", str(constraints)] if constraints else []
-    _run(*installer(env), *pin, "-e", ".[dev]")
+    install_packages(env, *pin, "-e", ".[dev]")
+
+
+def install_packages(env: Path, *arguments: str) -> None:
+    """`pip install` of `arguments` into `env` by `installer`'s command; where uv fails, again by pip: uv reads none
+    of pip's configuration (an index mirror, a proxy, `find-links`, a certificate), which this machine may need."""
+    command = installer(env)
+    if _run(*command, *arguments, check=False) == 0:
+        return
+    if command[1:3] == ["-m", "pip"]:  # pip's own failure, said above
+        raise SystemExit(f"dev.py: installing {' '.join(arguments)} into {env} failed (pip's error above)")
+    print("note: uv could not install; pip, which reads this machine's pip configuration, tries", flush=True)
+    _run(python_of(env), "-m", "pip", "install", "--quiet", *arguments)
 
 
 def setup() -> None:

@@ -7,6 +7,7 @@ These tests say which pair broke, so that a bound in pyproject.toml is lifted on
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, requires, version
@@ -108,6 +109,47 @@ def test_a_venv_left_half_built_or_without_pip_is_not_taken_for_built(tmp_path):
     assert dev.venv_python_tag(tmp_path / "none") is None
     assert dev.python_problem((3, 9, 6)).startswith("dev.py needs Python 3.10 or newer; this is 3.9")
     assert dev.python_problem((3, 10, 0)) is None
+
+
+def test_where_uv_cannot_install_pip_does_with_this_machines_pip_configuration(tmp_path, monkeypatch, capfd):
+    """uv reads none of pip's configuration: on a machine whose pip installs from a mirror, a proxy or a wheel folder
+    (`PIP_FIND_LINKS`, pip.conf), `dev.py`'s uv install failed and the README's first command stopped there. pip
+    tries then. Real installers: the suite's uv, offline, and a new venv's pip, configured for a folder of wheels
+    alone, with a package only that folder has."""
+    import venv
+    import zipfile
+
+    dev = _dev_script()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    dist_info = "trl_vapo_probe-1.0.dist-info"
+    with zipfile.ZipFile(wheels / "trl_vapo_probe-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("trl_vapo_probe.py", "FOUND = True\n")
+        wheel.writestr(f"{dist_info}/METADATA", "Metadata-Version: 2.1\nName: trl-vapo-probe\nVersion: 1.0\n")
+        wheel.writestr(
+            f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{dist_info}/RECORD", "")
+    env = tmp_path / "env"
+    venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt").create(env)
+    # Its pip is the suite's (a path file: a venv's own pip takes ensurepip some seconds to install); it installs
+    # into the new venv, whose interpreter runs it. Its uv too (else dev.py pip-installs one).
+    site = subprocess.run(
+        [str(dev.python_of(env)), "-c", "import site; print(site.getsitepackages()[0])"],
+        capture_output=True,
+        text=True,
+    )
+    (Path(site.stdout.strip()) / "suite_pip.pth").write_text(str(Path(pytest.__file__).parent.parent) + "\n")
+    (dev.bin_dir(env) / "uv").symlink_to(dev.bin_dir(Path(sys.prefix)) / "uv")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("UV_OFFLINE", "1")  # (uv would look for it on PyPI)
+    dev.install_packages(env, "trl-vapo-probe")
+    out = capfd.readouterr()
+    assert "uv could not install; pip, which reads this machine's pip configuration, tries" in out.out
+    found = subprocess.run([str(dev.python_of(env)), "-c", "import trl_vapo_probe; print(trl_vapo_probe.__file__)"],
+                           capture_output=True, text=True)  # fmt: skip
+    assert found.returncode == 0 and found.stdout.startswith(str(env)), found.stderr
 
 
 def test_the_demo_and_the_tests_run_in_dev_pys_place():
