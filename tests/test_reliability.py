@@ -1853,19 +1853,45 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
         evaluate_policy(model, tokenizer, Dataset.from_list([{"question": "1+1=", "answer": "2"}]), make_math_reward())
     # A stream's later rows, as each rollout reads them: the whole rollout's, on every process alike (one process that
     # raised on its share left the others waiting); it was the tokenizer's error, on the process that held the row.
+    # The steps trained before are written as a checkpoint first (they were lost since the last one), as a stop
+    # signal's are; the resume from it reads on after the rollout the check refused.
     later = prompts_dataset(n=16).to_list()
     later[5]["prompt"] = None
     stream = IterableDataset.from_generator(lambda: iter(later))
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=100), stream)
-    with pytest.raises(
-        ValueError, match=r"rollout read from the stream at step \d+\) has 1 row\(s\) without a prompt"
-    ):
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=6, shuffle_dataset=False), stream
+    )
+    with pytest.raises(ValueError) as refused:
         trainer.train()
-    # Its long prompts dropped as they come: the filter read the row first, and the tokenizer failed on it.
-    dropping = config(tmp_path / "dropping", max_steps=100, max_prompt_length=10, drop_long_prompts=True)
+    message = str(refused.value)
+    found = re.match(
+        r"train_dataset \(the rollout read from the stream at step (\d+)\) has 1 row\(s\) without a prompt", message
+    )
+    step = int(found.group(1))
+    assert step > 0 and (tmp_path / "out" / f"checkpoint-{step}" / "vapo_state.json").is_file()
+    assert (
+        f"{tmp_path / 'out' / f'checkpoint-{step}'} holds the {step} steps trained so far; a resume from it ("
+        in message
+    )
+    assert "reads on after this rollout's prompts (they are left out)" in message
+    resumed = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=step + 1, shuffle_dataset=False), stream
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == step + 1
+    # Its long prompts dropped as they come: the filter read the row first, and the tokenizer failed on it. The row
+    # is read again by a resume, as the error says.
+    dropping = config(
+        tmp_path / "dropping", max_steps=100, max_prompt_length=10, drop_long_prompts=True, shuffle_dataset=False
+    )  # (a shuffle buffer reads the whole stream before the first rollout)
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, dropping, stream)
-    with pytest.raises(ValueError, match=r"a row read from the stream\) has 1 row\(s\) without a prompt"):
+    with pytest.raises(ValueError) as refused:
         trainer.train()
+    message = str(refused.value)
+    assert re.match(r"train_dataset \(a row read from the stream\) has 1 row\(s\) without a prompt", message)
+    assert re.search(
+        r"checkpoint-\d+ holds the \d+ steps trained so far; .* reads these rows again: remove them first", message
+    )
     # A stream is evaluated as a data set of its rows.
     good = IterableDataset.from_generator(lambda: iter(prompts_dataset(n=2).to_list()))
     assert evaluate_policy(model, tokenizer, good, make_math_reward(), k=1, max_new_tokens=2).num_problems == 2

@@ -883,11 +883,18 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         args, progress = self.args, self.progress
         if self._prompts.starts_epoch(progress) or not self._epoch_begun:  # (a resumed run's epoch too)
             self._begin_epoch()
-        prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
-        if self._prompts.streamed:  # a map-style set's rows were checked up front, a stream's first alone
-            check_streamed_rows(
-                prompts, f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
-            )
+        position = (progress.data_epoch, progress.data_index)
+        try:
+            prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
+            if self._prompts.streamed:  # a map-style set's rows were checked up front, a stream's first alone
+                check_streamed_rows(
+                    prompts, f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
+                )
+        except ValueError as error:  # a stream's row refused, or a stream short of a rollout: read as training goes
+            if not self._prompts.streamed:
+                raise
+            reads_again = (progress.data_epoch, progress.data_index) == position
+            raise ValueError(f"{error} {self._checkpoint_before_the_stream_stops(reads_again)}") from None
         # The epochs the rollout's prompts span: its optimizer steps move `state.epoch` across them step by step, as
         # GRPOTrainer's move it (each step reads its share of the prompts); until then it reads the span's end.
         self._rollout_epochs = (self.state.epoch or 0.0, self._prompts.epoch(progress))
@@ -895,6 +902,23 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
         return repeated_rows(prompts, args.num_generations, slice(start, start + per_process))
+
+    def _checkpoint_before_the_stream_stops(self, reads_again: bool) -> str:
+        """A stream that stops the run mid-way (a row refused as it is read): the steps trained so far written as a
+        checkpoint, as a stop signal's are (unless this step's is written), and what a resume from it reads."""
+        step = self.state.global_step
+        if step == 0:
+            return "Nothing was trained yet."
+        if self._checkpoint_step == step:  # (this run's own record: the same on every process) written before these
+            reads_again = True  # rows were read, at the last rollout's end or the stream's epoch end: before them
+        else:
+            self._save_checkpoint(model_only=False)  # whole, whatever save_only_model says: it is to resume from
+        path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{step}"
+        resumes = "reads these rows again: remove them first" if reads_again else (
+            "reads on after this rollout's prompts (they are left out)"
+        )  # fmt: skip
+        resume = "resume_from_checkpoint=True, `--resume_from_checkpoint latest`"
+        return f"{path} holds the {step} steps trained so far; a resume from it ({resume}) {resumes}."
 
     def _tokenize_prompts(self, prompts: list, truncate: bool = True, evaluated: bool = False) -> list[list[int]]:
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
