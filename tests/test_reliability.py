@@ -1869,10 +1869,7 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
     )
     step = int(found.group(1))
     assert step > 0 and (tmp_path / "out" / f"checkpoint-{step}" / "vapo_state.json").is_file()
-    assert (
-        f"{tmp_path / 'out' / f'checkpoint-{step}'} holds the {step} steps trained so far; a resume from it ("
-        in message
-    )
+    assert f"{tmp_path / 'out' / f'checkpoint-{step}'} holds the {step} steps trained so far (resume with " in message
     assert "reads on after this rollout's prompts (they are left out)" in message
     resumed = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=step + 1, shuffle_dataset=False), stream
@@ -1890,11 +1887,32 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
     message = str(refused.value)
     assert re.match(r"train_dataset \(a row read from the stream\) has 1 row\(s\) without a prompt", message)
     assert re.search(
-        r"checkpoint-\d+ holds the \d+ steps trained so far; .* reads these rows again: remove them first", message
+        r"checkpoint-\d+ holds the \d+ steps trained so far \(.*\); a resume reads these rows again: remove them",
+        message,
     )
     # A stream is evaluated as a data set of its rows.
     good = IterableDataset.from_generator(lambda: iter(prompts_dataset(n=2).to_list()))
     assert evaluate_policy(model, tokenizer, good, make_math_reward(), k=1, max_new_tokens=2).num_problems == 2
+
+
+def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoint(tiny_model_dir, tmp_path):
+    """An evaluation runs at a rollout's end, before that step's checkpoint: an error in it (a streamed held-out row
+    refused, a reward function's on the held-out rows) stopped the run, every step since the last checkpoint lost. On
+    one process they are written first, and the error's note names the checkpoint."""
+    from datasets import IterableDataset
+
+    from trl_vapo.trainer import RESUME
+
+    held_out = prompts_dataset(n=4).to_list()
+    held_out[3]["prompt"] = None  # in the second batch (2 prompts each) of the evaluation at step 2
+    stream = IterableDataset.from_generator(lambda: iter(held_out))
+    args = config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=3)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), eval_dataset=stream)
+    with pytest.raises(ValueError, match=r"eval_dataset \(a batch read from the stream\) has 1 row\(s\)") as refused:
+        trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert refused.value.__notes__ == [f"{checkpoint} holds the 2 steps trained so far ({RESUME})."]
+    assert list_checkpoints(tmp_path / "out") == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):

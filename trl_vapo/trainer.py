@@ -159,6 +159,9 @@ from .signals import TrainingInterrupted, stop_on_signals
 logger = get_logger(__name__)
 
 
+RESUME = "resume with resume_from_checkpoint=True, `trl-vapo train ... --resume_from_checkpoint latest`"
+
+
 class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.SavingMixin, Trainer):
     """Trainer for VAPO: PPO with a value model, value pretraining, decoupled and length-adaptive GAE, token-level
     loss, clip-higher, positive-example NLL and group sampling (arXiv 2504.05118).
@@ -829,9 +832,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         mid-rollout was saved steps later, and was never named the best)."""
         if self._evaluate_pending:
             self._evaluate_pending = False
+            try:
+                metrics = self.evaluate()
+            except Exception as error:  # (a reward function's on the held-out rows, a streamed row refused, ...)
+                # On one process the steps trained so far are saved first; on several, the error may be one
+                # process's alone, and the others would wait for it in the checkpoint's collectives.
+                if not self._distributed and (saved := self._saved_before_an_error()[0]) is not None:
+                    error.add_note(f"{saved} holds the {self.state.global_step} steps trained so far ({RESUME}).")
+                raise
             # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
             # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
-            new_best = self._determine_best_metric(self.evaluate(), trial=None)
+            new_best = self._determine_best_metric(metrics, trial=None)
             self._save_pending |= self.control.should_save  # as transformers reads it after `on_evaluate`
             self._save_pending |= new_best and self.args.save_strategy == SaveStrategy.BEST
         if self._save_pending:
@@ -905,20 +916,28 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     def _checkpoint_before_the_stream_stops(self, reads_again: bool) -> str:
         """A stream that stops the run mid-way (a row refused as it is read): the steps trained so far written as a
-        checkpoint, as a stop signal's are (unless this step's is written), and what a resume from it reads."""
-        step = self.state.global_step
-        if step == 0:
+        checkpoint (`_saved_before_an_error`), and what a resume from it reads."""
+        path, written_before = self._saved_before_an_error()
+        if path is None:
             return "Nothing was trained yet."
-        if self._checkpoint_step == step:  # (this run's own record: the same on every process) written before these
-            reads_again = True  # rows were read, at the last rollout's end or the stream's epoch end: before them
-        else:
-            self._save_checkpoint(model_only=False)  # whole, whatever save_only_model says: it is to resume from
-        path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{step}"
-        resumes = "reads these rows again: remove them first" if reads_again else (
+        # A checkpoint of this step written before these rows were read (at the last rollout's end, or the stream's
+        # epoch end) resumes before them.
+        resumes = "reads these rows again: remove them first" if reads_again or written_before else (
             "reads on after this rollout's prompts (they are left out)"
         )  # fmt: skip
-        resume = "resume_from_checkpoint=True, `--resume_from_checkpoint latest`"
-        return f"{path} holds the {step} steps trained so far; a resume from it ({resume}) {resumes}."
+        return f"{path} holds the {self.state.global_step} steps trained so far ({RESUME}); a resume {resumes}."
+
+    def _saved_before_an_error(self) -> tuple[Path | None, bool]:
+        """The steps trained so far written as a checkpoint, as a stop signal's are, before an error stops the run
+        between two rollouts (a checkpoint holds whole rollouts); every process calls it (a collective). Returns its
+        path (None: nothing trained yet) and whether it was written before (this step's, by the run's strategy)."""
+        step = self.state.global_step
+        if step == 0:
+            return None, False
+        written_before = self._checkpoint_step == step  # this run's own record: the same on every process
+        if not written_before:
+            self._save_checkpoint(model_only=False)  # whole, whatever save_only_model says: it is to resume from
+        return Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{step}", written_before
 
     def _tokenize_prompts(self, prompts: list, truncate: bool = True, evaluated: bool = False) -> list[list[int]]:
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
