@@ -165,12 +165,18 @@ def install_packages(env: Path, *arguments: str) -> None:
     """`pip install` of `arguments` into `env` by `installer`'s command; where uv fails, again by pip: uv reads none
     of pip's configuration (an index mirror, a proxy, `find-links`, a certificate), which this machine may need."""
     command = installer(env)
-    if _run(*command, *arguments, check=False) == 0:
-        return
-    if command[1:3] == ["-m", "pip"]:  # pip's own failure, said above
-        raise SystemExit(f"dev.py: installing {' '.join(arguments)} into {env} failed (pip's error above)")
-    print("note: uv could not install; pip, which reads this machine's pip configuration, tries", flush=True)
-    _run(python_of(env), "-m", "pip", "install", "--quiet", *arguments)
+    uses_uv = command[1:3] != ["-m", "pip"]
+    try:
+        if _run(*command, *arguments, check=False) == 0:
+            return
+    except OSError:  # a uv binary this machine cannot run
+        if not uses_uv:
+            raise
+    if uses_uv:
+        print("note: uv could not install; pip, which reads this machine's pip configuration, tries", flush=True)
+        if _run(python_of(env), "-m", "pip", "install", "--quiet", *arguments, check=False) == 0:
+            return
+    raise SystemExit(f"dev.py: installing {' '.join(arguments)} into {env} failed (pip's error above)")
 
 
 def setup() -> None:

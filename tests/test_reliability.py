@@ -32,6 +32,7 @@ from trl_vapo import VAPOConfig, VAPOTrainer
 from trl_vapo.checkpoint import COMPLETE_MARKER, list_checkpoints
 from trl_vapo.rewards import make_math_reward
 from trl_vapo.tiny import save_tiny_reward_model
+from trl_vapo.trainer import RESUME
 
 
 def config(tmp_path, **overrides) -> VAPOConfig:
@@ -1819,7 +1820,9 @@ def test_empty_prompts_are_named_in_a_warning_and_chat_prompts_with_nothing_to_a
     assert "train_dataset has 2 chat prompt(s) ending with an assistant message (rows [0, 1])" in caplog.text
 
 
-def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_train_set(tiny_model_dir, tmp_path):
+def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_train_set(
+    tiny_model_dir, tmp_path, caplog
+):
     """A JSON-lines row without the 'prompt' key reads as None: it was warned as an "empty prompt" and then crashed
     the rollout that drew it in the tokenizer. Eval sets, streams and `evaluate_policy` had fewer checks than the
     train set: a bare KeyError for a missing column, an AttributeError for a stream, a chat prompt with nothing to
@@ -1854,23 +1857,25 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
     # A stream's later rows, as each rollout reads them: the whole rollout's, on every process alike (one process that
     # raised on its share left the others waiting); it was the tokenizer's error, on the process that held the row.
     # The steps trained before are written as a checkpoint first (they were lost since the last one), as a stop
-    # signal's are; the resume from it reads on after the rollout the check refused.
+    # signal's are, and said (logged, and in the error's note where Python has notes); the resume from it reads on
+    # after the rollout the check refused.
     later = prompts_dataset(n=16).to_list()
     later[5]["prompt"] = None
     stream = IterableDataset.from_generator(lambda: iter(later))
     trainer = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=6, shuffle_dataset=False), stream
     )
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError) as refused, caplog.at_level(logging.WARNING):
         trainer.train()
-    message = str(refused.value)
     found = re.match(
-        r"train_dataset \(the rollout read from the stream at step (\d+)\) has 1 row\(s\) without a prompt", message
+        r"train_dataset \(the rollout read from the stream at step (\d+)\) has 1 row\(s\) without a prompt",
+        str(refused.value),
     )
     step = int(found.group(1))
-    assert step > 0 and (tmp_path / "out" / f"checkpoint-{step}" / "vapo_state.json").is_file()
-    assert f"{tmp_path / 'out' / f'checkpoint-{step}'} holds the {step} steps trained so far (resume with " in message
-    assert "reads on after this rollout's prompts (they are left out)" in message
+    checkpoint = tmp_path / "out" / f"checkpoint-{step}"
+    assert step > 0 and (checkpoint / "vapo_state.json").is_file()
+    said = f"{checkpoint} holds the {step} steps so far ({RESUME}); a resume reads on after this rollout's prompts"
+    assert said in caplog.text and said in "".join(getattr(refused.value, "__notes__", [said]))
     resumed = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=step + 1, shuffle_dataset=False), stream
     )
@@ -1882,26 +1887,23 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
         tmp_path / "dropping", max_steps=100, max_prompt_length=10, drop_long_prompts=True, shuffle_dataset=False
     )  # (a shuffle buffer reads the whole stream before the first rollout)
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, dropping, stream)
-    with pytest.raises(ValueError) as refused:
+    caplog.clear()
+    with pytest.raises(ValueError) as refused, caplog.at_level(logging.WARNING):
         trainer.train()
-    message = str(refused.value)
-    assert re.match(r"train_dataset \(a row read from the stream\) has 1 row\(s\) without a prompt", message)
-    assert re.search(
-        r"checkpoint-\d+ holds the \d+ steps trained so far \(.*\); a resume reads these rows again: remove them",
-        message,
+    assert re.match(
+        r"train_dataset \(a row read from the stream\) has 1 row\(s\) without a prompt", str(refused.value)
     )
+    assert re.search(r"checkpoint-\d+ holds the \d+ steps so far \(.*\); a resume reads them again: mend", caplog.text)
     # A stream is evaluated as a data set of its rows.
     good = IterableDataset.from_generator(lambda: iter(prompts_dataset(n=2).to_list()))
     assert evaluate_policy(model, tokenizer, good, make_math_reward(), k=1, max_new_tokens=2).num_problems == 2
 
 
-def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoint(tiny_model_dir, tmp_path):
+def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoint(tiny_model_dir, tmp_path, caplog):
     """An evaluation runs at a rollout's end, before that step's checkpoint: an error in it (a streamed held-out row
     refused, a reward function's on the held-out rows) stopped the run, every step since the last checkpoint lost. On
-    one process they are written first, and the error's note names the checkpoint."""
+    one process they are written first, and the checkpoint is named (logged, and in the error's note)."""
     from datasets import IterableDataset
-
-    from trl_vapo.trainer import RESUME
 
     held_out = prompts_dataset(n=4).to_list()
     held_out[3]["prompt"] = None  # in the second batch (2 prompts each) of the evaluation at step 2
@@ -1909,9 +1911,11 @@ def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoi
     args = config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=3)
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), eval_dataset=stream)
     with pytest.raises(ValueError, match=r"eval_dataset \(a batch read from the stream\) has 1 row\(s\)") as refused:
-        trainer.train()
+        with caplog.at_level(logging.WARNING):
+            trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
-    assert refused.value.__notes__ == [f"{checkpoint} holds the 2 steps trained so far ({RESUME})."]
+    said = f"{checkpoint} holds the 2 steps so far ({RESUME})."
+    assert said in caplog.text and getattr(refused.value, "__notes__", [said]) == [said]
     assert list_checkpoints(tmp_path / "out") == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
 
 

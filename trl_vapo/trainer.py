@@ -798,16 +798,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
     def _stop_after_signal(self, signum: signal.Signals) -> None:
         """A stop signal arrived during the rollout just trained on: write its checkpoint (unless the rollout's end
         wrote it), say so in one line, and raise `TrainingInterrupted`."""
-        path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
-        if self._checkpoint_step != self.state.global_step:  # this run's own record: the same on every process
-            self._save_checkpoint(model_only=False)  # whole, whatever save_only_model says: it is to resume from
-        if self.args.push_to_hub:
-            # Its upload was skipped behind a running one (one at a time): queued now, after the checkpoint is on the
-            # disk (the launcher's kill comes some 30 s after the signal), and waited for: on a machine whose disk
-            # goes with it, the upload is the checkpoint's only copy.
-            if path not in getattr(self, "_uploads_read", []):
-                self._push_from_checkpoint(str(path), always=True)
-            self._finish_current_push()
+        path, _ = self._checkpoint_now()
         pushes = getattr(self, "push_in_progress", None)
         failed = [job.exception() for job in (pushes.jobs if pushes else []) if job.exception() is not None]
         upload = (  # said, not only waited for: the stop's one copy on a machine whose disk goes with it
@@ -825,6 +816,32 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.is_in_train = False
         raise TrainingInterrupted(signum, path, message)
 
+    def _checkpoint_now(self) -> tuple[Path, bool]:
+        """The steps trained so far as a checkpoint, before the run stops between two rollouts (a checkpoint holds
+        whole rollouts): by a stop signal, or an error. Written unless this step's is (whole, whatever
+        `save_only_model` says: it is to resume from), and with `push_to_hub` uploaded and waited for. Every process
+        calls it (a collective). Returns its path and whether it was written before (by the run's strategy)."""
+        path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
+        written_before = self._checkpoint_step == self.state.global_step  # this run's own record: every process's
+        if not written_before:
+            self._save_checkpoint(model_only=False)
+        if self.args.push_to_hub:
+            # Its upload was skipped behind a running one (one at a time): queued now, after the checkpoint is on the
+            # disk (a launcher's kill comes some 30 s after a signal), and waited for: on a machine whose disk goes
+            # with it, the upload is the checkpoint's only copy.
+            if path not in getattr(self, "_uploads_read", []):
+                self._push_from_checkpoint(str(path), always=True)
+            self._finish_current_push()
+        return path, written_before
+
+    def _note_checkpoint(self, error: BaseException, message: str) -> None:
+        """`message` (where the steps trained so far are) in the error's note, and logged (Python 3.10 has no
+        notes; a launched process's stderr may be read apart from its traceback)."""
+        if hasattr(error, "add_note"):
+            error.add_note(message)
+        if self.accelerator.is_main_process:
+            logger.warning(message)
+
     def _save_if_pending(self) -> None:
         """The evaluation and the checkpoint a step or an epoch end asked for, once its rollout is done: a checkpoint
         holds whole rollouts, and the evaluation waits with it so that the checkpoint holds the weights evaluated
@@ -837,8 +854,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             except Exception as error:  # (a reward function's on the held-out rows, a streamed row refused, ...)
                 # On one process the steps trained so far are saved first; on several, the error may be one
                 # process's alone, and the others would wait for it in the checkpoint's collectives.
-                if not self._distributed and (saved := self._saved_before_an_error()[0]) is not None:
-                    error.add_note(f"{saved} holds the {self.state.global_step} steps trained so far ({RESUME}).")
+                if not self._distributed and self.state.global_step > 0:
+                    path, _ = self._checkpoint_now()
+                    self._note_checkpoint(error, f"{path} holds the {self.state.global_step} steps so far ({RESUME}).")
                 raise
             # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
             # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
@@ -894,18 +912,25 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         args, progress = self.args, self.progress
         if self._prompts.starts_epoch(progress) or not self._epoch_begun:  # (a resumed run's epoch too)
             self._begin_epoch()
-        position = (progress.data_epoch, progress.data_index)
+        ending_epoch, read = False, False
+
+        def end_epoch() -> None:  # what an epoch's end raises (its evaluation, a callback) is not the stream's
+            nonlocal ending_epoch
+            ending_epoch = True
+            self._end_streamed_epoch()
+            ending_epoch = False
+
         try:
-            prompts = self._prompts.next(progress, on_epoch_end=self._end_streamed_epoch)
+            prompts = self._prompts.next(progress, on_epoch_end=end_epoch)
+            read = True
             if self._prompts.streamed:  # a map-style set's rows were checked up front, a stream's first alone
                 check_streamed_rows(
                     prompts, f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
                 )
         except ValueError as error:  # a stream's row refused, or a stream short of a rollout: read as training goes
-            if not self._prompts.streamed:
-                raise
-            reads_again = (progress.data_epoch, progress.data_index) == position
-            raise ValueError(f"{error} {self._checkpoint_before_the_stream_stops(reads_again)}") from None
+            if self._prompts.streamed and not ending_epoch and self.state.global_step > 0:
+                self._note_checkpoint(error, self._checkpoint_before_the_stream_stops(reads_again=not read))
+            raise
         # The epochs the rollout's prompts span: its optimizer steps move `state.epoch` across them step by step, as
         # GRPOTrainer's move it (each step reads its share of the prompts); until then it reads the span's end.
         self._rollout_epochs = (self.state.epoch or 0.0, self._prompts.epoch(progress))
@@ -915,29 +940,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         return repeated_rows(prompts, args.num_generations, slice(start, start + per_process))
 
     def _checkpoint_before_the_stream_stops(self, reads_again: bool) -> str:
-        """A stream that stops the run mid-way (a row refused as it is read): the steps trained so far written as a
-        checkpoint (`_saved_before_an_error`), and what a resume from it reads."""
-        path, written_before = self._saved_before_an_error()
-        if path is None:
-            return "Nothing was trained yet."
-        # A checkpoint of this step written before these rows were read (at the last rollout's end, or the stream's
-        # epoch end) resumes before them.
-        resumes = "reads these rows again: remove them first" if reads_again or written_before else (
+        """A stream that stops the run mid-way (a row refused as it is read, every process alike): the steps trained
+        so far written as a checkpoint (`_checkpoint_now`), and what a resume from it reads: these rows again where
+        they were refused as they were read (a `drop_long_prompts` filter's check, a stream short of a rollout) or
+        the checkpoint was written before (at the last rollout's end, or the stream's epoch end), else on after
+        them."""
+        path, written_before = self._checkpoint_now()
+        resumes = "reads them again: mend the stream first" if reads_again or written_before else (
             "reads on after this rollout's prompts (they are left out)"
         )  # fmt: skip
-        return f"{path} holds the {self.state.global_step} steps trained so far ({RESUME}); a resume {resumes}."
-
-    def _saved_before_an_error(self) -> tuple[Path | None, bool]:
-        """The steps trained so far written as a checkpoint, as a stop signal's are, before an error stops the run
-        between two rollouts (a checkpoint holds whole rollouts); every process calls it (a collective). Returns its
-        path (None: nothing trained yet) and whether it was written before (this step's, by the run's strategy)."""
-        step = self.state.global_step
-        if step == 0:
-            return None, False
-        written_before = self._checkpoint_step == step  # this run's own record: the same on every process
-        if not written_before:
-            self._save_checkpoint(model_only=False)  # whole, whatever save_only_model says: it is to resume from
-        return Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{step}", written_before
+        return f"{path} holds the {self.state.global_step} steps so far ({RESUME}); a resume {resumes}."
 
     def _tokenize_prompts(self, prompts: list, truncate: bool = True, evaluated: bool = False) -> list[list[int]]:
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
