@@ -133,7 +133,7 @@ def test_rollout_and_reference_logprobs_equal_the_models_own_logits(tiny_model_d
         reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         with torch.no_grad():
             reference.model.norm.weight.mul_(1.5)
-    logprobs, _, ref = model.score_completions(
+    logprobs, _, ref, _ = model.score_completions(
         ids, attention, prompt_length, batch_size=2, temperature=0.7, with_policy=True, reference=reference
     )
     with torch.no_grad():

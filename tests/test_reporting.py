@@ -98,6 +98,29 @@ def test_reward_function_named_like_a_fixed_column_gets_a_prefix():
     assert table.columns["reward"] == [2.0] and table.columns["prompt"] == ["p"]
 
 
+def test_a_log_extra_column_named_like_one_of_the_tables_keeps_both():
+    """A reward function `judge` that logs its rationales with `log_extra("judge", ...)` (or any `log_extra("reward",
+    ...)`): the text replaced the numbers' column, whose conversion to numbers then stopped the run at its first
+    completions log. It is `rewards/log_extra/<name>` beside the column; another name is kept as logged."""
+    table = build_completions_table(
+        step=3,
+        prompts=["p", "q"],
+        completions=["c", "d"],
+        rewards={"judge": [1.0, 0.0]},
+        sequence_rewards=[1.0, 0.0],
+        advantages=[0.5, -0.5],
+        extra_columns={"judge": ["right", "wrong"], "reward": ["x", "y"], "step": ["s", "t"], "why": ["a", "b"]},
+    )
+    frame = table.to_dataframe()
+    assert frame["judge"].tolist() == [1.0, 0.0] and frame["reward"].tolist() == [1.0, 0.0]
+    assert frame["rewards/log_extra/judge"].tolist() == ["right", "wrong"]
+    assert frame["rewards/log_extra/reward"].tolist() == ["x", "y"] and frame["rewards/log_extra/step"].tolist() == [
+        "s",
+        "t",
+    ]
+    assert frame["step"].tolist() == [3, 3] and frame["why"].tolist() == ["a", "b"]
+
+
 def test_lists_of_the_wrong_length_are_refused_with_their_names():
     with pytest.raises(ValueError, match=r"one value per prompt \(2\).*digit"):
         build_completions_table(

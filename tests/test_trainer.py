@@ -542,35 +542,49 @@ def test_the_critic_trains_in_the_update_where_a_forward_there_would_differ_from
         assert not trainer._critic_trains_while_scoring(RL), setting
 
 
-def test_a_train_call_stopped_by_an_error_leaves_no_gradient_to_the_resumed_run(tiny_model_dir, tmp_path):
-    """The critic's backward runs in a rollout's scoring pass, before its optimizer step: an error between the two (a
-    callback's `on_rollout`, the device out of memory in the policy's update) left the critic's gradients in `.grad`,
-    and `train(resume_from_checkpoint=True)` on the same trainer, as the error after a stop advises, added them to
-    its first step. The resumed run ends with the uninterrupted run's weights."""
+def test_a_train_call_stopped_by_an_error_leaves_nothing_to_the_resumed_call(tiny_model_dir, tmp_path):
+    """`train(resume_from_checkpoint=...)` on the trainer whose `train()` an error stopped (as the error after a stop
+    advises) took over what that call left: the critic's gradients (its backward runs in a rollout's scoring pass,
+    before the optimizer step: an error between the two, a callback's `on_rollout`, the device out of memory in the
+    policy's update) were added to its first step, and the stopped rollout's readings, recorded before the error,
+    were averaged into the resumed steps' logs. Resumed from an earlier checkpoint, the run ends with the
+    uninterrupted run's weights and logs its steps as it."""
 
     class FailsOnce(TrainerCallback):
         failed = False
 
         def on_rollout(self, args, state, control, rollout=None, rows=None, **kwargs):
-            if state.global_step == 1 and not self.failed:
+            if state.global_step == 2 and not self.failed:
                 self.failed = True
                 raise RuntimeError("a callback's error")
 
     def weights(trainer):
         return {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if p.requires_grad}
 
-    plain = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / "plain"), prompts_dataset())
+    def logs(trainer):  # (the times differ)
+        return [{k: v for k, v in log.items() if "time" not in k} for log in rl_logs(trainer)]
+
+    plain = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path / "plain", max_steps=3), prompts_dataset()
+    )
     plain.train()
-    args = make_args(tmp_path / "stopped", save_strategy="steps", save_steps=1)
+    args = make_args(tmp_path / "stopped", max_steps=3, save_strategy="steps", save_steps=1)
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[FailsOnce()])
     with pytest.raises(RuntimeError, match="a callback's error"):
         trainer.train()
     assert any(p.grad is not None for p in trainer.actor_critic.critic_parameters())  # the scoring pass's
-    trainer.train(resume_from_checkpoint=True)
-    assert trainer.state.global_step == 2
+    trainer.train(resume_from_checkpoint=str(tmp_path / "stopped" / "out" / "checkpoint-1"))
+    assert trainer.state.global_step == 3
     resumed, expected = weights(trainer), weights(plain)
     for name, value in expected.items():
         torch.testing.assert_close(resumed[name], value, msg=name)
+    assert len(logs(trainer)) == len(logs(plain)) == 3
+    for log, expected_log in zip(logs(trainer), logs(plain)):
+        assert log.keys() == expected_log.keys()
+        for key, value in expected_log.items():
+            assert log[key] == (
+                value if isinstance(value, str) else pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True)
+            ), key
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -192,6 +192,20 @@ def test_evaluate_scores_every_prompt_and_reports_grpos_metrics_and_the_critics(
     assert metrics["eval_loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-7)
     assert all(r.old_logprobs is not None for r in rollouts)  # the policy's log-probs, for the loss
 
+    # GRPOTrainer's `eval_entropy`: each batch's token mean of the policy's entropy at the sampling temperature,
+    # averaged over the batches; each token's, from the policy's logits here.
+    policy = trainer.actor_critic.policy
+    means = []
+    for r in rollouts:
+        with torch.no_grad():
+            positions = (r.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+            logits = policy(r.input_ids, attention_mask=r.attention_mask, position_ids=positions).logits.float()
+        logits = logits[:, r.prompt_length - 1 : -1] / args.temperature
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        torch.testing.assert_close(r.entropy * r.loss_mask, entropy * r.loss_mask, rtol=1e-4, atol=1e-5)
+        means.append(((entropy * r.loss_mask).sum() / r.loss_mask.sum()).item())
+    assert metrics["eval_entropy"] == pytest.approx(sum(means) / len(means), rel=1e-4)
+
 
 def test_accuracy_counts_a_correct_completion_that_mask_truncated_completions_keeps_from_the_loss(
     tiny_model_dir, tmp_path

@@ -278,8 +278,9 @@ class EvaluationMixin:
         global eval batch that does not divide into groups).
 
         Returns, and logs, each prefixed `<metric_key_prefix>_`: what GRPOTrainer logs when it evaluates (`loss`,
-        `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `kl` when
-        `beta > 0`, the reward functions' own `log_metric`s), and what only a critic shows: `accuracy` (the share of
+        `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `entropy` (each
+        batch's token mean), `kl` when `beta > 0`, the reward functions' own `log_metric`s), and what only a critic
+        shows: `accuracy` (the share of
         judged completions, those `positive_reward_funcs` scored, whose reward is at least
         `positive_reward_threshold`), the critic's
         `value/explained_variance` on these held-out completions (pooled over the whole set) and `value/mean`. `loss`
@@ -387,6 +388,10 @@ class EvaluationMixin:
             counted = torch.arange(share, device=rollout.loss_mask.device) < mine
             self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce, counted))
             self._metrics["loss"].append(self._evaluation_loss(rollout))  # the repeats are out of its loss mask
+            if rollout.entropy is not None:  # the batch's token mean over every process, as GRPOTrainer's
+                summed = torch.stack([(rollout.entropy * rollout.loss_mask).sum(), rollout.loss_mask.sum()])
+                total, tokens = (self._all_reduce(summed) if self._distributed else summed).tolist()
+                self._metrics["entropy"].append(total / tokens if tokens else math.nan)
             mask = rollout.loss_mask.bool()
             values.append(rollout.old_values[mask])
             returns.append(rollout.returns[mask])

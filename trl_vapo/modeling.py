@@ -812,10 +812,12 @@ class ActorCritic(nn.Module):
         reference: nn.Module | str | None = None,
         autocast=contextlib.nullcontext,
         pad_to_multiple_of: int | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """Log-probs (when ``with_policy``), values (zeros without ``with_values``, for a critic that learns), and
-        log-probs under ``reference`` of the completions after the first ``prompt_length`` columns, without
-        gradients, in micro-batches of ``batch_size``, padded to the completions' width. ``reference``: a model,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Log-probs (when ``with_policy``), values (zeros without ``with_values``, for a critic that learns),
+        log-probs under ``reference``, and the policy's per-token entropy (when ``with_entropy``, with the policy) of
+        the completions after the first ``prompt_length`` columns, without gradients, in micro-batches of
+        ``batch_size``, padded to the completions' width. ``reference``: a model,
         ``"base"`` (this policy with its adapters disabled), `REFERENCE_ADAPTER` (this policy with
         `add_reference_adapter`'s copy), or None.
         ``pad_to_multiple_of``: see :func:`trim_padding`."""
@@ -826,9 +828,10 @@ class ActorCritic(nn.Module):
         else:  # one call with the whole rollout: a value function may read the rollout as a whole (the oracle does)
             values = self.frozen_values(input_ids, attention_mask, width)
         logprobs = torch.zeros_like(values) if with_policy else None
+        entropy = torch.zeros_like(values) if with_policy and with_entropy else None
         ref = torch.zeros_like(values) if reference is not None else None
         if not (learned_values or with_policy or reference is not None):
-            return logprobs, values, ref  # the value function gave everything asked for: no model forward
+            return logprobs, values, ref, entropy  # the value function gave everything asked for: no model forward
         lengths = attention_mask[:, prompt_length:].sum(dim=1)
         for rows in length_sorted(torch.arange(input_ids.shape[0]), lengths).split(batch_size):
             ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
@@ -841,17 +844,19 @@ class ActorCritic(nn.Module):
                     temperature,
                     with_policy=with_policy,
                     with_values=learned_values,
-                    with_entropy=False,
+                    with_entropy=entropy is not None,
                 )
                 if learned_values:
                     values[rows, columns] = out["values"]
                 if with_policy:
                     logprobs[rows, columns] = out["logprobs"]
+                if entropy is not None:
+                    entropy[rows, columns] = out["entropy"]
                 if reference is not None:
                     model = self.policy if isinstance(reference, str) else reference
                     with self._as_reference(reference):
                         ref[rows, columns] = completion_logprobs(model, ids, attention, length, temperature)
-        return logprobs, values, ref
+        return logprobs, values, ref, entropy
 
     # ---------------------------------------------------------------------------------------- save and load
     def save_critic(

@@ -135,7 +135,8 @@ def build_completions_table(
     `rewards` maps each reward function's name to its scores (None or NaN where it had no opinion); pass
     `advantages=None` during value pretraining, where there are none. Every list must have one entry per prompt.
     `extra_columns`: what reward functions logged with `log_extra`; one whose length is not one per prompt is left
-    out (a function that logged it twice, say).
+    out (a function that logged it twice, say), one named as a column of the table's own is
+    `rewards/log_extra/<name>`.
     """
     n = len(prompts)
     lists = {COMPLETION: completions, SEQUENCE_REWARD: sequence_rewards}
@@ -156,7 +157,14 @@ def build_completions_table(
     for name, values in optional.items():
         if values is not None:
             columns[name] = [_number(x) for x in values]
-    extra = {name: list(values) for name, values in (extra_columns or {}).items() if len(values) == n}
+    # One named as a column of the table's own (a reward function's, `advantage`, ...) keeps both, as `log_metric`'s
+    # values do (`averaged_metrics`): GRPOTrainer's table overwrote the column; here a text one failed the numbers'
+    # conversion and stopped the run.
+    extra = {
+        f"rewards/log_extra/{name}" if name in columns or name == STEP else name: list(values)
+        for name, values in (extra_columns or {}).items()
+        if len(values) == n
+    }
     return CompletionsTable(step, columns, reward_columns, phase, extra)
 
 

@@ -53,6 +53,7 @@ class Rollout:
     # The loss statistics of the critic's part of the update when it ran in the scoring pass (its gradients wait in
     # `.grad`: `VAPOTrainer._critic_trains_while_scoring`); taken by the rollout's one optimizer step.
     critic_step: dict[str, torch.Tensor] | None = None
+    entropy: torch.Tensor | None = None  # [N, C] the policy's per-token entropy, in evaluation (GRPOTrainer logs it)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -623,6 +623,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 "peft_config) and its `critic/` as `value_model` to keep the critic, with value_pretrain_steps=0: it "
                 "is trained already."
             )
+        # What a call that an error stopped left is not this one's, which resumes before that error's step: its
+        # step's readings not yet logged (logged twice), a pending evaluation or checkpoint, its rollouts, and its
+        # gradients (the critic's backward runs in a rollout's scoring pass, before the optimizer step).
+        self._metrics.clear()
+        self._save_pending = self._evaluate_pending = False
+        self._last_rollout = self._reported_rollout = None
+        self._replay = []
+        self.actor_critic.zero_grad(set_to_none=True)
         self.is_in_train = True
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
@@ -682,9 +690,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.eval_on_start:
             self.evaluate()
         self.model_wrapped.train()
-        # Gradients an interrupted `train()` left (the critic's backward runs in a rollout's scoring pass, before its
-        # optimizer step) would be added to a resumed run's first step.
-        self.actor_critic.zero_grad(set_to_none=True)
         with stop_on_signals() as received:
 
             def stop_if_signalled() -> None:
@@ -1038,7 +1043,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if args.beta > 0 and self._kl_penalised(phase):
             reference = self.ref_model if self.ref_model is not None else self._peft_reference
         critic_trains_here = self._critic_trains_while_scoring(phase)
-        old_logprobs, old_values, ref_logprobs = self.actor_critic.score_completions(
+        old_logprobs, old_values, ref_logprobs, entropy = self.actor_critic.score_completions(
             input_ids,
             attention_mask,
             prompts.shape[1],
@@ -1049,6 +1054,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             reference=reference,
             autocast=self.accelerator.autocast,
             pad_to_multiple_of=args.pad_to_multiple_of,
+            with_entropy=phase == EVAL,  # GRPOTrainer's `eval_entropy` (a training rollout's is the update's)
         )
         is_correct = scores.is_correct(args.positive_reward_threshold).to(device)
         sequence_rewards = self._sequence_rewards(scores, num_generations or args.num_generations).to(device)
@@ -1111,6 +1117,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             pad_to_multiple_of=args.pad_to_multiple_of,
             group_size=num_generations or args.num_generations,
             critic_step=critic_step,
+            entropy=entropy,
         )
 
     def _critic_trains_while_scoring(self, phase: str) -> bool:
