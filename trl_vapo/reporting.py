@@ -637,7 +637,11 @@ class MetricsMixin:
         `log_completions`, also the latest rollout's completions table (once per rollout)."""
         averaged = averaged_metrics({key: values for key, values in self._metrics.items() if values})
         self._metrics.clear()
-        super().log({**averaged, **logs}, start_time)
+        merged = {**averaged, **logs}
+        super().log(merged, start_time)
+        # What `Trainer.log` adds (`epoch`, `num_input_tokens_seen`) lands in `logs` too, as transformers' own `log`
+        # writes it into the dict it is given: `evaluate()` returns it, and `on_evaluate` reads it.
+        logs.update({key: merged[key] for key in merged.keys() - averaged.keys() - logs.keys()})
         if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
             # The file starts anew with each run's first log: a fresh run's (an earlier run's entries in this folder
             # would splice into its curves) and a resumed run's, whose history is the checkpoint's (the steps the
