@@ -165,7 +165,7 @@ def install_packages(env: Path, *arguments: str) -> None:
     """`pip install` of `arguments` into `env` by `installer`'s command; where uv fails, again by pip: uv reads none
     of pip's configuration (an index mirror, a proxy, `find-links`, a certificate), which this machine may need."""
     command = installer(env)
-    uses_uv = command[1:3] != ["-m", "pip"]
+    uses_uv = Path(command[0]).stem == "uv"
     try:
         if _run(*command, *arguments, check=False) == 0:
             return

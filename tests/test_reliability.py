@@ -1874,7 +1874,7 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
     step = int(found.group(1))
     checkpoint = tmp_path / "out" / f"checkpoint-{step}"
     assert step > 0 and (checkpoint / "vapo_state.json").is_file()
-    said = f"{checkpoint} holds the {step} steps so far ({RESUME}); a resume reads on after this rollout's prompts"
+    said = f"{checkpoint} holds the {step} steps so far: {RESUME}; a resume reads on after this rollout's prompts"
     assert said in caplog.text and said in "".join(getattr(refused.value, "__notes__", [said]))
     resumed = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=step + 1, shuffle_dataset=False), stream
@@ -1893,7 +1893,10 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
     assert re.match(
         r"train_dataset \(a row read from the stream\) has 1 row\(s\) without a prompt", str(refused.value)
     )
-    assert re.search(r"checkpoint-\d+ holds the \d+ steps so far \(.*\); a resume reads them again: mend", caplog.text)
+    assert re.search(
+        r"checkpoint-\d+ holds the \d+ steps so far: resume with .*; a resume reads these rows again: mend",
+        caplog.text,
+    )
     # A stream is evaluated as a data set of its rows.
     good = IterableDataset.from_generator(lambda: iter(prompts_dataset(n=2).to_list()))
     assert evaluate_policy(model, tokenizer, good, make_math_reward(), k=1, max_new_tokens=2).num_problems == 2
@@ -1914,7 +1917,7 @@ def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoi
         with caplog.at_level(logging.WARNING):
             trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
-    said = f"{checkpoint} holds the 2 steps so far ({RESUME})."
+    said = f"{checkpoint} holds the 2 steps so far: {RESUME}."
     assert said in caplog.text and getattr(refused.value, "__notes__", [said]) == [said]
     assert list_checkpoints(tmp_path / "out") == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
 

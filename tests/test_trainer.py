@@ -617,7 +617,6 @@ def test_micro_batches_hold_rows_of_similar_lengths_in_the_steps_and_the_scoring
     completions' tokens computed; 64 of 8: 1.80x); split in length order, 1.09x (1.10x). The step's loss sums the
     same tokens (normalised by the step's count), and the scoring pass writes each row's scores back by its index."""
     from trl_vapo import modeling
-    from trl_vapo import trainer as trainer_module
     from trl_vapo.rollout import Rollout
 
     steps, scored = [], []  # each micro-batch's completion lengths, in the order they ran
@@ -632,8 +631,9 @@ def test_micro_batches_hold_rows_of_similar_lengths_in_the_steps_and_the_scoring
         return trim(input_ids, attention_mask, prompt_length, rows, *args)
 
     monkeypatch.setattr(Rollout, "micro_batch", recorded_micro_batch)
-    monkeypatch.setattr(modeling, "trim_padding", recorded_trim)  # the scoring pass's
-    monkeypatch.setattr(trainer_module, "trim_padding", recorded_trim)  # the critic's, when it trains there
+    monkeypatch.setattr(
+        modeling, "trim_padding", recorded_trim
+    )  # the scoring pass's (the critic's, with its backward)
     args = make_args(
         tmp_path, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=4,
         generation_kwargs=stop_on_common_characters(tiny_model_dir),

@@ -388,10 +388,6 @@ class EvaluationMixin:
             counted = torch.arange(share, device=rollout.loss_mask.device) < mine
             self._record(rollout_metrics(rollout, self.accelerator.gather, all_reduce, counted))
             self._metrics["loss"].append(self._evaluation_loss(rollout))  # the repeats are out of its loss mask
-            if rollout.entropy is not None:  # the batch's token mean over every process, as GRPOTrainer's
-                summed = torch.stack([(rollout.entropy * rollout.loss_mask).sum(), rollout.loss_mask.sum()])
-                total, tokens = (self._all_reduce(summed) if self._distributed else summed).tolist()
-                self._metrics["entropy"].append(total / tokens if tokens else math.nan)
             mask = rollout.loss_mask.bool()
             values.append(rollout.old_values[mask])
             returns.append(rollout.returns[mask])

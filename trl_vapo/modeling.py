@@ -29,6 +29,7 @@ import copy
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -311,6 +312,21 @@ def length_sorted(rows: torch.Tensor, completion_lengths: torch.Tensor) -> torch
     loss, normalised by its token count, or each row's scores) is the same; what is taken per micro-batch is not
     (`top_entropy_quantile`'s threshold: the trainer splits as drawn there)."""
     return rows[completion_lengths[rows].cpu().argsort(stable=True)]
+
+
+def completion_micro_batches(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    batch_size: int,
+    pad_to_multiple_of: int | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """A rollout's rows in micro-batches of `batch_size`, in the order of their completions' lengths
+    (`length_sorted`), each cut to its longest (`trim_padding`): `(rows, input_ids, attention_mask,
+    completion_length)` each."""
+    lengths = attention_mask[:, prompt_length:].sum(dim=1)
+    for rows in length_sorted(torch.arange(input_ids.shape[0]), lengths).split(batch_size):
+        yield rows, *trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -832,9 +848,8 @@ class ActorCritic(nn.Module):
         ref = torch.zeros_like(values) if reference is not None else None
         if not (learned_values or with_policy or reference is not None):
             return logprobs, values, ref, entropy  # the value function gave everything asked for: no model forward
-        lengths = attention_mask[:, prompt_length:].sum(dim=1)
-        for rows in length_sorted(torch.arange(input_ids.shape[0]), lengths).split(batch_size):
-            ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
+        batches = completion_micro_batches(input_ids, attention_mask, prompt_length, batch_size, pad_to_multiple_of)
+        for rows, ids, attention, length in batches:
             columns = slice(0, min(length, width))
             with autocast():
                 out = self(

@@ -633,15 +633,16 @@ class MetricsMixin:
         self.log(logs)
 
     def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
-        """Add the averages of the metrics collected since the last log, then log as `Trainer.log` does; with
-        `log_completions`, also the latest rollout's completions table (once per rollout)."""
+        """Add the averages of the metrics collected since the last log, then log as `Trainer.log` does, and write
+        what it adds (`epoch`, ...) into `logs`, as it does; with `log_completions`, also the latest rollout's
+        completions table (once per rollout)."""
         averaged = averaged_metrics({key: values for key, values in self._metrics.items() if values})
         self._metrics.clear()
         merged = {**averaged, **logs}
         super().log(merged, start_time)
         # What `Trainer.log` adds (`epoch`, `num_input_tokens_seen`) lands in `logs` too, as transformers' own `log`
         # writes it into the dict it is given: `evaluate()` returns it, and `on_evaluate` reads it.
-        logs.update({key: merged[key] for key in merged.keys() - averaged.keys() - logs.keys()})
+        logs.update({key: value for key, value in merged.items() if key not in averaged})
         if self.accelerator.is_main_process:  # what `trl-vapo plot` reads, also while the run is going
             # The file starts anew with each run's first log: a fresh run's (an earlier run's entries in this folder
             # would splice into its curves) and a resumed run's, whose history is the checkpoint's (the steps the

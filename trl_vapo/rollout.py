@@ -255,6 +255,8 @@ def rollout_metrics(
         # negative, where the per-token penalty the reward is charged (beta * -r, the same KL's estimate) can read so
         log_ratio = rollout.ref_logprobs - rollout.old_logprobs
         metrics["kl"] = masked_mean(log_ratio.exp() - log_ratio - 1, mask, all_reduce=all_reduce).item()
+    if rollout.entropy is not None:  # an evaluation's: GRPOTrainer's `eval_entropy`, the token mean
+        metrics["entropy"] = masked_mean(rollout.entropy, mask, all_reduce=all_reduce).item()
     metrics.update(reduce_sampling_metrics(rollout.sampling_metrics, gather, mask.device))
     return metrics
 

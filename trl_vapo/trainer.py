@@ -124,11 +124,11 @@ from .modeling import (
     ValueFunction,
     cast_lm_head_to_fp32,
     check_reference_is_frozen,
+    completion_micro_batches,
     is_peft_model,
     keep_trainable_weights_in_float32,
     length_sorted,
     policy_fingerprints,
-    trim_padding,
     value_function_name,
     value_target_settings,
 )
@@ -159,7 +159,7 @@ from .signals import TrainingInterrupted, stop_on_signals
 logger = get_logger(__name__)
 
 
-RESUME = "resume with resume_from_checkpoint=True, `trl-vapo train ... --resume_from_checkpoint latest`"
+RESUME = "resume with resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`)"
 
 
 class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.SavingMixin, Trainer):
@@ -813,8 +813,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             else ""
         )
         message = (
-            f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; resume with "
-            f"resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`).{upload}"
+            f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; {RESUME}."
+            f"{upload}"
         )
         if self.accelerator.is_main_process:
             logger.warning(message)
@@ -839,13 +839,25 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._finish_current_push()
         return path, written_before
 
-    def _note_checkpoint(self, error: BaseException, message: str) -> None:
-        """`message` (where the steps trained so far are) in the error's note, and logged (Python 3.10 has no
-        notes; a launched process's stderr may be read apart from its traceback)."""
+    def _checkpoint_before_error(self, error: BaseException, rows_read_again: bool | None = None) -> None:
+        """An error that stops the run between two rollouts: the steps trained so far written as a checkpoint
+        (`_checkpoint_now`; none at step 0), named in a log line and in the error's note (Python 3.10 has no notes;
+        a launched process's stderr may be read apart from its traceback). For a stream's rows refused, what a resume
+        from it reads: the rows again where they were refused as they were read (`rows_read_again`: a
+        `drop_long_prompts` filter's check, a stream short of a rollout) or the checkpoint was written before them (at
+        the last rollout's end, or the stream's epoch end), else on after them."""
+        if self.state.global_step == 0:
+            return
+        path, written_before = self._checkpoint_now()
+        message = f"{path} holds the {self.state.global_step} steps so far: {RESUME}"
+        if rows_read_again is not None:
+            message += "; a resume reads these rows again: mend the stream first" if (
+                rows_read_again or written_before
+            ) else "; a resume reads on after this rollout's prompts (they are left out)"  # fmt: skip
         if hasattr(error, "add_note"):
-            error.add_note(message)
+            error.add_note(message + ".")
         if self.accelerator.is_main_process:
-            logger.warning(message)
+            logger.warning(message + ".")
 
     def _save_if_pending(self) -> None:
         """The evaluation and the checkpoint a step or an epoch end asked for, once its rollout is done: a checkpoint
@@ -859,9 +871,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             except Exception as error:  # (a reward function's on the held-out rows, a streamed row refused, ...)
                 # On one process the steps trained so far are saved first; on several, the error may be one
                 # process's alone, and the others would wait for it in the checkpoint's collectives.
-                if not self._distributed and self.state.global_step > 0:
-                    path, _ = self._checkpoint_now()
-                    self._note_checkpoint(error, f"{path} holds the {self.state.global_step} steps so far ({RESUME}).")
+                if not self._distributed:
+                    self._checkpoint_before_error(error)
                 raise
             # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
             # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
@@ -933,8 +944,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                     prompts, f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
                 )
         except ValueError as error:  # a stream's row refused, or a stream short of a rollout: read as training goes
-            if self._prompts.streamed and not ending_epoch and self.state.global_step > 0:
-                self._note_checkpoint(error, self._checkpoint_before_the_stream_stops(reads_again=not read))
+            if self._prompts.streamed and not ending_epoch:  # (every process reads, and refuses, the same rows)
+                self._checkpoint_before_error(error, rows_read_again=not read)
             raise
         # The epochs the rollout's prompts span: its optimizer steps move `state.epoch` across them step by step, as
         # GRPOTrainer's move it (each step reads its share of the prompts); until then it reads the span's end.
@@ -943,18 +954,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
         return repeated_rows(prompts, args.num_generations, slice(start, start + per_process))
-
-    def _checkpoint_before_the_stream_stops(self, reads_again: bool) -> str:
-        """A stream that stops the run mid-way (a row refused as it is read, every process alike): the steps trained
-        so far written as a checkpoint (`_checkpoint_now`), and what a resume from it reads: these rows again where
-        they were refused as they were read (a `drop_long_prompts` filter's check, a stream short of a rollout) or
-        the checkpoint was written before (at the last rollout's end, or the stream's epoch end), else on after
-        them."""
-        path, written_before = self._checkpoint_now()
-        resumes = "reads them again: mend the stream first" if reads_again or written_before else (
-            "reads on after this rollout's prompts (they are left out)"
-        )  # fmt: skip
-        return f"{path} holds the {self.state.global_step} steps so far ({RESUME}); a resume {resumes}."
 
     def _tokenize_prompts(self, prompts: list, truncate: bool = True, evaluated: bool = False) -> list[list[int]]:
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
@@ -1128,11 +1127,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         before them: one optimizer step per rollout and one pass over it (`critic_num_iterations=1`,
         `steps_per_generation = gradient_accumulation_steps`), `lam_critic=1` (the targets are the Monte-Carlo
         returns, which do not read the values; the value clip is then a no-op, the old values being the values), in
-        RL, without dropout (`disable_dropout`, the default: with it the two forwards drew two masks). On one process:
-        under DDP, DeepSpeed and FSDP a backward is a collective of its own.
+        RL, without dropout (`disable_dropout`, the default: with it the two forwards drew two masks), where a
+        backward is local (`_backward_is_local`).
         """
-        from accelerate.utils import DistributedType
-
         args = self.args
         return (
             phase == RL
@@ -1141,7 +1138,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             and args.steps_per_generation == args.gradient_accumulation_steps
             and args.lam_critic == 1.0
             and args.disable_dropout
-            and self.accelerator.distributed_type == DistributedType.NO
+            and self._backward_is_local
         )
 
     def _critic_forward_backward(
@@ -1162,11 +1159,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         settings = self._loss_settings(RL, loss_mask, is_positive)
         values = torch.zeros_like(loss_mask)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=loss_mask.device))
-        lengths = attention_mask[:, prompt_length:].sum(dim=1)
-        micro_batches = length_sorted(torch.arange(len(input_ids)), lengths).split(args.per_device_train_batch_size)
-        pad_to_multiple_of = args.pad_to_multiple_of
-        for i, rows in enumerate(micro_batches):
-            ids, attention, length = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
+        batch_size, pad_to_multiple_of = args.per_device_train_batch_size, args.pad_to_multiple_of
+        for rows, ids, attention, length in completion_micro_batches(
+            input_ids, attention_mask, prompt_length, batch_size, pad_to_multiple_of
+        ):
             with torch.enable_grad():
                 with self.accelerator.autocast():
                     out = self.model_wrapped(
@@ -1175,7 +1171,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 mask, new_values = loss_mask[rows, :length], out["values"]
                 batch = {"mask": mask, "returns": returns[rows, :length], "old_values": new_values.detach()}
                 loss, stats = vapo_loss(None, new_values, batch, **settings)
-                self._backward(loss, last=i == len(micro_batches) - 1)
+                self._backward(loss, last=False)  # (the step's last micro-batch is the update's, the policy's)
             values[rows, :length] = new_values.detach()
             sums["loss"] += loss.detach()
             for key, value in stats.items():  # as `_optimizer_step` sums them: losses as they are, others by tokens
@@ -1384,17 +1380,24 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         self._log_evaluate_save()
 
+    @property
+    def _backward_is_local(self) -> bool:
+        """One process, no DeepSpeed, no FSDP: a backward is this process's own. Under DDP, DeepSpeed and FSDP it is
+        a collective that expects one forward of the wrapped model before it (gradients reduced, shards gathered)."""
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type == DistributedType.NO
+
     def _update_passes(self, trains_policy: bool, learns_values: bool) -> list[tuple[bool, bool]]:
         """The (with_policy, with_values) forward-and-backward passes of one micro-batch.
 
         The policy's loss and the critic's depend on disjoint trainable weights (two adapters, or two models), so
         their sum's gradient is the sum of their gradients: on one process, one pass per side keeps one side's
         activations alive at a time (VAPO's LoRA peak was 1.17x GRPOTrainer's with both alive; issue 43). Under DDP,
-        DeepSpeed and FSDP a backward is a collective that expects one forward before it: one pass for both.
+        DeepSpeed and FSDP a backward is a collective that expects one forward before it (`_backward_is_local`): one
+        pass for both.
         """
-        from accelerate.utils import DistributedType
-
-        if trains_policy and learns_values and self.accelerator.distributed_type == DistributedType.NO:
+        if trains_policy and learns_values and self._backward_is_local:
             return [(True, False), (False, True)]
         return [(trains_policy, learns_values)]
 
