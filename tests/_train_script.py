@@ -3,7 +3,7 @@
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
         [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
         [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dtype D] [--beta X]
-        [--dump-state-at STEP ...] [--settings JSON]
+        [--dump-state-at STEP ...] [--settings JSON] [--count-critic-forwards]
 
 Every log entry is appended to `<output-dir>/<log-name>-rank<r>.jsonl` as soon as it is logged, so a killed run leaves
 what it logged behind. With `--stall-at N`, writing checkpoint N hangs (after its files are written, before it is
@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
     parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
     parser.add_argument("--settings", type=json.loads, default={}, help="more VAPOConfig fields, as a JSON object")
+    parser.add_argument(
+        "--count-critic-forwards", action="store_true", help="count them, with and without a gradient (steps.json)"
+    )
     args = parser.parse_args(argv)
     if args.fsdp2:
         force_fsdp2_on_cpu()
@@ -340,6 +343,16 @@ def main(argv: list[str] | None = None) -> None:
             _causal_lm(model).get_output_embeddings().register_forward_hook(
                 lambda module, inputs, out: sequence_logits.append(out.shape[1]) if out.shape[1] > 1 else None
             )
+    critic_forwards = {"with_grad": 0, "without_grad": 0}
+    if args.count_critic_forwards:
+        forward = trainer.actor_critic.forward
+
+        def counted(*inputs, **kwargs):
+            if kwargs.get("with_values", True):
+                critic_forwards["with_grad" if torch.is_grad_enabled() else "without_grad"] += 1
+            return forward(*inputs, **kwargs)
+
+        trainer.actor_critic.forward = counted
     try:
         trainer.train(resume_from_checkpoint=True if args.resume else None)
     except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: exit as `trl-vapo train` does
@@ -369,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
                 "reference_sharded": sharded(trainer.ref_model),
                 "reward_model_sharded": [sharded(f.model) for f in trainer.reward_funcs if hasattr(f, "model")],
                 "generate_synced": generate_keeps_processes_in_step(trainer.actor_critic.policy),
+                "critic_forwards": critic_forwards,  # (with --count-critic-forwards)
             }
             (Path(args.output_dir) / "steps.json").write_text(json.dumps(steps))
     trainer.accelerator.end_training()  # as `trl-vapo train` ends: the process group destroyed before exit

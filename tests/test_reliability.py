@@ -2101,6 +2101,38 @@ def test_a_resume_the_main_process_cannot_choose_stops_every_process_with_its_er
     assert "vapo_state.json is damaged: a JSON NoneType, not the object a checkpoint writes" in ranks["0"]
 
 
+def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train_as_one(tiny_model_dir, tmp_path):
+    """With one optimizer step and one pass per rollout and lam_critic=1 (`_critic_trains_while_scoring`), the
+    critic's forward and backward run in the scoring pass under DDP too: its gradients wait under `no_sync` for the
+    update's last backward, which reduces them with the policy's though the critic is not in its forward (DDP finds
+    unused parameters), with activation checkpointing. Two processes train as one: the weights of both sides after
+    the last step, every step's log, and the critic's forwards, one a micro-batch, each with its gradient (the
+    update's no-gradient forward of the scoring pass gone)."""
+    common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "3", "--value-pretrain-steps", "0"]
+    common += ["--num-iterations", "1", "--grad-accum", "2", "--dump-state-at", "3", "--save-final"]
+    common += ["--count-critic-forwards", "--save-steps", "100", "--settings", '{"gradient_checkpointing": true}']
+    reward_model = tiny_model_dir.parent / "reward-model"  # (rewards and returns that vary: see the test below)
+    if not (reward_model / "config.json").is_file():
+        save_tiny_reward_model(reward_model)
+    common += ["--reward-model", str(reward_model)]
+    single = run_script(*common, "--output-dir", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = on_two_ranks(*common, "--output-dir", str(tmp_path / "two"))
+    assert double.returncode == 0, double.stderr[-3000:]
+    # 3 rollouts x 2 micro-batches (16 completions: 2 x 8 on one process, 2 x 4 on each of two)
+    for run in ("one", "two"):
+        steps = json.loads((tmp_path / run / "steps.json").read_text())
+        assert steps["critic_forwards"] == {"with_grad": 6, "without_grad": 0}, run
+    one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
+    expected, got = (torch.load(tmp_path / run / "state-3.pt") for run in ("one", "two"))
+    assert got.keys() == expected.keys() and any("critic." in key for key in expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-4, msg=key)
+
+
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "4", "--value-pretrain-steps", "2"]
     # Evaluated at steps 6 and 8 (every 2 steps after the 4 of value pretraining), each process on its half of the

@@ -1127,8 +1127,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         before them: one optimizer step per rollout and one pass over it (`critic_num_iterations=1`,
         `steps_per_generation = gradient_accumulation_steps`), `lam_critic=1` (the targets are the Monte-Carlo
         returns, which do not read the values; the value clip is then a no-op, the old values being the values), in
-        RL, without dropout (`disable_dropout`, the default: with it the two forwards drew two masks), where a
-        backward is local (`_backward_is_local`).
+        RL, without dropout (`disable_dropout`, the default: with it the two forwards drew two masks), where the
+        gradients can wait for the step's reduction (`_gradients_wait_for_the_step`: one process, or DDP).
         """
         args = self.args
         return (
@@ -1138,8 +1138,22 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             and args.steps_per_generation == args.gradient_accumulation_steps
             and args.lam_critic == 1.0
             and args.disable_dropout
-            and self._backward_is_local
+            and self._gradients_wait_for_the_step
         )
+
+    @property
+    def _gradients_wait_for_the_step(self) -> bool:
+        """Whether gradients left in `.grad` by a backward before the optimizer step's are reduced with the step's:
+        on one process (nothing to reduce), and under DDP that finds unused parameters (its reduction at the step's
+        last backward takes what every backward under `no_sync` left, also of parameters that last one did not
+        use; transformers turns that on for a model that is not a `PreTrainedModel`, as the actor-critic is, unless
+        `ddp_find_unused_parameters=False`). Not under DeepSpeed and FSDP, whose backward reduces into partitions or
+        shards as it runs, nor under DDP without unused parameters, which would refuse the update's forward without
+        the critic."""
+        if self._backward_is_local:
+            return True
+        wrapped = self.model_wrapped
+        return isinstance(wrapped, nn.parallel.DistributedDataParallel) and wrapped.find_unused_parameters
 
     def _critic_forward_backward(
         self,
@@ -1153,7 +1167,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """The critic's part of the rollout's update, in the scoring pass (`_critic_trains_while_scoring`): in
         micro-batches of `per_device_train_batch_size`, its values' forward and the value loss's backward (the
         step's token mean, as `_optimizer_step` normalises it), the gradients left for the step. Returns the values
-        (`[N, C]`, detached: GAE's) and the step's loss statistics, as `_optimizer_step` sums them."""
+        (`[N, C]`, detached: GAE's) and the step's loss statistics, as `_optimizer_step` sums them. Under DDP the
+        backward runs under `no_sync`: the update's last backward reduces the critic's gradients with the policy's."""
         args = self.args
         _, returns = compute_gae(rewards, torch.zeros_like(rewards), loss_mask, args.gamma, 1.0)  # (lam 1: V unread)
         settings = self._loss_settings(RL, loss_mask, is_positive)
@@ -1163,7 +1178,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         for rows, ids, attention, length in completion_micro_batches(
             input_ids, attention_mask, prompt_length, batch_size, pad_to_multiple_of
         ):
-            with torch.enable_grad():
+            with torch.enable_grad(), self.accelerator.no_sync(self.model_wrapped):
                 with self.accelerator.autocast():
                     out = self.model_wrapped(
                         ids, attention, length, args.temperature, with_policy=False, with_values=True
