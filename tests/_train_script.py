@@ -1,7 +1,7 @@
 """A small VAPO run for tests that need a real separate process: several ranks, `kill -9`, resume.
 
     python tests/_train_script.py --model DIR --output-dir DIR [--max-steps N] [--resume] [--stall-at STEP]
-        [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final]
+        [--deepspeed 2|3 | --fsdp2] [--grad-accum N] [--max-grad-norm X] [--save-final [--save-on-main-only]]
         [--num-iterations N] [--critic-num-iterations N] [--weight-decay X] [--dtype D] [--beta X]
         [--dump-state-at STEP ...] [--settings JSON] [--count-critic-forwards]
 
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 (forced on CPU processes, see the docstring)")
     parser.add_argument("--save-final", action="store_true")
+    parser.add_argument("--save-on-main-only", action="store_true", help="--save-final from the main process alone")
     parser.add_argument("--num-iterations", type=int, default=2)
     parser.add_argument("--critic-num-iterations", type=int)
     parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -368,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             (Path(args.output_dir) / "held_out.json").write_text(json.dumps(report))
     if args.save_final:
-        trainer.save_model(str(Path(args.output_dir) / "final"))
+        if rank == 0 or not args.save_on_main_only:  # (a script's `if trainer.accelerator.is_main_process:`)
+            trainer.save_model(str(Path(args.output_dir) / "final"))
         engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
         if rank == 0:
             steps = {

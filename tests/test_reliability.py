@@ -2107,7 +2107,10 @@ def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train
     update's last backward, which reduces them with the policy's though the critic is not in its forward (DDP finds
     unused parameters), with activation checkpointing. Two processes train as one: the weights of both sides after
     the last step, every step's log, and the critic's forwards, one a micro-batch, each with its gradient (the
-    update's no-gradient forward of the scoring pass gone)."""
+    update's no-gradient forward of the scoring pass gone). The two-process run saves its model from the main process
+    alone (a script's `if trainer.accelerator.is_main_process: trainer.save_model()`), as transformers' save_model
+    allows under DDP: it waited in a collective for the other process, here gone ("Connection closed by peer"), and
+    saved nothing."""
     common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "3", "--value-pretrain-steps", "0"]
     common += ["--num-iterations", "1", "--grad-accum", "2", "--dump-state-at", "3", "--save-final"]
     common += ["--count-critic-forwards", "--save-steps", "100", "--settings", '{"gradient_checkpointing": true}']
@@ -2117,7 +2120,7 @@ def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train
     common += ["--reward-model", str(reward_model)]
     single = run_script(*common, "--output-dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr[-3000:]
-    double = on_two_ranks(*common, "--output-dir", str(tmp_path / "two"))
+    double = run_ranks(*common, "--output-dir", str(tmp_path / "two"), "--save-on-main-only", processes=2, timeout=150)
     assert double.returncode == 0, double.stderr[-3000:]
     # 3 rollouts x 2 micro-batches (16 completions: 2 x 8 on one process, 2 x 4 on each of two)
     for run in ("one", "two"):
@@ -2131,6 +2134,9 @@ def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train
     assert got.keys() == expected.keys() and any("critic." in key for key in expected)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-4, msg=key)
+    for side, folder in (("policy", tmp_path / "two" / "final"), ("critic", tmp_path / "two" / "final" / "critic")):
+        saved = load_file(folder / "model.safetensors")
+        assert saved and all(torch.equal(v, got[f"weight/{side}.{name}"]) for name, v in saved.items()), side
 
 
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):

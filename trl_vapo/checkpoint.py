@@ -694,13 +694,23 @@ class SavingMixin:
         """Save the policy (`AutoModelForCausalLM.from_pretrained(output_dir)`, or a PEFT adapter) with the
         tokenizer, the critic in `output_dir/critic`, and a model card. Into the run's `output_dir`, while holding it
         (`holding_output_dir`): after `train()` returned (TRL's `trainer.train(); trainer.save_model()`), a run started
-        there meanwhile took it as free and removed the save being written as a stopped run's debris."""
+        there meanwhile took it as free and removed the save being written as a stopped run's debris.
+
+        Where every process holds the whole weights (DDP, one process) the main process saves alone, with no
+        collective, and the others return at once, as transformers' `save_model`: a script may call it on the main
+        process only (`if trainer.accelerator.is_main_process: trainer.save_model()`), where it waited in a
+        collective for the others, forever, or failed unsaved where they had ended ("Connection closed by peer").
+        Under DeepSpeed and FSDP every process calls it: the weights are gathered from their shards."""
         output_dir = Path(output_dir or self.args.output_dir)
         own = output_dir.resolve() == Path(self.args.output_dir).resolve()
-        with self.holding_output_dir() if own else contextlib.nullcontext():
-            self._save_model(output_dir, _internal_call)
+        alone = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        if not alone or self.accelerator.is_main_process:
+            with self.holding_output_dir(alone) if own else contextlib.nullcontext():
+                self._save_model(output_dir, alone)
+        if self.args.push_to_hub and not _internal_call:  # as transformers: a user's save is pushed
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _save_model(self, output_dir: Path, _internal_call: bool) -> None:
+    def _save_model(self, output_dir: Path, alone: bool) -> None:
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
                 # Written aside, then moved in: a full disk leaves `output_dir` as it was, not a policy without
@@ -743,9 +753,8 @@ class SavingMixin:
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 self.create_model_card(output_dir=output_dir)  # it names output_dir's paths: written in place
-        self.accelerator.wait_for_everyone()
-        if self.args.push_to_hub and not _internal_call:  # as transformers: a user's save is pushed
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        if not alone:
+            self.accelerator.wait_for_everyone()
 
     def push_to_hub(
         self,

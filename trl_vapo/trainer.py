@@ -575,12 +575,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             return self._train(resume_from_checkpoint)
 
     @contextlib.contextmanager
-    def holding_output_dir(self):
+    def holding_output_dir(self, alone: bool = False):
         """Hold `output_dir` for this run (`run_lock.output_dir_lock`, on the main process; every process raises
         where it is refused), and remove what a stopped run left half-written there. `train` holds it; a command
         that goes on to evaluate and save the model holds it around all of that (`trl-vapo train`), or a second run
         could start as the first saves, and remove its half-written model as debris. Held once: `train` inside
-        holds nothing more."""
+        holds nothing more. `alone`: called on the main process alone (`save_model` where the weights are whole on
+        every process), which holds it without the others."""
         if getattr(self, "_holding_output_dir", False):
             yield
             return
@@ -600,7 +601,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 return ckpt.run_owner(), bool(restored or published)
 
             # Every process stops, not the main one alone; all name temporary folders alike.
-            self._run_owner, moved = decided_on_main(hold, self.accelerator)  # `checkpoint.temporary_folder`
+            # `checkpoint.temporary_folder`
+            self._run_owner, moved = hold() if alone else decided_on_main(hold, self.accelerator)
             if moved:  # the checkpoint to resume from, looked for before (the command line does), is looked for again
                 self._resume_point = None
             self._holding_output_dir = True
@@ -1168,7 +1170,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         micro-batches of `per_device_train_batch_size`, its values' forward and the value loss's backward (the
         step's token mean, as `_optimizer_step` normalises it), the gradients left for the step. Returns the values
         (`[N, C]`, detached: GAE's) and the step's loss statistics, as `_optimizer_step` sums them. Under DDP the
-        backward runs under `no_sync`: the update's last backward reduces the critic's gradients with the policy's."""
+        backward runs under `no_sync` (but with `sync_each_batch`): the update's last backward reduces the critic's
+        gradients with the policy's (a reduction of gradients already reduced leaves them as they are)."""
         args = self.args
         _, returns = compute_gae(rewards, torch.zeros_like(rewards), loss_mask, args.gamma, 1.0)  # (lam 1: V unread)
         settings = self._loss_settings(RL, loss_mask, is_positive)
@@ -1178,7 +1181,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         for rows, ids, attention, length in completion_micro_batches(
             input_ids, attention_mask, prompt_length, batch_size, pad_to_multiple_of
         ):
-            with torch.enable_grad(), self.accelerator.no_sync(self.model_wrapped):
+            with torch.enable_grad(), self._no_sync_unless_each_batch():
                 with self.accelerator.autocast():
                     out = self.model_wrapped(
                         ids, attention, length, args.temperature, with_policy=False, with_values=True
@@ -1301,16 +1304,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         learns_values = self.actor_critic.learns_values and critic_step is None
         for key, value in (critic_step or {}).items():
             sums[key] += value
-        # accelerate's `sync_each_batch` (in accelerator_config's gradient_accumulation_kwargs): reduce every
-        # micro-batch's gradients, which spares DDP's and FSDP's unsharded accumulation its memory.
-        sync_each_batch = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            no_sync = not last and not self.is_deepspeed_enabled and not sync_each_batch
+            no_sync = not last and not self.is_deepspeed_enabled  # (DeepSpeed: `_backward` names the step's last)
             batch = rollout.micro_batch(micro_rows)
             n = batch["mask"].sum()
             sums["_tokens"] += n
-            with self.accelerator.no_sync(self.model_wrapped) if no_sync else contextlib.nullcontext():
+            with self._no_sync_unless_each_batch() if no_sync else contextlib.nullcontext():
                 for with_policy, with_values in self._update_passes(trains_policy, learns_values):
                     with self.accelerator.autocast():
                         out = self.model_wrapped(
@@ -1394,6 +1394,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._metrics["step_time"].append(time.perf_counter() - began)  # this process's, as GRPOTrainer's
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         self._log_evaluate_save()
+
+    def _no_sync_unless_each_batch(self):
+        """The accelerator's `no_sync` (gradients left unreduced, for a later backward to reduce), but with
+        accelerate's `sync_each_batch` (in accelerator_config's gradient_accumulation_kwargs): reduce every
+        micro-batch's gradients, which spares DDP's and FSDP's unsharded accumulation its memory."""
+        if self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.model_wrapped)
 
     @property
     def _backward_is_local(self) -> bool:
