@@ -544,12 +544,33 @@ def test_the_tokenizer_of_an_adapter_on_the_hub_is_read_at_the_revision_the_run_
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
     assert adapter_base_of("me/lora") is None  # main's has its tokenizer
     assert adapter_base_of("me/lora", {"revision": "v2", "trust_remote_code": False}) == (str(tiny_model_dir), "b1")
-    assert _tokenizer_source("me/lora", "--model_name_or_path", "v2") == (str(tiny_model_dir), "b1")
-    assert _tokenizer_source(str(tiny_model_dir), "--model_name_or_path", "v3") == (str(tiny_model_dir), "v3")
+    assert _tokenizer_source("me/lora", "--model_name_or_path", {"revision": "v2"}) == (str(tiny_model_dir), "b1")
+    v3 = {"revision": "v3"}
+    assert _tokenizer_source(str(tiny_model_dir), "--model_name_or_path", v3) == (str(tiny_model_dir), "v3")
     asked.clear()
     args = VAPOConfig(output_dir=str(tmp_path / "out"), report_to="none")
     assert policy_tokenizer("me/lora", "me/lora", args, {"revision": "v2"}).name_or_path == str(tiny_model_dir)
     assert ("adapter_config.json", "v2") in asked and ("adapter_config.json", "main") not in asked
+
+
+def test_the_command_finds_the_tokenizer_where_the_trainer_finds_the_policy(tiny_model_dir, tmp_path):
+    """`trl-vapo train` hands the trainer a tokenizer (to refuse chat prompts without a template before any model
+    loads), which it looked up with `--model_revision` alone: a policy loaded from model_init_kwargs' `subfolder`
+    (or `cache_dir`, `token`) got the tokenizer of the repository's root, or an OSError where it has none. Now
+    looked up as the trainer looks it up (`loading.policy_tokenizer`)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from trl_vapo.cli import _tokenizer_of
+    from trl_vapo.config import VAPOConfig
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, repo / "sft")  # the model and its tokenizer in a subfolder; none at the root
+    args = VAPOConfig(output_dir=str(tmp_path / "out"), report_to="none", model_init_kwargs={"subfolder": "sft"})
+    tokenizer = _tokenizer_of(str(repo), SimpleNamespace(model_revision=None), args)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
 
 
 def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(

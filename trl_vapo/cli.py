@@ -1542,26 +1542,32 @@ def _check_eval_numbers(args) -> None:
 
 
 def _tokenizer_of(model: str, model_args, training_args):
-    """The tokenizer `trl-vapo train` trains `model` with: its own at `--model_revision`, or for a PEFT adapter folder
-    saved without one, its base model's (`_tokenizer_source`)."""
-    from transformers import AutoTokenizer
+    """The tokenizer `trl-vapo train` trains `model` with, looked up as the trainer looks it up
+    (`loading.policy_tokenizer`: where the policy loads from, with `--model_revision` and model_init_kwargs'
+    `revision`, `subfolder`, `cache_dir`, `token`...; for a PEFT adapter folder saved without one, its base model's),
+    after the command's checks of that base (`_tokenizer_source`)."""
+    from .loading import policy_tokenizer
+    from .pretrained import LOOKUP_KWARGS
 
-    source, revision = _tokenizer_source(model, "--model_name_or_path", model_args.model_revision)
-    return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=training_args.trust_remote_code)
+    given = {"revision": model_args.model_revision, **(training_args.model_init_kwargs or {})}  # as the policy's
+    where = {key: value for key, value in given.items() if key in LOOKUP_KWARGS}
+    _tokenizer_source(model, "--model_name_or_path", where)
+    return policy_tokenizer(model, model, training_args, where)
 
 
-def _tokenizer_source(model: str, flag: str, revision: str | None = None) -> tuple[str, str | None]:
-    """Where `model`'s tokenizer is, and at which revision: the folder itself (or the Hub id) at `revision`, or for a
-    PEFT adapter saved without one (peft's `save_pretrained` and `push_to_hub`), its base model at the revision its
-    `adapter_config.json` (`revision`'s) names, checked as `flag`'s model was (`_check_model_source`)."""
+def _tokenizer_source(model: str, flag: str, where: dict | None = None) -> tuple[str, str | None]:
+    """Where `model`'s tokenizer is, and at which revision: the folder itself (or the Hub id) at `where`'s revision,
+    or for a PEFT adapter saved without one (peft's `save_pretrained` and `push_to_hub`), its base model at the
+    revision its `adapter_config.json` (`where`'s: `revision`, `subfolder`...) names, checked as `flag`'s model was
+    (`_check_model_source`)."""
     from .loading import adapter_base_of
 
     try:
-        base = adapter_base_of(model, {"revision": revision})
+        base = adapter_base_of(model, where)
     except ValueError as error:
         raise UsageError(f"{flag} {error}") from None
     if base is None:
-        return model, revision
+        return model, (where or {}).get("revision")
     _check_model_source(
         base[0], f"the adapter's base model (base_model_name_or_path in {model}/adapter_config.json)", base[1]
     )
