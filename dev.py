@@ -133,6 +133,12 @@ def torch_spec() -> str:
     return f"torch=={read_lock()['torch']}"
 
 
+def pip_install(python: Path) -> list[str]:
+    """`python -m pip install --quiet`: pip, which reads this machine's pip configuration (an index mirror, a proxy,
+    `find-links`, a local CPU wheel of torch), where uv reads none of it."""
+    return [str(python), "-m", "pip", "install", "--quiet"]
+
+
 def installer(env: Path) -> list[str]:
     """The install command for `env`: uv (about 4 s for the `dev` extra's ~100 packages, where pip takes about 40 s),
     installed into the venv itself at the lock's pin; pip where uv cannot be installed."""
@@ -140,11 +146,11 @@ def installer(env: Path) -> list[str]:
     if not uv.exists():
         pinned = read_lock().get("uv")
         spec = f"uv=={pinned}" if pinned else "uv"
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", spec], cwd=ROOT, check=False)
+        subprocess.run([*pip_install(python), spec], cwd=ROOT, check=False)
     if uv.exists():
         # Compiled at install, as pip does: else every process of the first test run compiles transformers alike.
         return [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python)]
-    return [str(python), "-m", "pip", "install", "--quiet"]
+    return pip_install(python)
 
 
 def install(env: Path, constraints: Path | None, with_dependencies: bool = True) -> None:
@@ -152,8 +158,7 @@ def install(env: Path, constraints: Path | None, with_dependencies: bool = True)
     python = python_of(env)
     ensure_venv(env)
     if subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0:
-        # pip, which reads this machine's pip configuration (a local CPU wheel, an extra index) where uv would not.
-        _run(python, "-m", "pip", "install", "--quiet", torch_spec())
+        _run(*pip_install(python), torch_spec())  # (pip: a local CPU wheel, an extra index, as configured)
     if not with_dependencies:
         install_packages(env, "--no-deps", "-e", ".")
         return
@@ -162,8 +167,8 @@ def install(env: Path, constraints: Path | None, with_dependencies: bool = True)
 
 
 def install_packages(env: Path, *arguments: str) -> None:
-    """`pip install` of `arguments` into `env` by `installer`'s command; where uv fails, again by pip: uv reads none
-    of pip's configuration (an index mirror, a proxy, `find-links`, a certificate), which this machine may need."""
+    """`pip install` of `arguments` into `env` by `installer`'s command; where uv fails, again by pip (`pip_install`),
+    which reads the pip configuration (an index mirror, a proxy, `find-links`, a certificate) this machine may need."""
     command = installer(env)
     uses_uv = Path(command[0]).stem == "uv"
     try:
@@ -174,7 +179,7 @@ def install_packages(env: Path, *arguments: str) -> None:
             raise
     if uses_uv:
         print("note: uv could not install; pip, which reads this machine's pip configuration, tries", flush=True)
-        if _run(python_of(env), "-m", "pip", "install", "--quiet", *arguments, check=False) == 0:
+        if _run(*pip_install(python_of(env)), *arguments, check=False) == 0:
             return
     raise SystemExit(f"dev.py: installing {' '.join(arguments)} into {env} failed (pip's error above)")
 

@@ -472,6 +472,17 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     assert static.generate(prompts, sampling=GREEDY).completion_lists() == (
         generate.generate(prompts, sampling=GREEDY).completion_lists()
     )
+    # A model that builds its own masks for generate() (`create_masks_for_generate`): BLOOM's ALiBi bias, built from a
+    # 2D mask as long as the cache, failed in the engine's first step (a bias as wide as the prompt).
+    from transformers import BloomConfig, BloomForCausalLM
+
+    alibi = BloomForCausalLM(BloomConfig(vocab_size=model.config.vocab_size, hidden_size=16, n_layer=2, n_head=2))
+    expected = ["model=BloomForCausalLM (its own generation masks)"]
+    assert StaticCacheEngine.unsupported_settings(GREEDY, alibi) == expected
+    generate, static = _engines(alibi.eval(), tokenizer, [tokenizer.eos_token_id])
+    assert static.generate(prompts, sampling=GREEDY).completion_lists() == (
+        generate.generate(prompts, sampling=GREEDY).completion_lists()
+    )
     # The model's own generation_config, which generate() applies where the rollout's settings leave a field unset
     # (the engine sampled without it): its processors always, its warpers when sampling.
     ngram = copy.deepcopy(model)

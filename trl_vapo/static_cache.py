@@ -122,6 +122,10 @@ class StaticCacheEngine(GenerationEngine):
         keeps_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
         if keeps_cache is not None and not keeps_cache():  # RWKV's recurrent state: the cache would be ignored
             unsupported.append(f"model={type(model).__name__} (no transformers Cache)")
+        if hasattr(type(model), "create_masks_for_generate"):
+            # generate() has such a model build its own masks for a static cache (BLOOM's ALiBi bias reads a 2D mask
+            # as long as the cache); the engine's masks are transformers' common ones: its first step failed.
+            unsupported.append(f"model={type(model).__name__} (its own generation masks)")
         if sampling.repetition_penalty != 1.0:
             unsupported.append(f"repetition_penalty={sampling.repetition_penalty}")
         unsupported += model_generation_settings(sampling, model)  # what generate() takes from the model's config
@@ -373,7 +377,7 @@ class DecodeState:
         self.finished.zero_()
         self.step.zero_()
         self.slot.fill_(self.width)
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # generate()'s position ids
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # generate()'s at the tokens (no pad is read)
         self.positions.copy_(mask.sum(-1, keepdim=True))  # the first generated token's position
         logits = model(
             input_ids=ids,
