@@ -186,7 +186,11 @@ class StandInVLLMGeneration(VLLMGeneration):
         self.pushes = 0
         model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load_weights))
         worker = SimpleNamespace(model_runner=model_runner)
-        engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+        # vLLM's context: `max_model_len` given, else the model's (`max_position_embeddings`, from its config)
+        context = self.max_model_length or self.sampler.config.max_position_embeddings
+        engine = SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=worker), model_config=SimpleNamespace(max_model_len=context)
+        )
         self.llm = SimpleNamespace(llm_engine=engine, reset_prefix_cache=lambda: None)
         self._llm_weights_sleeping = False
         # vLLM's start seeds torch (and `random`, numpy) with the seed TRL gives `LLM`: the process's tensor-parallel
@@ -202,15 +206,13 @@ class StandInVLLMGeneration(VLLMGeneration):
 
     def generate(self, prompts, images, num_generations, profiler=None):
         """Like vLLM: greedy at temperature 0, stop at EOS and `stop_token_ids` (kept in the output), at a `stop`
-        string (kept: TRL's requests include it, as the engine's) or where the prompt and the completion fill
-        `max_model_length`, the sampled token's processed log-prob per position, shape
+        string (kept: TRL's requests include it, as the engine's) or where the prompt and the completion fill the
+        context (`max_model_length`, else the model's), the sampled token's processed log-prob per position, shape
         (N, len, 1)."""
         stops = [self.processing_class.eos_token_id, *self.generation_kwargs.get("stop_token_ids", [])]
         completions, logprobs = [], []
         for prompt in prompts:  # one at a time: no padding to get wrong
-            room = self.max_completion_length
-            if self.max_model_length is not None:
-                room = min(room, self.max_model_length - len(prompt))
+            room = min(self.max_completion_length, self.llm.llm_engine.model_config.max_model_len - len(prompt))
             config = GenerationConfig(
                 do_sample=self.temperature > 0,
                 **(

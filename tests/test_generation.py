@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
+import shutil
 import string
 from pathlib import Path
 from types import SimpleNamespace
@@ -522,15 +524,32 @@ def test_a_vllm_completion_ending_on_a_stop_string_with_its_last_allowed_token_s
     assert (cut.is_truncated == (cut.completion_ids[:, 0] != tokenizer.eos_token_id)).all()  # without: cut
 
 
-def test_a_vllm_completion_cut_by_the_context_length_is_truncated(tiny_model_dir):
-    """vLLM ends a completion where the prompt and it fill `vllm_max_model_length`, short of max_completion_length
-    and without a stop token: out of budget, as one that reaches max_completion_length (it was taken as finished,
-    and `mask_truncated_completions` trained on it)."""
+@pytest.mark.parametrize("given", [True, False], ids=["vllm_max_model_length", "the-models-own"])
+def test_a_vllm_completion_cut_by_the_context_length_is_truncated(tiny_model_dir, tmp_path, given):
+    """vLLM ends a completion where the prompt and it fill its context, short of max_completion_length and without a
+    stop token: out of budget, as one that reaches max_completion_length (it was taken as finished, and
+    `mask_truncated_completions` trained on it). The context is `vllm_max_model_length`, or unset (the default),
+    the one vLLM derives from the model's config (`max_position_embeddings`), read from vLLM's engine: the cut was
+    then taken as finished."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    actor_critic = peft_actor_critic(tiny_model_dir, seed=1)
     prompts = token_ids(tokenizer, TEXT_PROMPTS)
     context = max(map(len, prompts)) + 4  # the longest prompt has room for 4 tokens, the shortest for more
-    engine = _vllm_engine(actor_critic, tokenizer, vllm_max_model_length=context)
+    model_dir = tiny_model_dir
+    if not given:  # a model whose own context is that short
+        model_dir = tmp_path / "short-context"
+        shutil.copytree(tiny_model_dir, model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    actor_critic = peft_actor_critic(model_dir, seed=1)
+    engine = _vllm_engine(actor_critic, tokenizer, vllm_max_model_length=context if given else None)
+    assert engine.context_length() == context
+    if not given:  # a server's: its `/server_info` (a stand-in client; the real one needs a GPU's vLLM)
+        served = _vllm_engine(actor_critic, tokenizer)
+        served.vllm_generation.mode = "server"
+        served.vllm_generation.vllm_client = SimpleNamespace(
+            get_server_info=lambda: {"model_config": {"max_model_len": 99, "logprobs_mode": "processed_logprobs"}}
+        )
+        assert served.context_length() == 99
     never_stop = dataclasses.replace(GREEDY, max_new_tokens=16, generation_kwargs={"eos_token_id": []})
     engine.stop_token_ids = [tokenizer.pad_token_id]  # a token the tiny model does not sample: no completion stops
     out = engine.generate(prompts, sampling=never_stop)

@@ -687,6 +687,8 @@ class VLLMEngine(GenerationEngine):
         check_policy_only(vllm_generation.model)
         self.vllm_generation = vllm_generation
         self._synced_step: int | None = None
+        self._context_length: int | None = None
+        self._context_known = False
 
     def sync_weights(self, step: int | None = None) -> None:
         """Push the policy's weights to vLLM, unless they were already pushed at this optimizer `step`."""
@@ -717,6 +719,28 @@ class VLLMEngine(GenerationEngine):
                 "`vllm_importance_sampling_correction=False`."
             )
 
+    def context_length(self) -> int | None:
+        """The length of prompt and completion at which vLLM ends a completion: `vllm_max_model_length` where set,
+        else the one vLLM derived from the model (a colocated engine's model config; a server's, from its
+        `/server_info`, read by the main process, which alone holds the client, once, and shared: every process
+        samples together; None where the server does not say). A completion ended there is out of budget, not
+        finished (read as finished where `vllm_max_model_length` was unset: a wrong answer, not masked by
+        `mask_truncated_completions`)."""
+        if not self._context_known:
+            vllm = self.vllm_generation
+            context = getattr(vllm, "max_model_length", None)
+            if context is None and getattr(vllm, "mode", None) == "server":
+                from .distributed import decided_on_main
+
+                def ask() -> int | None:
+                    return vllm.vllm_client.get_server_info().get("model_config", {}).get("max_model_len")
+
+                context = decided_on_main(ask, vllm.accelerator)
+            elif context is None:
+                context = vllm.llm.llm_engine.model_config.max_model_len
+            self._context_length, self._context_known = context, True
+        return self._context_length
+
     def _generate(self, prompt_ids, sampling, num_generations):
         _apply_sampling(self.vllm_generation, sampling, self.stop_token_ids)
         _, completion_ids, logprobs, _ = self.vllm_generation.generate(
@@ -727,7 +751,7 @@ class VLLMEngine(GenerationEngine):
             # One entry per token: [sampled token's log-prob] with logprobs=0; vLLM reports NaN as None.
             sampler = [[math.nan if lp is None or lp[0] is None else lp[0] for lp in row] for row in logprobs]
         budget = sampling.max_new_tokens
-        context = getattr(self.vllm_generation, "max_model_length", None)
+        context = self.context_length()
         if context is not None:  # vLLM ends a completion where the prompt and it fill the context: out of budget too
             budget = torch.tensor([min(budget, context - len(prompt)) for prompt in prompt_ids])
         output = _from_lists(completion_ids, sampler, self.stop_token_ids, self.pad_token_id, budget)

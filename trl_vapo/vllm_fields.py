@@ -24,7 +24,11 @@ VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "server_timeout": (240.0, "Seconds to wait for the vLLM server to be up before raising."),
     "group_port": (51216, "Port of the weight-update group shared with the vLLM server."),
     "gpu_memory_utilization": (0.3, "GPU memory share vLLM may use (colocate mode)."),
-    "max_model_length": (None, "vLLM's context window: at least the longest prompt plus max_completion_length."),
+    "max_model_length": (
+        None,
+        "vLLM's context window: at least the longest prompt plus max_completion_length (None: vLLM's own, from the "
+        "model). A completion vLLM ends there counts as truncated, as one at max_completion_length.",
+    ),
     "tensor_parallel_size": (1, "Tensor-parallel size of vLLM (colocate mode)."),
 }
 
