@@ -579,6 +579,53 @@ def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):
         assert torch.equal(engine.vllm_generation.received[name], value.detach()), name
 
 
+def test_vllm_sync_under_fsdp_before_the_policy_is_sharded_pushes_it_as_is(tiny_model_dir):
+    """`trl-vapo train --eval_num_prompts N` under FSDP2 with vLLM samples its held-out report before training, before
+    the trainer shards the policy: TRL's FSDP2 path read each parameter as a DTensor (`full_tensor()`, an
+    AttributeError on a whole one). Under FSDP (set here on TRL's own helper, as accelerate's plugin sets it; the
+    sharded path needs processes, `test_distributed`) a policy not yet sharded is pushed as it is."""
+    from trl_vapo.loading import critic_from_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = _vllm_engine(ActorCritic(policy, critic=critic_from_policy(policy)), tokenizer)
+    engine.vllm_generation._dist.fsdp_version = 2
+    assert engine.vllm_generation._dist.is_fsdp
+    engine.sync_weights(step=0)
+    expected = dict(policy.named_parameters())
+    assert set(engine.vllm_generation.received) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(engine.vllm_generation.received[name], value.detach()), name
+
+
+def test_a_vllm_server_is_told_the_weights_dtypes_again_once_the_trainer_places_them(tiny_model_dir):
+    """TRL's server mode announces the pushed weights' names, dtypes and shapes once, at its first sync, and streams
+    every later sync against that list. `trl-vapo train --eval_num_prompts N` syncs before training, before the
+    trainer places the models, which DeepSpeed's bf16 casts: the later syncs broadcast bf16 tensors announced as
+    float32. Placing the models (`weights_changed`, as `_train` calls it) has them announced again. A stand-in client
+    checks each tensor against the announcement (the real one needs a server and its NCCL group)."""
+    from trl_vapo.loading import critic_from_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = _vllm_engine(ActorCritic(policy, critic=critic_from_policy(policy)), tokenizer)
+    announced = []
+
+    def update_named_params(metadata, named_params):
+        for (name, dtype, shape), (sent, tensor) in zip(metadata, named_params, strict=True):
+            assert (name, dtype, shape) == (sent, str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+        announced.append({dtype for _, dtype, _ in metadata})
+
+    vllm = engine.vllm_generation
+    vllm.mode, vllm.vllm_client = "server", SimpleNamespace(update_named_params=update_named_params)
+    vllm.vllm_client.reset_prefix_cache = lambda: None
+    engine.sync_weights(step=0)  # before training
+    policy.to(torch.bfloat16)  # placed, as DeepSpeed's bf16 places it
+    engine.weights_changed()
+    engine.sync_weights(step=0)
+    assert announced == [{"float32"}, {"bfloat16"}]
+
+
 def test_vllm_sync_once_per_step(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     actor_critic = peft_actor_critic(tiny_model_dir)

@@ -337,6 +337,18 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
             {"use_vllm": True, "vllm_mode": "server", "generation_kwargs": {"do_sample": False}},
             "Greedy sampling .* with a vLLM server and num_generations > 1",
         ),
+        (  # the evaluation's copies too: its first evaluation failed
+            {
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "generation_kwargs": {"do_sample": False},
+                "num_generations": 1,
+                "num_generations_eval": 4,
+                "eval_strategy": "steps",
+                "per_device_eval_batch_size": 4,
+            },
+            r"num_generations > 1 \(or num_generations_eval, with evaluation\)",
+        ),
         # A budget of its own hid the completions it cut: not marked truncated (that budget is max_completion_length).
         ({"generation_kwargs": {"max_new_tokens": 64}}, "generation_kwargs sets max_new_tokens: the rollouts' token"),
         ({"generation_kwargs": {"max_tokens": 64}}, "Set max_completion_length instead"),

@@ -317,6 +317,11 @@ def test_long_prompts_are_counted_once_then_truncated_or_dropped(tiny_model_dir,
     assert len(dropping.train_dataset) == 24
     assert any("Dropped 8 of 32" in r.message for r in caplog.records)
     dropping.train()  # and it trains on what is left
+    # A drop that leaves too few says so (it said only "train_dataset is empty", of a data set of 32 prompts).
+    short = config(tmp_path, max_prompt_length=1, drop_long_prompts=True)
+    told = r"drop_long_prompts=True: Dropped 32 of 32 training prompts longer than max_prompt_length=1 .* Then: "
+    with pytest.raises(ValueError, match=told + "train_dataset is empty"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, short, data)
 
     # A stream is not counted ahead: its first prompt cut is said, once; and by default nothing is cut (as GRPO).
     caplog.clear()

@@ -1053,16 +1053,18 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "with that seed, so every group's completions would be identical (no advantage to learn from). Leave it "
             "out: the trainer seeds each process (`seed`).",
         )
+        evaluated_copies = (self.num_generations_eval or self.num_generations) if self.eval_strategy != "no" else 1
         require(
             not (
                 self.use_vllm
                 and self.vllm_mode == "server"
-                and self.num_generations > 1
+                and max(self.num_generations, evaluated_copies) > 1
                 and generation.get("do_sample") is False
             ),
-            "Greedy sampling (do_sample=False) with a vLLM server and num_generations > 1: vLLM "
-            "refuses n > 1 under greedy sampling ('n must be 1 when using greedy sampling'), at every rollout; the "
-            "copies would be identical anyway. Sample (temperature > 0), or num_generations=1.",
+            "Greedy sampling (do_sample=False) with a vLLM server and num_generations > 1 (or num_generations_eval, "
+            "with evaluation): vLLM refuses n > 1 under greedy sampling ('n must be 1 when using greedy sampling'), "
+            "at every rollout or evaluation; the copies would be identical anyway. Sample (temperature > 0), or "
+            "num_generations=1 and num_generations_eval=1.",
         )
         require(
             self.ds3_gather_for_generation or not self.use_vllm,

@@ -565,9 +565,13 @@ def long_prompts_handled(
         return dataset, None
     counted = f"{len(long)} of {len(dataset)} training prompts"
     if args.drop_long_prompts:
+        dropped = f"Dropped {counted} longer than max_prompt_length={limit} tokens (longest: {max(lengths)})."
         kept = dataset.select(sorted(set(range(len(dataset))) - set(long)))
-        check_train_dataset(kept, args)
-        return kept, f"Dropped {counted} longer than max_prompt_length={limit} tokens (longest: {max(lengths)})."
+        try:
+            check_train_dataset(kept, args)
+        except ValueError as error:  # (it counts the prompts the drop left: said why they are few)
+            raise ValueError(f"drop_long_prompts=True: {dropped} Then: {error} Or raise max_prompt_length.") from None
+        return kept, dropped
     return dataset, (
         f"{counted} are longer than max_prompt_length={limit} tokens (longest: {max(lengths)}); they are truncated "
         "from the left. Raise max_prompt_length to keep them whole, or set drop_long_prompts=True to leave them out."

@@ -418,8 +418,9 @@ class GenerationEngine:
         """Make the engine sample from the current policy. A no-op for engines that read the policy's weights."""
 
     def weights_changed(self) -> None:
-        """The policy's weights changed outside an optimizer step (a checkpoint loaded into it): the next
-        `sync_weights` pushes them whatever its step. A no-op for engines that read the policy's weights."""
+        """The policy's weights changed outside an optimizer step (a checkpoint loaded into it, the trainer's placing:
+        cast, sharded): the next `sync_weights` pushes them whatever its step. A no-op for engines that read the
+        policy's weights."""
 
     def prepare_backend(self) -> None:
         """Set the engine's sampling (`self.sampling`, its stop ids) on the backend it drives, for a caller that
@@ -700,6 +701,11 @@ class VLLMEngine(GenerationEngine):
 
     def weights_changed(self) -> None:
         self._synced_step = None
+        # TRL's server mode announces the weights' names, dtypes and shapes at its first sync and streams every later
+        # one against that list; a first sync before the trainer placed the models (`trl-vapo train`'s held-out
+        # report) announced float32 weights that DeepSpeed's bf16 then cast: announced again.
+        if getattr(self.vllm_generation, "_weight_metadata", None) is not None:
+            self.vllm_generation._weight_metadata = None
 
     def prepare_backend(self) -> None:
         _apply_sampling(self.vllm_generation, self.sampling, self.stop_token_ids)

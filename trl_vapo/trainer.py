@@ -666,6 +666,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._load_weights(Path(resume_from_checkpoint))
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.actor_critic, self.optimizer)
         self.models_placed = True  # (FSDP2 shards `actor_critic` in place: `model_wrapped` is the same object)
+        self.generation_engine.weights_changed()  # placed: cast (DeepSpeed's bf16), sharded, moved
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         if resume_from_checkpoint is not None:

@@ -49,6 +49,9 @@ def policy_only(vllm_generation_cls: type) -> type:
     """A subclass of `vllm_generation_cls` (TRL's `VLLMGeneration`) whose weight sync pushes the policy alone and
     leaves the training weights bit-for-bit as they were.
 
+    Under FSDP, before the trainer has sharded the policy (`trl-vapo train`'s held-out report before training), its
+    parameters are read as they are: TRL's FSDP2 path reads each as a DTensor (an AttributeError on a whole one).
+
     Two changes to TRL's `_iter_named_params` under PEFT:
 
     * TRL skips LoRA matrices and renames the policy's `modules_to_save.default` copies, but passes any other
@@ -67,6 +70,8 @@ def policy_only(vllm_generation_cls: type) -> type:
 
             if is_peft_model(self.model) and not self._dist.is_fsdp:
                 params = _exactly_merged_params(self.model, self._dist, self._fix_param_name_to_vllm)
+            elif self._dist.is_fsdp and not _is_sharded(self.model):  # (FSDP with PEFT is refused: no adapter)
+                params = ((self._fix_param_name_to_vllm(n), p.data) for n, p in self.model.named_parameters())
             else:
                 params = super()._iter_named_params()
             for name, param in params:  # run to the end: TRL's generator unmerges after its last item
@@ -76,6 +81,13 @@ def policy_only(vllm_generation_cls: type) -> type:
     name = f"PolicyOnly{vllm_generation_cls.__name__}"
     PolicyOnlyVLLMGeneration.__name__ = PolicyOnlyVLLMGeneration.__qualname__ = name
     return PolicyOnlyVLLMGeneration
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 has sharded `model`'s parameters (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(param, DTensor) for param in model.parameters())
 
 
 def _exactly_merged_params(model: nn.Module, dist, fix_name: Callable) -> Iterator[tuple[str, torch.Tensor]]:
