@@ -33,6 +33,9 @@ def test_a_reward_model_scores_prompt_and_completion_as_grpo_does(reward_model_d
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
     (scorer,) = load_reward_models(str(reward_model_dir), None, make_args(tmp_path))
     assert isinstance(scorer, RewardModel) and scorer.__name__ == reward_model_dir.name
+    # A path with a trailing slash, as a shell completes it: the same name (it was "": `rewards//mean`).
+    (slashed,) = load_reward_models(f"{reward_model_dir}/", None, make_args(tmp_path))
+    assert slashed.__name__ == reward_model_dir.name
     assert not scorer.model.training and not any(p.requires_grad for p in scorer.model.parameters())
     prompts, completions = ["1+1=", "12+30=", "7+7="], ["2", "42 because 12+30 is 42", ""]
     scores = scorer(prompts=prompts, completions=completions)
@@ -341,6 +344,27 @@ def test_positives_are_judged_by_the_reward_functions_named_for_it(tiny_model_di
     trainer.train()
     verdict = trainer._last_rollout.scores.verdict  # the verifier's own score decided the rollout's positives
     assert verdict is not None and verdict.tolist() == trainer._last_rollout.scores.per_function[:, 0].tolist()
+
+
+def test_a_threshold_no_judged_completion_can_reach_is_refused_before_training():
+    """`positive_reward_threshold` is read against the judges' weighted reward: `reward_weights=[0.4]` on the math
+    reward (+1 right, -1 wrong) made a right answer 0.4, under the default 0.5, so no completion was ever correct
+    (`accuracy` 0, no NLL loss), silently. Refused where every judge says its range (the built-in math rewards);
+    functions of unknown range pass."""
+    from trl_vapo.rewards import make_math_reward
+    from trl_vapo.scoring import RewardScorer
+
+    math = make_math_reward()
+    math.__name__ = "math_reward"
+    told = r"positive_reward_threshold=0.5 is above .* \(math_reward: 0.4, .*at most 0.4"
+    with pytest.raises(ValueError, match=told):
+        RewardScorer([math], reward_weights=[0.4]).check_threshold_reachable(0.5)
+    RewardScorer([math], reward_weights=[0.4]).check_threshold_reachable(0.4)
+    RewardScorer([math]).check_threshold_reachable(0.5)
+    # A format reward beside it, not judging: the judge's range alone decides; judging, its unknown range passes.
+    RewardScorer([math, says_ok], [0.4, 1.0]).check_threshold_reachable(0.5)
+    with pytest.raises(ValueError, match="math_reward: 0.4"):
+        RewardScorer([math, says_ok], [0.4, 1.0], positive_reward_funcs=["math_reward"]).check_threshold_reachable(0.5)
 
 
 def test_accuracy_counts_the_completions_the_judge_scored_in_training_as_in_evaluation(tiny_model_dir, tmp_path):

@@ -567,10 +567,16 @@ def _check_held_out_report(script_args, demo: bool) -> None:
 def _check_reward_settings(reward_funcs: list, reward_model: str | None, training_args) -> None:
     """`reward_weights` and `positive_reward_funcs` against the run's reward functions, by count and by name, as the
     trainer checks them once its reward model has loaded (and the data set before it)."""
-    from .scoring import check_positive_reward_funcs, checked_reward_weights, reward_func_name, unique_reward_names
+    from .scoring import (
+        check_positive_reward_funcs,
+        checked_reward_weights,
+        reward_func_name,
+        reward_model_name,
+        unique_reward_names,
+    )
 
     # The trainer names a reward model by its id's last part (`RewardModel`), a function by its name.
-    given = ([Path(reward_model).name] if reward_model else []) + [reward_func_name(f) for f in reward_funcs]
+    given = ([reward_model_name(reward_model)] if reward_model else []) + [reward_func_name(f) for f in reward_funcs]
     names = unique_reward_names(given)
     try:
         checked_reward_weights(training_args.reward_weights, len(names))

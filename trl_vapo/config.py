@@ -353,7 +353,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=0.28,
         metadata={
             "help": "Clip-higher: upper clip range, the ratio is clipped above at 1 + epsilon_high. Paper: 0.28. "
-            "None: equal to `epsilon` (symmetric clipping, vanilla PPO)."
+            "None: equal to `epsilon` (symmetric clipping, vanilla PPO). It acts only where a rollout trains more "
+            "than one optimizer step (steps_per_generation > gradient_accumulation_steps, or num_iterations > 1; "
+            "the paper: 16): with one, the ratio is 1."
         },
     )
     loss_type: str = field(

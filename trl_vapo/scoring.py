@@ -87,7 +87,7 @@ class RewardModel:
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.device = next(model.parameters()).device
         self.batch_size = 256  # sequences a forward
-        self.__name__ = get_config_model_id(model.config).split("/")[-1]
+        self.__name__ = reward_model_name(get_config_model_id(model.config))
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
         from trl import apply_chat_template
@@ -237,6 +237,12 @@ def check_positive_reward_funcs(positive_reward_funcs: Sequence[str] | None, nam
         )
 
 
+def reward_model_name(model_id: str) -> str:
+    """A reward model's name, as GRPOTrainer names it: its id's last part (of a path given with a trailing slash,
+    as a shell completes it, too: GRPOTrainer's split named it "")."""
+    return model_id.rstrip("/\\").replace("\\", "/").split("/")[-1]
+
+
 def reward_func_name(func: RewardFunc) -> str:
     """A reward function's name, as GRPOTrainer names it: a `functools.partial` by the function it wraps, a callable
     object by its class."""
@@ -320,6 +326,27 @@ class RewardScorer:
             self.judges = torch.tensor([name in positive_reward_funcs for name in self.names])
         self.conversational = conversational
         self._warned_non_finite: set[str] = set()
+
+    def check_threshold_reachable(self, threshold: float) -> None:
+        """A clear error where no completion can ever be positive: every function that judges correctness says what
+        a right and a wrong answer score (`correct_reward`, `incorrect_reward`: the built-in math rewards), and the
+        best sum of those, weighted, is under `threshold` (`reward_weights=[0.4]` on `math_reward`: a right answer's
+        0.4 under 0.5, so `accuracy` read 0 and the NLL loss never ran, silently). Functions of unknown range pass."""
+        judges = range(len(self.funcs)) if self.judges is None else self.judges.nonzero().flatten().tolist()
+        best = 0.0
+        for i in judges:
+            values = [getattr(self.funcs[i], name, None) for name in ("correct_reward", "incorrect_reward")]
+            if None in values:
+                return
+            best += max(float(self.weights[i]) * value for value in values)
+        if best < threshold:
+            raise ValueError(
+                f"positive_reward_threshold={threshold} is above the best weighted reward of the functions that judge "
+                f"correctness ({', '.join(self.names[i] for i in judges)}: {best:g}, with reward_weights "
+                f"{[float(w) for w in self.weights]}): no completion could count as correct, so `accuracy` would read "
+                "0 and the positive-example NLL loss never train. Lower positive_reward_threshold to at most "
+                f"{best:g}, or raise those weights."
+            )
 
     def score(
         self,

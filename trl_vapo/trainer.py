@@ -303,6 +303,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         with whole_models_under_zero3(zero3_config):  # whole for the check below; placed after `Trainer.__init__`
             reward_funcs = load_reward_models(reward_funcs, reward_processing_classes, args)
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, self._conversational, args.positive_reward_funcs)
+        self.scorer.check_threshold_reachable(args.positive_reward_threshold)
         if args.positive_reward_funcs is None and len(self.scorer.names) > 1 and args.nll_coef > 0:
             # The verifiers among them (`math_reward`'s kind, which reads gold answers), else the first function.
             funcs = zip(self.scorer.funcs, self.scorer.names)
