@@ -306,8 +306,8 @@ def main(argv: list[str]) -> int:
     if command in ("upgrade", "lowest"):
         return upgrade(rest) if command == "upgrade" else lowest(rest)
     setup()
-    if command == "demo":
-        return _exec(bin_dir(VENV) / "trl-vapo", "train", *rest)
+    if command == "demo":  # (Windows starts a program by a path only with its .exe named)
+        return _exec(bin_dir(VENV) / ("trl-vapo.exe" if os.name == "nt" else "trl-vapo"), "train", *rest)
     if command == "test":
         return run_checks(python_of(VENV), rest, in_place=True)
     return 0

@@ -166,6 +166,33 @@ def test_the_demo_and_the_tests_run_in_dev_pys_place():
     assert process.returncode == 0 and stdout.split()[-1] == str(process.pid), stdout
 
 
+def test_on_windows_the_demo_installs_without_deepspeed_and_starts_trl_vapo_by_its_exe(monkeypatch):
+    """The README's first command on Windows (emulated: no Windows machine runs the suite): the dev extra pulled in
+    DeepSpeed, which PyPI has no Windows wheel of after 0.16.5 and whose source build there needs an administrator's
+    console, so the install failed; and Windows starts a program by its path only with `.exe` named
+    (`CreateProcess`), which `.venv\\Scripts\\trl-vapo` lacked."""
+    import tomllib
+
+    dev_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    dev_extra = [Requirement(line) for line in dev_extra]
+    required = {
+        platform: {r.name for r in dev_extra if r.marker is None or r.marker.evaluate({"sys_platform": platform})}
+        for platform in ("linux", "darwin", "win32")
+    }
+    assert "deepspeed" in required["linux"] and "deepspeed" in required["darwin"]
+    assert required["win32"] == required["linux"] - {"deepspeed"}
+    dev = _dev_script()
+    started = []
+    monkeypatch.setattr(dev, "setup", lambda: None)
+    monkeypatch.setattr(dev, "python_problem", lambda: None)
+    monkeypatch.setattr(dev, "_exec", lambda *cmd: started.append(cmd) or 0)
+    monkeypatch.setattr(dev.os, "name", "nt")
+    assert dev.main(["demo", "--max_steps", "1"]) == 0
+    program = started[0][0]
+    assert program.name == "trl-vapo.exe" and program.parent.name == "Scripts", program
+    assert started[0][1:] == ("train", "--max_steps", "1")
+
+
 def test_upgrade_reports_each_moved_package():
     dev = _dev_script()
     old = {"peft": "0.21.2", "torch": "2.13.0", "six": "1.16"}
