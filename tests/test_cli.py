@@ -551,6 +551,18 @@ def test_the_tokenizer_of_an_adapter_on_the_hub_is_read_at_the_revision_the_run_
     args = VAPOConfig(output_dir=str(tmp_path / "out"), report_to="none")
     assert policy_tokenizer("me/lora", "me/lora", args, {"revision": "v2"}).name_or_path == str(tiny_model_dir)
     assert ("adapter_config.json", "v2") in asked and ("adapter_config.json", "main") not in asked
+    # The base's tokenizer is looked up with the run's other options too (a gated base's token, an offline cache),
+    # at the base revision the adapter names and not in the adapter's subfolder (they were all dropped).
+    from trl_vapo import loading
+
+    real, seen = loading.AutoTokenizer.from_pretrained, []
+    monkeypatch.setattr(
+        loading.AutoTokenizer, "from_pretrained", lambda name, **kw: seen.append((name, kw)) or real(name)
+    )
+    options = {"revision": "v2", "token": "hf_x", "cache_dir": str(tmp_path / "cache")}
+    policy_tokenizer("me/lora", "me/lora", args, options)
+    assert seen[-1][0] == str(tiny_model_dir)
+    assert {k: seen[-1][1].get(k) for k in ("revision", "token", "cache_dir")} == {**options, "revision": "b1"}
 
 
 def test_the_command_finds_the_tokenizer_where_the_trainer_finds_the_policy(tiny_model_dir, tmp_path):

@@ -1891,6 +1891,13 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     assert [h["step"] for h in resumed.state.log_history if "phase" in h] == [1, 2, 3]  # 1-2 read from the Hub
 
 
+def test_a_peft_config_that_is_no_peft_config_is_refused_before_loading(tiny_model_dir, tmp_path):
+    """A dict (`peft_config={"r": 16}`) failed with an AttributeError reading one of its fields; GRPOTrainer names
+    the type it needs."""
+    with pytest.raises(TypeError, match=r"peft_config must be a peft.PeftConfig, .* got dict: .*LoraConfig\(\*\*"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config={"r": 16})
+
+
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_an_adapter_initialisation_that_rewrites_the_base_runs_once(tiny_model_dir, tmp_path, init):
     """PiSSA, OLoRA, ... move part of each base weight into the adapter. The critic's adapter (and the KL reference's)

@@ -149,8 +149,9 @@ def policy_tokenizer(model, model_id: str, args, model_init_kwargs: dict | None 
         return AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
     where = lookup_kwargs(from_pretrained_kwargs(args, model_init_kwargs))
     base = adapter_base_of(model_id, where)
-    if base is not None:
-        return AutoTokenizer.from_pretrained(base[0], revision=base[1], trust_remote_code=args.trust_remote_code)
+    if base is not None:  # another repository: the adapter's revision and subfolder are not its (its own revision is)
+        base_where = {key: value for key, value in where.items() if key not in ("revision", "subfolder")}
+        return AutoTokenizer.from_pretrained(base[0], **base_where, revision=base[1])
     return AutoTokenizer.from_pretrained(model_id, **where)
 
 
@@ -604,6 +605,14 @@ def check_trainer_arguments(model, args: VAPOConfig, peft_config, value_model: A
     frozen value function, a synced reference model under PEFT (GRPOTrainer's error), Liger's kernels without
     liger-kernel."""
     check_value_function_settings(value_model, args)
+    if peft_config is not None:
+        from peft import PeftConfig
+
+        if not isinstance(peft_config, PeftConfig):  # (a dict failed later, reading one of its fields)
+            raise TypeError(
+                f"peft_config must be a peft.PeftConfig, such as LoraConfig(r=16, lora_alpha=32), got "
+                f"{type(peft_config).__name__}: build one from a dict with LoraConfig(**settings)."
+            )
     task_type = getattr(peft_config, "task_type", None)
     task_type = getattr(task_type, "value", task_type)  # peft's TaskType, a str enum, or a string
     if task_type not in (None, "CAUSAL_LM"):
