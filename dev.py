@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import venv
@@ -90,10 +91,14 @@ def _exec(*cmd: str | Path) -> int:
     """Run `cmd` in this process's place (POSIX `exec`, from the repository's root), so that a Ctrl-C or a SIGTERM
     reaches it as it would reach it run directly: under `subprocess.run`, Python killed the child 0.25 s after a Ctrl-C
     (the demo's checkpoint on a stop never written) and a SIGTERM to dev.py left it running. Returns its exit status
-    where there is no exec to replace the process with (Windows)."""
-    if os.name == "nt":
-        return _run(*cmd, check=False)
+    where there is no exec to replace the process with (Windows), where dev.py ignores the Ctrl-C its command
+    gets too."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
+    if os.name == "nt":
+        # The console gives a Ctrl-C to every process attached to it: the command gets its own; dev.py waits for it
+        # to end (`subprocess.run` killed it 0.25 s after one, before its stop's checkpoint).
+        signal.signal(signal.SIGINT, lambda signum, frame: None)  # (a handler, unlike SIG_IGN, is not inherited)
+        return subprocess.Popen([str(c) for c in cmd], cwd=ROOT).wait()
     sys.stderr.flush()
     os.chdir(ROOT)
     os.execv(str(cmd[0]), [str(c) for c in cmd])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, requires, version
@@ -191,6 +192,28 @@ def test_on_windows_the_demo_installs_without_deepspeed_and_starts_trl_vapo_by_i
     program = started[0][0]
     assert program.name == "trl-vapo.exe" and program.parent.name == "Scripts", program
     assert started[0][1:] == ("train", "--max_steps", "1")
+
+
+def test_on_windows_a_ctrl_c_reaches_the_demo_and_dev_py_waits_for_its_stop():
+    """Windows has no exec: dev.py runs the demo as its child, and the console gives a Ctrl-C to both. Under
+    `subprocess.run`, dev.py's KeyboardInterrupt killed the child 0.25 s later, before the stop's checkpoint. Emulated
+    here (`os.name` set to Windows' in a dev.py process, the Ctrl-C sent to its process group as a console sends it):
+    the child finishes its stop and dev.py returns its exit status."""
+    load = f"import importlib.util as u, os, sys; s = u.spec_from_file_location('d', {str(ROOT / 'dev.py')!r}); "
+    load += "d = u.module_from_spec(s); s.loader.exec_module(d); os.name = 'nt'; "
+    child = (
+        "import signal, sys, time; stop = []; signal.signal(signal.SIGINT, lambda *a: stop.append(1)); "
+        "print('ready', flush=True); time.sleep(30) if not stop else None; time.sleep(1); print('stopped whole'); "
+        "sys.exit(3)"
+    )
+    command = load + f"sys.exit(d._exec(sys.executable, '-c', {child!r}))"
+    process = subprocess.Popen(
+        [sys.executable, "-c", command], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert "ready" in process.stdout.readline() + process.stdout.readline()  # dev.py's "+ ..." line, then the child's
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 3 and "stopped whole" in stdout, (process.returncode, stdout)
 
 
 def test_upgrade_reports_each_moved_package():

@@ -252,6 +252,20 @@ def test_plain_text_when_rich_is_missing(capsys):
     assert "value_first -   value_last -" in full
 
 
+def test_the_plain_table_prints_on_a_stream_that_cannot_encode_every_character():
+    """Windows' standard output into a pipe or a file is cp1252: a completion's "≥" or CJK text raised
+    UnicodeEncodeError in the print, which stopped the run at its completions log. What the stream cannot encode
+    prints as "?"."""
+    table = build_completions_table(
+        step=1, prompts=["x ≥ 2?"], completions=["是 x ≥ 2 €"], rewards={"r": [1.0]}, sequence_rewards=[1.0]
+    )
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="cp1252")
+    print_completions_table(table, use_rich=False, file=stream)
+    stream.flush()
+    assert "--- completion:\n? x ? 2 €" in raw.getvalue().decode("cp1252")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The completions table: trackers
 # ---------------------------------------------------------------------------------------------------------------------

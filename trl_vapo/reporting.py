@@ -273,7 +273,13 @@ def print_completions_table(
     if use_rich:
         _print_rich(sample, file, width)
     else:
-        print(format_plain_table(sample), file=file or sys.stdout, flush=True)
+        out = file or sys.stdout
+        text = format_plain_table(sample)
+        encoding = getattr(out, "encoding", None)
+        if encoding:  # what the stream cannot encode shown as "?": Windows' stdout into a pipe or file is cp1252, and
+            # a completion's "≥" or CJK text raised UnicodeEncodeError there, which stopped the run at its log
+            text = text.encode(encoding, errors="replace").decode(encoding)
+        print(text, file=out, flush=True)
 
 
 def format_plain_table(table: CompletionsTable) -> str:
