@@ -558,6 +558,14 @@ def test_a_vllm_completion_cut_by_the_context_length_is_truncated(tiny_model_dir
     assert out.is_truncated.all()
 
 
+def assert_received_as_is(engine, policy) -> None:
+    """vLLM (the stand-in) received every weight of `policy`, as it is, and nothing else."""
+    expected = dict(policy.named_parameters())
+    assert set(engine.vllm_generation.received) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(engine.vllm_generation.received[name], value.detach()), name
+
+
 def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):
     """Without PEFT (separate critic model), the policy's own weights go to vLLM, and the critic's never."""
     from trl_vapo.loading import critic_from_policy
@@ -573,10 +581,7 @@ def test_vllm_sync_pushes_a_full_policy_as_is(tiny_model_dir):
     actor_critic = ActorCritic(policy, critic=critic)
     engine = _vllm_engine(actor_critic, tokenizer)
     engine.sync_weights(step=0)
-    expected = dict(policy.named_parameters())
-    assert set(engine.vllm_generation.received) == set(expected)
-    for name, value in expected.items():
-        assert torch.equal(engine.vllm_generation.received[name], value.detach()), name
+    assert_received_as_is(engine, policy)
 
 
 def test_vllm_sync_under_fsdp_before_the_policy_is_sharded_pushes_it_as_is(tiny_model_dir):
@@ -592,10 +597,7 @@ def test_vllm_sync_under_fsdp_before_the_policy_is_sharded_pushes_it_as_is(tiny_
     engine.vllm_generation._dist.fsdp_version = 2
     assert engine.vllm_generation._dist.is_fsdp
     engine.sync_weights(step=0)
-    expected = dict(policy.named_parameters())
-    assert set(engine.vllm_generation.received) == set(expected)
-    for name, value in expected.items():
-        assert torch.equal(engine.vllm_generation.received[name], value.detach()), name
+    assert_received_as_is(engine, policy)
 
 
 def test_a_vllm_server_is_told_the_weights_dtypes_again_once_the_trainer_places_them(tiny_model_dir):
