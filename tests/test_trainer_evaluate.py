@@ -84,6 +84,23 @@ def test_every_eval_dataset_form_grpo_takes_evaluates_at_init_and_passed_to_eval
             trainer.evaluate("data3")
 
 
+def test_a_reward_schedule_reads_the_planned_steps_in_an_evaluation_before_training(tiny_model_dir, tmp_path):
+    """A reward function that schedules on `trainer_state.global_step / trainer_state.max_steps` raised
+    ZeroDivisionError in an evaluation before `train()` (and `trl-vapo train`'s held-out report before training):
+    the state was transformers' fresh one, max_steps 0. It reads the run's planned steps, at step 0."""
+    seen = []
+
+    def scheduled(completions, trainer_state, **kwargs):
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
+        weight = trainer_state.global_step / trainer_state.max_steps
+        return [weight * len(c) for c in completions]
+
+    args = eval_args(tmp_path, max_steps=3)
+    trainer = VAPOTrainer(str(tiny_model_dir), scheduled, args, prompts_dataset(), prompts_dataset(8))
+    trainer.evaluate()
+    assert seen[-1] == (0, trainer.run_plan.planned_steps) and trainer.run_plan.planned_steps >= 3
+
+
 def test_a_dict_of_eval_sets_is_checked_once_not_at_every_evaluation(tiny_model_dir, tmp_path):
     """The reward functions run on empty completions once, when the trainer checks its data; each evaluation of a
     dict of eval sets checked every entry again (the reward model or judge called anew, a passing failure of it

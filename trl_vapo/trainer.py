@@ -506,6 +506,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.run_plan = RunPlan.from_config(
             args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
         )
+        # What a reward function's schedule reads (`trainer_state`: global_step / max_steps) from an evaluation before
+        # `train()`, or `trl-vapo train`'s held-out report: transformers' 0 raised ZeroDivisionError in it.
+        self.state.max_steps = self.run_plan.planned_steps
         data_seed = args.seed if args.data_seed is None else args.data_seed  # 0 is a seed
         per_rollout = self.run_plan.prompts_per_rollout
         self._prompts = PromptCursor(self.train_dataset, per_rollout, args.shuffle_dataset, data_seed)
