@@ -645,6 +645,15 @@ def test_the_default_engine_is_the_static_cache_engine_on_a_cuda_gpu_without_sha
     assert default.placed("cuda", sharded=False, model=saved_quantized).engine == "generate"  # marks it once loaded
     batching = EngineSettings.from_config(make_args(tmp_path, use_transformers_continuous_batching=True))
     assert batching.placed("cuda", sharded=False).engine == "continuous_batching"
+    # `trl-vapo eval` chooses as training does (it had no such flag: generate() on a GPU too, 8.8-25.7x slower on the
+    # H200 record).
+    from trl_vapo.cli import EvalArguments
+
+    evaluated = EngineSettings.from_eval_args(EvalArguments())
+    assert evaluated.auto and evaluated.placed("cuda", sharded=False).engine == "static_cache"
+    assert evaluated.placed("cpu", sharded=False).engine == "generate"
+    named_off = EngineSettings.from_eval_args(EvalArguments(use_static_cache_engine=False))
+    assert named_off.placed("cuda", sharded=False).engine == "generate"
 
 
 def test_kept_buffers_follow_a_change_of_sampling_settings(tiny):

@@ -991,7 +991,9 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
     args, main = trainer.args, trainer.accelerator.is_main_process
     placed = trainer.models_placed
-    engine = EngineSettings.from_config(args)  # a transformers engine of its own, batched as evaluation batches
+    # A transformers engine of its own, batched as evaluation batches, the default chosen as training's is
+    sharded = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
+    engine = EngineSettings.from_config(args).placed(trainer.accelerator.device.type, sharded, trainer.model)
     # vLLM's calls are collectives too (a server's requests gather every process's prompts; a tensor-parallel group
     # samples together): every process takes part, placed or not.
     if not placed and not main and not engine.holds_own_weights:
@@ -1208,6 +1210,13 @@ class EvalArguments(VLLMOptions):
     )
     transformers_continuous_batching_config: str | None = field(
         default=None, metadata={"help": "JSON keyword arguments of transformers' ContinuousBatchingConfig."}
+    )
+    use_static_cache_engine: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Sample with trl-vapo's static-cache engine, as in training. None (default): on a CUDA GPU for "
+            "an unquantized model, generate() elsewhere (VAPOConfig's field says more)."
+        },
     )
     use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (`pip install vllm`), as in training."})
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
@@ -1471,7 +1480,8 @@ def eval_command(argv: list[str]) -> int:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    engine = build_engine(engine_settings, model, tokenizer)
+    # The engine left to the default is chosen as training chooses it (the static-cache one on a CUDA GPU).
+    engine = build_engine(engine_settings.placed(device.type, False, model), model, tokenizer)
     engine.sync_weights()  # vLLM loads the checkpoint by name (an adapter's base): the weights evaluated go to it
     # After the engine's start, which for vLLM seeds torch with its own seed (`LLM(seed=...)`): seeded before it,
     # every --seed sampled the same completions.

@@ -912,6 +912,7 @@ class EngineSettings:
         vllm = {name: getattr(args, f"vllm_{name}") for name in VLLM_OPTIONS if hasattr(args, f"vllm_{name}")}
         return cls(
             engine=cls._engine_named_by(args),
+            auto=getattr(args, "use_static_cache_engine", False) is None,  # (`placed` picks it, as training's)
             sampling=SamplingSettings(
                 max_new_tokens=args.max_completion_length,
                 temperature=args.temperature,
