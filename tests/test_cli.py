@@ -585,6 +585,17 @@ def test_the_command_finds_the_tokenizer_where_the_trainer_finds_the_policy(tiny
     assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
 
 
+def test_eval_writes_a_score_nothing_was_judged_for_as_null():
+    """`json.dumps` wrote NaN (no judged problem) as `NaN`, which strict JSON parsers (jq, JavaScript) refuse."""
+    from trl_vapo.cli import scores_json
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    text = scores_json({"pass@1": math.nan, "avg@4": 0.5, "num_problems": 0})
+    assert json.loads(text, parse_constant=refuse) == {"pass@1": None, "avg@4": 0.5, "num_problems": 0}
+
+
 def test_eval_takes_a_python_runs_sampling_but_not_rewards_it_cannot_name(
     tiny_model_dir, tmp_path, capsys, monkeypatch
 ):

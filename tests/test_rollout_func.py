@@ -186,6 +186,20 @@ def test_a_rollout_funcs_output_that_does_not_fit_is_refused_naming_what(change,
         read_rollout_func_output([output], 2, [9], 0, keep_logprobs=False)
 
 
+def test_drop_long_prompts_with_a_rollout_func_is_said_to_drop_nothing(tiny_model_dir, tmp_path, caplog):
+    """A rollout_func's prompt ids are its own, so nothing is dropped: `drop_long_prompts=True` did nothing, and
+    said nothing."""
+
+    def rollout(prompts, trainer):  # never called: the trainer is only built
+        raise AssertionError
+
+    args = make_args(tmp_path, max_prompt_length=2, drop_long_prompts=True)
+    with caplog.at_level("WARNING"):
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), rollout_func=rollout)
+    assert len(trainer.train_dataset) == len(prompts_dataset())
+    assert "drop_long_prompts=True drops nothing with a rollout_func" in caplog.text
+
+
 def test_a_rollout_funcs_fields_become_columns_of_new_rows():
     rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
     merged = rows_with_fields(rows, {"env_reward": [0.5, 1.0], "task": "sum"})

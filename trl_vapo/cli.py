@@ -1507,11 +1507,18 @@ def eval_command(argv: list[str]) -> int:
         positive_reward_funcs=args.positive_reward_funcs,
         generation_kwargs=args.generation_kwargs,
     ).as_dict()
-    print(json.dumps(result, indent=2))
+    text = scores_json(result)
+    print(text)
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_json).write_text(json.dumps(result, indent=2))
+        Path(args.output_json).write_text(text)
     return 0
+
+
+def scores_json(scores: dict[str, float]) -> str:
+    """`trl-vapo eval`'s scores as strict JSON: a score that nothing was judged for (NaN) is null, which every JSON
+    parser reads (`NaN`, what `json.dumps` writes, is Python's own)."""
+    return json.dumps({key: None if value != value else value for key, value in scores.items()}, indent=2)
 
 
 JSON_FLAGS = ("chat_template_kwargs", "generation_kwargs", "transformers_continuous_batching_config")

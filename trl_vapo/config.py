@@ -510,7 +510,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         metadata={
             "help": "Drop training prompts longer than `max_prompt_length` tokens instead of truncating them from the "
             "left. Either way a data set with a length has them counted, with one warning, before training starts; a "
-            "streamed one's are dropped as they come (uncounted), or truncated with a warning at the first."
+            "streamed one's are dropped as they come (uncounted), or truncated with a warning at the first. Not with "
+            "a rollout_func, whose prompt ids are its own (a warning says so)."
         },
     )
     nonfinite_loss_patience: int = field(

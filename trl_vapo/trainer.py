@@ -494,6 +494,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 leave_text_out_of_logs(callback)
         self._critic_bias = CriticBiasWatch()
         said = None  # a rollout_func's prompt ids are its own: max_prompt_length does not apply to them
+        if rollout_func is not None and args.drop_long_prompts:  # (it did nothing, silently)
+            said = "drop_long_prompts=True drops nothing with a rollout_func, whose prompt ids are its own."
         if rollout_func is None:  # may drop prompts: the plan counts what is left
             self.train_dataset, said = long_prompts_handled(
                 self.train_dataset, args, lambda rows: [len(x) for x in self._tokenize_prompts(rows, truncate=False)]
