@@ -528,7 +528,8 @@ def test_the_critic_trains_in_the_update_where_a_forward_there_would_differ_from
     tiny_model_dir, tmp_path
 ):
     """`_critic_trains_while_scoring` holds for the defaults, and not where the update's critic forward would compute
-    other values than the scoring pass's (or on several processes, `test_distributed`'s runs)."""
+    other values than the scoring pass's (nor under DeepSpeed and FSDP, whose backward reduces as it runs:
+    `_gradients_wait_for_the_step`; under DDP it holds, `test_reliability`)."""
     args = make_args(tmp_path / "default", per_device_train_batch_size=8)
     assert VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())._critic_trains_while_scoring(RL)
     for setting in (

@@ -606,8 +606,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                         logger.warning(f"Published {', '.join(published)}, which a stopped run wrote whole.")
                 return ckpt.run_owner(), bool(restored or published)
 
-            # Every process stops, not the main one alone; all name temporary folders alike.
-            # `checkpoint.temporary_folder`
+            # Every process stops, not the main one alone; all name temporary folders alike (`temporary_folder`).
             self._run_owner, moved = hold() if alone else decided_on_main(hold, self.accelerator)
             if moved:  # the checkpoint to resume from, looked for before (the command line does), is looked for again
                 self._resume_point = None
