@@ -717,6 +717,30 @@ def test_the_steps_after_the_last_log_are_logged_at_the_runs_end(tiny_model_dir,
     assert "train_runtime" in summary and "reward" not in summary and "reward" in trainer.state.log_history[-2]
 
 
+def test_a_users_optimizer_is_named_by_side_and_refused_where_it_leaves_a_side_out(tiny_model_dir, tmp_path):
+    """An optimizer over the policy model's parameters (`optimizers=`, GRPOTrainer's way) left out the critic, which
+    the trainer builds: it never stepped, and its gradients summed over every step, silently; refused before the
+    first rollout, saying how to build one. One of the user's own groups per side, unnamed, followed the critic's
+    schedule: the policy's warm-up ran during value pretraining and its logged rate was not 0 there; each is named
+    for its side, as the trainer's own groups are."""
+    from transformers import AutoModelForCausalLM
+
+    args = make_args(tmp_path, max_steps=2, value_pretrain_steps=2, warmup_steps=2, lr_scheduler_type="linear")
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    given = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    trainer = VAPOTrainer(policy, digit_fraction, args, prompts_dataset(), optimizers=(given, None))
+    with pytest.raises(ValueError, match=r"does not hold \d+ of the critic's \d+ trainable parameters: .*set"):
+        trainer.train()
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    sides = trainer.actor_critic.policy_parameters(), trainer.actor_critic.critic_parameters()
+    trainer.optimizer = torch.optim.AdamW([{"params": params} for params in sides], lr=1e-3)
+    trainer.train()
+    assert [group["name"] for group in trainer.optimizer.param_groups] == ["policy", "critic"]
+    rates = [(h["phase"], h["learning_rate"]) for h in trainer.state.log_history if "phase" in h]
+    assert [rate for phase, rate in rates if phase == "value_pretrain"] == [0.0, 0.0]
+    assert [phase for phase, _ in rates].count("rl") == 2 and rates[-1][1] > 0
+
+
 def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freezes_policy(tiny_model_dir, tmp_path):
     args = make_args(
         tmp_path,

@@ -63,6 +63,37 @@ class Schedule:
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * self.num_cycles * 2.0 * min(progress, 1.0))))  # cosine
 
 
+def name_groups_by_side(optimizer: torch.optim.Optimizer, actor_critic) -> None:
+    """Name each unnamed group of a user's optimizer "policy" or "critic" where it holds one side's parameters
+    alone, as `parameter_groups` names the trainer's own: the actor's schedule then starts with its first update
+    and its rate is held at 0 before (its warm-up was spent during value pretraining, and a decay ran over the whole
+    run), the logged `learning_rate` is the policy's, and DeepSpeed holds the policy's groups out of critic-only steps.
+    A group that mixes both sides stays unnamed: it follows the critic's schedule (never held at 0).
+
+    Refused where it lacks a side's trainable parameters: the critic, which the trainer builds, was left out of an
+    optimizer over the policy model's parameters (GRPOTrainer's way), so it never stepped and its gradients, which
+    `optimizer.zero_grad()` never cleared, summed over every step, silently."""
+    policy = {id(p) for p in actor_critic.policy_parameters()}
+    critic = {id(p) for p in actor_critic.critic_parameters()}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    sides = {"policy": policy, "critic": critic}
+    missing = [f"{len(ids - held)} of the {side}'s {len(ids)}" for side, ids in sides.items() if ids - held]
+    if missing:
+        raise ValueError(
+            f"The optimizer given (`optimizers=`) does not hold {' and '.join(missing)} trainable parameters: they "
+            "would never train. The trainer builds the critic: build the trainer without `optimizers`, then set "
+            "`trainer.optimizer = YourOptimizer(trainer.actor_critic.parameters(), ...)` (or one group per side: "
+            "`policy_parameters()`, `critic_parameters()`) before `train()`."
+        )
+    for group in optimizer.param_groups:
+        ids = {id(p) for p in group["params"]}
+        if "name" not in group and ids:
+            if ids <= policy:
+                group["name"] = "policy"
+            elif ids <= critic:
+                group["name"] = "critic"
+
+
 def side_schedules(
     optimizer: torch.optim.Optimizer,
     kind: str,
@@ -73,9 +104,9 @@ def side_schedules(
     scheduler_kwargs: dict | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A `LambdaLR` with one `Schedule` per group: the actor's over the RL steps from `actor_starts_at` (None: when
-    value pretraining ends), the critic's over all steps. Groups without a "name" (a user's own optimizer) follow
-    the critic's: never held at zero. `warmup_steps(total)` gives the warm-up of a schedule of `total` steps;
-    `scheduler_kwargs` (`lr_scheduler_kwargs`): cosine's `num_cycles`."""
+    value pretraining ends), the critic's over all steps. Groups without a "name" (of a user's own optimizer, mixing
+    both sides: `name_groups_by_side`) follow the critic's: never held at zero. `warmup_steps(total)` gives the
+    warm-up of a schedule of `total` steps; `scheduler_kwargs` (`lr_scheduler_kwargs`): cosine's `num_cycles`."""
     schedules = []
     for group in optimizer.param_groups:
         actor = group.get("name") == "policy"

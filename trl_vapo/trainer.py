@@ -132,7 +132,7 @@ from .modeling import (
     value_function_name,
     value_target_settings,
 )
-from .optim import parameter_groups, set_critic_length, side_schedules, start_actor_schedule
+from .optim import name_groups_by_side, parameter_groups, set_critic_length, side_schedules, start_actor_schedule
 from .reporting import (
     NUMBERS_ONLY_TRACKERS,
     SEQUENCE_MEANS,
@@ -227,7 +227,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             method is also called with every rollout as built (a `trl_vapo.rollout.Rollout`: completions, scores,
             values, advantages) and its dataset rows, before the rollout's first update (where the critic trains in
             the scoring pass, `_critic_trains_while_scoring`, after its backward: the rollout is there to read).
-        optimizers: `(optimizer, lr_scheduler)` to use instead of AdamW with one parameter group per side.
+        optimizers: `(optimizer, lr_scheduler)` to use instead of AdamW with one parameter group per side. The
+            optimizer must hold the critic's parameters too, which the trainer builds: set `trainer.optimizer` after
+            construction (`trainer.actor_critic.policy_parameters()`, `.critic_parameters()`); a group of one side's
+            alone is named for it (`optim.name_groups_by_side`: the policy's rate is held at 0 until RL).
         peft_config: a `peft.PeftConfig` (e.g. `LoraConfig(r=16)`) to train adapters instead of all weights.
     """
 
@@ -549,6 +552,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 for module in self.actor_critic.modules():
                     if isinstance(module, nn.Embedding):
                         manager.register_module_override(module, "weight", {"optim_bits": 32})
+        else:  # a user's own (`optimizers=`)
+            name_groups_by_side(self.optimizer, self.actor_critic)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
