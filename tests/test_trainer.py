@@ -543,6 +543,36 @@ def test_the_critic_trains_in_the_update_where_a_forward_there_would_differ_from
         assert not trainer._critic_trains_while_scoring(RL), setting
 
 
+def test_a_train_call_after_an_error_before_the_first_step_starts_as_a_new_trainer(tiny_model_dir, tmp_path):
+    """`train()` again on a trainer whose first call an error stopped before its first step (a callback's, a reward
+    function's on the first rollout): the stopped call had read its rollout's prompts, and the second started after
+    them. It reads from the first prompt, as a new trainer would: the same weights and logs as a run never stopped."""
+
+    class FailsOnce(TrainerCallback):
+        failed = False
+
+        def on_rollout(self, args, state, control, rollout=None, rows=None, **kwargs):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("a callback's error")
+
+    def trained(trainer):
+        weights = {n: p.detach().clone() for n, p in trainer.actor_critic.named_parameters() if p.requires_grad}
+        return weights, [{k: v for k, v in log.items() if "time" not in k} for log in rl_logs(trainer)]
+
+    plain_args, args = (make_args(tmp_path / name, max_steps=2) for name in ("plain", "again"))
+    plain = VAPOTrainer(str(tiny_model_dir), digit_fraction, plain_args, prompts_dataset())
+    plain.train()
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[FailsOnce()])
+    with pytest.raises(RuntimeError, match="a callback's error"):
+        trainer.train()
+    trainer.train()
+    (weights, logs), (expected_weights, expected_logs) = trained(trainer), trained(plain)
+    assert logs == expected_logs
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(weights[name], value, msg=name)
+
+
 def test_a_train_call_stopped_by_an_error_leaves_nothing_to_the_resumed_call(tiny_model_dir, tmp_path):
     """`train(resume_from_checkpoint=...)` on the trainer whose `train()` an error stopped (as the error after a stop
     advises) took over what that call left: the critic's gradients (its backward runs in a rollout's scoring pass,

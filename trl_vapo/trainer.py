@@ -639,6 +639,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # step's readings not yet logged (logged twice), a pending evaluation or checkpoint, its rollouts, and its
         # gradients (the critic's backward runs in a rollout's scoring pass, before the optimizer step).
         self._metrics.clear()
+        if not resume_from_checkpoint:  # (no step was taken: refused above) an error stopped a first call before its
+            # first step, after its rollout's prompts were read and sampled: this call starts as a new trainer would,
+            # from the first prompt and the seeded random state (it skipped them, and sampled other completions)
+            self.progress = TrainingProgress(phase=RL if self._skips_value_pretraining else VALUE_PRETRAIN)
+            self._prompts.restart()
+            set_seed(sampling_seed(args, self.accelerator.process_index))
         self._save_pending = self._evaluate_pending = False
         self._last_rollout = self._reported_rollout = None
         self._replay = []
