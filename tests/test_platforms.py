@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -157,6 +156,8 @@ class _WindowsOs(types.ModuleType):
 
     @staticmethod
     def fsync(fd):
+        import fcntl  # (here, not at the top: on Windows, where there is none, the file failed to collect)
+
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
             raise OSError(errno.EBADF, "Bad file descriptor")
         os.fsync(fd)
