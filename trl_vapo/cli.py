@@ -991,7 +991,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
     args, main = trainer.args, trainer.accelerator.is_main_process
     placed = trainer.models_placed
-    # A transformers engine of its own, batched as evaluation batches, the default chosen as training's is
+    # A transformers engine of its own, batched as evaluation batches; left to the default, chosen as training's is
     sharded = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
     engine = EngineSettings.from_config(args).placed(trainer.accelerator.device.type, sharded, trainer.model)
     # vLLM's calls are collectives too (a server's requests gather every process's prompts; a tensor-parallel group
