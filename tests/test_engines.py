@@ -203,10 +203,11 @@ def test_the_processes_of_a_colocated_vllm_group_share_their_sampling_seed(tiny_
 
     plain = make_args(tmp_path, seed=7)
     assert [sampling_seed(plain, rank) for rank in range(4)] == [7, 8, 9, 10]
-    vllm = {"use_vllm": True, "vllm_tensor_parallel_size": 2, "seed": 7}
+    vllm = {"use_vllm": True, "seed": 7}
     colocated = make_args(tmp_path, vllm_mode="colocate", **vllm)
+    colocated.vllm_tensor_parallel_size = 2  # (as on 4 processes: on this one process the config refuses it)
     assert [sampling_seed(colocated, rank) for rank in range(4)] == [7, 7, 8, 8]
-    server = make_args(tmp_path, vllm_mode="server", **vllm)
+    server = make_args(tmp_path, vllm_mode="server", vllm_tensor_parallel_size=2, **vllm)
     assert [sampling_seed(server, rank) for rank in range(4)] == [7, 8, 9, 10]
     # The trainer seeds its process so once built (here process 0 of one).
     VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, seed=11), prompts_dataset())

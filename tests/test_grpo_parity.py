@@ -325,6 +325,13 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"save_strategy": "best", "metric_for_best_model": "reward"}, "and eval_strategy"),
         # vLLM's own refusals, which came once it started, after the policy loaded.
         ({"use_vllm": True, "vllm_tensor_parallel_size": 0}, "vllm_tensor_parallel_size must be >= 1, got 0"),
+        (  # TRL's check, which came once every model had loaded
+            {"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 2},
+            r"vllm_tensor_parallel_size \(2\) must divide the number of processes \(1\)",
+        ),
+        # Below 1 a share of max_steps to transformers: a negative one logged or saved at the last step alone.
+        ({"logging_steps": -5}, r"logging_steps must be > 0 \(a number of steps, or a share of max_steps"),
+        ({"save_strategy": "steps", "save_steps": -100}, "save_steps must be > 0"),
         ({"use_vllm": True, "vllm_gpu_memory_utilization": 1.5}, r"in \(0, 1\]; got 1.5"),
         (
             {"use_vllm": True, "vllm_max_model_length": 60, "max_prompt_length": 32, "max_completion_length": 64},

@@ -176,27 +176,38 @@ def test_the_value_head_computes_in_float32_under_bf16_autocast(tiny_model_dir, 
 
 def tiny_config(family: str):
     """Tiny configs of the families whose forward scales or soft-caps the head's output."""
-    from transformers import CohereConfig, Gemma2Config, GraniteConfig
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig, RecurrentGemmaConfig
+    from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
     shape = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     shape.update(num_key_value_heads=1, head_dim=8, pad_token_id=0)
     if family == "gemma2":  # tanh soft cap, 30 in Gemma 2 (a small cap here, so that it bites)
         return Gemma2Config(**shape, final_logit_softcapping=2.0)
+    if family == "recurrent_gemma":  # the same cap under another name (the tiles left it out)
+        recurrent = dict(lru_width=16, attention_window_size=16, block_types=["recurrent", "attention"])
+        return RecurrentGemmaConfig(**{**shape, "num_hidden_layers": 2}, **recurrent, logits_soft_cap=2.0)
+    if family.startswith("inkling"):  # the hidden states / logits_mup_width_multiplier (the tiles left it out)
+        experts = dict(moe_intermediate_size=16, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1)
+        # "inkling-padded": the head's last columns are padding, dropped by the forward (the tiles took them in)
+        unpadded = 90 if family == "inkling-padded" else None
+        return InklingTextConfig(**shape, **experts, logits_mup_width_multiplier=4.0, unpadded_vocab_size=unpadded)
     if family == "cohere":  # logits * logit_scale
         return CohereConfig(**shape, logit_scale=0.3)
     return GraniteConfig(**shape, logits_scaling=4.0)  # logits / logits_scaling
 
 
-@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+@pytest.mark.parametrize("family", ["gemma2", "recurrent_gemma", "cohere", "granite", "inkling", "inkling-padded"])
 def test_scaled_and_soft_capped_heads_equal_the_models_own_logits(family):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family))
     with torch.no_grad():  # logits large enough for the scale and the cap to matter
         model.get_output_embeddings().weight.mul_(20)
-    ids, attention, length = batch(model.config.vocab_size, seed=4)
+    ids, attention, length = batch(
+        getattr(model.config, "unpadded_vocab_size", None) or model.config.vocab_size, seed=4
+    )
     calls = head_calls(model)
     logprobs, entropy = completion_logprobs(model, ids, attention, length, 1.6, with_entropy=True)
-    assert calls == []
+    assert (calls == []) == (family != "inkling-padded")  # the tiles, but where the head's outputs are not all logits
     expected, expected_entropy = own_logprobs(model, ids, attention, length, 1.6)
     torch.testing.assert_close(logprobs.double(), expected.detach(), rtol=0, atol=2e-5)
     torch.testing.assert_close(entropy.double(), expected_entropy.detach(), rtol=0, atol=2e-5)

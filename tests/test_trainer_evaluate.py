@@ -544,3 +544,19 @@ def test_an_eval_set_in_another_prompt_format_than_the_train_sets_is_refused_bef
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, eval_args(tmp_path), plain)
     with pytest.raises(ValueError, match=r"eval_dataset's prompts are chat messages"):
         trainer.evaluate(eval_dataset=chat)
+
+
+def test_a_metric_for_best_model_no_evaluation_logs_fails_at_the_first_evaluation_with_the_steps_so_far_saved(
+    tiny_model_dir, tmp_path
+):
+    """A misspelt `metric_for_best_model` is known only at the first evaluation (a reward's `log_metric` names come
+    from the reward itself): transformers' KeyError lists the names, and the step trained before it is saved (the
+    error was raised past the trainer's save on an error, and the run left no checkpoint)."""
+    args = eval_args(
+        tmp_path, eval_strategy="steps", eval_steps=1, metric_for_best_model="acuracy", save_strategy="no"
+    )
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(3))
+    with pytest.raises(KeyError, match="'eval_acuracy', which is not found .* 'eval_accuracy'"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-1"]

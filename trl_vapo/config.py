@@ -992,6 +992,13 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                 self.vllm_tensor_parallel_size >= 1,
                 f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}.",
             )
+            require(  # (TRL checks it when the engine starts: after every model has loaded)
+                self.vllm_mode != "colocate" or self.world_size % self.vllm_tensor_parallel_size == 0,
+                f"vllm_tensor_parallel_size ({self.vllm_tensor_parallel_size}) must divide the number of processes "
+                f"({self.world_size}): colocated, each group of that many processes shares one vLLM engine. Launch a "
+                f"multiple of {self.vllm_tensor_parallel_size} processes (accelerate launch --num_processes), or "
+                "lower vllm_tensor_parallel_size.",
+            )
             require(
                 0 < self.vllm_gpu_memory_utilization <= 1,
                 f"vllm_gpu_memory_utilization is a share of the GPU's memory, in (0, 1]; got "
@@ -1242,6 +1249,12 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         )
         require(self.num_train_epochs > 0, f"num_train_epochs must be > 0, got {self.num_train_epochs}.")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}.")
+        for name in ("logging_steps", "save_steps", "eval_steps"):  # (below 1, a share of max_steps to transformers:
+            value = getattr(self, name)  # a negative one logged, saved or evaluated at the last step alone, silently)
+            require(
+                value is None or value > 0,
+                f"{name} must be > 0 (a number of steps, or a share of max_steps in (0, 1)), got {value}.",
+            )
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
         require(self.min_p is None or 0 <= self.min_p <= 1, f"min_p must be in [0, 1] or None, got {self.min_p}.")
         require(

@@ -436,9 +436,12 @@ def _tiles_fit(causal_lm: PreTrainedModel, head: nn.Module | None) -> bool:
     """Whether ``causal_lm``'s logits are ``head(backbone(x))`` up to :func:`_logit_transform`, with ``head`` a plain
     linear layer whose weight the tiles can read: not LoRA, quantized (float8 ones subclass ``nn.Linear``) or
     offloaded (its weight on the meta device outside its forward), and a direct child of the model (BERT-style
-    decoders transform the hidden states before theirs) next to the backbone ``base_model``."""
+    decoders transform the hidden states before theirs) next to the backbone ``base_model``; and all of its outputs
+    are logits (Inkling's forward drops the padded vocabulary's: the tiles' softmax would take them in)."""
+    unpadded = getattr(causal_lm.config.get_text_config(), "unpadded_vocab_size", None)
     return (
         type(head) in (nn.Linear, Float32Linear)
+        and unpadded in (None, head.out_features)
         and head.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and head.weight.device.type != "meta"
         and any(child is head for child in causal_lm.children())
@@ -461,7 +464,9 @@ def _logit_transform(config) -> tuple[float, float | None]:
 
     Read from the config as TRL's ``add_fused_lm_head`` reads it (Cohere's ``logit_scale``, Gemma 2/3's
     ``final_logit_softcapping``, Granite's and MiniCPM3's ``logits_scaling`` divisor, Falcon-H1's
-    ``lm_head_multiplier``, ...); ``tests/test_logprobs.py`` checks it against the models' own forward.
+    ``lm_head_multiplier``, ...), and RecurrentGemma's ``logits_soft_cap`` and Inkling's
+    ``logits_mup_width_multiplier`` divisor, which TRL's leaves out; ``tests/test_logprobs.py`` checks it against the
+    models' own forward.
     """
     config = config.get_text_config()
     scale = getattr(config, "logit_scale", None)
@@ -469,7 +474,12 @@ def _logit_transform(config) -> tuple[float, float | None]:
         scale = getattr(config, name, None) if scale is None else scale
     if scale is None and getattr(config, "logits_scaling", None) is not None:
         scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
-    return (1.0 if scale is None else scale), getattr(config, "final_logit_softcapping", None)
+    if scale is None and getattr(config, "logits_mup_width_multiplier", None) is not None:  # Inkling's divisor
+        scale = 1 / config.logits_mup_width_multiplier
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None and config.model_type == "recurrent_gemma":  # (its name for the same cap: 30)
+        cap = config.logits_soft_cap
+    return (1.0 if scale is None else scale), cap
 
 
 def _run_as_forward(outer: nn.Module, inner: nn.Module, function, **inputs):

@@ -887,15 +887,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._evaluate_pending = False
             try:
                 metrics = self.evaluate()
+                # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
+                # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves. A name no
+                # evaluation logs (a typo: which names a reward's `log_metric` adds is known only now) is a KeyError
+                # listing the names, after the steps so far are saved below.
+                new_best = self._determine_best_metric(metrics, trial=None)
             except Exception as error:  # (a reward function's on the held-out rows, a streamed row refused, ...)
                 # On one process the steps trained so far are saved first; on several, the error may be one
                 # process's alone, and the others would wait for it in the checkpoint's collectives.
                 if not self._distributed:
                     self._checkpoint_before_error(error)
                 raise
-            # As transformers: the callbacks see the evaluation (early stopping compares with the best so far),
-            # then `metric_for_best_model` updates the best, which `save_strategy="best"` saves.
-            new_best = self._determine_best_metric(metrics, trial=None)
             self._save_pending |= self.control.should_save  # as transformers reads it after `on_evaluate`
             self._save_pending |= new_best and self.args.save_strategy == SaveStrategy.BEST
         if self._save_pending:
