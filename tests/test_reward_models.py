@@ -658,3 +658,42 @@ def test_the_tokenizers_are_loaded_at_the_revision_their_models_are(tmp_path, mo
     trainer = VAPOTrainer("org/policy", ["org/judge"], args, prompts_dataset())
     assert trainer.processing_class.chat_template == "v1: {{ messages }}"
     assert trainer.reward_processing_classes[0].chat_template == "v1: {{ messages }}"
+
+
+@pytest.mark.parametrize("template_opens_think", [True, False])
+def test_the_functions_that_read_it_are_told_where_the_prompt_opened_a_think_block(
+    tiny_model_dir, tmp_path, template_opens_think
+):
+    """A chat template that ends the prompt with `<think>` (DeepSeek-R1's) leaves a completion cut off while thinking
+    without any tag: the trainer reads the prompt's tokens and passes `prompt_opens_think` to the functions that say
+    they read it (`math_reward`), in training and in evaluation, and to no other (a user's function gets TRL's
+    arguments). A template that closes the block it opens (Qwen3's `enable_thinking=False`) leaves it closed."""
+    from datasets import Dataset
+
+    from trl_vapo.evaluation import evaluate_policy
+
+    seen = {"reads": [], "plain": []}
+
+    def reads(completions, **kwargs):
+        seen["reads"].append(kwargs.get("prompt_opens_think"))
+        return [0.0] * len(completions)
+
+    def plain(completions, **kwargs):
+        seen["plain"].append("prompt_opens_think" in kwargs)
+        return [0.0] * len(completions)
+
+    reads.reads_prompt_opens_think = True
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    think = "<think>\n" if template_opens_think else "<think>\n\n</think>\n\n"
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}" + think + "{% endif %}"
+    )
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}="}]} for i in range(8)])
+    args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=8)
+    trainer = VAPOTrainer(str(tiny_model_dir), [reads, plain], args, rows, processing_class=tokenizer)
+    trainer.train()
+    evaluate_policy(trainer.model, tokenizer, rows.select(range(2)), [reads, plain], k=2, max_new_tokens=2)
+    called = [flags for flags in seen["reads"] if flags]  # (the check before training scores no real prompt)
+    assert len(called) == (3 if template_opens_think else 0)  # the rollout, the sampled and the greedy pass
+    assert all(flags == [True] * len(flags) for flags in called)
+    assert not any(seen["plain"])

@@ -526,6 +526,20 @@ def test_the_answer_of_a_reasoning_model_is_read_after_its_thinking(reward):
     assert reward(completions=[cases[0][0], cases[3][0]], answer=["4", "5"]) == [-1.0, -1.0]
 
 
+def test_a_completion_cut_off_in_the_think_block_its_prompt_opened_answers_nothing(reward):
+    """DeepSeek-R1's chat template ends the prompt with `<think>`: a finished completion holds `</think>` alone, and
+    one cut off while thinking holds no tag, so its tentative box was scored as its answer. The trainer says where
+    the prompt opened the block (`prompt_opens_think`, read from the prompt's tokens); without it a completion without
+    tags is read whole."""
+    cut_off, finished = "2+3 is \\boxed{5}? check", "2+3 is \\boxed{4}? no</think> \\boxed{5}"
+    assert extract_predicted_answer(cut_off, thinking=True) is None
+    assert extract_predicted_answer(cut_off) == extract_predicted_answer(finished, thinking=True) == "5"
+    completions = [cut_off, finished, cut_off]
+    opened = [True, True, False]
+    assert reward(completions=completions, answer=["5"] * 3, prompt_opens_think=opened) == [-1.0, 1.0, 1.0]
+    assert type(reward).reads_prompt_opens_think
+
+
 def test_think_boxed_format_reward():
     completions = [
         "<think>\n2 + 2 = 4\n</think>\nThe answer is \\boxed{4}.",  # canonical

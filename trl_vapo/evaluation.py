@@ -39,7 +39,7 @@ from .generation import EngineSettings, GenerationEngine, SamplingSettings, buil
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE
 from .reporting import averaged_metrics
 from .rollout import EVAL, Rollout, rollout_metrics
-from .scoring import RewardScorer, parsed_completions, repeated_rows
+from .scoring import RewardScorer, parsed_completions, prompt_opens_think, repeated_rows
 
 
 @dataclass
@@ -207,7 +207,10 @@ def evaluate_policy(
         """[problems, group] 1.0 where correct, and where a function judging correctness scored the completion."""
         repeated = repeated_rows(rows, group)
         parsed = scorer.conversational and parsed_completions(tokenizer, completion_ids, lambda: prompt_ids)
-        scores = scorer.score(repeated, parsed or completions, completion_ids, trainer_state=state)
+        thinking = None if parsed else prompt_opens_think(tokenizer, prompt_ids)
+        scores = scorer.score(
+            repeated, parsed or completions, completion_ids, trainer_state=state, prompt_opens_think=thinking
+        )
         hits = scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
         return hits, scores.judged.view(len(rows), group)
 

@@ -31,7 +31,10 @@ RewardFunc = Callable[..., list[float | None]]
 
 TRAINER_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "kwargs"}
 """Keyword arguments the caller supplies to every reward function; any other required parameter is a data column."""
-UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids")
+THINKING = "__trl_vapo_prompt_opens_think__"
+"""A row's mark that its prompt, as the policy read it, opened a think block (`prompt_opens_think`): passed to the
+functions that read it (`reads_prompt_opens_think`) as their `prompt_opens_think`, to no other."""
+UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids", THINKING)
 """Dataset columns never passed to reward functions, as GRPOTrainer leaves them out (``prompts`` carries the prompt;
 a reference ``completion`` column would otherwise reach ``**kwargs`` beside the generated ``completions``)."""
 
@@ -356,15 +359,22 @@ class RewardScorer:
         trainer_state=None,
         log_metric: Callable[[str, float], None] | None = None,
         log_extra: Callable[[str, list], None] | None = None,
+        prompt_opens_think: list[bool] | None = None,
     ) -> Scores:
         """Score `completions` (decoded text, or for chat data the messages :func:`parsed_completions` read) of the
         prompts in `rows` (dataset rows, one per completion).
+
+        `prompt_opens_think` (:func:`prompt_opens_think`, for decoded text): where the prompt opened a think block
+        (DeepSeek-R1's template), given to the functions that read it (`math_reward`: a completion without `</think>`
+        was cut off while thinking, and commits to no answer).
 
         `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
         start first and run concurrently with each other and with the synchronous ones, as GRPOTrainer runs them.
         A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
         rows, messages = self._as_messages(rows, completions)
+        if prompt_opens_think is not None and any(prompt_opens_think):
+            rows = [{**row, THINKING: opens} for row, opens in zip(rows, prompt_opens_think, strict=True)]
         ids = completion_ids if completion_ids is not None else [[] for _ in completions]
         common = {
             "trainer_state": trainer_state,
@@ -372,7 +382,7 @@ class RewardScorer:
             "log_extra": log_extra or (lambda column, values: None),
         }
         started = {
-            j: run_async(func(**_arguments(rows, messages, ids, common)))
+            j: run_async(func(**_arguments(func, rows, messages, ids, common)))
             for j, func in enumerate(self.funcs)
             if is_async(func)
         }
@@ -402,7 +412,7 @@ class RewardScorer:
         scored = ~torch.isnan(per_function).all(dim=1)
         if not scored.all():  # GRPOTrainer's warning, naming the first such sample
             i = int((~scored).nonzero()[0])
-            sample = {**{k: v for k, v in rows[i].items()}, "completion": messages[i]}
+            sample = {**{k: v for k, v in rows[i].items() if k != THINKING}, "completion": messages[i]}
             logger.warning(
                 f"All reward functions returned None for the following kwargs:\n{sample}\nPlease ensure that at least "
                 "one reward function returns a valid reward."
@@ -444,7 +454,7 @@ class RewardScorer:
         """One function on a batch (`common`: `trainer_state`, `log_metric`, `log_extra`); when it raises, the error
         names the first sample it fails on."""
         try:
-            values = func(**_arguments(rows, completions, completion_ids, common))
+            values = func(**_arguments(func, rows, completions, completion_ids, common))
         except Exception as error:
             _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error)
         return _checked_values(values, name, len(rows))
@@ -521,12 +531,27 @@ def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list
     ]
 
 
-def _arguments(rows: list[dict[str, Any]], completions: list, completion_ids: list, common: dict) -> dict[str, Any]:
-    """The keyword arguments of one call on a batch: TRL's, and every dataset column but `UNPASSED_COLUMNS` as a
-    list."""
+def _arguments(
+    func, rows: list[dict[str, Any]], completions: list, completion_ids: list, common: dict
+) -> dict[str, Any]:
+    """The keyword arguments of `func`'s call on a batch: TRL's, and every dataset column but `UNPASSED_COLUMNS` as a
+    list; and `prompt_opens_think` where `func` reads it and a prompt opened a think block."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key not in UNPASSED_COLUMNS}
+    if THINKING in rows[0] and getattr(func, "reads_prompt_opens_think", False):
+        columns["prompt_opens_think"] = [row[THINKING] for row in rows]
     prompts = [row["prompt"] for row in rows]
     return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **common, **columns}
+
+
+def prompt_opens_think(tokenizer, prompt_ids: list[list[int]]) -> list[bool]:
+    """Whether each prompt, as the policy read it (its token ids: the chat template applied), leaves a think block
+    open: DeepSeek-R1's template (and its distillations') ends the prompt with `<think>`, so a completion holds only
+    `</think>`, and one cut off while thinking holds no tag at all (its tentative `\\boxed{}` is no answer). Qwen3's
+    `enable_thinking=False` closes the block it opens: not open."""
+    from .rewards.answers import THINK_CLOSE, THINK_OPEN
+
+    tails = tokenizer.batch_decode([ids[-32:] for ids in prompt_ids])  # (the tags are among the last tokens)
+    return [THINK_OPEN in tail.rpartition(THINK_CLOSE)[2] for tail in tails]
 
 
 def _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error: Exception):
@@ -535,9 +560,9 @@ def _raise_naming_the_failing_sample(func, name, rows, completions, completion_i
     function's failure was retried on the whole batch, silently, where a function that is not async's stopped)."""
     for i in range(len(rows)):
         try:
-            func(**_arguments(rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common))
+            func(**_arguments(func, rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common))
         except Exception:
-            sample = {**rows[i], "completion": completions[i]}
+            sample = {**{k: v for k, v in rows[i].items() if k != THINKING}, "completion": completions[i]}
             raise RuntimeError(
                 f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
                 f"(#{i} of the batch): {preview(sample)}"

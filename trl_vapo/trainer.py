@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import os
 import signal
@@ -150,6 +151,7 @@ from .scoring import (
     RewardScorer,
     load_reward_models,
     parsed_completions,
+    prompt_opens_think,
     repeated_rows,
     rows_with_fields,
 )
@@ -1020,11 +1022,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # 2. Score; the verdict of a completion that trains lands on its last token.
         completion_ids = sample.completion_lists()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        parsed = self._conversational and parsed_completions(
-            self.processing_class,
-            completion_ids,
-            lambda: [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_mask.cpu(), strict=True)],
+        prompt_lists = functools.cache(
+            lambda: [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_mask.cpu(), strict=True)]
         )
+        parsed = self._conversational and parsed_completions(self.processing_class, completion_ids, prompt_lists)
         extra_columns: dict[str, list] = defaultdict(list)  # TRL's `log_extra`: columns of the completions table
         reward_metrics: dict[str, list[float]] = defaultdict(list)  # TRL's `log_metric`
         scores = self.scorer.score(
@@ -1034,6 +1035,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self.state,
             lambda name, value: reward_metrics[name].append(float(value)),
             lambda name, values: extra_columns[name].extend(values),
+            # (a parsed message holds its reasoning apart: the parser read where the prompt opened it)
+            None if parsed else prompt_opens_think(self.processing_class, prompt_lists()),
         )
         self._record_reward_metrics(reward_metrics)
         trains = scores.scored.to(device) & (sample.lengths > 0)

@@ -443,7 +443,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 """The tags of a reasoning model's thinking (DeepSeek-R1's, Qwen3's): the answer is read after the block."""
 
 
-def extract_predicted_answer(text: str) -> str | None:
+def extract_predicted_answer(text: str, thinking: bool = False) -> str | None:
     """The answer a completion commits to, or ``None`` when it commits to none.
 
     Read as math-verify reads a completion, except that nothing counts that a completion does not explicitly mark:
@@ -466,8 +466,11 @@ def extract_predicted_answer(text: str) -> str | None:
     A reasoning model's thinking is not its answer (a box there is a guess it may go on to revise): only the text
     after the last ``</think>`` is read, and a completion that opens a ``<think>`` block it does not close (cut off
     while thinking) commits to none, as TRL's ``reasoning_accuracy_reward`` reads it. A completion without think tags
-    is read whole (a chat template that opens the block in the prompt leaves only ``</think>`` in the completion).
+    is read whole, unless ``thinking`` says it began inside a block its prompt opened (DeepSeek-R1's chat template
+    ends the prompt with ``<think>``: the completion holds only ``</think>``, and without it was cut off thinking).
     """
+    if thinking and THINK_CLOSE not in text:
+        return None
     text = text.rpartition(THINK_CLOSE)[2]
     if THINK_OPEN in text:
         return None

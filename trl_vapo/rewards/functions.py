@@ -61,6 +61,8 @@ class MathReward:
         name: the function's ``__name__``, under which trainers log its rewards; give each configuration its own.
     """
 
+    reads_prompt_opens_think = True  # VAPOTrainer passes it `prompt_opens_think` (see `__call__`)
+
     def __init__(
         self,
         answer_column: str | Sequence[str] = ("answer", "solution"),
@@ -191,13 +193,18 @@ class MathReward:
 
         Extra keyword arguments (``prompts``, ``completion_ids``, ``trainer_state``, other dataset columns) are
         accepted and ignored, except ``log_extra`` / ``log_metric`` which, when the trainer provides them, receive the
-        extracted answers and the share of answers that hit the deadline.
+        extracted answers and the share of answers that hit the deadline, and ``prompt_opens_think`` (VAPOTrainer's,
+        for the functions with ``reads_prompt_opens_think``): where the chat template opened a think block in the
+        prompt, a completion without ``</think>`` was cut off while thinking and answers nothing.
         """
         golds = self._golds(kwargs)
         if len(golds) != len(completions):
             raise ValueError(f"{self.__name__}: {len(completions)} completions but {len(golds)} gold answers")
         gold_answers = [normalize_gold_answer(g) for g in golds]
-        predicted = [extract_predicted_answer(completion_text(c)) for c in completions]
+        thinking = kwargs.get("prompt_opens_think") or [False] * len(completions)
+        predicted = [
+            extract_predicted_answer(completion_text(c), t) for c, t in zip(completions, thinking, strict=True)
+        ]
         verdicts, timeouts = self._score(gold_answers, predicted)
         rewards: list[float | None] = []
         for gold, verdict in zip(golds, verdicts, strict=True):
