@@ -1487,10 +1487,11 @@ def write_record(record: dict, path: Path) -> None:
 
 def run_all(specs: list[RunSpec], out: Path, jobs: int) -> list[RunSpec]:
     """Run the specs whose JSON is missing, ``jobs`` at a time (0: one after another in this process); returns the
-    failed ones."""
+    failed ones. A JSON that exists must be the run of its spec (`check_done_runs_match`)."""
     todo = [s for s in specs if not s.path(out).is_file()]
     if not specs:  # `--stage aggregate`: nothing to run, nothing to say
         return []
+    check_done_runs_match([s for s in specs if s not in todo], out)
     how = "in this process" if jobs == 0 else f"with {jobs} job(s)"
     print(f"{len(specs) - len(todo)} of {len(specs)} runs already done; running {len(todo)} {how}", flush=True)
     failed = []
@@ -1507,6 +1508,28 @@ def run_all(specs: list[RunSpec], out: Path, jobs: int) -> list[RunSpec]:
             if not ok:
                 failed.append(spec)
     return failed
+
+
+def check_done_runs_match(specs: list[RunSpec], out: Path) -> None:
+    """Exit with an error naming each finished run whose record is of other settings than its spec: a record's file
+    name holds the task, method and seed (and for tuning the rate and variant), not the budget or the evaluation, so
+    a `--no-tune` or `--rollouts 10` report into the same folder was skipped as done, then aggregated beside the
+    protocol's runs."""
+    stale = []
+    for spec in specs:
+        recorded = json.loads(spec.path(out).read_text())["spec"]
+        differ = {
+            name: (recorded.get(name), value) for name, value in asdict(spec).items() if recorded.get(name) != value
+        }
+        if differ:
+            said = ", ".join(f"{name} {old!r} (planned {new!r})" for name, (old, new) in differ.items())
+            stale.append(f"  {spec.path(out)}: {said}")
+    if stale:
+        sys.exit(
+            f"{len(stale)} finished run(s) in {out} are of other settings than this call plans:\n"
+            + "\n".join(stale)
+            + "\nGive this call an --out of its own, or move those records away to rerun them."
+        )
 
 
 def load_records(out: Path, stage: str) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -687,3 +688,19 @@ def test_quick_resumes_without_rerunning_finished_runs(quick_run, capsys):
     assert bench.main(["--quick", "--out", str(out)]) == 0
     assert "11 of 11 runs already done; running 0 in this process" in capsys.readouterr().out
     assert before == {p: p.stat().st_mtime for p in out.glob("report/*/*/*.json")}
+
+
+def test_a_finished_run_of_other_settings_is_refused_not_skipped(tmp_path):
+    """A record is named by task, method and seed: one of another rate or budget in the same folder was taken as the
+    planned run's, skipped, and aggregated with the protocol's runs."""
+    planned = bench.RunSpec(
+        stage="report", task="demo", method="vapo", seed=2000, learning_rate=1e-4, rollouts=35, eval_every=5,
+        eval_k=4, eval_problems=200, eval_set="test",
+    )  # fmt: skip
+    other = dataclasses.replace(planned, learning_rate=3e-4, rollouts=10)
+    planned.path(tmp_path).parent.mkdir(parents=True)
+    bench.write_record({"spec": dataclasses.asdict(other)}, planned.path(tmp_path))
+    with pytest.raises(SystemExit, match=r"learning_rate 0.0003 \(planned 0.0001\), rollouts 10 \(planned 35\)"):
+        bench.run_all([planned], tmp_path, jobs=0)
+    bench.write_record({"spec": dataclasses.asdict(planned)}, planned.path(tmp_path))
+    assert bench.run_all([planned], tmp_path, jobs=0) == []  # its own record: done, nothing run
