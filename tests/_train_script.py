@@ -273,7 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.fsdp2:
         fsdp = {
             "fsdp": "full_shard",
-            "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            # As TRL's fsdp2.yaml: the weights loaded on the main process, sent to the others' shards (a load that
+            # unties the tiny model's tied head from its embeddings unless the prepared model ties them again).
+            "fsdp_config": {
+                "fsdp_version": 2,
+                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                "cpu_ram_efficient_loading": True,
+            },
         }
     config = VAPOConfig(
         output_dir=args.output_dir,

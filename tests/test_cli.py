@@ -707,6 +707,9 @@ BAD_INPUT = [
     (["--reward_funcs", "no_such_reward"], "no_such_reward"),
     (["--dataset_preset", "aime"], "aime"),
     (["--deepspeed", '{"zero_optimization": {"stage": 2, "zenflow": {}}}'], "ZenFlow"),  # {}: on, with defaults
+    # Accepted, trained: fp16's loss scale in the gradients VAPO clips; the config's clipping replaced by VAPO's.
+    (["--deepspeed", '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}'], "turns on fp16"),
+    (["--deepspeed", '{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}'], "gradient_clipping=0.5 vs"),
     (["--eval_strategy", "steps"], "is one file, so one split: its 'test' split would be the training prompts"),
     # Issue 50's rows: each was accepted (and trained), or a traceback, or named another field.
     (["--learning_rate=-1e-5"], "learning_rate must be >= 0, got -1e-05."),

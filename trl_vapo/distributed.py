@@ -255,6 +255,14 @@ def check_deepspeed_config(args) -> None:
     and the passes beyond ``num_iterations``).
     """
     config = deepspeed_config(args) or {}
+    if str((config.get("fp16") or {}).get("enabled", False)).lower() == "true":
+        # Its loss scaler scales the gradient partitions that VAPO clips per side: the clip read 2^16 times the norm.
+        raise ValueError(
+            "The DeepSpeed config turns on fp16 (fp16.enabled): fp16 is supported on one process and under DDP, not "
+            "with DeepSpeed or FSDP. Set fp16.enabled to false or 'auto' and use bf16 (a GPU from Ampere on), or "
+            "float32 with LoRA."
+        )
+    refuse_deepspeed_mismatches(getattr(args, "hf_deepspeed_config", None))
     zero = config.get("zero_optimization") or {}
     offload = zero.get("offload_optimizer") or {}
     features = []
@@ -278,6 +286,20 @@ def check_deepspeed_config(args) -> None:
             "optimizer VAPOTrainer builds: the policy could not be held still on the critic-only steps of "
             f"{' and '.join(critic_only)}. Turn it off, or train without critic-only steps: value_pretrain_steps=0 "
             "and critic_num_iterations equal to num_iterations."
+        )
+
+
+def refuse_deepspeed_mismatches(hf_deepspeed_config) -> None:
+    """transformers' error for a DeepSpeed config whose values contradict the training arguments (`gradient_clipping`
+    against `max_grad_norm`, `train_micro_batch_size_per_gpu` against `per_device_train_batch_size`, ...): its Trainer
+    raises it when DeepSpeed starts (`trainer_config_finalize`), which VAPOTrainer does not call, so such a config
+    trained with VAPOConfig's values, silently."""
+    mismatches = getattr(hf_deepspeed_config, "mismatches", None)
+    if mismatches:
+        said = "; ".join(line.removeprefix("- ") for line in mismatches)
+        raise ValueError(
+            f"These DeepSpeed config values contradict VAPOConfig's: {said}. Set them to 'auto' (filled from "
+            "VAPOConfig) or to VAPOConfig's values."
         )
 
 
@@ -550,6 +572,8 @@ def check_distributed_setup(accelerator, args) -> None:
                 "(its steps would go unclipped). Use zero_stage 1, 2 or 3, or plain data parallelism (accelerate "
                 "launch without a DeepSpeed config), which trains as stage 0 does."
             )
+        # (a config `accelerate launch` names: compared with the arguments when the trainer set up its accelerator)
+        refuse_deepspeed_mismatches(getattr(accelerator.state.deepspeed_plugin, "hf_ds_config", None))
         config = accelerator.state.deepspeed_plugin.deepspeed_config
         sections = [k for k in ("optimizer", "scheduler") if k in config]
         if sections:

@@ -544,6 +544,15 @@ class ActorCritic(nn.Module):
         # trainable weights are kept and updated in float32 (`keep_trainable_weights_in_float32`).
         self.loaded_dtypes = {"policy": _tensor_dtypes(policy), "critic": _tensor_dtypes(critic)}
 
+    def tie_weights(self) -> None:
+        """Tie each model's tied weights again (a tied LM head to its embeddings): accelerate's FSDP2 preparation with
+        `cpu_ram_efficient_loading` (TRL's fsdp2.yaml) loads the weights with `load_state_dict(assign=True)`, which
+        unties them, and calls the prepared model's `tie_weights`; left untied, the head stayed out of the
+        optimizer, frozen at its first value, while the embeddings trained."""
+        for model in (self.policy, self.critic):
+            if model is not None and hasattr(model, "tie_weights"):
+                model.tie_weights()
+
     # ------------------------------------------------------------------------------------------------ layout
     @property
     def shares_base(self) -> bool:
