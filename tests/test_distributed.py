@@ -429,10 +429,13 @@ def test_setups_that_would_clip_apart_or_hang_are_refused(tmp_path, monkeypatch,
     processes = setup.pop("processes", 2)
     fsdp_version, zero_stage = setup.pop("fsdp_version", None), setup.pop("zero_stage", None)
     checkpointing = setup.pop("activation_checkpointing", False)
+    state_dict_type = setup.pop("state_dict_type", "StateDictType.FULL_STATE_DICT")
     args = make_args(tmp_path, ds3_gather_for_generation=setup.pop("gather", True), **setup)
     monkeypatch.setenv("WORLD_SIZE", str(processes))  # what the launcher sets (after the config: it would connect)
     state = SimpleNamespace(
-        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version, activation_checkpointing=checkpointing),
+        fsdp_plugin=SimpleNamespace(
+            fsdp_version=fsdp_version, activation_checkpointing=checkpointing, state_dict_type=state_dict_type
+        ),
         deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage, deepspeed_config={}),
     )
     kind = DistributedType.FSDP if fsdp_version else DistributedType.DEEPSPEED
@@ -442,6 +445,29 @@ def test_setups_that_would_clip_apart_or_hang_are_refused(tmp_path, monkeypatch,
     else:
         with pytest.raises(ValueError, match=refused):
             check_distributed_setup(accelerator, args)
+
+
+def test_a_sharded_state_dict_type_is_said_to_be_written_whole(tmp_path, monkeypatch, caplog):
+    """accelerate's `fsdp_state_dict_type: SHARDED_STATE_DICT` was ignored without a word: every checkpoint gathers
+    the whole weights and optimizer state on the main process."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from helpers import make_args
+
+    from trl_vapo.distributed import check_distributed_setup
+
+    args = make_args(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what the launcher sets (after the config: it would connect)
+    for kind, warned in (("StateDictType.SHARDED_STATE_DICT", True), ("StateDictType.FULL_STATE_DICT", False)):
+        plugin = SimpleNamespace(fsdp_version=2, activation_checkpointing=False, state_dict_type=kind)
+        state = SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=None)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            check_distributed_setup(
+                SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP, state=state), args
+            )
+        assert ("SHARDED_STATE_DICT is not supported" in caplog.text) == warned
 
 
 def test_the_gradient_norm_is_reduced_on_the_process_device_wherever_its_fragments_are():

@@ -501,7 +501,9 @@ def load_fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     inner = _optimizer_chain(optimizer)[-1]
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    # Mapped, not read: the processes of a node share the file's pages, where each held a whole copy of the state
+    # (twice the weights in float32: 64 GB for an 8B model, on each of 8 processes) to take its shard from.
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     set_optimizer_state_dict(model, inner, saved, options=StateDictOptions(full_state_dict=True, strict=False))
     for name, param in model.named_parameters():
         if name not in saved["state"]:
@@ -530,6 +532,13 @@ def check_distributed_setup(accelerator, args) -> None:
             " it enables FSDP only on GPUs (on CPUs it runs plain data parallelism). The model is not sharded."
         )
     fsdp = accelerator.distributed_type == DistributedType.FSDP
+    state_dict_type = str(getattr(accelerator.state.fsdp_plugin, "state_dict_type", None) if fsdp else None)
+    if "SHARDED_STATE_DICT" in state_dict_type:
+        logger.warning(
+            "fsdp_state_dict_type SHARDED_STATE_DICT is not supported: checkpoints hold the whole weights and "
+            "optimizer state, gathered on the main process's CPU (a resume maps the file on each process). Set "
+            "fsdp_state_dict_type: FULL_STATE_DICT to say so, and leave room for them in the host's memory."
+        )
     if fsdp and accelerator.state.fsdp_plugin.fsdp_version == 1:
         raise ValueError(
             "FSDP version 1 is not supported: VAPOTrainer clips the actor's and the critic's gradients apart and "
