@@ -451,6 +451,12 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
         capsys.readouterr().err
     )
     assert main(["eval", "--model", str(out), "--dataset_test_split", "train", "--k", "1", "--num_prompts", "2"]) == 0
+    # A run that named its one split otherwise (and scored it as its held-out set, as told): eval took its own
+    # default training split, "train", for the run's, and refused the run's own command.
+    data_file.write_text(
+        json.dumps({**json.loads(data_file.read_text()), "dataset_train_split": "rows", "dataset_test_split": "rows"})
+    )
+    assert main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "2"]) == 0
 
 
 def test_eval_of_a_model_on_the_hub_reads_the_runs_settings_from_its_repository(tmp_path, monkeypatch):
@@ -1328,6 +1334,9 @@ def test_a_data_sets_flag_without_a_data_set_is_refused_not_ignored_by_the_demo(
         (["--model", "{model}", "--config", "{tmp}/k.yaml"], "k must be a whole number, got None."),
         (["--model", "{model}", "--config", "{tmp}/weights.yaml"], "reward_weights must be a list of numbers, got"),
         (["--model", "{model}", "--output_json", "{tmp}"], "--output_json {tmp} is a folder: name a file"),
+        # Checked as train checks them: a traceback (exit 1) once the model had loaded
+        (["--model", "{model}", "--reward_weights", "1", "2"], "reward_weights has 2 values"),
+        (["--model", "{model}", "--positive_reward_funcs", "nope"], "positive_reward_funcs names ['nope']"),
         (
             ["--model", "{model}", "--use_vllm", "true", "--vllm_mode", "server", "--temperature", "0", "--k", "4"],
             "greedy sampling (--temperature 0) with a vLLM server and --k 4: vLLM refuses n > 1",
@@ -1603,6 +1612,9 @@ def test_eval_refuses_a_training_configs_dataset_mixture(tmp_path, capsys):
     config.write_text("datasets:\n  - path: some/data\ntest_split_size: 0.1\nlearning_rate: 1.0e-5\n")
     assert main(["eval", "--config", str(config), "--model", "some/model"]) == 2
     assert "the config's datasets: mixture is for training" in capsys.readouterr().err
+    # With a data set named, the mixture is a training key as the others: the refusal told to pass what was passed.
+    assert main(["eval", "--config", str(config), "--model", str(tmp_path / "none"), "--dataset_name", "d.jsonl"]) == 2
+    assert "mixture" not in (told := capsys.readouterr().err) and "--model" in told
 
 
 def test_train_in_an_output_dir_another_run_holds_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):

@@ -125,6 +125,9 @@ def test_masked_mean_along_dim_and_empty_rows():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]])
     torch.testing.assert_close(masked_mean(x, mask, dim=1), torch.tensor([1.5, 0.0, 8.0]))
+    # A reading of nothing is NaN where asked (a metric), a loss term of nothing 0 (the default)
+    assert torch.isnan(masked_mean(x, mask, dim=1, empty=math.nan)).tolist() == [False, True, False]
+    assert masked_mean(x, mask * 0).item() == 0 and math.isnan(masked_mean(x, mask * 0, empty=math.nan).item())
     assert masked_var(torch.tensor([[3.0]]), torch.tensor([[1]])) == 0
 
 

@@ -487,8 +487,7 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     # VAPO section: the seven settings
     for needle in (
         # (no early stop: the rule compares two windows of 10 readings, which 15 rollouts do not hold)
-        "`value_pretrain_steps=15`: ran 15 rollouts, final explained variance 0.340 (mean of its last readings; "
-        "best 0.360)",
+        "`value_pretrain_steps=15`: ran 15 rollouts, final explained variance 0.340 (its last reading; best 0.360)",
         "`lam_critic=1.0`, the policy's: length-adaptive (3)",  # lam_actor is not used with alpha set
         "`length_adaptive_alpha=0.5`",
         '`loss_type="token"`',
@@ -742,3 +741,56 @@ def test_a_fresh_run_in_a_used_output_dir_has_its_own_log_and_card(tiny_model_di
     card = (out / "README.md").read_text()
     assert "off (`value_pretrain_steps=0`)" in card
     assert "ran 50" not in card and PRETRAINED_CRITIC_DIR not in card
+
+
+def test_a_rollout_where_no_token_trains_reads_no_value_and_no_advantage():
+    """Every completion unscored (or truncated and masked): the critic's mean value and the mean advantage read 0.0,
+    a reading of nothing that pulled a log window's mean toward 0 beside the NaN of the accuracy and of lambda."""
+    from trl_vapo.rollout import RL, Rollout, rollout_metrics
+    from trl_vapo.scoring import Scores
+
+    n, c = 4, 3
+    nothing = torch.zeros(n, dtype=torch.bool)
+    rollout = Rollout(
+        phase=RL,
+        input_ids=torch.ones(n, 1 + c, dtype=torch.long),
+        attention_mask=torch.ones(n, 1 + c, dtype=torch.long),
+        prompt_length=1,
+        truncated=nothing,
+        scores=Scores(torch.full((n, 1), math.nan), torch.zeros(n), nothing, ["r"]),
+        action_mask=torch.ones(n, c, dtype=torch.long),
+        loss_mask=torch.zeros(n, c),
+        is_correct=nothing,
+        is_positive=nothing,
+        old_values=torch.full((n, c), 0.7),
+        returns=torch.zeros(n, c),
+        raw_advantages=torch.full((n, c), 0.3),
+        advantages=torch.zeros(n, c),
+        lambda_actor=torch.ones(n),
+        group_size=2,
+    )
+    metrics = rollout_metrics(rollout, lambda tensor: tensor, None)
+    for name in ("value/mean", "advantages/mean", "accuracy", "lambda_actor/mean"):
+        assert math.isnan(metrics[name]), name
+    rollout.loss_mask[0] = 1  # one completion's tokens train: its readings
+    metrics = rollout_metrics(rollout, lambda tensor: tensor, None)
+    assert metrics["value/mean"] == pytest.approx(0.7) and metrics["advantages/mean"] == pytest.approx(0.3)
+
+
+def test_the_card_says_how_many_readings_the_final_explained_variance_averages():
+    """With the paper's `value_pretrain_patience=None` the final explained variance is the last reading alone, which
+    the card called "the mean of its last readings"; with the stop rule's window, the mean of that many."""
+    from trl_vapo.model_card import _value_pretraining_outcome
+    from trl_vapo.run import TrainingProgress
+
+    progress = TrainingProgress()
+    progress.explained_variances = [0.1, math.nan, 0.2, 0.9]
+    assert (progress.final_readings(None), progress.final_readings(2), progress.final_readings(10)) == (1, 2, 3)
+    assert progress.final_explained_variance(None) == 0.9
+    for window, said in ((None, "(its last reading)"), (2, "(mean of its last 2 readings)")):
+        record = {
+            "rollouts": 4,
+            "final_explained_variance": progress.final_explained_variance(window),
+            "final_readings": progress.final_readings(window),
+        }
+        assert _value_pretraining_outcome(record).endswith(said), _value_pretraining_outcome(record)

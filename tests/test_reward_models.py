@@ -697,3 +697,16 @@ def test_the_functions_that_read_it_are_told_where_the_prompt_opened_a_think_blo
     assert len(called) == (3 if template_opens_think else 0)  # the rollout, the sampled and the greedy pass
     assert all(flags == [True] * len(flags) for flags in called)
     assert not any(seen["plain"])
+
+
+def test_logs_key_the_rewards_by_function_name_where_the_table_renames_the_column(tiny_model_dir, tmp_path):
+    """A reward function named as one of the completions table's own columns (`advantage`) is `rewards/advantage`
+    there; GRPOTrainer's `_logs["rewards"]`, which callbacks read, keys it by the function's name."""
+
+    def advantage(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    trainer = VAPOTrainer(str(tiny_model_dir), advantage, make_args(tmp_path, max_steps=1), prompts_dataset())
+    trainer.train()
+    completions = trainer._logs["completion"]
+    assert trainer._logs["rewards"] == {"advantage": [float(len(c)) for c in completions]}

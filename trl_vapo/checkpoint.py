@@ -681,6 +681,7 @@ class SavingMixin:
                 "rollouts": self.progress.value_pretrain_rollouts,
                 "budget": self.args.value_pretrain_steps,  # the rollouts it could have run (its stop rule may end it)
                 "final_explained_variance": self.progress.final_explained_variance(self.args.value_pretrain_patience),
+                "final_readings": self.progress.final_readings(self.args.value_pretrain_patience),
                 "explained_variances": self.progress.explained_variances,
                 "policy": self.run_record.base_model,
                 "policy_fingerprint": self.run_record.policy_fingerprint,

@@ -1327,6 +1327,8 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     settings.update({key: data[key] for key in keys if key in data})
     if data.get("mixture") and takes_data:
         settings["mixture"] = True
+    if takes_data and data.get("dataset_train_split"):  # (not a default: eval takes no training split)
+        settings["train_split"] = data["dataset_train_split"]
     return settings, [path for path in found.values() if path is not None]
 
 
@@ -1337,6 +1339,7 @@ def eval_command(argv: list[str]) -> int:
     # The run's own settings are the defaults (a training YAML given with --config, then the flags, override them).
     run_settings, run_files = _run_settings(argv)
     trained_on_mixture = run_settings.pop("mixture", False)
+    run_train_split = run_settings.pop("train_split", None)  # the run's, which its own test split may be
     parser.set_defaults(**run_settings)
     for action in parser._actions:
         if action.dest in TRAIN_ONLY:  # accepted from a training YAML, never read here: not in eval's help
@@ -1365,11 +1368,11 @@ def eval_command(argv: list[str]) -> int:
         raise UsageError(
             f"unexpected argument {stray[0]!r}: every value follows its flag (see `trl-vapo eval --help`)"
         )
-    if "--datasets" in config_remaining:
+    if "--datasets" in config_remaining and script.dataset_name is None and script.dataset_preset is None:
         raise UsageError(
             "the config's datasets: mixture is for training; eval scores one data set: pass --dataset_name (and "
             "--dataset_test_split)"
-        )
+        )  # (with one named, the mixture is a training key, left to `train` as the others)
     if not args.model:
         raise UsageError("--model is required: the folder or hub id of the model to score")
     if trained_on_mixture and script.dataset_name is None and script.dataset_preset is None:
@@ -1380,11 +1383,12 @@ def eval_command(argv: list[str]) -> int:
     _check_eval_numbers(args)
     run_file = run_settings.get("dataset_name")
     if run_file and run_file == script.dataset_name and Path(run_file).expanduser().is_file():
-        if script.dataset_test_split != script.dataset_train_split:  # (the run itself scored them only when told so)
+        train_split = run_train_split or script.dataset_train_split
+        if script.dataset_test_split != train_split:  # (the run itself scored them only when told so)
             raise UsageError(
                 f"{run_file} (the run's data) is one file, so one split: its {script.dataset_test_split!r} split "
                 "would be the training prompts. Pass --dataset_name with held-out problems, or --dataset_test_split "
-                f"{script.dataset_train_split} to score the training prompts"
+                f"{train_split} to score the training prompts"
             )
     if run_files:
         taken = ", ".join(f"{key}={value!r}" for key, value in run_settings.items() if value is not None)
@@ -1423,6 +1427,7 @@ def eval_command(argv: list[str]) -> int:
     from .evaluation import evaluate_policy
 
     reward_funcs = _resolve_rewards(_reward_names(script), args.max_completion_length)
+    _check_reward_settings(reward_funcs, script.reward_model_name_or_path, args)  # before any model loads
     if script.reward_model_name_or_path:  # scored as in training (loaded as `VAPOTrainer` loads it)
         from .config import VAPOConfig
         from .scoring import load_reward_models

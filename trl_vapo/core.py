@@ -205,24 +205,30 @@ IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate"
 
 
 def masked_mean(
-    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, all_reduce: AllReduce | None = None
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | None = None,
+    all_reduce: AllReduce | None = None,
+    empty: float = 0.0,
 ) -> torch.Tensor:
     """Mean of ``values`` over positions where ``mask`` is 1: ``sum(x * m) / sum(m)``.
 
     With ``dim=None`` the mean runs over every valid element, pooled over processes with ``all_reduce`` (the sum and
-    the count, one call); otherwise along ``dim`` (a row with no valid element gives 0). Padded entries may hold
-    anything, even NaN or inf: they are selected away, not multiplied by zero.
+    the count, one call); otherwise along ``dim``. Where no element is valid, ``empty``: 0 (a loss term of nothing),
+    or NaN for a reading of nothing. Padded entries may hold anything, even NaN or inf: they are selected away, not
+    multiplied by zero.
     """
     mask = mask.to(values.dtype)
     selected = torch.where(mask.bool(), values, torch.zeros_like(values))
     if dim is not None:
         if all_reduce is not None:
             raise ValueError("masked_mean pools over processes only the mean of every element (dim=None).")
-        return selected.sum(dim) / mask.sum(dim).clamp(min=1)
+        count = mask.sum(dim)
+        return torch.where(count > 0, selected.sum(dim) / count.clamp(min=1), empty)
     sums = torch.stack([selected.sum(), mask.sum()])
     if all_reduce is not None:
         sums = all_reduce(sums)
-    return sums[0] / sums[1].clamp(min=1)
+    return torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), empty)
 
 
 def _masked_moments(

@@ -166,8 +166,8 @@ def build_model_card(
             critic, if one did: no critic was trained or saved.
         value_pretraining: what value pretraining did, e.g. the record saved with the pretrained critic
             (`modeling.value_pretraining_record`): `rollouts` (run), `final_explained_variance` (default: the last
-            one logged in that phase), optionally `best_explained_variance`; or `skipped` (a reason) when it did not
-            run.
+            one logged in that phase) and the number of readings it averages, `final_readings` (default 1), optionally
+            `best_explained_variance`; or `skipped` (a reason) when it did not run.
         pretrained_critic_dir: where the critic saved at the end of value pretraining is (`value_pretrained_critic`).
         held_out: `{"before": {...}, "after": {...}}` with `EvaluationResult.as_dict()` scores, and optionally
             `description` (which problems, how sampled).
@@ -507,7 +507,9 @@ def _value_pretraining_outcome(value_pretraining) -> str:
     best = value_pretraining.get("best_explained_variance")
     best_text = f"best {best:.3f}" if _finite(best) and (not _finite(final) or abs(best - final) > 5e-4) else ""
     if _finite(final):  # the mean of the last readings (the stop rule's window): one reading is noisy
-        text += f", final explained variance {final:.3f} (mean of its last readings"
+        readings = value_pretraining.get("final_readings", 1)  # (without a record: the last one logged)
+        said = f"mean of its last {readings} readings" if readings > 1 else "its last reading"
+        text += f", final explained variance {final:.3f} ({said}"
         text += f"; {best_text})" if best_text else ")"
     elif best_text:
         text += f" ({best_text})"

@@ -550,7 +550,9 @@ class MetricsMixin:
         def numbers(values: list) -> list[float]:
             return [math.nan if value is None else value for value in values]
 
-        logs["rewards"] = {name: numbers(table.columns[name]) for name in table.reward_columns}
+        # By the functions' names, as GRPOTrainer keys them (the table renames one named as its own columns)
+        names = self._last_rollout.scores.names
+        logs["rewards"] = {name: numbers(table.columns[column]) for name, column in zip(names, table.reward_columns)}
         logs["advantages"] = numbers(table.columns.get("advantage", [None] * len(logs["prompt"])))
         logs["extra"] = table.extra_columns
         return logs

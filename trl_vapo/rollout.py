@@ -232,11 +232,14 @@ def rollout_metrics(
         "completions/mean_terminated_length": _mean(ended),
         "completions/min_terminated_length": _min(ended),
         "completions/max_terminated_length": _max(ended),
-        "value/mean": masked_mean(rollout.old_values, mask, all_reduce=all_reduce).item(),
+        # NaN where no token trains (all unscored, or truncated and masked): no reading, as the accuracy's
+        "value/mean": masked_mean(rollout.old_values, mask, all_reduce=all_reduce, empty=math.nan).item(),
         EXPLAINED_VARIANCE: explained_variance(rollout.old_values, rollout.returns, mask, all_reduce).item(),
     }
     if rollout.phase != VALUE_PRETRAIN:  # value pretraining computes no advantage (zeros, not a reading)
-        metrics["advantages/mean"] = masked_mean(rollout.raw_advantages, mask, all_reduce=all_reduce).item()
+        metrics["advantages/mean"] = masked_mean(
+            rollout.raw_advantages, mask, all_reduce=all_reduce, empty=math.nan
+        ).item()
         metrics["lambda_actor/mean"] = _mean(gathered(rollout.lambda_actor)[trains])
     non_finite_fractions = non_finite.float().mean(dim=0).tolist()  # scored as None; one host read for all
     for j, name in enumerate(scores.names):

@@ -105,9 +105,14 @@ class TrainingProgress:
         return cls(**{key: value for key, value in saved.items() if key in known})
 
     def final_explained_variance(self, window: int | None) -> float:
-        """The critic's explained variance at the end of value pretraining: the mean of the last finite readings."""
+        """The critic's explained variance at the end of value pretraining: the mean of the last finite readings
+        (`final_readings` of them)."""
         finite = [r for r in self.explained_variances if math.isfinite(r)][-(window or 1) :]
         return sum(finite) / len(finite) if finite else math.nan
+
+    def final_readings(self, window: int | None) -> int:
+        """How many readings `final_explained_variance` averages: the stop rule's window, or the last one alone."""
+        return min(window or 1, sum(math.isfinite(r) for r in self.explained_variances))
 
 
 class PromptCursor:

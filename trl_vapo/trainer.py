@@ -1630,10 +1630,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         set_critic_length(self.lr_scheduler, self.optimizer, self.state.max_steps)
         reason = "explained variance stopped improving" if early else "its budget is spent"
         final = progress.final_explained_variance(self.args.value_pretrain_patience)
+        readings = progress.final_readings(self.args.value_pretrain_patience)
         logger.info(
             f"Value pretraining ended after {progress.value_pretrain_rollouts} rollouts ({reason}); explained "
-            f"variance {'n/a' if math.isnan(final) else f'{final:.3f}'} (mean of the last readings). RL starts at "
-            f"step {self.state.global_step}."
+            f"variance {'n/a' if math.isnan(final) else f'{final:.3f}'} (mean of the last {readings} readings). RL "
+            f"starts at step {self.state.global_step}."
         )
         self._save_pretrained_critic()
         self._write_plots()
