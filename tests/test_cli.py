@@ -76,6 +76,11 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
     script = _parse_args_and_config(_parser(), ["--prompt_template", "None", "--system_prompt", "null"])[0]
     assert script.prompt_template is None and script.system_prompt is None
     assert _parse_args_and_config(_parser(), ["--dataset_train_split", "None"])[0].dataset_train_split == "None"
+    # And a switch whose None is a choice (automatic): a YAML's `true` could not be set back to it ("Truthy value
+    # expected"); a plain switch (default False) stays true or false.
+    assert _parse_args_and_config(_parser(), ["--use_static_cache_engine", "None"])[1].use_static_cache_engine is None
+    with pytest.raises(UsageError, match=r"--remove_unused_columns.*Truthy value expected: got None"):
+        _parse_args_and_config(_parser(), ["--remove_unused_columns", "None"])
 
 
 def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_model_dir, tmp_path):

@@ -202,7 +202,8 @@ def _in_one_line(parser):
     that may be None takes `None` (or `null`) on the command line too (`--length_adaptive_alpha None`):
     HfArgumentParser reads `float | None` as a float, and `None` was an invalid float value. So does a text field
     whose default is None (`--prompt_template None`, `--system_prompt null`): it was the text "None", every prompt
-    then the word None."""
+    then the word None; and a switch whose None is its own choice (`--use_static_cache_engine None`: automatic,
+    which a YAML's `true` could not be set back to: "Truthy value expected")."""
 
     def error(message: str):
         raise UsageError(f"{message} (see `{parser.prog} --help`)")
@@ -213,15 +214,22 @@ def _in_one_line(parser):
         hints = typing.get_type_hints(dataclass_type)
         optional |= {f.name for f in fields(dataclass_type) if type(None) in typing.get_args(hints[f.name])}
     for action in parser._actions:
-        if action.dest not in optional or action.nargs is not None:  # not a list's
+        if action.dest not in optional or action.nargs in ("*", "+"):  # not a list's
             continue
-        if action.type in (int, float) or (action.type is str and action.default is None and not action.choices):
+        # (`bool | None`: the type is TRL's copy of transformers' string_to_bool)
+        switch = getattr(action.type, "__name__", "") == "string_to_bool" and action.default is None
+        if (
+            switch
+            or action.type in (int, float)
+            or (action.type is str and action.default is None and not action.choices)
+        ):
             action.type = _or_none(action.type)
     return parser
 
 
 def _or_none(number_type):
-    """`number_type`, or None for the text None / null (argparse names the type in its error: `invalid float`)."""
+    """`number_type` (or a switch's), or None for the text None / null (argparse names the type in its error:
+    `invalid float`)."""
 
     def parse(text: str):
         return None if text.strip().lower() in ("none", "null") else number_type(text)
