@@ -2205,3 +2205,42 @@ def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_mode
         assert {h["world_zero"] for h in read_logs(tmp_path / "two", rank, "resumed")} == {rank == 0}, rank
     for step in again:
         assert_same_log(again[step], two[step], context=f"step {step}, resumed on 2 processes")
+
+
+def test_the_schedulers_last_rates_are_the_groups_after_a_side_starts_or_changes_length():
+    """The actor's schedule started (value pretraining ended) and the critic's length set outside a step: the groups'
+    rates changed, the scheduler's `get_last_lr()` (what transformers' callbacks read, and `scheduler.pt` holds)
+    still said the actor's 0 for a step."""
+    from trl_vapo.optim import set_critic_length, side_schedules, start_actor_schedule
+
+    policy, critic = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.AdamW([{"params": [policy], "name": "policy"}, {"params": [critic]}], lr=1e-3)
+    scheduler = side_schedules(optimizer, "linear", lambda total: 0, 10, 5, None)
+    for _ in range(5):  # value pretraining
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.get_last_lr()[0] == 0.0
+    start_actor_schedule(scheduler, optimizer, 5)
+    set_critic_length(scheduler, optimizer, 12)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    assert rates[0] == pytest.approx(1e-3) and scheduler.get_last_lr() == rates
+
+
+def test_a_resumed_run_notes_the_resumed_schedules_rates_before_its_first_step(tiny_model_dir, tmp_path):
+    """A log before the first step of a resumed run (an epoch's end, met as the run goes on) reads the rates noted
+    for it: those of the schedules as built, before the checkpoint moved them (the actor's 0, its schedule not
+    started), where the uninterrupted run logs the rates it trains at."""
+    from transformers import TrainerCallback
+
+    args = config(tmp_path, max_steps=3, value_pretrain_steps=1, save_strategy="steps", save_steps=2)
+    VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32)).train()
+    seen = {}
+
+    class Noted(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            seen["noted"] = dict(trainer._step_learning_rates)
+            seen["groups"] = {group.get("name"): group["lr"] for group in optimizer.param_groups}
+
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), callbacks=[Noted()])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert seen["noted"] == seen["groups"] and seen["groups"]["policy"] > 0

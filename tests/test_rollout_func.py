@@ -217,3 +217,27 @@ def test_a_rollout_funcs_fields_become_columns_of_new_rows():
 def test_a_rollout_func_that_is_no_callable_is_refused_before_any_model_loads(tmp_path):
     with pytest.raises(TypeError, match="rollout_func must be a callable"):
         VAPOTrainer("no/such-model", digit_fraction, make_args(tmp_path), prompts_dataset(), rollout_func="vllm")
+
+
+def test_a_rollout_func_reads_the_sampling_settings_grpotrainer_gives_it(tiny_model_dir, tmp_path):
+    """TRL's openenv examples sample with the trainer's own settings (`trainer.temperature`, `trainer.top_k`,
+    `trainer.max_completion_length`, `trainer.vllm_mode`, ...): each was an AttributeError at the first rollout."""
+    read = {}
+    names = [
+        "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "vllm_mode",
+        "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "mask_truncated_completions", "use_vllm",
+        "num_generations", "chat_template_kwargs",
+    ]  # fmt: skip
+    episodes = two_turn_episodes([])
+
+    def rollout_func(prompts, trainer):
+        read.update({name: getattr(trainer, name) for name in [*names, "eos_token_ids"]})
+        return episodes(prompts, trainer)
+
+    args = make_args(tmp_path, max_completion_length=6, max_steps=1, temperature=0.9, top_k=5, repetition_penalty=1.1)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), rollout_func=rollout_func)
+    trainer.train()
+    expected = {name: getattr(args, name) for name in names}
+    expected["chat_template_kwargs"] = args.chat_template_kwargs or {}  # (GRPOTrainer's: a dict, never None)
+    assert {name: read[name] for name in names} == expected
+    assert trainer.processing_class.eos_token_id in read["eos_token_ids"]

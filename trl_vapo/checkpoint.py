@@ -458,7 +458,7 @@ def apply_resumed_settings(optimizer, scheduler, asked: list[dict], schedules: l
     the next step (learning rates, weight decay, betas, the schedule's kind, warm-up and length), while where the
     schedules are (the step count, the actor's start at the end of value pretraining) stays the saved run's.
     ``asked``: the groups' hyperparameters and ``schedules``: the `Schedule` fields this run built, before loading."""
-    from .optim import Schedule
+    from .optim import Schedule, rates_set
 
     for group, fresh in zip(optimizer.param_groups, asked):
         group.update({k: v for k, v in fresh.items() if k not in ("lr", "initial_lr")})
@@ -471,6 +471,7 @@ def apply_resumed_settings(optimizer, scheduler, asked: list[dict], schedules: l
         for group, base, schedule in zip(optimizer.param_groups, scheduler.base_lrs, lambdas):
             group["initial_lr"] = base
             group["lr"] = base * schedule(scheduler.last_epoch)
+        rates_set(scheduler, optimizer)
 
 
 def _accelerator_rng(started: bool):

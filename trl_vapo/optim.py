@@ -123,6 +123,7 @@ def set_critic_length(scheduler, optimizer: torch.optim.Optimizer, total_steps: 
     for group, schedule, base_lr in _side_schedules(scheduler, optimizer, actor=False):
         schedule.total_steps = total_steps
         group["lr"] = base_lr * schedule(scheduler.last_epoch)
+    rates_set(scheduler, optimizer)
 
 
 def start_actor_schedule(scheduler, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -131,6 +132,15 @@ def start_actor_schedule(scheduler, optimizer: torch.optim.Optimizer, step: int)
         schedule.start_step = step
         # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
         group["lr"] = base_lr * schedule(scheduler.last_epoch)
+    rates_set(scheduler, optimizer)
+
+
+def rates_set(scheduler, optimizer: torch.optim.Optimizer) -> None:
+    """The scheduler's record of the rates (`get_last_lr()`, which transformers' callbacks and `_get_learning_rate`
+    read, and `scheduler.pt` saves) made the groups' again after they were set from outside a step: it said the
+    actor's 0 for a step after RL had started."""
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _side_schedules(scheduler, optimizer: torch.optim.Optimizer, actor: bool):

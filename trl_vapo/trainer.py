@@ -273,9 +273,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             args = VAPOConfig(output_dir=f"{Path(str(name)).name or 'model'}-VAPO")
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
-        # GRPOTrainer's attributes, which a rollout_func written for it may read.
+        # GRPOTrainer's attributes, which a rollout_func written for it may read (TRL's openenv examples sample with
+        # these: `trainer.temperature`, `trainer.max_completion_length`, `trainer.vllm_mode`, ...).
         self.num_generations = args.num_generations
         self.num_generations_eval = args.num_generations_eval or args.num_generations
+        self.max_completion_length = args.max_completion_length
+        self.chat_template_kwargs = args.chat_template_kwargs or {}
+        self.temperature, self.top_p, self.top_k = args.temperature, args.top_p, args.top_k
+        self.min_p, self.repetition_penalty = args.min_p, args.repetition_penalty
+        self.vllm_mode, self.vllm_tensor_parallel_size = args.vllm_mode, args.vllm_tensor_parallel_size
+        self.vllm_gpu_memory_utilization = args.vllm_gpu_memory_utilization
+        self.mask_truncated_completions = args.mask_truncated_completions
         check_trainer_arguments(model, args, peft_config, value_model)  # before a model loads
         # Everything a user can get wrong is checked before a model loads.
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
@@ -454,6 +462,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             if isinstance(func, RewardModel):  # as GRPOTrainer places its reward models
                 func.model, func.device = prepare_frozen_model(func.model, self.accelerator), self.accelerator.device
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
+        self.eos_token_ids = list(self._stop_ids)  # GRPOTrainer's name, for a rollout_func
         if getattr(policy, "generation_config", None) is not None:
             # The saved model stops where training's completions stopped (`generate()` or a pipeline on output_dir,
             # as the model card runs it; `trl-vapo eval` stops there): its generation config named the model's EOS
@@ -699,6 +708,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self._finish_value_pretraining(early=False)
             elif progress.phase == RL:  # this run's settings gave the critic's schedule the length it planned
                 set_critic_length(self.lr_scheduler, self.optimizer, self.state.max_steps)
+            self._note_learning_rates()  # the resumed schedules' (a log before the first step: an epoch end)
 
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
