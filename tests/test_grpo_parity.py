@@ -1115,3 +1115,27 @@ def test_a_reward_function_that_edits_its_arguments_changes_no_other_completions
     evaluated = len(seen) - checked - trained
     assert (checked, trained, evaluated) == (2 * 4, args.generation_batch_size + 2 * 4, 2 * 2 + 2)
     assert set(seen) == {(1, 1)}
+
+
+def test_a_copy_of_the_config_derives_its_defaults_from_its_own_values(tmp_path):
+    """The defaults derived from other fields (the critic's rate, 2 x learning_rate; the critic's passes; the rollout
+    size) were written into the fields: a copy with another learning rate (`dataclasses.replace`) kept the critic at
+    2 x the old one (0.2 x the actor's, silently), one with more passes or another batch failed naming fields the
+    user never set; a hyperparameter search's `setattr` of learning_rate left the critic's. A given value stays."""
+    import dataclasses
+    import json
+
+    args = make_args(tmp_path, critic_learning_rate=None, per_device_train_batch_size=16)
+    copy = dataclasses.replace(args, learning_rate=1e-5)
+    assert copy.critic_learning_rate == pytest.approx(2e-5)
+    assert dataclasses.replace(args, num_iterations=2).critic_num_iterations == 2
+    resized = dataclasses.replace(args, per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    assert (resized.generation_batch_size, resized.steps_per_generation) == (16, 2)
+    args.learning_rate = 3e-4  # as transformers' hyperparameter search sets a trial's values
+    assert args.critic_learning_rate == pytest.approx(6e-4)
+    args.critic_learning_rate = type(args.critic_learning_rate)(7e-4)  # (the search casts to the field's type)
+    args.learning_rate = 1e-4
+    assert args.critic_learning_rate == 7e-4  # given now: it stays
+    given = make_args(tmp_path, critic_learning_rate=5e-4)
+    assert dataclasses.replace(given, learning_rate=1e-5).critic_learning_rate == 5e-4
+    assert json.loads(json.dumps(copy.to_dict()))["critic_learning_rate"] == pytest.approx(2e-5)  # a number still

@@ -797,15 +797,32 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         self._accept_grpo_spellings()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        # The defaults derived from other fields are marked so (`Derived`): a copy (`dataclasses.replace`, which
+        # passes every field) derives them again from its own values (a copy with another learning_rate kept the
+        # critic's 2 x the old one), and so does a field set later (a hyperparameter search's `setattr`).
+        for name in ("critic_learning_rate", "critic_num_iterations", "value_pretrain_num_iterations"):
+            setattr(self, name, given(getattr(self, name)))
         self._critic_rate_derived = self.critic_learning_rate is None
-        if self.critic_learning_rate is None:
-            self.critic_learning_rate = 2 * self.learning_rate
-        if self.critic_num_iterations is None:
-            self.critic_num_iterations = self.num_iterations
-        if self.value_pretrain_num_iterations is None:
-            self.value_pretrain_num_iterations = self.num_iterations
+        self._derive_defaults()
         self._resolve_batch_sizes()
         self._validate()
+        self._initialized = True
+
+    def _derive_defaults(self) -> None:
+        """The fields left to their defaults (None, or derived before: `Derived`) from the ones they follow."""
+        if given(self.critic_learning_rate) is None:
+            self.__dict__["critic_learning_rate"] = DerivedFloat(2 * self.learning_rate)
+        for name in ("critic_num_iterations", "value_pretrain_num_iterations"):
+            if given(getattr(self, name)) is None:
+                self.__dict__[name] = DerivedInt(self.num_iterations)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        initialized = self.__dict__.get("_initialized")
+        if initialized and isinstance(value, Derived):  # set from outside: given (transformers' hyperparameter
+            value = type(value).__mro__[1](value)  # search casts a value to its field's type: the marker too)
+        super().__setattr__(name, value)
+        if initialized and name in ("learning_rate", "num_iterations"):
+            self._derive_defaults()  # (what follows it follows it again; a given value stays)
 
     def to_dict(self) -> dict[str, Any]:
         """transformers' serialisation (a `*_token` field's value hidden), with a credential inside a dict field hidden
@@ -890,6 +907,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         return refused
 
     def _resolve_batch_sizes(self) -> None:
+        # The one of the two derived from the other before (a copy's, `Derived`) is derived again, from this config's
+        # sizes: a copy with another batch size or accumulation failed with the old rollout size.
+        self.generation_batch_size = given(self.generation_batch_size)
+        self.steps_per_generation = given(self.steps_per_generation)
         sizes = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
         for name in (*sizes, "generation_batch_size", "steps_per_generation"):
             value = getattr(self, name)
@@ -913,11 +934,11 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                     f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
                     f"per_device_train_batch_size * num_processes ({per_step})."
                 )
-            self.steps_per_generation = self.generation_batch_size // per_step
+            self.steps_per_generation = DerivedInt(self.generation_batch_size // per_step)
         else:
             if self.steps_per_generation is None:
-                self.steps_per_generation = self.gradient_accumulation_steps
-            self.generation_batch_size = per_step * self.steps_per_generation
+                self.steps_per_generation = DerivedInt(self.gradient_accumulation_steps)
+            self.generation_batch_size = DerivedInt(per_step * self.steps_per_generation)
 
     def _validate(self) -> None:
         def require(condition: bool, message: str) -> None:
@@ -1477,6 +1498,24 @@ DICT_FIELD_EXAMPLES = {
     "transformers_continuous_batching_config": '{"max_batch_tokens": 512}',
 }
 """The fields VAPO reads as mappings, each with an example of its JSON on the command line."""
+
+
+class Derived:
+    """A field's value that the config derived from other fields (its default), not one it was given: a copy of the
+    config derives it again (`given` reads it as None). A number still, in every computation and in JSON."""
+
+
+class DerivedFloat(float, Derived):
+    pass
+
+
+class DerivedInt(int, Derived):
+    pass
+
+
+def given(value):
+    """`value` as given: None where the config derived it (`Derived`)."""
+    return None if isinstance(value, Derived) else value
 
 
 def fp16_asked(fp16: bool) -> bool:
