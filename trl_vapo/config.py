@@ -818,8 +818,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
 
     def __setattr__(self, name: str, value: Any) -> None:
         initialized = self.__dict__.get("_initialized")
-        if initialized and isinstance(value, Derived):  # set from outside: given (transformers' hyperparameter
-            value = type(value).__mro__[1](value)  # search casts a value to its field's type: the marker too)
+        if initialized:  # set from outside: given (transformers' hyperparameter search casts a value to its
+            value = plain(value)  # field's type: the marker too)
         super().__setattr__(name, value)
         if initialized and name in ("learning_rate", "num_iterations"):
             self._derive_defaults()  # (what follows it follows it again; a given value stays)
@@ -828,7 +828,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         """transformers' serialisation (a `*_token` field's value hidden), with a credential inside a dict field hidden
         as well: `model_init_kwargs={"token": "hf_..."}` (a gated base) was written verbatim to `vapo_config.json` in
         every checkpoint and saved model, pushed to the Hub with them, and sent to the trackers' run config."""
-        return {name: _credentials_hidden(value) for name, value in super().to_dict().items()}
+        return {name: _credentials_hidden(plain(value)) for name, value in super().to_dict().items()}
 
     def _check_number_fields(self) -> None:
         """A clear error for a number field holding what is not its number (a YAML `null` or `8.0`, a string through
@@ -1516,6 +1516,11 @@ class DerivedInt(int, Derived):
 def given(value):
     """`value` as given: None where the config derived it (`Derived`)."""
     return None if isinstance(value, Derived) else value
+
+
+def plain(value):
+    """`value` a plain number where the config derived it (trackers keep only exact `int` and `float` as numbers)."""
+    return type(value).__mro__[1](value) if isinstance(value, Derived) else value
 
 
 def fp16_asked(fp16: bool) -> bool:

@@ -25,8 +25,15 @@ def parameter_groups(
         for with_decay in (True, False):
             selected = [p for p in params if (names[id(p)] in decay_names) == with_decay]
             if selected:
+                # (float(): a rate the config derived is a float subclass, which a checkpoint's weights-only load
+                # of the optimizer's state refuses)
                 groups.append(
-                    {"params": selected, "lr": lr, "weight_decay": weight_decay if with_decay else 0.0, "name": side}
+                    {
+                        "params": selected,
+                        "lr": float(lr),
+                        "weight_decay": weight_decay if with_decay else 0.0,
+                        "name": side,
+                    }
                 )
     return groups
 
