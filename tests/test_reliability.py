@@ -2244,3 +2244,24 @@ def test_a_resumed_run_notes_the_resumed_schedules_rates_before_its_first_step(t
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), callbacks=[Noted()])
     trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert seen["noted"] == seen["groups"] and seen["groups"]["policy"] > 0
+
+
+def test_a_scheduler_of_the_users_own_is_said_to_run_through_value_pretraining():
+    """The docs hold the policy's rate at 0 until RL: true of the trainer's schedules, whose actor side starts when
+    value pretraining ends. A scheduler the user sets knows no sides: its warm-up was spent on value pretraining's
+    steps without a word."""
+    import warnings
+
+    from transformers import get_constant_schedule_with_warmup
+
+    from trl_vapo.optim import side_schedules, start_actor_schedule
+
+    policy, critic = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    groups = [{"params": [policy], "name": "policy"}, {"params": [critic], "name": "critic"}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    with pytest.warns(UserWarning, match="ran through value pretraining's 5 steps"):
+        start_actor_schedule(get_constant_schedule_with_warmup(optimizer, 4), optimizer, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        start_actor_schedule(side_schedules(optimizer, "linear", lambda total: 0, 10, 5, None), optimizer, 5)
+        start_actor_schedule(get_constant_schedule_with_warmup(optimizer, 4), optimizer, 0)  # no value pretraining

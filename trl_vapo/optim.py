@@ -134,12 +134,25 @@ def set_critic_length(scheduler, optimizer: torch.optim.Optimizer, total_steps: 
 
 
 def start_actor_schedule(scheduler, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Start the actor's schedule at optimizer step `step` (the end of value pretraining)."""
+    """Start the actor's schedule at optimizer step `step` (the end of value pretraining). A scheduler of the user's
+    own (`trainer.lr_scheduler = ...`) knows no sides: said once, where value pretraining ran its steps."""
+    started = False
     for group, schedule, base_lr in _side_schedules(scheduler, optimizer, actor=True):
         schedule.start_step = step
         # LambdaLR computed this step's rate before the actor's schedule started: recompute it.
         group["lr"] = base_lr * schedule(scheduler.last_epoch)
+        started = True
     rates_set(scheduler, optimizer)
+    if not started and step > 0 and any(group.get("name") == "policy" for group in optimizer.param_groups):
+        import warnings
+
+        warnings.warn(
+            f"The lr_scheduler given ({type(scheduler).__name__}) ran through value pretraining's {step} steps: the "
+            "policy did not train meanwhile, but its schedule (a warm-up, a decay) went on, where the trainer's own "
+            "starts the policy's when RL starts. Leave lr_scheduler to the trainer (lr_scheduler_type, warmup_steps), "
+            "or count value_pretrain_steps' optimizer steps into the one you give.",
+            stacklevel=2,
+        )
 
 
 def rates_set(scheduler, optimizer: torch.optim.Optimizer) -> None:
