@@ -224,11 +224,13 @@ def masked_mean(
         if all_reduce is not None:
             raise ValueError("masked_mean pools over processes only the mean of every element (dim=None).")
         count = mask.sum(dim)
-        return torch.where(count > 0, selected.sum(dim) / count.clamp(min=1), empty)
+        mean = selected.sum(dim) / count.clamp(min=1)  # (0 where the count is: `empty`'s default)
+        return mean if empty == 0 else torch.where(count > 0, mean, empty)
     sums = torch.stack([selected.sum(), mask.sum()])
     if all_reduce is not None:
         sums = all_reduce(sums)
-    return torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), empty)
+    mean = sums[0] / sums[1].clamp(min=1)
+    return mean if empty == 0 else torch.where(sums[1] > 0, mean, empty)
 
 
 def _masked_moments(

@@ -31,10 +31,7 @@ RewardFunc = Callable[..., list[float | None]]
 
 TRAINER_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "kwargs"}
 """Keyword arguments the caller supplies to every reward function; any other required parameter is a data column."""
-THINKING = "__trl_vapo_prompt_opens_think__"
-"""A row's mark that its prompt, as the policy read it, opened a think block (`prompt_opens_think`): passed to the
-functions that read it (`reads_prompt_opens_think`) as their `prompt_opens_think`, to no other."""
-UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids", THINKING)
+UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids")
 """Dataset columns never passed to reward functions, as GRPOTrainer leaves them out (``prompts`` carries the prompt;
 a reference ``completion`` column would otherwise reach ``**kwargs`` beside the generated ``completions``)."""
 
@@ -279,8 +276,13 @@ def run_async(coroutine) -> concurrent.futures.Future:
 
 
 def _blocking(func: RewardFunc) -> RewardFunc:
-    """An async reward function as a synchronous one (each call waits for its result)."""
-    return lambda **kwargs: run_async(func(**kwargs)).result()
+    """An async reward function as a synchronous one (each call waits for its result), reading what it reads."""
+
+    def blocking(**kwargs):
+        return run_async(func(**kwargs)).result()
+
+    blocking.reads_prompt_opens_think = getattr(func, "reads_prompt_opens_think", False)
+    return blocking
 
 
 def required_columns(func: RewardFunc) -> list[str]:
@@ -328,6 +330,8 @@ class RewardScorer:
         if positive_reward_funcs is not None:
             self.judges = torch.tensor([name in positive_reward_funcs for name in self.names])
         self.conversational = conversational
+        # Whether a function reads `prompt_opens_think` (`math_reward`): the callers work it out only then.
+        self.reads_thinking = any(getattr(func, "reads_prompt_opens_think", False) for func in self.funcs)
         self._warned_non_finite: set[str] = set()
 
     def check_threshold_reachable(self, threshold: float) -> None:
@@ -373,16 +377,15 @@ class RewardScorer:
         A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
         rows, messages = self._as_messages(rows, completions)
-        if prompt_opens_think is not None and any(prompt_opens_think):
-            rows = [{**row, THINKING: opens} for row, opens in zip(rows, prompt_opens_think, strict=True)]
         ids = completion_ids if completion_ids is not None else [[] for _ in completions]
         common = {
             "trainer_state": trainer_state,
             "log_metric": log_metric or (lambda key, value: None),
             "log_extra": log_extra or (lambda column, values: None),
         }
+        thinking = prompt_opens_think if prompt_opens_think is not None and any(prompt_opens_think) else None
         started = {
-            j: run_async(func(**_arguments(func, rows, messages, ids, common)))
+            j: run_async(func(**_arguments(func, rows, messages, ids, common, thinking)))
             for j, func in enumerate(self.funcs)
             if is_async(func)
         }
@@ -393,10 +396,12 @@ class RewardScorer:
                 try:
                     returned = started[j].result()
                 except Exception as error:  # called one by one to name the first sample it fails on, then raised
-                    _raise_naming_the_failing_sample(_blocking(func), name, rows, messages, ids, common, error)
+                    _raise_naming_the_failing_sample(
+                        _blocking(func), name, rows, messages, ids, common, error, thinking
+                    )
                 values = _checked_values(returned, name, len(rows))
             else:
-                values = self.call(func, name, rows, messages, ids, common)
+                values = self.call(func, name, rows, messages, ids, common, thinking)
             column = torch.tensor([math.nan if v is None else v for v in values])
             given = torch.tensor([v is not None for v in values])
             non_finite[:, j] = torch.isinf(column) | (torch.isnan(column) & given)
@@ -412,7 +417,7 @@ class RewardScorer:
         scored = ~torch.isnan(per_function).all(dim=1)
         if not scored.all():  # GRPOTrainer's warning, naming the first such sample
             i = int((~scored).nonzero()[0])
-            sample = {**{k: v for k, v in rows[i].items() if k != THINKING}, "completion": messages[i]}
+            sample = {**rows[i], "completion": messages[i]}
             logger.warning(
                 f"All reward functions returned None for the following kwargs:\n{sample}\nPlease ensure that at least "
                 "one reward function returns a valid reward."
@@ -450,13 +455,13 @@ class RewardScorer:
         return joined_rows, messages
 
     @staticmethod
-    def call(func, name, rows, completions, completion_ids, common: dict[str, Any]) -> list:
-        """One function on a batch (`common`: `trainer_state`, `log_metric`, `log_extra`); when it raises, the error
-        names the first sample it fails on."""
+    def call(func, name, rows, completions, completion_ids, common: dict[str, Any], thinking=None) -> list:
+        """One function on a batch (`common`: `trainer_state`, `log_metric`, `log_extra`; `thinking`: `score`'s
+        `prompt_opens_think`); when it raises, the error names the first sample it fails on."""
         try:
-            values = func(**_arguments(func, rows, completions, completion_ids, common))
+            values = func(**_arguments(func, rows, completions, completion_ids, common, thinking))
         except Exception as error:
-            _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error)
+            _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error, thinking)
         return _checked_values(values, name, len(rows))
 
     def check(self, row: dict[str, Any], group_size: int = 1, max_steps: int = 1) -> None:
@@ -532,13 +537,13 @@ def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list
 
 
 def _arguments(
-    func, rows: list[dict[str, Any]], completions: list, completion_ids: list, common: dict
+    func, rows: list[dict[str, Any]], completions: list, completion_ids: list, common: dict, thinking=None
 ) -> dict[str, Any]:
     """The keyword arguments of `func`'s call on a batch: TRL's, and every dataset column but `UNPASSED_COLUMNS` as a
-    list; and `prompt_opens_think` where `func` reads it and a prompt opened a think block."""
+    list; and `thinking` as `prompt_opens_think` where `func` reads it (`reads_prompt_opens_think`)."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key not in UNPASSED_COLUMNS}
-    if THINKING in rows[0] and getattr(func, "reads_prompt_opens_think", False):
-        columns["prompt_opens_think"] = [row[THINKING] for row in rows]
+    if thinking is not None and getattr(func, "reads_prompt_opens_think", False):
+        columns["prompt_opens_think"] = list(thinking)
     prompts = [row["prompt"] for row in rows]
     return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **common, **columns}
 
@@ -550,19 +555,27 @@ def prompt_opens_think(tokenizer, prompt_ids: list[list[int]]) -> list[bool]:
     `enable_thinking=False` closes the block it opens: not open."""
     from .rewards.answers import THINK_CLOSE, THINK_OPEN
 
-    tails = tokenizer.batch_decode([ids[-32:] for ids in prompt_ids])  # (the tags are among the last tokens)
-    return [THINK_OPEN in tail.rpartition(THINK_CLOSE)[2] for tail in tails]
+    tails = [tuple(ids[-32:]) for ids in prompt_ids]  # (the tags are among the last tokens)
+    unique = list(dict.fromkeys(tails))  # each prompt once, not once per completion of its group
+    opens = {
+        tail: THINK_OPEN in text.rpartition(THINK_CLOSE)[2]
+        for tail, text in zip(unique, tokenizer.batch_decode(unique))
+    }
+    return [opens[tail] for tail in tails]
 
 
-def _raise_naming_the_failing_sample(func, name, rows, completions, completion_ids, common, error: Exception):
+def _raise_naming_the_failing_sample(
+    func, name, rows, completions, completion_ids, common, error: Exception, thinking=None
+):
     """`func` raised `error` on the batch: called on each sample alone, the error names the first it fails on (or
     says that none fails alone). Raised whatever the search finds: a result of a second call is never used (an async
     function's failure was retried on the whole batch, silently, where a function that is not async's stopped)."""
     for i in range(len(rows)):
         try:
-            func(**_arguments(func, rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common))
+            one = None if thinking is None else thinking[i : i + 1]
+            func(**_arguments(func, rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common, one))
         except Exception:
-            sample = {**{k: v for k, v in rows[i].items() if k != THINKING}, "completion": completions[i]}
+            sample = {**rows[i], "completion": completions[i]}
             raise RuntimeError(
                 f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
                 f"(#{i} of the batch): {preview(sample)}"

@@ -1046,7 +1046,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             lambda name, value: reward_metrics[name].append(float(value)),
             lambda name, values: extra_columns[name].extend(values),
             # (a parsed message holds its reasoning apart: the parser read where the prompt opened it)
-            None if parsed else prompt_opens_think(self.processing_class, prompt_lists()),
+            None
+            if parsed or not self.scorer.reads_thinking
+            else prompt_opens_think(self.processing_class, prompt_lists()),
         )
         self._record_reward_metrics(reward_metrics)
         trains = scores.scored.to(device) & (sample.lengths > 0)
