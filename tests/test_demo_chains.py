@@ -172,7 +172,9 @@ def test_chains_model_leaves_room_for_reinforcement_learning(chains_model):
     torch.manual_seed(0)
     held_out = chains.build_split("held_out", 48)
     # One sampling pass (T = 1) for both checks: avg@8 and pass@8 as `evaluate_policy` counts them, then the slips.
-    completions, _ = sample_completions(model, tokenizer, list(held_out["prompt"]), num_samples=8, max_new_tokens=160)
+    completions, _ = sample_completions(
+        model, tokenizer, list(held_out["prompt"]), num_samples=8, max_new_tokens=160, batch_size=384
+    )
     answers = [answer for answer in held_out["answer"] for _ in range(8)]
     correct = torch.tensor(math_reward(completions=completions, answer=answers)).view(48, 8) > 0
     avg_at_8, pass_at_8 = correct.float().mean().item(), correct.any(dim=1).float().mean().item()
