@@ -134,10 +134,12 @@ def probe_stats(
 
 
 class Probe(TrainerCallback):
-    """Records ``probe_stats`` of every value-pretraining rollout, as the trainer built it (before any update)."""
+    """Records ``probe_stats`` of every value-pretraining rollout, as the trainer built it (before any update), and
+    stops the run at the ``last``-th: the critic's training on it, and the RL rollout after, are never read."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, last: int):
         self.tokenizer = tokenizer
+        self.last = last
         self.records: list[dict[str, float]] = []
 
     def on_rollout(self, args, state, control, *, rollout, rows, **kwargs):
@@ -152,6 +154,7 @@ class Probe(TrainerCallback):
         ids, attention = rollout.input_ids, rollout.attention_mask
         exact = OracleValue(self.tokenizer)(ids, attention, ids.shape[1] - rollout.prompt_length)
         self.records.append(probe_stats(rollout.old_values, rollout.returns, rollout.loss_mask, first_wrong, exact))
+        control.should_training_stop = len(self.records) == self.last
         return control
 
 
@@ -171,9 +174,9 @@ def run_probe(name: str, rollouts: int, seed: int = TUNING_SEEDS[0]) -> list[dic
     )  # fmt: skip
     out_dir = run_dir(f"bench_critic_{name}_")
     trainer, _ = bl.build_trainer(spec, out_dir, math_reward, extra)
-    probe = Probe(trainer.processing_class)
+    probe = Probe(trainer.processing_class, last=rollouts)
     trainer.add_callback(probe)
-    trainer.train()  # the rollouts of value pretraining, then one RL rollout
+    trainer.train()  # the rollouts of value pretraining (the plan's RL rollout after them is never reached)
     return probe.records
 
 

@@ -158,7 +158,7 @@ def run(model_name: str, num_prompts: int, max_new_tokens: int, warmup: int, rep
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, from {list(MODELS)}")
     parser.add_argument("--prompts", type=int, default=64)
@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, no warmup, 1 repeat")
     parser.add_argument("--no-per-step", dest="per_step", action="store_false", help="skip the per-step counts")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.warmup, args.repeats = 16, 32, 0, 1
     torch.set_num_threads(1)

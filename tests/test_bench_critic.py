@@ -1,8 +1,9 @@
-"""The critic probe's statistics (``benchmarks/bench_critic.py``) against a direct computation; its ``--quick`` run
-is in ``test_benchmarks.py``."""
+"""The critic probe (``benchmarks/bench_critic.py``): its statistics against a direct computation, and its
+``--quick`` run (in this process: its own would spend most of its time importing)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_critic import TUNING_SEEDS, probe_stats, run_probe  # noqa: E402
+from bench_critic import TUNING_SEEDS, main, probe_stats, run_probe  # noqa: E402
 
 
 def test_probe_stats_match_a_direct_computation():
@@ -53,9 +54,7 @@ def test_records_of_another_seed_or_length_are_not_reused_under_this_one(tmp_pat
     """A probe whose record is in `--out` is not run again, and records hold neither seed nor length: `--seed 1001`
     into a folder of seed 1000's took them as its own and labelled the table 1001, and a full run took `--quick`'s
     2-rollout records. The folder says both (`probe_settings.json`)."""
-    import json
-
-    from bench_critic import SETTINGS_FILE, main
+    from bench_critic import SETTINGS_FILE
 
     (tmp_path / "lr1e-3.json").write_text("[]")
     for recorded, says in ((None, "unknown settings"), ({"seed": 1000, "rollouts": 30}, "{'seed': 1000")):
@@ -65,3 +64,14 @@ def test_records_of_another_seed_or_length_are_not_reused_under_this_one(tmp_pat
             with pytest.raises(SystemExit) as stop:
                 main(["--out", str(tmp_path), *run, "--probes", "lr1e-3"])
             assert stop.value.code == 2 and f"holds probe records of {says}" in capsys.readouterr().err
+
+
+def test_quick_probe_trains_the_critic_and_writes_the_table(tmp_path):
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "lr1e-3.json").read_text())
+    assert len(records) == 2  # one per value-pretraining rollout
+    assert all(-5 < r["ev"] <= 1 and 0 <= r["oracle_ev"] <= 1 and 0 < r["slipped_share"] < 1 for r in records)
+    assert records[1]["ev"] > records[0]["ev"]  # the critic learned from the first rollout (-0.109 -> -0.045)
+    assert all(0 < r["exact_ev"] <= 1 and r["exact_drop"] < 0 for r in records)  # the exact value, at each slip
+    assert "lr1e-3" in (tmp_path / "table.txt").read_text()
+    assert (tmp_path / "critic_probe.png").stat().st_size > 10_000
