@@ -21,6 +21,15 @@ def write_json(path: Path, data, indent: int | None = None) -> None:
     tmp.replace(path)
 
 
+def versions(*packages: str) -> str:
+    """ "python 3.11.9, torch 2.9.0, ...": the installed versions, read from the packages' metadata (a driver that
+    imported them to print this line spent seconds on imports its workers pay again)."""
+    import platform
+    from importlib.metadata import version
+
+    return ", ".join([f"python {platform.python_version()}", *(f"{name} {version(name)}" for name in packages)])
+
+
 def run_dir(prefix: str) -> str:
     """A temporary `output_dir` for one run (its checkpoints and logs; a benchmark's records are written elsewhere),
     removed when the process exits: each run left one behind, some with checkpoints (a suite run's quick benchmarks

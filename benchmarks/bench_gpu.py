@@ -67,7 +67,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import WorkerFailed, launch_worker, phase_line, run_dir, write_json  # noqa: E402
+from _launch import WorkerFailed, launch_worker, phase_line, run_dir, versions, write_json  # noqa: E402
 from bench_trainer import _instrument, _Timers  # noqa: E402  (the same method timers as the CPU benchmark)
 
 # Qwen2.5 shapes (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
@@ -566,17 +566,11 @@ def main(argv: list[str] | None = None) -> None:
         print(logits_memory_table(records))
         return
 
-    import platform
-
-    import torch
-    import transformers
-    import trl
+    import torch  # the device's name (transformers and trl: their versions alone)
 
     sizes, methods = opts.sizes.split(","), opts.methods.split(",")
-    print(
-        f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
-    )
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"{versions('torch', 'transformers', 'trl')}, device {device}")
     print(
         f"per step: {opts.prompts} prompts x {opts.generations} completions of {opts.completion_length} tokens, "
         f"micro-batch {opts.micro_batch}; {opts.steps} steps per run, first {opts.warmup} left out; bf16, "

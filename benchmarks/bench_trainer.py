@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from _launch import launch_worker, run_dir
+from _launch import launch_worker, run_dir, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINERS = ("vapo", "grpo", "vapo-pretrain")
@@ -358,18 +358,11 @@ def main() -> None:
             json.dump(record, f)
         return
 
-    import platform
-
-    import torch
-    import transformers
-    import trl
-
     models = opts.models.split(",")
     trainers = opts.trainers.split(",")
     cache = Path(tempfile.gettempdir()) / "trl_vapo_bench_models"
     print(
-        f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS=1 per run, load average "
+        f"{versions('torch', 'transformers', 'trl')}, {os.cpu_count()} CPUs, OMP_NUM_THREADS=1 per run, load average "
         f"{os.getloadavg()[0]:.2f} at start"
     )
     print(

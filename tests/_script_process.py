@@ -53,9 +53,17 @@ def _ensure_server() -> None:
 
 
 class ScriptProcess:
-    """The parts of `subprocess.Popen` the tests use, for one `_train_script.main(argv)` in a forked process."""
+    """The parts of `subprocess.Popen` the tests use, for one `_train_script.main(argv)` in a forked process (or, with
+    `code`, one `python -c CODE` in `cwd`)."""
 
-    def __init__(self, argv: list[str], default_sigint: bool = False, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        argv: list[str],
+        default_sigint: bool = False,
+        env: dict[str, str] | None = None,
+        code: str | None = None,
+        cwd: str | None = None,
+    ):
         folder = Path(tempfile.mkdtemp(prefix="train-script-"))
         owner = os.getpid()  # removed as this process exits (one per run was left behind), never by a child of it
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
@@ -63,10 +71,12 @@ class ScriptProcess:
         for path in (self._stdout, self._stderr):  # there to read even if the child dies before it writes
             path.touch()
         _ensure_server()
-        self._process = _context.Process(
-            target=_train_script.main_in_child,
-            args=(argv, str(self._stdout), str(self._stderr), default_sigint, env or {}),
-        )
+        outputs = (str(self._stdout), str(self._stderr))
+        if code is None:
+            target, args = _train_script.main_in_child, (argv, *outputs, default_sigint, env or {})
+        else:
+            target, args = _train_script.exec_in_child, (code, cwd or os.getcwd(), *outputs, env or {})
+        self._process = _context.Process(target=target, args=args)
         self._process.start()
         self.pid = self._process.pid
 
@@ -105,6 +115,19 @@ def run_script(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
         process.send_signal(signal.SIGKILL)
         raise
     return subprocess.CompletedProcess(["_train_script.py", *argv], process.returncode, stdout, stderr)
+
+
+def run_code(code: str, cwd: str | Path, env: dict[str, str] | None = None, timeout: float = 300):
+    """`python -c CODE` in `cwd` to its end (`env` added to the environment), as `subprocess.run(...,
+    capture_output=True, text=True)` returns it: the code runs as written, in a process of its own, without a fresh
+    interpreter's imports."""
+    process = ScriptProcess([], env=env, code=code, cwd=str(cwd))
+    try:
+        stdout, stderr = process.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(["python", "-c", code], process.returncode, stdout, stderr)
 
 
 def _free_port() -> int:

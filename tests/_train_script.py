@@ -403,21 +403,36 @@ def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: boo
     """`main(argv)` in a process forked from a server that has imported this module (`tests/_script_process.py`): the
     same run as `python _train_script.py ARGV`, its output in the files `stdout` and `stderr`, without the five
     seconds of imports that every fresh interpreter spends."""
-    import signal
     import sys
+
+    _set_up_child(stdout, stderr, default_sigint, env)
+    sys.argv = [__file__, *argv]
+    main(argv)
+
+
+def exec_in_child(code: str, cwd: str, stdout: str, stderr: str, env: dict[str, str]) -> None:
+    """`python -c CODE` run in `cwd`, in a process forked from the server as `main_in_child` is: the code as a
+    script's `__main__`, its output in the files `stdout` and `stderr`."""
+    import sys
+
+    _set_up_child(stdout, stderr, False, env)
+    os.chdir(cwd)
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+def _set_up_child(stdout: str, stderr: str, default_sigint: bool, env: dict[str, str]) -> None:
+    import signal
 
     if IMPORTED_IN == os.getpid():  # imported here, not inherited: the server's preload failed, and every run pays
         raise RuntimeError("the fork server did not import _train_script (see tests/_script_process.py)")
     if torch.cuda._is_in_bad_fork():  # the server initialised CUDA, which a forked process cannot use again
         raise RuntimeError("the fork server initialised CUDA while importing _train_script: nothing may touch the GPU")
-
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     if default_sigint:  # as a terminal leaves it; pytest-xdist's workers ignore it, and so would every child
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.environ.update(env)  # a rank's RANK, WORLD_SIZE, MASTER_PORT... (`_script_process.run_ranks`)
-    sys.argv = [__file__, *argv]
-    main(argv)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,11 +23,12 @@ def test_the_marked_blocks_are_found():
 
 @pytest.mark.parametrize("index", range(len(offline_blocks())))
 def test_an_offline_readme_block_runs_as_written(index, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", offline_blocks()[index]], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    """As `python -c BLOCK` in a process of its own, forked from one that imported torch, transformers and
+    trl_vapo (`_script_process.run_code`: a fresh interpreter spent most of the test on those imports), offline as the
+    tests' processes are (conftest.py)."""
+    from _script_process import run_code
+
+    result = run_code(offline_blocks()[index], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
