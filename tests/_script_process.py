@@ -54,7 +54,7 @@ def _ensure_server() -> None:
 
 class ScriptProcess:
     """The parts of `subprocess.Popen` the tests use, for one `_train_script.main(argv)` in a forked process (or, with
-    `code`, one `python -c CODE` in `cwd`)."""
+    `code`, one `python -c CODE ARGV` in `cwd`)."""
 
     def __init__(
         self,
@@ -75,7 +75,7 @@ class ScriptProcess:
         if code is None:
             target, args = _train_script.main_in_child, (argv, *outputs, default_sigint, env or {})
         else:
-            target, args = _train_script.exec_in_child, (code, cwd or os.getcwd(), *outputs, env or {})
+            target, args = _train_script.exec_in_child, (code, argv, cwd or os.getcwd(), *outputs, env or {})
         self._process = _context.Process(target=target, args=args)
         self._process.start()
         self.pid = self._process.pid
@@ -117,17 +117,19 @@ def run_script(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["_train_script.py", *argv], process.returncode, stdout, stderr)
 
 
-def run_code(code: str, cwd: str | Path, env: dict[str, str] | None = None, timeout: float = 300):
-    """`python -c CODE` in `cwd` to its end (`env` added to the environment), as `subprocess.run(...,
+def run_code(
+    code: str, *argv: str, cwd: str | Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGV` in `cwd` to its end (`env` added to the environment), as `subprocess.run(...,
     capture_output=True, text=True)` returns it: the code runs as written, in a process of its own, without a fresh
     interpreter's imports."""
-    process = ScriptProcess([], env=env, code=code, cwd=str(cwd))
+    process = ScriptProcess(list(argv), env=env, code=code, cwd=str(cwd))
     try:
         stdout, stderr = process.communicate(timeout)
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGKILL)
         raise
-    return subprocess.CompletedProcess(["python", "-c", code], process.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(["python", "-c", code, *argv], process.returncode, stdout, stderr)
 
 
 def _free_port() -> int:

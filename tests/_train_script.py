@@ -410,14 +410,14 @@ def main_in_child(argv: list[str], stdout: str, stderr: str, default_sigint: boo
     main(argv)
 
 
-def exec_in_child(code: str, cwd: str, stdout: str, stderr: str, env: dict[str, str]) -> None:
-    """`python -c CODE` run in `cwd`, in a process forked from the server as `main_in_child` is: the code as a
+def exec_in_child(code: str, argv: list[str], cwd: str, stdout: str, stderr: str, env: dict[str, str]) -> None:
+    """`python -c CODE ARGV` run in `cwd`, in a process forked from the server as `main_in_child` is: the code as a
     script's `__main__`, its output in the files `stdout` and `stderr`."""
     import sys
 
     _set_up_child(stdout, stderr, False, env)
     os.chdir(cwd)
-    sys.argv = ["-c"]
+    sys.argv = ["-c", *argv]
     exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 
 
