@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _script_process import run_ranks, run_script
+from _script_process import run_code, run_ranks, run_script
 from safetensors.torch import load_file
 
 from trl_vapo.tiny import save_tiny_reward_model
@@ -355,11 +355,7 @@ def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir)
     head computing in bf16 besides. Kept as computed (`keep_fsdp2_outputs_as_computed`, which the trainer calls before
     sharding anything) and the head computing in float32 (`Float32Linear`), they are float32 and not bf16's values,
     while the weights still compute in bf16. One process of gloo on the CPU, sharded as accelerate shards it."""
-    import subprocess
-    import sys
-
-    script = [sys.executable, "-c", FSDP2_BF16_FORWARD, str(tiny_model_dir)]
-    proc = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    proc = run_code(FSDP2_BF16_FORWARD, str(tiny_model_dir), cwd=tiny_model_dir, timeout=120)  # a process group
     assert proc.returncode == 0, proc.stderr[-3000:]
     outputs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outputs["accelerate's"] == {k: ["torch.bfloat16", True] for k in ("logprobs", "entropy", "values")}

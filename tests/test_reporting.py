@@ -12,7 +12,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import textwrap
 import types
@@ -284,7 +283,10 @@ def test_no_tracker_table_without_a_table_tracker_or_a_live_run(tracker):
 def test_table_logged_to_trackio_offline(tmp_path):
     """trackio is local-first: with the hub unreachable (HF_HUB_OFFLINE) it writes a SQLite file under TRACKIO_DIR.
 
-    In a subprocess because trackio reads TRACKIO_DIR once, at import."""
+    In a process of its own (forked from the tests' server, which has not imported trackio, offline as the tests are)
+    because trackio reads TRACKIO_DIR once, at import."""
+    from _script_process import run_code
+
     pytest.importorskip("trackio")
     script = textwrap.dedent("""
         import json
@@ -302,10 +304,7 @@ def test_table_logged_to_trackio_offline(tmp_path):
         trackio.finish()
         print(json.dumps({"used": used, "logs": SQLiteStorage.get_logs("vapo-test", "run")}, default=str))
     """)
-    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=False
-    )
+    result = run_code(script, cwd=tmp_path, env={"TRACKIO_DIR": str(tmp_path / "trackio")}, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["used"] == ["trackio"]

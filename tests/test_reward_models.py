@@ -596,12 +596,10 @@ def test_a_reward_model_under_fsdp2_scores_on_one_process(reward_model_dir):
     The one-process path is the same on CPU and CUDA (two processes take another path, which checks), so this CPU run
     reproduces it; tests/test_distributed.py trains with FSDP2 on one GPU under `-m cuda`."""
     import json
-    import subprocess
-    import sys
 
-    proc = subprocess.run(
-        [sys.executable, "-c", FSDP2_ONE_PROCESS, str(reward_model_dir)], capture_output=True, text=True, timeout=120
-    )
+    from _script_process import run_code
+
+    proc = run_code(FSDP2_ONE_PROCESS, str(reward_model_dir), cwd=reward_model_dir, timeout=120)  # a process group
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)

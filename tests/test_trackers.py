@@ -10,8 +10,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -150,26 +148,16 @@ TRACKIO_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def trackio_run(tiny_model_dir, tmp_path_factory):
-    """A tiny run reporting to trackio, in a subprocess: trackio reads TRACKIO_DIR once, at import."""
+    """A tiny run reporting to trackio, in a process of its own (forked from the tests' server, which has not imported
+    trackio): trackio reads TRACKIO_DIR once, at import."""
+    from _script_process import run_code
+
     pytest.importorskip("trackio")
     root = tmp_path_factory.mktemp("trackio-run")
-    env = {
-        **os.environ,
-        "TRACKIO_DIR": str(root / "trackio"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("TRACKIO_SPACE_ID", None)
-    env.pop("TRACKIO_SERVER_URL", None)
-    result = subprocess.run(
-        [sys.executable, "-c", TRACKIO_SCRIPT, str(tiny_model_dir), str(root / "out"), os.path.dirname(__file__)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    # Local: neither a Space nor a server of the caller's environment.
+    local = "import os\nos.environ.pop('TRACKIO_SPACE_ID', None)\nos.environ.pop('TRACKIO_SERVER_URL', None)\n"
+    args = (str(tiny_model_dir), str(root / "out"), os.path.dirname(__file__))
+    result = run_code(local + TRACKIO_SCRIPT, *args, cwd=root, env={"TRACKIO_DIR": str(root / "trackio")})
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
     return {"root": root, "stdout": result.stdout, **json.loads(line[len("REPORT ") :])}
