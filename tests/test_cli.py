@@ -667,6 +667,11 @@ def test_evaluation_cuts_prompts_and_penalises_repeats_as_training():
     penalising = SamplingSettings(6, 0.0, repetition_penalty=0.05)
     expected = engine.generate(whole_ids, sampling=penalising).completion_lists()
     assert penalised_ids == expected and penalised != whole
+    # A length below one (VAPOConfig and the CLI refuse it) kept every prompt whole at 0 while warning each was cut,
+    # and cut the first tokens at -2: refused.
+    for limit in (0, -2):
+        with pytest.raises(ValueError, match=f"max_prompt_length={limit}: a prompt keeps at least one token"):
+            sample_completions(model, tokenizer, prompts, max_prompt_length=limit, **greedy)
 
 
 def test_a_stop_during_the_held_out_report_after_training_keeps_the_trained_model(

@@ -118,6 +118,10 @@ def sample_completions(
     (`SamplingSettings.generation_kwargs`), where completions end (stop strings, stop tokens); a greedy pass leaves
     out those that say how to sample.
     """
+    if max_prompt_length is not None and max_prompt_length < 1:  # (VAPOConfig refuses it; a caller of this may not)
+        raise ValueError(
+            f"max_prompt_length={max_prompt_length}: a prompt keeps at least one token; None keeps it whole"
+        )
     conversational = is_conversational({"prompt": prompts[0]})
     ids = prompt_token_ids(tokenizer, prompts, conversational, chat_template_kwargs)
     cut = sum(len(x) > max_prompt_length for x in ids) if max_prompt_length is not None else 0
