@@ -225,6 +225,28 @@ def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny, pad_s
     assert inherited.lengths.tolist() == named.lengths.tolist() and torch.equal(
         inherited.is_truncated, named.is_truncated
     )
+    # A stop string that begins in the prompt: generate() matches over the prompt and the completion, so the row ends
+    # on the token that completes it. Its end read the completion alone: a pad-as-stop after it was kept as the row's
+    # end (a token never sampled), and with a budget of one token the row read as cut.
+    prompt = token_ids(tokenizer, ["hello world, how are"])
+    first = engine.generate(prompt, sampling=SamplingSettings(max_new_tokens=1, temperature=0.0)).completion_lists()[0]
+    spanning = "e" + tokenizer.decode(first)  # the prompt's last character, then the first greedy token
+    for budget in (16, 1):
+        greedy = SamplingSettings(budget, temperature=0.0, generation_kwargs={"stop_strings": [spanning]})
+        out = engine.generate(prompt, sampling=greedy)
+        assert out.completion_lists() == [first] and not out.is_truncated.any()
+
+
+@pytest.mark.parametrize("kwargs", [{"num_return_sequences": 2}, {"max_new_tokens": 12}, {"max_time": 5.0}])
+def test_evaluation_refuses_generation_kwargs_that_change_what_it_counts(tiny, kwargs):
+    """VAPOConfig refuses them; `evaluate_policy` and `trl-vapo eval` pass theirs to the engine, which took them:
+    two completions a prompt were cut to the first rows of the batch (each prompt's scored against another's answer),
+    and a budget of its own overran `max_new_tokens` (12 tokens of a budget of 5). Every engine refuses them."""
+    from trl_vapo.evaluation import sample_completions
+
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match=f"generation_kwargs sets {next(iter(kwargs))}"):
+        sample_completions(model, tokenizer, TEXT_PROMPTS[:3], max_new_tokens=5, generation_kwargs=kwargs)
 
 
 def test_a_stop_string_may_end_inside_the_last_token():

@@ -670,7 +670,7 @@ def test_kept_buffers_follow_a_change_of_sampling_settings(tiny):
     assert got.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
 
 
-def test_buffers_are_freed_after_each_call_without_keep_buffers(tiny):
+def test_buffers_are_freed_after_each_call_without_keep_buffers(tiny, monkeypatch):
     model, tokenizer = tiny
     engine = StaticCacheEngine(
         model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id], keep_buffers=False
@@ -682,3 +682,26 @@ def test_buffers_are_freed_after_each_call_without_keep_buffers(tiny):
         == kept.generate(prompts, sampling=GREEDY).completion_lists()
     )
     assert engine.state is None and kept.state is not None
+    # Freed at the call's end, not after each of its batches: the batches share one shape, whose buffers and CUDA
+    # graph were allocated and captured anew for each (`trl-vapo eval --batch_size`, the held-out report).
+    import trl_vapo.static_cache as static_cache
+
+    built = []
+    real = static_cache.DecodeState
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            built.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    batched = StaticCacheEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        stop_token_ids=[tokenizer.eos_token_id],
+        keep_buffers=False,
+        batch_size=2,
+    )
+    monkeypatch.setattr(static_cache, "DecodeState", Counted)  # the real one, counted
+    out = batched.generate(prompts, sampling=GREEDY)  # 6 prompts: 3 batches of 2
+    assert len(built) == 1 and batched.state is None
+    assert out.completion_lists() == kept.generate(prompts, sampling=GREEDY).completion_lists()

@@ -16,6 +16,7 @@ from transformers import TrainingArguments
 from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config, uses_deepspeed
 from .field_checks import check_number_fields, number_list
+from .generation import generation_kwargs_problem
 from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
 from .pretrained import with_dtype_named
 from .vllm_fields import VLLMOptions
@@ -1058,26 +1059,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             f"cache_implementation={self.cache_implementation!r} sets model.generate()'s KV cache; vLLM and "
             "continuous batching keep their own (paged) cache. Remove it, or generate with model.generate().",
         )
-        budget = sorted(set(self.generation_kwargs or {}) & {"max_new_tokens", "max_length", "max_tokens"})
-        require(
-            not budget,
-            f"generation_kwargs sets {', '.join(budget)}: the rollouts' token budget is max_completion_length, which "
-            "also tells a completion cut by the budget from one that ended (mask_truncated_completions, "
-            "completions/clipped_ratio). Set max_completion_length instead.",
-        )
-        require(
-            "max_time" not in (self.generation_kwargs or {}),
-            "generation_kwargs sets max_time: a completion the clock stops would count as one that ended (it is "
-            "cut short of max_completion_length without a stop token), so mask_truncated_completions would train on "
-            "it and completions/clipped_ratio miss it. Bound the rollouts with max_completion_length instead.",
-        )
         generation = self.generation_kwargs or {}
-        samples = sorted(k for k in set(generation) & {"num_return_sequences", "n", "best_of"} if generation[k] != 1)
-        require(
-            not samples,
-            f"generation_kwargs sets {', '.join(samples)}: each prompt's completions are num_generations, which the "
-            "batches and the groups are counted in (one request per completion). Set num_generations instead.",
-        )
+        owned = generation_kwargs_problem(generation)
+        require(owned is None, owned or "")
         require(
             not (self.use_vllm and self.vllm_mode == "colocate" and "seed" in generation),
             "generation_kwargs sets a seed, with colocated vLLM: each copy of a prompt is one request, each sampled "

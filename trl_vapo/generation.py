@@ -342,15 +342,20 @@ def ends_on_stop_string(text: str, last_token_start: int, stop_strings: Sequence
     return any(s in text and text.rfind(s) + len(s) > last_token_start for s in stop_strings)
 
 
-def untruncate_stop_string_ends(output: GenerationOutput, tokenizer, stop_strings: Sequence[str]) -> None:
+def untruncate_stop_string_ends(
+    output: GenerationOutput, tokenizer, stop_strings: Sequence[str], prompt_ids: Sequence[list[int]] | None = None
+) -> None:
     """A row that ended on a stop string with the last token its budget allowed stopped: it did not run out of budget
-    (`cut_at_stop` knows stop tokens alone, and marked it truncated: `mask_truncated_completions` left it out)."""
+    (`cut_at_stop` knows stop tokens alone, and marked it truncated: `mask_truncated_completions` left it out).
+    `prompt_ids`: each row's prompt, where the engine matched stop strings over the prompt and the completion
+    (transformers' `StopStringCriteria`; vLLM's matches the completion alone)."""
     cut = output.is_truncated.nonzero().flatten().tolist()  # only these can change: decoded, the others not
     if not cut:
         return
     rows = output.completion_lists()
-    texts = tokenizer.batch_decode([rows[i] for i in cut])
-    before_last = tokenizer.batch_decode([rows[i][:-1] for i in cut])
+    before = [list(prompt_ids[i]) if prompt_ids is not None else [] for i in cut]
+    texts = tokenizer.batch_decode([p + rows[i] for p, i in zip(before, cut)])
+    before_last = tokenizer.batch_decode([p + rows[i][:-1] for p, i in zip(before, cut)])
     for i, text, before in zip(cut, texts, before_last):
         if ends_on_stop_string(text, len(before), stop_strings):
             output.is_truncated[i] = False
@@ -409,7 +414,11 @@ class GenerationEngine:
         """
         if not prompt_ids:
             raise ValueError("No prompts to generate from.")
-        return self._generate([list(p) for p in prompt_ids], sampling or self.sampling, num_generations)
+        sampling = sampling or self.sampling
+        problem = generation_kwargs_problem(sampling.generation_kwargs)  # (VAPOConfig refuses them; a caller may not)
+        if problem:
+            raise ValueError(problem)
+        return self._generate([list(p) for p in prompt_ids], sampling, num_generations)
 
     def _generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings, num_generations: int):
         raise NotImplementedError
@@ -478,13 +487,15 @@ class TransformersGenerate(GenerationEngine):
             if self.pad_token_id in self.stop_token_ids:
                 # generate() pads a row that ended on a stop string with the pad token, here a stop token too:
                 # `cut_at_stop` kept the first pad as the row's end, a token the policy never sampled (the reward
-                # would land on it, and it would train). The row ends on the stop string, as vLLM ends it.
+                # would land on it, and it would train). The row ends on the stop string, as vLLM ends it. The
+                # string is matched as generate() matched it, over the prompt and the completion: one that begins in
+                # the prompt (`"\n\n"` after a prompt ending in `"\n"`) stopped the row too.
                 decode = self.tokenizer.decode
                 padded = [
                     len(row) > 1
                     and row[-1] == self.pad_token_id
-                    and ends_on_stop_string(decode(row[:-1]), len(decode(row[:-2])), strings)
-                    for row in output.completion_lists()
+                    and ends_on_stop_string(decode(prompt + row[:-1]), len(decode(prompt + row[:-2])), strings)
+                    for prompt, row in zip(prompt_ids, output.completion_lists())
                 ]
                 if any(padded):
                     ends = output.lengths - torch.tensor(padded, dtype=output.lengths.dtype)
@@ -492,7 +503,7 @@ class TransformersGenerate(GenerationEngine):
                     output = cut_at_stop(
                         ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, sampling.max_new_tokens
                     )
-            untruncate_stop_string_ends(output, self.tokenizer, strings)
+            untruncate_stop_string_ends(output, self.tokenizer, strings, prompt_ids)
         return output
 
     def _generate_chunk(self, model, prompt_ids, config, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1001,6 +1012,37 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
                 "torch.manual_seed at every rollout: each would draw the same random numbers, the trainer's shuffles "
                 "too. Leave it out: the trainer seeds each process once (`seed`)."
             )
+
+
+def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
+    """Why `generation_kwargs` may not be sampled with, or None: it sets what the caller counts. The token budget (the
+    trainer's `max_completion_length`, evaluation's `max_new_tokens`), which also tells a completion cut by the
+    budget from one that ended; a clock, whose cut reads as an end; several completions a request, which the
+    batches, the groups and the prompts they are scored against are counted without (each prompt's completions are
+    `num_generations`, evaluation's `k`: one request each)."""
+    budget = sorted(set(generation_kwargs) & {"max_new_tokens", "max_length", "max_tokens"})
+    if budget:
+        return (
+            f"generation_kwargs sets {', '.join(budget)}: the completions' token budget is max_completion_length "
+            "(evaluate_policy's max_new_tokens), which also tells a completion cut by the budget from one that ended "
+            "(mask_truncated_completions, completions/clipped_ratio). Set max_completion_length instead."
+        )
+    if "max_time" in generation_kwargs:
+        return (
+            "generation_kwargs sets max_time: a completion the clock stops would count as one that ended (it is cut "
+            "short of max_completion_length without a stop token), so mask_truncated_completions would train on it "
+            "and completions/clipped_ratio miss it. Bound the completions with max_completion_length instead."
+        )
+    samples = sorted(
+        k for k in set(generation_kwargs) & {"num_return_sequences", "n", "best_of"} if generation_kwargs[k] != 1
+    )
+    if samples:
+        return (
+            f"generation_kwargs sets {', '.join(samples)}: each prompt's completions are num_generations "
+            "(evaluation's k), one request per completion, which the batches and the groups are counted in. Set "
+            "num_generations (k) instead."
+        )
+    return None
 
 
 def _check_transformers_sampling_keys(sampling: SamplingSettings) -> None:

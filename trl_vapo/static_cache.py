@@ -147,13 +147,17 @@ class StaticCacheEngine(GenerationEngine):
                 # One prompt width for every batch of the call: the buffers and graph kept serve them all (a batch
                 # whose longest prompt fell in another bucket allocated and captured anew).
                 width = -(-max(map(len, prompt_ids)) // self.prompt_bucket) * self.prompt_bucket
-                ids, logprobs = in_batches(
-                    prompt_ids,
-                    self.batch_size,
-                    lambda batch: self._decode(model, batch, sampling, width),
-                    self.pad_token_id,
-                    one_shape=True,
-                )
+                try:
+                    ids, logprobs = in_batches(
+                        prompt_ids,
+                        self.batch_size,
+                        lambda batch: self._decode(model, batch, sampling, width),
+                        self.pad_token_id,
+                        one_shape=True,
+                    )
+                finally:
+                    if not self.keep_buffers:  # at the call's end: its batches share one shape's buffers and graph
+                        self.state = None
         if unsupported:
             key = ", ".join(unsupported)
             if key not in self._warned:
@@ -198,8 +202,6 @@ class StaticCacheEngine(GenerationEngine):
             # Copies (`.cpu()` of a CPU tensor is the tensor): the next batch of the same shape writes these buffers.
             ids = state.output_ids[:, :steps].to("cpu", copy=True)
             logprobs = state.output_logprobs[:, :steps].to("cpu", copy=True)
-        if not self.keep_buffers:
-            self.state = None
         _check_finite(logprobs)
         return ids, logprobs
 
