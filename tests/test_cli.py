@@ -978,12 +978,13 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
             # The optimizer steps are most of its time (a value-pretraining rollout's 4 cost about what 4 RL steps
             # do): one pretraining rollout, then 3 RL rollouts of 4 policy-and-critic and 12 critic-only steps each
             # (held-out avg@2 0.42 -> 0.80 on a 2-core runner, 2026-11-30; with 5 and 4 rollouts: 0.81, 7 s longer).
+            # The report on 32 prompts (its two passes were 5 s of 64; the gap it checks is 0.1).
             "--value_pretrain_steps",
             "1",
             "--max_steps",
             "48",
             "--eval_num_prompts",
-            "64",
+            "32",
             "--eval_k",
             "2",
             "--disable_tqdm",
@@ -1001,14 +1002,10 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
     # Its card says how to score it again (TrlParser's empty mixture had every run read as one: a split no eval
     # could draw, and `trl-vapo eval --model <demo>` refused).
     card = (out / "README.md").read_text()
-    assert "64 problems of the demo's held-out split" in card and "trl-vapo eval --model <this folder>" in card
+    assert "32 problems of the demo's held-out split" in card and "trl-vapo eval --model <this folder>" in card
     assert "mixture" not in card and json.loads((out / "vapo_script_args.json").read_text())["mixture"] is False
-    # The demo draws its diagnostic plots, and `trl-vapo plot` redraws them from its logs.
+    # The demo draws its diagnostic plots (`trl-vapo plot` redraws them from the logs: test_diagnostics.py).
     plots = out / "plots"
-    assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
-    for png in plots.glob("*.png"):
-        png.unlink()
-    assert main(["plot", str(out)]) == 0
     assert {p.name for p in plots.glob("*.png")} == {"training_curves.png", "position_profiles.png"}
 
 
