@@ -23,25 +23,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
-# The slowest files first (seconds on the development VM, 2026-11-28), so that xdist's per-file scheduling ends both
-# workers together (pyproject.toml passes --no-loadscope-reorder: xdist would otherwise order the files by their
-# number of tests, and the two workers finished up to 30 s apart).
+# The slowest files first (seconds on the development VM, 2026-11-30, `--durations=0`), so that xdist's per-file
+# scheduling ends both workers together (pyproject.toml passes --no-loadscope-reorder: xdist would otherwise order the
+# files by their number of tests, and the two workers finished up to 30 s apart).
 SLOWEST_FILES = [
-    "test_cli.py",  # 113
-    "test_reliability.py",  # 78
-    "test_benchmarks.py",  # 56
-    "test_bench_learning.py",  # 53
-    "test_gpu_suite.py",  # 47
-    "test_distributed.py",  # 43
-    "test_rewards.py",  # 33
-    "test_readme.py",  # 24
-    "test_trainer.py",  # 18
-    "test_demo_chains.py",  # 15
-    "test_generation.py",  # 13
+    "test_cli.py",  # 114
+    "test_reliability.py",  # 69
+    "test_gpu_suite.py",  # 44
+    "test_bench_learning.py",  # 39
+    "test_rewards.py",  # 37
+    "test_trainer.py",  # 31
+    "test_distributed.py",  # 29
+    "test_benchmarks.py",  # 24
     "test_engines.py",  # 13
-    "test_reward_models.py",  # 13
-    "test_trackers.py",  # 10
-    "test_security.py",  # 9
+    "test_generation.py",  # 13
+    "test_security.py",  # 11
+    "test_grpo_parity.py",  # 11
+    "test_demo_chains.py",  # 10
+    "test_diagnostics.py",  # 9
+    "test_demo_data.py",  # 9
 ]
 
 
