@@ -165,7 +165,9 @@ CASES = {
         # An empty box is no box to math-verify (its patterns need a character inside): the answer line is read.
         ("empty-box-then-answer-line", "72", "I'll put the result in \\boxed{}.\nThe answer is 72."),
         ("blank-box-then-answer-line", "72", "\\boxed{ }\nAnswer: 72"),
+        # An empty box after the answer is its last box: no answer, to math-verify as here.
         ("empty-box-after-the-answer", "72", r"\boxed{72}, then \boxed{}"),
+        ("empty-box-a-line-after-the-answer", "72", "The total is \\boxed{72}.\nWrite the answer in \\boxed{}."),
     ],
     # Without a box or an answer phrase ending the completion there is no answer: math-verify falls back to the last
     # number or formula anywhere in the text, which a policy learns to game.

@@ -40,7 +40,7 @@ from transformers import GenerationConfig
 
 from ._compat import is_vllm_available, pad, vllm_generation_class
 from .vllm_fields import VLLM_DEFAULTS, VLLM_OPTIONS
-from .vllm_sync import check_policy_adapter_active, check_policy_only, policy_only
+from .vllm_sync import check_policy_adapter_active, check_policy_only, check_tied_head_unadapted, policy_only
 
 ModelProvider = Callable[[], contextlib.AbstractContextManager[nn.Module]]
 """A zero-argument callable returning a context manager that yields the causal LM to generate with."""
@@ -1134,6 +1134,7 @@ def build_engine(
 
             accelerator = Accelerator()
         check_policy_only(policy)  # before vLLM loads anything
+        check_tied_head_unadapted(policy)
         inherited = model_generation_settings(settings.sampling, policy)
         if inherited:  # GRPOTrainer's vLLM ignores them too; generate() and the other engines apply or refuse them
             logging.getLogger(__name__).warning(

@@ -373,7 +373,8 @@ class RewardScorer:
         was cut off while thinking, and commits to no answer).
 
         `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
-        start first and run concurrently with each other and with the synchronous ones, as GRPOTrainer runs them.
+        start first and run concurrently with each other and with the synchronous ones (GRPOTrainer starts them after
+        the synchronous ones end, then runs them concurrently with each other).
         A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
         rows, messages = self._as_messages(rows, completions)
