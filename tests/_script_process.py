@@ -5,7 +5,8 @@ reliability tests start a dozen runs. Here each run is a process forked from one
 "forkserver": a single-threaded interpreter started once per test worker, which imported `_train_script` and all it
 imports). The child is a process like any other: its own PID, its own file
 locks and signal handlers, killed by SIGKILL like one; only the imports are shared. A run on several ranks forks one
-process per rank with the environment torchrun gives its workers (`run_ranks`). What tests a launcher itself
+process per rank with the environment torchrun gives its workers (`run_ranks`); `run_code` runs a `python -c` script
+so (the README's blocks, a script that starts a process group or reads its environment at import). What tests a launcher itself
 (`torchrun` in test_rewards.py, `trl-vapo train` and `accelerate launch` in test_cli.py) still starts a fresh
 interpreter.
 """
