@@ -6,9 +6,9 @@ reliability tests start a dozen runs. Here each run is a process forked from one
 imports). The child is a process like any other: its own PID, its own file
 locks and signal handlers, killed by SIGKILL like one; only the imports are shared. A run on several ranks forks one
 process per rank with the environment torchrun gives its workers (`run_ranks`); `run_code` runs a `python -c` script
-so (the README's blocks, a script that starts a process group or reads its environment at import). What tests a launcher itself
-(`torchrun` in test_rewards.py, `trl-vapo train` and `accelerate launch` in test_cli.py) still starts a fresh
-interpreter.
+so (the README's blocks, a script that starts a process group or reads its environment at import). What tests a
+launcher itself (`torchrun` in test_rewards.py, `trl-vapo train` and `accelerate launch` in test_cli.py) still starts
+a fresh interpreter.
 """
 
 from __future__ import annotations
