@@ -295,7 +295,7 @@ def test_the_command_logs_at_info_without_each_hub_request(monkeypatch):
 
 def test_the_held_out_reports_description_names_the_runs_sampling_settings():
     """The report samples with the run's top_k, min_p and repetition_penalty (`_held_out_report`); the card said
-    temperature 1.0 and top_p 1.0 alone."""
+    temperature 1.0 and top_p 1.0 alone. A checkpoint chosen on the report's split is said to be."""
     from types import SimpleNamespace
 
     from trl_vapo.cli import _model_card_info
@@ -309,6 +309,13 @@ def test_the_held_out_reports_description_names_the_runs_sampling_settings():
     plain = SimpleNamespace(top_k=0, min_p=None, repetition_penalty=1.0, trust_remote_code=False)
     described = _model_card_info(script, scores, scores, demo=False, args=plain)["held_out"]["description"]
     assert "temperature 1.0 and top_p 1.0 for avg@k" in described and "--num_prompts 8`" in described
+    assert "chosen" not in described
+    # The checkpoint chosen by evaluations on the split the report draws its problems from: said so.
+    chose = SimpleNamespace(**vars(plain), load_best_model_at_end=True, eval_strategy="steps")
+    described = _model_card_info(script, scores, scores, demo=False, args=chose)["held_out"]["description"]
+    assert described.endswith(
+        "was chosen by evaluations on the same split (load_best_model_at_end), so the scores after it read high"
+    )
 
 
 def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):

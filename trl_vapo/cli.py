@@ -772,6 +772,12 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
             "description": f"{before['num_problems']} problems of {split}, {script_args.eval_k} samples each at "
             f"temperature 1.0 and top_p 1.0{run} for avg@k ({again}), greedy for pass@1",
         }
+        chosen = getattr(args, "load_best_model_at_end", False) and getattr(args, "eval_strategy", "no") != "no"
+        if chosen:  # the evaluations during training read the same split, the report's problems among them
+            info["held_out"]["description"] += (
+                "; the checkpoint scored after was chosen by evaluations on the same split (load_best_model_at_end), "
+                "so the scores after it read high"
+            )
     return info
 
 
