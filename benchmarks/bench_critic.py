@@ -154,7 +154,8 @@ class Probe(TrainerCallback):
         ids, attention = rollout.input_ids, rollout.attention_mask
         exact = OracleValue(self.tokenizer)(ids, attention, ids.shape[1] - rollout.prompt_length)
         self.records.append(probe_stats(rollout.old_values, rollout.returns, rollout.loss_mask, first_wrong, exact))
-        control.should_training_stop = len(self.records) == self.last
+        if len(self.records) == self.last:
+            control.should_training_stop = True
         return control
 
 

@@ -201,8 +201,10 @@ QUICK = {  # the smoke test: every arm on chains, VAPO and GRPO on the demo, tin
     "reporting_seeds": [0],
     "decisive_seeds": [0],
     "value_pretrain_steps": 1,
-    # Chains' completions cut to 48 of their 160 tokens (generation is most of the smoke test's time; a slip still
-    # falls within them), the demo's kept whole: cut, its GRPO run never answers and never reaches its final accuracy.
+    # Chains' completions cut to 48 of their 160 tokens (generation is most of the smoke test's time): every one is cut
+    # before its answer (62-141 tokens), so the chains runs train on constant rewards (a slip still falls within them,
+    # for the credit statistics; at 80 tokens some answer, at 9 s more). The demo's are kept whole: its runs carry the
+    # rewards (cut, its GRPO run never answers and never reaches its final accuracy).
     "max_completion_length": {"chains": 48},
 }
 

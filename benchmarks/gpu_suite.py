@@ -268,7 +268,7 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> dict:
     """``pytest -m cuda`` on the files that hold the CUDA tests; each test's outcome from the JUnit report. Without a
-    GPU (``--smoke``) every one is skipped: the collection and the report are what the smoke run checks."""
+    GPU (``--smoke``) every one is skipped (the default suite runs this command on a stand-in file instead)."""
     import importlib.util
 
     junit, stream = out / "cuda-tests.xml", out / "cuda-tests.jsonl"

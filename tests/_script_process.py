@@ -123,7 +123,9 @@ def run_code(
 ) -> subprocess.CompletedProcess:
     """`python -c CODE ARGV` in `cwd` to its end (`env` added to the environment), as `subprocess.run(...,
     capture_output=True, text=True)` returns it: the code runs as written, in a process of its own, without a fresh
-    interpreter's imports."""
+    interpreter's imports. What differs from one: `env` comes after the server's imports (huggingface_hub,
+    transformers and datasets read theirs at import: the server's, the test worker's, offline as conftest.py sets
+    it), this folder is on `sys.path`, and the process ends with `os._exit` (no `atexit` handlers)."""
     process = ScriptProcess(list(argv), env=env, code=code, cwd=str(cwd))
     try:
         stdout, stderr = process.communicate(timeout)

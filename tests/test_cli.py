@@ -833,9 +833,11 @@ UNREACHABLE_HUB = [
 ]
 
 # Runs `trl-vapo train` once per case in one process: it imports what the command imports once, then forks one
-# child per case, whose stdout and stderr go to that case's own files. What the
-# imports print lands in this process's stderr, which every case counts with its own: the lines of each case are
-# exactly those a separate `trl-vapo train` process would print, at one process start instead of one per case.
+# child per case, whose stdout and stderr go to that case's own files. What the imports print lands in this process's
+# stderr, which every case counts with its own: the lines of each case are exactly those a separate `trl-vapo train`
+# process would print, at one process start instead of one per case. (The offline cases' driver is forked from the
+# tests' server, which imported all this already: the unreachable-hub cases, in a fresh interpreter, count the
+# imports' output.)
 _BAD_INPUT_DRIVER = """
 import json, logging, os, sys
 import trl_vapo  # first, as the `trl-vapo` command imports it (it quiets bitsandbytes' notice on CPUs)
@@ -984,7 +986,8 @@ def test_offline_demo_in_reduced_mode_learns(tmp_path, capsys):
             str(out),
             # The optimizer steps are most of its time (a value-pretraining rollout's 4 cost about what 4 RL steps
             # do): one pretraining rollout, then 3 RL rollouts of 4 policy-and-critic and 12 critic-only steps each
-            # (held-out avg@2 0.42 -> 0.80 on a 2-core runner, 2026-11-30; with 5 and 4 rollouts: 0.81, 7 s longer).
+            # (held-out avg@2 0.42 -> 0.80 on 64 prompts on a 2-core runner, 2026-11-30; with 5 and 4 rollouts: 0.81,
+            # 7 s longer).
             # The report on 32 prompts (its two passes were 5 s of 64; the gap it checks is 0.1).
             "--value_pretrain_steps",
             "1",

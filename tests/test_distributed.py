@@ -349,13 +349,13 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir):
+def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir, tmp_path):
     """accelerate's FSDP2 mixed precision for `mixed_precision: bf16` casts a sharded model's outputs to bf16: the
     actor-critic's log-probs and values came back rounded (the PPO ratio in steps of 3% near log-prob -4.6), its value
     head computing in bf16 besides. Kept as computed (`keep_fsdp2_outputs_as_computed`, which the trainer calls before
     sharding anything) and the head computing in float32 (`Float32Linear`), they are float32 and not bf16's values,
     while the weights still compute in bf16. One process of gloo on the CPU, sharded as accelerate shards it."""
-    proc = run_code(FSDP2_BF16_FORWARD, str(tiny_model_dir), cwd=tiny_model_dir, timeout=120)  # a process group
+    proc = run_code(FSDP2_BF16_FORWARD, str(tiny_model_dir), cwd=tmp_path, timeout=120)  # a process group
     assert proc.returncode == 0, proc.stderr[-3000:]
     outputs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outputs["accelerate's"] == {k: ["torch.bfloat16", True] for k in ("logprobs", "entropy", "values")}

@@ -302,17 +302,20 @@ def test_eval_takes_the_training_engine_flags(tmp_path, capsys, monkeypatch):
     assert "pip install vllm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module", ["lm_head", "embed_tokens"])
 @pytest.mark.parametrize("adapted", ["target_modules", "modules_to_save"])
 def test_vllm_with_an_adapter_on_a_head_tied_to_the_embeddings_is_refused(
-    tiny_model_dir, tmp_path, stand_in_vllm, adapted
+    tiny_model_dir, tmp_path, stand_in_vllm, adapted, module
 ):
     """The tiny model ties its head to its embeddings (as Qwen2.5 up to 3B and Llama-3.2 do): vLLM builds that head
-    from the embeddings, which the sync pushes unmerged, so an adapter on the head never reached vLLM's sampling."""
-    on_head = {"target_modules": ["q_proj", "v_proj", "lm_head"]} if adapted == "target_modules" else {}
-    on_head |= {"modules_to_save": ["lm_head"]} if adapted == "modules_to_save" else {}
-    peft_config = LoraConfig(r=4, lora_alpha=8, **{"target_modules": ["q_proj", "v_proj"], **on_head})
+    from the embeddings, which the sync pushes once, unmerged, so an adapter on the head never reached vLLM's
+    sampling; one on the embeddings became vLLM's head too, where the trainer's stayed as it was."""
+    on_side = {"target_modules": ["q_proj", "v_proj", module]} if adapted == "target_modules" else {}
+    on_side |= {"modules_to_save": [module]} if adapted == "modules_to_save" else {}
+    peft_config = LoraConfig(r=4, lora_alpha=8, **{"target_modules": ["q_proj", "v_proj"], **on_side})
     args = make_args(tmp_path, use_vllm=True, vllm_mode="colocate")
-    with pytest.raises(ValueError, match="adapter on the LM head of a model whose head is tied to its embeddings"):
+    side = "LM head" if module == "lm_head" else "input embeddings"
+    with pytest.raises(ValueError, match=f"adapter on the {side} of a model whose LM head is tied to its embeddings"):
         VAPOTrainer(
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,

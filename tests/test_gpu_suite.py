@@ -273,6 +273,17 @@ def test_every_test_file_with_cuda_tests_is_one_the_gpu_run_runs():
         for node in ast.walk(ast.parse((ROOT / path).read_text()))
         if isinstance(node, ast.FunctionDef) and has_cuda_tests(node)
     )
+    # A test that takes `device` runs its CPU case in the default suite: marked `cuda` besides, that case would leave
+    # it (`-m cuda` selects the CUDA case alone, through the fixture's mark).
+    both = [
+        node.name
+        for path in gpu_suite.CUDA_TEST_FILES
+        for node in ast.walk(ast.parse((ROOT / path).read_text()))
+        if isinstance(node, ast.FunctionDef)
+        and any(arg.arg == "device" for arg in node.args.args)
+        and any("cuda" in ast.unparse(decorator) for decorator in node.decorator_list)
+    ]
+    assert not both, both
     kinds = ["bf16", "gradient_checkpointing", "logprobs", "continuous_batching", "fsdp2_on_one_gpu", "qlora"]
     kinds += [
         "greedy_completions_and_logprobs_equal_generate",

@@ -364,7 +364,10 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"generation_kwargs": {"max_tokens": 64}}, "Set max_completion_length instead"),
         # k samples per request: k x N completions for N rows, refused by the reward check or a torch.cat later.
         ({"generation_kwargs": {"num_return_sequences": 2}}, "generation_kwargs sets num_return_sequences: each "),
-        ({"use_vllm": True, "generation_kwargs": {"n": 4}}, "sets n: .* Set num_generations \\(k\\) instead"),
+        (
+            {"use_vllm": True, "generation_kwargs": {"n": 4}},
+            "sets n: .* Set num_generations \\(k, num_samples\\) instead",
+        ),
         ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be a whole number >= 1"),
         # A number field holding another kind: failed later, in a comparison's TypeError or where it indexes.
         ({"learning_rate": "1e-6"}, r"learning_rate must be a number, got '1e-6' \(a str\)"),

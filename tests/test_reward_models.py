@@ -589,7 +589,7 @@ dist.destroy_process_group()
 """
 
 
-def test_a_reward_model_under_fsdp2_scores_on_one_process(reward_model_dir):
+def test_a_reward_model_under_fsdp2_scores_on_one_process(reward_model_dir, tmp_path):
     """FSDP2 on one process (a user with one GPU and an FSDP config) gathers the reward model's weights into buffers
     it keeps across calls, and reads their version counters: a reward call under `torch.inference_mode()` made those
     buffers inference tensors and raised "Inference tensors do not track version counter" (first GPU run, issue 43).
@@ -599,7 +599,7 @@ def test_a_reward_model_under_fsdp2_scores_on_one_process(reward_model_dir):
 
     from _script_process import run_code
 
-    proc = run_code(FSDP2_ONE_PROCESS, str(reward_model_dir), cwd=reward_model_dir, timeout=120)  # a process group
+    proc = run_code(FSDP2_ONE_PROCESS, str(reward_model_dir), cwd=tmp_path, timeout=120)  # a process group
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)

@@ -342,6 +342,15 @@ def ends_on_stop_string(text: str, last_token_start: int, stop_strings: Sequence
     return any(s in text and text.rfind(s) + len(s) > last_token_start for s in stop_strings)
 
 
+def stop_string_contexts(prompt_ids: Sequence[list[int]], stop_strings: Sequence[str]) -> list[list[int]]:
+    """Each prompt's last tokens, as many as a stop string has characters and 8 more: all of the prompt a stop string
+    that ends in the completion can begin in (a token decodes to a character or more; the margin keeps the cut's own
+    rendering, a partial character or a word's leading space, away from it), where decoding each whole prompt per
+    row would cost as much as the prompts are long."""
+    longest = max(map(len, stop_strings)) + 8
+    return [list(prompt[-longest:]) for prompt in prompt_ids]
+
+
 def untruncate_stop_string_ends(
     output: GenerationOutput, tokenizer, stop_strings: Sequence[str], prompt_ids: Sequence[list[int]] | None = None
 ) -> None:
@@ -491,11 +500,12 @@ class TransformersGenerate(GenerationEngine):
                 # string is matched as generate() matched it, over the prompt and the completion: one that begins in
                 # the prompt (`"\n\n"` after a prompt ending in `"\n"`) stopped the row too.
                 decode = self.tokenizer.decode
+                tails = stop_string_contexts(prompt_ids, strings)
                 padded = [
                     len(row) > 1
                     and row[-1] == self.pad_token_id
-                    and ends_on_stop_string(decode(prompt + row[:-1]), len(decode(prompt + row[:-2])), strings)
-                    for prompt, row in zip(prompt_ids, output.completion_lists())
+                    and ends_on_stop_string(decode(tail + row[:-1]), len(decode(tail + row[:-2])), strings)
+                    for tail, row in zip(tails, output.completion_lists())
                 ]
                 if any(padded):
                     ends = output.lengths - torch.tensor(padded, dtype=output.lengths.dtype)
@@ -503,7 +513,7 @@ class TransformersGenerate(GenerationEngine):
                     output = cut_at_stop(
                         ids, self.stop_token_ids, self.pad_token_id, valid, logprobs, sampling.max_new_tokens
                     )
-            untruncate_stop_string_ends(output, self.tokenizer, strings, prompt_ids)
+            untruncate_stop_string_ends(output, self.tokenizer, strings, stop_string_contexts(prompt_ids, strings))
         return output
 
     def _generate_chunk(self, model, prompt_ids, config, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -977,6 +987,9 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     silently ignore (repetition penalty, `stop_strings`), and `generation_kwargs` the engine's sampler has no field
     for are refused.
     """
+    problem = generation_kwargs_problem(settings.sampling.generation_kwargs)  # (`trl-vapo eval`: before loading)
+    if problem:
+        raise ValueError(problem)
     if settings.engine == "vllm":
         asked = settings.quantization_config
         dequantized = asked.get("dequantize") if isinstance(asked, dict) else getattr(asked, "dequantize", False)
@@ -1025,7 +1038,8 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
         return (
             f"generation_kwargs sets {', '.join(budget)}: the completions' token budget is max_completion_length "
             "(evaluate_policy's max_new_tokens), which also tells a completion cut by the budget from one that ended "
-            "(mask_truncated_completions, completions/clipped_ratio). Set max_completion_length instead."
+            "(mask_truncated_completions, completions/clipped_ratio). Set max_completion_length (max_new_tokens) "
+            "instead."
         )
     if "max_time" in generation_kwargs:
         return (
@@ -1039,8 +1053,8 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
     if samples:
         return (
             f"generation_kwargs sets {', '.join(samples)}: each prompt's completions are num_generations "
-            "(evaluation's k), one request per completion, which the batches and the groups are counted in. Set "
-            "num_generations (k) instead."
+            "(trl-vapo eval's k, sample_completions' num_samples), one request per completion, which the batches and "
+            "the groups are counted in. Set num_generations (k, num_samples) instead."
         )
     return None
 

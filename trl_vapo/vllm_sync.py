@@ -29,17 +29,23 @@ def check_tied_head_unadapted(model: nn.Module) -> None:
     """vLLM builds a tied LM head from the embeddings it receives: an adapter on the head (LoRA on `lm_head`, or its
     trained copy in `modules_to_save`) would never reach it. The sync pushes the tensor the two share once, under the
     embeddings' name, unmerged (and vLLM skips an `lm_head.` weight of a tied model), so vLLM would sample from the
-    untrained head while the trainer scores with the trained one."""
+    untrained head while the trainer scores with the trained one; an adapter on the embeddings, pushed, would become
+    vLLM's head too, where the trainer's stays as it was."""
     config = getattr(model, "config", None)
     tied = config is not None and getattr(config.get_text_config(), "tie_word_embeddings", False)
-    head = model.get_output_embeddings() if tied and hasattr(model, "get_output_embeddings") else None
-    if head is not None and (hasattr(head, "base_layer") or hasattr(head, "modules_to_save")):
-        raise ValueError(
-            f"use_vllm=True with an adapter on the LM head of a model whose head is tied to its embeddings "
-            f"({type(_base_model(model)).__name__}, tie_word_embeddings=True): vLLM builds that head from the "
-            "embeddings and would never receive the adapter's change, sampling from the untrained head. Leave "
-            "`lm_head` out of target_modules and modules_to_save, or generate with transformers (use_vllm=False)."
-        )
+    if not tied or not hasattr(model, "get_output_embeddings"):
+        return
+    for side, module in (
+        ("LM head", model.get_output_embeddings()),
+        ("input embeddings", model.get_input_embeddings()),
+    ):
+        if hasattr(module, "base_layer") or hasattr(module, "modules_to_save"):
+            raise ValueError(
+                f"use_vllm=True with an adapter on the {side} of a model whose LM head is tied to its embeddings "
+                f"({type(_base_model(model)).__name__}, tie_word_embeddings=True): vLLM builds one from the other "
+                "and would sample from weights the trainer does not score with. Leave `lm_head` and `embed_tokens` "
+                "out of target_modules and modules_to_save, or generate with transformers (use_vllm=False)."
+            )
 
 
 def _base_model(model: nn.Module) -> nn.Module:
