@@ -361,7 +361,7 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
             {"generation_kwargs": {"max_new_tokens": 64}},
             "generation_kwargs sets max_new_tokens: the completions' token",
         ),
-        ({"generation_kwargs": {"max_tokens": 64}}, "Set max_completion_length instead"),
+        ({"generation_kwargs": {"max_tokens": 64}}, r"Set max_completion_length \(max_new_tokens\) instead"),
         # k samples per request: k x N completions for N rows, refused by the reward check or a torch.cat later.
         ({"generation_kwargs": {"num_return_sequences": 2}}, "generation_kwargs sets num_return_sequences: each "),
         (
