@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .modeling import POLICY_ADAPTER
+from .modeling import POLICY_ADAPTER, _causal_lm
 
 
 def check_policy_only(model: nn.Module) -> None:
@@ -42,15 +42,10 @@ def check_tied_head_unadapted(model: nn.Module) -> None:
         if hasattr(module, "base_layer") or hasattr(module, "modules_to_save"):
             raise ValueError(
                 f"use_vllm=True with an adapter on the {side} of a model whose LM head is tied to its embeddings "
-                f"({type(_base_model(model)).__name__}, tie_word_embeddings=True): vLLM builds one from the other "
+                f"({type(_causal_lm(model)).__name__}, tie_word_embeddings=True): vLLM builds one from the other "
                 "and would sample from weights the trainer does not score with. Leave `lm_head` and `embed_tokens` "
                 "out of target_modules and modules_to_save, or generate with transformers (use_vllm=False)."
             )
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
 
 
 def check_policy_adapter_active(model: nn.Module) -> None:
