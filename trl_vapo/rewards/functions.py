@@ -98,10 +98,14 @@ class MathReward:
         # Whether math-verify could parse a gold answer: skips a worker round trip for unanswered completions.
         self._gold_parses: OrderedDict[str, bool] = OrderedDict()
         self._timed_out: OrderedDict[tuple[str, str | None], bool] = OrderedDict()
+        # Golds that compared with a plain number within the deadline: their overruns are the predictions' doing.
+        self._gold_compares: OrderedDict[str, bool] = OrderedDict()
+        self._overrunning_golds: set[str] = set()  # golds judged unusable for overrunning (their warning differs)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        del state["_warned_golds"], state["_gold_parses"], state["_timed_out"]
+        for name in ("_warned_golds", "_gold_parses", "_timed_out", "_gold_compares", "_overrunning_golds"):
+            del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -149,6 +153,11 @@ class MathReward:
         Identical pairs are verified once, plain numbers never leave the process (:func:`fast_verdict`), and a pair
         that once overran the deadline is scored ``False`` without being retried (a policy that found a power tower
         tends to repeat it, and each retry would cost a full deadline and a worker restart).
+
+        A gold whose comparison overruns the first time is compared once with ``0``: a gold that overruns that too
+        (``9^{9^{9^{9}}}``, ``(10^{10})!``: math-verify evaluates it in every comparison) is unusable like a gold
+        that does not parse, ``None`` from then on, this call's rows included; otherwise each of its predictions would
+        cost a deadline and a worker restart and score ``False``, correct ones too.
         """
         return self._score(gold_answers, predicted_answers)[0]
 
@@ -178,15 +187,34 @@ class MathReward:
         if to_verify:
             keys = list(to_verify)
             results, timed_out = self.pool.verify_with_timeouts(keys, timeout=self.timeout)
+            overran: set[str] = set()
             for k, (key, verdict) in enumerate(zip(keys, results, strict=True)):
                 if k in timed_out:
                     _remember(self._timed_out, key, True, 4096)
                     timeouts += len(to_verify[key])
+                    overran.add(key[0])
                 else:
                     _remember(self._gold_parses, key[0], verdict is not None, 65536)
                 for i in to_verify[key]:
                     verdicts[i] = verdict
+            for gold in self._golds_that_overrun(overran):
+                _remember(self._gold_parses, gold, False, 65536)
+                self._overrunning_golds.add(gold)
+                verdicts = [None if g == gold else v for g, v in zip(gold_answers, verdicts, strict=True)]
         return verdicts, timeouts
+
+    def _golds_that_overrun(self, golds: set[str]) -> list[str]:
+        """Of golds whose comparison just overran, those that overrun against ``0`` too (see :meth:`verdicts`); each
+        gold is tried once, a plain number never (:func:`fast_verdict` compares it with anything in-process)."""
+        golds = [g for g in golds if g not in self._gold_compares and parse_plain_number(g) is None]
+        if not golds:
+            return []
+        probes = [(gold, "0") for gold in golds]
+        _, timed_out = self.pool.verify_with_timeouts(probes, timeout=self.timeout)
+        for k, gold in enumerate(golds):
+            if k not in timed_out:
+                _remember(self._gold_compares, gold, True, 65536)
+        return [gold for k, gold in enumerate(golds) if k in timed_out]
 
     def __call__(self, completions: list, **kwargs: Any) -> list[float | None]:
         """Score ``completions`` against the gold column; ``None`` only where the gold answer cannot be parsed.
@@ -207,9 +235,9 @@ class MathReward:
         ]
         verdicts, timeouts = self._score(gold_answers, predicted)
         rewards: list[float | None] = []
-        for gold, verdict in zip(golds, verdicts, strict=True):
+        for gold, normalized, verdict in zip(golds, gold_answers, verdicts, strict=True):
             if verdict is None:
-                self._warn_bad_gold(gold)
+                self._warn_bad_gold(gold, normalized in self._overrunning_golds)
                 rewards.append(None)
             else:
                 rewards.append(self.correct_reward if verdict else self.incorrect_reward)
@@ -223,12 +251,23 @@ class MathReward:
             log_metric(f"{self.__name__}/timeout_rate", timeouts / len(completions))
         return rewards
 
-    def _warn_bad_gold(self, gold: Any) -> None:
+    def _warn_bad_gold(self, gold: Any, overruns: bool = False) -> None:
         key = repr(gold)[:500]
         if key in self._warned_golds or len(self._warned_golds) >= 10000:
             return
         self._warned_golds.add(key)
-        logger.warning("%s: cannot parse the gold answer %s; these samples get no reward (None)", self.__name__, key)
+        if overruns:
+            logger.warning(
+                "%s: math-verify cannot compare the gold answer %s with 0 within the %g s deadline, so no answer can "
+                "be scored against it; these samples get no reward (None)",
+                self.__name__,
+                key,
+                self.timeout,
+            )
+        else:
+            logger.warning(
+                "%s: cannot parse the gold answer %s; these samples get no reward (None)", self.__name__, key
+            )
 
 
 def _remember(cache: OrderedDict, key: Any, value: Any, max_size: int) -> None:
