@@ -1575,6 +1575,24 @@ def test_eval_with_vllm_samples_with_the_seed_it_is_given(tiny_model_dir, stand_
     assert seeds and set(seeds[: len(seeds) // 2]) == {3} and set(seeds[len(seeds) // 2 :]) == {4}
 
 
+def test_eval_with_colocated_vllm_refuses_a_seed_for_several_samples(
+    tiny_model_dir, stand_in_vllm, monkeypatch, capsys
+):
+    """Colocated vLLM makes each of a prompt's k copies one request, each sampled with `generation_kwargs`' seed: the
+    k samples were identical (pass@k = avg@k). Refused before loading; one sample a prompt may be seeded. vLLM's
+    stand-in (vLLM cannot be installed here) counts the engines built. A trainer's engine refuses it at sampling
+    (evaluation's per-call kwargs never meet the config): `test_trainer_evaluate`."""
+    from helpers import StandInVLLMGeneration
+
+    built, init = [], StandInVLLMGeneration._init_vllm
+    monkeypatch.setattr(StandInVLLMGeneration, "_init_vllm", lambda self: init(self) or built.append(self))
+    flags = ["--use_vllm", "true", "--num_prompts", "1", "--max_new_tokens", "1", "--generation_kwargs", '{"seed": 3}']
+    assert main(["eval", "--model", str(tiny_model_dir), "--k", "2", *flags]) == 2
+    assert "generation_kwargs sets a seed, with colocated vLLM: each of a prompt's 2 copies" in capsys.readouterr().err
+    assert not built
+    assert main(["eval", "--model", str(tiny_model_dir), "--k", "1", *flags]) == 0 and built
+
+
 def test_eval_with_vllm_samples_from_the_weights_it_evaluates(tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch):
     """vLLM loads the checkpoint by name, an adapter folder's base: `trl-vapo eval --use_vllm` pushed no weights to
     it and scored the base model as the adapter. The engine is synced once before sampling: vLLM's stand-in (vLLM

@@ -345,6 +345,25 @@ def test_the_held_out_report_before_training_samples_on_every_process_with_vllm(
     assert not sampled
 
 
+def test_colocated_vllm_refuses_a_seed_for_a_prompts_copies(tiny_model_dir, tmp_path, stand_in_vllm):
+    """`evaluate_policy` with the trainer's colocated vLLM engine and a `seed` in its `generation_kwargs` (which the
+    config never sees): each of a prompt's k copies is one request sampled with that seed, identical samples. The
+    engine refuses it (vLLM's stand-in: vLLM cannot run here)."""
+    from trl_vapo.evaluation import evaluate_policy
+
+    args = eval_args(tmp_path, max_steps=1, use_vllm=True, vllm_mode="colocate")
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    policy, tokenizer, engine = trainer.actor_critic.policy, trainer.processing_class, trainer.generation_engine
+    with pytest.raises(ValueError, match="sets a seed, with colocated vLLM: each of a prompt's 2 copies"):
+        evaluate_policy(
+            policy, tokenizer, prompts_dataset(1), digit_fraction, k=2, engine=engine, generation_kwargs={"seed": 3}
+        )
+    assert evaluate_policy(
+        policy, tokenizer, prompts_dataset(1), digit_fraction, k=1, max_new_tokens=2, engine=engine,
+        generation_kwargs={"seed": 3},
+    ).num_problems == 1  # fmt: skip
+
+
 def test_no_scheduled_evaluation_runs_during_value_pretraining(tiny_model_dir, tmp_path):
     """The policy does not change while the critic pretrains: evaluating it then read the initial policy again and
     again, and `EarlyStoppingCallback` compared that noise, which could end the run before its first update. And

@@ -1427,13 +1427,20 @@ def eval_command(argv: list[str]) -> int:
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
     if args.output_json and Path(args.output_json).is_dir():
         raise UsageError(f"--output_json {args.output_json} is a folder: name a file")
-    from .generation import EngineSettings, build_engine, check_engine_available
+    from .generation import EngineSettings, build_engine, check_engine_available, colocated_vllm_seed_problem
 
     try:
         engine_settings = EngineSettings.from_eval_args(args)
         check_engine_available(engine_settings)
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
+    seeded = (
+        args.use_vllm
+        and args.vllm_mode == "colocate"
+        and colocated_vllm_seed_problem(engine_settings.sampling.generation_kwargs, args.k)
+    )
+    if seeded:
+        raise UsageError(seeded)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config, uses_deepspeed
 from .field_checks import check_number_fields, number_list
-from .generation import generation_kwargs_problem
+from .generation import colocated_vllm_seed_problem, generation_kwargs_problem
 from .grpo_fields import GRPO_LOSS_TYPES, GRPO_ONLY, GRPO_SURROGATE_LOSS_TYPES, grpo_only_field
 from .pretrained import with_dtype_named
 from .vllm_fields import VLLMOptions
@@ -1062,13 +1062,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         generation = self.generation_kwargs or {}
         owned = generation_kwargs_problem(generation)
         require(owned is None, owned or "")
-        require(
-            not (self.use_vllm and self.vllm_mode == "colocate" and "seed" in generation),
-            "generation_kwargs sets a seed, with colocated vLLM: each copy of a prompt is one request, each sampled "
-            "with that seed, so every group's completions would be identical (no advantage to learn from). Leave it "
-            "out: the trainer seeds each process (`seed`).",
-        )
         evaluated_copies = (self.num_generations_eval or self.num_generations) if self.eval_strategy != "no" else 1
+        if self.use_vllm and self.vllm_mode == "colocate":
+            seeded = colocated_vllm_seed_problem(generation, max(self.num_generations, evaluated_copies))
+            require(seeded is None, seeded or "")
         require(
             not (
                 self.use_vllm

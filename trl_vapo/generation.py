@@ -769,6 +769,10 @@ class VLLMEngine(GenerationEngine):
         return self._context_length
 
     def _generate(self, prompt_ids, sampling, num_generations):
+        if getattr(self.vllm_generation, "mode", None) == "colocate":  # (evaluation's per-call kwargs meet it here)
+            problem = colocated_vllm_seed_problem(sampling.generation_kwargs, num_generations)
+            if problem:
+                raise ValueError(problem)
         _apply_sampling(self.vllm_generation, sampling, self.stop_token_ids)
         _, completion_ids, logprobs, _ = self.vllm_generation.generate(
             prompts=prompt_ids, images=None, num_generations=num_generations
@@ -1055,6 +1059,18 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
             f"generation_kwargs sets {', '.join(samples)}: each prompt's completions are num_generations "
             "(trl-vapo eval's k, sample_completions' num_samples), one request per completion, which the batches and "
             "the groups are counted in. Set num_generations (k, num_samples) instead."
+        )
+    return None
+
+
+def colocated_vllm_seed_problem(generation_kwargs: dict[str, Any], copies: int) -> str | None:
+    """Why colocated vLLM may not sample a prompt's `copies` with `generation_kwargs`, or None: a `seed` there. TRL's
+    colocate mode makes each copy a request of its own, each sampled with that seed: the copies are identical."""
+    if copies > 1 and "seed" in generation_kwargs:
+        return (
+            f"generation_kwargs sets a seed, with colocated vLLM: each of a prompt's {copies} copies is one request, "
+            "each sampled with that seed, so they would be identical (a group with no advantage to learn from, pass@k "
+            "equal to avg@k). Leave it out: the trainer seeds each process (`seed`)."
         )
     return None
 
