@@ -259,6 +259,9 @@ def test_a_clock_on_the_rollouts_is_refused_and_another_kv_cache_keeps_generate(
 
     with pytest.raises(ValueError, match="generation_kwargs sets max_time: a completion the clock stops"):
         make_args(tmp_path, generation_kwargs={"max_time": 30.0})
+    for sample in (0, "false", None):  # `generate()` read 0 as greedy where the others sampled
+        with pytest.raises(ValueError, match=rf"generation_kwargs sets do_sample={sample!r}: give true or false"):
+            make_args(tmp_path, generation_kwargs={"do_sample": sample})
     for cache, engine in ((None, "static_cache"), ("static", "static_cache"), ("offloaded", "generate")):
         settings = EngineSettings.from_config(make_args(tmp_path, cache_implementation=cache))
         assert settings.placed("cuda", sharded=False).engine == engine

@@ -1036,7 +1036,7 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
     trainer's `max_completion_length`, evaluation's `max_new_tokens`), which also tells a completion cut by the
     budget from one that ended; a clock, whose cut reads as an end; several completions a request, which the
     batches, the groups and the prompts they are scored against are counted without (each prompt's completions are
-    `num_generations`, evaluation's `k`: one request each)."""
+    `num_generations`, evaluation's `k`: one request each). And a `do_sample` that is not a bool."""
     budget = sorted(set(generation_kwargs) & {"max_new_tokens", "max_length", "max_tokens"})
     if budget:
         return (
@@ -1050,6 +1050,12 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
             "generation_kwargs sets max_time: a completion the clock stops would count as one that ended (it is cut "
             "short of max_completion_length without a stop token), so mask_truncated_completions would train on it "
             "and completions/clipped_ratio miss it. Bound the completions with max_completion_length instead."
+        )
+    sample = generation_kwargs.get("do_sample", True)
+    if not isinstance(sample, bool):  # the engines read `is False` (greedy), transformers' generate() truthiness
+        return (
+            f"generation_kwargs sets do_sample={sample!r}: give true or false (the engines would disagree on whether "
+            f"{sample!r} samples)."
         )
     samples = sorted(
         k for k in set(generation_kwargs) & {"num_return_sequences", "n", "best_of"} if generation_kwargs[k] != 1

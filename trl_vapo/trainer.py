@@ -568,7 +568,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        """Per-side schedules (`trl_vapo.optim.side_schedules`): the actor's starts with its first update."""
+        """Per-side schedules (`trl_vapo.optim.side_schedules`): the actor's starts with its first update. Their
+        lengths come from the run plan (`run_plan`: value pretraining's steps, then the RL steps), not from
+        `num_training_steps`, transformers' one total, which is not read."""
         if self.lr_scheduler is None:
             plan = self.run_plan
             self.lr_scheduler = side_schedules(
