@@ -634,21 +634,20 @@ def test_batch_with_hangs_keeps_order_and_repeats_are_not_retried():
 def test_a_gold_that_overruns_every_comparison_scores_nothing(caplog):
     # A gold math-verify evaluates in every comparison made each of its predictions cost a deadline and a worker
     # restart, and scored the right ones -1. A gold that overruns only against some predictions (a power tower the
-    # policy wrote) stays usable: it compares with 0 in time.
+    # policy wrote) compares with 0 in time and stays usable.
     fn = make_math_reward(timeout=1.0, name="overrunning_gold_reward")
     fn.pool.warm_up()
     tower = "9^{9^{9^{9}}}"
     completions = [r"\boxed{42}", rf"\boxed{{{tower}}}", HANGS["power-tower-9"], r"\boxed{7}"]
-    golds = [tower, tower, r"\frac{1}{2}", "7"]
     with caplog.at_level(logging.WARNING, logger="trl_vapo.rewards.functions"):
-        # This call's rows of the gold too: the right answer (row 1) compared by its text alone would be +1.
-        assert fn(completions=completions, answer=golds) == [None, None, -1.0, 1.0]
+        # This call's rows of the gold too: the right answer (row 1), compared by its text alone, would be +1.
+        assert fn(completions=completions, answer=[tower, tower, "x^2+7x", "7"]) == [None, None, -1.0, 1.0]
     assert "cannot compare the gold answer '9^{9^{9^{9}}}' with 0 within the 1 s deadline" in caplog.text
     timeouts = fn.pool.stats["timeouts"]
     start = time.monotonic()
-    later = [r"\boxed{43}", r"\boxed{0.5}"]
-    assert fn(completions=later, answer=[tower, r"\frac{1}{2}"]) == [None, 1.0]
-    assert time.monotonic() - start < 1.0 and fn.pool.stats["timeouts"] == timeouts  # no comparison with the tower
+    assert fn(completions=[r"\boxed{43}"], answer=[tower]) == [None]
+    assert time.monotonic() - start < 0.5 and fn.pool.stats["timeouts"] == timeouts  # not compared again
+    assert fn(completions=[r"\boxed{x(x+7)}"], answer=["x^2+7x"]) == [1.0]
 
 
 def test_caller_alarm_survives(fast_deadline_reward):
