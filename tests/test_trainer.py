@@ -1542,18 +1542,22 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
-    def run(output, resume=None, prompts=64, checked_first=False, lora=None, model=tiny_model_dir, **settings):
+    def run(
+        output, resume=None, prompts=64, checked_first=False, lora=None, model=tiny_model_dir, data=None,
+        rewards=digit_fraction, train=True, **settings,
+    ):  # fmt: skip
         args = make_args(tmp_path / output, max_steps=3, value_pretrain_steps=2, **RESUMABLE, **settings)
         trainer = VAPOTrainer(
             model=str(model),
-            reward_funcs=digit_fraction,
+            reward_funcs=rewards,
             args=args,
-            train_dataset=prompts_dataset(prompts),
+            train_dataset=data or prompts_dataset(prompts),
             peft_config=lora or peft_config,
         )
-        if checked_first:  # as `trl-vapo train` checks the resume before the held-out report and `train`
+        if checked_first or not train:  # as `trl-vapo train` checks the resume before the held-out report and `train`
             trainer.resume_point(resume)
-        trainer.train(resume_from_checkpoint=resume)
+        if train:
+            trainer.train(resume_from_checkpoint=resume)
         return trainer
 
     full = run("full")
@@ -1597,7 +1601,28 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
         other = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         with pytest.raises(ValueError, match=r"policy_adapter: r checkpoint 4, this run 8"):
             run("full", resume=str(checkpoint), lora=other)
-    resumed = run("full", resume=str(checkpoint))
+
+    # Other prompts of the same number (another file, another --system_prompt), other rewards: the saved position
+    # read other prompts without a word. A run may change them on purpose (a curriculum): warned of, not refused.
+    def other_reward(completions, **kwargs):
+        return digit_fraction(completions, **kwargs)
+
+    other_prompts = Dataset.from_list([{"prompt": f"{i}*1=", "answer": str(i)} for i in range(64)])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+        run("full", resume=str(checkpoint), data=other_prompts, train=False)
+        run("full", resume=str(checkpoint), rewards=[digit_fraction, other_reward], train=False)
+    prompts_changed, rewards_changed = (m for m in caplog.messages if "whose run had other inputs" in m)
+    assert "its training prompts differ from this run's" in prompts_changed and "reward" not in prompts_changed
+    assert (
+        "its reward functions were ['digit_fraction'], this run's are ['digit_fraction', 'other_reward']"
+        in (rewards_changed)
+        and "its reward weights were [1.0], this run's are [1.0, 1.0]" in rewards_changed
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+        resumed = run("full", resume=str(checkpoint))
+    assert "other inputs" not in caplog.text
     assert resumed.state.global_step == 7 == resumed.run_plan.max_steps(resumed.progress)  # resumed mid-plan
     # The log file is the resumed run's history: the checkpoint's, then its own (not the abandoned steps besides).
     logged = (tmp_path / "full" / "out" / "vapo_logs.jsonl").read_text().splitlines()

@@ -235,8 +235,8 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def read_marker(path: Path) -> dict:
-    """The completion marker of the checkpoint folder ``path`` (its progress and run fingerprint); a clear error when
-    the folder is not a complete checkpoint."""
+    """The completion marker of the checkpoint folder ``path`` (its progress, run fingerprint and inputs); a clear
+    error when the folder is not a complete checkpoint."""
     marker = Path(path) / COMPLETE_MARKER
     if not marker.is_file():
         raise ValueError(
@@ -611,6 +611,39 @@ def data_order(args, streamed: bool = False) -> str:
     if streamed and args.drop_long_prompts and args.max_prompt_length is not None:
         order += f", its prompts longer than {args.max_prompt_length} tokens dropped (drop_long_prompts)"
     return order
+
+
+def prompts_digest(dataset) -> str | None:
+    """SHA-256 of a data set's prompts in its order (None for a stream, or rows without a `prompt` column): a resume
+    on prompts of the same number but another content (another file, another `--system_prompt` or template) reads
+    the saved position in other prompts."""
+    if not isinstance(dataset, Sized) or not hasattr(dataset, "select_columns"):
+        return None
+    if "prompt" not in (getattr(dataset, "column_names", None) or ()):
+        return None
+    digest = hashlib.sha256()
+    for batch in dataset.select_columns(["prompt"]).iter(batch_size=1024):
+        digest.update(json.dumps(batch["prompt"], sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def changed_inputs(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """How a checkpoint's recorded inputs (`SavingMixin._run_inputs`: the prompts' digest, the reward functions and
+    their weights) differ from this run's; a run may change them on purpose (a curriculum), so they are warned of,
+    not refused. An older checkpoint records none."""
+    if not saved:
+        return []
+    changes = []
+    if None not in (saved.get("prompts_sha256"), current["prompts_sha256"]):
+        if saved["prompts_sha256"] != current["prompts_sha256"]:
+            changes.append(
+                "its training prompts differ from this run's (another data set of the same size, another "
+                "--system_prompt or prompt template): the saved position in the data is an index into its prompts"
+            )
+    for key, what in (("reward_funcs", "reward functions"), ("reward_weights", "reward weights")):
+        if key in saved and saved[key] != current[key]:
+            changes.append(f"its {what} were {saved[key]}, this run's are {current[key]}")
+    return changes
 
 
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -1001,7 +1034,11 @@ class SavingMixin:
         self.accelerator.wait_for_everyone()
         if main:
             # Written last: its presence marks the folder complete.
-            marker = {"progress": dataclasses.asdict(self.progress), "run": self._fingerprint()}
+            marker = {
+                "progress": dataclasses.asdict(self.progress),
+                "run": self._fingerprint(),
+                "inputs": self._run_inputs(),
+            }
             if model_only:
                 marker["model_only"] = True  # `checkpoint_problem`: not one to resume from
             (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
@@ -1019,6 +1056,18 @@ class SavingMixin:
         args = (self.actor_critic, self.args, self.accelerator.num_processes, self.is_deepspeed_enabled)
         base_weights = self.run_record.base_fingerprint
         return run_fingerprint(*args, train_prompts=prompts, base_weights=base_weights, fsdp=self.is_fsdp_enabled)
+
+    def _run_inputs(self) -> dict[str, Any]:
+        """What a checkpoint records of the run's inputs beyond its fingerprint (`changed_inputs` warns of a change
+        on resume): the prompts' digest, taken once per data set, and the reward functions and their weights."""
+        dataset = self.train_dataset
+        if getattr(self, "_prompts_digest", (None, None))[0] is not dataset:
+            self._prompts_digest = (dataset, prompts_digest(dataset))
+        return {
+            "prompts_sha256": self._prompts_digest[1],
+            "reward_funcs": list(self.reward_func_names),
+            "reward_weights": self.scorer.weights.tolist(),
+        }
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, dict[str, Any] | None]:
         """The checkpoint `train(resume_from_checkpoint=...)` resumes from (`checkpoint_to_resume`) and its marker,
@@ -1043,6 +1092,9 @@ class SavingMixin:
             )
         marker = read_marker(path)
         check_resumable(path, marker["run"], self._fingerprint())
+        changes = changed_inputs(marker.get("inputs"), self._run_inputs()) if self.accelerator.is_main_process else []
+        if changes:
+            logger.warning(f"Resuming from {path.name}, whose run had other inputs: " + "; ".join(changes) + ".")
         siblings = [c.name for c in list_checkpoints(path.parent)]  # oldest first
         newer = siblings[siblings.index(path.name) + 1 :] if path.name in siblings else []
         newer = [name for name in newer if checkpoint_problem(path.parent / name) is None]  # (True skips the others)
