@@ -194,6 +194,29 @@ def sharded(model) -> bool:
     return model is not None and all(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in model.parameters())
 
 
+def report_held_out(trainer, prompts_count: int, path: Path) -> None:
+    """`trl-vapo train`'s held-out report on the first `prompts_count` prompts, k=2: this process's answer (None but
+    on the main one) and the prompts it sampled, in `path`."""
+    from types import SimpleNamespace
+
+    import trl_vapo.evaluation as evaluation
+    from trl_vapo.cli import _held_out_report
+
+    sampled, sample = [], evaluation.sample_completions
+
+    def counted(model, tokenizer, prompts, **kwargs):
+        sampled.extend(prompts)
+        return sample(model, tokenizer, prompts, **kwargs)
+
+    evaluation.sample_completions = counted
+    try:
+        held_out = prompts().select(range(prompts_count))
+        report = _held_out_report(trainer, held_out, SimpleNamespace(eval_k=2), trainer.reward_funcs)
+    finally:
+        evaluation.sample_completions = sample
+    path.write_text(json.dumps({"report": report, "sampled": sorted(set(sampled))}))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -360,20 +383,15 @@ def main(argv: list[str] | None = None) -> None:
             return forward(*inputs, **kwargs)
 
         trainer.actor_critic.forward = counted
+    if args.held_out:  # as `trl-vapo train` reports before training: each process samples its share of the prompts
+        report_held_out(trainer, args.held_out, Path(args.output_dir) / f"held_out_before-rank{rank}.json")
     try:
         trainer.train(resume_from_checkpoint=True if args.resume else None)
     except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: exit as `trl-vapo train` does
         trainer.accelerator.end_training()
         raise SystemExit(stopped.exit_code) from None
     if args.held_out:  # as `trl-vapo train` reports after training, on every process
-        from types import SimpleNamespace
-
-        from trl_vapo.cli import _held_out_report
-
-        held_out = prompts().select(range(args.held_out))
-        report = _held_out_report(trainer, held_out, SimpleNamespace(eval_k=2), trainer.reward_funcs)
-        if rank == 0:
-            (Path(args.output_dir) / "held_out.json").write_text(json.dumps(report))
+        report_held_out(trainer, args.held_out, Path(args.output_dir) / f"held_out-rank{rank}.json")
     if args.save_final:
         if rank == 0 or not args.save_on_main_only:  # (a script's `if trainer.accelerator.is_main_process:`)
             trainer.save_model(str(Path(args.output_dir) / "final"))

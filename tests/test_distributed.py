@@ -161,7 +161,9 @@ def assert_same_training(run: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory) -> Path:
-    return train(tiny_model_dir, tmp_path_factory.mktemp("plain"), 0, "--save-final", "--save-steps", "100")
+    return train(
+        tiny_model_dir, tmp_path_factory.mktemp("plain"), 0, "--save-final", "--save-steps", "100", "--held-out", "4"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +256,17 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     # to the length limit and so in step, would not meet).
     assert steps["generate_synced"]
     assert steps["reward_model_sharded"] == [True]
-    assert json.loads((run / "held_out.json").read_text())["num_problems"] == 4
+    # After training every process samples every prompt (the sharded forward needs them all); before, while each
+    # holds the whole policy, each its share (the main process sampled them all while the others waited at the first
+    # collective, under its timeout), joined: the plain run's report where it is deterministic (greedy pass@1).
+    after = [json.loads((run / f"held_out-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert after[0]["report"]["num_problems"] == 4 and after[1]["report"] is None
+    assert after[0]["sampled"] == after[1]["sampled"] and len(after[0]["sampled"]) == 4
+    before = [json.loads((run / f"held_out_before-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [len(b["sampled"]) for b in before] == [2, 2] and not set(before[0]["sampled"]) & set(before[1]["sampled"])
+    plain = json.loads((reference / "held_out_before-rank0.json").read_text())
+    assert len(plain["sampled"]) == 4 and before[0]["report"]["num_problems"] == 4 and before[1]["report"] is None
+    assert before[0]["report"]["pass@1"] == plain["report"]["pass@1"]
     logged = map(json.loads, (run / "logs-rank0.jsonl").read_text().splitlines())
     evaluated = [h["step"] for h in logged if "eval_loss" in h]
     assert evaluated == [5, 8]  # eval_steps=4: step 4 ends mid-rollout, evaluated at its end

@@ -995,9 +995,11 @@ def _resolve_rewards(names: list[str], max_completion_length: int | None = None)
 
 def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None:
     """avg@k, pass@k and the greedy pass@1 of the trainer's policy on `dataset`, on the main process (None on the
-    others). Every process evaluates the same prompts once training has placed the models, and always with vLLM:
-    under FSDP2 and ZeRO-3 the policy (and a reward model) are sharded, and their forward needs every process; a vLLM
-    server gathers every process's requests; the main process alone waited there for the others forever."""
+    others). With several processes each samples its share of the prompts where it holds the whole policy (the main
+    process sampling them all, the others waited at training's first collective, whose timeout a long report
+    overran). Every process evaluates the same prompts once training has placed FSDP2- or ZeRO-3-sharded models
+    (their forward needs every process), and always with vLLM (a server gathers every process's requests; a
+    tensor-parallel group samples together)."""
     if dataset is None:
         return None
     from .evaluation import evaluate_policy, random_state_kept
@@ -1008,10 +1010,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
     # A transformers engine of its own, batched as evaluation batches; left to the default, chosen as training's is
     sharded = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
     engine = EngineSettings.from_config(args).placed(trainer.accelerator.device.type, sharded, trainer.model)
-    # vLLM's calls are collectives too (a server's requests gather every process's prompts; a tensor-parallel group
-    # samples together): every process takes part, placed or not.
-    if not placed and not main and not engine.holds_own_weights:
-        return None
+    shared = not engine.holds_own_weights and not (placed and sharded)  # each process its share of the prompts
     if engine.holds_own_weights:  # vLLM's copy of the policy: the trainer's engine, synced with it
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
@@ -1039,6 +1038,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
             positive_reward_funcs=args.positive_reward_funcs,
             trainer_state=trainer.state,
             generation_kwargs=args.generation_kwargs,
+            accelerator=trainer.accelerator if shared else None,
         )
     return result.as_dict() if main else None
 

@@ -179,8 +179,13 @@ def evaluate_policy(
     positive_reward_funcs: list[str] | None = None,
     trainer_state: TrainerState | None = None,
     generation_kwargs: dict | None = None,
+    accelerator=None,
 ) -> EvaluationResult:
     """pass@1 (greedy), avg@k and pass@k of `model` on `dataset` (a `prompt` column plus what the rewards read).
+
+    `accelerator`: with several processes, each samples and scores its share of the prompts (every n-th) and the
+    result, the same on every process, covers them all: only where each process holds the whole policy and samples
+    alone (not with vLLM, whose calls are collectives, nor with weights FSDP2 or ZeRO-3 sharded).
 
     `engine` picks how to sample (see `Engine`); one engine serves both the sampled and the greedy pass.
     `chat_template_kwargs`: the chat template's keyword arguments, as in training (`VAPOConfig.chat_template_kwargs`).
@@ -203,6 +208,10 @@ def evaluate_policy(
     scorer = RewardScorer(
         reward_funcs, reward_weights, is_conversational({"prompt": prompts[0]}), positive_reward_funcs
     )
+    shared = accelerator is not None and accelerator.num_processes > 1
+    if shared:  # this process's share (none where there are fewer prompts than processes)
+        rows = rows[accelerator.process_index :: accelerator.num_processes]
+        prompts = prompts[accelerator.process_index :: accelerator.num_processes]
 
     # Outside training: step 0 of 1, as in the check before training (a reward schedule divides by max_steps).
     state = trainer_state or TrainerState(max_steps=1)
@@ -218,51 +227,85 @@ def evaluate_policy(
         hits = scores.is_correct(positive_reward_threshold).float().view(len(rows), group)
         return hits, scores.judged.view(len(rows), group)
 
-    generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
-    settings = dict(
-        max_new_tokens=max_new_tokens,
-        max_prompt_length=max_prompt_length,
-        repetition_penalty=repetition_penalty,
-        batch_size=batch_size,
-        chat_template_kwargs=chat_template_kwargs,
-        generation_kwargs=generation_kwargs,
-        return_ids=True,
-    )
-    sampled, lengths, sampled_ids, sampled_prompts = sample_completions(
-        model,
-        tokenizer,
-        prompts,
-        num_samples=k,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        engine=generator,
-        **settings,
-    )
-    # What no reward function scored (None: a problem without a usable reference answer) is left out of every
-    # estimate, as training's accuracy leaves it out, rather than counted wrong.
-    hits, scored = correct(sampled, sampled_ids, sampled_prompts, k)
-    problems = scored.any(dim=1)
-    pass_at_1 = float("nan")
-    if greedy:
-        greedy_completions, _, greedy_ids, greedy_prompts = sample_completions(
-            model, tokenizer, prompts, temperature=0.0, engine=generator, **settings
+    outcomes = ProblemOutcomes(k)
+    if rows:
+        generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
+        settings = dict(
+            max_new_tokens=max_new_tokens,
+            max_prompt_length=max_prompt_length,
+            repetition_penalty=repetition_penalty,
+            batch_size=batch_size,
+            chat_template_kwargs=chat_template_kwargs,
+            generation_kwargs=generation_kwargs,
+            return_ids=True,
         )
-        greedy_hits, greedy_scored = correct(greedy_completions, greedy_ids, greedy_prompts, 1)
-        pass_at_1 = greedy_hits[greedy_scored].mean().item()
-    # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
-    # problem with one sample scored of k counted k times less).
-    shares = (hits * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
-    return EvaluationResult(
-        pass_at_1=pass_at_1,
-        avg_at_k=shares[problems].mean().item(),
-        pass_at_k=hits.max(dim=1).values[problems].mean().item(),
-        k=k,
-        num_problems=int(problems.sum()),
-        mean_length=sum(lengths) / len(lengths),
-        num_unscored=len(rows) - int(problems.sum()),
-    )
+        sampled, lengths, sampled_ids, sampled_prompts = sample_completions(
+            model,
+            tokenizer,
+            prompts,
+            num_samples=k,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            engine=generator,
+            **settings,
+        )
+        hits, scored = correct(sampled, sampled_ids, sampled_prompts, k)
+        outcomes.hits, outcomes.scored, outcomes.lengths = hits.tolist(), scored.tolist(), lengths
+        if greedy:
+            greedy_completions, _, greedy_ids, greedy_prompts = sample_completions(
+                model, tokenizer, prompts, temperature=0.0, engine=generator, **settings
+            )
+            greedy_hits, greedy_scored = correct(greedy_completions, greedy_ids, greedy_prompts, 1)
+            outcomes.greedy_hits = greedy_hits.view(-1).tolist()
+            outcomes.greedy_scored = greedy_scored.view(-1).tolist()
+    if shared:
+        from accelerate.utils import gather_object
+
+        outcomes = ProblemOutcomes.joined(k, gather_object([outcomes]))
+    return outcomes.result(greedy)
+
+
+@dataclass
+class ProblemOutcomes:
+    """What `evaluate_policy` summarises, per problem: each sample's hit and whether it was scored, the greedy
+    answer's, and every sample's length. Several processes' shares join into the whole set's."""
+
+    k: int
+    hits: list[list[float]] = dataclasses.field(default_factory=list)  # [problems][k], 1.0 where correct
+    scored: list[list[bool]] = dataclasses.field(default_factory=list)  # [problems][k], a judging reward scored it
+    lengths: list[int] = dataclasses.field(default_factory=list)  # every sample's, in tokens
+    greedy_hits: list[float] = dataclasses.field(default_factory=list)  # [problems]; empty without a greedy pass
+    greedy_scored: list[bool] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def joined(cls, k: int, shares: Sequence[ProblemOutcomes]) -> ProblemOutcomes:
+        fields = ("hits", "scored", "lengths", "greedy_hits", "greedy_scored")
+        return cls(k, *(list(itertools.chain.from_iterable(getattr(s, name) for s in shares)) for name in fields))
+
+    def result(self, greedy: bool) -> EvaluationResult:
+        # What no reward function scored (None: a problem without a usable reference answer) is left out of every
+        # estimate, as training's accuracy leaves it out, rather than counted wrong.
+        hits = torch.tensor(self.hits, dtype=torch.float32).view(-1, self.k)
+        scored = torch.tensor(self.scored, dtype=torch.bool).view(-1, self.k)
+        problems = scored.any(dim=1)
+        pass_at_1 = float("nan")
+        if greedy:
+            greedy_hits = torch.tensor(self.greedy_hits, dtype=torch.float32)
+            pass_at_1 = greedy_hits[torch.tensor(self.greedy_scored, dtype=torch.bool)].mean().item()
+        # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
+        # problem with one sample scored of k counted k times less).
+        shares = (hits * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
+        return EvaluationResult(
+            pass_at_1=pass_at_1,
+            avg_at_k=shares[problems].mean().item(),
+            pass_at_k=hits.max(dim=1).values[problems].mean().item(),
+            k=self.k,
+            num_problems=int(problems.sum()),
+            mean_length=sum(self.lengths) / len(self.lengths),
+            num_unscored=len(hits) - int(problems.sum()),
+        )
 
 
 class EvaluationMixin:
