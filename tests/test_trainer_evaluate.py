@@ -320,7 +320,8 @@ def test_the_held_out_report_before_training_samples_on_every_process_with_vllm(
     calls are collectives (a server gathers every process's requests; a tensor-parallel group samples together), the
     main process waited for them forever, and its weight push left the others' record of it behind. Here one process
     and the vLLM stand-in (vLLM cannot run here, nor its collectives): the report as a process other than the main one
-    makes it. Without vLLM such a process leaves it to the main one."""
+    makes it. Without vLLM such a process samples its share of the prompts (all of them, as the only process:
+    `test_distributed`'s FSDP2 run splits them between two) and leaves the result to the main one."""
     from types import SimpleNamespace
 
     from accelerate import Accelerator
@@ -339,10 +340,14 @@ def test_the_held_out_report_before_training_samples_on_every_process_with_vllm(
     plain = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, eval_args(tmp_path / "plain", max_steps=1), prompts_dataset()
     )
-    sampled = []
-    monkeypatch.setattr(type(plain.generation_engine), "generate", lambda *a, **k: sampled.append(1))
+    sampled, generate = [], type(plain.generation_engine).generate
+    monkeypatch.setattr(
+        type(plain.generation_engine),
+        "generate",
+        lambda self, prompts, **k: sampled.append(len(prompts)) or generate(self, prompts, **k),
+    )
     assert _held_out_report(plain, prompts_dataset(2), SimpleNamespace(eval_k=2), plain.reward_funcs) is None
-    assert not sampled
+    assert sampled == [4, 2]  # 2 prompts x k=2, then greedy
 
 
 def test_colocated_vllm_refuses_a_seed_for_a_prompts_copies(tiny_model_dir, tmp_path, stand_in_vllm):
