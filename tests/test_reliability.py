@@ -1311,7 +1311,7 @@ def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints
 
 
 def test_a_checkpoint_a_stop_left_whole_before_its_renames_is_published_and_resumed_from(
-    two_checkpoints, tiny_model_dir, tmp_path, caplog
+    two_checkpoints, tiny_model_dir, tmp_path, caplog, monkeypatch
 ):
     """A stop while `publish` flushed a written checkpoint to the disk, before its renames (Slurm's SIGKILL after the
     grace time, another rank's timeout), left it whole as `.tmp`, and the next run removed it as debris: the work
@@ -1357,6 +1357,36 @@ def test_a_checkpoint_a_stop_left_whole_before_its_renames_is_published_and_resu
         trainer.train(resume_from_checkpoint=True)
     assert "Published checkpoint-2, which a stopped run wrote whole." in caplog.text
     assert trainer.state.global_step == 2 and not rollouts  # resumed at step 2: nothing left to train
+
+    # The run's only checkpoint left so: before the lock there is none (`trl-vapo train --resume_from_checkpoint true`
+    # refused the run, "no complete checkpoint"); the lock publishes it and `train` resumes from it.
+    from trl_vapo.cli import UsageError, _check_resume
+
+    third = tmp_path / "three"
+    shutil.copytree(two_checkpoints, third / "out")
+    shutil.rmtree(third / "out" / "checkpoint-1")
+    (third / "out" / "checkpoint-2").rename(third / "out" / ".checkpoint-2.host-1.tmp")
+    _check_resume(str(third / "out"), True)
+    args = config(third, save_strategy="steps", save_steps=1)
+    import fcntl
+
+    def no_locks(fd, operation):  # a file system without locks: nothing is published, the run is not a fresh one
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(fcntl, "flock", no_locks)
+        unlocked = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32))
+        assert unlocked.resume_point(True) == (None, None)
+        with pytest.raises(ValueError, match="resume_from_checkpoint=True but no complete checkpoint"):
+            unlocked.train(resume_from_checkpoint=True)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32))
+    assert trainer.resume_point(True) == (None, None)
+    with trainer.holding_output_dir():
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 2 and (third / "out" / "checkpoint-2" / "vapo_state.json").is_file()
+    shutil.rmtree(third / "out" / "checkpoint-2")  # nothing to resume, nothing to publish: the error, before loading
+    with pytest.raises(UsageError, match="resume_from_checkpoint=True but no complete checkpoint"):
+        _check_resume(str(third / "out"), True)
 
 
 def test_an_empty_model_card_leaves_a_checkpoint_whole(two_checkpoints, tmp_path):

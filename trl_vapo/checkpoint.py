@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -105,18 +106,9 @@ def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str], 
     whole goes in place instead: a `.tmp` whose record was written and whose every file reads (stopped while
     `publish` flushed it to the disk, before its renames), else an `.old` that a stop between `publish`'s two renames
     left without its replacement. Returns the names removed, those restored (`.old`) and those published (`.tmp`)."""
-    # `(\..+)?`: the run's name; folders of trl-vapo before per-run names have none
-    pattern = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old)$")
-    found = [p for p in Path(output_dir).glob(".*") if p.is_dir() and pattern.match(p.name)]
-    # Each folder's `.tmp` before its `.old`: the newer write, when whole, replaces the one it was replacing.
-    found.sort(key=lambda p: (pattern.match(p.name)[1], pattern.match(p.name)[3] != "tmp", p.name))
     removed, restored, published = [], [], []
-    for folder in found:
-        name, _, kind = pattern.match(folder.name).groups()
+    for folder, name, kind, whole in _debris(output_dir):
         final = Path(output_dir) / name
-        # Each folder's record, written last: a folder half removed may have lost it.
-        record = COMPLETE_MARKER if name.startswith(CHECKPOINT_PREFIX) else VALUE_PRETRAINING_FILE
-        whole = name != "save_model" and folder.is_dir() and (folder / record).is_file()
         if kind == "tmp" and whole and _publishable(folder, name):
             publish(folder, final)  # over a folder of the same step too: the one it was written to replace
             published.append(final.name)
@@ -129,6 +121,35 @@ def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str], 
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder.name)
     return sorted(removed), restored, published
+
+
+_DEBRIS = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old)$")
+r"""A half-written folder's name: `(\..+)?` is the run's name (folders of trl-vapo before per-run names have none)."""
+
+
+def _debris(output_dir: str | os.PathLike) -> list[tuple[Path, str, str, bool]]:
+    """The half-written folders in `output_dir` (`remove_debris`), each `(folder, final name, "tmp" or "old", whether
+    its record was written)`, each folder's `.tmp` before its `.old`: the newer write, when whole, replaces the one it
+    was replacing."""
+    found = [p for p in Path(output_dir).glob(".*") if p.is_dir() and _DEBRIS.match(p.name)]
+    found.sort(key=lambda p: (_DEBRIS.match(p.name)[1], _DEBRIS.match(p.name)[3] != "tmp", p.name))
+    debris = []
+    for folder in found:
+        name, _, kind = _DEBRIS.match(folder.name).groups()
+        # Each folder's record, written last: a folder half removed may have lost it.
+        record = COMPLETE_MARKER if name.startswith(CHECKPOINT_PREFIX) else VALUE_PRETRAINING_FILE
+        debris.append((folder, name, kind, name != "save_model" and (folder / record).is_file()))
+    return debris
+
+
+def checkpoints_to_publish(output_dir: str | os.PathLike) -> list[str]:
+    """The checkpoints a stop left whole before their renames, which `remove_debris` publishes once the run holds
+    `output_dir` (in the meantime no checkpoint of that name may be there)."""
+    return [
+        name
+        for folder, name, kind, whole in _debris(output_dir)
+        if kind == "tmp" and whole and name.startswith(CHECKPOINT_PREFIX) and _publishable(folder, name)
+    ]
 
 
 def _publishable(folder: Path, name: str) -> bool:
@@ -269,16 +290,26 @@ def resume_request(resume_from_checkpoint: str | bool | None) -> str | bool | No
     return None if value is False else value
 
 
-def resolve_resume(output_dir: str | os.PathLike, request: str | bool | None, warn: bool = True) -> str | None:
+def resolve_resume(
+    output_dir: str | os.PathLike, request: str | bool | None, warn: bool = True, before_lock: bool = False
+) -> str | None:
     """The checkpoint a `resume_request` answer names in `output_dir`: a path as given; for True the newest one that
-    reads (`warn`: name each damaged newer one); for None none. A ValueError where there is none to take, or where a
-    fresh run (None) would share `output_dir` with an earlier run's checkpoints (`earlier_checkpoints_refusal`).
+    reads (`warn`: name each damaged newer one), or, `before_lock` (the run does not hold `output_dir` yet), None
+    where there is none yet but one a stop left whole before its renames (`checkpoints_to_publish`, which taking the
+    lock publishes: `SavingMixin.resume_point` looks again then); for None none. A ValueError where there is none
+    to take, or where a fresh run (None) would share `output_dir` with an earlier run's checkpoints
+    (`earlier_checkpoints_refusal`).
     `RESUME_IF_ANY` is True where `output_dir` holds a complete checkpoint (damaged ones too: they are named, not
     started over), else None."""
     if request == RESUME_IF_ANY:
         request = True if list_checkpoints(output_dir) else None
     if request is True:
-        return str(newest_resumable_checkpoint(output_dir, warn))
+        try:
+            return str(newest_resumable_checkpoint(output_dir, warn))
+        except ValueError:
+            if before_lock and checkpoints_to_publish(output_dir):
+                return None
+            raise
     if request is None:
         if refused := earlier_checkpoints_refusal(output_dir):
             raise ValueError(refused)
@@ -698,7 +729,11 @@ class SavingMixin:
         resume_from_checkpoint = resume_request(resume_from_checkpoint)
         if resume_from_checkpoint not in (True, None, RESUME_IF_ANY):  # a path
             return resume_from_checkpoint
-        return decided_on_main(lambda: resolve_resume(self.args.output_dir, resume_from_checkpoint), self.accelerator)
+        before_lock = not getattr(self, "_holding_output_dir", False)
+        resolve = functools.partial(
+            resolve_resume, self.args.output_dir, resume_from_checkpoint, before_lock=before_lock
+        )
+        return decided_on_main(resolve, self.accelerator)
 
     def _save_pretrained_critic(self) -> None:
         """Save the critic where `value_model=<output_dir>/value_pretrained_critic` finds it in a later run."""
@@ -1078,7 +1113,8 @@ class SavingMixin:
             return self._resume_point[1]  # its warnings said once
         path = self.checkpoint_to_resume(request)
         point = (None, None) if path is None else (path, self._checked_marker(Path(path)))
-        self._resume_point = (request, point)
+        if request is not True or path is not None:  # (True without a path: one to publish first; `train` looks again)
+            self._resume_point = (request, point)
         return point
 
     def _checked_marker(self, path: Path) -> dict[str, Any]:

@@ -465,7 +465,8 @@ def _check_resume(output_dir: str, resume: str | bool | None) -> None:
 
     try:
         if resume in (True, None, RESUME_IF_ANY):
-            resolve_resume(output_dir, resume, warn=False)  # the trainer names the damaged checkpoints it passes over
+            # (the trainer names the damaged checkpoints it passes over, and publishes one a stop left whole)
+            resolve_resume(output_dir, resume, warn=False, before_lock=True)
         elif not Path(resume).is_dir():
             raise ValueError(
                 f"--resume_from_checkpoint {resume}: no such folder; name a checkpoint folder, or pass true (or "
