@@ -1517,7 +1517,8 @@ def test_a_signal_during_the_evaluation_after_the_loop_stops_with_a_checkpoint(t
         def on_evaluate(self, args, state, control, **kwargs):
             os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, during the evaluation
 
-    args = config(tmp_path, max_steps=2, eval_strategy="epoch", per_device_eval_batch_size=4, num_generations_eval=2)
+    evaluated = dict(per_device_eval_batch_size=4, num_generations_eval=2)
+    args = config(tmp_path, max_steps=2, eval_strategy="epoch", **evaluated)
     trainer = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2), callbacks=[Stop()]
     )
@@ -1525,6 +1526,28 @@ def test_a_signal_during_the_evaluation_after_the_loop_stops_with_a_checkpoint(t
         trainer.train()
     assert any("eval_loss" in h for h in trainer.state.log_history)  # the evaluation ran to its end
     assert [c.name for c in list_checkpoints(tmp_path / "out")] == ["checkpoint-2"]
+    # Resumed, it has nothing left to run: the epoch end is done (evaluated once, not again).
+    resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2))
+    resumed.train(resume_from_checkpoint=True)
+    assert sum("eval_loss" in h for h in resumed.state.log_history) == 1
+
+    # A signal during the last rollout stopped the run before that epoch end, and its resume, at the last step, never
+    # ran it (no evaluation, and no checkpoint from save_strategy="epoch"): it runs when resumed.
+    class StopAtTheEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    args = config(tmp_path / "last", max_steps=2, eval_strategy="epoch", save_strategy="epoch", **evaluated)
+    stopped = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2), callbacks=[StopAtTheEnd()]
+    )
+    with pytest.raises(TrainingInterrupted):
+        stopped.train()
+    assert not any("eval_loss" in h for h in stopped.state.log_history)
+    resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2 and any("eval_loss" in h for h in resumed.state.log_history)
 
 
 def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tiny_model_dir, tmp_path, monkeypatch):

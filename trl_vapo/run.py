@@ -97,12 +97,16 @@ class TrainingProgress:
     # of the entropy (None: none yet, so no bonus applies)
     entropy_coef: float | None = None
     controlled_entropy: float | None = None
+    # The step of the last epoch end (its callbacks, evaluation and checkpoint): a run a stop signal ended at its last
+    # step, before the epoch end after its loop, runs it when resumed. -1: none yet; None: a checkpoint from before it
+    # was recorded.
+    epoch_ended_step: int | None = -1
 
     @classmethod
     def from_dict(cls, saved: dict) -> TrainingProgress:
         # Checkpoints of earlier versions carry fields that no longer exist (the old stop rule's best reading).
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in saved.items() if key in known})
+        return cls(**{"epoch_ended_step": None, **{key: value for key, value in saved.items() if key in known}})
 
     def final_explained_variance(self, window: int | None) -> float:
         """The critic's explained variance at the end of value pretraining: the mean of the last finite readings
