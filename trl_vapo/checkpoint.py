@@ -237,6 +237,11 @@ def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        # A file system that cannot flush a folder (CIFS, some FUSE mounts): its files are flushed, and a failed
+        # flush after the renames failed a checkpoint that was in place (SQLite ignores these errors too).
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
     finally:
         os.close(fd)
 
