@@ -1550,6 +1550,32 @@ def test_a_signal_during_the_evaluation_after_the_loop_stops_with_a_checkpoint(t
     assert resumed.state.global_step == 2 and any("eval_loss" in h for h in resumed.state.log_history)
 
 
+def test_a_stop_signal_logs_the_steps_since_the_last_log_and_ends_the_callbacks_run(tiny_model_dir, tmp_path):
+    """With `logging_steps` > 1, the steps since the last log were dropped by a stop signal (their metrics never
+    reached the history, the checkpoint or the trackers), and `on_train_end` never ran: TensorBoard's writer, which
+    flushes every two minutes, was never closed. transformers' own stop on SIGTERM ends its loop, with both."""
+    from trl_vapo.signals import TrainingInterrupted
+
+    class StopAtStepTwo(TrainerCallback):
+        ended = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            StopAtStepTwo.ended += 1
+
+    args = config(tmp_path, max_steps=4, logging_steps=3, save_strategy="no")
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[StopAtStepTwo()])
+    with pytest.raises(TrainingInterrupted):
+        trainer.train()
+    [logged] = [h for h in trainer.state.log_history if "reward" in h]
+    assert logged["step"] == 2 and StopAtStepTwo.ended == 1
+    saved = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [h["step"] for h in saved["log_history"] if "reward" in h] == [2]
+
+
 def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tiny_model_dir, tmp_path, monkeypatch):
     """`torch_empty_cache_steps`, ignored before (the trainer runs its own loop, not transformers' training step). The
     cache it empties is the GPU allocator's, which this machine has not: the call is counted here, around the real
@@ -1590,6 +1616,16 @@ def test_a_checkpoint_is_on_the_disk_before_it_is_published(tmp_path, monkeypatc
     assert {str(tmp / n) for n in ("model.safetensors", "optimizer.pt", "critic/model.safetensors")} <= before
     assert {str(tmp), str(tmp / "critic")} <= before
     assert (str(tmp_path), True) in synced and final.is_dir()
+
+    def files_only(fd):  # a file system that cannot flush a folder: the checkpoint is published all the same
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", files_only)
+    shutil.copytree(final, tmp)
+    checkpoint.publish(tmp, tmp_path / "checkpoint-4")
+    assert (tmp_path / "checkpoint-4" / "vapo_state.json").is_file() and not tmp.exists()
 
 
 def test_a_full_model_saved_where_an_adapter_was_leaves_no_adapter_to_load_instead(tiny_model_dir, tmp_path):

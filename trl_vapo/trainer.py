@@ -838,9 +838,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._save_if_pending()
 
     def _stop_after_signal(self, signum: signal.Signals) -> None:
-        """A stop signal arrived during the rollout just trained on: write its checkpoint (unless the rollout's end
-        wrote it), say so in one line, and raise `TrainingInterrupted`."""
+        """A stop signal arrived during the rollout just trained on: log the steps since the last log, write the
+        checkpoint (unless the rollout's end wrote it), end the callbacks' run (`on_train_end`: the trackers flush and
+        close their writers), as transformers' own stop on SIGTERM (`enable_jit_checkpoint`) ends its loop, say so in
+        one line, and raise `TrainingInterrupted`."""
+        if any(self._metrics.values()) and self.args.logging_strategy != IntervalStrategy.NO:
+            self._log_metrics(self.progress.phase)  # (lost before: logging_steps=50 and a stop at step 149)
         path, _ = self._checkpoint_now()
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         pushes = getattr(self, "push_in_progress", None)
         failed = [job.exception() for job in (pushes.jobs if pushes else []) if job.exception() is not None]
         upload = (  # said, not only waited for: the stop's one copy on a machine whose disk goes with it
