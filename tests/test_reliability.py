@@ -1740,6 +1740,16 @@ def test_a_resume_from_an_older_checkpoint_warns_of_the_newer_ones(tiny_model_di
             "resume_from_checkpoint=True would take checkpoint-2",
         ):
             assert (said in caplog.text) is not damaged, (said, damaged)
+    # From a copy elsewhere, into the folder that holds checkpoint-2: said all the same (it read the copy's folder).
+    shutil.copytree(two_checkpoints / "checkpoint-1", tmp_path / "copy" / "checkpoint-1")
+    (out / "checkpoint-2" / "trainer_state.json").write_text(
+        (two_checkpoints / "checkpoint-2" / "trainer_state.json").read_text()
+    )
+    caplog.clear()
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=1), prompts_dataset(32))
+    with caplog.at_level(logging.WARNING):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-1"))
+    assert f"while {out} holds newer checkpoints of another course: checkpoint-2" in caplog.text
 
 
 def test_a_resume_with_changed_rates_trains_at_them_and_its_config_says_so(tiny_model_dir, two_checkpoints, tmp_path):

@@ -1136,12 +1136,17 @@ class SavingMixin:
         changes = changed_inputs(marker.get("inputs"), self._run_inputs()) if self.accelerator.is_main_process else []
         if changes:
             logger.warning(f"Resuming from {path.name}, whose run had other inputs: " + "; ".join(changes) + ".")
-        siblings = [c.name for c in list_checkpoints(path.parent)]  # oldest first
-        newer = siblings[siblings.index(path.name) + 1 :] if path.name in siblings else []
-        newer = [name for name in newer if checkpoint_problem(path.parent / name) is None]  # (True skips the others)
-        if newer and self.accelerator.is_main_process:  # e.g. going back before a divergence
+        # The newer ones where this run writes (a resume from a copy elsewhere too), those that read (True skips
+        # the others): e.g. going back before a divergence.
+        output_dir, resumed = Path(self.args.output_dir), _CHECKPOINT_RE.match(path.name)
+        newer = [
+            c.name
+            for c in list_checkpoints(output_dir)
+            if resumed and int(_CHECKPOINT_RE.match(c.name)[1]) > int(resumed[1]) and checkpoint_problem(c) is None
+        ]
+        if newer and self.accelerator.is_main_process:
             logger.warning(
-                f"Resuming from {path.name} while {path.parent} holds newer checkpoints of another course: "
+                f"Resuming from {path.name} while {output_dir} holds newer checkpoints of another course: "
                 f"{', '.join(newer)}. This run writes over each as it reaches its step; until then "
                 f"resume_from_checkpoint=True would take {newer[-1]}: move them aside if that is not wanted."
             )
