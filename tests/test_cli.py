@@ -1312,6 +1312,48 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     assert "was trained on a data set mixture (datasets:); eval scores one data set" in capsys.readouterr().err
 
 
+def test_unreadable_data_and_configs_and_mixture_misuse_are_one_line_errors(tiny_model_dir, tmp_path, capsys):
+    """Tracebacks before: data `datasets` cannot read (its DatasetGenerationError is no ValueError), a config that is
+    not UTF-8 (read before the parser, for its `env:` block), a streamed mixture with a test split (an
+    IterableDataset has no train_test_split); and --dataset_streaming beside a mixture was ignored."""
+    common = ["train", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "1+1?", "answer": "2"}\n{"question": oops\n')
+    assert main([*common, "--dataset_name", str(broken), "--prompt_column", "question"]) == 2
+    assert "broken.jsonl cannot be read as a data set: ArrowInvalid: JSON parse error" in capsys.readouterr().err
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("system_prompt: Réponds\n".encode("latin-1"))
+    assert main([*common, "--config", str(latin)]) == 2
+    assert f"--config {latin} is not UTF-8 text" in capsys.readouterr().err
+    mixture = tmp_path / "mixture.yaml"
+    mixture.write_text("datasets:\n  - path: some/data\n")
+    assert main([*common, "--config", str(mixture), "--dataset_streaming", "true"]) == 2
+    assert "--dataset_streaming load(s) --dataset_name; a `datasets:` mixture" in capsys.readouterr().err
+    mixture.write_text("datasets:\n  - path: some/data\nstreaming: true\ntest_split_size: 0.1\n")
+    assert main([*common, "--config", str(mixture)]) == 2
+    assert "test_split_size cannot split a streamed mixture" in capsys.readouterr().err
+
+
+def test_a_mixtures_test_split_is_the_same_in_every_process_and_resume(jsonl_data):
+    """TRL's `get_dataset` cuts `test_split_size` with a seed drawn from numpy's global generator, which nothing had
+    seeded: each launched process (and each resume) cut its own split, and trained on the others' test rows."""
+    import numpy as np
+    from trl import DatasetMixtureConfig
+
+    from trl_vapo.cli import _mixture_splits
+
+    mixture = DatasetMixtureConfig(
+        datasets=[{"path": "json", "data_files": str(jsonl_data), "split": "train"}], test_split_size=0.25
+    )
+    cuts = []
+    for state in (1, 2):  # what each process's numpy drew before
+        np.random.seed(state)
+        cuts.append(_mixture_splits(mixture, seed=42)["test"]["question"])
+        assert np.random.get_state()[1][0] == np.random.RandomState(state).get_state()[1][0]  # left as it was
+    assert cuts[0] == cuts[1] and len(cuts[0]) == 10
+    assert _mixture_splits(mixture, seed=7)["test"]["question"] != cuts[0]
+
+
 def refuse_model_loads(monkeypatch) -> None:
     """Make loading any model (transformers' `from_pretrained`) fail the test: what must happen before it."""
     from transformers import PreTrainedModel

@@ -284,6 +284,9 @@ def _parse_args_and_config(parser, argv: list[str]):
         *parsed_args, config_remaining, cli_remaining = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
         )
+    except UnicodeDecodeError as error:  # (a ValueError)
+        config_file = argv[argv.index("--config") + 1] if "--config" in argv else "--config"
+        raise UsageError(f"--config {config_file} is not UTF-8 text ({error}): save it as UTF-8") from None
     except ValueError as error:  # the config classes' validation
         raise UsageError(str(error)) from None
     except FileNotFoundError as error:  # --config naming no file
@@ -334,7 +337,7 @@ def _given(argv: list[str]) -> tuple[dict[str, typing.Any], dict[str, typing.Any
 
         try:
             config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
-        except (OSError, yaml.YAMLError):
+        except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8; TrlParser's read says it in a line)
             config = None
         config = config if isinstance(config, dict) or config is None else {}
     return flags, config
@@ -794,7 +797,7 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
         during = build_split("held_out", 64) if evaluates else None
         return str(MODEL_DIR), build_split("train", 4096), during, test
     if mixture is not None and mixture.datasets:
-        return _resolve_mixture(script_args, model_args, mixture, evaluates)
+        return _resolve_mixture(script_args, model_args, mixture, evaluates, training_args.seed)
 
     from .data import BOXED_INSTRUCTION, PRESETS, load_prompt_dataset
 
@@ -833,6 +836,8 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
         tokenizer = _tokenizer_of(model_args.model_name_or_path, model_args, training_args)
         chat = getattr(tokenizer, "chat_template", None) is not None
 
+    from datasets.exceptions import DatasetGenerationError
+
     def load(split):
         import datasets
 
@@ -851,6 +856,8 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
             )
         except (ValueError, FileNotFoundError, ConnectionError) as error:
             raise UsageError(str(error)) from None
+        except DatasetGenerationError as error:  # a line that is not JSON, a column of mixed types, ...
+            raise UsageError(_unreadable_data(script_args.dataset_name, error)) from None
 
     train = load(script_args.dataset_train_split)
     test_split = None
@@ -866,11 +873,47 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
     return _data_sets(model_args.model_name_or_path, train, test_split, evaluates, script_args)
 
 
-def _resolve_mixture(script_args, model_args, mixture, evaluates: bool):
-    """`--datasets` (a `trl grpo` mixture, usually from the YAML config), loaded by TRL's `get_dataset` and used as
-    `trl grpo` uses it: the rows as they are (a `prompt` column), the train and test splits by their names."""
+def _unreadable_data(name: str, error: Exception) -> str:
+    """`datasets`' error for data it could not read, in a line: its message is generic, the cause is in
+    `__cause__` (the file's parser's)."""
+    cause = error.__cause__ or error
+    return f"{name} cannot be read as a data set: {type(cause).__name__}: {' '.join(str(cause).split())[:500]}"
+
+
+def _mixture_splits(mixture, seed: int):
+    """TRL's `get_dataset` of a `datasets:` mixture, its test split (`test_split_size`) drawn with `seed` (numpy's
+    global state restored): `train_test_split` without a seed draws one from numpy's global generator, which nothing
+    seeded yet, so each process, and each resume, cut another split and trained on test rows of the others."""
+    import numpy as np
+    from datasets.exceptions import DatasetGenerationError
     from trl import get_dataset
 
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        return get_dataset(mixture)
+    except (ValueError, FileNotFoundError, ConnectionError) as error:
+        raise UsageError(str(error)) from None
+    except DatasetGenerationError as error:
+        raise UsageError(_unreadable_data("the datasets: mixture", error)) from None
+    finally:
+        np.random.set_state(state)
+
+
+def _resolve_mixture(script_args, model_args, mixture, evaluates: bool, seed: int):
+    """`--datasets` (a `trl grpo` mixture, usually from the YAML config), loaded by TRL's `get_dataset` and used as
+    `trl grpo` uses it: the rows as they are (a `prompt` column), the train and test splits by their names."""
+    if mixture.streaming and mixture.test_split_size is not None:
+        raise UsageError(
+            "test_split_size cannot split a streamed mixture (streaming: true): a stream has no train_test_split. "
+            "Name a test split of each data set instead (`split:`), or stream without a test split"
+        )
+    loading = [f"--{name}" for name in ("dataset_config", "dataset_streaming") if getattr(script_args, name)]
+    if loading:
+        raise UsageError(
+            f"{', '.join(loading)} load(s) --dataset_name; a `datasets:` mixture names each set's config (`name:`) "
+            "and streams with `streaming: true` beside `datasets:`: move it into the mixture, or drop it"
+        )
     if script_args.dataset_name:
         logger.warning("Both `datasets` and `dataset_name` are given: `datasets` is used, as by `trl grpo`.")
     defaults = VAPOScriptArguments()
@@ -881,10 +924,7 @@ def _resolve_mixture(script_args, model_args, mixture, evaluates: bool):
             f"{', '.join(formatting)} format(s) --dataset_name's rows; a `datasets:` mixture's rows are used as "
             "they are, as `trl grpo` uses them (a prompt column): drop the flag(s), or name the data in --dataset_name"
         )
-    try:
-        splits = get_dataset(mixture)
-    except (ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from None
+    splits = _mixture_splits(mixture, seed)
 
     def split(name: str):
         if name not in splits:
