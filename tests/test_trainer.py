@@ -259,7 +259,13 @@ def test_a_saved_adapter_names_its_base_by_absolute_path_and_revision(tiny_model
     assert adapter["base_model_name_or_path"] == str(tiny_model_dir.resolve()) and adapter["revision"] == "main"
 
 
-LAYOUTS = ["lora-on-embeddings", "lora-saving-the-head", "frozen-peft-model-and-a-critic", "reward-model-as-critic"]
+LAYOUTS = [
+    "lora-on-embeddings",
+    "lora-saving-the-head",
+    "lora-on-the-head",
+    "frozen-peft-model-and-a-critic",
+    "reward-model-as-critic",
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -276,6 +282,9 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
         model = str(tiny_model_dir)
     elif layout == "lora-saving-the-head":  # `modules_to_save`: a trainable copy of the LM head, the policy's alone
         kwargs = {"peft_config": LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])}
+        model = str(tiny_model_dir)
+    elif layout == "lora-on-the-head":  # the head's LoRA the policy's alone too
+        kwargs = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "lm_head"])}
         model = str(tiny_model_dir)
     else:
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -299,6 +308,10 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
     for side, params in (("policy", policy), ("critic", critic)):
         assert sorted(id(p) for g in groups if g["name"] == side for p in g["params"]) == sorted(map(id, params))
     names = {id(p): n for n, p in actor_critic.named_parameters()}
+    if layout == "lora-on-the-head":
+        adapted = {n for n in names.values() if "lm_head.lora_" in n}
+        assert adapted and all(n.endswith(".default.weight") for n in adapted), adapted
+        assert any("q_proj.lora_A.critic" in n for n in names.values())
     if layout in ("lora-on-embeddings", "lora-saving-the-head"):  # in a group, and stepped
         marks = ["lora_embedding_A.default", "lora_embedding_B.default", "lora_embedding_B.critic"]
         if layout == "lora-saving-the-head":  # the critic never reads the LM head: a copy of its own would never train

@@ -298,14 +298,17 @@ def add_policy_adapter(policy: nn.Module, peft_config, revision: str | None = No
 
 def _critic_adapter_config(policy) -> Any:
     """The policy adapter's config for the critic's (`second_adapter_config`: initialised without touching the
-    base), without the LM head in `modules_to_save`: the critic reads the backbone's hidden states into its value
-    head and never the LM head, whose trainable copy (a vocabulary x hidden float32 matrix, 2.2 GB at 7B) would never
-    train."""
+    base), without the LM head in `modules_to_save` or in a list of `target_modules`: the critic reads the
+    backbone's hidden states into its value head and never the LM head, whose trainable copy (a vocabulary x hidden
+    float32 matrix, 2.2 GB at 7B) or LoRA (and their Adam state) would never train."""
     config = second_adapter_config(policy.peft_config[POLICY_ADAPTER])
     head = policy.get_output_embeddings()
     head_name = next((name.rsplit(".", 1)[-1] for name, module in policy.named_modules() if module is head), None)
     if config.modules_to_save and head_name in config.modules_to_save:
         config.modules_to_save = [name for name in config.modules_to_save if name != head_name] or None
+    targets = config.target_modules
+    if isinstance(targets, (list, set, tuple)) and head_name in targets and len(targets) > 1:  # (a regex: as given)
+        config.target_modules = type(targets)(name for name in targets if name != head_name)
     return config
 
 
