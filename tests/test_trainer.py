@@ -336,6 +336,23 @@ def test_every_trainable_weight_is_trained_by_exactly_one_side(tiny_model_dir, t
         assert "my-vapo-model" in card and "my-data" in card and not Path("my-vapo-model").exists()
 
 
+def test_layer_replication_replicates_the_layers_once(tiny_model_dir, tmp_path):
+    """peft replicates the layer stack (`layer_replication`) as it adds each adapter, from the stack the first one
+    left: the critic's adapter, then the KL reference's, replicated it again, and layers fell out of the policy."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, target_modules=["q_proj"], layer_replication=[[0, 1], [0, 2]])  # layers 0, 0, 1
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path, beta=0.1), prompts_dataset(), peft_config=config
+    )
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).model.layers
+    layers = trainer.actor_critic.policy.base_model.model.model.layers
+    weights = [layer.self_attn.q_proj.base_layer.weight for layer in layers]
+    assert len(layers) == 3 and weights[0] is weights[1]  # (a second pass: layers 0, 0, 0, the last one dropped)
+    assert torch.equal(weights[2], original[1].self_attn.q_proj.weight)
+    assert {"default", "critic"} <= set(trainer.actor_critic.policy.peft_config)
+
+
 def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_the_policy(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -366,6 +383,42 @@ def test_a_peft_model_with_a_peft_config_is_refused_and_the_critic_attends_as_th
     assert trainer.actor_critic.critic.config._attn_implementation == "eager"  # to_dict drops it: sdpa before
     # The tokenizer's pad id mirrored onto the policy, as GRPOTrainer does: the saved model pads with it.
     assert eager.config.pad_token_id == eager.generation_config.pad_token_id == trainer.processing_class.pad_token_id
+
+
+def test_a_prompt_learning_policy_with_a_critic_of_its_own_trains(tiny_model_dir, tmp_path):
+    """peft's `set_requires_grad` raises a TypeError for prompt-learning adapters: a prompt-tuned PeftModel given as
+    the policy, and a prompt-tuning peft_config with a KL reference (its copy of the adapter, frozen), failed to
+    build. Their prompt encoders are set trainable (or frozen) directly."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    from trl_vapo.tiny import save_tiny_reward_model
+
+    critic = save_tiny_reward_model(tmp_path / "rm")
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    args = make_args(tmp_path, beta=0.1, max_steps=1, learning_rate=1e-2)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        args,
+        prompts_dataset(),
+        value_model=str(critic),
+        peft_config=prompt_tuning,
+    )
+    policy = trainer.actor_critic.policy
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in n or n.endswith(".default") for n in trainable), trainable
+    prompts = {n: p.detach().clone() for n, p in policy.named_parameters() if "prompt_encoder" in n}
+    trainer.train()
+    moved = [n for n, p in policy.named_parameters() if n in prompts and not torch.equal(p, prompts[n])]
+    assert moved and all("default" in n for n in moved), moved  # the policy's prompt trained, the reference's not
+    given = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), prompt_tuning)
+    given.eval()  # frozen, as `PeftModel.from_pretrained` loads one
+    for param in given.parameters():
+        param.requires_grad_(False)
+    trainer = VAPOTrainer(
+        given, digit_fraction, make_args(tmp_path / "given"), prompts_dataset(), value_model=str(critic)
+    )
+    assert any(p.requires_grad for p in trainer.actor_critic.policy.parameters())
 
 
 def test_a_policy_that_device_map_spread_or_offloaded_is_refused_by_name(tiny_model_dir, tmp_path):

@@ -44,6 +44,7 @@ from .modeling import (
     keep_trainable_weights_in_float32,
     rewrites_base,
     second_adapter_config,
+    set_adapters_trainable,
     value_function_name,
     value_pretraining_record,
 )
@@ -283,7 +284,7 @@ def add_policy_adapter(policy: nn.Module, peft_config, revision: str | None = No
                 "save that base model, and pass the base with the new peft_config."
             )
         # `PeftModel.from_pretrained` loads an adapter frozen (is_trainable=False): the policy would train nothing.
-        policy.set_requires_grad(POLICY_ADAPTER, True)
+        set_adapters_trainable(policy, POLICY_ADAPTER, True)
         return policy
     if peft_config is None:
         return policy
@@ -351,7 +352,7 @@ def build_actor_critic(
                 # the base's alone, it read features the policy had moved on from) or the base is a residual
                 # (PiSSA, OLoRA, ...); a new LoRA's B is zero, and the critic's on the untouched base computes alike.
                 copy_adapter_weights(policy, POLICY_ADAPTER, CRITIC_ADAPTER)
-            policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+            set_adapters_trainable(policy, [POLICY_ADAPTER, CRITIC_ADAPTER], True)
             text_config = policy.config.get_text_config()  # a multimodal config keeps its sizes there
             head = ValueHead(head_input_width(policy), getattr(text_config, "initializer_range", 0.02))
             return ActorCritic(policy, value_head=head.to(policy.device)), False
@@ -377,7 +378,7 @@ def build_actor_critic(
             )
         check_only_adapters_train(policy)
         policy.load_adapter(str(path), adapter_name=CRITIC_ADAPTER, is_trainable=True)
-        policy.set_requires_grad([POLICY_ADAPTER, CRITIC_ADAPTER], True)
+        set_adapters_trainable(policy, [POLICY_ADAPTER, CRITIC_ADAPTER], True)
         actor_critic = ActorCritic(policy, value_head=ValueHead(head_input_width(policy)).to(policy.device))
         actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
         return actor_critic, pretrained

@@ -75,13 +75,29 @@ def second_adapter_config(config):
     """A copy of the policy adapter's config for another adapter on the same base (the critic's, the reference's):
     peft initialises an added adapter by its config, and an initialisation that rewrites the base (PiSSA, OLoRA, ...)
     would run again and change the policy under its own trained adapter. The copy initialises as peft's default
-    (B zero): it never touches the base."""
+    (B zero): it never touches the base. Nor does it replicate layers (`layer_replication`): peft replicates the
+    layer stack as it adds each adapter, from the stack the first one left (a second pass over [[0, 16], [8, 24]]
+    of 24 layers dropped layers 16-23 from the policy, its critic and the sampling)."""
     import copy
 
     config = copy.deepcopy(config)
     if rewrites_base(config):
         config.init_lora_weights = True
+    if getattr(config, "layer_replication", None):
+        config.layer_replication = None
     return config
+
+
+def set_adapters_trainable(policy, adapters: str | list[str], trainable: bool) -> None:
+    """peft's `PeftModel.set_requires_grad`, which raises a TypeError for prompt-learning adapters (prompt tuning,
+    prefix tuning, P-tuning): their prompt encoders' weights are set here."""
+    names = [adapters] if isinstance(adapters, str) else list(adapters)
+    if not any(policy.peft_config[name].is_prompt_learning for name in names):
+        policy.set_requires_grad(names, trainable)
+        return
+    for param_name, param in policy.named_parameters():
+        if any(of_adapter(param_name, name) for name in names):
+            param.requires_grad_(trainable)
 
 
 def copy_adapter_weights(model: nn.Module, source: str, target: str) -> None:
@@ -741,7 +757,7 @@ class ActorCritic(nn.Module):
         adds its "ref" adapter."""
         self.policy.add_adapter(REFERENCE_ADAPTER, second_adapter_config(self.policy.peft_config[POLICY_ADAPTER]))
         copy_adapter_weights(self.policy, POLICY_ADAPTER, REFERENCE_ADAPTER)
-        self.policy.set_requires_grad(REFERENCE_ADAPTER, False)
+        set_adapters_trainable(self.policy, REFERENCE_ADAPTER, False)
 
     def _as_reference(self, reference: nn.Module | str):
         """Where the policy computes as `reference` ("base", `REFERENCE_ADAPTER`); nothing for a model of its own."""
