@@ -819,6 +819,8 @@ BAD_INPUT = [
     (["--num_processes", "two"], "--num_processes/--num-processes: invalid int value: 'two' (see `accelerate launch"),
     # Checked before launching: each launched process failed on it, among the launcher's report of their failures.
     (["--num_processes", "2", "--reward_funcs", "no_such_reward"], "no_such_reward"),
+    (["--num_processes", "2", "--dataset_preset", "aime"], "unknown --dataset_preset 'aime'; choose from"),
+    (["--num_processes", "2", "--prompt_format", "json"], "--prompt_format must be auto, chat or text, got 'json'"),
     (["--num_processes", "2", "--resume_from_checkpoint", "gone/checkpoint-3"], "gone/checkpoint-3: no such folder"),
     (["--cpu", "true", "--multi_gpu", "true"], "accelerate launch: You can only use one of `--cpu`, `--multi_gpu`"),
     # The held-out report's numbers: a traceback once the model had loaded (an empty set to score).

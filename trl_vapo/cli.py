@@ -648,6 +648,7 @@ def train_command(argv: list[str]) -> int:
     # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
     mixed = mixture is not None and bool(mixture.datasets)
     _check_held_out_report(script_args, demo)
+    _check_data_flags(script_args)
     if demo:
         _check_no_data_flags(argv)
     # Checked before a launch too: each launched process would fail on the same line, among the launcher's report.
@@ -801,9 +802,8 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
 
     from .data import BOXED_INSTRUCTION, PRESETS, load_prompt_dataset
 
+    _check_data_flags(script_args)
     if script_args.dataset_preset is not None:
-        if script_args.dataset_preset not in PRESETS:
-            raise UsageError(f"unknown --dataset_preset {script_args.dataset_preset!r}; choose from {sorted(PRESETS)}")
         preset = PRESETS[script_args.dataset_preset]
         script_args.dataset_name = script_args.dataset_name or preset.dataset_name
         script_args.dataset_config = script_args.dataset_config or preset.dataset_config
@@ -820,8 +820,6 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
         raise UsageError(
             "--dataset_name (or --dataset_preset) is required with a model (omit both for the offline demo)"
         )
-    if script_args.prompt_format not in ("auto", "chat", "text"):
-        raise UsageError(f"--prompt_format must be auto, chat or text, got {script_args.prompt_format!r}")
     chat = script_args.prompt_format == "chat"
     # A `prompt` column taken as it is, as `trl grpo` takes it: its text is the model's input, no chat template.
     as_trl = script_args.prompt_column == "prompt" and not (
@@ -878,6 +876,16 @@ def _unreadable_data(name: str, error: Exception) -> str:
     `__cause__` (the file's parser's)."""
     cause = error.__cause__ or error
     return f"{name} cannot be read as a data set: {type(cause).__name__}: {' '.join(str(cause).split())[:500]}"
+
+
+def _check_data_flags(script_args) -> None:
+    """The data flags' values that name nothing (checked before a launch: each launched process said it)."""
+    from .data import PRESETS
+
+    if script_args.dataset_preset is not None and script_args.dataset_preset not in PRESETS:
+        raise UsageError(f"unknown --dataset_preset {script_args.dataset_preset!r}; choose from {sorted(PRESETS)}")
+    if script_args.prompt_format not in ("auto", "chat", "text"):
+        raise UsageError(f"--prompt_format must be auto, chat or text, got {script_args.prompt_format!r}")
 
 
 def _mixture_splits(mixture, seed: int):
