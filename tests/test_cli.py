@@ -821,6 +821,7 @@ BAD_INPUT = [
     (["--num_processes", "2", "--reward_funcs", "no_such_reward"], "no_such_reward"),
     (["--num_processes", "2", "--dataset_preset", "aime"], "unknown --dataset_preset 'aime'; choose from"),
     (["--num_processes", "2", "--prompt_format", "json"], "--prompt_format must be auto, chat or text, got 'json'"),
+    (["--num_processes", "2", "--config", "streamed.yaml"], "test_split_size cannot split a streamed mixture"),
     (["--num_processes", "2", "--resume_from_checkpoint", "gone/checkpoint-3"], "gone/checkpoint-3: no such folder"),
     (["--cpu", "true", "--multi_gpu", "true"], "accelerate launch: You can only use one of `--cpu`, `--multi_gpu`"),
     # The held-out report's numbers: a traceback once the model had loaded (an empty set to score).
@@ -880,6 +881,7 @@ def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
         (out / "broken.yaml").write_text("learning_rate: [1\nmax_steps: 2\n")
         (out / "null.yaml").write_text("num_generations: null\n")
         (out / "float.yaml").write_text("num_generations: 8.0\n")
+        (out / "streamed.yaml").write_text("datasets:\n  - path: some/data\nstreaming: true\ntest_split_size: 0.1\n")
         (out / "earlier" / "checkpoint-1").mkdir(parents=True)
         (out / "earlier" / "checkpoint-1" / "vapo_state.json").write_text("{}")
         common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
@@ -1314,7 +1316,9 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     assert "was trained on a data set mixture (datasets:); eval scores one data set" in capsys.readouterr().err
 
 
-def test_unreadable_data_and_configs_and_mixture_misuse_are_one_line_errors(tiny_model_dir, tmp_path, capsys):
+def test_unreadable_data_and_configs_and_mixture_misuse_are_one_line_errors(
+    tiny_model_dir, tmp_path, capsys, stand_in_vllm
+):
     """Tracebacks before: data `datasets` cannot read (its DatasetGenerationError is no ValueError), a config that is
     not UTF-8 (read before the parser, for its `env:` block), a streamed mixture with a test split (an
     IterableDataset has no train_test_split); and --dataset_streaming beside a mixture was ignored."""
@@ -1334,6 +1338,11 @@ def test_unreadable_data_and_configs_and_mixture_misuse_are_one_line_errors(tiny
     mixture.write_text("datasets:\n  - path: some/data\nstreaming: true\ntest_split_size: 0.1\n")
     assert main([*common, "--config", str(mixture)]) == 2
     assert "test_split_size cannot split a streamed mixture" in capsys.readouterr().err
+    # The held-out report's k copies a prompt with colocated vLLM and a seed: identical (one copy a group trains).
+    seeded = ["--use_vllm", "true", "--generation_kwargs", '{"seed": 3}', "--num_generations", "1"]
+    seeded += ["--eval_num_prompts", "2", "--eval_k", "2"]
+    assert main([*common, "--dataset_name", str(broken), *seeded]) == 2
+    assert "each of a prompt's 2 copies is one request" in capsys.readouterr().err
 
 
 def test_a_mixtures_test_split_is_the_same_in_every_process_and_resume(jsonl_data):

@@ -1549,6 +1549,24 @@ def test_a_signal_during_the_evaluation_after_the_loop_stops_with_a_checkpoint(t
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 2 and any("eval_loss" in h for h in resumed.state.log_history)
 
+    # A run that ended whole, its last checkpoint written by the save strategy before that epoch end: its resume has
+    # nothing to run (its record says the epoch end ran).
+    class EpochEnds(TrainerCallback):
+        ends = 0
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            EpochEnds.ends += 1
+
+    args = config(
+        tmp_path / "whole", max_steps=2, eval_strategy="epoch", save_strategy="steps", save_steps=1, **evaluated
+    )
+    VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2)).train()
+    again = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2), callbacks=[EpochEnds()]
+    )
+    again.train(resume_from_checkpoint=True)
+    assert EpochEnds.ends == 0
+
 
 def test_a_stop_signal_logs_the_steps_since_the_last_log_and_ends_the_callbacks_run(tiny_model_dir, tmp_path):
     """With `logging_steps` > 1, the steps since the last log were dropped by a stop signal (their metrics never

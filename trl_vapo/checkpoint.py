@@ -144,7 +144,7 @@ def _debris(output_dir: str | os.PathLike) -> list[tuple[Path, str, str, bool]]:
 
 def checkpoints_to_publish(output_dir: str | os.PathLike) -> list[str]:
     """The checkpoints a stop left whole before their renames, which `remove_debris` publishes once the run holds
-    `output_dir` (in the meantime no checkpoint of that name may be there)."""
+    `output_dir` (over a folder of the same step, if any: the one it was written to replace)."""
     return [
         name
         for folder, name, kind, whole in _debris(output_dir)
@@ -965,6 +965,21 @@ class SavingMixin:
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(final))
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _record_epoch_end(self) -> None:
+        """The epoch end after the loop ran at the step of this run's last checkpoint, written before it (a save
+        strategy's, at the last step): its record says so, or a resume from it would run that epoch end again
+        (`TrainingProgress.epoch_ended_step`: a run a stop signal ended before it runs it)."""
+        if self._checkpoint_step != self.state.global_step or not self.accelerator.is_main_process:
+            return
+        folder = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
+        marker = read_marker(folder)
+        if marker["progress"].get("epoch_ended_step") == self.state.global_step:
+            return
+        marker["progress"]["epoch_ended_step"] = self.state.global_step
+        rewritten = folder / f".{COMPLETE_MARKER}.tmp"
+        rewritten.write_text(json.dumps(marker, indent=2))
+        os.replace(rewritten, folder / COMPLETE_MARKER)
 
     def _rotate_checkpoints(self, newest: Path) -> None:
         """`save_total_limit`'s rotation, keeping `newest` and the best checkpoint, and the checkpoints a Hub upload

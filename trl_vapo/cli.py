@@ -648,7 +648,12 @@ def train_command(argv: list[str]) -> int:
     # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
     mixed = mixture is not None and bool(mixture.datasets)
     _check_held_out_report(script_args, demo)
-    _check_data_flags(script_args)
+    _check_data_flags(script_args, mixture)
+    if training_args.use_vllm and training_args.vllm_mode == "colocate" and script_args.eval_num_prompts:
+        from .generation import colocated_vllm_seed_problem  # (the config checks the training groups' copies)
+
+        if seeded := colocated_vllm_seed_problem(training_args.generation_kwargs or {}, script_args.eval_k):
+            raise UsageError(f"{seeded} (the held-out report samples --eval_k {script_args.eval_k} a prompt)")
     if demo:
         _check_no_data_flags(argv)
     # Checked before a launch too: each launched process would fail on the same line, among the launcher's report.
@@ -878,14 +883,28 @@ def _unreadable_data(name: str, error: Exception) -> str:
     return f"{name} cannot be read as a data set: {type(cause).__name__}: {' '.join(str(cause).split())[:500]}"
 
 
-def _check_data_flags(script_args) -> None:
-    """The data flags' values that name nothing (checked before a launch: each launched process said it)."""
+def _check_data_flags(script_args, mixture=None) -> None:
+    """The data flags' values that name nothing, and with a `datasets:` mixture (`mixture`) those it cannot take
+    (checked before a launch: each launched process said it)."""
     from .data import PRESETS
 
     if script_args.dataset_preset is not None and script_args.dataset_preset not in PRESETS:
         raise UsageError(f"unknown --dataset_preset {script_args.dataset_preset!r}; choose from {sorted(PRESETS)}")
     if script_args.prompt_format not in ("auto", "chat", "text"):
         raise UsageError(f"--prompt_format must be auto, chat or text, got {script_args.prompt_format!r}")
+    if mixture is None or not mixture.datasets:
+        return
+    if mixture.streaming and mixture.test_split_size is not None:
+        raise UsageError(
+            "test_split_size cannot split a streamed mixture (streaming: true): a stream has no train_test_split. "
+            "Name a test split of each data set instead (`split:`), or stream without a test split"
+        )
+    loading = [f"--{name}" for name in ("dataset_config", "dataset_streaming") if getattr(script_args, name)]
+    if loading:
+        raise UsageError(
+            f"{', '.join(loading)} load(s) --dataset_name; a `datasets:` mixture names each set's config (`name:`) "
+            "and streams with `streaming: true` beside `datasets:`: move it into the mixture, or drop it"
+        )
 
 
 def _mixture_splits(mixture, seed: int):
@@ -911,17 +930,7 @@ def _mixture_splits(mixture, seed: int):
 def _resolve_mixture(script_args, model_args, mixture, evaluates: bool, seed: int):
     """`--datasets` (a `trl grpo` mixture, usually from the YAML config), loaded by TRL's `get_dataset` and used as
     `trl grpo` uses it: the rows as they are (a `prompt` column), the train and test splits by their names."""
-    if mixture.streaming and mixture.test_split_size is not None:
-        raise UsageError(
-            "test_split_size cannot split a streamed mixture (streaming: true): a stream has no train_test_split. "
-            "Name a test split of each data set instead (`split:`), or stream without a test split"
-        )
-    loading = [f"--{name}" for name in ("dataset_config", "dataset_streaming") if getattr(script_args, name)]
-    if loading:
-        raise UsageError(
-            f"{', '.join(loading)} load(s) --dataset_name; a `datasets:` mixture names each set's config (`name:`) "
-            "and streams with `streaming: true` beside `datasets:`: move it into the mixture, or drop it"
-        )
+    _check_data_flags(script_args, mixture)
     if script_args.dataset_name:
         logger.warning("Both `datasets` and `dataset_name` are given: `datasets` is used, as by `trl grpo`.")
     defaults = VAPOScriptArguments()

@@ -1076,7 +1076,7 @@ def colocated_vllm_seed_problem(generation_kwargs: dict[str, Any], copies: int) 
         return (
             f"generation_kwargs sets a seed, with colocated vLLM: each of a prompt's {copies} copies is one request, "
             "each sampled with that seed, so they would be identical (a group with no advantage to learn from, pass@k "
-            "equal to avg@k). Leave it out: the trainer seeds each process (`seed`)."
+            "equal to avg@k). Leave it out and set `seed` (--seed), which seeds each process."
         )
     return None
 

@@ -750,6 +750,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 # stopped before it, at its last step, runs it when resumed)
                 self._end_epoch(completed=False)
                 self._save_if_pending()
+                self._record_epoch_end()
                 stop_if_signalled()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
@@ -760,10 +761,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
         metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
-        if any(self._metrics.values()) and args.logging_strategy != IntervalStrategy.NO:
-            # The steps after the last log, logged at the step they end with (GRPOTrainer averages them into the
-            # summary row, which has no phase: the curves, the model card and the summary's last logs left them out).
-            self._log_metrics(self.progress.phase)
+        # The steps after the last log, logged at the step they end with (GRPOTrainer averages them into the summary
+        # row, which has no phase: the curves, the model card and the summary's last logs left them out).
+        self._log_pending_metrics()
         self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
@@ -842,8 +842,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         checkpoint (unless the rollout's end wrote it), end the callbacks' run (`on_train_end`: the trackers flush and
         close their writers), as transformers' own stop on SIGTERM (`enable_jit_checkpoint`) ends its loop, say so in
         one line, and raise `TrainingInterrupted`."""
-        if any(self._metrics.values()) and self.args.logging_strategy != IntervalStrategy.NO:
-            self._log_metrics(self.progress.phase)  # (lost before: logging_steps=50 and a stop at step 149)
+        self._log_pending_metrics()  # (lost before: logging_steps=50 and a stop at step 149)
         path, _ = self._checkpoint_now()
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         pushes = getattr(self, "push_in_progress", None)
@@ -862,6 +861,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             logger.warning(message)
         self.is_in_train = False
         raise TrainingInterrupted(signum, path, message)
+
+    def _log_pending_metrics(self) -> None:
+        """Log the metrics of the steps since the last log, if any (unless logging is off)."""
+        if any(self._metrics.values()) and self.args.logging_strategy != IntervalStrategy.NO:
+            self._log_metrics(self.progress.phase)
 
     def _checkpoint_now(self) -> tuple[Path, bool]:
         """The steps trained so far as a checkpoint, before the run stops between two rollouts (a checkpoint holds
