@@ -718,10 +718,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._logged_step = None  # (a second train() on this trainer, resumed from an earlier step, logs it again)
         self._rewrite_log_file = True
         self._checkpoint_step = None  # the step of the last resumable checkpoint this run wrote (`_save_checkpoint`)
-        # A resumed run's last epoch end is its checkpoint's (None: not recorded, taken as the resumed step's).
-        self._epoch_ended_at = self.progress.epoch_ended_step if start_step else -1
-        if self._epoch_ended_at is None:
-            self._epoch_ended_at = start_step
+        if self.progress.epoch_ended_step is None:  # a checkpoint from before it was recorded: taken as done
+            self.progress.epoch_ended_step = start_step
         self._epoch_begun = False  # `on_epoch_begin` for the epoch this call starts in (`_next_rows`)
         if args.eval_on_start:
             self.evaluate()
@@ -745,7 +743,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                     "Check that the columns they read (e.g. `answer`) are in the dataset and that they return a "
                     "float for the completions they can judge."
                 )
-            if 0 < self.state.global_step != self._epoch_ended_at:  # transformers ends the last epoch too
+            if 0 < self.state.global_step != self.progress.epoch_ended_step:  # transformers ends the last epoch too
                 # (its evaluation and checkpoint may take minutes: a signal then stops with a checkpoint too; a run
                 # stopped before it, at its last step, runs it when resumed)
                 self._end_epoch(completed=False)
@@ -951,7 +949,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """An epoch of the prompts ended (`completed`; `epochs_done` counts it, default the epoch `progress` is in),
         or training did: the callbacks' `on_epoch_end`, then the log, evaluation and checkpoint that the "epoch"
         logging / eval / save strategies ask for."""
-        self._epoch_ended_at = self.progress.epoch_ended_step = self.state.global_step
+        self.progress.epoch_ended_step = self.state.global_step
         if completed:  # its last rollout may have left a few prompts unused: the epoch is over all the same
             self.state.epoch = float(self.progress.data_epoch + 1 if epochs_done is None else epochs_done)
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
