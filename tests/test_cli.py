@@ -827,6 +827,9 @@ BAD_INPUT = [
     # The held-out report's numbers: a traceback once the model had loaded (an empty set to score).
     (["--eval_k", "0", "--eval_num_prompts", "2"], "--eval_k must be >= 1 (samples per held-out prompt), got 0"),
     (["--eval_num_prompts", "-1"], "--eval_num_prompts must be >= 0 (0: no held-out report), got -1"),
+    # Ignored without a word: the report it shapes is off, and `load_dataset` reads one file whatever subset is named.
+    (["--eval_k", "8"], "--eval_k 8 sets the held-out report's samples per prompt, and --eval_num_prompts 0 skips"),
+    (["--dataset_config", "main"], "--dataset_config 'main' names a configuration (subset) of a Hub data set or"),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
 # libraries would retry for a minute.

@@ -716,6 +716,21 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
         check_resumable(checkpoint, saved, first._fingerprint())
     del saved["fsdp"]  # an earlier version's checkpoint, which did not record it: taken as this run's
     check_resumable(checkpoint, saved, first._fingerprint())
+    # An optimizer state of other parameters (an older trl-vapo's critic adapter also adapted an LM head named in
+    # target_modules, which the fingerprint does not record): torch's error said a group "doesn't match the size".
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    group = state["param_groups"][0]["params"]
+    group.append(max(i for g in state["param_groups"] for i in g["params"]) + 1)
+    torch.save(state, checkpoint / "optimizer.pt")
+    fourth = VAPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path, max_steps=2),
+        train_dataset=prompts_dataset(32),
+    )
+    named = rf"checkpoint-1: its optimizer state holds \[{len(group)}, 5, 16, 5\] .* trains \[{len(group) - 1}, "
+    with pytest.raises(ValueError, match=named):
+        fourth.train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):

@@ -682,6 +682,23 @@ def changed_inputs(saved: dict[str, Any] | None, current: dict[str, Any]) -> lis
     return changes
 
 
+def optimizer_state_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a saved optimizer state cannot be this optimizer's, or None: its parameter groups hold other numbers of
+    tensors, where torch says only that a group "doesn't match the size" (a checkpoint of an older trl-vapo whose
+    critic adapter also adapted an LM head named in `target_modules`, or a change of trainable modules that the
+    fingerprint does not record)."""
+    saved = [len(group["params"]) for group in state["param_groups"]]
+    current = [len(group["params"]) for group in optimizer.param_groups]
+    if saved == current:
+        return None
+    return (
+        f"its optimizer state holds {saved} tensors in its parameter groups, and this run trains {current}: the "
+        "checkpoint's run trained other parameters (other trainable modules or adapters, or an older trl-vapo's "
+        "critic adapter, which also adapted an LM head named in target_modules). Resume with the settings and the "
+        "trl-vapo version that wrote it, or start a new run"
+    )
+
+
 def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote."""
     # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`, and
@@ -1207,7 +1224,10 @@ class SavingMixin:
         else:
             self._load_weights(path)
             # Loaded on the CPU; `load_state_dict` moves each state to its parameter's device.
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+            optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+            if problem := optimizer_state_problem(optimizer_state, self.optimizer):
+                raise ValueError(f"Cannot resume from {path}: {problem}")
+            self.optimizer.load_state_dict(optimizer_state)
             if self.accelerator.scaler is not None and (path / SCALER_FILE).is_file():  # else fp16 starts its scale
                 self.accelerator.scaler.load_state_dict(torch.load(path / SCALER_FILE, weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

@@ -569,6 +569,11 @@ def _check_held_out_report(script_args, demo: bool) -> None:
         )
     if script_args.eval_k < 1:
         raise UsageError(f"--eval_k must be >= 1 (samples per held-out prompt), got {script_args.eval_k}")
+    if not script_args.eval_num_prompts and script_args.eval_k != VAPOScriptArguments.eval_k:
+        raise UsageError(
+            f"--eval_k {script_args.eval_k} sets the held-out report's samples per prompt, and --eval_num_prompts 0 "
+            "skips that report: set --eval_num_prompts N (prompts of the test split) too, or drop --eval_k"
+        )
     if demo and script_args.eval_num_prompts > HELD_OUT_PROBLEMS:
         raise UsageError(
             f"--eval_num_prompts {script_args.eval_num_prompts}: the demo's held-out split has {HELD_OUT_PROBLEMS:,} "
@@ -811,7 +816,8 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
     if script_args.dataset_preset is not None:
         preset = PRESETS[script_args.dataset_preset]
         script_args.dataset_name = script_args.dataset_name or preset.dataset_name
-        script_args.dataset_config = script_args.dataset_config or preset.dataset_config
+        if not Path(script_args.dataset_name).expanduser().is_file():  # a local copy in one file has no subsets
+            script_args.dataset_config = script_args.dataset_config or preset.dataset_config
         # The preset's columns, unless the user named others (a local copy of the set with its columns renamed).
         defaults = {f.name: f.default for f in fields(VAPOScriptArguments)}
         for name in ("prompt_column", "answer_column"):
@@ -886,8 +892,10 @@ def _unreadable_data(name: str, error: Exception) -> str:
 def _check_data_flags(script_args, mixture=None) -> None:
     """The data flags' values that name nothing, and with a `datasets:` mixture (`mixture`) those it cannot take
     (checked before a launch: each launched process said it)."""
-    from .data import PRESETS
+    from .data import PRESETS, dataset_config_problem
 
+    if problem := dataset_config_problem(script_args.dataset_name, script_args.dataset_config):
+        raise UsageError(problem.replace("dataset_config", "--dataset_config", 1))
     if script_args.dataset_preset is not None and script_args.dataset_preset not in PRESETS:
         raise UsageError(f"unknown --dataset_preset {script_args.dataset_preset!r}; choose from {sorted(PRESETS)}")
     if script_args.prompt_format not in ("auto", "chat", "text"):

@@ -276,7 +276,20 @@ def _raise_on_a_non_utf8_line(path: Path) -> None:
                 ) from None
 
 
+def dataset_config_problem(dataset_name: str | None, dataset_config: str | None) -> str | None:
+    """Why `dataset_config` cannot apply to `dataset_name`, or None: a single local file has no configurations, and
+    `load_dataset` ignored the name without a word (the user meant another subset than the one read)."""
+    if dataset_config and dataset_name and Path(dataset_name).expanduser().is_file():
+        return (
+            f"dataset_config {dataset_config!r} names a configuration (subset) of a Hub data set or folder, and "
+            f"{dataset_name} is a single file, which has none: drop it, or name the data set or folder it belongs to"
+        )
+    return None
+
+
 def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: bool = False):
+    if problem := dataset_config_problem(dataset_name, dataset_config):
+        raise ValueError(problem)
     path = Path(dataset_name).expanduser()
     if path.is_file():
         builder = _FILE_BUILDERS.get(path.suffix.lower())
