@@ -1522,21 +1522,33 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
     assert (result.avg_at_k, result.pass_at_1, result.num_problems, result.num_unscored) == (1.0, 1.0, 2, 1)
     with pytest.raises(ValueError, match="The data set to evaluate on is empty"):
         evaluate_policy(model, tokenizer, data.select([]), unbounded, k=1, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"k \(samples per prompt\) must be a whole number >= 1, got 0$"):
+        evaluate_policy(model, tokenizer, data, unbounded, k=0, max_new_tokens=2)  # (a reshape's error, once sampled)
 
     # A problem partly scored is one problem: avg@k is the mean over problems of each one's share correct among its
     # scored samples (one right of one scored, and four wrong: 0.5, where the share pooled over samples read 0.2).
+    # pass@k is over the problems whose k samples were all scored (here the second alone): an unscored sample may
+    # have been the hit, so a partly scored problem's pass@4 is unknown (a problem whose scored samples all missed
+    # counted as a miss).
     def partly(completions, answer, **kwargs):
         return [(1.0 if i % 4 == 0 else None) if a == "0" else -1.0 for i, a in enumerate(answer)]
 
     result = evaluate_policy(model, tokenizer, data.select([0, 1]), partly, k=4, max_new_tokens=2, greedy=False)
-    assert (result.avg_at_k, result.pass_at_k, result.num_problems) == (0.5, 0.5, 2)
+    assert (result.avg_at_k, result.pass_at_k, result.num_problems, result.num_partly_scored) == (0.5, 0.0, 2, 1)
+    assert result.as_dict()["num_partly_scored"] == 1
+
+    def misses_partly(completions, answer, **kwargs):  # the first problem: one miss scored of four
+        return [(-1.0 if i % 4 == 0 else None) if a == "0" else 1.0 for i, a in enumerate(answer)]
+
+    result = evaluate_policy(model, tokenizer, data.select([0, 1]), misses_partly, k=4, max_new_tokens=2, greedy=False)
+    assert (result.avg_at_k, result.pass_at_k, result.num_problems, result.num_partly_scored) == (0.5, 1.0, 2, 1)
 
     # A tokenizer without a pad token (Llama's, as loaded): padded with its EOS, as training pads, where the first
     # batch's padding failed (a TypeError from `torch.full(..., None)`).
     tokenizer.pad_token = None
     assert tokenizer.pad_token_id is None
     result = evaluate_policy(model, tokenizer, data.select([0, 1]), partly, k=4, max_new_tokens=2, greedy=False)
-    assert (result.avg_at_k, result.pass_at_k, result.num_problems) == (0.5, 0.5, 2)
+    assert (result.avg_at_k, result.pass_at_k, result.num_problems) == (0.5, 0.0, 2)
 
 
 def test_eval_takes_temperature_zero_as_greedy():

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import os
+import signal
 import time
 
 import pytest
@@ -242,6 +245,48 @@ def test_async_reward_functions_run_concurrently_and_name_a_failing_sample(tiny_
     trainer = VAPOTrainer(str(tiny_model_dir), slow_length, make_args(tmp_path, max_steps=1), prompts_dataset())
     trainer.train()
     assert any("rewards/slow_length/mean" in h for h in trainer.state.log_history)
+
+
+def test_an_async_function_reads_its_own_copy_of_the_batch_and_a_forked_process_runs_its_own_loop():
+    """Async functions run beside the synchronous ones (GRPOTrainer runs them after): they read the same message
+    lists, which a synchronous judge appending to them changed under them. And a forked process (a data loader
+    worker, a launcher's child) waited forever on the parent's event loop, whose thread it does not have."""
+    from trl_vapo.scoring import RewardScorer
+
+    seen = []
+
+    async def reads_late(prompts, completions, **kwargs):
+        await asyncio.sleep(0.2)  # reads after the synchronous judge has run
+        seen.append([len(p) for p in prompts] + [len(c) for c in completions])
+        return [1.0] * len(prompts)
+
+    def appends(prompts, completions, **kwargs):  # a judge that keeps its verdict in the conversation
+        for messages in (*prompts, *completions):
+            messages.append({"role": "user", "content": "judged"})
+        return [0.0] * len(prompts)
+
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}]}, {"prompt": [{"role": "user", "content": "2+2="}]}]
+    scorer = RewardScorer([appends, reads_late], conversational=True)  # (the synchronous one runs first)
+    assert scorer.score(rows, ["2", "4"]).per_function.tolist() == [[0.0, 1.0], [0.0, 1.0]]
+    assert seen == [[1, 1, 1, 1]]  # the batch as given: one message each
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: scores with the parent's scorer, whose loop was started above
+        try:
+            scores = RewardScorer(slow_digits).score([{"prompt": "1+1="}], ["2"]).per_function.tolist()
+            os.write(write, json.dumps(scores).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 20
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked process's async reward function never returned (the parent's event loop)")
+        time.sleep(0.05)
+    assert json.loads(os.read(read, 1000)) == [[1.0]]
 
 
 def test_an_async_function_that_fails_on_the_batch_stops_as_one_that_is_not_async():

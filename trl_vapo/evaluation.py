@@ -51,14 +51,17 @@ class EvaluationResult:
     num_problems: int  # those scored: the estimates' problems
     mean_length: float
     num_unscored: int = 0  # problems none of whose completions was judged (`Scores.judged`: left out of the estimates)
+    num_partly_scored: int = 0  # problems some of whose k samples were not judged: in avg@k, left out of pass@k
 
     def as_dict(self) -> dict[str, float]:
         scores = {"pass@1": self.pass_at_1, f"avg@{self.k}": self.avg_at_k}
         if self.k > 1:  # one sample's pass@1 is avg@1, and its key would overwrite the greedy pass@1
             scores[f"pass@{self.k}"] = self.pass_at_k
-        counts = {"num_problems": self.num_problems} | (
-            {"num_unscored": self.num_unscored} if self.num_unscored else {}
-        )
+        counts = {"num_problems": self.num_problems} | {
+            name: count
+            for name, count in (("num_unscored", self.num_unscored), ("num_partly_scored", self.num_partly_scored))
+            if count
+        }
         return {**scores, **counts, "mean_length": self.mean_length}
 
 
@@ -196,6 +199,8 @@ def evaluate_policy(
     `repetition_penalty` (a processor, where `top_k` and `min_p` shape sampling alone). `max_prompt_length`:
     training's, the prompts cut as training cut them.
     """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # else it sampled the whole set, then failed
+        raise ValueError(f"k (samples per prompt) must be a whole number >= 1, got {k!r}")
     rows = list(dataset) if isinstance(dataset, IterableDataset) else dataset.to_list()
     if not rows:
         raise ValueError("The data set to evaluate on is empty: pass one with at least one prompt.")
@@ -297,14 +302,18 @@ class ProblemOutcomes:
         # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
         # problem with one sample scored of k counted k times less).
         shares = (hits * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
+        # pass@k: over the problems whose k samples were all scored. A problem's unscored sample may have been the
+        # hit, so counting it as a miss read pass@k low, and counting only the scored ones read a pass@(scored).
+        whole = scored.all(dim=1)
         return EvaluationResult(
             pass_at_1=pass_at_1,
             avg_at_k=shares[problems].mean().item(),
-            pass_at_k=hits.max(dim=1).values[problems].mean().item(),
+            pass_at_k=hits.max(dim=1).values[whole].mean().item(),
             k=self.k,
             num_problems=int(problems.sum()),
             mean_length=sum(self.lengths) / len(self.lengths),
             num_unscored=len(hits) - int(problems.sum()),
+            num_partly_scored=int((problems & ~whole).sum()),
         )
 
 

@@ -320,7 +320,7 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
     rows = ["| metric | before training | after training |", "| --- | --- | --- |"]
     names = {"pass@1": "pass@1 (greedy)"}
     for key in before:
-        if key in ("num_problems", "num_unscored") or key not in after:
+        if key in ("num_problems", "num_unscored", "num_partly_scored") or key not in after:
             continue
         label = names.get(key, "mean completion length (tokens)" if key == "mean_length" else key)
         if key.startswith("avg@"):
@@ -333,7 +333,7 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
         "## Evaluation\n\n"
         f"Scored before and after training by the training reward functions on {description}: pass@1 decodes "
         "greedily; avg@k is the mean fraction of k samples judged correct, pass@k the fraction of problems with at "
-        "least one.\n\n" + "\n".join(rows)
+        "least one (of those whose k samples were all scored).\n\n" + "\n".join(rows)
     )
 
 

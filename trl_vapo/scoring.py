@@ -259,20 +259,22 @@ def is_async(func: RewardFunc) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
-_event_loop: asyncio.AbstractEventLoop | None = None
+_event_loop: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process it runs in, the loop)
 
 
 def run_async(coroutine) -> concurrent.futures.Future:
     """Schedule `coroutine` on the reward functions' event loop, in a daemon thread (TRL's
-    `start_event_loop_in_daemon`), so that it runs whether or not the caller has a loop of its own (a notebook)."""
+    `start_event_loop_in_daemon`), so that it runs whether or not the caller has a loop of its own (a notebook).
+    A forked process starts its own: the parent's loop thread does not exist in it, and a result waited for there
+    never came."""
     global _event_loop
-    if _event_loop is None:
+    if _event_loop is None or _event_loop[0] != os.getpid():
         from ._compat import start_event_loop_in_daemon
 
         _, loop, ready = start_event_loop_in_daemon(name="trl-vapo-reward-functions")
         ready.wait()
-        _event_loop = loop
-    return asyncio.run_coroutine_threadsafe(coroutine, _event_loop)
+        _event_loop = os.getpid(), loop
+    return asyncio.run_coroutine_threadsafe(coroutine, _event_loop[1])
 
 
 def _blocking(func: RewardFunc) -> RewardFunc:
@@ -373,8 +375,8 @@ class RewardScorer:
         was cut off while thinking, and commits to no answer).
 
         `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
-        start first and run concurrently with each other and with the synchronous ones (GRPOTrainer starts them after
-        the synchronous ones end, then runs them concurrently with each other).
+        start first and run concurrently with each other and with the synchronous ones, each on its own copy of the
+        batch (GRPOTrainer starts them after the synchronous ones end, then runs them concurrently with each other).
         A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
         rows, messages = self._as_messages(rows, completions)
@@ -385,8 +387,10 @@ class RewardScorer:
             "log_extra": log_extra or (lambda column, values: None),
         }
         thinking = prompt_opens_think if prompt_opens_think is not None and any(prompt_opens_think) else None
+        # Each async function reads its own copy of the batch: it runs beside the synchronous ones, one of which may
+        # edit what it is given (a judge appending to a prompt's messages).
         started = {
-            j: run_async(func(**_arguments(func, rows, messages, ids, common, thinking)))
+            j: run_async(func(**_arguments(func, *copy.deepcopy((rows, messages, ids)), common, thinking)))
             for j, func in enumerate(self.funcs)
             if is_async(func)
         }

@@ -411,7 +411,10 @@ class DecodeState:
             graph = torch.cuda.CUDAGraph()
             try:
                 # Autocast's cache would hand the capture casts made before it, which a replay never refreshes.
-                with _autocast_without_cache(), torch.cuda.graph(graph):
+                # "thread_local": a CUDA call of another thread meanwhile (a DataLoader's pin-memory thread) neither
+                # breaks the capture nor raises there (the default, "global", does both; transformers' continuous
+                # batching captures so too).
+                with _autocast_without_cache(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self._step(model)
             except RuntimeError as error:  # nothing ran: capture records kernels without running them
                 import logging
