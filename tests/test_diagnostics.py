@@ -190,3 +190,10 @@ def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):
         for correlation in (0.75, 0.95):
             watch.update(correlation)
     assert caplog.text.count("critic is biased") == 1 and "0.75" in caplog.text
+    # The drift takes the rewards' sign: negative where most rewards are -1 (it went unsaid).
+    watch = CriticBiasWatch(threshold=0.5, readings=3)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        for correlation in (-0.7, -0.3, -0.8, -0.6, -0.9):
+            watch.update(correlation)
+    assert caplog.text.count("critic is biased") == 1 and "(-0.90, and beyond ±0.5 for 3 rollouts)" in caplog.text

@@ -374,6 +374,11 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         ({"max_completion_length": 512.0}, r"max_completion_length must be a whole number, got 512.0 \(a float\)"),
         ({"max_prompt_length": True}, r"max_prompt_length must be a whole number or None, got True \(a bool\)"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
+        # NaN passed every range check (each comparison False): no completion was ever positive (the NLL loss never
+        # trained), value pretraining never stopped early; an infinite number of epochs failed once the model loaded.
+        ({"positive_reward_threshold": float("nan")}, "^positive_reward_threshold must be a number, got nan.$"),
+        ({"value_pretrain_min_delta": float("nan")}, "value_pretrain_min_delta must be a number, got nan"),
+        ({"num_train_epochs": float("inf")}, "num_train_epochs must be > 0 and finite, got inf"),
         # Sizes: accepted, they trained on nonsense (-8) or failed after the models loaded (0: an IndexError).
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be a whole number >= 1, got 0"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1, got 0"),
@@ -1148,3 +1153,25 @@ def test_a_copy_of_the_config_derives_its_defaults_from_its_own_values(tmp_path)
     # A plain one where it leaves the config: trackers keep only exact floats as numbers (`to_sanitized_dict`), and a
     # checkpoint's weights-only load refuses the optimizer's state holding a float subclass
     assert type(copy.to_sanitized_dict()["critic_learning_rate"]) is float
+    # Clip-higher's bound, None: equal to epsilon (symmetric), followed epsilon only as it was at construction.
+    symmetric = make_args(tmp_path, epsilon_high=None)
+    assert symmetric.epsilon_high == 0.2 and dataclasses.replace(symmetric, epsilon=0.3).epsilon_high == 0.3
+    symmetric.epsilon = 0.1
+    assert symmetric.epsilon_high == 0.1
+    assert dataclasses.replace(make_args(tmp_path), epsilon=0.1).epsilon_high == 0.28  # the paper's, given
+
+
+def test_batch_fields_set_after_the_config_was_built_are_followed_and_checked(tiny_model_dir, tmp_path):
+    """TrainingArguments' fields are set after construction too: the rollout size derived from the old ones stayed
+    (a run by epochs planned 0 steps and ended without a word; another num_generations failed once the models had
+    loaded). The trainer derives the sizes again, and checks them, before anything loads."""
+    args = make_args(tmp_path, per_device_train_batch_size=8, max_steps=-1, num_train_epochs=1)
+    assert (args.steps_per_generation, args.generation_batch_size) == (1, 8)
+    args.gradient_accumulation_steps = 4
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(16))
+    assert (args.steps_per_generation, args.generation_batch_size) == (4, 32)
+    # 16 prompts, 8 a rollout of 32 completions: two rollouts of one optimizer step (of 4 micro-batches); 0 before.
+    assert (trainer.run_plan.prompts_per_rollout, trainer.run_plan.rl_steps) == (8, 2)
+    args.num_generations = 64
+    with pytest.raises(ValueError, match=r"generation_batch_size \(32 = .*must be a multiple of num_generations \(64"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(16))

@@ -747,6 +747,20 @@ def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
     logs = [h for h in trainer.state.log_history if "phase" in h]
     assert [h["skipped_steps"] for h in logs] == [0, 1, 1, 1]
     assert math.isfinite(result.training_loss)  # the skipped step's NaN made it NaN for the rest of the run
+    # Logged every two steps: the skipped step's readings are none, as transformers' `logging_nan_inf_filter` leaves
+    # such a step's loss out (its NaN made the log's `loss` NaN, an inf inf); its gradient norms stay the last step's.
+    PoisonedTrainer.poisoned = {1}
+    trainer = PoisonedTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=config(tmp_path / "every-2", max_steps=4, logging_steps=2),
+        train_dataset=prompts_dataset(32),
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "phase" in h]
+    assert [h["step"] for h in logs] == [2, 4] and logs[0]["skipped_steps"] == 1
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["loss/value"]) for h in logs)
+    assert not math.isfinite(logs[0]["grad_norm"])
     assert all(torch.isfinite(p).all() for p in trainer.actor_critic.parameters())
     assert any(not torch.equal(before[n], p) for n, p in trainer.actor_critic.named_parameters())
 

@@ -8,6 +8,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 from datasets import Dataset
 
 from trl_vapo.rollout import RL, VALUE_PRETRAIN
@@ -89,6 +90,22 @@ def test_the_cursor_reads_each_epoch_in_its_order_and_resumes_where_progress_say
     assert [r["prompt"] for r in again.next(TrainingProgress(data_epoch=1, data_index=4), lambda: None)] == read[3]
     plain = PromptCursor(data, 4, shuffle=False, seed=3)
     assert [r["prompt"] for r in plain.next(TrainingProgress(), lambda: None)] == ["p0", "p1", "p2", "p3"]
+
+
+def test_runs_of_neighbouring_seeds_share_no_epochs_order():
+    """Each epoch's permutation was seeded by `seed + epoch`: seed 1's second epoch was seed 2's first, so runs of
+    seeds 1, 2, 3 over three epochs read two of their three epochs in a shared order, and their outcomes were not the
+    independent draws that a comparison over seeds assumes."""
+    data = _prompts(20)
+
+    def order(seed: int, epoch: int) -> list[str]:
+        cursor = PromptCursor(data, 20, shuffle=True, seed=seed)
+        return [r["prompt"] for r in cursor.next(TrainingProgress(data_epoch=epoch), lambda: None)]
+
+    orders = {(seed, epoch): order(seed, epoch) for seed in (1, 2, 3) for epoch in range(3)}
+    assert len({tuple(o) for o in orders.values()}) == 9
+    first = torch.randperm(20, generator=torch.Generator().manual_seed(2)).tolist()
+    assert orders[(2, 0)] == [f"p{i}" for i in first]  # the first epoch's order is the seed's first permutation
 
 
 def test_a_stream_ends_its_epoch_where_it_runs_out_and_one_too_short_is_refused():

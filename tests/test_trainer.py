@@ -929,6 +929,39 @@ def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_mo
     assert record["final_explained_variance"] == pytest.approx(sum(readings[-2:]) / 2)
 
 
+def test_a_card_written_during_value_pretraining_reports_this_runs_not_an_earlier_runs(tiny_model_dir, tmp_path):
+    """A fresh run in a folder without checkpoints finds an earlier run's `value_pretrained_critic/`: the card of a
+    checkpoint (or of a run stopped) during this run's value pretraining reported that run's outcome, and its critic
+    as the one to reuse."""
+
+    class StopAtTheFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    settings = dict(max_completion_length=2, max_steps=1, value_pretrain_patience=None)
+    earlier = VAPOTrainer(
+        str(tiny_model_dir),
+        first_char_is_letter,
+        make_args(tmp_path, value_pretrain_steps=2, **settings),
+        prompts_dataset(),
+    )
+    earlier.train()
+    assert (tmp_path / "out" / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
+    fresh = VAPOTrainer(
+        str(tiny_model_dir),
+        first_char_is_letter,
+        make_args(tmp_path, value_pretrain_steps=30, **settings),
+        prompts_dataset(),
+        callbacks=[StopAtTheFirstStep()],
+    )
+    fresh.train()
+    assert fresh.progress.phase == "value_pretrain" and fresh.progress.value_pretrain_rollouts == 1
+    fresh.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "ran 1 rollout" in card and "ran 2 rollouts" not in card
+    assert "value_pretrained_critic/" not in card
+
+
 def test_value_pretrainings_last_readings_are_logged_as_its_own(tiny_model_dir, tmp_path):
     """Value pretraining ends at step 3, between logs (every 2 steps): its last step's readings were averaged into
     the first RL log, labelled `rl`. They are logged when it ends, as value pretraining's."""
@@ -1245,10 +1278,12 @@ def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
     logs = rl_logs(trainer)
     assert ["loss/policy" in h for h in logs] == [True, True, False, False, False, False]
     assert ["grad_norm/policy" in h for h in logs] == [True, True, False, False, False, False]
+    each_step = logs
     with pytest.raises(TypeError, match="resume_from_chekpoint"):  # a misspelt keyword: was a fresh run
         trainer.train(resume_from_chekpoint=True)
-    # Logged every three steps, each log's last step critic-only: the gradient norms are that step's, the policy's
-    # none (the policy's of the step before it stood beside the critic's alone).
+    # Logged every three steps, each log's last step critic-only: `grad_norm` is that step's (the critic's), and each
+    # side's is its last step's in the window: the policy's of step 2 in the first log (it was dropped, and with a
+    # log on each rollout's last step the policy's norm was never logged), none in the second (steps 4-6).
     args.logging_steps, args.output_dir = 3, str(tmp_path / "every-3")
     trainer = VAPOTrainer(
         model=str(tiny_model_dir),
@@ -1258,8 +1293,9 @@ def test_extra_critic_passes_train_the_critic_alone(tiny_model_dir, tmp_path):
     )
     trainer.train()
     logs = rl_logs(trainer)
-    assert [h["step"] for h in logs] == [3, 6] and not any("grad_norm/policy" in h for h in logs)
+    assert [h["step"] for h in logs] == [3, 6] and ["grad_norm/policy" in h for h in logs] == [True, False]
     assert all(h["grad_norm"] == pytest.approx(h["grad_norm/critic"]) for h in logs)
+    assert logs[0]["grad_norm/policy"] == pytest.approx(each_step[1]["grad_norm/policy"])  # step 2's
     assert all("loss/value" in h for h in logs)
 
 

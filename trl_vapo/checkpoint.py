@@ -932,12 +932,19 @@ class SavingMixin:
         info = {**self.model_card_info, **kwargs}
         run = self.run_record
         pretrained_dir = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
+        # Value pretraining writes its critic and record as it ends: until then a `value_pretrained_critic/` there is
+        # an earlier run's (a fresh run in a folder without checkpoints), not to be reported as this run's.
+        pretrained_here = self.progress.phase != VALUE_PRETRAIN and pretrained_dir.is_dir()
         if run.critic_pretrained:
             value_pretraining = {"skipped": "the critic (`value_model`) came from an earlier value pretraining"}
         elif run.value_function is not None:
             value_pretraining = {"skipped": "the values came from a frozen value function (`value_model`)"}
         elif self.progress.value_pretrain_rollouts > 0:  # this run's (or the run it resumed): not an earlier run's
-            value_pretraining = value_pretraining_record(pretrained_dir)
+            value_pretraining = (
+                value_pretraining_record(pretrained_dir)
+                if pretrained_here
+                else {"rollouts": self.progress.value_pretrain_rollouts}  # under way: what it ran so far
+            )
         else:
             value_pretraining = None
         urls = tracker_urls()
@@ -957,7 +964,7 @@ class SavingMixin:
             critic_source=run.critic_source,
             value_function=run.value_function,
             value_pretraining=value_pretraining,
-            pretrained_critic_dir=pretrained_dir if value_pretraining and pretrained_dir.is_dir() else None,
+            pretrained_critic_dir=pretrained_dir if value_pretraining and pretrained_here else None,
             held_out=info.get("held_out"),
             log_history=self.state.log_history,
             example_prompt=run.example_prompt,

@@ -796,11 +796,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         self.model_init_kwargs = with_dtype_named(self.model_init_kwargs)
         super().__post_init__()
         self._accept_grpo_spellings()
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
         # The defaults derived from other fields are marked so (`Derived`): a copy (`dataclasses.replace`, which
         # passes every field) derives them again from its own values (a copy with another learning_rate kept the
-        # critic's 2 x the old one), and so does a field set later (a hyperparameter search's `setattr`).
+        # critic's 2 x the old one, one with another epsilon the old symmetric bound), and so does a field set later
+        # (a hyperparameter search's `setattr`).
         for name in ("critic_learning_rate", "critic_num_iterations", "value_pretrain_num_iterations"):
             setattr(self, name, given(getattr(self, name)))
         self._critic_rate_derived = self.critic_learning_rate is None
@@ -816,14 +815,30 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         for name in ("critic_num_iterations", "value_pretrain_num_iterations"):
             if given(getattr(self, name)) is None:
                 self.__dict__[name] = DerivedInt(self.num_iterations)
+        if given(self.epsilon_high) is None:  # symmetric clipping: the bound follows epsilon
+            self.__dict__["epsilon_high"] = DerivedFloat(self.epsilon)
 
     def __setattr__(self, name: str, value: Any) -> None:
         initialized = self.__dict__.get("_initialized")
         if initialized:  # set from outside: given (transformers' hyperparameter search casts a value to its
             value = plain(value)  # field's type: the marker too)
         super().__setattr__(name, value)
-        if initialized and name in ("learning_rate", "num_iterations"):
+        if initialized and name in ("learning_rate", "num_iterations", "epsilon", "epsilon_high"):
             self._derive_defaults()  # (what follows it follows it again; a given value stays)
+
+    def check_again(self) -> None:
+        """The sizes derived and the checks made at construction, again, for the fields set since (transformers'
+        TrainingArguments are set so: `args.gradient_accumulation_steps = 4`, where the rollout size derived from the
+        old value planned a run of 0 steps, and `args.num_generations = 16` failed once the models had loaded). A
+        derived size follows its fields again; a given one stays. The trainer calls it before anything loads."""
+        self.__dict__["_initialized"] = False  # (what is derived here stays marked `Derived`: see __setattr__)
+        try:
+            self._check_number_fields()
+            self._derive_defaults()
+            self._resolve_batch_sizes()
+            self._validate()
+        finally:
+            self.__dict__["_initialized"] = True
 
     def to_dict(self) -> dict[str, Any]:
         """transformers' serialisation (a `*_token` field's value hidden), with a credential inside a dict field hidden
@@ -1249,7 +1264,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             f"max_steps must be a positive number of RL optimizer steps (or -1 to use num_train_epochs), got "
             f"{self.max_steps}.",
         )
-        require(self.num_train_epochs > 0, f"num_train_epochs must be > 0, got {self.num_train_epochs}.")
+        require(
+            0 < self.num_train_epochs < math.inf,  # inf: an OverflowError as the run was planned, the model loaded
+            f"num_train_epochs must be > 0 and finite, got {self.num_train_epochs}.",
+        )
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}.")
         for name in ("logging_steps", "save_steps", "eval_steps"):  # (below 1, a share of max_steps to transformers:
             value = getattr(self, name)  # a negative one logged, saved or evaluated at the last step alone, silently)

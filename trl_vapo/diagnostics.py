@@ -217,8 +217,9 @@ def write_plots_if_possible(output_dir: str | Path, logs: list[dict[str, Any]]) 
 
 class CriticBiasWatch:
     """Warns once when, after value pretraining, the advantage stays strongly correlated with the token position:
-    `readings` consecutive RL rollouts above `threshold` (a NaN reading is skipped, and any reading at or below the
-    threshold starts the count again)."""
+    `readings` consecutive RL rollouts beyond `threshold` either way (a biased critic's drift takes the rewards' sign:
+    with rewards of -1 at low accuracy it is negative; a NaN reading is skipped, and any reading within the threshold
+    starts the count again)."""
 
     def __init__(self, threshold: float = 0.5, readings: int = 3):
         self.threshold, self.readings, self.run, self.warned = threshold, readings, 0, False
@@ -226,12 +227,12 @@ class CriticBiasWatch:
     def update(self, correlation: float) -> None:
         if self.warned or not math.isfinite(correlation):
             return
-        self.run = self.run + 1 if correlation > self.threshold else 0
+        self.run = self.run + 1 if abs(correlation) > self.threshold else 0
         if self.run >= self.readings:
             self.warned = True
             logger.warning(
-                f"The advantage is strongly correlated with the token position ({correlation:.2f}, and above "
-                f"{self.threshold} for {self.readings} rollouts): the critic is biased (VC-PPO, Fig. 5), and its "
+                f"The advantage is strongly correlated with the token position ({correlation:.2f}, and beyond "
+                f"±{self.threshold} for {self.readings} rollouts): the critic is biased (VC-PPO, Fig. 5), and its "
                 "advantages push whole completions rather than the tokens that decide them. Pretrain it longer "
                 "(value_pretrain_steps), raise critic_learning_rate, or check lam_critic=1.0; see by_position/* and "
                 "output_dir/plots/."

@@ -47,6 +47,8 @@ def check_number_fields(instance) -> None:
                 + ("" if value is None else f" (a {type(value).__name__})")
                 + "."
             )
+        if value != value:  # NaN (`.nan` in YAML): it passed every range check, all False, and meant nothing
+            raise ValueError(f"{name} must be a number, got nan.")
 
 
 def number_list(values, name: str) -> list[float] | None:

@@ -588,7 +588,10 @@ class MetricsMixin:
         tokens, sequences = totals.pop("_tokens"), totals.pop("_sequences", 0.0)
         if tokens == 0:  # nothing scored in the step, nothing trained: its zeros are no reading (a falling entropy)
             return
-        for key, value in totals.items():
+        # A step skipped for its non-finite loss trained nothing: its readings are none (one inf made the log's
+        # `loss` inf, where transformers' `logging_nan_inf_filter` leaves such a step out). Its gradient norms stay.
+        trained = math.isfinite(totals["loss"])
+        for key, value in totals.items() if trained else ():
             # Losses (and the routers' `aux_loss`) were already normalised by the global count or the micro-batches:
             # their sum over processes / world is the step's. The others are weighted sums of per-micro-batch means.
             if key.startswith("loss") or key == "aux_loss":
@@ -601,22 +604,22 @@ class MetricsMixin:
             local = torch.stack([STEP_EXTREMES[k](torch.stack(extremes[k])) for k in extreme_keys])
             gathered = self.accelerator.gather(local[None]).view(-1, len(extreme_keys))
             reduced = torch.stack([STEP_EXTREMES[key](values) for key, values in zip(extreme_keys, gathered.T)])
-            for key, value in zip(extreme_keys, reduced.tolist()):  # one host sync
+            for key, value in zip(extreme_keys, reduced.tolist()) if trained else ():  # one host sync
                 self._metrics[key].append(value)
         bonus = self.args.entropy_coef > 0 or self.args.use_adaptive_entropy
-        if bonus and "loss/policy" in totals:  # GRPOTrainer's names, with its entropy bonus
+        if trained and bonus and "loss/policy" in totals:  # GRPOTrainer's names, with its entropy bonus
             self._metrics["policy_loss"].append(totals["loss/policy"] / world)  # the policy's loss before the bonus
             self._metrics["entropy_coef"].append(self.entropy_coef)  # after this step's control, as GRPOTrainer's
         # The gradient norms of the log's last step, as transformers.Trainer logs `grad_norm` (not a mean over the
-        # steps, which one fp16 overflow's inf would fill): of every weight that trains, before clipping.
+        # steps, which one fp16 overflow's inf would fill): of every weight that trains, before clipping. Each side's
+        # (`grad_norm/<side>`) is its last step's in the log's window: where each rollout ends with critic-only steps
+        # (`critic_num_iterations`), a log on such a step otherwise never showed the policy's.
         norms = torch.stack(list(grad_norms.values())).tolist() if grad_norms else []
-        for key in [k for k in self._metrics if k.startswith("grad_norm/") and k not in grad_norms]:
-            del self._metrics[key]  # a side that did not train this step (a critic-only step): no reading
         for key, value in zip(grad_norms, norms):
             self._metrics[key] = [value]
         if norms:  # the sides' together
             self._metrics["grad_norm"] = [math.sqrt(sum(n * n for n in norms))]
-        if math.isfinite(totals["loss"]):  # a skipped non-finite step would make `train_loss` NaN for good
+        if trained:  # a skipped non-finite step would make `train_loss` NaN for good
             self._loss_sum += totals["loss"] / world
             self._loss_steps += 1
 

@@ -123,11 +123,12 @@ class PromptCursor:
     """The prompts of the next rollouts, `prompts_per_rollout` at a time, from `progress.data_epoch` and
     `progress.data_index` on (which it moves): the same on every process and after a resume.
 
-    A map-style dataset is read in an order drawn per epoch (a permutation seeded by `seed` + the epoch with
-    `shuffle`, else as stored); the prompts an epoch's last rollout cannot fill are left out, and the next rollout
-    starts the next epoch. A stream (`IterableDataset`) is read in its order (with `shuffle`, a buffered shuffle
-    seeded by `seed`, as GRPOTrainer shuffles it, again per epoch through `set_epoch`); a rollout never mixes two
-    epochs: its epoch ends where the stream does, which `next` finds and reports through `on_epoch_end`.
+    A map-style dataset is read in an order drawn per epoch (with `shuffle`, the epoch's permutation from one
+    generator seeded by `seed`, as GRPOTrainer's sampler draws them; else as stored); the prompts an epoch's last
+    rollout cannot fill are left out, and the next rollout starts the next epoch. A stream (`IterableDataset`) is
+    read in its order (with `shuffle`, a buffered shuffle seeded by `seed`, as GRPOTrainer shuffles it, again per
+    epoch through `set_epoch`); a rollout never mixes two epochs: its epoch ends where the stream does, which `next`
+    finds and reports through `on_epoch_end`.
     """
 
     def __init__(self, dataset, prompts_per_rollout: int, shuffle: bool, seed: int):
@@ -199,8 +200,13 @@ class PromptCursor:
         if self._order[0] != epoch:
             size = len(self.dataset)
             if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + epoch)
-                self._order = (epoch, torch.randperm(size, generator=generator))
+                # The epochs' permutations in turn from one generator seeded once (GRPOTrainer's `RepeatSampler`):
+                # seeded by `seed + epoch`, seed s's epoch e+1 was seed s+1's epoch e, so runs of neighbouring seeds
+                # shared all but one epoch's order. (Replayed from the seed after a resume: one randperm an epoch.)
+                generator = torch.Generator().manual_seed(self.seed)
+                for _ in range(epoch + 1):
+                    order = torch.randperm(size, generator=generator)
+                self._order = (epoch, order)
             else:
                 self._order = (epoch, torch.arange(size))
         return self._order[1]

@@ -273,6 +273,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             args = VAPOConfig(output_dir=f"{Path(str(name)).name or 'model'}-VAPO")
         if not isinstance(args, VAPOConfig):
             raise TypeError(f"args must be a VAPOConfig, got {type(args).__name__}.")
+        args.check_again()  # fields set since it was built: its derived sizes follow them, and they are checked
         # GRPOTrainer's attributes, which a rollout_func written for it may read (TRL's openenv examples sample with
         # these: `trainer.temperature`, `trainer.max_completion_length`, `trainer.vllm_mode`, ...).
         self.num_generations = args.num_generations
