@@ -435,7 +435,7 @@ def test_fp16_unscales_once_for_both_sides_and_an_overflow_only_lowers_the_scale
     # A NaN loss is the model's, not the scale's: a non-finite step, counted; the scaler's step is closed all the same
     # (its next unscale would be refused) at the same scale, and the next step trains.
     poisoned = train("nan", 2.0**8, max_steps=3, poisoned={1})
-    assert [math.isfinite(h["loss"]) for h in rl_logs(poisoned)] == [True, False, True]
+    assert ["loss" in h for h in rl_logs(poisoned)] == [True, False, True]  # (the skipped step's: no reading)
     assert poisoned.progress.skipped_steps == 1 and math.isfinite(rl_logs(poisoned)[-1]["grad_norm"])
     assert poisoned.accelerator.scaler.get_scale() == 2.0**8
     # A step with nothing scored is skipped without an optimizer step (Adam's momentum would move the weights).
