@@ -631,6 +631,17 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, 
     return mean, mean - half, mean + half, len(diffs)
 
 
+def paired_ratio(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float, int]:
+    """``a / b`` over the seeds both ran, paired by seed: the geometric mean of the per-seed ratios and its 95% t
+    interval, exp(mean(log r_i) ± t_{0.975, n-1} * sd(log r_i) / sqrt(n)) (``paired_difference`` of the logs; a
+    ratio's spread is multiplicative); (nan, nan, nan, 0) where a value is missing or not positive."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds or not all(a[s] > 0 and b[s] > 0 for s in seeds):  # (nan compares False: missing too)
+        return math.nan, math.nan, math.nan, 0
+    mean, low, high, n = paired_difference({s: math.log(a[s]) for s in seeds}, {s: math.log(b[s]) for s in seeds})
+    return math.exp(mean), math.exp(low), math.exp(high), n
+
+
 def detectable_difference(difference: tuple[float, float, float, int], power: float = 0.8) -> float:
     """The smallest true difference the paired t test of ``difference`` (``paired_difference``'s) detects with
     ``power`` at the 5% level (two-sided): (t_{0.975, n-1} + t_{power, n-1}) * sd(d_i) / sqrt(n), i.e. the interval's
@@ -725,11 +736,16 @@ def aggregate(records: list[dict], comparators: dict[str, str] | None = None) ->
                 for baseline in baselines
             }
             # Cost, from the same runs: training time and peak memory as ratios of means to the comparator's, over the
-            # seeds both ran.
-            entry["ratios"] = {}
+            # seeds both ran, and the per-seed ratios' geometric mean with its 95% interval (paired by seed).
+            entry["ratios"], entry["paired_ratios"] = {}, {}
             for key in ("train_time", "peak_rss_mib"):
                 arm, base = means_on_common_seeds([entry, methods.get(comparator)], f"{key}_per_seed")
                 entry["ratios"][key] = arm / base if base > 0 else math.nan
+                other = methods.get(comparator, {})
+                entry["paired_ratios"][key] = paired_ratio(
+                    dict(zip(entry["seeds"], entry[f"{key}_per_seed"])),
+                    dict(zip(other.get("seeds", []), other.get(f"{key}_per_seed", []))),
+                )
         for method in order:  # once every pair's difference is in: the share reads the oracle's own
             methods[method]["oracle_share"] = oracle_share(methods, method)
     return summary
@@ -781,6 +797,13 @@ def _fmt_interval(difference: tuple[float, float, float, int]) -> str:
     if math.isnan(mean):
         return "-"
     return f"{mean:+.3f}" + ("" if math.isnan(low) else f" [{low:+.3f}, {high:+.3f}]")
+
+
+def _fmt_ratio(ratio: tuple[float, float, float, int]) -> str:
+    mean, low, high, _ = ratio
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:.2f}" + ("" if math.isnan(low) else f" [{low:.2f}, {high:.2f}]")
 
 
 def format_table(summary: dict, k: int) -> str:
@@ -846,11 +869,12 @@ def format_table(summary: dict, k: int) -> str:
             f"\n{task}: cost and credit, from the same runs: training time and peak memory (the process's peak RSS) "
             f"as ratios of means to {comparator}'s; the share of the exact value's gain over no critic (both 64x1) "
             "each arm reaches, (arm - critic-free) / (oracle - critic-free) of the means (a point estimate; '-' where "
-            "the oracle's gain is not measurable)"
+            "the oracle's gain is not measurable); and the time and memory ratios paired by seed, the geometric mean "
+            "of the per-seed ratios [95% t interval]"
         )
         header = (
             f"{'method':34s}{'time x':>10s}{'memory x':>10s}{'peak MiB':>12s}"
-            f"{'oracle share, final':>22s}{'oracle share, area':>22s}"
+            f"{'oracle share, final':>22s}{'oracle share, area':>22s}{'time x, paired':>24s}{'memory x, paired':>24s}"
         )
         lines += [header, "-" * len(header)]
         for method in order:
@@ -860,6 +884,7 @@ def format_table(summary: dict, k: int) -> str:
                 f"{label(method):34s}{_fmt_number(ratios['train_time'], 10, 2)}"
                 f"{_fmt_number(ratios['peak_rss_mib'], 10, 2)}{_fmt_number(e['peak_rss_mib'][0], 12, 0)}"
                 f"{_fmt_number(share['final'], 22, 2)}{_fmt_number(share['auc'], 22, 2)}"
+                + "".join(f"{_fmt_ratio(e['paired_ratios'][key]):>24s}" for key in ("train_time", "peak_rss_mib"))
             )
         lines.append(
             f"\n{task}: credit assignment over RL rollouts (mean ± std over seeds): the mean per-token advantage by "

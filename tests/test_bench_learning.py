@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -439,6 +440,23 @@ def test_t_quantile_matches_the_table(probability, df, quantile):
         bench.t_quantile(1 - probability, df)  # a lower quantile is never what a caller wants here
 
 
+def test_a_paired_ratio_is_the_geometric_mean_of_the_per_seed_ratios_with_a_t_interval():
+    """Times and memory as ratios to the comparator, paired by seed (they were ratios of means, without an
+    interval): the interval of the mean log-ratio, taken back by exp, over the seeds both arms ran."""
+    arm = {2000: 250.0, 2001: 240.0, 2002: 260.0, 2003: 230.0, 2005: 999.0}  # 2005: the comparator did not run it
+    comparator = {2000: 100.0, 2001: 110.0, 2002: 100.0, 2003: 95.0, 2004: 90.0}
+    logs = [math.log(arm[s] / comparator[s]) for s in (2000, 2001, 2002, 2003)]
+    half = 3.1824 * statistics.stdev(logs) / 2  # t_{0.975, 3} (the table's, to 4 decimals) * sd / sqrt(4)
+    mean, low, high, n = bench.paired_ratio(arm, comparator)
+    centre = statistics.mean(logs)
+    assert n == 4 and mean == pytest.approx(math.exp(centre))
+    assert (low, high) == pytest.approx((math.exp(centre - half), math.exp(centre + half)), rel=1e-5)
+    assert low < mean < high and mean != pytest.approx(sum(logs) / 4)  # a ratio, not a log
+    assert math.isnan(bench.paired_ratio({1: math.nan}, {1: 1.0})[0])  # no peak memory recorded: no ratio
+    one = bench.paired_ratio({1: 2.0}, {1: 1.0})
+    assert one[0] == pytest.approx(2.0) and math.isnan(one[1]) and one[3] == 1  # one common seed: no interval
+
+
 def synthetic_record(task, method, seed, accuracies, samples_per_point=320):
     points = [
         {"samples": i * samples_per_point, "avg@k": acc, "train_time_s": float(i), "pass@1": acc}
@@ -536,7 +554,8 @@ def test_aggregate_compares_every_arm_with_no_critic_and_states_cost_oracle_shar
         "(6 comparisons on demo, each at 95%, uncorrected for their number; the intervals' half-widths: final" in table
     )
     rows = [line for line in table.splitlines() if line.startswith("oracle critic 64x1")]  # each block's, in order
-    assert rows[-2].split()[4:] == ["2.00", "1.50", "3625", "1.00", "1.00"]  # the cost block's: peak over 4 seeds
+    cells = rows[-2].split()[4:]  # the cost block's: peak over 4 seeds; the paired ratios, each seed's the same
+    assert cells == ["2.00", "1.50", "3625", "1.00", "1.00", "2.00", "[2.00,", "2.00]", "1.50", "[1.50,", "1.50]"]
 
 
 def test_learning_curve_evaluates_at_rollout_boundaries():
