@@ -594,3 +594,40 @@ def test_zero3_weights_are_gathered_for_saving_one_module_at_a_time(tiny_model_d
     owners = {id(p): name for name, module in model.named_modules() for p in module.parameters(recurse=False)}
     assert max(len(params) for params in gathered) <= 2  # a linear layer's weight and bias, at most
     assert all(len({owners[id(p)] for p in params}) <= 1 for params in gathered)
+
+
+def test_the_schedules_write_the_rates_of_the_optimizer_deepspeeds_offload_swaps_in(monkeypatch):
+    """Under DeepSpeed's optimizer offload accelerate replaces the torch AdamW the schedules were built on by a
+    DeepSpeedCPUAdam over its groups (`map_pytorch_optim_to_deepspeed`); a resume's `load_state_dict` gave that one
+    new group dicts, and the schedules went on writing the replaced AdamW's: every rate froze (the policy's at 0 where
+    its warm-up began after the resume). accelerate's own mapping runs; DeepSpeedCPUAdam needs its compiled op, so a
+    torch Adam stands in for it, and a `SimpleNamespace` for the ZeRO optimizer around it."""
+    from types import SimpleNamespace
+
+    import deepspeed.ops.adam
+    from accelerate.utils.deepspeed import map_pytorch_optim_to_deepspeed
+
+    from trl_vapo.distributed import schedule_the_stepping_optimizer
+    from trl_vapo.optim import side_schedules, start_actor_schedule
+
+    class CPUAdamStandIn(torch.optim.Adam):  # DeepSpeedCPUAdam's signature
+        def __init__(self, params, lr=1e-3, weight_decay=0.0, adamw_mode=True, **kwargs):
+            super().__init__(params, lr=lr, weight_decay=weight_decay)
+
+    monkeypatch.setattr(deepspeed.ops.adam, "DeepSpeedCPUAdam", CPUAdamStandIn)
+    policy, critic = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    adamw = torch.optim.AdamW([{"params": [policy], "name": "policy"}, {"params": [critic]}], lr=1e-3)
+    scheduler = side_schedules(adamw, "linear", lambda total: 4, 10, 5, None)  # a 4-step warm-up each
+    live = map_pytorch_optim_to_deepspeed(adamw)
+    assert type(live) is CPUAdamStandIn and live is not adamw
+    placed = SimpleNamespace(optimizer=SimpleNamespace(optimizer=live))  # accelerate's wrapper > ZeRO's > the CPU Adam
+    schedule_the_stepping_optimizer(scheduler, placed)
+    live.load_state_dict(live.state_dict())  # a resume: ZeRO's checkpoint load gives the live groups new dicts
+    start_actor_schedule(scheduler, live, 0)
+    rates = []
+    for _ in range(3):
+        live.step()
+        scheduler.step()
+        rates.append([group["lr"] for group in live.param_groups])
+    assert rates[-1] == scheduler.get_last_lr()
+    assert [r[0] for r in rates] == pytest.approx([2.5e-4, 5e-4, 7.5e-4])  # the actor's warm-up, moving

@@ -145,6 +145,17 @@ def _optimizer_chain(optimizer: torch.optim.Optimizer) -> list:
     return chain
 
 
+def schedule_the_stepping_optimizer(lr_scheduler, optimizer: torch.optim.Optimizer) -> None:
+    """Point `lr_scheduler` at the optimizer that steps, the last of `optimizer`'s chain. Under DeepSpeed's optimizer
+    offload accelerate replaces the torch AdamW the schedules were built on by a DeepSpeedCPUAdam over its groups
+    (`map_pytorch_optim_to_deepspeed`); both shared the group dicts until a resume's load gave the live optimizer new
+    ones, and the schedules went on writing the replaced AdamW's: every rate froze where the resume left it (the
+    policy's at 0 where its warm-up began after the resume)."""
+    stepping = _optimizer_chain(optimizer)[-1]
+    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", stepping) is not stepping:
+        lr_scheduler.optimizer = stepping
+
+
 def _offloading_zero12(optimizer: torch.optim.Optimizer) -> list:
     """The ZeRO-1/2 optimizer in `optimizer`'s chain that offloads to the CPU (`offload_optimizer`), if any."""
     return [part for part in _optimizer_chain(optimizer) if getattr(part, "cpu_offload", False)]

@@ -82,6 +82,7 @@ from .distributed import (
     keep_fsdp2_outputs_as_computed,
     mark_offload_overflow,
     reset_adam_step,
+    schedule_the_stepping_optimizer,
     settle_offloaded_gradients,
     unwrapped_for_generation,
     uses_deepspeed,
@@ -695,6 +696,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             # FSDP2 shards the weights in place as it places them: the checkpoint's whole weights load before.
             self._load_weights(Path(resume_from_checkpoint))
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.actor_critic, self.optimizer)
+        schedule_the_stepping_optimizer(self.lr_scheduler, self.optimizer)  # (DeepSpeed's offload swaps it)
         self.models_placed = True  # (FSDP2 shards `actor_critic` in place: `model_wrapped` is the same object)
         self.generation_engine.weights_changed()  # placed: cast (DeepSpeed's bf16), sharded, moved
         for attr in ("model", "optimizer", "lr_scheduler"):
