@@ -146,6 +146,28 @@ def test_a_moe_policys_load_balancing_loss_is_the_one_its_own_forward_computes(t
     assert aux.requires_grad and torch.equal(logprobs, modeling.completion_logprobs(model, ids, attention, 5))
 
 
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_a_policy_whose_load_balancing_function_takes_other_parameters_runs_its_own_forward(moe):
+    """Doge's `load_balancing_loss_func` takes `num_keys` before `top_k`: called as Mixtral's, the attention mask
+    landed in `top_k`, a TypeError at the first scoring pass. Its own forward computes the loss instead."""
+    from transformers import DogeConfig
+
+    from trl_vapo import modeling
+
+    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    experts = dict(is_moe=True, num_experts=4, num_experts_per_tok=2) if moe else {}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DogeConfig(**shape, num_key_value_heads=1, keep_window_size=8, **experts))
+    ids = torch.randint(3, 30, (3, 12), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(ids)
+    attention[0, :3] = 0
+    _, _, aux = modeling.completion_logprobs(model, ids, attention, 5, with_aux_loss=True)
+    expected = model(input_ids=ids, attention_mask=attention, output_router_logits=True).aux_loss
+    assert (aux is None) == (expected is None) == (not moe)
+    if moe:
+        torch.testing.assert_close(aux, expected)
+
+
 def test_a_moe_policys_load_balancing_loss_joins_its_loss_never_the_critics(tmp_path):
     """`router_aux_loss_coef` weighs the routers' loss in the policy's step: from the same rollout, the policy's
     routers step elsewhere with it than without it, and the critic's step is the same; `aux_loss` is logged, the mean

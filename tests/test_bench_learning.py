@@ -440,6 +440,21 @@ def test_t_quantile_matches_the_table(probability, df, quantile):
         bench.t_quantile(1 - probability, df)  # a lower quantile is never what a caller wants here
 
 
+def test_a_paired_difference_pairs_by_seed_not_by_place():
+    """Arms run 5 or 10 seeds, and a run can be missing in the middle: differences pair the seeds both ran. Paired by
+    place in the lists, seed 2002's 0.9 would meet seed 2003's 0.5."""
+    arm = {2000: 0.8, 2001: 0.7, 2002: 0.9, 2003: 0.6}
+    comparator = {2000: 0.7, 2001: 0.6, 2003: 0.5}  # 2002 missing
+    mean, low, high, n = bench.paired_difference(arm, comparator)
+    assert n == 3 and mean == pytest.approx(0.1) and low == pytest.approx(0.1) and high == pytest.approx(0.1)
+    summary = bench.aggregate(
+        [synthetic_record("demo", "vapo", seed, [0.2, final]) for seed, final in arm.items()]
+        + [synthetic_record("demo", "grpo", seed, [0.2, final]) for seed, final in comparator.items()],
+        {"demo": "grpo"},
+    )["demo"]
+    assert summary["vapo"]["differences"]["grpo"]["final"][:2] == pytest.approx((0.1, 0.1))
+
+
 def test_a_paired_ratio_is_the_geometric_mean_of_the_per_seed_ratios_with_a_t_interval():
     """Times and memory as ratios to the comparator, paired by seed (they were ratios of means, without an
     interval): the interval of the mean log-ratio, taken back by exp, over the seeds both arms ran."""

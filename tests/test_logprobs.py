@@ -193,10 +193,16 @@ def tiny_config(family: str):
         return InklingTextConfig(**shape, **experts, logits_mup_width_multiplier=4.0, unpadded_vocab_size=unpadded)
     if family == "cohere":  # logits * logit_scale
         return CohereConfig(**shape, logit_scale=0.3)
+    if family == "mpt":  # a `logit_scale` its forward never applies (the tiles applied it)
+        from transformers import MptConfig
+
+        return MptConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=97, expansion_ratio=2, logit_scale=0.5)
     return GraniteConfig(**shape, logits_scaling=4.0)  # logits / logits_scaling
 
 
-@pytest.mark.parametrize("family", ["gemma2", "recurrent_gemma", "cohere", "granite", "inkling", "inkling-padded"])
+@pytest.mark.parametrize(
+    "family", ["gemma2", "recurrent_gemma", "cohere", "granite", "inkling", "inkling-padded", "mpt"]
+)
 def test_scaled_and_soft_capped_heads_equal_the_models_own_logits(family):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family))

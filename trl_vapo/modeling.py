@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import os
 import sys
@@ -445,6 +446,11 @@ def _load_balancing_loss(causal_lm: nn.Module):
     experts, top_k = getattr(causal_lm, "num_experts", None), getattr(causal_lm, "num_experts_per_tok", None)
     if compute is None or experts is None or top_k is None:
         return None
+    # Called as Mixtral's `(gate_logits, num_experts, top_k, attention_mask)`: a function of other parameters (Doge's
+    # takes `num_keys` before `top_k`: the mask landed in `top_k`, a TypeError at the first scoring pass) is the
+    # model's own forward's to call.
+    if list(inspect.signature(compute).parameters)[1:4] != ["num_experts", "top_k", "attention_mask"]:
+        return None
     return lambda router_logits, attention_mask: compute(router_logits, experts, top_k, attention_mask)
 
 
@@ -486,6 +492,8 @@ def _logit_transform(config) -> tuple[float, float | None]:
     """
     config = config.get_text_config()
     scale = getattr(config, "logit_scale", None)
+    if config.model_type == "mpt" or not isinstance(scale, (int, float)):
+        scale = None  # MPT's config holds one (a number, or "inv_sqrt_d_model") that transformers' MPT never applies
     for name in ("output_multiplier", "lm_head_multiplier"):
         scale = getattr(config, name, None) if scale is None else scale
     if scale is None and getattr(config, "logits_scaling", None) is not None:
