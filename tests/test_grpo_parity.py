@@ -706,7 +706,7 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
     settings = dict(max_steps=5, shuffle_dataset=False, save_strategy="epoch", eval_strategy="epoch")
     settings.update(per_device_eval_batch_size=4, num_generations_eval=2)
 
-    def run(name, dataset, resume=None):
+    def run(name, dataset, resume=None, stop=False):
         events = []
 
         class Epochs(TrainerCallback):
@@ -715,6 +715,7 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
 
             def on_epoch_end(self, args, state, control, **kwargs):
                 events.append(("end", state.global_step))
+                control.should_training_stop = stop
 
             def on_evaluate(self, args, state, control, **kwargs):
                 events.append(("evaluate", state.global_step))
@@ -736,6 +737,11 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
     for name, dataset in (("mapped", prompts_dataset(8)), ("streamed", prompts_dataset(8).to_iterable_dataset())):
         resumed, _ = run(name, dataset, resume=str(tmp_path / name / "out" / "checkpoint-2"))
         assert resumed == epochs[3:], name
+    # Stopped at the first epoch's end (EarlyStoppingCallback with eval_strategy="epoch"): no epoch begins after it
+    # (a stream began the next one, as its first rows were read, and never ended it).
+    for name, dataset in (("mapped", prompts_dataset(8)), ("streamed", prompts_dataset(8).to_iterable_dataset())):
+        stopped, _ = run(f"{name}-stopped", dataset, stop=True)
+        assert stopped == epochs[:3], name
 
 
 def test_the_epoch_moves_with_each_optimizer_step_as_grpos_does(tiny_model_dir, tmp_path):

@@ -518,6 +518,37 @@ def test_the_best_metric_drives_early_stopping_the_best_checkpoints_and_the_weig
     assert all(torch.equal(value, before[name]) for name, value in trainer.actor_critic.state_dict().items())
 
 
+def test_one_checkpoint_kept_ends_a_run_with_the_best_alone_and_its_metrics_name_the_epoch(tiny_model_dir, tmp_path):
+    """transformers ends a run with `save_total_limit=1` and a best checkpoint by deleting the others (the rotation
+    kept the newest beside the best, for a resume): both stayed. And `train()`'s metrics carry `epoch`, which
+    transformers' `log` writes into them (a copy was logged)."""
+    from trl_vapo.checkpoint import list_checkpoints
+
+    settings = {**EARLY_STOPPING, "save_strategy": "steps", "save_steps": 1, "save_total_limit": 1, "max_steps": 3}
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, eval_args(tmp_path, **settings), prompts_dataset(), prompts_dataset(3)
+    )
+    result = trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert not best.endswith(f"-{trainer.state.global_step}"), "the best must not be the last for this to mean much"
+    assert [c.name for c in list_checkpoints(tmp_path / "out")] == [best.rsplit("/", 1)[1]]
+    assert result.metrics["epoch"] == trainer.state.epoch > 0
+
+
+def test_a_scheduler_that_steps_on_a_metric_is_refused_before_the_first_rollout(tiny_model_dir, tmp_path):
+    """ReduceLROnPlateau (transformers steps it with an evaluation's metric) was stepped without one after the first
+    rollout had been sampled and trained on: a TypeError."""
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset())
+    sides = trainer.actor_critic
+    trainer.optimizer = torch.optim.AdamW(
+        [{"params": list(sides.policy_parameters()), "name": "policy"}, {"params": list(sides.critic_parameters())}]
+    )
+    trainer.lr_scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(trainer.optimizer)
+    with pytest.raises(ValueError, match="lr_scheduler is a ReduceLROnPlateau, which steps on an evaluation's metric"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 @pytest.mark.parametrize("sharded", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])
 def test_load_best_model_at_end_is_refused_where_the_weights_are_sharded(tmp_path, sharded):
     with pytest.raises(ValueError, match="load_best_model_at_end=True is not supported under.*best_model_checkpoint"):

@@ -677,6 +677,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._prompts.restart()  # where `progress` says, after a resume too
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # (its step() wants a metric)
+            raise ValueError(
+                "lr_scheduler is a ReduceLROnPlateau, which steps on an evaluation's metric: VAPO steps its schedules "
+                "once an optimizer step, each side's on its own (the actor's starts with RL). Use an "
+                "lr_scheduler_type (constant, constant_with_warmup, linear, cosine), or a scheduler whose step() "
+                "takes no argument."
+            )
         self._note_learning_rates()  # what a log reads even before the first step (an epoch end on resuming)
         if args.gradient_checkpointing or self.actor_critic.is_gradient_checkpointing:
             # Also where the model came with it on (peft's prepare_model_for_kbit_training, a user's
@@ -765,13 +772,18 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # The steps after the last log, logged at the step they end with (GRPOTrainer averages them into the summary
         # row, which has no phase: the curves, the model card and the summary's last logs left them out).
         self._log_pending_metrics()
-        self.log(dict(metrics))  # before on_train_end, which closes the trackers' writers
+        self.log(metrics)  # before on_train_end, which closes the trackers' writers; it adds `epoch`, as transformers
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # as transformers: the last checkpoint's upload ends with the run
         newest = ckpt.list_checkpoints(args.output_dir)[-1:] if args.push_to_hub else []
         if newest and self.is_world_process_zero():  # what the uploads read, past save_total_limit until now
             self._rotate_checkpoints(newest[0])
+        best = self.state.best_model_checkpoint
+        if args.save_total_limit == 1 and best is not None and self.is_world_process_zero():
+            # As transformers ends a run with one checkpoint kept: the best alone (the rotation kept the newest beside
+            # it, for a resume).
+            ckpt.rotate_checkpoints(args.output_dir, 1, keep=[Path(best)])
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
@@ -969,7 +981,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         Then the next epoch begins."""
         self._end_epoch(epochs_done=self.progress.data_epoch)  # (`progress` is at the next epoch's start)
         self._save_if_pending()
-        self._begin_epoch()
+        if not self.control.should_training_stop:  # (a stop asked at the epoch's end begins none: it would never end)
+            self._begin_epoch()
 
     def _next_rows(self) -> list[dict[str, Any]]:
         """This process's share of the next rollout: each prompt repeated `num_generations` times. A stream that ran
