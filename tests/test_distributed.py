@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -291,6 +292,39 @@ def test_fsdp2_resumes_exactly(tiny_model_dir, tmp_path, reference, fsdp2_two_ra
     assert sorted(step_logs(run)) == [3, 4, 5, 6, 7, 8]
     assert_same_state(run, reference)  # the optimizer state resumed too
     assert_saved_as_loaded(run)
+
+
+def test_an_fsdp2_optimizer_state_of_other_parameters_is_refused(tmp_path):
+    """FSDP2's optimizer state is saved by parameter name and loaded leniently (the policy's weights, held out of
+    value pretraining, have none): torch dropped the state of a parameter the run lacks and started Adam afresh for
+    one the checkpoint lacks, without a word. The real saving and loading functions, on a model torch's state-dict
+    functions take unsharded as they take a sharded one."""
+    from trl_vapo.distributed import fsdp2_optimizer_state, load_fsdp2_optimizer_state
+
+    def two_layers(head: str = "1"):
+        model = torch.nn.Sequential()
+        model.add_module("0", torch.nn.Linear(2, 2))
+        model.add_module(head, torch.nn.Linear(2, 1))
+        return model, torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+
+    model, optimizer = two_layers()
+    model(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    torch.save(fsdp2_optimizer_state(model, optimizer), tmp_path / "optimizer.pt")
+    same, same_optimizer = two_layers()
+    load_fsdp2_optimizer_state(same, same_optimizer, tmp_path / "optimizer.pt")
+    assert [state["step"] for state in same_optimizer.state.values()] == [1, 1, 1, 1]
+    other, other_optimizer = two_layers(head="head")
+    refused = (
+        rf"Cannot resume from {re.escape(str(tmp_path))}: its optimizer state is of other parameters: "
+        r"2 saved parameters this run does not train \(1.bias, 1.weight...\); "
+        r"2 trained ones it has no state for \(head.bias, head.weight...\)"
+    )
+    with pytest.raises(ValueError, match=refused):
+        load_fsdp2_optimizer_state(other, other_optimizer, tmp_path / "optimizer.pt")
+    regrouped = torch.optim.AdamW([{"params": same.parameters()}])  # the same parameters, one group
+    with pytest.raises(ValueError, match=r"the same parameters in 2 groups, where this run has 1\. "):
+        load_fsdp2_optimizer_state(same, regrouped, tmp_path / "optimizer.pt")
 
 
 @pytest.mark.cuda

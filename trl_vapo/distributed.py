@@ -503,6 +503,37 @@ def fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     return get_optimizer_state_dict(model, _optimizer_chain(optimizer)[-1], options=options)
 
 
+def fsdp2_optimizer_state_problem(
+    saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> str | None:
+    """Why `fsdp2_optimizer_state`'s `saved` cannot be the state of `optimizer` (the torch optimizer) over `model`'s
+    parameters, or None: its parameter groups name other parameters. The loader must be lenient (``strict=False``:
+    the policy's weights held out of value pretraining have no state), and so it drops the saved state of a
+    parameter this run lacks and starts Adam afresh for one the saved run lacked, without a word."""
+    # The names torch's state dicts use: without a checkpoint wrapper's or torch.compile's module in the path.
+    names = {
+        id(param): name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        for name, param in model.named_parameters()
+    }
+    current = [{names.get(id(param), "?") for param in group["params"]} for group in optimizer.param_groups]
+    stored = [set(group["params"]) for group in saved["param_groups"]]
+    if stored == current:
+        return None
+    lacking = sorted(set().union(*stored) - set().union(*current))
+    untracked = sorted(set().union(*current) - set().union(*stored))
+    differences = []
+    if lacking:
+        differences.append(f"{len(lacking)} saved parameters this run does not train ({', '.join(lacking[:3])}...)")
+    if untracked:
+        differences.append(f"{len(untracked)} trained ones it has no state for ({', '.join(untracked[:3])}...)")
+    if not differences:
+        differences.append(f"the same parameters in {len(stored)} groups, where this run has {len(current)}")
+    return (
+        f"its optimizer state is of other parameters: {'; '.join(differences)}. The checkpoint's run trained other "
+        "modules or adapters: resume with the settings and the trl-vapo version that wrote it, or start a new run"
+    )
+
+
 def load_fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
     """Load what `fsdp2_optimizer_state` saved at `path` into the sharded optimizer (every rank reads the file).
 
@@ -515,6 +546,8 @@ def load_fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     # Mapped, not read: the processes of a node share the file's pages, where each held a whole copy of the state
     # (twice the weights in float32: 64 GB for an 8B model, on each of 8 processes) to take its shard from.
     saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if problem := fsdp2_optimizer_state_problem(saved, model, inner):
+        raise ValueError(f"Cannot resume from {Path(path).parent}: {problem}")
     set_optimizer_state_dict(model, inner, saved, options=StateDictOptions(full_state_dict=True, strict=False))
     for name, param in model.named_parameters():
         if name not in saved["state"]:
