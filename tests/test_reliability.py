@@ -716,6 +716,17 @@ def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_
         check_resumable(checkpoint, saved, first._fingerprint())
     del saved["fsdp"]  # an earlier version's checkpoint, which did not record it: taken as this run's
     check_resumable(checkpoint, saved, first._fingerprint())
+    # An older trl-vapo seeded each epoch's order by seed + epoch: its epoch 0 is this version's, and from an epoch's
+    # start a resume goes on in this version's order; partway through a later epoch it would read other prompts.
+    from trl_vapo.checkpoint import ONE_GENERATOR
+
+    fingerprint = first._fingerprint()
+    assert fingerprint["data_order"] == f"shuffled with seed 0 (data_seed, else seed){ONE_GENERATOR}"
+    saved["data_order"] = fingerprint["data_order"].removesuffix(ONE_GENERATOR)
+    check_resumable(checkpoint, saved, fingerprint, {"data_epoch": 0, "data_index": 8})
+    check_resumable(checkpoint, saved, fingerprint, {"data_epoch": 2, "data_index": 0})
+    with pytest.raises(ValueError, match=r"8 prompts into epoch 1, whose order the trl-vapo that wrote it drew by"):
+        check_resumable(checkpoint, saved, fingerprint, {"data_epoch": 1, "data_index": 8})
     # An optimizer state of other parameters (an older trl-vapo's critic adapter also adapted an LM head named in
     # target_modules, which the fingerprint does not record): torch's error said a group "doesn't match the size".
     state = torch.load(checkpoint / "optimizer.pt", weights_only=True)

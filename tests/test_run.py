@@ -88,6 +88,9 @@ def test_the_cursor_reads_each_epoch_in_its_order_and_resumes_where_progress_say
     assert cursor.epoch(progress) == pytest.approx(1.8) and not ended  # a map-style epoch ends in the trainer
     again = PromptCursor(data, 4, shuffle=True, seed=3)  # a resumed run: the same rows from the saved place
     assert [r["prompt"] for r in again.next(TrainingProgress(data_epoch=1, data_index=4), lambda: None)] == read[3]
+    third = [r["prompt"] for r in cursor.next(progress, lambda: None)]  # the generator drawn on, not replayed
+    fresh = PromptCursor(data, 4, shuffle=True, seed=3).next(TrainingProgress(data_epoch=2), lambda: None)
+    assert third == [r["prompt"] for r in fresh] != read[0]
     plain = PromptCursor(data, 4, shuffle=False, seed=3)
     assert [r["prompt"] for r in plain.next(TrainingProgress(), lambda: None)] == ["p0", "p1", "p2", "p3"]
 

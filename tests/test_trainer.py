@@ -1676,7 +1676,10 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     with pytest.raises(ValueError, match=r"train_prompts: checkpoint 64, this run 48"):
         run("full", resume=str(checkpoint), prompts=48)
     # Another order of the same prompts: the position would skip some and repeat others.
-    order = r"data_order: checkpoint 'shuffled with seed 0 \(data_seed, else seed\)', this run 'shuffled with seed 7 "
+    order = (
+        r"data_order: checkpoint 'shuffled with seed 0 \(data_seed, else seed\), each epoch the next permutation of "
+        r"one generator', this run 'shuffled with seed 7 "
+    )
     with pytest.raises(ValueError, match=order):
         run("full", resume=str(checkpoint), data_seed=7)
     from trl_vapo.checkpoint import data_order  # the same order, whichever field holds its seed

@@ -635,6 +635,10 @@ def adapter_settings(policy) -> dict[str, Any] | None:
     return json.loads(json.dumps(config, sort_keys=True, default=str))  # as the marker reads back
 
 
+# `PromptCursor`'s epochs as permutations in turn of one generator; an older trl-vapo seeded epoch e by seed + e.
+ONE_GENERATOR = ", each epoch the next permutation of one generator"
+
+
 def data_order(args, streamed: bool = False) -> str:
     """What orders the training prompts (`PromptCursor`): a shuffle by `data_seed`, else `seed`, or none; for a stream,
     also the filter of `drop_long_prompts`, which drops its long prompts as they arrive: its saved position counts the
@@ -644,6 +648,8 @@ def data_order(args, streamed: bool = False) -> str:
         if args.shuffle_dataset
         else "in the data set's order (shuffle_dataset=False)"
     )
+    if args.shuffle_dataset and not streamed:
+        order += ONE_GENERATOR
     if streamed and args.drop_long_prompts and args.max_prompt_length is not None:
         order += f", its prompts longer than {args.max_prompt_length} tokens dropped (drop_long_prompts)"
     return order
@@ -699,8 +705,11 @@ def optimizer_state_problem(state: dict[str, Any], optimizer: torch.optim.Optimi
     )
 
 
-def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote."""
+def check_resumable(
+    path: Path, saved: dict[str, Any], current: dict[str, Any], position: dict[str, Any] | None = None
+) -> None:
+    """Refuse to resume, naming every difference, from a checkpoint another kind of run wrote (`position`: its
+    `TrainingProgress`, as saved)."""
     # Older checkpoints predate these keys; their critic and value-pretraining passes were both `num_iterations`, and
     # their data set went unrecorded.
     defaults = {key: saved.get("num_iterations") for key in ("critic_num_iterations", "value_pretrain_num_iterations")}
@@ -708,6 +717,19 @@ def check_resumable(path: Path, saved: dict[str, Any], current: dict[str, Any]) 
         key: current.get(key) for key in ("train_prompts", "data_order", "policy_adapter", "base_weights", "fsdp")
     }
     saved = {"deepspeed": False, **unrecorded, **defaults, **saved}
+    order = current.get("data_order") or ""
+    if order.endswith(ONE_GENERATOR) and saved["data_order"] == order.removesuffix(ONE_GENERATOR):
+        # An older trl-vapo's: its epoch 0 is this version's, a later epoch's order was seeded by seed + epoch. From
+        # an epoch's start this run goes on in its own order; partway through one, it would read other prompts.
+        epoch, index = ((position or {}).get(key, 0) for key in ("data_epoch", "data_index"))
+        if epoch >= 1 and index > 0:
+            raise ValueError(
+                f"Cannot resume from {path}: it is {index} prompts into epoch {epoch}, whose order the trl-vapo that "
+                "wrote it drew by seed + epoch, where this version draws each epoch's in turn from one generator (the "
+                "prompts this run would read next are not the rest of that epoch's). Resume with the trl-vapo version "
+                "that wrote it, or from a checkpoint of its first epoch, or start a new run."
+            )
+        saved["data_order"] = order
     differences = [_difference(key, saved.get(key), current[key]) for key in current if key != "model"]
     differences = [difference for difference in differences if difference]
     if differences:
@@ -1171,7 +1193,7 @@ class SavingMixin:
                 "resume_from_checkpoint=True to take the newest one that reads."
             )
         marker = read_marker(path)
-        check_resumable(path, marker["run"], self._fingerprint())
+        check_resumable(path, marker["run"], self._fingerprint(), marker.get("progress"))
         changes = changed_inputs(marker.get("inputs"), self._run_inputs()) if self.accelerator.is_main_process else []
         if changes:
             logger.warning(f"Resuming from {path.name}, whose run had other inputs: " + "; ".join(changes) + ".")

@@ -139,6 +139,7 @@ class PromptCursor:
     def restart(self) -> None:
         """Forget what was read ahead: the next rows are where the progress given to `next` says (a resume)."""
         self._order: tuple[int | None, torch.Tensor | None] = (None, None)  # (epoch, its permutation)
+        self._generator: torch.Generator | None = None  # where the next epoch's permutation comes from
         self._stream: tuple[int | None, Any] = (None, None)  # (epoch, its iterator at the progress's row)
 
     def next(self, progress: TrainingProgress, on_epoch_end: Callable[[], None]) -> list[dict[str, Any]]:
@@ -202,11 +203,12 @@ class PromptCursor:
             if self.shuffle:
                 # The epochs' permutations in turn from one generator seeded once (GRPOTrainer's `RepeatSampler`):
                 # seeded by `seed + epoch`, seed s's epoch e+1 was seed s+1's epoch e, so runs of neighbouring seeds
-                # shared all but one epoch's order. (Replayed from the seed after a resume: one randperm an epoch.)
-                generator = torch.Generator().manual_seed(self.seed)
-                for _ in range(epoch + 1):
-                    order = torch.randperm(size, generator=generator)
-                self._order = (epoch, order)
+                # shared all but one epoch's order. A resume replays the generator from the seed to its epoch.
+                if self._generator is None or self._order[0] is None or epoch != self._order[0] + 1:
+                    self._generator = torch.Generator().manual_seed(self.seed)
+                    for _ in range(epoch):
+                        torch.randperm(size, generator=self._generator)
+                self._order = (epoch, torch.randperm(size, generator=self._generator))
             else:
                 self._order = (epoch, torch.arange(size))
         return self._order[1]
