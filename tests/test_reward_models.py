@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -258,14 +259,16 @@ def test_an_async_function_reads_its_own_copy_of_the_batch_and_a_forked_process_
     async def reads_late(prompts, completions, **kwargs):
         await asyncio.sleep(0.2)  # reads after the synchronous judge has run
         seen.append([len(p) for p in prompts] + [len(c) for c in completions])
-        return [1.0] * len(prompts)
+        return [1.0 if lock is env else 0.5 for lock in kwargs["env"]]
 
     def appends(prompts, completions, **kwargs):  # a judge that keeps its verdict in the conversation
         for messages in (*prompts, *completions):
             messages.append({"role": "user", "content": "judged"})
         return [0.0] * len(prompts)
 
-    rows = [{"prompt": [{"role": "user", "content": "1+1="}]}, {"prompt": [{"role": "user", "content": "2+2="}]}]
+    # A rollout function's field the row carries as it is: an environment's handle, which no copy can be made of.
+    env = threading.Lock()
+    rows = [{"prompt": [{"role": "user", "content": f"{n}+{n}="}], "env": env} for n in (1, 2)]
     scorer = RewardScorer([appends, reads_late], conversational=True)  # (the synchronous one runs first)
     assert scorer.score(rows, ["2", "4"]).per_function.tolist() == [[0.0, 1.0], [0.0, 1.0]]
     assert seen == [[1, 1, 1, 1]]  # the batch as given: one message each

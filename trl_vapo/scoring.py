@@ -376,7 +376,8 @@ class RewardScorer:
 
         `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
         start first and run concurrently with each other and with the synchronous ones, each on its own copy of the
-        batch (GRPOTrainer starts them after the synchronous ones end, then runs them concurrently with each other).
+        prompts and completions (GRPOTrainer starts them after the synchronous ones end, then runs them concurrently
+        with each other).
         A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
         rows, messages = self._as_messages(rows, completions)
@@ -387,12 +388,9 @@ class RewardScorer:
             "log_extra": log_extra or (lambda column, values: None),
         }
         thinking = prompt_opens_think if prompt_opens_think is not None and any(prompt_opens_think) else None
-        # Each async function reads its own copy of the batch: it runs beside the synchronous ones, one of which may
-        # edit what it is given (a judge appending to a prompt's messages).
+        copies = {j: _own_messages(rows, messages) for j, func in enumerate(self.funcs) if is_async(func)}
         started = {
-            j: run_async(func(**_arguments(func, *copy.deepcopy((rows, messages, ids)), common, thinking)))
-            for j, func in enumerate(self.funcs)
-            if is_async(func)
+            j: run_async(self.funcs[j](**_arguments(self.funcs[j], *copies[j], ids, common, thinking))) for j in copies
         }
         per_function = torch.full((len(rows), len(self.funcs)), math.nan)
         non_finite = torch.zeros(len(rows), len(self.funcs), dtype=torch.bool)
@@ -401,9 +399,7 @@ class RewardScorer:
                 try:
                     returned = started[j].result()
                 except Exception as error:  # called one by one to name the first sample it fails on, then raised
-                    _raise_naming_the_failing_sample(
-                        _blocking(func), name, rows, messages, ids, common, error, thinking
-                    )
+                    _raise_naming_the_failing_sample(_blocking(func), name, *copies[j], ids, common, error, thinking)
                 values = _checked_values(returned, name, len(rows))
             else:
                 values = self.call(func, name, rows, messages, ids, common, thinking)
@@ -539,6 +535,15 @@ def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list
         {**row, **{name: values[i] if isinstance(values, list) else values for name, values in fields.items()}}
         for i, row in enumerate(rows)
     ]
+
+
+def _own_messages(rows: list[dict[str, Any]], completions: list) -> tuple[list[dict[str, Any]], list]:
+    """The rows with a copy of their prompts, and a copy of the completions: what an async function reads, beside the
+    synchronous functions, one of which may edit what it is given (a judge appending to a prompt's messages). The
+    other columns are passed as they are: a rollout function's environment handle (a lock, a socket) cannot be
+    copied, and an image column would be copied for nothing."""
+    prompts, completions = copy.deepcopy(([row["prompt"] for row in rows], completions))
+    return [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)], completions
 
 
 def _arguments(
