@@ -268,8 +268,24 @@ def test_config_values_out_of_range_fail_at_config_time(tmp_path, overrides, nee
 def test_a_lam_actor_that_length_adaptive_gae_overrides_is_named():
     """With `length_adaptive_alpha` set (the default), each completion's lambda is 1 - 1/(alpha l): `lam_actor` is
     not read, and a user who set it is told so (its help and the docs' "vanilla PPO" recipe set both)."""
-    with pytest.warns(UserWarning, match=r"lam_actor=0.9 is not used: with length_adaptive_alpha=0.05"):
-        VAPOConfig(output_dir="unused", lam_actor=0.9, report_to="none")
+    with pytest.warns(UserWarning, match=r"lam_actor=0.9 is not used: with length_adaptive_alpha=0.05") as warned:
+        args = VAPOConfig(output_dir="unused", lam_actor=0.9, report_to="none")
+    assert [w.filename for w in warned] == [__file__]  # where the user built it
+    # Checked again where the trainer is built (for the fields set since): the same warning is not given twice.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args.check_again()
+    args.lam_actor = 0.8
+    with pytest.warns(UserWarning, match=r"lam_actor=0.8 is not used") as warned:
+        args.check_again()
+    assert [w.filename for w in warned] == [__file__]
+    # A derived default's refusal says it was derived; one set after the config was built is not.
+    args.learning_rate, args.critic_learning_rate = 0.0, 0.0
+    with pytest.raises(ValueError, match=r"critic_learning_rate must be > 0, got 0.0.$"):
+        args.check_again()
+    args.critic_learning_rate = None
+    with pytest.raises(ValueError, match=r"got 0.0 \(2 x learning_rate=0.0, its default\).$"):
+        args.check_again()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         VAPOConfig(output_dir="unused", lam_actor=0.9, length_adaptive_alpha=None, report_to="none")

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -802,10 +803,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         # (a hyperparameter search's `setattr`).
         for name in ("critic_learning_rate", "critic_num_iterations", "value_pretrain_num_iterations"):
             setattr(self, name, given(getattr(self, name)))
-        self._critic_rate_derived = self.critic_learning_rate is None
         self._derive_defaults()
         self._resolve_batch_sizes()
-        self._validate()
+        self._validate_warning_once()
         self._initialized = True
 
     def _derive_defaults(self) -> None:
@@ -836,9 +836,23 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             self._check_number_fields()
             self._derive_defaults()
             self._resolve_batch_sizes()
-            self._validate()
+            self._validate_warning_once()
         finally:
             self.__dict__["_initialized"] = True
+
+    def _validate_warning_once(self) -> None:
+        """`_validate`, each of its warnings given once by this config (`check_again` validates it a second time)."""
+        warned, caught = self.__dict__.setdefault("_warned", set()), []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self._validate()
+        finally:
+            where = _user_frame()
+            for warning in caught:
+                if str(warning.message) not in warned:
+                    warned.add(str(warning.message))
+                    warnings.warn_explicit(warning.message, warning.category, where.f_code.co_filename, where.f_lineno)
 
     def to_dict(self) -> dict[str, Any]:
         """transformers' serialisation (a `*_token` field's value hidden), with a credential inside a dict field hidden
@@ -1154,7 +1168,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             warnings.warn(
                 f"lam_actor={self.lam_actor} is not used: with length_adaptive_alpha={self.length_adaptive_alpha} "
                 "each completion's lambda is 1 - 1/(alpha * length). Set length_adaptive_alpha=None to use lam_actor.",
-                stacklevel=3,
+                stacklevel=2,  # (given where the user's code called: `_validate_warning_once`)
             )
         require(
             0.0 <= self.top_entropy_quantile <= 1.0,
@@ -1214,7 +1228,11 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         require(
             self.critic_learning_rate > 0,
             f"critic_learning_rate must be > 0, got {self.critic_learning_rate}"
-            + (f" (2 x learning_rate={self.learning_rate}, its default)." if self._critic_rate_derived else "."),
+            + (
+                f" (2 x learning_rate={self.learning_rate}, its default)."
+                if isinstance(self.critic_learning_rate, Derived)
+                else "."
+            ),
         )
         require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}.")
         require(
@@ -1510,6 +1528,18 @@ class DerivedFloat(float, Derived):
 
 class DerivedInt(int, Derived):
     pass
+
+
+def _user_frame():
+    """The innermost frame outside this package (and the dataclass's generated ``__init__``): the user's call that
+    built or checked a config, where its warnings point."""
+    frame = sys._getframe(1)
+    package = os.path.dirname(os.path.abspath(__file__))
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"
+    ):
+        frame = frame.f_back
+    return frame
 
 
 def given(value):
