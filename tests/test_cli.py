@@ -13,6 +13,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy
 import pytest
 from transformers import AutoModelForCausalLM
 
@@ -1527,9 +1528,9 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
 
     # A problem partly scored is one problem: avg@k is the mean over problems of each one's share correct among its
     # scored samples (one right of one scored, and four wrong: 0.5, where the share pooled over samples read 0.2).
-    # pass@k is over the problems whose k samples were all scored (here the second alone): an unscored sample may
-    # have been the hit, so a partly scored problem's pass@4 is unknown (a problem whose scored samples all missed
-    # counted as a miss).
+    # pass@k is over the problems whose k samples were all scored (here the second alone), the first left out though
+    # its scored sample hit: counting such problems, and leaving out those whose scored samples all missed (whose
+    # hit may be unscored), would read pass@k high (a problem whose scored samples all missed counted as a miss).
     def partly(completions, answer, **kwargs):
         return [(1.0 if i % 4 == 0 else None) if a == "0" else -1.0 for i, a in enumerate(answer)]
 
@@ -1540,7 +1541,9 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
     def misses_partly(completions, answer, **kwargs):  # the first problem: one miss scored of four
         return [(-1.0 if i % 4 == 0 else None) if a == "0" else 1.0 for i, a in enumerate(answer)]
 
-    result = evaluate_policy(model, tokenizer, data.select([0, 1]), misses_partly, k=4, max_new_tokens=2, greedy=False)
+    k = numpy.int64(4)  # (a sweep's grid: numpy's integers are whole numbers too)
+    result = evaluate_policy(model, tokenizer, data.select([0, 1]), misses_partly, k=k, max_new_tokens=2, greedy=False)
+    assert type(result.k) is int and "pass@4" in result.as_dict()
     assert (result.avg_at_k, result.pass_at_k, result.num_problems, result.num_partly_scored) == (0.5, 1.0, 2, 1)
 
     # A tokenizer without a pad token (Llama's, as loaded): padded with its EOS, as training pads, where the first

@@ -498,6 +498,13 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     # held-out before / after, metrics, critic
     assert "| pass@1 (greedy) | 0.615 | 0.980 |" in content and "| avg@4 (sampled) | 0.401 | 0.895 |" in content
     assert "200 held-out problems, 4 samples each at T=1" in content
+    assert "(of those whose k samples were all scored)." in content
+    # Problems some of whose samples no reward scored are left out of pass@k: the card says how many.
+    from trl_vapo.model_card import _held_out_section
+
+    partly = {**HELD_OUT, "after": {**HELD_OUT["after"], "num_partly_scored": 3}}
+    section = _held_out_section(partly)
+    assert "all scored; 0 partly scored problems left out before training, 3 after)." in section
     assert "| reward | -0.500 | +0.900 |" in content and "140 optimizer steps" in content
     assert "separate model" in content and "`critic/`" in content and "`value_pretrained_critic/`" in content
     assert "@article{yue2025vapo" in content and "@software{vonwerra2020trl" in content

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import numbers
 import time
 import warnings
 from collections import defaultdict
@@ -199,8 +200,9 @@ def evaluate_policy(
     `repetition_penalty` (a processor, where `top_k` and `min_p` shape sampling alone). `max_prompt_length`:
     training's, the prompts cut as training cut them.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # else it sampled the whole set, then failed
-        raise ValueError(f"k (samples per prompt) must be a whole number >= 1, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:  # else it sampled the whole set, then
+        raise ValueError(f"k (samples per prompt) must be a whole number >= 1, got {k!r}")  # failed
+    k = int(k)  # (numpy's integers too: a sweep's grid)
     rows = list(dataset) if isinstance(dataset, IterableDataset) else dataset.to_list()
     if not rows:
         raise ValueError("The data set to evaluate on is empty: pass one with at least one prompt.")
@@ -302,8 +304,10 @@ class ProblemOutcomes:
         # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
         # problem with one sample scored of k counted k times less).
         shares = (hits * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
-        # pass@k: over the problems whose k samples were all scored. A problem's unscored sample may have been the
-        # hit, so counting it as a miss read pass@k low, and counting only the scored ones read a pass@(scored).
+        # pass@k: over the problems whose k samples were all scored (`num_partly_scored` says how many are not). A
+        # problem whose scored samples all missed may have had its hit among the others: counted a miss it read
+        # pass@k low; left out while one whose scored samples hit is counted, high; the scored ones alone read a
+        # pass@(scored). Where samples go unscored at random, the problems scored whole estimate it without bias.
         whole = scored.all(dim=1)
         return EvaluationResult(
             pass_at_1=pass_at_1,

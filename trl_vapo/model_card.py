@@ -329,11 +329,15 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
         rows.append(f"| {label} | {format_finite(fmt, before[key])} | {format_finite(fmt, after[key])} |")
     count = before.get("num_problems")
     description = held_out.get("description") or (f"{count} held-out problems" if count else "held-out problems")
+    partly = [report.get("num_partly_scored", 0) for report in (before, after)]
+    left_out = (
+        f"; {partly[0]} partly scored problems left out before training, {partly[1]} after" if any(partly) else ""
+    )
     return (
         "## Evaluation\n\n"
         f"Scored before and after training by the training reward functions on {description}: pass@1 decodes "
         "greedily; avg@k is the mean fraction of k samples judged correct, pass@k the fraction of problems with at "
-        "least one (of those whose k samples were all scored).\n\n" + "\n".join(rows)
+        f"least one (of those whose k samples were all scored{left_out}).\n\n" + "\n".join(rows)
     )
 
 
