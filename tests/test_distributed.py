@@ -630,6 +630,26 @@ def test_zero3_weights_are_gathered_for_saving_one_module_at_a_time(tiny_model_d
     assert all(len({owners[id(p)] for p in params}) <= 1 for params in gathered)
 
 
+def test_a_deepspeed_configs_auto_values_follow_a_field_set_after_the_config_was_built(tmp_path):
+    """transformers fills a DeepSpeed config's "auto" values as the config is built: a gradient_accumulation_steps set
+    after it (as TrainingArguments are set) left DeepSpeed accumulating over the old value, and VAPO over the new one;
+    a value the DeepSpeed config gives, which the new field contradicts, is refused as at construction."""
+    from trl_vapo import VAPOConfig
+
+    sizes = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    auto = {"zero_optimization": {"stage": 2}} | {key: "auto" for key in sizes}
+    fields = dict(per_device_train_batch_size=8, num_generations=4, report_to="none")
+    args = VAPOConfig(output_dir=str(tmp_path), deepspeed=auto, **fields)
+    args.gradient_accumulation_steps = 4
+    args.check_again()
+    filled = args.deepspeed_plugin.hf_ds_config.config
+    assert [filled[key] for key in sizes] == [8, 4, 32] and args.generation_batch_size == 32
+    args = VAPOConfig(output_dir=str(tmp_path), deepspeed={**auto, "gradient_accumulation_steps": 1}, **fields)
+    args.gradient_accumulation_steps = 4
+    with pytest.raises(ValueError, match=r"contradict VAPOConfig's: .*gradient_accumulation_steps"):
+        args.check_again()
+
+
 def test_the_schedules_write_the_rates_of_the_optimizer_deepspeeds_offload_swaps_in(monkeypatch):
     """Under DeepSpeed's optimizer offload accelerate replaces the torch AdamW the schedules were built on by a
     DeepSpeedCPUAdam over its groups (`map_pytorch_optim_to_deepspeed`); a resume's `load_state_dict` gave that one

@@ -830,12 +830,21 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         """The sizes derived and the checks made at construction, again, for the fields set since (transformers'
         TrainingArguments are set so: `args.gradient_accumulation_steps = 4`, where the rollout size derived from the
         old value planned a run of 0 steps, and `args.num_generations = 16` failed once the models had loaded). A
-        derived size follows its fields again; a given one stays. The trainer calls it before anything loads."""
+        derived size follows its fields again; a given one stays, and a DeepSpeed config's "auto" values are filled
+        again (DeepSpeed accumulated over the old gradient_accumulation_steps). The trainer calls it before anything
+        loads."""
         self.__dict__["_initialized"] = False  # (what is derived here stays marked `Derived`: see __setattr__)
         try:
             self._check_number_fields()
             self._derive_defaults()
             self._resolve_batch_sizes()
+            if self.deepspeed:  # its "auto" values, filled from the fields as they were built (transformers' step 12)
+                from accelerate.utils import DeepSpeedPlugin
+                from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+                self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(self.deepspeed)
+                self.hf_deepspeed_config.trainer_config_process(self)
+                self.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=self.hf_deepspeed_config)
             self._validate_warning_once()
         finally:
             self.__dict__["_initialized"] = True
