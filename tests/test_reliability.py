@@ -2438,3 +2438,36 @@ def test_a_scheduler_of_the_users_own_is_said_to_run_through_value_pretraining()
         warnings.simplefilter("error")
         start_actor_schedule(side_schedules(optimizer, "linear", lambda total: 0, 10, 5, None), optimizer, 5)
         start_actor_schedule(get_constant_schedule_with_warmup(optimizer, 4), optimizer, 0)  # no value pretraining
+
+
+def test_stop_signals_the_run_cannot_catch_are_named_before_it_trains(tiny_model_dir, tmp_path, caplog):
+    """A stop signal with a handler of its own (submitit's, a user's) or training outside the main thread (a worker
+    thread of Ray or of a notebook's runner) ends the run without a checkpoint: said before it trains, where nothing
+    was said."""
+    import threading
+
+    from trl_vapo.signals import stop_on_signals
+
+    with stop_on_signals() as received:
+        assert received.uncaught == {}
+    own = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    try:
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=1), prompts_dataset())
+        with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+            trainer.train()
+        said = "These stop signals will not write a checkpoint before the run ends: SIGUSR1 (its handler is "
+        assert said + "test_stop_signals_the_run_cannot_catch_are_named_before_it_trains.<locals>.<lambda>'s)" in (
+            caplog.text
+        )
+    finally:
+        signal.signal(signal.SIGUSR1, own)
+    uncaught = []
+
+    def in_a_thread():
+        with stop_on_signals() as received:
+            uncaught.append(received.uncaught)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert uncaught == [{name: "training runs outside the main thread" for name in ("SIGTERM", "SIGINT", "SIGUSR1")}]

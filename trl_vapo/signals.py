@@ -26,6 +26,9 @@ class _Received:
     signum: int | None = None
     at: float = 0.0
 
+    def __init__(self) -> None:
+        self.uncaught: dict[str, str] = {}  # each stop signal not caught, and why: its stop writes no checkpoint
+
 
 SIGNAL_REPEAT_WINDOW = 5.0
 """Seconds after the first stop signal in which another is the same request, not a second one: under `torchrun`,
@@ -45,9 +48,10 @@ def stop_on_signals(signums=STOP_SIGNALS):
     rollout and write a checkpoint. A repeat within `SIGNAL_REPEAT_WINDOW` seconds is the same request (the launcher
     forwarding it); a later one acts as it would have without this handler (SIGTERM and SIGUSR1 end the process,
     SIGINT raises KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and for signals a caller
-    already handles, nothing changes."""
+    already handles (submitit's, a user's), nothing changes, and `received.uncaught` says which and why."""
     received = _Received()
     if threading.current_thread() is not threading.main_thread():
+        received.uncaught = {signal.Signals(s).name: "training runs outside the main thread" for s in signums}
         yield received
         return
     previous = {}
@@ -68,8 +72,12 @@ def stop_on_signals(signums=STOP_SIGNALS):
             os.write(2, b"already stopping after this rollout\n")
 
     for signum in signums:
-        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+        handler = signal.getsignal(signum)
+        if handler in (signal.SIG_DFL, signal.default_int_handler):
             previous[signum] = signal.signal(signum, note)
+        elif handler is not signal.SIG_IGN:  # (an ignored signal stops nothing)
+            own = getattr(handler, "__qualname__", None) or repr(handler)  # (None: set outside Python)
+            received.uncaught[signal.Signals(signum).name] = f"its handler is {own}'s"
     try:
         yield received
     finally:

@@ -735,6 +735,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self.evaluate()
         self.model_wrapped.train()
         with stop_on_signals() as received:
+            if received.uncaught:
+                logger.warning(
+                    "These stop signals will not write a checkpoint before the run ends: "
+                    + "; ".join(f"{name} ({why})" for name, why in received.uncaught.items())
+                    + ". Such a stop loses what was trained since the last checkpoint."
+                )
 
             def stop_if_signalled() -> None:
                 asked = self._all_reduce(torch.tensor(float(received.signum is not None), device=self.args.device))
