@@ -1211,6 +1211,31 @@ def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp
     assert said[1] == "held" and said[0].startswith(f"Another run is writing to {tmp_path}: PID "), said
 
 
+def test_a_process_the_run_forked_does_not_keep_its_lock_after_it_dies(tmp_path):
+    """A `flock` belongs to the open file, which a forked child (a reward function's `multiprocessing` worker) shares:
+    the run died and its hung worker kept the lock, and every later run there was refused naming a dead PID. The
+    child closes its copy at the fork; where a process keeps one anyway, the refusal says the PID is gone and how to
+    find what holds it."""
+    from trl_vapo.run_lock import RUN_LOCK, live_holder, refusal
+
+    dies = (
+        "import os, sys, time\nfrom trl_vapo.run_lock import output_dir_lock\n"
+        "with output_dir_lock(sys.argv[1]):\n"
+        "    child = os.fork()\n    if child == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+        "    open(sys.argv[2], 'w').write(str(child))\n    os._exit(0)\n"  # dies holding it, as SIGKILL leaves a run
+    )
+    subprocess.run([sys.executable, "-c", dies, str(tmp_path), str(tmp_path / "child")], timeout=60, check=True)
+    child = int((tmp_path / "child").read_text())
+    try:
+        assert os.kill(child, 0) is None and live_holder(tmp_path) is None  # the worker lives, the folder is free
+    finally:
+        os.kill(child, signal.SIGKILL)
+    gone = json.loads((tmp_path / RUN_LOCK).read_text())["pid"]
+    said = refusal(tmp_path, {"pid": gone, "host": socket.gethostname()})
+    assert f"PID {gone} is gone, and a process it started keeps the lock (`fuser -v {tmp_path / RUN_LOCK}`" in said
+    assert "is gone" not in refusal(tmp_path, {"pid": os.getpid(), "host": socket.gethostname()})
+
+
 def test_a_run_ending_removes_its_own_lock_file_not_one_a_later_run_holds(tmp_path):
     """A lock file deleted while its run lives (the refusal's way on, for a holder taken for gone) lets another run
     lock a new one; the first run, ending, removed whatever file was at the path: the second's, and a third run

@@ -19,6 +19,22 @@ except ImportError:  # Windows
 RUN_LOCK = ".vapo_run.lock"
 """The file in `output_dir` that names the run writing there (`output_dir_lock`)."""
 
+_HELD: set[int] = set()
+"""The descriptors of the locks this process holds: a forked child (a reward function's `multiprocessing` worker)
+closes its copies at once. A `flock` is the open file's, and a copy kept the lock after the run died, until the child
+ended (a hung worker: for ever), and every later run in the folder was refused naming a dead PID."""
+
+
+def _close_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which has neither fork nor flock)
+    os.register_at_fork(after_in_child=_close_in_child)
+
 
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str | os.PathLike):
@@ -47,8 +63,10 @@ def output_dir_lock(output_dir: str | os.PathLike):
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(mine).encode(), 0)
         os.fsync(fd)
+        _HELD.add(fd)
         yield True
     finally:
+        _HELD.discard(fd)
         with contextlib.suppress(FileNotFoundError):
             # Before the lock goes: a run waiting on this file then opens a new one. Only the file this run locked:
             # one deleted while it ran (a holder taken for gone) may have made way for another run's, which stays.
@@ -122,12 +140,30 @@ def refusal(output_dir: str | os.PathLike, holder: dict) -> str:
         if host != socket.gethostname()
         else ""
     )
+    if not elsewhere and not _alive(holder.get("pid")):
+        elsewhere = (
+            f" PID {holder.get('pid')} is gone, and a process it started keeps the lock (`fuser -v "
+            f"{Path(output_dir) / RUN_LOCK}` names it): stop that process and start again."
+        )
     return (
         f"Another run is writing to {output_dir}: PID {holder.get('pid', '?')} on {host}, "
         f"started {holder.get('started', '?')} ({Path(output_dir) / RUN_LOCK}). Two runs in one output_dir "
         "overwrite each other's checkpoints and logs. Wait for it or stop it; then resume its run with "
         "resume_from_checkpoint=True (`--resume_from_checkpoint latest`), or choose another output_dir." + elsewhere
     )
+
+
+def _alive(pid) -> bool:
+    """Whether a process `pid` of this host is running (True where that cannot be told)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 def _lock_holder(path: Path) -> dict | None:
