@@ -1930,13 +1930,22 @@ def test_a_weights_file_that_cannot_be_written_is_named_as_a_full_disk(tmp_path)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, not the process
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
     try:
-        with pytest.raises(OSError, match=r"Writing checkpoint-2 in .* failed \(Error while serializing: I/O error"):
+        with pytest.raises(
+            OSError, match=r"Writing checkpoint-2 in .* failed \(Error while serializing: I/O error.*full disk"
+        ):
             with write_errors_named(final, tmp):
                 save_file({"w": torch.zeros(4096)}, str(tmp / "model.safetensors"))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, previous)
     assert not tmp.exists()
+    # Its "I/O error" is also a folder that is not there (a node whose output_dir is not the main process's): not
+    # called a full disk.
+    with pytest.raises(
+        OSError, match=r"\(os error 2\) at path .*\); the checkpoints written before \(none\) are intact"
+    ):
+        with write_errors_named(final, tmp):
+            save_file({"w": torch.zeros(4)}, str(tmp / "model.safetensors"))
 
 
 def test_a_checkpoint_write_refused_for_another_reason_than_space_is_not_called_a_full_disk(tmp_path):

@@ -176,6 +176,9 @@ SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left", "I/O error")
 """What torch's archive writer says when a write fails (a full disk reads "inline_container.cc ... unexpected pos"),
 and safetensors' ("Error while serializing: I/O error: No space left on device (os error 28)")."""
+SPACE_FAILURES = ("unexpected pos", "file write failed", *(f"(os error {n})" for n in sorted(SPACE_ERRNOS)))
+"""Those of `WRITE_FAILURES` that mean a write refused for room: torch's archive writer names no cause, safetensors
+the error's number (its "I/O error" is also a folder gone: "No such file or directory (os error 2)")."""
 
 
 @contextlib.contextmanager
@@ -196,7 +199,7 @@ def write_errors_named(final: Path, tmp: Path):
         first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
         # A write that ran out of room, or one the writers name only as failed: space. Else (no permission, a folder
         # gone, a lost mount) what the error says, not a full disk.
-        space = getattr(error, "errno", None) in SPACE_ERRNOS or any(sign in text for sign in WRITE_FAILURES)
+        space = getattr(error, "errno", None) in SPACE_ERRNOS or any(sign in text for sign in SPACE_FAILURES)
         cause = (
             f"{free:.1f} GiB are free there: a full disk? The checkpoints written before ({intact}) are intact. Free "
             "some space (save_total_limit keeps fewer checkpoints)"
