@@ -1028,7 +1028,10 @@ class SavingMixin:
         marker["progress"]["epoch_ended_step"] = self.state.global_step
         rewritten = folder / f".{COMPLETE_MARKER}.tmp"
         rewritten.write_text(json.dumps(marker, indent=2))
+        with open(rewritten, FLUSH_FILE_MODE) as written:  # on the disk before the rename: a power loss left an
+            os.fsync(written.fileno())  # empty marker (XFS), and the run's last checkpoint could not be resumed
         os.replace(rewritten, folder / COMPLETE_MARKER)
+        _fsync_dir(folder)
 
     def _rotate_checkpoints(self, newest: Path) -> None:
         """`save_total_limit`'s rotation, keeping `newest` and the best checkpoint, and the checkpoints a Hub upload
