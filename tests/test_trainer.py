@@ -1995,6 +1995,46 @@ def test_the_checkpoint_a_sigterm_writes_is_pushed_even_behind_a_slow_upload(tin
     assert state["global_step"] == 2
 
 
+def test_a_sigterm_at_a_model_only_checkpoint_pushes_the_whole_one(tiny_model_dir, tmp_path, monkeypatch):
+    """`save_only_model`: the strategy's checkpoint at the stop's step is model-only, and its upload still runs when
+    the stop writes the whole one in its folder, which was taken for uploaded already: `last-checkpoint/` on the Hub
+    held the model alone, nothing to resume from, while the stop said its checkpoint holds every step."""
+    import os
+    import signal
+    import threading
+
+    import transformers.trainer
+
+    from trl_vapo.signals import TrainingInterrupted
+
+    hub = SlowHub(tmp_path / "hub")
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+
+    class PreemptedAtStepTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # step 1's upload ends; step 2's, the model-only one, will still run
+                hub.release.set()
+                trainer.push_in_progress.wait_until_done()
+                hub.release = threading.Event()
+                fallback = threading.Timer(2.0, lambda: hub.release.set())
+                fallback.daemon = True
+                fallback.start()
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    pushing = dict(push_to_hub=True, hub_model_id="me/vapo", hub_strategy="checkpoint", save_strategy="steps")
+    batch = dict(save_steps=1, save_only_model=True, per_device_train_batch_size=8)
+    args = make_args(tmp_path, max_steps=4, **batch, **pushing)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), callbacks=[PreemptedAtStepTwo()]
+    )
+    with pytest.raises(TrainingInterrupted):
+        trainer.train()
+    assert hub.commits.count("Training in progress, step 2, checkpoint") == 2  # the model-only one, then the whole
+    uploaded = tmp_path / "hub" / "me" / "vapo" / "last-checkpoint"
+    assert (uploaded / "optimizer.pt").is_file()
+    assert "model_only" not in json.loads((uploaded / "vapo_state.json").read_text())
+
+
 def test_a_sigterm_whose_upload_fails_says_so(tiny_model_dir, tmp_path, monkeypatch):
     """The stop's upload is the checkpoint's one copy on a machine whose disk goes with it: one that failed (a
     token, a quota) was waited for and then said nothing, the stop's line saying the same as for one that ended."""

@@ -894,6 +894,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         path = Path(self.args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
         written_before = self._checkpoint_step == self.state.global_step  # this run's own record: every process's
         if not written_before:
+            # This step's model-only checkpoint (`save_only_model`) may have been uploaded: the whole one replaces its
+            # folder, and is uploaded too (`last-checkpoint/` held the model alone, nothing to resume from).
+            self._uploads_read = [read for read in getattr(self, "_uploads_read", []) if read != path]
             self._save_checkpoint(model_only=False)
         if self.args.push_to_hub:
             # Its upload was skipped behind a running one (one at a time): queued now, after the checkpoint is on the
