@@ -1236,6 +1236,22 @@ def test_a_process_the_run_forked_does_not_keep_its_lock_after_it_dies(tmp_path)
     assert "is gone" not in refusal(tmp_path, {"pid": os.getpid(), "host": socket.gethostname()})
 
 
+def test_a_lock_file_this_user_cannot_open_is_named(tmp_path, monkeypatch):
+    """Another user's run left its lock file (or the folder is not this user's to write): a bare PermissionError with
+    a traceback. A file's permissions do not bind root, as these tests may run: the refused open is a stand-in."""
+    from trl_vapo import run_lock
+
+    def refused(path, flags, mode=0o777):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(run_lock.os, "open", refused)
+    with pytest.raises(
+        RuntimeError, match=r"Cannot open the run lock .* \(Permission denied\): .* another user's run"
+    ):
+        with run_lock.output_dir_lock(tmp_path):
+            pass
+
+
 def test_a_run_ending_removes_its_own_lock_file_not_one_a_later_run_holds(tmp_path):
     """A lock file deleted while its run lives (the refusal's way on, for a holder taken for gone) lets another run
     lock a new one; the first run, ending, removed whatever file was at the path: the second's, and a third run
@@ -1361,6 +1377,7 @@ def two_checkpoints(tiny_model_dir, tmp_path_factory) -> Path:
         ("empty scheduler.pt", "scheduler.pt: ValueError: empty file"),
         ("no model.safetensors", "missing model.safetensors"),
         ("no critic/", "missing critic/model.safetensors"),
+        ("sharded model.safetensors", "missing model-00002-of-00002.safetensors"),  # its second shard not copied
         ("trainer_state.json {}", "trainer_state.json: ValueError: no global_step"),
         # its completion marker itself, cut short (a partial copy of output_dir): it was an error, not passed over
         ("empty vapo_state.json", "vapo_state.json: JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
@@ -1381,6 +1398,10 @@ def test_a_checkpoint_that_looks_whole_but_is_not_is_passed_over(two_checkpoints
     elif what == "no":
         target = newest / name.rstrip("/")
         shutil.rmtree(target) if target.is_dir() else target.unlink()
+    elif what == "sharded":  # a large model's weights, in shards: one of them is not there
+        (newest / name).rename(newest / "model-00001-of-00002.safetensors")
+        shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+        (newest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
     else:
         (newest / "trainer_state.json").write_text("{}")
     assert checkpoint_problem(newest) == named and checkpoint_problem(out / "checkpoint-1") is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import shutil
 from pathlib import Path
 
@@ -1636,6 +1637,16 @@ def test_group_sampling_repeats_each_prompt(tiny_model_dir, tmp_path):
 RESUMABLE = dict(value_pretrain_patience=None, save_strategy="steps", save_steps=2, num_iterations=2)
 
 
+class DrawsAtTrainBegin(TrainerCallback):
+    """A callback that draws random numbers as a run begins (a tracker's setup naming its run): the uninterrupted
+    run drew them before its first step, a resumed one drew them from the restored state, and every sample after
+    differed from the uninterrupted run's."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.rand(4)
+        random.random()
+
+
 @pytest.mark.parametrize("peft", [False, True])
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft, caplog):
     peft_config = None
@@ -1655,6 +1666,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
             args=args,
             train_dataset=data or prompts_dataset(prompts),
             peft_config=lora or peft_config,
+            callbacks=[DrawsAtTrainBegin()],
         )
         if checked_first or not train:  # as `trl-vapo train` checks the resume before the held-out report and `train`
             trainer.resume_point(resume)

@@ -418,12 +418,25 @@ def missing_files(path: Path) -> list[str]:
             needed += [f"{CRITIC_SUBFOLDER}/adapter_model.safetensors", f"{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}"]
         elif critic == "separate model":
             needed.append(f"{CRITIC_SUBFOLDER}/model.safetensors")
-    return [name for name in needed if not (path / name).exists() and not _sharded(path / name)]
+    missing = []
+    for name in needed:
+        if not (path / name).exists():
+            shards = _missing_shards(path / name)
+            missing += [name] if shards is None else [str(Path(name).with_name(shard)) for shard in shards]
+    return missing
 
 
-def _sharded(file: Path) -> bool:
-    """``model.safetensors`` saved in shards: its index is there instead."""
-    return file.name == "model.safetensors" and (file.parent / "model.safetensors.index.json").is_file()
+def _missing_shards(file: Path) -> list[str] | None:
+    """``model.safetensors`` saved in shards (a large model): the files its index names that are not there (a partial
+    copy); None where it is not sharded."""
+    index = file.with_name("model.safetensors.index.json")
+    if file.name != "model.safetensors" or not index.is_file():
+        return None
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [index.name]  # (`unreadable_file` says why)
+    return sorted(shard for shard in shards if not (file.parent / shard).is_file())
 
 
 def _starts_with(file: Path, prefix: bytes) -> bool:
@@ -1153,6 +1166,15 @@ class SavingMixin:
             self._rotate_checkpoints(final)
         self.accelerator.wait_for_everyone()
 
+    def _restore_random_state(self) -> None:
+        """The random state of the checkpoint resumed from, where its loop begins: after `on_train_begin` (a
+        tracker's setup, a user's callback) and `eval_on_start`, whose draws the run it resumes made before its
+        first step, not at this point. Loaded before them, they shifted every draw after (the samples, the
+        shuffles) from the uninterrupted run's, as transformers' Trainer avoids by loading it in its loop."""
+        if getattr(self, "_rng_state_file", None) is not None:
+            load_rng_state(self._rng_state_file)
+            self._rng_state_file = None
+
     def _reference_moves(self) -> bool:
         """Whether the KL penalty's reference is a model that `sync_ref_model` mixes the policy into: a checkpoint
         holds it, as it holds the policy."""
@@ -1291,8 +1313,8 @@ class SavingMixin:
                     "saved it): the KL penalty's reference restarts as the initial policy, not as it was synced."
                 )
         rng_file = training_state_file(path, RNG_FILE.format(self.accelerator.process_index))
-        if rng_file.is_file():
-            load_rng_state(rng_file)
+        if rng_file.is_file():  # loaded where the loop begins (`_restore_random_state`), as transformers loads it
+            self._rng_state_file = rng_file
         else:
             logger.warning(f"{rng_file.name} is missing in {path}: the resumed run will not replay the same samples.")
         replay_file = training_state_file(path, REPLAY_FILE.format(self.accelerator.process_index))

@@ -82,7 +82,14 @@ def _take(path: Path, output_dir, warn) -> int | None:
         warn(f"{output_dir} cannot be locked on this system: start one run at a time there.")
         return None
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError as error:  # a lock file another user's run left, or a folder this user may not write
+            raise RuntimeError(
+                f"Cannot open the run lock {path} ({error.strerror}): {output_dir} was written by another user's run, "
+                f"or is not writable by this one. Choose another output_dir, or, once sure no run writes there, "
+                f"have its owner delete {path}."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:  # a holder that released the lock removed the file we opened: lock the one now at `path`

@@ -708,6 +708,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.generation_engine.weights_changed()  # placed: cast (DeepSpeed's bf16), sharded, moved
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
+        self._rng_state_file = None  # (`_load_checkpoint` names the one `_restore_random_state` loads)
         if resume_from_checkpoint is not None:
             self._load_checkpoint(Path(resume_from_checkpoint), marker)
             progress = self.progress
@@ -733,6 +734,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._epoch_begun = False  # `on_epoch_begin` for the epoch this call starts in (`_next_rows`)
         if args.eval_on_start:
             self.evaluate()
+        self._restore_random_state()
         self.model_wrapped.train()
         with stop_on_signals() as received:
             if received.uncaught:
