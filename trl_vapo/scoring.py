@@ -132,12 +132,14 @@ def checked_reward_weights(reward_weights: Sequence[float] | None, count: int) -
 def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     """`reward_funcs` with each reward model (a model id, a local path or a `PreTrainedModel` for sequence
     classification, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs` (in
-    its saved dtype unless they name one) and `num_labels=1`, with its tokenizer from `reward_processing_classes`
+    its saved dtype unless they name one; not those naming the policy's own files or placing its modules) and
+    `num_labels=1`, with its tokenizer from `reward_processing_classes`
     (one per entry, None for functions) or its own."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
     from ._compat import get_config_model_id
-    from .pretrained import from_pretrained_kwargs, load_pretrained, with_dtype_named
+    from .loading import CHECKPOINT_ONLY_KWARGS
+    from .pretrained import from_pretrained_kwargs, load_pretrained, lookup_kwargs, with_dtype_named
 
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     checked_reward_weights(args.reward_weights, len(funcs))  # before a reward model loads
@@ -150,19 +152,19 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
         )
     loaded = []
     for func, tokenizer in zip(funcs, classes):
-        revision = None  # a model loaded here: its tokenizer at the same revision (GRPOTrainer's)
+        lookup = {"trust_remote_code": args.trust_remote_code}  # where a model loaded here found its files
         if isinstance(func, (str, os.PathLike)):
             # Frozen: in the dtype it was saved in ("auto", as GRPOTrainer loads it), unless model_init_kwargs says;
-            # the float32 default is the trained models' (their master weights).
+            # the float32 default is the trained models' (their master weights). Not the policy's options that name
+            # its own checkpoint's files or place its modules (`--model_revision` loaded the reward model at the
+            # policy's revision, `subfolder` looked in it): a frozen model may be quantized, as the policy.
             init = {"dtype": "auto", **(with_dtype_named(args.model_init_kwargs) or {})}
-            revision = init.get("revision")
-            func = load_pretrained(
-                AutoModelForSequenceClassification, str(func), {"num_labels": 1, **from_pretrained_kwargs(args, init)}
-            )
+            init = {k: v for k, v in init.items() if k not in CHECKPOINT_ONLY_KWARGS or k == "quantization_config"}
+            kwargs = from_pretrained_kwargs(args, init)
+            func = load_pretrained(AutoModelForSequenceClassification, str(func), {"num_labels": 1, **kwargs})
+            lookup = lookup_kwargs(kwargs)  # (its cache_dir, token, local_files_only)
         if isinstance(func, PreTrainedModel):
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(
-                get_config_model_id(func.config), revision=revision, trust_remote_code=args.trust_remote_code
-            )
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(get_config_model_id(func.config), **lookup)
             func = RewardModel(func, tokenizer, args.chat_template_kwargs)
         loaded.append(func)
     return loaded
