@@ -1171,6 +1171,17 @@ def test_a_synced_reference_mixes_in_the_policy_every_ref_model_sync_steps(tiny_
         make_args(tmp_path, sync_ref_model=True, beta=0.0)
     with pytest.raises(NotImplementedError, match="PEFT model"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=LoraConfig(r=2))
+    # A saved adapter's path, which loads as a PeftModel: no reference model was built, and nothing synced.
+    lora = VAPOTrainer(
+        str(tiny_model_dir),
+        digit_fraction,
+        make_args(tmp_path / "lora"),
+        prompts_dataset(),
+        peft_config=LoraConfig(r=2),
+    )
+    lora.save_model(str(tmp_path / "adapter"))
+    with pytest.raises(NotImplementedError, match="PEFT model"):
+        VAPOTrainer(str(tmp_path / "adapter"), digit_fraction, args, prompts_dataset())
 
 
 def test_a_synced_reference_resumes_as_it_was(tiny_model_dir, tmp_path, caplog):

@@ -604,7 +604,9 @@ def check_value_function_settings(value_model: Any, args: VAPOConfig) -> None:
         )
 
 
-def check_trainer_arguments(model, args: VAPOConfig, peft_config, value_model: Any) -> None:
+def check_trainer_arguments(
+    model, args: VAPOConfig, peft_config, value_model: Any, model_init_kwargs: dict | None = None
+) -> None:
     """What the trainer's arguments ask for that cannot run, refused before anything loads: critic-only passes with a
     frozen value function, a synced reference model under PEFT (GRPOTrainer's error), Liger's kernels without
     liger-kernel."""
@@ -634,7 +636,9 @@ def check_trainer_arguments(model, args: VAPOConfig, peft_config, value_model: A
             "or prompts) never applies, so the critic would train its value head alone. Use an adapter of the "
             "layers' weights (LoraConfig), or give the critic a model of its own (value_model=...)."
         )
-    if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
+    # (a saved adapter's path loads as a PeftModel: no reference model was built, nothing synced, without a word)
+    peft = peft_config is not None or is_peft_model(model)
+    if args.sync_ref_model and (peft or is_saved_adapter(model, model_init_kwargs)):
         raise NotImplementedError(  # GRPOTrainer's error
             "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With "
             "PEFT, the reference policy is the base with the adapters disabled: there is no standalone reference "

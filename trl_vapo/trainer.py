@@ -286,7 +286,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.vllm_mode, self.vllm_tensor_parallel_size = args.vllm_mode, args.vllm_tensor_parallel_size
         self.vllm_gpu_memory_utilization = args.vllm_gpu_memory_utilization
         self.mask_truncated_completions = args.mask_truncated_completions
-        check_trainer_arguments(model, args, peft_config, value_model)  # before a model loads
+        check_trainer_arguments(model, args, peft_config, value_model, args.model_init_kwargs)  # before a model loads
         # Everything a user can get wrong is checked before a model loads.
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
