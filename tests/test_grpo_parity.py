@@ -856,8 +856,8 @@ def test_quantization_config_loads_the_model_quantized_as_grpo_takes_it(tiny_mod
     assert again.actor_critic.shares_base and any(
         p.requires_grad for n, p in again.model.named_parameters() if ".default." in n
     )
-    with pytest.raises(ValueError, match="pass a peft_config"):
-        VAPOTrainer("no/such-model", digit_fraction, args, prompts_dataset(), quantization_config=quantization)
+    with pytest.raises(ValueError, match="pass a peft_config"):  # before a reward model loads, as the policy
+        VAPOTrainer("no/such-model", "no/such-reward-model", args, prompts_dataset(), quantization_config=quantization)
     both = make_args(tmp_path, model_init_kwargs={"quantization_config": quantization})
     with pytest.raises(ValueError, match="both as a trainer argument and in args.model_init_kwargs"):
         VAPOTrainer("no/such-model", digit_fraction, both, prompts_dataset(), quantization_config=quantization)

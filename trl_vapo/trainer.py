@@ -302,6 +302,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 "with generate() (use_vllm=False)."
             )
         check_engine_available(engine_settings, model)
+        check_quantization(model_init_kwargs, peft_config, model)  # (before the reward models load, too)
         check_stream_settings(train_dataset, eval_dataset, args)  # first: TRL's order of these errors
         example = check_train_dataset(train_dataset, args)
         self._conversational = is_conversational({"prompt": example["prompt"]})
@@ -338,7 +339,6 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # GRPOTrainer's attribute: each reward model's tokenizer (given or its own), None for the functions.
         self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        check_quantization(model_init_kwargs, peft_config, model)
 
         if processing_class is not None:  # what it cannot serve (chat prompts without a template) before any load
             prepare_tokenizer(processing_class, self._conversational)
