@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -960,6 +961,55 @@ def test_a_gated_model_without_access_is_named_before_anything_loads(tmp_path, m
     finally:
         huggingface_hub.set_client_factory(default_client_factory)
     assert asked == ["/api/models/org/gated", "/api/models/org/gated/auth-check"]
+
+
+def test_the_model_source_check_looks_where_the_model_loads_from(tmp_path, monkeypatch, tiny_model_dir):
+    """model_init_kwargs' `subfolder`, `cache_dir` and `token` say where transformers finds a model: the check looked
+    elsewhere, and refused models that load (a local repository's subfolder, a model in the user's own cache while
+    offline) or asked the Hub without the token (a private model read as missing). The Hub is stood in for by an HTTP
+    transport (huggingface_hub's own client runs)."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils._http import default_client_factory
+
+    from trl_vapo.cli import UsageError, _check_model_source
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, repo / "sft")
+    with pytest.raises(UsageError, match=r"repo is a local folder but not a model's"):
+        _check_model_source(str(repo), "--model_name_or_path")
+    _check_model_source(str(repo), "--model_name_or_path", where={"subfolder": "sft"})
+    with pytest.raises(UsageError, match=r"repo has no folder rl \(model_init_kwargs' subfolder\)$"):
+        _check_model_source(str(repo), "--model_name_or_path", where={"subfolder": "rl"})
+    # A model in a cache of the user's own (`cache_dir`), offline: in the cache, where the default one lacks it.
+    snapshot = tmp_path / "cache" / "models--org--private" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "cache" / "models--org--private" / "refs").mkdir()
+    (tmp_path / "cache" / "models--org--private" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "default-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UsageError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE is set"):
+        _check_model_source("org/private", "--model_name_or_path")
+    _check_model_source("org/private", "--model_name_or_path", where={"cache_dir": str(tmp_path / "cache")})
+    # Online, a private model is found with the token it loads with.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+    def hub(request):
+        if request.headers.get("authorization") != "Bearer hf_mine":
+            headers = {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}
+            return httpx2.Response(404, headers=headers, request=request)
+        return httpx2.Response(200, json={"id": "org/private", "private": True}, request=request)
+
+    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(hub)))
+    try:
+        with pytest.raises(UsageError, match="no such model on the Hub"):
+            _check_model_source("org/private", "--model_name_or_path")
+        _check_model_source("org/private", "--model_name_or_path", where={"token": "hf_mine"})
+    finally:
+        huggingface_hub.set_client_factory(default_client_factory)
 
 
 def test_help_tells_every_runs_defaults_and_each_commands_own_flags(capsys):

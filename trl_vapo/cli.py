@@ -632,9 +632,13 @@ def _check_before_loading(script_args, training_args, model_args, demo: bool) ->
                 "--model_name_or_path is required with a data set, a reward model or a value model (omit them all "
                 "for the offline demo)"
             )
-        _check_model_source(model_args.model_name_or_path, "--model_name_or_path", model_args.model_revision)
-        _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path")
-        _check_model_source(script_args.value_model_name_or_path, "--value_model_name_or_path")
+        where = training_args.model_init_kwargs if isinstance(training_args.model_init_kwargs, dict) else {}
+        revision = where.get("revision", model_args.model_revision)
+        _check_model_source(model_args.model_name_or_path, "--model_name_or_path", revision, where)
+        # (the other models are looked up in the same cache, with the same token; not in the policy's subfolder)
+        elsewhere = {key: where[key] for key in ("cache_dir", "token") if key in where}
+        _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path", where=elsewhere)
+        _check_model_source(script_args.value_model_name_or_path, "--value_model_name_or_path", where=elsewhere)
     return reward_funcs
 
 
@@ -975,15 +979,22 @@ def _data_sets(model_id: str, train, test_split, evaluates: bool, script_args):
     return model_id, train, test_split if evaluates else None, report
 
 
-def _check_model_source(name: str | None, flag: str, revision: str | None = None) -> None:
+def _check_model_source(name: str | None, flag: str, revision: str | None = None, where: dict | None = None) -> None:
     """A model the flag names is a local folder, in the Hugging Face cache, or on a Hub this machine reaches: one line
     saying which is not so, before anything loads (offline, transformers would retry for a minute, then raise
-    through two tracebacks). A local path must be a model's folder (or a PEFT adapter's)."""
+    through two tracebacks). A local path must be a model's folder (or a PEFT adapter's). `where`: the loading
+    options that say where its files are, as `from_pretrained` reads them (`subfolder`, `cache_dir`, `token`)."""
     if not name:
         return
+    where = where if isinstance(where, dict) else {}
+    subfolder, cache_dir, token = (where.get(key) for key in ("subfolder", "cache_dir", "token"))
     folder = Path(name).expanduser()
     if folder.is_file():
         raise UsageError(f"{flag} {name} is a file: name the model's folder")
+    if folder.is_dir() and subfolder:
+        if not (folder / subfolder).is_dir():
+            raise UsageError(f"{flag} {name} has no folder {subfolder} (model_init_kwargs' subfolder)")
+        folder, name = folder / subfolder, f"{name} (subfolder {subfolder})"
     if folder.is_dir():  # (read before the Hub, as transformers reads it, where a Hub id names a local folder too)
         markers = ("config.json", "adapter_config.json")
         if not any((folder / marker).is_file() for marker in markers) and not any(folder.glob("*.gguf")):
@@ -998,7 +1009,8 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
     from .hub import unreachable
 
     try:
-        cached = (try_to_load_from_cache(name, f, revision=revision) for f in ("config.json", "adapter_config.json"))
+        markers = [f"{subfolder}/{f}" if subfolder else f for f in ("config.json", "adapter_config.json")]
+        cached = (try_to_load_from_cache(name, f, cache_dir=cache_dir, revision=revision) for f in markers)
         if any(isinstance(path, str) for path in cached):  # a model, or a PEFT adapter
             return
     except HFValidationError:  # not of the form `owner/name`: a path
@@ -1009,7 +1021,7 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
             f"download it where the Hub is reachable (`hf download {name}`), or pass a local folder"
         )
     try:
-        error = unreachable(name, "model", revision)
+        error = unreachable(name, "model", revision, token=token)
     except GatedRepoError:
         raise UsageError(f"{flag} {name} is gated: accept its terms on the Hub, then `hf auth login`") from None
     except RepositoryNotFoundError:

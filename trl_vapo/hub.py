@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 
 
-def unreachable(repo_id: str, repo_type: str = "model", revision: str | None = None) -> Exception | None:
+def unreachable(
+    repo_id: str, repo_type: str = "model", revision: str | None = None, token: str | bool | None = None
+) -> Exception | None:
     """The error of the request when the Hub cannot be reached for ``repo_id`` (no network, a proxy: its class is
     the HTTP library's), else None. The Hub's own answers (`huggingface_hub.errors.HfHubHTTPError`: not found,
     gated without access, a rate limit, a server error) are raised for the caller to word or to leave to the loader.
@@ -19,7 +21,7 @@ def unreachable(repo_id: str, repo_type: str = "model", revision: str | None = N
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    api = HfApi()
+    api = HfApi(token=token)  # (a private or gated repository's: the token the model loads with)
     try:
         info = api.repo_info(repo_id, repo_type=repo_type, revision=revision, timeout=10)
         if getattr(info, "gated", False):  # a gated repository's metadata is public, its files are not
