@@ -527,9 +527,9 @@ def test_a_reward_model_scores_in_batches_and_loads_in_its_saved_dtype(tmp_path)
     args = VAPOConfig(output_dir=str(tmp_path / "o"), report_to="none")
     (scorer,) = load_reward_models([str(tmp_path / "rm-bf16")], None, args)
     assert scorer.model.dtype == torch.bfloat16
-    # The policy's own files (`--model_revision`, a subfolder of its repository) are not the reward model's: it was
-    # looked for at the policy's revision, in `<reward model>/<subfolder>`.
-    init = {"dtype": "float32", "subfolder": "sft", "revision": "the-policy's", "variant": "ema"}
+    # The policy's repository's own files (a subfolder of it, a variant) are not the reward model's: it was looked
+    # for in `<reward model>/<subfolder>`. (Its revision is, as GRPOTrainer takes it: the tokenizers' test below.)
+    init = {"dtype": "float32", "subfolder": "sft", "variant": "ema", "device_map": {"": "cpu"}}
     args = VAPOConfig(output_dir=str(tmp_path / "o"), report_to="none", model_init_kwargs=init)
     (scorer,) = load_reward_models([str(path)], None, args)
     assert scorer.model.dtype == torch.float32  # as the user asks

@@ -132,7 +132,7 @@ def checked_reward_weights(reward_weights: Sequence[float] | None, count: int) -
 def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
     """`reward_funcs` with each reward model (a model id, a local path or a `PreTrainedModel` for sequence
     classification, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs` (in
-    its saved dtype unless they name one; not those naming the policy's own files or placing its modules) and
+    its saved dtype unless they name one; not those naming files of the policy's repository or placing its modules) and
     `num_labels=1`, with its tokenizer from `reward_processing_classes`
     (one per entry, None for functions) or its own."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
@@ -156,10 +156,12 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
         if isinstance(func, (str, os.PathLike)):
             # Frozen: in the dtype it was saved in ("auto", as GRPOTrainer loads it), unless model_init_kwargs says;
             # the float32 default is the trained models' (their master weights). Not the policy's options that name
-            # its own checkpoint's files or place its modules (`--model_revision` loaded the reward model at the
-            # policy's revision, `subfolder` looked in it): a frozen model may be quantized, as the policy.
+            # files of its own repository or place its modules (a `subfolder` was looked for in the reward model, a
+            # `device_map` placed it as the policy); its revision and quantization are the reward model's too, as
+            # GRPOTrainer loads it (it loads the reward model's tokenizer at that revision).
             init = {"dtype": "auto", **(with_dtype_named(args.model_init_kwargs) or {})}
-            init = {k: v for k, v in init.items() if k not in CHECKPOINT_ONLY_KWARGS or k == "quantization_config"}
+            shared = ("quantization_config", "revision")
+            init = {k: v for k, v in init.items() if k not in CHECKPOINT_ONLY_KWARGS or k in shared}
             kwargs = from_pretrained_kwargs(args, init)
             func = load_pretrained(AutoModelForSequenceClassification, str(func), {"num_labels": 1, **kwargs})
             lookup = lookup_kwargs(kwargs)  # (its cache_dir, token, local_files_only)
