@@ -128,6 +128,29 @@ def test_a_preset_takes_the_columns_the_user_named(jsonl_data, tmp_path):
 
     with pytest.raises(UsageError, match=r"no column 'question' \(prompt_column\)"):  # the preset's own column
         _resolve_data(script, model, training, demo=False)
+    # A local folder copy (train.jsonl, as `Dataset.to_json` writes it): the preset's Hub subset ("main") is not
+    # its, where datasets said "BuilderConfig 'main' not found" for a name the user never gave.
+    (tmp_path / "copy").mkdir()
+    shutil.copy(jsonl_data, tmp_path / "copy" / "train.jsonl")
+    argv = ["--model_name_or_path", "m", "--dataset_name", str(tmp_path / "copy"), "--dataset_preset", "gsm8k"]
+    script, training, model, _, _ = _parser().parse_args_and_config(
+        [*argv, "--prompt_format", "text"], return_remaining_strings=True
+    )
+    _, train, _, _ = _resolve_data(script, model, training, demo=False)
+    assert script.dataset_config is None and len(train) == len(jsonl_data.read_text().splitlines())
+
+
+def test_text_prompts_asked_of_chat_messages_are_refused(tmp_path):
+    """`--prompt_format text` over a column of chat messages: they went through the chat template, whatever the flag
+    said."""
+    from trl_vapo.cli import _resolve_data
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
+    argv = ["--model_name_or_path", "m", "--dataset_name", str(data), "--prompt_format", "text"]
+    script, training, model, _, _ = _parser().parse_args_and_config(argv, return_remaining_strings=True)
+    with pytest.raises(UsageError, match=r"--prompt_format text, but the 'prompt' column of .* holds chat messages"):
+        _resolve_data(script, model, training, demo=False)
 
 
 def test_a_yaml_list_key_given_one_value_without_brackets_is_a_list_of_it(tmp_path):
@@ -164,6 +187,11 @@ def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch):
     assert training.resume_from_checkpoint == str(tmp_path / "out" / "checkpoint-3")
     config.write_text("reward_weights: [1e-1, one]\n")
     with pytest.raises(UsageError, match=r"^reward_weights must be a list of numbers, got \['1e-1', 'one'\]$"):
+        _parse_args_and_config(_parser(), ["--config", str(config)])
+    config.write_text("prompt_template: {question}\n")  # a mapping to YAML: a TypeError where str.format read it
+    with pytest.raises(
+        UsageError, match=r"^prompt_template must be text or None, got \{'question': None\} \(a dict\)"
+    ):
         _parse_args_and_config(_parser(), ["--config", str(config)])
     config.write_text("eval_k: null\n")  # train's own held-out report: a TypeError where it compared None with 1
     with pytest.raises(UsageError, match=r"^eval_k must be a whole number, got None\.$"):
@@ -1024,10 +1052,15 @@ def test_help_tells_every_runs_defaults_and_each_commands_own_flags(capsys):
     demo = text.split("The demo changes these:")[1]
     assert all(f"{key}=" in demo for key in DEMO_DEFAULTS) and "learning_rate=0.0001" in demo
     assert all(flag in text for flag in ("--config FILE.yaml", "--num_processes", "--accelerate_config zero1"))
+    # An example to paste in single quotes: one backslash (two made every prompt read `\\boxed{}`).
+    assert "e.g. '{question} Answer in \\boxed{{}}.'" in text and "Omit with the model too for the offline" in text
 
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     text = capsys.readouterr().out
+    said = " ".join(text.split())
+    assert "Omitted: the run's own (its settings, saved beside --model), else the offline demo's held-out" in said
+    assert "Omit with the model too" not in said  # training's: eval's --model is required
     listed = set(re.findall(r"^  --(\w+)", text, flags=re.MULTILINE))
     assert "dataset_test_split" in listed and not listed & TRAIN_ONLY
     assert main(["eval", "--model", "m", "--value_model_name_or_path", "c"]) == 2

@@ -138,6 +138,25 @@ def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(
             load_prompt_dataset(str(messages), prompt_column="messages", streaming=streaming)
 
 
+def test_an_empty_file_or_split_is_named_and_a_single_files_split_can_be_sliced(tmp_path):
+    """An empty .jsonl raised a bare StopIteration from inside `datasets`, a .csv of its header alone said "train
+    corresponds to no data": each a line naming the file now. And a slice of a single file's split (`train[:90%]`)
+    was refused by `datasets` as a split's name, where a folder's or the Hub's is read."""
+    from trl_vapo.data import load_prompt_dataset
+
+    empty, header = tmp_path / "empty.jsonl", tmp_path / "header.csv"
+    empty.write_text("")
+    header.write_text("question,answer\n")
+    for path in (empty, header):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))} \(train\) has no rows"):
+            load_prompt_dataset(str(path), prompt_column="question", chat=False)
+    data = tmp_path / "ten.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(10)))
+    head = load_prompt_dataset(str(data), split="train[:80%]", prompt_column="question", chat=False)
+    tail = load_prompt_dataset(str(data), split="train[80%:]", prompt_column="question", chat=False)
+    assert (len(head), len(tail)) == (8, 2) and tail[0]["prompt"] == "8+8="
+
+
 def test_a_missing_gold_answer_stays_missing(tmp_path):
     """A row without its answer (null) became the text "None", which the math reward took for the gold answer and
     scored -1 silently; left None, the reward says it cannot parse it and leaves the row unscored."""

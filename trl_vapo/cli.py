@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import __version__
-from .field_checks import check_number_fields, number_list
+from .field_checks import check_number_fields, check_text_fields, number_list
 from .metric_names import ACCURACY, REWARD
 from .signals import STOP_SIGNALS
 from .vllm_fields import VLLMOptions
@@ -102,7 +102,7 @@ class VAPOScriptArguments:
     prompt_template: str | None = field(
         default=None,
         metadata={
-            "help": "str.format template over the columns, e.g. '{question} Answer in \\\\boxed{{}}.' (text prompts "
+            "help": "str.format template over the columns, e.g. '{question} Answer in \\boxed{{}}.' (text prompts "
             "only: with a column of chat messages as the prompt, refused)"
         },
     )
@@ -152,6 +152,7 @@ class VAPOScriptArguments:
 
     def __post_init__(self):
         check_number_fields(self)  # a YAML `eval_k: null`: one line, not a TypeError where the report compares it
+        check_text_fields(self)  # a YAML `prompt_template: {question}`, a mapping: one line, not a traceback
 
 
 TRAIN_DESCRIPTION = """\
@@ -819,9 +820,9 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
     _check_data_flags(script_args)
     if script_args.dataset_preset is not None:
         preset = PRESETS[script_args.dataset_preset]
-        script_args.dataset_name = script_args.dataset_name or preset.dataset_name
-        if not Path(script_args.dataset_name).expanduser().is_file():  # a local copy in one file has no subsets
-            script_args.dataset_config = script_args.dataset_config or preset.dataset_config
+        given, script_args.dataset_name = script_args.dataset_name, script_args.dataset_name or preset.dataset_name
+        if given in (None, preset.dataset_name):  # the preset's own set: its subset (a local copy has its own layout:
+            script_args.dataset_config = script_args.dataset_config or preset.dataset_config  # `main` not found)
         # The preset's columns, unless the user named others (a local copy of the set with its columns renamed).
         defaults = {f.name: f.default for f in fields(VAPOScriptArguments)}
         for name in ("prompt_column", "answer_column"):
@@ -873,14 +874,23 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
             raise UsageError(_unreadable_data(script_args.dataset_name, error)) from None
 
     train = load(script_args.dataset_train_split)
+    if script_args.prompt_format == "text" and isinstance(next(iter(train))["prompt"], list):
+        raise UsageError(  # (they went through the chat template, whatever the flag said)
+            f"--prompt_format text, but the {script_args.prompt_column!r} column of {script_args.dataset_name} holds "
+            "chat messages, which the chat template formats: drop --prompt_format text, or pass a text column as "
+            "--prompt_column"
+        )
     test_split = None
     if evaluates or script_args.eval_num_prompts:
         one_file = Path(script_args.dataset_name).expanduser().is_file()
-        if one_file and script_args.dataset_test_split != script_args.dataset_train_split:
+        splits = (script_args.dataset_train_split, script_args.dataset_test_split)
+        sliced = all("[" in split for split in splits)  # slices of its one split, which the user chose apart
+        if one_file and splits[1] != splits[0] and not sliced:
             raise UsageError(
-                f"{script_args.dataset_name} is one file, so one split: its {script_args.dataset_test_split!r} "
-                "split would be the training prompts. Pass a folder with a file per split (train.jsonl, "
-                f"test.jsonl), or --dataset_test_split {script_args.dataset_train_split} to score the training prompts"
+                f"{script_args.dataset_name} is one file, so one split: its {splits[1]!r} split would be the training "
+                "prompts. Pass a folder with a file per split (train.jsonl, test.jsonl), slices of its split "
+                "(--dataset_train_split 'train[:90%]' --dataset_test_split 'train[90%:]'), or --dataset_test_split "
+                f"{splits[0]} to score the training prompts"
             )
         test_split = load(script_args.dataset_test_split)
     return _data_sets(model_args.model_name_or_path, train, test_split, evaluates, script_args)
@@ -1438,6 +1448,11 @@ def eval_command(argv: list[str]) -> int:
             action.help = argparse.SUPPRESS
         elif action.dest == "dataset_test_split":  # its help is training's
             action.help = "The split scored (a single local file is read whole, as this split)."
+        elif action.dest == "dataset_name":  # (training's says to omit it with the model for the demo)
+            action.help = (
+                "Hub data set name, or a local .json/.jsonl/.csv/.parquet file or folder, to score. Omitted: the "
+                "run's own (its settings, saved beside --model), else the offline demo's held-out problems."
+            )
     given = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--")]
     training_flags = [flag for flag in given if flag[2:].replace("-", "_") in TRAIN_ONLY]
     if training_flags:
@@ -1476,7 +1491,8 @@ def eval_command(argv: list[str]) -> int:
     run_file = run_settings.get("dataset_name")
     if run_file and run_file == script.dataset_name and Path(run_file).expanduser().is_file():
         train_split = run_train_split or script.dataset_train_split
-        if script.dataset_test_split != train_split:  # (the run itself scored them only when told so)
+        sliced = "[" in script.dataset_test_split and "[" in train_split  # slices of its split, chosen apart
+        if script.dataset_test_split != train_split and not sliced:  # (the run itself scored them only when told so)
             raise UsageError(
                 f"{run_file} (the run's data) is one file, so one split: its {script.dataset_test_split!r} split "
                 "would be the training prompts. Pass --dataset_name with held-out problems, or --dataset_test_split "

@@ -287,6 +287,20 @@ def dataset_config_problem(dataset_name: str | None, dataset_config: str | None)
     return None
 
 
+@contextlib.contextmanager
+def _no_rows_named(dataset_name: str, split: str):
+    """An empty local file or split as one line naming it: `datasets` raised a bare StopIteration (an empty .jsonl)
+    or said a split "corresponds to no data" (a .csv of its header alone), naming neither."""
+    try:
+        yield
+    except StopIteration:
+        raise ValueError(f"{dataset_name} ({split}) has no rows: it is empty.") from None
+    except ValueError as error:
+        if "corresponds to no data" not in str(error):
+            raise
+        raise ValueError(f"{dataset_name} ({split}) has no rows: give a file or split with some.") from None
+
+
 def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: bool = False):
     if problem := dataset_config_problem(dataset_name, dataset_config):
         raise ValueError(problem)
@@ -298,10 +312,14 @@ def _load(dataset_name: str, split: str, dataset_config: str | None, streaming: 
         # A single local file holds one split; call it by the split asked for.
         if builder in ("json", "csv"):  # `datasets` loads such bytes and fails later, on reading, naming nothing
             _raise_on_a_non_utf8_line(path)
-        with _no_download_counts():
-            return load_dataset(builder, data_files={split: str(path)}, split=split, streaming=streaming)
+        # Keyed by the split's name: a slice of it (`train[:90%]`) is read as from a folder's or the Hub's.
+        name = re.match(r"\w+", split)
+        with _no_download_counts(), _no_rows_named(dataset_name, split):
+            return load_dataset(
+                builder, data_files={name[0] if name else split: str(path)}, split=split, streaming=streaming
+            )
     if path.is_dir():
-        with _no_download_counts():
+        with _no_download_counts(), _no_rows_named(dataset_name, split):
             return load_dataset(str(path), dataset_config, split=split, streaming=streaming)
     if dataset_name.startswith((".", "/", "~")) or os.sep in dataset_name and dataset_name.count(os.sep) > 1:
         raise FileNotFoundError(f"Dataset path {dataset_name} does not exist.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import fields
+from typing import Any
 
 # The number fields by their annotation (a string here, a type in transformers' TrainingArguments): the number they
 # hold (an int is a float's number too), and whether None is one of their values.
@@ -17,19 +18,41 @@ _NUMBER_FIELDS = {
 }
 
 
-@functools.cache
-def number_fields(cls: type) -> dict[str, tuple[type | tuple[type, ...], bool]]:
-    """`cls`'s number fields: `{name: (number, optional)}`, from the classes' annotations (not the fields' `type`,
-    which transformers' HfArgumentParser rewrites in place: `float | None` becomes `float`)."""
-    numbers = {}
+# The text fields by their annotation: whether None is one of their values.
+_TEXT_FIELDS = {"str": False, "str | None": True}
+
+
+def _annotated(cls: type, kinds: dict[str, Any]) -> dict[str, Any]:
+    """`cls`'s fields whose annotation is one of `kinds`, each with its kind, from the classes' annotations (not the
+    fields' `type`, which transformers' HfArgumentParser rewrites in place: `float | None` becomes `float`)."""
+    found = {}
     for klass in reversed(cls.__mro__):
         for name, annotation in vars(klass).get("__annotations__", {}).items():
             text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-            numbers.pop(name, None)  # a subclass's annotation replaces its base's
-            if text in _NUMBER_FIELDS:
-                numbers[name] = _NUMBER_FIELDS[text]
+            found.pop(name, None)  # a subclass's annotation replaces its base's
+            if text in kinds:
+                found[name] = kinds[text]
     declared = {spec.name for spec in fields(cls)}
-    return {name: kind for name, kind in numbers.items() if name in declared}
+    return {name: kind for name, kind in found.items() if name in declared}
+
+
+@functools.cache
+def number_fields(cls: type) -> dict[str, tuple[type | tuple[type, ...], bool]]:
+    """`cls`'s number fields: `{name: (number, optional)}`."""
+    return _annotated(cls, _NUMBER_FIELDS)
+
+
+def check_text_fields(instance) -> None:
+    """A ValueError naming the first text field of `instance` that holds something else: YAML reads an unquoted
+    `{question}` as a mapping, `2024` as a number, `no` as false (a template's field reached `str.format` as a dict:
+    a TypeError's traceback)."""
+    for name, optional in _annotated(type(instance), _TEXT_FIELDS).items():
+        value = getattr(instance, name)
+        if not isinstance(value, str) and not (value is None and optional):
+            raise ValueError(
+                f"{name} must be text{' or None' if optional else ''}, got {value!r} (a {type(value).__name__}): in a "
+                f'YAML file, quote it ({name}: "..."), as YAML reads {{...}} as a mapping and 2024 as a number.'
+            )
 
 
 def check_number_fields(instance) -> None:
