@@ -166,7 +166,7 @@ def test_a_yaml_list_key_given_one_value_without_brackets_is_a_list_of_it(tmp_pa
     assert model.lora_target_modules == "all-linear"  # a string peft reads as such: left alone
 
 
-def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch):
+def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch, capsys):
     """What YAML 1.1 reads otherwise than it reads: `1e-1` without a dot is text (a list's item reached
     `math.isfinite` unconverted: a TypeError's traceback), an unquoted `no` is false (transformers then refused False
     "is not a valid SaveStrategy ... 'no'"), a module named without brackets its letters (peft matched `l`, `m`, ...
@@ -199,6 +199,13 @@ def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()  # eval's `--model ~/run` reads the run's settings there
     (tmp_path / "run" / RUN_DATA_FILE).write_text(json.dumps({"dataset_name": "problems.jsonl"}))
     assert _run_settings(["--model", "~/run"])[0]["dataset_name"] == "problems.jsonl"
+    # Another data set named: the run's prompt formatting is not applied to it, and eval says so.
+    (tmp_path / "run" / RUN_DATA_FILE).write_text(
+        json.dumps({"dataset_name": "a.jsonl", "system_prompt": "Be brief."})
+    )
+    settings, _ = _run_settings(["--model", "~/run", "--dataset_name", "b.jsonl"])
+    assert "system_prompt" not in settings
+    assert "the run formatted its prompts with --system_prompt 'Be brief.', not applied" in capsys.readouterr().err
 
 
 def test_a_configs_env_block_is_set_before_the_hub_library_reads_its_environment(tmp_path):

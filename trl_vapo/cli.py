@@ -1422,6 +1422,14 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     run_config = json.loads(found[RUN_CONFIG_FILE].read_text()) if found[RUN_CONFIG_FILE] else {}
     named = {*flags, *config}
     takes_data = not named & {"dataset_name", "dataset_preset"}
+    formatting = ("prompt_template", "system_prompt")
+    if not takes_data and (left := {key: data[key] for key in formatting if data.get(key) and key not in named}):
+        print(  # (the named data set may have other columns: said, not applied)
+            "trl-vapo eval: the run formatted its prompts with "
+            + ", ".join(f"--{key} {value!r}" for key, value in left.items())
+            + ", not applied to the data set named here: pass them to score its prompts as the run's were",
+            file=sys.stderr,
+        )
     takes_rewards = bool(data) and not named & set(RUN_REWARDS)
     keys = [key for key in EVAL_FROM_RUN_CONFIG if takes_rewards or key not in RUN_REWARD_SETTINGS]
     settings = {key: run_config[key] for key in keys if key in run_config}
