@@ -1767,6 +1767,21 @@ def test_a_checkpoint_is_on_the_disk_before_it_is_published(tmp_path, monkeypatc
     assert (tmp_path / "checkpoint-4" / "vapo_state.json").is_file() and not tmp.exists()
 
 
+def test_an_adapter_trained_on_a_repositorys_subfolder_loads_back(tiny_model_dir, tmp_path):
+    """A base loaded from a local repository's subfolder (`model_init_kwargs={"subfolder": "sft"}`): the saved
+    adapter named the repository's root as its base (transformers leaves the subfolder out of `name_or_path`), and
+    did not load back."""
+    from peft import AutoPeftModelForCausalLM, LoraConfig
+
+    shutil.copytree(tiny_model_dir, tmp_path / "repo" / "sft")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = config(tmp_path, model_init_kwargs={"subfolder": "sft"})
+    trainer = VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset(32), peft_config=lora)
+    trainer.save_model(str(tmp_path / "adapter"))
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
+    assert loaded.peft_config["default"].base_model_name_or_path == str((tmp_path / "repo" / "sft").resolve())
+
+
 def test_a_full_model_saved_where_an_adapter_was_leaves_no_adapter_to_load_instead(tiny_model_dir, tmp_path):
     """A full fine-tune saved into the folder of an earlier LoRA save: the adapter's files go, or `from_pretrained`
     (and `trl-vapo eval`) would load the adapter on its base instead of the model this run trained. An adapter saved

@@ -232,7 +232,12 @@ def _loaded_policy(model, args, model_init_kwargs: dict | None) -> tuple[nn.Modu
             from peft import AutoPeftModelForCausalLM
 
             return load_pretrained(AutoPeftModelForCausalLM, model_id, {**kwargs, "is_trainable": True}), model_id
-        return load_pretrained(AutoModelForCausalLM, model_id, kwargs), model_id
+        policy = load_pretrained(AutoModelForCausalLM, model_id, kwargs)
+        if kwargs.get("subfolder") and local.is_dir():
+            # The base a new adapter's config names (peft reads `name_or_path`, which transformers leaves without
+            # the subfolder): the saved adapter did not load back, its base looked for in the repository's root.
+            policy.name_or_path = str(Path(model_id) / kwargs["subfolder"])
+        return policy, model_id
     if isinstance(model, nn.Module) and hasattr(model, "config"):
         if any(hasattr(param, "ds_id") for param in model.parameters()):
             raise ValueError(
