@@ -490,7 +490,9 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     main(["eval", "--model", str(out), "--dataset_name", str(other), "--k", "1", "--output_json", str(scores_file)])
     assert json.loads(scores_file.read_text())["num_problems"] == 6
     told = capsys.readouterr().err
-    assert "prompt_column" not in told and "system_prompt" not in told and "max_completion_length=8" in told
+    taken = next(line for line in told.splitlines() if "unless given" in line)
+    assert "prompt_column" not in taken and "system_prompt" not in taken and "max_completion_length=8" in taken
+    assert "the run formatted its prompts with --system_prompt" in told  # and it says which it leaves out
     # A run without a held-out report, on one file: its "test" split read that file whole, and eval scored the
     # training prompts as held-out ones, without a word (`train` refuses it).
     data_file = out / "vapo_script_args.json"
