@@ -807,6 +807,13 @@ def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
     assert [h["step"] for h in logs] == [2, 4] and logs[0]["skipped_steps"] == 1
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["loss/value"]) for h in logs)
     assert not math.isfinite(logs[0]["grad_norm"])
+    # The log file is strict JSON: the norm is null there (`NaN`, `Infinity`: Python's own, which strict readers
+    # reject).
+    written = Path(trainer.args.output_dir, "vapo_logs.jsonl").read_text().splitlines()
+    strict = [
+        json.loads(line, parse_constant=lambda constant: pytest.fail(f"{constant} in the log")) for line in written
+    ]
+    assert [h["grad_norm"] for h in strict if "phase" in h][0] is None
     assert all(torch.isfinite(p).all() for p in trainer.actor_critic.parameters())
     assert any(not torch.equal(before[n], p) for n, p in trainer.actor_critic.named_parameters())
 

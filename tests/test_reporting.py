@@ -15,6 +15,7 @@ import random
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -747,6 +748,34 @@ def test_a_fresh_run_in_a_used_output_dir_has_its_own_log_and_card(tiny_model_di
     card = (out / "README.md").read_text()
     assert "off (`value_pretrain_steps=0`)" in card
     assert "ran 50" not in card and PRETRAINED_CRITIC_DIR not in card
+
+
+def test_a_card_written_during_value_pretraining_reads_its_stop_rules_mean(tiny_model_dir, tmp_path):
+    """A card written while value pretraining runs (a checkpoint's, pushed with it) took the last log's mean, of as
+    many readings as `logging_steps` held, and called it "its last reading": it reads what the stop rule reads, the
+    mean of its last `value_pretrain_patience` readings, as the card at the phase's end does."""
+    from helpers import digit_fraction, make_args, prompts_dataset
+    from transformers import TrainerCallback
+
+    from trl_vapo import VAPOTrainer
+
+    cards = {}
+
+    class CardAtStepFour(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                trainer.create_model_card()
+                readings = trainer.progress.explained_variances
+                cards["card"] = (Path(args.output_dir) / "README.md").read_text()
+                cards["expected"] = sum(readings[-3:]) / 3, len(readings), trainer.progress.value_pretrain_rollouts
+
+    args = make_args(tmp_path, max_steps=1, value_pretrain_steps=6, value_pretrain_patience=3, logging_steps=3)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[CardAtStepFour()])
+    trainer.train()
+    mean, count, rollouts = cards["expected"]
+    assert count == 4  # one reading a rollout's end, one step a rollout: the log at step 3 held the first three
+    said = f"ran {rollouts} rollouts, final explained variance {mean:.3f} (mean of its last 3 readings)"
+    assert said in cards["card"], cards["card"]
 
 
 def test_a_rollout_where_no_token_trains_reads_no_value_and_no_advantage():

@@ -35,6 +35,7 @@ from transformers.hf_argparser import string_to_bool
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from ._compat import get_config_model_id
+from .diagnostics import finite_or_null
 from .distributed import (
     decided_on_main,
     fsdp2_optimizer_state,
@@ -816,7 +817,7 @@ class SavingMixin:
                 "policy_fingerprint": self.run_record.policy_fingerprint,
                 "value_targets": self.run_record.value_targets,
             }
-            (tmp / VALUE_PRETRAINING_FILE).write_text(json.dumps(record, indent=2))
+            (tmp / VALUE_PRETRAINING_FILE).write_text(json.dumps(finite_or_null(record), indent=2, allow_nan=False))
             publish(tmp, directory)
         self.accelerator.wait_for_everyone()
 
@@ -978,10 +979,15 @@ class SavingMixin:
         elif run.value_function is not None:
             value_pretraining = {"skipped": "the values came from a frozen value function (`value_model`)"}
         elif self.progress.value_pretrain_rollouts > 0:  # this run's (or the run it resumed): not an earlier run's
+            patience = self.args.value_pretrain_patience
             value_pretraining = (
                 value_pretraining_record(pretrained_dir)
                 if pretrained_here
-                else {"rollouts": self.progress.value_pretrain_rollouts}  # under way: what it ran so far
+                else {  # under way: what it ran so far, its readings' mean as its stop rule reads them
+                    "rollouts": self.progress.value_pretrain_rollouts,
+                    "final_explained_variance": self.progress.final_explained_variance(patience),
+                    "final_readings": self.progress.final_readings(patience),
+                }
             )
         else:
             value_pretraining = None

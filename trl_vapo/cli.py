@@ -1646,7 +1646,9 @@ def eval_command(argv: list[str]) -> int:
 def scores_json(scores: dict[str, float]) -> str:
     """`trl-vapo eval`'s scores as strict JSON: a score that nothing was judged for (NaN) is null, which every JSON
     parser reads (`NaN`, what `json.dumps` writes, is Python's own)."""
-    return json.dumps({key: None if value != value else value for key, value in scores.items()}, indent=2)
+    from .diagnostics import finite_or_null
+
+    return json.dumps(finite_or_null(scores), indent=2, allow_nan=False)
 
 
 JSON_FLAGS = ("chat_template_kwargs", "generation_kwargs", "transformers_continuous_batching_config")

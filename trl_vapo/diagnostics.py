@@ -106,6 +106,19 @@ def rollout_diagnostics(rollout, max_length: int, num_buckets: int, all_reduce: 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def finite_or_null(value: Any) -> Any:
+    """`value` with each NaN or infinity (in dicts and lists too) made None: strict JSON, which every reader parses
+    (`json.dumps` writes `NaN` and `Infinity`, Python's own; GRPOTrainer logs an all-NaN mean as None for JSON
+    loggers too). Written with `allow_nan=False`, so that one left is an error, not a file others cannot read."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
 def read_logs(output_dir: str | Path) -> list[dict[str, Any]]:
     """The logged entries of a run, one per logging step (the last one per step after a resume re-logged it)."""
     path = Path(output_dir) / LOG_FILE

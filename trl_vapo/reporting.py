@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ import torch
 from accelerate.utils import gather_object
 from transformers.trainer_callback import ProgressCallback
 
-from .diagnostics import LOG_FILE
+from .diagnostics import LOG_FILE, finite_or_null
 
 # Column names of the table, after the reward functions' own columns.
 PROMPT, COMPLETION, STEP = "prompt", "completion", "step"
@@ -662,8 +663,15 @@ class MetricsMixin:
             # file, the run's curves gone.
             rewrite = self._rewrite_log_file
             entries = self.state.log_history if rewrite else self.state.log_history[-1:]
-            with (Path(self.args.output_dir) / LOG_FILE).open("w" if rewrite else "a") as log_file:
-                log_file.writelines(json.dumps(entry, default=str) + "\n" for entry in entries)
+            lines = "".join(json.dumps(finite_or_null(e), default=str, allow_nan=False) + "\n" for e in entries)
+            path = Path(self.args.output_dir) / LOG_FILE
+            if rewrite:  # whole or not at all: a kill mid-write, or `trl-vapo plot` reading then, cut the history
+                written = path.with_name(f".{LOG_FILE}.tmp")
+                written.write_text(lines)
+                os.replace(written, path)
+            else:
+                with path.open("a") as log_file:
+                    log_file.write(lines)  # (one write: a line is never left half-written between two)
             self._rewrite_log_file = False
         rollout = self._last_rollout
         fresh = rollout is not None and rollout is not self._reported_rollout
