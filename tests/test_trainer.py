@@ -1823,6 +1823,16 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
         assert f"`value_pretrain_steps={budget}`{' on resuming' if budget == 0 else ''}: ran 2 rollouts" in card
 
 
+def test_a_randomised_pissa_initialisation_is_refused_before_anything_loads(tmp_path):
+    """PiSSA's fast SVD (`pissa_niter_4`) is drawn at random, and peft draws it again when the saved adapter loads (or
+    a resume rebuilds it): the trained adapter sat on another residual base (logits 0.18 apart on the tiny model)."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=2, init_lora_weights="pissa_niter_4", task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa_niter_4': its fast SVD is drawn at random"):
+        VAPOTrainer("no/such-model", digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config=lora)
+
+
 @pytest.mark.parametrize("layout", ["full", "full-bf16", "lora", "lora-pissa", "given-adapter"])
 def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_path, layout):
     peft_config, model = None, str(tiny_model_dir)

@@ -624,6 +624,14 @@ def check_trainer_arguments(
                 f"peft_config must be a peft.PeftConfig, such as LoraConfig(r=16, lora_alpha=32), got "
                 f"{type(peft_config).__name__}: build one from a dict with LoraConfig(**settings)."
             )
+    init = getattr(peft_config, "init_lora_weights", None)
+    if isinstance(init, str) and init.lower().startswith("pissa_niter"):
+        raise ValueError(
+            f"peft_config has init_lora_weights={init!r}: its fast SVD is drawn at random, and peft draws it again "
+            "when the saved adapter loads (and when a resume rebuilds the adapter), so the trained adapter would sit "
+            "on another residual base than the one it trained on. Use init_lora_weights='pissa' (the exact SVD, the "
+            "same at every load), 'olora', or True."
+        )
     task_type = getattr(peft_config, "task_type", None)
     task_type = getattr(task_type, "value", task_type)  # peft's TaskType, a str enum, or a string
     if task_type not in (None, "CAUSAL_LM"):
