@@ -14,7 +14,7 @@ versions from ``constraints.txt``):
 tree pass the 64 MiB a call carries). On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps ``.whl*``
 folders out of commits), after the offline install line (``INSTALL``; ``--download-wheels`` prints it):
 
-    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 350 --limit 570   # the parts in PARTS's order
+    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 350 --limit $((575 - SECONDS))   # PARTS's order
     python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B
 
 Anywhere, the same code at tiny shapes on the CPU (``tests/test_gpu_suite.py`` runs it):
@@ -122,6 +122,7 @@ CUDA_TEST_FILES = [
     "tests/test_platforms.py",  # the accelerator's random generators, saved and restored
 ]
 PARTS = ("tests", "trainer-lora", "generation", "trainer-full", "trainer-1.5B")
+SCRIPT_TIMEOUT = "VAPO_SCRIPT_TIMEOUT"  # (tests/_script_process.py's: the most seconds a test's training run takes)
 TESTS_LIMIT = 240
 """Seconds the tests part may take, whatever ``--limit`` leaves: about twice its 113 s on the H200 (2026-11-27)."""
 TRAINER_PARTS = {  # part: (size, methods)
@@ -211,9 +212,11 @@ def carried_wheels(wheel_set: str, dest: Path, tree_mib: float) -> tuple[str, bo
     wanted = {r.split("==")[0].replace("-", "_").lower() for r in wheel_requirements(wheel_set)}
     wheels = sorted(dest.glob("*.whl"))
     others = [w.name for w in wheels if w.name.split("-")[0].lower() not in wanted]
+    names = [w.name.split("-")[0].lower() for w in wheels]
+    twice = sorted({name for name in names if names.count(name) > 1})  # pip refuses the whole install for one
     total = sum(w.stat().st_size for w in wheels) / 2**20
     carried = total + tree_mib
-    fits = carried <= CARRY_LIMIT_MIB and not others
+    fits = carried <= CARRY_LIMIT_MIB and not others and not twice
     lines = [f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}" for wheel in wheels]
     lines.append(
         f"{len(wheels)} wheels, {total:.2f} MiB; with the working tree ({tree_mib:.2f} MiB) {carried:.2f} MiB of the "
@@ -221,6 +224,8 @@ def carried_wheels(wheel_set: str, dest: Path, tree_mib: float) -> tuple[str, bo
     )
     if others:
         lines.append(f"{dest} also holds wheels of no {wheel_set!r} package, installed with it: {', '.join(others)}")
+    if twice:
+        lines.append(f"{dest} holds two versions of {', '.join(twice)}, which pip refuses to install together")
     lines.append(f"carry {dest.name!r}, and start the command with: {INSTALL.format(wheels=dest.name)}")
     return "\n".join(lines), fits
 
@@ -253,13 +258,13 @@ def run_command(command: list[str], stop_at: float | None, env: dict[str, str] |
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``proc``'s process group, SIGKILL to what is left of it 10 s later (or at once, when this process
-    is interrupted meanwhile)."""
+    """SIGTERM to ``proc``'s process group, SIGKILL to what is left of it 5 s later (or at once, when this process
+    is interrupted meanwhile): within the margin ``--limit`` leaves the call."""
     try:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+            proc.wait(timeout=5)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -288,7 +293,9 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
     stream.unlink(missing_ok=True)
     benchmarks = str(ROOT / "benchmarks")
     path = os.pathsep.join(p for p in (benchmarks, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, OUTCOMES: str(stream)}
+    # A test's own training runs (`tests/_script_process.py`) stop well within the part's limit: a hung one fails its
+    # test, and the report of the others comes back (the FSDP2 test's runs may take 300 s each).
+    env = {**os.environ, "PYTHONPATH": path, OUTCOMES: str(stream), SCRIPT_TIMEOUT: str(TESTS_LIMIT // 3)}
     # Its own limit besides the call's: a test that hangs (a distributed launch waiting on a rank) stops here, not
     # after the trainer and generation parts' minutes too.
     own_stop = time.time() + TESTS_LIMIT
@@ -576,7 +583,10 @@ def machine() -> dict:
     device = "cpu"
     if torch.cuda.is_available():  # the name from nvidia-smi: the driver process holds no CUDA context of its own
         query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
-        device = subprocess.run(query, capture_output=True, text=True).stdout.strip() or "cuda"
+        try:
+            device = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip() or "cuda"
+        except (OSError, subprocess.TimeoutExpired):  # no nvidia-smi there: the report is written all the same
+            device = torch.cuda.get_device_name()
     return {"python": platform.python_version(), "device": device, "cpus": os.cpu_count(), "packages": versions}
 
 
@@ -649,9 +659,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_report(report: dict, out: Path) -> str:
-    """``gpu_suite.json`` and ``gpu_suite.txt`` (the parts' tables, which it returns)."""
-    text = "\n\n".join(format_part(name, done) for name, done in report["parts"].items())
+    """``gpu_suite.json``, then ``gpu_suite.txt`` (the parts' tables, which it returns): the figures first, so that a
+    table that cannot be formatted loses no figure and stops no later part (the error is its table's text)."""
     write_json(out / "gpu_suite.json", report, indent=1)
+    tables = []
+    for name, done in report["parts"].items():
+        try:
+            tables.append(format_part(name, done))
+        except Exception as error:  # (its figures are in gpu_suite.json)
+            tables.append(f"{name}: its table could not be formatted ({type(error).__name__}: {error})")
+    text = "\n\n".join(tables)
     (out / "gpu_suite.txt").write_text(f"{report['machine']}\n\n{text}\n")
     return text
 

@@ -107,11 +107,22 @@ def start_script(*argv: str, default_sigint: bool = False) -> ScriptProcess:
     return ScriptProcess([str(a) for a in argv], default_sigint)
 
 
+SCRIPT_TIMEOUT = "VAPO_SCRIPT_TIMEOUT"
+"""An environment variable: the most seconds a script of these functions runs, whatever its test asks. The GPU
+suite sets it below its tests part's limit (`TESTS_LIMIT`): a hung run fails its test, and the report of the
+others comes back, where the part was stopped whole with no report."""
+
+
+def capped(timeout: float) -> float:
+    """`timeout`, or `SCRIPT_TIMEOUT`'s seconds where they are fewer."""
+    return min(timeout, float(os.environ.get(SCRIPT_TIMEOUT, "inf")))
+
+
 def run_script(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`_train_script.py ARGV` to its end, as `subprocess.run(..., capture_output=True, text=True)` returns it."""
     process = start_script(*argv)
     try:
-        stdout, stderr = process.communicate(timeout)
+        stdout, stderr = process.communicate(capped(timeout))
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGKILL)
         raise
@@ -128,7 +139,7 @@ def run_code(
     it), this folder is on `sys.path`, and the process ends with `os._exit` (no `atexit` handlers)."""
     process = ScriptProcess(list(argv), env=env, code=code, cwd=str(cwd))
     try:
-        stdout, stderr = process.communicate(timeout)
+        stdout, stderr = process.communicate(capped(timeout))
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGKILL)
         raise
@@ -158,6 +169,7 @@ def run_ranks(*argv: str, processes: int, timeout: float = 300) -> subprocess.Co
     spend the GPU suite's call)."""
     ranks: list[ScriptProcess] = []
     failed = None  # the first rank seen to fail
+    timeout = capped(timeout)
     deadline = time.monotonic() + timeout
 
     def kill_running() -> None:

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +112,26 @@ def test_what_a_call_carries_is_every_wheel_of_the_folder(tmp_path):
     report, fits = gpu_suite.carried_wheels("base", tmp_path, tree_mib=25)
     assert not fits and "also holds wheels of no 'base' package, installed with it: bitsandbytes-1.0" in report
     assert gpu_suite.carried_wheels("base", tmp_path, tree_mib=25 + 30)[0].count("DOES NOT FIT") == 1
+    (tmp_path / "bitsandbytes-1.0-py3-none-any.whl").unlink()
+    (tmp_path / "trl-0.9-py3-none-any.whl").write_bytes(b"\0")  # an older download left beside: pip refuses both
+    report, fits = gpu_suite.carried_wheels("base", tmp_path, tree_mib=25)
+    assert not fits and "holds two versions of trl, which pip refuses to install together" in report
+
+
+def test_a_tests_training_run_stops_within_the_gpu_suites_tests_part(tmp_path, monkeypatch):
+    """The FSDP2 test's two runs may take 300 s each, the tests part 240 s: a hung run stopped the part whole, its
+    report lost with every other test's. The suite caps each run (`SCRIPT_TIMEOUT`) well within the part."""
+    import subprocess
+    import time
+
+    from _script_process import SCRIPT_TIMEOUT, run_code
+
+    assert gpu_suite.SCRIPT_TIMEOUT == SCRIPT_TIMEOUT and int(gpu_suite.TESTS_LIMIT // 3) < gpu_suite.TESTS_LIMIT / 2
+    monkeypatch.setenv(SCRIPT_TIMEOUT, "1")
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_code("import time; time.sleep(60)", cwd=tmp_path, timeout=300)
+    assert time.monotonic() - began < 30
 
 
 def test_a_part_still_running_at_the_limit_is_stopped_with_every_process_it_started(tmp_path):
