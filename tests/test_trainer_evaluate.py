@@ -302,15 +302,22 @@ def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tm
 def test_the_command_lines_held_out_report_leaves_the_random_state_as_it_was(tiny_model_dir, tmp_path):
     """`trl-vapo train --eval_num_prompts N` scores the policy before training (`_held_out_report`), which sampled
     from training's random stream: the run trained on other rollouts than the same command without the report."""
+    import random
     from types import SimpleNamespace
+
+    import numpy as np
 
     from trl_vapo.cli import _held_out_report
 
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, eval_args(tmp_path, max_steps=1), prompts_dataset())
-    before = torch.get_rng_state()
+    def draws(completions, **kwargs):  # a stochastic judge: Python's and NumPy's generators too
+        return [float(random.random() < 2 and np.random.rand() < 2) for _ in completions]
+
+    trainer = VAPOTrainer(str(tiny_model_dir), draws, eval_args(tmp_path, max_steps=1), prompts_dataset())
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
     report = _held_out_report(trainer, prompts_dataset(2), SimpleNamespace(eval_k=2), trainer.reward_funcs)
     assert report["num_problems"] == 2
-    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert (np.random.get_state()[1] == before[2]).all()
 
 
 def test_the_held_out_report_before_training_samples_on_every_process_with_vllm(

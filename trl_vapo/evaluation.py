@@ -153,11 +153,23 @@ def sample_completions(
     return completions, output.lengths.tolist()
 
 
+@contextlib.contextmanager
 def random_state_kept(device: torch.device):
-    """`torch.random.fork_rng` over the CPU's generator and `device`'s: what samples inside leaves the random state
-    as it found it, so that evaluating during or before training never changes what trains."""
+    """`torch.random.fork_rng` over the CPU's generator and `device`'s, and Python's and NumPy's generators kept as
+    well (a reward function or judge may draw from them): what samples inside leaves the random state as it found
+    it, so that evaluating during or before training never changes what trains."""
+    import random
+
+    import numpy as np
+
     rng = {"devices": []} if device.type == "cpu" else {"devices": [device.index or 0], "device_type": device.type}
-    return torch.random.fork_rng(**rng)
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(**rng):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def evaluate_policy(
