@@ -437,7 +437,9 @@ class EvaluationMixin:
         metrics are averaged over batches as GRPOTrainer averages them, except two of VAPO's own, pooled over all the
         completions: the critic's explained variance and the accuracy. Each prompt counts once: the prompts a last
         batch repeats to split evenly over the processes are left out of every metric but the reward functions' own
-        (GRPOTrainer counts them in all but the loss). Returns the metrics, the number of prompts and of batches."""
+        (GRPOTrainer counts them in all but the loss). A batch's mean counts as one whatever its size, as GRPOTrainer's
+        does: a short last batch weighs more, and the batch grows with the processes, so the averaged figures can move
+        with the process count (the pooled two do not). Returns the metrics, the number of prompts and of batches."""
         args, world = self.args, self.accelerator.num_processes
         all_reduce = self._all_reduce if self._distributed else None
         group = args.num_generations_eval or args.num_generations
