@@ -1247,7 +1247,10 @@ def test_a_process_the_run_forked_does_not_keep_its_lock_after_it_dies(tmp_path)
     dies = (
         "import os, sys, time\nfrom trl_vapo.run_lock import output_dir_lock\n"
         "with output_dir_lock(sys.argv[1]):\n"
-        "    child = os.fork()\n    if child == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+        "    child = os.fork()\n"
+        "    if child == 0:\n"  # (its fork handlers have run once fork returns here: then it says it is ready)
+        "        open(sys.argv[2] + '.ready', 'w').close()\n        time.sleep(60)\n        os._exit(0)\n"
+        "    while not os.path.exists(sys.argv[2] + '.ready'):\n        time.sleep(0.01)\n"
         "    open(sys.argv[2], 'w').write(str(child))\n    os._exit(0)\n"  # dies holding it, as SIGKILL leaves a run
     )
     subprocess.run([sys.executable, "-c", dies, str(tmp_path), str(tmp_path / "child")], timeout=60, check=True)
