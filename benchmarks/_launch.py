@@ -64,14 +64,15 @@ class WorkerFailed(SystemExit):
 
 
 def launch_worker(script: str | Path, args: list[str], name: str, one_thread: bool = True) -> dict:
-    """`python SCRIPT ARGS --result FILE` in a fresh process; the record it wrote to FILE. A failed worker's output
-    tail goes to stderr and `WorkerFailed` is raised, naming `name`."""
+    """`python SCRIPT ARGS --result FILE` in a fresh process; the record it wrote to FILE. The worker's stderr is
+    this process's (a run stopped at `gpu_suite.py --limit` kills this process too: an output held here would be
+    lost with it); a failed worker's stdout tail goes to stderr and `WorkerFailed` is raised, naming `name`."""
     result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     command = [sys.executable, str(script), *args, "--result", result]
-    proc = subprocess.run(command, env=worker_env(one_thread), cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(command, env=worker_env(one_thread), cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+            sys.stderr.write(proc.stdout[-3000:])
             raise WorkerFailed(f"worker {name} failed (exit {proc.returncode})")
         with open(result) as f:
             return json.load(f)

@@ -29,14 +29,25 @@ def pytest_runtest_logstart(nodeid, location) -> None:
 
 
 def pytest_runtest_logreport(report) -> None:
-    _write(_CONFIG, test=report.nodeid, when=report.when, outcome=report.outcome)
+    # What the test recorded (`record_property`: the graph pool's bytes, ...) goes along: the JUnit report that also
+    # holds it is lost with a stopped run. As text, as JUnit writes it (any value serialises).
+    properties = {name: str(value) for name, value in report.user_properties} if report.when == "call" else {}
+    _write(
+        _CONFIG,
+        test=report.nodeid,
+        when=report.when,
+        outcome=report.outcome,
+        **({"properties": properties} if properties else {}),
+    )
 
 
-def read_outcomes(path) -> dict[str, str]:
+def read_outcomes(path) -> tuple[dict[str, str], dict[str, str]]:
     """`{test: outcome}` from the lines written: "passed", "failure" (the test failed), "error" (its setup or
     teardown failed), "skipped", or "running" (started, never ended: what a stop at --limit interrupted). Names as
-    the JUnit report gives them: `<file stem>::<test>`."""
+    the JUnit report gives them: `<file stem>::<test>`. And `{test::property: value}`, what the tests recorded, as
+    the JUnit report gives it (values as text)."""
     outcomes: dict[str, str] = {}
+    properties: dict[str, str] = {}
     with open(path) as f:
         for text in f:
             if not text.endswith("\n"):  # a line cut off by the stop
@@ -45,6 +56,7 @@ def read_outcomes(path) -> dict[str, str]:
             file, _, test = line["test"].partition("::")
             name = f"{os.path.splitext(os.path.basename(file))[0]}::{test}"
             when, outcome = line["when"], line.get("outcome")
+            properties.update({f"{name}::{key}": value for key, value in line.get("properties", {}).items()})
             if when == "start":
                 outcomes[name] = "running"
             elif outcome == "failed":
@@ -53,4 +65,4 @@ def read_outcomes(path) -> dict[str, str]:
                 outcomes[name] = "skipped"
             elif when == "call":  # passed (a setup or teardown that passed changes nothing)
                 outcomes[name] = "passed"
-    return outcomes
+    return outcomes, properties

@@ -14,7 +14,7 @@ versions from ``constraints.txt``):
 tree pass the 64 MiB a call carries). On the GPU machine, with ``.whl`` carried (``.gitignore`` keeps ``.whl*``
 folders out of commits), after the offline install line (``INSTALL``; ``--download-wheels`` prints it):
 
-    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 350 --limit $((575 - SECONDS))   # PARTS's order
+    python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 420 --limit $((575 - SECONDS + T0))   # PARTS's order
     python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B
 
 Anywhere, the same code at tiny shapes on the CPU (``tests/test_gpu_suite.py`` runs it):
@@ -246,6 +246,8 @@ def run_command(command: list[str], stop_at: float | None, env: dict[str, str] |
     stopping it stops all of them; the group is stopped too when this process is interrupted (Ctrl-C, or SIGTERM:
     ``main`` turns it into an exit)."""
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    # Unbuffered: a process stopped here (SIGTERM, then SIGKILL) would lose what it held for the pipe to `tee`.
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, **group)
     try:
         return proc.wait(timeout=None if stop_at is None else max(0.0, stop_at - time.time())), False
@@ -304,7 +306,7 @@ def run_tests(out: Path, smoke: bool = False, stop_at: float | None = None) -> d
     cut = cut and not hung
     outcomes, properties = {}, {}  # properties: what tests record with `record_property` (the graph pool's bytes)
     if not junit.is_file():  # a stopped run: the streamed outcomes, of what ended and what was "running"
-        outcomes = read_outcomes(stream) if stream.is_file() else {}
+        outcomes, properties = read_outcomes(stream) if stream.is_file() else ({}, {})
     else:
         for case in ElementTree.parse(junit).getroot().iter("testcase"):
             name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
@@ -652,9 +654,12 @@ def main(argv: list[str] | None = None) -> int:
             result |= {"status": status, "seconds": time.time() - began}
         report["parts"][part] = result
         text = write_report(report, opts.out)  # after every part: a call cut off at its limit brings back what ended
-        print(f"== {part}: {result['status']}" + (f" in {result['seconds']:.0f} s" if "seconds" in result else ""))
+        print(
+            f"== {part}: {result['status']}" + (f" in {result['seconds']:.0f} s" if "seconds" in result else ""),
+            flush=True,
+        )
     times = ", ".join(f"{name} {r['seconds']:.0f} s" for name, r in report["parts"].items() if "seconds" in r)
-    print(f"\n== summary ({time.time() - STARTED:.0f} s: {times or 'no part ran'})\n{text}")
+    print(f"\n== summary ({time.time() - STARTED:.0f} s: {times or 'no part ran'})\n{text}", flush=True)
     return 0 if all(r["status"] != "failed" for r in report["parts"].values()) else 1
 
 

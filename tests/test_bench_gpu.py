@@ -63,7 +63,23 @@ def test_peak_memory_sees_an_allocation_made_and_freed_after_the_reset():
     assert rows == [["s", "vapo-lora", "300", "0.25x", "2.0"], ["s", "grpo-lora", "1,200", "1.00x", "1.5"]]
 
 
-def test_a_failed_run_costs_only_its_own_row(tmp_path, monkeypatch, capsys):
+def test_a_workers_stderr_is_the_launchers_as_it_runs(tmp_path, capfd):
+    """A worker's stderr goes straight to the launcher's, not held until it ends: `gpu_suite.py --limit` kills a run
+    still going with its launcher, and a held output went with it (where the cut run was: the call's log showed
+    nothing). A real process, which succeeds: its output is not only a failure's tail."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _launch import launch_worker
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import json, sys\nprint('warm-up step done', file=sys.stderr)\n"
+        "json.dump({'step_s': [1.0]}, open(sys.argv[sys.argv.index('--result') + 1], 'w'))\n"
+    )
+    assert launch_worker(worker, [], "smoke/vapo-lora") == {"step_s": [1.0]}
+    assert "warm-up step done" in capfd.readouterr().err
+
+
+def test_a_failed_run_costs_only_its_own_row(tmp_path, monkeypatch, capfd):
     """A worker that fails (VAPO's, here: a real process exiting 1) is a FAILED row; the driver still measures the
     others (GRPO's side, the ratios' base), writes both to `--json`, and exits naming the failure. The GRPO record
     is a stand-in for a worker's (its real run is `tests/test_gpu_suite.py`'s smoke)."""
@@ -97,7 +113,7 @@ def test_a_failed_run_costs_only_its_own_row(tmp_path, monkeypatch, capsys):
     rows = json.loads(result.read_text())
     assert rows["smoke/vapo-lora"] == {"error": "worker smoke/vapo-lora failed (exit 1)"}
     assert rows["smoke/grpo-lora"]["step_s"] == 2.0 and rows["smoke/grpo-lora"]["generation"] == 1.5
-    out = capsys.readouterr()
+    out = capfd.readouterr()
     assert "smoke vapo-lora: FAILED (worker smoke/vapo-lora failed (exit 1))" in out.out
     assert "CUDA out of memory" in out.err  # the failed worker's own output, for the reader of the call's log
     table = out.out.split("\n\n")[-1]

@@ -153,6 +153,11 @@ def test_a_part_still_running_at_the_limit_is_stopped_with_every_process_it_star
         time.sleep(0.05)
     assert not status.exists() or status.read_text().split()[2] == "Z"  # gone (or a zombie awaiting init)
     assert gpu_suite.run_command(["bash", "-c", "exit 3"], stop_at=time.time() + 30) == (3, False)
+    # Its Python processes write unbuffered: one stopped so would lose what it held for the call's log.
+    unbuffered = 'test "$PYTHONUNBUFFERED" = 1'
+    assert gpu_suite.run_command(
+        ["bash", "-c", unbuffered], stop_at=time.time() + 30, env={"PATH": "/usr/bin:/bin"}
+    ) == (0, False)
     assert gpu_suite.run_command(["bash", "-c", "kill -9 $$"], stop_at=time.time() + 30) == (-9, False)
 
 
@@ -234,10 +239,11 @@ def test_a_trainer_part_with_a_failed_run_keeps_the_pairs_that_ran(tmp_path, mon
 def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test_left_running(tmp_path, monkeypatch):
     """pytest writes its JUnit report at the end: stopped at the tests part's own limit (a hang here: a test that
     sleeps), it writes none. The part still has each ended test's outcome, as the plugin streamed them (from xdist's
-    controller: two workers, as on the GPU), names the test it interrupted, and failed."""
+    controller: two workers, as on the GPU), names the test it interrupted, and failed; what a test recorded with
+    `record_property` (the graph pool's bytes) comes back too."""
     (tmp_path / "test_standin.py").write_text(
         "import time\nimport pytest\n\n"
-        "@pytest.mark.cuda\ndef test_passes():\n    pass\n\n"
+        "@pytest.mark.cuda\ndef test_passes(record_property):\n    record_property('engine_bytes', 1234)\n\n"
         "@pytest.mark.cuda\ndef test_fails():\n    assert False\n\n"
         "@pytest.mark.cuda\n@pytest.mark.skip(reason='no GPU')\ndef test_skips():\n    pass\n\n"
         "@pytest.fixture\ndef broken():\n    raise RuntimeError('setup')\n\n"
@@ -261,6 +267,7 @@ def test_a_tests_part_stopped_at_its_limit_keeps_the_outcomes_and_names_the_test
         "test_standin::test_hangs": "running",
     }
     assert result["counts"] == {"passed": 1, "failure": 1, "error": 1, "skipped": 1, "running": 1}
+    assert result["properties"] == {"test_standin::test_passes::engine_bytes": "1234"}  # as JUnit gives it: text
     lines = [json.loads(line) for line in (out / "cuda-tests.jsonl").read_text().splitlines()]
     starts = [line["test"] for line in lines if line["when"] == "start"]
     assert len(starts) == len(set(starts)) == 5  # the controller alone writes, not each worker besides
