@@ -417,6 +417,37 @@ def test_the_cache_is_freed_with_the_state_without_waiting_for_the_cycle_collect
         gc.enable()
 
 
+def test_a_step_torch_compile_cannot_compile_runs_as_written_with_one_warning(tiny, caplog, monkeypatch):
+    """`compile_step=True` where dynamo gives up (its recompile limit, 8 shapes: prompt-width buckets times the
+    evaluation's settings; a graph break; a backend error): the rollout goes on with the step as written, exactly,
+    says so once, and later rollouts do not compile again. A stand-in for `torch.compile` raises dynamo's own
+    exception on the first call, as the compiled step does when the limit is hit (inductor's real compile of the step
+    takes minutes on this CPU; the compiled step itself runs under `-m cuda`)."""
+    model, tokenizer = tiny
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
+    sampling = SamplingSettings(max_new_tokens=8, temperature=0.0)
+    compiles = []
+
+    def give_up(fn, **options):
+        compiles.append(options)
+
+        def compiled(*args):
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+        return compiled
+
+    expected = _engines(model, tokenizer, [tokenizer.eos_token_id])[1].generate(prompts, sampling=sampling)
+    monkeypatch.setattr(torch, "compile", give_up)
+    _, static = _engines(model, tokenizer, [tokenizer.eos_token_id], compile_step=True, keep_buffers=False)
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.static_cache"):
+        got = [static.generate(prompts, sampling=sampling) for _ in range(2)]
+    assert all(g.completion_lists() == expected.completion_lists() for g in got)
+    assert all(torch.equal(g.sampler_logprobs, expected.sampler_logprobs) for g in got)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("The decode step could not be compiled (FailOnRecompile")
+    assert len(compiles) == 1 and static.compile_step is False  # the second rollout's state compiled nothing
+
+
 def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     model, tokenizer = tiny
     generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
@@ -548,25 +579,75 @@ def _random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32-bf16-autocast"])
 def test_the_captured_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, dtype, record_property):
-    """64 prompts x 64 greedy tokens: the replayed CUDA graph gives the eager step's tokens and log-probs exactly; the
-    memory the engine holds after the rollout (its buffers and the graph's pool) is recorded (JUnit property
-    `engine_bytes_<dtype>`)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).cuda()
+    """64 prompts x 64 greedy tokens: the replayed CUDA graph gives the eager step's tokens and log-probs exactly, also
+    for float32 weights under bf16 autocast (the trainer's rollout with `bf16=True`: the capture's casts are taken
+    without autocast's cache, each replay casts the live weights); the memory the engine holds after the rollout (its
+    buffers and the graph's pool) is recorded (JUnit property `engine_bytes_<dtype>`)."""
+    autocast = dtype == "float32-bf16-autocast"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32 if autocast else dtype).cuda()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = _random_prompts(tokenizer, 64)
     common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
     sampling = SamplingSettings(max_new_tokens=64, temperature=0.0)
-    eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
-    engine = StaticCacheEngine(model, **common)
-    before = torch.cuda.memory_allocated()
-    captured = engine.generate(prompts, sampling=sampling)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
+        engine = StaticCacheEngine(model, **common)
+        before = torch.cuda.memory_allocated()
+        captured = engine.generate(prompts, sampling=sampling)
     assert engine.state.graph is not None and not engine.state.capture_failed
     record_property(f"engine_bytes_{str(dtype).split('.')[-1]}", torch.cuda.memory_allocated() - before)
     assert torch.equal(captured.completion_ids, eager.completion_ids)
     assert torch.equal(captured.sampler_logprobs, eager.sampler_logprobs)
     assert captured.completion_ids.shape[1] > 32  # the graph replayed many steps
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_each_replay_draws_fresh_random_numbers_as_the_eager_step_does(tiny_model_dir):
+    """Sampling at temperature 1 through the graph: the random numbers are the default CUDA generator's, which a
+    replay advances as an eager step does (each kernel's offset is captured relative to the generator's), so from one
+    seed the captured rollout draws what the eager one draws, token for token past the first steps. A graph that
+    replayed the numbers of its capture would part from it there."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = _random_prompts(tokenizer, 32, seed=3)
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
+    sampling = SamplingSettings(max_new_tokens=48, temperature=1.0)
+    rollouts = {}
+    for cuda_graph in (False, True):
+        engine = StaticCacheEngine(model, cuda_graph=cuda_graph, **common)
+        torch.manual_seed(0)
+        rollouts[cuda_graph] = engine.generate(prompts, sampling=sampling)
+    assert engine.state.graph is not None and not engine.state.capture_failed
+    assert rollouts[True].completion_ids.shape[1] > 8  # past the eager warm-up step, into the replays
+    assert torch.equal(rollouts[True].completion_ids, rollouts[False].completion_ids)
+    assert torch.equal(rollouts[True].sampler_logprobs, rollouts[False].sampler_logprobs)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_step_that_cannot_be_captured_runs_eagerly_on_the_callers_stream(tiny_model_dir, caplog):
+    """A model whose forward synchronises with the host (a `.item()`; transformers' dynamic RoPE does so) cannot be
+    captured: the rollout goes on eagerly, exactly, warns once, and leaves the caller's CUDA stream current
+    (`torch.cuda.graph`'s exit raises before it restores its own); later rollouts do not try again."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = _random_prompts(tokenizer, 16, seed=4)
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
+    sampling = SamplingSettings(max_new_tokens=32, temperature=0.0)
+    expected = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
+    model.register_forward_hook(lambda module, args, output: output.logits.sum().item())  # a host sync
+    engine = StaticCacheEngine(model, keep_buffers=False, **common)
+    stream = torch.cuda.current_stream()
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.static_cache"):
+        got = [engine.generate(prompts, sampling=sampling) for _ in range(2)]
+    assert torch.cuda.current_stream() == stream
+    assert all(g.completion_lists() == expected.completion_lists() for g in got)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "could not be captured as a CUDA graph" in warnings[0]
+    assert engine.cuda_graph is False
 
 
 @pytest.mark.cuda
@@ -614,7 +695,10 @@ def test_the_compiled_and_captured_step_follows_the_eager_step(tiny_model_dir, r
     common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
     sampling = SamplingSettings(max_new_tokens=64, temperature=0.0)
     eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
-    compiled = StaticCacheEngine(model, compile_step=True, **common).generate(prompts, sampling=sampling)
+    engine = StaticCacheEngine(model, compile_step=True, **common)
+    compiled = engine.generate(prompts, sampling=sampling)
+    assert engine.state.compiled_step is not None  # compiled, not fallen back to the step as written
+    assert engine.state.graph is not None and not engine.state.capture_failed  # and captured
     width = min(eager.completion_ids.shape[1], compiled.completion_ids.shape[1])
     differs = (eager.completion_ids[:, :width] != compiled.completion_ids[:, :width]).any(dim=0)
     first = int(differs.int().argmax()) if differs.any() else -1

@@ -202,6 +202,10 @@ class StaticCacheEngine(GenerationEngine):
             # Copies (`.cpu()` of a CPU tensor is the tensor): the next batch of the same shape writes these buffers.
             ids = state.output_ids[:, :steps].to("cpu", copy=True)
             logprobs = state.output_logprobs[:, :steps].to("cpu", copy=True)
+        # What failed once fails again (the same step): later states, one per rollout in training, do not retry it,
+        # warn again or leave a failed capture's memory again.
+        self.cuda_graph = self.cuda_graph and not state.capture_failed
+        self.compile_step = self.compile_step and state.compiled_step is not None
         _check_finite(logprobs)
         return ids, logprobs
 
@@ -332,6 +336,7 @@ class DecodeState:
         self.graph_key: tuple | None = None
         self.sampling_signature: tuple | None = None  # the settings `configure` built the warpers from
         self.warmed_up = False
+        self.capturing = False  # within `advance`'s capture: a failure there is the capture's
         self.capture_failed = False
 
     def configure(self, sampling: SamplingSettings) -> None:
@@ -346,6 +351,7 @@ class DecodeState:
         signature = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         if signature != self.sampling_signature:  # a captured step holds the last settings' warpers: take it again
             self.graph, self.sampling_signature = None, signature
+            self.warmed_up = False  # (after a warm-up: a compiled step compiles for the new warpers there, not in it)
         self.greedy = sampling.greedy
         self.min_new_tokens.fill_(int(sampling.generation_kwargs.get("min_new_tokens") or 0))
         warpers = []
@@ -399,40 +405,62 @@ class DecodeState:
             self._step(model)
         elif self.graph is not None and self.graph_key == capture:
             self.graph.replay()
-        elif not self.warmed_up:
+        elif not self.warmed_up or self.graph_key not in (None, capture):
+            # Under the capture's autocast (without its cache, below): a compiled step guards on the cache's setting
+            # and would otherwise compile again inside the capture, where a new kernel's first launch cannot run.
+            self.graph = None  # a stale graph's memory goes first
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with _autocast_without_cache(), torch.cuda.stream(side):
                 self._step(model)
             torch.cuda.current_stream().wait_stream(side)
-            self.warmed_up = True
+            self.warmed_up, self.graph_key = True, None
         else:
-            self.graph = None  # a stale graph's memory goes first
-            graph = torch.cuda.CUDAGraph()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
             try:
                 # Autocast's cache would hand the capture casts made before it, which a replay never refreshes.
                 # "thread_local": a CUDA call of another thread meanwhile (a DataLoader's pin-memory thread) neither
                 # breaks the capture nor raises there (the default, "global", does both; transformers' continuous
                 # batching captures so too).
+                self.capturing = True
                 with _autocast_without_cache(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self._step(model)
-            except RuntimeError as error:  # nothing ran: capture records kernels without running them
+            except Exception as error:  # nothing ran: capture records kernels without running them
                 import logging
 
+                # torch.cuda.graph's exit ends the capture before it restores the stream, and a failed capture
+                # raises there: its capture stream would stay current for the rest of the run.
+                torch.cuda.set_stream(stream)
                 self.capture_failed = True
                 logging.getLogger(__name__).warning(
-                    f"The decode step could not be captured as a CUDA graph ({error}); it runs eagerly."
+                    f"The decode step could not be captured as a CUDA graph ({type(error).__name__}: {error}); it "
+                    "runs eagerly from here on."
                 )
                 self._step(model)
                 return
+            finally:
+                self.capturing = False
             self.graph, self.graph_key = graph, capture
             graph.replay()
 
     def _step(self, model: nn.Module) -> None:
         if self.compiled_step is not None:
-            self.compiled_step(self, model)
-        else:
-            self.decode_step(model)
+            try:
+                self.compiled_step(self, model)
+                return
+            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as error:
+                # torch.compile failed before the step ran (a graph break, a backend error, or its recompile limit,
+                # 8 shapes: prompt-width buckets, evaluation's settings): the step runs as written from here on.
+                if self.capturing:  # the capture's failure (`advance`), then this again outside it
+                    raise
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    f"The decode step could not be compiled ({type(error).__name__}: {str(error)[:300]}); it runs "
+                    "uncompiled from here on."
+                )
+                self.compiled_step = None
+        self.decode_step(model)
 
     def decode_step(self, model: nn.Module) -> None:
         """One token for every row, fixed shapes, no host synchronisation: the step a CUDA graph can capture."""
