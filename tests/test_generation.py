@@ -565,13 +565,14 @@ def test_a_vllm_completion_cut_by_the_context_length_is_truncated(tiny_model_dir
     actor_critic = peft_actor_critic(model_dir, seed=1)
     engine = _vllm_engine(actor_critic, tokenizer, vllm_max_model_length=context if given else None)
     assert engine.context_length() == context
-    if not given:  # a server's: its `/server_info` (a stand-in client; the real one needs a GPU's vLLM)
-        served = _vllm_engine(actor_critic, tokenizer)
-        served.vllm_generation.mode = "server"
-        served.vllm_generation.vllm_client = SimpleNamespace(
-            get_server_info=lambda: {"model_config": {"max_model_len": 99, "logprobs_mode": "processed_logprobs"}}
-        )
-        assert served.context_length() == 99
+    # A server's: its `/server_info` (a stand-in client; the real one needs a GPU's vLLM), whatever
+    # `vllm_max_model_length` says (TRL gives that to a colocated engine alone: the server cuts at its own).
+    served = _vllm_engine(actor_critic, tokenizer, vllm_max_model_length=context if given else None)
+    served.vllm_generation.mode = "server"
+    served.vllm_generation.vllm_client = SimpleNamespace(
+        get_server_info=lambda: {"model_config": {"max_model_len": 99, "logprobs_mode": "processed_logprobs"}}
+    )
+    assert served.context_length() == 99
     never_stop = dataclasses.replace(GREEDY, max_new_tokens=16, generation_kwargs={"eos_token_id": []})
     engine.stop_token_ids = [tokenizer.pad_token_id]  # a token the tiny model does not sample: no completion stops
     out = engine.generate(prompts, sampling=never_stop)

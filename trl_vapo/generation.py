@@ -747,22 +747,23 @@ class VLLMEngine(GenerationEngine):
             )
 
     def context_length(self) -> int | None:
-        """The length of prompt and completion at which vLLM ends a completion: `vllm_max_model_length` where set,
-        else the one vLLM derived from the model (a colocated engine's model config; a server's, from its
-        `/server_info`, read by the main process, which alone holds the client, once, and shared: every process
-        samples together; None where the server does not say). A completion ended there is out of budget, not
-        finished (read as finished where `vllm_max_model_length` was unset: a wrong answer, not masked by
-        `mask_truncated_completions`)."""
+        """The length of prompt and completion at which vLLM ends a completion. A colocated engine's:
+        `vllm_max_model_length` where set, else the one vLLM derived from the model (its model config). A server's:
+        its own (`--max-model-len`, or derived), from its `/server_info`, read by the main process, which alone holds
+        the client, once, and shared: every process samples together; `vllm_max_model_length` only where the server
+        does not say (TRL passes that field to a colocated engine alone: a server's context is the server's). A
+        completion ended there is out of budget, not finished (read as finished where this length was wrong: a wrong
+        answer, not masked by `mask_truncated_completions`)."""
         if not self._context_known:
             vllm = self.vllm_generation
             context = getattr(vllm, "max_model_length", None)
-            if context is None and getattr(vllm, "mode", None) == "server":
+            if getattr(vllm, "mode", None) == "server":
                 from .distributed import decided_on_main
 
                 def ask() -> int | None:
                     return vllm.vllm_client.get_server_info().get("model_config", {}).get("max_model_len")
 
-                context = decided_on_main(ask, vllm.accelerator)
+                context = decided_on_main(ask, vllm.accelerator) or context
             elif context is None:
                 context = vllm.llm.llm_engine.model_config.max_model_len
             self._context_length, self._context_known = context, True

@@ -26,8 +26,9 @@ VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "gpu_memory_utilization": (0.3, "GPU memory share vLLM may use (colocate mode)."),
     "max_model_length": (
         None,
-        "vLLM's context window: at least the longest prompt plus max_completion_length (None: vLLM's own, from the "
-        "model). A completion vLLM ends there counts as truncated, as one at max_completion_length.",
+        "vLLM's context window (colocate mode; a server's is its own `--max-model-len`): at least the longest prompt "
+        "plus max_completion_length (None: vLLM's own, from the model). A completion vLLM ends there counts as "
+        "truncated, as one at max_completion_length.",
     ),
     "tensor_parallel_size": (1, "Tensor-parallel size of vLLM (colocate mode)."),
 }
