@@ -747,14 +747,31 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
 def test_the_epoch_moves_with_each_optimizer_step_as_grpos_does(tiny_model_dir, tmp_path):
     """Eight prompts, four a rollout, two optimizer steps a rollout (and two passes): each step reads its share of the
     prompts, so `state.epoch` moves by step, as GRPOTrainer's data loader moves it (every step logged the rollout's
-    end: 0.5, 0.5, 0.5, 0.5, 1.0, ...)."""
+    end: 0.5, 0.5, 0.5, 0.5, 1.0, ...). It never moves back: while a rollout samples it reads the last step's, as
+    GRPOTrainer's does (it read the rollout's end there, 0.5, then 0.125 after its first step)."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Epochs(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            seen.append(state.epoch or 0.0)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(state.epoch)
+
     batch = dict(per_device_train_batch_size=8, steps_per_generation=2, num_iterations=2)
     trainer = VAPOTrainer(
-        str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=8, **batch), prompts_dataset(8)
+        str(tiny_model_dir),
+        digit_fraction,
+        make_args(tmp_path, max_steps=8, **batch),
+        prompts_dataset(8),
+        callbacks=[Epochs()],
     )
     trainer.train()
     epochs = [h["epoch"] for h in trainer.state.log_history if "phase" in h]
     assert epochs == pytest.approx([0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0])
+    assert seen == sorted(seen) and seen[:2] == pytest.approx([0.0, 0.125])
 
 
 @pytest.mark.parametrize("steps_per_rollout", [1, 2])

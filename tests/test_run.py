@@ -5,6 +5,7 @@ and the prompt cursor's order, epochs and resume on map-style and streamed datas
 from __future__ import annotations
 
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -60,6 +61,22 @@ def test_the_plan_counts_the_steps_a_loop_takes(value_pretraining, overrides):
     if value_pretraining:  # stopped early after 2 of 5 rollouts: the plan follows the steps taken
         early = TrainingProgress(phase=RL, rl_start_step=2 * plan.steps_per_pretrain_rollout)
         assert plan.max_steps(early) == _steps_of_a_loop(args, 21, True, early_after=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "value_pretraining", "epochs"),
+    [
+        ({"num_train_epochs": 2.5}, False, 3),  # 5 rollouts an epoch (21 prompts, 4 a rollout), 13 of them
+        ({"num_train_epochs": 2}, True, 3),  # and value pretraining's 5 first: 15 rollouts
+        ({"max_steps": 7}, False, 1),  # 2 steps a pass, 3 passes a rollout: 7 steps in 2 rollouts (the 3rd cut)
+        ({"max_steps": 60}, False, 2),  # 10 rollouts
+        ({"max_steps": 60}, True, 3),  # 15
+    ],
+)
+def test_the_plan_counts_the_epochs_it_reads_as_transformers_reports_them(overrides, value_pretraining, epochs):
+    """`state.num_train_epochs`: with `max_steps` it was 1 whatever the run read (a run at epoch 5.25 of "1")."""
+    assert RunPlan.from_config(_args(**overrides), 21, value_pretraining).epochs == epochs
+    assert RunPlan.from_config(_args(max_steps=9), None, value_pretraining).epochs == sys.maxsize  # a stream
 
 
 def test_a_fraction_of_epochs_is_its_rollouts_without_float_round_off():

@@ -130,6 +130,20 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
         trainer.train()
 
 
+def test_max_steps_set_on_the_trainers_args_before_train_is_the_runs(tiny_model_dir, tmp_path):
+    """transformers' `train()` reads `max_steps` when it starts: set on `trainer.args` after the trainer was built, it
+    ran the count the trainer was built with (3 steps for 1). What the trainer's batches were built from is refused
+    if changed since, naming what to do."""
+    args = make_args(tmp_path, max_steps=3, max_completion_length=2)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.args.max_steps = 1
+    assert trainer.train().global_step == 1 == trainer.state.max_steps
+    other = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / "b", max_steps=1), prompts_dataset())
+    other.args.generation_batch_size *= 2
+    with pytest.raises(ValueError, match=r"batches changed after it was built \(prompts_per_rollout of its plan.*new"):
+        other.train()
+
+
 def test_an_8bit_bitsandbytes_optimizer_keeps_the_embeddings_state_in_32_bits(tiny_model_dir, tmp_path):
     """transformers' `create_optimizer` registers 32-bit Adam state for every embedding under bitsandbytes' 8-bit
     optimizers (GRPOTrainer's too); VAPO's, which builds per-side groups, did not: a full fine-tune's embeddings (the
@@ -796,11 +810,15 @@ def test_a_token_in_the_loading_settings_is_never_written_or_logged(tmp_path):
 
 def test_logging_strategy_no_logs_nothing_at_the_end_of_value_pretraining(tiny_model_dir, tmp_path):
     """transformers logs nothing under `logging_strategy="no"`; the end of value pretraining logged its readings
-    anyway (an entry for every tracker, a row in `log_history`)."""
+    anyway (an entry for every tracker, a row in `log_history`); and the RL steps' readings, held for the run,
+    went into the summary row (`train()`'s metrics), averaged. The summary is transformers' own, `total_flos` too."""
     args = make_args(tmp_path, max_steps=1, value_pretrain_steps=1, logging_strategy="no", max_completion_length=2)
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
-    trainer.train()
+    result = trainer.train()
     assert len(trainer.state.log_history) == 1 and "train_runtime" in trainer.state.log_history[0]  # the summary
+    expected = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos"}
+    assert set(trainer.state.log_history[0]) == expected | {"epoch", "step"}
+    assert set(result.metrics) == expected | {"epoch"} and not trainer._metrics
 
 
 def test_the_steps_after_the_last_log_are_logged_at_the_runs_end(tiny_model_dir, tmp_path):

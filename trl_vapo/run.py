@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,10 @@ class RunPlan:
     pretrain_rollouts: int
     steps_per_pretrain_rollout: int
     rl_steps: int
+    epochs: int
+    """The epochs of the data the planned rollouts read (value pretraining's among them), as `state.num_train_epochs`
+    reports them: transformers' count for `max_steps` too (`ceil(steps / steps per epoch)`), and its `sys.maxsize`
+    for a stream."""
 
     @classmethod
     def from_config(cls, args, dataset_length: int | None, value_pretraining: bool) -> RunPlan:
@@ -44,18 +49,22 @@ class RunPlan:
         needs `max_steps`), with or without value pretraining."""
         prompts = prompts_per_rollout(args)
         steps_per_pass = args.steps_per_generation // args.gradient_accumulation_steps
+        per_epoch = (dataset_length or 0) // prompts  # rollouts an epoch of a map-style set holds
+        steps_per_rl_rollout = args.critic_num_iterations * steps_per_pass
         if args.max_steps > 0:
             rl_steps = args.max_steps
         else:
             # Rounded first: 1.1 epochs of 100 rollouts is 110.00000000000001 in floats, and one more rollout.
-            rollouts = math.ceil(round(args.num_train_epochs * ((dataset_length or 0) // prompts), 6))
-            rl_steps = rollouts * args.critic_num_iterations * steps_per_pass
+            rl_steps = math.ceil(round(args.num_train_epochs * per_epoch, 6)) * steps_per_rl_rollout
+        pretrain_rollouts = args.value_pretrain_steps if value_pretraining else 0
+        rollouts = pretrain_rollouts + -(-rl_steps // steps_per_rl_rollout)  # (the last one cut by max_steps)
         return cls(
             prompts_per_rollout=prompts,
             steps_per_pass=steps_per_pass,
-            pretrain_rollouts=args.value_pretrain_steps if value_pretraining else 0,
+            pretrain_rollouts=pretrain_rollouts,
             steps_per_pretrain_rollout=args.value_pretrain_num_iterations * steps_per_pass,
             rl_steps=rl_steps,
+            epochs=sys.maxsize if dataset_length is None else max(1, -(-rollouts // max(per_epoch, 1))),
         )
 
     @property

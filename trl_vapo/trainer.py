@@ -520,10 +520,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             logger.warning(said)
         # Else the first training prompt cut later (a stream's) is said; an evaluation set's first cut, always.
         self._said_long_prompts = {"training"} if said is not None else set()
-        streamed = isinstance(self.train_dataset, IterableDataset)  # needs max_steps (`check_train_dataset`)
-        self.run_plan = RunPlan.from_config(
-            args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
-        )
+        self.run_plan = self._plan()
         # What a reward function's schedule reads (`trainer_state`: global_step / max_steps) from an evaluation before
         # `train()`, or `trl-vapo train`'s held-out report: transformers' 0 raised ZeroDivisionError in it.
         self.state.max_steps = self.run_plan.planned_steps
@@ -636,6 +633,29 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             finally:
                 self._holding_output_dir = False
 
+    def _plan(self, built: RunPlan | None = None) -> RunPlan:
+        """The run's step counts from `args` as they are now (transformers' `train()` reads `max_steps` and
+        `num_train_epochs` when it starts: set after the trainer was built, they ran the counts it was built with).
+        What else the plan reads was built into the trainer (its batches, the prompts a rollout reads, whether value
+        pretraining runs): changed since (`built`: the plan it was built with), it is refused."""
+        args = self.args
+        streamed = isinstance(self.train_dataset, IterableDataset)
+        if streamed and args.max_steps <= 0:
+            check_train_dataset(self.train_dataset, args)  # its refusal: a stream needs max_steps
+        plan = RunPlan.from_config(
+            args, None if streamed else len(self.train_dataset), value_pretraining=not self._skips_value_pretraining
+        )
+        built_in = ("prompts_per_rollout", "steps_per_pass", "pretrain_rollouts", "steps_per_pretrain_rollout")
+        changed = [name for name in built_in if built is not None and getattr(plan, name) != getattr(built, name)]
+        if changed:
+            raise ValueError(
+                f"The trainer's batches changed after it was built ({', '.join(changed)} of its plan: "
+                "generation_batch_size, num_generations, steps_per_generation, gradient_accumulation_steps or "
+                "value_pretrain_steps / value_pretrain_num_iterations were set on `trainer.args`). Set them in the "
+                "VAPOConfig and build a new VAPOTrainer; max_steps and num_train_epochs may change before train()."
+            )
+        return plan
+
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
         resume_from_checkpoint, marker = self.resume_point(resume_from_checkpoint)
@@ -654,6 +674,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # step's readings not yet logged (logged twice), a pending evaluation or checkpoint, its rollouts, and its
         # gradients (the critic's backward runs in a rollout's scoring pass, before the optimizer step).
         self._metrics.clear()
+        self.run_plan = self._plan(self.run_plan)  # as transformers: `args.max_steps` set since, read by this call
         if not resume_from_checkpoint:  # (no step was taken: refused above) an error stopped a first call before its
             # first step, after its rollout's prompts were read and sampled: this call starts as a new trainer would,
             # from the first prompt and the seeded random state (it skipped them, and sampled other completions)
@@ -668,7 +689,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
-        self.state.num_train_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else 1
+        self.state.num_train_epochs = self.run_plan.epochs
         self.state.compute_steps(args, self.state.max_steps)
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
@@ -777,6 +798,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
         metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
+        metrics["total_flos"] = self.state.total_flos  # as transformers reports it (0: no model's FLOPs are counted)
         # The steps after the last log, logged at the step they end with (GRPOTrainer averages them into the summary
         # row, which has no phase: the curves, the model card and the summary's last logs left them out).
         self._log_pending_metrics()
@@ -884,8 +906,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         raise TrainingInterrupted(signum, path, message)
 
     def _log_pending_metrics(self) -> None:
-        """Log the metrics of the steps since the last log, if any (unless logging is off)."""
-        if any(self._metrics.values()) and self.args.logging_strategy != IntervalStrategy.NO:
+        """Log the metrics of the steps since the last log, if any; with logging off, drop them (transformers logs
+        nothing then: kept, the whole run's readings went into `train()`'s summary row, averaged)."""
+        if self.args.logging_strategy == IntervalStrategy.NO:
+            self._metrics.clear()
+        elif any(self._metrics.values()):
             self._log_metrics(self.progress.phase)
 
     def _checkpoint_now(self) -> tuple[Path, bool]:
@@ -960,6 +985,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         evaluation and a checkpoint, both when the rollout ends."""
         if self.control.should_log:
             self._log_metrics(self.progress.phase)
+        elif self.args.logging_strategy == IntervalStrategy.NO:
+            self._metrics.clear()  # (not held for the run's length)
         # Not during value pretraining: the policy does not change, and early stopping would compare readings of the
         # initial policy, whose noise alone could end the run before its first update.
         # The request is consumed either way (as `on_evaluate` would): left set, the epoch end of the rollout that
@@ -1021,9 +1048,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self._checkpoint_before_error(error, rows_read_again=not read)
             raise
         # The epochs the rollout's prompts span: its optimizer steps move `state.epoch` across them step by step, as
-        # GRPOTrainer's move it (each step reads its share of the prompts); until then it reads the span's end.
+        # GRPOTrainer's move it (each step reads its share of the prompts); until then it reads the last step's, as
+        # GRPOTrainer's does while it samples (the span's end here read 0.25, then 0.125 after the first step).
         self._rollout_epochs = (self.state.epoch or 0.0, self._prompts.epoch(progress))
-        self.state.epoch = self._rollout_epochs[1]
         per_process = args.generation_batch_size // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
         return repeated_rows(prompts, args.num_generations, slice(start, start + per_process))
