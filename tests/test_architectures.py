@@ -63,12 +63,18 @@ def test_the_critic_of_any_causal_lm_trains_saves_and_loads_back(model_type, tmp
     initial = {name: value.clone() for name, value in critic.state_dict().items()}
     trainer.train()
     assert any(not torch.equal(value, initial[name]) for name, value in critic.state_dict().items())  # it trained
+    # The embeddings the policy trains, the pad's (the EOS's in Qwen2.5) among them: built from a config that had
+    # the tokenizer's pad id by then (Qwen2.5's has none), the critic's row of it got no gradient.
+    policy_pad = trainer.actor_critic.policy.get_input_embeddings().padding_idx
+    assert critic.get_input_embeddings().padding_idx == policy_pad == (None if model_type == "qwen2" else policy_pad)
     assert any("aux_loss" in h for h in trainer.state.log_history) == moe
     trainer.save_model()
     reloaded = VAPOTrainer(
         str(model_dir), digit_fraction, args, prompts_dataset(16), value_model=str(tmp_path / "out" / "critic")
     )
     assert type(reloaded.actor_critic.critic).__name__ == type(critic).__name__
+    # Saved with the pad id in its config, loaded back: it still trains that row, as the policy does.
+    assert reloaded.actor_critic.critic.get_input_embeddings().padding_idx == policy_pad
     # The run's folder itself: its root is the trained policy, which loaded as a critic with a new head.
     with pytest.raises(ValueError, match=r"is a trl-vapo run's output \(or checkpoint\) folder, whose root holds the"):
         VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16), value_model=str(tmp_path / "out"))

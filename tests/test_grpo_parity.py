@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 import torch
 from helpers import clock_free, comparable, digit_fraction, make_args, prompts_dataset, rl_logs
-from transformers import AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import GRPOTrainer
 
 from trl_vapo import VAPOTrainer, core
@@ -89,6 +89,48 @@ def test_a_peft_model_whose_adapter_has_another_name_is_refused_naming_it(tiny_m
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config, adapter_name="math")
     with pytest.raises(ValueError, match="model is a PeftModel whose adapter is named 'math'; VAPOTrainer trains the"):
         VAPOTrainer(model, digit_fraction, make_args(tmp_path), prompts_dataset())
+    # "default" beside another, active one: with a separate critic the other sampled and trained, and "default" was
+    # saved untrained. Refused, naming what to call.
+    model.add_adapter("default", config)
+    model.set_adapter("math")
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    with pytest.raises(ValueError, match=r"active adapter is 'math'.*Call model.set_adapter\('default'\) first"):
+        VAPOTrainer(model, digit_fraction, make_args(tmp_path), prompts_dataset(), value_model=critic)
+
+
+def test_a_model_quantized_by_any_method_trains_only_as_transformers_lets_it(tiny_model_dir, tmp_path):
+    """transformers' Trainer refuses a quantized model without adapters, and adapters on a method it cannot train
+    (`validate_quantization_for_training`), for every method; VAPO's own check read bitsandbytes' flags alone, and
+    transformers' never saw the policy (it is handed the actor-critic). The quantizer is a stand-in with the
+    attributes transformers reads (GPTQ, AWQ and torchao need their packages, and most a GPU); a model passed loaded
+    ignores a `quantization_config` in `model_init_kwargs` (a warning), so it is no reason to refuse."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def quantized(trainable: bool):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        config = SimpleNamespace(quant_method="awq")
+        model.is_quantized, model.hf_quantizer = (
+            True,
+            SimpleNamespace(is_trainable=trainable, quantization_config=config),
+        )
+        return model
+
+    with pytest.raises(ValueError, match=r"The model is quantized \(awq\), and quantized weights cannot be trained"):
+        VAPOTrainer(quantized(True), digit_fraction, make_args(tmp_path), prompts_dataset())
+    with pytest.raises(ValueError, match="quantized with awq, which transformers cannot train adapters on"):
+        VAPOTrainer(quantized(False), digit_fraction, make_args(tmp_path), prompts_dataset(), peft_config=lora)
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    critic.is_quantized = True
+    with pytest.raises(ValueError, match="value_model LlamaForSequenceClassification is quantized"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(), value_model=critic)
+    asked = make_args(tmp_path, model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert VAPOTrainer(loaded, digit_fraction, asked, prompts_dataset()).actor_critic.policy is loaded
 
 
 # ---------------------------------------------------------------------------------------------------- the config

@@ -310,6 +310,33 @@ def test_a_bf16_model_trains_float32_weights_in_bf16_at_the_paper_learning_rate(
                 assert torch.equal(value, after[prefix + name].bfloat16().cpu()), name
 
 
+def test_without_autocast_a_bf16_lora_base_trains_its_modules_to_save_in_bf16_with_a_warning(
+    tiny_model_dir, tmp_path, caplog
+):
+    """bf16=False (the CPU's default) and a bf16 LoRA base with `modules_to_save` (the LM head): cast to float32, the
+    head's trainable copy met the bf16 base's hidden states without autocast and the first rollout failed (a dtype
+    error). It trains in bf16, as peft leaves it (GRPOTrainer's run), with a warning naming it and the way to float32;
+    a full model loaded in bf16 still trains whole in float32 (every layer in float32: no dtype meets another)."""
+    import logging
+
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM"
+    )
+    args = make_args(tmp_path, bf16=False, model_init_kwargs={"dtype": "bfloat16"}, max_steps=1)
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=lora)
+    head = trainer.actor_critic.policy.base_model.model.lm_head.modules_to_save["default"]
+    assert head.weight.dtype == torch.bfloat16 and head.weight.requires_grad
+    warned = [r.getMessage() for r in caplog.records if "set bf16=True to keep them in float32" in r.getMessage()]
+    assert len(warned) == 1 and "modules_to_save.default.weight" in warned[0]
+    before = head.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(head.weight, before)  # it trained
+    args = make_args(tmp_path / "full", bf16=False, model_init_kwargs={"dtype": "bfloat16"}, max_steps=1)
+    full = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    assert all(p.dtype == torch.float32 for p in full.actor_critic.parameters() if p.requires_grad)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # QLoRA: 4-bit base, shared-base critic
 # ---------------------------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ._compat import is_vllm_available, pad, vllm_generation_class
+from .modeling import is_quantized
 from .vllm_fields import VLLM_DEFAULTS, VLLM_OPTIONS
 from .vllm_sync import check_policy_adapter_active, check_policy_only, check_tied_head_unadapted, policy_only
 
@@ -879,7 +880,7 @@ class EngineSettings:
         engine = self.engine
         # Not for a quantized base, asked for or loaded so (a checkpoint saved quantized): bitsandbytes' kernels were
         # not captured on a GPU yet (named, it runs; a failed capture falls back to the eager step with a warning).
-        quantized = self.quantization_config is not None or loaded_quantized(model)
+        quantized = self.quantization_config is not None or is_quantized(model)
         # Nor where `cache_implementation` asks for another KV cache (offloaded, quantized): the engine's is static.
         other_cache = self.sampling.generation_kwargs.get("cache_implementation") not in EXACT_CACHES
         if (
@@ -978,12 +979,6 @@ class EngineSettings:
         }
 
 
-def loaded_quantized(model: Any) -> bool:
-    """Whether `model` (a PEFT model's base too) holds quantized weights: bitsandbytes 4-bit / 8-bit and the like,
-    whether `quantization_config` asked for them or the checkpoint was saved so."""
-    return any(getattr(model, attr, False) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"))
-
-
 def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     """Raise a clear error for an engine this machine or these settings cannot run: call it before loading any model.
 
@@ -998,7 +993,7 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     if settings.engine == "vllm":
         asked = settings.quantization_config
         dequantized = asked.get("dequantize") if isinstance(asked, dict) else getattr(asked, "dequantize", False)
-        quantized = (asked is not None and not dequantized) or loaded_quantized(model)
+        quantized = (asked is not None and not dequantized) or is_quantized(model)
         if quantized:
             # Syncing would merge the policy adapter into packed 4-bit weights: vLLM would receive packed uint8
             # under bf16 names, and the live base would come back re-quantized.

@@ -40,6 +40,7 @@ from .modeling import (
     check_value_model,
     copy_adapter_weights,
     is_peft_model,
+    is_quantized,
     is_value_function,
     keep_trainable_weights_in_float32,
     rewrites_base,
@@ -114,8 +115,8 @@ def critic_from_policy(policy: PreTrainedModel, trust_remote_code: bool = False)
 def check_quantization(model_init_kwargs: dict | None, peft_config, model=None) -> None:
     """Fail before loading anything when a quantized model is asked for where it cannot train (a saved adapter,
     `model`, trains its own on the quantized base: QLoRA on)."""
-    if (model_init_kwargs or {}).get("quantization_config") is None:
-        return
+    if (model_init_kwargs or {}).get("quantization_config") is None or not isinstance(model, (str, os.PathLike)):
+        return  # (a model passed loaded ignores model_init_kwargs, with a warning: its quantization is its own)
     if peft_config is None and not is_saved_adapter(model, model_init_kwargs):
         raise ValueError(
             "model_init_kwargs asks for a quantized model, and quantized weights cannot be trained: pass a "
@@ -269,17 +270,35 @@ def is_fresh_lora(peft_config) -> bool:
 def add_policy_adapter(policy: nn.Module, peft_config, revision: str | None = None) -> nn.Module:
     """The policy with a trainable adapter from `peft_config` (none: as it is). A quantized model needs one (QLoRA).
     `revision`: the base's, which the saved adapter names (else loading it takes the base's default branch)."""
-    quantized = getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False)
-    if quantized and peft_config is None and not is_peft_model(policy):
+    # What transformers' Trainer checks (`validate_quantization_for_training`), which never sees the policy: it is
+    # handed the actor-critic module. Any quantization method (bitsandbytes, GPTQ, AWQ, torchao, FP8, ...).
+    quantized = is_quantized(policy)
+    quantizer = getattr(policy, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "4-bit or 8-bit")
+    method = getattr(method, "value", method)
+    qat = getattr(quantizer, "is_qat_trainable", False)  # trains its own weights (transformers lets it)
+    if quantized and peft_config is None and not is_peft_model(policy) and not qat:
         raise ValueError(
-            "The model is quantized (4-bit or 8-bit), and quantized weights cannot be trained: pass a peft_config "
+            f"The model is quantized ({method}), and quantized weights cannot be trained: pass a peft_config "
             "(e.g. LoraConfig(r=16)) to train adapters on the frozen quantized base (QLoRA)."
+        )
+    if quantized and quantizer is not None and not quantizer.is_trainable:
+        raise ValueError(
+            f"The model is quantized with {method}, which transformers cannot train adapters on: load it unquantized "
+            "(bfloat16), or quantized with bitsandbytes (load_in_4bit) for QLoRA."
         )
     if is_peft_model(policy) and POLICY_ADAPTER not in policy.peft_config:
         raise ValueError(
             f"model is a PeftModel whose adapter is named {', '.join(map(repr, policy.peft_config))}; VAPOTrainer "
             f"trains the adapter named {POLICY_ADAPTER!r} (what `get_peft_model(base, config)` names it) and adds the "
             "critic's beside it: wrap the base without `adapter_name`, or pass the base model with peft_config."
+        )
+    if is_peft_model(policy) and policy.active_adapter != POLICY_ADAPTER:
+        raise ValueError(
+            f"model is a PeftModel whose active adapter is {policy.active_adapter!r}: VAPOTrainer trains, samples "
+            f"and saves the adapter named {POLICY_ADAPTER!r} (with a separate critic, {policy.active_adapter!r} "
+            f"would have sampled and trained, and {POLICY_ADAPTER!r} been saved untrained). Call "
+            f"model.set_adapter({POLICY_ADAPTER!r}) first, or pass a PeftModel of the adapter to train alone."
         )
     if is_peft_model(policy):
         if peft_config is not None:  # GRPOTrainer's error: the adapter to train would be ambiguous
@@ -406,7 +425,7 @@ def build_actor_critic(
     critic = load_pretrained(critic_class, str(value_model), {**kwargs, **extra})
     check_value_model(critic)
     actor_critic = ActorCritic(policy, critic=critic)  # the dtypes as loaded: what `save_model` writes back
-    if value_pretraining_record(path) is not None and keep_trainable_weights_in_float32(critic):
+    if value_pretraining_record(path) is not None and keep_trainable_weights_in_float32(critic)[0]:
         # Value pretraining saved it in float32, its training weights: loaded in the policy's half precision, its
         # updates (1e-4 or less on weights of 0.02, at the paper's critic rate) rounded back to where it started.
         actor_critic.load_critic(path)

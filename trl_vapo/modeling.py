@@ -204,6 +204,12 @@ def value_function_name(value_function: ValueFunction) -> str:
     return name if isinstance(name, str) else type(value_function).__name__
 
 
+def is_quantized(model: nn.Module) -> bool:
+    """Whether `model` (a PEFT model's base too) holds quantized weights, by any method transformers knows
+    (bitsandbytes 4-bit / 8-bit, GPTQ, AWQ, torchao, FP8, ...), asked for by `quantization_config` or saved so."""
+    return any(getattr(model, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
+
+
 def check_value_model(model: nn.Module) -> None:
     """Raise a clear error unless ``model`` is a sequence-classification model with exactly one output."""
     if not isinstance(model, PreTrainedModel):
@@ -228,7 +234,7 @@ def check_value_model(model: nn.Module) -> None:
             "trains. Call value_model.requires_grad_(True), or pass a value function (a callable, see "
             "`trl_vapo.modeling.ValueFunction`) for values that do not learn."
         )
-    if any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")):
+    if is_quantized(model):
         raise ValueError(
             f"value_model {type(model).__name__} is quantized, and a critic trains all of its weights: load it in "
             "bfloat16 or float32, or leave value_model out to train a critic adapter on the quantized policy's base."
@@ -1100,20 +1106,33 @@ def _adapter_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
 
 
-def keep_trainable_weights_in_float32(model: nn.Module) -> int:
-    """Cast every trainable half-precision parameter to float32 in place; returns how many were cast.
+def keep_trainable_weights_in_float32(model: nn.Module, autocast: bool = True) -> tuple[int, list[str]]:
+    """Cast every trainable half-precision parameter to float32 in place; returns how many were cast, and the names
+    of those left in half precision.
 
     Mixed precision as verl's FSDP and OpenRLHF's DeepSpeed do it: trainable weights (full policy, critic, value
     head, adapters) are stored and updated in float32 and computed in bf16 under autocast. In bf16 an AdamW update of
     about ``lr = 1e-6`` is below the weights' resolution (a bf16 weight of 0.02 moves in steps of 1.2e-4), so most
     weights would never move. Frozen weights (a LoRA base) keep their dtype.
+
+    Without ``autocast`` (no ``bf16``; ``fp16`` on a CPU) a layer computes in its weights' dtype, and a float32 layer
+    among half-precision ones (peft's ``modules_to_save`` copy on a bf16 base, the trainable part of a partly frozen
+    model) met half-precision inputs: a dtype error. There only a model (each child of ``model``: the policy, a
+    separate critic) that trains whole is cast, and computes in float32 throughout; the others keep their trainable
+    half-precision weights, whose names are returned (peft's adapters are float32 already).
     """
-    cast = 0
-    for param in model.parameters():
-        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
-            param.data = param.data.float()
-            cast += 1
-    return cast
+    cast, left = 0, []
+    for prefix, part in model.named_children() if list(model.children()) else [("", model)]:
+        floating = [p for p in part.parameters() if p.is_floating_point()]
+        whole = all(p.requires_grad for p in floating)
+        for name, param in part.named_parameters(prefix=prefix):
+            if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+                if autocast or whole:
+                    param.data = param.data.float()
+                    cast += 1
+                else:
+                    left.append(name)
+    return cast, left
 
 
 @contextlib.contextmanager

@@ -384,6 +384,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             for config in (actor_critic.critic.config, actor_critic.critic.config.get_text_config()):
                 if getattr(config, "pad_token_id", None) is None:
                     config.pad_token_id = tokenizer.pad_token_id
+            # The critic trains the embeddings the policy trains. One built from the policy's config after the pad id
+            # was mirrored there, or a saved critic loaded back with it, takes the pad id (often the EOS: Llama 3's
+            # <|eot_id|>, Qwen2.5's <|endoftext|>) as its embeddings' `padding_idx`, whose row gets no gradient.
+            embeddings = actor_critic.critic.get_input_embeddings()
+            if isinstance(embeddings, nn.Embedding):
+                embeddings.padding_idx = getattr(actor_critic.policy.get_input_embeddings(), "padding_idx", None)
         # What the saving code and the model card know of this run.
         critic_source = None  # a critic from the policy, or none (a value function)
         if value_model is not None and frozen is None:
@@ -421,8 +427,18 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 "loaders, which VAPOTrainer replaces with its own (each rollout reads its prompts from the data set; "
                 "shuffle_dataset orders them): they change nothing here."
             )
-        if keep_trainable_weights_in_float32(actor_critic):
+        # (accelerate's autocast: bf16 anywhere, fp16 off the CPU; DeepSpeed keeps float32 master weights itself)
+        autocast = args.bf16 or (args.fp16 and args.device.type != "cpu")
+        cast, left = keep_trainable_weights_in_float32(actor_critic, autocast)
+        if cast:
             logger.info("Trainable weights were loaded in half precision; they are kept and updated in float32.")
+        if left:
+            logger.warning(
+                f"{len(left)} trainable weights ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}) were loaded "
+                "in half precision beside frozen ones and train so: without autocast (bf16=False) a float32 copy "
+                "would meet half-precision inputs. Updates below their resolution (about 1e-6 on weights of 0.02 in "
+                "bf16) are lost: set bf16=True to keep them in float32, or load the model in float32."
+            )
         # With PEFT the reference policy is the base with adapters disabled where the new adapter computes as its base
         # (peft's default LoRA: B is zero); else a frozen copy of the adapter (GRPOTrainer's "ref" adapter): one given
         # trained, or one whose initialisation moved part of the base into it (PiSSA, OLoRA: the base alone is then a
