@@ -247,17 +247,19 @@ class TinyCustomForCausalLM(TinyCustomPreTrainedModel, LlamaForCausalLM):
 """
 
 
-def save_custom_code_model(directory: Path) -> Path:
-    """A model whose code ships in its folder (auto_map), as a hub repo with `trust_remote_code` would."""
+def save_custom_code_model(directory: Path, model_type: str = "tiny_custom") -> Path:
+    """A model whose code ships in its folder (auto_map), as a hub repo with `trust_remote_code` would; its config
+    class under a model type of its own, or a known one's (`llama`: transformers' class for that is not its)."""
     model_dir = save_tiny(directory, "llama", tie_word_embeddings=True)
-    (model_dir / "configuration_tiny_custom.py").write_text(textwrap.dedent(CUSTOM_CONFIG))
+    custom_config = CUSTOM_CONFIG.replace('"tiny_custom"', repr(model_type))
+    (model_dir / "configuration_tiny_custom.py").write_text(textwrap.dedent(custom_config))
     (model_dir / "modeling_tiny_custom.py").write_text(textwrap.dedent(CUSTOM_MODELING))
     config = (model_dir / "config.json").read_text()
     import json
 
     config = json.loads(config)
     config.update(
-        model_type="tiny_custom",
+        model_type=model_type,
         architectures=["TinyCustomForCausalLM"],
         auto_map={
             "AutoConfig": "configuration_tiny_custom.TinyCustomConfig",
@@ -269,10 +271,14 @@ def save_custom_code_model(directory: Path) -> Path:
     return model_dir
 
 
-def test_a_custom_code_model_trains_with_trust_remote_code_and_is_refused_without(tmp_path):
-    model_dir = save_custom_code_model(tmp_path / "custom")
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        VAPOTrainer(str(model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(16))
+@pytest.mark.parametrize("model_type", ["tiny_custom", "llama"])
+def test_a_custom_code_model_trains_with_trust_remote_code_and_is_refused_without(tmp_path, model_type):
+    """Its critic is built over its own backbone: transformers has no class for its config (under a known model
+    type, `AutoModelForSequenceClassification` was asked for one, by the model type, and raised)."""
+    model_dir = save_custom_code_model(tmp_path / "custom", model_type)
+    if model_type == "tiny_custom":  # (under a known type, transformers loads its own class without the flag)
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            VAPOTrainer(str(model_dir), digit_fraction, make_args(tmp_path), prompts_dataset(16))
     args = make_args(tmp_path, max_steps=1, num_iterations=1, trust_remote_code=True)
     trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16))
     assert type(trainer.actor_critic.policy).__name__ == "TinyCustomForCausalLM"

@@ -1790,6 +1790,17 @@ def test_an_adapter_trained_on_a_repositorys_subfolder_loads_back(tiny_model_dir
     trainer.save_model(str(tmp_path / "adapter"))
     loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
     assert loaded.peft_config["default"].base_model_name_or_path == str((tmp_path / "repo" / "sft").resolve())
+    # The adapter itself in a subfolder (a checkpoint in a repository of runs) trains on: its base was looked for in
+    # the adapter's subfolder too (`AutoPeftModel` hands that option to the base's `from_pretrained`).
+    shutil.copytree(tmp_path / "adapter", tmp_path / "runs" / "checkpoint-5")
+    again = config(tmp_path / "again", model_init_kwargs={"subfolder": "checkpoint-5"})
+    resumed = VAPOTrainer(str(tmp_path / "runs"), digit_fraction, again, prompts_dataset(32))
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    state = resumed.actor_critic.policy.state_dict()
+    assert saved and all(
+        torch.equal(state[name.replace(".weight", ".default.weight")], v) for name, v in saved.items()
+    )
+    assert any(p.requires_grad for n, p in resumed.actor_critic.policy.named_parameters() if ".default." in n)
 
 
 def test_a_full_model_saved_where_an_adapter_was_leaves_no_adapter_to_load_instead(tiny_model_dir, tmp_path):

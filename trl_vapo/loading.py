@@ -25,7 +25,7 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.modeling_layers import GenericForSequenceClassification
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 from transformers.utils import find_adapter_config_file, is_liger_kernel_available
 
 from ._compat import get_config_model_id
@@ -61,8 +61,10 @@ def has_sequence_classifier(config, trust_remote_code: bool = False) -> bool:
     """Whether `AutoModelForSequenceClassification` has a class for ``config``'s architecture."""
     if trust_remote_code and "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {}):
         return True
-    # By model type: a custom-code config that subclasses a known one (LlamaConfig) still has its own backbone.
-    return config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    # By the config's class, as `from_config` and `from_pretrained` look it up: a custom-code config that subclasses a
+    # known one (LlamaConfig) has its own backbone, under its own model type or the known one's (by model type, the
+    # latter raised "Unrecognized configuration class").
+    return type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 
 def sequence_classifier_class(backbone_class: type[PreTrainedModel]) -> type[PreTrainedModel]:
@@ -230,9 +232,20 @@ def _loaded_policy(model, args, model_init_kwargs: dict | None) -> tuple[nn.Modu
             # A PEFT adapter (a LoRA run's output): transformers loads it into its base frozen, as a plain model, and
             # a peft_config then re-initialised it: the run started from the base, the adapter's training lost. Its
             # adapter trains on, as a PeftModel given as `model` does.
-            from peft import AutoPeftModelForCausalLM
+            from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
 
-            return load_pretrained(AutoPeftModelForCausalLM, model_id, {**kwargs, "is_trainable": True}), model_id
+            if not kwargs.get("subfolder"):
+                return load_pretrained(AutoPeftModelForCausalLM, model_id, {**kwargs, "is_trainable": True}), model_id
+            # In a subfolder (a run's checkpoint in a repository): `AutoPeftModel` hands its options to the base's
+            # `from_pretrained` too, and the base was looked for in the adapter's subfolder. The base as the
+            # adapter's config names it (its own revision), the adapter from where it is.
+            where = lookup_kwargs(kwargs)
+            config = PeftConfig.from_pretrained(model_id, **where)
+            base_kwargs = {key: value for key, value in kwargs.items() if key not in ("subfolder", "revision")}
+            base_kwargs["revision"] = config.revision
+            base = load_pretrained(AutoModelForCausalLM, config.base_model_name_or_path, base_kwargs)
+            where.pop("trust_remote_code", None)  # (the base's loading option, not a file's place)
+            return PeftModel.from_pretrained(base, model_id, is_trainable=True, **where), model_id
         policy = load_pretrained(AutoModelForCausalLM, model_id, kwargs)
         if kwargs.get("subfolder") and local.is_dir():
             # The base a new adapter's config names (peft reads `name_or_path`, which transformers leaves without
