@@ -2371,6 +2371,14 @@ def test_ddp_without_unused_parameter_detection_is_refused_before_value_pretrain
     settings = json.dumps({"ddp_static_graph": True})
     run = on_two_ranks("--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--settings", settings)
     assert run.returncode != 0 and "ddp_static_graph=True on several processes: DDP's static graph" in run.stderr
+    # Reentrant checkpointing cannot run with the unused-parameter detection VAPO's DDP needs: the models loaded and
+    # the first backward raised ('marked as ready twice').
+    reentrant = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    run = on_two_ranks(
+        "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--settings", json.dumps(reentrant)
+    )
+    assert run.returncode != 0 and "{'use_reentrant': True} on several processes" in run.stderr
+    assert "Expected to mark a variable ready only once" not in run.stderr
 
 
 def test_a_resume_the_main_process_cannot_choose_stops_every_process_with_its_error(tiny_model_dir, tmp_path):

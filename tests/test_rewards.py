@@ -672,7 +672,7 @@ def test_caller_alarm_survives(fast_deadline_reward):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_pool_replaces_a_worker_killed_while_idle_or_busy():
+def test_pool_replaces_a_worker_killed_while_idle_or_busy(caplog):
     pool = MathVerifyPool(num_workers=1)
     try:
         pool.warm_up()
@@ -696,6 +696,27 @@ def test_pool_replaces_a_worker_killed_while_idle_or_busy():
         thread.join(timeout=90)
         assert result == [[True]]
         assert pool.stats["crashes"] - crashes == 1
+        # Killed twice on it: scored False with a warning, and reported with the overruns (a reward caches it and
+        # counts it in its timeout rate; a gold that kills math-verify is probed as one that overruns). It was
+        # silent, and retried at every call. (Another number: the worker that computed 400000! has it cached.)
+        done: list = []
+        thread = threading.Thread(
+            target=lambda: done.append(pool.verify_with_timeouts([("0", "390000! - 390000!")], timeout=60))
+        )
+        with caplog.at_level(logging.WARNING, logger="trl_vapo.rewards.pool"):
+            thread.start()
+            for _ in range(2):
+                waited = time.monotonic() + 20
+                while not (pool._workers[0].ready and pool._workers[0].task is not None) and time.monotonic() < waited:
+                    time.sleep(0.01)
+                time.sleep(0.3)
+                os.kill(pool.worker_pids()[0], signal.SIGKILL)
+                waited = time.monotonic() + 5  # until the death is seen and the task taken back
+                while pool._workers[0].task is not None and time.monotonic() < waited:
+                    time.sleep(0.01)
+            thread.join(timeout=90)
+        assert done == [([False], {0})]
+        assert ["died twice on one answer" in r.getMessage() for r in caplog.records] == [True]
         assert pool.verify([("x^2+7x", "x(x+7)"), ("x^2+7x", "x(x+6)")]) == [True, False]
         assert not wait_gone([second], timeout=2.0)
     finally:

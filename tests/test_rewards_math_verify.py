@@ -116,6 +116,9 @@ CASES = {
         ("answer-is-bold-wrong", "#### 72", "The answer is **71**."),
         ("gsm8k-line-bold", "#### 72", "48 + 24 = 72\n#### **72**"),
         ("answer-line-percent", "0.5", "Answer: 50 percent"),  # the percent kept, as on a "final answer is" line
+        ("answer-line-slash-count", "0.5", "Answer: 1/2 cup"),  # a slash fraction's count too (it scored -1)
+        ("answer-is-slash-count", "3/4", "The answer is 3/4 of the pizza."),
+        ("answer-is-slash-count-wrong", "3/4", "The answer is 2/3 of the pizza."),
     ],
     "mathrm e": [
         ("e-alone", r"$\mathrm{e}$", r"\boxed{e}"),

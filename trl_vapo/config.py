@@ -1349,6 +1349,14 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "unset (VAPO turns it on for those steps), or set value_pretrain_steps=0 (a frozen value function or a "
             "pretrained critic skips the phase anyway) and no extra critic passes.",
         )
+        reentrant = self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant")
+        require(
+            not ddp or not reentrant or self.ddp_find_unused_parameters is False,
+            "gradient_checkpointing_kwargs={'use_reentrant': True} on several processes: VAPO's DDP finds unused "
+            "parameters (a step may leave the policy or the critic out of the forward pass), which reentrant "
+            "checkpointing cannot run with (DDP raises at the first backward: a parameter 'marked as ready twice'). "
+            "Use use_reentrant=False (the default).",
+        )
         require(
             not ddp or not self.ddp_static_graph or not critic_only_passes,
             "ddp_static_graph=True on several processes: DDP's static graph holds only where every step uses the same "

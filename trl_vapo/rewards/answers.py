@@ -342,7 +342,8 @@ def _number_of_a_count(text: str) -> str | None:
     match = _NUMBER_AND_WORDS_RE.fullmatch(text.strip())
     if match is None or _MATH_WORDS & {w.rstrip(".").lower() for w in match.group("words").split()}:
         return None
-    return _phrase_answer(match.group("number"))
+    number = match.group("number")  # (`1/2 cup` is 1/2 to math-verify too: it was read whole, the words a product)
+    return _phrase_answer(number) or (number if _SLASH_FRACTION_RE.fullmatch(number) else None)
 
 
 def _hope_answer(text: str) -> tuple[str, int] | None:

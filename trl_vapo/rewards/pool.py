@@ -71,7 +71,8 @@ class _Verifier:
     def verify_with_timeouts(
         self, pairs: Sequence[tuple[str, str | None]], timeout: float = DEFAULT_TIMEOUT
     ) -> tuple[list[bool | None], set[int]]:
-        """Like :meth:`verify`, also returning the indices of the pairs that overran the deadline (scored False)."""
+        """Like :meth:`verify`, also returning the indices of the pairs that overran the deadline, or whose worker
+        died twice on them (scored False: counted, and cached, as overruns)."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         return self._verify(list(pairs), timeout)
@@ -87,7 +88,7 @@ class MathVerifyPool(_Verifier):
     worker, and returns one verdict per pair in order: ``True``/``False``, or ``None`` when math-verify cannot parse
     the gold answer. A worker still busy ``timeout`` seconds after it was given a pair is SIGKILLed, reaped and
     replaced at once, and that pair is ``False``. A worker that dies mid-pair gets the pair once more on a fresh
-    worker, then the pair is ``False``.
+    worker, then the pair is ``False``, with a warning, and counted as an overrun.
 
     Workers are started lazily (``warm_up()`` starts them eagerly and waits until they are ready) and reused across
     calls; start-up (importing math-verify, ~1 s) does not count against the deadline but is bounded by
@@ -268,6 +269,16 @@ class MathVerifyPool(_Verifier):
                 attempts[worker.task] += 1
                 if attempts[worker.task] < 2:
                     pending.appendleft(worker.task)
+                else:  # twice: what kills math-verify on it will again (a gold that does fails every completion)
+                    timed_out.add(worker.task)
+                    pair = pairs[worker.task]
+                    logger.warning(
+                        "math-verify's worker died twice on one answer (exit code %s); scored incorrect. gold=%r "
+                        "prediction=%r",
+                        worker.proc.poll(),
+                        pair[0][:80],
+                        (pair[1] or "")[:80],
+                    )
                 worker.task = None
             self._replace(worker, kill=False)
 
