@@ -748,6 +748,8 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
     settings = dict(max_steps=5, shuffle_dataset=False, save_strategy="epoch", eval_strategy="epoch")
     settings.update(per_device_eval_batch_size=4, num_generations_eval=2)
 
+    trainers = []
+
     def run(name, dataset, resume=None, stop=False):
         events = []
 
@@ -767,6 +769,7 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
             str(tiny_model_dir), digit_fraction, args, dataset, prompts_dataset(2), callbacks=[Epochs()]
         )
         trainer.train(resume_from_checkpoint=resume)
+        trainers.append(trainer)
         return events, [c.name for c in list_checkpoints(tmp_path / name / "out")]
 
     epochs = [("begin", 0), ("end", 2), ("evaluate", 2), ("begin", 2), ("end", 4), ("evaluate", 4), ("begin", 4)]
@@ -784,6 +787,10 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
     for name, dataset in (("mapped", prompts_dataset(8)), ("streamed", prompts_dataset(8).to_iterable_dataset())):
         stopped, _ = run(f"{name}-stopped", dataset, stop=True)
         assert stopped == epochs[:3], name
+        # Its position: the next epoch's start. A stream read the next epoch's first rollout, never trained on, and
+        # a checkpoint of the stop (a signal's) resumed past it.
+        progress = trainers[-1].progress
+        assert (progress.data_epoch, progress.data_index) == ((1, 0) if name == "streamed" else (0, 8)), name
 
 
 def test_the_epoch_moves_with_each_optimizer_step_as_grpos_does(tiny_model_dir, tmp_path):

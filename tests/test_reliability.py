@@ -2169,6 +2169,18 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
     )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == step + 1
+    # An empty prompt, which a tokenizer that adds no token (Qwen's; this one's too) cannot sample from: refused as
+    # the rollout reads it, the steps so far written first (refused in the rollout, they were lost).
+    later[5]["prompt"] = ""
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, config(tmp_path / "empty", max_steps=6, shuffle_dataset=False), stream
+    )
+    assert trainer.processing_class("")["input_ids"] == []
+    caplog.clear()
+    with pytest.raises(ValueError, match="A prompt has no token: ''"), caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert re.search(r"checkpoint-[1-9]\d* holds the [1-9]\d* steps so far", caplog.text)
+    later[5]["prompt"] = None
     # Its long prompts dropped as they come: the filter read the row first, and the tokenizer failed on it. The row
     # is read again by a resume, as the error says.
     dropping = config(

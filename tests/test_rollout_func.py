@@ -3,6 +3,7 @@ trained on as VAPO trains its own, where the tokens an environment wrote (`env_m
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -83,7 +84,7 @@ def test_multi_turn_episodes_train_with_the_environments_tokens_as_context_only(
 
 
 def test_a_grpo_style_rollout_func_samples_with_vllm_and_its_logprobs_are_the_samplers(
-    tiny_model_dir, tmp_path, stand_in_vllm
+    tiny_model_dir, tmp_path, stand_in_vllm, caplog
 ):
     """With `use_vllm`, a function written for GRPOTrainer samples with `trainer.vllm_generation` (vLLM's stand-in
     here, synced and given the engine's sampling before each call) and returns vLLM's log-probs, which correct the
@@ -105,6 +106,20 @@ def test_a_grpo_style_rollout_func_samples_with_vllm_and_its_logprobs_are_the_sa
     )
     trainer.train()
     assert rl_logs(trainer)[0]["sampling/sampling_logp_difference/mean"] == pytest.approx(0.05, abs=1e-4)
+
+    # Without its log-probs (None) there is nothing to correct with: said once (it went silently uncorrected; in
+    # GRPOTrainer `old - None` raised), and the run trains on.
+    def without_logprobs(prompts, trainer):
+        return {**with_vllm(prompts, trainer), "logprobs": None}
+
+    args = make_args(tmp_path / "b", max_steps=2, use_vllm=True, vllm_mode="colocate")
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=peft, rollout_func=without_logprobs
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.trainer"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "returned logprobs=None" in r.getMessage()]
+    assert len(said) == 1 and "vllm_importance_sampling_correction=False" in said[0]
 
 
 def test_a_rollout_funcs_logprobs_guard_its_drift_without_vllm(tiny_model_dir, tmp_path):
@@ -166,6 +181,13 @@ def test_a_rollout_funcs_output_becomes_an_engines():
     tensors["completion_ids"] = [torch.tensor([5, 9, 6]), torch.tensor([9]), torch.tensor([], dtype=torch.long)]
     prompt_ids, sample, _ = read_rollout_func_output(tensors, 3, stop_ids=[9], pad_id=0, keep_logprobs=False)
     assert prompt_ids == [[1, 2], [3], [4]] and sample.is_truncated.tolist() == [True, False, False]
+    # Log-probs and an environment mask as one tensor each (`bool()` of it raised "ambiguous"): read as their rows.
+    square = {**tensors, "completion_ids": torch.tensor([[5, 9], [7, 9], [4, 4]])}
+    square["logprobs"], square["env_mask"] = torch.full((3, 2), -0.5), torch.tensor([[1, 0], [1, 1], [0, 1]])
+    sample = read_rollout_func_output(square, 3, stop_ids=[9], pad_id=0, keep_logprobs=True)[1]
+    assert (
+        sample.action_mask.tolist() == [[1, 0], [1, 1], [0, 1]] and sample.sampler_logprobs.tolist()[0] == [-0.5] * 2
+    )
 
 
 @pytest.mark.parametrize(

@@ -131,10 +131,16 @@ def test_runs_of_neighbouring_seeds_share_no_epochs_order():
 def test_a_stream_ends_its_epoch_where_it_runs_out_and_one_too_short_is_refused():
     stream, progress, ended = _prompts(6).to_iterable_dataset(), TrainingProgress(), []
     cursor = PromptCursor(stream, 4, shuffle=False, seed=0)
-    rows = [[r["prompt"] for r in cursor.next(progress, lambda: ended.append(progress.data_epoch))] for _ in range(2)]
+    go_on = lambda: ended.append(progress.data_epoch) or True  # noqa: E731
+    rows = [[r["prompt"] for r in cursor.next(progress, go_on)] for _ in range(2)]
     assert rows == [["p0", "p1", "p2", "p3"], ["p0", "p1", "p2", "p3"]]  # a rollout never mixes two epochs
     # `on_epoch_end` sees the progress at the next epoch's start: a checkpoint it writes resumes there.
     assert ended == [1] and cursor.epoch(progress) == 1.0
+    # A stop asked at the epoch's end: nothing read of the next (read, its rows counted as trained on).
+    stopping = PromptCursor(_prompts(6).to_iterable_dataset(), 4, shuffle=False, seed=0)
+    at = TrainingProgress()
+    assert len(stopping.next(at, lambda: True)) == 4 and stopping.next(at, lambda: False) == []
+    assert (at.data_epoch, at.data_index) == (1, 0)
     cursor.restart()  # forgets its iterator: reads again from the progress's place
     assert [r["prompt"] for r in cursor.next(TrainingProgress(data_index=2), lambda: None)] == ["p2", "p3", "p4", "p5"]
     short = PromptCursor(_prompts(3).to_iterable_dataset(), 4, shuffle=False, seed=0)

@@ -1243,7 +1243,7 @@ def read_rollout_func_output(
                 "one per prompt (each prompt comes once per completion: num_generations copies in a row)."
             )
     for name, rows in (("logprobs", output["logprobs"] if keep_logprobs else None), ("env_mask", env_mask)):
-        for i, (row, completion) in enumerate(zip(rows or [], completions)):
+        for i, (row, completion) in enumerate(zip(rows if rows is not None else [], completions)):
             if len(row) != len(completion):
                 raise ValueError(
                     f"rollout_func's `{name}` for prompt {i} has {len(row)} entries for its {len(completion)} "
@@ -1256,7 +1256,7 @@ def read_rollout_func_output(
         action = _padded_rows([[int(bool(x)) for x in row] for row in env_mask], 0, torch.long, width)[0]
     logprobs = None
     if keep_logprobs:
-        known = [[math.nan if x is None else x for x in row] for row in output["logprobs"]]
+        known = [[math.nan if x is None else float(x) for x in row] for row in output["logprobs"]]
         logprobs = _padded_rows(known, 0.0, torch.float32, width)[0]
     ends = set(stop_ids) | {pad_id}
     truncated = torch.tensor([len(row) > 0 and row[-1] not in ends for row in completions], dtype=torch.bool)

@@ -478,6 +478,9 @@ CRITIC_SETTINGS = {
 """Settings of a critic that learns: a card of a run with frozen values leaves them out."""
 
 
+PASSES_DEFAULTING_TO_NUM_ITERATIONS = {"critic_num_iterations", "value_pretrain_num_iterations"}
+
+
 def _other_settings(args, frozen_values: bool = False) -> list[str]:
     defaults = {f.name: f.default for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else {}
     names = OTHER_SETTINGS + [n for n in OTHER_SETTINGS_WHEN_CHANGED if n in defaults]
@@ -492,7 +495,9 @@ def _other_settings(args, frozen_values: bool = False) -> list[str]:
             continue
         if name == "max_steps" and value is not None and value <= 0:  # unset (-1): the epochs decide
             continue
-        if value is None or (name in OTHER_SETTINGS_WHEN_CHANGED and value == defaults[name]):
+        # (the critic's passes default to num_iterations, resolved after the dataclass's None: unset, the same)
+        default = getattr(args, "num_iterations", None) if name in PASSES_DEFAULTING_TO_NUM_ITERATIONS else None
+        if value is None or (name in OTHER_SETTINGS_WHEN_CHANGED and value in (defaults[name], default)):
             continue
         value = getattr(value, "value", value)  # enums such as lr_scheduler_type
         settings.append(f"`{name}={value!r}`" if isinstance(value, str) else f"`{name}={value}`")
@@ -512,7 +517,11 @@ def _value_pretraining_outcome(value_pretraining) -> str:
     best_text = f"best {best:.3f}" if _finite(best) and (not _finite(final) or abs(best - final) > 5e-4) else ""
     if _finite(final):  # the mean of the last readings (the stop rule's window): one reading is noisy
         readings = value_pretraining.get("final_readings", 1)  # (without a record: the last one logged)
-        said = f"mean of its last {readings} readings" if readings > 1 else "its last reading"
+        # Each reading is of a rollout's values before the critic trained on it: the last update is not in it.
+        if readings > 1:
+            said = f"mean of its last {readings} readings, each taken before the critic's update on its rollout"
+        else:
+            said = "its last reading, taken before the critic's update on its rollout"
         text += f", final explained variance {final:.3f} ({said}"
         text += f"; {best_text})" if best_text else ")"
     elif best_text:

@@ -151,9 +151,11 @@ class PromptCursor:
         self._generator: torch.Generator | None = None  # where the next epoch's permutation comes from
         self._stream: tuple[int | None, Any] = (None, None)  # (epoch, its iterator at the progress's row)
 
-    def next(self, progress: TrainingProgress, on_epoch_end: Callable[[], None]) -> list[dict[str, Any]]:
+    def next(self, progress: TrainingProgress, on_epoch_end: Callable[[], bool]) -> list[dict[str, Any]]:
         """The next rollout's prompts (rows of the dataset); `progress` moves past them. `on_epoch_end` is called
-        when a stream ends under this rollout, with `progress` at the next epoch's start, before it is read."""
+        when a stream ends under this rollout, with `progress` at the next epoch's start, before it is read; it says
+        whether to go on (False: a stop asked at the epoch's end, and no rows: read, they counted as trained on, and
+        a resume from a checkpoint of the stop skipped them)."""
         if self.streamed:
             return self._next_streamed(progress, on_epoch_end)
         if progress.data_index + self.count > len(self.dataset):
@@ -185,7 +187,7 @@ class PromptCursor:
         when the stream does, found when the next rollout reads it)."""
         return not self.streamed and progress.data_index + self.count > len(self.dataset)
 
-    def _next_streamed(self, progress: TrainingProgress, on_epoch_end: Callable[[], None]) -> list[dict[str, Any]]:
+    def _next_streamed(self, progress: TrainingProgress, on_epoch_end: Callable[[], bool]) -> list[dict[str, Any]]:
         for _ in range(2):
             if self._stream[0] != progress.data_epoch:
                 stream = self.dataset.shuffle(seed=self.seed) if self.shuffle else self.dataset
@@ -200,7 +202,8 @@ class PromptCursor:
             # The next epoch first: what `on_epoch_end` saves resumes there (at the old epoch's end, a resume
             # would find that end again and repeat its callbacks, evaluation and checkpoint).
             progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
-            on_epoch_end()
+            if not on_epoch_end():
+                return []
         raise ValueError(
             f"train_dataset streams fewer prompts than one rollout needs ({self.count} = generation_batch_size / "
             "num_generations), after drop_long_prompts' filter where it is set."

@@ -1046,19 +1046,26 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self._begin_epoch()
         ending_epoch, read = False, False
 
-        def end_epoch() -> None:  # what an epoch's end raises (its evaluation, a callback) is not the stream's
+        def end_epoch() -> bool:  # what an epoch's end raises (its evaluation, a callback) is not the stream's
             nonlocal ending_epoch
             ending_epoch = True
             self._end_streamed_epoch()
             ending_epoch = False
+            return not self.control.should_training_stop
 
         try:
             prompts = self._prompts.next(progress, on_epoch_end=end_epoch)
             read = True
+            if not prompts:  # a stop asked at a stream's epoch end (the caller reads `should_training_stop`)
+                return []
             if self._prompts.streamed:  # a map-style set's rows were checked up front, a stream's first alone
                 check_streamed_rows(
                     prompts, f"train_dataset (the rollout read from the stream at step {self.state.global_step})"
                 )
+                empty = [row["prompt"] for row in prompts if not row["prompt"]]
+                if empty and self.rollout_func is None:  # one the tokenizer gives no token (Qwen's adds none) is
+                    # refused here, the steps so far checkpointed first: the rollout's refusal lost them
+                    self._tokenize_prompts(empty, truncate=False)
         except ValueError as error:  # a stream's row refused, or a stream short of a rollout: read as training goes
             if self._prompts.streamed and not ending_epoch:  # (every process reads, and refuses, the same rows)
                 self._checkpoint_before_error(error, rows_read_again=not read)
@@ -1156,6 +1163,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             and sample.sampler_logprobs is not None
             and args.vllm_importance_sampling_correction
         )
+        if phase == RL and args.use_vllm and args.vllm_importance_sampling_correction and not corrects_sampler:
+            # (GRPOTrainer raised at `old - None`): said once, not silently trained without the correction asked for
+            logger.warning_once(
+                "The rollout_func returned logprobs=None: vLLM's sampling is not corrected for "
+                "(vllm_importance_sampling_correction=True). Return the sampled tokens' log-probs, or set "
+                "vllm_importance_sampling_correction=False.",
+            )
         with_policy = phase == EVAL or self._needs_old_logprobs(phase) or corrects_sampler  # EVAL: for its loss
         reference = None
         if args.beta > 0 and self._kl_penalised(phase):
@@ -1728,7 +1742,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         readings = progress.final_readings(self.args.value_pretrain_patience)
         logger.info(
             f"Value pretraining ended after {progress.value_pretrain_rollouts} rollouts ({reason}); explained "
-            f"variance {'n/a' if math.isnan(final) else f'{final:.3f}'} (mean of the last {readings} readings). RL "
+            f"variance {'n/a' if math.isnan(final) else f'{final:.3f}'} (mean of the last {readings} readings, each "
+            "on a rollout before the critic's update on it). RL "
             f"starts at step {self.state.global_step}."
         )
         self._save_pretrained_critic()
