@@ -689,7 +689,7 @@ def test_pool_replaces_a_worker_killed_while_idle_or_busy(caplog):
         thread = threading.Thread(target=lambda: result.append(pool.verify([("0", "400000! - 400000!")], timeout=60)))
         thread.start()
         waited = time.monotonic() + 10  # killed once it has the pair (a kill before is an idle worker's death)
-        while pool._workers[0].task is None and time.monotonic() < waited:
+        while not any(w.task is not None for w in list(pool._workers)) and time.monotonic() < waited:
             time.sleep(0.01)
         time.sleep(0.3)
         os.kill(second, signal.SIGKILL)
@@ -706,13 +706,15 @@ def test_pool_replaces_a_worker_killed_while_idle_or_busy(caplog):
         with caplog.at_level(logging.WARNING, logger="trl_vapo.rewards.pool"):
             thread.start()
             for _ in range(2):
-                waited = time.monotonic() + 20
-                while not (pool._workers[0].ready and pool._workers[0].task is not None) and time.monotonic() < waited:
+                busy, waited = None, time.monotonic() + 60  # (a replacement imports math-verify first: slow if loaded)
+                while busy is None and time.monotonic() < waited:
+                    busy = next((w for w in list(pool._workers) if w.ready and w.task is not None), None)
                     time.sleep(0.01)
+                assert busy is not None, "no worker took the pair"
                 time.sleep(0.3)
-                os.kill(pool.worker_pids()[0], signal.SIGKILL)
-                waited = time.monotonic() + 5  # until the death is seen and the task taken back
-                while pool._workers[0].task is not None and time.monotonic() < waited:
+                os.kill(busy.proc.pid, signal.SIGKILL)
+                waited = time.monotonic() + 30  # until the death is seen and the task taken back
+                while busy.task is not None and time.monotonic() < waited:
                     time.sleep(0.01)
             thread.join(timeout=90)
         assert done == [([False], {0})]
