@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -217,6 +218,34 @@ def report_held_out(trainer, prompts_count: int, path: Path) -> None:
     path.write_text(json.dumps({"report": report, "sampled": sorted(set(sampled))}))
 
 
+def report_held_out_before_training(trainer, prompts_count: int, resume: bool) -> Callable[[Path], None]:
+    """`trl-vapo train`'s held-out report of the policy training starts from (under DeepSpeed and FSDP taken as
+    training begins, once the models are placed), written to a path after training: as `report_held_out`, and
+    whether the models were placed when it sampled."""
+    from types import SimpleNamespace
+
+    import trl_vapo.evaluation as evaluation
+    from trl_vapo.cli import held_out_report_before_training
+
+    sampled, placed, sample = [], [], evaluation.sample_completions
+
+    def counted(model, tokenizer, prompts, **kwargs):
+        sampled.extend(prompts)
+        placed.append(trainer.models_placed)
+        return sample(model, tokenizer, prompts, **kwargs)
+
+    evaluation.sample_completions = counted
+    held_out = prompts().select(range(prompts_count))
+    report = held_out_report_before_training(trainer, held_out, SimpleNamespace(eval_k=2), True if resume else None)
+
+    def write(path: Path) -> None:
+        evaluation.sample_completions = sample
+        record = {"report": report(), "sampled": sorted(set(sampled)), "placed": bool(placed) and all(placed)}
+        path.write_text(json.dumps(record))
+
+    return write
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -383,13 +412,15 @@ def main(argv: list[str] | None = None) -> None:
             return forward(*inputs, **kwargs)
 
         trainer.actor_critic.forward = counted
-    if args.held_out:  # as `trl-vapo train` reports before training: each process samples its share of the prompts
-        report_held_out(trainer, args.held_out, Path(args.output_dir) / f"held_out_before-rank{rank}.json")
+    if args.held_out:  # as `trl-vapo train` reports before training
+        write_before = report_held_out_before_training(trainer, args.held_out, args.resume)
     try:
         trainer.train(resume_from_checkpoint=True if args.resume else None)
     except TrainingInterrupted as stopped:  # SIGTERM / SIGINT: exit as `trl-vapo train` does
         trainer.accelerator.end_training()
         raise SystemExit(stopped.exit_code) from None
+    if args.held_out:
+        write_before(Path(args.output_dir) / f"held_out_before-rank{rank}.json")
     if args.held_out:  # as `trl-vapo train` reports after training, on every process
         report_held_out(trainer, args.held_out, Path(args.output_dir) / f"held_out-rank{rank}.json")
     if args.save_final:

@@ -22,6 +22,7 @@ import sys
 import textwrap
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -713,7 +714,7 @@ def train_command(argv: list[str]) -> int:
     except (ValueError, ImportError, NotImplementedError) as error:
         logging.getLogger(__name__).debug("The trainer refused the run", exc_info=True)  # the traceback, if asked
         raise UsageError(" ".join(str(error).split())) from None
-    before = _held_out_report(trainer, test_dataset, script_args, trainer.reward_funcs)
+    before = held_out_report_before_training(trainer, test_dataset, script_args, training_args.resume_from_checkpoint)
     with trainer.holding_output_dir():  # until the model is saved: a run started meanwhile would remove it half-saved
         if trainer.accelerator.is_main_process:  # what `trl-vapo eval --model OUTPUT_DIR` scores by default
             Path(training_args.output_dir, RUN_DATA_FILE).write_text(json.dumps(run_data, indent=2) + "\n")
@@ -723,6 +724,7 @@ def train_command(argv: list[str]) -> int:
             print(f"trl-vapo train: {stopped}", file=sys.stderr)
             trainer.accelerator.end_training()
             return stopped.exit_code
+        before = before()
         # The trained model is saved before the held-out report, which takes minutes at eval_k x eval_num_prompts: a
         # stop there (Ctrl-C; SIGTERM's default action) or a crash no longer loses it. Pushed once, with the scores.
         trainer.model_card_info = _model_card_info(script_args, before, None, demo, mixed)
@@ -1081,13 +1083,38 @@ def _resolve_rewards(names: list[str], max_completion_length: int | None = None)
         raise UsageError(str(error)) from None
 
 
+def held_out_report_before_training(
+    trainer, dataset, script_args, resume_from_checkpoint
+) -> Callable[[], dict | None]:
+    """The held-out report of the policy training starts from, read after `train()` (the function returned). Under
+    DeepSpeed or FSDP it is taken as training begins (`on_train_begin`), once `train()` has placed the models: before
+    that the policy is on the host (DeepSpeed and FSDP place it in `train()`), where a real model's sampling took hours
+    on one thread a process. A resumed run's is taken now, before its checkpoint replaces the initial weights."""
+    resuming = trainer.resume_point(resume_from_checkpoint)[0] is not None
+    if dataset is None or resuming or not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        report = _held_out_report(trainer, dataset, script_args, trainer.reward_funcs)
+        return lambda: report
+    from transformers import TrainerCallback
+
+    taken: dict[str, dict | None] = {}
+
+    class HeldOutReportAtTrainBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if "report" not in taken:  # (a second `train()`, a resume after an error, starts from trained weights)
+                taken["report"] = _held_out_report(trainer, dataset, script_args, trainer.reward_funcs)
+
+    trainer.add_callback(HeldOutReportAtTrainBegin())
+    return lambda: taken.get("report")
+
+
 def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None:
     """avg@k, pass@k and the greedy pass@1 of the trainer's policy on `dataset`, on the main process (None on the
     others). With several processes each samples its share of the prompts where it holds the whole policy (the main
     process sampling them all, the others waited at training's first collective, whose timeout a long report
-    overran). Every process evaluates the same prompts once training has placed FSDP2- or ZeRO-3-sharded models
-    (their forward needs every process), and always with vLLM (a server gathers every process's requests; a
-    tensor-parallel group samples together)."""
+    overran). Every process evaluates the same prompts under DeepSpeed and FSDP (a reward model placed there, and a
+    sharded policy once placed, compute in collectives every process must join: shares of unequal size, or none,
+    hung), and always with vLLM (a server gathers every process's requests; a tensor-parallel group samples
+    together)."""
     if dataset is None:
         return None
     from .evaluation import evaluate_policy, random_state_kept
@@ -1098,7 +1125,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
     # A transformers engine of its own, batched as evaluation batches; left to the default, chosen as training's is
     sharded = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
     engine = EngineSettings.from_config(args).placed(trainer.accelerator.device.type, sharded, trainer.model)
-    shared = not engine.holds_own_weights and not (placed and sharded)  # each process its share of the prompts
+    shared = not engine.holds_own_weights and not sharded  # each process its share of the prompts
     if engine.holds_own_weights:  # vLLM's copy of the policy: the trainer's engine, synced with it
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
