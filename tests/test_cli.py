@@ -1637,6 +1637,12 @@ def test_held_out_evaluation_takes_nonfinite_rewards_as_unscored_and_refuses_an_
     result = evaluate_policy(model, tokenizer, data.select([0, 1]), misses_partly, k=k, max_new_tokens=2, greedy=False)
     assert type(result.k) is int and "pass@4" in result.as_dict()
     assert (result.avg_at_k, result.pass_at_k, result.num_problems, result.num_partly_scored) == (0.5, 1.0, 2, 1)
+    # The scores as the JSON writes them: 29 of 40 is 0.725 (float32's mean wrote 0.7250000238418579).
+    from trl_vapo.evaluation import ProblemOutcomes
+
+    hits = [1.0] * 29 + [0.0] * 11
+    scores = ProblemOutcomes(1, hits, [[True]] * 40, [1] * 40, hits, [True] * 40).result(greedy=True).as_dict()
+    assert (scores["pass@1"], scores["avg@1"]) == (0.725, 0.725)
 
     # A tokenizer without a pad token (Llama's, as loaded): padded with its EOS, as training pads, where the first
     # batch's padding failed (a TypeError from `torch.full(..., None)`).

@@ -1122,7 +1122,9 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
     args, main = trainer.args, trainer.accelerator.is_main_process
     placed = trainer.models_placed
-    # A transformers engine of its own, batched as evaluation batches; left to the default, chosen as training's is
+    # A transformers engine of its own, in `evaluate_policy`'s batches (64 sequences, whatever
+    # per_device_eval_batch_size says: the demo's printed scores are of those batches); the engine left to the
+    # default is chosen as training's is
     sharded = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
     engine = EngineSettings.from_config(args).placed(trainer.accelerator.device.type, sharded, trainer.model)
     shared = not engine.holds_own_weights and not sharded  # each process its share of the prompts

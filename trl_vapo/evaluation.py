@@ -306,12 +306,13 @@ class ProblemOutcomes:
     def result(self, greedy: bool) -> EvaluationResult:
         # What no reward function scored (None: a problem without a usable reference answer) is left out of every
         # estimate, as training's accuracy leaves it out, rather than counted wrong.
-        hits = torch.tensor(self.hits, dtype=torch.float32).view(-1, self.k)
+        # (float64: 29 of 40 reads 0.725, not float32's 0.7250000238418579, in the JSON a report writes)
+        hits = torch.tensor(self.hits, dtype=torch.float64).view(-1, self.k)
         scored = torch.tensor(self.scored, dtype=torch.bool).view(-1, self.k)
         problems = scored.any(dim=1)
         pass_at_1 = float("nan")
         if greedy:
-            greedy_hits = torch.tensor(self.greedy_hits, dtype=torch.float32)
+            greedy_hits = torch.tensor(self.greedy_hits, dtype=torch.float64)
             pass_at_1 = greedy_hits[torch.tensor(self.greedy_scored, dtype=torch.bool)].mean().item()
         # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
         # problem with one sample scored of k counted k times less).
