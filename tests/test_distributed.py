@@ -256,7 +256,9 @@ def test_fsdp2_samples_trains_and_saves_like_the_run_without_it_as_loaded(tiny_m
     # process whose completions had all ended would leave for the next collective: a hang, which these runs, greedy
     # to the length limit and so in step, would not meet).
     assert steps["generate_synced"]
-    assert steps["reward_model_sharded"] == [True]
+    # The reward model whole on each process, as GRPOTrainer places it under FSDP (`prepare_model(...,
+    # evaluation_mode=True)` shards nothing): sharded, every scoring forward was a collective.
+    assert steps["reward_model_sharded"] == [False]
     # Every process samples every prompt, before training and after (the sharded forwards, the reward model's too,
     # need them all: shares of unequal size, or none, hung), the report before training once the models are placed
     # (before `train()` the policy was on the host: a real model's sampling took hours). The plain run's report where

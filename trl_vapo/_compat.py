@@ -51,6 +51,17 @@ def prepare_frozen_model(model, accelerator):
     return model.to(accelerator.device)
 
 
+def prepare_reward_model(model, accelerator):
+    """A reward model placed as GRPOTrainer places its own: a DeepSpeed inference engine under DeepSpeed (partitioned
+    under ZeRO-3), else whole on the process's device, FSDP's too (TRL's `prepare_model(evaluation_mode=True)`, which
+    shards nothing: sharded, each scoring forward was a collective every process had to join)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return prepare_deepspeed(model, accelerator)
+    return model.to(accelerator.device)
+
+
 __all__ = [
     "TOKEN_TILE_ROWS",
     "TiledLogProbs",
@@ -65,6 +76,7 @@ __all__ = [
     "pad",
     "parse_response",
     "prepare_frozen_model",
+    "prepare_reward_model",
     "remove_hooks",
     "resolve_accelerate_config_argument",
     "selective_log_softmax",

@@ -1111,7 +1111,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
     """avg@k, pass@k and the greedy pass@1 of the trainer's policy on `dataset`, on the main process (None on the
     others). With several processes each samples its share of the prompts where it holds the whole policy (the main
     process sampling them all, the others waited at training's first collective, whose timeout a long report
-    overran). Every process evaluates the same prompts under DeepSpeed and FSDP (a reward model placed there, and a
+    overran). Every process evaluates the same prompts under DeepSpeed and FSDP (a reward model under ZeRO-3, and a
     sharded policy once placed, compute in collectives every process must join: shares of unequal size, or none,
     hung), and always with vLLM (a server gathers every process's requests; a tensor-parallel group samples
     together)."""

@@ -48,6 +48,7 @@ from ._compat import (
     get_config_model_id,
     pad,
     prepare_frozen_model,
+    prepare_reward_model,
 )
 from .config import VAPOConfig, settings_without_effect
 from .core import (
@@ -478,7 +479,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         for func in self.reward_funcs:
             if isinstance(func, RewardModel):  # as GRPOTrainer places its reward models
-                func.model, func.device = prepare_frozen_model(func.model, self.accelerator), self.accelerator.device
+                func.model, func.device = prepare_reward_model(func.model, self.accelerator), self.accelerator.device
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
         self.eos_token_ids = list(self._stop_ids)  # GRPOTrainer's name, for a rollout_func
         if getattr(policy, "generation_config", None) is not None:
