@@ -130,6 +130,18 @@ def test_two_rl_steps_full_finetune_and_outputs_reload(tiny_model_dir, tmp_path)
         trainer.train()
 
 
+def test_a_second_train_under_deepspeed_or_fsdp_is_refused_naming_the_way_to_resume(tiny_model_dir, tmp_path):
+    """A call an error stopped left the models placed: DeepSpeed's engine and FSDP2's sharded weights cannot be
+    prepared again (DeepSpeed's engine around its own, a checkpoint loaded into sharded weights). The placement is a
+    stand-in (no second process here: the flags DeepSpeed and FSDP set); a second call on one process resumes."""
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=1), prompts_dataset())
+    trainer.models_placed, trainer.is_fsdp_enabled = True, True
+    with pytest.raises(
+        RuntimeError, match=r"cannot be placed again\. Resume with a new VAPOTrainer, in a new process"
+    ):
+        trainer.train(resume_from_checkpoint=True)
+
+
 def test_max_steps_set_on_the_trainers_args_before_train_is_the_runs(tiny_model_dir, tmp_path):
     """transformers' `train()` reads `max_steps` when it starts: set on `trainer.args` after the trainer was built, it
     ran the count the trainer was built with (3 steps for 1). What the trainer's batches were built from is refused

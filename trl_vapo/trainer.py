@@ -675,6 +675,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
+        if self.models_placed and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            # DeepSpeed wraps the optimizer's groups in its own, FSDP2 shards the weights in place: prepared a second
+            # time (DeepSpeed's engine around its engine, a checkpoint loaded into sharded weights) they break.
+            raise RuntimeError(
+                "train() already placed the models under DeepSpeed or FSDP on this trainer (a call an error stopped): "
+                "they cannot be placed again. Resume with a new VAPOTrainer, in a new process: "
+                "train(resume_from_checkpoint=True) reads the last checkpoint (the error's, where it wrote one)."
+            )
         resume_from_checkpoint, marker = self.resume_point(resume_from_checkpoint)
         self._resume_point = None  # a later `train` looks again
         if self.state.global_step > 0 and not resume_from_checkpoint:
