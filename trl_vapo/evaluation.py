@@ -27,7 +27,7 @@ from transformers import TrainerState
 from transformers.trainer_utils import speed_metrics
 from trl import is_conversational
 
-from .core import explained_variance, vapo_loss
+from .core import exact, explained_variance, vapo_loss
 from .data import (
     check_eval_dataset,
     check_prompts,
@@ -307,12 +307,12 @@ class ProblemOutcomes:
         # What no reward function scored (None: a problem without a usable reference answer) is left out of every
         # estimate, as training's accuracy leaves it out, rather than counted wrong.
         # (float64: 29 of 40 reads 0.725, not float32's 0.7250000238418579, in the JSON a report writes)
-        hits = torch.tensor(self.hits, dtype=torch.float64).view(-1, self.k)
+        hits = exact(torch.tensor(self.hits)).view(-1, self.k)
         scored = torch.tensor(self.scored, dtype=torch.bool).view(-1, self.k)
         problems = scored.any(dim=1)
         pass_at_1 = float("nan")
         if greedy:
-            greedy_hits = torch.tensor(self.greedy_hits, dtype=torch.float64)
+            greedy_hits = exact(torch.tensor(self.greedy_hits))
             pass_at_1 = greedy_hits[torch.tensor(self.greedy_scored, dtype=torch.bool)].mean().item()
         # avg@k: the mean over problems of each one's share correct among its scored samples (pooled over samples, a
         # problem with one sample scored of k counted k times less).
