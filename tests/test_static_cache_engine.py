@@ -577,6 +577,16 @@ def _random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return token_ids(tokenizer, texts)
 
 
+def _on_cuda(model_dir, prompts: int, seed: int, max_new_tokens: int, temperature: float = 0.0, dtype=None):
+    """The tiny model on the GPU (in `dtype`, or as saved), `prompts` random prompts, the engines' common arguments
+    and the sampling settings of a CUDA test."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {})).cuda()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature)
+    return model, _random_prompts(tokenizer, prompts, seed), common, sampling
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32-bf16-autocast"])
@@ -586,11 +596,7 @@ def test_the_captured_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, dty
     without autocast's cache, each replay casts the live weights); the memory the engine holds after the rollout (its
     buffers and the graph's pool) is recorded (JUnit property `engine_bytes_<dtype>`)."""
     autocast = dtype == "float32-bf16-autocast"
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32 if autocast else dtype).cuda()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompts = _random_prompts(tokenizer, 64)
-    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
-    sampling = SamplingSettings(max_new_tokens=64, temperature=0.0)
+    model, prompts, common, sampling = _on_cuda(tiny_model_dir, 64, 0, 64, dtype=torch.float32 if autocast else dtype)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
         engine = StaticCacheEngine(model, **common)
@@ -610,11 +616,7 @@ def test_each_replay_draws_fresh_random_numbers_as_the_eager_step_does(tiny_mode
     replay advances as an eager step does (each kernel's offset is captured relative to the generator's), so from one
     seed the captured rollout draws what the eager one draws, token for token past the first steps. A graph that
     replayed the numbers of its capture would part from it there."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompts = _random_prompts(tokenizer, 32, seed=3)
-    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
-    sampling = SamplingSettings(max_new_tokens=48, temperature=1.0)
+    model, prompts, common, sampling = _on_cuda(tiny_model_dir, 32, 3, 48, temperature=1.0)
     rollouts = {}
     for cuda_graph in (False, True):
         engine = StaticCacheEngine(model, cuda_graph=cuda_graph, **common)
@@ -632,11 +634,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_on_the_callers_stream(tiny_
     """A model whose forward synchronises with the host (a `.item()`; transformers' dynamic RoPE does so) cannot be
     captured: the rollout goes on eagerly, exactly, warns once, and leaves the caller's CUDA stream current
     (`torch.cuda.graph`'s exit raises before it restores its own); later rollouts do not try again."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompts = _random_prompts(tokenizer, 16, seed=4)
-    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
-    sampling = SamplingSettings(max_new_tokens=32, temperature=0.0)
+    model, prompts, common, sampling = _on_cuda(tiny_model_dir, 16, 4, 32)
     expected = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
     model.register_forward_hook(lambda module, args, output: output.logits.sum().item())  # a host sync
     engine = StaticCacheEngine(model, keep_buffers=False, **common)
@@ -689,11 +687,7 @@ def test_the_graph_sees_weight_updates_and_is_taken_again_for_another_adapter(ti
 def test_the_compiled_and_captured_step_follows_the_eager_step(tiny_model_dir, record_property):
     """`compile_step=True`: torch.compile's fused kernels round differently, so greedy completions may part from the
     eager step's; recorded as the first diverging position (JUnit property), required equal on most rows."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompts = _random_prompts(tokenizer, 64, seed=2)
-    common = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": [tokenizer.eos_token_id], "logprobs": True}
-    sampling = SamplingSettings(max_new_tokens=64, temperature=0.0)
+    model, prompts, common, sampling = _on_cuda(tiny_model_dir, 64, 2, 64)
     eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
     engine = StaticCacheEngine(model, compile_step=True, **common)
     compiled = engine.generate(prompts, sampling=sampling)
