@@ -39,26 +39,18 @@ def trl_reward_function(name: str):
     return getattr(trl.rewards, name)
 
 
-def prepare_frozen_model(model, accelerator):
+def prepare_frozen_model(model, accelerator, shard: bool = True):
     """A frozen model (the reference policy, a reward model), placed as TRL's trainers place theirs: a DeepSpeed
-    inference engine (partitioned under ZeRO-3, whole under ZeRO-1/2), sharded under FSDP, on the device otherwise."""
+    inference engine (partitioned under ZeRO-3, whole under ZeRO-1/2); under FSDP sharded (`shard`: the reference, as
+    TRL's `prepare_fsdp`) or whole on the device (a reward model: GRPOTrainer's `prepare_model(evaluation_mode=True)`
+    shards nothing; sharded, each scoring forward was a collective every process had to join); on the device
+    otherwise."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return prepare_deepspeed(model, accelerator)
-    if accelerator.distributed_type == DistributedType.FSDP:
+    if accelerator.distributed_type == DistributedType.FSDP and shard:
         return prepare_fsdp(model, accelerator)
-    return model.to(accelerator.device)
-
-
-def prepare_reward_model(model, accelerator):
-    """A reward model placed as GRPOTrainer places its own: a DeepSpeed inference engine under DeepSpeed (partitioned
-    under ZeRO-3), else whole on the process's device, FSDP's too (TRL's `prepare_model(evaluation_mode=True)`, which
-    shards nothing: sharded, each scoring forward was a collective every process had to join)."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return prepare_deepspeed(model, accelerator)
     return model.to(accelerator.device)
 
 
@@ -76,7 +68,6 @@ __all__ = [
     "pad",
     "parse_response",
     "prepare_frozen_model",
-    "prepare_reward_model",
     "remove_hooks",
     "resolve_accelerate_config_argument",
     "selective_log_softmax",

@@ -503,6 +503,12 @@ def fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     return get_optimizer_state_dict(model, _optimizer_chain(optimizer)[-1], options=options)
 
 
+def _state_dict_name(name: str) -> str:
+    """A parameter's name as torch's state dicts give it: without a checkpoint wrapper's or torch.compile's module in
+    the path."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def fsdp2_optimizer_state_problem(
     saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> str | None:
@@ -510,11 +516,7 @@ def fsdp2_optimizer_state_problem(
     parameters, or None: its parameter groups name other parameters. The loader must be lenient (``strict=False``:
     the policy's weights held out of value pretraining have no state), and so it drops the saved state of a
     parameter this run lacks and starts Adam afresh for one the saved run lacked, without a word."""
-    # The names torch's state dicts use: without a checkpoint wrapper's or torch.compile's module in the path.
-    names = {
-        id(param): name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        for name, param in model.named_parameters()
-    }
+    names = {id(param): _state_dict_name(name) for name, param in model.named_parameters()}
     current = [{names.get(id(param), "?") for param in group["params"]} for group in optimizer.param_groups]
     stored = [set(group["params"]) for group in saved["param_groups"]]
     if stored == current:
@@ -550,7 +552,7 @@ def load_fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
         raise ValueError(f"Cannot resume from {Path(path).parent}: {problem}")
     set_optimizer_state_dict(model, inner, saved, options=StateDictOptions(full_state_dict=True, strict=False))
     for name, param in model.named_parameters():
-        if name not in saved["state"]:
+        if _state_dict_name(name) not in saved["state"]:
             inner.state.pop(param, None)
 
 

@@ -48,7 +48,6 @@ from ._compat import (
     get_config_model_id,
     pad,
     prepare_frozen_model,
-    prepare_reward_model,
 )
 from .config import VAPOConfig, settings_without_effect
 from .core import (
@@ -479,7 +478,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         for func in self.reward_funcs:
             if isinstance(func, RewardModel):  # as GRPOTrainer places its reward models
-                func.model, func.device = prepare_reward_model(func.model, self.accelerator), self.accelerator.device
+                func.model = prepare_frozen_model(func.model, self.accelerator, shard=False)
+                func.device = self.accelerator.device
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
         self.eos_token_ids = list(self._stop_ids)  # GRPOTrainer's name, for a rollout_func
         if getattr(policy, "generation_config", None) is not None:
@@ -930,13 +930,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.is_in_train = False
         raise TrainingInterrupted(signum, path, message)
 
-    def _log_pending_metrics(self) -> None:
-        """Log the metrics of the steps since the last log, if any; with logging off, drop them (transformers logs
-        nothing then: kept, the whole run's readings went into `train()`'s summary row, averaged)."""
+    def _log_pending_metrics(self, phase: str | None = None) -> None:
+        """Log the metrics of the steps since the last log, if any, as `phase`'s (None: the run's phase now); with
+        logging off, drop them (transformers logs nothing then: kept, the whole run's readings went into `train()`'s
+        summary row, averaged, and value pretraining's into RL's readings)."""
         if self.args.logging_strategy == IntervalStrategy.NO:
             self._metrics.clear()
         elif any(self._metrics.values()):
-            self._log_metrics(self.progress.phase)
+            self._log_metrics(phase or self.progress.phase)
 
     def _checkpoint_now(self) -> tuple[Path, bool]:
         """The steps trained so far as a checkpoint, before the run stops between two rollouts (a checkpoint holds
@@ -1011,7 +1012,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if self.control.should_log:
             self._log_metrics(self.progress.phase)
         elif self.args.logging_strategy == IntervalStrategy.NO:
-            self._metrics.clear()  # (not held for the run's length)
+            self._log_pending_metrics()  # dropped: not held for the run's length
         # Not during value pretraining: the policy does not change, and early stopping would compare readings of the
         # initial policy, whose noise alone could end the run before its first update.
         # The request is consumed either way (as `on_evaluate` would): left set, the epoch end of the rollout that
@@ -1725,10 +1726,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
     def _finish_value_pretraining(self, early: bool) -> None:
         progress = self.progress
-        if self.args.logging_strategy == IntervalStrategy.NO:
-            self._metrics.clear()  # nothing is logged (transformers logs nothing): none of it reaches RL's readings
-        elif any(self._metrics.values()):  # its last steps' readings since the last log: its own, not RL's
-            self._log_metrics(VALUE_PRETRAIN)
+        self._log_pending_metrics(VALUE_PRETRAIN)  # its last steps' readings since the last log: its own, not RL's
         progress.phase = RL
         progress.rl_start_step = self.state.global_step
         max_steps = self.run_plan.max_steps(progress)  # fewer when the stop rule ended value pretraining early
