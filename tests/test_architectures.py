@@ -226,7 +226,8 @@ class TinyCustomConfig(LlamaConfig):
     model_type = "tiny_custom"
 """
 CUSTOM_MODELING = """
-from transformers import LlamaForCausalLM, LlamaModel, LlamaPreTrainedModel
+from torch import nn
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, LlamaPreTrainedModel
 
 from .configuration_tiny_custom import TinyCustomConfig
 
@@ -244,12 +245,22 @@ class TinyCustomForCausalLM(TinyCustomPreTrainedModel, LlamaForCausalLM):
         super().__init__(config)
         self.model = TinyCustomModel(config)
         self.post_init()
+
+
+class TinyCustomForSequenceClassification(TinyCustomPreTrainedModel, LlamaForSequenceClassification):
+    def __init__(self, config):  # (not the generic class's, whose `AutoModel.from_config` asks to trust the code)
+        TinyCustomPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = TinyCustomModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
 """
 
 
-def save_custom_code_model(directory: Path, model_type: str = "tiny_custom") -> Path:
+def save_custom_code_model(directory: Path, model_type: str = "tiny_custom", classifier: bool = False) -> Path:
     """A model whose code ships in its folder (auto_map), as a hub repo with `trust_remote_code` would; its config
-    class under a model type of its own, or a known one's (`llama`: transformers' class for that is not its)."""
+    class under a model type of its own, or a known one's (`llama`: transformers' class for that is not its);
+    `classifier`: its code names its own sequence classifier too."""
     model_dir = save_tiny(directory, "llama", tie_word_embeddings=True)
     custom_config = CUSTOM_CONFIG.replace('"tiny_custom"', repr(model_type))
     (model_dir / "configuration_tiny_custom.py").write_text(textwrap.dedent(custom_config))
@@ -265,7 +276,12 @@ def save_custom_code_model(directory: Path, model_type: str = "tiny_custom") -> 
             "AutoConfig": "configuration_tiny_custom.TinyCustomConfig",
             "AutoModel": "modeling_tiny_custom.TinyCustomModel",
             "AutoModelForCausalLM": "modeling_tiny_custom.TinyCustomForCausalLM",
-        },
+        }
+        | (
+            {"AutoModelForSequenceClassification": "modeling_tiny_custom.TinyCustomForSequenceClassification"}
+            if classifier
+            else {}
+        ),
     )
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
@@ -297,6 +313,22 @@ def test_a_custom_code_model_trains_with_trust_remote_code_and_is_refused_withou
     trained = critic.state_dict()
     for name, value in reloaded.actor_critic.critic.state_dict().items():
         assert torch.equal(value, trained[name]), name
+
+
+def test_trust_remote_code_in_model_init_kwargs_builds_the_critic_from_the_models_own_classifier(tmp_path):
+    """`model_init_kwargs={"trust_remote_code": True}` (GRPOConfig's way to ask, which has no field for it) loads the
+    policy's code, and the critic built from the policy is the model's own classifier class, as with
+    `trust_remote_code=True`, which the field then says: it was trl-vapo's generic class over the custom backbone (the
+    field alone was read there), and the card said the critic needs trl-vapo's class to load."""
+    model_dir = save_custom_code_model(tmp_path / "custom", classifier=True)
+    args = make_args(tmp_path, model_init_kwargs={"trust_remote_code": True})
+    assert args.trust_remote_code is True  # what every other load reads (the tokenizer, vLLM)
+    with pytest.raises(ValueError, match=r"model_init_kwargs\['trust_remote_code'\] is False and trust_remote_code"):
+        make_args(tmp_path, model_init_kwargs={"trust_remote_code": False}, trust_remote_code=True)
+    trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset(16))
+    critic = trainer.actor_critic.critic
+    assert type(critic).__module__.endswith("modeling_tiny_custom"), type(critic).__module__
+    assert trainer.run_record.critic_auto_class
 
 
 def test_lora_bias_training_with_the_shared_base_critic_is_refused_and_a_separate_critic_trains_it(tmp_path):

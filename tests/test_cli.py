@@ -640,6 +640,15 @@ def test_the_command_finds_the_tokenizer_where_the_trainer_finds_the_policy(tiny
     args = VAPOConfig(output_dir=str(tmp_path / "out"), report_to="none", model_init_kwargs={"subfolder": "sft"})
     tokenizer = _tokenizer_of(str(repo), SimpleNamespace(model_revision=None), args)
     assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
+    # A value model that is the policy's checkpoint is read where the policy is (the trainer reads it there), and
+    # checked there: at the root it was "a local folder but not a model's".
+    from trl_vapo.cli import _check_before_loading
+
+    script = SimpleNamespace(
+        reward_funcs=["math_reward"], reward_model_name_or_path=None, value_model_name_or_path=str(repo)
+    )
+    model_args = SimpleNamespace(model_name_or_path=str(repo), model_revision=None)
+    _check_before_loading(script, args, model_args, demo=False)
 
 
 def test_eval_writes_a_score_nothing_was_judged_for_as_null():

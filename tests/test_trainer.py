@@ -7,6 +7,7 @@ import logging
 import math
 import random
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -520,6 +521,14 @@ def test_the_policys_tokenizer_is_looked_up_where_the_policy_was(tiny_model_dir,
     VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset()).train()
     # The subfolder is the policy's: a critic from elsewhere is not looked up in `<value_model>/sub` (an OSError).
     VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset(), value_model=str(tiny_model_dir))
+    # A critic from the policy's own checkpoint is read where the policy was (at its root, it was "not a value model").
+    same = VAPOTrainer(
+        str(tmp_path / "repo"), digit_fraction, args, prompts_dataset(), value_model=str(tmp_path / "repo")
+    )
+    backbone = AutoModelForCausalLM.from_pretrained(tiny_model_dir).base_model.state_dict()
+    assert all(
+        torch.equal(value, backbone[name]) for name, value in same.actor_critic.critic.base_model.state_dict().items()
+    )
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(
         tmp_path / "adapter"
@@ -940,10 +949,24 @@ def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_mo
         save_strategy="steps",
         save_steps=0.5,  # half the run: the run that took place, not the planned budget's 31 steps
     )
+
+    class NotebookBar(TrainerCallback):
+        """A stand-in for transformers' `NotebookProgressCallback` (IPython, which it imports, is not installed here):
+        its tracker, built with the planned total at the run's start, as the notebook's is."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.training_tracker = types.SimpleNamespace(total=state.max_steps)
+
+    notebook = NotebookBar()
     trainer = VAPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=first_char_is_letter, args=args, train_dataset=prompts_dataset()
+        model=str(tiny_model_dir),
+        reward_funcs=first_char_is_letter,
+        args=args,
+        train_dataset=prompts_dataset(),
+        callbacks=[notebook],
     )
     trainer.train()
+    assert notebook.training_tracker.total == trainer.state.max_steps  # the steps taken (the plan's: 31 and more)
     half = math.ceil(trainer.state.max_steps / 2)
     assert trainer.state.save_steps == half  # from the step value pretraining ended at
     readings = [h["value/explained_variance"] for h in trainer.state.log_history if h.get("phase") == "value_pretrain"]

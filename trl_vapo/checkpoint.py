@@ -35,7 +35,7 @@ from transformers.hf_argparser import string_to_bool
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from ._compat import get_config_model_id
-from .diagnostics import finite_or_null
+from .diagnostics import strict_json
 from .distributed import (
     decided_on_main,
     fsdp2_optimizer_state,
@@ -817,7 +817,7 @@ class SavingMixin:
                 "policy_fingerprint": self.run_record.policy_fingerprint,
                 "value_targets": self.run_record.value_targets,
             }
-            (tmp / VALUE_PRETRAINING_FILE).write_text(json.dumps(finite_or_null(record), indent=2, allow_nan=False))
+            (tmp / VALUE_PRETRAINING_FILE).write_text(strict_json(record, indent=2))
             publish(tmp, directory)
         self.accelerator.wait_for_everyone()
 

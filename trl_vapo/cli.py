@@ -634,13 +634,15 @@ def _check_before_loading(script_args, training_args, model_args, demo: bool) ->
                 "--model_name_or_path is required with a data set, a reward model or a value model (omit them all "
                 "for the offline demo)"
             )
-        where = training_args.model_init_kwargs if isinstance(training_args.model_init_kwargs, dict) else {}
-        revision = where.get("revision", model_args.model_revision)
-        _check_model_source(model_args.model_name_or_path, "--model_name_or_path", revision, where)
-        # (the other models are looked up in the same cache, with the same token; not in the policy's subfolder)
+        where = _policy_lookup(model_args, training_args)
+        _check_model_source(model_args.model_name_or_path, "--model_name_or_path", where.get("revision"), where)
+        # (the other models are looked up in the same cache, with the same token; not in the policy's subfolder, but
+        # a value model that is the policy's checkpoint, which the trainer reads where the policy is)
         elsewhere = {key: where[key] for key in ("cache_dir", "token") if key in where}
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path", where=elsewhere)
-        _check_model_source(script_args.value_model_name_or_path, "--value_model_name_or_path", where=elsewhere)
+        value_model = script_args.value_model_name_or_path
+        own = where if value_model == model_args.model_name_or_path else elsewhere
+        _check_model_source(value_model, "--value_model_name_or_path", own.get("revision"), own)
     return reward_funcs
 
 
@@ -884,10 +886,8 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
         )
     test_split = None
     if evaluates or script_args.eval_num_prompts:
-        one_file = Path(script_args.dataset_name).expanduser().is_file()
         splits = (script_args.dataset_train_split, script_args.dataset_test_split)
-        sliced = all("[" in split for split in splits)  # slices of its one split, which the user chose apart
-        if one_file and splits[1] != splits[0] and not sliced:
+        if _test_split_is_the_training_one(script_args.dataset_name, *splits):
             raise UsageError(
                 f"{script_args.dataset_name} is one file, so one split: its {splits[1]!r} split would be the training "
                 "prompts. Pass a folder with a file per split (train.jsonl, test.jsonl), slices of its split "
@@ -1526,10 +1526,9 @@ def eval_command(argv: list[str]) -> int:
         )
     _check_eval_numbers(args)
     run_file = run_settings.get("dataset_name")
-    if run_file and run_file == script.dataset_name and Path(run_file).expanduser().is_file():
+    if run_file and run_file == script.dataset_name:
         train_split = run_train_split or script.dataset_train_split
-        sliced = "[" in script.dataset_test_split and "[" in train_split  # slices of its split, chosen apart
-        if script.dataset_test_split != train_split and not sliced:  # (the run itself scored them only when told so)
+        if _test_split_is_the_training_one(run_file, train_split, script.dataset_test_split):  # (the run: if told so)
             raise UsageError(
                 f"{run_file} (the run's data) is one file, so one split: its {script.dataset_test_split!r} split "
                 "would be the training prompts. Pass --dataset_name with held-out problems, or --dataset_test_split "
@@ -1675,9 +1674,9 @@ def eval_command(argv: list[str]) -> int:
 def scores_json(scores: dict[str, float]) -> str:
     """`trl-vapo eval`'s scores as strict JSON: a score that nothing was judged for (NaN) is null, which every JSON
     parser reads (`NaN`, what `json.dumps` writes, is Python's own)."""
-    from .diagnostics import finite_or_null
+    from .diagnostics import strict_json
 
-    return json.dumps(finite_or_null(scores), indent=2, allow_nan=False)
+    return strict_json(scores, indent=2)
 
 
 JSON_FLAGS = ("chat_template_kwargs", "generation_kwargs", "transformers_continuous_batching_config")
@@ -1723,16 +1722,31 @@ def _check_eval_numbers(args) -> None:
         raise UsageError("; ".join(problems))
 
 
+def _test_split_is_the_training_one(dataset_name: str, train_split: str, test_split: str) -> bool:
+    """Whether `test_split` of the data set `dataset_name` names its training prompts: a file is one split, and
+    another name reads that split again; only slices of it chosen apart (`train[:90%]` and `train[90%:]`) differ."""
+    sliced = "[" in train_split and "[" in test_split
+    return Path(dataset_name).expanduser().is_file() and test_split != train_split and not sliced
+
+
+def _policy_lookup(model_args, training_args) -> dict[str, typing.Any]:
+    """Where `trl-vapo train` looks the policy's files up, as the trainer loads it: model_init_kwargs' `revision`,
+    `subfolder`, `cache_dir`, `token`... (`pretrained.LOOKUP_KWARGS`), `--model_revision` unless they name one."""
+    from .pretrained import LOOKUP_KWARGS
+
+    init = training_args.model_init_kwargs if isinstance(training_args.model_init_kwargs, dict) else {}
+    given = {"revision": model_args.model_revision, **init}
+    return {key: value for key, value in given.items() if key in LOOKUP_KWARGS}
+
+
 def _tokenizer_of(model: str, model_args, training_args):
     """The tokenizer `trl-vapo train` trains `model` with, looked up as the trainer looks it up
     (`loading.policy_tokenizer`: where the policy loads from, with `--model_revision` and model_init_kwargs'
     `revision`, `subfolder`, `cache_dir`, `token`...; for a PEFT adapter folder saved without one, its base model's),
     after the command's checks of that base (`_tokenizer_source`)."""
     from .loading import policy_tokenizer
-    from .pretrained import LOOKUP_KWARGS
 
-    given = {"revision": model_args.model_revision, **(training_args.model_init_kwargs or {})}  # as the policy's
-    where = {key: value for key, value in given.items() if key in LOOKUP_KWARGS}
+    where = _policy_lookup(model_args, training_args)
     _tokenizer_source(model, "--model_name_or_path", where)
     return policy_tokenizer(model, model, training_args, where)
 

@@ -795,6 +795,17 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             self.positive_reward_funcs = [self.positive_reward_funcs]
         self.reward_weights = number_list(self.reward_weights, "reward_weights")
         self.model_init_kwargs = with_dtype_named(self.model_init_kwargs)
+        # GRPOConfig has no `trust_remote_code` field: its users ask in `model_init_kwargs`, which the policy loads
+        # with. Every other load reads the field (the critic's own classifier class, a loaded model's tokenizer,
+        # vLLM's engine), so the field says what the policy was loaded with.
+        asked = (self.model_init_kwargs or {}).get("trust_remote_code")
+        if asked is not None and bool(asked) != self.trust_remote_code:
+            if not asked:
+                raise ValueError(
+                    "model_init_kwargs['trust_remote_code'] is False and trust_remote_code is True: say it once, "
+                    "with trust_remote_code (the policy, its critic, its tokenizer and vLLM all read it)."
+                )
+            self.trust_remote_code = True
         super().__post_init__()
         self._accept_grpo_spellings()
         # The defaults derived from other fields are marked so (`Derived`): a copy (`dataclasses.replace`, which

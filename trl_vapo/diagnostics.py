@@ -119,6 +119,11 @@ def finite_or_null(value: Any) -> Any:
     return value
 
 
+def strict_json(value: Any, **dumps_kwargs: Any) -> str:
+    """`value` as strict JSON (:func:`finite_or_null`): what every file trl-vapo writes for others to read holds."""
+    return json.dumps(finite_or_null(value), allow_nan=False, **dumps_kwargs)
+
+
 def read_logs(output_dir: str | Path) -> list[dict[str, Any]]:
     """The logged entries of a run, one per logging step (the last one per step after a resume re-logged it)."""
     path = Path(output_dir) / LOG_FILE

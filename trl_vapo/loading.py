@@ -367,6 +367,7 @@ def build_actor_critic(
     fingerprint: str,
     value_targets: dict[str, Any] | None = None,
     adapter_given: bool = False,
+    policy_source: str | None = None,
 ) -> tuple[ActorCritic, bool]:
     """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy, under
     the same `value_targets` (`modeling.value_target_settings`: the rewards, the sampling, the discount).
@@ -374,7 +375,8 @@ def build_actor_critic(
     ``value_model`` None: a critic initialised from the policy (a second adapter on its base under PEFT). A path or
     id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is. A
     :class:`ValueFunction`: frozen values instead of a critic. `adapter_given`: the policy came with its adapter (an
-    SFT run's), which the critic's starts as a copy of.
+    SFT run's), which the critic's starts as a copy of. `policy_source`: the id or path the policy was loaded from (a
+    `value_model` naming it is read at the policy's revision and subfolder).
     """
     shared = is_peft_model(policy)
     if is_value_function(value_model):
@@ -399,7 +401,8 @@ def build_actor_critic(
         check_value_model(value_model)
         check_on_one_device(value_model, "value_model")
         return ActorCritic(policy, critic=value_model), False
-    path = Path(value_model).expanduser()
+    kwargs = critic_loading_kwargs(args, same_checkpoint=str(value_model) == policy_source)
+    path = Path(value_model).expanduser() / (kwargs.get("subfolder") or "")
     if (path / CRITIC_SUBFOLDER).is_dir() and not (path / VALUE_HEAD_FILE).is_file():
         # Its root is the trained policy: a full model's loaded as a critic with a new head, the trained critic unread.
         raise ValueError(
@@ -427,7 +430,6 @@ def build_actor_critic(
         )
     if not path.exists() and _looks_like_a_path(str(value_model)):
         raise FileNotFoundError(f"value_model path {value_model} does not exist.")
-    kwargs = critic_loading_kwargs(args)
     config = AutoConfig.from_pretrained(str(value_model), **lookup_kwargs(kwargs))
     is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     extra = {} if is_classifier else {"num_labels": 1}
@@ -452,11 +454,15 @@ the policy's repository (a critic looked up in `<value_model>/<subfolder>` faile
 policy's modules, and the trainer places the critic beside the policy."""
 
 
-def critic_loading_kwargs(args) -> dict[str, Any]:
+def critic_loading_kwargs(args, same_checkpoint: bool = False) -> dict[str, Any]:
     """`from_pretrained` keyword arguments for a critic loaded from a path or id: the policy's
     (:func:`from_pretrained_kwargs`: its dtype, `trust_remote_code`, and where files are looked up: `cache_dir`,
-    `local_files_only`, `token`, ...) but `CHECKPOINT_ONLY_KWARGS`."""
-    return {k: v for k, v in from_pretrained_kwargs(args).items() if k not in CHECKPOINT_ONLY_KWARGS}
+    `local_files_only`, `token`, ...) but `CHECKPOINT_ONLY_KWARGS`; for the policy's own checkpoint
+    (`same_checkpoint`: `value_model` names the id or path the policy was loaded from), its files' options too (its
+    `revision`, `subfolder`, `variant`: without them, the default branch's weights or none)."""
+    own = ("revision", "subfolder", "variant", "gguf_file") if same_checkpoint else ()
+    dropped = [k for k in CHECKPOINT_ONLY_KWARGS if k not in own]
+    return {k: v for k, v in from_pretrained_kwargs(args).items() if k not in dropped}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "tekken.json")

@@ -12,7 +12,6 @@ record, averaged into each log, and GRPOTrainer's `_logs`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -26,7 +25,7 @@ import torch
 from accelerate.utils import gather_object
 from transformers.trainer_callback import ProgressCallback
 
-from .diagnostics import LOG_FILE, finite_or_null
+from .diagnostics import LOG_FILE, strict_json
 
 # Column names of the table, after the reward functions' own columns.
 PROMPT, COMPLETION, STEP = "prompt", "completion", "step"
@@ -663,7 +662,7 @@ class MetricsMixin:
             # file, the run's curves gone.
             rewrite = self._rewrite_log_file
             entries = self.state.log_history if rewrite else self.state.log_history[-1:]
-            lines = "".join(json.dumps(finite_or_null(e), default=str, allow_nan=False) + "\n" for e in entries)
+            lines = "".join(strict_json(e, default=str) + "\n" for e in entries)
             path = Path(self.args.output_dir) / LOG_FILE
             if rewrite:  # whole or not at all: a kill mid-write, or `trl-vapo plot` reading then, cut the history
                 written = path.with_name(f".{LOG_FILE}.tmp")

@@ -351,7 +351,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             # would replace the forward that VAPO's tiled LM head runs (VAPOConfig refuses it).
             apply_liger_kernel(policy, args.liger_kernel_config)
         # At the revision the policy was loaded at, as GRPOTrainer loads it (the default branch's may differ).
-        revision = (model_init_kwargs or {}).get("revision") if isinstance(model, (str, os.PathLike)) else None
+        policy_source = str(model) if isinstance(model, (str, os.PathLike)) else None
+        revision = (model_init_kwargs or {}).get("revision") if policy_source is not None else None
         tokenizer = processing_class or policy_tokenizer(model, model_id, args, model_init_kwargs)
         prepare_tokenizer(tokenizer, self._conversational)
         # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
@@ -371,7 +372,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         check_critic_tokenizer(value_model, tokenizer, args)  # before a critic of another family loads its weights
         with whole_models_under_zero3(zero3_config):
             actor_critic, critic_pretrained = build_actor_critic(
-                policy, value_model, args, fingerprint, value_targets, adapter_given
+                policy, value_model, args, fingerprint, value_targets, adapter_given, policy_source
             )
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
@@ -1733,9 +1734,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if max_steps != self.state.max_steps:
             self.state.max_steps = max_steps
             self.state.compute_steps(self.args, max_steps)  # logging/eval/save_steps given as a share of the run
-            for callback in self.callback_handler.callbacks:
-                if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
-                    callback.training_bar.total = self.state.max_steps
+            for callback in self.callback_handler.callbacks:  # the bar: the console's, or a notebook's tracker
+                for bar in (getattr(callback, "training_bar", None), getattr(callback, "training_tracker", None)):
+                    if bar is not None:  # (ProgressCallback's tqdm bar, NotebookProgressCallback's tracker)
+                        bar.total = self.state.max_steps
         self._replay = []
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PhaseProgressCallback):
