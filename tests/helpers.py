@@ -254,3 +254,39 @@ class PoisonedTrainer(VAPOTrainer):
     def _sequence_rewards(self, scores, group_size):
         rewards = super()._sequence_rewards(scores, group_size)
         return torch.full_like(rewards, math.nan) if self.rollout_index in self.poisoned else rewards
+
+
+class LocalHub:
+    """A stand-in for `huggingface_hub.HfApi` where the Hub cannot be reached (these machines): the two calls the
+    Trainer makes, `create_repo` and `upload_folder`, with HfApi's own selection of a folder's files (its ignore
+    patterns and defaults, `path_in_repo`), written to `root/<repo_id>/` when called; each upload recorded with its
+    commit message."""
+
+    def __init__(self, root):
+        from huggingface_hub import HfApi
+
+        self.root, self.api, self.commits = root, HfApi(endpoint="http://127.0.0.1:9"), []
+        self.api._validate_yaml = lambda content, **kwargs: None  # the Hub's YAML check of a README: a request
+
+    def create_repo(self, repo_id, **kwargs):
+        from types import SimpleNamespace
+
+        (self.root / repo_id).mkdir(parents=True, exist_ok=True)
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, commit_message, ignore_patterns=None, **kw):
+        import shutil
+        from concurrent.futures import Future
+
+        from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS
+
+        ignore = [*(ignore_patterns or []), *DEFAULT_IGNORE_PATTERNS]
+        added = self.api._prepare_upload_folder_additions(folder_path, path_in_repo or "", ignore_patterns=ignore)
+        for operation in added:
+            target = self.root / repo_id / operation.path_in_repo
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(operation.path_or_fileobj, target)
+        self.commits.append(commit_message)
+        done = Future()
+        done.set_result(None)
+        return done if kw.get("run_as_future") else None

@@ -711,6 +711,27 @@ def test_auto_resumes_where_there_is_a_checkpoint_and_starts_afresh_where_there_
         assert [json.loads(line)["step"] for line in logs if '"phase"' in line] == [1, 2]  # step 1 trained once
 
 
+def test_a_run_resumed_from_an_earlier_checkpoint_rotates_away_the_run_it_went_back_on(tiny_model_dir, tmp_path):
+    """Resumed from checkpoint-1 while a later one of the run it went back on is there (`checkpoint-9`, a copy standing
+    in for it): rotation kept that one (the highest step) and deleted this run's own, so a requeued job
+    (`resume_from_checkpoint=True`) resumed the abandoned run. As transformers' rotation by the folders' times, it is
+    the oldest: rotated first."""
+    import shutil
+
+    out = tmp_path / "out"
+
+    def run(**resume) -> VAPOTrainer:
+        args = config(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=2, max_steps=2)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32))
+        trainer.train(**resume)
+        return trainer
+
+    run()
+    shutil.copytree(out / "checkpoint-2", out / "checkpoint-9")
+    run(resume_from_checkpoint=str(out / "checkpoint-1"))  # writes checkpoint-2 again, then rotates
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+
+
 def test_resuming_a_checkpoint_of_another_model_or_layout_is_refused(tiny_model_dir, tmp_path):
     from trl_vapo.tiny import save_tiny_model
 
@@ -1531,6 +1552,10 @@ def test_an_empty_model_card_leaves_a_checkpoint_whole(two_checkpoints, tmp_path
     assert checkpoint_problem(out / "checkpoint-2") is None
     (out / "checkpoint-2" / "critic" / "README.md").write_bytes(b"")  # one inside is not the card
     assert checkpoint_problem(out / "checkpoint-2") == "critic/README.md: ValueError: empty file"
+    (out / "checkpoint-2" / "critic" / "README.md").unlink()
+    # The marker's rewrite at an epoch's end, cut before its rename: the marker is whole, and no resume reads the rest.
+    (out / "checkpoint-2" / f".{COMPLETE_MARKER}.tmp").write_bytes(b"")
+    assert checkpoint_problem(out / "checkpoint-2") is None
 
 
 @pytest.mark.parametrize("spelling", ["relative", "other working directory", "link"])
@@ -2568,6 +2593,27 @@ def test_a_scheduler_of_the_users_own_is_said_to_run_through_value_pretraining()
         warnings.simplefilter("error")
         start_actor_schedule(side_schedules(optimizer, "linear", lambda total: 0, 10, 5, None), optimizer, 5)
         start_actor_schedule(get_constant_schedule_with_warmup(optimizer, 4), optimizer, 0)  # no value pretraining
+
+
+def test_a_stop_signal_with_stderr_gone_is_still_a_request_to_stop():
+    """Ctrl-C under `trl-vapo train ... | tee log` ends `tee` too: the handler's notice to the closed pipe raised
+    BrokenPipeError (Python ignores SIGPIPE) wherever the main thread was, and the run ended without its checkpoint.
+    Here stderr is a pipe whose reader is gone, and the handler runs (a signal to this process)."""
+    from trl_vapo.signals import stop_on_signals
+
+    read, write = os.pipe()
+    os.close(read)
+    saved = os.dup(2)
+    try:
+        os.dup2(write, 2)
+        with stop_on_signals([signal.SIGUSR1]) as received:
+            signal.raise_signal(signal.SIGUSR1)  # (the handler runs before this returns)
+            signal.raise_signal(signal.SIGUSR1)  # a repeat: "already stopping", written nowhere too
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write)
+    assert received.signum == signal.SIGUSR1
 
 
 def test_stop_signals_the_run_cannot_catch_are_named_before_it_trains(tiny_model_dir, tmp_path, caplog):

@@ -510,7 +510,10 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     partly = {**HELD_OUT, "after": {**HELD_OUT["after"], "num_partly_scored": 3}}
     section = _held_out_section(partly)
     assert "all scored; 0 partly scored problems left out before training, 3 after)." in section
-    assert "| reward | -0.500 | +0.900 |" in content and "140 optimizer steps" in content
+    assert (
+        "| reward | -0.500 | +0.900 |" in content
+        and "140 optimizer steps (8 of value pretraining, 132 of RL)." in content
+    )
     assert "separate model" in content and "`critic/`" in content and "`value_pretrained_critic/`" in content
     assert "@article{yue2025vapo" in content and "@software{vonwerra2020trl" in content
 
@@ -624,6 +627,48 @@ def test_card_of_a_hub_base_model_and_dataset(vapo_args, tmp_path):
     args.hub_revision = "dev"
     card = build_model_card(base_model="Qwen/Qwen2.5-0.5B", output_dir=tmp_path, args=args, hub_model_id="a/b")
     assert 'pipeline("text-generation", model="a/b", revision="dev", device_map="auto")\n' in str(card)
+
+
+def test_the_cards_quick_start_runs_and_renders_the_prompt_as_training_did(tiny_model_dir, tmp_path, monkeypatch):
+    """A run's chat prompts rendered with `chat_template_kwargs` (Qwen3's `enable_thinking=False`): the quick start
+    rendered them with the template's defaults (thinking on: another prompt than the model trained on), and the
+    settings named none. It is run here as a reader would, in a fresh namespace, on the saved folder; and a push to
+    another branch (`push_to_hub(revision=...)`) writes a card that loads that branch, where it loaded `main`."""
+    import transformers.trainer
+    from datasets import Dataset
+    from helpers import LocalHub, make_args
+
+    from trl_vapo import VAPOTrainer
+
+    def short(completions, **kwargs):
+        return [-float(len(completion[0]["content"])) for completion in completions]
+
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}]} for i in range(16)]
+    args = make_args(tmp_path, max_steps=1, chat_template_kwargs={"enable_thinking": False})
+    trainer = VAPOTrainer(str(tiny_model_dir), short, args, Dataset.from_list(rows))
+    trainer.save_model()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "`chat_template_kwargs={'enable_thinking': False}`" in card
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "return_full_text=False, tokenizer_encode_kwargs={'enable_thinking': False})" in code
+    rendered = []
+    real = type(trainer.processing_class).apply_chat_template
+    monkeypatch.setattr(
+        type(trainer.processing_class),
+        "apply_chat_template",
+        lambda self, *a, **kw: rendered.append(kw.get("enable_thinking")) or real(self, *a, **kw),
+    )
+    exec(code, {})  # (the tiny model answers nonsense: it runs, with the training's rendering)
+    assert rendered == [False]
+
+    hub = LocalHub(tmp_path / "hub")
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    trainer.args.hub_model_id = "me/vapo"
+    trainer.push_to_hub(revision="v2")
+    assert (
+        'model="me/vapo", revision="v2", device_map="auto")'
+        in (tmp_path / "hub" / "me" / "vapo" / "README.md").read_text()
+    )
 
 
 def test_card_when_value_pretraining_was_off_or_skipped(vapo_args, tmp_path):

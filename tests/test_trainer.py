@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 from helpers import (
     CapturingTrainer,
+    LocalHub,
     comparable,
     digit_fraction,
     first_char_is_letter,
@@ -1952,42 +1953,6 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(tiny_model_dir, tmp_pat
         train_dataset=prompts_dataset(),
     )
     assert no_kl.ref_model is None
-
-
-class LocalHub:
-    """A stand-in for `huggingface_hub.HfApi` where the Hub cannot be reached (these machines): the two calls the
-    Trainer makes, `create_repo` and `upload_folder`, with HfApi's own selection of a folder's files (its ignore
-    patterns and defaults, `path_in_repo`), written to `root/<repo_id>/` when called; each upload recorded with its
-    commit message."""
-
-    def __init__(self, root):
-        from huggingface_hub import HfApi
-
-        self.root, self.api, self.commits = root, HfApi(endpoint="http://127.0.0.1:9"), []
-        self.api._validate_yaml = lambda content, **kwargs: None  # the Hub's YAML check of a README: a request
-
-    def create_repo(self, repo_id, **kwargs):
-        from types import SimpleNamespace
-
-        (self.root / repo_id).mkdir(parents=True, exist_ok=True)
-        return SimpleNamespace(repo_id=repo_id)
-
-    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, commit_message, ignore_patterns=None, **kw):
-        import shutil
-        from concurrent.futures import Future
-
-        from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS
-
-        ignore = [*(ignore_patterns or []), *DEFAULT_IGNORE_PATTERNS]
-        added = self.api._prepare_upload_folder_additions(folder_path, path_in_repo or "", ignore_patterns=ignore)
-        for operation in added:
-            target = self.root / repo_id / operation.path_in_repo
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(operation.path_or_fileobj, target)
-        self.commits.append(commit_message)
-        done = Future()
-        done.set_result(None)
-        return done if kw.get("run_as_future") else None
 
 
 class SlowHub(LocalHub):

@@ -301,7 +301,8 @@ def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tm
 
 def test_the_command_lines_held_out_report_leaves_the_random_state_as_it_was(tiny_model_dir, tmp_path):
     """`trl-vapo train --eval_num_prompts N` scores the policy before training (`_held_out_report`), which sampled
-    from training's random stream: the run trained on other rollouts than the same command without the report."""
+    from training's random stream: the run trained on other rollouts than the same command without the report. It
+    samples in batches of a rollout's size (what the run showed fits), not 64."""
     import random
     from types import SimpleNamespace
 
@@ -312,10 +313,16 @@ def test_the_command_lines_held_out_report_leaves_the_random_state_as_it_was(tin
     def draws(completions, **kwargs):  # a stochastic judge: Python's and NumPy's generators too
         return [float(random.random() < 2 and np.random.rand() < 2) for _ in completions]
 
-    trainer = VAPOTrainer(str(tiny_model_dir), draws, eval_args(tmp_path, max_steps=1), prompts_dataset())
+    args = eval_args(tmp_path, max_steps=1, per_device_train_batch_size=4, num_generations=4)
+    trainer = VAPOTrainer(str(tiny_model_dir), draws, args, prompts_dataset())
+    batches = []  # the sequences of each generation step: at most a rollout's (4), which the run showed fit
+    trainer.actor_critic.policy.register_forward_pre_hook(
+        lambda module, inputs, kwargs: batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
-    report = _held_out_report(trainer, prompts_dataset(2), SimpleNamespace(eval_k=2), trainer.reward_funcs)
-    assert report["num_problems"] == 2
+    report = _held_out_report(trainer, prompts_dataset(8), SimpleNamespace(eval_k=2), trainer.reward_funcs)
+    assert report["num_problems"] == 8
+    assert max(batches) == 4  # (in evaluate_policy's batches of 64, all 16 samples at once)
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     assert (np.random.get_state()[1] == before[2]).all()
 

@@ -341,6 +341,11 @@ def earlier_checkpoints_refusal(output_dir: str | os.PathLike) -> str | None:
     )
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder's name (`checkpoint-<step>`) says it was written at."""
+    return int(_CHECKPOINT_RE.match(Path(path).name).group(1))
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints in ``output_dir``, oldest first (a folder without its state file is incomplete)."""
     output_dir = Path(output_dir)
@@ -383,6 +388,8 @@ def unreadable_file(path: Path) -> str | None:
     for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
         if file == Path(path) / "README.md":  # the Hub's model card, written after the checkpoint was published
             continue  # (a power loss can leave it empty): no resume reads it
+        if file == Path(path) / f".{COMPLETE_MARKER}.tmp":  # the marker's rewrite at an epoch's end, cut before its
+            continue  # rename (a power loss: empty); the marker itself is whole, the old or the new
         try:
             if file.stat().st_size == 0:
                 raise ValueError("empty file")
@@ -486,10 +493,17 @@ def checkpoint_in(output_dir: str | os.PathLike, saved: str | os.PathLike) -> Pa
 
 
 def rotate_checkpoints(
-    output_dir: str | os.PathLike, save_total_limit: int | None, keep: Sequence[Path] = (), busy: Sequence[Path] = ()
+    output_dir: str | os.PathLike,
+    save_total_limit: int | None,
+    keep: Sequence[Path] = (),
+    busy: Sequence[Path] = (),
+    step: int | None = None,
 ) -> None:
     """Delete the oldest checkpoints beyond ``save_total_limit`` (never those in ``keep``: the newest, the best).
     Those in ``busy`` (a Hub upload still reads them) are left for a later rotation: over the limit until then.
+    ``step``: the run's; a checkpoint past it is of a run this one went back on (resumed from an earlier
+    checkpoint), and is the oldest, as transformers' rotation (by the folders' times) takes it. Kept by step number,
+    it stayed while this run's own rotated away, and a requeued job (`resume_from_checkpoint=True`) resumed it.
 
     ``keep`` is matched by the folder it names, not by its spelling: a run resumed with ``output_dir`` written
     otherwise (``./out``, an absolute path, a link, another working directory), or resumed from a copy of it, reads
@@ -499,6 +513,8 @@ def rotate_checkpoints(
     kept = {checkpoint_in(output_dir, p).resolve() for p in keep}
     found = list_checkpoints(output_dir)
     checkpoints = [c for c in found if c.resolve() not in kept]
+    if step is not None:  # (a stable sort: the abandoned run's first, then this run's, oldest first)
+        checkpoints.sort(key=lambda c: checkpoint_step(c) <= step)
     excess = len(found) - save_total_limit  # a kept path that is no checkpoint here (deleted, elsewhere) counts none
     reading = {Path(p).resolve() for p in busy}
     for stale in checkpoints[: max(excess, 0)]:
@@ -804,7 +820,8 @@ class SavingMixin:
         with self._full_weights() as state_dict:
             if self.accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-                # In its float32 training weights, not as loaded: a later run goes on training it.
+                # In its training weights, not as loaded: a later run goes on training it (float32; under DeepSpeed
+                # with bf16, DeepSpeed's bf16 copies: its float32 masters are its optimizer's, not saved here).
                 self.accelerator.unwrap_model(self.model_wrapped).save_critic(tmp, state_dict)
         if self.accelerator.is_main_process:
             record = {
@@ -919,7 +936,8 @@ class SavingMixin:
             tags = kwargs.get("tags") or []
             tags = [tags] if isinstance(tags, str) else list(tags)
             kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
-        self.create_model_card(model_name=model_name, **kwargs)
+        # The card names the branch it goes to (`revision`, else `hub_revision`): its quick start loads that one.
+        self.create_model_card(model_name=model_name, hub_revision=revision, **kwargs)
         self._finish_current_push()
         return hf_api().upload_folder(
             repo_id=self.hub_model_id,
@@ -1017,6 +1035,7 @@ class SavingMixin:
             wandb_url=urls["wandb"],
             trackio_url=urls["trackio"],
             citation=VAPO_CITATION,
+            hub_revision=info.get("hub_revision"),
         )
         card.save(str(output_dir / "README.md"))
 
@@ -1061,12 +1080,15 @@ class SavingMixin:
         if self.args.save_only_model and self.args.save_total_limit:
             # The newest checkpoint a resume can read (the one a SIGTERM forced, or the run's own before the setting
             # changed): the model-only ones after it would otherwise rotate away the only way to resume.
-            resumable = next((c for c in reversed(list_checkpoints(self.args.output_dir)) if _resumable(c)), None)
+            ours = [c for c in list_checkpoints(self.args.output_dir) if checkpoint_step(c) <= self.state.global_step]
+            resumable = next((c for c in reversed(ours) if _resumable(c)), None)
             if resumable is not None:
                 keep.append(resumable)
         pushing = getattr(self, "push_in_progress", None)  # transformers' record of the uploads under way
         reading = getattr(self, "_uploads_read", []) if pushing is not None and not pushing.is_done() else []
-        rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=keep, busy=reading)
+        rotate_checkpoints(
+            self.args.output_dir, self.args.save_total_limit, keep=keep, busy=reading, step=self.state.global_step
+        )
 
     def _push_from_checkpoint(self, checkpoint_folder: str, always: bool = False) -> None:
         """`push_to_hub=True` while training, as transformers pushes (by `hub_strategy`; one upload at a time unless

@@ -1122,9 +1122,9 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
 
     args, main = trainer.args, trainer.accelerator.is_main_process
     placed = trainer.models_placed
-    # A transformers engine of its own, in `evaluate_policy`'s batches (64 sequences, whatever
-    # per_device_eval_batch_size says: the demo's printed scores are of those batches); the engine left to the
-    # default is chosen as training's is
+    # A transformers engine of its own, in batches of the sequences each process samples for a rollout, which the run
+    # showed fit (`evaluate_policy`'s 64 could not on a GPU that held a rollout of 8: after the training run; the
+    # demo's rollouts are 64); the engine left to the default is chosen as training's is
     sharded = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
     engine = EngineSettings.from_config(args).placed(trainer.accelerator.device.type, sharded, trainer.model)
     shared = not engine.holds_own_weights and not sharded  # each process its share of the prompts
@@ -1148,6 +1148,7 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
             repetition_penalty=args.repetition_penalty,
             max_new_tokens=args.max_completion_length,
             max_prompt_length=args.max_prompt_length,
+            batch_size=args.per_device_train_batch_size * args.steps_per_generation,
             reward_weights=args.reward_weights,
             positive_reward_threshold=args.positive_reward_threshold,
             engine=engine,

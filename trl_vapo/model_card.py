@@ -23,6 +23,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD
+from .rollout import VALUE_PRETRAIN
 
 VAPO_PAPER_TITLE = "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks"
 VAPO_PAPER_ID = "2504.05118"
@@ -144,6 +145,7 @@ def build_model_card(
     wandb_url: str | None = None,
     trackio_url: str | None = None,
     citation: str | None = VAPO_CITATION,
+    hub_revision: str | None = None,
 ) -> ModelCard:
     """The model card of a VAPO run, with valid front matter (`card.data`) and a body a user can publish as is.
 
@@ -176,6 +178,8 @@ def build_model_card(
         tags: extra tags. license: an SPDX-style id (e.g. the base model's), omitted when unknown.
         wandb_url, trackio_url: run dashboards, shown as badges.
         citation: the method's BibTeX (VAPO's by default); TRL's is always added.
+        hub_revision: the Hub branch the card goes to (`push_to_hub(revision=...)`; default `args.hub_revision`),
+            which its quick start loads.
     """
     output_dir = Path(output_dir)
     if value_pretraining is not None and value_pretraining.get("final_explained_variance") is None:
@@ -217,6 +221,7 @@ def build_model_card(
             args,
             is_adapter,
             base_model,
+            hub_revision or getattr(args, "hub_revision", None),
         ),
         _held_out_section(held_out),
         _training_section(args, value_pretraining, log_history, wandb_url, trackio_url, value_function),
@@ -281,14 +286,19 @@ def _intro(
     )
 
 
-def _quick_start(model_ref: str, is_local: bool, example_prompt, args, is_adapter: bool, base_model) -> str:
+def _quick_start(
+    model_ref: str, is_local: bool, example_prompt, args, is_adapter: bool, base_model, revision: str | None
+) -> str:
     if example_prompt is None:
         example_prompt = [{"role": "user", "content": "What is 17 + 25? Put the final answer in \\boxed{}."}]
     max_new_tokens = getattr(args, "max_completion_length", None) or 256
     where = "  # this folder; once uploaded, its Hub id" if is_local else ""
-    # The branch the run pushed to (`hub_revision`): without it, `main`, which may hold another model or none.
-    revision = None if is_local else getattr(args, "hub_revision", None)
-    branch = f', revision="{revision}"' if revision else ""
+    # The branch the card is pushed to (`revision`): without it, `main`, which may hold another model or none.
+    branch = f', revision="{revision}"' if revision and not is_local else ""
+    # A chat prompt rendered as training rendered it (`chat_template_kwargs`: Qwen3's enable_thinking=False, say);
+    # the pipeline hands `tokenizer_encode_kwargs` to `apply_chat_template`.
+    template = getattr(args, "chat_template_kwargs", None) if isinstance(example_prompt, list) else None
+    encode = f", tokenizer_encode_kwargs={dict(template)!r}" if template else ""
     lines = [
         "## Quick start",
         "",
@@ -297,7 +307,7 @@ def _quick_start(model_ref: str, is_local: bool, example_prompt, args, is_adapte
         "",
         f"prompt = {example_prompt!r}",
         f'generator = pipeline("text-generation", model="{model_ref}"{branch}, device_map="auto"){where}',
-        f"output = generator(prompt, max_new_tokens={max_new_tokens}, return_full_text=False)[0]",
+        f"output = generator(prompt, max_new_tokens={max_new_tokens}, return_full_text=False{encode})[0]",
         'print(output["generated_text"])',
         "```",
     ]
@@ -463,6 +473,7 @@ OTHER_SETTINGS_WHEN_CHANGED = [
     "use_adaptive_entropy",
     "off_policy_mask_threshold",
     "sync_ref_model",
+    "chat_template_kwargs",
 ]
 """The settings a card names where the run changed them from their defaults (a reader needs them to train alike)."""
 
@@ -557,9 +568,12 @@ def _metrics_summary(log_history) -> str:
         if _finite(first) or _finite(last):
             rows.append(f"| {label} | {format_finite(fmt, first)} | {format_finite(fmt, last)} |")
     steps = max((h.get("step", 0) for h in log_history), default=0)
+    # The steps count value pretraining's (the critic alone), which `max_steps` among the settings does not.
+    pretrain = max((h.get("step", 0) for h in log_history if h.get("phase") == VALUE_PRETRAIN), default=0)
+    split = f" ({pretrain} of value pretraining, {steps - pretrain} of RL)" if pretrain else ""
     return (
-        f"### Training metrics\n\n{steps} optimizer steps. Start and end: the mean of the first and of the last {n} "
-        f"RL logging step{'s' if n > 1 else ''}.\n\n" + "\n".join(rows)
+        f"### Training metrics\n\n{steps} optimizer steps{split}. Start and end: the mean of the first and of the "
+        f"last {n} RL logging step{'s' if n > 1 else ''}.\n\n" + "\n".join(rows)
     )
 
 

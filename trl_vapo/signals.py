@@ -42,6 +42,16 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SI
 at once. (Windows has no SIGUSR1.)"""
 
 
+def _say(text: str) -> None:
+    """`text` to stderr from a signal handler: a write, not logging (a handler may run while logging holds its lock),
+    and none where stderr cannot take it. Ctrl-C under `trl-vapo train ... | tee log` ends `tee` too: the write
+    raised BrokenPipeError (Python ignores SIGPIPE) where the main thread was, and the run ended unsaved."""
+    try:
+        os.write(2, text.encode())
+    except OSError:  # (a closed pipe, a full disk: the stop goes on without its notice)
+        pass
+
+
 @contextlib.contextmanager
 def stop_on_signals(signums=STOP_SIGNALS):
     """While training: the first of `STOP_SIGNALS` is noted (`received.signum`) so that the loop can finish its
@@ -63,13 +73,13 @@ def stop_on_signals(signums=STOP_SIGNALS):
             name = signal.Signals(signum).name
             later = f"{SIGNAL_REPEAT_WINDOW:g} s on"
             notice = f"{name}: finishing this rollout, then a checkpoint (sent again {later}: stop now)\n"
-            os.write(2, notice.encode())  # a write, not logging: a handler may run while logging holds its lock
+            _say(notice)
         elif now - received.at > SIGNAL_REPEAT_WINDOW:  # a second request: the signal's own action, now
             for other, handler in previous.items():
                 signal.signal(other, handler)
             signal.raise_signal(signum)
         else:
-            os.write(2, b"already stopping after this rollout\n")
+            _say("already stopping after this rollout\n")
 
     for signum in signums:
         handler = signal.getsignal(signum)

@@ -832,7 +832,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # as transformers: the last checkpoint's upload ends with the run
-        newest = ckpt.list_checkpoints(args.output_dir)[-1:] if args.push_to_hub else []
+        written = [
+            c for c in ckpt.list_checkpoints(args.output_dir) if ckpt.checkpoint_step(c) <= self.state.global_step
+        ]
+        newest = written[-1:] if args.push_to_hub else []  # (one past this step is a run this one went back on)
         if newest and self.is_world_process_zero():  # what the uploads read, past save_total_limit until now
             self._rotate_checkpoints(newest[0])
         best = self.state.best_model_checkpoint
