@@ -195,12 +195,13 @@ def test_unscored_completions_are_no_reading(tiny_model_dir, tmp_path):
             return [None] * len(completions)
         return [None if i % 4 == 0 else float(i % 8 < 4) for i in range(len(completions))]
 
-    args, prompts = make_args(tmp_path), prompts_dataset()
+    args, prompts = make_args(tmp_path, beta=0.04), prompts_dataset()
     trainer = CapturingTrainer(str(tiny_model_dir), sometimes_unscored, args, prompts)
     trainer.train()
     first, second = rl_logs(trainer)
     assert first["rewards/unscored_fraction"] == 1.0 and "entropy" not in first and "loss/policy" not in first
-    assert math.isfinite(second["entropy"])
+    assert math.isnan(first["kl"])  # no token trained: no reading (it read 0.0, and pulled a window's mean down)
+    assert math.isfinite(second["entropy"]) and math.isfinite(second["kl"])
     scores = trainer.rollouts[-1][1].scores
     assert not scores.scored.all() and scores.reward[~scores.scored].eq(0).all()  # an unscored reward reads 0
     assert second["frac_reward_zero_std"] == 1.0  # each group 1, 1, 1 or 0, 0, 0 beside an unscored one

@@ -257,9 +257,10 @@ def rollout_metrics(
         # GRPOTrainer's estimator of KL(policy || reference), exp(r) - r - 1 with r = log ref - log policy: never
         # negative, where the per-token penalty the reward is charged (beta * -r, the same KL's estimate) can read so
         log_ratio = rollout.ref_logprobs - rollout.old_logprobs
-        metrics["kl"] = masked_mean(log_ratio.exp() - log_ratio - 1, mask, all_reduce=all_reduce).item()
+        kl = log_ratio.exp() - log_ratio - 1  # (NaN where no token trains: no reading, as `value/mean`'s)
+        metrics["kl"] = masked_mean(kl, mask, all_reduce=all_reduce, empty=math.nan).item()
     if rollout.entropy is not None:  # an evaluation's: GRPOTrainer's `eval_entropy`, the token mean
-        metrics["entropy"] = masked_mean(rollout.entropy, mask, all_reduce=all_reduce).item()
+        metrics["entropy"] = masked_mean(rollout.entropy, mask, all_reduce=all_reduce, empty=math.nan).item()
     metrics.update(reduce_sampling_metrics(rollout.sampling_metrics, gather, mask.device))
     return metrics
 

@@ -524,7 +524,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if self.pop_callback(ProgressCallback) is not None:  # the bar names the phase; none with disable_tqdm
             self.add_callback(PhaseProgressCallback(lambda: self.progress.phase))
         for callback in self.callback_handler.callbacks:  # they would warn about `phase` at every log
-            if type(callback).__name__ in NUMBERS_ONLY_TRACKERS:
+            if any(kind.__name__ in NUMBERS_ONLY_TRACKERS for kind in type(callback).__mro__):  # (DagsHub's: MLflow's)
                 leave_text_out_of_logs(callback)
         self._critic_bias = CriticBiasWatch()
         said = None  # a rollout_func's prompt ids are its own: max_prompt_length does not apply to them
