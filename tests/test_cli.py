@@ -1072,6 +1072,9 @@ def test_help_tells_every_runs_defaults_and_each_commands_own_flags(capsys):
     assert all(flag in text for flag in ("--config FILE.yaml", "--num_processes", "--accelerate_config zero1"))
     # An example to paste in single quotes: one backslash (two made every prompt read `\\boxed{}`).
     assert "e.g. '{question} Answer in \\boxed{{}}.'" in text and "Omit with the model too for the offline" in text
+    # What the command does with it (transformers' help said it was not used by the Trainer).
+    assert "`latest` (or `true`): the newest readable one in output_dir; `auto`:" in text
+    assert "but the schedule-free ones, LOMO and AdaLomo, GaLore and APOLLO, which VAPO refuses" in text
 
     with pytest.raises(SystemExit):
         main(["eval", "--help"])

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
+from transformers.training_args import OptimizerNames
 
 from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
 from .distributed import check_deepspeed_config, uses_deepspeed
@@ -121,7 +122,23 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     )
     logging_steps: float = field(
         default=10,
-        metadata={"help": "Log every X optimizer steps (an integer, or a float in [0, 1) for a ratio of the run)."},
+        metadata={"help": "Log every X optimizer steps (an integer, or a float in (0, 1) for a share of the run)."},
+    )
+    optim: OptimizerNames | str = field(
+        default=TrainingArguments.__dataclass_fields__["optim"].default,  # transformers' (fused AdamW on torch 2.8+)
+        metadata={
+            "help": "The optimizer of the policy and the critic (each side its own parameter groups): transformers' "
+            "`OptimizerNames` but the schedule-free ones, LOMO and AdaLomo, GaLore and APOLLO, which VAPO refuses."
+        },
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "The checkpoint `trl-vapo train` resumes from: a checkpoint folder; `latest` (or `true`): the "
+            "newest readable one in output_dir; `auto`: that one where output_dir holds a checkpoint, else a fresh "
+            "start (a preemptible job's one command); `false`: none (turns a config's off). In Python, pass it to "
+            "`trainer.train(resume_from_checkpoint=...)` (True for `latest`), which reads it from there."
+        },
     )
     bf16: bool | None = field(
         default=None,
@@ -268,8 +285,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "synchronisation, captured as a CUDA graph on a GPU, sampling exactly as generate() does (settings it "
             "cannot serve exactly, such as repetition_penalty or stop strings, fall back to generate() with a "
             "warning). None (default): on a CUDA GPU without DeepSpeed or FSDP, for an unquantized base, when no "
-            "other engine is chosen and no cache_implementation but 'static' is (on an H200, a VAPO LoRA step at "
-            "Qwen2.5-0.5B shapes took 0.34x the time with it), generate() elsewhere (on the CPU generate() gave "
+            "other engine is chosen and no cache_implementation other than 'static' or 'dynamic' is (on an H200, "
+            "a VAPO LoRA step at Qwen2.5-0.5B shapes took 0.34x the time with it), generate() elsewhere (on the CPU "
+            "generate() gave "
             "1.06-1.12x its tokens/s in one benchmark run); under DeepSpeed or FSDP, when chosen, its step runs "
             "without a CUDA graph. Not in GRPOConfig."
         },
