@@ -196,6 +196,11 @@ def test_a_rollout_funcs_output_becomes_an_engines():
         ({"logprobs": None}, r"must return keys \['logprobs'\]"),  # GRPOTrainer's words
         ({"completion_ids": [[5]]}, "returned 1 `completion_ids` for the 2 prompts"),
         ({"env_mask": [[1], [1, 0]]}, "`env_mask` for prompt 1 has 2 entries for its 1 completion tokens"),
+        # A `generate()` output's whole sequences: the prompts would train as sampled tokens.
+        (
+            {"prompt_ids": [[1, 2], [3, 4]], "completion_ids": [[1, 2, 5], [3, 4, 6]]},
+            "completion_ids that each begin with their prompt's ids: they must hold the completion's tokens alone",
+        ),
     ],
 )
 def test_a_rollout_funcs_output_that_does_not_fit_is_refused_naming_what(change, says):

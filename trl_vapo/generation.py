@@ -1232,6 +1232,14 @@ def read_rollout_func_output(
     # Rows of ints, as a rollout_func may give tensors or arrays (`bool(row)` of a tensor raised; a one-token
     # tensor row's last token was never `in` the stop ids: hashed by identity, the row always read truncated).
     completions = [[int(token) for token in row] for row in output["completion_ids"]]
+    prompts = [[int(token) for token in row] for row in output["prompt_ids"]]
+    if completions and all(len(p) > 1 and c[: len(p)] == p for p, c in zip(prompts, completions)):
+        # `generate()`'s sequences (prompt, then completion) as completions: the prompt trained on as if sampled.
+        raise ValueError(
+            "rollout_func returned completion_ids that each begin with their prompt's ids: they must hold the "
+            "completion's tokens alone, as GRPOTrainer reads them (of a `model.generate()` output, "
+            "`sequences[:, prompt_length:]`)."
+        )
     keep_logprobs = keep_logprobs and output["logprobs"] is not None
     per_prompt = {name: output[name] for name in ROLLOUT_FUNC_KEYS if output[name] is not None}
     if env_mask is not None:
@@ -1261,7 +1269,7 @@ def read_rollout_func_output(
     ends = set(stop_ids) | {pad_id}
     truncated = torch.tensor([len(row) > 0 and row[-1] not in ends for row in completions], dtype=torch.bool)
     sample = GenerationOutput(ids, mask.long(), truncated, logprobs, action)
-    return [[int(token) for token in row] for row in output["prompt_ids"]], sample, fields
+    return prompts, sample, fields
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -343,6 +343,13 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
     left_out = (
         f"; {partly[0]} partly scored problems left out before training, {partly[1]} after" if any(partly) else ""
     )
+    # Problems no reward scored are out of every figure, and each report has its own (a judge's timeouts, a reward
+    # returning None): the two columns may be of different sets.
+    unscored = [report.get("num_unscored", 0) for report in (before, after)]
+    if any(unscored):
+        left_out += (
+            f"; {unscored[0]} problems no reward scored left out of every figure before training, {unscored[1]} after"
+        )
     return (
         "## Evaluation\n\n"
         f"Scored before and after training by the training reward functions on {description}: pass@1 decodes "
