@@ -66,6 +66,33 @@ def test_continuous_batching_trains_end_to_end_and_resumes_exactly(tiny_model_di
     assert after == [h for h in comparable(full.state.log_history) if h["step"] > 4] and len(after) == 3
 
 
+def test_the_models_own_sampling_settings_are_said_as_the_engine_applies_them(
+    tiny_model_dir, tmp_path, stand_in_vllm, caplog
+):
+    """A model whose generation_config sets min_p: `generate()` samples with it (off the losses' policy: said), vLLM
+    does not (said by its engine). With vLLM the trainer said both: that rollouts sample with min_p=0.05, and that
+    vLLM leaves it out."""
+    import logging
+    import shutil
+
+    from transformers import GenerationConfig
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = GenerationConfig.from_pretrained(model_dir)
+    config.do_sample, config.min_p = True, 0.05  # (as Qwen2.5-Instruct's sets top_p, top_k, repetition_penalty)
+    config.save_pretrained(model_dir)
+    said = {}
+    for engine, settings in (("generate", {}), ("vllm", {"use_vllm": True, "vllm_mode": "colocate"})):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trl_vapo.generation"):
+            VAPOTrainer(str(model_dir), digit_fraction, make_args(tmp_path / engine, **settings), prompts_dataset())
+        said[engine] = caplog.text
+    assert "Rollouts are sampled with min_p=0.05, which the losses do not model" in said["generate"]
+    assert "Rollouts are sampled with" not in said["vllm"]
+    assert "The model's generation_config sets min_p=0.05, which generate() applies and vLLM does not" in said["vllm"]
+
+
 def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tiny_model_dir, tmp_path, stand_in_vllm):
     # Two optimizer steps per rollout, three rollouts: the policy changes between rollouts, so every rollout but the
     # first (value pretraining's frozen policy) samples from freshly pushed weights.

@@ -310,7 +310,9 @@ def model_generation_settings(sampling: SamplingSettings, model) -> list[str]:
 
 
 def warn_off_policy_sampling(sampling: SamplingSettings, model, stop_ids: Sequence[int], pad_id: int) -> None:
-    """Warn, naming each, about rollout sampling settings the losses do not model (`off_policy_sampling_settings`)."""
+    """Warn, naming each, about rollout sampling settings the losses do not model (`off_policy_sampling_settings`);
+    `model`: the one whose `generation_config` the engine applies where the settings leave a value unset (None: the
+    engine applies the settings alone, as vLLM does)."""
     config = sampling.generation_config(stop_ids, pad_id)
     off_policy = off_policy_sampling_settings(config, model, sampling.temperature)
     if off_policy:

@@ -498,7 +498,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             accelerator=self.accelerator,
             stop_ids=self._stop_ids,
         )
-        warn_off_policy_sampling(self.generation_engine.sampling, policy, self._stop_ids, tokenizer.pad_token_id)
+        # The model's generation_config counts where the engine applies it (`generate()`), not with vLLM, which samples
+        # with the settings the config names alone (`build_engine` says which of the model's it leaves out).
+        applies_model_defaults = None if args.use_vllm else policy
+        warn_off_policy_sampling(
+            self.generation_engine.sampling, applies_model_defaults, self._stop_ids, tokenizer.pad_token_id
+        )
         # GRPOTrainer's attributes, which a rollout_func written for it may read to sample with vLLM.
         self.use_vllm = args.use_vllm
         self.vllm_generation = getattr(self.generation_engine, "vllm_generation", None)
