@@ -474,6 +474,13 @@ def test_chat_completions_are_the_messages_the_tokenizers_response_template_read
     seen.clear()
     scorer.score([{"prompt": messages}], [message])
     assert seen == [[{"role": "assistant", "read_by": "response_template", "content": "The answer is 2"}]]
+    # A completion the parser cannot read (a malformed tool call): TRL's fallback, the decoded completion alone, is
+    # text, to which the prefill is joined (as a message it was not: the prefill was nowhere).
+    malformed = tokenizer(' 2 <tool_call>\n{"name": bad json\n</tool_call><|im_end|>')["input_ids"]
+    (fallback,) = parsed_completions(tokenizer, [malformed], lambda: [prefilled])
+    seen.clear()
+    scorer.score([{"prompt": messages}], [fallback])
+    assert seen[0][0]["content"].startswith("The answer is 2 <tool_call>") and "read_by" not in seen[0][0]
 
     chat = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}="}]} for i in range(16)])
     args = make_args(tmp_path, max_steps=1)

@@ -152,10 +152,41 @@ def test_max_steps_set_on_the_trainers_args_before_train_is_the_runs(tiny_model_
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
     trainer.args.max_steps = 1
     assert trainer.train().global_step == 1 == trainer.state.max_steps
+    # Extended by a resume on the same trainer: the schedules are this call's (the first call's ended at step 1, and
+    # its linear decay held the policy's rate at 0 for the steps added), as a new trainer's resume has them.
+    linear = dict(
+        max_steps=1, lr_scheduler_type="linear", save_strategy="steps", save_steps=1, max_completion_length=2
+    )
+    extended = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / "c", **linear), prompts_dataset())
+    extended.train()
+    extended.args.max_steps = 3
+    extended.train(resume_from_checkpoint=True)
+    fresh = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path / "c", **{**linear, "max_steps": 3}), prompts_dataset()
+    )
+    fresh.train(resume_from_checkpoint=str(tmp_path / "c" / "out" / "checkpoint-1"))
+    rates = [[h["learning_rate"] for h in rl_logs(t) if h["step"] > 1] for t in (extended, fresh)]
+    assert rates[0] == rates[1] and rates[0][0] > 0
     other = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path / "b", max_steps=1), prompts_dataset())
     other.args.generation_batch_size *= 2
     with pytest.raises(ValueError, match=r"batches changed after it was built \(prompts_per_rollout of its plan.*new"):
         other.train()
+
+
+def test_a_resume_counts_the_epochs_of_its_own_plan(tiny_model_dir, tmp_path):
+    """`state.num_train_epochs` (a notebook's progress reads it) was the saved run's after a resume that runs longer:
+    transformers sets it, with `max_steps`, from this call's plan after loading the state."""
+    settings = dict(save_strategy="steps", save_steps=1, max_completion_length=2)
+    first = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=1, **settings), prompts_dataset(8)
+    )
+    first.train()
+    assert first.state.num_train_epochs == 1  # 8 prompts, 4 a rollout: one step of two in the epoch
+    longer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=3, **settings), prompts_dataset(8)
+    )
+    longer.train(resume_from_checkpoint=True)
+    assert longer.state.num_train_epochs == 2 == longer.run_plan.epochs
 
 
 def test_an_8bit_bitsandbytes_optimizer_keeps_the_embeddings_state_in_32_bits(tiny_model_dir, tmp_path):

@@ -205,7 +205,7 @@ def check_reward_funcs(
 
 def parsed_completions(
     tokenizer, completion_ids: list[list[int]], prompt_ids: Callable[[], list[list[int]]]
-) -> list[dict[str, Any]] | None:
+) -> list[dict[str, Any] | str] | None:
     """Chat completions as the assistant messages the tokenizer's response template reads from their tokens (the
     reasoning apart from the content: `{"role": "assistant", "reasoning_content": ..., "content": ...}`), as
     GRPOTrainer passes them to reward functions where the tokenizer has a `response_template` (Gemma 4's own, or
@@ -217,9 +217,16 @@ def parsed_completions(
         return None
     from ._compat import parse_response
 
-    return [
-        parse_response(tokenizer, ids, prefix=prefix) for ids, prefix in zip(completion_ids, prompt_ids(), strict=True)
-    ]
+    messages = []
+    for ids, prefix in zip(completion_ids, prompt_ids(), strict=True):
+        message = parse_response(tokenizer, ids, prefix=prefix)
+        # Where the parser fails (a malformed tool call), TRL's fallback is the decoded completion alone: text, as a
+        # tokenizer without a parser gives, to which a prefill's text is joined (the parser's own message holds it;
+        # as a message, the prefill was dropped from the prompt and found nowhere).
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        fallback = message.keys() == {"role", "content"} and message["content"] == text
+        messages.append(text if fallback else message)
+    return messages
 
 
 def unique_reward_names(names: list[str]) -> list[str]:

@@ -595,6 +595,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         `num_training_steps`, transformers' one total, which is not read."""
         if self.lr_scheduler is None:
             plan = self.run_plan
+            self._created_lr_scheduler = True  # (transformers' flag: `train()` builds it again for its own plan)
             self.lr_scheduler = side_schedules(
                 optimizer or self.optimizer,
                 self.args.lr_scheduler_type,
@@ -727,6 +728,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.state.train_batch_size = args.per_device_train_batch_size
 
         self._prompts.restart()  # where `progress` says, after a resume too
+        if self._created_lr_scheduler:  # as transformers: the schedules of this call's plan, not an earlier call's
+            self.lr_scheduler, self._created_lr_scheduler = None, False  # (a resume extended: the actor's sat at 0)
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # (its step() wants a metric)
