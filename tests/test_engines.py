@@ -221,7 +221,9 @@ def test_a_vllm_server_without_processed_logprobs_is_warned_about(
     assert len(warned) == (mode != "processed_logprobs") and all(mode in message for message in warned)
 
 
-def test_the_processes_of_a_colocated_vllm_group_share_their_sampling_seed(tiny_model_dir, tmp_path, stand_in_vllm):
+def test_the_processes_of_a_colocated_vllm_group_share_their_sampling_seed(
+    tiny_model_dir, tmp_path, stand_in_vllm, monkeypatch
+):
     """Each process seeds its generators apart (as GRPOTrainer's `set_seed(seed, device_specific=True)`), but the
     processes of one colocated vLLM tensor-parallel group run one engine and must draw alike: the trainer seeded them
     apart after the engine's start had seeded them alike, so a group's processes fed different tokens into one forward.
@@ -236,9 +238,15 @@ def test_the_processes_of_a_colocated_vllm_group_share_their_sampling_seed(tiny_
     assert [sampling_seed(colocated, rank) for rank in range(4)] == [7, 7, 8, 8]
     server = make_args(tmp_path, vllm_mode="server", vllm_tensor_parallel_size=2, **vllm)
     assert [sampling_seed(server, rank) for rank in range(4)] == [7, 8, 9, 10]
-    # The trainer seeds its process so once built (here process 0 of one).
+    # The trainer seeds its process so once built: as process 1 (a stand-in for the second of two processes: the
+    # accelerator's index, which the trainer reads), with its own seed, not `args.seed` it loaded the models under.
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(Accelerator, "process_index", property(lambda self: 1))
     VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, seed=11), prompts_dataset())
-    assert torch.initial_seed() == 11
+    drawn = torch.rand(4)
+    torch.manual_seed(12)
+    assert torch.equal(drawn, torch.rand(4))
 
 
 def test_generation_kwargs_vllm_does_not_take_are_refused_before_anything_loads(tmp_path, stand_in_vllm, monkeypatch):
