@@ -2595,6 +2595,33 @@ def test_a_scheduler_of_the_users_own_is_said_to_run_through_value_pretraining()
         start_actor_schedule(get_constant_schedule_with_warmup(optimizer, 4), optimizer, 0)  # no value pretraining
 
 
+def test_a_stop_signal_while_the_trained_model_is_saved_acts_once_it_is_whole(tiny_model_dir, tmp_path):
+    """`trl-vapo train` saves after `train()` (a Slurm time limit's SIGTERM, a Ctrl-C can land there): acting at once,
+    the signal cut the save (its files are moved into output_dir one by one: a policy beside an earlier save's critic,
+    or none), and the next run removed the rest as debris. Held until the save is whole, it then acts as it would
+    have (SIGINT: KeyboardInterrupt). Here the signal comes while the save's files are being written."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=1), prompts_dataset())
+    trainer.train()
+    write = trainer._write_models
+
+    def interrupted(directory, *args, **kwargs):
+        write(directory, *args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # (Python's own handler: KeyboardInterrupt where it acts)
+
+    trainer._write_models = interrupted
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as a command has it (xdist's differs)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.save_model()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "critic")
+
+
 def test_a_stop_signal_with_stderr_gone_is_still_a_request_to_stop():
     """Ctrl-C under `trl-vapo train ... | tee log` ends `tee` too: the handler's notice to the closed pipe raised
     BrokenPipeError (Python ignores SIGPIPE) wherever the main thread was, and the run ended without its checkpoint.

@@ -56,6 +56,7 @@ from .modeling import (
 from .reporting import tracker_urls
 from .rollout import VALUE_PRETRAIN, load_rollouts, save_rollouts
 from .run import TrainingProgress
+from .signals import stop_signals_held
 
 logger = get_logger(__name__)
 
@@ -853,7 +854,7 @@ class SavingMixin:
         own = output_dir.resolve() == Path(self.args.output_dir).resolve()
         alone = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         if not alone or self.accelerator.is_main_process:
-            with self.holding_output_dir(alone) if own else contextlib.nullcontext():
+            with self.holding_output_dir(alone) if own else contextlib.nullcontext(), stop_signals_held():
                 self._save_model(output_dir, alone)
         if self.args.push_to_hub and not _internal_call:  # as transformers: a user's save is pushed
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -93,3 +93,28 @@ def stop_on_signals(signums=STOP_SIGNALS):
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def stop_signals_held(signums=STOP_SIGNALS):
+    """While the trained model is saved: a stop signal is held until the save is whole, then acts as it would have
+    (SIGTERM and SIGUSR1 end the process, SIGINT raises KeyboardInterrupt). Acting at once, mid-save (the files are
+    moved into `output_dir` one by one), it left a new policy beside an earlier save's critic, or none, and the save's
+    rest was removed by the next run as a stopped run's debris. Only in the main thread, for signals nothing else
+    handles (inside `train()`, `stop_on_signals` notes them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {}
+    for signum in signums:
+        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+            previous[signum] = signal.signal(signum, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if held:
+            _say(f"{signal.Signals(held[0]).name}: the model is saved, stopping now\n")
+            signal.raise_signal(held[0])
