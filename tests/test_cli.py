@@ -470,8 +470,12 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert f"the run's settings ({out / 'vapo_script_args.json'}, {out / 'vapo_config.json'})" in told
     assert "prompt_column='question'" in told and "system_prompt='Be brief.'" in told
     scores = json.loads(scores_file.read_text())
-    assert set(scores) == {"pass@1", "avg@2", "pass@2", "num_problems", "mean_length"}
+    assert set(scores) == {"pass@1", "avg@2", "pass@2", "num_problems", "mean_length", "settings"}
     assert scores["num_problems"] == 40 and 0 <= scores["avg@2"] <= scores["pass@2"] <= 1
+    # What was scored and how, the run's settings taken among them (said on stderr alone, they were lost with it).
+    settings = scores["settings"]
+    assert settings["model"] == str(out) and settings["num_prompts"] == 40 and settings["k"] == 2
+    assert settings["max_completion_length"] == 8 and settings["top_p"] == 0.7 and settings["pass@1"] == "greedy"
     assert 1 <= scores["mean_length"] <= 8
     # A flag overrides the run's setting; so does a config (`--config=FILE`, its `model:` read for the run's too).
     main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "3", "--max_new_tokens", "2", "--output_json",
@@ -1702,7 +1706,7 @@ def test_eval_of_an_adapter_saved_alone_with_the_configs_weights_and_one_sample(
     common = ["eval", "--model", str(tmp_path / "adapter"), "--num_prompts", "4", "--max_new_tokens", "4"]
     assert main([*common, "--k", "1", "--output_json", str(scores), "--config", str(tmp_path / "run.yaml")]) == 0
     result = json.loads(scores.read_text())
-    assert set(result) == {"pass@1", "avg@1", "num_problems", "mean_length"}
+    assert set(result) == {"pass@1", "avg@1", "num_problems", "mean_length", "settings"}
     assert result["pass@1"] == result["avg@1"] == 0.0 and result["num_problems"] == 4
     assert (
         main([*common, "--k", "1", "--output_json", str(scores), "--config", str(tmp_path / "unweighted.yaml")]) == 0

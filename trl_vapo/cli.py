@@ -1664,6 +1664,21 @@ def eval_command(argv: list[str]) -> int:
         positive_reward_funcs=args.positive_reward_funcs,
         generation_kwargs=args.generation_kwargs,
     ).as_dict()
+    # What was scored and how, beside the scores (the run's settings among them: told on stderr alone, they were
+    # lost with it): two evaluations compare only under the same settings.
+    demo_data = script.dataset_name is None and script.dataset_preset is None
+    result["settings"] = {
+        "model": args.model,
+        "data": "the offline demo's held-out problems" if demo_data else script.dataset_name or script.dataset_preset,
+        "split": None if demo_data else script.dataset_test_split,
+        "num_prompts": len(dataset),
+        "k": args.k,
+        "pass@1": "greedy",
+        **{name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
+        "max_completion_length": args.max_completion_length,
+        "seed": args.seed,
+        "engine": type(engine).__name__,
+    }
     text = scores_json(result)
     print(text)
     if args.output_json:
