@@ -476,6 +476,7 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     settings = scores["settings"]
     assert settings["model"] == str(out) and settings["num_prompts"] == 40 and settings["k"] == 2
     assert settings["max_completion_length"] == 8 and settings["top_p"] == 0.7 and settings["pass@1"] == "greedy"
+    assert settings["rewards"] == ["math_reward"] and settings["split"] == "train"  # (the run's: one file's split)
     assert 1 <= scores["mean_length"] <= 8
     # A flag overrides the run's setting; so does a config (`--config=FILE`, its `model:` read for the run's too).
     main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "3", "--max_new_tokens", "2", "--output_json",

@@ -825,7 +825,8 @@ def _rollout_metrics_on_rank(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from trl_vapo.rollout import RL, Rollout, rollout_metrics
+    from trl_vapo.metric_names import RL
+    from trl_vapo.rollout import Rollout, rollout_metrics
     from trl_vapo.scoring import Scores
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -947,7 +947,7 @@ def test_logs_during_value_pretraining_give_each_row_an_advantage_as_grpo_logs_d
     import pandas as pd
     from transformers import TrainerCallback
 
-    from trl_vapo.rollout import VALUE_PRETRAIN
+    from trl_vapo.metric_names import VALUE_PRETRAIN
 
     seen, trainers = [], []
 

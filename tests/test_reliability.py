@@ -714,8 +714,8 @@ def test_auto_resumes_where_there_is_a_checkpoint_and_starts_afresh_where_there_
 def test_a_run_resumed_from_an_earlier_checkpoint_rotates_away_the_run_it_went_back_on(tiny_model_dir, tmp_path):
     """Resumed from checkpoint-1 while a later one of the run it went back on is there (`checkpoint-9`, a copy standing
     in for it): rotation kept that one (the highest step) and deleted this run's own, so a requeued job
-    (`resume_from_checkpoint=True`) resumed the abandoned run. As transformers' rotation by the folders' times, it is
-    the oldest: rotated first."""
+    (`resume_from_checkpoint=True`) resumed the abandoned run. It is rotated first (transformers, by the folders'
+    times, rotates checkpoint-1 first here: the abandoned run's stays, and a requeued job resumes it)."""
     import shutil
 
     out = tmp_path / "out"
@@ -2595,7 +2595,9 @@ def test_a_scheduler_of_the_users_own_is_said_to_run_through_value_pretraining()
         start_actor_schedule(get_constant_schedule_with_warmup(optimizer, 4), optimizer, 0)  # no value pretraining
 
 
-def test_a_stop_signal_while_the_trained_model_is_saved_acts_once_it_is_whole(tiny_model_dir, tmp_path):
+def test_a_stop_signal_while_the_trained_model_is_saved_acts_once_it_is_whole(
+    tiny_model_dir, tmp_path, capfd, monkeypatch
+):
     """`trl-vapo train` saves after `train()` (a Slurm time limit's SIGTERM, a Ctrl-C can land there): acting at once,
     the signal cut the save (its files are moved into output_dir one by one: a policy beside an earlier save's critic,
     or none), and the next run removed the rest as debris. Held until the save is whole, it then acts as it would
@@ -2616,16 +2618,37 @@ def test_a_stop_signal_while_the_trained_model_is_saved_acts_once_it_is_whole(ti
         with pytest.raises(KeyboardInterrupt):
             trainer.save_model()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
+        assert "SIGINT: stopping once the model is saved (sent again 5 s on: stop now)" in capfd.readouterr().err
+        AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+        AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "critic")
+        # Sent again after the window (here 0 s): it acts at once, in the save (a way out of a long one).
+        import trl_vapo.signals
+
+        monkeypatch.setattr(trl_vapo.signals, "SIGNAL_REPEAT_WINDOW", 0.0)
+        acted_in_the_save = []
+
+        def twice(directory, *args, **kwargs):
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.01)
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                acted_in_the_save.append(True)
+                raise
+
+        trainer._write_models = twice
+        with pytest.raises(KeyboardInterrupt):
+            trainer.save_model(str(tmp_path / "again"))
+        assert acted_in_the_save == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, outer)
-    AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "critic")
 
 
 def test_a_stop_signal_with_stderr_gone_is_still_a_request_to_stop():
-    """Ctrl-C under `trl-vapo train ... | tee log` ends `tee` too: the handler's notice to the closed pipe raised
-    BrokenPipeError (Python ignores SIGPIPE) wherever the main thread was, and the run ended without its checkpoint.
-    Here stderr is a pipe whose reader is gone, and the handler runs (a signal to this process)."""
+    """Ctrl-C under `trl-vapo train ... 2>&1 | tee log` ends `tee` too: the handler's notice to the closed pipe raised
+    BrokenPipeError (Python ignores SIGPIPE) wherever the main thread was, and the run ended without its checkpoint;
+    so did the progress bar's next write to it. Here stderr is a pipe whose reader is gone, and the handler runs (a
+    signal to this process); after it, stderr takes writes (the null device's)."""
     from trl_vapo.signals import stop_on_signals
 
     read, write = os.pipe()
@@ -2636,6 +2659,7 @@ def test_a_stop_signal_with_stderr_gone_is_still_a_request_to_stop():
         with stop_on_signals([signal.SIGUSR1]) as received:
             signal.raise_signal(signal.SIGUSR1)  # (the handler runs before this returns)
             signal.raise_signal(signal.SIGUSR1)  # a repeat: "already stopping", written nowhere too
+        assert os.write(2, b"the progress bar\n") == 17  # (to the closed pipe: BrokenPipeError)
     finally:
         os.dup2(saved, 2)
         os.close(saved)

@@ -834,7 +834,8 @@ def test_a_card_written_during_value_pretraining_reads_its_stop_rules_mean(tiny_
 def test_a_rollout_where_no_token_trains_reads_no_value_and_no_advantage():
     """Every completion unscored (or truncated and masked): the critic's mean value and the mean advantage read 0.0,
     a reading of nothing that pulled a log window's mean toward 0 beside the NaN of the accuracy and of lambda."""
-    from trl_vapo.rollout import RL, Rollout, rollout_metrics
+    from trl_vapo.metric_names import RL
+    from trl_vapo.rollout import Rollout, rollout_metrics
     from trl_vapo.scoring import Scores
 
     n, c = 4, 3

@@ -201,6 +201,10 @@ def test_a_rollout_funcs_output_becomes_an_engines():
             {"prompt_ids": [[1, 2], [3, 4]], "completion_ids": [[1, 2, 5], [3, 4, 6]]},
             "completion_ids that each begin with their prompt's ids: they must hold the completion's tokens alone",
         ),
+        (  # a batched generate()'s rows: the shorter prompt left-padded (pad id 0)
+            {"prompt_ids": [[1, 2, 3], [4, 5]], "completion_ids": [[1, 2, 3, 7], [0, 4, 5, 6]]},
+            "completion_ids that each begin with their prompt's ids",
+        ),
     ],
 )
 def test_a_rollout_funcs_output_that_does_not_fit_is_refused_naming_what(change, says):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_vapo.rollout import RL, VALUE_PRETRAIN
+from trl_vapo.metric_names import RL, VALUE_PRETRAIN
 from trl_vapo.run import PromptCursor, RunPlan, TrainingProgress
 
 

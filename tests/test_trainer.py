@@ -35,7 +35,8 @@ from transformers import (
 from trl_vapo import VAPOTrainer
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adaptive_lambda
-from trl_vapo.rollout import RL, load_rollouts
+from trl_vapo.metric_names import RL
+from trl_vapo.rollout import load_rollouts
 
 # Metrics the issue requires at every logging step (RL phase).
 REQUIRED_METRICS = [
@@ -554,7 +555,13 @@ def test_the_policys_tokenizer_is_looked_up_where_the_policy_was(tiny_model_dir,
     VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset()).train()
     # The subfolder is the policy's: a critic from elsewhere is not looked up in `<value_model>/sub` (an OSError).
     VAPOTrainer(str(tmp_path / "repo"), digit_fraction, args, prompts_dataset(), value_model=str(tiny_model_dir))
-    # A critic from the policy's own checkpoint is read where the policy was (at its root, it was "not a value model").
+    # A critic from the policy's own checkpoint is read where the policy was (at its root, it was "not a value model"),
+    # and its tokenizer not compared with the policy's: it is the policy's (the root's, another one, was refused).
+    import string
+
+    from trl_vapo.tiny import build_char_tokenizer
+
+    build_char_tokenizer(string.printable[::-1]).save_pretrained(tmp_path / "repo")
     same = VAPOTrainer(
         str(tmp_path / "repo"), digit_fraction, args, prompts_dataset(), value_model=str(tmp_path / "repo")
     )

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_vapo import VAPOTrainer
 from trl_vapo.core import explained_variance
-from trl_vapo.rollout import EVAL
+from trl_vapo.metric_names import EVAL
 
 
 def eval_args(tmp_path, **overrides):

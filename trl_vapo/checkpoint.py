@@ -44,6 +44,7 @@ from .distributed import (
     load_placed_state_dict,
     placed_state_dict,
 )
+from .metric_names import VALUE_PRETRAIN
 from .model_card import VAPO_CITATION, RunRecord, build_model_card
 from .modeling import (
     CRITIC_SUBFOLDER,
@@ -54,7 +55,7 @@ from .modeling import (
     value_pretraining_record,
 )
 from .reporting import tracker_urls
-from .rollout import VALUE_PRETRAIN, load_rollouts, save_rollouts
+from .rollout import load_rollouts, save_rollouts
 from .run import TrainingProgress
 from .signals import stop_signals_held
 
@@ -347,8 +348,9 @@ def checkpoint_step(path: Path) -> int:
     return int(_CHECKPOINT_RE.match(Path(path).name).group(1))
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest first (a folder without its state file is incomplete)."""
+def list_checkpoints(output_dir: str | os.PathLike, up_to: int | None = None) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest first (a folder without its state file is incomplete);
+    ``up_to``: those at or before that step (one past a run's step is of a run it went back on)."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
@@ -357,7 +359,7 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
         match = _CHECKPOINT_RE.match(child.name)
         if match and child.is_dir() and (child / COMPLETE_MARKER).is_file():
             found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    return [path for step, path in sorted(found) if up_to is None or step <= up_to]
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -503,8 +505,9 @@ def rotate_checkpoints(
     """Delete the oldest checkpoints beyond ``save_total_limit`` (never those in ``keep``: the newest, the best).
     Those in ``busy`` (a Hub upload still reads them) are left for a later rotation: over the limit until then.
     ``step``: the run's; a checkpoint past it is of a run this one went back on (resumed from an earlier
-    checkpoint), and is the oldest, as transformers' rotation (by the folders' times) takes it. Kept by step number,
-    it stayed while this run's own rotated away, and a requeued job (`resume_from_checkpoint=True`) resumed it.
+    checkpoint), and is rotated first. Kept by step number, it stayed while this run's own rotated away, and a
+    requeued job (`resume_from_checkpoint=True`) resumed it. (transformers rotates by the folders' times: the
+    checkpoints before the resume point, older, go first, and the abandoned one stays until they are gone.)
 
     ``keep`` is matched by the folder it names, not by its spelling: a run resumed with ``output_dir`` written
     otherwise (``./out``, an absolute path, a link, another working directory), or resumed from a copy of it, reads
@@ -1081,7 +1084,7 @@ class SavingMixin:
         if self.args.save_only_model and self.args.save_total_limit:
             # The newest checkpoint a resume can read (the one a SIGTERM forced, or the run's own before the setting
             # changed): the model-only ones after it would otherwise rotate away the only way to resume.
-            ours = [c for c in list_checkpoints(self.args.output_dir) if checkpoint_step(c) <= self.state.global_step]
+            ours = list_checkpoints(self.args.output_dir, up_to=self.state.global_step)
             resumable = next((c for c in reversed(ours) if _resumable(c)), None)
             if resumable is not None:
                 keep.append(resumable)
@@ -1260,13 +1263,14 @@ class SavingMixin:
         newer = [
             c.name
             for c in list_checkpoints(output_dir)
-            if resumed and int(_CHECKPOINT_RE.match(c.name)[1]) > int(resumed[1]) and checkpoint_problem(c) is None
+            if resumed and checkpoint_step(c) > int(resumed[1]) and checkpoint_problem(c) is None
         ]
         if newer and self.accelerator.is_main_process:
             logger.warning(
                 f"Resuming from {path.name} while {output_dir} holds newer checkpoints of another course: "
-                f"{', '.join(newer)}. This run writes over each as it reaches its step; until then "
-                f"resume_from_checkpoint=True would take {newer[-1]}: move them aside if that is not wanted."
+                f"{', '.join(newer)}. This run writes over each as it reaches its step, and save_total_limit's "
+                f"rotation removes them first; until then resume_from_checkpoint=True would take {newer[-1]}: move "
+                "them aside to keep them (and for True to take this run's)."
             )
         return marker
 

@@ -1667,15 +1667,21 @@ def eval_command(argv: list[str]) -> int:
     # What was scored and how, beside the scores (the run's settings among them: told on stderr alone, they were
     # lost with it): two evaluations compare only under the same settings.
     demo_data = script.dataset_name is None and script.dataset_preset is None
+    sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
+    judging = ("reward_weights", "positive_reward_funcs", "positive_reward_threshold")
+    prompts = ("max_prompt_length", "chat_template_kwargs", "generation_kwargs")
     result["settings"] = {
         "model": args.model,
         "data": "the offline demo's held-out problems" if demo_data else script.dataset_name or script.dataset_preset,
+        "data_config": None if demo_data else script.dataset_config,
         "split": None if demo_data else script.dataset_test_split,
         "num_prompts": len(dataset),
         "k": args.k,
         "pass@1": "greedy",
-        **{name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
-        "max_completion_length": args.max_completion_length,
+        **{name: getattr(args, name) for name in (*sampling, *prompts)},
+        "rewards": [script.reward_model_name_or_path] * bool(script.reward_model_name_or_path)
+        + list(_reward_names(script)),
+        **{name: getattr(args, name) for name in judging},
         "seed": args.seed,
         "engine": type(engine).__name__,
     }

@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from .core import AllReduce, exact
-from .metric_names import ACCURACY, EXPLAINED_VARIANCE, POSITION_CORRELATION, REWARD, VALUE_LOSS
+from .metric_names import (
+    ACCURACY,
+    EXPLAINED_VARIANCE,
+    POSITION_CORRELATION,
+    REWARD,
+    VALUE_LOSS,
+    value_pretraining_end,
+)
 
 logger = logging.getLogger(__name__)
 _SAID = {"no matplotlib": False}
@@ -173,9 +180,9 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
         raise ValueError(f"No training logs in {output_dir} yet.")
     folder = Path(output_dir) / PLOTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    # Value pretraining's steps: from the first to its last log, which it writes at the step it ends (not the first
-    # RL log's: with logging_steps=10, RL's first steps were drawn as value pretraining).
-    pretrained_to = max((h["step"] for h in logs if h["phase"] == "value_pretrain"), default=None)
+    # Value pretraining's steps: from the first to its last log (not the first RL log's: with logging_steps=10, RL's
+    # first steps were drawn as value pretraining).
+    pretrained_to = value_pretraining_end(logs)
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 7.5), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, CURVES):

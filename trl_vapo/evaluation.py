@@ -37,9 +37,9 @@ from .data import (
     refuse_images,
 )
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
-from .metric_names import ACCURACY, EXPLAINED_VARIANCE
+from .metric_names import ACCURACY, EVAL, EXPLAINED_VARIANCE
 from .reporting import averaged_metrics
-from .rollout import EVAL, Rollout, rollout_metrics
+from .rollout import Rollout, rollout_metrics
 from .scoring import RewardScorer, parsed_completions, prompt_opens_think, repeated_rows
 
 

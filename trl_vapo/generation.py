@@ -1235,7 +1235,11 @@ def read_rollout_func_output(
     # tensor row's last token was never `in` the stop ids: hashed by identity, the row always read truncated).
     completions = [[int(token) for token in row] for row in output["completion_ids"]]
     prompts = [[int(token) for token in row] for row in output["prompt_ids"]]
-    if completions and all(len(p) > 1 and c[: len(p)] == p for p, c in zip(prompts, completions)):
+
+    def unpadded(row: list[int]) -> list[int]:  # a batched generate()'s row: left padding, then its prompt
+        return row[next((i for i, token in enumerate(row) if token != pad_id), len(row)) :]
+
+    if completions and all(len(p) > 1 and unpadded(c)[: len(p)] == p for p, c in zip(prompts, completions)):
         # `generate()`'s sequences (prompt, then completion) as completions: the prompt trained on as if sampled.
         raise ValueError(
             "rollout_func returned completion_ids that each begin with their prompt's ids: they must hold the "

@@ -491,11 +491,15 @@ def check_critic_vocabulary(critic: nn.Module, tokenizer) -> None:
         )
 
 
-def check_critic_tokenizer(value_model, tokenizer, args) -> None:
+def check_critic_tokenizer(value_model, tokenizer, args, policy_source: str | None = None) -> None:
     """Before its weights load: refuse a `value_model` (a path or model id, or a model loaded from one) saved with a
     tokenizer that gives any of the policy's tokens another id (a reward model of another family, as many tokens or
     more: its values would be read from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a
-    chat template's) that the critic's lacks or numbers otherwise are warned: the critic has not learned them."""
+    chat template's) that the critic's lacks or numbers otherwise are warned: the critic has not learned them. The
+    policy's own checkpoint (`policy_source`) is not compared: it is read where the policy's tokenizer was (another
+    branch's or folder's tokenizer was compared)."""
+    if isinstance(value_model, (str, os.PathLike)) and str(value_model) == policy_source:
+        return
     if isinstance(value_model, nn.Module):  # (a reward model of another family the user loaded): where it came from
         value_model = getattr(value_model, "name_or_path", None) or None  # (None: built from a config)
     critic_tokenizer = _saved_tokenizer(value_model, args)

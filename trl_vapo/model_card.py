@@ -22,8 +22,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD
-from .rollout import VALUE_PRETRAIN
+from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD, VALUE_PRETRAIN, value_pretraining_end
 
 VAPO_PAPER_TITLE = "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks"
 VAPO_PAPER_ID = "2504.05118"
@@ -185,7 +184,7 @@ def build_model_card(
     if value_pretraining is not None and value_pretraining.get("final_explained_variance") is None:
         value_pretraining = {
             **value_pretraining,
-            "final_explained_variance": _last_logged(log_history, EXPLAINED_VARIANCE, phase="value_pretrain"),
+            "final_explained_variance": _last_logged(log_history, EXPLAINED_VARIANCE, phase=VALUE_PRETRAIN),
         }
     base_on_hub = is_hub_id(base_model)
     dataset_on_hub = is_hub_id(dataset_name)
@@ -576,7 +575,7 @@ def _metrics_summary(log_history) -> str:
             rows.append(f"| {label} | {format_finite(fmt, first)} | {format_finite(fmt, last)} |")
     steps = max((h.get("step", 0) for h in log_history), default=0)
     # The steps count value pretraining's (the critic alone), which `max_steps` among the settings does not.
-    pretrain = max((h.get("step", 0) for h in log_history if h.get("phase") == VALUE_PRETRAIN), default=0)
+    pretrain = value_pretraining_end(log_history) or 0
     split = f" ({pretrain} of value pretraining, {steps - pretrain} of RL)" if pretrain else ""
     return (
         f"### Training metrics\n\n{steps} optimizer steps{split}. Start and end: the mean of the first and of the "

@@ -14,13 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .core import AllReduce, explained_variance, masked_mean
-from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD
+from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD, VALUE_PRETRAIN
 from .modeling import trim_padding
 from .scoring import Scores
-
-VALUE_PRETRAIN = "value_pretrain"
-RL = "rl"
-EVAL = "eval"  # a rollout on eval_dataset: built as RL's, with the policy's log-probs, and never trained on
 
 
 @dataclasses.dataclass

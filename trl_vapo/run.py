@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from datasets import IterableDataset
 
-from .rollout import RL, VALUE_PRETRAIN
+from .metric_names import RL, VALUE_PRETRAIN
 
 
 def prompts_per_rollout(args) -> int:

@@ -44,11 +44,17 @@ at once. (Windows has no SIGUSR1.)"""
 
 def _say(text: str) -> None:
     """`text` to stderr from a signal handler: a write, not logging (a handler may run while logging holds its lock),
-    and none where stderr cannot take it. Ctrl-C under `trl-vapo train ... | tee log` ends `tee` too: the write
-    raised BrokenPipeError (Python ignores SIGPIPE) where the main thread was, and the run ended unsaved."""
+    and none where stderr cannot take it. Ctrl-C under `trl-vapo train ... 2>&1 | tee log` ends `tee` too: the write
+    raised BrokenPipeError (Python ignores SIGPIPE) where the main thread was, and the run ended unsaved. A pipe no
+    one reads any longer is replaced by the null device: the progress bar's next write (tqdm re-raises EPIPE) and the
+    command's last lines then go nowhere, not into an error that ends the run before its checkpoint."""
     try:
         os.write(2, text.encode())
-    except OSError:  # (a closed pipe, a full disk: the stop goes on without its notice)
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+    except OSError:  # (a full disk: the stop goes on without its notice)
         pass
 
 
@@ -100,21 +106,36 @@ def stop_signals_held(signums=STOP_SIGNALS):
     """While the trained model is saved: a stop signal is held until the save is whole, then acts as it would have
     (SIGTERM and SIGUSR1 end the process, SIGINT raises KeyboardInterrupt). Acting at once, mid-save (the files are
     moved into `output_dir` one by one), it left a new policy beside an earlier save's critic, or none, and the save's
-    rest was removed by the next run as a stopped run's debris. Only in the main thread, for signals nothing else
-    handles (inside `train()`, `stop_on_signals` notes them)."""
+    rest was removed by the next run as a stopped run's debris. Said when it comes; sent again more than
+    `SIGNAL_REPEAT_WINDOW` seconds later, it acts at once, as `stop_on_signals`' repeat does. Only in the main thread,
+    for signals nothing else handles (inside `train()`, `stop_on_signals` notes them)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[int] = []
+    held: list[tuple[int, float]] = []  # the first signal, and when
     previous = {}
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def hold(signum, frame):
+        now = time.monotonic()
+        if not held:
+            held.append((signum, now))
+            later = f"{SIGNAL_REPEAT_WINDOW:g} s on"
+            _say(f"{signal.Signals(signum).name}: stopping once the model is saved (sent again {later}: stop now)\n")
+        elif now - held[0][1] > SIGNAL_REPEAT_WINDOW:  # a second request: the signal's own action, now
+            held.clear()
+            restore()
+            signal.raise_signal(signum)
+
     for signum in signums:
         if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
-            previous[signum] = signal.signal(signum, lambda signum, frame: held.append(signum))
+            previous[signum] = signal.signal(signum, hold)
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        restore()
         if held:
-            _say(f"{signal.Signals(held[0]).name}: the model is saved, stopping now\n")
-            signal.raise_signal(held[0])
+            signal.raise_signal(held[0][0])

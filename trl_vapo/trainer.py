@@ -118,7 +118,7 @@ from .loading import (
     policy_tokenizer,
     router_aux_loss_coefficient,
 )
-from .metric_names import EXPLAINED_VARIANCE, POSITION_CORRELATION
+from .metric_names import EVAL, EXPLAINED_VARIANCE, POSITION_CORRELATION, RL, VALUE_PRETRAIN
 from .model_card import VAPO_CITATION, RunRecord, adapter_type_name
 from .modeling import (
     REFERENCE_ADAPTER,
@@ -143,7 +143,7 @@ from .reporting import (
     PhaseProgressCallback,
     leave_text_out_of_logs,
 )
-from .rollout import EVAL, RL, VALUE_PRETRAIN, Rollout, concatenate_rollouts, rollout_metrics
+from .rollout import Rollout, concatenate_rollouts, rollout_metrics
 from .run import PromptCursor, RunPlan, TrainingProgress
 from .run_lock import output_dir_lock
 from .scoring import (
@@ -369,7 +369,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         policy = add_policy_adapter(policy, peft_config, revision)
         fingerprint, base_fingerprint = fingerprints or policy_fingerprints(policy)
         value_targets = value_target_settings(args, self.scorer.names)
-        check_critic_tokenizer(value_model, tokenizer, args)  # before a critic of another family loads its weights
+        check_critic_tokenizer(
+            value_model, tokenizer, args, policy_source
+        )  # before a critic of another family loads its weights
         with whole_models_under_zero3(zero3_config):
             actor_critic, critic_pretrained = build_actor_critic(
                 policy, value_model, args, fingerprint, value_targets, adapter_given, policy_source
@@ -840,10 +842,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # as transformers: the last checkpoint's upload ends with the run
-        written = [
-            c for c in ckpt.list_checkpoints(args.output_dir) if ckpt.checkpoint_step(c) <= self.state.global_step
-        ]
-        newest = written[-1:] if args.push_to_hub else []  # (one past this step is a run this one went back on)
+        written = ckpt.list_checkpoints(args.output_dir, up_to=self.state.global_step)
+        newest = written[-1:] if args.push_to_hub else []
         if newest and self.is_world_process_zero():  # what the uploads read, past save_total_limit until now
             self._rotate_checkpoints(newest[0])
         best = self.state.best_model_checkpoint
