@@ -1591,7 +1591,8 @@ def eval_command(argv: list[str]) -> int:
             chat_template_kwargs=args.chat_template_kwargs,
         )
         reward_funcs = load_reward_models([script.reward_model_name_or_path, *reward_funcs], None, settings)
-    if script.dataset_name is None and script.dataset_preset is None:
+    demo_data = script.dataset_name is None and script.dataset_preset is None
+    if demo_data:
         from .demo.data import build_split
 
         try:
@@ -1666,7 +1667,6 @@ def eval_command(argv: list[str]) -> int:
     ).as_dict()
     # What was scored and how, beside the scores (the run's settings among them: told on stderr alone, they were
     # lost with it): two evaluations compare only under the same settings.
-    demo_data = script.dataset_name is None and script.dataset_preset is None
     sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
     judging = ("reward_weights", "positive_reward_funcs", "positive_reward_threshold")
     prompts = ("max_prompt_length", "chat_template_kwargs", "generation_kwargs")
@@ -1679,8 +1679,7 @@ def eval_command(argv: list[str]) -> int:
         "k": args.k,
         "pass@1": "greedy",
         **{name: getattr(args, name) for name in (*sampling, *prompts)},
-        "rewards": [script.reward_model_name_or_path] * bool(script.reward_model_name_or_path)
-        + list(_reward_names(script)),
+        "rewards": [name for name in (script.reward_model_name_or_path, *_reward_names(script)) if name],
         **{name: getattr(args, name) for name in judging},
         "seed": args.seed,
         "engine": type(engine).__name__,

@@ -30,7 +30,9 @@ from .metric_names import (
     EXPLAINED_VARIANCE,
     POSITION_CORRELATION,
     REWARD,
+    RL,
     VALUE_LOSS,
+    VALUE_PRETRAIN,
     value_pretraining_end,
 )
 
@@ -98,12 +100,12 @@ def rollout_diagnostics(rollout, max_length: int, num_buckets: int, all_reduce: 
     width = len(str(max_length))
     metrics = {}
     for name, attribute in PROFILED.items():
-        if name == "advantage" and rollout.phase != "rl":
+        if name == "advantage" and rollout.phase != RL:
             continue  # value pretraining computes no advantages
         means = position_profile(getattr(rollout, attribute), rollout.loss_mask, edges, all_reduce)
         for low, high, mean in zip(edges[:-1], edges[1:], means):
             metrics[f"by_position/{name}/{low:0{width}d}-{high:0{width}d}"] = mean
-    if rollout.phase == "rl":
+    if rollout.phase == RL:
         metrics[POSITION_CORRELATION] = position_correlation(rollout.raw_advantages, rollout.loss_mask, all_reduce)
     return metrics
 
@@ -277,8 +279,8 @@ def _profile(entry: dict[str, Any], name: str) -> list[tuple[float, float]]:
 def _profile_snapshots(logs: list[dict[str, Any]]) -> list[tuple[str, dict]]:
     """A few logged entries to draw the profiles of: end of value pretraining, first and last RL logs."""
     with_profile = [h for h in logs if any(k.startswith("by_position/") for k in h)]
-    pretraining = [h for h in with_profile if h["phase"] == "value_pretrain"]
-    rl = [h for h in with_profile if h["phase"] == "rl"]
+    pretraining = [h for h in with_profile if h["phase"] == VALUE_PRETRAIN]
+    rl = [h for h in with_profile if h["phase"] == RL]
     snapshots = []
     if pretraining:
         snapshots.append((f"end of value pretraining (step {pretraining[-1]['step']})", pretraining[-1]))

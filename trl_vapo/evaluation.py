@@ -238,7 +238,9 @@ def evaluate_policy(
     def correct(completions: list[str], completion_ids, prompt_ids, group: int) -> tuple[torch.Tensor, ...]:
         """[problems, group] 1.0 where correct, and where a function judging correctness scored the completion."""
         repeated = repeated_rows(rows, group)
-        parsed = scorer.conversational and parsed_completions(tokenizer, completion_ids, lambda: prompt_ids)
+        parsed = scorer.conversational and parsed_completions(
+            tokenizer, completion_ids, lambda: prompt_ids, completions
+        )
         thinking = None if parsed or not scorer.reads_thinking else prompt_opens_think(tokenizer, prompt_ids)
         scores = scorer.score(
             repeated, parsed or completions, completion_ids, trainer_state=state, prompt_opens_think=thinking

@@ -367,7 +367,7 @@ def build_actor_critic(
     fingerprint: str,
     value_targets: dict[str, Any] | None = None,
     adapter_given: bool = False,
-    policy_source: str | None = None,
+    policys_checkpoint: bool = False,
 ) -> tuple[ActorCritic, bool]:
     """The actor-critic module, and whether its critic comes from a previous value pretraining of this policy, under
     the same `value_targets` (`modeling.value_target_settings`: the rewards, the sampling, the discount).
@@ -375,8 +375,8 @@ def build_actor_critic(
     ``value_model`` None: a critic initialised from the policy (a second adapter on its base under PEFT). A path or
     id: a saved critic (an adapter with a value head, or a one-label sequence classifier). A model: used as is. A
     :class:`ValueFunction`: frozen values instead of a critic. `adapter_given`: the policy came with its adapter (an
-    SFT run's), which the critic's starts as a copy of. `policy_source`: the id or path the policy was loaded from (a
-    `value_model` naming it is read at the policy's revision and subfolder).
+    SFT run's), which the critic's starts as a copy of. `policys_checkpoint`: `value_model` names the id or path the
+    policy was loaded from (read at the policy's revision and subfolder).
     """
     shared = is_peft_model(policy)
     if is_value_function(value_model):
@@ -401,7 +401,7 @@ def build_actor_critic(
         check_value_model(value_model)
         check_on_one_device(value_model, "value_model")
         return ActorCritic(policy, critic=value_model), False
-    kwargs = critic_loading_kwargs(args, same_checkpoint=str(value_model) == policy_source)
+    kwargs = critic_loading_kwargs(args, same_checkpoint=policys_checkpoint)
     path = Path(value_model).expanduser() / (kwargs.get("subfolder") or "")
     if (path / CRITIC_SUBFOLDER).is_dir() and not (path / VALUE_HEAD_FILE).is_file():
         # Its root is the trained policy: a full model's loaded as a critic with a new head, the trained critic unread.
@@ -491,14 +491,14 @@ def check_critic_vocabulary(critic: nn.Module, tokenizer) -> None:
         )
 
 
-def check_critic_tokenizer(value_model, tokenizer, args, policy_source: str | None = None) -> None:
+def check_critic_tokenizer(value_model, tokenizer, args, policys_checkpoint: bool = False) -> None:
     """Before its weights load: refuse a `value_model` (a path or model id, or a model loaded from one) saved with a
     tokenizer that gives any of the policy's tokens another id (a reward model of another family, as many tokens or
     more: its values would be read from other tokens' embeddings, silently). Tokens the policy's tokenizer added (a
     chat template's) that the critic's lacks or numbers otherwise are warned: the critic has not learned them. The
-    policy's own checkpoint (`policy_source`) is not compared: it is read where the policy's tokenizer was (another
-    branch's or folder's tokenizer was compared)."""
-    if isinstance(value_model, (str, os.PathLike)) and str(value_model) == policy_source:
+    policy's own checkpoint (`policys_checkpoint`) is not compared: it is read where the policy's tokenizer was
+    (another branch's or folder's tokenizer was compared)."""
+    if policys_checkpoint:
         return
     if isinstance(value_model, nn.Module):  # (a reward model of another family the user loaded): where it came from
         value_model = getattr(value_model, "name_or_path", None) or None  # (None: built from a config)

@@ -22,7 +22,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD, VALUE_PRETRAIN, value_pretraining_end
+from .metric_names import ACCURACY, EXPLAINED_VARIANCE, REWARD, RL, VALUE_PRETRAIN, value_pretraining_end
 
 VAPO_PAPER_TITLE = "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks"
 VAPO_PAPER_ID = "2504.05118"
@@ -556,7 +556,7 @@ def start_and_end_means(log_history, keys) -> tuple[int, dict[str, tuple[float, 
     """Each metric of `keys` at a run's start and end: the mean of the first and of the last n RL logs
     (`start_and_end_window`), NaN and missing values left out (NaN where none is left), and n (0, {}: no RL log). The
     model card's training table and `trl-vapo train`'s summary."""
-    logs = [h for h in (log_history or []) if h.get("phase") == "rl" and REWARD in h]
+    logs = [h for h in (log_history or []) if h.get("phase") == RL and REWARD in h]
     if not logs:
         return 0, {}
     n = start_and_end_window(len(logs))

@@ -26,6 +26,7 @@ from accelerate.utils import gather_object
 from transformers.trainer_callback import ProgressCallback
 
 from .diagnostics import LOG_FILE, strict_json
+from .metric_names import RL, VALUE_PRETRAIN
 
 # Column names of the table, after the reward functions' own columns.
 PROMPT, COMPLETION, STEP = "prompt", "completion", "step"
@@ -40,7 +41,7 @@ STEP_EXTREMES = {"clip_ratio/low_min": torch.amin, "clip_ratio/high_max": torch.
 SEQUENCE_MEANS = {"vespo/phi_seq_mean"}
 
 # What the progress bar says in each phase of `TrainingProgress.phase`.
-PHASE_LABELS = {"value_pretrain": "value pretraining", "rl": "RL"}
+PHASE_LABELS = {VALUE_PRETRAIN: "value pretraining", RL: "RL"}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -492,7 +493,7 @@ def rollout_completions_table(rollout, tokenizer, step: int) -> CompletionsTable
         for ids, m in zip(rollout.input_ids[:, prompt_columns], rollout.attention_mask[:, prompt_columns])
     ]
     scores = rollout.scores
-    advantages = rollout.advantages if rollout.phase == "rl" else None
+    advantages = rollout.advantages if rollout.phase == RL else None
     return build_completions_table(
         step=step,
         prompts=tokenizer.batch_decode(prompt_ids, skip_special_tokens=True),

@@ -204,7 +204,10 @@ def check_reward_funcs(
 
 
 def parsed_completions(
-    tokenizer, completion_ids: list[list[int]], prompt_ids: Callable[[], list[list[int]]]
+    tokenizer,
+    completion_ids: list[list[int]],
+    prompt_ids: Callable[[], list[list[int]]],
+    texts: list[str] | None = None,
 ) -> list[dict[str, Any] | str] | None:
     """Chat completions as the assistant messages the tokenizer's response template reads from their tokens (the
     reasoning apart from the content: `{"role": "assistant", "reasoning_content": ..., "content": ...}`), as
@@ -212,18 +215,20 @@ def parsed_completions(
     one TRL's `add_response_schema` sets); None where it has none (the decoded text is then the message's content).
     `prompt_ids()` gives each completion's prompt tokens, which the parser reads from the assistant turn's start: a
     template may open the reasoning there, and a prefill's text begins the message. (The former `response_schema`
-    alone is not read: transformers 5.23's parser reads `response_template` only, and raises without one.)"""
+    alone is not read: transformers 5.23's parser reads `response_template` only, and raises without one.) `texts`:
+    the completions decoded (`skip_special_tokens=True`), where the caller has them."""
     if getattr(tokenizer, "response_template", None) is None:
         return None
     from ._compat import parse_response
 
+    if texts is None:
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     messages = []
-    for ids, prefix in zip(completion_ids, prompt_ids(), strict=True):
+    for ids, prefix, text in zip(completion_ids, prompt_ids(), texts, strict=True):
         message = parse_response(tokenizer, ids, prefix=prefix)
         # Where the parser fails (a malformed tool call), TRL's fallback is the decoded completion alone: text, as a
         # tokenizer without a parser gives, to which a prefill's text is joined (the parser's own message holds it;
         # as a message, the prefill was dropped from the prompt and found nowhere).
-        text = tokenizer.decode(ids, skip_special_tokens=True)
         fallback = message.keys() == {"role", "content"} and message["content"] == text
         messages.append(text if fallback else message)
     return messages

@@ -25,6 +25,7 @@ class TrainingInterrupted(RuntimeError):
 class _Received:
     signum: int | None = None
     at: float = 0.0
+    acted: bool = False  # a repeat took the signal's own action
 
     def __init__(self) -> None:
         self.uncaught: dict[str, str] = {}  # each stop signal not caught, and why: its stop writes no checkpoint
@@ -59,12 +60,17 @@ def _say(text: str) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_signals(signums=STOP_SIGNALS):
+def stop_on_signals(
+    signums=STOP_SIGNALS,
+    doing: str = "finishing this rollout, then a checkpoint",
+    repeated: str = "already stopping after this rollout",
+):
     """While training: the first of `STOP_SIGNALS` is noted (`received.signum`) so that the loop can finish its
     rollout and write a checkpoint. A repeat within `SIGNAL_REPEAT_WINDOW` seconds is the same request (the launcher
     forwarding it); a later one acts as it would have without this handler (SIGTERM and SIGUSR1 end the process,
-    SIGINT raises KeyboardInterrupt). Handlers can only be set in the main thread: elsewhere, and for signals a caller
-    already handles (submitit's, a user's), nothing changes, and `received.uncaught` says which and why."""
+    SIGINT raises KeyboardInterrupt; `received.acted`). Handlers can only be set in the main thread: elsewhere, and for
+    signals a caller already handles (submitit's, a user's), nothing changes, and `received.uncaught` says which and
+    why. `doing`: what the notice says the run does meanwhile; `repeated`: what a repeat within the window is told."""
     received = _Received()
     if threading.current_thread() is not threading.main_thread():
         received.uncaught = {signal.Signals(s).name: "training runs outside the main thread" for s in signums}
@@ -78,14 +84,14 @@ def stop_on_signals(signums=STOP_SIGNALS):
             received.signum, received.at = signum, now
             name = signal.Signals(signum).name
             later = f"{SIGNAL_REPEAT_WINDOW:g} s on"
-            notice = f"{name}: finishing this rollout, then a checkpoint (sent again {later}: stop now)\n"
-            _say(notice)
+            _say(f"{name}: {doing} (sent again {later}: stop now)\n")
         elif now - received.at > SIGNAL_REPEAT_WINDOW:  # a second request: the signal's own action, now
+            received.acted = True
             for other, handler in previous.items():
                 signal.signal(other, handler)
             signal.raise_signal(signum)
         else:
-            _say("already stopping after this rollout\n")
+            _say(f"{repeated}\n")
 
     for signum in signums:
         handler = signal.getsignal(signum)
@@ -106,36 +112,13 @@ def stop_signals_held(signums=STOP_SIGNALS):
     """While the trained model is saved: a stop signal is held until the save is whole, then acts as it would have
     (SIGTERM and SIGUSR1 end the process, SIGINT raises KeyboardInterrupt). Acting at once, mid-save (the files are
     moved into `output_dir` one by one), it left a new policy beside an earlier save's critic, or none, and the save's
-    rest was removed by the next run as a stopped run's debris. Said when it comes; sent again more than
-    `SIGNAL_REPEAT_WINDOW` seconds later, it acts at once, as `stop_on_signals`' repeat does. Only in the main thread,
-    for signals nothing else handles (inside `train()`, `stop_on_signals` notes them)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[tuple[int, float]] = []  # the first signal, and when
-    previous = {}
-
-    def restore() -> None:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-    def hold(signum, frame):
-        now = time.monotonic()
-        if not held:
-            held.append((signum, now))
-            later = f"{SIGNAL_REPEAT_WINDOW:g} s on"
-            _say(f"{signal.Signals(signum).name}: stopping once the model is saved (sent again {later}: stop now)\n")
-        elif now - held[0][1] > SIGNAL_REPEAT_WINDOW:  # a second request: the signal's own action, now
-            held.clear()
-            restore()
-            signal.raise_signal(signum)
-
-    for signum in signums:
-        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
-            previous[signum] = signal.signal(signum, hold)
+    rest was removed by the next run as a stopped run's debris. `stop_on_signals`' handling: said when it comes, a
+    repeat past `SIGNAL_REPEAT_WINDOW` acts at once (inside `train()`, its own `stop_on_signals` notes them)."""
+    received = None
     try:
-        yield
+        waiting = "stopping once the model is saved"
+        with stop_on_signals(signums, doing=waiting, repeated=f"already {waiting}") as received:
+            yield
     finally:
-        restore()
-        if held:
-            signal.raise_signal(held[0][0])
+        if received is not None and received.signum is not None and not received.acted:
+            signal.raise_signal(received.signum)

@@ -351,8 +351,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             # would replace the forward that VAPO's tiled LM head runs (VAPOConfig refuses it).
             apply_liger_kernel(policy, args.liger_kernel_config)
         # At the revision the policy was loaded at, as GRPOTrainer loads it (the default branch's may differ).
-        policy_source = str(model) if isinstance(model, (str, os.PathLike)) else None
-        revision = (model_init_kwargs or {}).get("revision") if policy_source is not None else None
+        by_name = isinstance(model, (str, os.PathLike))
+        revision = (model_init_kwargs or {}).get("revision") if by_name else None
+        # A value_model naming the checkpoint the policy was loaded from: read where the policy was.
+        policys_checkpoint = by_name and isinstance(value_model, (str, os.PathLike)) and str(value_model) == str(model)
         tokenizer = processing_class or policy_tokenizer(model, model_id, args, model_init_kwargs)
         prepare_tokenizer(tokenizer, self._conversational)
         # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
@@ -369,12 +371,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         policy = add_policy_adapter(policy, peft_config, revision)
         fingerprint, base_fingerprint = fingerprints or policy_fingerprints(policy)
         value_targets = value_target_settings(args, self.scorer.names)
-        check_critic_tokenizer(
-            value_model, tokenizer, args, policy_source
-        )  # before a critic of another family loads its weights
+        # Before a critic of another family loads its weights.
+        check_critic_tokenizer(value_model, tokenizer, args, policys_checkpoint)
         with whole_models_under_zero3(zero3_config):
             actor_critic, critic_pretrained = build_actor_critic(
-                policy, value_model, args, fingerprint, value_targets, adapter_given, policy_source
+                policy, value_model, args, fingerprint, value_targets, adapter_given, policys_checkpoint
             )
         frozen = actor_critic.value_function
         separate = not actor_critic.shares_base and frozen is None  # a critic model of its own, saved as one
@@ -1024,7 +1025,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if self.control.should_log:
             self._log_metrics(self.progress.phase)
         elif self.args.logging_strategy == IntervalStrategy.NO:
-            self._log_pending_metrics()  # dropped: not held for the run's length
+            self._metrics.clear()  # dropped: not held for the run's length (`_log_pending_metrics`)
         # Not during value pretraining: the policy does not change, and early stopping would compare readings of the
         # initial policy, whose noise alone could end the run before its first update.
         # The request is consumed either way (as `on_evaluate` would): left set, the epoch end of the rollout that
@@ -1147,7 +1148,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         prompt_lists = functools.cache(
             lambda: [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_mask.cpu(), strict=True)]
         )
-        parsed = self._conversational and parsed_completions(self.processing_class, completion_ids, prompt_lists)
+        parsed = self._conversational and parsed_completions(
+            self.processing_class, completion_ids, prompt_lists, texts
+        )
         extra_columns: dict[str, list] = defaultdict(list)  # TRL's `log_extra`: columns of the completions table
         reward_metrics: dict[str, list[float]] = defaultdict(list)  # TRL's `log_metric`
         scores = self.scorer.score(
