@@ -786,6 +786,9 @@ BAD_INPUT = [
     # Accepted, trained: fp16's loss scale in the gradients VAPO clips; the config's clipping replaced by VAPO's.
     (["--deepspeed", '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}'], "turns on fp16"),
     (["--deepspeed", '{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}'], "gradient_clipping=0.5 vs"),
+    # A skipped step's NaN gradients, which ZeRO-1/2 no longer found, stepped into the weights.
+    (["--deepspeed", '{"zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}'], "sets bf16.ch"),
+    (["--deepspeed", '{"zero_optimization": {"stage": 1, "compute_grad_norm": false}}'], "sets zero_optimization.com"),
     (["--eval_strategy", "steps"], "is one file, so one split: its 'test' split would be the training prompts"),
     # Issue 50's rows: each was accepted (and trained), or a traceback, or named another field.
     (["--learning_rate=-1e-5"], "learning_rate must be >= 0, got -1e-05."),

@@ -412,6 +412,37 @@ def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir,
     assert outputs["kept"]["logprobs"] == outputs["kept"]["values"] == ["torch.float32", False]
 
 
+FSDP2_FRESH_OPTIMIZER_SAVED = """
+import json, sys, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+from trl_vapo.distributed import fsdp2_optimizer_state, load_fsdp2_optimizer_state
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+saved = fsdp2_optimizer_state(model, optimizer)
+torch.save(saved, "optimizer.pt")
+resumed = torch.optim.AdamW(model.parameters(), lr=0.1)
+load_fsdp2_optimizer_state(model, resumed, "optimizer.pt")
+counts = {"live": len(optimizer.state), "saved": len(saved["state"]), "resumed": len(resumed.state)}
+print(json.dumps({**counts, "groups": len(saved["param_groups"])}))
+dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp2_optimizer_saved_before_its_first_step_stays_and_is_saved_without_state(tiny_model_dir, tmp_path):
+    """torch's `get_optimizer_state_dict` steps an optimizer without state at learning rate 0 to make one: saved
+    before any update (every step so far skipped, or a stop signal in the first), Adam counted a step that never
+    happened, in the run and in its checkpoint; it resumes without state. One process of gloo on the CPU."""
+    proc = run_code(FSDP2_FRESH_OPTIMIZER_SAVED, str(tiny_model_dir), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"live": 0, "saved": 0, "resumed": 0, "groups": 1}
+
+
 def test_groups_held_out_leave_their_weights_and_adam_state_alone_and_name_a_missing_group():
     """The hook itself, on the torch AdamW that ZeRO wraps: the held-out group is not stepped (no state, same
     weights) while the other is; the groups are back after the step, also after a step that raised."""

@@ -193,6 +193,10 @@ def tiny_config(family: str):
         return InklingTextConfig(**shape, **experts, logits_mup_width_multiplier=4.0, unpadded_vocab_size=unpadded)
     if family == "cohere":  # logits * logit_scale
         return CohereConfig(**shape, logit_scale=0.3)
+    if family == "xlstm":  # the same cap under a third name (the tiles left it out)
+        from transformers import xLSTMConfig
+
+        return xLSTMConfig(vocab_size=97, hidden_size=128, num_heads=2, num_hidden_layers=1, output_logit_soft_cap=2.0)
     if family == "mpt":  # a `logit_scale` its forward never applies (the tiles applied it)
         from transformers import MptConfig
 
@@ -201,7 +205,7 @@ def tiny_config(family: str):
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma2", "recurrent_gemma", "cohere", "granite", "inkling", "inkling-padded", "mpt"]
+    "family", ["gemma2", "recurrent_gemma", "xlstm", "cohere", "granite", "inkling", "inkling-padded", "mpt"]
 )
 def test_scaled_and_soft_capped_heads_equal_the_models_own_logits(family):
     torch.manual_seed(0)
@@ -231,6 +235,18 @@ def bert_decoder():
     return BertLMHeadModel(config.__class__(**{**config.to_dict(), "is_decoder": True})).eval()  # no dropout
 
 
+def modernbert_decoder():
+    """A ModernBERT decoder: `get_output_embeddings()` returns its `decoder`, a direct child of the model like a
+    Llama's `lm_head`, and its forward computes `decoder(lm_head(hidden))`, its `lm_head` a dense, activation and
+    norm (the tiles read `decoder` on the hidden states alone)."""
+    from transformers import ModernBertDecoderConfig
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    return AutoModelForCausalLM.from_config(ModernBertDecoderConfig(**shape, **ids)).eval()
+
+
 def prompt_tuned(model_dir):
     from peft import PromptTuningConfig
 
@@ -239,10 +255,13 @@ def prompt_tuned(model_dir):
     return get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
 
 
-@pytest.mark.parametrize("case", ["modules-to-save-head", "bert-style-head", "prompt-tuning-disabled"])
+@pytest.mark.parametrize(
+    "case", ["modules-to-save-head", "bert-style-head", "modernbert-decoder-head", "prompt-tuning-disabled"]
+)
 def test_heads_the_tiles_cannot_read_run_as_the_model_runs_them(tiny_model_dir, case):
     """A head the tiles would get wrong is run as the model's own forward runs it: a PEFT ``modules_to_save`` copy
-    of the head, a head that transforms the hidden states first, and prompt tuning with its adapter disabled (PEFT then
+    of the head, a head that transforms the hidden states first (BERT's, inside its head module; ModernBERT
+    decoder's, a module of its own beside the linear layer), and prompt tuning with its adapter disabled (PEFT then
     calls the model's original forward, not the one the tiles put in place)."""
     if case == "modules-to-save-head":
         torch.manual_seed(0)
@@ -251,7 +270,8 @@ def test_heads_the_tiles_cannot_read_run_as_the_model_runs_them(tiny_model_dir, 
         with torch.no_grad():
             model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(3)  # differs from the base's
     else:
-        model = bert_decoder() if case == "bert-style-head" else prompt_tuned(tiny_model_dir)
+        builders = {"bert-style-head": bert_decoder, "modernbert-decoder-head": modernbert_decoder}
+        model = builders[case]() if case in builders else prompt_tuned(tiny_model_dir)
     ids, attention, length = batch(model.config.vocab_size, seed=5)
     with torch.no_grad(), model.disable_adapter() if case == "prompt-tuning-disabled" else torch.enable_grad():
         logprobs, entropy = completion_logprobs(model, ids, attention, length, 0.7, with_entropy=True)

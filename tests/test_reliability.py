@@ -650,6 +650,18 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     narrow = AutoModelForSequenceClassification.from_config(narrow_config)
     with pytest.raises(ValueError, match=r"embeds 16 tokens, and the policy's tokenizer has \d+: the critic reads"):
         with_critic(narrow)
+    # An encoder's classifier (the char tokenizer's vocabulary: no tokenizer to refuse it): bidirectional, its value
+    # before a token had read the tokens after it; RoBERTa's head besides pools the first token's state.
+    from transformers import BertConfig, RobertaConfig
+
+    shape = dict(vocab_size=one.config.vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    shape.update(intermediate_size=32, num_labels=1)
+    bert = AutoModelForSequenceClassification.from_config(BertConfig(**shape))
+    with pytest.raises(ValueError, match=r"BertForSequenceClassification attends to later tokens \(.*is not causal\)"):
+        with_critic(bert)
+    roberta = AutoModelForSequenceClassification.from_config(RobertaConfig(**shape, is_decoder=True))
+    with pytest.raises(ValueError, match=r"head is a RobertaClassificationHead, and the critic reads a value at"):
+        with_critic(roberta)
     # As many tokens, numbered otherwise (another family's reward model of the same vocabulary size): its values
     # were read from other tokens' embeddings, silently. Its saved tokenizer says so.
     import string

@@ -275,6 +275,20 @@ def check_deepspeed_config(args) -> None:
         )
     refuse_deepspeed_mismatches(getattr(args, "hf_deepspeed_config", None))
     zero = config.get("zero_optimization") or {}
+    # A skipped step (nothing scored, a non-finite loss: `VAPOTrainer._drop_update`) hands ZeRO NaN gradients, which
+    # its stage 1 and 2 find by their overflow check (bf16's, on by default) or their gradient norm: either turned off,
+    # the NaN was stepped into every weight. (Stage 3 always reads the norm.)
+    unchecked = []
+    if str((config.get("bf16") or {}).get("check_grad_overflow", True)).lower() == "false":
+        unchecked.append("bf16.check_grad_overflow")
+    if str(zero.get("compute_grad_norm", True)).lower() == "false":
+        unchecked.append("zero_optimization.compute_grad_norm")
+    if unchecked and str(zero.get("stage", "")) != "3":
+        raise ValueError(
+            f"The DeepSpeed config sets {' and '.join(unchecked)} to false: a step VAPOTrainer skips (no completion "
+            "scored, a NaN or inf loss) gives ZeRO NaN gradients so that its overflow check skips the update, and "
+            "without the check they would be stepped into the weights. Remove the setting (its default is true)."
+        )
     offload = zero.get("offload_optimizer") or {}
     features = []
     if zero.get("zenflow") is not None:  # DeepSpeed turns it on for any value but null, `{}` included
@@ -499,8 +513,17 @@ def fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     keyed by parameter name, on the main process's CPU (empty elsewhere). A collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(model, _optimizer_chain(optimizer)[-1], options=options)
+    inner = _optimizer_chain(optimizer)[-1]
+    fresh = not inner.state
+    state = get_optimizer_state_dict(model, inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if fresh:
+        # torch makes a state to save by stepping a fresh optimizer at learning rate 0 on zero gradients
+        # (`_init_optim_state`): Adam's step count at 1 with zero moments, in the live optimizer and in the file, and
+        # the first real update's bias correction counted a step that never happened (a run whose steps so far were
+        # all skipped, or stopped by a signal in its first one). None was made: none is kept, none is saved.
+        inner.state.clear()
+        state["state"] = {}
+    return state
 
 
 def _state_dict_name(name: str) -> str:

@@ -224,7 +224,27 @@ def check_value_model(model: nn.Module) -> None:
             "token. Load it with `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, "
             "ignore_mismatched_sizes=True)`: its head starts afresh, its body as trained."
         )
-    _sequence_classification_head(model)
+    head = _sequence_classification_head(model)
+    backbone = model.base_model
+    # The text decoder's attention (a multimodal model's vision tower attends both ways, as it should)
+    text = backbone.get_decoder() if hasattr(backbone, "get_decoder") else backbone
+    attends_ahead = next((n for n, m in text.named_modules() if getattr(m, "is_causal", None) is False), None)
+    if attends_ahead is not None:
+        # V(s_t) is read from the hidden state before token t: a bidirectional one has seen the tokens after t, the
+        # completion's answer among them (the values fit, and the advantages read nothing).
+        raise ValueError(
+            f"value_model {type(model).__name__} attends to later tokens ({attends_ahead} is not causal): an encoder "
+            "(BERT, RoBERTa, DeBERTa, ...) reads the whole completion at every token, and a critic's value before a "
+            "token must not see it. Use a decoder-only model's `AutoModelForSequenceClassification` (the policy's "
+            "family), or leave value_model out to build the critic from the policy."
+        )
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"value_model {type(model).__name__}'s head is a {type(head).__name__}, and the critic reads a value at "
+            "every token through one linear layer on the backbone's hidden states. Use a decoder-only model's "
+            "`AutoModelForSequenceClassification` (a linear `score`), or leave value_model out to build the critic "
+            "from the policy."
+        )
     if not any(param.requires_grad for param in model.parameters()):
         # It would sit in no optimizer group: value pretraining failed in backward ("element 0 of tensors does not
         # require grad"), and without it RL ran on a critic that never learned.
@@ -463,17 +483,30 @@ def _load_balancing_loss(causal_lm: nn.Module):
 def _tiles_fit(causal_lm: PreTrainedModel, head: nn.Module | None) -> bool:
     """Whether ``causal_lm``'s logits are ``head(backbone(x))`` up to :func:`_logit_transform`, with ``head`` a plain
     linear layer whose weight the tiles can read: not LoRA, quantized (float8 ones subclass ``nn.Linear``) or
-    offloaded (its weight on the meta device outside its forward), and a direct child of the model (BERT-style
-    decoders transform the hidden states before theirs) next to the backbone ``base_model``; and all of its outputs
-    are logits (Inkling's forward drops the padded vocabulary's: the tiles' softmax would take them in)."""
+    offloaded (its weight on the meta device outside its forward), reading the backbone's hidden states as they come
+    (:func:`head_reads_the_backbone`); and all of its outputs are logits (Inkling's forward drops the padded
+    vocabulary's: the tiles' softmax would take them in)."""
     unpadded = getattr(causal_lm.config.get_text_config(), "unpadded_vocab_size", None)
     return (
         type(head) in (nn.Linear, Float32Linear)
         and unpadded in (None, head.out_features)
         and head.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and head.weight.device.type != "meta"
-        and any(child is head for child in causal_lm.children())
-        and causal_lm.base_model is not causal_lm
+        and head_reads_the_backbone(causal_lm, head)
+    )
+
+
+def head_reads_the_backbone(model: PreTrainedModel, head: nn.Module) -> bool:
+    """Whether ``model``'s weights are its backbone ``base_model``'s and ``head``'s alone, both its direct children:
+    then ``head`` can only be applied to the backbone's hidden states as they come. Where another child has weights,
+    the model's forward passes the hidden states through it first (BERT's and ModernBERT-decoder's dense, activation
+    and norm before the linear layer, CLVP's final norm, the Gemma 4 assistant's projections): reading ``head`` on the
+    backbone alone computes another function, silently (the tiled log-probs, a critic's values)."""
+    backbone = model.base_model
+    if backbone is model or not any(child is head for child in model.children()):
+        return False
+    return all(
+        child is head or child is backbone or next(child.parameters(), None) is None for child in model.children()
     )
 
 
@@ -492,9 +525,9 @@ def _logit_transform(config) -> tuple[float, float | None]:
 
     Read from the config as TRL's ``add_fused_lm_head`` reads it (Cohere's ``logit_scale``, Gemma 2/3's
     ``final_logit_softcapping``, Granite's and MiniCPM3's ``logits_scaling`` divisor, Falcon-H1's
-    ``lm_head_multiplier``, ...), and RecurrentGemma's ``logits_soft_cap`` and Inkling's
-    ``logits_mup_width_multiplier`` divisor, which TRL's leaves out; ``tests/test_logprobs.py`` checks it against the
-    models' own forward.
+    ``lm_head_multiplier``, ...), and RecurrentGemma's ``logits_soft_cap``, xLSTM's ``output_logit_soft_cap`` and
+    Inkling's ``logits_mup_width_multiplier`` divisor, which TRL's leaves out; ``tests/test_logprobs.py`` checks it
+    against the models' own forward.
     """
     config = config.get_text_config()
     scale = getattr(config, "logit_scale", None)
@@ -509,6 +542,8 @@ def _logit_transform(config) -> tuple[float, float | None]:
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is None and config.model_type == "recurrent_gemma":  # (its name for the same cap: 30)
         cap = config.logits_soft_cap
+    if cap is None and config.model_type == "xlstm":  # (its name for the same cap: 30)
+        cap = config.output_logit_soft_cap
     return (1.0 if scale is None else scale), cap
 
 
