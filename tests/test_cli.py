@@ -786,6 +786,9 @@ BAD_INPUT = [
     # Accepted, trained: fp16's loss scale in the gradients VAPO clips; the config's clipping replaced by VAPO's.
     (["--deepspeed", '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}'], "turns on fp16"),
     (["--deepspeed", '{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}'], "gradient_clipping=0.5 vs"),
+    # Pickled weights: transformers' OSError, a traceback, where the message gives the flag that loads them.
+    (["--model_name_or_path", "pickled"], "has pickled weights only (`pytorch_model.bin`) and you trust them, pass"),
+    (["--model_name_or_path", "untokenized"], "--model_name_or_path untokenized: its tokenizer does not load: "),
     # A skipped step's NaN gradients, which ZeRO-1/2 no longer found, stepped into the weights.
     (["--deepspeed", '{"zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}'], "sets bf16.ch"),
     (["--deepspeed", '{"zero_optimization": {"stage": 1, "compute_grad_norm": false}}'], "sets zero_optimization.com"),
@@ -943,6 +946,13 @@ def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
         (out / "streamed.yaml").write_text("datasets:\n  - path: some/data\nstreaming: true\ntest_split_size: 0.1\n")
         (out / "earlier" / "checkpoint-1").mkdir(parents=True)
         (out / "earlier" / "checkpoint-1" / "vapo_state.json").write_text("{}")
+        (out / "pickled").mkdir()  # a model saved as pickled weights alone: refused before they are read
+        for saved in Path(tiny_model_dir).iterdir():
+            if saved.suffix != ".safetensors":
+                (out / "pickled" / saved.name).write_bytes(saved.read_bytes())
+        (out / "pickled" / "pytorch_model.bin").write_bytes(b"never unpickled")
+        (out / "untokenized").mkdir()  # a model saved without its tokenizer
+        (out / "untokenized" / "config.json").write_bytes((Path(tiny_model_dir) / "config.json").read_bytes())
         common = ["train", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(jsonl_data)]
         common += ["--prompt_column", "question", "--report_to", "none"]
         cases = [[*common, "--output_dir", str(out / f"run{i}"), *args] for i, (args, _) in enumerate(rows)]

@@ -1769,7 +1769,11 @@ def _tokenizer_of(model: str, model_args, training_args):
 
     where = _policy_lookup(model_args, training_args)
     _tokenizer_source(model, "--model_name_or_path", where)
-    return policy_tokenizer(model, model, training_args, where)
+    try:
+        return policy_tokenizer(model, model, training_args, where)
+    except (ValueError, OSError) as error:  # a folder saved without its tokenizer: transformers' error, a traceback
+        said = " ".join(str(error).split())
+        raise UsageError(f"--model_name_or_path {model}: its tokenizer does not load: {said}") from None
 
 
 def _tokenizer_source(model: str, flag: str, where: dict | None = None) -> tuple[str, str | None]:

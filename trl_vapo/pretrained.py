@@ -57,6 +57,12 @@ def lookup_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in LOOKUP_KWARGS or k == "trust_remote_code"}
 
 
+class PickledWeightsOnly(OSError, ValueError):
+    """A model whose weights are pickled alone, refused unless asked for: transformers' OSError for weights it did not
+    find, and a setting to change (a ValueError, which `trl-vapo train` says in one line), as `io.UnsupportedOperation`
+    is both."""
+
+
 def load_pretrained(model_class, name: str, kwargs: dict[str, Any]):
     """`model_class.from_pretrained(name, **kwargs)` (`kwargs` from :func:`from_pretrained_kwargs`), where a model
     saved only as pickled weights (`pytorch_model.bin`) gets an error that says why safetensors are asked for and
@@ -65,10 +71,11 @@ def load_pretrained(model_class, name: str, kwargs: dict[str, Any]):
         return model_class.from_pretrained(name, **kwargs)
     except OSError as error:
         if kwargs.get("use_safetensors") and "safetensors" in str(error):
-            raise OSError(
+            raise PickledWeightsOnly(
                 f"{error} trl-vapo loads safetensors weights only (`use_safetensors=True`): unpickling a weights "
                 f"file can run any code in it. If {name} has pickled weights only (`pytorch_model.bin`) and you trust "
-                "them, pass model_init_kwargs={'use_safetensors': False}, or save the model once with "
-                "`save_pretrained`, which writes safetensors."
+                "them, pass model_init_kwargs={'use_safetensors': False} (on the command line: --model_init_kwargs "
+                "'{\"use_safetensors\": false}'), or save the model once with `save_pretrained`, which writes "
+                "safetensors."
             ) from error
         raise
