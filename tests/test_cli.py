@@ -789,6 +789,8 @@ BAD_INPUT = [
     # Pickled weights: transformers' OSError, a traceback, where the message gives the flag that loads them.
     (["--model_name_or_path", "pickled"], "has pickled weights only (`pytorch_model.bin`) and you trust them, pass"),
     (["--model_name_or_path", "untokenized"], "--model_name_or_path untokenized: its tokenizer does not load: "),
+    # An optimizer whose package is missing (not in the locked set): a traceback when train() built it.
+    (["--optim", "adamw_torch_4bit"], "optim='adamw_torch_4bit' cannot be built here: You need to have `torchao"),
     # A skipped step's NaN gradients, which ZeRO-1/2 no longer found, stepped into the weights.
     (["--deepspeed", '{"zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}'], "sets bf16.ch"),
     (["--deepspeed", '{"zero_optimization": {"stage": 1, "compute_grad_norm": false}}'], "sets zero_optimization.com"),

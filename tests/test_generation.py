@@ -923,6 +923,25 @@ def test_evaluation_cuts_at_the_generation_configs_eos_ids(tiny_model_dir):
     assert sample_completions(model, tokenizer, TEXT_PROMPTS, **kwargs) == (cut, cut_lengths)
 
 
+@pytest.mark.parametrize("overrides", [{"do_sample": False}, {"temperature": 1e-3}, {"top_k": 1}])
+def test_a_sampled_evaluation_samples_as_its_arguments_say_whatever_trainings_generation_kwargs(
+    tiny_model_dir, overrides
+):
+    """`evaluate_policy` (the held-out report, `trl-vapo eval`) passes training's generation_kwargs on for where
+    completions end; applied last, their own sampling settings replaced the pass's: avg@k at "temperature 1.0" was k
+    copies of one completion. The pass samples as its arguments say; the greedy pass is greedy either way."""
+    from trl_vapo.evaluation import sample_completions
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    kwargs = dict(num_samples=8, max_new_tokens=8, generation_kwargs=overrides)
+    torch.manual_seed(0)
+    sampled, _ = sample_completions(model, tokenizer, TEXT_PROMPTS[:1], temperature=1.0, top_p=1.0, **kwargs)
+    assert len(set(sampled)) > 1
+    greedy, _ = sample_completions(model, tokenizer, TEXT_PROMPTS[:1], temperature=0.0, **kwargs)
+    assert len(set(greedy)) == 1
+
+
 @pytest.mark.parametrize("engine", ["continuous_batching", "static_cache"])  # each against generate()
 def test_evaluation_engines_agree_greedily(engine, demo):
     from trl_vapo.demo.data import build_split

@@ -2259,6 +2259,33 @@ def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoi
     assert list_checkpoints(tmp_path / "out") == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
 
 
+def test_a_reward_function_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoint(
+    tiny_model_dir, tmp_path, caplog
+):
+    """A reward function that raises on a rollout (a judge's timeout, a parser that meets odd output) stopped the run
+    with every step since the last checkpoint lost (transformers' default `save_steps` is 500). On one process they
+    are written first, named in the log and the error's note, and the run resumes from them."""
+    calls = []
+
+    def fails_on_the_third_rollout(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) > 3:  # (the first call is the check of the empty completions when the trainer is built)
+            raise ConnectionError("the judge timed out")
+        return digit_fraction(completions, **kwargs)
+
+    args = config(tmp_path, max_steps=4, save_strategy="steps", save_steps=100)
+    trainer = VAPOTrainer(str(tiny_model_dir), fails_on_the_third_rollout, args, prompts_dataset())
+    with pytest.raises(RuntimeError, match="raised ConnectionError: the judge timed out -- first failing") as failed:
+        with caplog.at_level(logging.WARNING):
+            trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    said = f"{checkpoint} holds the 2 steps so far: {RESUME}."
+    assert said in caplog.text and getattr(failed.value, "__notes__", [said]) == [said]
+    assert list_checkpoints(tmp_path / "out") == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
+    resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    assert resumed.train(resume_from_checkpoint=str(checkpoint)).global_step == 4
+
+
 def test_kill_9_while_writing_a_checkpoint_leaves_the_previous_one_complete(tiny_model_dir, tmp_path, reference_run):
     out = tmp_path / "stalled"
     process = start_script(tiny_model_dir, out, "--stall-at", "4")

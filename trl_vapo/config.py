@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from .core import IMPORTANCE_SAMPLING_MODES, SURROGATES
@@ -1167,6 +1167,11 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             f"itself and clips and steps them separately, and {why}. Use an AdamW (adamw_torch, adamw_torch_fused, "
             "adamw_8bit, paged_adamw_8bit, ...), adafactor, sgd, rmsprop or a Lion.",
         )
+        if why is None:  # its package, its `optim_args`: asked now, not when `train()` builds it after the models load
+            try:
+                Trainer.get_optimizer_cls_and_kwargs(self)
+            except (ImportError, ValueError) as error:
+                require(False, f"optim={optim!r} cannot be built here: {' '.join(str(error).split())}")
         require(
             0 <= self.epsilon < 1 and self.epsilon_high >= 0,
             f"epsilon must be in [0, 1) (the ratio's lower bound is 1 - epsilon) and epsilon_high >= 0, got "

@@ -91,6 +91,8 @@ def _engine(
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 """`generation_kwargs` keys that say how to sample, not where a completion ends: the greedy pass leaves them out."""
+NAMED_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The `generation_kwargs` keys `sample_completions` takes as arguments of its own: a sampled pass's arguments win."""
 
 
 def sample_completions(
@@ -120,7 +122,8 @@ def sample_completions(
     ids (what training gives the reward functions) and each one's prompt tokens. `batch_size` applies to the
     `"generate"` engine; continuous batching schedules the requests itself. `generation_kwargs`: training's
     (`SamplingSettings.generation_kwargs`), where completions end (stop strings, stop tokens); a greedy pass leaves
-    out those that say how to sample.
+    out those that say how to sample, a sampled pass those this function names (`temperature`, `top_p`, ...: the
+    arguments say how this pass samples, as `evaluate_policy`'s report says it sampled).
     """
     if max_prompt_length is not None and max_prompt_length < 1:  # (VAPOConfig refuses it; a caller of this may not)
         raise ValueError(
@@ -140,8 +143,10 @@ def sample_completions(
     repeated = [x for x in ids for _ in range(num_samples)]
     generator = _engine(engine, model, tokenizer, batch_size, generation_kwargs)
     kwargs = dict(generation_kwargs or {})
-    if temperature == 0:  # greedy, whatever training sampled with: only where completions end carries over
-        kwargs = {key: value for key, value in kwargs.items() if key not in SAMPLING_KEYS}
+    # Greedy, whatever training sampled with: only where completions end carries over. Sampled: as the arguments
+    # say (training's generation_kwargs applied last, and a `temperature` or `do_sample=False` there replaced them).
+    dropped = SAMPLING_KEYS if temperature == 0 else NAMED_SAMPLING_KEYS
+    kwargs = {key: value for key, value in kwargs.items() if key not in dropped}
     sampling = SamplingSettings(
         max_new_tokens, temperature, top_p, top_k or 0, min_p, repetition_penalty, generation_kwargs=kwargs
     )

@@ -868,7 +868,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # The rollout's sampling and scoring belong to its first step, as GRPOTrainer generates inside its training
         # step: a callback that times or profiles steps from `on_step_begin` to `on_step_end` sees them.
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-        rollout = self._make_rollout(rows, phase)
+        try:
+            rollout = self._make_rollout(rows, phase)
+        except Exception as error:  # a reward function's, a rollout_func's, an out-of-memory sampling: as evaluation's
+            # On one process the steps trained so far are saved first (this rollout's prompts, read, are left out of
+            # a resume); on several, the error may be one process's alone, and the others would wait for it in the
+            # checkpoint's collectives. The weights are the last rollout's: nothing of this one stepped.
+            if not self._distributed:
+                self._checkpoint_before_error(error)
+            raise
         all_reduce = self._all_reduce if self._distributed else None
         metrics = rollout_metrics(rollout, self.accelerator.gather, all_reduce)
         metrics.update(
