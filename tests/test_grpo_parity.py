@@ -1233,6 +1233,25 @@ def test_a_copy_of_the_config_derives_its_defaults_from_its_own_values(tmp_path)
     assert dataclasses.replace(make_args(tmp_path), epsilon=0.1).epsilon_high == 0.28  # the paper's, given
 
 
+def test_fields_set_after_the_config_was_built_are_read_as_at_construction(tmp_path):
+    """`check_again` (the trainer calls it) read the fields set since with `_validate` alone: a GRPO spelling or a
+    text value that construction reads was refused by a message listing it as accepted (`loss_type="dapo"`,
+    `pad_to_multiple_of="auto"`, `scale_rewards=False`), `report_to="none"` was its letters' trackers, and a
+    contradiction construction refuses went through (`load_best_model_at_end` without `metric_for_best_model`)."""
+    args = make_args(tmp_path)
+    args.loss_type, args.pad_to_multiple_of, args.scale_rewards, args.report_to = "dapo", "auto", False, "none"
+    args.positive_reward_funcs = "digit_fraction"
+    args.check_again()
+    assert (args.loss_type, args.pad_to_multiple_of, args.scale_rewards, args.report_to) == ("token", None, "none", [])
+    assert args.positive_reward_funcs == ["digit_fraction"]
+    args.loss_type = "cispo"
+    args.check_again()
+    assert (args.surrogate, args.loss_type) == ("cispo", "token")
+    args.load_best_model_at_end = True
+    with pytest.raises(ValueError, match="load_best_model_at_end=True needs metric_for_best_model"):
+        args.check_again()
+
+
 def test_batch_fields_set_after_the_config_was_built_are_followed_and_checked(tiny_model_dir, tmp_path):
     """TrainingArguments' fields are set after construction too: the rollout size derived from the old ones stayed
     (a run by epochs planned 0 steps and ended without a word; another num_generations failed once the models had

@@ -135,7 +135,8 @@ class VAPOScriptArguments:
         default=None,
         metadata={
             "help": "A reward model (sequence classification, one label): hub id or local folder, scored as "
-            "`trl grpo` scores it and added to the reward functions."
+            "`trl grpo` scores it, first among the reward functions (as `trl grpo` puts it: --reward_weights' "
+            "first weight is its)."
         },
     )
     value_model_name_or_path: str | None = field(

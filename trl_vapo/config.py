@@ -750,6 +750,42 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             if getattr(self, name) is False:  # YAML 1.1 reads `save_strategy: no` (unquoted) as false
                 setattr(self, name, "no")
         self._check_number_fields()
+        self._settings_as_given()
+        super().__post_init__()
+        self._accept_grpo_spellings()
+        # The defaults derived from other fields are marked so (`Derived`): a copy (`dataclasses.replace`, which
+        # passes every field) derives them again from its own values (a copy with another learning_rate kept the
+        # critic's 2 x the old one, one with another epsilon the old symmetric bound), and so does a field set later
+        # (a hyperparameter search's `setattr`).
+        for name in ("critic_learning_rate", "critic_num_iterations", "value_pretrain_num_iterations"):
+            setattr(self, name, given(getattr(self, name)))
+        self._derive_defaults()
+        self._resolve_batch_sizes()
+        self._validate_warning_once()
+        self._initialized = True
+
+    def _derive_defaults(self) -> None:
+        """The fields left to their defaults (None, or derived before: `Derived`) from the ones they follow."""
+        if given(self.critic_learning_rate) is None:
+            self.__dict__["critic_learning_rate"] = DerivedFloat(2 * self.learning_rate)
+        for name in ("critic_num_iterations", "value_pretrain_num_iterations"):
+            if given(getattr(self, name)) is None:
+                self.__dict__[name] = DerivedInt(self.num_iterations)
+        if given(self.epsilon_high) is None:  # symmetric clipping: the bound follows epsilon
+            self.__dict__["epsilon_high"] = DerivedFloat(self.epsilon)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        initialized = self.__dict__.get("_initialized")
+        if initialized:  # set from outside: given (transformers' hyperparameter search casts a value to its
+            value = plain(value)  # field's type: the marker too)
+        super().__setattr__(name, value)
+        if initialized and name in ("learning_rate", "num_iterations", "epsilon", "epsilon_high"):
+            self._derive_defaults()  # (what follows it follows it again; a given value stays)
+
+    def _settings_as_given(self) -> None:
+        """The checks and readings of the fields as given, before transformers' own (`__post_init__`), and again in
+        `check_again` for fields set since: one that contradicts another refused, one given as text or a scalar read
+        as the mapping or list it stands for."""
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_gpu():
             # `torchrun` on a machine without GPUs: transformers only sets up CPU data parallelism (gloo) when told
             # `use_cpu`; without it every process would silently train alone on the same output folder.
@@ -824,36 +860,6 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                     "with trust_remote_code (the policy, its critic, its tokenizer and vLLM all read it)."
                 )
             self.trust_remote_code = True
-        super().__post_init__()
-        self._accept_grpo_spellings()
-        # The defaults derived from other fields are marked so (`Derived`): a copy (`dataclasses.replace`, which
-        # passes every field) derives them again from its own values (a copy with another learning_rate kept the
-        # critic's 2 x the old one, one with another epsilon the old symmetric bound), and so does a field set later
-        # (a hyperparameter search's `setattr`).
-        for name in ("critic_learning_rate", "critic_num_iterations", "value_pretrain_num_iterations"):
-            setattr(self, name, given(getattr(self, name)))
-        self._derive_defaults()
-        self._resolve_batch_sizes()
-        self._validate_warning_once()
-        self._initialized = True
-
-    def _derive_defaults(self) -> None:
-        """The fields left to their defaults (None, or derived before: `Derived`) from the ones they follow."""
-        if given(self.critic_learning_rate) is None:
-            self.__dict__["critic_learning_rate"] = DerivedFloat(2 * self.learning_rate)
-        for name in ("critic_num_iterations", "value_pretrain_num_iterations"):
-            if given(getattr(self, name)) is None:
-                self.__dict__[name] = DerivedInt(self.num_iterations)
-        if given(self.epsilon_high) is None:  # symmetric clipping: the bound follows epsilon
-            self.__dict__["epsilon_high"] = DerivedFloat(self.epsilon)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        initialized = self.__dict__.get("_initialized")
-        if initialized:  # set from outside: given (transformers' hyperparameter search casts a value to its
-            value = plain(value)  # field's type: the marker too)
-        super().__setattr__(name, value)
-        if initialized and name in ("learning_rate", "num_iterations", "epsilon", "epsilon_high"):
-            self._derive_defaults()  # (what follows it follows it again; a given value stays)
 
     def check_again(self) -> None:
         """The sizes derived and the checks made at construction, again, for the fields set since (transformers'
@@ -865,6 +871,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         self.__dict__["_initialized"] = False  # (what is derived here stays marked `Derived`: see __setattr__)
         try:
             self._check_number_fields()
+            self._settings_as_given()
+            self._accept_grpo_spellings()
+            self.report_to = _reporting_integrations(self.report_to)
             self._derive_defaults()
             self._resolve_batch_sizes()
             if self.deepspeed:  # its "auto" values, filled from the fields as they were built (transformers' step 12)
@@ -941,7 +950,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                 FutureWarning,
                 stacklevel=3,
             )
-            self.use_transformers_continuous_batching = True
+            self.use_transformers_continuous_batching, self.use_transformers_paged = True, False  # (read)
         if self.vllm_importance_sampling_cap is not None:
             warnings.warn(
                 "`vllm_importance_sampling_cap` is deprecated (as in TRL): use `vllm_importance_sampling_clip_max`.",
@@ -949,6 +958,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                 stacklevel=3,
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+            self.vllm_importance_sampling_cap = None  # (read: a second reading, `check_again`'s, warned again)
         if self.use_liger_kernel:  # as GRPOTrainer (TRL 1.16): Liger's layer kernels only, the LM head stays ours
             warnings.warn(
                 "`use_liger_kernel=True` is deprecated and will be removed in v2.0.0. Use the Hub kernels instead, "
@@ -1531,6 +1541,18 @@ def _unusable_trackers(report_to: list) -> tuple[list, list[str]]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _reporting_integrations(report_to) -> list:
+    """``report_to`` set after construction (one name, ``"all"``, ``"none"``, None) as the list transformers makes of
+    it at construction (`TrainingArguments.__post_init__`): a name's letters were read as trackers' names."""
+    if report_to in ("all", ["all"]):
+        from transformers.integrations import get_available_reporting_integrations
+
+        return get_available_reporting_integrations()
+    if report_to in (None, "none", ["none"]):
+        return []
+    return report_to if isinstance(report_to, list) else [report_to]
 
 
 def _has_gpu() -> bool:
