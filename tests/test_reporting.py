@@ -121,6 +121,24 @@ def test_a_log_extra_column_named_like_one_of_the_tables_keeps_both():
     assert frame["step"].tolist() == [3, 3] and frame["why"].tolist() == ["a", "b"]
 
 
+def test_every_processs_share_joins_with_the_extra_columns_any_of_them_logged():
+    """A `log_extra` column one process's rows logged and another's did not (a reward function that logs a rationale
+    only where it has one) vanished from the joined table of a run on several processes: its rows there are None, as
+    GRPOTrainer pads them."""
+    from trl_vapo.reporting import CompletionsTable
+
+    def share(prompts, extra):
+        rewards, n = {"judge": [1.0] * len(prompts)}, len(prompts)
+        return build_completions_table(
+            step=3, prompts=prompts, completions=["c"] * n, rewards=rewards, sequence_rewards=[1.0] * n,
+            advantages=[0.0] * n, extra_columns=extra,
+        )  # fmt: skip
+
+    joined = CompletionsTable.concatenate([share(["p", "q"], {"why": ["a", "b"]}), share(["r"], {"how": ["z"]})])
+    assert joined.columns["prompt"] == ["p", "q", "r"]
+    assert joined.extra_columns == {"why": ["a", "b", None], "how": [None, None, "z"]}
+
+
 def test_lists_of_the_wrong_length_are_refused_with_their_names():
     with pytest.raises(ValueError, match=r"one value per prompt \(2\).*digit"):
         build_completions_table(

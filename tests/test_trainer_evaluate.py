@@ -132,6 +132,21 @@ def test_an_empty_prompt_the_tokenizer_adds_no_token_to_is_named(tiny_model_dir,
     assert "empty prompt(s) (rows [1])" in caplog.text
 
 
+def test_evaluate_on_a_set_of_its_own_keeps_trainings_random_stream(tiny_model_dir, tmp_path):
+    """`trainer.evaluate(dataset)` checks the set as the trainer's own are checked, calling the reward functions:
+    outside the evaluation's kept random state, one that draws random numbers moved training's stream."""
+    import random
+
+    def noisy(completions, **kwargs):
+        random.random()
+        return digit_fraction(completions, **kwargs)
+
+    trainer = VAPOTrainer(str(tiny_model_dir), noisy, eval_args(tmp_path), prompts_dataset())
+    state = random.getstate()
+    trainer.evaluate(prompts_dataset(4))
+    assert random.getstate() == state
+
+
 class RecordingReward:
     """`digit_fraction`, keeping what it was called with and what it returned."""
 

@@ -381,10 +381,12 @@ class EvaluationMixin:
         else:
             dataset = self.eval_dataset if eval_dataset is None else eval_dataset
             if eval_dataset is not None:  # checked here as the trainer's own are checked before any model loads
-                for row in check_eval_dataset(eval_dataset, self.args, self._conversational).values():
-                    if self.rollout_func is None:  # its fields are columns too, which no dataset row shows
-                        group = self.args.num_generations_eval or self.args.num_generations
-                        self.scorer.check(row, group, self.args.max_steps)
+                # (the reward functions called on it, which may draw random numbers: training's stream is kept)
+                with random_state_kept(self.accelerator.device):
+                    for row in check_eval_dataset(eval_dataset, self.args, self._conversational).values():
+                        if self.rollout_func is None:  # its fields are columns too, which no dataset row shows
+                            group = self.args.num_generations_eval or self.args.num_generations
+                            self.scorer.check(row, group, self.args.max_steps)
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if not self.models_placed and (self.is_deepspeed_enabled or self.is_fsdp_enabled):

@@ -342,12 +342,14 @@ def _held_out_section(held_out: dict[str, Any] | None) -> str:
     left_out = (
         f"; {partly[0]} partly scored problems left out before training, {partly[1]} after" if any(partly) else ""
     )
-    # Problems no reward scored are out of every figure, and each report has its own (a judge's timeouts, a reward
-    # returning None): the two columns may be of different sets.
+    # Problems none of whose samples a reward scored are out of avg@k and pass@k, and each report has its own (a
+    # judge's timeouts, a reward returning None): the two columns may be of different sets. pass@1 counts the greedy
+    # answers scored, the mean length every sample.
     unscored = [report.get("num_unscored", 0) for report in (before, after)]
     if any(unscored):
         left_out += (
-            f"; {unscored[0]} problems no reward scored left out of every figure before training, {unscored[1]} after"
+            f"; {unscored[0]} problems none of whose samples a reward scored left out of avg@k and pass@k before "
+            f"training, {unscored[1]} after"
         )
     return (
         "## Evaluation\n\n"

@@ -89,11 +89,14 @@ class CompletionsTable:
     @classmethod
     def concatenate(cls, tables: Sequence[CompletionsTable]) -> CompletionsTable:
         """The rows of `tables` (one step's, e.g. every process's share of a rollout) in order, as one table; an extra
-        column that some table lacks is left out, as one of the wrong length is."""
+        column that some table lacks is None in its rows, as GRPOTrainer pads a process's share that lacks it (left
+        out, a column one process logged vanished from a run on several)."""
         first = tables[0]
         columns = {name: [v for table in tables for v in table.columns[name]] for name in first.columns}
-        shared = [name for name in first.extra_columns if all(name in table.extra_columns for table in tables)]
-        extra = {name: [v for table in tables for v in table.extra_columns[name]] for name in shared}
+        names = list(dict.fromkeys(name for table in tables for name in table.extra_columns))
+        extra = {
+            name: [v for table in tables for v in table.extra_columns.get(name, [None] * len(table))] for name in names
+        }
         return cls(first.step, columns, first.reward_columns, first.phase, extra)
 
     def _rows(self, rows: list[int]) -> CompletionsTable:
