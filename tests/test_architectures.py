@@ -136,6 +136,14 @@ def test_saved_weights_load_back_into_the_model_in_memory_as_a_resume_loads_them
     _load_safetensors_into(other, tmp_path / "model")
     for (name, expected), loaded in zip(saved.state_dict().items(), other.state_dict().values(), strict=True):
         assert torch.equal(expected, loaded), name
+    # An untied head missing from the files (a cut checkpoint) resumed on the head the model was built with.
+    assert not saved.config.tie_word_embeddings
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "model" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "lm_head.weight"}, weights, {"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
+        _load_safetensors_into(other, tmp_path / "model")
 
 
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled-head", "own-forward"])
@@ -366,3 +374,24 @@ def test_lora_bias_training_with_the_shared_base_critic_is_refused_and_a_separat
             peft_config=config,
             value_model=str(model_dir),
         )
+
+
+def test_a_saved_adapter_that_lacks_weights_is_refused_when_a_resume_loads_it(tiny_model_dir, tmp_path):
+    """A resume loads the policy's and the critic's adapters with peft's `set_peft_model_state_dict`, which loads
+    what matches and says what did not: left unread, a cut adapter file resumed with the weights the adapter was built
+    with, silently."""
+    from helpers import peft_actor_critic
+    from safetensors.torch import load_file, save_file
+
+    model = peft_actor_critic(tiny_model_dir)
+    model.save_policy(tmp_path / "policy")
+    model.save_critic(tmp_path / "critic")
+    model.load_policy(tmp_path / "policy")  # whole: loaded
+    model.load_critic(tmp_path / "critic")
+    for folder, adapter in (("policy", "default"), ("critic", "critic")):
+        file = tmp_path / folder / "adapter_model.safetensors"
+        weights = load_file(file)
+        cut = sorted(weights)[0]
+        save_file({k: v for k, v in weights.items() if k != cut}, file, {"format": "pt"})
+        with pytest.raises(ValueError, match=rf"do not match the model's '{adapter}' adapter: missing \['"):
+            (model.load_policy if folder == "policy" else model.load_critic)(tmp_path / folder)

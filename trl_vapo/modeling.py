@@ -1004,10 +1004,7 @@ class ActorCritic(nn.Module):
         if not self.learns_values:
             return
         if self.shares_base:
-            from peft import set_peft_model_state_dict
-
-            state = load_file(directory / "adapter_model.safetensors")
-            set_peft_model_state_dict(self.policy, state, adapter_name=CRITIC_ADAPTER)
+            _load_adapter_into(self.policy, directory, CRITIC_ADAPTER)
             self.value_head.load_state_dict(load_file(directory / VALUE_HEAD_FILE))
         else:
             _load_safetensors_into(self.critic, directory)
@@ -1031,11 +1028,7 @@ class ActorCritic(nn.Module):
     def load_policy(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
         if is_peft_model(self.policy):
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(
-                self.policy, load_file(directory / "adapter_model.safetensors"), adapter_name=POLICY_ADAPTER
-            )
+            _load_adapter_into(self.policy, directory, POLICY_ADAPTER)
         else:
             _load_safetensors_into(self.policy, directory)
 
@@ -1230,6 +1223,31 @@ def policy_fingerprints(policy: nn.Module) -> tuple[str, str]:
     return policy_digest.hexdigest(), base_digest.hexdigest()
 
 
+def _load_adapter_into(model: nn.Module, directory: Path, adapter_name: str) -> None:
+    """Load the adapter weights `save_pretrained` wrote in `directory` into `model`'s adapter `adapter_name`, all of
+    them: peft loads what matches and says what did not (its result was left unread, and a cut or another adapter's
+    file resumed with the weights the adapter was built with, silently)."""
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"), adapter_name)
+    # (its missing keys list every base weight too: the adapter's own are those named after it)
+    missing = [key for key in result.missing_keys if f".{adapter_name}." in key or key.endswith(f".{adapter_name}")]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"The adapter weights in {directory} do not match the model's '{adapter_name}' adapter: missing "
+            f"{missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}."
+        )
+
+
+def _not_loaded_under_another_name(model: nn.Module, missing: list[str], loaded_names) -> list[str]:
+    """The names of `missing` whose tensor was not loaded under another of `model`'s names: a tied head is the
+    embeddings' tensor, saved once under their name. (By name, an untied model's missing head was let through too:
+    it resumed on the head it was built with.)"""
+    tensors = model.state_dict(keep_vars=True)
+    loaded = {id(tensors[name]) for name in loaded_names if name in tensors}
+    return [name for name in missing if id(tensors.get(name)) not in loaded]
+
+
 def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
     """Load every ``*.safetensors`` shard of a ``save_pretrained`` folder into ``model`` (strictly, tied weights
     aside)."""
@@ -1240,8 +1258,7 @@ def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
     for shard in shards:
         state.update(load_file(shard))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    missing = _not_loaded_under_another_name(model, missing, state)
     if unexpected:
         # `save_pretrained` writes transformers' original layout, undoing the weight conversions `from_pretrained`
         # applies (an MoE's experts one tensor each, which the model holds stacked): read through `from_pretrained`,
@@ -1251,10 +1268,12 @@ def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
             directory, dtype=torch.float32, device_map="cpu", output_loading_info=True
         )
         if any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")):  # it fills them in
-            missing, unexpected = info.get("missing_keys", []), info.get("unexpected_keys", [])
+            # (sets, in transformers' loading info: listed, for the message's first five)
+            missing, unexpected = sorted(info.get("missing_keys", [])), sorted(info.get("unexpected_keys", []))
+            missing = _not_loaded_under_another_name(loaded, missing, set(loaded.state_dict()) - set(missing))
         else:
             missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
-        missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+            missing = _not_loaded_under_another_name(model, missing, loaded.state_dict())
     if missing or unexpected:
         raise ValueError(
             f"Weights in {directory} do not match {type(model).__name__}: missing {missing[:5]}, "
