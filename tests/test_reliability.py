@@ -589,6 +589,12 @@ def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tin
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(trainer.actor_critic.parameters(), before))
     assert trainer.progress.skipped_steps == 2 and ended == [2]
+    # A longer run stops after its first rollouts: nothing trained, the policy samples alike, and every update to
+    # the end would be skipped (value pretraining's 50 rollouts, then RL's).
+    args = config(tmp_path, max_steps=10, value_pretrain_steps=4)
+    trainer = VAPOTrainer(str(tiny_model_dir), never, args, prompts_dataset(32))
+    with pytest.raises(RuntimeError, match=r"\(3 steps, every update skipped; stopped after 3 rollouts, since"):
+        trainer.train()
 
 
 def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, caplog):

@@ -529,8 +529,9 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     section = _held_out_section(partly)
     assert "all scored; 0 partly scored problems left out before training, 3 after)." in section
     unscored = {**HELD_OUT, "after": {**HELD_OUT["after"], "num_unscored": 2}}  # the after report's set is smaller
-    assert "; 0 problems no reward scored left out of every figure before training, 2 after)." in _held_out_section(
-        unscored
+    assert (
+        "; 0 problems none of whose samples a reward scored left out of avg@k and pass@k before training, 2 after)."
+        in _held_out_section(unscored)
     )
     assert (
         "| reward | -0.500 | +0.900 |" in content

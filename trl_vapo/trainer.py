@@ -165,6 +165,10 @@ logger = get_logger(__name__)
 RESUME = "resume with resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`)"
 
 
+UNSCORED_ROLLOUTS_BEFORE_STOP = 3
+"""Rollouts of a run in which no reward scored any completion before it stops (none trains, and nothing changes)."""
+
+
 class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.SavingMixin, Trainer):
     """Trainer for VAPO: PPO with a value model, value pretraining, decoupled and length-adaptive GAE, token-level
     loss, clip-higher, positive-example NLL and group sampling (arXiv 2504.05118).
@@ -807,17 +811,28 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 if asked.item():  # every process stops at the same point
                     self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
 
+            rollouts = 0
             while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
                 self._train_on_rollout()
                 stop_if_signalled()
+                rollouts += 1
+                if self.progress.scored_completions == 0 and rollouts == UNSCORED_ROLLOUTS_BEFORE_STOP:
+                    # Nothing scored, nothing trained: the policy samples alike, and the run would skip every
+                    # update to its end (a reward's column missing, a format the model never writes).
+                    break
             if self.state.global_step > start_step and self.progress.scored_completions == 0:
                 self.control = self.callback_handler.on_train_end(args, self.state, self.control)  # trackers close
                 self.is_in_train = False
+                stopped = (
+                    f"; stopped after {rollouts} rollouts, since the policy samples alike while nothing trains"
+                    if self.state.global_step < self.state.max_steps
+                    else ""
+                )
                 raise RuntimeError(
-                    f"No completion was scored in this run ({self.state.global_step} steps, every update skipped): "
-                    f"each reward function ({', '.join(self.reward_func_names)}) returned None for every completion. "
-                    "Check that the columns they read (e.g. `answer`) are in the dataset and that they return a "
-                    "float for the completions they can judge."
+                    f"No completion was scored in this run ({self.state.global_step} steps, every update skipped"
+                    f"{stopped}): each reward function ({', '.join(self.reward_func_names)}) returned None for every "
+                    "completion. Check that the columns they read (e.g. `answer`) are in the dataset and that they "
+                    "return a float for the completions they can judge."
                 )
             if 0 < self.state.global_step != self.progress.epoch_ended_step:  # transformers ends the last epoch too
                 # (its evaluation and checkpoint may take minutes: a signal then stops with a checkpoint too; a run
