@@ -6,12 +6,23 @@ Tests load them back with `from_pretrained`, exactly as users load hub models. N
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-# Tests never reach a hub: make any accidental look-up fail fast instead of waiting on the network.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Tests never reach a hub: make any accidental look-up fail fast instead of waiting on the network (forced: a user's
+# HF_HUB_OFFLINE=0 let them try). And they never read or write the user's Hugging Face folder: a model the README's
+# quick start cached there loaded for real where a test expects "not in the cache", the user's accelerate default
+# config relaunched the CLI's runs, and the datasets cache grew by every run. One folder for the whole session (xdist's
+# workers inherit the controller's environment), set before any Hugging Face library reads it at import.
+os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+if "TRL_VAPO_TESTS_HF_HOME" not in os.environ:
+    import tempfile
+
+    os.environ["TRL_VAPO_TESTS_HF_HOME"] = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="trl-vapo-tests-hf-")
+    os.environ.pop("HF_HUB_CACHE", None)
+    os.environ.pop("HF_DATASETS_CACHE", None)
+    os.environ.pop("TRANSFORMERS_CACHE", None)
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -43,6 +54,22 @@ SLOWEST_FILES = [
     "test_diagnostics.py",  # 9
     "test_demo_data.py",  # 9
 ]
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n logical` (pyproject.toml): one worker for each CPU this process may run on (its affinity, a container's
+    CPU quota), where xdist counts the host's (psutil's count): a 2-CPU container on a 64-core host started 64
+    workers, each importing torch. None where the affinity cannot be read (macOS, Windows): xdist's own count."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = len(os.sched_getaffinity(0))
+    try:  # cgroup v2's quota: "max 100000" (none) or "200000 100000" (two CPUs' time)
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def pytest_collection_modifyitems(config, items):

@@ -339,7 +339,7 @@ def _given(argv: list[str]) -> tuple[dict[str, typing.Any], dict[str, typing.Any
         import yaml
 
         try:
-            config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+            config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text(encoding="utf-8"))
         except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8; TrlParser's read says it in a line)
             config = None
         config = config if isinstance(config, dict) or config is None else {}
@@ -530,7 +530,7 @@ def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.An
             return torch.cuda.device_count()
         if launch_file is None:
             return 1
-        launched = yaml.safe_load(Path(launch_file).read_text()) or {}
+        launched = yaml.safe_load(Path(launch_file).read_text(encoding="utf-8")) or {}
         if str(launched.get("distributed_type", "")).upper() in ("NO", "FALSE"):  # one process, whatever else it says
             return 1  # (TRL's single_gpu.yaml: `num_processes: 8`, and accelerate's simple launcher starts one)
         return int(launched.get("num_processes") or 1)
@@ -554,7 +554,7 @@ def _default_launch_config() -> str | None:
 
     path = _default_launch_file()
     try:
-        settings = yaml.safe_load(path.read_text()) if path.is_file() else None
+        settings = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, yaml.YAMLError):
         return None
     if not isinstance(settings, dict) or str(settings.get("distributed_type", "NO")).upper() in ("NO", "FALSE"):
@@ -1449,8 +1449,8 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
         from .loading import hub_file
 
         found = {name: hub_file(model, name) for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}
-    data = json.loads(found[RUN_DATA_FILE].read_text()) if found[RUN_DATA_FILE] else {}
-    run_config = json.loads(found[RUN_CONFIG_FILE].read_text()) if found[RUN_CONFIG_FILE] else {}
+    data = json.loads(found[RUN_DATA_FILE].read_text(encoding="utf-8")) if found[RUN_DATA_FILE] else {}
+    run_config = json.loads(found[RUN_CONFIG_FILE].read_text(encoding="utf-8")) if found[RUN_CONFIG_FILE] else {}
     named = {*flags, *config}
     takes_data = not named & {"dataset_name", "dataset_preset"}
     formatting = ("prompt_template", "system_prompt")
