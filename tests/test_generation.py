@@ -434,6 +434,55 @@ def test_vllm_sync_pushes_the_base_merged_with_the_policy_adapter_only(tiny_mode
     assert not any(getattr(m, "merged", False) for m in policy.modules())
 
 
+@pytest.mark.parametrize("adapter", ["lora-on-two-expert-parameters", "ln-tuning"])
+def test_vllm_sync_merges_nested_and_swapping_adapters_as_peft_merges_them(tmp_path, adapter):
+    """Two adapters whose merge the sync's own one-layer merge got wrong: LoRA on two parameters of one module (peft
+    nests their wrappers, each merging its own: the inner parameter reached vLLM without its LoRA; gpt-oss's LoRA
+    recipes target its experts so), and LN tuning (its merge swaps in the trained norm: the untrained one reached
+    vLLM). Against peft's `merge_and_unload` of the policy adapter alone; the training weights stay as they were."""
+    from peft import LNTuningConfig, LoraConfig, get_peft_model
+    from transformers import AutoConfig
+
+    from trl_vapo.modeling import ActorCritic, ValueHead
+    from trl_vapo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    shape = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=4, head_dim=8)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+    config = AutoConfig.for_model("qwen3_moe", **shape, **moe, num_key_value_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    if adapter == "ln-tuning":
+        peft_config = LNTuningConfig(target_modules=["input_layernorm", "post_attention_layernorm"])
+    else:
+        peft_config = LoraConfig(
+            r=2, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"]
+        )
+    policy = get_peft_model(base, peft_config)
+    policy.add_adapter(CRITIC_ADAPTER, peft_config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # both adapters change the weights they wrap
+        for name, param in policy.named_parameters():
+            if "lora_B" in name or "ln_tuning_layers" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    engine = _vllm_engine(ActorCritic(policy, value_head=ValueHead(32)), tokenizer)
+
+    engine.sync_weights(step=0)
+
+    received, expected = engine.vllm_generation.received, merged_policy_only(policy)
+    assert set(received) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(received[name], value, atol=1e-6, rtol=0, msg=name)
+    plain = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "base").named_parameters())
+    changed = {name for name, value in expected.items() if not torch.allclose(value, plain[name], atol=1e-3)}
+    assert changed and all(("experts" if adapter.startswith("lora") else "layernorm") in name for name in changed)
+    for name, param in policy.named_parameters():
+        torch.testing.assert_close(param.detach(), before[name], atol=0, rtol=0, msg=name)
+
+
 def test_vllm_gets_transformers_generation_kwargs_under_its_own_names():
     """`VLLMGeneration` passes `generation_kwargs` to vLLM's `SamplingParams` as they are: transformers' names that
     vLLM spells otherwise are renamed (`min_new_tokens` was an unexpected keyword at the first rollout, where the

@@ -139,14 +139,28 @@ def _exactly_merged_params(model: nn.Module, dist, fix_name: Callable) -> Iterat
 
 
 def _merge_on_copy(owner: str, layer: nn.Module) -> dict[str, torch.Tensor]:
-    """The merged base weights of one adapted layer (its active adapter: the policy's), leaving the layer as it was."""
+    """The merged base weights of one adapted layer (its active adapter: the policy's), leaving the layer as it was.
+
+    peft nests the wrappers of two parameters of one module (LoRA's `target_parameters` on an MoE's experts: the
+    outer's `base_layer` is the inner wrapper), and each merges its own parameter: all of them are merged (the outer
+    alone left the inner parameter's LoRA out of vLLM's weights). An LN-tuning layer's merge swaps its trained copy
+    in as `base_layer`: the weights are read after the merge (those before it were the untrained norm)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    chain = [layer]
+    while isinstance(chain[-1].base_layer, BaseTunerLayer):
+        chain.append(chain[-1].base_layer)
     base = {f"{owner}.base_layer.{n}": p for n, p in layer.base_layer.named_parameters()}
     saved = {n: p.data.clone() for n, p in base.items()}
-    layer.merge()  # peft's own merge: LoRA scaling, DoRA, fan_in_fan_out, LoRA bias
+    merged = []
     try:
-        return {n: p.data.clone() for n, p in base.items()}
+        for tuner in chain:
+            tuner.merge()  # peft's own merge: LoRA scaling, DoRA, fan_in_fan_out, LoRA bias
+            merged.append(tuner)
+        return {f"{owner}.base_layer.{n}": p.data.clone() for n, p in layer.base_layer.named_parameters()}
     finally:
-        if layer.merged:
-            layer.unmerge()
+        for tuner in reversed(merged):
+            if tuner.merged:
+                tuner.unmerge()
         for n, p in base.items():
             p.data.copy_(saved[n])
