@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-steps", type=int, default=2)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stall-at", type=int)
+    parser.add_argument("--signal-repeat-window", type=float, help="trl_vapo.signals.SIGNAL_REPEAT_WINDOW, seconds")
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--log-name", default="logs")
     parser.add_argument("--deepspeed", type=int, choices=(2, 3), help="ZeRO stage (DeepSpeed through accelerate)")
@@ -293,6 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.fsdp2:
         force_fsdp2_on_cpu()
+    if args.signal_repeat_window is not None:
+        import trl_vapo.signals
+
+        trl_vapo.signals.SIGNAL_REPEAT_WINDOW = args.signal_repeat_window
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy
 import pytest
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_vapo.checkpoint import list_checkpoints
 from trl_vapo.cli import (
@@ -206,6 +206,11 @@ def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch, capsys):
     settings, _ = _run_settings(["--model", "~/run", "--dataset_name", "b.jsonl"])
     assert "system_prompt" not in settings
     assert "the run formatted its prompts with --system_prompt 'Be brief.', not applied" in capsys.readouterr().err
+    # A checkpoint's folder read as the current one (`--model .`): its name ("") was no checkpoint's, and the run's
+    # settings, one folder up, were not found.
+    (tmp_path / "run" / "checkpoint-2").mkdir()
+    monkeypatch.chdir(tmp_path / "run" / "checkpoint-2")
+    assert _run_settings(["--model", "."])[0]["dataset_name"] == "a.jsonl"
 
 
 def test_a_configs_env_block_is_set_before_the_hub_library_reads_its_environment(tmp_path):
@@ -1564,6 +1569,24 @@ def test_eval_bad_input_is_one_line_before_any_model_loads(
     assert main(["eval", *(a.format(**fill) for a in args)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"trl-vapo eval: error: {needle.format(**fill)}"), lines
+
+
+def test_eval_of_an_adapter_whose_base_is_not_here_is_one_line(tiny_model_dir, jsonl_data, tmp_path, capsys):
+    """A run's output folder copied to another machine: its adapter names a base that is not there (trl-vapo saves the
+    tokenizer beside the adapter, so nothing checked the base before it loaded): peft's traceback, now one line."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = tmp_path / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/moved/base"}))
+    capsys.readouterr()  # (the base's loading bar, above)
+    data = ["--dataset_name", str(jsonl_data), "--prompt_column", "question", "--dataset_test_split", "train"]
+    assert main(["eval", "--model", str(adapter), "--k", "1", "--num_prompts", "1", *data]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"trl-vapo eval: error: --model {adapter} does not load: "), lines
 
 
 def test_eval_renders_prompts_with_the_chat_template_kwargs_of_training(tiny_model_dir, jsonl_data, tmp_path, capsys):

@@ -151,16 +151,24 @@ def test_the_grey_band_covers_value_pretrainings_steps_and_no_rl_step(tmp_path, 
     from the first log (step 10, not 1) to the first RL log (step 20), shading RL's steps 14-19. matplotlib's
     `axvspan` is watched (the band is in the PNG's pixels)."""
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
     spans, axvspan = [], Axes.axvspan
     monkeypatch.setattr(Axes, "axvspan", lambda self, *a, **k: spans.append(a[:2]) or axvspan(self, *a, **k))
+    titles, suptitle = [], Figure.suptitle
+    monkeypatch.setattr(Figure, "suptitle", lambda self, t, **k: titles.append(t) or suptitle(self, t, **k))
     logs = [{"step": 10, "phase": "value_pretrain"}, {"step": 13, "phase": "value_pretrain"}]
     logs += [{"step": 20, "phase": "rl", "reward": 0.5}]
     write_plots(tmp_path, logs)
     assert spans and set(spans) == {(0.5, 13.5)}
+    assert titles[0].endswith("training curves (grey: value pretraining)")
     spans.clear()
-    write_plots(tmp_path, [{"step": 10, "phase": "rl", "reward": 0.5}])  # no value pretraining: no band
-    assert spans == []
+    # No value pretraining: no band, and the title names none. CISPO's clip fraction has a curve of its own.
+    labels, plot = [], Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **k: labels.append(k.get("label")) or plot(self, *a, **k))
+    write_plots(tmp_path, [{"step": 10, "phase": "rl", "reward": 0.5, "cispo_clip_ratio": 0.1}])
+    assert spans == [] and titles[-2].endswith("training curves")  # (the last: the position profiles')
+    assert "cispo_clip_ratio" in labels
 
 
 def test_without_matplotlib_a_run_says_so_once(tmp_path, monkeypatch, caplog):

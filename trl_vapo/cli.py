@@ -1441,7 +1441,7 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     if not isinstance(model, str):  # model_name_or_path is the base it trained from)
         return {}, []
     if Path(model).expanduser().is_dir():
-        folder = Path(model).expanduser()
+        folder = Path(model).expanduser().resolve()  # (`--model .` in a checkpoint's folder: named "checkpoint-N")
         places = [folder, folder.parent] if folder.name.startswith("checkpoint-") else [folder]
         found = {name: next((place / name for place in places if (place / name).is_file()), None)
                  for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}  # fmt: skip
@@ -1578,6 +1578,7 @@ def eval_command(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .evaluation import evaluate_policy
+    from .loading import is_saved_adapter
 
     reward_funcs = _resolve_rewards(_reward_names(script), args.max_completion_length)
     _check_reward_settings(reward_funcs, script.reward_model_name_or_path, args)  # before any model loads
@@ -1621,12 +1622,15 @@ def eval_command(argv: list[str]) -> int:
         if args.num_prompts:
             dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
 
-    if (Path(args.model) / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
+    try:
+        if is_saved_adapter(args.model, {}):  # local or on the Hub: its base at the revision the adapter names (read
+            from peft import AutoPeftModelForCausalLM  # as a model, a Hub adapter's base was its default branch's)
 
-        model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+            model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:  # an adapter whose base is not here, a folder without weights: a traceback
+        raise UsageError(f"--model {args.model} does not load: {' '.join(str(error).split())}") from None
     # As training picks: an accelerator present here (CUDA, MPS, XPU, ...), not merely built into torch; else the CPU.
     device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     model.to(device)

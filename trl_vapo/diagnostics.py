@@ -165,7 +165,8 @@ CURVES = [
     ("entropy", ["entropy"]),
     ("value loss", [VALUE_LOSS]),
     ("explained variance", [EXPLAINED_VARIANCE]),
-    ("clip fractions", ["clip_ratio/low_mean", "clip_ratio/high_mean", "value/clip_ratio"]),
+    # (CISPO's capped weights are its `cispo_clip_ratio`, where PPO's upper clip is `clip_ratio/high_mean`)
+    ("clip fractions", ["clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio", "value/clip_ratio"]),
     ("advantage / position correlation", [POSITION_CORRELATION]),
 ]
 
@@ -200,7 +201,8 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
         ax.set_xlabel("optimizer step")
         if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # a panel with no data yet has nothing to name
             ax.legend(fontsize=7)
-    fig.suptitle(f"{Path(output_dir).name}: training curves (grey: value pretraining)")
+    shaded = " (grey: value pretraining)" if pretrained_to is not None else ""
+    fig.suptitle(f"{Path(output_dir).name}: training curves{shaded}")
     curves = folder / "training_curves.png"
     fig.savefig(curves, dpi=110)
     plt.close(fig)
