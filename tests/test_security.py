@@ -60,7 +60,7 @@ def test_remote_code_is_not_run_unless_asked(tiny_model_dir, tmp_path):
     assert not marker.exists()
 
 
-def test_pickled_weights_are_never_unpickled(tiny_model_dir, tmp_path):
+def test_pickled_weights_are_never_unpickled(tiny_model_dir, tmp_path, capsys):
     model_dir = tmp_path / "pickled"
     model_dir.mkdir()
     for item in Path(tiny_model_dir).iterdir():
@@ -77,6 +77,11 @@ def test_pickled_weights_are_never_unpickled(tiny_model_dir, tmp_path):
             model=str(model_dir), reward_funcs=constant, args=args(tmp_path), train_dataset=prompts_dataset(16)
         )
     assert not marker.exists()
+    # `trl-vapo eval` loads as training does (it unpickled them), its own flag named.
+    from trl_vapo.cli import main
+
+    assert main(["eval", "--model", str(model_dir), "--k", "1", "--num_prompts", "1"]) == 2
+    assert not marker.exists() and "`trl-vapo eval --use_safetensors false`" in capsys.readouterr().err
 
 
 def test_a_tampered_checkpoint_is_not_unpickled(tiny_model_dir, tmp_path):

@@ -1377,6 +1377,13 @@ class EvalArguments(VLLMOptions):
         },
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow the model's own Python code."})
+    use_safetensors: bool = field(
+        default=True,
+        metadata={
+            "help": "Load safetensors weights only, as training does: unpickling a `pytorch_model.bin` can run any "
+            "code in it. false loads a model saved only so, if you trust it."
+        },
+    )
     output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})
 
     def __post_init__(self):
@@ -1579,6 +1586,7 @@ def eval_command(argv: list[str]) -> int:
 
     from .evaluation import evaluate_policy
     from .loading import is_saved_adapter
+    from .pretrained import load_pretrained
 
     reward_funcs = _resolve_rewards(_reward_names(script), args.max_completion_length)
     _check_reward_settings(reward_funcs, script.reward_model_name_or_path, args)  # before any model loads
@@ -1622,13 +1630,15 @@ def eval_command(argv: list[str]) -> int:
         if args.num_prompts:
             dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
 
+    # A saved adapter, local or on the Hub, loads its base at the revision the adapter names (read as a model, a Hub
+    # adapter's base was its default branch's).
+    if is_saved_adapter(args.model, {}):
+        from peft import AutoPeftModelForCausalLM as model_class
+    else:
+        model_class = AutoModelForCausalLM
     try:
-        if is_saved_adapter(args.model, {}):  # local or on the Hub: its base at the revision the adapter names (read
-            from peft import AutoPeftModelForCausalLM  # as a model, a Hub adapter's base was its default branch's)
-
-            model = AutoPeftModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        kwargs = {"trust_remote_code": args.trust_remote_code, "use_safetensors": args.use_safetensors}
+        model = load_pretrained(model_class, args.model, kwargs)
     except (OSError, ValueError) as error:  # an adapter whose base is not here, a folder without weights: a traceback
         raise UsageError(f"--model {args.model} does not load: {' '.join(str(error).split())}") from None
     # As training picks: an accelerator present here (CUDA, MPS, XPU, ...), not merely built into torch; else the CPU.

@@ -75,7 +75,7 @@ def load_pretrained(model_class, name: str, kwargs: dict[str, Any]):
                 f"{error} trl-vapo loads safetensors weights only (`use_safetensors=True`): unpickling a weights "
                 f"file can run any code in it. If {name} has pickled weights only (`pytorch_model.bin`) and you trust "
                 "them, pass model_init_kwargs={'use_safetensors': False} (on the command line: --model_init_kwargs "
-                "'{\"use_safetensors\": false}'), or save the model once with `save_pretrained`, which writes "
-                "safetensors."
+                "'{\"use_safetensors\": false}'; `trl-vapo eval --use_safetensors false`), or save the model once "
+                "with `save_pretrained`, which writes safetensors."
             ) from error
         raise
