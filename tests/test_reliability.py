@@ -2259,10 +2259,17 @@ def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoi
     with pytest.raises(ValueError, match=r"eval_dataset \(a batch read from the stream\) has 1 row\(s\)") as refused:
         with caplog.at_level(logging.WARNING):
             trainer.train()
-    checkpoint = tmp_path / "out" / "checkpoint-2"
-    said = f"{checkpoint} holds the 2 steps so far: {RESUME}."
-    assert said in caplog.text and getattr(refused.value, "__notes__", [said]) == [said]
-    assert list_checkpoints(tmp_path / "out") == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
+    assert_steps_so_far_in_a_checkpoint(tmp_path / "out", 2, refused.value, caplog.text)
+
+
+def assert_steps_so_far_in_a_checkpoint(out: Path, step: int, error: BaseException, log: str) -> Path:
+    """A run an error stopped wrote its steps so far as `checkpoint-<step>`, its only one, named in the log and in
+    the error's note."""
+    checkpoint = out / f"checkpoint-{step}"
+    said = f"{checkpoint} holds the {step} steps so far: {RESUME}."
+    assert said in log and getattr(error, "__notes__", [said]) == [said]
+    assert list_checkpoints(out) == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
+    return checkpoint
 
 
 def test_a_reward_function_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoint(
@@ -2284,10 +2291,7 @@ def test_a_reward_function_that_fails_mid_run_leaves_the_steps_trained_in_a_chec
     with pytest.raises(RuntimeError, match="raised ConnectionError: the judge timed out -- first failing") as failed:
         with caplog.at_level(logging.WARNING):
             trainer.train()
-    checkpoint = tmp_path / "out" / "checkpoint-2"
-    said = f"{checkpoint} holds the 2 steps so far: {RESUME}."
-    assert said in caplog.text and getattr(failed.value, "__notes__", [said]) == [said]
-    assert list_checkpoints(tmp_path / "out") == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
+    checkpoint = assert_steps_so_far_in_a_checkpoint(tmp_path / "out", 2, failed.value, caplog.text)
     resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
     assert resumed.train(resume_from_checkpoint=str(checkpoint)).global_step == 4
 
