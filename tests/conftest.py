@@ -16,13 +16,17 @@ import pytest
 # config relaunched the CLI's runs, and the datasets cache grew by every run. One folder for the whole session (xdist's
 # workers inherit the controller's environment), set before any Hugging Face library reads it at import.
 os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+_OWN_HF_HOME = None  # the folder this process made (the session's first: xdist's controller), removed at its end
 if "TRL_VAPO_TESTS_HF_HOME" not in os.environ:
     import tempfile
 
-    os.environ["TRL_VAPO_TESTS_HF_HOME"] = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="trl-vapo-tests-hf-")
-    os.environ.pop("HF_HUB_CACHE", None)
-    os.environ.pop("HF_DATASETS_CACHE", None)
-    os.environ.pop("TRANSFORMERS_CACHE", None)
+    _OWN_HF_HOME = tempfile.mkdtemp(prefix="trl-vapo-tests-hf-")
+    os.environ["TRL_VAPO_TESTS_HF_HOME"] = os.environ["HF_HOME"] = _OWN_HF_HOME
+    own = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "HF_XET_CACHE")
+    own += ("HF_ASSETS_CACHE", "HF_MODULES_CACHE", "HF_TOKEN_PATH", "ACCELERATE_CONFIG_FILE")
+    for name in own:  # (each a place of the user's own, read before HF_HOME)
+        os.environ.pop(name, None)
+
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -136,3 +140,10 @@ def stand_in_vllm(monkeypatch):
     # TRL's `is_vllm_available`, as the engine check reads it (imported through `trl_vapo._compat`).
     monkeypatch.setattr(importlib.import_module("trl_vapo.generation"), "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setattr(vllm_generation, "VLLMGeneration", StandInVLLMGeneration)
+
+
+def pytest_unconfigure(config):
+    if _OWN_HF_HOME is not None:  # (the session's own folder: the process that made it removes it)
+        import shutil
+
+        shutil.rmtree(_OWN_HF_HOME, ignore_errors=True)

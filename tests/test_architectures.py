@@ -381,12 +381,23 @@ def test_a_saved_adapter_that_lacks_weights_is_refused_when_a_resume_loads_it(ti
     what matches and says what did not: left unread, a cut adapter file resumed with the weights the adapter was built
     with, silently."""
     from helpers import peft_actor_critic
+    from peft import PromptTuningConfig, get_peft_model
     from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSequenceClassification
 
+    from trl_vapo.modeling import ActorCritic
+
+    # Whole files load, a prompt-tuning policy's too (peft loads its embeddings on a path of their own, and calls the
+    # file's key unexpected and the model's missing: a resume of such a run refused itself).
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompt_tuned = get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    ActorCritic(prompt_tuned, critic=critic).save_policy(tmp_path / "prompt")
+    ActorCritic(prompt_tuned, critic=critic).load_policy(tmp_path / "prompt")
     model = peft_actor_critic(tiny_model_dir)
     model.save_policy(tmp_path / "policy")
     model.save_critic(tmp_path / "critic")
-    model.load_policy(tmp_path / "policy")  # whole: loaded
+    model.load_policy(tmp_path / "policy")
     model.load_critic(tmp_path / "critic")
     for folder, adapter in (("policy", "default"), ("critic", "critic")):
         file = tmp_path / folder / "adapter_model.safetensors"

@@ -797,7 +797,11 @@ BAD_INPUT = [
     # An optimizer whose package is missing (not in the locked set): a traceback when train() built it.
     (["--optim", "adamw_torch_4bit"], "optim='adamw_torch_4bit' cannot be built here: You need to have `torchao"),
     # A skipped step's NaN gradients, which ZeRO-1/2 no longer found, stepped into the weights.
-    (["--deepspeed", '{"zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}'], "sets bf16.ch"),
+    (
+        ["--bf16", "true", "--use_cpu", "true", "--deepspeed"]
+        + ['{"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto", "check_grad_overflow": false}}'],
+        "sets bf16.check_grad_overflow to false",
+    ),
     (["--deepspeed", '{"zero_optimization": {"stage": 1, "compute_grad_norm": false}}'], "sets zero_optimization.com"),
     (["--eval_strategy", "steps"], "is one file, so one split: its 'test' split would be the training prompts"),
     # Issue 50's rows: each was accepted (and trained), or a traceback, or named another field.

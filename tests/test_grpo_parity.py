@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from collections import defaultdict
 
 import pytest
@@ -307,6 +308,10 @@ def test_use_liger_kernel_applies_ligers_layer_kernels_to_the_policy_as_grpo_doe
     with pytest.warns(FutureWarning, match="`use_liger_kernel=True` is deprecated"):
         args = make_args(tmp_path, use_liger_kernel=True, liger_kernel_config={"rms_norm": True})
     assert args.liger_kernel_config == {"rms_norm": True, "fused_linear_cross_entropy": False}
+    with warnings.catch_warnings(record=True) as again:  # the trainer reads the config again: said once a config
+        warnings.simplefilter("always")
+        args.check_again()
+    assert not [w for w in again if "use_liger_kernel" in str(w.message)]
     with pytest.raises(ImportError, match="pip install liger-kernel"):
         VAPOTrainer(str(tmp_path / "no-such-model"), digit_fraction, args, prompts_dataset(8))
 

@@ -589,11 +589,11 @@ def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tin
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(trainer.actor_critic.parameters(), before))
     assert trainer.progress.skipped_steps == 2 and ended == [2]
-    # A longer run stops after its first rollouts: nothing trained, the policy samples alike, and every update to
-    # the end would be skipped (value pretraining's 50 rollouts, then RL's).
-    args = config(tmp_path, max_steps=10, value_pretrain_steps=4)
-    trainer = VAPOTrainer(str(tiny_model_dir), never, args, prompts_dataset(32))
-    with pytest.raises(RuntimeError, match=r"\(3 steps, every update skipped; stopped after 3 rollouts, since"):
+    # A longer run stops after its first rollouts of 32 prompts (and 3 rollouts) at least: nothing trained, the policy
+    # samples alike, and every update to the end would be skipped (value pretraining's 50 rollouts, then RL's).
+    args = config(tmp_path, max_steps=40, value_pretrain_steps=4, num_generations=2, per_device_train_batch_size=16)
+    trainer = VAPOTrainer(str(tiny_model_dir), never, args, prompts_dataset(64))
+    with pytest.raises(RuntimeError, match=r"\(4 steps, every update skipped; stopped after 4 rollouts of 32 prompts"):
         trainer.train()
 
 
@@ -666,8 +666,14 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     with pytest.raises(ValueError, match=r"BertForSequenceClassification attends to later tokens \(.*is not causal\)"):
         with_critic(bert)
     roberta = AutoModelForSequenceClassification.from_config(RobertaConfig(**shape, is_decoder=True))
-    with pytest.raises(ValueError, match=r"head is a RobertaClassificationHead, and the critic reads a value at"):
+    with pytest.raises(ValueError, match=r"layer on the backbone's hidden states \(its head is a RobertaClassif"):
         with_critic(roberta)
+    # DeBERTa's attention names no direction, and its classifier is linear, behind a pooler of the first token
+    from transformers import DebertaV2Config
+
+    deberta = AutoModelForSequenceClassification.from_config(DebertaV2Config(**shape))
+    with pytest.raises(ValueError, match=r"hidden states \(\['pooler'\] before it\), and the critic reads"):
+        with_critic(deberta)
     # As many tokens, numbered otherwise (another family's reward model of the same vocabulary size): its values
     # were read from other tokens' embeddings, silently. Its saved tokenizer says so.
     import string

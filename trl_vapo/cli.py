@@ -1380,8 +1380,9 @@ class EvalArguments(VLLMOptions):
     use_safetensors: bool = field(
         default=True,
         metadata={
-            "help": "Load safetensors weights only, as training does: unpickling a `pytorch_model.bin` can run any "
-            "code in it. false loads a model saved only so, if you trust it."
+            "help": "Load the model's safetensors weights only, as training does: unpickling a `pytorch_model.bin` "
+            "can run any code in it. false loads a model saved only so, if you trust it. (An adapter's own file "
+            "loads either way: peft reads a `.bin` with torch's weights-only loader.)"
         },
     )
     output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})

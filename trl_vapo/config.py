@@ -960,12 +960,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
             self.vllm_importance_sampling_cap = None  # (read: a second reading, `check_again`'s, warned again)
         if self.use_liger_kernel:  # as GRPOTrainer (TRL 1.16): Liger's layer kernels only, the LM head stays ours
-            warnings.warn(
-                "`use_liger_kernel=True` is deprecated and will be removed in v2.0.0. Use the Hub kernels instead, "
-                'with `model_init_kwargs={"use_kernels": True}`.',
-                FutureWarning,
-                stacklevel=3,
-            )
+            # (its deprecation is warned in `_validate`, once a config)
             if not (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
                 self.liger_kernel_config = {**(self.liger_kernel_config or {}), "fused_linear_cross_entropy": False}
 
@@ -1023,6 +1018,13 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             if not condition:
                 raise ValueError(message)
 
+        if self.use_liger_kernel:  # (as GRPOTrainer, TRL 1.16)
+            warnings.warn(
+                "`use_liger_kernel=True` is deprecated and will be removed in v2.0.0. Use the Hub kernels instead, "
+                'with `model_init_kwargs={"use_kernels": True}`.',
+                FutureWarning,
+                stacklevel=2,
+            )
         require(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}.")
         require(
             self.generation_batch_size % self.num_generations == 0,

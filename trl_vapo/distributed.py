@@ -276,12 +276,14 @@ def check_deepspeed_config(args) -> None:
     refuse_deepspeed_mismatches(getattr(args, "hf_deepspeed_config", None))
     zero = config.get("zero_optimization") or {}
     # A skipped step (nothing scored, a non-finite loss: `VAPOTrainer._drop_update`) hands ZeRO NaN gradients, which
-    # its stage 1 and 2 find by their overflow check (bf16's, on by default) or their gradient norm: either turned off,
-    # the NaN was stepped into every weight. (Stage 3 always reads the norm.)
+    # its stage 1 and 2 find by bf16's overflow check (on by default), or in float32 by their gradient norm: the one
+    # of the run's precision turned off, the NaN was stepped into every weight. (Stage 3 always reads the norm.)
+    bf16 = (config.get("bf16") or {}).get("enabled", False)
+    in_bf16 = str(bf16).lower() == "true" or (str(bf16).lower() == "auto" and bool(args.bf16))
     unchecked = []
-    if str((config.get("bf16") or {}).get("check_grad_overflow", True)).lower() == "false":
+    if in_bf16 and str((config.get("bf16") or {}).get("check_grad_overflow", True)).lower() == "false":
         unchecked.append("bf16.check_grad_overflow")
-    if str(zero.get("compute_grad_norm", True)).lower() == "false":
+    if not in_bf16 and str(zero.get("compute_grad_norm", True)).lower() == "false":
         unchecked.append("zero_optimization.compute_grad_norm")
     if unchecked and str(zero.get("stage", "")) != "3":
         raise ValueError(

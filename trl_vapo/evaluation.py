@@ -91,8 +91,9 @@ def _engine(
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 """`generation_kwargs` keys that say how to sample, not where a completion ends: the greedy pass leaves them out."""
-NAMED_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-"""The `generation_kwargs` keys `sample_completions` takes as arguments of its own: a sampled pass's arguments win."""
+NAMED_SAMPLING_KEYS = ("do_sample", "temperature", "top_p")
+"""The `generation_kwargs` keys that would undo what a sampled pass is (sampling, at its temperature and top-p: what
+the reports say it was): its arguments win. Training's `top_k`, `min_p` and `repetition_penalty` there still apply."""
 
 
 def sample_completions(
@@ -122,8 +123,8 @@ def sample_completions(
     ids (what training gives the reward functions) and each one's prompt tokens. `batch_size` applies to the
     `"generate"` engine; continuous batching schedules the requests itself. `generation_kwargs`: training's
     (`SamplingSettings.generation_kwargs`), where completions end (stop strings, stop tokens); a greedy pass leaves
-    out those that say how to sample, a sampled pass those this function names (`temperature`, `top_p`, ...: the
-    arguments say how this pass samples, as `evaluate_policy`'s report says it sampled).
+    out those that say how to sample, a sampled pass `do_sample`, `temperature` and `top_p` (`NAMED_SAMPLING_KEYS`:
+    the arguments say how this pass samples, as `evaluate_policy`'s report says it sampled).
     """
     if max_prompt_length is not None and max_prompt_length < 1:  # (VAPOConfig refuses it; a caller of this may not)
         raise ValueError(

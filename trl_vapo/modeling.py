@@ -238,12 +238,15 @@ def check_value_model(model: nn.Module) -> None:
             "token must not see it. Use a decoder-only model's `AutoModelForSequenceClassification` (the policy's "
             "family), or leave value_model out to build the critic from the policy."
         )
-    if not isinstance(head, nn.Linear):
+    if not isinstance(head, nn.Linear) or not head_reads_the_backbone(model, head):
+        weighted = [(n, c) for n, c in model.named_children() if next(c.parameters(), None) is not None]
+        others = [n for n, c in weighted if c is not head and c is not model.base_model]
+        how = f"its head is a {type(head).__name__}" if not isinstance(head, nn.Linear) else f"{others} before it"
         raise ValueError(
-            f"value_model {type(model).__name__}'s head is a {type(head).__name__}, and the critic reads a value at "
-            "every token through one linear layer on the backbone's hidden states. Use a decoder-only model's "
-            "`AutoModelForSequenceClassification` (a linear `score`), or leave value_model out to build the critic "
-            "from the policy."
+            f"value_model {type(model).__name__} scores through more than one linear layer on the backbone's hidden "
+            f"states ({how}), and the critic reads a value at every token through that one layer. Use a "
+            "decoder-only model's `AutoModelForSequenceClassification` (a linear `score`), or leave value_model out "
+            "to build the critic from the policy."
         )
     if not any(param.requires_grad for param in model.parameters()):
         # It would sit in no optimizer group: value pretraining failed in backward ("element 0 of tensors does not
@@ -500,8 +503,9 @@ def head_reads_the_backbone(model: PreTrainedModel, head: nn.Module) -> bool:
     """Whether ``model``'s weights are its backbone ``base_model``'s and ``head``'s alone, both its direct children:
     then ``head`` can only be applied to the backbone's hidden states as they come. Where another child has weights,
     the model's forward passes the hidden states through it first (BERT's and ModernBERT-decoder's dense, activation
-    and norm before the linear layer, CLVP's final norm, the Gemma 4 assistant's projections): reading ``head`` on the
-    backbone alone computes another function, silently (the tiled log-probs, a critic's values)."""
+    and norm before the linear layer, CLVP's final norm, the Gemma 4 assistant's projections, DeBERTa's pooler):
+    reading ``head`` on the backbone alone computes another function, silently (the tiled log-probs: the model's own
+    forward runs instead; a given critic's values: refused)."""
     backbone = model.base_model
     if backbone is model or not any(child is head for child in model.children()):
         return False
@@ -1225,17 +1229,23 @@ def policy_fingerprints(policy: nn.Module) -> tuple[str, str]:
 
 def _load_adapter_into(model: nn.Module, directory: Path, adapter_name: str) -> None:
     """Load the adapter weights `save_pretrained` wrote in `directory` into `model`'s adapter `adapter_name`, all of
-    them: peft loads what matches and says what did not (its result was left unread, and a cut or another adapter's
-    file resumed with the weights the adapter was built with, silently)."""
-    from peft import set_peft_model_state_dict
+    them: peft loads what matches and leaves the rest as it was (its result was left unread, and a cut or another
+    adapter's file resumed with the weights the adapter was built with, silently). Missing: what peft saves of the
+    adapter (`get_peft_model_state_dict`) and the file lacks; unexpected: what peft matched to nothing (a
+    prompt-learning adapter's embeddings load on their own path: peft calls them so)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"), adapter_name)
-    # (its missing keys list every base weight too: the adapter's own are those named after it)
-    missing = [key for key in result.missing_keys if f".{adapter_name}." in key or key.endswith(f".{adapter_name}")]
-    if missing or result.unexpected_keys:
+    saved = load_file(directory / "adapter_model.safetensors")
+    # (embedding layers aside: peft's "auto" asks the Hub whether to save them, and a file that holds them loads them)
+    missing = sorted(
+        set(get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)) - set(saved)
+    )
+    result = set_peft_model_state_dict(model, saved, adapter_name)
+    unexpected = [] if model.peft_config[adapter_name].is_prompt_learning else sorted(result.unexpected_keys)
+    if missing or unexpected:
         raise ValueError(
             f"The adapter weights in {directory} do not match the model's '{adapter_name}' adapter: missing "
-            f"{missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}."
+            f"{missing[:5]}, unexpected {unexpected[:5]}."
         )
 
 

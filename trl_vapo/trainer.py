@@ -165,8 +165,10 @@ logger = get_logger(__name__)
 RESUME = "resume with resume_from_checkpoint=True (`trl-vapo train ... --resume_from_checkpoint latest`)"
 
 
-UNSCORED_ROLLOUTS_BEFORE_STOP = 3
-"""Rollouts of a run in which no reward scored any completion before it stops (none trains, and nothing changes)."""
+UNSCORED_ROLLOUTS_BEFORE_STOP, UNSCORED_PROMPTS_BEFORE_STOP = 3, 32
+"""Rollouts, and prompts among them, of a run in which no reward scored any completion before it stops (none trains,
+and nothing changes). Both: a rollout of one prompt, three of them unscored, may be chance (a reward that has no answer
+for part of the data)."""
 
 
 class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.SavingMixin, Trainer):
@@ -816,7 +818,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self._train_on_rollout()
                 stop_if_signalled()
                 rollouts += 1
-                if self.progress.scored_completions == 0 and rollouts == UNSCORED_ROLLOUTS_BEFORE_STOP:
+                prompts = rollouts * self.run_plan.prompts_per_rollout
+                unscored = rollouts >= UNSCORED_ROLLOUTS_BEFORE_STOP and prompts >= UNSCORED_PROMPTS_BEFORE_STOP
+                if self.progress.scored_completions == 0 and unscored:
                     # Nothing scored, nothing trained: the policy samples alike, and the run would skip every
                     # update to its end (a reward's column missing, a format the model never writes).
                     break
@@ -824,7 +828,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self.control = self.callback_handler.on_train_end(args, self.state, self.control)  # trackers close
                 self.is_in_train = False
                 stopped = (
-                    f"; stopped after {rollouts} rollouts, since the policy samples alike while nothing trains"
+                    f"; stopped after {rollouts} rollouts of {rollouts * self.run_plan.prompts_per_rollout} prompts, "
+                    "since the policy samples alike while nothing trains"
                     if self.state.global_step < self.state.max_steps
                     else ""
                 )
