@@ -1530,6 +1530,11 @@ def test_a_data_sets_flag_without_a_data_set_is_refused_not_ignored_by_the_demo(
     [
         (["--model", "{tmp}/empty"], "--model {tmp}/empty is a local folder but not a model's: it has no config.json"),
         (["--model", "{tmp}/file"], "--model {tmp}/file is a file: name the model's folder"),
+        # (a traceback after the whole evaluation had run, its scores printed)
+        (
+            ["--model", "{model}", "--output_json", "{tmp}/file/s.json"],
+            "--output_json {tmp}/file/s.json: {tmp}/file is a",
+        ),
         (["--model_name_or_path", "{tmp}/empty"], "--model {tmp}/empty is a local folder"),  # the alias
         (["--model", "{model}", "--k", "0"], "--k must be >= 1, got 0"),
         (["--model", "{model}", "--num_prompts", "-1"], "--num_prompts must be >= 1, got -1"),
