@@ -290,3 +290,13 @@ class LocalHub:
         done = Future()
         done.set_result(None)
         return done if kw.get("run_as_future") else None
+
+
+def refuse_model_loads(monkeypatch) -> None:
+    """Make loading any model (transformers' `from_pretrained`) fail the test: what must happen before it."""
+    from transformers import PreTrainedModel
+
+    def refuse(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained ran: the check came after a model loaded")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(refuse))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy
 import pytest
+from helpers import refuse_model_loads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_vapo.checkpoint import list_checkpoints
@@ -1500,16 +1501,6 @@ def test_a_mixtures_test_split_is_the_same_in_every_process_and_resume(jsonl_dat
         assert np.random.get_state()[1][0] == np.random.RandomState(state).get_state()[1][0]  # left as it was
     assert cuts[0] == cuts[1] and len(cuts[0]) == 10
     assert _mixture_splits(mixture, seed=7)["test"]["question"] != cuts[0]
-
-
-def refuse_model_loads(monkeypatch) -> None:
-    """Make loading any model (transformers' `from_pretrained`) fail the test: what must happen before it."""
-    from transformers import PreTrainedModel
-
-    def refuse(cls, *args, **kwargs):
-        raise AssertionError(f"{cls.__name__}.from_pretrained ran: the check came after a model loaded")
-
-    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(refuse))
 
 
 @pytest.mark.parametrize("flag", ["--prompt_column question", "--dataset_config main", "--system_prompt Solve."])

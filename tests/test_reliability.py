@@ -597,26 +597,30 @@ def test_a_run_in_which_nothing_was_scored_fails_naming_the_reward_functions(tin
         trainer.train()
 
 
-def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, caplog):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        VAPOTrainer(
-            model=str(tiny_model_dir),
-            reward_funcs=digit_fraction,
-            args=config(tmp_path),
-            train_dataset=prompts_dataset(32),
-            value_model=str(tmp_path / "nowhere" / "critic"),
-        )
+def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, caplog, monkeypatch):
+    from helpers import refuse_model_loads
+
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")
-    with pytest.raises(ValueError, match=r"not a value model.*notes.txt"):
-        VAPOTrainer(
-            model=str(tiny_model_dir),
-            reward_funcs=digit_fraction,
-            args=config(tmp_path),
-            train_dataset=prompts_dataset(32),
-            value_model=str(junk),
-        )
+    with monkeypatch.context() as before_loading:  # refused before the policy loads (after it, before)
+        refuse_model_loads(before_loading)
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            VAPOTrainer(
+                model=str(tiny_model_dir),
+                reward_funcs=digit_fraction,
+                args=config(tmp_path),
+                train_dataset=prompts_dataset(32),
+                value_model=str(tmp_path / "nowhere" / "critic"),
+            )
+        with pytest.raises(ValueError, match=r"not a value model.*notes.txt"):
+            VAPOTrainer(
+                model=str(tiny_model_dir),
+                reward_funcs=digit_fraction,
+                args=config(tmp_path),
+                train_dataset=prompts_dataset(32),
+                value_model=str(junk),
+            )
     three = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
     three.save_pretrained(tmp_path / "three")
     with pytest.raises(ValueError, match="num_labels=3") as refusal:

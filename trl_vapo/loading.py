@@ -402,13 +402,7 @@ def build_actor_critic(
         check_on_one_device(value_model, "value_model")
         return ActorCritic(policy, critic=value_model), False
     kwargs = critic_loading_kwargs(args, same_checkpoint=policys_checkpoint)
-    path = Path(value_model).expanduser() / (kwargs.get("subfolder") or "")
-    if (path / CRITIC_SUBFOLDER).is_dir() and not (path / VALUE_HEAD_FILE).is_file():
-        # Its root is the trained policy: a full model's loaded as a critic with a new head, the trained critic unread.
-        raise ValueError(
-            f"value_model {path} is a trl-vapo run's output (or checkpoint) folder, whose root holds the policy: its "
-            f"critic is {path / CRITIC_SUBFOLDER}; pass that folder."
-        )
+    path = Path(value_model).expanduser() / (kwargs.get("subfolder") or "")  # (`check_value_model_path` checked it)
     pretrained = _pretrained_for_this_policy(path, fingerprint, args.value_pretrain_steps, value_targets)
     if (path / "adapter_config.json").is_file() and (path / VALUE_HEAD_FILE).is_file():
         if not shared:
@@ -422,14 +416,6 @@ def build_actor_critic(
         actor_critic = ActorCritic(policy, value_head=ValueHead(head_input_width(policy)).to(policy.device))
         actor_critic.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE))
         return actor_critic, pretrained
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(
-            f"value_model {path} is not a value model: it has neither a transformers config.json nor a trl-vapo "
-            f"critic adapter (adapter_config.json + {VALUE_HEAD_FILE}). Files there: "
-            f"{sorted(p.name for p in path.iterdir())[:10]}."
-        )
-    if not path.exists() and _looks_like_a_path(str(value_model)):
-        raise FileNotFoundError(f"value_model path {value_model} does not exist.")
     config = AutoConfig.from_pretrained(str(value_model), **lookup_kwargs(kwargs))
     is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     extra = {} if is_classifier else {"num_labels": 1}
@@ -599,6 +585,32 @@ def _pretrains_again(value_pretrain_steps: int) -> str:
     return ", with no value pretraining for this run's returns (value_pretrain_steps=0)"
 
 
+def check_value_model_path(value_model: Any, args: VAPOConfig, same_checkpoint: bool) -> None:
+    """Refuse, before anything loads, a `value_model` path that names no value model (it was refused once the policy
+    had loaded: minutes for a large one): a trl-vapo run's output folder (its root holds the policy), a folder with
+    neither a transformers model nor a trl-vapo critic adapter, a local path that does not exist. `same_checkpoint`:
+    it names the policy's own checkpoint, read at the policy's subfolder (`critic_loading_kwargs`)."""
+    if not isinstance(value_model, (str, os.PathLike)):
+        return
+    subfolder = critic_loading_kwargs(args, same_checkpoint=same_checkpoint).get("subfolder") or ""
+    path = Path(value_model).expanduser() / subfolder
+    critic_adapter = (path / "adapter_config.json").is_file() and (path / VALUE_HEAD_FILE).is_file()
+    if (path / CRITIC_SUBFOLDER).is_dir() and not (path / VALUE_HEAD_FILE).is_file():
+        # Its root is the trained policy: a full model's loaded as a critic with a new head, the trained critic unread.
+        raise ValueError(
+            f"value_model {path} is a trl-vapo run's output (or checkpoint) folder, whose root holds the policy: its "
+            f"critic is {path / CRITIC_SUBFOLDER}; pass that folder."
+        )
+    if path.is_dir() and not critic_adapter and not (path / "config.json").is_file():
+        raise ValueError(
+            f"value_model {path} is not a value model: it has neither a transformers config.json nor a trl-vapo "
+            f"critic adapter (adapter_config.json + {VALUE_HEAD_FILE}). Files there: "
+            f"{sorted(p.name for p in path.iterdir())[:10]}."
+        )
+    if not path.exists() and _looks_like_a_path(str(value_model)):
+        raise FileNotFoundError(f"value_model path {value_model} does not exist.")
+
+
 def _looks_like_a_path(name: str) -> bool:
     """A hub id is `name` or `org/name`; anything else (`./x`, `/x`, `a/b/c`) was meant as a local path."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
@@ -658,6 +670,8 @@ def check_trainer_arguments(
     frozen value function, a synced reference model under PEFT (GRPOTrainer's error), Liger's kernels without
     liger-kernel."""
     check_value_function_settings(value_model, args)
+    by_name = isinstance(model, (str, os.PathLike)) and isinstance(value_model, (str, os.PathLike))
+    check_value_model_path(value_model, args, same_checkpoint=by_name and str(value_model) == str(model))
     if peft_config is not None:
         from peft import PeftConfig
 
