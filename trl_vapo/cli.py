@@ -1567,11 +1567,16 @@ def eval_command(argv: list[str]) -> int:
     _check_model_source(script.reward_model_name_or_path, "--reward_model_name_or_path")
     if args.output_json and Path(args.output_json).is_dir():
         raise UsageError(f"--output_json {args.output_json} is a folder: name a file")
-    if args.output_json:  # written after the whole evaluation: a folder it cannot be made or written in said first
-        above = next(p for p in Path(args.output_json).absolute().parents if p.exists())
-        if not above.is_dir() or not os.access(above, os.W_OK):
-            why = "a file" if not above.is_dir() else "not writable"
-            raise UsageError(f"--output_json {args.output_json}: {above} is {why}, so the scores could not be written")
+    if args.output_json:  # written after the whole evaluation: a file or folder it cannot be written in said first
+        target = Path(args.output_json).absolute()
+        if target.exists():  # (a file one may write, whatever its folder: /dev/stdout, a shell's /dev/fd/63)
+            if not os.access(target, os.W_OK):
+                raise UsageError(f"--output_json {args.output_json} is not writable")
+        else:
+            above = next(p for p in target.parents if p.exists())
+            if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
+                why = "a file" if not above.is_dir() else "not writable"
+                raise UsageError(f"--output_json {args.output_json}: {above} is {why}: the scores cannot be written")
     from .generation import EngineSettings, build_engine, check_engine_available, colocated_vllm_seed_problem
 
     try:

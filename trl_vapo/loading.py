@@ -666,9 +666,9 @@ def check_value_function_settings(value_model: Any, args: VAPOConfig) -> None:
 def check_trainer_arguments(
     model, args: VAPOConfig, peft_config, value_model: Any, model_init_kwargs: dict | None = None
 ) -> None:
-    """What the trainer's arguments ask for that cannot run, refused before anything loads: critic-only passes with a
-    frozen value function, a synced reference model under PEFT (GRPOTrainer's error), Liger's kernels without
-    liger-kernel."""
+    """What the trainer's arguments ask for that cannot run, refused before anything loads: a `value_model` path that
+    names no value model (`check_value_model_path`), critic-only passes with a frozen value function, a synced
+    reference model under PEFT (GRPOTrainer's error), Liger's kernels without liger-kernel."""
     check_value_function_settings(value_model, args)
     by_name = isinstance(model, (str, os.PathLike)) and isinstance(value_model, (str, os.PathLike))
     check_value_model_path(value_model, args, same_checkpoint=by_name and str(value_model) == str(model))
