@@ -603,7 +603,7 @@ def test_value_model_paths_that_are_not_value_models(tiny_model_dir, tmp_path, c
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")
-    with monkeypatch.context() as before_loading:  # refused before the policy loads (after it, before)
+    with monkeypatch.context() as before_loading:  # refused before the policy loads (they were once it had loaded)
         refuse_model_loads(before_loading)
         with pytest.raises(FileNotFoundError, match="does not exist"):
             VAPOTrainer(
