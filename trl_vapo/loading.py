@@ -585,6 +585,13 @@ def _pretrains_again(value_pretrain_steps: int) -> str:
     return ", with no value pretraining for this run's returns (value_pretrain_steps=0)"
 
 
+def names_the_policys_checkpoint(value_model: Any, model: Any) -> bool:
+    """Whether `value_model` names the id or path the policy `model` was loaded from (then read where the policy was:
+    its revision, subfolder, variant)."""
+    by_name = isinstance(model, (str, os.PathLike)) and isinstance(value_model, (str, os.PathLike))
+    return by_name and str(value_model) == str(model)
+
+
 def check_value_model_path(value_model: Any, args: VAPOConfig, same_checkpoint: bool) -> None:
     """Refuse, before anything loads, a `value_model` path that names no value model (it was refused once the policy
     had loaded: minutes for a large one): a trl-vapo run's output folder (its root holds the policy), a folder with
@@ -670,8 +677,7 @@ def check_trainer_arguments(
     names no value model (`check_value_model_path`), critic-only passes with a frozen value function, a synced
     reference model under PEFT (GRPOTrainer's error), Liger's kernels without liger-kernel."""
     check_value_function_settings(value_model, args)
-    by_name = isinstance(model, (str, os.PathLike)) and isinstance(value_model, (str, os.PathLike))
-    check_value_model_path(value_model, args, same_checkpoint=by_name and str(value_model) == str(model))
+    check_value_model_path(value_model, args, same_checkpoint=names_the_policys_checkpoint(value_model, model))
     if peft_config is not None:
         from peft import PeftConfig
 

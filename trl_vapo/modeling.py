@@ -240,7 +240,7 @@ def check_value_model(model: nn.Module) -> None:
         )
     if not isinstance(head, nn.Linear) or not head_reads_the_backbone(model, head):
         weighted = [(n, c) for n, c in model.named_children() if next(c.parameters(), None) is not None]
-        others = [n for n, c in weighted if c is not head and c is not model.base_model]
+        others = [n for n, c in weighted if c is not head and c is not backbone]
         how = f"its head is a {type(head).__name__}" if not isinstance(head, nn.Linear) else f"{others} before it"
         raise ValueError(
             f"value_model {type(model).__name__} scores through more than one linear layer on the backbone's hidden "

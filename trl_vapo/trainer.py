@@ -114,6 +114,7 @@ from .loading import (
     is_fresh_lora,
     is_saved_adapter,
     load_policy,
+    names_the_policys_checkpoint,
     policy_init_kwargs,
     policy_tokenizer,
     router_aux_loss_coefficient,
@@ -360,7 +361,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         by_name = isinstance(model, (str, os.PathLike))
         revision = (model_init_kwargs or {}).get("revision") if by_name else None
         # A value_model naming the checkpoint the policy was loaded from: read where the policy was.
-        policys_checkpoint = by_name and isinstance(value_model, (str, os.PathLike)) and str(value_model) == str(model)
+        policys_checkpoint = names_the_policys_checkpoint(value_model, model)
         tokenizer = processing_class or policy_tokenizer(model, model_id, args, model_init_kwargs)
         prepare_tokenizer(tokenizer, self._conversational)
         # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
@@ -813,7 +814,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 if asked.item():  # every process stops at the same point
                     self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
 
-            rollouts = 0
+            rollouts = prompts = 0
             while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
                 self._train_on_rollout()
                 stop_if_signalled()
@@ -828,7 +829,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 self.control = self.callback_handler.on_train_end(args, self.state, self.control)  # trackers close
                 self.is_in_train = False
                 stopped = (
-                    f"; stopped after {rollouts} rollouts of {rollouts * self.run_plan.prompts_per_rollout} prompts, "
+                    f"; stopped after {rollouts} rollouts of {prompts} prompts, "
                     "since the policy samples alike while nothing trains"
                     if self.state.global_step < self.state.max_steps
                     else ""
