@@ -19,9 +19,8 @@ import pytest
 from helpers import refuse_model_loads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_vapo.checkpoint import list_checkpoints
+from trl_vapo.checkpoint import RUN_CONFIG_FILE, RUN_DATA_FILE, list_checkpoints
 from trl_vapo.cli import (
-    RUN_DATA_FILE,
     UsageError,
     _parse_args_and_config,
     _parser,
@@ -415,6 +414,9 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
 
     def saving(self, *args, **kwargs):
         held_while_saving.append(live_holder(out))
+        # The run's data flags are saved with its model, not at its start: a run in the folder of an earlier one
+        # paired the new run's data with the old model (what eval scores) until the new model was saved.
+        held_while_saving.append((out / RUN_DATA_FILE).exists())
         return save_model(self, *args, **kwargs)
 
     monkeypatch.setattr(VAPOTrainer, "save_model", saving)
@@ -458,7 +460,11 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
         ]
     )
     assert code == 0
-    assert [holder["pid"] for holder in held_while_saving] == [os.getpid()]
+    assert [holder["pid"] for holder in held_while_saving[::2]] == [os.getpid()]
+    assert held_while_saving[1::2] == [False]
+    run_data = json.loads((out / RUN_DATA_FILE).read_text())
+    assert run_data["prompt_column"] == "question" and run_data["system_prompt"] == "Be brief."
+    assert json.loads((list_checkpoints(out)[-1] / RUN_DATA_FILE).read_text()) == run_data  # each checkpoint too
     printed = capsys.readouterr().out
     assert "trl-vapo summary" in printed and "held-out avg@2" in printed and str(out) in printed
     saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -528,8 +534,6 @@ def test_eval_of_a_model_on_the_hub_reads_the_runs_settings_from_its_repository(
     real one's interface, serves a folder as the repository."""
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError
-
-    from trl_vapo.cli import RUN_CONFIG_FILE
 
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -3,8 +3,10 @@ and under its names, and a clear refusal of what VAPO does not take."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import json
 import math
 import warnings
 from collections import defaultdict
@@ -138,7 +140,6 @@ def test_a_model_quantized_by_any_method_trains_only_as_transformers_lets_it(tin
 def _grpo_init_defaults() -> dict:
     """GRPOConfig's fields with the defaults its `__init__` gives them: the fields a GRPO script may pass (the
     TrainingArguments ones where GRPOConfig changes their default)."""
-    import dataclasses
 
     from transformers import TrainingArguments
     from trl import GRPOConfig
@@ -154,7 +155,6 @@ def _grpo_init_defaults() -> dict:
 
 
 def test_every_grpo_config_field_is_a_vapo_config_field_and_grpos_defaults_build_one(tmp_path):
-    import dataclasses
 
     from trl import GRPOConfig
 
@@ -545,7 +545,6 @@ def test_the_command_line_parses_grpos_fields(tmp_path):
 def test_cache_implementation_reaches_generate(tiny_model_dir, tmp_path, monkeypatch):
     """GRPOConfig's `cache_implementation` is the rollouts' GenerationConfig field, as `generate()` receives it from
     the engine, and a static cache samples what the dynamic one samples."""
-    import dataclasses
 
     from transformers import AutoModelForCausalLM
 
@@ -1210,7 +1209,6 @@ def test_a_copy_of_the_config_derives_its_defaults_from_its_own_values(tmp_path)
     size) were written into the fields: a copy with another learning rate (`dataclasses.replace`) kept the critic at
     2 x the old one (0.2 x the actor's, silently), one with more passes or another batch failed naming fields the
     user never set; a hyperparameter search's `setattr` of learning_rate left the critic's. A given value stays."""
-    import dataclasses
     import json
 
     args = make_args(tmp_path, critic_learning_rate=None, per_device_train_batch_size=16)
@@ -1252,6 +1250,25 @@ def test_fields_set_after_the_config_was_built_are_read_as_at_construction(tmp_p
     args.loss_type = "cispo"
     args.check_again()
     assert (args.surrogate, args.loss_type) == ("cispo", "token")
+    args.check_again()  # nothing set since: the surrogate stays
+    assert (args.surrogate, args.loss_type) == ("cispo", "token")
+    args.loss_type = "sapo"  # another GRPO loss replaces the surrogate the first set (it was refused as a conflict)
+    args.check_again()
+    assert (args.surrogate, args.loss_type) == ("sapo", "sequence")
+    args.loss_type = "dapo"  # GRPO's clipped PPO surrogate
+    args.check_again()
+    assert (args.surrogate, args.loss_type) == ("ppo", "token")
+    assert json.loads(args.to_json_string())["surrogate"] == "ppo"
+    args.surrogate = "vespo"  # given: it stays whatever the aggregation
+    args.loss_type = "sequence"
+    args.check_again()
+    assert (args.surrogate, args.loss_type) == ("vespo", "sequence")
+    cispo = make_args(tmp_path, loss_type="cispo", epsilon_high=5.0)
+    copy = dataclasses.replace(cispo, learning_rate=1e-5)  # a copy passes the derived values: they stay derived
+    assert (copy.surrogate, copy.loss_type) == ("cispo", "token")
+    copy.loss_type = "sapo"
+    copy.check_again()
+    assert (copy.surrogate, copy.loss_type) == ("sapo", "sequence")
     args.load_best_model_at_end = True
     with pytest.raises(ValueError, match="load_best_model_at_end=True needs metric_for_best_model"):
         args.check_again()

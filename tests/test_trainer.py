@@ -21,6 +21,7 @@ from helpers import (
     first_char_is_letter,
     make_args,
     prompts_dataset,
+    refuse_model_loads,
     rl_logs,
     token_rewards_of,
 )
@@ -2011,6 +2012,27 @@ class SlowHub(LocalHub):
         pending = Future()
         threading.Thread(target=lambda: (self.release.wait(30), pending.set_result(None)), daemon=True).start()
         return pending
+
+
+def test_push_to_hub_that_cannot_reach_its_repository_is_refused_before_a_model_loads(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """`push_to_hub=True` offline, without a token or without write access failed in `Trainer.__init__` (its
+    `init_hf_repo`), after the policy, the critic and the reward models had loaded. The Hub cannot be reached here:
+    the stand-in's `create_repo` raises what huggingface_hub raises offline."""
+    import transformers.trainer
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    class OfflineHub(LocalHub):
+        def create_repo(self, repo_id, **kwargs):
+            raise OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/repos/create: offline mode is on.")
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: OfflineHub(tmp_path / "hub"))
+    refuse_model_loads(monkeypatch)
+    args = make_args(tmp_path, push_to_hub=True, hub_model_id="me/vapo")
+    with pytest.raises(ValueError, match=r"push_to_hub=True, and the Hub repository 'me/vapo' could not be created "
+                       r"or found: Cannot reach .*offline mode is on\. Log in with write access"):  # fmt: skip
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
 
 
 def test_a_checkpoint_neither_waits_for_an_upload_nor_deletes_the_folder_it_reads(

@@ -65,6 +65,10 @@ CHECKPOINT_PREFIX = "checkpoint"
 PRETRAINED_CRITIC_DIR = "value_pretrained_critic"
 DEEPSPEED_CHECKPOINT_TAG = "deepspeed"
 COMPLETE_MARKER = "vapo_state.json"
+RUN_CONFIG_FILE = "vapo_config.json"  # the VAPOConfig, beside every saved model (`trl-vapo eval` reads it)
+RUN_DATA_FILE = "vapo_script_args.json"
+"""What `trl-vapo train` was given beside its VAPOConfig (its data and reward flags: `run_script_args`), written with
+every model it saves, for `trl-vapo eval`."""
 # A checkpoint's tensors that only a resume reads, in safetensors files of their own: in a folder of their own, since
 # a model loader that takes every *.safetensors beside config.json (vLLM's) read them as the policy's weights.
 TRAINING_STATE_DIR = "training_state"
@@ -973,7 +977,10 @@ class SavingMixin:
         model.save_policy(directory, state_dict, as_loaded)
         model.save_critic(directory / CRITIC_SUBFOLDER, state_dict, as_loaded)
         self.processing_class.save_pretrained(directory)
-        (directory / "vapo_config.json").write_text(self.args.to_json_string())
+        (directory / RUN_CONFIG_FILE).write_text(self.args.to_json_string())
+        if self.run_script_args is not None:  # with the model it describes: a run in the folder of an earlier one
+            # wrote it at its start, and eval read the new run's data with the old run's model until the new one saved
+            (directory / RUN_DATA_FILE).write_text(json.dumps(self.run_script_args, indent=2) + "\n")
 
     def create_model_card(
         self,

@@ -718,9 +718,8 @@ def train_command(argv: list[str]) -> int:
         logging.getLogger(__name__).debug("The trainer refused the run", exc_info=True)  # the traceback, if asked
         raise UsageError(" ".join(str(error).split())) from None
     before = held_out_report_before_training(trainer, test_dataset, script_args, training_args.resume_from_checkpoint)
+    trainer.run_script_args = run_data  # saved with each model: what `trl-vapo eval --model OUTPUT_DIR` scores
     with trainer.holding_output_dir():  # until the model is saved: a run started meanwhile would remove it half-saved
-        if trainer.accelerator.is_main_process:  # what `trl-vapo eval --model OUTPUT_DIR` scores by default
-            Path(training_args.output_dir, RUN_DATA_FILE).write_text(json.dumps(run_data, indent=2) + "\n")
         try:
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         except TrainingInterrupted as stopped:  # a stop signal: the checkpoint is written and named in the log
@@ -1403,9 +1402,6 @@ TRAIN_ONLY = {
 """`VAPOScriptArguments` fields that only `train` reads: a training YAML's keys that `eval` accepts and ignores."""
 
 
-RUN_DATA_FILE = "vapo_script_args.json"
-"""What `trl-vapo train` writes in its output_dir: its data and reward flags (`VAPOScriptArguments`), for `eval`."""
-RUN_CONFIG_FILE = "vapo_config.json"  # (the VAPOConfig that `save_model` and each checkpoint write)
 EVAL_FROM_RUN_CONFIG = (
     "max_completion_length",
     "max_prompt_length",
@@ -1433,8 +1429,9 @@ RUN_DATA = (
 RUN_REWARDS = ("reward_funcs", "reward_model_name_or_path")
 RUN_REWARD_SETTINGS = ("reward_weights", "positive_reward_funcs")  # (in EVAL_FROM_RUN_CONFIG: they name RUN_REWARDS)
 """What `eval` takes from the run that saved `--model` (`vapo_config.json`'s EVAL_FROM_RUN_CONFIG, and
-`vapo_script_args.json`'s RUN_DATA and RUN_REWARDS), so that it scores as training sampled and scored: not `top_p`
-(the paper evaluates at 0.7, the run's 1.0 is a default a config cannot tell from a choice) nor `k`."""
+`vapo_script_args.json`'s RUN_DATA and RUN_REWARDS: `checkpoint.RUN_DATA_FILE`), so that it scores as training
+sampled and scored: not `top_p` (the paper evaluates at 0.7, the run's 1.0 is a default a config cannot tell from a
+choice) nor `k`."""
 
 
 def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
@@ -1443,6 +1440,8 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     or config) takes none of the run's data settings; reward functions named here none of its rewards, weights and
     positive functions (which count and name the run's functions, and come only with them).
     """
+    from .checkpoint import RUN_CONFIG_FILE, RUN_DATA_FILE
+
     flags, config = _given(argv)
     config = config or {}
     model = flags.get("model") or flags.get("model_name_or_path") or config.get("model")  # (a config's

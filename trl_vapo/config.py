@@ -922,6 +922,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
 
     def _accept_grpo_spellings(self) -> None:
         """GRPOConfig's names for VAPO's settings, resolved as GRPOConfig resolves them."""
+        if isinstance(self.surrogate, Derived) and not isinstance(self.loss_type, Derived):
+            # The surrogate an earlier loss_type set (`loss_type="cispo"`) follows the loss_type set since: another
+            # GRPO loss ("sapo", "dapo") replaces it, as it would have at construction.
+            self.__dict__["surrogate"] = "ppo"
         if self.loss_type in GRPO_SURROGATE_LOSS_TYPES:
             surrogate, aggregation = GRPO_SURROGATE_LOSS_TYPES[self.loss_type]
             if self.surrogate not in ("ppo", surrogate):
@@ -929,7 +933,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                     f"loss_type={self.loss_type!r} sets surrogate={surrogate!r}, but surrogate={self.surrogate!r} is "
                     f"set too: keep one (surrogate={self.surrogate!r} with loss_type 'token' or 'sequence')."
                 )
-            self.surrogate, self.loss_type = surrogate, aggregation
+            self.__dict__["surrogate"], self.__dict__["loss_type"] = DerivedStr(surrogate), DerivedStr(aggregation)
         self.loss_type = GRPO_LOSS_TYPES.get(self.loss_type, self.loss_type)
         scale = self.scale_rewards
         if isinstance(scale, str) and scale.lower() in ("true", "false"):  # TRL's booleans as the command line's text
@@ -1602,6 +1606,10 @@ class DerivedFloat(float, Derived):
 
 
 class DerivedInt(int, Derived):
+    pass
+
+
+class DerivedStr(str, Derived):
     pass
 
 

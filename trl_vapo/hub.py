@@ -1,7 +1,6 @@
-"""One question to the Hugging Face Hub before a model or a data set loads: can it be reached at all?
-
-Offline without `HF_HUB_OFFLINE`, transformers and datasets retry for half a minute to a minute before they say so;
-one request with a timeout says it at once.
+"""Questions to the Hugging Face Hub before a model or a data set loads: can it be reached at all (offline without
+`HF_HUB_OFFLINE`, transformers and datasets retry for half a minute to a minute before they say so; one request with a
+timeout says it at once), and can a run push where `push_to_hub` asks it to?
 """
 
 from __future__ import annotations
@@ -31,3 +30,28 @@ def unreachable(
     except Exception as error:
         return error
     return None
+
+
+def check_push_repository(args) -> None:
+    """With `push_to_hub`, the Hub repository found or created (what transformers' `Trainer.init_hf_repo` does,
+    `exist_ok`) before any model loads: without a token, offline, or without write access to `hub_model_id`, the
+    Trainer failed there after the policy, its critic and the reward models had loaded (minutes for a large one).
+    The world's first process asks, as in transformers."""
+    if not args.push_to_hub or args.process_index != 0:
+        return
+    from pathlib import Path
+
+    import transformers.trainer
+
+    name = args.hub_model_id or Path(args.output_dir).absolute().name  # (transformers' default name)
+    try:
+        transformers.trainer.hf_api().create_repo(
+            name, token=args.hub_token, private=args.hub_private_repo, exist_ok=True
+        )
+    except Exception as error:  # the HTTP library's (no network), huggingface_hub's (offline, no token, forbidden)
+        reason = " ".join(str(error).split()).rstrip(".") or type(error).__name__
+        raise ValueError(
+            f"push_to_hub=True, and the Hub repository {name!r} could not be created or found: {reason}. Log in "
+            "with write access (`hf auth login`, or `hub_token`), name a repository you may write to "
+            "(`hub_model_id`), or leave push_to_hub unset and push the saved folder later."
+        ) from error

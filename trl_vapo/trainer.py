@@ -102,6 +102,7 @@ from .generation import (
 )
 from .grpo_fields import grpo_setting_warnings
 from .grpo_objective import GRPOObjectiveMixin
+from .hub import check_push_repository
 from .loading import (
     add_policy_adapter,
     build_actor_critic,
@@ -294,6 +295,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.vllm_gpu_memory_utilization = args.vllm_gpu_memory_utilization
         self.mask_truncated_completions = args.mask_truncated_completions
         check_trainer_arguments(model, args, peft_config, value_model, args.model_init_kwargs)  # before a model loads
+        check_push_repository(args)
         # Everything a user can get wrong is checked before a model loads.
         model_init_kwargs = policy_init_kwargs(model, args.model_init_kwargs, quantization_config)
         engine_settings = EngineSettings.from_config(args)
@@ -536,6 +538,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # What only the caller knows, for the model card: dataset_name / dataset_config / dataset_description,
         # held_out ({"before": ..., "after": ..., "description": ...}), license.
         self.model_card_info: dict[str, Any] = {}
+        self.run_script_args: dict[str, Any] | None = None  # `trl-vapo train`'s data and reward flags, saved
         if self.pop_callback(ProgressCallback) is not None:  # the bar names the phase; none with disable_tqdm
             self.add_callback(PhaseProgressCallback(lambda: self.progress.phase))
         for callback in self.callback_handler.callbacks:  # they would warn about `phase` at every log
