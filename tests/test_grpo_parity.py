@@ -569,13 +569,17 @@ def test_cache_implementation_reaches_generate(tiny_model_dir, tmp_path, monkeyp
 
 
 def test_pad_to_multiple_of_pads_every_forward_and_changes_no_number(tiny_model_dir, tmp_path):
-    """Every forward pass that scores or trains (values, old log-probs, updates) sees a multiple of 8 tokens, and
-    the run's losses are the unpadded run's: padding is masked out."""
-    widths = []
+    """Every forward pass that scores or trains (values, old log-probs, updates) sees a multiple of 8 tokens, and so
+    do generate()'s prompts (as TRL pads them: they were not), and the run's losses are the unpadded run's: padding
+    is masked out."""
+    widths, prompt_widths = [], []
 
     def record(module, args, kwargs):
-        if kwargs.get("use_cache") is False:  # the scoring and update passes, not generation's
-            widths.append(kwargs["input_ids"].shape[1])
+        width = kwargs["input_ids"].shape[1]
+        if kwargs.get("use_cache") is False:  # the scoring and update passes
+            widths.append(width)
+        elif width > 1:  # generate()'s first step reads the prompts (each later one, a token)
+            prompt_widths.append(width)
 
     logs = {}
     for multiple in (None, 8):
@@ -584,14 +588,15 @@ def test_pad_to_multiple_of_pads_every_forward_and_changes_no_number(tiny_model_
         )
         trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
         handle = trainer.actor_critic.policy.model.register_forward_pre_hook(record, with_kwargs=True)
-        widths.clear()
+        widths.clear(), prompt_widths.clear()
         trainer.train()
         handle.remove()
         logs[multiple] = [h for h in trainer.state.log_history if "loss" in h]
         if multiple:
             assert widths and all(w % multiple == 0 for w in widths), widths
-        else:
-            assert any(w % 8 for w in widths)  # without it, the widths are whatever the batch needs
+            assert prompt_widths and all(w % multiple == 0 for w in prompt_widths), prompt_widths
+        else:  # without it, the widths are whatever the batch needs
+            assert any(w % 8 for w in widths) and any(w % 8 for w in prompt_widths)
     assert len(logs[None]) == 2
     for padded, plain in zip(logs[8], logs[None], strict=True):
         for key in ("loss/policy", "loss/value", "grad_norm/policy", "grad_norm/critic"):

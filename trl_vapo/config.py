@@ -568,8 +568,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     pad_to_multiple_of: int | str | None = field(
         default="auto",
         metadata={
-            "help": "Pad the prompts and the completions of every forward pass that scores or trains (not "
-            "generation's) to a multiple of this many tokens. "
+            "help": "Pad the prompts and the completions of every forward pass that scores or trains, and the "
+            "prompts generate() samples from (as TRL), to a multiple of this many tokens. "
             "'auto': 128 on Neuron (AWS Trainium, which compiles once per input shape), no padding elsewhere."
         },
     )
@@ -849,9 +849,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             self.positive_reward_funcs = [self.positive_reward_funcs]
         self.reward_weights = number_list(self.reward_weights, "reward_weights")
         self.model_init_kwargs = with_dtype_named(self.model_init_kwargs)
-        # GRPOConfig has no `trust_remote_code` field: its users ask in `model_init_kwargs`, which the policy loads
-        # with. Every other load reads the field (the critic's own classifier class, a loaded model's tokenizer,
-        # vLLM's engine), so the field says what the policy was loaded with.
+        # GRPOTrainer loads the policy with `model_init_kwargs`' `trust_remote_code` where it is set there (over its
+        # field). Every other load here reads the field (the critic's own classifier class, a loaded model's
+        # tokenizer, vLLM's engine): True there sets it, so that the field says what the policy was loaded with.
         asked = (self.model_init_kwargs or {}).get("trust_remote_code")
         if asked is not None and bool(asked) != self.trust_remote_code:
             if not asked:

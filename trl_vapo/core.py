@@ -374,6 +374,14 @@ def _gae_right_padded(
     rewards = torch.where(valid, rewards.to(dtype), torch.zeros((), dtype=dtype, device=rewards.device))
     values = torch.where(valid, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
     m = valid.to(dtype)
+    reward_to_go = None
+    if gamma == 1.0:
+        # Undiscounted (VAPO's gamma), the reward-to-go is a reverse cumulative sum, not a loop over the tokens (on a
+        # GPU, kernel launches at every token of every rollout); with lambda 1 (the critic's targets) nothing is left
+        # to loop over.
+        reward_to_go = rewards.flip(1).cumsum(1).flip(1) * m  # (0 past each row's end: its rewards are 0 there)
+        if not isinstance(lam, torch.Tensor) and float(lam) == 1.0:
+            return (reward_to_go - values) * m, reward_to_go
     batch, steps = rewards.shape
     if isinstance(lam, torch.Tensor):
         lam = lam.to(device=rewards.device, dtype=dtype).reshape(batch)
@@ -386,14 +394,16 @@ def _gae_right_padded(
     deltas = (rewards + gamma * next_values - values) * m
 
     advantages = torch.zeros_like(deltas)
-    reward_to_go = torch.zeros_like(deltas)
     running_advantage = deltas.new_zeros(batch)
-    running_return = deltas.new_zeros(batch)
+    discounted = reward_to_go is None
+    if discounted:
+        reward_to_go, running_return = torch.zeros_like(deltas), deltas.new_zeros(batch)
     for t in reversed(range(steps)):
         running_advantage = (deltas[:, t] + decay * running_advantage) * m[:, t]
-        running_return = (rewards[:, t] + gamma * running_return) * m[:, t]
         advantages[:, t] = running_advantage
-        reward_to_go[:, t] = running_return
+        if discounted:
+            running_return = (rewards[:, t] + gamma * running_return) * m[:, t]
+            reward_to_go[:, t] = running_return
     # lambda = 1 telescopes to the Monte-Carlo return (VC-PPO Eq. 5): use it directly, so the critic target is
     # exactly the reward-to-go rather than reward-to-go plus rounding error from the values.
     unit_lambda = (lam == 1.0).reshape(batch, 1)

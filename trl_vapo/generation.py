@@ -457,6 +457,8 @@ class TransformersGenerate(GenerationEngine):
         batch_size: prompts per `generate()` call (None: all at once).
         logprobs: also return the sampler's log-probs (from the processed scores: after temperature, top-k/p).
         tokenizer: passed to `generate()`, which needs it for `stop_strings` in `generation_kwargs`.
+        pad_to_multiple_of: the prompts' padded width a multiple of it (GRPOConfig's `pad_to_multiple_of`: a
+            compiler that builds one program per input shape, Neuron's, builds fewer).
     """
 
     name = "generate"
@@ -468,6 +470,7 @@ class TransformersGenerate(GenerationEngine):
         batch_size: int | None = None,
         logprobs: bool = False,
         tokenizer=None,
+        pad_to_multiple_of: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -475,6 +478,7 @@ class TransformersGenerate(GenerationEngine):
         self.batch_size = batch_size
         self.logprobs = logprobs
         self.tokenizer = tokenizer
+        self.pad_to_multiple_of = pad_to_multiple_of
 
     def _generate(self, prompt_ids, sampling, num_generations):
         config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
@@ -520,8 +524,10 @@ class TransformersGenerate(GenerationEngine):
         return output
 
     def _generate_chunk(self, model, prompt_ids, config, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids = pad([torch.tensor(x) for x in prompt_ids], padding_value=self.pad_token_id, padding_side="left")
-        attention_mask = pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids], padding_side="left")
+        multiple = self.pad_to_multiple_of
+        prompts = [torch.tensor(x) for x in prompt_ids]
+        input_ids = pad(prompts, padding_value=self.pad_token_id, padding_side="left", pad_to_multiple_of=multiple)
+        attention_mask = pad([torch.ones_like(x) for x in prompts], padding_side="left", pad_to_multiple_of=multiple)
         output = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
@@ -849,6 +855,7 @@ class EngineSettings:
         vllm: `VLLMGeneration`'s options (`VLLM_OPTIONS`, plus `trust_remote_code`).
         rollout_size: sequences sampled per rollout over all processes (vLLM's `max_num_seqs` is a process's share).
         quantization_config: the policy's, if it is loaded quantized (vLLM refuses it).
+        pad_to_multiple_of: `generate()`'s prompts padded to a multiple of it (GRPOConfig's field, as TRL pads them).
         cuda_graph: the static-cache engine captures its decode step as a CUDA graph on a CUDA device (`placed`
             turns it off under DeepSpeed and FSDP, whose hooks gather the weights inside the forward).
         keep_buffers: the static-cache engine keeps its cache and graph between calls (`placed` turns it off for
@@ -865,6 +872,7 @@ class EngineSettings:
     vllm: dict[str, Any] = field(default_factory=dict)
     rollout_size: int | None = None
     quantization_config: Any = None
+    pad_to_multiple_of: int | None = None
     cuda_graph: bool = True
     keep_buffers: bool = True
     auto: bool = False
@@ -932,6 +940,7 @@ class EngineSettings:
             },
             rollout_size=args.generation_batch_size,
             quantization_config=(args.model_init_kwargs or {}).get("quantization_config"),
+            pad_to_multiple_of=args.pad_to_multiple_of,
         )
 
     @classmethod
@@ -1200,7 +1209,13 @@ def build_engine(
             chosen_for_you=settings.auto,
             **common,
         )
-    return TransformersGenerate(model, batch_size=settings.batch_size, tokenizer=tokenizer, **common)
+    return TransformersGenerate(
+        model,
+        batch_size=settings.batch_size,
+        tokenizer=tokenizer,
+        pad_to_multiple_of=settings.pad_to_multiple_of,
+        **common,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
