@@ -489,12 +489,14 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     assert settings["model"] == str(out) and settings["num_prompts"] == 40 and settings["k"] == 2
     assert settings["max_completion_length"] == 8 and settings["top_p"] == 0.7 and settings["pass@1"] == "greedy"
     assert settings["rewards"] == ["math_reward"] and settings["split"] == "train"  # (the run's: one file's split)
+    assert settings["dtype"] == "float32"  # the checkpoint's own (the run's, loaded as TRL's ModelConfig loads)
     assert 1 <= scores["mean_length"] <= 8
     # A flag overrides the run's setting; so does a config (`--config=FILE`, its `model:` read for the run's too).
     main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "3", "--max_new_tokens", "2", "--output_json",
-          str(scores_file)])  # fmt: skip
+          str(scores_file), "--dtype", "bfloat16"])  # fmt: skip
     scores = json.loads(scores_file.read_text())
     assert scores["num_problems"] == 3 and 1 <= scores["mean_length"] <= 2
+    assert scores["settings"]["dtype"] == "bfloat16"  # (a GPU without bf16 asks for float16 so)
     config = tmp_path / "eval.yaml"
     config.write_text(f"model: {out}\nk: 1\nnum_prompts: 50\nmax_completion_length: 2\noutput_json: {scores_file}\n")
     assert main(["eval", f"--config={config}"]) == 0

@@ -379,6 +379,29 @@ def test_the_held_out_report_before_training_samples_on_every_process_with_vllm(
     assert sampled == [4, 2]  # 2 prompts x k=2, then greedy
 
 
+def test_the_held_out_reports_before_and_after_training_sample_in_the_runs_precision(tiny_model_dir, tmp_path):
+    """The report before training (the models not yet placed) sampled without the run's autocast: a fully fine-tuned
+    policy, kept in float32 to train, was scored in float32 before and in bf16 after, and the printed gain mixed in
+    the change of precision. bf16 on the CPU (CPU autocast): the path CUDA's autocast takes."""
+    from types import SimpleNamespace
+
+    from trl_vapo.cli import _held_out_report, held_out_report_before_training
+
+    args = eval_args(tmp_path, max_steps=1, bf16=True, use_cpu=True)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    autocast = []
+    trainer.actor_critic.policy.register_forward_pre_hook(
+        lambda module, inputs: autocast.append(torch.is_autocast_enabled("cpu"))
+    )
+    assert not trainer.models_placed
+    before = held_out_report_before_training(trainer, prompts_dataset(2), SimpleNamespace(eval_k=1), None)
+    assert before() is not None and autocast and all(autocast), autocast
+    trainer.train()
+    autocast.clear()
+    assert _held_out_report(trainer, prompts_dataset(2), SimpleNamespace(eval_k=1), trainer.reward_funcs)
+    assert autocast and all(autocast)
+
+
 def test_colocated_vllm_refuses_a_seed_for_a_prompts_copies(tiny_model_dir, tmp_path, stand_in_vllm):
     """`evaluate_policy` with the trainer's colocated vLLM engine and a `seed` in its `generation_kwargs` (which the
     config never sees): each of a prompt's k copies is one request sampled with that seed, identical samples. The

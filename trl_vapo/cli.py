@@ -1131,10 +1131,16 @@ def _held_out_report(trainer, dataset, script_args, reward_funcs) -> dict | None
     if engine.holds_own_weights:  # vLLM's copy of the policy: the trainer's engine, synced with it
         engine = trainer.generation_engine
         engine.sync_weights(trainer.state.global_step)
-    policy = contextlib.nullcontext(trainer.actor_critic.policy)
+
+    @contextlib.contextmanager
+    def unplaced_policy():  # under the run's autocast, as `_generation_model` samples once the models are placed:
+        with trainer.accelerator.autocast():  # the report before training sampled a float32 policy (full fine-tuning
+            yield trainer.actor_critic.policy  # keeps it so) in float32, the one after in bf16: two precisions
+
     # Training's random state kept: the report before training sampled from it, and the run trained on other
     # rollouts than the same command without the report.
-    with trainer._generation_model() if placed else policy as model, random_state_kept(trainer.accelerator.device):
+    generation_model = trainer._generation_model() if placed else unplaced_policy()
+    with generation_model as model, random_state_kept(trainer.accelerator.device):
         result = evaluate_policy(
             model,
             trainer.processing_class,
@@ -1382,6 +1388,15 @@ class EvalArguments(VLLMOptions):
             "help": "Load the model's safetensors weights only, as training does: unpickling a `pytorch_model.bin` "
             "can run any code in it. false loads a model saved only so, if you trust it. (An adapter's own file "
             "loads either way: peft reads a `.bin` with torch's weights-only loader.)"
+        },
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "The dtype the model loads and samples in (training's `--dtype`; a training config's applies): "
+            "unset, the checkpoint's own (what training saved). float16 on a GPU without bf16 (T4, V100), float32 on "
+            "a CPU without bf16 arithmetic, where bf16 is slow.",
+            "choices": ["auto", "bfloat16", "float16", "float32"],
         },
     )
     output_json: str | None = field(default=None, metadata={"help": "Also write the scores to this file."})
@@ -1648,7 +1663,7 @@ def eval_command(argv: list[str]) -> int:
         model_class = AutoModelForCausalLM
     try:
         kwargs = {"trust_remote_code": args.trust_remote_code, "use_safetensors": args.use_safetensors}
-        model = load_pretrained(model_class, args.model, kwargs)
+        model = load_pretrained(model_class, args.model, {**kwargs, "dtype": args.dtype or "auto"})
     except (OSError, ValueError) as error:  # an adapter whose base is not here, a folder without weights: a traceback
         raise UsageError(f"--model {args.model} does not load: {' '.join(str(error).split())}") from None
     # As training picks: an accelerator present here (CUDA, MPS, XPU, ...), not merely built into torch; else the CPU.
@@ -1708,6 +1723,7 @@ def eval_command(argv: list[str]) -> int:
         **{name: getattr(args, name) for name in judging},
         "seed": args.seed,
         "engine": type(engine).__name__,
+        "dtype": str(model.dtype).removeprefix("torch."),
     }
     text = scores_json(result)
     print(text)
