@@ -32,7 +32,7 @@ args = VAPOConfig(
     value_pretrain_steps=50,
     warmup_steps=10,
     activation_checkpointing=True,
-    # bf16: on by default where the GPU supports it
+    # bf16: on by default on a GPU with native bf16 (Ampere on); on a T4/V100: fp16=True, the dtype "float16"
     logging_steps=5,
     save_steps=100,
     report_to="tensorboard",
