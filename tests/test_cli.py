@@ -256,6 +256,12 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
         _split_launch_args(["--not_a_flag", "3"])
     with pytest.raises(UsageError, match="FSDP version 1 is not supported; use --accelerate_config fsdp2"):
         _split_launch_args(["--accelerate_config", "fsdp1"])
+    # `--accelerate_config=zero2` and the dashed spelling, as argparse takes every other flag (refused: "did you mean
+    # --accelerator_config?", a transformers field that reads a JSON file); a flag's after the config's key (the
+    # resolver read the config's alone, and the flag was refused as an unknown key of the config).
+    for spelled in (["--accelerate_config=zero2"], ["--accelerate-config", "zero2"], ["--accelerate-config=zero2"]):
+        assert _split_launch_args(spelled) == resolved[:2]
+    assert _split_launch_args(["--accelerate_config", "zero3", "--accelerate_config", "zero2"]) == resolved[:2]
     # A config's `multi_gpu: true` / `false` arrives as `--multi_gpu True` / `False`: accelerate took "True" for the
     # script to run.
     assert _split_launch_args(["--multi_gpu", "True", "--num_processes", "2"]) == [
@@ -288,9 +294,12 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     assert main([*common, "--config", str(tmp_path / "run.yaml")]) == 0 and len(launched) == 3
     with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 1 process\(es\)"):
         cli.train_command([*common[1:], "--accelerate_config", "single_gpu"])  # distributed_type NO: one, not its 8
-    (tmp_path / "two.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    (two := tmp_path / "two.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
     with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
-        cli.train_command([*common[1:], "--config_file", str(tmp_path / "two.yaml")])
+        cli.train_command([*common[1:], "--config_file", str(two)])
+    # A flag's file over the config's key, as the launcher reads the last one given (zero2's 8 were counted).
+    with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
+        cli.train_command([*common[1:], "--config", str(tmp_path / "run.yaml"), "--config_file", str(two)])
     # accelerate's default config (`accelerate config` writes it), which `accelerate launch` reads where no file is
     # named and `trl grpo` always launches with: without launcher arguments, the run trained in one process.
     import accelerate.commands.config
@@ -371,6 +380,19 @@ def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):
     assert code == 2 and LAUNCHED not in os.environ
 
 
+def test_an_eval_k_beside_an_eval_num_prompts_0_given_to_skip_the_report_is_accepted():
+    """`--eval_num_prompts 0` turning a config's report off (its `eval_k: 8`) was refused as an `--eval_k` given
+    without the report's prompts, asking to drop a flag the command did not have."""
+    from types import SimpleNamespace
+
+    from trl_vapo.cli import UsageError, _check_held_out_report
+
+    config_with_k = SimpleNamespace(eval_num_prompts=0, eval_k=8)
+    _check_held_out_report(config_with_k, demo=False, given={"eval_k", "eval_num_prompts"})
+    with pytest.raises(UsageError, match="--eval_k 8 sets the held-out report's samples per prompt"):
+        _check_held_out_report(config_with_k, demo=False, given={"eval_k"})  # the prompts forgotten
+
+
 def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, capsys):
     """`trl-vapo train --config tweaks.yaml` with neither a model nor data in it runs the offline demo with the file's
     settings over the demo's; it was refused, asking for a model it did not mention."""
@@ -390,6 +412,18 @@ def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, c
     parser.set_defaults(**_demo_defaults(["--generation_batch_size", "128"]))
     _, training_args, *_ = _parse_args_and_config(parser, ["--generation_batch_size", "128"])
     assert (training_args.generation_batch_size, training_args.steps_per_generation) == (128, 8)
+    # The demo's settings that another one given replaces, as outside the demo: another accumulation (refused: the
+    # demo's steps_per_generation 4 is no multiple of 8), save_steps (the demo saved nothing), epochs (its max_steps).
+    for given, expected in (
+        (["--gradient_accumulation_steps", "8"], {"steps_per_generation": 8}),
+        (["--save_steps", "20"], {"save_strategy": "steps", "save_steps": 20}),
+        (["--num_train_epochs", "2"], {"max_steps": -1, "num_train_epochs": 2}),
+    ):
+        parser = _parser()
+        parser.set_defaults(**_demo_defaults(given))
+        _, training_args, *_ = _parse_args_and_config(parser, given)
+        assert {name: getattr(training_args, name) for name in expected} == expected, given
+        assert training_args.critic_num_iterations == DEMO_DEFAULTS["critic_num_iterations"]  # the others stay
     (tmp_path / "run.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nmax_steps: 32\n")
     assert not _is_demo(["--config", str(tmp_path / "run.yaml")])
     assert not _is_demo(["--config", str(tweaks), "--dataset_name", "data.jsonl"])
@@ -906,6 +940,8 @@ BAD_INPUT = [
     (["--eval_num_prompts", "-1"], "--eval_num_prompts must be >= 0 (0: no held-out report), got -1"),
     # Ignored without a word: the report it shapes is off, and `load_dataset` reads one file whatever subset is named.
     (["--eval_k", "8"], "--eval_k 8 sets the held-out report's samples per prompt, and --eval_num_prompts 0 skips"),
+    # A file a field names (transformers opens it as the config is built), not --config's: "(--config takes a YAML".
+    (["--accelerator_config", "missing.json"], "missing.json: no such file, named by a setting that takes a file's"),
     (["--dataset_config", "main"], "--dataset_config 'main' names a configuration (subset) of a Hub data set or"),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the

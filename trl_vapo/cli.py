@@ -292,10 +292,12 @@ def _parse_args_and_config(parser, argv: list[str]):
         raise UsageError(f"--config {config_file} is not UTF-8 text ({error}): save it as UTF-8") from None
     except ValueError as error:  # the config classes' validation
         raise UsageError(str(error)) from None
-    except FileNotFoundError as error:  # --config naming no file
-        raise UsageError(f"{error.filename or error}: no such file (--config takes a YAML file's path)") from None
-    except IsADirectoryError as error:
-        raise UsageError(f"{error.filename}: a folder (--config takes a YAML file's path)") from None
+    except (FileNotFoundError, IsADirectoryError) as error:  # --config's file, or a field's (accelerator_config)
+        kind = "no such file" if isinstance(error, FileNotFoundError) else "a folder"
+        config_file = argv[argv.index("--config") + 1] if "--config" in argv else None
+        if config_file is not None and error.filename is not None and Path(error.filename) == Path(config_file):
+            raise UsageError(f"{error.filename}: {kind} (--config takes a YAML file's path)") from None
+        raise UsageError(f"{error.filename or error}: {kind}, named by a setting that takes a file's path") from None
     except yaml.YAMLError as error:  # its message names the file, the line and the column
         raise UsageError("--config is not valid YAML: " + " ".join(str(error).split())) from None
     for parsed in parsed_args:
@@ -346,15 +348,25 @@ def _given(argv: list[str]) -> tuple[dict[str, typing.Any], dict[str, typing.Any
     return flags, config
 
 
+DEMO_DEFAULTS_YIELD_TO = {
+    "steps_per_generation": ("generation_batch_size", "gradient_accumulation_steps"),
+    "save_strategy": ("save_steps",),
+    "max_steps": ("num_train_epochs",),
+}
+"""The demo's settings that a setting the user gives replaces, as it would outside the demo: a rollout's size as
+`generation_batch_size` (both set, they were refused as disagreeing: the user had set only one), another
+`gradient_accumulation_steps` (refused: the demo's `steps_per_generation` 4 is no multiple of 8), `save_steps` (no
+checkpoint was written: the demo saves none), `num_train_epochs` (the demo's `max_steps` ruled)."""
+
+
 def _demo_defaults(argv: list[str]) -> dict[str, typing.Any]:
-    """The demo's settings under those `argv` gives: a rollout's size given as `generation_batch_size` replaces the
-    demo's `steps_per_generation` (both set, they were refused as disagreeing: the user had set only one)."""
+    """The demo's settings under those `argv` gives (`DEMO_DEFAULTS_YIELD_TO`)."""
     flags, config = _given(argv)
     given = {**(config or {}), **flags}
     return {
-        k: v
-        for k, v in DEMO_DEFAULTS.items()
-        if not (k == "steps_per_generation" and "generation_batch_size" in given)
+        name: value
+        for name, value in DEMO_DEFAULTS.items()
+        if not any(other in given for other in DEMO_DEFAULTS_YIELD_TO.get(name, ()))
     }
 
 
@@ -405,7 +417,8 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
     launcher = _launcher_in_one_line()
     switches = {o for a in launcher._actions if a.nargs == 0 for o in a.option_strings}  # `--multi_gpu`
     flags = []
-    for arg in remaining:  # a config's `multi_gpu: true` arrives as `--multi_gpu True`: the flag, or nothing
+    # A config's `multi_gpu: true` arrives as `--multi_gpu True`: the flag, or nothing.
+    for arg in _one_accelerate_config(remaining):
         if flags and flags[-1] in switches and arg.lower() in ("true", "false"):
             if arg.lower() == "false":
                 flags.pop()
@@ -442,6 +455,24 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
             f"unexpected argument {stray!r}{hint}: every value follows its flag (see `trl-vapo train --help`)"
         )
     return launch_args
+
+
+def _one_accelerate_config(args: list[str]) -> list[str]:
+    """`args` with `--accelerate_config NAME` as TRL's resolver reads it: written `--accelerate_config=NAME` or
+    `--accelerate-config` too, and once, the last given (a flag's over the config's key: the resolver read the first
+    alone and the launcher refused the other, named as an unknown key of the config)."""
+    groups, index = [], 0
+    while index < len(args):
+        flag, equals, value = args[index].partition("=")
+        if flag in ("--accelerate_config", "--accelerate-config"):
+            if not equals and index + 1 < len(args):
+                value, index = args[index + 1], index + 1
+            groups.append(["--accelerate_config"] + ([value] if equals or value else []))
+        else:
+            groups.append([args[index]])
+        index += 1
+    named = [n for n, group in enumerate(groups) if group[0] == "--accelerate_config"]
+    return [arg for n, group in enumerate(groups) if not named or n not in named[:-1] for arg in group]
 
 
 def _launcher_in_one_line():
@@ -515,21 +546,25 @@ def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.An
         if given.get("num_processes") is not None:
             return int(given["num_processes"])
         launch_file = None
-        if given.get("accelerate_config") not in (None, True):
-            from ._compat import resolve_accelerate_config_argument
+        for source in (flags, config or {}):  # a flag's file over the config's (the launcher reads the last given)
+            if source.get("accelerate_config") not in (None, True):
+                from ._compat import resolve_accelerate_config_argument
 
-            named = str(given["accelerate_config"])
-            launch_file = resolve_accelerate_config_argument(["--accelerate_config", named])[1]
-        elif given.get("config_file") not in (None, True):
-            launch_file = given["config_file"]
-        elif str(given.get("cpu", False)).lower() not in ("true", "") and _default_launch_file().is_file():
-            launch_file = _default_launch_file()  # accelerate reads it where no file is named (not with --cpu)
-        elif str(given.get("multi_gpu", False)).lower() in ("true", ""):
-            import torch
+                named = str(source["accelerate_config"])
+                launch_file = resolve_accelerate_config_argument(["--accelerate_config", named])[1]
+            elif source.get("config_file") not in (None, True):
+                launch_file = source["config_file"]
+            if launch_file is not None:
+                break
+        else:
+            if str(given.get("cpu", False)).lower() not in ("true", "") and _default_launch_file().is_file():
+                launch_file = _default_launch_file()  # accelerate reads it where no file is named (not with --cpu)
+            elif str(given.get("multi_gpu", False)).lower() in ("true", ""):
+                import torch
 
-            return torch.cuda.device_count()
-        if launch_file is None:
-            return 1
+                return torch.cuda.device_count()
+            else:
+                return 1
         launched = yaml.safe_load(Path(launch_file).read_text(encoding="utf-8")) or {}
         if str(launched.get("distributed_type", "")).upper() in ("NO", "FALSE"):  # one process, whatever else it says
             return 1  # (TRL's single_gpu.yaml: `num_processes: 8`, and accelerate's simple launcher starts one)
@@ -562,8 +597,9 @@ def _default_launch_config() -> str | None:
     return str(path)
 
 
-def _check_held_out_report(script_args, demo: bool) -> None:
-    """The held-out report's numbers in their ranges, before any model loads (the report runs after loading)."""
+def _check_held_out_report(script_args, demo: bool, given: typing.Collection[str] = ()) -> None:
+    """The held-out report's numbers in their ranges, before any model loads (the report runs after loading);
+    `given`: the settings named (flags and the config's keys)."""
     from .demo.data import HELD_OUT_PROBLEMS
 
     if script_args.eval_num_prompts < 0:
@@ -572,7 +608,10 @@ def _check_held_out_report(script_args, demo: bool) -> None:
         )
     if script_args.eval_k < 1:
         raise UsageError(f"--eval_k must be >= 1 (samples per held-out prompt), got {script_args.eval_k}")
-    if not script_args.eval_num_prompts and script_args.eval_k != VAPOScriptArguments.eval_k:
+    # An eval_k without the report's prompts (forgotten?); not one beside an eval_num_prompts 0 given to skip the
+    # report (a flag that turns a config's report off: the config's eval_k was refused as if given alone).
+    skipped = not script_args.eval_num_prompts and "eval_num_prompts" in given
+    if not script_args.eval_num_prompts and script_args.eval_k != VAPOScriptArguments.eval_k and not skipped:
         raise UsageError(
             f"--eval_k {script_args.eval_k} sets the held-out report's samples per prompt, and --eval_num_prompts 0 "
             "skips that report: set --eval_num_prompts N (prompts of the test split) too, or drop --eval_k"
@@ -661,7 +700,7 @@ def train_command(argv: list[str]) -> int:
         launch_args = ["--config_file", default]
     # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
     mixed = mixture is not None and bool(mixture.datasets)
-    _check_held_out_report(script_args, demo)
+    _check_held_out_report(script_args, demo, {name for names in _given(argv) for name in names or ()})
     _check_data_flags(script_args, mixture)
     if training_args.use_vllm and training_args.vllm_mode == "colocate" and script_args.eval_num_prompts:
         from .generation import colocated_vllm_seed_problem  # (the config checks the training groups' copies)
