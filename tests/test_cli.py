@@ -270,6 +270,13 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
         "2",
     ]
     assert _split_launch_args(["--multi_gpu", "False"]) == []
+    # A config's unquoted `mixed_precision: no` (YAML 1.1's false) arrives as `--mixed_precision False`: "no".
+    assert _split_launch_args(["--mixed_precision", "False", "--dynamo_backend", "False"]) == [
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
 
 
 def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir, jsonl_data, tmp_path, monkeypatch):

@@ -962,7 +962,8 @@ def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(t
     trainer = PoisonedTrainer(
         model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(32)
     )
-    with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row.*checkpoint-\d+, is intact"):
+    stopped = r"3 optimizer steps since the last update applied.*checkpoint-\d+, is intact"
+    with pytest.raises(RuntimeError, match=stopped):
         trainer.train()
     checkpoints = list_checkpoints(tmp_path / "out")
     assert checkpoints[-1].name == "checkpoint-4"  # steps 3 and 4 were skipped but still checkpointed...

@@ -416,6 +416,9 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
 
     launcher = _launcher_in_one_line()
     switches = {o for a in launcher._actions if a.nargs == 0 for o in a.option_strings}  # `--multi_gpu`
+    # Choices with a "no" (`--mixed_precision`, `--dynamo_backend`): a config's unquoted `mixed_precision: no` is YAML
+    # 1.1's false, and arrives as `--mixed_precision False` (refused: "invalid choice").
+    with_no = {o for a in launcher._actions if a.choices and "no" in a.choices for o in a.option_strings}
     flags = []
     # A config's `multi_gpu: true` arrives as `--multi_gpu True`: the flag, or nothing.
     for arg in _one_accelerate_config(remaining):
@@ -423,7 +426,7 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
             if arg.lower() == "false":
                 flags.pop()
             continue
-        flags.append(arg)
+        flags.append("no" if flags and flags[-1] in with_no and arg == "False" else arg)
     try:
         launch_args = resolve_accelerate_config_argument(flags)
     except ValueError as error:

@@ -538,7 +538,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=3,
         metadata={
             "help": "An optimizer step whose loss or gradient norm is NaN or inf is skipped (counted in "
-            "`skipped_steps`); this many in a row stop the run with an error, leaving the last checkpoint intact."
+            "`skipped_steps`); this many with no update applied since the first of them (a step that trains "
+            "nothing, or an fp16 loss-scale overflow, is none) stop the run with an error, leaving the last "
+            "checkpoint intact."
         },
     )
 

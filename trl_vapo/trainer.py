@@ -1709,7 +1709,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         )
 
     def _skip_nonfinite_step(self) -> None:
-        """Drop this step's update (its loss or gradients are NaN/inf); stop after too many in a row."""
+        """Drop this step's update (its loss or gradients are NaN/inf); stop after too many with no update applied
+        between them (`consecutive_nonfinite_steps`, reset by an update: a step that trains nothing between two NaN
+        steps does not make the model's NaNs go away)."""
         self._drop_update()
         progress = self.progress
         progress.consecutive_nonfinite_steps += 1
@@ -1721,9 +1723,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             last = ckpt.list_checkpoints(self.args.output_dir)
             where = f"the last checkpoint, {last[-1]}, is intact" if last else "no checkpoint was written yet"
             raise RuntimeError(
-                f"{progress.consecutive_nonfinite_steps} optimizer steps in a row had a NaN/inf loss or gradient "
-                f"(step {self.state.global_step + 1}); stopping. {where}. Look for rewards or values of extreme "
-                "magnitude, or lower learning_rate / critic_learning_rate."
+                f"{progress.consecutive_nonfinite_steps} optimizer steps since the last update applied had a NaN/inf "
+                f"loss or gradient (step {self.state.global_step + 1}); stopping. {where}. Look for rewards or values "
+                "of extreme magnitude, or lower learning_rate / critic_learning_rate."
             )
 
     def _clip_gradients(self, with_policy: bool) -> dict[str, torch.Tensor]:
