@@ -514,6 +514,17 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     assert static.generate(prompts, sampling=GREEDY).completion_lists() == (
         generate.generate(prompts, sampling=GREEDY).completion_lists()
     )
+    # Falcon's ALiBi (`alibi=True`, falcon-rw), with transformers' common masks: the bias, as wide as the prompt, met
+    # the static cache's mask in the first step (a RuntimeError of tensor sizes mid-rollout).
+    from transformers import FalconConfig, FalconForCausalLM
+
+    falcon = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, new_decoder_architecture=False)
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=model.config.vocab_size, alibi=True, **falcon)).eval()
+    assert StaticCacheEngine.unsupported_settings(GREEDY, falcon) == ["alibi=True"]
+    generate, static = _engines(falcon, tokenizer, [tokenizer.eos_token_id])
+    assert static.generate(prompts, sampling=GREEDY).completion_lists() == (
+        generate.generate(prompts, sampling=GREEDY).completion_lists()
+    )
     # The model's own generation_config, which generate() applies where the rollout's settings leave a field unset
     # (the engine sampled without it): its processors always, its warpers when sampling.
     ngram = copy.deepcopy(model)

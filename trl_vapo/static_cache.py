@@ -130,6 +130,8 @@ class StaticCacheEngine(GenerationEngine):
             unsupported.append(f"repetition_penalty={sampling.repetition_penalty}")
         unsupported += model_generation_settings(sampling, model)  # what generate() takes from the model's config
         config = model.config.get_text_config()
+        if getattr(config, "alibi", False) is True:  # Falcon's ALiBi bias, built from a 2D mask as wide as the keys:
+            unsupported.append("alibi=True")  # the static cache's mask is wider (the first step failed)
         attention = getattr(config, "_attn_implementation", None)
         if attention not in ("sdpa", "eager"):
             unsupported.append(f"attn_implementation={attention!r}")
