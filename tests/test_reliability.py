@@ -2044,6 +2044,39 @@ def test_a_checkpoint_that_cannot_be_written_names_itself_the_free_space_and_wha
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-1"] and not list(out.glob(".checkpoint-2.*"))
 
 
+def test_checkpoints_that_would_fill_the_disk_are_said_at_the_first(tiny_model_dir, tmp_path, caplog):
+    """transformers keeps every checkpoint by default: a long run filled the disk hours in, and failed there. The
+    first checkpoint's size times the saves to come, against the disk's real free space: a run planned long enough
+    (10^12 steps, a checkpoint each) needs more than any disk here has; save_total_limit bounds it."""
+
+    class StopAtTheFirstSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    for limit, said in ((None, True), (2, False)):
+        caplog.clear()
+        args = config(tmp_path / str(limit), save_strategy="steps", save_steps=1, save_total_limit=limit)
+        args.max_steps = 10**12
+        trainer = VAPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=digit_fraction,
+            args=args,
+            train_dataset=prompts_dataset(32),
+            callbacks=[StopAtTheFirstSave()],
+        )
+        with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
+            trainer.train()
+        warned = [r.getMessage() for r in caplog.records if "checkpoints still to come" in r.getMessage()]
+        assert bool(warned) == said, warned
+        if said:
+            assert re.search(
+                r"checkpoint-1 takes [\d,]+ MiB, and the 999,999,999,999 checkpoints still to come \(all kept: "
+                r"save_total_limit is unset\) need about [\d,.]+ GiB where [\d,.]+ [GM]iB are free .*: the disk would "
+                r"fill mid-run\. Set save_total_limit",
+                warned[0],
+            )
+
+
 def test_a_weights_file_that_cannot_be_written_is_named_as_a_full_disk(tmp_path):
     """Every weights file (policy, critic, reference, random state) is safetensors', whose full disk raises
     `SafetensorError`, an `Exception`: it went past the handling as a bare traceback, the half-written folder left.

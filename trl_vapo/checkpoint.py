@@ -16,6 +16,7 @@ import fnmatch
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -217,6 +218,33 @@ def write_errors_named(final: Path, tmp: Path):
             f"Writing {final.name} in {final.parent} failed ({first_line}); {cause}, then resume with "
             "resume_from_checkpoint=True."
         ) from error
+
+
+def room_for_checkpoints(newest: Path, args, step: int, max_steps: int) -> str | None:
+    """What to say when the checkpoints a run has yet to write (every `save_steps` to `max_steps`, each as large as
+    `newest`, at most `save_total_limit` kept) need more room than the disk has free: said at the first, hours before
+    a save fails on a full disk (transformers keeps every checkpoint by default; a full fine-tuning's holds the policy,
+    the critic and their optimizer state, ~11 GiB at 0.5B parameters). None where they fit."""
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps" or not args.save_steps:
+        return None
+    every = args.save_steps if args.save_steps >= 1 else math.ceil(max_steps * args.save_steps)  # (< 1: a ratio)
+    coming = -(-max(0, max_steps - step) // max(1, int(every)))  # (the run's last step saves too)
+    kept = coming if args.save_total_limit is None else min(coming, args.save_total_limit)
+    size = sum(file.stat().st_size for file in newest.rglob("*") if file.is_file())
+    free = shutil.disk_usage(newest.parent).free
+    if kept * size <= free:
+        return None
+
+    def gib(size: float) -> str:
+        return f"{size / 2**30:,.1f} GiB" if size >= 2**30 / 10 else f"{size / 2**20:,.0f} MiB"
+
+    unset = args.save_total_limit is None
+    keeping = "all kept: save_total_limit is unset" if unset else "those save_total_limit keeps"
+    return (
+        f"{newest.name} takes {gib(size)}, and the {coming:,} checkpoints still to come ({keeping}) need about "
+        f"{gib(kept * size)} where {gib(free)} are free ({newest.parent}): the disk would fill mid-run. Set "
+        "save_total_limit (2 keeps the last two) or a larger save_steps, or free some space."
+    )
 
 
 def temporary_folder(final: Path, owner: str) -> Path:
@@ -1060,6 +1088,10 @@ class SavingMixin:
         with write_errors_named(final, tmp):
             self._write_checkpoint(final, tmp, model_only)
         self._checkpoint_step = None if model_only else self.state.global_step  # (a resumable one's step)
+        if self.accelerator.is_main_process and not getattr(self, "_room_checked", False):
+            self._room_checked = True  # once, on the run's first checkpoint: the later ones are as large
+            if problem := room_for_checkpoints(final, self.args, self.state.global_step, self.state.max_steps):
+                logger.warning(problem)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(final))
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
