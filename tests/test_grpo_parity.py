@@ -802,6 +802,24 @@ def test_epochs_begin_and_end_for_the_callbacks_where_the_data_does_streamed_or_
         assert (progress.data_epoch, progress.data_index) == ((1, 0) if name == "streamed" else (0, 8)), name
 
 
+def test_a_stop_asked_at_an_epochs_begin_reads_no_prompt(tiny_model_dir, tmp_path):
+    """A callback's `should_training_stop` at the second epoch's begin: the rollout's prompts were read all the same
+    (and trained on by no step), and the run's position, which its checkpoint saves, was past them."""
+    from transformers import TrainerCallback
+
+    class StopAtTheSecondEpoch(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step > 0
+
+    args = make_args(tmp_path, max_steps=5, shuffle_dataset=False)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), callbacks=[StopAtTheSecondEpoch()]
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert (trainer.progress.data_epoch, trainer.progress.data_index) == (0, 8)  # the first epoch's end, read whole
+
+
 def test_the_epoch_moves_with_each_optimizer_step_as_grpos_does(tiny_model_dir, tmp_path):
     """Eight prompts, four a rollout, two optimizer steps a rollout (and two passes): each step reads its share of the
     prompts, so `state.epoch` moves by step, as GRPOTrainer's data loader moves it (every step logged the rollout's

@@ -1099,6 +1099,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         args, progress = self.args, self.progress
         if self._prompts.starts_epoch(progress) or not self._epoch_begun:  # (a resumed run's epoch too)
             self._begin_epoch()
+            if self.control.should_training_stop:  # a callback's stop at the epoch's begin: no prompt is read (the
+                return []  # run's last checkpoint would have skipped them, a resume never trained on them)
         ending_epoch, read = False, False
 
         def end_epoch() -> bool:  # what an epoch's end raises (its evaluation, a callback) is not the stream's
