@@ -506,6 +506,7 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
     run_data = json.loads((out / RUN_DATA_FILE).read_text())
     assert run_data["prompt_column"] == "question" and run_data["system_prompt"] == "Be brief."
     assert json.loads((list_checkpoints(out)[-1] / RUN_DATA_FILE).read_text()) == run_data  # each checkpoint too
+    assert run_data["working_dir"] == os.getcwd()
     printed = capsys.readouterr().out
     assert "trl-vapo summary" in printed and "held-out avg@2" in printed and str(out) in printed
     saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -568,6 +569,23 @@ def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, json
         json.dumps({**json.loads(data_file.read_text()), "dataset_train_split": "rows", "dataset_test_split": "rows"})
     )
     assert main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "2"]) == 0
+    # A run's reward in a module of the folder it trained in (`--reward_funcs my_rewards.fn`), scored by eval run
+    # from another folder: "No module named 'my_rewards'" (they resolve from the working directory, the run's too).
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "rewards_of_the_project.py").write_text(
+        "def has_digit(completions, **kwargs):  # (chat completions: a list of one message)\n"
+        "    return [float(any(map(str.isdigit, c[0]['content']))) for c in completions]\n"
+    )
+    data_file.write_text(
+        json.dumps({**json.loads(data_file.read_text()), "reward_funcs": ["rewards_of_the_project.has_digit"],
+                    "working_dir": str(project)})
+    )  # fmt: skip
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    code = main(["eval", "--model", str(out), "--k", "1", "--num_prompts", "2", "--output_json", str(scores_file)])
+    assert code == 0
+    assert json.loads(scores_file.read_text())["settings"]["rewards"] == ["rewards_of_the_project.has_digit"]
 
 
 def test_eval_of_a_model_on_the_hub_reads_the_runs_settings_from_its_repository(tmp_path, monkeypatch):

@@ -730,6 +730,7 @@ def train_command(argv: list[str]) -> int:
         if run_data[key] and Path(run_data[key]).exists():
             run_data[key] = str(Path(run_data[key]).resolve())
     run_data["mixture"] = mixed
+    run_data["working_dir"] = os.getcwd()  # where eval finds the modules `--reward_funcs my_rewards.fn` names
     model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
         script_args, model_args, training_args, demo, mixture
     )
@@ -1100,7 +1101,9 @@ def _reward_names(script_args) -> list[str]:
     return [] if script_args.reward_model_name_or_path else ["math_reward"]
 
 
-def _resolve_rewards(names: list[str], max_completion_length: int | None = None):
+def _resolve_rewards(names: list[str], max_completion_length: int | None = None, run_working_dir: str | None = None):
+    """The reward functions `names` name; import paths to the user's own modules resolve from the working directory,
+    then from `run_working_dir` (eval of a run trained elsewhere: where the run resolved them)."""
     from .rewards import get_reward_function
 
     if "get_soft_overlong_punishment" in names and max_completion_length not in (None, 1280):
@@ -1118,7 +1121,7 @@ def _resolve_rewards(names: list[str], max_completion_length: int | None = None)
             "trl.rewards.get_soft_overlong_punishment(max_completion_len=<max_completion_length>, ...) and pass it to "
             "VAPOTrainer in Python."
         )
-    sys.path.insert(0, os.getcwd())  # dotted paths to the user's own modules resolve from the working directory
+    sys.path[:0] = [os.getcwd(), *([run_working_dir] if run_working_dir else [])]
     try:
         return [get_reward_function(name) for name in names]
     except ValueError as error:
@@ -1532,6 +1535,8 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     settings.update({key: data[key] for key in keys if key in data})
     if data.get("mixture") and takes_data:
         settings["mixture"] = True
+    if takes_rewards and data.get("working_dir"):
+        settings["working_dir"] = data["working_dir"]
     if takes_data and data.get("dataset_train_split"):  # (not a default: eval takes no training split)
         settings["train_split"] = data["dataset_train_split"]
     return settings, [path for path in found.values() if path is not None]
@@ -1545,6 +1550,7 @@ def eval_command(argv: list[str]) -> int:
     run_settings, run_files = _run_settings(argv)
     trained_on_mixture = run_settings.pop("mixture", False)
     run_train_split = run_settings.pop("train_split", None)  # the run's, which its own test split may be
+    run_working_dir = run_settings.pop("working_dir", None)  # the run's rewards' modules resolve from there too
     parser.set_defaults(**run_settings)
     for action in parser._actions:
         if action.dest in TRAIN_ONLY:  # accepted from a training YAML, never read here: not in eval's help
@@ -1655,7 +1661,7 @@ def eval_command(argv: list[str]) -> int:
     from .loading import is_saved_adapter
     from .pretrained import load_pretrained
 
-    reward_funcs = _resolve_rewards(_reward_names(script), args.max_completion_length)
+    reward_funcs = _resolve_rewards(_reward_names(script), args.max_completion_length, run_working_dir)
     _check_reward_settings(reward_funcs, script.reward_model_name_or_path, args)  # before any model loads
     if script.reward_model_name_or_path:  # scored as in training (loaded as `VAPOTrainer` loads it)
         from .config import VAPOConfig
