@@ -262,6 +262,9 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
     for spelled in (["--accelerate_config=zero2"], ["--accelerate-config", "zero2"], ["--accelerate-config=zero2"]):
         assert _split_launch_args(spelled) == resolved[:2]
     assert _split_launch_args(["--accelerate_config", "zero3", "--accelerate_config", "zero2"]) == resolved[:2]
+    # Resolved where it stands: after a config's `config_file: a.yaml`, the flag's file is the last, which the
+    # launcher reads (TRL's resolver put it first, and the config's file was launched).
+    assert _split_launch_args(["--config_file", "a.yaml", "--accelerate_config", "zero2"])[-2:] == resolved[:2]
     # A config's `multi_gpu: true` / `false` arrives as `--multi_gpu True` / `False`: accelerate took "True" for the
     # script to run.
     assert _split_launch_args(["--multi_gpu", "True", "--num_processes", "2"]) == [
@@ -395,9 +398,11 @@ def test_an_eval_k_beside_an_eval_num_prompts_0_given_to_skip_the_report_is_acce
     from trl_vapo.cli import UsageError, _check_held_out_report
 
     config_with_k = SimpleNamespace(eval_num_prompts=0, eval_k=8)
-    _check_held_out_report(config_with_k, demo=False, given={"eval_k", "eval_num_prompts"})
-    with pytest.raises(UsageError, match="--eval_k 8 sets the held-out report's samples per prompt"):
-        _check_held_out_report(config_with_k, demo=False, given={"eval_k"})  # the prompts forgotten
+    _check_held_out_report(config_with_k, demo=False, flags={"eval_num_prompts": "0"})
+    refused = "--eval_k 8 sets the held-out report's samples per prompt"
+    for flags in ({}, {"eval_k": "8"}, {"eval_k": "8", "eval_num_prompts": "0"}):  # the prompts forgotten, or both
+        with pytest.raises(UsageError, match=refused):  # given at once: the eval_k is for nothing
+            _check_held_out_report(config_with_k, demo=False, flags=flags)
 
 
 def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, capsys):

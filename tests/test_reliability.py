@@ -29,7 +29,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 from transformers.trainer_callback import ExportableState
 
 from trl_vapo import VAPOConfig, VAPOTrainer
-from trl_vapo.checkpoint import COMPLETE_MARKER, list_checkpoints
+from trl_vapo.checkpoint import COMPLETE_MARKER, RUN_DATA_FILE, list_checkpoints
 from trl_vapo.rewards import make_math_reward
 from trl_vapo.tiny import save_tiny_reward_model
 from trl_vapo.trainer import RESUME
@@ -1369,7 +1369,10 @@ def test_a_command_holds_the_output_dir_until_its_model_is_saved(tiny_model_dir,
     holders = []
     write_models = trainer._write_models
     trainer._write_models = lambda *a, **k: holders.append(live_holder(out)) or write_models(*a, **k)
+    # An earlier `trl-vapo train`'s data flags in the folder describe its model, not this one: they go with it.
+    (Path(out) / RUN_DATA_FILE).write_text('{"dataset_name": "earlier.jsonl"}')
     trainer.save_model()
+    assert not (Path(out) / RUN_DATA_FILE).exists()
     trainer.save_model(str(tmp_path / "elsewhere"))  # another folder: the run's is not held for it
     assert [h and h["pid"] for h in holders] == [os.getpid(), None] and live_holder(out) is None
 

@@ -921,10 +921,12 @@ class SavingMixin:
                     # its adapter; its full weights in another sharding, where this save wrote full weights
                     # (`from_pretrained` prefers a `model.safetensors` to the shards beside it; an adapter saved over
                     # full weights leaves them: the folder may hold the base model); its critic, where this run has
-                    # none (a frozen value function).
+                    # none (a frozen value function); an earlier `trl-vapo train`'s data flags, which eval would read
+                    # as this model's (a save from Python writes none).
                     stale = (
                         [output_dir / name for name in ADAPTER_FILES] if "adapter_config.json" not in written else []
                     )
+                    stale += [output_dir / RUN_DATA_FILE] if RUN_DATA_FILE not in written else []
                     if any(fnmatch.fnmatch(name, pattern) for name in written for pattern in WEIGHT_FILES):
                         stale += [
                             p for pattern in WEIGHT_FILES for p in output_dir.glob(pattern) if p.name not in written

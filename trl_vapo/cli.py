@@ -412,8 +412,6 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
         return []
     import difflib
 
-    from ._compat import resolve_accelerate_config_argument
-
     launcher = _launcher_in_one_line()
     switches = {o for a in launcher._actions if a.nargs == 0 for o in a.option_strings}  # `--multi_gpu`
     # Choices with a "no" (`--mixed_precision`, `--dynamo_backend`): a config's unquoted `mixed_precision: no` is YAML
@@ -428,7 +426,7 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
             continue
         flags.append("no" if flags and flags[-1] in with_no and arg == "False" else arg)
     try:
-        launch_args = resolve_accelerate_config_argument(flags)
+        launch_args = _launch_file_in_place(flags)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if any(Path(arg).name == "fsdp1.yaml" for arg in launch_args):  # TRL's name for its FSDP1 config
@@ -476,6 +474,17 @@ def _one_accelerate_config(args: list[str]) -> list[str]:
         index += 1
     named = [n for n, group in enumerate(groups) if group[0] == "--accelerate_config"]
     return [arg for n, group in enumerate(groups) if not named or n not in named[:-1] for arg in group]
+
+
+def _launch_file_in_place(args: list[str]) -> list[str]:
+    """`--accelerate_config NAME` resolved to `--config_file PATH` where it stands (TRL's resolver puts it first):
+    the launcher reads the last `--config_file`, so a flag's file stays over a config's `config_file` key."""
+    from ._compat import resolve_accelerate_config_argument
+
+    if "--accelerate_config" not in args:
+        return args
+    at = args.index("--accelerate_config")
+    return args[:at] + resolve_accelerate_config_argument(args[at : at + 2]) + args[at + 2 :]
 
 
 def _launcher_in_one_line():
@@ -600,9 +609,9 @@ def _default_launch_config() -> str | None:
     return str(path)
 
 
-def _check_held_out_report(script_args, demo: bool, given: typing.Collection[str] = ()) -> None:
+def _check_held_out_report(script_args, demo: bool, flags: typing.Collection[str] = ()) -> None:
     """The held-out report's numbers in their ranges, before any model loads (the report runs after loading);
-    `given`: the settings named (flags and the config's keys)."""
+    `flags`: the settings given on the command line (over the config's)."""
     from .demo.data import HELD_OUT_PROBLEMS
 
     if script_args.eval_num_prompts < 0:
@@ -611,9 +620,9 @@ def _check_held_out_report(script_args, demo: bool, given: typing.Collection[str
         )
     if script_args.eval_k < 1:
         raise UsageError(f"--eval_k must be >= 1 (samples per held-out prompt), got {script_args.eval_k}")
-    # An eval_k without the report's prompts (forgotten?); not one beside an eval_num_prompts 0 given to skip the
-    # report (a flag that turns a config's report off: the config's eval_k was refused as if given alone).
-    skipped = not script_args.eval_num_prompts and "eval_num_prompts" in given
+    # An eval_k without the report's prompts (forgotten?); not a config's, whose report a flag turns off (the
+    # config's eval_k was refused as if given alone).
+    skipped = not script_args.eval_num_prompts and "eval_num_prompts" in flags and "eval_k" not in flags
     if not script_args.eval_num_prompts and script_args.eval_k != VAPOScriptArguments.eval_k and not skipped:
         raise UsageError(
             f"--eval_k {script_args.eval_k} sets the held-out report's samples per prompt, and --eval_num_prompts 0 "
@@ -703,7 +712,7 @@ def train_command(argv: list[str]) -> int:
         launch_args = ["--config_file", default]
     # TrlParser always builds a DatasetMixtureConfig: a run trains on a mixture when it lists data sets (TRL's test).
     mixed = mixture is not None and bool(mixture.datasets)
-    _check_held_out_report(script_args, demo, {name for names in _given(argv) for name in names or ()})
+    _check_held_out_report(script_args, demo, _given(argv)[0])
     _check_data_flags(script_args, mixture)
     if training_args.use_vllm and training_args.vllm_mode == "colocate" and script_args.eval_num_prompts:
         from .generation import colocated_vllm_seed_problem  # (the config checks the training groups' copies)

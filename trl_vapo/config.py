@@ -483,7 +483,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=50,
         metadata={
             "help": "Value pretraining: rollouts from the frozen initial policy that train only the critic, on "
-            "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100). 0: off. "
+            "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100), of the "
+            "paper's rollouts (512 prompts x 16 samples): each of this config's is generation_batch_size samples "
+            "(8 by default), so the critic sees far fewer. 0: off. "
             "Skipped when `value_model` was saved by a previous value pretraining of this initial policy with the "
             "same rewards, sampling, max_prompt_length and gamma (else it is an initialisation, pretrained again, "
             "with a warning; the data set is not compared), or is a frozen value function (a `ValueFunction`, which "
@@ -924,9 +926,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
 
     def _accept_grpo_spellings(self) -> None:
         """GRPOConfig's names for VAPO's settings, resolved as GRPOConfig resolves them."""
-        if isinstance(self.surrogate, Derived) and not isinstance(self.loss_type, Derived):
-            # The surrogate an earlier loss_type set (`loss_type="cispo"`) follows the loss_type set since: another
-            # GRPO loss ("sapo", "dapo") replaces it, as it would have at construction.
+        grpo_loss = self.loss_type in GRPO_SURROGATE_LOSS_TYPES or self.loss_type in GRPO_LOSS_TYPES
+        if isinstance(self.surrogate, Derived) and grpo_loss and not isinstance(self.loss_type, Derived):
+            # The surrogate an earlier GRPO loss_type set (`loss_type="cispo"`) follows the GRPO loss_type set since
+            # ("sapo", "dapo"), as it would have at construction; VAPO's "token" or "sequence" keep it.
             self.__dict__["surrogate"] = "ppo"
         if self.loss_type in GRPO_SURROGATE_LOSS_TYPES:
             surrogate, aggregation = GRPO_SURROGATE_LOSS_TYPES[self.loss_type]
@@ -935,7 +938,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                     f"loss_type={self.loss_type!r} sets surrogate={surrogate!r}, but surrogate={self.surrogate!r} is "
                     f"set too: keep one (surrogate={self.surrogate!r} with loss_type 'token' or 'sequence')."
                 )
-            self.__dict__["surrogate"], self.__dict__["loss_type"] = DerivedStr(surrogate), DerivedStr(aggregation)
+            given = self.surrogate == surrogate and not isinstance(self.surrogate, Derived)  # named, not derived
+            self.__dict__["surrogate"] = surrogate if given else DerivedStr(surrogate)
+            self.__dict__["loss_type"] = DerivedStr(aggregation)
         self.loss_type = GRPO_LOSS_TYPES.get(self.loss_type, self.loss_type)
         scale = self.scale_rewards
         if isinstance(scale, str) and scale.lower() in ("true", "false"):  # TRL's booleans as the command line's text
