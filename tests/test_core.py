@@ -209,6 +209,35 @@ def test_gae_with_unit_gamma_and_lambda_is_reward_to_go_independent_of_values():
     assert torch.equal(returns, returns_other_values)
 
 
+def test_undiscounted_gae_loops_over_the_tokens_once_and_its_targets_not_at_all():
+    """VAPO's gamma = 1: the critic's targets (lambda 1) are a reverse cumulative sum, a number of tensor operations
+    that does not grow with the completion's length, and the decoupled GAE loops over the tokens once, for the actor's
+    advantages (three loops a rollout, one a kernel launch or more a token on a GPU: the targets in the scoring pass,
+    then both lambdas). Counted as the operations torch dispatches, not timed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        operations = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.operations += 1
+            return func(*args, **(kwargs or {}))
+
+    def operations(length, gae):
+        mask = torch.ones(4, length)
+        with Count() as count:
+            gae(terminal_rewards(torch.randn(4), mask), torch.randn(4, length), mask)
+        return count.operations
+
+    def per_token(gae):
+        return (operations(128, gae) - operations(16, gae)) / 112
+
+    assert per_token(lambda r, v, m: compute_gae(r, v, m, 1.0, 1.0)) == 0
+    one_loop = per_token(lambda r, v, m: compute_gae(r, v, m, 1.0, 0.95))
+    assert one_loop > 0 and per_token(lambda r, v, m: decoupled_gae(r, v, m, 1.0, 0.95, 1.0)) == one_loop
+    assert per_token(lambda r, v, m: decoupled_gae(r, v, m, 1.0, 0.95, 1.0, 0.05)) == one_loop  # length-adaptive
+
+
 def test_gae_with_unit_lambda_and_terminal_reward_targets_the_score_everywhere():
     """VAPO's critic target with lam_critic = 1: with only a terminal reward R, G_t = R at every valid position."""
     lengths = torch.tensor([1, 4, 6])

@@ -58,7 +58,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     `generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation` completions from
     `generation_batch_size / num_generations` prompts, and is trained on for `critic_num_iterations` passes (the
     first `num_iterations` of them also train the policy), i.e.
-    `critic_num_iterations * steps_per_generation / gradient_accumulation_steps` optimizer steps.
+    `critic_num_iterations * steps_per_generation / gradient_accumulation_steps` optimizer steps. At one policy step
+    a rollout (the default: `num_iterations=1`, `steps_per_generation=gradient_accumulation_steps`) the policy's ratio
+    is 1 and clip-higher's bounds (5) never bind: they act from the second step on a rollout's samples.
 
     Differences from `TrainingArguments` defaults: `learning_rate=1e-6` (paper), `lr_scheduler_type=
     "constant_with_warmup"` (paper: warm-up then constant; `warmup_steps` stays 0, the paper giving no length),
