@@ -265,6 +265,11 @@ def test_accelerate_arguments_are_recognised_and_unknown_ones_are_not():
     # Resolved where it stands: after a config's `config_file: a.yaml`, the flag's file is the last, which the
     # launcher reads (TRL's resolver put it first, and the config's file was launched).
     assert _split_launch_args(["--config_file", "a.yaml", "--accelerate_config", "zero2"])[-2:] == resolved[:2]
+    # FSDP1 refused only where it is the file launched (a config's, which a flag's fsdp2 replaces, was refused).
+    fsdp1 = _split_launch_args(["--accelerate_config", "fsdp1", "--config_file", "fsdp2.yaml"])
+    assert fsdp1[-2:] == ["--config_file", "fsdp2.yaml"]
+    with pytest.raises(UsageError, match="Expected a value after `--accelerate_config`"):  # not "--multi_gpu"'s file
+        _split_launch_args(["--accelerate_config", "--multi_gpu"])
     # A config's `multi_gpu: true` / `false` arrives as `--multi_gpu True` / `False`: accelerate took "True" for the
     # script to run.
     assert _split_launch_args(["--multi_gpu", "True", "--num_processes", "2"]) == [
@@ -307,9 +312,11 @@ def test_the_batch_checks_count_the_processes_a_command_launches(tiny_model_dir,
     (two := tmp_path / "two.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
     with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
         cli.train_command([*common[1:], "--config_file", str(two)])
-    # A flag's file over the config's key, as the launcher reads the last one given (zero2's 8 were counted).
-    with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
-        cli.train_command([*common[1:], "--config", str(tmp_path / "run.yaml"), "--config_file", str(two)])
+    # A flag's file over the config's key, as the launcher reads the last one given (zero2's 8 were counted); of two
+    # flags, the last.
+    for last in (["--config", str(tmp_path / "run.yaml")], ["--accelerate_config", "zero2"]):
+        with pytest.raises(cli.UsageError, match=r"per_device_train_batch_size 2 x 2 process\(es\)"):
+            cli.train_command([*common[1:], *last, "--config_file", str(two)])
     # accelerate's default config (`accelerate config` writes it), which `accelerate launch` reads where no file is
     # named and `trl grpo` always launches with: without launcher arguments, the run trained in one process.
     import accelerate.commands.config
@@ -390,7 +397,7 @@ def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):
     assert code == 2 and LAUNCHED not in os.environ
 
 
-def test_an_eval_k_beside_an_eval_num_prompts_0_given_to_skip_the_report_is_accepted():
+def test_an_eval_k_without_the_report_is_refused_unless_a_flag_turns_a_configs_report_off():
     """`--eval_num_prompts 0` turning a config's report off (its `eval_k: 8`) was refused as an `--eval_k` given
     without the report's prompts, asking to drop a flag the command did not have."""
     from types import SimpleNamespace

@@ -1286,12 +1286,12 @@ def test_fields_set_after_the_config_was_built_are_read_as_at_construction(tmp_p
     args.loss_type = "sequence"
     args.check_again()
     assert (args.surrogate, args.loss_type) == ("vespo", "sequence")
-    args.loss_type = "cispo"  # VAPO's aggregation set after a GRPO loss keeps its surrogate
+    args.loss_type = "cispo"  # beside the surrogate given: refused
     with pytest.raises(ValueError, match="loss_type='cispo' sets surrogate='cispo', but surrogate='vespo' is set"):
         args.check_again()
     args.surrogate = "ppo"
     args.check_again()
-    args.loss_type = "sequence"
+    args.loss_type = "sequence"  # VAPO's aggregation set after a GRPO loss keeps its surrogate
     args.check_again()
     assert (args.surrogate, args.loss_type) == ("cispo", "sequence")
     named = make_args(tmp_path, surrogate="cispo", loss_type="cispo", epsilon_high=5.0)  # the surrogate named too

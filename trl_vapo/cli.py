@@ -429,7 +429,8 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
         launch_args = _launch_file_in_place(flags)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if any(Path(arg).name == "fsdp1.yaml" for arg in launch_args):  # TRL's name for its FSDP1 config
+    files = [launch_args[n + 1] for n, arg in enumerate(launch_args[:-1]) if arg == "--config_file"]
+    if files and Path(files[-1]).name == "fsdp1.yaml":  # TRL's name for its FSDP1 config, the file launched
         raise UsageError("--accelerate_config fsdp1: FSDP version 1 is not supported; use --accelerate_config fsdp2")
     parsed, unknown = launcher.parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
     unknown = [arg for arg in unknown if arg.startswith("-")]
@@ -466,7 +467,7 @@ def _one_accelerate_config(args: list[str]) -> list[str]:
     while index < len(args):
         flag, equals, value = args[index].partition("=")
         if flag in ("--accelerate_config", "--accelerate-config"):
-            if not equals and index + 1 < len(args):
+            if not equals and index + 1 < len(args) and not args[index + 1].startswith("--"):  # (else no value)
                 value, index = args[index + 1], index + 1
             groups.append(["--accelerate_config"] + ([value] if equals or value else []))
         else:
@@ -484,7 +485,9 @@ def _launch_file_in_place(args: list[str]) -> list[str]:
     if "--accelerate_config" not in args:
         return args
     at = args.index("--accelerate_config")
-    return args[:at] + resolve_accelerate_config_argument(args[at : at + 2]) + args[at + 2 :]
+    valued = at + 1 < len(args) and not args[at + 1].startswith("--")  # (the resolver says a value is missing)
+    end = at + (2 if valued else 1)
+    return args[:at] + resolve_accelerate_config_argument(args[at:end]) + args[end:]
 
 
 def _launcher_in_one_line():
@@ -558,15 +561,19 @@ def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.An
         if given.get("num_processes") is not None:
             return int(given["num_processes"])
         launch_file = None
-        for source in (flags, config or {}):  # a flag's file over the config's (the launcher reads the last given)
-            if source.get("accelerate_config") not in (None, True):
-                from ._compat import resolve_accelerate_config_argument
+        for source in (flags, config or {}):  # a flag's file over the config's, and the last one given in each: the
+            files = [  # launcher reads the last `--config_file` (`_launch_file_in_place`)
+                (key, value)
+                for key, value in source.items()
+                if key in ("accelerate_config", "config_file") and value not in (None, True)
+            ]
+            if files:
+                key, value = files[-1]
+                if key == "accelerate_config":
+                    from ._compat import resolve_accelerate_config_argument
 
-                named = str(source["accelerate_config"])
-                launch_file = resolve_accelerate_config_argument(["--accelerate_config", named])[1]
-            elif source.get("config_file") not in (None, True):
-                launch_file = source["config_file"]
-            if launch_file is not None:
+                    value = resolve_accelerate_config_argument(["--accelerate_config", str(value)])[1]
+                launch_file = value
                 break
         else:
             if str(given.get("cpu", False)).lower() not in ("true", "") and _default_launch_file().is_file():

@@ -60,7 +60,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     first `num_iterations` of them also train the policy), i.e.
     `critic_num_iterations * steps_per_generation / gradient_accumulation_steps` optimizer steps. At one policy step
     a rollout (the default: `num_iterations=1`, `steps_per_generation=gradient_accumulation_steps`) the policy's ratio
-    is 1 and clip-higher's bounds (5) never bind: they act from the second step on a rollout's samples.
+    is 1 (dropout off) and clip-higher's bounds (technique 5) never bind: they act from the second step on a
+    rollout's samples.
 
     Differences from `TrainingArguments` defaults: `learning_rate=1e-6` (paper), `lr_scheduler_type=
     "constant_with_warmup"` (paper: warm-up then constant; `warmup_steps` stays 0, the paper giving no length),
@@ -487,7 +488,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "help": "Value pretraining: rollouts from the frozen initial policy that train only the critic, on "
             "Monte-Carlo returns (lambda = 1), before the first policy update. Paper: 50 (VC-PPO: 100), of the "
             "paper's rollouts (512 prompts x 16 samples): each of this config's is generation_batch_size samples "
-            "(8 by default), so the critic sees far fewer. 0: off. "
+            "(8 a process by default), so the critic sees far fewer. 0: off. "
             "Skipped when `value_model` was saved by a previous value pretraining of this initial policy with the "
             "same rewards, sampling, max_prompt_length and gamma (else it is an initialisation, pretrained again, "
             "with a warning; the data set is not compared), or is a frozen value function (a `ValueFunction`, which "
@@ -931,7 +932,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         grpo_loss = self.loss_type in GRPO_SURROGATE_LOSS_TYPES or self.loss_type in GRPO_LOSS_TYPES
         if isinstance(self.surrogate, Derived) and grpo_loss and not isinstance(self.loss_type, Derived):
             # The surrogate an earlier GRPO loss_type set (`loss_type="cispo"`) follows the GRPO loss_type set since
-            # ("sapo", "dapo"), as it would have at construction; VAPO's "token" or "sequence" keep it.
+            # ("sapo", "dapo"), as it would have at construction; VAPO's aggregations ("token", "sequence", "luspo")
+            # keep it.
             self.__dict__["surrogate"] = "ppo"
         if self.loss_type in GRPO_SURROGATE_LOSS_TYPES:
             surrogate, aggregation = GRPO_SURROGATE_LOSS_TYPES[self.loss_type]
@@ -940,8 +942,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                     f"loss_type={self.loss_type!r} sets surrogate={surrogate!r}, but surrogate={self.surrogate!r} is "
                     f"set too: keep one (surrogate={self.surrogate!r} with loss_type 'token' or 'sequence')."
                 )
-            given = self.surrogate == surrogate and not isinstance(self.surrogate, Derived)  # named, not derived
-            self.__dict__["surrogate"] = surrogate if given else DerivedStr(surrogate)
+            named = self.surrogate == surrogate and not isinstance(self.surrogate, Derived)  # not derived
+            self.__dict__["surrogate"] = surrogate if named else DerivedStr(surrogate)
             self.__dict__["loss_type"] = DerivedStr(aggregation)
         self.loss_type = GRPO_LOSS_TYPES.get(self.loss_type, self.loss_type)
         scale = self.scale_rewards
