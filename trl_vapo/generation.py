@@ -71,7 +71,8 @@ class GenerationOutput:
 
     def completion_lists(self) -> list[list[int]]:
         """The completions as lists of token ids, without padding (what reward functions get)."""
-        return [ids[:n].tolist() for ids, n in zip(self.completion_ids, self.lengths.tolist())]
+        rows = self.completion_ids.cpu().tolist()  # one copy from the device, not one a row
+        return [row[:n] for row, n in zip(rows, self.lengths.tolist())]
 
     def padded(self, pad_to_multiple_of: int | None, pad_id: int) -> GenerationOutput:
         """The completions right-padded to a multiple of `pad_to_multiple_of` columns (None: as they are)."""
