@@ -532,6 +532,9 @@ def test_settings_it_cannot_serve_go_to_generate_with_one_warning(tiny, caplog):
     assert StaticCacheEngine.unsupported_settings(GREEDY, ngram) == ["no_repeat_ngram_size=1"]
     sampled = SamplingSettings(max_new_tokens=8)
     assert StaticCacheEngine.unsupported_settings(sampled, ngram) == ["min_p=0.1", "no_repeat_ngram_size=1"]
+    modes = copy.deepcopy(model)  # a decoding mode (DoLa) and token healing: the engine sampled plainly
+    modes.generation_config.dola_layers, modes.generation_config.token_healing = "high", True
+    assert StaticCacheEngine.unsupported_settings(GREEDY, modes) == ["dola_layers='high'", "token_healing=True"]
     guided = copy.deepcopy(model)  # classifier-free guidance and a time limit, which generate() applies too
     guided.generation_config.guidance_scale, guided.generation_config.max_time = 1.5, 30.0
     assert StaticCacheEngine.unsupported_settings(GREEDY, guided) == ["guidance_scale=1.5", "max_time=30.0"]

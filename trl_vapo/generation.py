@@ -270,6 +270,13 @@ PROCESSOR_SETTINGS = {
     "exponential_decay_length_penalty": lambda v: v is not None,
     "guidance_scale": lambda v: v is not None and v != 1.0,
     "watermarking_config": lambda v: v is not None,
+    # Decoding modes generate() takes from them (DoLa, contrastive search, constrained beams: transformers 5 runs
+    # them from the Hub's code, or raises) and token healing, which rewrites the prompt's end.
+    "dola_layers": lambda v: v is not None,
+    "penalty_alpha": lambda v: v is not None and v > 0,
+    "constraints": lambda v: bool(v),
+    "force_words_ids": lambda v: bool(v),
+    "token_healing": lambda v: bool(v),
 }
 
 
