@@ -175,6 +175,23 @@ def test_transformers_engine_output_invariants(tiny):
     assert model.training is False  # restored as found (from_pretrained models are in eval mode)
 
 
+def test_a_models_num_return_sequences_does_not_multiply_the_rows(tiny):
+    """A checkpoint whose generation_config says `num_return_sequences: 2`: generate() took it (a setting the rollout
+    leaves unset) and returned two rows a prompt, which the engine read as the next prompts' completions."""
+    model, tokenizer = tiny
+    many = copy.deepcopy(model)
+    many.generation_config.num_return_sequences = 2
+    stops = [tokenizer.eos_token_id]
+    prompts = token_ids(tokenizer, TEXT_PROMPTS)
+    out = TransformersGenerate(many, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops).generate(
+        prompts, sampling=GREEDY
+    )
+    plain = TransformersGenerate(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops).generate(
+        prompts, sampling=GREEDY
+    )
+    assert out.completion_lists() == plain.completion_lists()
+
+
 @pytest.mark.parametrize("pad_stops", [False, True], ids=["pad-not-a-stop-token", "pad-is-a-stop-token"])
 def test_transformers_engine_ends_rows_that_stopped_on_a_stop_string(tiny, pad_stops):
     """generate() pads a row that stopped on a stop string: the padding is not part of the completion, and the row

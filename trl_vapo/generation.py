@@ -230,6 +230,7 @@ class SamplingSettings:
             bos_token_id=None,
             use_cache=True,
             disable_compile=True,
+            num_return_sequences=1,  # one completion a prompt row, whatever the model's generation_config says
         )
         # The stop ids already include any eos_token_id of generation_kwargs (see `stop_token_ids`). Greedy
         # (temperature 0) keeps do_sample off: generation_kwargs' do_sample=True sampled there, at the model's
