@@ -419,18 +419,17 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
     with_no = {o for a in launcher._actions if a.choices and "no" in a.choices for o in a.option_strings}
     flags = []
     # A config's `multi_gpu: true` arrives as `--multi_gpu True`: the flag, or nothing.
-    for arg in _one_accelerate_config(remaining):
+    for arg in remaining:
         if flags and flags[-1] in switches and arg.lower() in ("true", "false"):
             if arg.lower() == "false":
                 flags.pop()
             continue
         flags.append("no" if flags and flags[-1] in with_no and arg == "False" else arg)
     try:
-        launch_args = _launch_file_in_place(flags)
+        launch_args = _one_launch_file(flags)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    files = [launch_args[n + 1] for n, arg in enumerate(launch_args[:-1]) if arg == "--config_file"]
-    if files and Path(files[-1]).name == "fsdp1.yaml":  # TRL's name for its FSDP1 config, the file launched
+    if any(Path(arg).name == "fsdp1.yaml" for arg in launch_args):  # TRL's name for its FSDP1 config
         raise UsageError("--accelerate_config fsdp1: FSDP version 1 is not supported; use --accelerate_config fsdp2")
     parsed, unknown = launcher.parse_known_args(launch_args + ["-m", "trl_vapo.cli"])
     unknown = [arg for arg in unknown if arg.startswith("-")]
@@ -459,35 +458,29 @@ def _split_launch_args(remaining: list[str], from_config: list[str] = (), parser
     return launch_args
 
 
-def _one_accelerate_config(args: list[str]) -> list[str]:
-    """`args` with `--accelerate_config NAME` as TRL's resolver reads it: written `--accelerate_config=NAME` or
-    `--accelerate-config` too, and once, the last given (a flag's over the config's key: the resolver read the first
-    alone and the launcher refused the other, named as an unknown key of the config)."""
-    groups, index = [], 0
+def _one_launch_file(args: list[str]) -> list[str]:
+    """`args` with each `--accelerate_config NAME` (also `=NAME`, `--accelerate-config`) resolved to `--config_file
+    PATH` where it stands, and the last `--config_file` alone kept: the one the launcher reads, a flag's over the
+    config's key (TRL's resolver read the first `--accelerate_config` alone and put its file first: the launcher
+    refused the other as an unknown key of the config, or launched the config's file)."""
+    from ._compat import resolve_accelerate_config_argument
+
+    resolved, index = [], 0
     while index < len(args):
         flag, equals, value = args[index].partition("=")
         if flag in ("--accelerate_config", "--accelerate-config"):
-            if not equals and index + 1 < len(args) and not args[index + 1].startswith("--"):  # (else no value)
-                value, index = args[index + 1], index + 1
-            groups.append(["--accelerate_config"] + ([value] if equals or value else []))
+            named = ["--accelerate_config"]  # without a value, the resolver says it is missing
+            if equals:
+                named.append(value)
+            elif index + 1 < len(args) and not args[index + 1].startswith("--"):
+                named.append(args[index + 1])
+                index += 1
+            resolved += resolve_accelerate_config_argument(named)
         else:
-            groups.append([args[index]])
+            resolved.append(args[index])
         index += 1
-    named = [n for n, group in enumerate(groups) if group[0] == "--accelerate_config"]
-    return [arg for n, group in enumerate(groups) if not named or n not in named[:-1] for arg in group]
-
-
-def _launch_file_in_place(args: list[str]) -> list[str]:
-    """`--accelerate_config NAME` resolved to `--config_file PATH` where it stands (TRL's resolver puts it first):
-    the launcher reads the last `--config_file`, so a flag's file stays over a config's `config_file` key."""
-    from ._compat import resolve_accelerate_config_argument
-
-    if "--accelerate_config" not in args:
-        return args
-    at = args.index("--accelerate_config")
-    valued = at + 1 < len(args) and not args[at + 1].startswith("--")  # (the resolver says a value is missing)
-    end = at + (2 if valued else 1)
-    return args[:at] + resolve_accelerate_config_argument(args[at:end]) + args[end:]
+    files = [n for n, arg in enumerate(resolved[:-1]) if arg == "--config_file"]
+    return [arg for n, arg in enumerate(resolved) if not any(n in (at, at + 1) for at in files[:-1])]
 
 
 def _launcher_in_one_line():
@@ -562,7 +555,7 @@ def _planned_processes(flags: dict[str, typing.Any], config: dict[str, typing.An
             return int(given["num_processes"])
         launch_file = None
         for source in (flags, config or {}):  # a flag's file over the config's, and the last one given in each: the
-            files = [  # launcher reads the last `--config_file` (`_launch_file_in_place`)
+            files = [  # launcher reads the last `--config_file` (`_one_launch_file`)
                 (key, value)
                 for key, value in source.items()
                 if key in ("accelerate_config", "config_file") and value not in (None, True)
