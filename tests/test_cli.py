@@ -211,6 +211,10 @@ def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch, capsys):
     (tmp_path / "run" / "checkpoint-2").mkdir()
     monkeypatch.chdir(tmp_path / "run" / "checkpoint-2")
     assert _run_settings(["--model", "."])[0]["dataset_name"] == "a.jsonl"
+    # A checkpoint saved from Python (its config, no data flags) beside an earlier `trl-vapo train`'s data flags in
+    # the run folder: those describe another model, and eval took them as this one's.
+    (tmp_path / "run" / "checkpoint-2" / RUN_CONFIG_FILE).write_text(json.dumps({"max_completion_length": 64}))
+    assert _run_settings(["--model", "."])[0] == {"max_completion_length": 64}
 
 
 def test_a_configs_env_block_is_set_before_the_hub_library_reads_its_environment(tmp_path):

@@ -1519,8 +1519,10 @@ def _run_settings(argv: list[str]) -> tuple[dict, list[Path]]:
     if Path(model).expanduser().is_dir():
         folder = Path(model).expanduser().resolve()  # (`--model .` in a checkpoint's folder: named "checkpoint-N")
         places = [folder, folder.parent] if folder.name.startswith("checkpoint-") else [folder]
-        found = {name: next((place / name for place in places if (place / name).is_file()), None)
-                 for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}  # fmt: skip
+        # Both files from the one save that wrote them: a checkpoint holds its config, and its data flags where
+        # `trl-vapo train` saved it (one from Python has none, and the run folder's may be an earlier run's).
+        place = next((place for place in places if (place / RUN_CONFIG_FILE).is_file()), places[-1])
+        found = {name: place / name if (place / name).is_file() else None for name in (RUN_DATA_FILE, RUN_CONFIG_FILE)}
     else:  # a model on the Hub: `push_to_hub` uploads both files with it (the model card's eval command reads them)
         from .loading import hub_file
 
