@@ -237,6 +237,19 @@ def test_eval_runs_on_the_cpu_where_torch_was_built_for_a_gpu_that_is_not_there(
     assert json.loads(capsys.readouterr().out)["num_problems"] == 2
 
 
+def test_eval_runs_on_the_cpu_where_an_accelerator_is_present_when_asked_to(tiny_model_dir, monkeypatch, capsys):
+    """`--use_cpu`, as TrainingArguments' field: an MPS or CUDA device present is not used. No accelerator here: the
+    meta device stands in for one (a model moved there cannot sample, so eval fails where it is used)."""
+    from trl_vapo.cli import main
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("meta"))
+    command = ["eval", "--model", str(tiny_model_dir), "--num_prompts", "2", "--k", "1", "--max_new_tokens", "4"]
+    assert main([*command, "--use_cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_problems"] == 2
+    with pytest.raises(RuntimeError, match="meta tensors"):  # without it, the device present is used
+        main(command)
+
+
 def test_bf16_is_the_default_only_on_a_gpu_that_computes_in_it_natively(monkeypatch):
     """torch's `is_bf16_supported()` says yes on a T4 or a V100, which emulate bf16 (no tensor cores for it): the
     default there is float32, with a warning naming fp16. No GPU here: torch.cuda's answers stand in for a T4's."""

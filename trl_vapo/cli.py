@@ -1411,6 +1411,10 @@ class EvalArguments(VLLMOptions):
         },
     )
     use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (`pip install vllm`), as in training."})
+    use_cpu: bool = field(
+        default=False,
+        metadata={"help": "Score on the CPU where an accelerator (CUDA, MPS, XPU) is present (TrainingArguments')."},
+    )
     positive_reward_threshold: float = field(default=0.5, metadata={"help": "Reward counted as correct."})
     positive_reward_funcs: list[str] | None = field(
         default=None,
@@ -1725,8 +1729,9 @@ def eval_command(argv: list[str]) -> int:
         model = load_pretrained(model_class, args.model, {**kwargs, "dtype": args.dtype or "auto"})
     except (OSError, ValueError) as error:  # an adapter whose base is not here, a folder without weights: a traceback
         raise UsageError(f"--model {args.model} does not load: {' '.join(str(error).split())}") from None
-    # As training picks: an accelerator present here (CUDA, MPS, XPU, ...), not merely built into torch; else the CPU.
-    device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+    # As training picks: an accelerator present here (CUDA, MPS, XPU, ...), not merely built into torch, unless
+    # `--use_cpu`; else the CPU.
+    device = (not args.use_cpu and torch.accelerator.current_accelerator(check_available=True)) or torch.device("cpu")
     model.to(device)
     for reward_model in (f for f in reward_funcs if isinstance(getattr(f, "model", None), torch.nn.Module)):
         reward_model.model.to(device)  # beside the policy (it loaded on the CPU)
