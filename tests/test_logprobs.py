@@ -278,3 +278,48 @@ def test_heads_the_tiles_cannot_read_run_as_the_model_runs_them(tiny_model_dir, 
         expected, expected_entropy = own_logprobs(model, ids, attention, length, 0.7)
     torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=2e-5)
     torch.testing.assert_close(entropy.double(), expected_entropy, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 4])
+def test_micro_batches_are_cut_from_one_read_of_the_lengths_and_index_without_waiting(device, pad_to_multiple_of):
+    """Each micro-batch's width is the widest of its rows (the earliest prompt token, the longest completion), read
+    from `padding_spans`' one copy of every row's span: equal to the same cut taken from each micro-batch's own mask,
+    by a loop. On a GPU the cuts and the row indexing run under `torch.cuda.set_sync_debug_mode("error")`: no read of
+    the device (which waits for the last micro-batch's backward) and no blocking copy of a CPU index."""
+    from trl_vapo.modeling import completion_micro_batches, padding_spans, trim_padding
+
+    g = torch.Generator().manual_seed(0)
+    prompt_length, completion_width, n = 8, 12, 10
+    starts = torch.randint(0, prompt_length, (n,), generator=g)  # left padding
+    starts[1] = prompt_length  # a row without a prompt token: it sets no first column
+    lengths = torch.randint(0, completion_width + 1, (n,), generator=g)  # right padding (a row may be empty)
+    columns = torch.arange(prompt_length + completion_width)
+    attention = ((columns >= starts[:, None]) & (columns < prompt_length + lengths[:, None])).long().to(device)
+    input_ids = (torch.randint(3, 50, attention.shape, generator=g).to(device)) * attention
+    spans = padding_spans(attention, prompt_length)
+    assert spans.device.type == "cpu" and spans.tolist() == torch.stack([starts, lengths], dim=1).tolist()
+
+    def expected(rows):  # each micro-batch's own mask, column by column
+        mask = attention[rows].cpu()
+        first = next(c for c in range(prompt_length) if mask[:, c].any()) if mask[:, :prompt_length].any() else 0
+        width = max(int(mask[:, prompt_length:].sum(dim=1).max()), 1)
+        if pad_to_multiple_of:
+            first -= first % pad_to_multiple_of
+            width = min(-(-width // pad_to_multiple_of) * pad_to_multiple_of, completion_width)
+        return input_ids[rows, first : prompt_length + width].cpu(), width
+
+    for rows in [torch.tensor([1, 3, 7]), torch.arange(n)]:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            ids, mask, width = trim_padding(input_ids, attention, prompt_length, rows, pad_to_multiple_of, spans)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        assert ids.cpu().equal(expected(rows)[0]) and mask.shape == ids.shape and width == expected(rows)[1]
+    seen = []
+    for rows, ids, _, width in completion_micro_batches(input_ids, attention, prompt_length, 4, pad_to_multiple_of):
+        assert rows.device == input_ids.device
+        seen += rows.tolist()
+        assert ids.cpu().equal(expected(rows.cpu())[0]) and width == expected(rows.cpu())[1]
+    assert sorted(seen) == list(range(n))

@@ -796,9 +796,10 @@ def test_micro_batches_hold_rows_of_similar_lengths_in_the_steps_and_the_scoring
     steps, scored = [], []  # each micro-batch's completion lengths, in the order they ran
     micro_batch, trim = Rollout.micro_batch, modeling.trim_padding
 
-    def recorded_micro_batch(self, rows):
+    def recorded_micro_batch(self, rows, spans=None):
         steps.append(self.lengths[rows].tolist())
-        return micro_batch(self, rows)
+        assert spans is not None  # the step's one read of the widths, not one read a micro-batch
+        return micro_batch(self, rows, spans)
 
     def recorded_trim(input_ids, attention_mask, prompt_length, rows, *args):
         scored.append(attention_mask[rows, prompt_length:].sum(dim=1).tolist())

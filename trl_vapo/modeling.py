@@ -326,29 +326,43 @@ def value_pretraining_record(path: str | os.PathLike) -> dict | None:
     return None
 
 
+def padding_spans(attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """`[N, 2]`, on the CPU: each row's first prompt column (`prompt_length` for a row without a prompt token) and
+    completion length, what `trim_padding` cuts and `length_sorted` orders by. Read from the device in one copy, once
+    a step: a read per micro-batch waits, each time, for the device to finish all the work queued before it (the
+    last micro-batch's backward), and leaves it idle while the next micro-batch's forward is queued."""
+    prompt = attention_mask[:, :prompt_length].bool()
+    first = torch.where(prompt.any(dim=1), prompt.float().argmax(dim=1), prompt_length)
+    lengths = attention_mask[:, prompt_length:].sum(dim=1)
+    return torch.stack([first.to(lengths.dtype), lengths], dim=1).cpu()
+
+
 def trim_padding(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_length: int,
     rows: torch.Tensor,
     pad_to_multiple_of: int | None = None,
+    spans: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """`input_ids`, `attention_mask` and completion length of `rows`, without the padding all of them share.
+    """`input_ids`, `attention_mask` and completion length of `rows` (indices, on the CPU), without the padding all of
+    them share. `spans`: `padding_spans` of all rows, read once for many calls (else read here).
 
     Prompts are left-padded in the first `prompt_length` columns and completions right-padded after them: the columns
     before the earliest prompt token and after the longest completion of these rows are dropped. With
     `pad_to_multiple_of` (when both widths are multiples of it) both parts keep a multiple of it.
     """
-    attention = attention_mask[rows]
-    first_prompt_column = int(attention[:, :prompt_length].any(dim=0).float().argmax())
-    completion_length = max(int(attention[:, prompt_length:].sum(dim=1).max()), 1)
+    spans = padding_spans(attention_mask, prompt_length) if spans is None else spans
+    first_prompt_column = int(spans[rows, 0].min())
+    completion_length = max(int(spans[rows, 1].max()), 1)
     if pad_to_multiple_of:
         first_prompt_column -= first_prompt_column % pad_to_multiple_of
         completion_length = min(
-            -(-completion_length // pad_to_multiple_of) * pad_to_multiple_of, attention.shape[1] - prompt_length
+            -(-completion_length // pad_to_multiple_of) * pad_to_multiple_of, attention_mask.shape[1] - prompt_length
         )
     end = prompt_length + completion_length
-    return input_ids[rows, first_prompt_column:end], attention[:, first_prompt_column:end], completion_length
+    index = rows.to(input_ids.device, non_blocking=True)  # (a CPU index into a GPU tensor is copied, and waited for)
+    return input_ids[index, first_prompt_column:end], attention_mask[index, first_prompt_column:end], completion_length
 
 
 def length_sorted(rows: torch.Tensor, completion_lengths: torch.Tensor) -> torch.Tensor:
@@ -369,10 +383,11 @@ def completion_micro_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """A rollout's rows in micro-batches of `batch_size`, in the order of their completions' lengths
     (`length_sorted`), each cut to its longest (`trim_padding`): `(rows, input_ids, attention_mask,
-    completion_length)` each."""
-    lengths = attention_mask[:, prompt_length:].sum(dim=1)
-    for rows in length_sorted(torch.arange(input_ids.shape[0]), lengths).split(batch_size):
-        yield rows, *trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of)
+    completion_length)` each, `rows` on the inputs' device. The lengths are read from the device once."""
+    spans = padding_spans(attention_mask, prompt_length)
+    for rows in length_sorted(torch.arange(input_ids.shape[0]), spans[:, 1]).split(batch_size):
+        trimmed = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of, spans)
+        yield rows.to(input_ids.device, non_blocking=True), *trimmed
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -69,12 +69,13 @@ class Rollout:
         ids = self.input_ids[:, self.prompt_length :]
         return [row[:n].tolist() for row, n in zip(ids, self.lengths.tolist())]
 
-    def micro_batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor | int | None]:
-        """The model inputs of `rows` (see `trim_padding`) and their training targets, cut to the same length: what
-        `ActorCritic.forward` and `core.vapo_loss` take."""
+    def micro_batch(self, rows: torch.Tensor, spans: torch.Tensor | None = None) -> dict[str, torch.Tensor | int]:
+        """The model inputs of `rows` (indices, on the CPU; see `trim_padding`, and its `spans`) and their training
+        targets, cut to the same length: what `ActorCritic.forward` and `core.vapo_loss` take."""
         input_ids, attention_mask, length = trim_padding(
-            self.input_ids, self.attention_mask, self.prompt_length, rows, self.pad_to_multiple_of
+            self.input_ids, self.attention_mask, self.prompt_length, rows, self.pad_to_multiple_of, spans
         )
+        rows = rows.to(input_ids.device, non_blocking=True)  # (a CPU index is copied, and waited for, at each use)
 
         def cut(x):
             return None if x is None else x[rows, :length] if x.shape[-1] > 1 else x[rows]

@@ -132,6 +132,7 @@ from .modeling import (
     is_peft_model,
     keep_trainable_weights_in_float32,
     length_sorted,
+    padding_spans,
     policy_fingerprints,
     value_function_name,
     value_target_settings,
@@ -1476,8 +1477,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         began = time.perf_counter() if began is None else began
         args, phase = self.args, rollout.phase
         trains_policy = phase == RL and update_policy
-        mask = rollout.loss_mask[rows]
-        settings = self._loss_settings(phase, mask, rollout.is_positive[rows])
+        on_device = rows.to(rollout.loss_mask.device, non_blocking=True)
+        mask = rollout.loss_mask[on_device]
+        settings = self._loss_settings(phase, mask, rollout.is_positive[on_device])
+        spans = padding_spans(rollout.attention_mask, rollout.prompt_length)  # (the micro-batches' widths: one read)
 
         if not begun:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
@@ -1486,7 +1489,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         controls_entropy = trains_policy and args.use_adaptive_entropy
         entropy_reading = torch.zeros(2, device=mask.device)  # the controller's: the entropy's sum and its tokens
         if args.top_entropy_quantile >= 1.0:  # (its threshold is each micro-batch's, GRPOTrainer's: of drawn rows)
-            rows = length_sorted(rows, rollout.lengths)
+            rows = length_sorted(rows, spans[:, 1])
         micro_batches = rows.split(args.per_device_train_batch_size)
         # The critic's forward and backward ran in the scoring pass (`_critic_trains_while_scoring`): its gradients
         # wait in `.grad`, its statistics join this step's.
@@ -1497,7 +1500,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         for i, micro_rows in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             no_sync = not last and not self.is_deepspeed_enabled  # (DeepSpeed: `_backward` names the step's last)
-            batch = rollout.micro_batch(micro_rows)
+            batch = rollout.micro_batch(micro_rows, spans)
             n = batch["mask"].sum()
             sums["_tokens"] += n
             with self._no_sync_unless_each_batch() if no_sync else contextlib.nullcontext():
