@@ -400,6 +400,13 @@ def test_extract_predicted_answer(text, expected):
         (r"First \boxed{1}, then more words than math-verify joins across (70 or more), and at last \boxed{2}.", "2"),
         ("$6$ and $8$", "6,8"),
         (r"$1 - \frac{1}{\mathrm{e}}$", r"1 - \frac{1}{e}"),
+        # A gold in words, read as a completion's answer line: "72 clips" was kept whole, which math-verify reads as
+        # 72*c*l*i*p*s (every completion scored wrong, the gold counted as valid).
+        ("72 clips", "72"),
+        ("#### 72 clips", "72"),
+        ("So the answer is 5.", "5"),
+        ("Answer: 1/2", "1/2"),
+        ("2 pi", "2 pi"),  # (a product math-verify reads as meant)
     ],
 )
 def test_normalize_gold_answer(gold, expected):

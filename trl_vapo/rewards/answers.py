@@ -538,7 +538,10 @@ def normalize_gold_answer(gold: Any) -> str | None:
       a completion giving one of them is wrong);
     - bare answers (DeepScaleR, DAPO-Math): ``"\\frac{1}{2}"``, ``"$2\\sqrt{3}$"``, ``"(3,-1)"`` are kept, minus
       surrounding math delimiters (``"$6$ and $8$"`` gives ``"6,8"``); ints and floats become their digits in full
-      (``1e20`` is ``"100000000000000000000"``, ``2.5e-07`` is ``"0.00000025"``), and so do decimals.
+      (``1e20`` is ``"100000000000000000000"``, ``2.5e-07`` is ``"0.00000025"``), and so do decimals;
+    - a bare or GSM8K answer in words, as a completion's final line is read: ``"72 clips"`` gives ``"72"`` (the
+      count, not the words, which math-verify would read as a product of symbols), ``"So the answer is 5."``
+      ``"5"``.
 
     ``\\mathrm{e}`` becomes ``e``. ``None`` when the gold is empty, not text or a number, has an unterminated last
     box or unbalanced braces, or is longer than :data:`MAX_ANSWER_CHARS` (a solution without any answer marker is not
@@ -562,12 +565,15 @@ def normalize_gold_answer(gold: Any) -> str | None:
     marker = gold.rfind("####")
     if spans:
         answer = _boxed_answer(gold, spans)[0]
-    elif marker >= 0:
-        answer = gold[marker + 4 :].partition("\n")[0]
     else:
         # ``$6$ and $8$`` is the set {6, 8} to math-verify, like ``6,8``.
-        contents = _env_contents(gold.strip()) if len(gold) <= _MAX_RAW_CHARS else None
-        answer = gold if contents is None else _join_contents(contents)
+        contents = _env_contents(gold.strip()) if marker < 0 and len(gold) <= _MAX_RAW_CHARS else None
+        answer = gold[marker + 4 :].partition("\n")[0] if marker >= 0 else gold
+        if contents is not None:
+            answer = _join_contents(contents)
+        elif len(answer) <= _MAX_RAW_CHARS:  # read as a completion's answer line is: ``72 clips`` is 72 (math-verify
+            # reads the words as a product of symbols: every completion scored wrong), ``So the answer is 5.`` is 5
+            answer = _final_line_answer(answer) or _number_of_a_count(answer) or answer
     answer = _clean_answer(answer)
     if answer is None or not _braces_balanced(answer):
         return None
