@@ -1516,9 +1516,11 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     tiny_model_dir, reward_model_dir, grpo_data, tmp_path, capsys
 ):
     """The same config, its data as a `datasets` mixture with a test split cut off (TRL's DatasetMixtureConfig), run by
-    `trl-vapo train --config`; the held-out report also scores with the reward model."""
+    `trl-vapo train --config`; the held-out report also scores with the reward model. A `dataset_name` beside the
+    mixture is not trained on (TRL's `trl grpo` says so and uses the mixture): the card named it as the run's data,
+    and eval scored it as the run's."""
     out = tmp_path / "trl-vapo"
-    mixture = f"datasets:\n  - path: {grpo_data}\n    split: train\ntest_split_size: 0.25\n"
+    mixture = f"dataset_name: org/other\ndatasets:\n  - path: {grpo_data}\n    split: train\ntest_split_size: 0.25\n"
     config = grpo_yaml(tmp_path / "grpo.yaml", out, tiny_model_dir, reward_model_dir, mixture)
     # A flag that formats --dataset_name's rows would be ignored: refused, before any data loads.
     assert main(["train", f"--config={config}", "--prompt_column", "question"]) == 2
@@ -1533,6 +1535,7 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     # set, but a mixture is not one: it asks for the one to score (not the demo's problems).
     card = (out / "README.md").read_text()
     assert "problems of the data set mixture's test split" in card and "cannot draw again" in card
+    assert "org/other" not in card
     assert main(["eval", "--model", str(out)]) == 2
     assert "was trained on a data set mixture (datasets:); eval scores one data set" in capsys.readouterr().err
 

@@ -739,6 +739,9 @@ def train_command(argv: list[str]) -> int:
         if run_data[key] and Path(run_data[key]).exists():
             run_data[key] = str(Path(run_data[key]).resolve())
     run_data["mixture"] = mixed
+    if mixed:  # a --dataset_name beside a `datasets:` mixture is not what trained (TRL's `trl grpo` uses the mixture):
+        # eval read it as the run's data, and scored that set quietly where it refuses to guess a mixture's
+        run_data.update(dataset_name=None, dataset_config=None)
     run_data["working_dir"] = os.getcwd()  # where eval finds the modules `--reward_funcs my_rewards.fn` names
     model_id, train_dataset, eval_dataset, test_dataset = _resolve_data(
         script_args, model_args, training_args, demo, mixture
@@ -825,9 +828,9 @@ def _report_sampling(args) -> list[str]:
 
 def _model_card_info(script_args, before, after, demo: bool, mixture: bool = False, args=None) -> dict:
     """What the model card needs from the command line: the data set and the held-out scores."""
-    info = {
-        "dataset_name": None if demo else script_args.dataset_name,
-        "dataset_config": None if demo else script_args.dataset_config,
+    info = {  # (a `datasets:` mixture is trained on where a --dataset_name is given beside it: the card names none)
+        "dataset_name": None if demo or mixture else script_args.dataset_name,
+        "dataset_config": None if demo or mixture else script_args.dataset_config,
         "dataset_description": "trl-vapo's built-in arithmetic task (the offline demo)" if demo else None,
     }
     if before and after:
