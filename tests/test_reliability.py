@@ -1377,6 +1377,41 @@ def test_a_command_holds_the_output_dir_until_its_model_is_saved(tiny_model_dir,
     assert [h and h["pid"] for h in holders] == [os.getpid(), None] and live_holder(out) is None
 
 
+def test_an_smb_lock_refuses_a_second_run_and_its_holder_reads_its_own_lock_file(tmp_path, monkeypatch, caplog):
+    """CIFS (Linux 5.5 on) makes `flock` an SMB byte-range lock: a conflict is EACCES, not EWOULDBLOCK, and a read of
+    the locked file through any other descriptor is refused with EACCES, its holder's too. EACCES was read as a file
+    system without locks (a second run went on unlocked, writing the first one's checkpoints), and a run that took
+    over a crashed run's lock read it through a new descriptor (a PermissionError: no run could start there). No SMB
+    mount here: `flock` and the lock file's reads by path raise as CIFS's do (a stand-in with the real errors)."""
+    import fcntl
+
+    from trl_vapo.run_lock import RUN_LOCK, live_holder, output_dir_lock
+
+    lock = tmp_path / RUN_LOCK
+    lock.write_text(json.dumps({"pid": 1, "host": "node-7", "started": "yesterday"}))  # a crashed run's
+    read_bytes = Path.read_bytes
+
+    def smb_read_bytes(path):
+        if path.name == RUN_LOCK:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", smb_read_bytes)
+    with caplog.at_level(logging.WARNING), output_dir_lock(tmp_path) as locked:
+        assert locked is True
+    assert "Taking over the lock of a run that is gone ({'pid': 1, 'host': 'node-7'" in caplog.text
+
+    def smb_flock(fd, operation):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(fcntl, "flock", smb_flock)  # another run holds it
+    lock.write_text("{}")
+    with pytest.raises(RuntimeError, match=f"^Another run is writing to {re.escape(str(tmp_path))}"):
+        with output_dir_lock(tmp_path):
+            pass
+    assert live_holder(tmp_path) == {}  # (held, its holder unreadable: the command's early refusal says so too)
+
+
 def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
     tiny_model_dir, tmp_path, monkeypatch, caplog
 ):
@@ -1410,6 +1445,7 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
         ".checkpoint-4.host-1.old",
         ".value_pretrained_critic.h-2.tmp",
         ".save_model.host-7.tmp",  # a save_model killed mid-write: a full model copy, kept forever before
+        ".checkpoint-2.host-1.del",  # a rotation's removal cut short (it left checkpoint-2, without its marker)
     ]
     kept = [".other.tmp", "checkpoint-6", ".checkpoint-x.tmp", ".save_models.tmp"]
     for name in names + kept:
@@ -1613,6 +1649,7 @@ def test_rotation_keeps_the_best_checkpoint_however_its_path_was_spelt(tmp_path,
         output_dir.symlink_to(out)
     rotate_checkpoints(output_dir, save_total_limit=2, keep=[output_dir / "checkpoint-4", Path(best)])
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4"]
 
 
 def test_a_run_resumed_from_a_copy_keeps_the_copys_best_checkpoint(tmp_path):
@@ -1646,6 +1683,31 @@ def test_rotation_keeps_as_many_checkpoints_as_the_limit_when_the_best_one_is_go
         (out / f"checkpoint-{step}" / COMPLETE_MARKER).write_text("{}")
     rotate_checkpoints(out, save_total_limit=2, keep=[out / "checkpoint-4", tmp_path / "elsewhere" / "checkpoint-9"])
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_a_rotation_cut_short_leaves_debris_that_the_next_run_removes(tmp_path, monkeypatch):
+    """A rotated checkpoint leaves the checkpoints' names in one rename before its files go: a removal cut short (a
+    kill, an `.nfs` file still open) left a `checkpoint-N` without its marker, which no later rotation listed and no
+    debris removal matched (a full checkpoint's disk, for good)."""
+    from trl_vapo import checkpoint
+    from trl_vapo.run_lock import output_dir_lock
+
+    out = tmp_path / "out"
+    for step in (1, 2, 3):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "model.safetensors").write_text("weights")
+        (out / f"checkpoint-{step}" / checkpoint.COMPLETE_MARKER).write_text("{}")
+    with monkeypatch.context() as cut_short:
+        cut_short.setattr(checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)  # killed before any file went
+        checkpoint.rotate_checkpoints(out, save_total_limit=1, keep=[out / "checkpoint-3"])
+    left = sorted(p.name for p in out.iterdir() if p.name != "checkpoint-3")
+    assert [re.sub(r"^(\.checkpoint-\d)\..+\.del$", r"\1.RUN.del", name) for name in left] == [
+        ".checkpoint-1.RUN.del",
+        ".checkpoint-2.RUN.del",
+    ]
+    with output_dir_lock(out):
+        assert checkpoint.remove_debris(out) == (left, [], [])
+    assert [p.name for p in out.iterdir()] == ["checkpoint-3"]
 
 
 def test_save_only_model_checkpoints_hold_the_weights_and_are_not_resumed_from(tiny_model_dir, tmp_path):

@@ -109,7 +109,8 @@ WEIGHT_FILES = (
 
 def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str], list[str]]:
     """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`, a `save_model`'s
-    `.save_model.<run>.tmp`: a full model each) that runs stopped mid-write left in `output_dir`; only while holding
+    `.save_model.<run>.tmp`: a full model each) that runs stopped mid-write left in `output_dir`, and the rotated
+    checkpoints they stopped removing (`.checkpoint-N.<run>.del`); only while holding
     its lock, when no other run can be writing them. A checkpoint (or the value-pretrained critic) that a stop left
     whole goes in place instead: a `.tmp` whose record was written and whose every file reads (stopped while
     `publish` flushed it to the disk, before its renames), else an `.old` that a stop between `publish`'s two renames
@@ -131,14 +132,15 @@ def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str], 
     return sorted(removed), restored, published
 
 
-_DEBRIS = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old)$")
-r"""A half-written folder's name: `(\..+)?` is the run's name (folders of trl-vapo before per-run names have none)."""
+_DEBRIS = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old|del)$")
+r"""A half-written folder's name, or a half-removed one's (`.del`: a rotated checkpoint): `(\..+)?` is the run's name
+(folders of trl-vapo before per-run names have none)."""
 
 
 def _debris(output_dir: str | os.PathLike) -> list[tuple[Path, str, str, bool]]:
-    """The half-written folders in `output_dir` (`remove_debris`), each `(folder, final name, "tmp" or "old", whether
-    its record was written)`, each folder's `.tmp` before its `.old`: the newer write, when whole, replaces the one it
-    was replacing."""
+    """The half-written folders in `output_dir` (`remove_debris`), each `(folder, final name, "tmp", "old" or "del",
+    whether its record was written)`, each folder's `.tmp` before its `.old`: the newer write, when whole, replaces the
+    one it was replacing."""
     found = [p for p in Path(output_dir).glob(".*") if p.is_dir() and _DEBRIS.match(p.name)]
     found.sort(key=lambda p: (_DEBRIS.match(p.name)[1], _DEBRIS.match(p.name)[3] != "tmp", p.name))
     debris = []
@@ -555,7 +557,15 @@ def rotate_checkpoints(
     reading = {Path(p).resolve() for p in busy}
     for stale in checkpoints[: max(excess, 0)]:
         if stale.resolve() not in reading:
-            shutil.rmtree(stale, ignore_errors=True)
+            # Out of the checkpoints' names first, in one rename: a removal cut short (a kill, a file still open on
+            # NFS) left a `checkpoint-N` without its marker, never listed again, so never removed; as debris, the
+            # next run that holds the folder removes it (`remove_debris`).
+            doomed = stale.with_name(f".{stale.name}.{run_owner()}.del")
+            try:
+                os.replace(stale, doomed)
+            except OSError:
+                doomed = stale
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def apply_resumed_settings(optimizer, scheduler, asked: list[dict], schedules: list[dict]) -> None:

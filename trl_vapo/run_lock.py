@@ -4,6 +4,7 @@ saved model and its logs without a word. Standard library only, so that a proces
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ def output_dir_lock(output_dir: str | os.PathLike):
         yield False
         return
     try:
-        gone = _lock_holder(path)
+        gone = _lock_holder(path, fd)
         if gone is not None or os.fstat(fd).st_size:
             warn(
                 f"Taking over the lock of a run that is gone ({gone or 'an unreadable lock file'}, {path}): its "
@@ -98,11 +99,13 @@ def _take(path: Path, output_dir, warn) -> int | None:
                 current = None
             if current == os.fstat(fd).st_ino:
                 return fd
-        except BlockingIOError:
+        except OSError as error:
             os.close(fd)
-            raise RuntimeError(refusal(output_dir, _lock_holder(path) or {})) from None
-        except OSError as error:  # ENOLCK, EOPNOTSUPP: a file system without locks (ESTALE, EACCES: the same)
-            os.close(fd)
+            # (CIFS's EACCES was taken for a file system without locks: a second run went on there unlocked, and
+            # both wrote the same checkpoints.)
+            if _held(error):
+                raise RuntimeError(refusal(output_dir, _lock_holder(path) or {})) from None
+            # ENOLCK, EOPNOTSUPP, ESTALE: a file system without locks
             warn(f"{output_dir} cannot be locked ({error}): start one run at a time there.")
             return None
         except BaseException:
@@ -126,10 +129,8 @@ def live_holder(output_dir: str | os.PathLike) -> dict | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _lock_holder(path) or {}
-    except OSError:  # a file system without locks: the run says so itself
-        return None
+    except OSError as error:  # else a file system without locks: the run says so itself
+        return (_lock_holder(path) or {}) if _held(error) else None
     finally:
         os.close(fd)  # and with it the lock this look took
     return None
@@ -173,9 +174,17 @@ def _alive(pid) -> bool:
     return True
 
 
-def _lock_holder(path: Path) -> dict | None:
-    """The lock's holder, or None when the file is gone, empty or unreadable (a holder that died mid-write)."""
+def _held(error: OSError) -> bool:
+    """Whether `flock`'s error says that another run holds the lock: EWOULDBLOCK, or EACCES where `flock` is an SMB
+    byte-range lock (CIFS, since Linux 5.5)."""
+    return isinstance(error, BlockingIOError) or error.errno == errno.EACCES
+
+
+def _lock_holder(path: Path, fd: int | None = None) -> dict | None:
+    """The lock's holder, or None when the file is gone, empty or unreadable (a holder that died mid-write, an SMB
+    lock another run holds: CIFS refuses any read of a file locked through another descriptor). `fd`: the lock's own
+    descriptor, read through it (the path's new one is refused there even to the lock's holder)."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
+        return json.loads(os.pread(fd, 1 << 16, 0) if fd is not None else path.read_bytes())
+    except (OSError, ValueError):
         return None
