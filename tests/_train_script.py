@@ -289,7 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
     parser.add_argument("--settings", type=json.loads, default={}, help="more VAPOConfig fields, as a JSON object")
     parser.add_argument(
-        "--count-critic-forwards", action="store_true", help="count them, with and without a gradient (steps.json)"
+        "--count-critic-forwards",
+        action="store_true",
+        help="count them, with and without a gradient, and with the policy's (steps.json)",
     )
     args = parser.parse_args(argv)
     if args.fsdp2:
@@ -407,13 +409,15 @@ def main(argv: list[str] | None = None) -> None:
             _causal_lm(model).get_output_embeddings().register_forward_hook(
                 lambda module, inputs, out: sequence_logits.append(out.shape[1]) if out.shape[1] > 1 else None
             )
-    critic_forwards = {"with_grad": 0, "without_grad": 0}
+    critic_forwards = {"with_grad": 0, "without_grad": 0, "with_the_policys": 0}
     if args.count_critic_forwards:
         forward = trainer.actor_critic.forward
 
         def counted(*inputs, **kwargs):
             if kwargs.get("with_values", True):
                 critic_forwards["with_grad" if torch.is_grad_enabled() else "without_grad"] += 1
+                # (a forward with a gradient for both sides: both sides' activations alive until its backward)
+                critic_forwards["with_the_policys"] += torch.is_grad_enabled() and kwargs.get("with_policy", True)
             return forward(*inputs, **kwargs)
 
         trainer.actor_critic.forward = counted

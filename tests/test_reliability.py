@@ -2616,7 +2616,7 @@ def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train
     # 3 rollouts x 2 micro-batches (16 completions: 2 x 8 on one process, 2 x 4 on each of two)
     for run in ("one", "two"):
         steps = json.loads((tmp_path / run / "steps.json").read_text())
-        assert steps["critic_forwards"] == {"with_grad": 6, "without_grad": 0}, run
+        assert steps["critic_forwards"] == {"with_grad": 6, "without_grad": 0, "with_the_policys": 0}, run
     one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:
@@ -2628,6 +2628,35 @@ def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train
     for side, folder in (("policy", tmp_path / "two" / "final"), ("critic", tmp_path / "two" / "final" / "critic")):
         saved = load_file(folder / "model.safetensors")
         assert saved and all(torch.equal(v, got[f"weight/{side}.{name}"]) for name, v in saved.items()), side
+
+
+def test_under_ddp_the_update_runs_one_pass_per_side_and_two_processes_train_as_one(tiny_model_dir, tmp_path):
+    """Where the critic trains in the update (`lam_critic` < 1: its targets read its values), each micro-batch runs a
+    pass per side, under DDP as on one process: the policy's activations are gone before the critic's are made (one
+    pass for both kept both alive, about 0.4 GB at Qwen2.5-0.5B shapes, 8 x 1,024 tokens). The first pass's backward
+    leaves its gradients under `no_sync`, the step's last one reduces them (DDP finds unused parameters): two
+    processes train as one."""
+    common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "2", "--value-pretrain-steps", "0"]
+    common += ["--num-iterations", "1", "--grad-accum", "2", "--dump-state-at", "2", "--count-critic-forwards"]
+    common += ["--save-steps", "100", "--save-final", "--settings", '{"lam_critic": 0.95}']
+    reward_model = tiny_model_dir.parent / "reward-model"  # (rewards and returns that vary)
+    if not (reward_model / "config.json").is_file():
+        save_tiny_reward_model(reward_model)
+    common += ["--reward-model", str(reward_model)]
+    single = run_script(*common, "--output-dir", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = run_ranks(*common, "--output-dir", str(tmp_path / "two"), processes=2, timeout=150)
+    assert double.returncode == 0, double.stderr[-3000:]
+    for run in ("one", "two"):  # 2 rollouts x 2 micro-batches, each scored without a gradient and trained with one
+        steps = json.loads((tmp_path / run / "steps.json").read_text())
+        assert steps["critic_forwards"] == {"with_grad": 4, "without_grad": 4, "with_the_policys": 0}, run
+    one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
+    for step in one:
+        assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
+    expected, got = (torch.load(tmp_path / run / "state-2.pt") for run in ("one", "two"))
+    assert got.keys() == expected.keys() and any("critic." in key for key in expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-4, msg=key)
 
 
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import field
 
 # GRPOConfig's loss types that are VAPO's two aggregations: DAPO's is VAPO's token-level loss (one mean over the
-# optimizer step's tokens); BNPO's (per micro-batch) and Dr. GRPO's (a constant) normalisers differ only in scale.
+# optimizer step's tokens); BNPO's (each micro-batch's tokens) and Dr. GRPO's (a constant, B x L_max) normalisers are
+# not that mean's multiples: BNPO weighs a short micro-batch's tokens more, Dr. GRPO's scale moves with the step's
+# token count (VAPOConfig's `loss_type` help says so).
 GRPO_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "dr_grpo": "token", "grpo": "sequence"}
 # GRPOConfig's loss types with another per-token objective than PPO's clipped one: (VAPOConfig's `surrogate`, the
 # aggregation GRPOTrainer gives that loss).

@@ -1497,14 +1497,15 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         learns_values = self.actor_critic.learns_values and critic_step is None
         for key, value in (critic_step or {}).items():
             sums[key] += value
+        passes = self._update_passes(trains_policy, learns_values)
         for i, micro_rows in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            no_sync = not last and not self.is_deepspeed_enabled  # (DeepSpeed: `_backward` names the step's last)
             batch = rollout.micro_batch(micro_rows, spans)
             n = batch["mask"].sum()
             sums["_tokens"] += n
-            with self._no_sync_unless_each_batch() if no_sync else contextlib.nullcontext():
-                for with_policy, with_values in self._update_passes(trains_policy, learns_values):
+            for j, (with_policy, with_values) in enumerate(passes):
+                last = i == len(micro_batches) - 1 and j == len(passes) - 1  # the backward that reduces the step's
+                no_sync = not last and not self.is_deepspeed_enabled  # (DeepSpeed: `_backward` names the step's last)
+                with self._no_sync_unless_each_batch() if no_sync else contextlib.nullcontext():
                     with self.accelerator.autocast():
                         out = self.model_wrapped(
                             batch["input_ids"],
@@ -1608,12 +1609,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """The (with_policy, with_values) forward-and-backward passes of one micro-batch.
 
         The policy's loss and the critic's depend on disjoint trainable weights (two adapters, or two models), so
-        their sum's gradient is the sum of their gradients: on one process, one pass per side keeps one side's
-        activations alive at a time (VAPO's LoRA peak was 1.17x GRPOTrainer's with both alive; issue 43). Under DDP,
-        DeepSpeed and FSDP a backward is a collective that expects one forward before it (`_backward_is_local`): one
-        pass for both.
+        their sum's gradient is the sum of their gradients: one pass per side keeps one side's activations alive at a
+        time (VAPO's LoRA peak was 1.17x GRPOTrainer's with both alive; issue 43). On one process, and under DDP that
+        finds unused parameters (`_gradients_wait_for_the_step`: the step's last backward reduces what the others
+        left under `no_sync`); under DeepSpeed and FSDP, whose backward is a collective that expects one forward of
+        the whole model before it, one pass for both.
         """
-        if trains_policy and learns_values and self._backward_is_local:
+        if trains_policy and learns_values and self._gradients_wait_for_the_step:
             return [(True, False), (False, True)]
         return [(trains_policy, learns_values)]
 
