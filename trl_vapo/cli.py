@@ -54,8 +54,8 @@ DEMO_DEFAULTS = {
     "critic_learning_rate": 1e-3,
     # The paper's alpha = 0.05 is sized for chains of thousands of tokens: on these 26-83 token answers it gives
     # lambda_actor = 0.2-0.76, a horizon of a few tokens. alpha = 0.5 keeps the paper's rule with a horizon
-    # alpha * l of 13-40 tokens (lambda_actor = 0.92-0.98). Held-out avg@4 after the demo (README): 0.90 with
-    # 0.5, 0.63 with 0.05.
+    # alpha * l of 13-40 tokens (lambda_actor = 0.92-0.98). Held-out avg@4 after the demo (README): 0.922 with
+    # 0.5, 0.552 with 0.05 (benchmarks/demo/ablation-2026-12-01.txt).
     "length_adaptive_alpha": 0.5,
     "logging_steps": 16,  # once per RL rollout
     "save_strategy": "no",
