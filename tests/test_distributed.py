@@ -412,6 +412,38 @@ def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir,
     assert outputs["kept"]["logprobs"] == outputs["kept"]["values"] == ["torch.float32", False]
 
 
+FSDP2_FROZEN_MODEL_RESHARDED = """
+import json, sys, tempfile
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from transformers import AutoModelForCausalLM
+from trl_vapo._compat import prepare_frozen_model
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False)
+accelerator = SimpleNamespace(  # (the attributes TRL's prepare_fsdp reads)
+    distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin), device=torch.device("cpu")
+)
+reference = prepare_frozen_model(AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval(), accelerator)
+with torch.no_grad():
+    reference(torch.tensor([[3, 4, 5]]))
+states = {p.sharded_state.name for p in reference._get_fsdp_state()._fsdp_param_group.fsdp_params}
+print(json.dumps(sorted(states)))
+dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp2_frozen_model_is_resharded_after_each_forward(tiny_model_dir, tmp_path):
+    """The KL reference, sharded as TRL shards it (`prepare_fsdp`, the launcher's `reshard_after_forward`): with
+    `fsdp_reshard_after_forward: false` it stayed gathered whole from its first forward on (resharded after a
+    backward, which a frozen model never runs), a whole model's copy on every GPU beside the policy. One process of
+    gloo on the CPU."""
+    proc = run_code(FSDP2_FROZEN_MODEL_RESHARDED, str(tiny_model_dir), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["SHARDED"]
+
+
 FSDP2_FRESH_OPTIMIZER_SAVED = """
 import json, sys, tempfile
 import torch, torch.distributed as dist

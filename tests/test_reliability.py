@@ -1431,12 +1431,18 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
             assert locked is False
             raise ValueError("training failed")
     assert raised.value.__context__ is None and "cannot be locked" in caplog.text
-    # A trainer in such a folder leaves another run's half-written checkpoint where it is.
+    # A trainer in such a folder leaves another run's half-written checkpoint where it is (one of another host, of a
+    # process of this host that runs, or named by no process), and removes those of this host's runs that are gone
+    # (a job killed mid-checkpoint at each preemption left a full checkpoint each time, kept for good).
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, config(tmp_path / "run"), prompts_dataset(8))
-    writing = Path(trainer.args.output_dir) / ".checkpoint-3.tmp"
-    writing.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host, out = socket.gethostname(), Path(trainer.args.output_dir)
+    writing = [".checkpoint-3.tmp", f".checkpoint-4.{host}-{os.getppid()}.tmp", f".checkpoint-5.node-9-{gone.pid}.tmp"]
+    for name in [*writing, f".checkpoint-6.{host}-{gone.pid}.tmp", f".checkpoint-2.{host}-{gone.pid}.del"]:
+        (out / name).mkdir(parents=True)
     with trainer.holding_output_dir():
-        assert writing.is_dir()
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".checkpoint")) == sorted(writing)
     shutil.rmtree(tmp_path / "run")
     monkeypatch.undo()
     names = [

@@ -50,7 +50,12 @@ def prepare_frozen_model(model, accelerator, shard: bool = True):
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return prepare_deepspeed(model, accelerator)
     if accelerator.distributed_type == DistributedType.FSDP and shard:
-        return prepare_fsdp(model, accelerator)
+        model = prepare_fsdp(model, accelerator)
+        if hasattr(model, "set_reshard_after_forward"):  # FSDP2
+            # With the launcher's `fsdp_reshard_after_forward: false` (the policy's weights kept between its forward
+            # and backward), a frozen model, which runs no backward, stayed gathered whole from its first forward on.
+            model.set_reshard_after_forward(True)
+        return model
     return model.to(accelerator.device)
 
 

@@ -107,16 +107,22 @@ WEIGHT_FILES = (
 """A full model's weights as `save_pretrained` writes them, sharded or not (glob patterns)."""
 
 
-def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str], list[str]]:
+def remove_debris(
+    output_dir: str | os.PathLike, dead_runs_only: bool = False
+) -> tuple[list[str], list[str], list[str]]:
     """Remove the half-written folders (`.checkpoint-N.<run>.tmp`, `.old`, a `save_model`'s
     `.save_model.<run>.tmp`: a full model each) that runs stopped mid-write left in `output_dir`, and the rotated
-    checkpoints they stopped removing (`.checkpoint-N.<run>.del`); only while holding
-    its lock, when no other run can be writing them. A checkpoint (or the value-pretrained critic) that a stop left
+    checkpoints they stopped removing (`.checkpoint-N.<run>.del`); while holding its lock, when no other run can be
+    writing them, or, where it cannot be locked, with `dead_runs_only`: only those of runs of this host that are gone
+    (`<run>` is the main process's host and PID; a job a launcher kills mid-checkpoint at each preemption left a full
+    checkpoint's folder each time, kept for good). A checkpoint (or the value-pretrained critic) that a stop left
     whole goes in place instead: a `.tmp` whose record was written and whose every file reads (stopped while
     `publish` flushed it to the disk, before its renames), else an `.old` that a stop between `publish`'s two renames
     left without its replacement. Returns the names removed, those restored (`.old`) and those published (`.tmp`)."""
     removed, restored, published = [], [], []
     for folder, name, kind, whole in _debris(output_dir):
+        if dead_runs_only and not _of_a_run_gone_from_this_host(folder):
+            continue
         final = Path(output_dir) / name
         if kind == "tmp" and whole and _publishable(folder, name):
             publish(folder, final)  # over a folder of the same step too: the one it was written to replace
@@ -135,6 +141,21 @@ def remove_debris(output_dir: str | os.PathLike) -> tuple[list[str], list[str], 
 _DEBRIS = re.compile(rf"^\.({CHECKPOINT_PREFIX}-\d+|{PRETRAINED_CRITIC_DIR}|save_model)(\..+)?\.(tmp|old|del)$")
 r"""A half-written folder's name, or a half-removed one's (`.del`: a rotated checkpoint): `(\..+)?` is the run's name
 (folders of trl-vapo before per-run names have none)."""
+
+
+def _of_a_run_gone_from_this_host(folder: Path) -> bool:
+    """Whether the debris `folder` names (`run_owner`) a process of this host that is gone; not one named otherwise."""
+    owner = (_DEBRIS.match(folder.name)[2] or "")[1:]
+    host, _, pid = owner.rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return int(pid) == os.getpid()  # (its PID is this run's now: the run that wrote it is gone)
 
 
 def _debris(output_dir: str | os.PathLike) -> list[tuple[Path, str, str, bool]]:

@@ -649,16 +649,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         with contextlib.ExitStack() as held:
 
             def hold() -> tuple[str, bool]:  # on the main process; refused where another holds it or it is read-only
-                restored = published = []
-                if held.enter_context(output_dir_lock(self.args.output_dir)):
-                    # What a stopped run left half-written: only while no other run can be writing it.
-                    removed, restored, published = ckpt.remove_debris(self.args.output_dir)
-                    if removed:
-                        logger.info(f"Removed what a stopped run left half-written: {', '.join(removed)}")
-                    if restored:  # a stop between a checkpoint's two renames, as it replaced one of the same step
-                        logger.warning(f"Restored {', '.join(restored)}, which a stopped run was replacing.")
-                    if published:  # a stop after a checkpoint was written whole, before it was renamed in place
-                        logger.warning(f"Published {', '.join(published)}, which a stopped run wrote whole.")
+                # What a stopped run left half-written: all of it while no other run can be writing it; where the
+                # folder cannot be locked, that of this host's runs that are gone.
+                locked = held.enter_context(output_dir_lock(self.args.output_dir))
+                removed, restored, published = ckpt.remove_debris(self.args.output_dir, dead_runs_only=not locked)
+                if removed:
+                    logger.info(f"Removed what a stopped run left half-written: {', '.join(removed)}")
+                if restored:  # a stop between a checkpoint's two renames, as it replaced one of the same step
+                    logger.warning(f"Restored {', '.join(restored)}, which a stopped run was replacing.")
+                if published:  # a stop after a checkpoint was written whole, before it was renamed in place
+                    logger.warning(f"Published {', '.join(published)}, which a stopped run wrote whole.")
                 return ckpt.run_owner(), bool(restored or published)
 
             # Every process stops, not the main one alone; all name temporary folders alike (`temporary_folder`).
