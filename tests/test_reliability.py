@@ -472,9 +472,13 @@ def test_a_reward_that_reads_the_batch_by_groups_passes_the_check_before_trainin
     assert trainer.state.log_history[0]["reward"] == pytest.approx(0.5)  # ranks 0, 1/3, 2/3, 1 in every group
 
 
-def test_a_reward_function_that_fails_once_on_a_batch_says_so(tiny_model_dir, tmp_path):
+def test_a_reward_function_that_fails_once_on_a_batch_says_so(tiny_model_dir, tmp_path, monkeypatch):
     """A function that fails on the batch (a timeout, a rate limit) but on none of its completions called alone: the
-    error says that it was retried one by one and that no completion failed alone, and what to do."""
+    error says that it was retried one by one and that no completion failed alone, and what to do. The search stops
+    after a few samples (`FAILING_SAMPLE_SEARCH`): a judge refused by a rate limit was called on every sample of the
+    rollout, one by one, before the error was raised."""
+    from trl_vapo import scoring
+
     calls = []
 
     def flaky(completions, trainer_state, **kwargs):
@@ -486,13 +490,14 @@ def test_a_reward_function_that_fails_once_on_a_batch_says_so(tiny_model_dir, tm
     trainer = VAPOTrainer(
         model=str(tiny_model_dir), reward_funcs=flaky, args=config(tmp_path), train_dataset=prompts_dataset(32)
     )
+    monkeypatch.setattr(scoring, "FAILING_SAMPLE_SEARCH", (3, 30.0))
     with pytest.raises(
         RuntimeError,
         match=r"'flaky' raised TimeoutError on the batch of 8: the judge did not answer -- "
-        r"but on none of its 8 completions called alone.*a transient failure",
+        r"but on none of the first 3 of its completions called alone.*a transient failure",
     ):
         trainer.train()
-    assert calls[-8:] == [1] * 8
+    assert calls[-4:] == [8, 1, 1, 1]
 
 
 def test_reward_function_returning_the_wrong_count_is_an_error(tiny_model_dir, tmp_path):
@@ -2598,6 +2603,36 @@ def test_a_resume_the_main_process_cannot_choose_stops_every_process_with_its_er
     assert "vapo_state.json is damaged: a JSON NoneType, not the object a checkpoint writes" in ranks["0"]
 
 
+def ddp_trains_as_one_process(model_dir, out: Path, steps: int, critic_forwards: dict, *flags: str) -> dict:
+    """`_train_script.py` with `flags` on one process and under DDP on two (a reward model scoring, so that the
+    rewards and returns vary; the models saved from the main process alone, as a script's `if
+    trainer.accelerator.is_main_process: trainer.save_model()`), for `steps` steps: both count the critic's forwards
+    as `critic_forwards`, and log and train alike (every step's log, both sides' weights after the last step).
+    Returns the two-process run's weights."""
+    common = ["--model", str(model_dir), "--greedy", "--max-steps", str(steps), "--value-pretrain-steps", "0"]
+    common += ["--num-iterations", "1", "--grad-accum", "2", "--dump-state-at", str(steps), "--save-final"]
+    common += ["--count-critic-forwards", "--save-steps", "100", *flags]
+    reward_model = model_dir.parent / "reward-model"
+    if not (reward_model / "config.json").is_file():
+        save_tiny_reward_model(reward_model)
+    common += ["--reward-model", str(reward_model)]
+    single = run_script(*common, "--output-dir", str(out / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = run_ranks(*common, "--output-dir", str(out / "two"), "--save-on-main-only", processes=2, timeout=150)
+    assert double.returncode == 0, double.stderr[-3000:]
+    for run in ("one", "two"):
+        assert json.loads((out / run / "steps.json").read_text())["critic_forwards"] == critic_forwards, run
+    one, two = step_logs(read_logs(out / "one")), step_logs(read_logs(out / "two"))
+    assert sorted(one) == sorted(two) == list(range(1, steps + 1))
+    for step in one:
+        assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
+    expected, got = (torch.load(out / run / f"state-{steps}.pt") for run in ("one", "two"))
+    assert got.keys() == expected.keys() and any("critic." in key for key in expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-4, msg=key)
+    return got
+
+
 def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train_as_one(tiny_model_dir, tmp_path):
     """With one optimizer step and one pass per rollout and lam_critic=1 (`_critic_trains_while_scoring`), the
     critic's forward and backward run in the scoring pass under DDP too: its gradients wait under `no_sync` for the
@@ -2608,29 +2643,11 @@ def test_under_ddp_the_critic_trains_in_the_scoring_pass_and_two_processes_train
     alone (a script's `if trainer.accelerator.is_main_process: trainer.save_model()`), as transformers' save_model
     allows under DDP: it waited in a collective for the other process, here gone ("Connection closed by peer"), and
     saved nothing."""
-    common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "3", "--value-pretrain-steps", "0"]
-    common += ["--num-iterations", "1", "--grad-accum", "2", "--dump-state-at", "3", "--save-final"]
-    common += ["--count-critic-forwards", "--save-steps", "100", "--settings", '{"gradient_checkpointing": true}']
-    reward_model = tiny_model_dir.parent / "reward-model"  # (rewards and returns that vary: see the test below)
-    if not (reward_model / "config.json").is_file():
-        save_tiny_reward_model(reward_model)
-    common += ["--reward-model", str(reward_model)]
-    single = run_script(*common, "--output-dir", str(tmp_path / "one"))
-    assert single.returncode == 0, single.stderr[-3000:]
-    double = run_ranks(*common, "--output-dir", str(tmp_path / "two"), "--save-on-main-only", processes=2, timeout=150)
-    assert double.returncode == 0, double.stderr[-3000:]
     # 3 rollouts x 2 micro-batches (16 completions: 2 x 8 on one process, 2 x 4 on each of two)
-    for run in ("one", "two"):
-        steps = json.loads((tmp_path / run / "steps.json").read_text())
-        assert steps["critic_forwards"] == {"with_grad": 6, "without_grad": 0, "with_the_policys": 0}, run
-    one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
-    assert sorted(one) == sorted(two) == [1, 2, 3]
-    for step in one:
-        assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
-    expected, got = (torch.load(tmp_path / run / "state-3.pt") for run in ("one", "two"))
-    assert got.keys() == expected.keys() and any("critic." in key for key in expected)
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-4, msg=key)
+    forwards = {"with_grad": 6, "without_grad": 0, "with_the_policys": 0}
+    got = ddp_trains_as_one_process(
+        tiny_model_dir, tmp_path, 3, forwards, "--settings", '{"gradient_checkpointing": true}'
+    )
     for side, folder in (("policy", tmp_path / "two" / "final"), ("critic", tmp_path / "two" / "final" / "critic")):
         saved = load_file(folder / "model.safetensors")
         assert saved and all(torch.equal(v, got[f"weight/{side}.{name}"]) for name, v in saved.items()), side
@@ -2642,27 +2659,9 @@ def test_under_ddp_the_update_runs_one_pass_per_side_and_two_processes_train_as_
     pass for both kept both alive, about 0.4 GB at Qwen2.5-0.5B shapes, 8 x 1,024 tokens). The first pass's backward
     leaves its gradients under `no_sync`, the step's last one reduces them (DDP finds unused parameters): two
     processes train as one."""
-    common = ["--model", str(tiny_model_dir), "--greedy", "--max-steps", "2", "--value-pretrain-steps", "0"]
-    common += ["--num-iterations", "1", "--grad-accum", "2", "--dump-state-at", "2", "--count-critic-forwards"]
-    common += ["--save-steps", "100", "--save-final", "--settings", '{"lam_critic": 0.95}']
-    reward_model = tiny_model_dir.parent / "reward-model"  # (rewards and returns that vary)
-    if not (reward_model / "config.json").is_file():
-        save_tiny_reward_model(reward_model)
-    common += ["--reward-model", str(reward_model)]
-    single = run_script(*common, "--output-dir", str(tmp_path / "one"))
-    assert single.returncode == 0, single.stderr[-3000:]
-    double = run_ranks(*common, "--output-dir", str(tmp_path / "two"), processes=2, timeout=150)
-    assert double.returncode == 0, double.stderr[-3000:]
-    for run in ("one", "two"):  # 2 rollouts x 2 micro-batches, each scored without a gradient and trained with one
-        steps = json.loads((tmp_path / run / "steps.json").read_text())
-        assert steps["critic_forwards"] == {"with_grad": 4, "without_grad": 4, "with_the_policys": 0}, run
-    one, two = step_logs(read_logs(tmp_path / "one")), step_logs(read_logs(tmp_path / "two"))
-    for step in one:
-        assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
-    expected, got = (torch.load(tmp_path / run / "state-2.pt") for run in ("one", "two"))
-    assert got.keys() == expected.keys() and any("critic." in key for key in expected)
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-4, msg=key)
+    # 2 rollouts x 2 micro-batches, each scored without a gradient and trained with one, the policy apart
+    forwards = {"with_grad": 4, "without_grad": 4, "with_the_policys": 0}
+    ddp_trains_as_one_process(tiny_model_dir, tmp_path, 2, forwards, "--settings", '{"lam_critic": 0.95}')
 
 
 def test_two_processes_match_one_with_the_same_global_batch_and_resume(tiny_model_dir, tmp_path):

@@ -69,7 +69,9 @@ class Rollout:
         ids = self.input_ids[:, self.prompt_length :]
         return [row[:n].tolist() for row, n in zip(ids, self.lengths.tolist())]
 
-    def micro_batch(self, rows: torch.Tensor, spans: torch.Tensor | None = None) -> dict[str, torch.Tensor | int]:
+    def micro_batch(
+        self, rows: torch.Tensor, spans: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor | int | None]:
         """The model inputs of `rows` (indices, on the CPU; see `trim_padding`, and its `spans`) and their training
         targets, cut to the same length: what `ActorCritic.forward` and `core.vapo_loss` take."""
         input_ids, attention_mask, length = trim_padding(

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -590,13 +591,26 @@ def prompt_opens_think(tokenizer, prompt_ids: list[list[int]]) -> list[bool]:
     return [opens[tail] for tail in tails]
 
 
+FAILING_SAMPLE_SEARCH = (8, 30.0)
+"""At most this many samples, and seconds, `_raise_naming_the_failing_sample` calls a failed function on: a judge
+that a rate limit or an outage refused (each sample alone then answers, or fails as slowly) was called on every sample
+of a 512-row rollout, minutes of paid calls, before its error was raised (GRPOTrainer raises at once)."""
+
+
 def _raise_naming_the_failing_sample(
     func, name, rows, completions, completion_ids, common, error: Exception, thinking=None
 ):
-    """`func` raised `error` on the batch: called on each sample alone, the error names the first it fails on (or
-    says that none fails alone). Raised whatever the search finds: a result of a second call is never used (an async
-    function's failure was retried on the whole batch, silently, where a function that is not async's stopped)."""
-    for i in range(len(rows)):
+    """`func` raised `error` on the batch: called on each of its first samples alone (`FAILING_SAMPLE_SEARCH`), the
+    error names the first it fails on (or says that none of them fails alone). Raised whatever the search finds: a
+    result of a second call is never used (an async function's failure was retried on the whole batch, silently,
+    where a function that is not async's stopped)."""
+    most, seconds = FAILING_SAMPLE_SEARCH
+    deadline = time.monotonic() + seconds
+    tried = 0
+    for i in range(min(len(rows), most)):
+        if i and time.monotonic() > deadline:
+            break
+        tried += 1
         try:
             one = None if thinking is None else thinking[i : i + 1]
             func(**_arguments(func, rows[i : i + 1], completions[i : i + 1], completion_ids[i : i + 1], common, one))
@@ -606,11 +620,12 @@ def _raise_naming_the_failing_sample(
                 f"Reward function {name!r} raised {type(error).__name__}: {error} -- first failing sample "
                 f"(#{i} of the batch): {preview(sample)}"
             ) from error
+    some = f"its {tried} completions" if tried == len(rows) else f"the first {tried} of its completions"
     raise RuntimeError(
         f"Reward function {name!r} raised {type(error).__name__} on the batch of {len(rows)}: {error} -- but "
-        f"on none of its {len(rows)} completions called alone, one by one, to find the failing one: a "
+        f"on none of {some} called alone, one by one, to find the failing one: a "
         "transient failure (a timeout, a rate limit), or one that depends on the batch (its size, a mix of "
-        "rows). Make the function retry, or return None for the completions it cannot score."
+        "rows), or a later completion's. Make the function retry, or return None for the completions it cannot score."
     ) from error
 
 
