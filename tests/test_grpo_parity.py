@@ -879,6 +879,15 @@ def test_a_callback_ends_an_epoch_early_with_should_epoch_stop(tiny_model_dir, t
     prompts = [[row["prompt"] for row in rows][::4] for rows, _ in trainer.rollouts]
     assert prompts[1] == prompts[0] != prompts[2]  # the second epoch, from its first prompts
     assert ended[0] == (1, 1.0)
+    # The planned epochs end the run, as transformers' epoch loop ends it: max_steps' 2 epochs, the first cut short,
+    # end a step early (a third epoch began, to make up the steps).
+    ended.clear()
+    args = make_args(tmp_path / "planned", max_steps=4 * steps_per_rollout, shuffle_dataset=False, **batch)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(8), callbacks=[StopTheFirstEpoch()]
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1 + 2 * steps_per_rollout and [e for _, e in ended] == [1.0, 2.0]
 
 
 def test_streamed_data_takes_grpos_loader_settings(tiny_model_dir, tmp_path, caplog):

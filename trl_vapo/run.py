@@ -182,6 +182,10 @@ class PromptCursor:
         """Leave this epoch's remaining prompts: the next rollout starts the next epoch (`should_epoch_stop`)."""
         progress.data_epoch, progress.data_index = progress.data_epoch + 1, 0
 
+    def epochs_read(self, progress: TrainingProgress) -> int:
+        """The epochs whose prompts are read: begun and used up, or left (`skip_to_next_epoch`)."""
+        return progress.data_epoch + self.epoch_is_over(progress)
+
     def epoch_is_over(self, progress: TrainingProgress) -> bool:
         """Whether this epoch's prompts are used up: the next rollout starts the next epoch (a stream's epoch ends
         when the stream does, found when the next rollout reads it)."""

@@ -819,7 +819,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                     self._stop_after_signal(signal.Signals(received.signum or signal.SIGTERM))
 
             rollouts = prompts = 0
-            while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
+            # As transformers' epoch loop: the planned epochs end the run, also where a callback cut one short
+            # (`should_epoch_stop`: a third epoch began to make up max_steps' steps).
+            while (
+                self.state.global_step < self.state.max_steps
+                and not self.control.should_training_stop
+                and self._prompts.epochs_read(self.progress) < self.run_plan.epochs
+            ):
                 self._train_on_rollout()
                 stop_if_signalled()
                 rollouts += 1
