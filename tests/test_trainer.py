@@ -173,6 +173,10 @@ def test_max_steps_set_on_the_trainers_args_before_train_is_the_runs(tiny_model_
     other.args.generation_batch_size *= 2
     with pytest.raises(ValueError, match=r"batches changed after it was built \(prompts_per_rollout of its plan.*new"):
         other.train()
+    other.args.generation_batch_size //= 2
+    other.train_dataset = prompts_dataset(4)  # the plan counted its prompts, the run read the first set's
+    with pytest.raises(ValueError, match=r"^trainer.train_dataset was replaced after the trainer was built: build"):
+        other.train()
 
 
 def test_a_resume_counts_the_epochs_of_its_own_plan(tiny_model_dir, tmp_path):

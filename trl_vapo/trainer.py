@@ -677,6 +677,13 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         What else the plan reads was built into the trainer (its batches, the prompts a rollout reads, whether value
         pretraining runs): changed since (`built`: the plan it was built with), it is refused."""
         args = self.args
+        if built is not None and self.train_dataset is not self._prompts.dataset:
+            # (transformers' train() builds its loader from the attribute: here the prompts were checked, their long
+            # ones dropped, and their order fixed when the trainer was built; the plan counted the new set's, and the
+            # run read the old one's)
+            raise ValueError(
+                "trainer.train_dataset was replaced after the trainer was built: build a new VAPOTrainer with it."
+            )
         streamed = isinstance(self.train_dataset, IterableDataset)
         if streamed and args.max_steps <= 0:
             check_train_dataset(self.train_dataset, args)  # its refusal: a stream needs max_steps
