@@ -38,7 +38,11 @@ def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
         assert row["generation"] + row["scoring"] + row["update"] <= row["step_s"] * 1.05
     assert vapo["trainable"] > grpo["trainable"]  # the critic adapter and value head
     ratio = trainer["vapo_over_grpo"]["lora"]
-    assert ratio == {"step": vapo["step_s"] / grpo["step_s"], "peak": vapo["peak_gib"] / grpo["peak_gib"]}
+    assert ratio == {
+        "step": vapo["step_s"] / grpo["step_s"],
+        "peak": vapo["peak_gib"] / grpo["peak_gib"],
+        "engines": [vapo["engine"], grpo["engine"]],  # (the step's ratio compares them too)
+    }
     assert trainer["targets_met"] == {
         "lora step <= 1.1x": ratio["step"] <= 1.1,
         "lora peak <= 1.15x": ratio["peak"] <= 1.15,
@@ -58,15 +62,22 @@ def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
     generation = report["parts"]["generation"]
     bound = generation["batch"] * generation["copy_bandwidth_bytes_per_s"] / generation["weight_bytes"]
     assert generation["bound_tokens_per_s"] == bound > 0
+    cache_bytes = generation["kv_cache_tokens_read_per_step"] * generation["kv_cache_bytes_per_token"]
+    with_cache = (
+        generation["batch"] * generation["copy_bandwidth_bytes_per_s"] / (generation["weight_bytes"] + cache_bytes)
+    )
+    assert generation["bound_with_kv_cache_tokens_per_s"] == with_cache and cache_bytes > 0
     assert list(generation["engines"]) == ["static-cache captured", "generate()", "static-cache eager"]
     for row in generation["engines"].values():
         assert 0 < row["tokens"] <= generation["batch"] * generation["new_tokens"]
         assert row["share_of_bound"] == row["tokens"] / row["seconds"] / bound
+        assert row["share_of_bound"] < row["share_of_bound_with_kv_cache"]  # (the cache's reads lower the bound)
         assert row["ms_per_step"] == 1000 * row["seconds"] / row["decode_steps"] and row["decode_steps"] > 0
 
     # The plain-text tables: on stdout and in gpu_suite.txt.
     summary = stdout.split("== summary")[1]
-    assert "VAPO / GRPO, lora: step" in summary and "static-cache eager" in summary
+    assert f"VAPO / GRPO, lora ({vapo['engine']} / {grpo['engine']}): step" in summary
+    assert "static-cache eager" in summary
     assert "seconds of each run" in summary
     heading = summary.split("\n", 1)[0]  # each part that ran, with its own seconds
     for name, part in report["parts"].items():
@@ -216,9 +227,9 @@ def test_a_trainer_part_with_a_failed_run_keeps_the_pairs_that_ran(tmp_path, mon
     """`bench_gpu.py` exits 1 after a run failed, its JSON holding every row (a failed one as `{"error": ...}`): the
     part is failed, and the ratios are those of the pairs both of whose runs were measured. The command is a stand-in
     that writes what bench_gpu.py writes (tests/test_bench_gpu.py runs the driver's failure for real)."""
-    row = {"step_s": 2.0, "peak_gib": 1.0}
+    row = {"step_s": 2.0, "peak_gib": 1.0, "engine": "generate()"}
     rows = {
-        "smoke/vapo-lora": {"step_s": 1.0, "peak_gib": 1.1},
+        "smoke/vapo-lora": {"step_s": 1.0, "peak_gib": 1.1, "engine": "StaticCacheEngine"},
         "smoke/vapo-full": {"error": "worker smoke/vapo-full failed (exit 1)"},
         "smoke/grpo-lora": row,
         "smoke/grpo-full": row,
@@ -232,7 +243,9 @@ def test_a_trainer_part_with_a_failed_run_keeps_the_pairs_that_ran(tmp_path, mon
     methods = ("vapo-lora", "vapo-full", "grpo-lora", "grpo-full")
     result = gpu_suite.run_trainer("smoke", methods, True, tmp_path)
     assert result["ok"] is False and result["exit_code"] == 1 and result["rows"] == rows
-    assert result["vapo_over_grpo"] == {"lora": {"step": 0.5, "peak": 1.1}}
+    assert result["vapo_over_grpo"] == {
+        "lora": {"step": 0.5, "peak": 1.1, "engines": ["StaticCacheEngine", "generate()"]}
+    }
     assert result["targets_met"] == {"lora step <= 1.1x": True, "lora peak <= 1.15x": True}
 
 
