@@ -50,6 +50,11 @@ def test_a_reward_model_scores_prompt_and_completion_as_grpo_does(reward_model_d
     replies = [[{"role": "assistant", "content": c}] for c in completions]
     texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(chats, replies)]
     assert scorer(prompts=chats, completions=replies) == pytest.approx(one_by_one(model, tokenizer, texts), abs=1e-5)
+    # A module with the model's config, not a PreTrainedModel (`torch.compile`'s wrapper; a PEFT classifier), as
+    # GRPOTrainer takes it: it was refused. (The eager backend: the wrapper without a compiler.)
+    (compiled,) = load_reward_models(torch.compile(model, backend="eager"), [tokenizer], make_args(tmp_path))
+    assert isinstance(compiled, RewardModel) and compiled.__name__ == reward_model_dir.name
+    assert compiled(prompts=prompts, completions=completions) == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_prefilled_assistant_message_and_its_continuation_are_scored_as_one_turn(reward_model_dir, tmp_path):

@@ -131,12 +131,12 @@ def checked_reward_weights(reward_weights: Sequence[float] | None, count: int) -
 
 
 def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
-    """`reward_funcs` with each reward model (a model id, a local path or a `PreTrainedModel` for sequence
-    classification, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs` (in
-    its saved dtype unless they name one; not those naming files of the policy's repository or placing its modules) and
-    `num_labels=1`, with its tokenizer from `reward_processing_classes`
-    (one per entry, None for functions) or its own."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+    """`reward_funcs` with each reward model (a model id, a local path or a module for sequence classification with a
+    transformers config, as GRPOTrainer takes them) made a :class:`RewardModel`: loaded with `args.model_init_kwargs`
+    (in its saved dtype unless they name one; not those naming files of the policy's repository or placing its
+    modules) and `num_labels=1`, with its tokenizer from `reward_processing_classes` (one per entry, None for
+    functions) or its own."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, PretrainedConfig
 
     from ._compat import get_config_model_id
     from .loading import CHECKPOINT_ONLY_KWARGS
@@ -166,7 +166,9 @@ def load_reward_models(reward_funcs, reward_processing_classes, args) -> list:
             kwargs = from_pretrained_kwargs(args, init)
             func = load_pretrained(AutoModelForSequenceClassification, str(func), {"num_labels": 1, **kwargs})
             lookup = lookup_kwargs(kwargs)  # (its cache_dir, token, local_files_only)
-        if isinstance(func, PreTrainedModel):
+        # A model: any module with a transformers config, as GRPOTrainer takes it (a `torch.compile`d one, a PEFT
+        # sequence classifier: they were refused as not a PreTrainedModel).
+        if isinstance(func, nn.Module) and isinstance(getattr(func, "config", None), PretrainedConfig):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(get_config_model_id(func.config), **lookup)
             func = RewardModel(func, tokenizer, args.chat_template_kwargs)
         loaded.append(func)
@@ -190,7 +192,7 @@ def check_reward_funcs(
         if not callable(func) or isinstance(func, nn.Module):
             raise TypeError(
                 f"Reward functions must be callables following TRL's protocol, a reward model's id or path, or a "
-                f"PreTrainedModel for sequence classification; got {type(func).__name__}."
+                f"model for sequence classification (with a transformers config); got {type(func).__name__}."
             )
     given = [reward_func_name(func) for func in funcs]
     names = unique_reward_names(given)
