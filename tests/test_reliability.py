@@ -2357,7 +2357,8 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
         r"train_dataset \(a row read from the stream\) has 1 row\(s\) without a prompt", str(refused.value)
     )
     assert re.search(
-        r"checkpoint-\d+ holds the \d+ steps so far: resume with .*; a resume reads these rows again: mend",
+        r"checkpoint-\d+ holds the \d+ steps so far: resume with .*; a resume reads this rollout's prompts again: "
+        r"mend",
         caplog.text,
     )
     # A stream is evaluated as a data set of its rows.
@@ -2382,11 +2383,11 @@ def test_an_evaluation_that_fails_mid_run_leaves_the_steps_trained_in_a_checkpoi
     assert_steps_so_far_in_a_checkpoint(tmp_path / "out", 2, refused.value, caplog.text)
 
 
-def assert_steps_so_far_in_a_checkpoint(out: Path, step: int, error: BaseException, log: str) -> Path:
+def assert_steps_so_far_in_a_checkpoint(out: Path, step: int, error: BaseException, log: str, then: str = "") -> Path:
     """A run an error stopped wrote its steps so far as `checkpoint-<step>`, its only one, named in the log and in
-    the error's note."""
+    the error's note (with `then`: what a resume reads)."""
     checkpoint = out / f"checkpoint-{step}"
-    said = f"{checkpoint} holds the {step} steps so far: {RESUME}."
+    said = f"{checkpoint} holds the {step} steps so far: {RESUME}{then}."
     assert said in log and getattr(error, "__notes__", [said]) == [said]
     assert list_checkpoints(out) == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
     return checkpoint
@@ -2411,7 +2412,10 @@ def test_a_reward_function_that_fails_mid_run_leaves_the_steps_trained_in_a_chec
     with pytest.raises(RuntimeError, match="raised ConnectionError: the judge timed out -- first failing") as failed:
         with caplog.at_level(logging.WARNING):
             trainer.train()
-    checkpoint = assert_steps_so_far_in_a_checkpoint(tmp_path / "out", 2, failed.value, caplog.text)
+    # What a resume reads is said too: on after the failed rollout's prompts, which the checkpoint's position is past
+    # (where a checkpoint of this step was written before them, they are read again, and that is said).
+    then = "; a resume reads on after this rollout's prompts (they are left out)"
+    checkpoint = assert_steps_so_far_in_a_checkpoint(tmp_path / "out", 2, failed.value, caplog.text, then)
     resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
     assert resumed.train(resume_from_checkpoint=str(checkpoint)).global_step == 4
 

@@ -913,7 +913,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             # a resume); on several, the error may be one process's alone, and the others would wait for it in the
             # checkpoint's collectives. The weights are the last rollout's: nothing of this one stepped.
             if not self._distributed:
-                self._checkpoint_before_error(error)
+                self._checkpoint_before_error(error, rows_read_again=False)
             raise
         all_reduce = self._all_reduce if self._distributed else None
         metrics = rollout_metrics(rollout, self.accelerator.gather, all_reduce)
@@ -1022,16 +1022,18 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
     def _checkpoint_before_error(self, error: BaseException, rows_read_again: bool | None = None) -> None:
         """An error that stops the run between two rollouts: the steps trained so far written as a checkpoint
         (`_checkpoint_now`; none at step 0), named in a log line and in the error's note (Python 3.10 has no notes;
-        a launched process's stderr may be read apart from its traceback). For a stream's rows refused, what a resume
-        from it reads: the rows again where they were refused as they were read (`rows_read_again`: a
-        `drop_long_prompts` filter's check, a stream short of a rollout) or the checkpoint was written before them (at
-        the last rollout's end, or the stream's epoch end), else on after them."""
+        a launched process's stderr may be read apart from its traceback). For a rollout that failed (`rows_read_again`
+        given), what a resume from it reads: the rollout's prompts again where they were refused as they were read
+        (`rows_read_again`: a stream's row, a `drop_long_prompts` filter's check, a stream short of a rollout) or the
+        checkpoint was written before them (at the last rollout's end, or a stream's epoch end), else on after them
+        (a map-style set's rollout that failed said neither)."""
         if self.state.global_step == 0:
             return
         path, written_before = self._checkpoint_now()
         message = f"{path} holds the {self.state.global_step} steps so far: {RESUME}"
         if rows_read_again is not None:
-            message += "; a resume reads these rows again: mend the stream first" if (
+            mend = ": mend the stream first" if self._prompts.streamed else ""
+            message += f"; a resume reads this rollout's prompts again{mend}" if (
                 rows_read_again or written_before
             ) else "; a resume reads on after this rollout's prompts (they are left out)"  # fmt: skip
         if hasattr(error, "add_note"):
