@@ -503,6 +503,19 @@ def test_a_policy_that_device_map_spread_or_offloaded_is_refused_by_name(tiny_mo
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, **offloaded)
     with pytest.raises(ValueError, match=refused):
         VAPOTrainer(loaded, digit_fraction, make_args(tmp_path), prompts_dataset())
+    # Launched on several processes (GPUs, or XPUs, NPUs, HPUs...), a device_map is the policy's no more: each
+    # process loads its copy whole, as GRPOTrainer (`auto` was refused, or `{"": 0}` held every copy on device 0).
+    from accelerate.utils import DistributedType
+
+    from trl_vapo.loading import load_policy
+
+    args = make_args(tmp_path, model_init_kwargs=offloaded)
+    for launched in (DistributedType.MULTI_GPU, DistributedType.MULTI_XPU, DistributedType.MULTI_NPU):
+        state = types.SimpleNamespace(distributed_type=launched)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(args, "distributed_state", state, raising=False)
+            policy, _ = load_policy(str(tiny_model_dir), args, args.model_init_kwargs)
+        assert {p.device.type for p in policy.parameters()} == {"cpu"}, launched
     # A critic given so (a reward model as loaded): it trained as spread, or failed on its meta tensors.
     placement = {**placement, "score": placement.pop("lm_head")}
     critic = AutoModelForSequenceClassification.from_pretrained(

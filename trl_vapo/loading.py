@@ -226,8 +226,10 @@ def _loaded_policy(model, args, model_init_kwargs: dict | None) -> tuple[nn.Modu
         model_id = str(local.resolve()) if local.is_dir() else str(model)
         kwargs = from_pretrained_kwargs(args, model_init_kwargs)
         launched = getattr(getattr(args, "distributed_state", None), "distributed_type", None)
-        if launched in ("MULTI_GPU", "DEEPSPEED", "FSDP"):
-            kwargs["device_map"] = None  # each process's copy on its own device, as GRPOTrainer does ("auto" fails)
+        if launched not in (None, "NO"):  # (GPUs and other accelerators alike: MULTI_XPU, MULTI_NPU, MULTI_HPU, ...)
+            # Each process's copy on its own device, as GRPOTrainer does for CUDA: "auto" spread it (refused),
+            # `{"": 0}` put every process's copy on the first device until it was moved.
+            kwargs["device_map"] = None
         if is_saved_adapter(model_id, kwargs):
             # A PEFT adapter (a LoRA run's output): transformers loads it into its base frozen, as a plain model, and
             # a peft_config then re-initialised it: the run started from the base, the adapter's training lost. Its
