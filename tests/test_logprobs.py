@@ -308,7 +308,7 @@ def test_micro_batches_are_cut_from_one_read_of_the_lengths_and_index_without_wa
             width = min(-(-width // pad_to_multiple_of) * pad_to_multiple_of, completion_width)
         return input_ids[rows, first : prompt_length + width].cpu(), width
 
-    for rows in [torch.tensor([1, 3, 7]), torch.arange(n)]:
+    for rows in [torch.tensor([1, 3, 7]), torch.tensor([1]), torch.arange(n)]:  # ([1]: no prompt token at all)
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("error")
         try:

@@ -1394,14 +1394,18 @@ def test_an_smb_lock_refuses_a_second_run_and_its_holder_reads_its_own_lock_file
 
     lock = tmp_path / RUN_LOCK
     lock.write_text(json.dumps({"pid": 1, "host": "node-7", "started": "yesterday"}))  # a crashed run's
-    read_bytes = Path.read_bytes
+    read_bytes, read_text = Path.read_bytes, Path.read_text
 
-    def smb_read_bytes(path):
-        if path.name == RUN_LOCK:
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return read_bytes(path)
+    def smb_read(read):
+        def refused(path, *args, **kwargs):
+            if path.name == RUN_LOCK:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return read(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", smb_read_bytes)
+        return refused
+
+    monkeypatch.setattr(Path, "read_bytes", smb_read(read_bytes))
+    monkeypatch.setattr(Path, "read_text", smb_read(read_text))
     with caplog.at_level(logging.WARNING), output_dir_lock(tmp_path) as locked:
         assert locked is True
     assert "Taking over the lock of a run that is gone ({'pid': 1, 'host': 'node-7'" in caplog.text
@@ -1448,6 +1452,13 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
         (out / name).mkdir(parents=True)
     with trainer.holding_output_dir():
         assert sorted(p.name for p in out.iterdir() if p.name.startswith(".checkpoint")) == sorted(writing)
+    # Windows tells no process's end by `os.kill(pid, 0)`, which sends a Ctrl+C: no folder is taken for a gone run's.
+    from trl_vapo.checkpoint import _of_a_run_gone_from_this_host
+
+    with pytest.MonkeyPatch.context() as windows:
+        windows.setattr(os, "name", "nt")
+        windows.setattr(os, "kill", lambda pid, sig: pytest.fail("os.kill called on Windows"))
+        assert not _of_a_run_gone_from_this_host(out / f".checkpoint-6.{host}-{gone.pid}.tmp")
     shutil.rmtree(tmp_path / "run")
     monkeypatch.undo()
     names = [

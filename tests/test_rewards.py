@@ -407,6 +407,9 @@ def test_extract_predicted_answer(text, expected):
         ("So the answer is 5.", "5"),
         ("Answer: 1/2", "1/2"),
         ("2 pi", "2 pi"),  # (a product math-verify reads as meant)
+        ("50 percent", "50 percent"),  # (words that are part of the number stay: 50 alone is another number)
+        ("2 million", "2 million"),
+        ("3 squared", "3 squared"),
     ],
 )
 def test_normalize_gold_answer(gold, expected):

@@ -147,8 +147,8 @@ def _of_a_run_gone_from_this_host(folder: Path) -> bool:
     """Whether the debris `folder` names (`run_owner`) a process of this host that is gone; not one named otherwise."""
     owner = (_DEBRIS.match(folder.name)[2] or "")[1:]
     host, _, pid = owner.rpartition("-")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
+    if host != socket.gethostname() or not pid.isdigit() or os.name == "nt":
+        return False  # (Windows: `os.kill(pid, 0)` sends a Ctrl+C, and tells nothing)
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

@@ -354,6 +354,8 @@ def trim_padding(
     """
     spans = padding_spans(attention_mask, prompt_length) if spans is None else spans
     first_prompt_column = int(spans[rows, 0].min())
+    if first_prompt_column == prompt_length:  # no row has a prompt token (a rollout_func's empty prompts): the
+        first_prompt_column = 0  # logits before the first completion token come from the prompt's columns, kept
     completion_length = max(int(spans[rows, 1].max()), 1)
     if pad_to_multiple_of:
         first_prompt_column -= first_prompt_column % pad_to_multiple_of

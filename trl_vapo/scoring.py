@@ -594,7 +594,8 @@ def prompt_opens_think(tokenizer, prompt_ids: list[list[int]]) -> list[bool]:
 
 
 FAILING_SAMPLE_SEARCH = (8, 30.0)
-"""At most this many samples, and seconds, `_raise_naming_the_failing_sample` calls a failed function on: a judge
+"""At most this many samples, and seconds (checked between calls), `_raise_naming_the_failing_sample` calls a failed
+function on: a judge
 that a rate limit or an outage refused (each sample alone then answers, or fails as slowly) was called on every sample
 of a 512-row rollout, minutes of paid calls, before its error was raised (GRPOTrainer raises at once)."""
 
@@ -623,11 +624,12 @@ def _raise_naming_the_failing_sample(
                 f"(#{i} of the batch): {preview(sample)}"
             ) from error
     some = f"its {tried} completions" if tried == len(rows) else f"the first {tried} of its completions"
+    later = "" if tried == len(rows) else ", or a later completion's"
     raise RuntimeError(
         f"Reward function {name!r} raised {type(error).__name__} on the batch of {len(rows)}: {error} -- but "
         f"on none of {some} called alone, one by one, to find the failing one: a "
         "transient failure (a timeout, a rate limit), or one that depends on the batch (its size, a mix of "
-        "rows), or a later completion's. Make the function retry, or return None for the completions it cannot score."
+        f"rows){later}. Make the function retry, or return None for the completions it cannot score."
     ) from error
 
 

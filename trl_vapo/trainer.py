@@ -201,10 +201,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         reward_funcs: one reward function or a list, following TRL's protocol (see `trl_vapo.scoring`): called with
             `prompts`, `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every other
             dataset column, it returns one float per completion, or `None` (`async def` functions run concurrently).
-            An entry may also be a reward model: a model id, a path or a `PreTrainedModel` for sequence
-            classification, scored as GRPOTrainer scores it (`scoring.RewardModel`). Rewards are summed with
-            `args.reward_weights` (each standardised within its prompt's group first under
-            `args.multi_objective_aggregation="normalize_then_sum"`).
+            An entry may also be a reward model: a model id, a path or a sequence-classification model (any module
+            with a transformers config: a `torch.compile`d one, a PEFT classifier), scored as GRPOTrainer scores it
+            (`scoring.RewardModel`). Rewards are summed with `args.reward_weights` (each standardised within its
+            prompt's group first under `args.multi_objective_aggregation="normalize_then_sum"`).
         args: a `VAPOConfig`.
         train_dataset: a `datasets.Dataset` with a `prompt` column (plain text or chat messages), or an
             `IterableDataset` (streaming; then `args.max_steps` is required), read in its order.
@@ -1032,7 +1032,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         path, written_before = self._checkpoint_now()
         message = f"{path} holds the {self.state.global_step} steps so far: {RESUME}"
         if rows_read_again is not None:
-            mend = ": mend the stream first" if self._prompts.streamed else ""
+            mend = ": mend the stream first" if rows_read_again else ""  # (a row it refused)
             message += f"; a resume reads this rollout's prompts again{mend}" if (
                 rows_read_again or written_before
             ) else "; a resume reads on after this rollout's prompts (they are left out)"  # fmt: skip

@@ -74,7 +74,10 @@ _MV_FRACTION_RE = re.compile(r"-?\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\
 _SLASH_FRACTION_RE = re.compile(r"-?\d+\s*/\s*\d+")
 # A number and the words naming what it counts, on an answer line: ``72 clips``, ``18 dollars``, ``12 sq. ft``.
 _NUMBER_AND_WORDS_RE = re.compile(r"(?P<number>\S+)(?P<words>(?:\s+[A-Za-z]{2,}\.?){1,3})")
-_MATH_WORDS = {"pi", "sqrt", "and", "or", "times", "over", "plus", "minus"}
+# Words that are part of the number, not what it counts: ``2 pi``, ``3 squared``, ``2 million``, ``50 percent`` (left
+# whole: the number alone would be another number).
+_MATH_WORDS = {"pi", "sqrt", "and", "or", "times", "over", "plus", "minus", "squared", "cubed", "factorial"}
+_MATH_WORDS |= {"percent", "percentage", "pct", "hundred", "thousand", "million", "billion", "trillion", "dozen"}
 # The MATH few-shot format ends with ``Final Answer: The final answer is $X$. I hope it is correct.``; math-verify
 # takes the last such sentence wherever it stands, and it competes with boxes by position (the later one wins).
 _HOPE_PREFIX_RE = re.compile(r"(?i:final answer is):?\s*")
