@@ -902,14 +902,17 @@ def test_logging_strategy_no_logs_nothing_at_the_end_of_value_pretraining(tiny_m
 
 
 def test_the_steps_after_the_last_log_are_logged_at_the_runs_end(tiny_model_dir, tmp_path):
-    """Logged every 2 steps, a run of 3: step 3's readings went into the summary row, which has no phase, so the
-    curves, the model card and the command's summary (which read the phased logs) left them out."""
+    """Logged every 2 steps, a run of 3: step 3's readings went into the summary row alone, which has no phase, so
+    the curves, the model card and the command's summary (which read the phased logs) left them out. They are logged
+    at step 3, and stay in the summary row, averaged as GRPOTrainer's (TRL's own tests read `log_history[-1]`'s
+    `rewards/<name>/mean`: five of them failed while the row lacked them)."""
     args = make_args(tmp_path, max_steps=3, logging_steps=2, max_completion_length=2)
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
     trainer.train()
     assert [(h["step"], h["phase"]) for h in trainer.state.log_history if "phase" in h] == [(2, "rl"), (3, "rl")]
-    summary = trainer.state.log_history[-1]
-    assert "train_runtime" in summary and "reward" not in summary and "reward" in trainer.state.log_history[-2]
+    summary, last = trainer.state.log_history[-1], trainer.state.log_history[-2]
+    assert "train_runtime" in summary and "phase" not in summary
+    assert summary["reward"] == last["reward"] and summary["rewards/digit_fraction/mean"] == last["reward"]
 
 
 def test_a_users_optimizer_is_named_by_side_and_refused_where_it_leaves_a_side_out(tiny_model_dir, tmp_path):

@@ -144,6 +144,7 @@ from .reporting import (
     STEP_EXTREMES,
     MetricsMixin,
     PhaseProgressCallback,
+    averaged_metrics,
     leave_text_out_of_logs,
 )
 from .rollout import Rollout, concatenate_rollouts, rollout_metrics
@@ -874,10 +875,17 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
         metrics["train_loss"] = self._loss_sum / max(self._loss_steps, 1)
         metrics["total_flos"] = self.state.total_flos  # as transformers reports it (0: no model's FLOPs are counted)
-        # The steps after the last log, logged at the step they end with (GRPOTrainer averages them into the summary
-        # row, which has no phase: the curves, the model card and the summary's last logs left them out).
+        # The steps after the last log, logged at the step they end with (the curves, the model card and the summary's
+        # last logs read the phased rows), and averaged into the summary row too, as GRPOTrainer's (its callers and
+        # tests read `log_history[-1]`: `rewards/<name>/mean`, `reward`, `aux_loss`).
+        logged = args.logging_strategy != IntervalStrategy.NO
+        pending = averaged_metrics({key: values for key, values in self._metrics.items() if values}) if logged else {}
         self._log_pending_metrics()
-        self.log(metrics)  # before on_train_end, which closes the trackers' writers; it adds `epoch`, as transformers
+        # (before on_train_end, which closes the trackers' writers; it adds `epoch`, as transformers, which train()'s
+        # metrics return)
+        summary = {**pending, **metrics}
+        self.log(summary)
+        metrics.update({key: value for key, value in summary.items() if key not in pending})
         self._write_plots()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # as transformers: the last checkpoint's upload ends with the run
