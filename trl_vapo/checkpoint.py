@@ -145,17 +145,14 @@ r"""A half-written folder's name, or a half-removed one's (`.del`: a rotated che
 
 def _of_a_run_gone_from_this_host(folder: Path) -> bool:
     """Whether the debris `folder` names (`run_owner`) a process of this host that is gone; not one named otherwise."""
+    from .run_lock import alive
+
     owner = (_DEBRIS.match(folder.name)[2] or "")[1:]
     host, _, pid = owner.rpartition("-")
-    if host != socket.gethostname() or not pid.isdigit() or os.name == "nt":
-        return False  # (Windows: `os.kill(pid, 0)` sends a Ctrl+C, and tells nothing)
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process: alive
+    if host != socket.gethostname() or not pid.isdigit():
         return False
-    return int(pid) == os.getpid()  # (its PID is this run's now: the run that wrote it is gone)
+    # (its PID this run's now: the run that wrote it is gone)
+    return not alive(int(pid)) or (int(pid) == os.getpid() and os.name != "nt")
 
 
 def _debris(output_dir: str | os.PathLike) -> list[tuple[Path, str, str, bool]]:

@@ -344,9 +344,11 @@ def trim_padding(
     rows: torch.Tensor,
     pad_to_multiple_of: int | None = None,
     spans: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """`input_ids`, `attention_mask` and completion length of `rows` (indices, on the CPU), without the padding all of
-    them share. `spans`: `padding_spans` of all rows, read once for many calls (else read here).
+    them share. `spans`: `padding_spans` of all rows, read once for many calls (else read here); `index`: `rows` on the
+    inputs' device, where the caller has them (else copied here).
 
     Prompts are left-padded in the first `prompt_length` columns and completions right-padded after them: the columns
     before the earliest prompt token and after the longest completion of these rows are dropped. With
@@ -363,7 +365,8 @@ def trim_padding(
             -(-completion_length // pad_to_multiple_of) * pad_to_multiple_of, attention_mask.shape[1] - prompt_length
         )
     end = prompt_length + completion_length
-    index = rows.to(input_ids.device, non_blocking=True)  # (a CPU index into a GPU tensor is copied, and waited for)
+    if index is None:  # (a CPU index into a GPU tensor is copied, and waited for)
+        index = rows.to(input_ids.device, non_blocking=True)
     return input_ids[index, first_prompt_column:end], attention_mask[index, first_prompt_column:end], completion_length
 
 
@@ -388,8 +391,8 @@ def completion_micro_batches(
     completion_length)` each, `rows` on the inputs' device. The lengths are read from the device once."""
     spans = padding_spans(attention_mask, prompt_length)
     for rows in length_sorted(torch.arange(input_ids.shape[0]), spans[:, 1]).split(batch_size):
-        trimmed = trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of, spans)
-        yield rows.to(input_ids.device, non_blocking=True), *trimmed
+        index = rows.to(input_ids.device, non_blocking=True)
+        yield index, *trim_padding(input_ids, attention_mask, prompt_length, rows, pad_to_multiple_of, spans, index)
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -74,10 +74,13 @@ class Rollout:
     ) -> dict[str, torch.Tensor | int | None]:
         """The model inputs of `rows` (indices, on the CPU; see `trim_padding`, and its `spans`) and their training
         targets, cut to the same length: what `ActorCritic.forward` and `core.vapo_loss` take."""
+        index = rows.to(
+            self.input_ids.device, non_blocking=True
+        )  # (a CPU index is copied, and waited for, at each use)
         input_ids, attention_mask, length = trim_padding(
-            self.input_ids, self.attention_mask, self.prompt_length, rows, self.pad_to_multiple_of, spans
+            self.input_ids, self.attention_mask, self.prompt_length, rows, self.pad_to_multiple_of, spans, index
         )
-        rows = rows.to(input_ids.device, non_blocking=True)  # (a CPU index is copied, and waited for, at each use)
+        rows = index
 
         def cut(x):
             return None if x is None else x[rows, :length] if x.shape[-1] > 1 else x[rows]

@@ -148,7 +148,7 @@ def refusal(output_dir: str | os.PathLike, holder: dict) -> str:
         if host != socket.gethostname()
         else ""
     )
-    if not elsewhere and not _alive(holder.get("pid")):
+    if not elsewhere and not alive(holder.get("pid")):
         elsewhere = (
             f" PID {holder.get('pid')} is gone, and a process it started keeps the lock (`fuser -v "
             f"{Path(output_dir) / RUN_LOCK}` names it): stop that process and start again."
@@ -161,9 +161,10 @@ def refusal(output_dir: str | os.PathLike, holder: dict) -> str:
     )
 
 
-def _alive(pid) -> bool:
-    """Whether a process `pid` of this host is running (True where that cannot be told)."""
-    if not isinstance(pid, int) or pid <= 0:
+def alive(pid) -> bool:
+    """Whether a process `pid` of this host is running (True where that cannot be told: on Windows `os.kill(pid, 0)`
+    sends it a Ctrl+C, and tells nothing)."""
+    if not isinstance(pid, int) or pid <= 0 or os.name == "nt":
         return True
     try:
         os.kill(pid, 0)

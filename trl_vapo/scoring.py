@@ -595,9 +595,9 @@ def prompt_opens_think(tokenizer, prompt_ids: list[list[int]]) -> list[bool]:
 
 FAILING_SAMPLE_SEARCH = (8, 30.0)
 """At most this many samples, and seconds (checked between calls), `_raise_naming_the_failing_sample` calls a failed
-function on: a judge
-that a rate limit or an outage refused (each sample alone then answers, or fails as slowly) was called on every sample
-of a 512-row rollout, minutes of paid calls, before its error was raised (GRPOTrainer raises at once)."""
+function on: a judge that a rate limit or an outage refused (each sample alone then answers, or fails as slowly) was
+called on every sample of a 512-row rollout, minutes of paid calls, before its error was raised (GRPOTrainer raises
+at once)."""
 
 
 def _raise_naming_the_failing_sample(
