@@ -39,6 +39,7 @@ from trl_vapo.rewards import (
     parse_plain_number,
     think_boxed_format_reward,
 )
+from trl_vapo.rewards.functions import STRIKES
 
 DEADLINE = 2.0  # seconds; the adversarial tests check each call returns within DEADLINE + 1
 
@@ -636,9 +637,30 @@ def test_batch_with_hangs_keeps_order_and_repeats_are_not_retried():
     first = time.monotonic() - start
     # The identical hanging pair is verified once, on one worker, while the other worker serves the rest.
     assert first < DEADLINE + 2.0
-    start = time.monotonic()
-    assert fn(completions=completions, answer=golds) == expected
-    assert time.monotonic() - start < DEADLINE  # a pair that overran once is not retried (a retry: a deadline more)
+    for call in range(STRIKES):
+        start = time.monotonic()
+        assert fn(completions=completions, answer=golds) == expected
+        retried = time.monotonic() - start > DEADLINE * 0.9
+        # Verified again until it has overrun in STRIKES calls, then no more (a retry: a deadline more).
+        assert retried == (call < STRIKES - 1)
+
+
+def test_an_overrun_of_a_stalled_machine_is_verified_again():
+    # One overrun may be a stall of the machine, not the answer's doing: a stopped worker (SIGSTOP) stands for one.
+    # An overrun pair was scored -1 for the rest of the run, right answers too; and a gold whose probe against 0
+    # overran once (the second stopped worker takes it) was unusable for good: None for every completion.
+    fn = make_math_reward(timeout=1.0, memory_limit_mb=3000, name="stalled_reward")  # (a pool of its own)
+    pool = fn.pool
+    try:
+        pool.warm_up()
+        for pid in pool.worker_pids():
+            os.kill(pid, signal.SIGSTOP)
+        timeouts = pool.stats["timeouts"]
+        assert fn(completions=[r"\boxed{x(x+7)}"], answer=["x^2+7x"]) == [-1.0]
+        assert pool.stats["timeouts"] - timeouts == 2  # the pair, then the gold's first probe
+        assert fn(completions=[r"\boxed{x(x+7)}"], answer=["x^2+7x"]) == [1.0]
+    finally:
+        pool.close()
 
 
 def test_a_gold_that_overruns_every_comparison_scores_nothing(caplog):

@@ -14,6 +14,10 @@ from .pool import DEFAULT_MEMORY_LIMIT_MB, DEFAULT_TIMEOUT, InProcessVerifier, M
 
 logger = logging.getLogger(__name__)
 
+STRIKES = 2
+"""Overruns of the deadline after which a pair is no longer verified, or a gold compared with ``0`` is unusable: one
+alone may be a stall of a loaded machine, not the answer's doing."""
+
 
 def completion_text(completion: Any) -> str:
     """The text of one completion: a plain string, or the last assistant message of a chat completion.
@@ -150,14 +154,15 @@ class MathReward:
     ) -> list[bool | None]:
         """Verdicts for already-normalised answers: ``True``/``False``, ``None`` where the gold is unusable.
 
-        Identical pairs are verified once, plain numbers never leave the process (:func:`fast_verdict`), and a pair
-        that once overran the deadline is scored ``False`` without being retried (a policy that found a power tower
-        tends to repeat it, and each retry would cost a full deadline and a worker restart).
+        Identical pairs are verified once, plain numbers never leave the process (:func:`fast_verdict`). A pair that
+        overran the deadline scores ``False``; one that overran in ``STRIKES`` calls is scored ``False`` without being
+        verified again (a policy that found a power tower tends to repeat it, and each retry costs a full deadline and
+        a worker restart), while one overrun alone (a stall of a loaded machine) is verified again at its next call.
 
-        A gold whose comparison overruns the first time is compared once with ``0``: a gold that overruns that too
-        (``9^{9^{9^{9}}}``, ``(10^{10})!``: math-verify evaluates it in every comparison) is unusable like a gold
-        that does not parse, ``None`` from then on, this call's rows included; otherwise each of its predictions would
-        cost a deadline and a worker restart and score ``False``, correct ones too.
+        A gold whose comparison overruns is compared with ``0``, a second time at once if that overruns too: a gold
+        that overruns both (``9^{9^{9^{9}}}``, ``(10^{10})!``: math-verify evaluates it in every comparison) is
+        unusable like a gold that does not parse, ``None`` from then on, this call's rows included; otherwise each of
+        its predictions would cost a deadline and a worker restart and score ``False``, correct ones too.
         """
         return self._score(gold_answers, predicted_answers)[0]
 
@@ -179,7 +184,7 @@ class MathReward:
                 if verdict is not None:
                     verdicts[i] = verdict
                     continue
-            if (gold, pred) in self._timed_out:
+            if self._timed_out.get((gold, pred), 0) >= STRIKES:
                 verdicts[i] = False
                 timeouts += 1
                 continue
@@ -190,10 +195,11 @@ class MathReward:
             overran: set[str] = set()
             for k, (key, verdict) in enumerate(zip(keys, results, strict=True)):
                 if k in timed_out:
-                    _remember(self._timed_out, key, True, 4096)
+                    _remember(self._timed_out, key, self._timed_out.get(key, 0) + 1, 4096)
                     timeouts += len(to_verify[key])
                     overran.add(key[0])
                 else:
+                    self._timed_out.pop(key, None)  # (its overrun was the machine's: it is verified as any other)
                     _remember(self._gold_parses, key[0], verdict is not None, 65536)
                 for i in to_verify[key]:
                     verdicts[i] = verdict
@@ -204,17 +210,19 @@ class MathReward:
         return verdicts, timeouts
 
     def _golds_that_overrun(self, golds: set[str]) -> list[str]:
-        """Of golds whose comparison just overran, those that overrun against ``0`` too (see :meth:`verdicts`); each
-        gold is tried once, a plain number never (:func:`fast_verdict` compares it with anything in-process)."""
+        """Of golds whose comparison just overran, those that overrun against ``0`` in ``STRIKES`` tries one after
+        the other (see :meth:`verdicts`); a gold that compared in time is not tried again, a plain number never
+        (:func:`fast_verdict` compares it with anything in-process)."""
         golds = [g for g in golds if g not in self._gold_compares and parse_plain_number(g) is None]
-        if not golds:
-            return []
-        probes = [(gold, "0") for gold in golds]
-        _, timed_out = self.pool.verify_with_timeouts(probes, timeout=self.timeout)
-        for k, gold in enumerate(golds):
-            if k not in timed_out:
-                _remember(self._gold_compares, gold, True, 65536)
-        return [gold for k, gold in enumerate(golds) if k in timed_out]
+        for _ in range(STRIKES):
+            if not golds:
+                break
+            _, timed_out = self.pool.verify_with_timeouts([(gold, "0") for gold in golds], timeout=self.timeout)
+            for k, gold in enumerate(golds):
+                if k not in timed_out:
+                    _remember(self._gold_compares, gold, True, 65536)
+            golds = [gold for k, gold in enumerate(golds) if k in timed_out]
+        return golds
 
     def __call__(self, completions: list, **kwargs: Any) -> list[float | None]:
         """Score ``completions`` against the gold column; ``None`` only where the gold answer cannot be parsed.
