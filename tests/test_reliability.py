@@ -901,7 +901,9 @@ def test_a_resume_naming_another_value_pretraining_budget_keeps_the_runs_length_
     """Once value pretraining has ended, the run's length and the critic's schedule are the run's, whatever budget a
     resume names. A run of value_pretrain_steps=0 resumed without it (the phase is RL: nothing pretrains) planned the
     default budget's steps on top of max_steps and trained them; a run that pretrained, resumed with
-    value_pretrain_steps=0, gave the critic's decaying rate this run's length (RL alone): 0 before the run's end."""
+    value_pretrain_steps=0, gave the critic's decaying rate this run's length (RL alone): 0 before the run's end, and
+    counted the epochs of this run's rollouts alone (RL's 4, on a set of one rollout an epoch): having read 5 epochs,
+    it stopped at the checkpoint's step, 4 steps short."""
     save = dict(save_strategy="steps", save_steps=1, value_pretrain_patience=None)
     started_in_rl = config(tmp_path / "rl", max_steps=2, value_pretrain_steps=0, **save)
     VAPOTrainer(str(tiny_model_dir), digit_fraction, args=started_in_rl, train_dataset=prompts_dataset(32)).train()
@@ -914,8 +916,9 @@ def test_a_resume_naming_another_value_pretraining_budget_keeps_the_runs_length_
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == resumed.state.max_steps == 4
 
-    pretrained = config(tmp_path / "vp", max_steps=2, value_pretrain_steps=1, lr_scheduler_type="linear", **save)
-    first = VAPOTrainer(str(tiny_model_dir), digit_fraction, args=pretrained, train_dataset=prompts_dataset(32))
+    pretrained = config(tmp_path / "vp", max_steps=2, value_pretrain_steps=3, lr_scheduler_type="linear", **save)
+    one_rollout = prompts_dataset(2)  # (2 prompts x 4 completions: a rollout an epoch)
+    first = VAPOTrainer(str(tiny_model_dir), digit_fraction, args=pretrained, train_dataset=one_rollout)
     first.train()
     rl_start = first.progress.rl_start_step
     assert rl_start > 0
@@ -923,7 +926,7 @@ def test_a_resume_naming_another_value_pretraining_budget_keeps_the_runs_length_
         str(tiny_model_dir),
         digit_fraction,
         args=config(tmp_path / "vp", max_steps=4, value_pretrain_steps=0, lr_scheduler_type="linear", **save),
-        train_dataset=prompts_dataset(32),
+        train_dataset=one_rollout,
     )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == resumed.state.max_steps == rl_start + 4

@@ -75,8 +75,21 @@ def test_the_plan_counts_the_steps_a_loop_takes(value_pretraining, overrides):
 )
 def test_the_plan_counts_the_epochs_it_reads_as_transformers_reports_them(overrides, value_pretraining, epochs):
     """`state.num_train_epochs`: with `max_steps` it was 1 whatever the run read (a run at epoch 5.25 of "1")."""
-    assert RunPlan.from_config(_args(**overrides), 21, value_pretraining).epochs == epochs
-    assert RunPlan.from_config(_args(max_steps=9), None, value_pretraining).epochs == sys.maxsize  # a stream
+    start = TrainingProgress(phase=VALUE_PRETRAIN if value_pretraining else RL)
+    assert RunPlan.from_config(_args(**overrides), 21, value_pretraining).epochs(start) == epochs
+    assert RunPlan.from_config(_args(max_steps=9), None, value_pretraining).epochs(start) == sys.maxsize  # a stream
+
+
+def test_the_epochs_count_the_value_pretraining_rollouts_read_once_it_has_ended():
+    """Value pretraining's budget until it ends, then the rollouts it read, whatever this run's config says (a run
+    resumed with `value_pretrain_steps=0` counted none, and stopped short): 5 rollouts an epoch, 10 of RL."""
+    plan = RunPlan.from_config(_args(max_steps=60, value_pretrain_steps=5), 21, value_pretraining=False)
+    assert plan.epochs(TrainingProgress(phase=RL)) == 2
+    assert plan.epochs(TrainingProgress(phase=RL, value_pretrain_rollouts=6, rl_start_step=6)) == 4  # 16 rollouts
+    planned = RunPlan.from_config(_args(max_steps=60, value_pretrain_steps=5), 21, value_pretraining=True)
+    assert planned.epochs(TrainingProgress(phase=VALUE_PRETRAIN, value_pretrain_rollouts=2)) == 3  # its budget, 5
+    assert planned.epochs(TrainingProgress(phase=VALUE_PRETRAIN, value_pretrain_rollouts=7)) == 4  # a budget lowered
+    assert planned.epochs(TrainingProgress(phase=RL, value_pretrain_rollouts=1, rl_start_step=1)) == 3  # ended early
 
 
 def test_a_fraction_of_epochs_is_its_rollouts_without_float_round_off():

@@ -192,7 +192,7 @@ def test_a_resume_counts_the_epochs_of_its_own_plan(tiny_model_dir, tmp_path):
         str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=3, **settings), prompts_dataset(8)
     )
     longer.train(resume_from_checkpoint=True)
-    assert longer.state.num_train_epochs == 2 == longer.run_plan.epochs
+    assert longer.state.num_train_epochs == 2 == longer.run_plan.epochs(longer.progress)
 
 
 def test_an_8bit_bitsandbytes_optimizer_keeps_the_embeddings_state_in_32_bits(tiny_model_dir, tmp_path):

@@ -1404,7 +1404,8 @@ class SavingMixin:
         self.progress = TrainingProgress.from_dict(marker["progress"])
         # Value pretraining may have ended early in the saved run: its unused steps are not in the plan.
         self.state.max_steps = self.run_plan.max_steps(self.progress)
-        self.state.num_train_epochs = self.run_plan.epochs  # this call's, as transformers sets both after loading
+        # This call's, as transformers sets both after loading.
+        self.state.num_train_epochs = self.run_plan.epochs(self.progress)
         self.state.compute_steps(self.args, self.state.max_steps)
         if self._reference_moves():
             reference_file = training_state_file(path, REFERENCE_FILE)

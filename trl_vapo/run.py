@@ -38,10 +38,9 @@ class RunPlan:
     pretrain_rollouts: int
     steps_per_pretrain_rollout: int
     rl_steps: int
-    epochs: int
-    """The epochs of the data the planned rollouts read (value pretraining's among them), as `state.num_train_epochs`
-    reports them: transformers' count for `max_steps` too (`ceil(steps / steps per epoch)`), and its `sys.maxsize`
-    for a stream."""
+    rl_rollouts: int
+    rollouts_per_epoch: int | None
+    """Rollouts an epoch of a map-style set holds (None: a stream, whose length is unknown)."""
 
     @classmethod
     def from_config(cls, args, dataset_length: int | None, value_pretraining: bool) -> RunPlan:
@@ -56,15 +55,14 @@ class RunPlan:
         else:
             # Rounded first: 1.1 epochs of 100 rollouts is 110.00000000000001 in floats, and one more rollout.
             rl_steps = math.ceil(round(args.num_train_epochs * per_epoch, 6)) * steps_per_rl_rollout
-        pretrain_rollouts = args.value_pretrain_steps if value_pretraining else 0
-        rollouts = pretrain_rollouts + -(-rl_steps // steps_per_rl_rollout)  # (the last one cut by max_steps)
         return cls(
             prompts_per_rollout=prompts,
             steps_per_pass=steps_per_pass,
-            pretrain_rollouts=pretrain_rollouts,
+            pretrain_rollouts=args.value_pretrain_steps if value_pretraining else 0,
             steps_per_pretrain_rollout=args.value_pretrain_num_iterations * steps_per_pass,
             rl_steps=rl_steps,
-            epochs=sys.maxsize if dataset_length is None else max(1, -(-rollouts // max(per_epoch, 1))),
+            rl_rollouts=-(-rl_steps // steps_per_rl_rollout),  # (the last one cut by max_steps)
+            rollouts_per_epoch=None if dataset_length is None else per_epoch,
         )
 
     @property
@@ -87,6 +85,19 @@ class RunPlan:
         if progress.phase == RL:
             return (progress.rl_start_step or 0) + self.rl_steps
         return self.planned_steps
+
+    def epochs(self, progress: TrainingProgress) -> int:
+        """The epochs of the data the run's rollouts read, as `state.num_train_epochs` reports them and as the loop
+        stops at them: transformers' count for `max_steps` too (`ceil(rollouts / rollouts per epoch)`), and its
+        `sys.maxsize` for a stream. Value pretraining's rollouts are among them: its budget until it has ended, then
+        the rollouts it read (`progress`), as for `max_steps`: a run resumed with a smaller budget (or none) than the
+        run that wrote its checkpoint counted this run's, and stopped at the checkpoint's epoch with steps to go."""
+        if self.rollouts_per_epoch is None:
+            return sys.maxsize
+        pretrained = progress.value_pretrain_rollouts
+        if progress.phase != RL:
+            pretrained = max(pretrained, self.pretrain_rollouts)
+        return max(1, -(-(pretrained + self.rl_rollouts) // max(self.rollouts_per_epoch, 1)))
 
 
 @dataclasses.dataclass

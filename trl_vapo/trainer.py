@@ -743,7 +743,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         callbacks = self.callback_handler.callbacks + [self.control]
         self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
         self.state.max_steps = self.run_plan.planned_steps  # a resume reads its progress
-        self.state.num_train_epochs = self.run_plan.epochs
+        self.state.num_train_epochs = self.run_plan.epochs(self.progress)
         self.state.compute_steps(args, self.state.max_steps)
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
@@ -832,7 +832,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             while (
                 self.state.global_step < self.state.max_steps
                 and not self.control.should_training_stop
-                and self._prompts.epochs_read(self.progress) < self.run_plan.epochs
+                and self._prompts.epochs_read(self.progress) < self.run_plan.epochs(self.progress)
             ):
                 self._train_on_rollout()
                 stop_if_signalled()
@@ -1809,6 +1809,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         progress.phase = RL
         progress.rl_start_step = self.state.global_step
         max_steps = self.run_plan.max_steps(progress)  # fewer when the stop rule ended value pretraining early
+        self.state.num_train_epochs = self.run_plan.epochs(progress)
         if max_steps != self.state.max_steps:
             self.state.max_steps = max_steps
             self.state.compute_steps(self.args, max_steps)  # logging/eval/save_steps given as a share of the run
