@@ -416,7 +416,7 @@ def test_an_eval_k_without_the_report_is_refused_unless_a_flag_turns_a_configs_r
             _check_held_out_report(config_with_k, demo=False, flags=flags)
 
 
-def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, capsys):
+def test_a_config_without_a_model_or_data_changes_the_demos_settings(tiny_model_dir, tmp_path, capsys):
     """`trl-vapo train --config tweaks.yaml` with neither a model nor data in it runs the offline demo with the file's
     settings over the demo's; it was refused, asking for a model it did not mention."""
     from trl_vapo.cli import DEMO_DEFAULTS, _demo_defaults, _is_demo
@@ -441,12 +441,17 @@ def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, c
         (["--gradient_accumulation_steps", "8"], {"steps_per_generation": 8}),
         (["--save_steps", "20"], {"save_strategy": "steps", "save_steps": 20}),
         (["--num_train_epochs", "2"], {"max_steps": -1, "num_train_epochs": 2}),
+        # (the demo's critic took 4 passes however many the policy took: refused, naming a field not given; and its
+        # rate stayed the demo's whatever learning_rate said, where it follows it, 2x, outside the demo)
+        (["--num_iterations", "8"], {"num_iterations": 8, "critic_num_iterations": 8}),
+        (["--learning_rate", "1e-5"], {"learning_rate": 1e-5, "critic_learning_rate": 2e-5}),
     ):
         parser = _parser()
         parser.set_defaults(**_demo_defaults(given))
         _, training_args, *_ = _parse_args_and_config(parser, given)
         assert {name: getattr(training_args, name) for name in expected} == expected, given
-        assert training_args.critic_num_iterations == DEMO_DEFAULTS["critic_num_iterations"]  # the others stay
+        if "critic_num_iterations" not in expected:
+            assert training_args.critic_num_iterations == DEMO_DEFAULTS["critic_num_iterations"]  # the others stay
     (tmp_path / "run.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nmax_steps: 32\n")
     assert not _is_demo(["--config", str(tmp_path / "run.yaml")])
     assert not _is_demo(["--config", str(tweaks), "--dataset_name", "data.jsonl"])
@@ -457,6 +462,10 @@ def test_a_config_without_a_model_or_data_changes_the_demos_settings(tmp_path, c
     assert not _is_demo(["--value_model_name_or_path", "my/critic"])
     assert main(["train", "--config", str(tmp_path / "rm.yaml"), "--output_dir", str(tmp_path / "out")]) == 2
     assert "--model_name_or_path is required with a data set, a reward model" in capsys.readouterr().err
+    # A model without data, said before a launch (each launched process said it, among the launcher's report).
+    policy_only = ["train", "--model_name_or_path", str(tiny_model_dir), "--num_processes", "2"]
+    assert main([*policy_only, "--output_dir", str(tmp_path / "out")]) == 2
+    assert "--dataset_name (or --dataset_preset) is required with a model" in capsys.readouterr().err
 
 
 def test_train_two_steps_on_local_files_and_eval_the_result(tiny_model_dir, jsonl_data, tmp_path, capsys, monkeypatch):
@@ -984,6 +993,10 @@ BAD_INPUT = [
     # A file a field names (transformers opens it as the config is built), not --config's: "(--config takes a YAML".
     (["--accelerator_config", "missing.json"], "missing.json: no such file, named by a setting that takes a file's"),
     (["--dataset_config", "main"], "--dataset_config 'main' names a configuration (subset) of a Hub data set or"),
+    # TRL's mixture flags (in `--help`) without a mixture, and LoRA's without --use_peft: ignored, and trained.
+    (["--streaming", "true"], "--streaming applies to a `datasets:` mixture in the --config file, and none is given"),
+    (["--test_split_size", "0.1"], "use slices of a split (--dataset_train_split 'train[:90%]' --dataset_test_split"),
+    (["--lora_r", "8", "--lora_alpha", "16"], "--lora_r, --lora_alpha shape a LoRA adapter, and --use_peft is not"),
 ]
 # The same offline, without HF_HUB_OFFLINE: a Hub that cannot be reached (a closed port) is said at once, where the
 # libraries would retry for a minute.

@@ -352,11 +352,15 @@ DEMO_DEFAULTS_YIELD_TO = {
     "steps_per_generation": ("generation_batch_size", "gradient_accumulation_steps"),
     "save_strategy": ("save_steps",),
     "max_steps": ("num_train_epochs",),
+    "critic_num_iterations": ("num_iterations",),
+    "critic_learning_rate": ("learning_rate",),
 }
 """The demo's settings that a setting the user gives replaces, as it would outside the demo: a rollout's size as
 `generation_batch_size` (both set, they were refused as disagreeing: the user had set only one), another
 `gradient_accumulation_steps` (refused: the demo's `steps_per_generation` 4 is no multiple of 8), `save_steps` (no
-checkpoint was written: the demo saves none), `num_train_epochs` (the demo's `max_steps` ruled)."""
+checkpoint was written: the demo saves none), `num_train_epochs` (the demo's `max_steps` ruled), `num_iterations`
+(refused: more than the demo's `critic_num_iterations`), `learning_rate` (the critic's rate follows it, 2x, as it
+does outside the demo)."""
 
 
 def _demo_defaults(argv: list[str]) -> dict[str, typing.Any]:
@@ -382,6 +386,34 @@ DEMO_IGNORES = (
     "prompt_format",
 )
 """What shapes a named data set's prompts: given with none, the demo (its own data) would ignore them."""
+
+
+PEFT_FLAGS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_modules_to_save",
+    "lora_task_type",
+    "use_rslora",
+    "use_dora",
+)
+"""TRL's `ModelConfig` fields that shape the LoRA adapter, which `get_peft_config` reads only with `use_peft`."""
+
+
+def _check_peft_flags(argv: list[str], use_peft: bool) -> None:
+    """LoRA's settings without `--use_peft` refused: the run fine-tuned every weight (a float32 copy of the whole
+    model as the critic's too, at a rate meant for an adapter), as `trl grpo` does, silently."""
+    if use_peft:
+        return
+    flags, config = _given(argv)
+    given = [f"--{name}" for name in PEFT_FLAGS if name in flags or name in (config or {})]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} a LoRA adapter, and --use_peft is not set: "
+            "the run would fine-tune every weight of the model. Add --use_peft true (`use_peft: true`), or drop them"
+        )
 
 
 def _check_no_data_flags(argv: list[str]) -> None:
@@ -714,6 +746,7 @@ def train_command(argv: list[str]) -> int:
     mixed = mixture is not None and bool(mixture.datasets)
     _check_held_out_report(script_args, demo, _given(argv)[0])
     _check_data_flags(script_args, mixture)
+    _check_peft_flags(argv, model_args.use_peft)
     if training_args.use_vllm and training_args.vllm_mode == "colocate" and script_args.eval_num_prompts:
         from .generation import colocated_vllm_seed_problem  # (the config checks the training groups' copies)
 
@@ -723,6 +756,10 @@ def train_command(argv: list[str]) -> int:
         _check_no_data_flags(argv)
     # Checked before a launch too: each launched process would fail on the same line, among the launcher's report.
     reward_funcs = _check_before_loading(script_args, training_args, model_args, demo)
+    if not (demo or mixed or script_args.dataset_name or script_args.dataset_preset):
+        raise UsageError(
+            "--dataset_name (or --dataset_preset) is required with a model (omit both for the offline demo)"
+        )
     # The launched command reads the same config, launch keys included: it runs them, it does not launch again
     # (accelerate's one-process launcher sets no LOCAL_RANK).
     if launch_args and "LOCAL_RANK" not in os.environ and LAUNCHED not in os.environ:
@@ -891,10 +928,6 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
             script_args.prompt_column,
             BOXED_INSTRUCTION.replace("{}", "{{}}"),
         )
-    if not script_args.dataset_name:
-        raise UsageError(
-            "--dataset_name (or --dataset_preset) is required with a model (omit both for the offline demo)"
-        )
     chat = script_args.prompt_format == "chat"
     # A `prompt` column taken as it is, as `trl grpo` takes it: its text is the model's input, no chat template.
     as_trl = script_args.prompt_column == "prompt" and not (
@@ -972,6 +1005,18 @@ def _check_data_flags(script_args, mixture=None) -> None:
     if script_args.prompt_format not in ("auto", "chat", "text"):
         raise UsageError(f"--prompt_format must be auto, chat or text, got {script_args.prompt_format!r}")
     if mixture is None or not mixture.datasets:
+        # TRL's mixture flags, which `--help` lists beside trl-vapo's own: without a mixture they did nothing.
+        unused = {
+            "streaming": "--dataset_streaming",
+            "test_split_size": "slices of a split (--dataset_train_split 'train[:90%]' --dataset_test_split "
+            "'train[90%:]')",
+        }
+        given = [name for name in unused if getattr(mixture, name, None) not in (None, False)]
+        if given:
+            raise UsageError(
+                f"--{given[0]} applies to a `datasets:` mixture in the --config file, and none is given: for "
+                f"--dataset_name or --dataset_preset, use {unused[given[0]]}"
+            )
         return
     if mixture.streaming and mixture.test_split_size is not None:
         raise UsageError(

@@ -190,7 +190,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         metadata={
             "help": "Keyword arguments for `from_pretrained` when `model`, `value_model` or a reward model is given "
             'as a name or path, e.g. `{"dtype": "bfloat16"}`. Default dtype: float32 for the policy and the critic; '
-            'a reward model loads in its saved dtype ("auto").'
+            'a reward model loads in its saved dtype ("auto") unless a dtype is given here (on the command line '
+            "`--dtype`, whose default float32 is passed here, so a reward model loads in float32 there too, as with "
+            "`trl grpo`)."
         },
     )
     trust_remote_code: bool = field(
