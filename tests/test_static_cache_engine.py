@@ -576,6 +576,41 @@ def test_the_trainer_rolls_out_with_it_on_policy(tiny_model_dir, tmp_path):
     assert math.isfinite(logs[-1]["loss"])
 
 
+def test_static_cache_compile_compiles_the_trainers_decode_step(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """`static_cache_compile=True` compiles the engine's decode step in training (the option was the engine's
+    alone: no config reached it); beside another engine named it is refused, and where the default engine is
+    another (the CPU's generate()) it warns that it does nothing. torch.compile runs with dynamo's eager backend
+    here (inductor compiles the step for minutes on this CPU; the compiled step itself runs under `-m cuda`)."""
+    compiles = []
+    compile_ = torch.compile
+
+    def eager_backend(function, **options):
+        compiles.append(options)
+        return compile_(function, **{**options, "backend": "eager"})
+
+    monkeypatch.setattr(torch, "compile", eager_backend)
+    args = make_args(tmp_path, max_steps=1, use_static_cache_engine=True, static_cache_compile=True)
+    trainer = VAPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset()
+    )
+    torch._dynamo.reset()
+    try:
+        trainer.train()
+    finally:
+        torch._dynamo.reset()
+    assert compiles and all(c["dynamic"] is False and c["fullgraph"] is True for c in compiles)
+    assert trainer.generation_engine.compile_step  # compiled: not given up as a step dynamo cannot trace
+    assert rl_logs(trainer)[0]["completions/mean_length"] > 0
+    with pytest.raises(ValueError, match=r"static_cache_compile=True .* use_vllm=True samples with another engine"):
+        EngineSettings.from_config(make_args(tmp_path, use_vllm=True, static_cache_compile=True))
+    with pytest.raises(ValueError, match=r"and use_static_cache_engine=False samples"):
+        EngineSettings.from_config(make_args(tmp_path, use_static_cache_engine=False, static_cache_compile=True))
+    auto = EngineSettings.from_config(make_args(tmp_path, static_cache_compile=True))
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.generation"):
+        assert auto.placed("cpu", sharded=False).engine == "generate"
+    assert "static_cache_compile=True has no effect: the rollouts use the generate engine here" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CUDA graphs (a CUDA GPU: `pytest -m cuda`, run by benchmarks/gpu_suite.py)
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1458,6 +1458,10 @@ class EvalArguments(VLLMOptions):
             "an unquantized model, generate() elsewhere (VAPOConfig's field says more)."
         },
     )
+    static_cache_compile: bool = field(
+        default=False,
+        metadata={"help": "Compile the static-cache engine's decode step with torch.compile, as in training."},
+    )
     use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (`pip install vllm`), as in training."})
     use_cpu: bool = field(
         default=False,

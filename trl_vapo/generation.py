@@ -867,6 +867,7 @@ class EngineSettings:
         pad_to_multiple_of: `generate()`'s prompts padded to a multiple of it (GRPOConfig's field, as TRL pads them).
         cuda_graph: the static-cache engine captures its decode step as a CUDA graph on a CUDA device (`placed`
             turns it off under DeepSpeed and FSDP, whose hooks gather the weights inside the forward).
+        compile_step: the static-cache engine compiles its decode step with torch.compile (`static_cache_compile`).
         keep_buffers: the static-cache engine keeps its cache and graph between calls (`placed` turns it off for
             training: the update between two rollouts needs that memory).
         auto: the engine was not named (`use_static_cache_engine=None`): `placed` picks the static-cache engine on a
@@ -883,6 +884,7 @@ class EngineSettings:
     quantization_config: Any = None
     pad_to_multiple_of: int | None = None
     cuda_graph: bool = True
+    compile_step: bool = False
     keep_buffers: bool = True
     auto: bool = False
 
@@ -910,6 +912,11 @@ class EngineSettings:
             and not (quantized or other_cache)
         ):
             engine = "static_cache"
+        if self.compile_step and engine != "static_cache":  # (left to the default, which is another engine here)
+            logging.getLogger(__name__).warning(
+                f"static_cache_compile=True has no effect: the rollouts use the {engine} engine here, the "
+                "static-cache engine being the default on a CUDA GPU only (use_static_cache_engine=True names it)."
+            )
         return dataclasses.replace(self, engine=engine, cuda_graph=self.cuda_graph and not sharded, keep_buffers=False)
 
     def __post_init__(self):
@@ -917,6 +924,16 @@ class EngineSettings:
             raise ValueError(f"Unknown generation engine {self.engine!r}: use one of {', '.join(ENGINES)}.")
         if self.engine == "vllm":  # options not given keep their defaults (TRL's)
             self.vllm = {**VLLM_DEFAULTS, "trust_remote_code": False, **self.vllm}
+        if self.compile_step and self.engine != "static_cache" and not (self.auto and self.engine == "generate"):
+            named = {
+                "generate": "use_static_cache_engine=False",
+                "continuous_batching": "use_transformers_continuous_batching=True",
+                "vllm": "use_vllm=True",
+            }[self.engine]
+            raise ValueError(
+                f"static_cache_compile=True compiles the static-cache engine's decode step, and {named} samples with "
+                "another engine: drop one of them."
+            )
 
     @staticmethod
     def _engine_named_by(args) -> str:
@@ -950,6 +967,7 @@ class EngineSettings:
             rollout_size=args.generation_batch_size,
             quantization_config=(args.model_init_kwargs or {}).get("quantization_config"),
             pad_to_multiple_of=args.pad_to_multiple_of,
+            compile_step=args.static_cache_compile,
         )
 
     @classmethod
@@ -973,6 +991,7 @@ class EngineSettings:
             continuous_batching_config=args.transformers_continuous_batching_config,
             vllm={**vllm, "trust_remote_code": args.trust_remote_code},
             rollout_size=args.batch_size,
+            compile_step=getattr(args, "static_cache_compile", False),
         )
 
     def vllm_generation_kwargs(self, num_processes: int) -> dict[str, Any]:
@@ -1212,6 +1231,7 @@ def build_engine(
         return StaticCacheEngine(
             model,
             cuda_graph=settings.cuda_graph,
+            compile_step=settings.compile_step,
             keep_buffers=settings.keep_buffers,
             batch_size=settings.batch_size,
             tokenizer=tokenizer,
