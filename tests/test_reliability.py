@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -885,11 +886,26 @@ def test_a_skipped_step_does_not_delay_the_actors_warm_up(tiny_model_dir, tmp_pa
         warmup_steps=4,
         learning_rate=1e-3,
     )
+
+    class CountsSteps(TrainerCallback):  # the optimizer's callbacks at every step, a skipped one too (Trainer's)
+        calls = collections.Counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.calls["pre"] += 1
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.calls["step"] += 1
+
     trainer = PoisonedTrainer(
-        model=str(tiny_model_dir), reward_funcs=digit_fraction, args=args, train_dataset=prompts_dataset(32)
+        model=str(tiny_model_dir),
+        reward_funcs=digit_fraction,
+        args=args,
+        train_dataset=prompts_dataset(32),
+        callbacks=[CountsSteps()],
     )
     trainer.train()
     assert trainer.progress.skipped_steps == 1 and trainer.progress.rl_start_step == 2
+    assert CountsSteps.calls == {"pre": trainer.state.global_step, "step": trainer.state.global_step}
     rates = [h["learning_rate"] for h in trainer.state.log_history if h.get("phase") == "rl"]
     assert rates == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4])
     assert trainer.lr_scheduler.last_epoch == trainer.state.global_step

@@ -1699,7 +1699,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """No optimizer step this time (Adam's momentum and weight decay would move the weights even on zero
         gradients). DeepSpeed's engine must still close the step: NaN gradients make it skip the update and clear
         them itself. fp16's loss scaler closes its step too (its gradients were unscaled: `_clip_gradients`), at the
-        same scale: what is skipped here is no overflow of the scale's."""
+        same scale: what is skipped here is no overflow of the scale's. The callbacks' `on_pre_optimizer_step` and
+        `on_optimizer_step` are called as around a step taken: the Trainer calls them at every step (a callback that
+        counts optimizer steps counted fewer than `global_step`)."""
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
         if self.is_deepspeed_enabled:  # (offloaded gradients already settled: `_clip_gradients`, this step)
             for params in (self.actor_critic.policy_parameters(), self.actor_critic.critic_parameters()):
                 for fragment in deepspeed_local_gradients(params):
@@ -1708,6 +1711,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             self.model_wrapped.step()
         elif self.accelerator.scaler is not None:
             self.accelerator.scaler.update(self.accelerator.scaler.get_scale())
+        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
         self.progress.skipped_steps += 1
 
     def _skip_fp16_overflow(self, scaler) -> None:
