@@ -659,6 +659,22 @@ def test_the_captured_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, dty
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (none of this project's machines)")
+def test_a_model_on_another_gpu_than_the_current_one_is_captured_on_its_own(tiny_model_dir):
+    """The model on `cuda:1`, the current device `cuda:0` (a script that put its reward model there): the capture
+    was of device 0's stream, the step's kernels ran eagerly on device 1, and the empty graph was replayed (pads).
+    Not run yet: the GPU machines lent so far have one GPU."""
+    model, prompts, common, sampling = _on_cuda(tiny_model_dir, 8, 0, 32)
+    model = model.to("cuda:1")
+    eager = StaticCacheEngine(model, cuda_graph=False, **common).generate(prompts, sampling=sampling)
+    with torch.cuda.device(0):
+        engine = StaticCacheEngine(model, **common)
+        captured = engine.generate(prompts, sampling=sampling)
+    assert engine.state.graph is not None and not engine.state.capture_failed
+    assert torch.equal(captured.completion_ids, eager.completion_ids)
+
+
+@pytest.mark.cuda
 @needs_cuda
 def test_each_replay_draws_fresh_random_numbers_as_the_eager_step_does(tiny_model_dir):
     """Sampling at temperature 1 through the graph: the random numbers are the default CUDA generator's, which a

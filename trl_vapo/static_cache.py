@@ -191,7 +191,11 @@ class StaticCacheEngine(GenerationEngine):
     def _decode(self, model, prompt_ids, sampling, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled ids and their log-probs [N, steps run] (CPU): prefill (prompts left-padded to `width`), then
         decode steps until every row has stopped (read every `check_every` steps) or `max_new_tokens`."""
-        with _inference(model):
+        device = next(model.parameters()).device
+        # On the model's GPU: a capture (its side stream, `torch.cuda.graph`) is of the current device's stream, where
+        # a model on another GPU runs its kernels eagerly, and the empty graph captured would have been replayed.
+        on_its_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with _inference(model), on_its_gpu:
             state = self._state_for(model, prompt_ids, sampling, width)
             state.sample_and_record(state.prefill(model, prompt_ids, self.pad_token_id))
             capture = capture_key(model) if self.cuda_graph and state.tokens.device.type == "cuda" else None
