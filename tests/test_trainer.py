@@ -865,16 +865,25 @@ def test_a_log_holds_its_last_steps_gradient_norms_as_the_trainer_logs_them(tiny
 def test_the_saved_model_stops_where_training_stopped(tiny_model_dir, tmp_path):
     """The saved generation config named the model's EOS ids only: `generate()` or a pipeline on `output_dir` (the
     model card's quick start) ran past a stop token training's completions ended at (`generation_kwargs`' here; a
-    tokenizer's end of turn that the base model's config lacks), where `trl-vapo eval` stopped."""
+    tokenizer's end of turn that the base model's config lacks), where `trl-vapo eval` stopped. A model whose
+    published generation config sets `temperature` and `top_p` without `do_sample` (which transformers saves back
+    unchanged, with a warning) is saved too: the ids set made it "changed", validated strictly, and refused."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model_dir = tmp_path / "published"
+    shutil.copytree(tiny_model_dir, model_dir)
+    published = json.loads((model_dir / "generation_config.json").read_text())
+    published.pop("do_sample", None)
+    (model_dir / "generation_config.json").write_text(json.dumps({**published, "temperature": 0.6, "top_p": 0.9}))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     newline = tokenizer("\n", add_special_tokens=False).input_ids[0]
     assert newline != tokenizer.eos_token_id
     args = make_args(tmp_path, max_steps=1, generation_kwargs={"stop_token_ids": [newline]})
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer = VAPOTrainer(str(model_dir), digit_fraction, args, prompts_dataset())
     trainer.save_model(str(tmp_path / "saved"))
-    assert GenerationConfig.from_pretrained(tmp_path / "saved").eos_token_id == [tokenizer.eos_token_id, newline]
+    saved = GenerationConfig.from_pretrained(tmp_path / "saved")
+    assert saved.eos_token_id == [tokenizer.eos_token_id, newline]
+    assert (saved.temperature, saved.top_p, saved.pad_token_id) == (0.6, 0.9, tokenizer.pad_token_id)
 
 
 def test_a_token_in_the_loading_settings_is_never_written_or_logged(tmp_path):

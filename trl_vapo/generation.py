@@ -157,6 +157,21 @@ def _padded_rows(
     return out, torch.arange(width)[None, :] < lengths[:, None]
 
 
+def set_generation_ids(model: nn.Module, **ids: Any) -> None:
+    """Set token ids (`pad_token_id`, `eos_token_id`) on `model`'s generation config, keeping a config as loaded
+    savable: transformers validates a config changed since it was loaded strictly when saving, and refuses one whose
+    published flags it only warns about unchanged (`temperature` or `top_p` without `do_sample=True`), so the first
+    checkpoint of a run on such a model failed after its steps. The ids alone change nothing of that validation."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    as_loaded = getattr(config, "_original_object_hash", None) == hash(config)
+    for name, value in ids.items():
+        setattr(config, name, value)
+    if as_loaded:
+        config._original_object_hash = hash(config)
+
+
 def stop_token_ids(tokenizer, model: nn.Module | None = None, generation_kwargs: dict | None = None) -> list[int]:
     """The ids a completion stops at: the tokenizer's EOS, the model generation config's EOS ids (e.g. Qwen's
     `<|im_end|>` and `<|endoftext|>`), and any `eos_token_id` / `stop_token_ids` in `generation_kwargs`.

@@ -97,6 +97,7 @@ from .generation import (
     importance_sampling_metrics,
     read_rollout_func_output,
     sampling_seed,
+    set_generation_ids,
     stop_token_ids,
     warn_off_policy_sampling,
 )
@@ -371,8 +372,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
         # (Qwen2.5's config) warned and padded with EOS in a batched `generate()` after loading.
         policy.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-        if getattr(policy, "generation_config", None) is not None:
-            policy.generation_config.pad_token_id = tokenizer.pad_token_id
+        set_generation_ids(policy, pad_token_id=tokenizer.pad_token_id)
         adapter_given = is_peft_model(policy)  # a trained adapter, maybe: the base alone is not the initial policy
         # Of the initial policy as it computes: a new LoRA adapter (B is zero) computes as its base, and its random A,
         # drawn with the run's seed, would make a critic value-pretrained with another seed look like one for another
@@ -497,12 +497,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 func.device = self.accelerator.device
         self._stop_ids = stop_token_ids(tokenizer, policy, args.generation_kwargs)
         self.eos_token_ids = list(self._stop_ids)  # GRPOTrainer's name, for a rollout_func
-        if getattr(policy, "generation_config", None) is not None:
-            # The saved model stops where training's completions stopped (`generate()` or a pipeline on output_dir,
-            # as the model card runs it; `trl-vapo eval` stops there): its generation config named the model's EOS
-            # ids only, not a tokenizer's own (a chat model's end of turn) or `generation_kwargs`' stop tokens.
-            ids = self._stop_ids
-            policy.generation_config.eos_token_id = ids if len(ids) > 1 else ids[0]
+        # The saved model stops where training's completions stopped (`generate()` or a pipeline on output_dir, as
+        # the model card runs it; `trl-vapo eval` stops there): its generation config named the model's EOS ids
+        # only, not a tokenizer's own (a chat model's end of turn) or `generation_kwargs`' stop tokens.
+        ids = self._stop_ids
+        set_generation_ids(policy, eos_token_id=ids if len(ids) > 1 else ids[0])
         sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
         self.generation_engine = build_engine(
             engine_settings.placed(self.accelerator.device.type, sharded, actor_critic.policy),
