@@ -260,7 +260,8 @@ class LocalHub:
     """A stand-in for `huggingface_hub.HfApi` where the Hub cannot be reached (these machines): the two calls the
     Trainer makes, `create_repo` and `upload_folder`, with HfApi's own selection of a folder's files (its ignore
     patterns and defaults, `path_in_repo`), written to `root/<repo_id>/` when called; each upload recorded with its
-    commit message."""
+    commit message; `delete_patterns`, HfApi's selection of the repository's files under `path_in_repo`, those the
+    upload does not write removed."""
 
     def __init__(self, root):
         from huggingface_hub import HfApi
@@ -274,14 +275,33 @@ class LocalHub:
         (self.root / repo_id).mkdir(parents=True, exist_ok=True)
         return SimpleNamespace(repo_id=repo_id)
 
-    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, commit_message, ignore_patterns=None, **kw):
+    def upload_folder(
+        self,
+        *,
+        repo_id,
+        folder_path,
+        path_in_repo=None,
+        commit_message,
+        ignore_patterns=None,
+        delete_patterns=None,
+        **kw,
+    ):
         import shutil
         from concurrent.futures import Future
 
-        from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS
+        from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
         ignore = [*(ignore_patterns or []), *DEFAULT_IGNORE_PATTERNS]
         added = self.api._prepare_upload_folder_additions(folder_path, path_in_repo or "", ignore_patterns=ignore)
+        if delete_patterns:
+            under = self.root / repo_id / (path_in_repo or "")
+            present = (
+                [p.relative_to(under).as_posix() for p in under.rglob("*") if p.is_file()] if under.is_dir() else []
+            )
+            written = {operation.path_in_repo for operation in added}
+            for name in filter_repo_objects(present, allow_patterns=delete_patterns):
+                if (Path(path_in_repo or "") / name).as_posix() not in written and name != ".gitattributes":
+                    (under / name).unlink()
         for operation in added:
             target = self.root / repo_id / operation.path_in_repo
             target.parent.mkdir(parents=True, exist_ok=True)

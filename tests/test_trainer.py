@@ -2229,6 +2229,11 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     trainer.train()
     repo = tmp_path / "hub" / "me" / "vapo"
     assert 'model="me/vapo"' in (repo / "README.md").read_text()  # a card before save_model (GRPOTrainer's)
+    # The shards and index of an earlier push (a checkpoint's float32 weights, of another shard count than the final
+    # model's): left beside the final model.safetensors, vLLM loads what their index names.
+    stale = ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+    for name in stale:
+        (repo / name).write_text("{}")
     with trainer.holding_output_dir():  # as `trl-vapo train` saves: the run's lock is there
         assert (Path(args.output_dir) / ".vapo_run.lock").is_file()
         debris = Path(args.output_dir) / ".checkpoint-9.another-run.tmp"  # a checkpoint another run is writing
@@ -2248,6 +2253,13 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     root = {p.name for p in repo.iterdir()}
     assert not root & {"optimizer.pt", "scheduler.pt", "trainer_state.json", "vapo_state.json", ".vapo_run.lock"}
     assert not [name for name in root if name.startswith(("checkpoint-", "."))]  # nor the lock, nor the debris
+    assert not root & set(stale) and (repo / "last-checkpoint" / "model.safetensors").is_file()
+    # A file being written in the checkpoint as it is pushed (the marker's rewrite at an epoch's end): listed, then
+    # gone when read, it failed the upload.
+    checkpoint = Path(args.output_dir) / "checkpoint-2"
+    (checkpoint / ".vapo_state.json.tmp").write_text("{}")
+    trainer._push_from_checkpoint(str(checkpoint), always=True)
+    assert not list(repo.rglob(".vapo_state.json.tmp"))
 
     more = make_args(tmp_path / "resumed", max_steps=3, per_device_train_batch_size=8)
     resumed = VAPOTrainer(

@@ -93,6 +93,17 @@ TRAINING_STATE = [
     COMPLETE_MARKER,
 ]
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
+WEIGHT_FILES = [
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.*",
+]
+"""A model's weight files in the Hub repository's root, which each push there replaces (`delete_patterns`: those the
+push does not upload go): a checkpoint's, pushed while training, in its float32 training weights, may be shards of
+another count than the final model's, and their index, left beside the final `model.safetensors`, is what vLLM
+loads."""
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 """A PEFT adapter's files: a full model saved where an earlier save left them removes them, or `from_pretrained`
@@ -1012,6 +1023,7 @@ class SavingMixin:
             token=token,
             run_as_future=not blocking,
             ignore_patterns=["_*", f"{CHECKPOINT_PREFIX}-*", ".*"],
+            delete_patterns=WEIGHT_FILES,
             revision=revision if revision is not None else self.args.hub_revision,
         )
 
@@ -1188,7 +1200,11 @@ class SavingMixin:
         )
         jobs = [
             hf_api().upload_folder(
-                folder_path=checkpoint_folder, commit_message=message, ignore_patterns=TRAINING_STATE, **hub
+                folder_path=checkpoint_folder,
+                commit_message=message,
+                ignore_patterns=[*TRAINING_STATE, ".*"],
+                delete_patterns=WEIGHT_FILES,
+                **hub,
             )
         ]
         if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
@@ -1197,7 +1213,12 @@ class SavingMixin:
             )
             jobs.append(
                 hf_api().upload_folder(
-                    folder_path=checkpoint_folder, path_in_repo=name, commit_message=f"{message}, checkpoint", **hub
+                    folder_path=checkpoint_folder,
+                    path_in_repo=name,
+                    commit_message=f"{message}, checkpoint",
+                    # (the marker's rewrite at an epoch's end, `.vapo_state.json.tmp`, gone by the time it is read)
+                    ignore_patterns=[".*"],
+                    **hub,
                 )
             )
         if self.push_in_progress is None or self.push_in_progress.is_done():
