@@ -93,7 +93,9 @@ def test_the_models_own_sampling_settings_are_said_as_the_engine_applies_them(
     assert "The model's generation_config sets min_p=0.05, which generate() applies and vLLM does not" in said["vllm"]
 
 
-def test_vllm_engine_gets_the_policy_once_per_step_and_the_loss_is_corrected(tiny_model_dir, tmp_path, stand_in_vllm):
+def test_vllm_engine_gets_the_policy_once_per_step_and_its_rollouts_carry_the_correction(
+    tiny_model_dir, tmp_path, stand_in_vllm
+):
     # Two optimizer steps per rollout, three rollouts: the policy changes between rollouts, so every rollout but the
     # first (value pretraining's frozen policy) samples from freshly pushed weights.
     args = make_args(

@@ -830,11 +830,28 @@ def test_micro_batches_hold_rows_of_similar_lengths_in_the_steps_and_the_scoring
         tmp_path, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=4,
         generation_kwargs=stop_on_common_characters(tiny_model_dir),
     )  # fmt: skip
-    VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset()).train()
+    sorted_run = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    sorted_run.train()
     assert len(steps) == 8 and len(scored) == 8  # per rollout: 4 micro-batches of 4 rows, in each pass
     for batches in (steps[:4], steps[4:], scored[:4], scored[4:]):
         lengths = [n for batch in batches for n in batch]
         assert lengths == sorted(lengths) and len(set(lengths)) > 1, lengths
+    # The same run in the rows' own order: the same losses, values and weights (up to float sums' order).
+    import trl_vapo.trainer
+
+    for module in (modeling, trl_vapo.trainer):
+        monkeypatch.setattr(module, "length_sorted", lambda rows, lengths: rows)
+    same = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "generation_kwargs")
+    unsorted_args = make_args(tmp_path / "unsorted", **{name: getattr(args, name) for name in same})
+    unsorted_run = VAPOTrainer(str(tiny_model_dir), digit_fraction, unsorted_args, prompts_dataset())
+    unsorted_run.train()
+    for ours, theirs in zip(rl_logs(sorted_run), rl_logs(unsorted_run), strict=True):
+        for key in ("loss", "loss/value", "value/mean", "advantages/mean"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    for (name, ours), theirs in zip(
+        sorted_run.actor_critic.named_parameters(), unsorted_run.actor_critic.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6, msg=name)
 
 
 class NormRecordingTrainer(VAPOTrainer):
@@ -1235,7 +1252,7 @@ def test_the_base_weights_digest_leaves_every_adapter_out_and_tells_bases_apart(
         for name, param in wrapped.named_parameters():
             if "lora_B" in name:
                 param.fill_(0.3)  # trained
-    assert policy_fingerprints(wrapped) == (policy_fingerprints(wrapped)[0], digest)
+    assert policy_fingerprints(wrapped)[1] == digest
     assert policy_fingerprints(wrapped)[0] != policy  # the policy's digest takes its adapter in (not the critic's)
 
     other = copy.deepcopy(base)
@@ -1247,16 +1264,31 @@ def test_the_base_weights_digest_leaves_every_adapter_out_and_tells_bases_apart(
     assert policy_fingerprints(rounded.float())[1] == policy_fingerprints(rounded)[1]
 
 
-def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reaches_the_loss(tiny_model_dir, tmp_path):
+def test_an_entropy_bonus_moves_the_policys_step_not_the_critics_and_delta_reaches_the_loss(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """GRPOConfig's static `entropy_coef`: from the same rollout, the policy steps elsewhere with the bonus than
     without it, the critic the same; `loss/entropy_bonus` is logged, and GRPOTrainer's `policy_loss` and
-    `entropy_coef`. `delta` reaches the policy loss's settings."""
+    `entropy_coef`. `delta` reaches the policy loss (each of the step's calls of `vapo_loss`: with one pass over an
+    on-policy rollout the ratio is 1, which no cap changes, so the step cannot show it)."""
+    import trl_vapo.trainer
+
+    deltas = []
+    loss = trl_vapo.trainer.vapo_loss
+
+    def recording(logprobs, *args, **settings):
+        if logprobs is not None:  # the policy's (the critic's pass in the scoring pass gets none)
+            deltas.append(settings.get("delta"))
+        return loss(logprobs, *args, **settings)
+
+    monkeypatch.setattr(trl_vapo.trainer, "vapo_loss", recording)
     trained = {}
     for coef in (0.0, 0.5):
         args = make_args(tmp_path / str(coef), max_steps=1, num_iterations=1, entropy_coef=coef, delta=4.0)
         trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
-        assert trainer._loss_settings(RL, torch.ones(2, 3), torch.ones(2, dtype=torch.bool))["delta"] == 4.0
+        deltas.clear()
         trainer.train()
+        assert deltas and set(deltas) == {4.0}
         assert any("loss/entropy_bonus" in h for h in trainer.state.log_history) == (coef > 0)
         logged = [h for h in trainer.state.log_history if "loss/policy" in h]
         assert logged and [(h.get("policy_loss"), h.get("entropy_coef")) for h in logged] == [
