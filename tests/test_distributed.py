@@ -697,6 +697,57 @@ def test_zero3_weights_are_gathered_for_saving_one_module_at_a_time(tiny_model_d
     assert all(len({owners[id(p)] for p in params}) <= 1 for params in gathered)
 
 
+def test_a_lora_policys_frozen_base_is_not_gathered_for_saving(tiny_model_dir, tmp_path, monkeypatch):
+    """Under ZeRO-3 a save gathered the whole model onto the main process, the LoRA policy's frozen base too (a 70B
+    base: 140 GB at every checkpoint), to write its adapters: the weights no save writes are not gathered, and the
+    policy, its critic and their value head are written as from the whole weights (the embeddings kept: peft writes
+    them with an adapter that targets them, modules_to_save's copies train). One CPU process, as above."""
+    import deepspeed
+    from helpers import digit_fraction, make_args, peft_actor_critic, prompts_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from trl_vapo import VAPOTrainer
+    from trl_vapo.distributed import zero3_full_state_dict
+    from trl_vapo.modeling import ActorCritic
+
+    model = peft_actor_critic(tiny_model_dir, modules_to_save=["lm_head"])
+    unsaved = model.weights_not_saved()
+    gathered, gather = [], deepspeed.zero.GatheredParameters
+
+    def recording(params, *args, **kwargs):
+        gathered.extend(params)
+        return gather(params, *args, **kwargs)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recording)
+    state = zero3_full_state_dict(model, main=True, skip=unsaved)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert unsaved and not {names[id(p)] for p in gathered} & unsaved
+    assert sum(p.numel() for p in gathered) < 0.5 * sum(p.numel() for p in model.parameters())
+    assert any("embed_tokens" in names[id(p)] for p in gathered)
+    for layout, weights in (("gathered", state), ("whole", model.state_dict())):
+        model.save_policy(tmp_path / layout, weights)
+        model.save_critic(tmp_path / layout / "critic", weights)
+    for saved in ("adapter_model.safetensors", "critic/adapter_model.safetensors", "critic/value_head.safetensors"):
+        ours, whole = load_file(tmp_path / "gathered" / saved), load_file(tmp_path / "whole" / saved)
+        assert ours.keys() == whole.keys() and all(torch.equal(ours[k], whole[k]) for k in whole), saved
+    # The trainer's saves leave them out (here, on one process, nothing is gathered: the skip is what is passed).
+    import trl_vapo.checkpoint
+
+    skips = []
+    monkeypatch.setattr(
+        trl_vapo.checkpoint, "gathered_state_dict", lambda model, accelerator, skip: skips.append(skip)
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    args = make_args(tmp_path / "run", max_steps=1)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), peft_config=lora)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert skips == [trainer.actor_critic.weights_not_saved()] and skips[0]
+    whole_policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # full fine-tuning: every weight is written
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    assert ActorCritic(whole_policy, critic=critic).weights_not_saved() == set()
+
+
 def test_a_deepspeed_configs_auto_values_follow_a_field_set_after_the_config_was_built(tmp_path):
     """transformers fills a DeepSpeed config's "auto" values as the config is built: a gradient_accumulation_steps set
     after it (as TrainingArguments are set) left DeepSpeed accumulating over the old value, and VAPO over the new one;

@@ -1032,7 +1032,8 @@ class SavingMixin:
         """Under ZeRO-3 and FSDP2 each rank holds a shard of every weight: gather them for saving (a collective:
         every rank enters, the main process writes). Yields the gathered state dict on the main process, else None
         (the parameters themselves are whole, or another process writes)."""
-        yield gathered_state_dict(self.model_wrapped, self.accelerator)
+        unsaved = self.actor_critic.weights_not_saved()  # (not gathered: a LoRA policy's frozen base)
+        yield gathered_state_dict(self.model_wrapped, self.accelerator, skip=unsaved)
 
     def _write_models(
         self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None, as_loaded: bool = False

@@ -33,7 +33,7 @@ import math
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -433,9 +433,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def zero3_full_state_dict(model: nn.Module, main: bool) -> dict[str, torch.Tensor] | None:
+def zero3_full_state_dict(model: nn.Module, main: bool, skip: Collection[str] = ()) -> dict[str, torch.Tensor] | None:
     """The whole weights (and persistent buffers) of a ZeRO-3 partitioned ``model`` on the main process, on the CPU,
-    keyed as ``model.state_dict()``; None elsewhere. A collective: every rank calls it.
+    keyed as ``model.state_dict()``, but the weights named in ``skip`` (which no save writes: a LoRA policy's frozen
+    base, gathered whole onto the main process's memory at every checkpoint); None elsewhere. A collective: every
+    rank calls it.
 
     Gathered one module at a time, as transformers saves a ZeRO-3 model: gathering every parameter at once puts the
     whole model on every GPU, which is what ZeRO-3 was chosen to avoid (the first checkpoint would run out of
@@ -446,7 +448,7 @@ def zero3_full_state_dict(model: nn.Module, main: bool) -> dict[str, torch.Tenso
     state: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        params = list(module.named_parameters(recurse=False))
+        params = [(name, p) for name, p in module.named_parameters(recurse=False) if prefix + name not in skip]
         with deepspeed.zero.GatheredParameters([p for _, p in params]):  # read only: no modifier rank
             if main:
                 state.update({prefix + name: p.detach().cpu().clone() for name, p in params})
@@ -457,14 +459,16 @@ def zero3_full_state_dict(model: nn.Module, main: bool) -> dict[str, torch.Tenso
     return state if main else None
 
 
-def gathered_state_dict(model: nn.Module | None, accelerator) -> dict[str, torch.Tensor] | None:
+def gathered_state_dict(
+    model: nn.Module | None, accelerator, skip: Collection[str] = ()
+) -> dict[str, torch.Tensor] | None:
     """The whole weights of a model that ZeRO-3 partitions or FSDP2 shards (a DeepSpeed engine or accelerate's
     wrapper too), gathered on the main process's CPU, keyed as its own ``state_dict()`` (another process gets None or
-    an empty dict); None for a model that is whole, whose parameters read as they are. A collective: every rank
-    calls it."""
+    an empty dict); None for a model that is whole, whose parameters read as they are. Under ZeRO-3, the weights
+    named in ``skip`` are left out (not gathered). A collective: every rank calls it."""
     inner = accelerator.unwrap_model(model) if model is not None else None  # DeepSpeed's engine: its `module`
     if inner is not None and is_zero3_partitioned(inner):
-        return zero3_full_state_dict(inner, accelerator.is_main_process)
+        return zero3_full_state_dict(inner, accelerator.is_main_process, skip)
     return full_state_dict(inner)
 
 

@@ -1033,6 +1033,25 @@ class ActorCritic(nn.Module):
         else:
             _load_safetensors_into(self.critic, directory)
 
+    def weights_not_saved(self) -> set[str]:
+        """The weights (named as in `state_dict()`) that no save writes: a PEFT policy's frozen base, but its
+        embeddings (peft writes them with an adapter that targets or resized them). Its adapters, the value head
+        and a separate critic are written; under ZeRO-3 a save gathers the rest only (the whole base, onto the main
+        process's memory, at every checkpoint: a 70B base, 140 GB)."""
+        if not is_peft_model(self.policy):
+            return set()
+        embeddings = {
+            id(p)
+            for layer in (self.policy.get_input_embeddings(), self.policy.get_output_embeddings())
+            if layer is not None
+            for p in layer.parameters()
+        }
+        return {
+            f"policy.{name}"
+            for name, p in self.policy.named_parameters()
+            if not p.requires_grad and id(p) not in embeddings
+        }
+
     def save_policy(
         self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None, as_loaded: bool = False
     ) -> None:
