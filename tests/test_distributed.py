@@ -444,6 +444,55 @@ def test_an_fsdp2_frozen_model_is_resharded_after_each_forward(tiny_model_dir, t
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["SHARDED"]
 
 
+FSDP2_LORA_WEIGHTS_GATHERED = """
+import json, sys, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from helpers import peft_actor_critic
+from trl_vapo.distributed import fsdp2_state_dict_without, full_state_dict
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+model = peft_actor_critic(sys.argv[1])
+model.value_head.register_buffer("kept", torch.arange(3.0))
+model.value_head.register_buffer("scratch", torch.ones(2), persistent=False)
+whole, skip = {k: v.clone() for k, v in model.state_dict().items()}, model.weights_not_saved()
+mesh = init_device_mesh("cpu", (1,))
+for layer in model.policy.base_model.model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+gathered, full_tensor = [], DTensor.full_tensor
+DTensor.full_tensor = lambda self, *a, **k: gathered.append(self.numel()) or full_tensor(self, *a, **k)
+state = full_state_dict(model, True, skip)
+DTensor.full_tensor = full_tensor
+everything = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+ours = fsdp2_state_dict_without(model, True, ())
+embeddings, head = "policy.base_model.model.model.embed_tokens.weight", "policy.base_model.model.lm_head.weight"
+apart = lambda a, b: a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+print(json.dumps({
+    "kept": sorted(state) == sorted(set(whole) - skip) and all(torch.equal(state[k], whole[k]) for k in state),
+    "tied, apart": torch.equal(state[embeddings], state[head]) and apart(state[embeddings], state[head]),
+    "share gathered": round(sum(gathered) / sum(p.numel() for p in model.parameters()), 2),
+    "as torch's": sorted(ours) == sorted(everything) and all(torch.equal(ours[k], everything[k]) for k in ours),
+}))
+dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp2_save_gathers_only_the_weights_it_writes(tiny_model_dir, tmp_path):
+    """As under ZeRO-3 (`test_a_lora_policys_frozen_base_is_not_gathered_for_saving`): FSDP2's full state dict
+    gathered a LoRA policy's frozen base onto the main process at every save. Gathered one tensor at a time, the
+    rest is what torch's `get_model_state_dict` gives (tied weights under both names, each a copy; the persistent
+    buffers), the same values as the unsharded model's. One process of gloo on the CPU."""
+    proc = run_code(FSDP2_LORA_WEIGHTS_GATHERED, str(tiny_model_dir), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result.pop("share gathered") < 0.5
+    assert result == {"kept": True, "tied, apart": True, "as torch's": True}
+
+
 FSDP2_FRESH_OPTIMIZER_SAVED = """
 import json, sys, tempfile
 import torch, torch.distributed as dist

@@ -416,8 +416,9 @@ def is_zero3_partitioned(model: nn.Module) -> bool:
     return any(hasattr(param, "ds_id") for param in model.parameters())
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full (unsharded) weights of an FSDP2 model on the main process, on the CPU; None when not sharded.
+def full_state_dict(model: nn.Module, main: bool = True, skip: Collection[str] = ()) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) weights of an FSDP2 model on the main process, on the CPU (another process gets an empty
+    dict), but the weights named in ``skip`` (not gathered: `zero3_full_state_dict`'s); None when not sharded.
 
     A collective: every rank calls it. Reading unsharded parameters directly does not work under FSDP2: its
     ``state_dict`` hooks reshard them first.
@@ -428,9 +429,41 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
         return None
     if not isinstance(model, FSDPModule):
         return None
+    if skip:
+        return fsdp2_state_dict_without(model, main, skip)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def fsdp2_state_dict_without(model: nn.Module, main: bool, skip: Collection[str]) -> dict[str, torch.Tensor]:
+    """`full_state_dict` of an FSDP2 model but the weights in ``skip``, gathered one tensor at a time from its own
+    ``state_dict`` (whose hooks reshard it first: shards, no communication): torch's `get_model_state_dict` gathers
+    every weight, and its `ignore_frozen_params` drops the frozen embeddings a LoRA adapter may be saved with. A
+    weight tied under two names (the LM head and the embeddings) is gathered once, by every rank alike (the ranks'
+    gathers must pair up), and held under each name as a copy of its own, as torch's function gives it."""
+    from torch.distributed.tensor import DTensor
+
+    state: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}  # each tied weight's first name
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():  # (persistent buffers only, as torch's)
+            name = _state_dict_name(name)
+            if name in skip:
+                continue
+            if id(value) in first:
+                if main:
+                    state[name] = state[first[id(value)]].clone()
+                continue
+            first[id(value)] = name
+            whole = value
+            if isinstance(value, DTensor):
+                if value.device.type != value.device_mesh.device_type:  # offloaded to the host: gathered on the mesh
+                    whole = value.to(value.device_mesh.device_type)
+                whole = whole.full_tensor()  # a collective
+            if main:
+                state[name] = whole.detach().to("cpu", copy=True)  # (a copy: on the CPU, `to` would alias it)
+    return state if main else {}
 
 
 def zero3_full_state_dict(model: nn.Module, main: bool, skip: Collection[str] = ()) -> dict[str, torch.Tensor] | None:
@@ -464,12 +497,12 @@ def gathered_state_dict(
 ) -> dict[str, torch.Tensor] | None:
     """The whole weights of a model that ZeRO-3 partitions or FSDP2 shards (a DeepSpeed engine or accelerate's
     wrapper too), gathered on the main process's CPU, keyed as its own ``state_dict()`` (another process gets None or
-    an empty dict); None for a model that is whole, whose parameters read as they are. Under ZeRO-3, the weights
-    named in ``skip`` are left out (not gathered). A collective: every rank calls it."""
+    an empty dict); None for a model that is whole, whose parameters read as they are. The weights named in ``skip``
+    are left out (not gathered). A collective: every rank calls it."""
     inner = accelerator.unwrap_model(model) if model is not None else None  # DeepSpeed's engine: its `module`
     if inner is not None and is_zero3_partitioned(inner):
         return zero3_full_state_dict(inner, accelerator.is_main_process, skip)
-    return full_state_dict(inner)
+    return full_state_dict(inner, accelerator.is_main_process, skip)
 
 
 def placed_state_dict(model: nn.Module, accelerator) -> dict[str, torch.Tensor] | None:

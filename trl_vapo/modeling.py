@@ -1036,8 +1036,8 @@ class ActorCritic(nn.Module):
     def weights_not_saved(self) -> set[str]:
         """The weights (named as in `state_dict()`) that no save writes: a PEFT policy's frozen base, but its
         embeddings (peft writes them with an adapter that targets or resized them). Its adapters, the value head
-        and a separate critic are written; under ZeRO-3 a save gathers the rest only (the whole base, onto the main
-        process's memory, at every checkpoint: a 70B base, 140 GB)."""
+        and a separate critic are written; under ZeRO-3 and FSDP2 a save gathers the rest only (the whole base, onto
+        the main process's memory, at every checkpoint: a 70B base, 140 GB)."""
         if not is_peft_model(self.policy):
             return set()
         embeddings = {
