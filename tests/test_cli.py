@@ -886,7 +886,7 @@ BAD_INPUT = [
     (["--model_name_or_path", "pickled"], "has pickled weights only (`pytorch_model.bin`) and you trust them, pass"),
     (["--model_name_or_path", "untokenized"], "--model_name_or_path untokenized: its tokenizer does not load: "),
     # An optimizer whose package is missing (not in the locked set): a traceback when train() built it.
-    (["--optim", "adamw_torch_4bit"], "optim='adamw_torch_4bit' cannot be built here: You need to have `torchao"),
+    (["--optim", "stable_adamw"], "optim='stable_adamw' cannot be built here: You need to install `torch-optimi`"),
     # A skipped step's NaN gradients, which ZeRO-1/2 no longer found, stepped into the weights.
     (
         ["--bf16", "true", "--use_cpu", "true", "--deepspeed"]

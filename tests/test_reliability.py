@@ -268,6 +268,7 @@ def test_batch_not_divisible_by_num_generations_lists_valid_values(tmp_path):
         ({"optim": "adalomo"}, "optim='adalomo' is not supported.*inside the backward"),
         ({"optim": "galore_adamw_layerwise"}, "optim='galore_adamw_layerwise' is not supported"),
         ({"optim": "apollo_adamw"}, "optim='apollo_adamw' is not supported"),
+        ({"optim": "adamw_torch_8bit"}, "optim='adamw_torch_8bit' is not supported.*rates as tensors"),  # torchao
         # Accepted before, and a silent no-op or a wrong run.
         ({"drop_long_prompts": True}, "drop_long_prompts=True .* max_prompt_length, which is unset"),
         (  # every evaluation reward 0 (a group of 1 standardised), while accuracy read right

@@ -212,6 +212,23 @@ def test_an_8bit_bitsandbytes_optimizer_keeps_the_embeddings_state_in_32_bits(ti
         assert any(m is embedding and (name, bits) == ("weight", {"optim_bits": 32}) for m, name, bits in overrides)
 
 
+def test_an_optimizer_whose_rate_has_no_default_is_built_with_each_sides_rate(tiny_model_dir, tmp_path, monkeypatch):
+    """transformers' `optim="stable_adamw"` (torch-optimi, not installed here: a stand-in with its signature, `lr`
+    without a default) failed as `train()` built it: the default rate was taken out of its arguments. Each side's
+    group sets its own rate over it."""
+
+    class NoDefaultRate(torch.optim.AdamW):
+        def __init__(self, params, lr, **kwargs):
+            super().__init__(params, lr=lr, **kwargs)
+
+    args = make_args(tmp_path, learning_rate=1e-3, critic_learning_rate=3e-3)
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args=args, train_dataset=prompts_dataset())
+    built = trainer.get_optimizer_cls_and_kwargs(args, trainer.actor_critic)[1]
+    monkeypatch.setattr(trainer, "get_optimizer_cls_and_kwargs", lambda *a: (NoDefaultRate, dict(built)))
+    optimizer = trainer.create_optimizer()
+    assert {group["name"]: group["lr"] for group in optimizer.param_groups} == {"policy": 1e-3, "critic": 3e-3}
+
+
 def test_data_seed_zero_orders_the_prompts(tiny_model_dir, tmp_path):
     """`data_seed=0` is a seed (`data_seed or seed` took the run's seed instead): the prompts' order is data_seed's."""
     orders = []

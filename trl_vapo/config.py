@@ -31,6 +31,11 @@ _OPTIMIZERS_REFUSED = (
     ("lomo", "LOMO and AdaLomo update the weights inside the backward pass"),
     ("galore", _OWN_GROUPS),
     ("apollo", _OWN_GROUPS),
+    # torchao's low-bit AdamW holds each group's rate as a tensor, which the step checks: the policy's and the
+    # critic's groups carry their rates as numbers (the first step raised, or, where torchao makes them tensors, the
+    # logged rates were tensors and the first checkpoint's trainer_state.json could not be written).
+    ("adamw_torch_4bit", "torchao's low-bit AdamW needs its rates as tensors; use adamw_8bit (bitsandbytes)"),
+    ("adamw_torch_8bit", "torchao's low-bit AdamW needs its rates as tensors; use adamw_8bit (bitsandbytes)"),
 )
 
 

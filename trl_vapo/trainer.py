@@ -587,8 +587,8 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             groups = parameter_groups(
                 self.actor_critic, decay, args.learning_rate, args.critic_learning_rate, args.weight_decay
             )
+            # (its `lr` kept as the default: each group sets its own, and optimi's StableAdamW has no default rate)
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(args, self.actor_critic)
-            optimizer_kwargs.pop("lr", None)
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
             if "bitsandbytes" in str(optimizer_cls) and optimizer_kwargs.get("optim_bits") == 8:
                 # As transformers' `create_optimizer`: the embeddings' Adam state stays 32-bit (8-bit state there
