@@ -2280,7 +2280,7 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     assert 'model="me/vapo"' in (repo / "README.md").read_text()  # a card before save_model (GRPOTrainer's)
     # The shards and index of an earlier push (a checkpoint's float32 weights, of another shard count than the final
     # model's): left beside the final model.safetensors, vLLM loads what their index names.
-    stale = ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+    stale = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "critic/model.safetensors.index.json"]
     for name in stale:
         (repo / name).write_text("{}")
     with trainer.holding_output_dir():  # as `trl-vapo train` saves: the run's lock is there
@@ -2302,7 +2302,8 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     root = {p.name for p in repo.iterdir()}
     assert not root & {"optimizer.pt", "scheduler.pt", "trainer_state.json", "vapo_state.json", ".vapo_run.lock"}
     assert not [name for name in root if name.startswith(("checkpoint-", "."))]  # nor the lock, nor the debris
-    assert not root & set(stale) and (repo / "last-checkpoint" / "model.safetensors").is_file()
+    assert not [name for name in stale if (repo / name).exists()]
+    assert (repo / "last-checkpoint" / "model.safetensors").is_file()
     # A file being written in the checkpoint as it is pushed (the marker's rewrite at an epoch's end): listed, then
     # gone when read, it failed the upload.
     checkpoint = Path(args.output_dir) / "checkpoint-2"

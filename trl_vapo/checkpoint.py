@@ -93,17 +93,6 @@ TRAINING_STATE = [
     COMPLETE_MARKER,
 ]
 TRAINING_STATE += [f"{DEEPSPEED_CHECKPOINT_TAG}/*", "latest", "zero_to_fp32.py"]  # ZeRO's state and its pointers
-WEIGHT_FILES = [
-    "model*.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model*.bin",
-    "pytorch_model.bin.index.json",
-    "adapter_model.*",
-]
-"""A model's weight files in the Hub repository's root, which each push there replaces (`delete_patterns`: those the
-push does not upload go): a checkpoint's, pushed while training, in its float32 training weights, may be shards of
-another count than the final model's, and their index, left beside the final `model.safetensors`, is what vLLM
-loads."""
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 """A PEFT adapter's files: a full model saved where an earlier save left them removes them, or `from_pretrained`
@@ -116,6 +105,13 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 """A full model's weights as `save_pretrained` writes them, sharded or not (glob patterns)."""
+HUB_WEIGHT_FILES = [
+    f"{folder}{name}" for folder in ("", f"{CRITIC_SUBFOLDER}/") for name in (*WEIGHT_FILES, "adapter_model.*")
+]
+"""The policy's and the critic's weight files in the Hub repository's root, which each push there replaces
+(`delete_patterns`: those the push does not upload go): a checkpoint's, pushed while training, in its float32
+training weights, may be shards of another count than the final model's, and their index, left beside the final
+`model.safetensors`, is what vLLM loads."""
 
 
 def remove_debris(
@@ -1023,7 +1019,7 @@ class SavingMixin:
             token=token,
             run_as_future=not blocking,
             ignore_patterns=["_*", f"{CHECKPOINT_PREFIX}-*", ".*"],
-            delete_patterns=WEIGHT_FILES,
+            delete_patterns=HUB_WEIGHT_FILES,
             revision=revision if revision is not None else self.args.hub_revision,
         )
 
@@ -1204,7 +1200,7 @@ class SavingMixin:
                 folder_path=checkpoint_folder,
                 commit_message=message,
                 ignore_patterns=[*TRAINING_STATE, ".*"],
-                delete_patterns=WEIGHT_FILES,
+                delete_patterns=HUB_WEIGHT_FILES,
                 **hub,
             )
         ]
