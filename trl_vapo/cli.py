@@ -402,17 +402,23 @@ PEFT_FLAGS = (
 """TRL's `ModelConfig` fields that shape the LoRA adapter, which `get_peft_config` reads only with `use_peft`."""
 
 
-def _check_peft_flags(argv: list[str], use_peft: bool) -> None:
-    """LoRA's settings without `--use_peft` refused: the run fine-tuned every weight (a float32 copy of the whole
-    model as the critic's too, at a rate meant for an adapter), as `trl grpo` does, silently."""
-    if use_peft:
-        return
+def _check_peft_flags(argv: list[str], model_args) -> None:
+    """LoRA's settings (other than their defaults) without `--use_peft` refused: the run fine-tuned every weight (a
+    float32 copy of the whole model as the critic's too, at a rate meant for an adapter), as `trl grpo` does,
+    silently. `--use_peft false` said outright keeps them unused (a saved adapter as the model trains as it is)."""
+    from trl import ModelConfig
+
     flags, config = _given(argv)
-    given = [f"--{name}" for name in PEFT_FLAGS if name in flags or name in (config or {})]
-    if given:
+    given = {**(config or {}), **flags}
+    if model_args.use_peft or "use_peft" in given:
+        return
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    shaping = [f"--{name}" for name in PEFT_FLAGS if name in given and getattr(model_args, name) != defaults[name]]
+    if shaping:
         raise UsageError(
-            f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} a LoRA adapter, and --use_peft is not set: "
-            "the run would fine-tune every weight of the model. Add --use_peft true (`use_peft: true`), or drop them"
+            f"{', '.join(shaping)} shape{'s' if len(shaping) == 1 else ''} a LoRA adapter, and --use_peft is not "
+            "set: the run would fine-tune every weight of the model. Add --use_peft true (`use_peft: true`), or "
+            "--use_peft false to leave them unused (a saved adapter as --model_name_or_path trains as it is)"
         )
 
 
@@ -746,7 +752,7 @@ def train_command(argv: list[str]) -> int:
     mixed = mixture is not None and bool(mixture.datasets)
     _check_held_out_report(script_args, demo, _given(argv)[0])
     _check_data_flags(script_args, mixture)
-    _check_peft_flags(argv, model_args.use_peft)
+    _check_peft_flags(argv, model_args)
     if training_args.use_vllm and training_args.vllm_mode == "colocate" and script_args.eval_num_prompts:
         from .generation import colocated_vllm_seed_problem  # (the config checks the training groups' copies)
 
