@@ -648,7 +648,8 @@ def test_batch_with_hangs_keeps_order_and_repeats_are_not_retried():
 def test_an_overrun_of_a_stalled_machine_is_verified_again():
     # One overrun may be a stall of the machine, not the answer's doing: a stopped worker (SIGSTOP) stands for one.
     # An overrun pair was scored -1 for the rest of the run, right answers too; and a gold whose probe against 0
-    # overran once (the second stopped worker takes it) was unusable for good: None for every completion.
+    # overran (the second stopped worker takes it) was unusable for good: None for every completion, after a stall
+    # as long as the pair's deadline and the probes after it.
     fn = make_math_reward(timeout=1.0, memory_limit_mb=3000, name="stalled_reward")  # (a pool of its own)
     pool = fn.pool
     try:
@@ -666,14 +667,18 @@ def test_an_overrun_of_a_stalled_machine_is_verified_again():
 def test_a_gold_that_overruns_every_comparison_scores_nothing(caplog):
     # A gold math-verify evaluates in every comparison made each of its predictions cost a deadline and a worker
     # restart, and scored the right ones -1. A gold that overruns only against some predictions (a power tower the
-    # policy wrote) compares with 0 in time and stays usable.
+    # policy wrote) compares with 0 in time and stays usable. Unusable once it has overrun against 0 in STRIKES calls
+    # (one overrun alone may be a stall of the machine): until then its rows score as overruns, -1.
     fn = make_math_reward(timeout=1.0, name="overrunning_gold_reward")
     fn.pool.warm_up()
     tower = "9^{9^{9^{9}}}"
     completions = [r"\boxed{42}", rf"\boxed{{{tower}}}", HANGS["power-tower-9"], r"\boxed{7}"]
+    golds = [tower, tower, "x^2+7x", "7"]
+    for _ in range(STRIKES - 1):  # (row 1: the gold's own text, the same string)
+        assert fn(completions=completions, answer=golds) == [-1.0, 1.0, -1.0, 1.0]
     with caplog.at_level(logging.WARNING, logger="trl_vapo.rewards.functions"):
-        # This call's rows of the gold too: the right answer (row 1), compared by its text alone, would be +1.
-        assert fn(completions=completions, answer=[tower, tower, "x^2+7x", "7"]) == [None, None, -1.0, 1.0]
+        # That call's rows of the gold too: the right answer (row 1), compared by its text alone, would be +1.
+        assert fn(completions=[r"\boxed{41}", *completions[1:]], answer=golds) == [None, None, -1.0, 1.0]
     assert "cannot compare the gold answer '9^{9^{9^{9}}}' with 0 within the 1 s deadline" in caplog.text
     timeouts = fn.pool.stats["timeouts"]
     start = time.monotonic()

@@ -101,14 +101,22 @@ class MathReward:
         self._warned_golds: set[str] = set()
         # Whether math-verify could parse a gold answer: skips a worker round trip for unanswered completions.
         self._gold_parses: OrderedDict[str, bool] = OrderedDict()
-        self._timed_out: OrderedDict[tuple[str, str | None], bool] = OrderedDict()
+        self._timed_out: OrderedDict[tuple[str, str | None], int] = OrderedDict()  # a pair's overruns
         # Golds that compared with a plain number within the deadline: their overruns are the predictions' doing.
         self._gold_compares: OrderedDict[str, bool] = OrderedDict()
+        self._gold_probe_overruns: OrderedDict[str, int] = OrderedDict()  # a gold's overruns against 0, by call
         self._overrunning_golds: set[str] = set()  # golds judged unusable for overrunning (their warning differs)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for name in ("_warned_golds", "_gold_parses", "_timed_out", "_gold_compares", "_overrunning_golds"):
+        for name in (
+            "_warned_golds",
+            "_gold_parses",
+            "_timed_out",
+            "_gold_compares",
+            "_gold_probe_overruns",
+            "_overrunning_golds",
+        ):
             del state[name]
         return state
 
@@ -159,10 +167,11 @@ class MathReward:
         verified again (a policy that found a power tower tends to repeat it, and each retry costs a full deadline and
         a worker restart), while one overrun alone (a stall of a loaded machine) is verified again at its next call.
 
-        A gold whose comparison overruns is compared with ``0``, a second time at once if that overruns too: a gold
-        that overruns both (``9^{9^{9^{9}}}``, ``(10^{10})!``: math-verify evaluates it in every comparison) is
-        unusable like a gold that does not parse, ``None`` from then on, this call's rows included; otherwise each of
-        its predictions would cost a deadline and a worker restart and score ``False``, correct ones too.
+        A gold whose comparison overruns is compared with ``0``: a gold that overruns that in ``STRIKES`` calls
+        (``9^{9^{9^{9}}}``, ``(10^{10})!``: math-verify evaluates it in every comparison) is unusable like a gold that
+        does not parse, ``None`` from then on, that call's rows included; otherwise each of its predictions would cost
+        a deadline and a worker restart and score ``False``, correct ones too. (In separate calls: a stall of the
+        machine long enough to cover a pair's overrun and the probes after it would have made a gold unusable.)
         """
         return self._score(gold_answers, predicted_answers)[0]
 
@@ -210,19 +219,23 @@ class MathReward:
         return verdicts, timeouts
 
     def _golds_that_overrun(self, golds: set[str]) -> list[str]:
-        """Of golds whose comparison just overran, those that overrun against ``0`` in ``STRIKES`` tries one after
-        the other (see :meth:`verdicts`); a gold that compared in time is not tried again, a plain number never
-        (:func:`fast_verdict` compares it with anything in-process)."""
+        """Of golds whose comparison just overran, those that have now overrun against ``0`` in ``STRIKES`` calls (see
+        :meth:`verdicts`); a gold that compared in time is not tried again, a plain number never (:func:`fast_verdict`
+        compares it with anything in-process)."""
         golds = [g for g in golds if g not in self._gold_compares and parse_plain_number(g) is None]
-        for _ in range(STRIKES):
-            if not golds:
-                break
-            _, timed_out = self.pool.verify_with_timeouts([(gold, "0") for gold in golds], timeout=self.timeout)
-            for k, gold in enumerate(golds):
-                if k not in timed_out:
-                    _remember(self._gold_compares, gold, True, 65536)
-            golds = [gold for k, gold in enumerate(golds) if k in timed_out]
-        return golds
+        if not golds:
+            return []
+        _, timed_out = self.pool.verify_with_timeouts([(gold, "0") for gold in golds], timeout=self.timeout)
+        unusable = []
+        for k, gold in enumerate(golds):
+            if k not in timed_out:
+                _remember(self._gold_compares, gold, True, 65536)
+                continue
+            overruns = self._gold_probe_overruns.get(gold, 0) + 1
+            _remember(self._gold_probe_overruns, gold, overruns, 65536)
+            if overruns >= STRIKES:
+                unusable.append(gold)
+        return unusable
 
     def __call__(self, completions: list, **kwargs: Any) -> list[float | None]:
         """Score ``completions`` against the gold column; ``None`` only where the gold answer cannot be parsed.
