@@ -270,18 +270,20 @@ def test_plain_text_when_rich_is_missing(capsys):
     assert "value_first -   value_last -" in full
 
 
-def test_the_plain_table_prints_on_a_stream_that_cannot_encode_every_character():
+@pytest.mark.parametrize("use_rich", [False, True])
+def test_the_table_prints_on_a_stream_that_cannot_encode_every_character(use_rich):
     """Windows' standard output into a pipe or a file is cp1252: a completion's "≥" or CJK text raised
-    UnicodeEncodeError in the print, which stopped the run at its completions log. What the stream cannot encode
-    prints as "?"."""
+    UnicodeEncodeError in the print, which stopped the run at its completions log (rich's table too, which is what
+    prints: rich comes with transformers). What the stream cannot encode prints as "?"."""
     table = build_completions_table(
         step=1, prompts=["x ≥ 2?"], completions=["是 x ≥ 2 €"], rewards={"r": [1.0]}, sequence_rewards=[1.0]
     )
     raw = io.BytesIO()
     stream = io.TextIOWrapper(raw, encoding="cp1252")
-    print_completions_table(table, use_rich=False, file=stream)
+    print_completions_table(table, use_rich=use_rich, file=stream, width=100)
     stream.flush()
-    assert "--- completion:\n? x ? 2 €" in raw.getvalue().decode("cp1252")
+    printed = raw.getvalue().decode("cp1252")
+    assert ("? x ? 2 €" if use_rich else "--- completion:\n? x ? 2 €") in printed
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -792,10 +794,12 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def test_a_fresh_run_in_a_used_output_dir_has_its_own_log_and_card(tiny_model_dir, tmp_path):
+def test_a_fresh_run_in_a_used_output_dir_has_its_own_log_and_card(tiny_model_dir, tmp_path, monkeypatch):
     """A second run in the output_dir of an earlier one: `trl-vapo plot` read the earlier run's later steps spliced
     after this run's (`vapo_logs.jsonl` was only appended to), and the model card reported the earlier run's value
-    pretraining, and pointed at its critic, for a run that did none."""
+    pretraining, and pointed at its critic, for a run that did none. On Windows, with the log open in a program
+    that shares no deletion (a tail, an editor), the new log's replace of it is refused: it is written over in
+    place (the PermissionError stopped the run at its first log); a stand-in for Windows' refusal here."""
     from helpers import digit_fraction, make_args, prompts_dataset
 
     from trl_vapo import VAPOTrainer
@@ -811,8 +815,18 @@ def test_a_fresh_run_in_a_used_output_dir_has_its_own_log_and_card(tiny_model_di
     record = {"rollouts": 50, "final_explained_variance": 0.6}
     (out / PRETRAINED_CRITIC_DIR / VALUE_PRETRAINING_FILE).write_text(json.dumps(record))
 
+    replace = os.replace
+
+    def log_held_open(source, target):
+        if Path(target).name == "vapo_logs.jsonl":
+            raise PermissionError(13, "The process cannot access the file because it is being used")
+        return replace(source, target)
+
+    monkeypatch.setattr(os, "replace", log_held_open)
     second = VAPOTrainer(str(tiny_model_dir), digit_fraction, make_args(tmp_path, max_steps=1), prompts_dataset())
     second.train()
+    monkeypatch.undo()
+    assert not list(out.glob(".vapo_logs.jsonl*"))
     logged = [entry for entry in read_logs(out) if "phase" in entry]
     assert [entry["step"] for entry in logged] == [1]
     assert logged[0]["loss"] == next(h["loss"] for h in second.state.log_history if "loss" in h)

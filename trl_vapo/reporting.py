@@ -274,16 +274,31 @@ def print_completions_table(
         return
     if use_rich is None:
         use_rich = is_rich_available()
+    # What the stream cannot encode shown as "?": Windows' stdout into a pipe or file is cp1252, and a completion's
+    # "≥" or CJK text raised UnicodeEncodeError there, which stopped the run at its log (rich's too: it is always
+    # installed, with transformers).
+    out = _Replacing(file or sys.stdout)
     if use_rich:
-        _print_rich(sample, file, width)
+        _print_rich(sample, out, width)
     else:
-        out = file or sys.stdout
-        text = format_plain_table(sample)
-        encoding = getattr(out, "encoding", None)
-        if encoding:  # what the stream cannot encode shown as "?": Windows' stdout into a pipe or file is cp1252, and
-            # a completion's "≥" or CJK text raised UnicodeEncodeError there, which stopped the run at its log
+        print(format_plain_table(sample), file=out, flush=True)
+
+
+class _Replacing:
+    """A text stream whose writes replace what its encoding cannot encode with "?"; the stream's other attributes
+    (`encoding`, `isatty`, `flush`: what rich's console reads) are its own."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        encoding = getattr(self._stream, "encoding", None)
+        if encoding:
             text = text.encode(encoding, errors="replace").decode(encoding)
-        print(text, file=out, flush=True)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def format_plain_table(table: CompletionsTable) -> str:
@@ -297,7 +312,7 @@ def format_plain_table(table: CompletionsTable) -> str:
     return "\n".join(lines)
 
 
-def _print_rich(table: CompletionsTable, file: TextIO | None, width: int | None) -> None:
+def _print_rich(table: CompletionsTable, file: TextIO, width: int | None) -> None:
     from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
@@ -331,7 +346,7 @@ def _print_rich(table: CompletionsTable, file: TextIO | None, width: int | None)
         cells += [format_number(table.columns[name][i]) for name in numbers]
         rich_table.add_row(*cells)
         rich_table.add_section()  # a rule between completions, as TRL draws
-    console = Console(file=file, width=width)  # file=None: standard output, as TRL prints
+    console = Console(file=file, width=width)  # (standard output by default, as TRL prints)
     console.print(Panel(rich_table, expand=False, title=table.title, border_style="bold white"))
 
 
@@ -671,7 +686,12 @@ class MetricsMixin:
             if rewrite:  # whole or not at all: a kill mid-write, or `trl-vapo plot` reading then, cut the history
                 written = path.with_name(f".{LOG_FILE}.tmp")
                 written.write_text(lines)
-                os.replace(written, path)
+                try:
+                    os.replace(written, path)
+                except PermissionError:  # Windows: the log open in a program that shares no deletion (a tail, an
+                    # editor): written over in place, not whole or not at all, rather than stop the run
+                    path.write_text(lines)
+                    written.unlink(missing_ok=True)
             else:
                 with path.open("a") as log_file:
                     log_file.write(lines)  # (one write: a line is never left half-written between two)
