@@ -1472,13 +1472,19 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
         (out / name).mkdir(parents=True)
     with trainer.holding_output_dir():
         assert sorted(p.name for p in out.iterdir() if p.name.startswith(".checkpoint")) == sorted(writing)
-    # Windows tells no process's end by `os.kill(pid, 0)`, which sends a Ctrl+C: no folder is taken for a gone run's.
+    # Windows tells no process's end by `os.kill(pid, 0)`, which sends a Ctrl+C: psutil says there (every PID was
+    # taken as alive, and no gone run's folder was ever removed). A stand-in for psutil's Windows `pid_exists`
+    # (OpenProcess), whose POSIX form, here, would call os.kill.
+    import psutil
+
     from trl_vapo.checkpoint import _of_a_run_gone_from_this_host
 
     with pytest.MonkeyPatch.context() as windows:
         windows.setattr(os, "name", "nt")
         windows.setattr(os, "kill", lambda pid, sig: pytest.fail("os.kill called on Windows"))
-        assert not _of_a_run_gone_from_this_host(out / f".checkpoint-6.{host}-{gone.pid}.tmp")
+        windows.setattr(psutil, "pid_exists", lambda pid: pid != gone.pid)
+        assert _of_a_run_gone_from_this_host(out / f".checkpoint-6.{host}-{gone.pid}.tmp")
+        assert not _of_a_run_gone_from_this_host(out / f".checkpoint-4.{host}-{os.getppid()}.tmp")
     shutil.rmtree(tmp_path / "run")
     monkeypatch.undo()
     names = [

@@ -162,10 +162,15 @@ def refusal(output_dir: str | os.PathLike, holder: dict) -> str:
 
 
 def alive(pid) -> bool:
-    """Whether a process `pid` of this host is running (True where that cannot be told: on Windows `os.kill(pid, 0)`
-    sends it a Ctrl+C, and tells nothing)."""
-    if not isinstance(pid, int) or pid <= 0 or os.name == "nt":
+    """Whether a process `pid` of this host is running (True where that cannot be told). On Windows, psutil's
+    answer: `os.kill(pid, 0)` sends it a Ctrl+C there, and tells nothing (every PID counted as alive, the debris of
+    runs gone, a half-written checkpoint of a full model each, was never removed)."""
+    if not isinstance(pid, int) or pid <= 0:
         return True
+    if os.name == "nt":
+        import psutil
+
+        return psutil.pid_exists(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
