@@ -813,14 +813,25 @@ def naive_plateaued(readings, window, min_delta):
     finite = [r for r in readings if not math.isnan(r)]
     if len(finite) < 2 * window:
         return False
-    return sum(finite[-window:]) / window - sum(finite[-2 * window : -window]) / window < min_delta
+
+    def middle(values):
+        ordered = sorted(values)
+        half = len(ordered) // 2
+        return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+    return middle(finite[-window:]) - middle(finite[-2 * window : -window]) < min_delta
 
 
-def test_value_pretraining_stop_rule_compares_window_means_and_skips_nan():
+def test_value_pretraining_stop_rule_compares_window_medians_and_skips_nan():
     rising = [0.1 * i for i in range(8)]
     assert not explained_variance_plateaued(rising, 2, 0.01)
-    # One lucky reading: the old best-so-far rule would wait `patience` readings to beat 0.9 and stop; window means
-    # see that the level is still rising.
+    # One rollout whose returns barely vary (7 of 8 samples alike) reads -9 where the critic reads 0.4: the windows'
+    # means stopped a critic nine readings of which rose by 0.1 (0.30 -> -0.54), and held a flat one as long.
+    rose = [0.3] * 10 + [0.4] * 9 + [-9.0]
+    assert not explained_variance_plateaued(rose, 10, 0.01)
+    assert explained_variance_plateaued([0.3] * 9 + [-9.0] + [0.3] * 10, 10, 0.01)
+    # One lucky reading: the old best-so-far rule would wait `patience` readings to beat 0.9 and stop; the windows'
+    # levels see that it is still rising.
     lucky = [0.1, 0.2, 0.9, 0.3, 0.35, 0.4, 0.45]
     assert not explained_variance_plateaued(lucky, 2, 0.01)
     flat = [0.1, 0.2, 0.5, 0.52, 0.51, 0.5]

@@ -839,7 +839,7 @@ def test_a_fresh_run_in_a_used_output_dir_has_its_own_log_and_card(tiny_model_di
 def test_a_card_written_during_value_pretraining_reads_its_stop_rules_mean(tiny_model_dir, tmp_path):
     """A card written while value pretraining runs (a checkpoint's, pushed with it) took the last log's mean, of as
     many readings as `logging_steps` held, and called it "its last reading": it reads what the stop rule reads, the
-    mean of its last `value_pretrain_patience` readings, as the card at the phase's end does."""
+    median of its last `value_pretrain_patience` readings, as the card at the phase's end does."""
     from helpers import digit_fraction, make_args, prompts_dataset
     from transformers import TrainerCallback
 
@@ -853,14 +853,14 @@ def test_a_card_written_during_value_pretraining_reads_its_stop_rules_mean(tiny_
                 trainer.create_model_card()
                 readings = trainer.progress.explained_variances
                 cards["card"] = (Path(args.output_dir) / "README.md").read_text()
-                cards["expected"] = sum(readings[-3:]) / 3, len(readings), trainer.progress.value_pretrain_rollouts
+                cards["expected"] = sorted(readings[-3:])[1], len(readings), trainer.progress.value_pretrain_rollouts
 
     args = make_args(tmp_path, max_steps=1, value_pretrain_steps=6, value_pretrain_patience=3, logging_steps=3)
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), callbacks=[CardAtStepFour()])
     trainer.train()
-    mean, count, rollouts = cards["expected"]
+    median, count, rollouts = cards["expected"]
     assert count == 4  # one reading a rollout's end, one step a rollout: the log at step 3 held the first three
-    said = f"ran {rollouts} rollouts, final explained variance {mean:.3f} (mean of its last 3 readings, each taken"
+    said = f"ran {rollouts} rollouts, final explained variance {median:.3f} (median of its last 3 readings, each taken"
     assert said in cards["card"], cards["card"]
 
 
@@ -901,7 +901,7 @@ def test_a_rollout_where_no_token_trains_reads_no_value_and_no_advantage():
 
 def test_the_card_says_how_many_readings_the_final_explained_variance_averages():
     """With the paper's `value_pretrain_patience=None` the final explained variance is the last reading alone, which
-    the card called "the mean of its last readings"; with the stop rule's window, the mean of that many."""
+    the card called "the mean of its last readings"; with the stop rule's window, the median of that many."""
     from trl_vapo.model_card import _value_pretraining_outcome
     from trl_vapo.run import TrainingProgress
 
@@ -909,7 +909,8 @@ def test_the_card_says_how_many_readings_the_final_explained_variance_averages()
     progress.explained_variances = [0.1, math.nan, 0.2, 0.9]
     assert (progress.final_readings(None), progress.final_readings(2), progress.final_readings(10)) == (1, 2, 3)
     assert progress.final_explained_variance(None) == 0.9
-    for window, said in ((None, "(its last reading, taken"), (2, "(mean of its last 2 readings, each taken")):
+    assert progress.final_explained_variance(3) == 0.2  # the median (the mean, 0.4, moved with one reading)
+    for window, said in ((None, "(its last reading, taken"), (2, "(median of its last 2 readings, each taken")):
         record = {
             "rollouts": 4,
             "final_explained_variance": progress.final_explained_variance(window),

@@ -536,8 +536,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     value_pretrain_patience: int | None = field(
         default=10,
         metadata={
-            "help": "Stop value pretraining early when the mean explained variance of the last this-many rollouts "
-            "is less than `value_pretrain_min_delta` above the mean of the this-many before them (rollouts whose "
+            "help": "Stop value pretraining early when the median explained variance of the last this-many rollouts "
+            "is less than `value_pretrain_min_delta` above the median of the this-many before them (rollouts whose "
             "returns are all equal, and so have no explained variance, are not counted). None: always run "
             "`value_pretrain_steps`, as the paper does (a fixed 50; this stop rule is trl-vapo's, and can end a slow "
             "but steady rise early)."
@@ -545,7 +545,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
     )
     value_pretrain_min_delta: float = field(
         default=0.01,
-        metadata={"help": "Smallest gain of the windowed mean explained variance that counts as still improving."},
+        metadata={"help": "Smallest gain of the windowed median explained variance that counts as still improving."},
     )
 
     # ------------------------------------------------------------------------------------------- robustness

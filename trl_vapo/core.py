@@ -15,6 +15,7 @@ References:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -994,18 +995,19 @@ def importance_sampling_weights(
 def explained_variance_plateaued(readings: Sequence[float], window: int, min_delta: float) -> bool:
     """Value pretraining's stop rule (VAPO §3.1: pretrain "until value loss and explained variance converge").
 
-        stop  when  mean(EV[-w:]) - mean(EV[-2w:-w]) < min_delta        over the finite readings, w = ``window``
+        stop  when  median(EV[-w:]) - median(EV[-2w:-w]) < min_delta        over the finite readings, w = ``window``
 
     One rollout's explained variance is a noisy reading. Comparing it with the best reading so far is biased: the
     maximum of noisy readings sits above the critic's true level, so a single lucky rollout sets a bar later ones
-    rarely clear and pretraining stops early. Two adjacent window means have no such bias. NaN readings (every
-    return equal, nothing to explain) say nothing about the critic and are left out; so the rule needs ``2 * window``
-    finite readings before it can stop. It reads the explained variance alone: the value loss scales with the
-    returns' variance, which moves with the rollout's rewards, where the explained variance is normalised by it.
+    rarely clear and pretraining stops early. Two adjacent windows' levels have no such bias; medians, not means: a
+    reading is bounded above by 1 and not below (a rollout whose returns barely vary, 7 of 8 samples alike, reads
+    -9 for a critic that reads 0.4 elsewhere), and one such reading moved a window's mean enough to stop a rising
+    critic (or to hold a flat one). NaN readings (every return equal, nothing to explain) say nothing about the
+    critic and are left out; so the rule needs ``2 * window`` finite readings before it can stop. It reads the
+    explained variance alone: the value loss scales with the returns' variance, which moves with the rollout's
+    rewards, where the explained variance is normalised by it.
     """
     finite = [float(r) for r in readings if math.isfinite(r)]
     if window < 1 or len(finite) < 2 * window:
         return False
-    recent = sum(finite[-window:]) / window
-    previous = sum(finite[-2 * window : -window]) / window
-    return recent - previous < min_delta
+    return statistics.median(finite[-window:]) - statistics.median(finite[-2 * window : -window]) < min_delta

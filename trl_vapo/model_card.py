@@ -534,11 +534,11 @@ def _value_pretraining_outcome(value_pretraining) -> str:
     text = f"ran {rollouts} rollout{'s' if rollouts != 1 else ''}" if rollouts is not None else "ran"
     best = value_pretraining.get("best_explained_variance")
     best_text = f"best {best:.3f}" if _finite(best) and (not _finite(final) or abs(best - final) > 5e-4) else ""
-    if _finite(final):  # the mean of the last readings (the stop rule's window): one reading is noisy
+    if _finite(final):  # the median of the last readings (the stop rule's window): one reading is noisy
         readings = value_pretraining.get("final_readings", 1)  # (without a record: the last one logged)
         # Each reading is of a rollout's values before the critic trained on it: the last update is not in it.
         if readings > 1:
-            said = f"mean of its last {readings} readings, each taken before the critic's update on its rollout"
+            said = f"median of its last {readings} readings, each taken before the critic's update on its rollout"
         else:
             said = "its last reading, taken before the critic's update on its rollout"
         text += f", final explained variance {final:.3f} ({said}"

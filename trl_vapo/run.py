@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -129,13 +130,13 @@ class TrainingProgress:
         return cls(**{"epoch_ended_step": None, **{key: value for key, value in saved.items() if key in known}})
 
     def final_explained_variance(self, window: int | None) -> float:
-        """The critic's explained variance at the end of value pretraining: the mean of the last finite readings
-        (`final_readings` of them)."""
+        """The critic's explained variance at the end of value pretraining, as the stop rule reads its level: the
+        median of the last finite readings (`final_readings` of them)."""
         finite = [r for r in self.explained_variances if math.isfinite(r)][-(window or 1) :]
-        return sum(finite) / len(finite) if finite else math.nan
+        return statistics.median(finite) if finite else math.nan
 
     def final_readings(self, window: int | None) -> int:
-        """How many readings `final_explained_variance` averages: the stop rule's window, or the last one alone."""
+        """How many readings `final_explained_variance` reads: the stop rule's window, or the last one alone."""
         return min(window or 1, sum(math.isfinite(r) for r in self.explained_variances))
 
 
