@@ -469,18 +469,20 @@ def test_a_config_without_a_model_or_data_changes_the_demos_settings(tiny_model_
 
 
 def test_lora_settings_without_use_peft_are_refused_unless_it_is_said_false(tmp_path):
-    """`--lora_r` without `--use_peft` trained every weight (`trl grpo` ignores it too): refused. Not a setting at its
-    default (`use_dora: false`), nor beside `--use_peft false` said outright: a saved adapter given as the model
-    trains as it is (refused with --use_peft true), and a LoRA recipe's YAML then needed editing."""
+    """`--lora_r` without `--use_peft` trained every weight (`trl grpo` ignores it too): refused, at TRL's default
+    too (a recipe's `lora_r: 16`). Not a setting off (`use_dora: false`), nor beside `--use_peft false` said
+    outright: a saved adapter given as the model trains as it is (refused with --use_peft true), and a LoRA recipe's
+    YAML then needed editing."""
     from trl import ModelConfig
 
     from trl_vapo.cli import UsageError, _check_peft_flags
 
-    with pytest.raises(UsageError, match="^--lora_r shapes a LoRA adapter, and --use_peft is not set"):
-        _check_peft_flags(["--lora_r", "8"], ModelConfig(lora_r=8))
+    for r in ("8", "16"):
+        with pytest.raises(UsageError, match="^--lora_r shapes a LoRA adapter, and --use_peft is not set"):
+            _check_peft_flags(["--lora_r", r], ModelConfig(lora_r=int(r)))
     recipe = tmp_path / "lora.yaml"
     recipe.write_text("lora_alpha: 64\nuse_dora: false\n")
-    with pytest.raises(UsageError, match="^--lora_alpha shapes"):  # (use_dora at its default: not named)
+    with pytest.raises(UsageError, match="^--lora_alpha shapes"):  # (use_dora off: not named)
         _check_peft_flags(["--config", str(recipe)], ModelConfig(lora_alpha=64))
     _check_peft_flags(["--config", str(recipe), "--use_peft", "false"], ModelConfig(lora_alpha=64, use_peft=False))
     _check_peft_flags(["--use_dora", "false"], ModelConfig())

@@ -1485,6 +1485,8 @@ def test_a_folder_that_cannot_be_locked_runs_unlocked_and_its_debris_stays(
         windows.setattr(psutil, "pid_exists", lambda pid: pid != gone.pid)
         assert _of_a_run_gone_from_this_host(out / f".checkpoint-6.{host}-{gone.pid}.tmp")
         assert not _of_a_run_gone_from_this_host(out / f".checkpoint-4.{host}-{os.getppid()}.tmp")
+        # (this run's PID: the run that wrote it is gone, Windows reusing PIDs soon; it was kept there)
+        assert _of_a_run_gone_from_this_host(out / f".checkpoint-7.{host}-{os.getpid()}.tmp")
     shutil.rmtree(tmp_path / "run")
     monkeypatch.undo()
     names = [

@@ -271,7 +271,7 @@ def test_plain_text_when_rich_is_missing(capsys):
 
 
 @pytest.mark.parametrize("use_rich", [False, True])
-def test_the_table_prints_on_a_stream_that_cannot_encode_every_character(use_rich):
+def test_the_table_prints_on_a_stream_that_cannot_encode_every_character(use_rich, monkeypatch):
     """Windows' standard output into a pipe or a file is cp1252: a completion's "≥" or CJK text raised
     UnicodeEncodeError in the print, which stopped the run at its completions log (rich's table too, which is what
     prints: rich comes with transformers). What the stream cannot encode prints as "?"."""
@@ -284,6 +284,8 @@ def test_the_table_prints_on_a_stream_that_cannot_encode_every_character(use_ric
     stream.flush()
     printed = raw.getvalue().decode("cp1252")
     assert ("? x ? 2 €" if use_rich else "--- completion:\n? x ? 2 €") in printed
+    monkeypatch.setattr(sys, "stdout", None)  # no console at all (pythonw.exe): nothing printed, nothing raised
+    print_completions_table(table, use_rich=use_rich)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -915,5 +917,9 @@ def test_the_card_says_how_many_readings_the_final_explained_variance_averages()
             "rollouts": 4,
             "final_explained_variance": progress.final_explained_variance(window),
             "final_readings": progress.final_readings(window),
+            "final_statistic": "median",
         }
         assert said in _value_pretraining_outcome(record), _value_pretraining_outcome(record)
+    # A record of an earlier version (the mean, the statistic unnamed) is said to hold the mean.
+    earlier = {"rollouts": 4, "final_explained_variance": 0.4, "final_readings": 3}
+    assert "(mean of its last 3 readings, each taken" in _value_pretraining_outcome(earlier)

@@ -2281,6 +2281,7 @@ def test_push_to_hub_uploads_each_checkpoint_and_the_saved_model_as_transformers
     # The shards and index of an earlier push (a checkpoint's float32 weights, of another shard count than the final
     # model's): left beside the final model.safetensors, vLLM loads what their index names.
     stale = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "critic/model.safetensors.index.json"]
+    stale += ["adapter_config.json", "critic/adapter_config.json"]  # an earlier LoRA run's: loaded over the model
     for name in stale:
         (repo / name).write_text("{}")
     with trainer.holding_output_dir():  # as `trl-vapo train` saves: the run's lock is there

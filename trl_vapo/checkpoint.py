@@ -105,13 +105,12 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 """A full model's weights as `save_pretrained` writes them, sharded or not (glob patterns)."""
-HUB_WEIGHT_FILES = [
-    f"{folder}{name}" for folder in ("", f"{CRITIC_SUBFOLDER}/") for name in (*WEIGHT_FILES, "adapter_model.*")
-]
-"""The policy's and the critic's weight files in the Hub repository's root, which each push there replaces
+HUB_WEIGHT_FILES = [*WEIGHT_FILES, *ADAPTER_FILES, f"{CRITIC_SUBFOLDER}/*"]
+"""The policy's weight files and the critic's folder in the Hub repository's root, which each push there replaces
 (`delete_patterns`: those the push does not upload go): a checkpoint's, pushed while training, in its float32
 training weights, may be shards of another count than the final model's, and their index, left beside the final
-`model.safetensors`, is what vLLM loads."""
+`model.safetensors`, is what vLLM loads; an adapter's files left by an earlier run of LoRA, beside a full model, are
+what `from_pretrained` loads (as `save_model` removes them from `output_dir`)."""
 
 
 def remove_debris(
@@ -159,7 +158,7 @@ def _of_a_run_gone_from_this_host(folder: Path) -> bool:
     if host != socket.gethostname() or not pid.isdigit():
         return False
     # (its PID this run's now: the run that wrote it is gone)
-    return not alive(int(pid)) or (int(pid) == os.getpid() and os.name != "nt")
+    return not alive(int(pid)) or int(pid) == os.getpid()
 
 
 def _debris(output_dir: str | os.PathLike) -> list[tuple[Path, str, str, bool]]:
@@ -900,6 +899,7 @@ class SavingMixin:
                 "budget": self.args.value_pretrain_steps,  # the rollouts it could have run (its stop rule may end it)
                 "final_explained_variance": self.progress.final_explained_variance(self.args.value_pretrain_patience),
                 "final_readings": self.progress.final_readings(self.args.value_pretrain_patience),
+                "final_statistic": "median",  # (a record of before 2026-12-01 holds their mean)
                 "explained_variances": self.progress.explained_variances,
                 "policy": self.run_record.base_model,
                 "policy_fingerprint": self.run_record.policy_fingerprint,
@@ -1079,10 +1079,11 @@ class SavingMixin:
             value_pretraining = (
                 value_pretraining_record(pretrained_dir)
                 if pretrained_here
-                else {  # under way: what it ran so far, its readings' mean as its stop rule reads them
+                else {  # under way: what it ran so far, its readings' median as its stop rule reads them
                     "rollouts": self.progress.value_pretrain_rollouts,
                     "final_explained_variance": self.progress.final_explained_variance(patience),
                     "final_readings": self.progress.final_readings(patience),
+                    "final_statistic": "median",
                 }
             )
         else:

@@ -403,17 +403,15 @@ PEFT_FLAGS = (
 
 
 def _check_peft_flags(argv: list[str], model_args) -> None:
-    """LoRA's settings (other than their defaults) without `--use_peft` refused: the run fine-tuned every weight (a
-    float32 copy of the whole model as the critic's too, at a rate meant for an adapter), as `trl grpo` does,
-    silently. `--use_peft false` said outright keeps them unused (a saved adapter as the model trains as it is)."""
-    from trl import ModelConfig
-
+    """LoRA's settings without `--use_peft` refused (but those set off: `use_dora: false`): the run fine-tuned every
+    weight (a float32 copy of the whole model as the critic's too, at a rate meant for an adapter), as `trl grpo`
+    does, silently. `--use_peft false` said outright keeps them unused (a saved adapter as the model trains as it
+    is). (A setting at TRL's default counts: a recipe's `lora_r: 16` is one.)"""
     flags, config = _given(argv)
     given = {**(config or {}), **flags}
     if model_args.use_peft or "use_peft" in given:
         return
-    defaults = {f.name: f.default for f in fields(ModelConfig)}
-    shaping = [f"--{name}" for name in PEFT_FLAGS if name in given and getattr(model_args, name) != defaults[name]]
+    shaping = [f"--{name}" for name in PEFT_FLAGS if name in given and getattr(model_args, name) not in (False, None)]
     if shaping:
         raise UsageError(
             f"{', '.join(shaping)} shape{'s' if len(shaping) == 1 else ''} a LoRA adapter, and --use_peft is not "

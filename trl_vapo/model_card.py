@@ -167,7 +167,8 @@ def build_model_card(
             critic, if one did: no critic was trained or saved.
         value_pretraining: what value pretraining did, e.g. the record saved with the pretrained critic
             (`modeling.value_pretraining_record`): `rollouts` (run), `final_explained_variance` (default: the last
-            one logged in that phase) and the number of readings it averages, `final_readings` (default 1), optionally
+            one logged in that phase), the number of readings it is the median of, `final_readings` (default 1), and
+            `final_statistic` ("median"; a record without it, of an earlier version: "mean"), optionally
             `best_explained_variance`; or `skipped` (a reason) when it did not run.
         pretrained_critic_dir: where the critic saved at the end of value pretraining is (`value_pretrained_critic`).
         held_out: `{"before": {...}, "after": {...}}` with `EvaluationResult.as_dict()` scores, and optionally
@@ -538,7 +539,8 @@ def _value_pretraining_outcome(value_pretraining) -> str:
         readings = value_pretraining.get("final_readings", 1)  # (without a record: the last one logged)
         # Each reading is of a rollout's values before the critic trained on it: the last update is not in it.
         if readings > 1:
-            said = f"median of its last {readings} readings, each taken before the critic's update on its rollout"
+            statistic = value_pretraining.get("final_statistic", "mean")
+            said = f"{statistic} of its last {readings} readings, each taken before the critic's update on its rollout"
         else:
             said = "its last reading, taken before the critic's update on its rollout"
         text += f", final explained variance {final:.3f} ({said}"

@@ -277,7 +277,10 @@ def print_completions_table(
     # What the stream cannot encode shown as "?": Windows' stdout into a pipe or file is cp1252, and a completion's
     # "≥" or CJK text raised UnicodeEncodeError there, which stopped the run at its log (rich's too: it is always
     # installed, with transformers).
-    out = _Replacing(file or sys.stdout)
+    stream = file or sys.stdout
+    if stream is None:  # (no console: pythonw.exe)
+        return
+    out = _Replacing(stream)
     if use_rich:
         _print_rich(sample, out, width)
     else:

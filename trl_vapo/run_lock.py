@@ -1,5 +1,6 @@
 """The lock that gives one run its `output_dir`: a second run there would overwrite the first's checkpoints, its
-saved model and its logs without a word. Standard library only, so that a process can take it before torch loads."""
+saved model and its logs without a word. Standard library only (psutil on Windows), so that a process can take it
+before torch loads."""
 
 from __future__ import annotations
 

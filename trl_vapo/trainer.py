@@ -1833,7 +1833,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         readings = progress.final_readings(self.args.value_pretrain_patience)
         logger.info(
             f"Value pretraining ended after {progress.value_pretrain_rollouts} rollouts ({reason}); explained "
-            f"variance {'n/a' if math.isnan(final) else f'{final:.3f}'} (mean of the last {readings} readings, each "
+            f"variance {'n/a' if math.isnan(final) else f'{final:.3f}'} (median of the last {readings} readings, each "
             "on a rollout before the critic's update on it). RL "
             f"starts at step {self.state.global_step}."
         )
