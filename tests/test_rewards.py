@@ -793,6 +793,38 @@ def test_workers_die_with_a_hard_killed_parent(tmp_path):
     assert not is_running(worker)
 
 
+def test_a_worker_without_the_death_signal_exits_with_its_parent_gone():
+    """macOS has no parent-death signal: a hard-crashed trainer left a worker on a power tower, with no deadline and
+    no memory bound (macOS does not enforce RLIMIT_AS). Its watch (`_exit_with_parent`, the worker's on every
+    platform but Linux; run here by hand) ends it once its parent is gone, though its main thread computes."""
+    worker_py = Path(__file__).resolve().parents[1] / "trl_vapo" / "rewards" / "worker.py"
+    child = (
+        "import importlib.util, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('worker_under_test', {str(worker_py)!r})\n"
+        "worker = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker)\n"
+        "worker._exit_with_parent(os.getppid(), every=0.05)\n"
+        "print(os.getpid(), flush=True)\n"
+        "while True: sum(i * i for i in range(10**6))\n"  # (busy, holding the GIL between bytecodes)
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker = int(parent.stdout.readline())
+        time.sleep(0.3)
+        assert is_running(worker)
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while is_running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_running(worker)
+
+
 def test_from_non_main_threads(fast_deadline_reward):
     fn = make_math_reward(timeout=DEADLINE, name="threaded_reward")  # fresh: no memory of earlier timeouts
     fn.pool.warm_up()

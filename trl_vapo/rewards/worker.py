@@ -28,6 +28,21 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def _exit_with_parent(parent_pid: int, every: float = 1.0) -> None:
+    """Elsewhere than Linux (macOS), which has no parent-death signal: a thread that ends this worker once its parent
+    is gone (it is re-parented: its parent's PID changes), checked every `every` seconds. A hard-crashed trainer left a
+    worker computing a power tower, with no deadline and no memory bound (macOS does not enforce `RLIMIT_AS`)."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(every)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _worker_main(argv: list[str]) -> None:
     """Entry point of a worker process: ``parent_pid memory_limit_mb pdeathsig`` then JSON lines on stdin."""
     parent_pid, memory_limit_mb, pdeathsig = int(argv[0]), int(argv[1]), argv[2] == "1"
@@ -35,6 +50,8 @@ def _worker_main(argv: list[str]) -> None:
         _set_parent_death_signal()
     if os.getppid() != parent_pid:  # the parent died before the death signal was armed
         return
+    if not sys.platform.startswith("linux"):
+        _exit_with_parent(parent_pid)
     # Ctrl-C goes to the whole process group; the parent decides what happens to its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The protocol gets a private copy of stdout; anything a library prints goes to stderr instead.
