@@ -26,7 +26,8 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 """How long a fresh worker may take to import math-verify before the pool gives up with an error (busy nodes)."""
 
 DEFAULT_MEMORY_LIMIT_MB = 2048
-"""Address-space cap of a worker: a power tower can otherwise eat the training node's memory inside the deadline."""
+"""Address-space cap of a worker: a power tower can otherwise eat the training node's memory inside the deadline (on
+Linux: macOS does not enforce it)."""
 
 
 # A worker loads `worker.py` by path, not ``import trl_vapo``: the package ``__init__`` may grow heavy imports (torch,
@@ -92,7 +93,8 @@ class MathVerifyPool(_Verifier):
 
     Workers are started lazily (``warm_up()`` starts them eagerly and waits until they are ready) and reused across
     calls; start-up (importing math-verify, ~1 s) does not count against the deadline but is bounded by
-    ``startup_timeout``. ``memory_limit_mb`` caps each worker's address space (``None`` or 0: no cap).
+    ``startup_timeout``. ``memory_limit_mb`` caps each worker's address space (``None`` or 0: no cap; Linux's
+    `RLIMIT_AS`, which macOS takes and does not enforce).
 
     Safe to call from any thread (calls are serialised) and from processes without signal handling, such as
     ``DataLoader`` workers; a forked child never uses or kills its parent's workers, it starts its own. POSIX only.
