@@ -778,10 +778,16 @@ def test_workers_die_with_a_hard_killed_parent(tmp_path):
         "print(pool.worker_pids()[0], flush=True)\n"
         "pool.verify([('6', '9^{9^{9^{9}}}')], timeout=600)\n"
     )
+    assert not worker_left_by_a_killed_parent(script, busy_after=0.5)  # (deep inside the power tower by then)
+
+
+def worker_left_by_a_killed_parent(script: str, busy_after: float) -> bool:
+    """Runs `script` as a parent process that prints its worker's PID, kills the parent (SIGKILL: no cleanup) once
+    the worker has been busy `busy_after` seconds, and says whether the worker still runs 10 s later."""
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         worker = int(parent.stdout.readline())
-        time.sleep(0.5)  # the worker is now deep inside the power tower
+        time.sleep(busy_after)
         assert is_running(worker)
     finally:
         parent.kill()
@@ -789,8 +795,8 @@ def test_workers_die_with_a_hard_killed_parent(tmp_path):
         parent.stdout.close()
     deadline = time.monotonic() + 10
     while is_running(worker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not is_running(worker)
+        time.sleep(0.05)
+    return is_running(worker)
 
 
 def test_a_worker_without_the_death_signal_exits_with_its_parent_gone():
@@ -806,23 +812,8 @@ def test_a_worker_without_the_death_signal_exits_with_its_parent_gone():
         "print(os.getpid(), flush=True)\n"
         "while True: sum(i * i for i in range(10**6))\n"  # (busy, holding the GIL between bytecodes)
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        worker = int(parent.stdout.readline())
-        time.sleep(0.3)
-        assert is_running(worker)
-    finally:
-        parent.kill()
-        parent.wait()
-        parent.stdout.close()
-    deadline = time.monotonic() + 10
-    while is_running(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not is_running(worker)
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    assert not worker_left_by_a_killed_parent(parent, busy_after=0.3)
 
 
 def test_from_non_main_threads(fast_deadline_reward):
