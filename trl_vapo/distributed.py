@@ -666,10 +666,10 @@ def check_distributed_setup(accelerator, args) -> None:
         and accelerator.state.deepspeed_plugin.zero_stage == 3
     )
     gathers_per_layer = fsdp or (zero3 and not args.ds3_gather_for_generation)
-    from .generation import EngineSettings
+    from .generation import ENGINE_FLAGS, EngineSettings
 
-    flags = {"static_cache": "use_static_cache_engine", "continuous_batching": "use_transformers_continuous_batching"}
-    engine = flags.get(EngineSettings._engine_named_by(args))  # the flag that chose one of these engines
+    named = EngineSettings._engine_named_by(args)  # (the flag that chose one of these engines, below)
+    engine = ENGINE_FLAGS[named] if named in ("static_cache", "continuous_batching") else None
     if gathers_per_layer and engine and accelerator.num_processes > 1:
         # Each decode step's forward gathers the layers' shards, a collective: generate() keeps the processes in step
         # (synced_gpus) until the last one finishes; these engines stop each process at its own last completion.

@@ -861,6 +861,12 @@ def _apply_sampling(vllm_generation, sampling: SamplingSettings, stop_ids: Seque
 # ---------------------------------------------------------------------------------------------------------------------
 
 ENGINES = ("generate", "continuous_batching", "static_cache", "vllm")
+ENGINE_FLAGS = {
+    "vllm": "use_vllm",
+    "continuous_batching": "use_transformers_continuous_batching",
+    "static_cache": "use_static_cache_engine",
+}
+"""The config's flag that names each engine but `generate()` (TRL's, and trl-vapo's `use_static_cache_engine`)."""
 
 
 @dataclass
@@ -940,11 +946,9 @@ class EngineSettings:
         if self.engine == "vllm":  # options not given keep their defaults (TRL's)
             self.vllm = {**VLLM_DEFAULTS, "trust_remote_code": False, **self.vllm}
         if self.compile_step and self.engine != "static_cache" and not (self.auto and self.engine == "generate"):
-            named = {
-                "generate": "use_static_cache_engine=False",
-                "continuous_batching": "use_transformers_continuous_batching=True",
-                "vllm": "use_vllm=True",
-            }[self.engine]
+            named = (
+                "use_static_cache_engine=False" if self.engine == "generate" else f"{ENGINE_FLAGS[self.engine]}=True"
+            )
             raise ValueError(
                 f"static_cache_compile=True compiles the static-cache engine's decode step, and {named} samples with "
                 "another engine: drop one of them."
@@ -956,8 +960,7 @@ class EngineSettings:
         `use_static_cache_engine`, choose."""
         if args.use_vllm and args.use_transformers_continuous_batching:
             raise ValueError("use_vllm and use_transformers_continuous_batching are both set; choose one engine.")
-        flags = ("use_vllm", "use_transformers_continuous_batching", "use_static_cache_engine")
-        chosen = [flag for flag in flags if getattr(args, flag, False)]
+        chosen = [flag for flag in ENGINE_FLAGS.values() if getattr(args, flag, False)]
         if len(chosen) > 1:
             raise ValueError(f"{' and '.join(chosen)} are set together; choose one engine.")
         if args.use_vllm:

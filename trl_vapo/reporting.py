@@ -292,12 +292,11 @@ class _Replacing:
     (`encoding`, `isatty`, `flush`: what rich's console reads) are its own."""
 
     def __init__(self, stream: TextIO):
-        self._stream = stream
+        self._stream, self._encoding = stream, getattr(stream, "encoding", None)
 
     def write(self, text: str) -> int:
-        encoding = getattr(self._stream, "encoding", None)
-        if encoding:
-            text = text.encode(encoding, errors="replace").decode(encoding)
+        if self._encoding:
+            text = text.encode(self._encoding, errors="replace").decode(self._encoding)
         return self._stream.write(text)
 
     def __getattr__(self, name: str) -> Any:
