@@ -26,16 +26,17 @@ from .vllm_fields import VLLMOptions
 _LR_SCHEDULES = ("constant_with_warmup", "constant", "linear", "cosine")
 # transformers' optimizers (`optim`) that cannot step as VAPOTrainer steps: a part of the name, and why.
 _OWN_GROUPS = "it builds its own parameter groups (`optim_target_modules`), and its layer-wise form steps in hooks"
+# torchao's low-bit AdamW holds each group's rate as a tensor, which the step checks: the policy's and the critic's
+# groups carry their rates as numbers (the first step raised, or, where torchao makes them tensors, the logged rates
+# were tensors and the first checkpoint's trainer_state.json could not be written).
+_RATES_AS_TENSORS = "torchao's low-bit AdamW needs its rates as tensors; use adamw_8bit (bitsandbytes)"
 _OPTIMIZERS_REFUSED = (
     ("schedule_free", "a schedule-free optimizer needs `optimizer.train()` and `.eval()` around every step"),
     ("lomo", "LOMO and AdaLomo update the weights inside the backward pass"),
     ("galore", _OWN_GROUPS),
     ("apollo", _OWN_GROUPS),
-    # torchao's low-bit AdamW holds each group's rate as a tensor, which the step checks: the policy's and the
-    # critic's groups carry their rates as numbers (the first step raised, or, where torchao makes them tensors, the
-    # logged rates were tensors and the first checkpoint's trainer_state.json could not be written).
-    ("adamw_torch_4bit", "torchao's low-bit AdamW needs its rates as tensors; use adamw_8bit (bitsandbytes)"),
-    ("adamw_torch_8bit", "torchao's low-bit AdamW needs its rates as tensors; use adamw_8bit (bitsandbytes)"),
+    ("adamw_torch_4bit", _RATES_AS_TENSORS),
+    ("adamw_torch_8bit", _RATES_AS_TENSORS),
 )
 
 
