@@ -310,8 +310,9 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "CUDA graphs of its own) before its CUDA graph is captured; opt-in. Its fused kernels round differently "
             "from the eager step, so greedy completions may part from generate()'s at a near-tie. Each prompt-width "
             "bucket compiles once (about 50 s at Qwen2.5-0.5B shapes on an H200), and a step torch.compile cannot "
-            "compile runs as written, with one warning. On an H200, one run: 16,758 against 16,367 tokens/s without "
-            'it, at Qwen2.5-0.5B shapes, 64 x 512, bf16 (benchmarks/README.md, "GPU runs"). Only with the '
+            "compile runs as written, with one warning. On an H200, one run each: 16,758 tokens/s with it and 16,367 "
+            "without, at Qwen2.5-0.5B shapes, 64 x 512, bf16 (no interval: no difference claimed; "
+            'benchmarks/README.md, "GPU runs"). Only with the '
             "static-cache engine. Not in GRPOConfig."
         },
     )
