@@ -189,6 +189,22 @@ def test_without_matplotlib_a_run_says_so_once(tmp_path, monkeypatch, caplog):
     ) == 1
 
 
+def test_drawing_leaves_the_processs_matplotlib_backend_as_it_was(tmp_path):
+    """A notebook (or a script with pyplot imported) keeps its backend: the plots' `matplotlib.use("Agg")` switched
+    it for the rest of the process, and a later `plt.show()` showed nothing."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")  # (any backend other than Agg stands for a notebook's)
+    try:
+        written = write_plots(tmp_path, [{"step": 1, "phase": "rl", "reward": 0.5}])
+        assert matplotlib.get_backend() == "svg" and not plt.get_fignums()
+    finally:
+        plt.switch_backend(before)
+    assert [p.read_bytes()[:8] for p in written] == [b"\x89PNG\r\n\x1a\n"] * 2
+
+
 def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):
     watch = CriticBiasWatch(threshold=0.5, readings=3)
     with caplog.at_level("WARNING"):

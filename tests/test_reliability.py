@@ -2365,7 +2365,7 @@ def test_rows_without_a_prompt_are_refused_and_every_data_set_is_checked_as_the_
     checkpoint = tmp_path / "out" / f"checkpoint-{step}"
     assert step > 0 and (checkpoint / "vapo_state.json").is_file()
     said = f"{checkpoint} holds the {step} steps so far: {RESUME}; a resume reads on after this rollout's prompts"
-    assert said in caplog.text and said in "".join(getattr(refused.value, "__notes__", [said]))
+    assert said in caplog.text and (sys.version_info < (3, 11) or said in "".join(refused.value.__notes__))
     resumed = VAPOTrainer(
         str(tiny_model_dir), digit_fraction, config(tmp_path, max_steps=step + 1, shuffle_dataset=False), stream
     )
@@ -2427,7 +2427,7 @@ def assert_steps_so_far_in_a_checkpoint(out: Path, step: int, error: BaseExcepti
     the error's note (with `then`: what a resume reads)."""
     checkpoint = out / f"checkpoint-{step}"
     said = f"{checkpoint} holds the {step} steps so far: {RESUME}{then}."
-    assert said in log and getattr(error, "__notes__", [said]) == [said]
+    assert said in log and (sys.version_info < (3, 11) or error.__notes__ == [said])  # (3.10 has no notes)
     assert list_checkpoints(out) == [checkpoint] and (checkpoint / "vapo_state.json").is_file()
     return checkpoint
 
@@ -2667,8 +2667,11 @@ def ddp_trains_as_one_process(model_dir, out: Path, steps: int, critic_forwards:
         assert json.loads((out / run / "steps.json").read_text())["critic_forwards"] == critic_forwards, run
     one, two = step_logs(read_logs(out / "one")), step_logs(read_logs(out / "two"))
     assert sorted(one) == sorted(two) == list(range(1, steps + 1))
+    # One pass on the weights that sampled: the policy's ratio is 1, its statistics 0 in both runs (compared where
+    # they are not: test_grpos_objective_settings_train_alike_on_two_processes_and_one).
+    keys = [key for key in COMPARED if key != "approx_kl" and not key.startswith("clip_ratio/")]
     for step in one:
-        assert_same_log(two[step], one[step], keys=COMPARED, rel=1e-4, context=f"step {step}, 2 vs 1 process")
+        assert_same_log(two[step], one[step], keys=keys, rel=1e-4, context=f"step {step}, 2 vs 1 process")
     expected, got = (torch.load(out / run / f"state-{steps}.pt") for run in ("one", "two"))
     assert got.keys() == expected.keys() and any("critic." in key for key in expected)
     for key in expected:

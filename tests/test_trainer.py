@@ -972,6 +972,7 @@ def test_a_users_optimizer_is_named_by_side_and_refused_where_it_leaves_a_side_o
     trainer = VAPOTrainer(policy, digit_fraction, args, prompts_dataset(), optimizers=(given, None))
     with pytest.raises(ValueError, match=r"does not hold \d+ of the critic's \d+ trainable parameters: .*set"):
         trainer.train()
+    assert trainer.state.num_input_tokens_seen == 0  # refused before a rollout was sampled
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
     sides = trainer.actor_critic.policy_parameters(), trainer.actor_critic.critic_parameters()
     trainer.optimizer = torch.optim.AdamW([{"params": params} for params in sides], lr=1e-3)

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
-from helpers import EARLY_STOPPING, digit_fraction, make_args, prompts_dataset
+from helpers import EARLY_STOPPING, CapturingTrainer, digit_fraction, make_args, prompts_dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_vapo import VAPOTrainer
@@ -250,11 +250,15 @@ def test_accuracy_counts_a_correct_completion_that_mask_truncated_completions_ke
         return [1.0] * len(completions)
 
     args = eval_args(tmp_path, max_steps=1, max_completion_length=2, mask_truncated_completions=True)
-    trainer = VAPOTrainer(str(tiny_model_dir), always_right, args, prompts_dataset(), prompts_dataset(4))
+    trainer = CapturingTrainer(str(tiny_model_dir), always_right, args, prompts_dataset(), prompts_dataset(4))
     trainer.train()
     (logged,) = [h for h in trainer.state.log_history if "accuracy" in h]
     assert logged["completions/clipped_ratio"] > 0.5  # most completions were cut
     assert logged["accuracy"] == 1.0
+    (_, rollout), *_ = trainer.rollouts
+    cut = rollout.truncated
+    assert cut.any() and rollout.is_correct[cut].all()
+    assert rollout.loss_mask[cut].sum() == 0 and not rollout.is_positive[cut].any()  # it does not train
     metrics = trainer.evaluate()
     assert metrics["eval_completions/clipped_ratio"] > 0.5 and metrics["eval_accuracy"] == 1.0
 
@@ -598,7 +602,7 @@ def test_a_scheduler_that_steps_on_a_metric_is_refused_before_the_first_rollout(
     trainer.lr_scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(trainer.optimizer)
     with pytest.raises(ValueError, match="lr_scheduler is a ReduceLROnPlateau, which steps on an evaluation's metric"):
         trainer.train()
-    assert trainer.state.global_step == 0
+    assert trainer.state.num_input_tokens_seen == 0  # no rollout was sampled (a step counts at the rollout's end)
 
 
 @pytest.mark.parametrize("sharded", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])

@@ -5,13 +5,15 @@ token position: with a critic that has not learned the returns, the advantage dr
 averaging zero everywhere. At every rollout the trainer logs, pooled over all processes:
 
     by_position/value/<a>-<b>, by_position/advantage/<a>-<b>, by_position/return/<a>-<b>
-        the mean over valid tokens whose position t (from 0) falls in [a, b), `num_buckets` equal buckets of
-        `max_completion_length` (GAE advantages before whitening)
+        the mean over valid tokens whose position t (from 0) falls in [a, b), `num_buckets` buckets of
+        `max_completion_length` as equal as whole positions allow (GAE advantages before whitening; the advantage's
+        in RL rollouts only: value pretraining computes none)
     advantages/position_correlation
-        Pearson's correlation of the advantage with t over all valid tokens
+        Pearson's correlation of the advantage with t over all valid tokens (RL rollouts)
 
 `write_plots(output_dir)` draws the training curves and these profiles from the run's `vapo_logs.jsonl`, which the
-trainer appends to at each logging step (so a running run can be plotted: `trl-vapo plot OUTPUT_DIR`).
+trainer writes as it logs (each `train()` call's first log writes it anew from the state's history, later ones
+append: a running run can be plotted, `trl-vapo plot OUTPUT_DIR`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ PROFILED = {"value": "old_values", "advantage": "raw_advantages", "return": "ret
 
 
 def bucket_edges(max_length: int, num_buckets: int) -> list[int]:
-    """`num_buckets + 1` edges splitting positions 0..max_length into equal buckets (fewer for short lengths)."""
+    """`num_buckets + 1` edges splitting positions 0..max_length into buckets as equal as whole positions allow
+    (fewer for short lengths: 10 positions in 4 are 0, 2, 5, 8, 10)."""
     count = max(1, min(num_buckets, max_length))
     edges = sorted({round(i * max_length / count) for i in range(count + 1)})
     return edges
@@ -134,7 +137,8 @@ def strict_json(value: Any, **dumps_kwargs: Any) -> str:
 
 
 def read_logs(output_dir: str | Path) -> list[dict[str, Any]]:
-    """The logged entries of a run, one per logging step (the last one per step after a resume re-logged it)."""
+    """The logged entries of a run: one per logging step (the last one per step after a resume re-logged it), then
+    the entries without a `phase` (evaluations, the end-of-training summary)."""
     path = Path(output_dir) / LOG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {output_dir} the output_dir of a trl-vapo run?")
@@ -154,7 +158,7 @@ def read_logs(output_dir: str | Path) -> list[dict[str, Any]]:
         if "phase" in entry:
             by_step[entry["step"]] = entry
         else:
-            extra.append(entry)  # the end-of-training summary
+            extra.append(entry)  # evaluations, the end-of-training summary
     return [by_step[step] for step in sorted(by_step)] + extra
 
 
@@ -173,10 +177,9 @@ CURVES = [
 
 def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None) -> list[Path]:
     """Draw `plots/training_curves.png` and `plots/position_profiles.png` in `output_dir` from its logs."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+    # Figures of their own, not pyplot's: `matplotlib.use("Agg")` switched the process's backend for good (a
+    # notebook's later `plt.show()` showed nothing), and no display or GUI backend is needed to write a PNG.
+    from matplotlib.figure import Figure
 
     logs = [h for h in (logs if logs is not None else read_logs(output_dir)) if "phase" in h]
     if not logs:
@@ -187,7 +190,8 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
     # first steps were drawn as value pretraining).
     pretrained_to = value_pretraining_end(logs)
 
-    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5), constrained_layout=True)
+    fig = Figure(figsize=(18, 7.5), constrained_layout=True)
+    axes = fig.subplots(2, 4)
     for ax, (title, keys) in zip(axes.flat, CURVES):
         for key in keys:
             points = [
@@ -205,9 +209,9 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
     fig.suptitle(f"{Path(output_dir).name}: training curves{shaded}")
     curves = folder / "training_curves.png"
     fig.savefig(curves, dpi=110)
-    plt.close(fig)
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    fig = Figure(figsize=(16, 4.5), constrained_layout=True)
+    axes = fig.subplots(1, 3)
     snapshots = _profile_snapshots(logs)
     for ax, name in zip(axes, PROFILED):
         for i, (label, entry) in enumerate(snapshots):  # one colour per snapshot in every panel
@@ -222,7 +226,6 @@ def write_plots(output_dir: str | Path, logs: list[dict[str, Any]] | None = None
     fig.suptitle("VC-PPO's critic check: a biased critic shows as advantages that drift with the position")
     profiles = folder / "position_profiles.png"
     fig.savefig(profiles, dpi=110)
-    plt.close(fig)
     return [curves, profiles]
 
 
