@@ -1547,7 +1547,7 @@ def test_trls_grpo_script_with_the_import_swapped_trains_lora_evaluates_and_relo
 
 
 def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
-    tiny_model_dir, reward_model_dir, grpo_data, tmp_path, capsys
+    tiny_model_dir, reward_model_dir, grpo_data, tmp_path, capsys, monkeypatch
 ):
     """The same config, its data as a `datasets` mixture with a test split cut off (TRL's DatasetMixtureConfig), run by
     `trl-vapo train --config`; the held-out report also scores with the reward model. A `dataset_name` beside the
@@ -1559,9 +1559,17 @@ def test_a_trl_grpo_config_with_a_dataset_mixture_runs_with_trl_vapo_train(
     # A flag that formats --dataset_name's rows would be ignored: refused, before any data loads.
     assert main(["train", f"--config={config}", "--prompt_column", "question"]) == 2
     assert "--prompt_column format(s) --dataset_name's rows" in capsys.readouterr().err
+    import trl_vapo.cli as cli
+    from trl_vapo.scoring import reward_func_name
+
+    scored_by, report = [], cli._held_out_report  # the reward functions of each report, before and after training
+    monkeypatch.setattr(
+        cli, "_held_out_report", lambda *a: scored_by.append(sorted(map(reward_func_name, a[3]))) or report(*a)
+    )
     assert main(["train", f"--config={config}", "--eval_num_prompts", "2", "--eval_k", "1"]) == 0  # `=`: one flag
     assert_trained_lora_with_evaluations(out, reward_model_dir.name, evaluations=2)
     # The held-out report, on the mixture's test split, scored by the training rewards (the reward model among them).
+    assert len(scored_by) == 2 and all(reward_model_dir.name in names and len(names) > 1 for names in scored_by)
     assert re.search(
         r"held-out avg@1 +\d\.\d{3} -> \d\.\d{3} +\(sampled at T=1, 2 problems\)", capsys.readouterr().out
     )

@@ -195,3 +195,12 @@ def test_shipped_model_leaves_room_for_reinforcement_learning(shipped):
     )
     assert 0.2 < result.avg_at_k < 0.65
     assert result.pass_at_k > result.avg_at_k + 0.25
+
+
+def test_the_sft_script_refuses_an_empty_report_before_training(tmp_path, capsys):
+    """`--eval-problems 0` trained for minutes, saved, then failed at the report (an empty data set to score)."""
+    from trl_vapo.demo import train_sft
+
+    with pytest.raises(SystemExit):
+        train_sft.main(["--output-dir", str(tmp_path), "--eval-problems", "0"])
+    assert "--eval-problems must be >= 1, got 0" in capsys.readouterr().err and not any(tmp_path.iterdir())

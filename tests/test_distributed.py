@@ -392,8 +392,12 @@ for mode in ("accelerate's", "kept"):
     for layer in [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]:
         fully_shard(layer, mesh=mesh, mp_policy=plugin.mixed_precision_policy)  # as accelerate's fsdp2_prepare_model
     fully_shard(model, mesh=mesh, mp_policy=plugin.mixed_precision_policy)
+    computed_in = []  # the dtype a policy layer's weight computes in
+    q_proj = next(m for name, m in model.named_modules() if name.endswith("q_proj"))
+    q_proj.register_forward_pre_hook(lambda module, args: computed_in.append(str(module.weight.dtype)))
     out = model(ids, torch.ones_like(ids), 4)
     results[mode] = {k: [str(v.dtype), (v.float() == v.bfloat16().float()).all().item()] for k, v in out.items()}
+    results[f"{mode} weights"] = sorted(set(computed_in))
 print(json.dumps(results))
 dist.destroy_process_group()
 """
@@ -410,6 +414,8 @@ def test_fsdp2_in_bf16_gives_the_log_probs_and_values_in_float32(tiny_model_dir,
     outputs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outputs["accelerate's"] == {k: ["torch.bfloat16", True] for k in ("logprobs", "entropy", "values")}
     assert outputs["kept"]["logprobs"] == outputs["kept"]["values"] == ["torch.float32", False]
+    # (float32 outputs off bf16's grid would hold too for a model computing in float32 throughout)
+    assert outputs["kept weights"] == outputs["accelerate's weights"] == ["torch.bfloat16"]
 
 
 FSDP2_FROZEN_MODEL_RESHARDED = """

@@ -168,11 +168,17 @@ def test_transformers_engine_output_invariants(tiny):
     assert out.is_truncated.any() and (~out.is_truncated).any()
     assert out.sampler_logprobs is None
 
+    assert model.training is False  # restored as found (from_pretrained models are in eval mode)
+
     # Batching is invisible: greedy completions in chunks of 4 equal one batch of all prompts.
     whole = TransformersGenerate(model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops)
-    a, b = engine.generate(prompts, sampling=GREEDY), whole.generate(prompts, sampling=GREEDY)
+    model.train()  # as the trainer's policy is between rollouts (gradient checkpointing runs in training mode only)
+    try:
+        a, b = engine.generate(prompts, sampling=GREEDY), whole.generate(prompts, sampling=GREEDY)
+        assert model.training is True  # restored as found
+    finally:
+        model.eval()
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
-    assert model.training is False  # restored as found (from_pretrained models are in eval mode)
 
 
 def test_a_models_num_return_sequences_does_not_multiply_the_rows(tiny):
@@ -342,6 +348,8 @@ def test_continuous_batching_sampling_respects_budget_and_stop_ids(tiny):
     assert len(set(map(tuple, first.completion_lists()))) > len(TEXT_PROMPTS)  # sampled, not greedy
     torch.manual_seed(3)
     assert engine.generate(prompts, sampling=sampling).completion_lists() == first.completion_lists()  # seeded
+    torch.manual_seed(4)  # by torch's seed: an engine that seeded itself with a constant drew these again
+    assert engine.generate(prompts, sampling=sampling).completion_lists() != first.completion_lists()
     assert model.config._attn_implementation == attention and not model.training  # the model is left as found
 
 
@@ -1009,14 +1017,18 @@ def test_a_sampled_evaluation_samples_as_its_arguments_say_whatever_trainings_ge
 
 
 @pytest.mark.parametrize("engine", ["continuous_batching", "static_cache"])  # each against generate()
-def test_evaluation_engines_agree_greedily(engine, demo):
+def test_evaluation_engines_agree_greedily(engine, demo, caplog):
     from trl_vapo.demo.data import build_split
     from trl_vapo.evaluation import sample_completions
 
     model, tokenizer, _ = demo
     prompts = list(build_split("held_out", 6)["prompt"])
     reference, ref_lengths = sample_completions(model, tokenizer, prompts, temperature=0.0, max_new_tokens=96)
-    texts, lengths = sample_completions(model, tokenizer, prompts, temperature=0.0, max_new_tokens=96, engine=engine)
+    with caplog.at_level(logging.INFO):
+        texts, lengths = sample_completions(
+            model, tokenizer, prompts, temperature=0.0, max_new_tokens=96, engine=engine
+        )
+    assert "use generate()" not in caplog.text  # the engine's own sampling, not its fallback (the reference's)
     assert texts == reference and lengths == ref_lengths
     assert all("\\boxed{" in t for t in texts)
     assert set(string.digits) & set("".join(texts))

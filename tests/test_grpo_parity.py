@@ -913,12 +913,18 @@ def test_streamed_data_takes_grpos_loader_settings(tiny_model_dir, tmp_path, cap
 
 def test_a_shuffled_stream_is_reshuffled_each_epoch(tiny_model_dir, tmp_path):
     """With `shuffle_dataset` (the default), a stream is shuffled as GRPOTrainer shuffles it (a buffered shuffle
-    seeded by `seed`) and again, differently, in the next epoch: each epoch is every prompt once."""
-    args = make_args(tmp_path, per_device_train_batch_size=8)  # 2 prompts x 4 completions per rollout
-    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8).to_iterable_dataset())
-    epochs = [[row["prompt"] for _ in range(4) for row in trainer._next_rows()[::4]] for _ in range(2)]
+    seeded by `seed`) and again, differently, in the next epoch: each epoch is every prompt once. The same seed reads
+    the same order (a resume skips the rows read before it in that order), another seed another."""
+
+    def two_epochs(seed: int) -> list[list[str]]:
+        args = make_args(tmp_path, per_device_train_batch_size=8, seed=seed)  # 2 prompts x 4 completions a rollout
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(8).to_iterable_dataset())
+        return [[row["prompt"] for _ in range(4) for row in trainer._next_rows()[::4]] for _ in range(2)]
+
+    epochs = two_epochs(42)
     assert all(sorted(epoch) == sorted(f"{i}+{i}=" for i in range(8)) for epoch in epochs)
     assert epochs[0] != epochs[1] and epochs[0] != [f"{i}+{i}=" for i in range(8)]
+    assert two_epochs(42) == epochs and two_epochs(1)[0] != epochs[0]
 
 
 def test_a_streamed_dataset_needs_max_steps_and_a_prompt_column(tmp_path):

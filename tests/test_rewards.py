@@ -632,17 +632,23 @@ def test_batch_with_hangs_keeps_order_and_repeats_are_not_retried():
     completions = [r"\boxed{0.5}", hang, r"\boxed{\dfrac12}", hang, r"\boxed{\frac{1}{3}}", r"\boxed{(1,2)}"]
     golds = [r"\frac{1}{2}"] * 5 + ["(1,2)"]
     expected = [1.0, -1.0, 1.0, -1.0, -1.0, 1.0]
-    start = time.monotonic()
-    assert fn(completions=completions, answer=golds) == expected
-    first = time.monotonic() - start
-    # The identical hanging pair is verified once, on one worker, while the other worker serves the rest.
-    assert first < DEADLINE + 2.0
-    for call in range(STRIKES):
-        start = time.monotonic()
+
+    def scored() -> tuple[float, dict[str, int]]:
+        """The call's seconds and what the pool verified: pairs sent, overruns."""
+        before, start = dict(fn.pool.stats), time.monotonic()
         assert fn(completions=completions, answer=golds) == expected
-        retried = time.monotonic() - start > DEADLINE * 0.9
+        return time.monotonic() - start, {k: fn.pool.stats[k] - before[k] for k in ("verified", "timeouts")}
+
+    # The identical hanging pair is verified once, on one worker, while the other worker serves the rest (the
+    # plain-number golds take the fast path: the pool gets the hang and (1,2)).
+    first, sent = scored()
+    assert first < DEADLINE + 2.0 and sent == {"verified": 2, "timeouts": 1}
+    for call in range(STRIKES):
+        seconds, sent = scored()
+        retried = seconds > DEADLINE * 0.9
         # Verified again until it has overrun in STRIKES calls, then no more (a retry: a deadline more).
         assert retried == (call < STRIKES - 1)
+        assert sent == ({"verified": 2, "timeouts": 1} if retried else {"verified": 1, "timeouts": 0})
 
 
 def test_an_overrun_of_a_stalled_machine_is_verified_again():

@@ -73,6 +73,7 @@ def test_greedy_completions_and_logprobs_equal_generate(which, tiny, tiny_model_
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=which == "tiny-bf16-autocast")
     with autocast:
         expected, got = generate.generate(prompts, sampling=sampling), static.generate(prompts, sampling=sampling)
+    assert static.state is not None  # its own decode loop ran, not its fallback (generate(), the expected side)
     assert got.completion_lists() == expected.completion_lists()
     assert (
         torch.equal(got.is_truncated, expected.is_truncated)
@@ -170,6 +171,16 @@ def test_processed_logits_equal_transformers_processors(tiny, settings):
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert state.greedy == sampling.greedy
+    # The step's own use of them (`sample_and_record`, what a decode step runs): tokens drawn where the processed
+    # logits allow, recorded with their log-probs under them.
+    torch.manual_seed(0)
+    state.sample_and_record(logits.clone())
+    drawn, logprobs = state.output_ids[:, 0], state.output_logprobs[:, 0]
+    expected_logprobs = expected.log_softmax(-1).gather(-1, drawn[:, None]).squeeze(-1)
+    assert torch.isfinite(expected_logprobs).all()
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-6)
+    if sampling.greedy:
+        assert torch.equal(drawn, expected.argmax(-1))
 
 
 def test_first_tokens_follow_the_softmax_chi_square(tiny):
@@ -277,6 +288,7 @@ def test_a_weight_update_and_the_lora_policy_are_seen_by_the_next_rollout(tiny_m
     generate, static = _engines(policy, tokenizer, [tokenizer.eos_token_id])
     prompts = token_ids(tokenizer, TEXT_PROMPTS)
     before = static.generate(prompts, sampling=GREEDY)
+    assert static.state is not None  # its own decode loop ran on the LoRA policy, not its fallback (generate())
     assert before.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
     with torch.no_grad():
         for name, param in policy.named_parameters():
@@ -741,7 +753,10 @@ def test_the_graph_sees_weight_updates_and_is_taken_again_for_another_adapter(ti
     policy.set_adapter("critic")
     try:
         critic = static.generate(prompts, sampling=sampling)
-        assert static.state.graph is not graph  # captured again under the new key
+        from trl_vapo.static_cache import capture_key
+
+        # captured again under the new key (a graph of None, the step left eager, passed `is not graph`)
+        assert static.state.graph not in (None, graph) and static.state.graph_key == capture_key(policy)
         assert critic.completion_lists() == generate.generate(prompts, sampling=sampling).completion_lists()
     finally:
         policy.set_adapter("default")
@@ -799,17 +814,22 @@ def test_the_default_engine_is_the_static_cache_engine_on_a_cuda_gpu_without_sha
     assert named_off.placed("cuda", sharded=False).engine == "generate"
 
 
-def test_kept_buffers_follow_a_change_of_sampling_settings(tiny):
+def test_kept_buffers_follow_a_change_of_sampling_settings(tiny, device):
     """The buffers are kept for the next call of the same shape, but not the step built for the last call's sampling
-    settings (a captured graph would replay them): greedy after sampling is greedy, as generate() is."""
+    settings (a captured graph would replay them: on CUDA, the graph is captured again): greedy after sampling is
+    greedy, as generate() is."""
     model, tokenizer = tiny
+    if device != "cpu":
+        model = copy.deepcopy(model).to(device)
     generate, static = _engines(model, tokenizer, [tokenizer.eos_token_id])
     prompts = token_ids(tokenizer, TEXT_PROMPTS)
     sampled = SamplingSettings(max_new_tokens=24, temperature=1.3, top_k=5)
     static.generate(prompts, sampling=sampled)
-    signature = static.state.sampling_signature
+    signature, graph = static.state.sampling_signature, static.state.graph
+    assert (graph is not None) == (device == "cuda")
     got = static.generate(prompts, sampling=GREEDY)
     assert static.state.sampling_signature != signature and not static.state.warpers
+    assert static.state.graph is None if device == "cpu" else static.state.graph not in (None, graph)
     assert got.completion_lists() == generate.generate(prompts, sampling=GREEDY).completion_lists()
 
 

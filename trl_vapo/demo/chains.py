@@ -10,7 +10,7 @@ and followed by two letters of free commentary, then the boxed total::
 
 Why this shape:
 
-- **Long chains with slips anywhere.** Repeats let chains run to 10 terms and about three carries per problem (one
+- **Long chains with slips anywhere.** Repeats let chains run to 10 terms and about three carries per problem (none
   to nine), spread over the whole chain; the cold-start model drops each carry with some probability, and any
   single dropped carry decides the answer (the chain carries on consistently from the wrong total, as in the demo).
   The tags keep the term look-up unambiguous despite repeats: the line tagged ``c`` adds the digit after ``c=`` in

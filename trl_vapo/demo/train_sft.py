@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate-size", type=int, default=384)
     parser.add_argument("--eval-problems", type=int, default=256, help="held-out problems for the final report")
     args = parser.parse_args(argv)
+    if args.eval_problems < 1:  # before the minutes of training (the report at the end had nothing to score)
+        parser.error(f"--eval-problems must be >= 1, got {args.eval_problems}")
 
     torch.set_num_threads(1)  # deterministic, and the demo machine's cores are shared
     model, tokenizer = train(args)
