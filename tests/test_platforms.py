@@ -13,6 +13,7 @@ import random
 import select
 import signal
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -142,8 +143,11 @@ def test_the_statistics_of_a_device_without_float64_are_the_cpus(monkeypatch):
 
 
 class _WindowsOs(types.ModuleType):
-    """`os` as `checkpoint.py` meets it on Windows: a folder cannot be opened (PermissionError), and `os.fsync`
-    (`_commit`, FlushFileBuffers) needs a handle that may write (EBADF otherwise). Everything else is this `os`."""
+    """`os` as `checkpoint.py` meets it on Windows: its name, a folder cannot be opened (PermissionError), and
+    `os.fsync` (`_commit`, FlushFileBuffers) needs a handle that may write (EBADF otherwise). Everything else is this
+    `os`."""
+
+    name = "nt"
 
     def __getattr__(self, name):
         return getattr(os, name)
@@ -166,10 +170,8 @@ class _WindowsOs(types.ModuleType):
 def test_a_checkpoint_is_published_where_folders_cannot_be_flushed(tmp_path, monkeypatch):
     """Every `save_model` and checkpoint flushes its files and folders before the rename that publishes them; on
     Windows that raised (and `save_model` then removed the model it had written). Windows does not run here: its two
-    behaviours are emulated for `checkpoint.py`'s calls, with the module's Windows settings."""
+    behaviours are emulated for `checkpoint.py`'s calls, which choose their Windows settings by `os.name`."""
     monkeypatch.setattr(ckpt, "os", _WindowsOs("os"))
-    monkeypatch.setattr(ckpt, "FLUSH_FILE_MODE", "r+b")
-    monkeypatch.setattr(ckpt, "FLUSHES_FOLDERS", False)
     final = tmp_path / "checkpoint-2"
     for generation in ("first", "second"):  # a new checkpoint, then one that replaces it
         tmp = ckpt.temporary_folder(final, "run")
@@ -181,8 +183,8 @@ def test_a_checkpoint_is_published_where_folders_cannot_be_flushed(tmp_path, mon
         assert (final / "critic" / "value_head.safetensors").read_text() == generation
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
 
-    monkeypatch.setattr(ckpt, "FLUSH_FILE_MODE", "rb")  # the emulation bites: a read-only handle cannot flush
-    with pytest.raises(OSError, match="Bad file descriptor"):
+    monkeypatch.setattr(_WindowsOs, "name", "posix")  # the emulation bites: POSIX's settings fail there
+    with pytest.raises(OSError, match="Bad file descriptor|Permission denied"):
         ckpt.fsync_tree(final)
 
 
@@ -258,6 +260,11 @@ def test_bf16_is_the_default_only_on_a_gpu_that_computes_in_it_natively(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert not config._cuda_supports_bf16() and config._cuda_without_native_bf16()
+    with pytest.warns(UserWarning, match=r"no native bf16 \(a T4, a V100.*fp16=True"):
+        assert config.default_bf16(False, use_cpu=False) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fp16 asked for, or the CPU: nothing to say
+        assert config.default_bf16(True, use_cpu=False) is False and config.default_bf16(False, use_cpu=True) is False
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
     assert config._cuda_supports_bf16() and not config._cuda_without_native_bf16()
     # Training on the CPU of a machine with such a GPU (`use_cpu`): off, as on any CPU (it was on, under CPU autocast).

@@ -208,6 +208,13 @@ def test_rich_print_shows_the_sample_like_trl():
         assert value in text, value
     assert "[bold]4[/bold]" in text  # completions are text, never rich markup
     assert "USER" in text and "ASSISTANT" in text
+    # A plain string's too (a closing tag without its opening one raised rich's MarkupError: a stopped run).
+    plain = build_completions_table(
+        step=8, prompts=["[i]1+1="], completions=["[/bold] [red]5[/red]"], rewards={"r": [1.0]}, sequence_rewards=[1.0]
+    )
+    out = io.StringIO()
+    print_completions_table(plain, None, file=out, width=140)
+    assert "[i]1+1=" in out.getvalue() and "[/bold] [red]5[/red]" in out.getvalue()
     row_of_3 = next(line for line in text.splitlines() if "3+3=" in line)
     assert row_of_3.count(" - ") >= 3  # digit_fraction NaN, reward None, advantage None
 

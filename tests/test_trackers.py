@@ -209,6 +209,7 @@ def test_save_model_writes_a_card_a_user_can_publish(lora_run, tiny_model_dir):
     content = (lora_run["out"] / "README.md").read_text()
     meta = yaml.safe_load(content.split("---\n")[1])
     assert "licence" not in meta and "base_model" not in meta  # a local base is not hub metadata
+    assert meta["library_name"] == "peft" and "lora" in meta["tags"]  # the run's own record: a LoRA adapter
     assert "None" not in content
     assert f"the local model `{tiny_model_dir}`" in content
     assert "| 1 | value pretraining |" in content and "ran 1 rollout" in content

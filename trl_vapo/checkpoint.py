@@ -279,10 +279,16 @@ def temporary_folder(final: Path, owner: str) -> Path:
     return final.with_name(f".{final.name}.{owner}.tmp")
 
 
-# Windows flushes a file only through a handle that may write (FlushFileBuffers), and can neither open a folder nor
-# flush one (NTFS journals a rename itself); POSIX flushes any handle, and a folder to make a rename durable.
-FLUSH_FILE_MODE = "r+b" if os.name == "nt" else "rb"
-FLUSHES_FOLDERS = os.name != "nt"
+def flush_file_mode() -> str:
+    """How a file is opened to be flushed: Windows flushes a file only through a handle that may write
+    (FlushFileBuffers); POSIX flushes any handle."""
+    return "r+b" if os.name == "nt" else "rb"
+
+
+def flushes_folders() -> bool:
+    """Whether folders are flushed: POSIX, to make a rename durable; Windows can neither open a folder nor flush one
+    (NTFS journals a rename itself)."""
+    return os.name != "nt"
 
 
 def fsync_tree(folder: Path) -> None:
@@ -290,13 +296,13 @@ def fsync_tree(folder: Path) -> None:
     checkpoint must not reach the disk before its files' contents do (a power loss would leave zero-byte files)."""
     for root, _, files in os.walk(folder):
         for name in files:
-            with open(os.path.join(root, name), FLUSH_FILE_MODE) as f:
+            with open(os.path.join(root, name), flush_file_mode()) as f:
                 os.fsync(f.fileno())
         _fsync_dir(Path(root))
 
 
 def _fsync_dir(folder: Path) -> None:
-    if not FLUSHES_FOLDERS:
+    if not flushes_folders():
         return
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -1149,7 +1155,7 @@ class SavingMixin:
         marker["progress"]["epoch_ended_step"] = self.state.global_step
         rewritten = folder / f".{COMPLETE_MARKER}.tmp"
         rewritten.write_text(json.dumps(marker, indent=2))
-        with open(rewritten, FLUSH_FILE_MODE) as written:  # on the disk before the rename: a power loss left an
+        with open(rewritten, flush_file_mode()) as written:  # on the disk before the rename: a power loss left an
             os.fsync(written.fileno())  # empty marker (XFS), and the run's last checkpoint could not be resumed
         os.replace(rewritten, folder / COMPLETE_MARKER)
         _fsync_dir(folder)

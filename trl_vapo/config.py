@@ -844,14 +844,6 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             )
         if self.bf16 is None:
             self.bf16 = default_bf16(fp16, self.use_cpu)
-            if not self.bf16 and not fp16 and not self.use_cpu and _cuda_without_native_bf16():
-                warnings.warn(
-                    "This GPU has no native bf16 (a T4, a V100: before Ampere), so bf16 mixed precision stays off "
-                    "(bf16=True would emulate it). fp16=True computes in fp16, which these GPUs' tensor cores run, "
-                    "with loss scaling; and load the model in float16 or float32 (`dtype`), not bfloat16, whose "
-                    "frozen weights compute emulated.",
-                    stacklevel=3,
-                )
         if self.bf16 and not self.use_cpu and not _bf16_accelerator():  # what transformers refuses, and its fix
             raise ValueError(
                 "bf16=True needs an accelerator with bf16 (a CUDA GPU from Ampere on, ...) and this machine has none: "
@@ -1676,7 +1668,15 @@ def fp16_asked(fp16: bool) -> bool:
 def default_bf16(fp16: bool, use_cpu: bool) -> bool:
     """`bf16`'s default: on where a CUDA GPU computes in it natively (Ampere on), unless fp16 is asked for
     (`fp16_asked`: transformers lets bf16 override the launcher's fp16) or the run trains on the CPU (`use_cpu`,
-    whatever GPU the machine has)."""
+    whatever GPU the machine has). On a GPU that only emulates bf16, off with a warning naming fp16."""
+    if not fp16 and not use_cpu and _cuda_without_native_bf16():
+        warnings.warn(
+            "This GPU has no native bf16 (a T4, a V100: before Ampere), so bf16 mixed precision stays off "
+            "(bf16=True would emulate it). fp16=True computes in fp16, which these GPUs' tensor cores run, "
+            "with loss scaling; and load the model in float16 or float32 (`dtype`), not bfloat16, whose "
+            "frozen weights compute emulated.",
+            stacklevel=5,  # the code building the config (through _settings_as_given, __post_init__, __init__)
+        )
     return not fp16 and not use_cpu and _cuda_supports_bf16()
 
 
