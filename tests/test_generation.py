@@ -459,12 +459,14 @@ def test_vllm_sync_pushes_the_base_merged_with_the_policy_adapter_only(tiny_mode
     assert not any(getattr(m, "merged", False) for m in policy.modules())
 
 
-@pytest.mark.parametrize("adapter", ["lora-on-two-expert-parameters", "ln-tuning"])
+@pytest.mark.parametrize("adapter", ["lora-on-two-expert-parameters", "ln-tuning", "lora-trainable-tokens"])
 def test_vllm_sync_merges_nested_and_swapping_adapters_as_peft_merges_them(tmp_path, adapter):
-    """Two adapters whose merge the sync's own one-layer merge got wrong: LoRA on two parameters of one module (peft
+    """Adapters whose merge the sync's own one-layer merge got wrong: LoRA on two parameters of one module (peft
     nests their wrappers, each merging its own: the inner parameter reached vLLM without its LoRA; gpt-oss's LoRA
-    recipes target its experts so), and LN tuning (its merge swaps in the trained norm: the untrained one reached
-    vLLM). Against peft's `merge_and_unload` of the policy adapter alone; the training weights stay as they were."""
+    recipes target its experts so), LN tuning (its merge swaps in the trained norm: the untrained one reached
+    vLLM), and LoRA with `trainable_token_indices` (new tokens' embeddings: the embedding reached vLLM under its
+    wrapper's name, `embed_tokens.token_adapter.weight`, and the delta too, names vLLM does not have). Against peft's
+    `merge_and_unload` of the policy adapter alone; the training weights stay as they were."""
     from peft import LNTuningConfig, LoraConfig, get_peft_model
     from transformers import AutoConfig
 
@@ -481,6 +483,8 @@ def test_vllm_sync_merges_nested_and_swapping_adapters_as_peft_merges_them(tmp_p
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     if adapter == "ln-tuning":
         peft_config = LNTuningConfig(target_modules=["input_layernorm", "post_attention_layernorm"])
+    elif adapter == "lora-trainable-tokens":
+        peft_config = LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=[3, 5])
     else:
         peft_config = LoraConfig(
             r=2, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"]
@@ -490,7 +494,7 @@ def test_vllm_sync_merges_nested_and_swapping_adapters_as_peft_merges_them(tmp_p
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # both adapters change the weights they wrap
         for name, param in policy.named_parameters():
-            if "lora_B" in name or "ln_tuning_layers" in name:
+            if "lora_B" in name or "ln_tuning_layers" in name or "trainable_tokens_delta" in name:
                 param.add_(0.3 * torch.randn(param.shape, generator=generator))
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     engine = _vllm_engine(ActorCritic(policy, value_head=ValueHead(32)), tokenizer)
@@ -503,7 +507,10 @@ def test_vllm_sync_merges_nested_and_swapping_adapters_as_peft_merges_them(tmp_p
         torch.testing.assert_close(received[name], value, atol=1e-6, rtol=0, msg=name)
     plain = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "base").named_parameters())
     changed = {name for name, value in expected.items() if not torch.allclose(value, plain[name], atol=1e-3)}
-    assert changed and all(("experts" if adapter.startswith("lora") else "layernorm") in name for name in changed)
+    adapted = {"lora-on-two-expert-parameters": "experts", "ln-tuning": "layernorm"}.get(adapter, "")
+    assert changed and all(adapted in name for name in changed)
+    if adapter == "lora-trainable-tokens":
+        assert {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"} <= changed
     for name, param in policy.named_parameters():
         torch.testing.assert_close(param.detach(), before[name], atol=0, rtol=0, msg=name)
 

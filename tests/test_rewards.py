@@ -344,12 +344,12 @@ def test_find_last_boxed(text, expected):
         (r"\boxed{1} then some words here \boxed{2}", "2"),  # 10+ characters and no separator: not joined
         (r"$\boxed{1} then some words here \boxed{2}$", "1,2"),  # ... unless one math environment holds both
         (r"$\boxed{1}$ and then, much later and after checking everything again, $\boxed{2}$", "2"),
-        (r"\(\boxed{1}\) and \(\boxed{-2}\) are the roots", "1,-2"),  # chained environments
+        (r"\(\boxed{1}\) and \(\boxed{-2}\) are the roots", "1, -2"),  # chained environments: each read apart
         (r"\boxed{1}, \boxed{2}, " * 200 + r"\boxed{3}", None),  # a list of candidates is no answer
         # the MATH few-shot sentence, also before further text (math-verify takes it wherever it stands)
         ("Final Answer: The final answer is $34$. I hope it is correct.", "34"),
         ("The final answer is 12,000,023. I hope it is correct. <|im_start|>user", "12000023"),
-        ("The final answer is $1$ and $2$. I hope it is correct.", "1,2"),
+        ("The final answer is $1$ and $2$. I hope it is correct.", "1, 2"),
         (r"So \boxed{5}. Final Answer: The final answer is $6$. I hope it is correct.", "6"),  # the later one wins
         (r"Final Answer: The final answer is $6$. I hope it is correct. Then \boxed{5}", "5"),
         ("The final answer is x + 1. I hope it is correct.", None),  # not a math environment or a number
@@ -396,10 +396,11 @@ def test_extract_predicted_answer(text, expected):
         (r"\frac{1}{", None),
         ("Let me explain at length " * 20, None),
         (r"$$\boxed{2}, \boxed{3}, \boxed{5}, \boxed{7}, \boxed{13}$$", "2,3,5,7,13"),
-        (r"\(\boxed{1}\) and \(\boxed{-2}\).", "1,-2"),
+        (r"\(\boxed{1}\) and \(\boxed{-2}\).", "1, -2"),
         (r"The answers are \boxed{1} papers and \boxed{2} bins.", "1,2"),
         (r"First \boxed{1}, then more words than math-verify joins across (70 or more), and at last \boxed{2}.", "2"),
-        ("$6$ and $8$", "6,8"),
+        ("$6$ and $8$", "6, 8"),
+        ("$6$ and $120$", "6, 120"),  # a set: "6,120" read as the number 6120 (math-verify reads the set)
         (r"$1 - \frac{1}{\mathrm{e}}$", r"1 - \frac{1}{e}"),
         # A gold in words, read as a completion's answer line: "72 clips" was kept whole, which math-verify reads as
         # 72*c*l*i*p*s (every completion scored wrong, the gold counted as valid).

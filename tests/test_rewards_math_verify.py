@@ -79,6 +79,20 @@ CASES = {
         ("one-display-holds-both", r"$\{1, 2\}$", r"$\boxed{1} is one root the other root is \boxed{2}$"),
         ("think-then-answer", r"$(1, -2)$", "<think>Maybe \\boxed{(1, 2)}?</think>\nSo \\[\\boxed{(1, -2)}\\]"),
         ("deduplicated", r"$7$", r"\boxed{7}, \boxed{7}"),
+        # Environments chained, a later one of three digits: each is read apart, the set {6, 120} (joined "6,120"
+        # they were the thousands number 6120: the set scored wrong, 6120 right).
+        ("chain-three-digits", r"$6$ and $120$", r"Thus $\boxed{6}$ and $\boxed{120}$."),
+        ("chain-three-digits-as-set", r"$6$ and $120$", r"\boxed{6, 120}"),
+        ("chain-three-digits-not-thousands", r"$6$ and $120$", r"\boxed{6120}"),
+        ("chain-three-digits-gold-set", r"$\{6, 120\}$", r"Thus $\boxed{6}$ and $\boxed{120}$."),
+        ("chain-three-digits-sentence", r"$\{6, 120\}$", "The final answer is $6$ and $120$. I hope it is correct."),
+        ("chain-boxes-then-env", r"$1, 2, 300$", r"$\boxed{1}, \boxed{2}$ and $\boxed{300}$"),
+        # A line break with spacing, ``\\[4pt]``, inside the display: its ``\[`` is no opening (the display's is).
+        (
+            "aligned-spaced-lines",
+            r"$(2, 5)$",
+            r"So \[ \begin{aligned} x &= \boxed{2} \\[4pt] y &= \boxed{5} \end{aligned} \]",
+        ),
     ],
     "final answer sentence": [
         (
@@ -119,6 +133,8 @@ CASES = {
         ("answer-line-slash-count", "0.5", "Answer: 1/2 cup"),  # a slash fraction's count too (it scored -1)
         ("answer-is-slash-count", "3/4", "The answer is 3/4 of the pizza."),
         ("answer-is-slash-count-wrong", "3/4", "The answer is 2/3 of the pizza."),
+        ("answer-is-escaped-percent", r"$25\%$", r"The answer is 25\%."),  # (LaTeX's \% outside $...$: no answer)
+        ("answer-is-escaped-percent-wrong", r"$25\%$", r"The answer is 26\%."),
     ],
     "mathrm e": [
         ("e-alone", r"$\mathrm{e}$", r"\boxed{e}"),

@@ -123,10 +123,12 @@ def _exactly_merged_params(model: nn.Module, dist, fix_name: Callable) -> Iterat
     with dist.gather_params(list(model.parameters())):
         merged: dict[str, torch.Tensor] = {}
         for name, param in model.named_parameters():
-            if model.prefix in name or "original_module" in name:
-                continue  # adapter matrices, and the base copy of modules_to_save, as TRL skips them
-            vllm_name = fix_name(
-                name.removeprefix("base_model.model.").replace(".base_layer", ""),
+            if model.prefix in name or "original_module" in name or "trainable_tokens_delta" in name:
+                # adapter matrices, the base copy of modules_to_save (as TRL skips them), and the new tokens' rows of
+                # `trainable_token_indices` (merged into the embedding below)
+                continue
+            vllm_name = fix_name(  # (`token_adapter`: the wrapper `trainable_token_indices` puts around the embedding)
+                name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".token_adapter", ""),
                 extra_prefixes=["modules_to_save.default."],
             )
             owner, found, _ = name.partition(".base_layer.")

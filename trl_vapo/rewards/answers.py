@@ -67,7 +67,7 @@ _ENV_RES = (
 _CURRENCY = re.escape("$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₩₪₫₭₮₯₰₱₲₳₴₵₶₷₸₹₺₻₼₽₾₿")
 _MV_NUMBER_RE = re.compile(
     rf"(?:\*\*)?[{_CURRENCY}]?(?:(?P<int1>-?[1-9]\d{{0,2}}(?:[ ,]\d{{3}})+)(?P<dec1>\.\d+)?|(?P<int2>-?\d+)"
-    r"(?P<dec2>[.,]\d+)|(?P<dec3>\.\d+)|(?P<int3>-?\d+))(?P<percent>\s*(?:%|[Pp]ercent|\s*[Pp]ercentage|\s*[Pp]ct))?",
+    r"(?P<dec2>[.,]\d+)|(?P<dec3>\.\d+)|(?P<int3>-?\d+))(?P<percent>\s*(?:\\?%|[Pp]ercent|\s*[Pp]ercentage|\s*[Pp]ct))?",
     re.ASCII,
 )
 _MV_FRACTION_RE = re.compile(r"-?\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
@@ -150,19 +150,27 @@ def find_last_boxed(text: str) -> str | None:
     return text[content_start:end]
 
 
-def _join_contents(contents: Sequence[str]) -> str | None:
+def _join_contents(contents: Sequence[str], separator: str = ",") -> str | None:
     """Box contents joined into one answer as math-verify joins them (``1,2,3``), dropping a content that repeats the
-    one before it; ``None`` when the answer would exceed :data:`_MAX_RAW_CHARS` (a list of candidates)."""
+    one before it; ``None`` when the answer would exceed :data:`_MAX_RAW_CHARS` (a list of candidates).
+
+    The boxes of one math environment are joined by a bare ``,``, as math-verify joins them (``$$\boxed{2},
+    \boxed{128}$$`` is 2128 to it too); a chain of environments (``$6$ and $120$``) by ``, ``
+    (:data:`ENVIRONMENTS_SEPARATOR`), since math-verify reads each environment apart, as the set {6, 120}: ``6,120``
+    read as one thousands number, 6120 (the right set scored wrong, 6120 right)."""
     kept: list[str] = []
     size = 0
     for content in contents:
         if kept and content == kept[-1]:
             continue
         kept.append(content)
-        size += len(content) + 1
+        size += len(content) + len(separator)
         if size > _MAX_RAW_CHARS:
             return None
-    return ",".join(kept)
+    return separator.join(kept)
+
+
+ENVIRONMENTS_SEPARATOR = ", "  # a space after the comma: no number reads ``6, 120`` as 6120 (math-verify's neither)
 
 
 def _walk_boxes(text: str, spans: Sequence[tuple[int, int, int]]) -> list[str]:
@@ -223,7 +231,9 @@ def _enclosing_env(text: str, start: int, end: int) -> tuple[int, int] | None:
             candidates.append((opening, close.end()))
     for left, right, one_line in (("\\[", "\\]", False), ("\\(", "\\)", True)):
         opening = text.rfind(left, 0, start)
-        if opening < 0 or not _not_escaped(text, opening) or text.find(right, opening, start) >= 0:
+        while opening >= 0 and not _not_escaped(text, opening):  # a line break's ``\\[4pt]`` is no opening
+            opening = text.rfind(left, 0, opening)
+        if opening < 0 or text.find(right, opening, start) >= 0:
             continue
         close = text.find(right, end)
         while close >= 0 and not _not_escaped(text, close):
@@ -286,12 +296,19 @@ def _boxed_answer(text: str, spans: Sequence[tuple[int, int, int]]) -> tuple[str
         chain = _env_chain(text, env, spans)
         if chain is None:
             return None, env[1]
-        contents = [
-            text[content_start:close].strip()
-            for box_start, content_start, close in spans
-            if any(left <= box_start and close < right for left, right in chain)
+        answers = [  # each environment's boxes, then the environments
+            _join_contents(
+                [
+                    text[content_start:close].strip()
+                    for box_start, content_start, close in spans
+                    if left <= box_start and close < right
+                ]
+            )
+            for left, right in chain
         ]
-        return _join_contents(contents), env[1]
+        if None in answers:
+            return None, env[1]
+        return _join_contents([a for a in answers if a], ENVIRONMENTS_SEPARATOR), env[1]
     return _join_contents(_walk_boxes(text, spans)), text.rfind("}") + 1
 
 
@@ -332,7 +349,7 @@ def _phrase_answer(text: str) -> str | None:
     text = text.strip()
     contents = _env_contents(text)
     if contents is not None:
-        return _join_contents(contents)
+        return _join_contents(contents, ENVIRONMENTS_SEPARATOR)
     if _MV_FRACTION_RE.fullmatch(text):
         return text
     return _mv_number(text)
@@ -540,7 +557,7 @@ def normalize_gold_answer(gold: Any) -> str | None:
       environment, so ``$$\\boxed{2}, \\boxed{3}, \\boxed{5}$$`` gives ``"2,3,5"`` (all of them are the answer, and
       a completion giving one of them is wrong);
     - bare answers (DeepScaleR, DAPO-Math): ``"\\frac{1}{2}"``, ``"$2\\sqrt{3}$"``, ``"(3,-1)"`` are kept, minus
-      surrounding math delimiters (``"$6$ and $8$"`` gives ``"6,8"``); ints and floats become their digits in full
+      surrounding math delimiters (``"$6$ and $8$"`` gives ``"6, 8"``); ints and floats become their digits in full
       (``1e20`` is ``"100000000000000000000"``, ``2.5e-07`` is ``"0.00000025"``), and so do decimals;
     - a bare or GSM8K answer in words, as a completion's final line is read: ``"72 clips"`` gives ``"72"`` (the
       count, not the words, which math-verify would read as a product of symbols), ``"So the answer is 5."``
@@ -573,7 +590,7 @@ def normalize_gold_answer(gold: Any) -> str | None:
         contents = _env_contents(gold.strip()) if marker < 0 and len(gold) <= _MAX_RAW_CHARS else None
         answer = gold[marker + 4 :].partition("\n")[0] if marker >= 0 else gold
         if contents is not None:
-            answer = _join_contents(contents)
+            answer = _join_contents(contents, ENVIRONMENTS_SEPARATOR)
         elif len(answer) <= _MAX_RAW_CHARS:  # read as a completion's answer line is: ``72 clips`` is 72 (math-verify
             # reads the words as a product of symbols: every completion scored wrong), ``So the answer is 5.`` is 5
             answer = _final_line_answer(answer) or _number_of_a_count(answer) or answer
