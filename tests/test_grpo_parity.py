@@ -1338,3 +1338,14 @@ def test_batch_fields_set_after_the_config_was_built_are_followed_and_checked(ti
     args.num_generations = 64
     with pytest.raises(ValueError, match=r"generation_batch_size \(32 = .*must be a multiple of num_generations \(64"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(16))
+
+
+def test_include_num_input_tokens_seen_logs_tokens_per_second_as_grpotrainer_does(tiny_model_dir, tmp_path):
+    """transformers' training loop gives `Trainer.log` its start, which adds `train_tokens_per_second` to each log row
+    with `include_num_input_tokens_seen` on (GRPOTrainer's rows have it): VAPO's rows had the count alone."""
+    args = make_args(tmp_path, include_num_input_tokens_seen="all")
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+    trainer.train()
+    rows = rl_logs(trainer)
+    assert len(rows) == 2 and all(r["train_tokens_per_second"] > 0 for r in rows)
+    assert rows[-1]["num_input_tokens_seen"] == trainer.state.num_input_tokens_seen > 0

@@ -96,7 +96,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "the planned run (value pretraining's whole budget, then RL) until value pretraining ends, then the run "
             "as it is (value pretraining's steps, then RL: shorter where `value_pretrain_patience` ended it early), "
             "so that a decaying rate reaches 0 at the run's end. "
-            "Paper: warm-up then constant, of a length it does not give: `warmup_steps` is 0 (no warm-up) unless set."
+            "Paper: warm-up then constant, of a length it does not give: `warmup_steps` is 0 (no warm-up) unless set. "
+            "(GRPOConfig's default: linear.)"
         },
     )
     max_steps: int = field(
@@ -209,7 +210,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=True,
         metadata={
             "help": "Set every dropout probability to 0 in the policy and critic, so the old and new "
-            "log-probabilities of the PPO ratio come from the same function."
+            "log-probabilities of the PPO ratio come from the same function. (GRPOConfig's default: False.)"
         },
     )
 
@@ -399,7 +400,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "help": "Clip-higher: upper clip range, the ratio is clipped above at 1 + epsilon_high. Paper: 0.28. "
             "None: equal to `epsilon` (symmetric clipping, vanilla PPO). It acts only where a rollout trains more "
             "than one optimizer step (steps_per_generation > gradient_accumulation_steps, or num_iterations > 1; "
-            "the paper: 16): with one, the ratio is 1."
+            "the paper: 16): with one, the ratio is 1. (GRPOConfig's default: None.)"
         },
     )
     loss_type: str = field(

@@ -662,7 +662,7 @@ class MetricsMixin:
         logs = {"learning_rate": rates.get("policy", first), "phase": phase}
         if "critic" in rates:  # a frozen value function has no rate
             logs["critic_learning_rate"] = rates["critic"]
-        self.log(logs)
+        self.log(logs, self._train_start_time)  # (as transformers' loop logs: tokens per second since it)
 
     def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
         """Add the averages of the metrics collected since the last log, then log as `Trainer.log` does, and write

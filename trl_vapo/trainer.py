@@ -801,6 +801,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
 
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, start_step = time.time(), self.state.global_step
+        # What `Trainer.log` reads for `train_tokens_per_second` (with `include_num_input_tokens_seen`), as
+        # transformers' training loop sets them: this call's start, its tokens counted from there.
+        self._train_start_time, self._initial_num_input_tokens_seen = start_time, self.state.num_input_tokens_seen
         self._loss_sum, self._loss_steps = 0.0, 0
         self._logged_step = None  # (a second train() on this trainer, resumed from an earlier step, logs it again)
         self._rewrite_log_file = True
