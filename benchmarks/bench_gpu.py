@@ -455,6 +455,7 @@ def summarise(record: dict, warmup: int) -> dict:
         **split,
         "tokens_per_s": record["tokens_per_step"] / median,
         "peak_gib": record["peak_bytes"] / 2**30,
+        "peak_growth_gib": record["peak_growth_bytes"] / 2**30,  # above the memory in use as training began
         "trainable": record["trainable"],
         "device": record["device"],
         "engine": record["engine"],

@@ -37,6 +37,16 @@ def test_logits_memory_measures_each_log_prob_path():
     # smoke shape's tensors from pages already resident: the benchmark measures each path in a fresh process)
     assert table[2].split()[4] == ("1.00x" if records[("smoke", "trl-fused")]["peak_bytes"] else "-")
 
+    # The peak, as the benchmark reads it (a fresh process): the float32 path holds its float32 logits at least,
+    # about 97 MB for 160 tokens (a peak read before the backward, or none, read less).
+    from bench_gpu import launch
+
+    opts = argparse.Namespace(
+        steps=1, prompts=1, generations=1, completion_length=160, micro_batch=1, logits_memory=True, fp32=False
+    )
+    record = launch(opts, "smoke", "fp32-log-softmax")
+    assert record["peak_bytes"] >= 2 * record["logits_bytes"] == 160 * 151936 * 4
+
 
 def test_peak_memory_sees_an_allocation_made_and_freed_after_the_reset():
     """The instrument of `--logits-memory` and `--step-memory`: the peak above the start, after a fresh reset."""
@@ -68,15 +78,28 @@ def test_a_workers_stderr_is_the_launchers_as_it_runs(tmp_path, capfd):
     still going with its launcher, and a held output went with it (where the cut run was: the call's log showed
     nothing). A real process, which succeeds: its output is not only a failure's tail."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    import threading
+    import time
+
     from _launch import launch_worker
 
+    go = tmp_path / "go"  # the worker ends only once its line has reached this process's stderr
     worker = tmp_path / "worker.py"
     worker.write_text(
-        "import json, sys\nprint('warm-up step done', file=sys.stderr)\n"
+        "import json, os, sys, time\nprint('warm-up step done', file=sys.stderr, flush=True)\n"
+        f"any(os.path.exists({str(go)!r}) or time.sleep(0.05) for _ in range(400))\n"
         "json.dump({'step_s': [1.0]}, open(sys.argv[sys.argv.index('--result') + 1], 'w'))\n"
     )
-    assert launch_worker(worker, [], "smoke/vapo-lora") == {"step_s": [1.0]}
-    assert "warm-up step done" in capfd.readouterr().err
+    result = []
+    running = threading.Thread(target=lambda: result.append(launch_worker(worker, [], "smoke/vapo-lora")))
+    running.start()
+    seen, deadline = "", time.monotonic() + 15
+    while "warm-up step done" not in seen and time.monotonic() < deadline:
+        seen += capfd.readouterr().err
+        time.sleep(0.05)
+    go.touch()
+    running.join(timeout=60)
+    assert "warm-up step done" in seen and result == [{"step_s": [1.0]}]  # seen while the worker was running
 
 
 def test_a_failed_run_costs_only_its_own_row(tmp_path, monkeypatch, capfd):

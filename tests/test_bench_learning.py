@@ -704,6 +704,13 @@ def test_quick_prints_the_table_and_writes_the_plots(quick_run):
         "slip rank",
     ):
         assert needle in table and needle in stdout
+    # Rows, not only the headers that name them: each arm's row, and VAPO's credit-assignment row of each task.
+    lines = table.splitlines()
+    for arm in ("VAPO", "GRPO (TRL, DAPO-style)", "GRPO 32x2", "oracle critic 64x1", "critic-free 64x1"):
+        assert any(line.startswith(f"{arm} ") and any(c.isdigit() for c in line[len(arm) :]) for line in lines), arm
+    for task in ("demo", "chains"):
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{task}: credit assignment"))
+        assert any(line.startswith("VAPO ") and "±" in line for line in lines[start + 3 : start + 12]), task
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"demo", "chains"}
     # The 64x1 arms are compared pairwise besides against GRPO and VAPO: learned, exact and no critic.

@@ -29,8 +29,8 @@ def test_generation_benchmark_quick_compares_the_engines(capsys):
     assert float(steps["static"][0]) > 100 and float(steps["generate()"][0]) > 100
 
 
-@pytest.mark.parametrize("engine", ["generate"])  # continuous batching: 67 s here, covered by test_engines.py
-def test_trainer_benchmark_runs_both_trainers_with_each_engine(engine):
+@pytest.mark.parametrize("engine", ["generate"])  # continuous batching: 67 s here, not run (its trainer path is tested
+def test_trainer_benchmark_runs_both_trainers(engine):  # in test_engines.py, not this benchmark's branch for it)
     out = run_benchmark(
         "bench_trainer.py",
         "--steps",

@@ -205,8 +205,8 @@ def test_on_windows_a_ctrl_c_reaches_the_demo_and_dev_py_waits_for_its_stop():
     load = f"import importlib.util as u, os, sys; s = u.spec_from_file_location('d', {str(ROOT / 'dev.py')!r}); "
     load += "d = u.module_from_spec(s); s.loader.exec_module(d); os.name = 'nt'; "
     child = (
-        "import signal, sys, time; stop = []; signal.signal(signal.SIGINT, lambda *a: stop.append(1)); "
-        "print('ready', flush=True); any(stop or time.sleep(0.05) for _ in range(600)); time.sleep(1); "
+        "import os, signal, sys, time; stop = []; signal.signal(signal.SIGINT, lambda *a: stop.append(1)); "
+        "print('ready', os.getppid(), flush=True); any(stop or time.sleep(0.05) for _ in range(600)); time.sleep(1); "
         "print('stopped whole'); "  # (waits for the Ctrl-C in short sleeps: a handled signal does not end a sleep)
         "sys.exit(3)"
     )
@@ -214,7 +214,8 @@ def test_on_windows_a_ctrl_c_reaches_the_demo_and_dev_py_waits_for_its_stop():
     process = subprocess.Popen(
         [sys.executable, "-c", command], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
-    assert "ready" in process.stdout.readline() + process.stdout.readline()  # dev.py's "+ ..." line, then the child's
+    ready = process.stdout.readline() + process.stdout.readline()  # dev.py's "+ ..." line, then the child's
+    assert f"ready {process.pid}" in ready  # a child of dev.py's process, which waits for it (no exec replaced it)
     os.killpg(process.pid, signal.SIGINT)
     stdout, _ = process.communicate(timeout=60)
     assert process.returncode == 3 and "stopped whole" in stdout, (process.returncode, stdout)

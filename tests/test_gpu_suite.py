@@ -33,7 +33,10 @@ def test_smoke_runs_every_kind_of_part_and_writes_each_figure(tmp_path):
     trainer = report["parts"]["trainer-lora"]
     vapo, grpo = trainer["rows"]["smoke/vapo-lora"], trainer["rows"]["smoke/grpo-lora"]
     for row in (vapo, grpo):
-        assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_gib"] > 0
+        assert row["step_s"] > 0 and row["tokens_per_s"] > 0
+        # The peak is read over the training alone (the reset before it: what loading held at its height is not in
+        # it), and training grows the memory in use.
+        assert 0 < row["peak_growth_gib"] < row["peak_gib"]
         assert row["generation"] > 0 and row["update"] > 0
         assert row["generation"] + row["scoring"] + row["update"] <= row["step_s"] * 1.05
     assert vapo["trainable"] > grpo["trainable"]  # the critic adapter and value head
@@ -137,7 +140,14 @@ def test_a_tests_training_run_stops_within_the_gpu_suites_tests_part(tmp_path, m
 
     from _script_process import SCRIPT_TIMEOUT, run_code
 
-    assert gpu_suite.SCRIPT_TIMEOUT == SCRIPT_TIMEOUT and int(gpu_suite.TESTS_LIMIT // 3) < gpu_suite.TESTS_LIMIT / 2
+    # What the tests part gives its pytest process (its command not run here: `run_command` records it).
+    given = []
+    monkeypatch.setattr(gpu_suite, "run_command", lambda command, stop_at, env=None: given.append(env) or (0, False))
+    gpu_suite.run_tests(tmp_path)
+    assert (
+        gpu_suite.SCRIPT_TIMEOUT == SCRIPT_TIMEOUT and 0 < float(given[0][SCRIPT_TIMEOUT]) <= gpu_suite.TESTS_LIMIT / 2
+    )
+    # ... and a run started there stops at it.
     monkeypatch.setenv(SCRIPT_TIMEOUT, "1")
     began = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
