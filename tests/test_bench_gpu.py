@@ -116,7 +116,8 @@ def test_a_failed_run_costs_only_its_own_row(tmp_path, monkeypatch, capfd):
     failing.write_text("import sys\nprint('CUDA out of memory', file=sys.stderr)\nsys.exit(1)\n")
     grpo = {
         "step_s": [3.0, 2.0], "parts": [{"generate": 1.0}, {"generate": 1.5, "backward": 0.5}],
-        "tokens_per_step": 64, "peak_bytes": 2**30, "trainable": 10, "device": "cpu", "engine": "generate()",
+        "tokens_per_step": 64, "peak_bytes": 2**30, "peak_growth_bytes": 2**29, "trainable": 10, "device": "cpu",
+        "engine": "generate()",
         "phases": {"start": 1.0},
     }  # fmt: skip
     launched = []
