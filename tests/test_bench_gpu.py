@@ -4,6 +4,7 @@ cannot rot."""
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -73,14 +74,15 @@ def test_peak_memory_sees_an_allocation_made_and_freed_after_the_reset():
     assert rows == [["s", "vapo-lora", "300", "0.25x", "2.0"], ["s", "grpo-lora", "1,200", "1.00x", "1.5"]]
 
 
-def test_a_workers_stderr_is_the_launchers_as_it_runs(tmp_path, capfd):
+def test_a_workers_stderr_is_the_launchers_as_it_runs(tmp_path):
     """A worker's stderr goes straight to the launcher's, not held until it ends: `gpu_suite.py --limit` kills a run
     still going with its launcher, and a held output went with it (where the cut run was: the call's log showed
-    nothing). A real process, which succeeds: its output is not only a failure's tail."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    nothing). A real process, which succeeds: its output is not only a failure's tail. The launcher's stderr is a file
+    here (read while the worker runs, never truncated: a line cannot be lost between two reads)."""
     import threading
     import time
 
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from _launch import launch_worker
 
     go = tmp_path / "go"  # the worker ends only once its line has reached this process's stderr
@@ -90,16 +92,23 @@ def test_a_workers_stderr_is_the_launchers_as_it_runs(tmp_path, capfd):
         f"any(os.path.exists({str(go)!r}) or time.sleep(0.05) for _ in range(400))\n"
         "json.dump({'step_s': [1.0]}, open(sys.argv[sys.argv.index('--result') + 1], 'w'))\n"
     )
-    result = []
-    running = threading.Thread(target=lambda: result.append(launch_worker(worker, [], "smoke/vapo-lora")))
-    running.start()
-    seen, deadline = "", time.monotonic() + 15
-    while "warm-up step done" not in seen and time.monotonic() < deadline:
-        seen += capfd.readouterr().err
-        time.sleep(0.05)
-    go.touch()
-    running.join(timeout=60)
-    assert "warm-up step done" in seen and result == [{"step_s": [1.0]}]  # seen while the worker was running
+    stderr, result = tmp_path / "stderr", []
+    saved = os.dup(2)
+    with open(stderr, "wb") as file:
+        os.dup2(file.fileno(), 2)
+    try:
+        running = threading.Thread(target=lambda: result.append(launch_worker(worker, [], "smoke/vapo-lora")))
+        running.start()
+        deadline = time.monotonic() + 15
+        while b"warm-up step done" not in stderr.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen = stderr.read_bytes()
+        go.touch()
+        running.join(timeout=60)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert b"warm-up step done" in seen and result == [{"step_s": [1.0]}]  # seen while the worker was running
 
 
 def test_a_failed_run_costs_only_its_own_row(tmp_path, monkeypatch, capfd):

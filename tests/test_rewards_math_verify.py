@@ -133,8 +133,10 @@ CASES = {
         ("answer-line-slash-count", "0.5", "Answer: 1/2 cup"),  # a slash fraction's count too (it scored -1)
         ("answer-is-slash-count", "3/4", "The answer is 3/4 of the pizza."),
         ("answer-is-slash-count-wrong", "3/4", "The answer is 2/3 of the pizza."),
-        ("answer-is-escaped-percent", r"$25\%$", r"The answer is 25\%."),  # (LaTeX's \% outside $...$: no answer)
+        # LaTeX's \% outside $...$: the number without its percent, as math-verify reads it (it was no answer)
+        ("answer-is-escaped-percent", r"$25\%$", r"The answer is 25\%."),
         ("answer-is-escaped-percent-wrong", r"$25\%$", r"The answer is 26\%."),
+        ("answer-is-escaped-percent-of-a-fraction", "0.25", r"The answer is 25\%."),  # 25, not 0.25: wrong
     ],
     "mathrm e": [
         ("e-alone", r"$\mathrm{e}$", r"\boxed{e}"),

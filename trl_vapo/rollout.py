@@ -103,9 +103,10 @@ class Rollout:
 def concatenate_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     """The rollouts as one, for the critic's steps over several value-pretraining rollouts
     (`value_pretrain_replay`): every ``[N, P + C]`` tensor's prompt part left-padded and completion part right-padded
-    to the widest, every ``[N, C]`` one right-padded. The rest is the last rollout's, read by no critic step: the
-    rewards' verdicts (its rows alone), sampling metrics, extra columns, `group_size`, `critic_step`, `entropy` and
-    `pad_to_multiple_of` (its metrics were logged from it before; not for `rollout_metrics`)."""
+    to the widest, every ``[N, C]`` one right-padded. The rest is the last rollout's: `pad_to_multiple_of` (a run's
+    setting, the same in each), and what no critic step reads: the rewards' verdicts (its rows alone), sampling
+    metrics, extra columns, `group_size`, `critic_step` and `entropy` (its metrics were logged from it before; not
+    for `rollout_metrics`)."""
     newest = rollouts[-1]
     if len(rollouts) == 1:
         return newest

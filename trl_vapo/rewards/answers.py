@@ -67,7 +67,9 @@ _ENV_RES = (
 _CURRENCY = re.escape("$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₩₪₫₭₮₯₰₱₲₳₴₵₶₷₸₹₺₻₼₽₾₿")
 _MV_NUMBER_RE = re.compile(
     rf"(?:\*\*)?[{_CURRENCY}]?(?:(?P<int1>-?[1-9]\d{{0,2}}(?:[ ,]\d{{3}})+)(?P<dec1>\.\d+)?|(?P<int2>-?\d+)"
-    r"(?P<dec2>[.,]\d+)|(?P<dec3>\.\d+)|(?P<int3>-?\d+))(?P<percent>\s*(?:\\?%|[Pp]ercent|\s*[Pp]ercentage|\s*[Pp]ct))?",
+    r"(?P<dec2>[.,]\d+)|(?P<dec3>\.\d+)|(?P<int3>-?\d+))(?P<percent>\s*(?:%|[Pp]ercent|\s*[Pp]ercentage|\s*[Pp]ct))?"
+    # LaTeX's ``\%`` after a bare number: math-verify's expression extractor reads the number, without its percent
+    r"(?:\\%)?",
     re.ASCII,
 )
 _MV_FRACTION_RE = re.compile(r"-?\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
@@ -154,8 +156,8 @@ def _join_contents(contents: Sequence[str], separator: str = ",") -> str | None:
     """Box contents joined into one answer as math-verify joins them (``1,2,3``), dropping a content that repeats the
     one before it; ``None`` when the answer would exceed :data:`_MAX_RAW_CHARS` (a list of candidates).
 
-    The boxes of one math environment are joined by a bare ``,``, as math-verify joins them (``$$\boxed{2},
-    \boxed{128}$$`` is 2128 to it too); a chain of environments (``$6$ and $120$``) by ``, ``
+    The boxes of one math environment are joined by a bare ``,``, as math-verify joins them (``$$\\boxed{2},
+    \\boxed{128}$$`` is 2128 to it too); a chain of environments (``$6$ and $120$``) by ``, ``
     (:data:`ENVIRONMENTS_SEPARATOR`), since math-verify reads each environment apart, as the set {6, 120}: ``6,120``
     read as one thousands number, 6120 (the right set scored wrong, 6120 right)."""
     kept: list[str] = []
