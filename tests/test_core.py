@@ -1296,6 +1296,7 @@ def test_lm_head_logprobs_match_the_definitions_in_tiles(monkeypatch, temperatur
     monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 4)
     monkeypatch.setattr(compat, "TOKEN_TILE_ROWS", 4)
     monkeypatch.setattr(core, "LOGITS_CHUNK_ELEMENTS", 4 * 11)
+    monkeypatch.setattr(core, "TORCH_FOLD_TILE_ELEMENTS", 4 * 11)  # (the CPU's budget)
     g = torch.Generator().manual_seed(0)
     hidden, weight, bias, index = sliced_and_transposed(2, 5, 8, 50, torch.float32, g)
     assert not hidden.is_contiguous() and not weight.is_contiguous()

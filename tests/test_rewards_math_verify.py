@@ -137,6 +137,10 @@ CASES = {
         ("answer-is-escaped-percent", r"$25\%$", r"The answer is 25\%."),
         ("answer-is-escaped-percent-wrong", r"$25\%$", r"The answer is 26\%."),
         ("answer-is-escaped-percent-of-a-fraction", "0.25", r"The answer is 25\%."),  # 25, not 0.25: wrong
+        ("answer-is-spaced-escaped-percent", r"$25\%$", r"The answer is 25 \%."),
+        ("answer-line-spaced-escaped-percent-of-a-fraction", "0.25", r"Answer: 25 \%"),
+        # The MATH sentence takes no \% before "I hope": the box is the answer, as math-verify reads it.
+        ("hope-escaped-percent-after-box", "25", "So \\boxed{30}.\nThe final answer is 25\\%. I hope it is correct."),
     ],
     "mathrm e": [
         ("e-alone", r"$\mathrm{e}$", r"\boxed{e}"),

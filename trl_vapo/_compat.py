@@ -11,6 +11,7 @@ from trl.cli.accelerate_config import resolve_accelerate_config_argument
 from trl.import_utils import is_vllm_available
 from trl.kernels import ChunkedLogProbFunction as TiledLogProbs
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE as TOKEN_TILE_ROWS
+from trl.kernels.chunked_logprob import _use_triton as tiles_fold_with_triton
 from trl.models.utils import add_hooks, prepare_deepspeed, prepare_fsdp, remove_hooks
 from trl.trainer.utils import (
     disable_dropout_in_model,
@@ -61,6 +62,7 @@ def prepare_frozen_model(model, accelerator, shard: bool = True):
 
 __all__ = [
     "TOKEN_TILE_ROWS",
+    "tiles_fold_with_triton",
     "TiledLogProbs",
     "add_hooks",
     "disable_dropout_in_model",

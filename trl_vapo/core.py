@@ -72,9 +72,9 @@ def exact(values: torch.Tensor) -> torch.Tensor:
 # loss inf and the whole step skipped; clamped, the token's term is bounded (see `policy_loss`).
 LOG_RATIO_LIMIT = 20.0
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per chunk: ~110 positions of a 152k vocabulary
-# The LM head's tile where TRL's kernel folds it with whole-tile torch operations (no Triton: a CPU, an Apple GPU),
-# whose float32 temporaries are several times the tile: a 2^24-logit tile held ~0.5 GiB there, above the plain
-# log-softmax's peak for micro-batches under ~350 positions (CPU, 1 x 160 positions: 0.56 against 0.21 GiB).
+# The LM head's tile where TRL's kernel folds it with whole-tile torch operations (without Triton: a CPU, an
+# Apple GPU), whose float32 temporaries are several times the tile: a 2^24-logit tile held ~0.5 GiB there, above
+# the plain log-softmax's peak for micro-batches under ~350 positions (CPU, 1 x 160 positions: 0.56 against 0.21 GiB).
 TORCH_FOLD_TILE_ELEMENTS = 1 << 22
 
 
@@ -167,11 +167,12 @@ def lm_head_logprobs_and_entropy(
         index: ``[...]`` int64 token ids.
     Returns ``(logprobs, entropy)``, float32 ``[...]``; ``entropy`` is None unless ``with_entropy``.
     """
-    from ._compat import TOKEN_TILE_ROWS, TiledLogProbs  # here: importing TRL costs seconds `import core` need not pay
+    from ._compat import TOKEN_TILE_ROWS, TiledLogProbs, tiles_fold_with_triton  # here: importing TRL costs seconds
 
     flat = hidden.reshape(-1, hidden.shape[-1])  # a copy of [N, H] at most, never of anything vocabulary-sized
     rows = max(1, min(flat.shape[0], TOKEN_TILE_ROWS))
-    budget = LOGITS_CHUNK_ELEMENTS if flat.device.type == "cuda" else TORCH_FOLD_TILE_ELEMENTS
+    # (TRL's kernel decides the fold: Triton on CUDA and XPU where Triton is installed, torch elsewhere)
+    budget = LOGITS_CHUNK_ELEMENTS if tiles_fold_with_triton(flat.device) else TORCH_FOLD_TILE_ELEMENTS
     columns = max(1, min(weight.shape[0], budget // rows))  # the tile buffer: rows x columns
     outputs = ("log_probs", "entropy") if with_entropy or entropy_grad else ("log_probs",)
     logprobs, entropy, *_ = TiledLogProbs.apply(

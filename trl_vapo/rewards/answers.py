@@ -69,7 +69,7 @@ _MV_NUMBER_RE = re.compile(
     rf"(?:\*\*)?[{_CURRENCY}]?(?:(?P<int1>-?[1-9]\d{{0,2}}(?:[ ,]\d{{3}})+)(?P<dec1>\.\d+)?|(?P<int2>-?\d+)"
     r"(?P<dec2>[.,]\d+)|(?P<dec3>\.\d+)|(?P<int3>-?\d+))(?P<percent>\s*(?:%|[Pp]ercent|\s*[Pp]ercentage|\s*[Pp]ct))?"
     # LaTeX's ``\%`` after a bare number: math-verify's expression extractor reads the number, without its percent
-    r"(?:\\%)?",
+    r"(?:\s*\\%)?",
     re.ASCII,
 )
 _MV_FRACTION_RE = re.compile(r"-?\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
@@ -384,7 +384,7 @@ def _hope_answer(text: str) -> tuple[str, int] | None:
             raw = text[prefix.end() : hope]
             raw = raw[:-1] if raw[-1:].isspace() else raw
             raw = raw.removesuffix(".")
-            if raw != raw.rstrip():
+            if raw != raw.rstrip() or raw.endswith("\\%"):  # (math-verify's sentence takes no ``\%`` before it)
                 continue
             answer = _phrase_answer(raw)
             if answer is not None:
