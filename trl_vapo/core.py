@@ -153,10 +153,10 @@ def lm_head_logprobs_and_entropy(
     ``s`` and soft cap ``c(x) = cap * tanh(x / cap)`` (identity without one), at temperature ``T`` (the policy
     ratio of VAPO's Eq. 2 and the KL penalty are taken under the sampling distribution softmax(z_t)).
 
-    The projection runs on tiles of at most ``LOGITS_CHUNK_ELEMENTS`` logits on CUDA, ``TORCH_FOLD_TILE_ELEMENTS``
-    elsewhere (``TOKEN_TILE_ROWS`` positions by as many vocabulary columns as fit), folded into running logsumexp
-    statistics; backward recomputes each tile and accumulates the gradients of ``hidden``, ``weight`` and ``bias`` in
-    float32. This is TRL's
+    The projection runs on tiles of at most ``LOGITS_CHUNK_ELEMENTS`` logits where TRL's kernel folds them with
+    Triton, ``TORCH_FOLD_TILE_ELEMENTS`` elsewhere (``TOKEN_TILE_ROWS`` positions by as many vocabulary columns as
+    fit), folded into running logsumexp statistics; backward recomputes each tile and accumulates the gradients of
+    ``hidden``, ``weight`` and ``bias`` in float32. This is TRL's
     ``trl.kernels.ChunkedLogProbFunction`` (GRPOTrainer's fused LM head: Triton on CUDA, torch elsewhere), with a tile
     sized for memory rather than GEMM width: GRPOTrainer's 32,768-column tiles take 0.5-1 GB of float32
     temporaries on a CPU.
