@@ -136,6 +136,33 @@ def test_a_model_quantized_by_any_method_trains_only_as_transformers_lets_it(tin
     assert VAPOTrainer(loaded, digit_fraction, asked, prompts_dataset()).actor_critic.policy is loaded
 
 
+def test_a_quantization_config_that_dequantizes_or_needs_no_bitsandbytes_is_not_read_as_qlora(
+    tiny_model_dir, monkeypatch
+):
+    """TRL's gpt-oss recipe loads with `Mxfp4Config(dequantize=True)`: bf16 weights (transformers removes the
+    quantizer), which GRPOTrainer trains in full; VAPO refused it ("quantized weights cannot be trained"). A GPTQ or
+    AWQ config with LoRA was refused where bitsandbytes is not installed, which it never uses (transformers names each
+    method's own package as it loads). bitsandbytes' absence is made here (it is installed)."""
+    import sys
+
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, Mxfp4Config
+
+    from trl_vapo.loading import check_quantization
+
+    model = str(tiny_model_dir)  # a local folder with no adapter in it: a base model to load quantized
+    for dequantizing in (Mxfp4Config(dequantize=True), {"quant_method": "mxfp4", "dequantize": True}):
+        check_quantization({"quantization_config": dequantizing}, None, model)  # full fine-tuning, as GRPOTrainer
+    with pytest.raises(ValueError, match="pass a peft_config"):
+        check_quantization({"quantization_config": Mxfp4Config()}, None, model)  # quantized: adapters only
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    check_quantization({"quantization_config": {"quant_method": "gptq", "bits": 4}}, lora, model)
+    for qlora in (BitsAndBytesConfig(load_in_4bit=True), {"load_in_4bit": True}, {"quant_method": "bitsandbytes"}):
+        with pytest.raises(ImportError, match="needs bitsandbytes"):
+            check_quantization({"quantization_config": qlora}, lora, model)
+
+
 # ---------------------------------------------------------------------------------------------------- the config
 def _grpo_init_defaults() -> dict:
     """GRPOConfig's fields with the defaults its `__init__` gives them: the fields a GRPO script may pass (the

@@ -799,6 +799,9 @@ def test_the_default_engine_is_the_static_cache_engine_on_a_cuda_gpu_without_sha
     assert named.placed("cuda", sharded=False).cuda_graph and not named.placed("cuda", sharded=True).cuda_graph
     quantized = dataclasses.replace(default, quantization_config={"load_in_4bit": True})
     assert quantized.placed("cuda", sharded=False).engine == "generate"  # QLoRA: not captured on a GPU yet
+    # A config that dequantizes as it loads (TRL's gpt-oss recipe) gives bf16 weights: captured as any
+    dequantized = dataclasses.replace(default, quantization_config={"quant_method": "mxfp4", "dequantize": True})
+    assert dequantized.placed("cuda", sharded=False).engine == "static_cache"
     saved_quantized = types.SimpleNamespace(is_loaded_in_4bit=True)  # a checkpoint saved in 4 bits, as transformers
     assert default.placed("cuda", sharded=False, model=saved_quantized).engine == "generate"  # marks it once loaded
     batching = EngineSettings.from_config(make_args(tmp_path, use_transformers_continuous_batching=True))

@@ -39,7 +39,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ._compat import is_vllm_available, pad, vllm_generation_class
-from .modeling import is_quantized
+from .modeling import asks_quantized, is_quantized
 from .vllm_fields import VLLM_DEFAULTS, VLLM_OPTIONS
 from .vllm_sync import check_policy_adapter_active, check_policy_only, check_tied_head_unadapted, policy_only
 
@@ -922,7 +922,7 @@ class EngineSettings:
         engine = self.engine
         # Not for a quantized base, asked for or loaded so (a checkpoint saved quantized): bitsandbytes' kernels were
         # not captured on a GPU yet (named, it runs; a failed capture falls back to the eager step with a warning).
-        quantized = self.quantization_config is not None or is_quantized(model)
+        quantized = asks_quantized(self.quantization_config) or is_quantized(model)
         # Nor where `cache_implementation` asks for another KV cache (offloaded, quantized): the engine's is static.
         other_cache = self.sampling.generation_kwargs.get("cache_implementation") not in EXACT_CACHES
         if (
@@ -1048,9 +1048,7 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
     if problem:
         raise ValueError(problem)
     if settings.engine == "vllm":
-        asked = settings.quantization_config
-        dequantized = asked.get("dequantize") if isinstance(asked, dict) else getattr(asked, "dequantize", False)
-        quantized = (asked is not None and not dequantized) or is_quantized(model)
+        quantized = asks_quantized(settings.quantization_config) or is_quantized(model)
         if quantized:
             # Syncing would merge the policy adapter into packed 4-bit weights: vLLM would receive packed uint8
             # under bf16 names, and the live base would come back re-quantized.

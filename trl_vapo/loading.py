@@ -36,6 +36,8 @@ from .modeling import (
     VALUE_HEAD_FILE,
     ActorCritic,
     ValueHead,
+    asks_bitsandbytes,
+    asks_quantized,
     check_only_adapters_train,
     check_value_model,
     copy_adapter_weights,
@@ -117,13 +119,16 @@ def critic_from_policy(policy: PreTrainedModel, trust_remote_code: bool = False)
 def check_quantization(model_init_kwargs: dict | None, peft_config, model=None) -> None:
     """Fail before loading anything when a quantized model is asked for where it cannot train (a saved adapter,
     `model`, trains its own on the quantized base: QLoRA on)."""
-    if (model_init_kwargs or {}).get("quantization_config") is None or not isinstance(model, (str, os.PathLike)):
+    asked = (model_init_kwargs or {}).get("quantization_config")
+    if not asks_quantized(asked) or not isinstance(model, (str, os.PathLike)):
         return  # (a model passed loaded ignores model_init_kwargs, with a warning: its quantization is its own)
     if peft_config is None and not is_saved_adapter(model, model_init_kwargs):
         raise ValueError(
             "model_init_kwargs asks for a quantized model, and quantized weights cannot be trained: pass a "
             "peft_config (e.g. LoraConfig(r=16), or --use_peft on the command line) to train adapters on it (QLoRA)."
         )
+    if not asks_bitsandbytes(asked):
+        return  # (GPTQ, AWQ, torchao, FP8, ...: transformers names the package each needs as it loads)
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

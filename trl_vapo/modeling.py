@@ -204,6 +204,28 @@ def value_function_name(value_function: ValueFunction) -> str:
     return name if isinstance(name, str) else type(value_function).__name__
 
 
+def asks_quantized(quantization_config: Any) -> bool:
+    """Whether loading with `quantization_config` (a transformers quantization config, or its dict) gives quantized
+    weights: not with one that dequantizes as it loads (TRL's gpt-oss recipe, `Mxfp4Config(dequantize=True)`: the
+    weights load in bf16 and transformers removes the quantizer)."""
+    if quantization_config is None:
+        return False
+    if isinstance(quantization_config, dict):
+        return not quantization_config.get("dequantize", False)
+    return not getattr(quantization_config, "dequantize", False)
+
+
+def asks_bitsandbytes(quantization_config: Any) -> bool:
+    """Whether `quantization_config` (a config or its dict) loads with bitsandbytes (4-bit / 8-bit: QLoRA): its
+    `quant_method`, or for a dict without one, the `load_in_4bit` / `load_in_8bit` flags transformers reads then."""
+    config = quantization_config
+    read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    method = read("quant_method")
+    if method is None:
+        return bool(read("load_in_4bit") or read("load_in_8bit"))
+    return method == "bitsandbytes"  # (transformers' QuantizationMethod is a str enum)
+
+
 def is_quantized(model: nn.Module) -> bool:
     """Whether `model` (a PEFT model's base too) holds quantized weights, by any method transformers knows
     (bitsandbytes 4-bit / 8-bit, GPTQ, AWQ, torchao, FP8, ...), asked for by `quantization_config` or saved so."""
