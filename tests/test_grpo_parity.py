@@ -388,6 +388,20 @@ def test_grpos_deprecated_spellings_set_what_they_stand_for(tmp_path):
         assert make_args(tmp_path, vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
 
 
+def test_a_truncating_importance_sampling_mode_needs_a_bound_only_with_the_correction_on(tmp_path):
+    """GRPOConfig asks `*_truncate` modes for a bound only where the correction runs (off, the mode is never read):
+    VAPO refused the settings with the correction off."""
+    from trl import GRPOConfig
+
+    unbounded = {"vllm_importance_sampling_clip_min": None, "vllm_importance_sampling_clip_max": None}
+    for mode in ("token_truncate", "sequence_truncate"):
+        off = {**unbounded, "vllm_importance_sampling_mode": mode, "vllm_importance_sampling_correction": False}
+        GRPOConfig(output_dir=str(tmp_path), bf16=False, **off)
+        assert make_args(tmp_path, **off).vllm_importance_sampling_mode == mode
+        with pytest.raises(ValueError, match="needs vllm_importance_sampling_clip_min or"):
+            make_args(tmp_path, **{**off, "vllm_importance_sampling_correction": True})
+
+
 @pytest.mark.parametrize(
     ("settings", "says"),
     [

@@ -1398,8 +1398,11 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             low is None or high is None or low < high,
             f"vllm_importance_sampling_clip_min ({low}) must be below vllm_importance_sampling_clip_max ({high}).",
         )
-        require(
-            not self.vllm_importance_sampling_mode.endswith("truncate") or low is not None or high is not None,
+        require(  # (GRPOConfig's condition: with the correction off, the mode is never read)
+            not self.vllm_importance_sampling_correction
+            or not self.vllm_importance_sampling_mode.endswith("truncate")
+            or low is not None
+            or high is not None,
             f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs "
             "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max.",
         )
