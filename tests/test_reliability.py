@@ -223,12 +223,19 @@ def test_empty_or_too_small_dataset_gives_the_numbers(tiny_model_dir, tmp_path):
         )
     with pytest.raises(
         ValueError, match=r"has 1 prompts but one rollout needs 2 \(generation_batch_size 8 / num_generations 4\)"
-    ):
+    ) as refused:
         VAPOTrainer(
             model=str(tiny_model_dir),
             reward_funcs=digit_fraction,
             args=config(tmp_path),
             train_dataset=prompts_dataset(1),
+        )
+    assert "lower per_device_train_batch_size / steps_per_generation" in str(refused.value)
+    # A rollout sized by generation_batch_size is made smaller by it (a smaller batch size leaves it as it is)
+    sized = config(tmp_path, generation_batch_size=16, num_generations=4)
+    with pytest.raises(ValueError, match=r"one rollout needs 4 .*Add prompts, or lower generation_batch_size, or"):
+        VAPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=digit_fraction, args=sized, train_dataset=prompts_dataset(3)
         )
 
 

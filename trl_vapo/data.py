@@ -431,10 +431,15 @@ def check_train_dataset(dataset, args) -> dict:
     check_prompts(prompts, "train_dataset")
     needed = prompts_per_rollout(args)
     if len(dataset) < needed:
+        # The rollout's size follows the field the user set: generation_batch_size, or the batch size and the steps
+        # (lowering the batch size alone leaves a generation_batch_size set as it is)
+        smaller = (
+            "generation_batch_size" if args._rollout_size_set else "per_device_train_batch_size / steps_per_generation"
+        )
         raise ValueError(
             f"train_dataset has {len(dataset)} prompts but one rollout needs {needed} "
             f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}). Add "
-            "prompts, or lower per_device_train_batch_size / steps_per_generation, or raise num_generations."
+            f"prompts, or lower {smaller}, or raise num_generations."
         )
     for i, prompt in enumerate(prompts):  # an image part may sit in any row's messages, not the first one's
         refuse_images({"prompt": prompt}, f"train_dataset (row {i})")
