@@ -213,6 +213,20 @@ def test_missing_answer_column_of_a_reward_names_it_and_lists_the_columns(tiny_m
         VAPOTrainer(model=str(tiny_model_dir), reward_funcs=needs_solution, args=config(tmp_path), train_dataset=data)
 
 
+def test_an_empty_prompt_the_tokenizer_gives_no_token_is_refused_before_training(tiny_model_dir, tmp_path):
+    """Without `max_prompt_length` (GRPOConfig's default) nothing tokenized a map-style set up front: an empty text
+    prompt, to which the tokenizer adds no token (the tiny one adds no BOS, as Qwen's), failed the rollout (or the
+    evaluation) that drew it, at any step of the first epoch, the steps since the last checkpoint lost; with
+    `max_prompt_length` set it was refused as the trainer was built. Refused then either way, an eval set's too."""
+    rows = prompts_dataset(8).to_list()
+    rows[5]["prompt"] = ""
+    with_empty = Dataset.from_list(rows)
+    unlimited = config(tmp_path, max_prompt_length=None)
+    for train, held_out in ((with_empty, None), (prompts_dataset(), {"held_out": with_empty})):
+        with pytest.raises(ValueError, match="A prompt has no token: ''"):
+            VAPOTrainer(str(tiny_model_dir), digit_fraction, unlimited, train, eval_dataset=held_out)
+
+
 def test_empty_or_too_small_dataset_gives_the_numbers(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"train_dataset is empty"):
         VAPOTrainer(

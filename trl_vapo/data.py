@@ -242,6 +242,25 @@ def prepare_tokenizer(tokenizer, conversational: bool) -> None:
     tokenizer.padding_side = "left"
 
 
+def refuse_prompts_without_tokens(prompts: list, ids: list[list[int]]) -> None:
+    """A clear error for a prompt of `prompts` whose token ids (`ids`, :func:`prompt_token_ids`) are none: an empty
+    text prompt where the tokenizer adds no token (no BOS, as Qwen's). Sampled from padding alone, or first in its
+    batch, a float tensor of no ids failed in the embedding."""
+    empty = [prompt for prompt, tokens in zip(prompts, ids, strict=True) if not tokens]
+    if empty:
+        raise ValueError(
+            f"A prompt has no token: {empty[0]!r} (the tokenizer adds none to it), and a completion cannot be "
+            "sampled from nothing. Remove the empty prompts: dataset.filter(lambda row: len(row['prompt']) > 0)."
+        )
+
+
+def empty_text_prompts(dataset) -> list[str]:
+    """The empty text prompts of a map-style set (or of each set of a dict of them): the ones a tokenizer may give no
+    token (:func:`refuse_prompts_without_tokens`). A stream's are read as training reads them."""
+    parts = dataset.values() if isinstance(dataset, dict) else [dataset]
+    return [prompt for part in parts if isinstance(part, Dataset) for prompt in part["prompt"] if prompt == ""]
+
+
 def prompt_token_ids(
     tokenizer, prompts: list, conversational: bool, chat_template_kwargs: dict | None = None
 ) -> list[list[int]]:
@@ -493,8 +512,8 @@ def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
     if empty:
         logger.warning(
             f"{what} has {len(empty)} empty prompt(s) ({rows(empty)}): their completions are sampled from nothing "
-            "but the special tokens, and where the tokenizer adds none (Qwen's) the rollout that draws one fails. "
-            "Remove them, or check the column."
+            "but the special tokens, and where the tokenizer adds none (Qwen's) they are refused (a stream's as it "
+            "is read). Remove them, or check the column."
         )
 
 

@@ -65,10 +65,12 @@ from .data import (
     check_stream_settings,
     check_streamed_rows,
     check_train_dataset,
+    empty_text_prompts,
     left_truncated,
     long_prompts_handled,
     prepare_tokenizer,
     prompt_token_ids,
+    refuse_prompts_without_tokens,
 )
 from .diagnostics import CriticBiasWatch, rollout_diagnostics, write_plots_if_possible
 from .distributed import (
@@ -369,6 +371,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         policys_checkpoint = names_the_policys_checkpoint(value_model, model)
         tokenizer = processing_class or policy_tokenizer(model, model_id, args, model_init_kwargs)
         prepare_tokenizer(tokenizer, self._conversational)
+        empty = empty_text_prompts(train_dataset) + empty_text_prompts(eval_dataset)
+        if empty and rollout_func is None:  # (its prompt ids are its own)
+            # One the tokenizer gives no token is refused now: the rollout or the evaluation that drew it failed,
+            # the steps since the last checkpoint lost (a stream's is refused as it is read, after a checkpoint).
+            refuse_prompts_without_tokens(empty[:1], prompt_token_ids(tokenizer, empty[:1], conversational=False))
         # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
         # (Qwen2.5's config) warned and padded with EOS in a batched `generate()` after loading.
         policy.config.get_text_config().pad_token_id = tokenizer.pad_token_id
@@ -1165,13 +1172,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         """Token ids of the prompts (chat template applied to chat prompts), cut to their last `max_prompt_length`
         (`evaluated`: an evaluation set's, whose first cut is said apart from training's)."""
         ids = prompt_token_ids(self.processing_class, prompts, self._conversational, self.args.chat_template_kwargs)
-        empty = [prompt for prompt, tokens in zip(prompts, ids, strict=True) if not tokens]
-        if empty:  # (a tokenizer that adds no BOS, as Qwen's: sampled from padding alone, or first in its batch, a
-            # float tensor of no ids failed in the embedding)
-            raise ValueError(
-                f"A prompt has no token: {empty[0]!r} (the tokenizer adds none to it), and a completion cannot be "
-                "sampled from nothing. Remove the empty prompts: dataset.filter(lambda row: len(row['prompt']) > 0)."
-            )
+        refuse_prompts_without_tokens(prompts, ids)
         limit = self.args.max_prompt_length
         if not truncate or limit is None:
             return ids
