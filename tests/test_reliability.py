@@ -1869,6 +1869,18 @@ def test_a_signal_during_the_evaluation_after_the_loop_stops_with_a_checkpoint(t
     resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2))
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 2 and any("eval_loss" in h for h in resumed.state.log_history)
+    # Under save_strategy="steps" the resume that runs it saves nothing: the checkpoint it resumed from records it,
+    # else every later resume from it (a requeued job's) ran that epoch end and its evaluation again.
+    args = config(tmp_path / "steps", max_steps=2, eval_strategy="epoch", save_strategy="steps", save_steps=1)
+    stopped = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2), callbacks=[StopAtTheEnd()]
+    )
+    with pytest.raises(TrainingInterrupted):
+        stopped.train()
+    for evaluations in (1, 0):
+        resumed = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(32), prompts_dataset(2))
+        resumed.train(resume_from_checkpoint=True)
+        assert sum("eval_loss" in h for h in resumed.state.log_history) == evaluations
 
     # A run that ended whole, its last checkpoint written by the save strategy before that epoch end: its resume has
     # nothing to run (its record says the epoch end ran).

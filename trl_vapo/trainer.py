@@ -814,7 +814,14 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self._loss_sum, self._loss_steps = 0.0, 0
         self._logged_step = None  # (a second train() on this trainer, resumed from an earlier step, logs it again)
         self._rewrite_log_file = True
-        self._checkpoint_step = None  # the step of the last resumable checkpoint this run wrote (`_save_checkpoint`)
+        # The step of the last resumable checkpoint this run wrote (`_save_checkpoint`), or resumed from in its output
+        # dir (the same state: an epoch end deferred to this run is recorded in it, else every resume ran it again)
+        resumed_here = (
+            resume_from_checkpoint is not None
+            and Path(resume_from_checkpoint).resolve()
+            == (Path(args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{start_step}").resolve()
+        )
+        self._checkpoint_step = start_step if resumed_here else None
         if self.progress.epoch_ended_step is None:  # a checkpoint from before it was recorded: taken as done
             self.progress.epoch_ended_step = start_step
         self._epoch_begun = False  # `on_epoch_begin` for the epoch this call starts in (`_next_rows`)
