@@ -384,6 +384,34 @@ def test_qlora_trains_both_adapters_and_the_value_head_on_a_4bit_base(tiny_model
     assert len(logs) == 2 and all("grad_norm/policy" in h and "grad_norm/critic" in h for h in logs)  # max_steps=2
 
 
+def test_an_evaluation_keeps_a_qlora_bases_4bit_layers_in_train_mode(tiny_model_dir, tmp_path):
+    """bitsandbytes (0.50) on a CPU with AVX512-BF16 repacks a 4-bit layer the first time it runs in eval mode
+    without gradients, and the repacked layer passes no gradient back: training's rollouts sample in
+    `generation_mode`, which keeps those layers in train mode, but an evaluation put the whole model in eval mode,
+    and every adapter below a repacked layer stopped learning after the first one, silently. (This machine's CPU may
+    not repack: the test reads the layers' modes while the evaluation's completions are scored.)"""
+    import bitsandbytes as bnb
+
+    modes, built = [], []
+
+    def reward(completions, **kwargs):
+        if built:  # (not the reward's check as the trainer is built)
+            model = built[0].actor_critic
+            layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+            modes.append((model.training, {layer.training for layer in layers}))
+        return digit_fraction(completions, **kwargs)
+
+    args = qlora_args(tmp_path, per_device_eval_batch_size=4, num_generations_eval=2)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), reward, args, prompts_dataset(), prompts_dataset(2), peft_config=lora_config()
+    )
+    built.append(trainer)
+    was_training = trainer.actor_critic.training
+    trainer.evaluate()
+    assert modes and all(mode == (False, {True}) for mode in modes)  # the rest in eval mode: no dropout
+    assert trainer.actor_critic.training == was_training
+
+
 def test_qlora_without_adapters_or_without_bitsandbytes_fails_before_loading(tmp_path, monkeypatch):
     args = qlora_args(tmp_path)
     with pytest.raises(ValueError, match="pass a peft_config"):

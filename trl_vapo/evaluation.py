@@ -38,6 +38,7 @@ from .data import (
 )
 from .generation import EngineSettings, GenerationEngine, SamplingSettings, build_engine, stop_token_ids
 from .metric_names import ACCURACY, EVAL, EXPLAINED_VARIANCE
+from .modeling import generation_mode
 from .reporting import averaged_metrics
 from .rollout import Rollout, rollout_metrics
 from .scoring import RewardScorer, parsed_completions, prompt_opens_think, repeated_rows
@@ -430,18 +431,17 @@ class EvaluationMixin:
 
     @contextlib.contextmanager
     def _evaluating(self):
-        """Evaluation's own metrics and random state, the models in eval mode; afterwards, training's pending
-        metrics, its next completions table, its random state and the models' mode are as they were."""
-        was_training = self.actor_critic.training
+        """Evaluation's own metrics and random state, the models in eval mode (`generation_mode`'s: a QLoRA base's
+        4-bit layers stay in train mode, or bitsandbytes repacked them on some CPUs, and every adapter below them
+        stopped learning); afterwards, training's pending metrics, its next completions table, its random state and
+        the models' mode are as they were."""
         saved = self._metrics, self._last_rollout
         self._metrics, self._last_rollout = defaultdict(list), None
-        self.actor_critic.eval()
         try:
-            with random_state_kept(self.accelerator.device):
+            with generation_mode(self.actor_critic), random_state_kept(self.accelerator.device):
                 yield
         finally:
             self._metrics, self._last_rollout = saved
-            self.actor_critic.train(was_training)
 
     def _evaluation_loop(self, dataset: Dataset | IterableDataset) -> tuple[dict[str, float], int, int]:
         """Every prompt of `dataset` once, in batches: each batch is a rollout (`_make_rollout`, phase EVAL) whose

@@ -1230,15 +1230,17 @@ def keep_trainable_weights_in_float32(model: nn.Module, autocast: bool = True) -
 
 @contextlib.contextmanager
 def generation_mode(model: nn.Module):
-    """Eval mode for sampling (no dropout), restored afterwards.
+    """Eval mode for sampling (no dropout), each module's mode restored afterwards.
 
     bitsandbytes (0.50) on a CPU with AVX512-BF16 repacks a 4-bit layer's weights for inference the first time it
     runs in eval mode without gradients, and the repacked layer then passes no gradient back to its input, so every
     adapter below it stops learning. Its 4-bit layers stay in train mode: they have no dropout, nothing else changes.
+    Each module gets its own mode back, not the model's: nested (sampling within an evaluation), the inner exit put
+    the 4-bit layers in eval mode for the rest of the outer one.
     """
     import sys
 
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]  # parents before their children
     model.eval()
     bnb = sys.modules.get("bitsandbytes")
     if bnb is not None:
@@ -1248,7 +1250,9 @@ def generation_mode(model: nn.Module):
     try:
         yield model
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            if module.training != training:  # (`train` reaches the children, which come later to be set again)
+                module.train(training)
 
 
 def policy_fingerprints(policy: nn.Module) -> tuple[str, str]:
