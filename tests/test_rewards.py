@@ -557,6 +557,9 @@ def test_think_boxed_format_reward():
         "<think>\n2 + 2 = 4\n</think>\nThe answer is \\boxed{4}.",  # canonical
         "2 + 2 = 4\n</think>\n\\boxed{4}",  # <think> was in the prompt (R1 / Qwen3 templates)
         [{"role": "assistant", "content": "<think>sum</think> \\boxed{4}"}],  # chat
+        # parsed by a response template: the reasoning apart, named as the template names it (TRL's LFM2.5, gpt-oss)
+        [{"role": "assistant", "reasoning_content": "sum", "content": "\\boxed{4}"}],
+        [{"role": "assistant", "thinking": "sum", "content": "\\boxed{4}"}],
         "<think>sum</think> The answer is 4.",  # no box
         "<think>sum</think> \\boxed{4",  # truncated box
         "<think>\\boxed{4}</think> 4",  # box only inside the reasoning
@@ -566,7 +569,7 @@ def test_think_boxed_format_reward():
         "<think>never closed \\boxed{4}",
         "<think>a</think> \\boxed{}",  # empty box
     ]
-    assert think_boxed_format_reward(completions=completions) == [1.0, 1.0, 1.0] + [0.0] * 8
+    assert think_boxed_format_reward(completions=completions) == [1.0] * 5 + [0.0] * 8
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -213,7 +213,8 @@ def parsed_completions(
     texts: list[str] | None = None,
 ) -> list[dict[str, Any] | str] | None:
     """Chat completions as the assistant messages the tokenizer's response template reads from their tokens (the
-    reasoning apart from the content: `{"role": "assistant", "reasoning_content": ..., "content": ...}`), as
+    reasoning apart from the content: `{"role": "assistant", "reasoning_content": ..., "content": ...}`, or
+    `"thinking"` where the template names it so), as
     GRPOTrainer passes them to reward functions where the tokenizer has a `response_template` (Gemma 4's own, or
     one TRL's `add_response_schema` sets); None where it has none (the decoded text is then the message's content).
     `prompt_ids()` gives each completion's prompt tokens, which the parser reads from the assistant turn's start: a

@@ -322,17 +322,19 @@ def think_boxed_format_reward(completions: list, **kwargs: Any) -> list[float]:
     prompt, so it may be missing), non-blank reasoning, exactly one ``</think>``, and after it a complete, non-empty
     ``\\boxed{}`` of at most :data:`MAX_ANSWER_CHARS` characters, with no further think tags.
 
-    A chat completion the tokenizer's response template parsed (its ``reasoning_content`` apart) has its reasoning as
-    the think block. TRL's ``trl.rewards.think_format_reward`` is not reused because it only reads chat
-    completions, requires ``<think>`` in the completion, and does not look for an answer at all.
+    A chat completion the tokenizer's response template parsed (its reasoning apart, as ``reasoning_content``, or
+    ``thinking`` where the template names it so: TRL's gpt-oss and LFM2.5 ones) has its reasoning as the think block.
+    TRL's ``trl.rewards.think_format_reward`` is not reused because it only reads chat completions, requires
+    ``<think>`` in the completion, and does not look for an answer at all.
     """
     rewards = []
     for completion in completions:
         text = completion_text(completion)
         message = completion[-1] if isinstance(completion, list) and completion else completion
-        if isinstance(message, dict) and isinstance(message.get("reasoning_content"), str):
+        reasoning = message.get("reasoning_content", message.get("thinking")) if isinstance(message, dict) else None
+        if isinstance(reasoning, str):
             # Parsed by the tokenizer's response template: the think block is its reasoning, the rest its content.
-            text = f"<think>{message['reasoning_content']}</think>{text}"
+            text = f"<think>{reasoning}</think>{text}"
         reasoning, closed, tail = text.partition("</think>")
         reasoning = reasoning.lstrip().removeprefix("<think>")
         answer = find_last_boxed(tail)
