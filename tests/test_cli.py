@@ -101,8 +101,15 @@ def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_m
     ):
         argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--prompt_column", column]
         script, training, model, _, _ = _parser().parse_args_and_config(argv, return_remaining_strings=True)
-        _, train, _, _ = _resolve_data(script, model, training, demo=False)
+        _, train, during, _ = _resolve_data(script, model, training, demo=False)
         assert train[3]["prompt"] == expected and train[3]["answer"] == answer, (column, train[3])
+        assert during is None  # no evaluation asked for
+    # `eval_on_start` alone asks for the test split (`trl grpo` leaves it out, and fails once the models are loaded)
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--eval_on_start", "true"]
+    script, training, model, _, _ = _parser().parse_args_and_config(
+        [*argv, "--dataset_test_split", "train"], return_remaining_strings=True
+    )
+    assert len(_resolve_data(script, model, training, demo=False)[2]) == 8
 
 
 def test_a_preset_takes_the_columns_the_user_named(jsonl_data, tmp_path):

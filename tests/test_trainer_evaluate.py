@@ -624,6 +624,8 @@ def test_eval_settings_and_data_are_checked_before_any_model_loads(tmp_path):
 
     with pytest.raises(ValueError, match="eval_strategy='steps' asks for evaluation .* no eval_dataset was given"):
         build(make_args(tmp_path, eval_strategy="steps", eval_steps=1), None)
+    with pytest.raises(ValueError, match="eval_on_start=True evaluates before the first step, but no eval_dataset"):
+        build(make_args(tmp_path, eval_on_start=True), None)  # (transformers' Trainer: at the start of training)
     with pytest.raises(
         ValueError, match=r"eval_dataset\['b'\] has no 'prompt' column; its columns are \['answer', 'text'\]"
     ):

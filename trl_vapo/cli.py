@@ -903,8 +903,9 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
 
 def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=None):
     """The model id and the prompt data sets the flags describe: to train on, to evaluate on during training (when
-    `eval_strategy` asks for it, as `trl grpo`), and for the held-out report (`eval_num_prompts`)."""
-    evaluates = training_args.eval_strategy != "no"
+    `eval_strategy` or `eval_on_start` asks for it: `trl grpo` leaves it out for the latter, which fails after the
+    models load), and for the held-out report (`eval_num_prompts`)."""
+    evaluates = training_args.eval_strategy != "no" or training_args.eval_on_start
     if demo:
         from .demo import MODEL_DIR
         from .demo.data import build_split

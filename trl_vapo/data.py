@@ -549,9 +549,9 @@ def refuse_images(row: dict, what: str) -> None:
 def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dict[str, dict]:
     """A clear error unless `dataset` can be evaluated on (in any form `GRPOTrainer` takes: a `Dataset`, an
     `IterableDataset`, or a `DatasetDict` / `IterableDatasetDict` / dict of them), or unless it is there when
-    `args.eval_strategy` asks for evaluation. With `conversational` (the train set's format), its prompts must be in
-    that format too: the trainer formats every prompt as the train set's. Returns the first row of each: `{name: row}`,
-    name "" for a single one.
+    `args.eval_strategy` or `args.eval_on_start` asks for evaluation. With `conversational` (the train set's
+    format), its prompts must be in that format too: the trainer formats every prompt as the train set's. Returns the
+    first row of each: `{name: row}`, name "" for a single one.
     """
     if dataset is None:
         if args.eval_strategy != "no":
@@ -559,6 +559,11 @@ def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dic
             raise ValueError(
                 f"eval_strategy={strategy!r} asks for evaluation during training, but no eval_dataset was given: pass "
                 "one, or set eval_strategy='no'."
+            )
+        if args.eval_on_start:  # (transformers' Trainer fails at the start of training)
+            raise ValueError(
+                "eval_on_start=True evaluates before the first step, but no eval_dataset was given: pass one, or set "
+                "eval_on_start=False."
             )
         return {}
     parts = dict(dataset) if isinstance(dataset, dict) else {"": dataset}  # DatasetDicts are dicts
