@@ -138,7 +138,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         default=TrainingArguments.__dataclass_fields__["optim"].default,  # transformers' (fused AdamW on torch 2.8+)
         metadata={
             "help": "The optimizer of the policy and the critic (each side its own parameter groups): transformers' "
-            "`OptimizerNames` but the schedule-free ones, LOMO and AdaLomo, GaLore and APOLLO, which VAPO refuses."
+            "`OptimizerNames` but the schedule-free ones, LOMO and AdaLomo, GaLore and APOLLO, and torchao's low-bit "
+            "AdamW (adamw_torch_4bit, adamw_torch_8bit: bitsandbytes' adamw_8bit is accepted), which VAPO refuses."
         },
     )
     resume_from_checkpoint: str | None = field(
@@ -295,12 +296,12 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "help": "Generate the rollouts with trl-vapo's static-cache engine (`trl_vapo.static_cache."
             "StaticCacheEngine`): a decode loop on transformers' StaticCache whose step has fixed shapes and no host "
             "synchronisation, captured as a CUDA graph on a GPU, sampling exactly as generate() does (settings it "
-            "cannot serve exactly, such as repetition_penalty or stop strings, fall back to generate() with a "
-            "warning). None (default): on a CUDA GPU without DeepSpeed or FSDP, for an unquantized base, when no "
-            "other engine is chosen and no cache_implementation other than 'static' or 'dynamic' is (on an H200, "
-            "a VAPO LoRA step at Qwen2.5-0.5B shapes took 0.34x the time with it), generate() elsewhere (on the CPU "
-            "generate() gave "
-            "1.06-1.12x its tokens/s in one benchmark run); under DeepSpeed or FSDP, when chosen, its step runs "
+            "cannot serve exactly, such as repetition_penalty or stop strings, fall back to generate(), with a "
+            "warning where the engine was named, logged at INFO level where it was the default). None (default): on "
+            "a CUDA GPU without DeepSpeed or FSDP, for an unquantized base, when no other engine is chosen and no "
+            "cache_implementation other than 'static' or 'dynamic' is (on an H200, a VAPO LoRA step at Qwen2.5-0.5B "
+            "shapes took 0.34x the time with it), generate() elsewhere (on the CPU generate() gave 1.06-1.12x its "
+            "tokens/s in one benchmark run); under DeepSpeed or FSDP, when chosen, its step runs "
             "without a CUDA graph. Not in GRPOConfig."
         },
     )
@@ -322,7 +323,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         metadata={
             "help": "Generate the rollouts with vLLM (through TRL's `VLLMGeneration`) instead of model.generate(); "
             "the policy's weights (under PEFT: the base merged with the policy adapter, never the critic's) are "
-            "pushed to vLLM after each optimizer step. Requires `pip install vllm`."
+            "pushed to vLLM before each rollout that follows an optimizer step (once per rollout, however many steps "
+            "it trains). Requires `pip install vllm`."
         },
     )
     vllm_importance_sampling_correction: bool = field(
@@ -1183,8 +1185,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             ),
             "Greedy sampling (do_sample=False) with a vLLM server and num_generations > 1 (or num_generations_eval, "
             "with evaluation): vLLM refuses n > 1 under greedy sampling ('n must be 1 when using greedy sampling'), "
-            "at every rollout or evaluation; the copies would be identical anyway. Sample (temperature > 0), or "
-            "num_generations=1 and num_generations_eval=1.",
+            "at every rollout or evaluation; the copies would be identical anyway. Sample: drop do_sample=False from "
+            "generation_kwargs, or set num_generations=1 and num_generations_eval=1.",
         )
         require(
             self.ds3_gather_for_generation or not self.use_vllm,
@@ -1424,7 +1426,7 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "ddp_find_unused_parameters=False on several processes: value pretraining and the critic's extra "
             "passes (critic_num_iterations > num_iterations) leave the policy out of the forward pass, which DDP "
             "then refuses at the next step ('Expected to have finished reduction in the prior iteration'). Leave it "
-            "unset (VAPO turns it on for those steps), or set value_pretrain_steps=0 (a frozen value function or a "
+            "unset (VAPO then turns it on for the run), or set value_pretrain_steps=0 (a frozen value function or a "
             "pretrained critic skips the phase anyway) and no extra critic passes.",
         )
         reentrant = self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant")
