@@ -1228,7 +1228,7 @@ def test_help_tells_every_runs_defaults_and_each_commands_own_flags(capsys):
     assert "e.g. '{question} Answer in \\boxed{{}}.'" in text and "Omit with the model too for the offline" in text
     # What the command does with it (transformers' help said it was not used by the Trainer).
     assert "`latest` (or `true`): the newest readable one in output_dir; `auto`:" in text
-    assert "but the schedule-free ones, LOMO and AdaLomo, GaLore and APOLLO, which VAPO refuses" in text
+    assert "but the schedule-free ones, LOMO and AdaLomo, GaLore and APOLLO, and torchao's low-bit AdamW" in text
 
     with pytest.raises(SystemExit):
         main(["eval", "--help"])

@@ -430,7 +430,7 @@ def test_a_truncating_importance_sampling_mode_needs_a_bound_only_with_the_corre
         # vLLM's SamplingParams refuses n > 1 when greedy: a 400 at every rollout.
         (
             {"use_vllm": True, "vllm_mode": "server", "generation_kwargs": {"do_sample": False}},
-            "Greedy sampling .* with a vLLM server and num_generations > 1",
+            "Greedy sampling .* with a vLLM server and num_generations > 1.* drop do_sample=False from generation_kw",
         ),
         (  # the evaluation's copies too: its first evaluation failed
             {
