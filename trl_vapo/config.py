@@ -1437,13 +1437,27 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
             "checkpointing cannot run with (DDP raises at the first backward: a parameter 'marked as ready twice'). "
             "Use use_reentrant=False (the default).",
         )
-        require(
-            not ddp or not self.ddp_static_graph or not critic_only_passes,
-            "ddp_static_graph=True on several processes: DDP's static graph holds only where every step uses the same "
-            "parameters, and value pretraining and the critic's extra passes (critic_num_iterations > num_iterations) "
-            "leave the policy out of the forward pass. Leave it unset, or set value_pretrain_steps=0 (a frozen value "
-            "function or a pretrained critic skips the phase anyway) and no extra critic passes.",
-        )
+        if ddp and self.ddp_static_graph:
+            static_graph_breaks = []
+            if critic_only_passes:
+                static_graph_breaks.append(
+                    "DDP's static graph holds only where every step uses the same parameters, and value pretraining "
+                    "and the critic's extra passes (critic_num_iterations > num_iterations) leave the policy out of "
+                    "the forward pass: set value_pretrain_steps=0 (a frozen value function or a pretrained critic "
+                    "skips the phase anyway) and no extra critic passes"
+                )
+            if self.gradient_accumulation_steps > 1:
+                static_graph_breaks.append(
+                    f"gradient_accumulation_steps={self.gradient_accumulation_steps} accumulates under `no_sync`, "
+                    "where PyTorch's static-graph DDP fails its first backward ('expect_autograd_hooks_ INTERNAL "
+                    "ASSERT FAILED', pytorch/pytorch#143580): set gradient_accumulation_steps=1 (a larger "
+                    "per_device_train_batch_size)"
+                )
+            require(
+                not static_graph_breaks,
+                "ddp_static_graph=True on several processes: " + "; and ".join(static_graph_breaks) + ". Or leave "
+                "ddp_static_graph unset.",
+            )
         # transformers' Trainer reads these in its DataLoaders and its accelerator, after VAPO has planned its steps.
         accelerator_config = self.accelerator_config
         accumulation = getattr(accelerator_config, "gradient_accumulation_kwargs", None) or {}

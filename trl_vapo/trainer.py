@@ -1375,11 +1375,16 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         use; transformers turns that on for a model that is not a `PreTrainedModel`, as the actor-critic is, unless
         `ddp_find_unused_parameters=False`). Not under DeepSpeed and FSDP, whose backward reduces into partitions or
         shards as it runs, nor under DDP without unused parameters, which would refuse the update's forward without
-        the critic."""
+        the critic, nor under DDP's static graph (`ddp_static_graph`), whose reducer expects the one set of used
+        parameters at every backward (a critic-only backward failed an internal assert in its reducer)."""
         if self._backward_is_local:
             return True
         wrapped = self.model_wrapped
-        return isinstance(wrapped, nn.parallel.DistributedDataParallel) and wrapped.find_unused_parameters
+        return (
+            isinstance(wrapped, nn.parallel.DistributedDataParallel)
+            and wrapped.find_unused_parameters
+            and not wrapped.static_graph
+        )
 
     def _critic_forward_backward(
         self,
