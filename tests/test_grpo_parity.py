@@ -889,6 +889,15 @@ def test_the_epoch_moves_with_each_optimizer_step_as_grpos_does(tiny_model_dir, 
     epochs = [h["epoch"] for h in trainer.state.log_history if "phase" in h]
     assert epochs == pytest.approx([0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0])
     assert seen == sorted(seen) and seen[:2] == pytest.approx([0.0, 0.125])
+    # Ten prompts, four a rollout: each epoch reads eight (the sampler leaves two out), and its last step reads a
+    # whole epoch, as GRPOTrainer's (its data loader counts the rollouts); over the ten it read 0.4, 0.8, 1.4, 1.8.
+    one_step = dict(per_device_train_batch_size=16, steps_per_generation=1)
+    trainer = VAPOTrainer(
+        str(tiny_model_dir), digit_fraction, make_args(tmp_path / "ten", max_steps=4, **one_step), prompts_dataset(10)
+    )
+    trainer.train()
+    epochs = [h["epoch"] for h in trainer.state.log_history if "phase" in h]
+    assert epochs == pytest.approx([0.5, 1.0, 1.5, 2.0])
 
 
 @pytest.mark.parametrize("steps_per_rollout", [1, 2])

@@ -179,10 +179,13 @@ class PromptCursor:
         return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
     def epoch(self, progress: TrainingProgress) -> float:
-        """Epochs done, as `TrainerState.epoch` counts them: fractional for a dataset of known length."""
+        """Epochs done, as `TrainerState.epoch` counts them: fractional for a dataset of known length, over the
+        prompts an epoch reads (GRPOTrainer's sampler leaves out those a last rollout cannot fill, and its data
+        loader's length counts the rollouts: an epoch's last step reads a whole epoch)."""
         if self.streamed:
             return float(progress.data_epoch)
-        return progress.data_epoch + progress.data_index / len(self.dataset)
+        read_per_epoch = len(self.dataset) // self.count * self.count
+        return progress.data_epoch + progress.data_index / read_per_epoch
 
     def starts_epoch(self, progress: TrainingProgress) -> bool:
         """Whether the next rollout is its epoch's first (a stream's next epoch is found as the rollout reads it)."""
