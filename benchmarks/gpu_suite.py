@@ -15,7 +15,8 @@ tree pass the 64 MiB a call carries). On the GPU machine, with ``.whl`` carried 
 folders out of commits), after the offline install line (``INSTALL``; ``--download-wheels`` prints it):
 
     python3 benchmarks/gpu_suite.py --out "$OUT" --deadline 420 --limit $((575 - SECONDS + T0))   # PARTS's order
-   python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B --limit $((LEFT - 30 - SECONDS + T0))
+    python3 benchmarks/gpu_suite.py --out "$OUT" --parts trainer-full,trainer-1.5B \\
+        --limit $((LEFT - 30 - SECONDS + T0))
 
 (``LEFT``: the call's ``timeout_s``, or the device time left if less: without ``--limit`` the call's own timeout
 stops the suite from outside, and the part it was running keeps its figures in its own JSON file alone.)
