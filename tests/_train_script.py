@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from transformers import TrainerCallback
 
 from trl_vapo import VAPOConfig, VAPOTrainer
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-completions", action="store_true", help="print every rollout's completions table")
     parser.add_argument("--held-out", type=int, default=0, help="`trl-vapo train`'s report on this many prompts")
     parser.add_argument("--settings", type=json.loads, default={}, help="more VAPOConfig fields, as a JSON object")
+    parser.add_argument("--lora", action="store_true", help="LoRA on q_proj and v_proj: the critic an adapter too")
     parser.add_argument(
         "--count-critic-forwards",
         action="store_true",
@@ -395,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
         train_dataset=prompts(),
         eval_dataset=prompts().select(range(args.eval_prompts)) if args.eval_prompts else None,
         callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"), dump],
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if args.lora
+        else None,
     )
     dump.trainer = trainer
     from trl_vapo.distributed import is_zero3_partitioned
