@@ -89,7 +89,8 @@ def test_a_prompt_column_of_text_is_the_models_input_as_trl_grpo_takes_it(tiny_m
     """`trl grpo` passes a standard-format `prompt` as it is (no chat template), and the other columns as the data
     set holds them (a numeric `answer` was made text, which a ported reward comparing numbers scored 0); a prompt
     trl-vapo builds from another column goes through the chat template where the tokenizer has one (the tiny
-    model's has), its answer column as text."""
+    model's has), its answer column as text. The test split is loaded where evaluation is asked for, by
+    `eval_on_start` alone too (`trl grpo` leaves it out, and the run failed once its models were loaded)."""
     from trl_vapo.cli import _resolve_data
 
     data = tmp_path / "rows.jsonl"

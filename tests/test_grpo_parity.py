@@ -158,7 +158,9 @@ def test_a_quantization_config_that_dequantizes_or_needs_no_bitsandbytes_is_not_
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     check_quantization({"quantization_config": {"quant_method": "gptq", "bits": 4}}, lora, model)
-    for qlora in (BitsAndBytesConfig(load_in_4bit=True), {"load_in_4bit": True}, {"quant_method": "bitsandbytes"}):
+    # (a dict's bitsandbytes method is spelled with its bits, as transformers' `AutoQuantizationConfig` maps it)
+    as_dicts = ({"load_in_4bit": True}, {"quant_method": "bitsandbytes_8bit"})
+    for qlora in (BitsAndBytesConfig(load_in_4bit=True), *as_dicts):
         with pytest.raises(ImportError, match="needs bitsandbytes"):
             check_quantization({"quantization_config": qlora}, lora, model)
 
@@ -440,6 +442,18 @@ def test_a_truncating_importance_sampling_mode_needs_a_bound_only_with_the_corre
                 "num_generations": 1,
                 "num_generations_eval": 4,
                 "eval_strategy": "steps",
+                "per_device_eval_batch_size": 4,
+            },
+            r"num_generations > 1 \(or num_generations_eval, with evaluation\)",
+        ),
+        (  # an evaluation before the first step alone
+            {
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "generation_kwargs": {"do_sample": False},
+                "num_generations": 1,
+                "num_generations_eval": 4,
+                "eval_on_start": True,
                 "per_device_eval_batch_size": 4,
             },
             r"num_generations > 1 \(or num_generations_eval, with evaluation\)",

@@ -1172,7 +1172,8 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
         generation = self.generation_kwargs or {}
         owned = generation_kwargs_problem(generation)
         require(owned is None, owned or "")
-        evaluated_copies = (self.num_generations_eval or self.num_generations) if self.eval_strategy != "no" else 1
+        evaluates = self.eval_strategy != "no" or self.eval_on_start
+        evaluated_copies = (self.num_generations_eval or self.num_generations) if evaluates else 1
         if self.use_vllm and self.vllm_mode == "colocate":
             seeded = colocated_vllm_seed_problem(generation, max(self.num_generations, evaluated_copies))
             require(seeded is None, seeded or "")

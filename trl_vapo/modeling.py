@@ -216,14 +216,14 @@ def asks_quantized(quantization_config: Any) -> bool:
 
 
 def asks_bitsandbytes(quantization_config: Any) -> bool:
-    """Whether `quantization_config` (a config or its dict) loads with bitsandbytes (4-bit / 8-bit: QLoRA): its
-    `quant_method`, or for a dict without one, the `load_in_4bit` / `load_in_8bit` flags transformers reads then."""
+    """Whether `quantization_config` (a config or its dict) loads with bitsandbytes (4-bit / 8-bit: QLoRA), read as
+    transformers' `AutoQuantizationConfig.from_dict` reads it: the `load_in_4bit` / `load_in_8bit` flags first, then
+    a `quant_method` of bitsandbytes (its dict spellings `bitsandbytes_4bit` / `bitsandbytes_8bit` too)."""
     config = quantization_config
     read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    method = read("quant_method")
-    if method is None:
-        return bool(read("load_in_4bit") or read("load_in_8bit"))
-    return method == "bitsandbytes"  # (transformers' QuantizationMethod is a str enum)
+    if read("load_in_4bit") or read("load_in_8bit"):
+        return True
+    return str(read("quant_method") or "").startswith("bitsandbytes")  # (QuantizationMethod is a str enum)
 
 
 def is_quantized(model: nn.Module) -> bool:
