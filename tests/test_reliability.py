@@ -77,6 +77,25 @@ def test_images_in_the_prompts_are_refused_before_any_model_loads(tmp_path):
     chat = Dataset.from_list([{"prompt": [{"role": "user", "content": parts(i, False)}]} for i in range(8)])
     with pytest.raises(ValueError, match=r"eval_dataset \(row 5\) has images \(an image in its chat messages\)"):
         VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), chat, in_row_5)
+    # A set mixing text rows (`images: []`, as GRPOTrainer reads a text batch) and image rows: refused, wherever the
+    # image is; its text rows alone (every `images` empty, every `image` None) are text, as GRPOTrainer trains them
+    # (they were refused for the column's name).
+    mixed = Dataset.from_list([{**row, "images": ["cat.png"] if i == 6 else []} for i, row in enumerate(text)])
+    with pytest.raises(ValueError, match=r"train_dataset has images \(its 'images' column\)"):
+        VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), mixed)
+    with pytest.raises(ValueError, match=r"eval_dataset\['mixed'\] has images \(its 'images' column\)"):
+        VAPOTrainer("no/such-model", digit_fraction, config(tmp_path), prompts_dataset(), {"mixed": mixed})
+    text_only = mixed.select(range(6)).add_column("image", [None] * 6)
+    assert text_only["images"] == [[]] * 6
+    with pytest.raises(OSError, match="never-loaded"):  # accepted: the model is looked for
+        VAPOTrainer(str(tmp_path / "never-loaded"), digit_fraction, config(tmp_path), text_only, text_only)
+    # A stream's rows, and `trl-vapo eval`'s, are checked one by one, alike.
+    from trl_vapo.data import refuse_images
+
+    for row in ({"prompt": "1+1=", "images": []}, {"prompt": "1+1=", "image": None}):
+        refuse_images(row, "a streamed row")
+    with pytest.raises(ValueError, match=r"a streamed row has images \(its 'images' column\)"):
+        refuse_images({"prompt": "1+1=", "images": ["cat.png"]}, "a streamed row")
 
 
 def test_images_in_a_streamed_or_evaluated_row_are_refused_where_they_come(tiny_model_dir, tmp_path):

@@ -14,6 +14,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 from datasets import Dataset, IterableDataset, load_dataset
@@ -462,9 +463,8 @@ def check_train_dataset(dataset, args) -> dict:
         )
     for i, prompt in enumerate(prompts):  # an image part may sit in any row's messages, not the first one's
         refuse_images({"prompt": prompt}, f"train_dataset (row {i})")
-    row = dataset[0]
-    refuse_images(row, "train_dataset")  # its image columns
-    return row
+    refuse_image_columns(dataset, "train_dataset")
+    return dataset[0]
 
 
 def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
@@ -526,17 +526,42 @@ def check_streamed_rows(rows: list[dict], what: str) -> None:
         refuse_images(row, what)
 
 
+IMAGE_COLUMNS = ("image", "images")
+"""The columns GRPOTrainer reads images from."""
+
+
+def _holds_image(value: Any) -> bool:
+    """Whether a row's image column holds an image: None and an empty list are none (the text rows of a set that
+    mixes text and images: GRPOTrainer reads a batch whose `images` are all `[]` as text)."""
+    return value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0)
+
+
+def refuse_image_columns(dataset: Dataset, what: str) -> None:
+    """`refuse_images` for the image columns of every row of a map-style set, read as Arrow (no image decoded)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for name in (c for c in IMAGE_COLUMNS if c in dataset.column_names):
+        column = dataset.with_format("arrow")[name]
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            held = (pc.max(pc.list_value_length(column)).as_py() or 0) > 0
+        else:
+            held = column.null_count < len(column)
+        if held:
+            refuse_images({name: True}, what)
+
+
 def refuse_images(row: dict, what: str) -> None:
-    """A clear error for a row with images (an `image` / `images` column, or an image part in a chat message): the
-    trainer samples and scores text prompts only, so they would be left out silently (GRPOTrainer passes them to a
-    vision-language model)."""
+    """A clear error for a row with images (an `image` / `images` column holding one, or an image part in a chat
+    message): the trainer samples and scores text prompts only, so they would be left out silently (GRPOTrainer
+    passes them to a vision-language model)."""
     parts = [
         part
         for message in (row["prompt"] if isinstance(row.get("prompt"), list) else [])
         if isinstance(message, dict) and isinstance(message.get("content"), list)
         for part in message["content"]
     ]
-    columns = [c for c in ("image", "images") if c in row]
+    columns = [c for c in IMAGE_COLUMNS if c in row and _holds_image(row[c])]
     if columns or any(isinstance(part, dict) and part.get("type") == "image" for part in parts):
         where = f"its {columns[0]!r} column" if columns else "an image in its chat messages"
         raise ValueError(
@@ -579,13 +604,14 @@ def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dic
             raise ValueError(f"{what} is empty: it needs at least one prompt.")
         if "prompt" not in row:
             raise ValueError(f"{what} has no 'prompt' column; its columns are {sorted(row)}.")
-        refuse_images(row, what)
         if isinstance(part, Dataset):
+            refuse_image_columns(part, what)
             prompts = part["prompt"]
             check_prompts(prompts, what)
             for i, prompt in enumerate(prompts):
                 refuse_images({"prompt": prompt}, f"{what} (row {i})")
         else:  # a stream's rows are read as training goes: its first one is checked
+            refuse_images(row, what)
             check_prompts([row["prompt"]], what)
         if conversational is not None and is_conversational({"prompt": row["prompt"]}) != conversational:
             formats = ("plain text", "chat messages") if conversational else ("chat messages", "plain text")
