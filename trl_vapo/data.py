@@ -255,11 +255,20 @@ def refuse_prompts_without_tokens(prompts: list, ids: list[list[int]]) -> None:
         )
 
 
-def empty_text_prompts(dataset) -> list[str]:
-    """The empty text prompts of a map-style set (or of each set of a dict of them): the ones a tokenizer may give no
-    token (:func:`refuse_prompts_without_tokens`). A stream's are read as training reads them."""
+def has_empty_text_prompt(dataset) -> bool:
+    """Whether a map-style set (or a set of a dict of them) has an empty text prompt, one a tokenizer may give no
+    token (:func:`refuse_prompts_without_tokens`), read as Arrow (no second pass over the rows in Python). A stream's
+    prompts are read as training reads them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     parts = dataset.values() if isinstance(dataset, dict) else [dataset]
-    return [prompt for part in parts if isinstance(part, Dataset) for prompt in part["prompt"] if prompt == ""]
+    for part in (p for p in parts if isinstance(p, Dataset)):
+        prompts = part.with_format("arrow")["prompt"]
+        if pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type):
+            if pc.any(pc.equal(prompts, "")).as_py():
+                return True
+    return False
 
 
 def prompt_token_ids(
@@ -548,7 +557,15 @@ def refuse_image_columns(dataset: Dataset, what: str) -> None:
         else:
             held = column.null_count < len(column)
         if held:
-            refuse_images({name: True}, what)
+            _refuse_images(what, f"its {name!r} column")
+
+
+def _refuse_images(what: str, where: str) -> None:
+    raise ValueError(
+        f"{what} has images ({where}), and this trainer trains on text prompts only: they would be left out. "
+        "Drop them to train on the text alone (dataset.remove_columns(...)), or use TRL's GRPOTrainer for a "
+        "vision-language model."
+    )
 
 
 def refuse_images(row: dict, what: str) -> None:
@@ -563,12 +580,7 @@ def refuse_images(row: dict, what: str) -> None:
     ]
     columns = [c for c in IMAGE_COLUMNS if c in row and _holds_image(row[c])]
     if columns or any(isinstance(part, dict) and part.get("type") == "image" for part in parts):
-        where = f"its {columns[0]!r} column" if columns else "an image in its chat messages"
-        raise ValueError(
-            f"{what} has images ({where}), and this trainer trains on text prompts only: they would be left out. "
-            "Drop them to train on the text alone (dataset.remove_columns(...)), or use TRL's GRPOTrainer for a "
-            "vision-language model."
-        )
+        _refuse_images(what, f"its {columns[0]!r} column" if columns else "an image in its chat messages")
 
 
 def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dict[str, dict]:

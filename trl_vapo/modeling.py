@@ -204,26 +204,28 @@ def value_function_name(value_function: ValueFunction) -> str:
     return name if isinstance(name, str) else type(value_function).__name__
 
 
+def _config_value(quantization_config: Any, key: str) -> Any:
+    """A field of a transformers quantization config, or of its dict (None where it has none)."""
+    if isinstance(quantization_config, dict):
+        return quantization_config.get(key)
+    return getattr(quantization_config, key, None)
+
+
 def asks_quantized(quantization_config: Any) -> bool:
     """Whether loading with `quantization_config` (a transformers quantization config, or its dict) gives quantized
     weights: not with one that dequantizes as it loads (TRL's gpt-oss recipe, `Mxfp4Config(dequantize=True)`: the
     weights load in bf16 and transformers removes the quantizer)."""
-    if quantization_config is None:
-        return False
-    if isinstance(quantization_config, dict):
-        return not quantization_config.get("dequantize", False)
-    return not getattr(quantization_config, "dequantize", False)
+    return quantization_config is not None and not _config_value(quantization_config, "dequantize")
 
 
 def asks_bitsandbytes(quantization_config: Any) -> bool:
     """Whether `quantization_config` (a config or its dict) loads with bitsandbytes (4-bit / 8-bit: QLoRA), read as
     transformers' `AutoQuantizationConfig.from_dict` reads it: the `load_in_4bit` / `load_in_8bit` flags first, then
     a `quant_method` of bitsandbytes (its dict spellings `bitsandbytes_4bit` / `bitsandbytes_8bit` too)."""
-    config = quantization_config
-    read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    if read("load_in_4bit") or read("load_in_8bit"):
+    if any(_config_value(quantization_config, key) for key in ("load_in_4bit", "load_in_8bit")):
         return True
-    return str(read("quant_method") or "").startswith("bitsandbytes")  # (QuantizationMethod is a str enum)
+    method = _config_value(quantization_config, "quant_method")
+    return str(method or "").startswith("bitsandbytes")  # (QuantizationMethod is a str enum)
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -65,7 +65,7 @@ from .data import (
     check_stream_settings,
     check_streamed_rows,
     check_train_dataset,
-    empty_text_prompts,
+    has_empty_text_prompt,
     left_truncated,
     long_prompts_handled,
     prepare_tokenizer,
@@ -371,11 +371,11 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         policys_checkpoint = names_the_policys_checkpoint(value_model, model)
         tokenizer = processing_class or policy_tokenizer(model, model_id, args, model_init_kwargs)
         prepare_tokenizer(tokenizer, self._conversational)
-        empty = empty_text_prompts(train_dataset) + empty_text_prompts(eval_dataset)
-        if empty and rollout_func is None:  # (its prompt ids are its own)
-            # One the tokenizer gives no token is refused now: the rollout or the evaluation that drew it failed,
-            # the steps since the last checkpoint lost (a stream's is refused as it is read, after a checkpoint).
-            refuse_prompts_without_tokens(empty[:1], prompt_token_ids(tokenizer, empty[:1], conversational=False))
+        if rollout_func is None and any(map(has_empty_text_prompt, (train_dataset, eval_dataset))):
+            # (a rollout_func's prompt ids are its own) One the tokenizer gives no token is refused now: the rollout
+            # or the evaluation that drew it failed, the steps since the last checkpoint lost (a stream's is refused
+            # as it is read, after a checkpoint).
+            refuse_prompts_without_tokens([""], prompt_token_ids(tokenizer, [""], conversational=False))
         # The policy agrees with its tokenizer on the pad id, as GRPOTrainer mirrors it: a model saved without one
         # (Qwen2.5's config) warned and padded with EOS in a batched `generate()` after loading.
         policy.config.get_text_config().pad_token_id = tokenizer.pad_token_id
