@@ -1418,6 +1418,23 @@ def test_a_run_ending_removes_its_own_lock_file_not_one_a_later_run_holds(tmp_pa
     assert not (tmp_path / RUN_LOCK).exists()
 
 
+def test_a_lock_file_unreadable_as_the_run_ends_leaves_the_runs_own_error_and_closes_the_lock(tmp_path):
+    """The release read the lock file's path and let any error but "not found" out: on a mount lost as the run ends
+    (NFS's ESTALE, EIO) that error replaced the one in flight (a stop signal's, whose exit code a launcher reads), and
+    the descriptor stayed open. Here the path fails as a lost mount's would: the output dir was replaced by a file."""
+    from trl_vapo import run_lock
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyError, match="the run's own error"):
+        with run_lock.output_dir_lock(out):
+            (fd,) = run_lock._HELD
+            shutil.rmtree(out)
+            out.write_text("not a folder")  # os.stat(out / RUN_LOCK): NotADirectoryError, an OSError
+            raise KeyError("the run's own error")
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(fd)
+
+
 def test_a_command_holds_the_output_dir_until_its_model_is_saved(tiny_model_dir, tmp_path):
     """`trl-vapo train` evaluates and saves after `train()`: the lock was released when `train()` returned, and a run
     started then took the folder and removed the model being saved as a stopped run's debris. The command holds it
@@ -2730,6 +2747,7 @@ def ddp_trains_as_one_process(
     # One pass on the weights that sampled: the policy's ratio is 1, its statistics 0 in both runs (compared where
     # they are not: test_grpos_objective_settings_train_alike_on_two_processes_and_one).
     keys = [key for key in COMPARED if key != "approx_kl" and not key.startswith("clip_ratio/")]
+    assert_logged(one, keys)
     for step in one:
         assert_same_log(two[step], one[step], keys=keys, rel=1e-4, context=f"step {step}, 2 vs 1 process")
     expected, got = (torch.load(out / run / f"state-{steps}.pt") for run in ("one", "two"))

@@ -69,10 +69,13 @@ def test_multi_turn_episodes_train_with_the_environments_tokens_as_context_only(
         assert not rollout.advantages[environment].any() and not rollout.returns[environment].any()
         # GAE steps over the reply: with gamma = lam_critic = 1 the critic's target at every action, the first
         # turn's included, is the episode's reward (it sits on the second turn's last token).
+        checked = 0
         for i in range(len(rollout)):
             actions = rollout.loss_mask[i].bool()
             if actions.any():
                 torch.testing.assert_close(rollout.returns[i][actions], rollout.scores.reward[i].expand(actions.sum()))
+                checked += 1
+        assert checked > 0
     # Completion lengths count the policy's tokens, as GRPOTrainer counts them.
     first = trainer.rollouts[0][1]
     assert rl_logs(trainer)[0]["completions/mean_length"] == pytest.approx(first.action_mask.sum(1).float().mean())

@@ -981,6 +981,20 @@ def test_a_users_optimizer_is_named_by_side_and_refused_where_it_leaves_a_side_o
     rates = [(h["phase"], h["learning_rate"]) for h in trainer.state.log_history if "phase" in h]
     assert [rate for phase, rate in rates if phase == "value_pretrain"] == [0.0, 0.0]
     assert [phase for phase, _ in rates].count("rl") == 2 and rates[-1][1] > 0
+    # Under DeepSpeed a critic-only step holds the groups named "policy" out of the optimizer step: one group over
+    # both sides is refused as the optimizer is built (transformers' `deepspeed_init` builds it before the first
+    # rollout), not at the first critic-only step. DeepSpeed's launch is left out (its hold-out is tested in
+    # test_distributed.py): the flag transformers sets for it is set by hand.
+    for value_pretrain_steps, deepspeed, refused in [(2, True, True), (2, False, False), (0, True, False)]:
+        args = make_args(tmp_path, max_steps=2, value_pretrain_steps=value_pretrain_steps)
+        trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
+        trainer.optimizer = torch.optim.AdamW(trainer.actor_critic.parameters(), lr=1e-3)
+        trainer.is_deepspeed_enabled = deepspeed
+        if refused:
+            with pytest.raises(ValueError, match=r"group\(s\) \[0\] hold the policy's .* one group per side"):
+                trainer.create_optimizer()
+        else:
+            trainer.create_optimizer()
 
 
 def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freezes_policy(tiny_model_dir, tmp_path):

@@ -70,7 +70,7 @@ class Schedule:
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * self.num_cycles * 2.0 * min(progress, 1.0))))  # cosine
 
 
-def name_groups_by_side(optimizer: torch.optim.Optimizer, actor_critic) -> None:
+def name_groups_by_side(optimizer: torch.optim.Optimizer, actor_critic, holds_policy_out: bool = False) -> None:
     """Name each unnamed group of a user's optimizer "policy" or "critic" where it holds one side's parameters
     alone, as `parameter_groups` names the trainer's own: the actor's schedule then starts with its first update
     and its rate is held at 0 before (its warm-up was spent during value pretraining, and a decay ran over the whole
@@ -79,7 +79,12 @@ def name_groups_by_side(optimizer: torch.optim.Optimizer, actor_critic) -> None:
 
     Refused where it lacks a side's trainable parameters: the critic, which the trainer builds, was left out of an
     optimizer over the policy model's parameters (GRPOTrainer's way), so it never stepped and its gradients, which
-    `optimizer.zero_grad()` never cleared, summed over every step, silently."""
+    `optimizer.zero_grad()` never cleared, summed over every step, silently.
+
+    ``holds_policy_out``: the run has critic-only steps under DeepSpeed, which hold the groups named "policy" out of
+    the optimizer step (`distributed.groups_held_out`); a group holding the policy's parameters under another name (a
+    group over both sides) would step them there. Refused here, as the optimizer is built, not at the first
+    critic-only step after a rollout."""
     policy = {id(p) for p in actor_critic.policy_parameters()}
     critic = {id(p) for p in actor_critic.critic_parameters()}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -99,6 +104,21 @@ def name_groups_by_side(optimizer: torch.optim.Optimizer, actor_critic) -> None:
                 group["name"] = "policy"
             elif ids <= critic:
                 group["name"] = "critic"
+    if not holds_policy_out:
+        return
+    stepping_policy = [
+        i
+        for i, group in enumerate(optimizer.param_groups)
+        if group.get("name") != "policy" and any(id(p) in policy for p in group["params"])
+    ]
+    if stepping_policy:
+        raise ValueError(
+            f"The optimizer's parameter group(s) {stepping_policy} hold the policy's parameters under a name other "
+            "than 'policy' (a group over both sides): under DeepSpeed, the critic-only steps (value pretraining, "
+            "critic_num_iterations > num_iterations) hold the groups named 'policy' out of the step, so these would "
+            "move the policy there. Build one group per side: `[{'params': trainer.actor_critic.policy_parameters()}, "
+            "{'params': trainer.actor_critic.critic_parameters()}]` (each is named for its side)."
+        )
 
 
 def side_schedules(

@@ -69,12 +69,16 @@ def output_dir_lock(output_dir: str | os.PathLike):
         yield True
     finally:
         _HELD.discard(fd)
-        with contextlib.suppress(FileNotFoundError):
-            # Before the lock goes: a run waiting on this file then opens a new one. Only the file this run locked:
-            # one deleted while it ran (a holder taken for gone) may have made way for another run's, which stays.
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                path.unlink()
-        os.close(fd)
+        try:
+            # (any OSError: a mount lost as the run ends, ESTALE or EIO, must neither keep the descriptor open nor
+            # replace the error in flight, a stop signal's `TrainingInterrupted` and its exit code)
+            with contextlib.suppress(OSError):
+                # Before the lock goes: a run waiting on this file then opens a new one. Only the file this run
+                # locked: one deleted while it ran (a holder taken for gone) may have made way for another run's.
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    path.unlink()
+        finally:
+            os.close(fd)
 
 
 def _take(path: Path, output_dir, warn) -> int | None:

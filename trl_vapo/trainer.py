@@ -607,7 +607,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                     if isinstance(module, nn.Embedding):
                         manager.register_module_override(module, "weight", {"optim_bits": 32})
         else:  # a user's own (`optimizers=`)
-            name_groups_by_side(self.optimizer, self.actor_critic)
+            args = self.args
+            critic_only_steps = self.run_plan.pretrain_steps > 0 or args.critic_num_iterations > args.num_iterations
+            name_groups_by_side(self.optimizer, self.actor_critic, self.is_deepspeed_enabled and critic_only_steps)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
