@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -310,6 +311,18 @@ class LocalHub:
         done = Future()
         done.set_result(None)
         return done if kw.get("run_as_future") else None
+
+
+def put_in_hub_cache(cache: Path, repo_id: str, folders: dict[str, Path]) -> Path:
+    """A Hub repository `repo_id` as huggingface_hub caches it (`models--owner--name/snapshots/<commit>/`, `refs/main`
+    naming the commit), holding a copy of each of `folders` under its name: read offline as downloaded."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    for name, folder in folders.items():
+        shutil.copytree(folder, snapshot / name, dirs_exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(snapshot.name)
+    return snapshot
 
 
 def refuse_model_loads(monkeypatch) -> None:

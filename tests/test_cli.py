@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy
 import pytest
-from helpers import refuse_model_loads
+from helpers import put_in_hub_cache, refuse_model_loads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_vapo.checkpoint import RUN_CONFIG_FILE, RUN_DATA_FILE, list_checkpoints
@@ -779,6 +779,16 @@ def test_the_command_finds_the_tokenizer_where_the_trainer_finds_the_policy(tiny
     )
     model_args = SimpleNamespace(model_name_or_path=str(repo), model_revision=None)
     _check_before_loading(script, args, model_args, demo=False)
+    # A pushed run's critic, `owner/name/critic` (the trainer reads it from the Hub's cache): found in the repository
+    # `owner/name` at its folder, in the cache the models are looked up in; it was "no such folder".
+    cache = tmp_path / "hub-cache"
+    put_in_hub_cache(cache, "me/run", {"critic": tiny_model_dir})
+    args.model_init_kwargs = {"subfolder": "sft", "cache_dir": str(cache)}
+    script.value_model_name_or_path = "me/run/critic"
+    _check_before_loading(script, args, model_args, demo=False)
+    script.value_model_name_or_path = "me/run/critc"
+    with pytest.raises(UsageError, match="me/run is not a local folder and not in the Hugging Face cache"):
+        _check_before_loading(script, args, model_args, demo=False)
 
 
 def test_eval_writes_a_score_nothing_was_judged_for_as_null():

@@ -705,6 +705,19 @@ def test_the_cards_quick_start_runs_and_renders_the_prompt_as_training_did(tiny_
     )
 
 
+def test_the_quick_start_of_a_custom_code_model_trusts_its_code_as_training_did(tmp_path):
+    """A policy of custom code trained with `trust_remote_code=True`: the card's `pipeline(...)` left it out, and
+    transformers refuses to run the model's code without it."""
+    from trl_vapo import VAPOConfig
+
+    for trusted in (True, False):
+        args = VAPOConfig(output_dir=str(tmp_path), report_to="none", trust_remote_code=trusted)
+        card = str(build_model_card(base_model=None, output_dir=tmp_path, args=args, hub_model_id="me/vapo"))
+        code = card.split("```python\n", 1)[1].split("```", 1)[0]
+        trust = ", trust_remote_code=True" if trusted else ""
+        assert f'generator = pipeline("text-generation", model="me/vapo"{trust}, device_map="auto")' in code
+
+
 def test_card_when_value_pretraining_was_off_or_skipped(vapo_args, tmp_path):
     from trl_vapo import VAPOConfig
 

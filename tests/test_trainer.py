@@ -21,6 +21,7 @@ from helpers import (
     first_char_is_letter,
     make_args,
     prompts_dataset,
+    put_in_hub_cache,
     refuse_model_loads,
     rl_logs,
     token_rewards_of,
@@ -1054,6 +1055,42 @@ def test_value_pretraining_lowers_value_loss_raises_explained_variance_and_freez
     assert {value.dtype for value in weights.values()} == {torch.float32}
     assert all(torch.equal(critic[name], value) for name, value in weights.items())
     assert in_bf16.actor_critic.loaded_dtypes["critic"]["score.weight"] == torch.bfloat16  # saved back as loaded
+    # The same critic pushed with its run (`push_to_hub`): `owner/name/value_pretrained_critic`, read from the Hugging
+    # Face cache (offline, as these tests run; online it is downloaded there first). By its id, the record beside it
+    # was unread: value pretraining ran again, unsaid.
+    cache = tmp_path / "hub-cache"
+    put_in_hub_cache(cache, "me/run", {"value_pretrained_critic": saved})
+    in_cache = {"cache_dir": str(cache)}
+    args = make_args(
+        tmp_path / "hub", max_steps=1, value_pretrain_steps=5, max_completion_length=2, model_init_kwargs=in_cache
+    )
+    hub_id = "me/run/value_pretrained_critic"
+    from_hub = VAPOTrainer(str(tiny_model_dir), first_char_is_letter, args, prompts_dataset(), value_model=hub_id)
+    assert from_hub.run_record.critic_pretrained
+    assert from_hub.run_record.critic_source == hub_id  # the card names the id given
+    critic = from_hub.actor_critic.critic.state_dict()
+    assert all(torch.equal(critic[name], value) for name, value in weights.items())
+
+
+def test_a_hub_repository_that_is_a_runs_or_lacks_the_folder_named_is_refused_before_loading(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """`owner/name` whose root is a pushed run's policy (its critic in `critic/`) loaded that policy as the critic with
+    a new head, the trained critic unread; a folder the repository lacks read as a local path. Refused before a
+    model loads; a repository whose root is a model is loaded by `from_pretrained` as before."""
+    cache = tmp_path / "hub-cache"
+    put_in_hub_cache(cache, "me/run", {"": tiny_model_dir, "critic": tiny_model_dir})
+    put_in_hub_cache(cache, "me/reward-model", {"": tiny_model_dir})
+    args = make_args(tmp_path, max_steps=1, model_init_kwargs={"cache_dir": str(cache)})
+    refuse_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="me/run is a trl-vapo run's repository, .* critic is me/run/critic; pass"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model="me/run")
+    with pytest.raises(FileNotFoundError, match="value_model me/run/critc is neither a local folder nor a model"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model="me/run/critc")
+    from trl_vapo.loading import resolve_value_model
+
+    assert resolve_value_model("me/reward-model", args, same_checkpoint=False) == "me/reward-model"
+    assert resolve_value_model("me/run/critic", args, same_checkpoint=False).is_dir()
 
 
 def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_model_dir, tmp_path):
@@ -1103,10 +1140,17 @@ def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_mo
     assert record["final_explained_variance"] == pytest.approx(sum(readings[-2:]) / 2)
 
 
-def test_a_card_written_during_value_pretraining_reports_this_runs_not_an_earlier_runs(tiny_model_dir, tmp_path):
+def test_a_card_written_during_value_pretraining_reports_this_runs_not_an_earlier_runs(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """A fresh run in a folder without checkpoints finds an earlier run's `value_pretrained_critic/`: the card of a
     checkpoint (or of a run stopped) during this run's value pretraining reported that run's outcome, and its critic
-    as the one to reuse."""
+    as the one to reuse. A push uploads the folder with the run whose card names it (by its Hub id), not beside
+    another run's card."""
+    import transformers.trainer
+
+    hub = LocalHub(tmp_path / "hub")
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
 
     class StopAtTheFirstStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -1121,6 +1165,11 @@ def test_a_card_written_during_value_pretraining_reports_this_runs_not_an_earlie
     )
     earlier.train()
     assert (tmp_path / "out" / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
+    earlier.args.hub_model_id = "me/earlier"
+    earlier.push_to_hub()
+    assert (tmp_path / "hub" / "me" / "earlier" / "value_pretrained_critic" / "vapo_value_pretraining.json").is_file()
+    card = (tmp_path / "hub" / "me" / "earlier" / "README.md").read_text()
+    assert '(from the Hub: `value_model="me/earlier/value_pretrained_critic"`)' in card
     fresh = VAPOTrainer(
         str(tiny_model_dir),
         first_char_is_letter,
@@ -1134,6 +1183,10 @@ def test_a_card_written_during_value_pretraining_reports_this_runs_not_an_earlie
     card = (tmp_path / "out" / "README.md").read_text()
     assert "ran 1 rollout" in card and "ran 2 rollouts" not in card
     assert "value_pretrained_critic/" not in card
+    fresh.args.hub_model_id = "me/fresh"
+    fresh.push_to_hub()
+    assert (tmp_path / "hub" / "me" / "fresh" / "README.md").is_file()
+    assert not (tmp_path / "hub" / "me" / "fresh" / "value_pretrained_critic").exists()
 
 
 def test_value_pretrainings_last_readings_are_logged_as_its_own(tiny_model_dir, tmp_path):

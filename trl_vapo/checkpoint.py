@@ -1018,13 +1018,16 @@ class SavingMixin:
         # The card names the branch it goes to (`revision`, else `hub_revision`): its quick start loads that one.
         self.create_model_card(model_name=model_name, hub_revision=revision, **kwargs)
         self._finish_current_push()
+        # This run's value-pretrained critic goes up beside the model (`owner/name/value_pretrained_critic` skips the
+        # phase in a new run, as the card says); an earlier run's in the folder, which the card does not name, stays.
+        pretrained_critic = [] if self._pretrained_critic_of_this_run() else [f"{PRETRAINED_CRITIC_DIR}/*"]
         return hf_api().upload_folder(
             repo_id=self.hub_model_id,
             folder_path=self.args.output_dir,
             commit_message=commit_message,
             token=token,
             run_as_future=not blocking,
-            ignore_patterns=["_*", f"{CHECKPOINT_PREFIX}-*", ".*"],
+            ignore_patterns=["_*", f"{CHECKPOINT_PREFIX}-*", ".*", *pretrained_critic],
             delete_patterns=HUB_WEIGHT_FILES,
             revision=revision if revision is not None else self.args.hub_revision,
         )
@@ -1055,6 +1058,15 @@ class SavingMixin:
             # wrote it at its start, and eval read the new run's data with the old run's model until the new one saved
             (directory / RUN_DATA_FILE).write_text(json.dumps(self.run_script_args, indent=2) + "\n")
 
+    def _pretrained_critic_of_this_run(self) -> Path | None:
+        """`<output_dir>/value_pretrained_critic` where this run's value pretraining (or that of the run it resumed)
+        wrote it, else None. Value pretraining writes its critic and record as it ends: until then, or where it did
+        not run, a folder there is an earlier run's (a fresh run in a folder without checkpoints): not this run's to
+        report or push."""
+        folder = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
+        ran = self.progress.value_pretrain_rollouts > 0 and self.progress.phase != VALUE_PRETRAIN
+        return folder if ran and folder.is_dir() else None
+
     def create_model_card(
         self,
         model_name: str | None = None,
@@ -1072,10 +1084,7 @@ class SavingMixin:
         output_dir = Path(output_dir or self.args.output_dir)
         info = {**self.model_card_info, **kwargs}
         run = self.run_record
-        pretrained_dir = Path(self.args.output_dir) / PRETRAINED_CRITIC_DIR
-        # Value pretraining writes its critic and record as it ends: until then a `value_pretrained_critic/` there is
-        # an earlier run's (a fresh run in a folder without checkpoints), not to be reported as this run's.
-        pretrained_here = self.progress.phase != VALUE_PRETRAIN and pretrained_dir.is_dir()
+        pretrained_dir = self._pretrained_critic_of_this_run()
         if run.critic_pretrained:
             value_pretraining = {"skipped": "the critic (`value_model`) came from an earlier value pretraining"}
         elif run.value_function is not None:
@@ -1084,7 +1093,7 @@ class SavingMixin:
             patience = self.args.value_pretrain_patience
             value_pretraining = (
                 value_pretraining_record(pretrained_dir)
-                if pretrained_here
+                if pretrained_dir is not None
                 else {  # under way: what it ran so far, its readings' median as its stop rule reads them
                     "rollouts": self.progress.value_pretrain_rollouts,
                     "final_explained_variance": self.progress.final_explained_variance(patience),
@@ -1111,7 +1120,7 @@ class SavingMixin:
             critic_source=run.critic_source,
             value_function=run.value_function,
             value_pretraining=value_pretraining,
-            pretrained_critic_dir=pretrained_dir if value_pretraining and pretrained_here else None,
+            pretrained_critic_dir=pretrained_dir if value_pretraining else None,
             held_out=info.get("held_out"),
             log_history=self.state.log_history,
             example_prompt=run.example_prompt,

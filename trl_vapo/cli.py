@@ -141,7 +141,10 @@ class VAPOScriptArguments:
     )
     value_model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Critic to start from, e.g. <output_dir>/value_pretrained_critic of an earlier run."},
+        metadata={
+            "help": "Critic to start from, e.g. <output_dir>/value_pretrained_critic of an earlier run (pushed: "
+            "owner/name/value_pretrained_critic)."
+        },
     )
     eval_num_prompts: int = field(
         default=0, metadata={"help": "Held-out prompts scored before and after training (0: skip)."}
@@ -730,6 +733,11 @@ def _check_before_loading(script_args, training_args, model_args, demo: bool) ->
         _check_model_source(script_args.reward_model_name_or_path, "--reward_model_name_or_path", where=elsewhere)
         value_model = script_args.value_model_name_or_path
         own = where if value_model == model_args.model_name_or_path else elsewhere
+        from .loading import hub_repository_folder
+
+        split = hub_repository_folder(value_model) if value_model and not Path(value_model).exists() else None
+        if split is not None and split[1]:  # a critic folder of a Hub repository (a pushed run's `critic/`)
+            value_model, own = split[0], {**own, "subfolder": split[1]}
         _check_model_source(value_model, "--value_model_name_or_path", own.get("revision"), own)
     return reward_funcs
 

@@ -34,6 +34,7 @@ from .modeling import (
     CRITIC_SUBFOLDER,
     POLICY_ADAPTER,
     VALUE_HEAD_FILE,
+    VALUE_PRETRAINING_FILE,
     ActorCritic,
     ValueHead,
     asks_bitsandbytes,
@@ -623,6 +624,59 @@ def check_value_model_path(value_model: Any, args: VAPOConfig, same_checkpoint: 
         )
     if not path.exists() and _looks_like_a_path(str(value_model)):
         raise FileNotFoundError(f"value_model path {value_model} does not exist.")
+
+
+def resolve_value_model(value_model: Any, args: VAPOConfig, same_checkpoint: bool) -> Any:
+    """`value_model` as the local folder that the checks and the loading read, where it names a trl-vapo critic on
+    the Hub: `owner/name/<folder>` (a pushed run's `critic/` or `value_pretrained_critic/`), or `owner/name` whose
+    root is a critic adapter or holds a value-pretraining record. Downloaded to the Hugging Face cache (offline: read
+    from it), with the run's loading options (`cache_dir`, `token`, `local_files_only`). Those checks read files: from
+    an id, a critic adapter failed to load (no config.json at the root) and a pretrained critic's record was unread,
+    so value pretraining ran again, unsaid. Anything else is returned as given: a model, a local path, the policy's
+    own checkpoint (`same_checkpoint`), a model id whose root is a model (`from_pretrained` reads it)."""
+    if not isinstance(value_model, (str, os.PathLike)) or same_checkpoint or Path(value_model).expanduser().exists():
+        return value_model
+    name = str(value_model)
+    split = hub_repository_folder(name)
+    if split is None:  # a local path (`check_value_model_path` says it does not exist), or an id without an owner
+        return value_model
+    repo_id, folder = split
+    where = critic_loading_kwargs(args)
+    if folder:
+        markers = [f"{folder}/config.json", f"{folder}/adapter_config.json"]
+    else:
+        markers = [VALUE_PRETRAINING_FILE, VALUE_HEAD_FILE, f"{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}"]
+        markers += [f"{CRITIC_SUBFOLDER}/config.json"]
+    found = next((marker for marker in markers if hub_file(repo_id, marker, where) is not None), None)
+    if found is None:
+        if folder:
+            raise FileNotFoundError(
+                f"value_model {name} is neither a local folder nor a model folder of the Hub repository {repo_id} "
+                f"(no {folder}/config.json nor {folder}/adapter_config.json there, or the Hub is out of reach)."
+            )
+        return value_model
+    if not folder and found.startswith(f"{CRITIC_SUBFOLDER}/"):
+        # Its root is the trained policy: loaded as a critic with a new head, the trained critic unread.
+        raise ValueError(
+            f"value_model {name} is a trl-vapo run's repository, whose root holds the policy: its critic is "
+            f"{name}/{CRITIC_SUBFOLDER}; pass that."
+        )
+    import huggingface_hub
+
+    takes = inspect.signature(huggingface_hub.snapshot_download).parameters
+    options = {key: value for key, value in where.items() if key in takes}
+    patterns = [f"{folder}/*"] if folder else None
+    snapshot = huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, **options)
+    return Path(snapshot) / folder
+
+
+def hub_repository_folder(name: str) -> tuple[str, str] | None:
+    """`owner/name[/folder]` as the Hub repository's id and the folder in it ("" for its root); None for what is
+    not of that form: a local path (`./x`, `/x`, `~/x`), an id without an owner."""
+    parts = name.split("/")
+    if name.startswith((".", "/", "~")) or os.sep != "/" and os.sep in name or len(parts) < 2 or "" in parts:
+        return None
+    return "/".join(parts[:2]), "/".join(parts[2:])
 
 
 def _looks_like_a_path(name: str) -> bool:

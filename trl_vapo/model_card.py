@@ -234,6 +234,7 @@ def build_model_card(
             value_function,
             critic_source,
             adapter_type,
+            hub_model_id,
         ),
         _versions_section(is_adapter),
         _citations_section(citation),
@@ -299,6 +300,8 @@ def _quick_start(
     # the pipeline hands `tokenizer_encode_kwargs` to `apply_chat_template`.
     template = getattr(args, "chat_template_kwargs", None) if isinstance(example_prompt, list) else None
     encode = f", tokenizer_encode_kwargs={dict(template)!r}" if template else ""
+    # A model of custom code (`trust_remote_code`, as it trained): without it, `pipeline` refuses to load it.
+    branch += ", trust_remote_code=True" if getattr(args, "trust_remote_code", False) else ""
     lines = [
         "## Quick start",
         "",
@@ -596,6 +599,7 @@ def _critic_section(
     value_function: str | None = None,
     source: str | None = None,
     adapter_type: str = "LoRA",
+    hub_model_id: str | None = None,
 ) -> str:
     if value_function is not None:
         return (
@@ -629,8 +633,11 @@ def _critic_section(
     if outcome:
         lines.append(f"- Value pretraining: {outcome}.")
     if pretrained_critic_dir is not None:
+        shown = _display_path(pretrained_critic_dir, output_dir)
+        if hub_model_id and not shown.endswith("`output_dir`"):  # pushed with the model (`push_to_hub`)
+            shown += f' (from the Hub: `value_model="{hub_model_id}/{Path(pretrained_critic_dir).name}"`)'
         lines.append(
-            f"- The critic as value pretraining left it: {_display_path(pretrained_critic_dir, output_dir)}. Pass "
+            f"- The critic as value pretraining left it: {shown}. Pass "
             "that folder as `value_model=` (with the same `peft_config` for an adapter critic) to skip value "
             "pretraining in a new run from the same starting policy (the base model above, not this trained one) "
             "under the same rewards and sampling settings."
@@ -694,7 +701,8 @@ def format_finite(fmt: str, value) -> str:
 def _display_path(path, folder: Path) -> str:
     """`path` relative to the card's folder when it lies inside it (`value_pretrained_critic/`). A checkpoint's card
     (the one pushed while training) is not beside it: the folder is named in the run's `output_dir`, not by its
-    absolute path, which would say nothing on the Hub (where it is not uploaded) but the trainer's home and user."""
+    absolute path, which would say nothing on the Hub (a checkpoint's push does not upload the folder; the final push
+    does) but the trainer's home and user."""
     path = Path(path).resolve()
     try:
         return f"`{path.relative_to(folder.resolve()).as_posix()}/`"

@@ -121,6 +121,7 @@ from .loading import (
     names_the_policys_checkpoint,
     policy_init_kwargs,
     policy_tokenizer,
+    resolve_value_model,
     router_aux_loss_coefficient,
 )
 from .metric_names import EVAL, EXPLAINED_VARIANCE, POSITION_CORRELATION, RL, VALUE_PRETRAIN
@@ -234,11 +235,12 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
             sampler's drift with them, with or without vLLM. See the README's "Custom rollouts".
         value_model: (keyword only) the critic. None (default) initialises it from the policy's weights with a fresh
             scalar head (with `peft_config`: a second adapter on the policy's frozen base). Or a path / model id of a
-            value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer),
-            or a `PreTrainedModel`. A critic saved by value pretraining of the same policy skips that phase. Or a
-            frozen value function, `fn(input_ids, attention_mask, completion_length) -> values [B, C]`
-            (`trl_vapo.modeling.ValueFunction`): GAE reads its values and nothing of it trains (no value pretraining,
-            no value loss; `critic_num_iterations` must equal `num_iterations`).
+            value model (`AutoModelForSequenceClassification`, one label; or a critic folder saved by this trainer,
+            local or on the Hub: `owner/name/critic` of a pushed run), or a `PreTrainedModel`. A critic saved by
+            value pretraining of the same policy skips that phase. Or a frozen value function,
+            `fn(input_ids, attention_mask, completion_length) -> values [B, C]` (`trl_vapo.modeling.ValueFunction`):
+            GAE reads its values and nothing of it trains (no value pretraining, no value loss;
+            `critic_num_iterations` must equal `num_iterations`).
         callbacks: extra `TrainerCallback`s. One with an `on_rollout(args, state, control, rollout=..., rows=...)`
             method is also called with every rollout as built (a `trl_vapo.rollout.Rollout`: completions, scores,
             values, advantages) and its dataset rows, before the rollout's first update (where the critic trains in
@@ -299,6 +301,9 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.vllm_mode, self.vllm_tensor_parallel_size = args.vllm_mode, args.vllm_tensor_parallel_size
         self.vllm_gpu_memory_utilization = args.vllm_gpu_memory_utilization
         self.mask_truncated_completions = args.mask_truncated_completions
+        # A trl-vapo critic on the Hub, as the folder it was pushed from (its files are what the checks below read).
+        given_value_model = value_model
+        value_model = resolve_value_model(value_model, args, names_the_policys_checkpoint(value_model, model))
         check_trainer_arguments(model, args, peft_config, value_model, args.model_init_kwargs)  # before a model loads
         check_push_repository(args)
         # Everything a user can get wrong is checked before a model loads.
@@ -416,7 +421,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         critic_source = None  # a critic from the policy, or none (a value function)
         if value_model is not None and frozen is None:
             is_model = isinstance(value_model, nn.Module)
-            critic_source = get_config_model_id(value_model.config) if is_model else str(value_model)
+            critic_source = get_config_model_id(value_model.config) if is_model else str(given_value_model)
         self.run_record = RunRecord(
             base_model=get_config_model_id(actor_critic.config),
             policy_fingerprint=fingerprint,
