@@ -61,6 +61,7 @@ CASES = {
         ("text-and-both", r"\boxed{6} \text{ and } \boxed{8}", r"\boxed{6 \text{ and } 8}"),
         ("tuples-one", r"$\boxed{(1, 2)}$, $\boxed{(2, 1)}$", r"\boxed{(2,1)}"),
         ("tuples-both", r"$\boxed{(1, 2)}$, $\boxed{(2, 1)}$", r"\boxed{(2,1), (1,2)}"),
+        ("gold-chain-thousands", r"$5$ and $1,000$", r"\boxed{5, 1000}"),
         # Boxes far apart without a separator are not one answer to math-verify: the last one is the answer.
         (
             "far-apart-last",
@@ -87,6 +88,11 @@ CASES = {
         ("chain-three-digits-gold-set", r"$\{6, 120\}$", r"Thus $\boxed{6}$ and $\boxed{120}$."),
         ("chain-three-digits-sentence", r"$\{6, 120\}$", "The final answer is $6$ and $120$. I hope it is correct."),
         ("chain-boxes-then-env", r"$1, 2, 300$", r"$\boxed{1}, \boxed{2}$ and $\boxed{300}$"),
+        # A number with thousands separators in one environment of a chain: one number to math-verify, the set
+        # {5, 1000} (joined as written, "5, 1,000" was the set {5, 1, 0}: the right set scored wrong, that one right)
+        ("chain-thousands", r"$5$ and $1000$", r"Thus $\boxed{5}$ and $\boxed{1,000}$."),
+        ("chain-thousands-not-three-numbers", r"$\{1, 0, 5\}$", r"Thus $\boxed{5}$ and $\boxed{1,000}$."),
+        ("chain-comma-not-thousands", r"$5, 1, 0$", r"Thus $\boxed{5}$ and $\boxed{1,0}$."),
         # A line break with spacing, ``\\[4pt]``, inside the display: its ``\[`` is no opening (the display's is).
         (
             "aligned-spaced-lines",
@@ -115,6 +121,7 @@ CASES = {
         ("percent", r"$20\%$", r"So $\boxed{20\%}$. Final Answer: The final answer is $20\%$. I hope it is correct."),
         ("overrides-box", r"$6$", r"So \boxed{5}. Final Answer: The final answer is $6$. I hope it is correct."),
         ("sentence-thousands", r"$12000023$", "Final Answer: The final answer is 12,000,023. I hope it is correct."),
+        ("sentence-chain-thousands", r"$\{5, 1000\}$", "The final answer is $5$ and $1,000$. I hope it is correct."),
         ("no-hope", r"$34$", "The final answer is $34$."),
         # Without "final", as GSM8K-style prompts ask ("end with 'The answer is N'"): read as math-verify reads it.
         ("the-answer-is", "#### 18", "Janet makes 9 * 2 = 18 dollars.\nTherefore, the answer is $18$."),

@@ -173,6 +173,16 @@ def _join_contents(contents: Sequence[str], separator: str = ",") -> str | None:
 
 
 ENVIRONMENTS_SEPARATOR = ", "  # a space after the comma: no number reads ``6, 120`` as 6120 (math-verify's neither)
+_THOUSANDS_NUMBER_RE = re.compile(r"-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _join_environments(contents: Sequence[str]) -> str | None:
+    """The answers of chained math environments (``$5$ and $1,000$``) joined as :func:`_join_contents` joins them,
+    by ``, ``: math-verify reads each environment apart, a number with thousands separators in it as one number
+    (the set {5, 1000}); joined as it was written, ``5, 1,000`` read as the set {5, 1, 0}."""
+    return _join_contents(
+        [c.replace(",", "") if _THOUSANDS_NUMBER_RE.fullmatch(c) else c for c in contents], ENVIRONMENTS_SEPARATOR
+    )
 
 
 def _walk_boxes(text: str, spans: Sequence[tuple[int, int, int]]) -> list[str]:
@@ -310,7 +320,7 @@ def _boxed_answer(text: str, spans: Sequence[tuple[int, int, int]]) -> tuple[str
         ]
         if None in answers:
             return None, env[1]
-        return _join_contents([a for a in answers if a], ENVIRONMENTS_SEPARATOR), env[1]
+        return _join_environments([a for a in answers if a]), env[1]
     return _join_contents(_walk_boxes(text, spans)), text.rfind("}") + 1
 
 
@@ -351,7 +361,7 @@ def _phrase_answer(text: str) -> str | None:
     text = text.strip()
     contents = _env_contents(text)
     if contents is not None:
-        return _join_contents(contents, ENVIRONMENTS_SEPARATOR)
+        return _join_environments(contents)
     if _MV_FRACTION_RE.fullmatch(text):
         return text
     return _mv_number(text)
@@ -592,7 +602,7 @@ def normalize_gold_answer(gold: Any) -> str | None:
         contents = _env_contents(gold.strip()) if marker < 0 and len(gold) <= _MAX_RAW_CHARS else None
         answer = gold[marker + 4 :].partition("\n")[0] if marker >= 0 else gold
         if contents is not None:
-            answer = _join_contents(contents, ENVIRONMENTS_SEPARATOR)
+            answer = _join_environments(contents)
         elif len(answer) <= _MAX_RAW_CHARS:  # read as a completion's answer line is: ``72 clips`` is 72 (math-verify
             # reads the words as a product of symbols: every completion scored wrong), ``So the answer is 5.`` is 5
             answer = _final_line_answer(answer) or _number_of_a_count(answer) or answer
