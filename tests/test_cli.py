@@ -787,7 +787,7 @@ def test_the_command_finds_the_tokenizer_where_the_trainer_finds_the_policy(tiny
     script.value_model_name_or_path = "me/run/critic"
     _check_before_loading(script, args, model_args, demo=False)
     script.value_model_name_or_path = "me/run/critc"
-    with pytest.raises(UsageError, match="me/run is not a local folder and not in the Hugging Face cache"):
+    with pytest.raises(UsageError, match=r"me/run \(subfolder critc\) is not a local folder and not in the Hugging"):
         _check_before_loading(script, args, model_args, demo=False)
 
 

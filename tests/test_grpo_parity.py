@@ -470,6 +470,9 @@ def test_a_truncating_importance_sampling_mode_needs_a_bound_only_with_the_corre
             {"use_vllm": True, "generation_kwargs": {"n": 4}},
             "sets n: .* Set num_generations \\(k, num_samples\\) instead",
         ),
+        # n=1 too: TRL's vLLM server client sets n to a prompt's copies, then updates it with generation_kwargs (one
+        # completion per prompt came back where G were read: other prompts' completions, or none).
+        ({"use_vllm": True, "generation_kwargs": {"n": 1}}, "generation_kwargs sets n: each prompt's completions"),
         ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be a whole number >= 1"),
         # A number field holding another kind: failed later, in a comparison's TypeError or where it indexes.
         ({"learning_rate": "1e-6"}, r"learning_rate must be a number, got '1e-6' \(a str\)"),

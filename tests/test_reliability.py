@@ -1194,6 +1194,28 @@ def test_kill_9_at_a_random_point_then_resume_matches_the_uninterrupted_run(tiny
         assert_same_log(logs[step], reference_run[step], context=context)
 
 
+def test_a_marker_write_cut_short_leaves_no_marker(tmp_path, monkeypatch):
+    """The completion marker was written in place: a stop between the file's creation and its write (a kill -9, a
+    power loss before the flush) left an empty marker, in a folder that looked complete by it. The kill -9 test above
+    met it once: it counted that folder as written, and the resume, rightly, passed it over as unreadable. Written
+    beside it now, on the disk, then renamed in place: whole, or not there."""
+    from trl_vapo.checkpoint import write_marker
+
+    real = Path.write_text
+
+    def killed_mid_write(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2])
+        raise KeyboardInterrupt  # (a kill -9 has no handler: the write stops here)
+
+    monkeypatch.setattr(Path, "write_text", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        write_marker(tmp_path, {"progress": {"phase": "rl"}})
+    assert not (tmp_path / COMPLETE_MARKER).exists()
+    monkeypatch.undo()
+    write_marker(tmp_path, {"progress": {"phase": "rl"}})
+    assert json.loads((tmp_path / COMPLETE_MARKER).read_text()) == {"progress": {"phase": "rl"}}
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_at_a_random_point_checkpoints_and_the_resumed_run_matches(
     tiny_model_dir, tmp_path, reference_run, signum

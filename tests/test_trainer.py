@@ -1085,7 +1085,7 @@ def test_a_hub_repository_that_is_a_runs_or_lacks_the_folder_named_is_refused_be
     refuse_model_loads(monkeypatch)
     with pytest.raises(ValueError, match="me/run is a trl-vapo run's repository, .* critic is me/run/critic; pass"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model="me/run")
-    with pytest.raises(FileNotFoundError, match="value_model me/run/critc is neither a local folder nor a model"):
+    with pytest.raises(ValueError, match="value_model me/run/critc is neither a local folder nor a model"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model="me/run/critc")
     from trl_vapo.loading import resolve_value_model
 

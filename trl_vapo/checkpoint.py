@@ -330,6 +330,18 @@ def publish(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)  # the rename itself
 
 
+def write_marker(folder: Path, marker: dict) -> None:
+    """The completion marker of the checkpoint `folder`, whole or not at all: written beside it, on the disk, then
+    renamed in place. Written in place, a stop between the file's creation and its write (or a power loss before its
+    flush: XFS) left an empty marker, a folder that looked complete and was not (the run's last checkpoint could not
+    be resumed); the `.tmp` beside it is passed over by the checks (`unreadable_file`)."""
+    written = folder / f".{COMPLETE_MARKER}.tmp"
+    written.write_text(json.dumps(marker, indent=2))
+    with open(written, flush_file_mode()) as file:
+        os.fsync(file.fileno())
+    os.replace(written, folder / COMPLETE_MARKER)
+
+
 def read_marker(path: Path) -> dict:
     """The completion marker of the checkpoint folder ``path`` (its progress, run fingerprint and inputs); a clear
     error when the folder is not a complete checkpoint."""
@@ -1162,11 +1174,7 @@ class SavingMixin:
         if marker["progress"].get("epoch_ended_step") == self.state.global_step:
             return
         marker["progress"]["epoch_ended_step"] = self.state.global_step
-        rewritten = folder / f".{COMPLETE_MARKER}.tmp"
-        rewritten.write_text(json.dumps(marker, indent=2))
-        with open(rewritten, flush_file_mode()) as written:  # on the disk before the rename: a power loss left an
-            os.fsync(written.fileno())  # empty marker (XFS), and the run's last checkpoint could not be resumed
-        os.replace(rewritten, folder / COMPLETE_MARKER)
+        write_marker(folder, marker)
         _fsync_dir(folder)
 
     def _rotate_checkpoints(self, newest: Path) -> None:
@@ -1296,7 +1304,7 @@ class SavingMixin:
             }
             if model_only:
                 marker["model_only"] = True  # `checkpoint_problem`: not one to resume from
-            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
+            write_marker(tmp, marker)
             publish(tmp, final)
             self._rotate_checkpoints(final)
         self.accelerator.wait_for_everyone()

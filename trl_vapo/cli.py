@@ -1133,6 +1133,7 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
 
     from .hub import unreachable
 
+    shown = f"{name} (subfolder {subfolder})" if subfolder else name  # (`hf download` takes the repository's id)
     try:
         markers = [f"{subfolder}/{f}" if subfolder else f for f in ("config.json", "adapter_config.json")]
         cached = (try_to_load_from_cache(name, f, cache_dir=cache_dir, revision=revision) for f in markers)
@@ -1142,7 +1143,7 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
         raise UsageError(f"{flag} {name}: no such folder (a Hub id reads `owner/name`)") from None
     if constants.HF_HUB_OFFLINE:
         raise UsageError(
-            f"{flag} {name} is not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE is set: "
+            f"{flag} {shown} is not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE is set: "
             f"download it where the Hub is reachable (`hf download {name}`), or pass a local folder"
         )
     try:
@@ -1157,7 +1158,7 @@ def _check_model_source(name: str | None, flag: str, revision: str | None = None
         return
     if error is not None:
         raise UsageError(
-            f"{flag} {name} is not a local folder and not in the Hugging Face cache, and the Hub cannot be reached "
+            f"{flag} {shown} is not a local folder and not in the Hugging Face cache, and the Hub cannot be reached "
             f"({type(error).__name__}: {str(error)[:120]}): download it where the Hub is reachable "
             f"(`hf download {name}`), or pass a local folder (HF_HUB_OFFLINE=1 runs offline from the cache)"
         )

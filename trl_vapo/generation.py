@@ -1108,8 +1108,12 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
             f"generation_kwargs sets do_sample={sample!r}: give true or false (the engines would disagree on whether "
             f"{sample!r} samples)."
         )
+    # vLLM's `n` and `best_of` at any value: TRL's server client updates its request's sampling with these kwargs
+    # after setting `n` to a prompt's copies, so `n=1` asked for one completion per prompt where it reads G.
     samples = sorted(
-        k for k in set(generation_kwargs) & {"num_return_sequences", "n", "best_of"} if generation_kwargs[k] != 1
+        k
+        for k in set(generation_kwargs) & {"num_return_sequences", "n", "best_of"}
+        if k != "num_return_sequences" or generation_kwargs[k] != 1
     )
     if samples:
         return (

@@ -650,7 +650,7 @@ def resolve_value_model(value_model: Any, args: VAPOConfig, same_checkpoint: boo
     found = next((marker for marker in markers if hub_file(repo_id, marker, where) is not None), None)
     if found is None:
         if folder:
-            raise FileNotFoundError(
+            raise ValueError(
                 f"value_model {name} is neither a local folder nor a model folder of the Hub repository {repo_id} "
                 f"(no {folder}/config.json nor {folder}/adapter_config.json there, or the Hub is out of reach)."
             )
