@@ -468,7 +468,7 @@ def test_a_truncating_importance_sampling_mode_needs_a_bound_only_with_the_corre
         ({"generation_kwargs": {"num_return_sequences": 2}}, "generation_kwargs sets num_return_sequences: each "),
         (
             {"use_vllm": True, "generation_kwargs": {"n": 4}},
-            "sets n: .* Set num_generations \\(k, num_samples\\) instead",
+            "sets n: .* Leave it out; set num_generations \\(k, num_samples\\) for more",
         ),
         # n=1 too: TRL's vLLM server client sets n to a prompt's copies, then updates it with generation_kwargs (one
         # completion per prompt came back where G were read: other prompts' completions, or none).

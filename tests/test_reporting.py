@@ -550,6 +550,19 @@ def test_card_of_a_local_base_model_never_links_to_the_hub(vapo_args, tmp_path):
     )
     assert "separate model" in content and "`critic/`" in content and "`value_pretrained_critic/`" in content
     assert "@article{yue2025vapo" in content and "@software{vonwerra2020trl" in content
+    assert "(from the Hub" not in content
+    # Pushed: the folder's Hub id too, where the card goes to the branch a Hub `value_model` is read from (main).
+    for revision, named in ((None, True), ("main", True), ("v2", False)):
+        pushed = build_model_card(
+            base_model=base,
+            output_dir=out,
+            args=vapo_args,
+            hub_model_id="me/vapo",
+            hub_revision=revision,
+            value_pretraining={"rollouts": 15, "best_explained_variance": 0.36},
+            pretrained_critic_dir=out / "value_pretrained_critic",
+        )
+        assert ('(from the Hub: `value_model="me/vapo/value_pretrained_critic"`)' in str(pushed)) == named
 
 
 def test_the_cli_summary_and_the_model_card_average_the_same_logs(tmp_path):

@@ -93,6 +93,8 @@ CASES = {
         ("chain-thousands", r"$5$ and $1000$", r"Thus $\boxed{5}$ and $\boxed{1,000}$."),
         ("chain-thousands-not-three-numbers", r"$\{1, 0, 5\}$", r"Thus $\boxed{5}$ and $\boxed{1,000}$."),
         ("chain-comma-not-thousands", r"$5, 1, 0$", r"Thus $\boxed{5}$ and $\boxed{1,0}$."),
+        ("chain-decimal-comma", r"$\{5, 0.5\}$", r"Thus $\boxed{5}$ and $\boxed{0,500}$."),  # latex2sympy's 0,5xx
+        ("chain-decimal-comma-not-a-set", r"$\{5, 0, 500\}$", r"Thus $\boxed{5}$ and $\boxed{0,500}$."),
         # A line break with spacing, ``\\[4pt]``, inside the display: its ``\[`` is no opening (the display's is).
         (
             "aligned-spaced-lines",

@@ -982,17 +982,34 @@ def test_a_users_optimizer_is_named_by_side_and_refused_where_it_leaves_a_side_o
     rates = [(h["phase"], h["learning_rate"]) for h in trainer.state.log_history if "phase" in h]
     assert [rate for phase, rate in rates if phase == "value_pretrain"] == [0.0, 0.0]
     assert [phase for phase, _ in rates].count("rl") == 2 and rates[-1][1] > 0
+
     # Under DeepSpeed a critic-only step holds the groups named "policy" out of the optimizer step: one group over
     # both sides is refused as the optimizer is built (transformers' `deepspeed_init` builds it before the first
     # rollout), not at the first critic-only step. DeepSpeed's launch is left out (its hold-out is tested in
     # test_distributed.py): the flag transformers sets for it is set by hand.
-    for value_pretrain_steps, deepspeed, refused in [(2, True, True), (2, False, False), (0, True, False)]:
-        args = make_args(tmp_path, max_steps=2, value_pretrain_steps=value_pretrain_steps)
+    def one_group(ac):
+        return [{"params": list(ac.parameters())}]
+
+    def named(*names):  # one group per side, named
+        sides = lambda ac: (ac.policy_parameters(), ac.critic_parameters())  # noqa: E731
+        return lambda ac: [{"params": p, "name": n} for p, n in zip(sides(ac), names, strict=True)]
+
+    cases = [  # (settings, groups, DeepSpeed, the groups refused)
+        ({"value_pretrain_steps": 2}, one_group, True, "[0]"),
+        ({"value_pretrain_steps": 2}, one_group, False, None),
+        ({"value_pretrain_steps": 0}, one_group, True, None),
+        ({"value_pretrain_steps": 0, "critic_num_iterations": 2}, one_group, True, "[0]"),
+        ({"value_pretrain_steps": 2}, named("actor", "critic"), True, "[0]"),  # the policy's under another name
+        ({"value_pretrain_steps": 2}, named("policy", "policy"), True, "[1]"),  # the critic's under 'policy'
+        ({"value_pretrain_steps": 2}, named("policy", "value"), True, None),
+    ]
+    for settings, groups, deepspeed, refused in cases:
+        args = make_args(tmp_path, max_steps=2, **settings)
         trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset())
-        trainer.optimizer = torch.optim.AdamW(trainer.actor_critic.parameters(), lr=1e-3)
+        trainer.optimizer = torch.optim.AdamW(groups(trainer.actor_critic), lr=1e-3)
         trainer.is_deepspeed_enabled = deepspeed
         if refused:
-            with pytest.raises(ValueError, match=r"group\(s\) \[0\] hold the policy's .* one group per side"):
+            with pytest.raises(ValueError, match=rf"group\(s\) \{refused[:-1]}\] hold the policy's .* one group per"):
                 trainer.create_optimizer()
         else:
             trainer.create_optimizer()
@@ -1080,17 +1097,29 @@ def test_a_hub_repository_that_is_a_runs_or_lacks_the_folder_named_is_refused_be
     model loads; a repository whose root is a model is loaded by `from_pretrained` as before."""
     cache = tmp_path / "hub-cache"
     put_in_hub_cache(cache, "me/run", {"": tiny_model_dir, "critic": tiny_model_dir})
+    put_in_hub_cache(cache, "me/run", {"last-checkpoint": tiny_model_dir, "last-checkpoint/critic": tiny_model_dir})
     put_in_hub_cache(cache, "me/reward-model", {"": tiny_model_dir})
     args = make_args(tmp_path, max_steps=1, model_init_kwargs={"cache_dir": str(cache)})
     refuse_model_loads(monkeypatch)
-    with pytest.raises(ValueError, match="me/run is a trl-vapo run's repository, .* critic is me/run/critic; pass"):
-        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model="me/run")
+    # (named as the policy too: the policy's own checkpoint, read where the policy is, was not looked at)
+    for model in (str(tiny_model_dir), "me/run"):
+        with pytest.raises(ValueError, match="me/run is a trl-vapo run's repository .* critic is me/run/critic; pass"):
+            VAPOTrainer(model, digit_fraction, args, prompts_dataset(), value_model="me/run")
+    # A checkpoint of it, refused before its optimizer state downloads.
+    with pytest.raises(ValueError, match="critic is me/run/last-checkpoint/critic; pass"):
+        VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model="me/run/last-checkpoint")
     with pytest.raises(ValueError, match="value_model me/run/critc is neither a local folder nor a model"):
         VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model="me/run/critc")
     from trl_vapo.loading import resolve_value_model
 
     assert resolve_value_model("me/reward-model", args, same_checkpoint=False) == "me/reward-model"
     assert resolve_value_model("me/run/critic", args, same_checkpoint=False).is_dir()
+    # A local path mistyped (its first folder is here), or a Path: named as one that does not exist, not looked up.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "exp1").mkdir(parents=True)
+    for typo in ("runs/exp1/critc", tmp_path / "runs" / "exp1" / "critc"):
+        with pytest.raises(FileNotFoundError, match=f"value_model path {typo} does not exist"):
+            VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), value_model=typo)
 
 
 def test_value_pretraining_stops_when_windowed_explained_variance_stalls(tiny_model_dir, tmp_path):

@@ -332,9 +332,10 @@ def publish(tmp: Path, final: Path) -> None:
 
 def write_marker(folder: Path, marker: dict) -> None:
     """The completion marker of the checkpoint `folder`, whole or not at all: written beside it, on the disk, then
-    renamed in place. Written in place, a stop between the file's creation and its write (or a power loss before its
-    flush: XFS) left an empty marker, a folder that looked complete and was not (the run's last checkpoint could not
-    be resumed); the `.tmp` beside it is passed over by the checks (`unreadable_file`)."""
+    renamed in place (the `.tmp` beside it is passed over by the checks: `unreadable_file`). Rewritten in place at an
+    epoch's end, a power loss before its flush (XFS) left the run's last checkpoint with an empty marker, which no
+    resume could read; written in place in a checkpoint's temporary folder, a stop between the file's creation and
+    its write left one that looked complete (the resume's own check passed it over as unreadable)."""
     written = folder / f".{COMPLETE_MARKER}.tmp"
     written.write_text(json.dumps(marker, indent=2))
     with open(written, flush_file_mode()) as file:
@@ -1031,7 +1032,8 @@ class SavingMixin:
         self.create_model_card(model_name=model_name, hub_revision=revision, **kwargs)
         self._finish_current_push()
         # This run's value-pretrained critic goes up beside the model (`owner/name/value_pretrained_critic` skips the
-        # phase in a new run, as the card says); an earlier run's in the folder, which the card does not name, stays.
+        # phase in a new run, as the card says); an earlier run's in the folder, which the card does not name, stays
+        # here, and one an earlier push left in the repository goes (with this run's, the files it does not hold).
         pretrained_critic = [] if self._pretrained_critic_of_this_run() else [f"{PRETRAINED_CRITIC_DIR}/*"]
         return hf_api().upload_folder(
             repo_id=self.hub_model_id,
@@ -1040,7 +1042,7 @@ class SavingMixin:
             token=token,
             run_as_future=not blocking,
             ignore_patterns=["_*", f"{CHECKPOINT_PREFIX}-*", ".*", *pretrained_critic],
-            delete_patterns=HUB_WEIGHT_FILES,
+            delete_patterns=[*HUB_WEIGHT_FILES, f"{PRETRAINED_CRITIC_DIR}/*"],
             revision=revision if revision is not None else self.args.hub_revision,
         )
 

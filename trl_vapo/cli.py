@@ -735,7 +735,7 @@ def _check_before_loading(script_args, training_args, model_args, demo: bool) ->
         own = where if value_model == model_args.model_name_or_path else elsewhere
         from .loading import hub_repository_folder
 
-        split = hub_repository_folder(value_model) if value_model and not Path(value_model).exists() else None
+        split = hub_repository_folder(value_model)
         if split is not None and split[1]:  # a critic folder of a Hub repository (a pushed run's `critic/`)
             value_model, own = split[0], {**own, "subfolder": split[1]}
         _check_model_source(value_model, "--value_model_name_or_path", own.get("revision"), own)

@@ -1085,9 +1085,9 @@ def check_engine_available(settings: EngineSettings, model: Any = None) -> None:
 def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
     """Why `generation_kwargs` may not be sampled with, or None: it sets what the caller counts. The token budget (the
     trainer's `max_completion_length`, evaluation's `max_new_tokens`), which also tells a completion cut by the
-    budget from one that ended; a clock, whose cut reads as an end; several completions a request, which the
-    batches, the groups and the prompts they are scored against are counted without (each prompt's completions are
-    `num_generations`, evaluation's `k`: one request each). And a `do_sample` that is not a bool."""
+    budget from one that ended; a clock, whose cut reads as an end; a prompt's number of completions (each prompt's
+    completions are `num_generations`, evaluation's `k`, which the engine asks for itself, and the batches, the groups
+    and the prompts they are scored against are counted in). And a `do_sample` that is not a bool."""
     budget = sorted(set(generation_kwargs) & {"max_new_tokens", "max_length", "max_tokens"})
     if budget:
         return (
@@ -1108,8 +1108,8 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
             f"generation_kwargs sets do_sample={sample!r}: give true or false (the engines would disagree on whether "
             f"{sample!r} samples)."
         )
-    # vLLM's `n` and `best_of` at any value: TRL's server client updates its request's sampling with these kwargs
-    # after setting `n` to a prompt's copies, so `n=1` asked for one completion per prompt where it reads G.
+    # vLLM's `n` and `best_of` at any value: TRL's server client sets `n` to a prompt's copies, then updates the
+    # request's sampling with these kwargs (`n=1` asked for one completion per prompt where num_generations are read).
     samples = sorted(
         k
         for k in set(generation_kwargs) & {"num_return_sequences", "n", "best_of"}
@@ -1118,8 +1118,8 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
     if samples:
         return (
             f"generation_kwargs sets {', '.join(samples)}: each prompt's completions are num_generations "
-            "(trl-vapo eval's k, sample_completions' num_samples), one request per completion, which the batches and "
-            "the groups are counted in. Set num_generations (k, num_samples) instead."
+            "(trl-vapo eval's k, sample_completions' num_samples), which the batches and the groups are counted in, "
+            "and the engine asks for them itself. Leave it out; set num_generations (k, num_samples) for more."
         )
     return None
 

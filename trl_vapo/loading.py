@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -630,37 +631,36 @@ def resolve_value_model(value_model: Any, args: VAPOConfig, same_checkpoint: boo
     """`value_model` as the local folder that the checks and the loading read, where it names a trl-vapo critic on
     the Hub: `owner/name/<folder>` (a pushed run's `critic/` or `value_pretrained_critic/`), or `owner/name` whose
     root is a critic adapter or holds a value-pretraining record. Downloaded to the Hugging Face cache (offline: read
-    from it), with the run's loading options (`cache_dir`, `token`, `local_files_only`). Those checks read files: from
-    an id, a critic adapter failed to load (no config.json at the root) and a pretrained critic's record was unread,
-    so value pretraining ran again, unsaid. Anything else is returned as given: a model, a local path, the policy's
-    own checkpoint (`same_checkpoint`), a model id whose root is a model (`from_pretrained` reads it)."""
-    if not isinstance(value_model, (str, os.PathLike)) or same_checkpoint or Path(value_model).expanduser().exists():
+    from it), with the run's loading options (`cache_dir`, `token`, `local_files_only`), from the repository's default
+    branch. Those checks read files: from an id, a critic adapter failed to load (no config.json at the root) and a
+    pretrained critic's record was unread, so value pretraining ran again, unsaid. A pushed run's repository (or one
+    of its checkpoints) named where its critic is meant is refused before anything downloads. Anything else is
+    returned as given: a model, a local path, the policy's own checkpoint (`same_checkpoint`), a model id whose root
+    is a model (`from_pretrained` reads it)."""
+    split = hub_repository_folder(value_model)
+    if split is None:  # a model, a local path (`check_value_model_path` says where it does not exist)
         return value_model
-    name = str(value_model)
-    split = hub_repository_folder(name)
-    if split is None:  # a local path (`check_value_model_path` says it does not exist), or an id without an owner
+    name, (repo_id, folder) = str(value_model), split
+    where = critic_loading_kwargs(args, same_checkpoint=same_checkpoint)
+    run_markers = [f"{folder}/{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}", f"{folder}/{CRITIC_SUBFOLDER}/config.json"]
+    if any(hub_file(repo_id, marker.lstrip("/"), where) is not None for marker in run_markers):
+        # Its root (or the checkpoint's) is the trained policy: loaded as a critic with a new head, the critic unread.
+        raise ValueError(
+            f"value_model {name} is a trl-vapo run's repository (or checkpoint) folder, whose root holds the policy: "
+            f"its critic is {name}/{CRITIC_SUBFOLDER}; pass that."
+        )
+    if same_checkpoint:  # read where the policy is, by `from_pretrained`
         return value_model
-    repo_id, folder = split
-    where = critic_loading_kwargs(args)
-    if folder:
-        markers = [f"{folder}/config.json", f"{folder}/adapter_config.json"]
-    else:
-        markers = [VALUE_PRETRAINING_FILE, VALUE_HEAD_FILE, f"{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}"]
-        markers += [f"{CRITIC_SUBFOLDER}/config.json"]
-    found = next((marker for marker in markers if hub_file(repo_id, marker, where) is not None), None)
-    if found is None:
+    markers = [f"{folder}/config.json", f"{folder}/adapter_config.json"] if folder else []
+    markers += [] if folder else [VALUE_PRETRAINING_FILE, VALUE_HEAD_FILE]
+    if not any(hub_file(repo_id, marker, where) is not None for marker in markers):
         if folder:
             raise ValueError(
-                f"value_model {name} is neither a local folder nor a model folder of the Hub repository {repo_id} "
-                f"(no {folder}/config.json nor {folder}/adapter_config.json there, or the Hub is out of reach)."
+                f"value_model {name} is neither a local folder nor a model folder of the Hub repository {repo_id}: "
+                f"no {folder}/config.json nor {folder}/adapter_config.json there, or the Hub is out of reach, or the "
+                "repository is private or gated (`hf auth login`, or model_init_kwargs' token)."
             )
-        return value_model
-    if not folder and found.startswith(f"{CRITIC_SUBFOLDER}/"):
-        # Its root is the trained policy: loaded as a critic with a new head, the trained critic unread.
-        raise ValueError(
-            f"value_model {name} is a trl-vapo run's repository, whose root holds the policy: its critic is "
-            f"{name}/{CRITIC_SUBFOLDER}; pass that."
-        )
+        return value_model  # a model at the repository's root: `from_pretrained` reads it
     import huggingface_hub
 
     takes = inspect.signature(huggingface_hub.snapshot_download).parameters
@@ -670,13 +670,17 @@ def resolve_value_model(value_model: Any, args: VAPOConfig, same_checkpoint: boo
     return Path(snapshot) / folder
 
 
-def hub_repository_folder(name: str) -> tuple[str, str] | None:
-    """`owner/name[/folder]` as the Hub repository's id and the folder in it ("" for its root); None for what is
-    not of that form: a local path (`./x`, `/x`, `~/x`), an id without an owner."""
-    parts = name.split("/")
-    if name.startswith((".", "/", "~")) or os.sep != "/" and os.sep in name or len(parts) < 2 or "" in parts:
+_HUB_FOLDER_RE = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:/(?P<folder>[\w.-]+(?:/[\w.-]+)*))?")
+
+
+def hub_repository_folder(value_model: Any) -> tuple[str, str] | None:
+    """A `value_model` string of the form `owner/name[/folder]` that names no local file, as the Hub repository's id
+    and the folder in it ("" for its root); None for anything else: a local path (`./x`, `/x`, `~/x`, `C:/x`, one
+    whose first part is a local folder: a mistyped path), a `Path`, an id without an owner, a model."""
+    if not isinstance(value_model, str) or Path(value_model.split("/")[0]).expanduser().exists():
         return None
-    return "/".join(parts[:2]), "/".join(parts[2:])
+    match = _HUB_FOLDER_RE.fullmatch(value_model)
+    return None if match is None else (match["repo"], match["folder"] or "")
 
 
 def _looks_like_a_path(name: str) -> bool:

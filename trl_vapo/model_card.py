@@ -203,6 +203,7 @@ def build_model_card(
         pipeline_tag="text-generation",
         tags=tag_list,
     )
+    branch = hub_revision or getattr(args, "hub_revision", None)  # the Hub branch the card goes to
     sections = [
         f"# Model Card for {model_name}",
         _intro(
@@ -221,7 +222,7 @@ def build_model_card(
             args,
             is_adapter,
             base_model,
-            hub_revision or getattr(args, "hub_revision", None),
+            branch,
         ),
         _held_out_section(held_out),
         _training_section(args, value_pretraining, log_history, wandb_url, trackio_url, value_function),
@@ -234,7 +235,7 @@ def build_model_card(
             value_function,
             critic_source,
             adapter_type,
-            hub_model_id,
+            hub_model_id if branch in (None, "main") else None,  # (`value_model` reads a Hub critic from `main`)
         ),
         _versions_section(is_adapter),
         _citations_section(citation),

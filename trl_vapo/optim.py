@@ -106,18 +106,20 @@ def name_groups_by_side(optimizer: torch.optim.Optimizer, actor_critic, holds_po
                 group["name"] = "critic"
     if not holds_policy_out:
         return
-    stepping_policy = [
-        i
-        for i, group in enumerate(optimizer.param_groups)
-        if group.get("name") != "policy" and any(id(p) in policy for p in group["params"])
-    ]
-    if stepping_policy:
+    # A group held out must hold the policy's parameters alone, and no other group any of them.
+    mixed = []
+    for i, group in enumerate(optimizer.param_groups):
+        ids = {id(p) for p in group["params"]}
+        if not (ids <= policy if group.get("name") == "policy" else not ids & policy):
+            mixed.append(i)
+    if mixed:
         raise ValueError(
-            f"The optimizer's parameter group(s) {stepping_policy} hold the policy's parameters under a name other "
-            "than 'policy' (a group over both sides): under DeepSpeed, the critic-only steps (value pretraining, "
-            "critic_num_iterations > num_iterations) hold the groups named 'policy' out of the step, so these would "
-            "move the policy there. Build one group per side: `[{'params': trainer.actor_critic.policy_parameters()}, "
-            "{'params': trainer.actor_critic.critic_parameters()}]` (each is named for its side)."
+            f"The optimizer's parameter group(s) {mixed} hold the policy's parameters beside the critic's, or under "
+            "a name other than 'policy', or the critic's under 'policy': under DeepSpeed, the critic-only steps "
+            "(value pretraining, critic_num_iterations > num_iterations) hold the groups named 'policy' out of the "
+            "step, so the policy would move there (or the critic would not). Build one group per side: "
+            "`[{'params': trainer.actor_critic.policy_parameters()}, {'params': trainer.actor_critic"
+            ".critic_parameters()}]` (each is named for its side; a name given must be 'policy' for the policy's)."
         )
 
 

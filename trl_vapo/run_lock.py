@@ -78,7 +78,8 @@ def output_dir_lock(output_dir: str | os.PathLike):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     path.unlink()
         finally:
-            os.close(fd)
+            with contextlib.suppress(OSError):  # (EIO from a lost mount)
+                os.close(fd)
 
 
 def _take(path: Path, output_dir, warn) -> int | None:

@@ -173,16 +173,24 @@ def _join_contents(contents: Sequence[str], separator: str = ",") -> str | None:
 
 
 ENVIRONMENTS_SEPARATOR = ", "  # a space after the comma: no number reads ``6, 120`` as 6120 (math-verify's neither)
-_THOUSANDS_NUMBER_RE = re.compile(r"-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
+# latex2sympy's `comma_number_regex`, by which math-verify reads an environment's `1,000` (and `0,500`) as a number
+_THOUSANDS_NUMBER_RE = re.compile(r"\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*")
+
+
+def _comma_number(content: str) -> str:
+    """``content`` as latex2sympy's `convert_number` reads a number with commas in it, alone in an environment: its
+    thousands separators dropped (``1,000``: 1000), or a decimal comma after a leading 0 (``0,500``: 0.5); anything
+    else as it is."""
+    if not _THOUSANDS_NUMBER_RE.fullmatch(content):
+        return content
+    return (content.replace(",", ".") if content.startswith("0") else content).replace(",", "").replace(" ", "")
 
 
 def _join_environments(contents: Sequence[str]) -> str | None:
     """The answers of chained math environments (``$5$ and $1,000$``) joined as :func:`_join_contents` joins them,
-    by ``, ``: math-verify reads each environment apart, a number with thousands separators in it as one number
-    (the set {5, 1000}); joined as it was written, ``5, 1,000`` read as the set {5, 1, 0}."""
-    return _join_contents(
-        [c.replace(",", "") if _THOUSANDS_NUMBER_RE.fullmatch(c) else c for c in contents], ENVIRONMENTS_SEPARATOR
-    )
+    by ``, ``: math-verify reads each environment apart, a number with commas in it as one number (the set
+    {5, 1000}; `_comma_number`); joined as it was written, ``5, 1,000`` read as the set {5, 1, 0}."""
+    return _join_contents([_comma_number(c) for c in contents], ENVIRONMENTS_SEPARATOR)
 
 
 def _walk_boxes(text: str, spans: Sequence[tuple[int, int, int]]) -> list[str]:
