@@ -1628,13 +1628,17 @@ def main(argv: list[str] | None = None) -> int:
         settings["tuning_seeds"] = [int(s) for s in opts.tuning_seeds.split(",")]
     if opts.lr_grid:
         settings["lr_grid"] = [float(lr) for lr in opts.lr_grid.split(",")]
-    if opts.seeds and opts.stage in ("all", "report") and not opts.quick:  # aggregating spent seeds reruns nothing
+    if opts.stage in ("all", "report") and not opts.quick:  # aggregating spent seeds reruns nothing
+        # (the protocol's own reporting seeds too: `--tuning-seeds` naming one of them made it a tuning seed)
         tuning_seeds = sorted({*PROTOCOL["tuning_seeds"], *settings["tuning_seeds"], *CRITIC_PROBE_SEEDS})
-        spent = [s for s in settings["reporting_seeds"] if s in tuning_seeds + settings["spent_seeds"]]
+        reporting = sorted({*settings["reporting_seeds"], *settings["decisive_seeds"]})  # (one list with --seeds)
+        spent = [s for s in reporting if s in tuning_seeds + settings["spent_seeds"]]
         if spent:
+            named = "--seeds" if opts.seeds else "the protocol's reporting seeds"
             parser.error(
-                f"--seeds {','.join(map(str, spent))}: a tuning seed ({tuning_seeds}) or one reported "
+                f"{named} {','.join(map(str, spent))}: a tuning seed ({tuning_seeds}) or one reported "
                 f"under protocol 1 ({settings['spent_seeds']}) is never a reporting seed; take fresh ones"
+                + ("" if opts.seeds else " (--seeds), or tune on others (--tuning-seeds)")
             )
     if opts.no_tune and BEST_GRPO in settings["methods"] and not opts.quick:
         parser.error(

@@ -381,6 +381,10 @@ def test_reporting_refuses_spent_seeds_and_arms_without_their_frozen_choice(tmp_
     assert f"--seeds 1000: {says}" in refused("--seeds", "2000,1000")
     assert "--seeds 1002:" in refused("--seeds", "1002,2000")  # the critic probes' (bench_critic.py), which tuned too
     assert "--seeds 0,2:" in refused("--seeds", "0,2005,2")
+    # Tuning seeds named among the protocol's reporting seeds: refused too (the check ran for --seeds alone).
+    assert "the protocol's reporting seeds 2000: a tuning seed ([1000, 1001, 1002, 2000])" in refused(
+        "--tuning-seeds", "2000"
+    )
     # A tuned arm reports only with its own choice (it fell back to VAPO's, which a PPO or GRPO worker cannot run).
     assert "demo/ppo reports with its own frozen choice, and chosen.json has none: run --stage tune" in refused(
         "--methods", "vapo,ppo"

@@ -396,6 +396,19 @@ def test_the_held_out_reports_description_names_the_runs_sampling_settings():
     assert described.endswith(
         "was chosen by evaluations on the same split (load_best_model_at_end), so the scores after it read high"
     )
+    # The demo's evaluations during training read 64 other problems of its held-out split than the report's (they
+    # were the report's first 64): a checkpoint chosen by them is not said to read high.
+    from trl_vapo.cli import _resolve_data
+
+    argv = ["--eval_strategy", "steps", "--eval_num_prompts", "100"]
+    demo_script, training, model, _, _ = _parser().parse_args_and_config(argv, return_remaining_strings=True)
+    _, _, during, report = _resolve_data(demo_script, model, training, demo=True)
+    assert len(during) == 64 and len(report) == 100 and not set(during["prompt"]) & set(report["prompt"])
+    from trl_vapo.demo.data import build_split
+
+    assert report["prompt"] == build_split("held_out", 100)["prompt"]  # the report's problems as before
+    described = _model_card_info(script, scores, scores, demo=True, args=chose)["held_out"]["description"]
+    assert "chosen" not in described
 
 
 def test_a_launch_leaves_no_mark_on_the_process_that_launched(monkeypatch):

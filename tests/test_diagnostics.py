@@ -173,7 +173,8 @@ def test_the_grey_band_covers_value_pretrainings_steps_and_no_rl_step(tmp_path, 
 
 def test_without_matplotlib_a_run_says_so_once(tmp_path, monkeypatch, caplog):
     """Each run draws at value pretraining's end and at its own: without matplotlib (the `plot` extra), the line
-    that says there are no PNGs came twice a run."""
+    that says there are no PNGs came twice a run. A warning (it was said at INFO, which a Python script does not
+    show: `plot_diagnostics` is on by default, and no PNG came without a word)."""
     import logging
     import sys
 
@@ -181,7 +182,7 @@ def test_without_matplotlib_a_run_says_so_once(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     monkeypatch.setitem(diagnostics._SAID, "no matplotlib", False)
-    with caplog.at_level(logging.INFO, logger="trl_vapo.diagnostics"):
+    with caplog.at_level(logging.WARNING, logger="trl_vapo.diagnostics"):
         for _ in range(2):
             diagnostics.write_plots_if_possible(tmp_path, [{"phase": "rl", "step": 1}])
     assert [r.getMessage() for r in caplog.records].count(

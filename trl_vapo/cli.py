@@ -901,7 +901,8 @@ def _model_card_info(script_args, before, after, demo: bool, mixture: bool = Fal
             f"temperature 1.0 and top_p 1.0{run} for avg@k ({again}), greedy for pass@1",
         }
         chosen = getattr(args, "load_best_model_at_end", False) and getattr(args, "eval_strategy", "no") != "no"
-        if chosen:  # the evaluations during training read the same split, the report's problems among them
+        if chosen and not demo:  # evaluations during training read the same split, the report's problems among them
+            # (the demo's read 64 other problems of it)
             info["held_out"]["description"] += (
                 "; the checkpoint scored after was chosen by evaluations on the same split (load_best_model_at_end), "
                 "so the scores after it read high"
@@ -918,8 +919,13 @@ def _resolve_data(script_args, model_args, training_args, demo: bool, mixture=No
         from .demo import MODEL_DIR
         from .demo.data import build_split
 
-        test = build_split("held_out", script_args.eval_num_prompts) if script_args.eval_num_prompts else None
-        during = build_split("held_out", 64) if evaluates else None
+        # The report's problems, then 64 others for the evaluations during training (drawn in order: the report's
+        # are the first `eval_num_prompts` either way); they were the report's first 64, and a checkpoint chosen by
+        # them (load_best_model_at_end, an early stop) scored high on the report.
+        reported = script_args.eval_num_prompts or 0
+        held_out = build_split("held_out", reported + 64)
+        test = held_out.select(range(reported)) if reported else None
+        during = held_out.select(range(reported, reported + 64)) if evaluates else None
         return str(MODEL_DIR), build_split("train", 4096), during, test
     if mixture is not None and mixture.datasets:
         return _resolve_mixture(script_args, model_args, mixture, evaluates, training_args.seed)

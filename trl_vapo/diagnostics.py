@@ -237,7 +237,7 @@ def write_plots_if_possible(output_dir: str | Path, logs: list[dict[str, Any]]) 
     except ImportError:
         if not _SAID["no matplotlib"]:  # once a process: each run drew at value pretraining's end and at its own
             _SAID["no matplotlib"] = True
-            logger.info("plot_diagnostics: matplotlib is not installed (`pip install matplotlib`); no PNGs.")
+            logger.warning("plot_diagnostics: matplotlib is not installed (`pip install matplotlib`); no PNGs.")
         return
     if not any("phase" in entry for entry in logs):
         return  # nothing logged yet
