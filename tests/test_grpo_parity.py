@@ -366,6 +366,11 @@ def test_grpo_settings_that_mean_what_vapo_does_are_accepted(tiny_model_dir, tmp
     assert make_args(tmp_path, scale_rewards="False").scale_rewards == "none"  # as `--scale_rewards False` gives it
     make_args(tmp_path, use_bias_correction_kl=False)  # a penalty in the reward: neither value reweights it
     make_args(tmp_path, scale_rewards="batch")  # VAPO's advantages are whitened over the rollout: batch scaling
+    # A GRPO config's epsilon alone, above VAPO's epsilon_high (GRPOConfig's follows epsilon): the clip reversed.
+    (reversed_clip,) = grpo_setting_warnings(make_args(tmp_path, epsilon=0.3))
+    assert reversed_clip.startswith("epsilon_high=0.28 is below epsilon=0.3: the ratio's upper clip")
+    assert grpo_setting_warnings(make_args(tmp_path, epsilon=0.3, epsilon_high=None)) == []  # symmetric: 0.3
+    assert grpo_setting_warnings(make_args(tmp_path, epsilon=0.28)) == []
 
 
 def test_a_config_read_back_builds_the_same_config(tmp_path):

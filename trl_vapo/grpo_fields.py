@@ -61,6 +61,13 @@ def grpo_setting_warnings(args) -> list[str]:
         for name, (default, instead, *_) in GRPO_ONLY.items()
         if getattr(args, name) != default
     ]
+    if args.surrogate == "ppo" and args.epsilon_high < args.epsilon:
+        # (a GRPO config's `epsilon` alone: GRPOConfig's epsilon_high follows it, VAPO's default is 0.28)
+        warnings.append(
+            f"epsilon_high={args.epsilon_high} is below epsilon={args.epsilon}: the ratio's upper clip (1 + "
+            "epsilon_high) is nearer 1 than its lower one, the reverse of clip-higher (VAPO's epsilon_high is 0.28 "
+            "whatever epsilon is; GRPOConfig's follows epsilon). Set epsilon_high, or None for epsilon's value."
+        )
     if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
         warnings.append(
             "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
