@@ -3,8 +3,9 @@ and a one-GPU FSDP2 step, each part's figures written as soon as it ends.
 
 GPU time is rare and short (minutes, commands of at most 10 minutes, no network), so one prepared command does
 everything, most important part first. ``--limit`` (the call's limit less a margin) stops a part still running then,
-with every process it started, keeping the runs it finished; ``--deadline`` starts no part after its seconds. A later
-call runs what is left with ``--parts``. Here (with a network), once, the wheels the GPU machine lacks (``WHEELS``,
+with every process it started, keeping the runs it finished, and starts no part whose last measured time
+(``PART_SECONDS``) it does not leave; ``--deadline`` starts no part after its seconds. A later call runs what is left
+with ``--parts``. Here (with a network), once, the wheels the GPU machine lacks (``WHEELS``,
 versions from ``constraints.txt``):
 
     .venv/bin/python benchmarks/gpu_suite.py --download-wheels base --dest .whl           # 9 wheels, about 16 MiB
@@ -132,6 +133,12 @@ PARTS = ("tests", "trainer-lora", "generation", "trainer-full", "trainer-1.5B")
 SCRIPT_TIMEOUT = "VAPO_SCRIPT_TIMEOUT"  # (tests/_script_process.py's: the most seconds a test's training run takes)
 TESTS_LIMIT = 240
 """Seconds the tests part may take, whatever ``--limit`` leaves: about twice its 113 s on the H200 (2026-11-27)."""
+PART_SECONDS = {"tests": 113, "trainer-lora": 151, "generation": 201, "trainer-full": 153, "trainer-1.5B": 300}
+"""Each part's seconds on the H200 (2026-11-27, `benchmarks/gpu/h200-2026-11-27/`; trainer-1.5B was cut there after
+222 s, its GRPO run unfinished: 300 is a floor's guess). A part is not started where ``--limit`` leaves less: cut near
+its end, it kept its first run's figures alone (trainer-1.5B's VAPO row, in the log only), and its seconds were lost
+to the part after it; a later call runs it with ``--parts``."""
+SMOKE_PART_SECONDS: dict[str, float] = {}  # (--smoke: none known, every part starts; a test sets one)
 TRAINER_PARTS = {  # part: (size, methods)
     "trainer-lora": ("0.5B", ("vapo-lora", "grpo-lora")),
     "trainer-full": ("0.5B", ("vapo-full", "grpo-full")),
@@ -664,8 +671,14 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.time() - STARTED
         late = [(name, at) for name, at in (("deadline", opts.deadline), ("limit", opts.limit)) if at is not None]
         late = [(name, at) for name, at in late if elapsed >= at]
+        expected = (SMOKE_PART_SECONDS if opts.smoke else PART_SECONDS).get(part)
         if late:
             result = {"status": "skipped", "why": f"{late[0][0]}: {elapsed:.0f} s >= {late[0][1]:.0f} s"}
+        elif opts.limit is not None and expected is not None and elapsed + expected > opts.limit:
+            result = {
+                "status": "skipped",
+                "why": f"limit: {expected:.0f} s expected (PART_SECONDS), {opts.limit - elapsed:.0f} s left",
+            }
         else:
             print(f"\n== {part} ({elapsed:.0f} s)", flush=True)
             began = time.time()

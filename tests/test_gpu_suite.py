@@ -233,6 +233,26 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
     assert "tests: not run (limit: " in stdout
 
 
+def test_a_part_is_not_started_where_the_limit_leaves_less_than_its_measured_time(tmp_path, monkeypatch):
+    """The H200's second call (2026-11-27) started trainer-1.5B with about 185 s left before its limit: it was cut in
+    its GRPO run, its VAPO row kept in the log alone. A part whose last measured time (`PART_SECONDS`) the limit does
+    not leave is not started (a later call's `--parts` runs it). Here in this process, with a time set for the smoke
+    part (none is known at tiny shapes), so that nothing runs."""
+    import signal
+    import time
+
+    assert set(gpu_suite.PART_SECONDS) == set(gpu_suite.PARTS)
+    monkeypatch.setattr(gpu_suite, "STARTED", time.time())
+    monkeypatch.setattr(gpu_suite, "SMOKE_PART_SECONDS", {"trainer-full": 10_000})
+    handler = signal.getsignal(signal.SIGTERM)  # (main sets its own)
+    try:
+        assert gpu_suite.main(["--smoke", "--parts", "trainer-full", "--limit", "600", "--out", str(tmp_path)]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    part = json.loads((tmp_path / "gpu_suite.json").read_text())["parts"]["trainer-full"]
+    assert part["status"] == "skipped" and part["why"].startswith("limit: 10000 s expected (PART_SECONDS), 6")
+
+
 def test_a_trainer_part_with_a_failed_run_keeps_the_pairs_that_ran(tmp_path, monkeypatch):
     """`bench_gpu.py` exits 1 after a run failed, its JSON holding every row (a failed one as `{"error": ...}`): the
     part is failed, and the ratios are those of the pairs both of whose runs were measured. The command is a stand-in
