@@ -234,10 +234,10 @@ def test_a_part_cut_at_the_limit_is_reported_with_what_it_finished(tmp_path):
 
 
 def test_a_part_is_not_started_where_the_limit_leaves_less_than_its_measured_time(tmp_path, monkeypatch):
-    """The H200's second call (2026-11-27) started trainer-1.5B with about 185 s left before its limit: it was cut in
-    its GRPO run, its VAPO row kept in the log alone. A part whose last measured time (`PART_SECONDS`) the limit does
-    not leave is not started (a later call's `--parts` runs it). Here in this process, with a time set for the smoke
-    part (none is known at tiny shapes), so that nothing runs."""
+    """The H200's second call (2026-11-27) started trainer-1.5B 153 s into its 375 s, about 220 s before its end: it
+    was cut in its GRPO run, its VAPO row kept in the log alone. A part whose last measured time (`PART_SECONDS`) the
+    limit does not leave is not started (a later call's `--parts` runs it). Here in this process, with a time set for
+    the smoke part (none is known at tiny shapes), so that nothing runs."""
     import signal
     import time
 
