@@ -642,8 +642,9 @@ def resolve_value_model(value_model: Any, args: VAPOConfig, same_checkpoint: boo
         return value_model
     name, (repo_id, folder) = str(value_model), split
     where = critic_loading_kwargs(args, same_checkpoint=same_checkpoint)
-    run_markers = [f"{folder}/{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}", f"{folder}/{CRITIC_SUBFOLDER}/config.json"]
-    if any(hub_file(repo_id, marker.lstrip("/"), where) is not None for marker in run_markers):
+    inside = f"{folder}/" if folder else ""
+    run_markers = [f"{inside}{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}", f"{inside}{CRITIC_SUBFOLDER}/config.json"]
+    if any(hub_file(repo_id, marker, where) is not None for marker in run_markers):
         # Its root (or the checkpoint's) is the trained policy: loaded as a critic with a new head, the critic unread.
         raise ValueError(
             f"value_model {name} is a trl-vapo run's repository (or checkpoint) folder, whose root holds the policy: "
@@ -651,8 +652,10 @@ def resolve_value_model(value_model: Any, args: VAPOConfig, same_checkpoint: boo
         )
     if same_checkpoint:  # read where the policy is, by `from_pretrained`
         return value_model
-    markers = [f"{folder}/config.json", f"{folder}/adapter_config.json"] if folder else []
-    markers += [] if folder else [VALUE_PRETRAINING_FILE, VALUE_HEAD_FILE]
+    if folder:  # a model folder in the repository
+        markers = [f"{folder}/config.json", f"{folder}/adapter_config.json"]
+    else:  # at its root, a critic adapter or a value-pretrained critic
+        markers = [VALUE_PRETRAINING_FILE, VALUE_HEAD_FILE]
     if not any(hub_file(repo_id, marker, where) is not None for marker in markers):
         if folder:
             raise ValueError(

@@ -296,13 +296,13 @@ def _quick_start(
     max_new_tokens = getattr(args, "max_completion_length", None) or 256
     where = "  # this folder; once uploaded, its Hub id" if is_local else ""
     # The branch the card is pushed to (`revision`): without it, `main`, which may hold another model or none.
-    branch = f', revision="{revision}"' if revision and not is_local else ""
+    options = f', revision="{revision}"' if revision and not is_local else ""
     # A chat prompt rendered as training rendered it (`chat_template_kwargs`: Qwen3's enable_thinking=False, say);
     # the pipeline hands `tokenizer_encode_kwargs` to `apply_chat_template`.
     template = getattr(args, "chat_template_kwargs", None) if isinstance(example_prompt, list) else None
     encode = f", tokenizer_encode_kwargs={dict(template)!r}" if template else ""
     # A model of custom code (`trust_remote_code`, as it trained): without it, `pipeline` refuses to load it.
-    branch += ", trust_remote_code=True" if getattr(args, "trust_remote_code", False) else ""
+    options += ", trust_remote_code=True" if getattr(args, "trust_remote_code", False) else ""
     lines = [
         "## Quick start",
         "",
@@ -310,7 +310,7 @@ def _quick_start(
         "from transformers import pipeline",
         "",
         f"prompt = {example_prompt!r}",
-        f'generator = pipeline("text-generation", model="{model_ref}"{branch}, device_map="auto"){where}',
+        f'generator = pipeline("text-generation", model="{model_ref}"{options}, device_map="auto"){where}',
         f"output = generator(prompt, max_new_tokens={max_new_tokens}, return_full_text=False{encode})[0]",
         'print(output["generated_text"])',
         "```",

@@ -82,9 +82,9 @@ def name_groups_by_side(optimizer: torch.optim.Optimizer, actor_critic, holds_po
     `optimizer.zero_grad()` never cleared, summed over every step, silently.
 
     ``holds_policy_out``: the run has critic-only steps under DeepSpeed, which hold the groups named "policy" out of
-    the optimizer step (`distributed.groups_held_out`); a group holding the policy's parameters under another name (a
-    group over both sides) would step them there. Refused here, as the optimizer is built, not at the first
-    critic-only step after a rollout."""
+    the optimizer step (`distributed.groups_held_out`): a group holding the policy's parameters under another name (a
+    group over both sides) would step them there, and the critic's under "policy" would not step. Refused here, as
+    the optimizer is built, not at the first critic-only step after a rollout."""
     policy = {id(p) for p in actor_critic.policy_parameters()}
     critic = {id(p) for p in actor_critic.critic_parameters()}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
