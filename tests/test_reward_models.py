@@ -254,8 +254,8 @@ def test_async_reward_functions_run_concurrently_and_name_a_failing_sample(tiny_
 
 
 def test_an_async_function_reads_its_own_copy_of_the_batch_and_a_forked_process_runs_its_own_loop():
-    """Async functions run beside the synchronous ones (GRPOTrainer runs them after): they read the same message
-    lists, which a synchronous judge appending to them changed under them. And a forked process (a data loader
+    """Async functions read the message lists as given, not as a synchronous judge that appends to them left them
+    (they read the same lists, and ran beside the synchronous ones). And a forked process (a data loader
     worker, a launcher's child) waited forever on the parent's event loop, whose thread it does not have."""
     from trl_vapo.scoring import RewardScorer
 
@@ -295,6 +295,36 @@ def test_an_async_function_reads_its_own_copy_of_the_batch_and_a_forked_process_
             pytest.fail("the forked process's async reward function never returned (the parent's event loop)")
         time.sleep(0.05)
     assert json.loads(os.read(read, 1000)) == [[1.0]]
+
+
+def test_async_functions_start_after_the_synchronous_ones_and_not_after_one_that_failed():
+    """As GRPOTrainer: the async functions start once the synchronous ones have ended. They started first, and ran
+    beside them: an object the two share that is not thread-safe (a fast tokenizer: "Already borrowed") failed, and a
+    synchronous function's error left the judges running (billed) with no one to read them."""
+    from trl_vapo.scoring import RewardScorer
+
+    ended, began = [], []
+
+    def slow_sync(completions, **kwargs):
+        time.sleep(0.3)
+        ended.append(time.perf_counter())
+        return [1.0] * len(completions)
+
+    async def judge(completions, **kwargs):
+        began.append(time.perf_counter())
+        return [0.5] * len(completions)
+
+    rows = [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    assert RewardScorer([judge, slow_sync]).score(rows, ["2", "4"]).per_function.tolist() == [[0.5, 1.0]] * 2
+    assert len(began) == len(ended) == 1 and began[0] >= ended[0]
+
+    def fails(completions, **kwargs):
+        raise KeyError("answer")
+
+    with pytest.raises(RuntimeError, match="'fails' raised KeyError"):
+        RewardScorer([judge, fails]).score(rows, ["2", "4"])
+    time.sleep(0.1)  # (a judge scheduled on the loop's thread would have begun by now)
+    assert len(began) == 1
 
 
 def test_an_async_function_that_fails_on_the_batch_stops_as_one_that_is_not_async():

@@ -2,7 +2,8 @@
 
 A reward function is called with keyword arguments `prompts`, `completions` (strings, or one-message lists for chat
 data), `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every other dataset column (e.g. `answer`),
-and returns one float per completion, or None where it has no opinion; `async def` functions run concurrently.
+and returns one float per completion, or None where it has no opinion; `async def` functions run concurrently with
+each other, after the synchronous ones (as GRPOTrainer runs them).
 Several functions are summed with weights; a completion no function scores has no reward at all (it trains nothing;
 GRPOTrainer's warning names it). NaN and inf returned by a function count as None, with one warning per function.
 """
@@ -394,10 +395,9 @@ class RewardScorer:
         (DeepSeek-R1's template), given to the functions that read it (`math_reward`: a completion without `</think>`
         was cut off while thinking, and commits to no answer).
 
-        `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). Async functions
-        start first and run concurrently with each other and with the synchronous ones, each on its own copy of the
-        prompts and completions (GRPOTrainer starts them after the synchronous ones end, then runs them concurrently
-        with each other).
+        `trainer_state`, `log_metric` and `log_extra` are passed to the functions (TRL's protocol). As in
+        GRPOTrainer, the synchronous functions run first, one after another, then the async ones concurrently with
+        each other, each on its own copy of the prompts and completions.
         A NaN or inf score counts as no score (`Scores.non_finite` says which were).
         """
         rows, messages = self._as_messages(rows, completions)
@@ -408,21 +408,14 @@ class RewardScorer:
             "log_extra": log_extra or (lambda column, values: None),
         }
         thinking = prompt_opens_think if prompt_opens_think is not None and any(prompt_opens_think) else None
+        # (copied before the synchronous functions run: a judge that appends its verdict to the messages does not
+        # change what an async one reads)
         copies = {j: _own_messages(rows, messages) for j, func in enumerate(self.funcs) if is_async(func)}
-        started = {
-            j: run_async(self.funcs[j](**_arguments(self.funcs[j], *copies[j], ids, common, thinking))) for j in copies
-        }
         per_function = torch.full((len(rows), len(self.funcs)), math.nan)
         non_finite = torch.zeros(len(rows), len(self.funcs), dtype=torch.bool)
-        for j, (func, name) in enumerate(zip(self.funcs, self.names)):
-            if j in started:
-                try:
-                    returned = started[j].result()
-                except Exception as error:  # called one by one to name the first sample it fails on, then raised
-                    _raise_naming_the_failing_sample(_blocking(func), name, *copies[j], ids, common, error, thinking)
-                values = _checked_values(returned, name, len(rows))
-            else:
-                values = self.call(func, name, rows, messages, ids, common, thinking)
+
+        def record(j: int, values: list) -> None:
+            name = self.names[j]
             column = torch.tensor([math.nan if v is None else v for v in values])
             given = torch.tensor([v is not None for v in values])
             non_finite[:, j] = torch.isinf(column) | (torch.isnan(column) & given)
@@ -435,6 +428,25 @@ class RewardScorer:
                 self._warned_non_finite.add(name)
             column[non_finite[:, j]] = math.nan
             per_function[:, j] = column
+
+        for j, (func, name) in enumerate(zip(self.funcs, self.names)):
+            if j not in copies:
+                record(j, self.call(func, name, rows, messages, ids, common, thinking))
+        # As GRPOTrainer: the async functions start once the synchronous ones have ended (an object the two share,
+        # a fast tokenizer, raised "Already borrowed" when used from both at once; a failing synchronous function
+        # left paid judges running), then run concurrently with each other.
+        started = {
+            j: run_async(self.funcs[j](**_arguments(self.funcs[j], *copies[j], ids, common, thinking))) for j in copies
+        }
+        for j, future in started.items():
+            try:
+                returned = future.result()
+            except Exception as error:  # called one by one to name the first sample it fails on, then raised
+                func = self.funcs[j]
+                _raise_naming_the_failing_sample(
+                    _blocking(func), self.names[j], *copies[j], ids, common, error, thinking
+                )
+            record(j, _checked_values(returned, self.names[j], len(rows)))
         scored = ~torch.isnan(per_function).all(dim=1)
         if not scored.all():  # GRPOTrainer's warning, naming the first such sample
             i = int((~scored).nonzero()[0])
