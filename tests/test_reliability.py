@@ -149,6 +149,11 @@ def test_a_system_prompt_or_template_given_with_chat_rows_is_applied_or_refused(
     own.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError, match=r"already starts with a system message \('Think.'\): drop --system_prompt"):
         load_prompt_dataset(str(own), system_prompt="Be brief.")
+    # ShareGPT's messages: the chat template's AttributeError (the CLI) or "no message to reply to" (the trainer).
+    shared = tmp_path / "sharegpt.jsonl"
+    shared.write_text(json.dumps({"prompt": [{"from": "human", "value": "1+1="}], "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"A row's 'prompt' in .* is a list but not chat messages .*'role'"):
+        load_prompt_dataset(str(shared))
     # TRL's "messages" format as the prompt: its last message, the reply to learn, would be continued as a prefill.
     messages = tmp_path / "messages.jsonl"
     reply = {"role": "assistant", "content": "2"}
@@ -2391,8 +2396,18 @@ def test_empty_prompts_are_named_in_a_warning_and_chat_prompts_with_nothing_to_a
     chat = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     chat[3]["prompt"], chat[6]["prompt"] = [], [{"role": "system", "content": "Be brief."}]
     chat[7]["prompt"] = [*chat[7]["prompt"], {"role": "developer", "content": "Be brief."}]  # TRL refuses it last
-    with pytest.raises(ValueError, match=r"3 chat prompt\(s\) with no message to reply to \(rows \[3, 6, 7\]: no"):
+    with pytest.raises(ValueError, match=r"3 chat prompt\(s\) with no message to reply to \(rows \[3, 6, 7\]; the fi"):
         check_train_dataset(Dataset.from_list(chat), config(tmp_path))
+    # Lists that are not chat messages (ShareGPT's 'from'/'value'): they were told "no message to reply to", whose
+    # filter then raised KeyError: 'role'. And a role the templates do not know ('human') is named.
+    share_gpt = [{"prompt": [{"from": "human", "value": row["prompt"]}]} for row in rows]
+    with pytest.raises(
+        ValueError, match=r"8 prompt\(s\) that are lists but not chat messages .*maybe_convert_to_chatml"
+    ):
+        check_train_dataset(Dataset.from_list(share_gpt), config(tmp_path))
+    converted = [{"prompt": [{"role": "human", "content": m[0]["value"]}]} for m in (r["prompt"] for r in share_gpt)]
+    with pytest.raises(ValueError, match=r"8 chat prompt\(s\) .* the first's last role is 'human'\): no message"):
+        check_train_dataset(Dataset.from_list(converted), config(tmp_path))
     # A prompt ending with an assistant message is continued (a prefill), where GRPOTrainer opens a new turn: said.
     prefilled = [{"prompt": [*row["prompt"], {"role": "assistant", "content": "It is"}]} for row in chat[:2]]
     caplog.clear()

@@ -110,6 +110,11 @@ def load_prompt_dataset(
             row = {("answer" if key == GOLD_SOURCE else key): value for key, value in row.items()}
         problem = row.get(prompt_column)  # (none with a template that names other columns)
         if isinstance(problem, list):  # already chat messages: the system prompt goes first, unless they have one
+            if not_chat_messages(problem):
+                raise ValueError(
+                    f"A row's {prompt_column!r} in {dataset_name} ({split}) is a list but not chat messages "
+                    f"({str(problem)[:80]}): {CHAT_MESSAGES}"
+                )
             if system_prompt and problem and problem[0].get("role") == "system":
                 raise ValueError(
                     f"--system_prompt was given, but a row of {dataset_name} ({split}) already starts with a system "
@@ -476,6 +481,20 @@ def check_train_dataset(dataset, args) -> dict:
     return dataset[0]
 
 
+def not_chat_messages(prompt: list) -> bool:
+    """Whether a list prompt holds something other than chat messages (dicts with a 'role'): ShareGPT's
+    {'from', 'value'} messages, plain strings. TRL's `is_conversational` reads such a prompt as no chat at all."""
+    return any(not isinstance(message, dict) or "role" not in message for message in prompt)
+
+
+CHAT_MESSAGES = (
+    "a chat prompt is a list of messages, each a dict with a 'role' and a 'content' (TRL's conversational format). "
+    "ShareGPT's {'from': ..., 'value': ...} messages convert with `dataset.map(trl.maybe_convert_to_chatml)`, then "
+    "their roles such as 'human' and 'gpt' to 'user' and 'assistant'."
+)
+"""What a list prompt that `not_chat_messages` is told."""
+
+
 def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
     """A clear error for prompts the rollout that draws them would fail on, hours in (none at all; chat prompts with
     no message to reply to), and (`warn`) a warning for those it would sample from as the user may not expect (an
@@ -490,17 +509,24 @@ def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
             f"{what} has {len(missing)} row(s) without a prompt ({rows(missing)}: None, as a JSON-lines row without "
             "the 'prompt' key reads). Remove them: dataset.filter(lambda row: row['prompt'] is not None)."
         )
+    unreadable = [i for i, prompt in enumerate(prompts) if isinstance(prompt, list) and not_chat_messages(prompt)]
+    if unreadable:
+        raise ValueError(
+            f"{what} has {len(unreadable)} prompt(s) that are lists but not chat messages ({rows(unreadable)}, the "
+            f"first {str(prompts[unreadable[0]])[:80]}): {CHAT_MESSAGES}"
+        )
     unanswerable = [
         i
         for i, prompt in enumerate(prompts)
-        if isinstance(prompt, list)
-        and (not prompt or (isinstance(prompt[-1], dict) and prompt[-1].get("role") not in CHAT_TURNS_TO_CONTINUE))
+        if isinstance(prompt, list) and (not prompt or prompt[-1]["role"] not in CHAT_TURNS_TO_CONTINUE)
     ]
     if unanswerable:
+        first = prompts[unanswerable[0]]
+        last = f"the first's last role is {first[-1]['role']!r}" if first else "the first has no message"
         raise ValueError(
-            f"{what} has {len(unanswerable)} chat prompt(s) with no message to reply to ({rows(unanswerable)}: no "
-            "message, or a last message that is not the user's, a tool's or an assistant prefill, e.g. a system "
-            "message alone). Remove them: "
+            f"{what} has {len(unanswerable)} chat prompt(s) with no message to reply to ({rows(unanswerable)}; "
+            f"{last}): no message, or a last message that is not the user's, a tool's or an assistant prefill, e.g. "
+            "a system message alone. Remove them: "
             "dataset.filter(lambda row: row['prompt'] and row['prompt'][-1]['role'] in ('user', 'tool', 'assistant'))."
         )
     if not warn:
