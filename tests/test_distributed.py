@@ -17,6 +17,7 @@ import functools
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ ATOL = {"weight": 5e-5, "exp_avg": 2e-8, "exp_avg_sq": 1e-12}
 STEPS = 8  # 2 value-pretraining rollouts x 1 step, then 2 RL rollouts x (1 policy-and-critic + 2 critic-only) steps
 
 
-def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Path:
+def launch(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> subprocess.CompletedProcess:
     """One run of `_train_script.py` on `processes` ranks as torchrun starts them (`run_ranks`; 0: the plain run, one
     process without a process group); every run also scores with a reward model (GRPOTrainer's `reward_funcs` entry),
     which each backend places as TRL places it (a ZeRO-3 inference engine, FSDP2 shards), so its rewards, and the
@@ -73,9 +74,13 @@ def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Pat
     extra = (*extra, "--reward-model", str(reward_model))
     args = ["--model", str(model_dir), "--output-dir", str(output_dir), *COMMON, *extra]
     if processes == 0:  # the plain run: one process, no launcher, no process group
-        result = run_script(*args, timeout=300)  # as run_ranks: a hung run would spend the GPU suite's whole call
-    else:
-        result = run_ranks(*args, processes=processes)
+        return run_script(*args, timeout=300)  # as run_ranks: a hung run would spend the GPU suite's whole call
+    return run_ranks(*args, processes=processes)
+
+
+def train(model_dir: Path, output_dir: Path, processes: int, *extra: str) -> Path:
+    """`launch`, run to its end."""
+    result = launch(model_dir, output_dir, processes, *extra)
     assert result.returncode == 0, result.stderr[-4000:]
     return output_dir
 
@@ -226,6 +231,11 @@ def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_tw
     shutil.rmtree(run / "final")  # so that the weights compared below are the resumed run's
     (run / "state-8.pt").unlink()
     (run / "logs-rank0.jsonl").rename(run / "first-rank0.jsonl")
+    # Resumed under another ZeRO stage, whose optimizer saves its state in its own layout: DeepSpeed's loader failed
+    # deep in its own code.
+    refused = launch(tiny_model_dir, run, 2, "--deepspeed", "2", "--save-steps", "100", "--resume")
+    stage = r"its run's optimizer was DeepSpeedZeroOptimizer_Stage3 > \w+, this run's is DeepSpeedZeroOptimizer > "
+    assert refused.returncode != 0 and re.search(stage, refused.stderr), refused.stderr[-3000:]
     train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "100", "--resume", "--save-final")
     resumed = step_logs(run)
     assert sorted(resumed) == [3, 4, 5, 6, 7, 8]

@@ -1995,6 +1995,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     other_base.save_pretrained(tmp_path / "other-base")
     with pytest.raises(ValueError, match=r"base_weights: the model's weights are not those the checkpoint's run"):
         run("full", resume=str(checkpoint), model=tmp_path / "other-base")
+    # Another optimizer: SGD loaded Adam's state, found no momentum in it and restarted it, without a word.
+    with pytest.raises(ValueError, match=r"its run's optimizer was AdamW, this run's is SGD \(`optim`, the"):
+        run("full", resume=str(checkpoint), optim="sgd")
     if peft:  # another rank: the saved adapter would not load into its shapes (a traceback after the model loaded)
         other = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         with pytest.raises(ValueError, match=r"policy_adapter: r checkpoint 4, this run 8"):

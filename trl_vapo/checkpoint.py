@@ -810,6 +810,20 @@ def changed_inputs(saved: dict[str, Any] | None, current: dict[str, Any]) -> lis
     return changes
 
 
+def optimizer_kind(optimizer) -> str:
+    """The optimizer that steps, as a checkpoint records it: its class under accelerate's wrapper (the innermost
+    last), with DeepSpeed's ZeRO optimizer, whose class is its stage's, between them: `DeepSpeedZeroOptimizer_Stage3 >
+    AdamW`. A resume with another (`optim` changed, or ZeRO's stage) loaded the saved state into it: SGD found no
+    momentum and restarted it silently, an 8-bit Adam or another stage failed deep in its library."""
+    kinds, seen = [], set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if not type(optimizer).__module__.startswith("accelerate."):
+            kinds.append(type(optimizer).__qualname__)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return " > ".join(kinds)
+
+
 def optimizer_state_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
     """Why a saved optimizer state cannot be this optimizer's, or None: its parameter groups hold other numbers of
     tensors, where torch says only that a group "doesn't match the size" (a checkpoint of an older trl-vapo whose
@@ -1303,6 +1317,7 @@ class SavingMixin:
                 "progress": dataclasses.asdict(self.progress),
                 "run": self._fingerprint(),
                 "inputs": self._run_inputs(),
+                "optimizer": optimizer_kind(self.optimizer),
             }
             if model_only:
                 marker["model_only"] = True  # `checkpoint_problem`: not one to resume from
@@ -1413,6 +1428,13 @@ class SavingMixin:
         # What this run's config asks of the optimizer and the schedules: the loaded state would restore the saved
         # run's (its learning rates, weight decay, schedule), and the new checkpoints' config would not be what ran.
         asked = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        saved_kind, kind = marker.get("optimizer"), optimizer_kind(self.optimizer)  # (an older checkpoint's: None)
+        if saved_kind is not None and saved_kind != kind:
+            raise ValueError(
+                f"Cannot resume from {path}: its run's optimizer was {saved_kind}, this run's is {kind} (`optim`, the "
+                "optimizer given, or DeepSpeed's ZeRO stage): the saved state is the other's. Resume with the "
+                "optimizer that wrote it, or start a new run."
+            )
         schedules = [dict(vars(s)) for s in getattr(self.lr_scheduler, "lr_lambdas", [])]
         if self.is_deepspeed_enabled:
             loaded, _ = self.model_wrapped.load_checkpoint(
