@@ -35,7 +35,7 @@ from transformers import (
 )
 
 from trl_vapo import VAPOTrainer
-from trl_vapo.checkpoint import list_checkpoints
+from trl_vapo.checkpoint import checkpoint_problem, list_checkpoints, read_marker, write_marker
 from trl_vapo.core import compute_gae, explained_variance_plateaued, length_adaptive_lambda
 from trl_vapo.metric_names import RL
 from trl_vapo.rollout import load_rollouts
@@ -1489,9 +1489,17 @@ def test_a_synced_reference_resumes_as_it_was(tiny_model_dir, tmp_path, caplog):
         expected = getattr(full, side).state_dict()
         for name, value in getattr(resumed, side).state_dict().items():
             assert torch.equal(value, expected[name]), (side, name)
-    # A checkpoint without it (sync_ref_model=False, or an older trl-vapo): resumed with a warning naming the file.
+    # A checkpoint whose marker lists it, without it (a partial copy): refused, naming the file. It resumed with a
+    # warning, the KL's reference restarted as the initial policy, where an earlier whole checkpoint may be at hand.
     (checkpoint / "training_state" / "reference_model.safetensors").unlink()
     shutil.rmtree(tmp_path / "full" / "out" / "checkpoint-3")
+    with pytest.raises(ValueError, match=r"checkpoint-2: missing training_state/reference_model.safetensors"):
+        run("full", resume=str(checkpoint))
+    # An older trl-vapo's checkpoint (its marker lists no training state), or sync_ref_model=False's: resumed with a
+    # warning naming the file.
+    marker = read_marker(checkpoint)
+    del marker["training_state"]
+    write_marker(checkpoint, marker)
     with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
         run("full", resume=str(checkpoint))
     assert any("reference_model.safetensors is missing" in m for m in caplog.messages), caplog.messages
@@ -2041,15 +2049,22 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-7"]
     for damaged in (out / "checkpoint-7" / "model.safetensors", out / "checkpoint-6" / "optimizer.pt"):
         damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    # A copy without its random state (`training_state/`, left behind): resumed from with a warning, its samples not
+    # the saved run's.
+    (out / "checkpoint-4" / "training_state" / "rng_state_0.safetensors").unlink()
     with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-7: model.safetensors"):
         run("full", resume=str(out / "checkpoint-7"))  # named explicitly: an error naming the file, nothing trained
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trl_vapo.checkpoint"):
         again = run("full", resume=True, checked_first=True)
     warned = [m for m in caplog.messages if "cannot be read" in m]  # once each (twice when checked first, before)
-    assert len(warned) == 2 and "checkpoint-7 cannot be read (model.safetensors" in warned[0], warned
+    assert len(warned) == 3 and "checkpoint-7 cannot be read (model.safetensors" in warned[0], warned
     assert "checkpoint-6 cannot be read (optimizer.pt" in warned[1], warned
-    assert [h for h in comparable(again.state.log_history) if h["step"] > 4] == expected  # resumed at step 4
+    assert "checkpoint-4 cannot be read (missing training_state/rng_state_0.safetensors)" in warned[2], warned
+    assert not [m for m in caplog.messages if "is missing" in m]
+    assert [h for h in comparable(again.state.log_history) if h["step"] > 2] == [  # resumed at step 2
+        h for h in comparable(full.state.log_history) if h["step"] > 2
+    ]
     expected_weights = full.actor_critic.state_dict()
     for name, value in again.actor_critic.state_dict().items():
         assert torch.equal(value, expected_weights[name]), name
@@ -2077,6 +2092,10 @@ def test_a_resume_in_value_pretraining_replays_the_same_window(tiny_model_dir, t
     saved = load_rollouts(str(window), torch.device("cpu"))
     assert len(saved) == 2 and all(len(r) == len(full._last_rollout) for r in saved)
     assert not (out / "checkpoint-8" / "training_state" / "value_pretrain_replay_0.safetensors").exists()  # RL: none
+    partial = tmp_path / "partial"  # a copy without it: not whole (a resume's window would start anew)
+    shutil.copytree(out / "checkpoint-4", partial)
+    (partial / "training_state" / window.name).unlink()
+    assert checkpoint_problem(partial) == f"missing training_state/{window.name}"
     expected = [h for h in comparable(full.state.log_history) if h["step"] > 4]
     weights = {k: v.clone() for k, v in full.actor_critic.state_dict().items()}
     for stale in ("checkpoint-6", "checkpoint-8"):

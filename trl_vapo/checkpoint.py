@@ -490,11 +490,20 @@ def unreadable_file(path: Path) -> str | None:
 def missing_files(path: Path) -> list[str]:
     """The files a resume from ``path`` reads that are not there (what the checkpoint's marker says it holds)."""
     try:
-        run = read_marker(path).get("run", {})
+        marker = read_marker(path)
     except (OSError, ValueError):
-        run = {}
+        marker = {}
+    run = marker.get("run", {}) if isinstance(marker, dict) else {}
     run = run if isinstance(run, dict) else {}
     needed = ["trainer_state.json", "scheduler.pt"]
+    # Each process's random state, and the value-pretraining window and the synced reference where they were written
+    # (an older marker does not say): without them a resume warned and went on, the samples, the window or the KL's
+    # reference not the saved run's, where an earlier whole checkpoint was at hand.
+    training_state = marker.get("training_state", []) if isinstance(marker, dict) else []
+    missing = [
+        f"{TRAINING_STATE_DIR}/{name}"
+        for name in training_state if isinstance(name, str) and not training_state_file(path, name).is_file()
+    ]  # fmt: skip
     if run.get("deepspeed"):
         needed.append(DEEPSPEED_CHECKPOINT_TAG)
     else:
@@ -506,7 +515,6 @@ def missing_files(path: Path) -> list[str]:
             needed += [f"{CRITIC_SUBFOLDER}/adapter_model.safetensors", f"{CRITIC_SUBFOLDER}/{VALUE_HEAD_FILE}"]
         elif critic == "separate model":
             needed.append(f"{CRITIC_SUBFOLDER}/model.safetensors")
-    missing = []
     for name in needed:
         if not (path / name).exists():
             shards = _missing_shards(path / name)
@@ -1273,9 +1281,12 @@ class SavingMixin:
             if not model_only:
                 state.mkdir()
         self.accelerator.wait_for_everyone()
+        written = []  # the training state's files, which the marker lists (`missing_files`): every process's
         if not model_only:
             save_rng_state(state / RNG_FILE.format(self.accelerator.process_index))
+            written += [RNG_FILE.format(i) for i in range(self.accelerator.num_processes)]
             if self.progress.phase == VALUE_PRETRAIN and self._replay and self.args.value_pretrain_replay > 0:
+                written += [REPLAY_FILE.format(i) for i in range(self.accelerator.num_processes)]
                 # the rollouts the next one's window keeps
                 window = self._replay[-self.args.value_pretrain_replay :]
                 save_rollouts(window, str(state / REPLAY_FILE.format(self.accelerator.process_index)))
@@ -1286,6 +1297,7 @@ class SavingMixin:
             reference = placed_state_dict(self.ref_model, self.accelerator)  # a collective
             if main:
                 save_file(_unshared(reference), str(state / REFERENCE_FILE))
+            written.append(REFERENCE_FILE)
         if self.is_deepspeed_enabled and not model_only:
             # ZeRO partitions the optimizer state over the ranks: each writes its own part.
             self.model_wrapped.save_checkpoint(str(tmp), tag=DEEPSPEED_CHECKPOINT_TAG, exclude_frozen_parameters=True)
@@ -1318,6 +1330,7 @@ class SavingMixin:
                 "run": self._fingerprint(),
                 "inputs": self._run_inputs(),
                 "optimizer": optimizer_kind(self.optimizer),
+                "training_state": written,
             }
             if model_only:
                 marker["model_only"] = True  # `checkpoint_problem`: not one to resume from
