@@ -152,14 +152,15 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_ranks(*argv: str, processes: int, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_ranks(*argv: str, processes: int, timeout: float = 300, grace: float = 5) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node PROCESSES _train_script.py ARGV` to its end, each rank forked from the server.
 
     Each rank gets the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), so `accelerate` and `torch.distributed` start the process group (gloo, or NCCL on a
     GPU) that a torchrun launch starts. Left out: torchrun's own interpreter and elastic agent, and each rank's five
     seconds of imports (under two test workers on two cores, about 20 s of CPU a launch). As torchrun does, a rank
-    that fails brings the others down: they would wait in a collective. Returned as `subprocess.run(...,
+    that fails brings the others down, `grace` seconds later (their own errors first): they would wait in a
+    collective. Returned as `subprocess.run(...,
     capture_output=True, text=True)` returns torchrun's: the ranks' stdout one after another, their stderr each
     under a `--- rank N ---` line with the first rank to fail last (its traceback in the tail a test prints), and that
     rank's exit status (0 when none failed). A forked rank ends with `os._exit`, without the interpreter's teardown,
@@ -193,7 +194,7 @@ def run_ranks(*argv: str, processes: int, timeout: float = 300) -> subprocess.Co
         while any(r.poll() is None for r in ranks):
             failed = next((rank for rank, r in enumerate(ranks) if r.poll() not in (None, 0)), None)
             if failed is not None:  # the rest would wait for it forever: their own error first, if they have one
-                time.sleep(min(5, max(0, deadline - time.monotonic())))
+                time.sleep(min(grace, max(0, deadline - time.monotonic())))
                 break
             if time.monotonic() > deadline:
                 stdout, stderr = outputs()

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -183,6 +184,24 @@ class StallingTrainer(VAPOTrainer):
             time.sleep(600)
 
 
+class StopsItself(TrainerCallback):
+    """`--stop-at STEP`: each process sends itself SIGTERM once that step ends (as a job's scheduler signals every
+    process), and with `--slow-stop SECONDS` the main process's run end (`on_train_end`: a tracker's last upload, a
+    callback's) takes that long, then leaves `train_end-rank0` in the output dir."""
+
+    def __init__(self, at: int | None, slow: float, output_dir: Path):
+        self.at, self.slow, self.output_dir = at, slow, output_dir
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.at is not None and state.is_world_process_zero:
+            time.sleep(self.slow)
+            (self.output_dir / "train_end-rank0").touch()
+
+
 def stop_ids(model: str, characters: str) -> list[int]:
     """The tokenizer's EOS and the ids of `characters`: completions of several lengths from a random tiny model."""
     from transformers import AutoTokenizer
@@ -258,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--signal-repeat-window", type=float, help="trl_vapo.signals.SIGNAL_REPEAT_WINDOW, seconds")
+    parser.add_argument("--stop-at", type=int, help="every process sends itself SIGTERM as this step ends")
+    parser.add_argument("--slow-stop", type=float, default=0.0, help="with --stop-at: the main process's run end's s")
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--log-name", default="logs")
     parser.add_argument("--deepspeed", type=int, choices=(2, 3), help="ZeRO stage (DeepSpeed through accelerate)")
@@ -396,7 +417,11 @@ def main(argv: list[str] | None = None) -> None:
         args=config,
         train_dataset=prompts(),
         eval_dataset=prompts().select(range(args.eval_prompts)) if args.eval_prompts else None,
-        callbacks=[JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"), dump],
+        callbacks=[
+            JsonlLogger(Path(args.output_dir) / f"{args.log_name}-rank{rank}.jsonl"),
+            dump,
+            StopsItself(args.stop_at, args.slow_stop, Path(args.output_dir)),
+        ],
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         if args.lora
         else None,

@@ -1327,6 +1327,22 @@ def test_a_repeated_sigterm_is_one_request_and_a_later_one_stops_at_once(tiny_mo
     assert "SIGTERM: finishing this rollout" in stderr and "already stopping after this rollout" in stderr
 
 
+def test_on_several_processes_a_stop_ends_each_once_the_main_ones_run_end_is_done(tiny_model_dir, tmp_path):
+    """Stopped by a signal, the processes other than the main one exited once the checkpoint was written, while the
+    main one still ended the run: uploaded the checkpoint to the Hub (waited for: the stop's one copy off a machine
+    that goes), closed its trackers. A launcher that sees a worker exit with the signal's code stops the others
+    (torchrun's agent, Slurm's step; `run_ranks` as they do): the main process was killed in its upload. Each now
+    exits once the main one is done."""
+    out = tmp_path / "stopped"
+    args = ["--model", str(tiny_model_dir), "--output-dir", str(out), "--max-steps", "4", "--value-pretrain-steps"]
+    args += ["0", "--num-iterations", "1", "--save-steps", "100", "--stop-at", "1", "--slow-stop", "1.5"]
+    stopped = run_ranks(*args, processes=2, timeout=150, grace=0.5)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "Stopped by SIGTERM at step 1" in stopped.stderr, stopped.stderr[-3000:]
+    assert (out / "train_end-rank0").is_file(), "the main process was stopped before its run's end was done"
+    assert list_checkpoints(out) == [out / "checkpoint-1"]
+
+
 def test_the_output_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog):
     """The lock is the operating system's (`flock`), not the file's contents: a file no live process locks is taken
     over whatever it names (a dead PID, a PID reused since, another host, nothing), and of two runs taking over one

@@ -1018,6 +1018,10 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         )
         if self.accelerator.is_main_process:
             logger.warning(message)
+        if self._distributed:
+            # Every process leaves once the main one's upload and trackers are done: a launcher that sees a worker
+            # exit with the signal's code stops the others (torchrun's agent, a Slurm step), the main one mid-upload.
+            self.accelerator.wait_for_everyone()
         self.is_in_train = False
         raise TrainingInterrupted(signum, path, message)
 
