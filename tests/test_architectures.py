@@ -406,3 +406,23 @@ def test_a_saved_adapter_that_lacks_weights_is_refused_when_a_resume_loads_it(ti
         save_file({k: v for k, v in weights.items() if k != cut}, file, {"format": "pt"})
         with pytest.raises(ValueError, match=rf"do not match the model's '{adapter}' adapter: missing \['"):
             (model.load_policy if folder == "policy" else model.load_critic)(tmp_path / folder)
+
+
+def test_dropout_a_model_keeps_as_a_number_is_off_too(tmp_path):
+    """`disable_dropout`: OPT's dropout (0.1 in facebook/opt-*), its layerdrop and Qwen2's attention dropout are
+    numbers its forward passes to `nn.functional.dropout` (or draws against) in training mode, not `nn.Dropout`
+    modules, which TRL's `disable_dropout_in_model` alone sets: the scoring pass and the update drew other masks."""
+    for model_type, config in (
+        ("opt", dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.3, attention_dropout=0.3, layerdrop=0.5)),
+        ("qwen2", dict(attention_dropout=0.3, pad_token_id=None)),
+    ):
+        model_dir = save_tiny(tmp_path / model_type, model_type, **config)
+        trainer = VAPOTrainer(
+            str(model_dir), digit_fraction, make_args(tmp_path / f"{model_type}-run"), prompts_dataset(8)
+        )
+        ids = torch.randint(3, 20, (2, 12))
+        for model in (trainer.actor_critic.policy, trainer.actor_critic.critic):
+            model.train()
+            torch.manual_seed(0)
+            first = model(input_ids=ids).logits
+            assert torch.equal(model(input_ids=ids).logits, first), (model_type, type(model).__name__)

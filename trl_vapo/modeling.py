@@ -29,6 +29,7 @@ import copy
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +45,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from ._compat import maybe_gather_lm_head_ctx
+from ._compat import disable_dropout_in_model, maybe_gather_lm_head_ctx
 from .core import exact, lm_head_logprobs_and_entropy, token_logprobs_and_entropy
 
 logger = get_logger(__name__)  # the main process only: these run on every process of a multi-process run
@@ -1356,3 +1357,20 @@ def _load_safetensors_into(model: PreTrainedModel, directory: Path) -> None:
             f"Weights in {directory} do not match {type(model).__name__}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}."
         )
+
+
+_DROPOUT_NUMBER = re.compile(r"dropout|pdrop|layerdrop")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout probability in `model` 0: each `nn.Dropout`'s (TRL's `disable_dropout_in_model`, which
+    GRPOTrainer runs) and those a module keeps as a number and uses in training mode alone (`nn.functional.dropout`:
+    OPT's `dropout`, the `attention_dropout` of Llama's and Qwen2's attention; OPT's `layerdrop`, which skips whole
+    layers at random), which it leaves: with OPT's 0.1 the scoring pass and the update drew other masks, and the
+    first pass's ratio was not 1. The config is left as loaded (it is saved with the model); a model that reads its
+    config's probability in its forward (Falcon, GPT-Neo, Persimmon) keeps it."""
+    disable_dropout_in_model(model)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if type(value) is float and value > 0 and _DROPOUT_NUMBER.search(name):
+                setattr(module, name, 0.0)

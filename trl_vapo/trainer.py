@@ -44,7 +44,6 @@ from trl import SyncRefModelCallback, is_conversational
 
 from . import checkpoint as ckpt
 from ._compat import (
-    disable_dropout_in_model,
     get_config_model_id,
     pad,
     prepare_frozen_model,
@@ -133,6 +132,7 @@ from .modeling import (
     cast_lm_head_to_fp32,
     check_reference_is_frozen,
     completion_micro_batches,
+    disable_dropout,
     is_peft_model,
     keep_trainable_weights_in_float32,
     length_sorted,
@@ -481,7 +481,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
                 actor_critic.add_reference_adapter()
                 self._peft_reference = REFERENCE_ADAPTER
         if args.disable_dropout:  # (after the reference's adapter is added: its copy of the LoRA dropout too)
-            disable_dropout_in_model(actor_critic)
+            disable_dropout(actor_critic)
 
         with deepspeed_quiet_unless_used(uses_deepspeed(args)):
             super().__init__(
