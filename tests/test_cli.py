@@ -172,6 +172,18 @@ def test_a_yaml_list_key_given_one_value_without_brackets_is_a_list_of_it(tmp_pa
     assert script.reward_funcs == training.positive_reward_funcs == ["math_reward"]
     assert training.reward_weights == [1.0]
     assert model.lora_target_modules == "all-linear"  # a string peft reads as such: left alone
+    # One module's name, on the command line or in a YAML list: TRL's ModelConfig unwraps it into the string, which
+    # peft reads as a regular expression of the whole module path (matched nothing: "Target modules q_proj not
+    # found"); a regular expression is left as it is.
+    for flags, targets in (
+        (["--lora_target_modules", "q_proj"], ["q_proj"]),
+        (["--lora_target_modules", "self_attn.q_proj", "v_proj"], ["self_attn.q_proj", "v_proj"]),
+        (["--lora_target_modules", ".*attn.(q|v)_proj"], ".*attn.(q|v)_proj"),
+    ):
+        _, _, model, *_ = _parse_args_and_config(_parser(), ["--output_dir", "out", *flags])
+        assert model.lora_target_modules == targets, flags
+    config.write_text("lora_target_modules: [q_proj]\noutput_dir: out\n")
+    assert _parse_args_and_config(_parser(), ["--config", str(config)])[2].lora_target_modules == ["q_proj"]
 
 
 def test_a_yaml_file_is_read_as_its_writer_meant(tmp_path, monkeypatch, capsys):
@@ -997,6 +1009,8 @@ BAD_INPUT = [
     (["--lr_scheduler_type", "cosin"], "constant, linear, cosine; got 'cosin'."),  # not transformers' longer list
     (["--pad_to_multiple_of", "64.0"], "pad_to_multiple_of must be a whole number >= 1, 'auto' or None, got '64.0'."),
     (["--config", "."], ".: a folder (--config takes a YAML file's path)"),
+    # An output_dir that is a file: transformers' FileExistsError once the models had loaded.
+    (["--output_dir", "typo.yaml"], "output_dir typo.yaml is a file: name a folder (it holds the checkpoints"),
     (["--config"], "--config needs a YAML file's path"),  # was TRL's IndexError
     # A resume that cannot be was a traceback once the models had loaded (train() refused it).
     (["--resume_from_checkpoint", "latest"], "resume_from_checkpoint=True but no complete checkpoint in"),

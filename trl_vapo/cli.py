@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -312,6 +313,12 @@ def _parse_args_and_config(parser, argv: list[str]):
             value = getattr(parsed, name, None)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(parsed, name, os.path.expanduser(value))
+        targets = getattr(parsed, "lora_target_modules", None)
+        if isinstance(targets, str) and targets != "all-linear" and re.fullmatch(r"[\w.]+", targets):
+            # One module's name: TRL's ModelConfig unwraps a one-name list (`--lora_target_modules q_proj`) into the
+            # string, which peft reads as a regular expression of the whole module path: "Target modules q_proj not
+            # found in the base model", once the model had loaded.
+            parsed.lora_target_modules = [targets]
     return (*parsed_args, config_remaining, cli_remaining)
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from transformers import Trainer, TrainingArguments
@@ -1056,6 +1057,10 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                 FutureWarning,
                 stacklevel=2,
             )
+        require(  # (transformers makes it as the Trainer is built, once the models have loaded: FileExistsError)
+            self.output_dir is None or not Path(self.output_dir).exists() or Path(self.output_dir).is_dir(),
+            f"output_dir {self.output_dir} is a file: name a folder (it holds the checkpoints and the trained model).",
+        )
         require(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}.")
         require(
             self.generation_batch_size % self.num_generations == 0,
