@@ -258,11 +258,14 @@ def prompt_tuned(model_dir):
 @pytest.mark.parametrize(
     "case", ["modules-to-save-head", "bert-style-head", "modernbert-decoder-head", "prompt-tuning-disabled"]
 )
-def test_heads_the_tiles_cannot_read_run_as_the_model_runs_them(tiny_model_dir, case):
+def test_heads_the_tiles_cannot_read_run_as_the_model_runs_them(tiny_model_dir, case, caplog, monkeypatch):
     """A head the tiles would get wrong is run as the model's own forward runs it: a PEFT ``modules_to_save`` copy
     of the head, a head that transforms the hidden states first (BERT's, inside its head module; ModernBERT
     decoder's, a module of its own beside the linear layer), and prompt tuning with its adapter disabled (PEFT then
     calls the model's original forward, not the one the tiles put in place)."""
+    import trl_vapo.modeling
+
+    monkeypatch.setattr(trl_vapo.modeling, "_SAID_UNTILED", set())  # (said before by another test of this process)
     if case == "modules-to-save-head":
         torch.manual_seed(0)
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -278,6 +281,13 @@ def test_heads_the_tiles_cannot_read_run_as_the_model_runs_them(tiny_model_dir, 
         expected, expected_entropy = own_logprobs(model, ids, attention, length, 0.7)
     torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=2e-5)
     torch.testing.assert_close(entropy.double(), expected_entropy, rtol=0, atol=2e-5)
+    # Said once: the full-vocabulary logits are then the update's largest tensor (a run sized by the tiled step's
+    # memory ran out of it, unsaid).
+    if case != "prompt-tuning-disabled":
+        untiled = [m for m in caplog.messages if "not through its LM head in tiles: its LM head is a" in m]
+        assert len(untiled) == 1, caplog.messages
+        completion_logprobs(model, ids, attention, length, 0.7)
+        assert len([m for m in caplog.messages if "not through its LM head in tiles" in m]) == 1
 
 
 @pytest.mark.parametrize("pad_to_multiple_of", [None, 4])

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import inspect
 import json
+import logging
 import os
 import re
 import sys
@@ -473,6 +474,7 @@ def completion_logprobs(
     head = causal_lm.get_output_embeddings()
     balancing_loss = _load_balancing_loss(causal_lm) if with_aux_loss else None
     if not _tiles_fit(causal_lm, head) or (with_aux_loss and balancing_loss is None):
+        _say_untiled(causal_lm, head, tiles_fit=_tiles_fit(causal_lm, head))
         return finish(*from_logits(model(**inputs, logits_to_keep=completion_length + 1)))
 
     logit_scale, logit_softcap = _logit_transform(causal_lm.config)
@@ -526,6 +528,32 @@ def _load_balancing_loss(causal_lm: nn.Module):
     if list(inspect.signature(compute).parameters)[1:4] != ["num_experts", "top_k", "attention_mask"]:
         return None
     return lambda router_logits, attention_mask: compute(router_logits, experts, top_k, attention_mask)
+
+
+_SAID_UNTILED: set[tuple[str, str]] = set()  # (the model's class, the head's): said once each
+
+
+def _say_untiled(causal_lm: PreTrainedModel, head: nn.Module | None, tiles_fit: bool) -> None:
+    """Once per model and head class: the log-probs come from the model's own forward, whose logits over the whole
+    vocabulary, `[B, C + 1, V]`, are the update's largest tensor (kept for the backward) where the tiles keep one
+    tile; a run sized by the tiled step's memory could run out of it, unsaid."""
+    key = (type(causal_lm).__name__, type(head).__name__)
+    if key in _SAID_UNTILED or os.environ.get("RANK", "0") != "0":  # (one process says it for all)
+        return
+    _SAID_UNTILED.add(key)
+    why = (
+        f"its router's load-balancing loss is computed by its own forward ({key[0]})"
+        if tiles_fit
+        else f"its LM head is a {key[1]}, not a plain linear layer over the backbone's output (a LoRA on lm_head, "
+        "modules_to_save, a quantized or offloaded head, or a model that transforms the hidden states first)"
+    )
+    # (logging's own logger: accelerate's raises where no accelerator was made, as `trl-vapo eval` scores)
+    logging.getLogger(__name__).warning(
+        "The log-probs are computed from the model's full-vocabulary logits, not through its LM head in tiles: "
+        f"{why}. Each micro-batch's [batch, completion, vocabulary] logits are then the update's largest tensor; "
+        "where memory runs short, lower per_device_train_batch_size or leave lm_head out of target_modules and "
+        "modules_to_save."
+    )
 
 
 def _tiles_fit(causal_lm: PreTrainedModel, head: nn.Module | None) -> bool:
