@@ -234,8 +234,8 @@ def test_deepspeed_resumes_exactly(tiny_model_dir, tmp_path, reference, zero3_tw
     # Resumed under another ZeRO stage, whose optimizer saves its state in its own layout: DeepSpeed's loader failed
     # deep in its own code.
     refused = launch(tiny_model_dir, run, 2, "--deepspeed", "2", "--save-steps", "100", "--resume")
-    stage = r"its run's optimizer was DeepSpeedZeroOptimizer_Stage3 > \w+, this run's is DeepSpeedZeroOptimizer > "
-    assert refused.returncode != 0 and re.search(stage, refused.stderr), refused.stderr[-3000:]
+    stage = "its run's optimizer was AdamW (ZeRO stage 3), this run's is AdamW (ZeRO stage 2) (`optim`"
+    assert refused.returncode != 0 and stage in refused.stderr, refused.stderr[-3000:]
     train(tiny_model_dir, run, 2, "--deepspeed", "3", "--save-steps", "100", "--resume", "--save-final")
     resumed = step_logs(run)
     assert sorted(resumed) == [3, 4, 5, 6, 7, 8]

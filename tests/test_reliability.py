@@ -2421,6 +2421,11 @@ def test_empty_prompts_are_named_in_a_warning_and_chat_prompts_with_nothing_to_a
         ValueError, match=r"8 prompt\(s\) that are lists but not chat messages .*maybe_convert_to_chatml"
     ):
         check_train_dataset(Dataset.from_list(share_gpt), config(tmp_path))
+    # Beside chat rows: Arrow gives every message every key, theirs a 'role' of None.
+    mixed = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1="}]}] * 4 + share_gpt[:4])
+    assert mixed[4]["prompt"][0]["role"] is None
+    with pytest.raises(ValueError, match=r"4 prompt\(s\) that are lists but not chat messages \(rows \[4, 5, 6, 7\]"):
+        check_train_dataset(mixed, config(tmp_path))
     converted = [{"prompt": [{"role": "human", "content": m[0]["value"]}]} for m in (r["prompt"] for r in share_gpt)]
     with pytest.raises(ValueError, match=r"8 chat prompt\(s\) .* the first's last role is 'human'\): no message"):
         check_train_dataset(Dataset.from_list(converted), config(tmp_path))

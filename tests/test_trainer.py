@@ -2006,6 +2006,10 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     # Another optimizer: SGD loaded Adam's state, found no momentum in it and restarted it, without a word.
     with pytest.raises(ValueError, match=r"its run's optimizer was AdamW, this run's is SGD \(`optim`, the"):
         run("full", resume=str(checkpoint), optim="sgd")
+    from trl_vapo.checkpoint import same_optimizer_state  # Adam's moments under another name; another ZeRO layout
+
+    assert same_optimizer_state("AdamW (ZeRO stage 2)", "DeepSpeedCPUAdam (ZeRO stage 2)")  # offload on at a resume
+    assert not same_optimizer_state("AdamW (ZeRO stage 2)", "AdamW (ZeRO stage 3)")
     if peft:  # another rank: the saved adapter would not load into its shapes (a traceback after the model loaded)
         other = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         with pytest.raises(ValueError, match=r"policy_adapter: r checkpoint 4, this run 8"):
@@ -2049,8 +2053,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, peft,
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-7"]
     for damaged in (out / "checkpoint-7" / "model.safetensors", out / "checkpoint-6" / "optimizer.pt"):
         damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
-    # A copy without its random state (`training_state/`, left behind): resumed from with a warning, its samples not
-    # the saved run's.
+    # A copy without its random state (`training_state/`, left behind): not whole, passed over (it was resumed from
+    # with a warning, its samples not the saved run's).
     (out / "checkpoint-4" / "training_state" / "rng_state_0.safetensors").unlink()
     with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-7: model.safetensors"):
         run("full", resume=str(out / "checkpoint-7"))  # named explicitly: an error naming the file, nothing trained

@@ -38,6 +38,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from ._compat import get_config_model_id
 from .diagnostics import strict_json
 from .distributed import (
+    _optimizer_chain,
     decided_on_main,
     fsdp2_optimizer_state,
     gathered_state_dict,
@@ -818,18 +819,29 @@ def changed_inputs(saved: dict[str, Any] | None, current: dict[str, Any]) -> lis
     return changes
 
 
-def optimizer_kind(optimizer) -> str:
-    """The optimizer that steps, as a checkpoint records it: its class under accelerate's wrapper (the innermost
-    last), with DeepSpeed's ZeRO optimizer, whose class is its stage's, between them: `DeepSpeedZeroOptimizer_Stage3 >
-    AdamW`. A resume with another (`optim` changed, or ZeRO's stage) loaded the saved state into it: SGD found no
-    momentum and restarted it silently, an 8-bit Adam or another stage failed deep in its library."""
-    kinds, seen = [], set()
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        if not type(optimizer).__module__.startswith("accelerate."):
-            kinds.append(type(optimizer).__qualname__)
-        optimizer = getattr(optimizer, "optimizer", None)
-    return " > ".join(kinds)
+def optimizer_kind(optimizer, zero_stage: int | None = None) -> str:
+    """The optimizer that steps, as a checkpoint records it: the class that holds the state (the last of accelerate's
+    and DeepSpeed's wrappers), and under DeepSpeed the ZeRO stage, which lays the state out: `AdamW (ZeRO stage 3)`.
+    A resume with another (`optim` changed, or the stage) loaded the saved state into it: SGD found no momentum and
+    restarted it silently, an 8-bit Adam or another stage failed deep in its library (`same_optimizer_state`)."""
+    kind = type(_optimizer_chain(optimizer)[-1]).__qualname__
+    return kind if zero_stage is None else f"{kind} (ZeRO stage {zero_stage})"
+
+
+_SAME_STATE_AS = {"AdamW": "Adam", "DeepSpeedCPUAdam": "Adam", "FusedAdam": "Adam", "DeepSpeedCPUAdagrad": "Adagrad"}
+"""Optimizers whose state is another's: Adam's moments under AdamW, and DeepSpeed's CPU Adam (accelerate's stand-in
+for AdamW where the optimizer is offloaded: offload turned on or off at a resume) and fused one."""
+
+
+def same_optimizer_state(saved: str, current: str) -> bool:
+    """Whether a checkpoint's optimizer (`optimizer_kind`) holds the state this run's reads: the same class, or one
+    `_SAME_STATE_AS` names alike, at the same ZeRO stage."""
+
+    def family(kind: str) -> tuple[str, str]:
+        name, _, stage = kind.partition(" ")
+        return _SAME_STATE_AS.get(name, name), stage
+
+    return family(saved) == family(current)
 
 
 def optimizer_state_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
@@ -1329,7 +1341,7 @@ class SavingMixin:
                 "progress": dataclasses.asdict(self.progress),
                 "run": self._fingerprint(),
                 "inputs": self._run_inputs(),
-                "optimizer": optimizer_kind(self.optimizer),
+                "optimizer": optimizer_kind(self.optimizer, self._zero_stage()),
                 "training_state": written,
             }
             if model_only:
@@ -1352,6 +1364,10 @@ class SavingMixin:
         """Whether the KL penalty's reference is a model that `sync_ref_model` mixes the policy into: a checkpoint
         holds it, as it holds the policy."""
         return self.ref_model is not None and self.args.sync_ref_model
+
+    def _zero_stage(self) -> int | None:
+        """DeepSpeed's ZeRO stage (None without DeepSpeed)."""
+        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
 
     def _fingerprint(self) -> dict[str, Any]:
         prompts = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None  # a stream: None
@@ -1441,8 +1457,8 @@ class SavingMixin:
         # What this run's config asks of the optimizer and the schedules: the loaded state would restore the saved
         # run's (its learning rates, weight decay, schedule), and the new checkpoints' config would not be what ran.
         asked = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        saved_kind, kind = marker.get("optimizer"), optimizer_kind(self.optimizer)  # (an older checkpoint's: None)
-        if saved_kind is not None and saved_kind != kind:
+        saved_kind, kind = marker.get("optimizer"), optimizer_kind(self.optimizer, self._zero_stage())
+        if saved_kind is not None and not same_optimizer_state(saved_kind, kind):  # (an older checkpoint's: None)
             raise ValueError(
                 f"Cannot resume from {path}: its run's optimizer was {saved_kind}, this run's is {kind} (`optim`, the "
                 "optimizer given, or DeepSpeed's ZeRO stage): the saved state is the other's. Resume with the "

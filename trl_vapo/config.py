@@ -3,6 +3,7 @@ pretraining's early stop aside: `VAPOConfig`'s docstring)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -1057,10 +1058,13 @@ class VAPOConfig(VLLMOptions, TrainingArguments):
                 FutureWarning,
                 stacklevel=2,
             )
-        require(  # (transformers makes it as the Trainer is built, once the models have loaded: FileExistsError)
-            self.output_dir is None or not Path(self.output_dir).exists() or Path(self.output_dir).is_dir(),
-            f"output_dir {self.output_dir} is a file: name a folder (it holds the checkpoints and the trained model).",
-        )
+        # (transformers makes it as the Trainer is built, once the models have loaded: FileExistsError)
+        with contextlib.suppress(OSError):  # (a folder not searchable: transformers' error, as before)
+            require(
+                self.output_dir is None or not Path(self.output_dir).exists() or Path(self.output_dir).is_dir(),
+                f"output_dir {self.output_dir} is a file: name a folder (it holds the checkpoints and the trained "
+                "model).",
+            )
         require(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}.")
         require(
             self.generation_batch_size % self.num_generations == 0,

@@ -483,8 +483,9 @@ def check_train_dataset(dataset, args) -> dict:
 
 def not_chat_messages(prompt: list) -> bool:
     """Whether a list prompt holds something other than chat messages (dicts with a 'role'): ShareGPT's
-    {'from', 'value'} messages, plain strings. TRL's `is_conversational` reads such a prompt as no chat at all."""
-    return any(not isinstance(message, dict) or "role" not in message for message in prompt)
+    {'from', 'value'} messages (or their 'role' None, where a data set holds both kinds: Arrow gives each row every
+    key), plain strings. TRL's `is_conversational` reads such a prompt as no chat at all."""
+    return any(not isinstance(message, dict) or not isinstance(message.get("role"), str) for message in prompt)
 
 
 CHAT_MESSAGES = (

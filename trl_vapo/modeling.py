@@ -473,8 +473,9 @@ def completion_logprobs(
 
     head = causal_lm.get_output_embeddings()
     balancing_loss = _load_balancing_loss(causal_lm) if with_aux_loss else None
-    if not _tiles_fit(causal_lm, head) or (with_aux_loss and balancing_loss is None):
-        _say_untiled(causal_lm, head, tiles_fit=_tiles_fit(causal_lm, head))
+    tiles_fit = _tiles_fit(causal_lm, head)
+    if not tiles_fit or (with_aux_loss and balancing_loss is None):
+        _say_untiled(causal_lm, head, tiles_fit)
         return finish(*from_logits(model(**inputs, logits_to_keep=completion_length + 1)))
 
     logit_scale, logit_softcap = _logit_transform(causal_lm.config)
@@ -541,18 +542,20 @@ def _say_untiled(causal_lm: PreTrainedModel, head: nn.Module | None, tiles_fit: 
     if key in _SAID_UNTILED or os.environ.get("RANK", "0") != "0":  # (one process says it for all)
         return
     _SAID_UNTILED.add(key)
-    why = (
-        f"its router's load-balancing loss is computed by its own forward ({key[0]})"
-        if tiles_fit
-        else f"its LM head is a {key[1]}, not a plain linear layer over the backbone's output (a LoRA on lm_head, "
-        "modules_to_save, a quantized or offloaded head, or a model that transforms the hidden states first)"
-    )
+    if tiles_fit:
+        why = f"its router's load-balancing loss is computed by its own forward ({key[0]})"
+        fix = "lower per_device_train_batch_size"
+    else:
+        why = (
+            f"its LM head ({key[1]}) is not a plain linear layer over the backbone's output (a LoRA on lm_head, "
+            "modules_to_save, a quantized or offloaded head, or a model that transforms the hidden states first)"
+        )
+        fix = "lower per_device_train_batch_size, or leave lm_head out of target_modules and modules_to_save"
     # (logging's own logger: accelerate's raises where no accelerator was made, as `trl-vapo eval` scores)
     logging.getLogger(__name__).warning(
         "The log-probs are computed from the model's full-vocabulary logits, not through its LM head in tiles: "
         f"{why}. Each micro-batch's [batch, completion, vocabulary] logits are then the update's largest tensor; "
-        "where memory runs short, lower per_device_train_batch_size or leave lm_head out of target_modules and "
-        "modules_to_save."
+        f"where memory runs short, {fix}."
     )
 
 
@@ -1400,5 +1403,5 @@ def disable_dropout(model: nn.Module) -> None:
     disable_dropout_in_model(model)
     for module in model.modules():
         for name, value in list(vars(module).items()):
-            if type(value) is float and value > 0 and _DROPOUT_NUMBER.search(name):
+            if type(value) is float and 0 < value <= 1 and _DROPOUT_NUMBER.search(name):  # (a probability)
                 setattr(module, name, 0.0)

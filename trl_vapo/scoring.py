@@ -570,8 +570,9 @@ def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list
 
 
 def _own_messages(rows: list[dict[str, Any]], completions: list) -> tuple[list[dict[str, Any]], list]:
-    """The rows with a copy of their prompts, and a copy of the completions: what an async function reads, beside the
-    synchronous functions, one of which may edit what it is given (a judge appending to a prompt's messages). The
+    """The rows with a copy of their prompts, and a copy of the completions, taken before the synchronous functions
+    run: what an async function reads, after them, one of which may edit what it is given (a judge appending to a
+    prompt's messages). The
     other columns are passed as they are: a rollout function's environment handle (a lock, a socket) cannot be
     copied, and an image column would be copied for nothing."""
     prompts, completions = copy.deepcopy(([row["prompt"] for row in rows], completions))

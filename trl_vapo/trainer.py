@@ -1003,25 +1003,28 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         one line, and raise `TrainingInterrupted`."""
         self._log_pending_metrics()  # (lost before: logging_steps=50 and a stop at step 149)
         path, _ = self._checkpoint_now()
-        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
-        pushes = getattr(self, "push_in_progress", None)
-        failed = [job.exception() for job in (pushes.jobs if pushes else []) if job.exception() is not None]
-        upload = (  # said, not only waited for: the stop's one copy on a machine whose disk goes with it
-            f" An upload to the Hub ({self.hub_model_id}) failed, {type(failed[0]).__name__}: {failed[0]}; the Hub "
-            "may not hold this step."
-            if failed
-            else ""
-        )
-        message = (
-            f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; {RESUME}."
-            f"{upload}"
-        )
-        if self.accelerator.is_main_process:
-            logger.warning(message)
-        if self._distributed:
-            # Every process leaves once the main one's upload and trackers are done: a launcher that sees a worker
-            # exit with the signal's code stops the others (torchrun's agent, a Slurm step), the main one mid-upload.
-            self.accelerator.wait_for_everyone()
+        try:
+            self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+            pushes = getattr(self, "push_in_progress", None)
+            failed = [job.exception() for job in (pushes.jobs if pushes else []) if job.exception() is not None]
+            upload = (  # said, not only waited for: the stop's one copy on a machine whose disk goes with it
+                f" An upload to the Hub ({self.hub_model_id}) failed, {type(failed[0]).__name__}: {failed[0]}; the "
+                "Hub may not hold this step."
+                if failed
+                else ""
+            )
+            message = (
+                f"Stopped by {signum.name} at step {self.state.global_step}: {path} holds every step so far; "
+                f"{RESUME}.{upload}"
+            )
+            if self.accelerator.is_main_process:
+                logger.warning(message)
+        finally:  # (a callback's error on the main process alone: the others leave with it, not wait for it)
+            if self._distributed:
+                # Every process leaves once the main one's upload and trackers are done: a launcher that sees a
+                # worker exit with the signal's code stops the others (torchrun's agent, a Slurm step), the main one
+                # mid-upload.
+                self.accelerator.wait_for_everyone()
         self.is_in_train = False
         raise TrainingInterrupted(signum, path, message)
 
