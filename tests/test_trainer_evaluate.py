@@ -119,6 +119,18 @@ def test_a_dict_of_eval_sets_is_checked_once_not_at_every_evaluation(tiny_model_
     trainer.evaluate()
     assert checks() == at_init
     assert {"eval_data1_loss", "eval_data2_loss"} <= set(metrics)
+    # Their metrics are logged by data set: a metric_for_best_model without one was a KeyError at the first
+    # evaluation during training, after the steps before it.
+    assert "eval_data2_reward" in metrics
+
+    def during_training(metric: str) -> VAPOTrainer:
+        args = eval_args(tmp_path, eval_strategy="steps", metric_for_best_model=metric)
+        return VAPOTrainer(str(tiny_model_dir), reward, args, prompts_dataset(), eval_dataset_of("dict_of_dataset"))
+
+    for metric in ("eval_data2_reward", "data1_reward"):
+        during_training(metric)
+    with pytest.raises(ValueError, match=r"metric_for_best_model='reward' names no data set .* \(eval_data1_reward, "):
+        during_training("reward")
 
 
 def test_an_empty_prompt_the_tokenizer_adds_no_token_to_is_named(tiny_model_dir, tmp_path, caplog):

@@ -663,6 +663,23 @@ def check_eval_dataset(dataset, args, conversational: bool | None = None) -> dic
     return rows
 
 
+def check_best_metric_names_an_eval_set(dataset, args) -> None:
+    """With a dict of eval sets (the trainer's, which the evaluations during training read), `metric_for_best_model`
+    names one of them: each set's metrics are logged under its name (`eval_<name>_reward`), as transformers names
+    their eval loss. A name without one was a KeyError at the first evaluation during training, after the steps
+    before it (GRPOTrainer logs its own metrics unnamed: the last set's)."""
+    metric = args.metric_for_best_model
+    if not isinstance(dataset, dict) or not metric or args.eval_strategy == "no":
+        return
+    checked = metric if metric.startswith("eval_") else f"eval_{metric}"
+    if not any(checked.startswith(f"eval_{name}_") for name in dataset):
+        named = ", ".join(f"eval_{name}_{checked.removeprefix('eval_')}" for name in dataset)
+        raise ValueError(
+            f"metric_for_best_model={metric!r} names no data set of the eval_dataset dict, whose metrics are logged "
+            f"by data set: name one of them ({named})."
+        )
+
+
 def long_prompts_handled(
     dataset: Dataset | IterableDataset, args, prompt_lengths: Callable[[list], list[int]]
 ) -> tuple[Dataset | IterableDataset, str | None]:

@@ -60,6 +60,7 @@ from .core import (
     vapo_loss,
 )
 from .data import (
+    check_best_metric_names_an_eval_set,
     check_eval_dataset,
     check_stream_settings,
     check_streamed_rows,
@@ -326,6 +327,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         example = check_train_dataset(train_dataset, args)
         self._conversational = is_conversational({"prompt": example["prompt"]})
         eval_examples = check_eval_dataset(eval_dataset, args, self._conversational)
+        check_best_metric_names_an_eval_set(eval_dataset, args)
         # VAPOConfig(deepspeed=...)'s, or `accelerate launch`'s with a DeepSpeed config file (TRL's zero3.yaml: its
         # plugin's, which `zero3_init_flag` makes transformers build every model partitioned under)
         zero3_config = getattr(args, "hf_deepspeed_config", None) or getattr(args.deepspeed_plugin, "dschf", None)
