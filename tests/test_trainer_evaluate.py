@@ -322,6 +322,9 @@ def test_evaluating_during_training_never_changes_what_trains(tiny_model_dir, tm
     assert [h["step"] for h in evaluations] == [0, 2, 4, 5]
     assert all(not any(k.startswith("eval_") for k in h) for h in evaluated.state.log_history if "phase" in h)
     assert all("phase" not in h and "loss" not in h and "reward" not in h for h in evaluations)
+    # GRPOTrainer's `eval_num_tokens`: the tokens trained on so far (the last training log's count at that step).
+    trained = {h["step"]: h["num_tokens"] for h in evaluated.state.log_history if "num_tokens" in h}
+    assert [h["eval_num_tokens"] for h in evaluations] == [0, trained[2], trained[4], trained[5]] and trained[5] > 0
     assert evaluated.actor_critic.training  # back in training mode after each evaluation
     after = evaluated.evaluate()
     assert math.isfinite(after["eval_loss"])  # and after training

@@ -1265,7 +1265,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         if phase != EVAL:  # GRPOTrainer's `num_tokens`: the prompt and sampled tokens trained on so far
             seen = prompt_mask.sum() + action_mask.sum()
             self.state.num_input_tokens_seen += int(self._all_reduce(seen).item())
-            self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
+        self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]  # (an evaluation's too, as GRPO's)
         corrects_sampler = (  # a rollout_func's log-probs correct with vLLM only, as GRPOTrainer's (without it they
             # feed the drift mask alone); an engine's own (asked with `logprobs=True`) correct as vLLM's
             phase == RL
