@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import shutil
 
@@ -207,18 +209,24 @@ def test_drawing_leaves_the_processs_matplotlib_backend_as_it_was(tmp_path):
 
 
 def test_a_critic_bias_that_survives_value_pretraining_is_warned_about(caplog):
-    watch = CriticBiasWatch(threshold=0.5, readings=3)
+    from trl_vapo.run import TrainingProgress
+
+    watch, progress = CriticBiasWatch(threshold=0.5, readings=3), TrainingProgress()
     with caplog.at_level("WARNING"):
         for correlation in (0.7, 0.2, 0.8, float("nan"), 0.9):
-            watch.update(correlation)
+            watch.update(correlation, progress)
         assert "critic is biased" not in caplog.text  # 0.2 broke the run of strong readings; NaN is skipped
-        for correlation in (0.75, 0.95):
-            watch.update(correlation)
-    assert caplog.text.count("critic is biased") == 1 and "0.75" in caplog.text
+        # The count is the run's progress, which a checkpoint holds: resumed here, it goes on (it began at 0).
+        progress = TrainingProgress.from_dict(json.loads(json.dumps(dataclasses.asdict(progress))))
+        assert progress.critic_bias_run == 2
+        watch.update(0.75, progress)
+        assert caplog.text.count("critic is biased") == 1 and "0.75" in caplog.text
+        watch.update(0.95, TrainingProgress.from_dict(dataclasses.asdict(progress)))
+    assert caplog.text.count("critic is biased") == 1  # said once, a resumed run too
     # The drift takes the rewards' sign: negative where most rewards are -1 (it went unsaid).
-    watch = CriticBiasWatch(threshold=0.5, readings=3)
+    watch, progress = CriticBiasWatch(threshold=0.5, readings=3), TrainingProgress()
     caplog.clear()
     with caplog.at_level("WARNING"):
         for correlation in (-0.7, -0.3, -0.8, -0.6, -0.9):
-            watch.update(correlation)
+            watch.update(correlation, progress)
     assert caplog.text.count("critic is biased") == 1 and "(-0.90, and beyond ±0.5 for 3 rollouts)" in caplog.text

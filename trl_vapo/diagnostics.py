@@ -251,17 +251,19 @@ class CriticBiasWatch:
     """Warns once when, after value pretraining, the advantage stays strongly correlated with the token position:
     `readings` consecutive RL rollouts beyond `threshold` either way (a biased critic's drift takes the rewards' sign:
     with rewards of -1 at low accuracy it is negative; a NaN reading is skipped, and any reading within the threshold
-    starts the count again)."""
+    starts the count again). The count and whether it warned are the run's `TrainingProgress`'s, which a checkpoint
+    holds: a resume went on counting from 0, and warned again."""
 
     def __init__(self, threshold: float = 0.5, readings: int = 3):
-        self.threshold, self.readings, self.run, self.warned = threshold, readings, 0, False
+        self.threshold, self.readings = threshold, readings
 
-    def update(self, correlation: float) -> None:
-        if self.warned or not math.isfinite(correlation):
+    def update(self, correlation: float, progress) -> None:
+        """One RL rollout's reading; `progress`: the run's `TrainingProgress`."""
+        if progress.critic_bias_warned or not math.isfinite(correlation):
             return
-        self.run = self.run + 1 if abs(correlation) > self.threshold else 0
-        if self.run >= self.readings:
-            self.warned = True
+        progress.critic_bias_run = progress.critic_bias_run + 1 if abs(correlation) > self.threshold else 0
+        if progress.critic_bias_run >= self.readings:
+            progress.critic_bias_warned = True
             logger.warning(
                 f"The advantage is strongly correlated with the token position ({correlation:.2f}, and beyond "
                 f"±{self.threshold} for {self.readings} rollouts): the critic is biased (VC-PPO, Fig. 5), and its "

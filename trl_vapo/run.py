@@ -122,6 +122,10 @@ class TrainingProgress:
     # step, before the epoch end after its loop, runs it when resumed. -1: none yet; None: a checkpoint from before it
     # was recorded.
     epoch_ended_step: int | None = -1
+    # `diagnostics.CriticBiasWatch`'s: the RL rollouts in a row whose advantage the token position drove, and whether
+    # it warned
+    critic_bias_run: int = 0
+    critic_bias_warned: bool = False
 
     @classmethod
     def from_dict(cls, saved: dict) -> TrainingProgress:

@@ -958,7 +958,7 @@ class VAPOTrainer(EvaluationMixin, MetricsMixin, GRPOObjectiveMixin, ckpt.Saving
         self.progress.scored_completions += int(self._all_reduce(scored).item())
         if phase == RL and self.actor_critic.learns_values and self.accelerator.is_main_process:
             # (a frozen value function's bias is its own: the watch's advice, more pretraining, does not apply)
-            self._critic_bias.update(metrics.get(POSITION_CORRELATION, math.nan))
+            self._critic_bias.update(metrics.get(POSITION_CORRELATION, math.nan), self.progress)
         self._last_rollout = rollout
         for callback in self.callback_handler.callbacks:  # an extension point: see the class docstring
             if hasattr(callback, "on_rollout"):
