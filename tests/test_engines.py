@@ -296,6 +296,9 @@ def test_a_clock_on_the_rollouts_is_refused_and_another_kv_cache_keeps_generate(
 
     with pytest.raises(ValueError, match="generation_kwargs sets max_time: a completion the clock stops"):
         make_args(tmp_path, generation_kwargs={"max_time": 30.0})
+    # Another pad id than the tokenizer's: generate() padded with it, the trainer cut and masked by the tokenizer's.
+    with pytest.raises(ValueError, match="generation_kwargs sets pad_token_id: the completions are padded with the"):
+        make_args(tmp_path, generation_kwargs={"pad_token_id": 0})
     for sample in (0, "false", None):  # `generate()` read 0 as greedy where the others sampled
         with pytest.raises(ValueError, match=rf"generation_kwargs sets do_sample={sample!r}: give true or false"):
             make_args(tmp_path, generation_kwargs={"do_sample": sample})

@@ -1102,6 +1102,12 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
             "short of max_completion_length without a stop token), so mask_truncated_completions would train on it "
             "and completions/clipped_ratio miss it. Bound the completions with max_completion_length instead."
         )
+    if "pad_token_id" in generation_kwargs:  # (generate() took it; the completions' cut and mask read the tokenizer's)
+        return (
+            "generation_kwargs sets pad_token_id: the completions are padded with the tokenizer's pad token, which "
+            "the trainer reads to find where each one ends (with another, the padding after a stop string counted as "
+            "sampled tokens, scored and trained on). Set the tokenizer's pad token instead (tokenizer.pad_token)."
+        )
     sample = generation_kwargs.get("do_sample", True)
     if not isinstance(sample, bool):  # the engines read `is False` (greedy), transformers' generate() truthiness
         return (
