@@ -1771,9 +1771,13 @@ def test_an_empty_model_card_leaves_a_checkpoint_whole(two_checkpoints, tmp_path
     (out / "checkpoint-2" / "critic" / "README.md").write_bytes(b"")  # one inside is not the card
     assert checkpoint_problem(out / "checkpoint-2") == "critic/README.md: ValueError: empty file"
     (out / "checkpoint-2" / "critic" / "README.md").unlink()
-    # The marker's rewrite at an epoch's end, cut before its rename: the marker is whole, and no resume reads the rest.
+    # The marker's and the trainer state's rewrites at an epoch's end, cut before their rename: each file is whole
+    # (the old or the new), and no resume reads the rest.
     (out / "checkpoint-2" / f".{COMPLETE_MARKER}.tmp").write_bytes(b"")
+    (out / "checkpoint-2" / ".trainer_state.json.tmp").write_bytes(b"")
     assert checkpoint_problem(out / "checkpoint-2") is None
+    (out / "checkpoint-2" / "critic" / ".trainer_state.json.tmp").write_bytes(b"")  # not where it is rewritten
+    assert checkpoint_problem(out / "checkpoint-2") == "critic/.trainer_state.json.tmp: ValueError: empty file"
 
 
 @pytest.mark.parametrize("spelling", ["relative", "other working directory", "link"])

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -15,6 +16,7 @@ from helpers import EARLY_STOPPING, CapturingTrainer, digit_fraction, make_args,
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_vapo import VAPOTrainer
+from trl_vapo.checkpoint import checkpoint_problem
 from trl_vapo.core import explained_variance
 from trl_vapo.metric_names import EVAL
 
@@ -490,6 +492,30 @@ def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_di
         4,
         4,
     ]  # nothing logged, evaluated or saved again
+
+
+def test_the_epoch_end_after_the_loop_is_in_the_checkpoint_of_its_step(tiny_model_dir, tmp_path):
+    """The run ends at max_steps mid-epoch, its step's checkpoint written (save_steps) before the epoch end that
+    transformers runs after its loop, whose evaluation (eval_strategy="epoch") makes that step the best: the
+    checkpoint's trainer state has its log, the best metric and the best checkpoint (itself). It had the state before
+    them, which a resume read (the epoch end is not run again): a stale best metric, the evaluation gone from the
+    history."""
+    args = eval_args(
+        tmp_path,
+        max_steps=3,
+        eval_strategy="epoch",
+        save_strategy="steps",
+        save_steps=3,
+        metric_for_best_model="reward",
+    )
+    trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(2))
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    assert trainer.state.best_global_step == 3 and trainer.state.best_model_checkpoint == str(checkpoint)
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert saved["best_metric"] == trainer.state.best_metric and saved["best_model_checkpoint"] == str(checkpoint)
+    assert [h["step"] for h in saved["log_history"] if "eval_loss" in h] == [3]
+    assert checkpoint_problem(checkpoint) is None
 
 
 def test_value_pretraining_that_ends_with_an_epoch_is_logged_once_at_that_step(tiny_model_dir, tmp_path):

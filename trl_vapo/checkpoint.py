@@ -24,7 +24,7 @@ import shutil
 import socket
 import zipfile
 from argparse import ArgumentTypeError
-from collections.abc import Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -337,11 +337,21 @@ def write_marker(folder: Path, marker: dict) -> None:
     epoch's end, a power loss before its flush (XFS) left the run's last checkpoint with an empty marker, which no
     resume could read; written in place in a checkpoint's temporary folder, a stop between the file's creation and
     its write left one that looked complete (the resume's own check passed it over as unreadable)."""
-    written = folder / f".{COMPLETE_MARKER}.tmp"
-    written.write_text(json.dumps(marker, indent=2))
+    write_whole(folder, COMPLETE_MARKER, lambda written: written.write_text(json.dumps(marker, indent=2)))
+
+
+REWRITTEN_IN_PLACE = (COMPLETE_MARKER, "trainer_state.json")
+"""The files of a published checkpoint rewritten at an epoch's end (`_record_epoch_end`), by `write_whole`."""
+
+
+def write_whole(folder: Path, name: str, write: Callable[[Path], None]) -> None:
+    """The file `name` of the checkpoint `folder`, whole or not at all: `write` writes it beside it (`.<name>.tmp`,
+    which the checks pass over: `unreadable_file`), on the disk, then it is renamed in place."""
+    written = folder / f".{name}.tmp"
+    write(written)
     with open(written, flush_file_mode()) as file:
         os.fsync(file.fileno())
-    os.replace(written, folder / COMPLETE_MARKER)
+    os.replace(written, folder / name)
 
 
 def read_marker(path: Path) -> dict:
@@ -469,8 +479,8 @@ def unreadable_file(path: Path) -> str | None:
     for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
         if file == Path(path) / "README.md":  # the Hub's model card, written after the checkpoint was published
             continue  # (a power loss can leave it empty): no resume reads it
-        if file == Path(path) / f".{COMPLETE_MARKER}.tmp":  # the marker's rewrite at an epoch's end, cut before its
-            continue  # rename (a power loss: empty); the marker itself is whole, the old or the new
+        if file.parent == Path(path) and file.name in {f".{name}.tmp" for name in REWRITTEN_IN_PLACE}:
+            continue  # a rewrite at an epoch's end cut before its rename (a power loss: empty); the file is whole
         try:
             if file.stat().st_size == 0:
                 raise ValueError("empty file")
@@ -1203,15 +1213,31 @@ class SavingMixin:
         """The epoch end after the loop ran at the step of this run's last checkpoint, written before it (a save
         strategy's, at the last step): its record says so, or a resume from it would run that epoch end again
         (`TrainingProgress.epoch_ended_step`: a run a stop signal ended before it runs it)."""
-        if self._checkpoint_step != self.state.global_step or not self.accelerator.is_main_process:
+        if self._checkpoint_step != self.state.global_step:
             return
         folder = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
+        if self.state.best_global_step == self.state.global_step:  # the epoch end's evaluation: the weights saved
+            self.state.best_model_checkpoint = str(folder)  # (on every process, as transformers sets it)
+        if not self.accelerator.is_main_process:
+            return
         marker = read_marker(folder)
         if marker["progress"].get("epoch_ended_step") == self.state.global_step:
             return
+        # Its trainer state first, as the epoch end left it: its evaluation's log, the best metric and the early
+        # stopping count (a resume read them as before it, and ran it no more).
+        write_whole(folder, "trainer_state.json", self._write_trainer_state)
         marker["progress"]["epoch_ended_step"] = self.state.global_step
         write_marker(folder, marker)
         _fsync_dir(folder)
+
+    def _write_trainer_state(self, path: Path) -> None:
+        """`state` as transformers saves it in a checkpoint, with the callbacks' states: by class, a list where a
+        class has several instances (two early stopping callbacks), each restored to its own on resume
+        (`_load_callback_state`)."""
+        callbacks = self.callback_handler.callbacks + [self.control]
+        stateful = [cb for cb in callbacks if isinstance(cb, ExportableState)]
+        self.state.stateful_callbacks = TrainerState(stateful_callbacks=stateful).stateful_callbacks
+        self.state.save_to_json(str(path))
 
     def _rotate_checkpoints(self, newest: Path) -> None:
         """`save_total_limit`'s rotation, keeping `newest` and the best checkpoint, and the checkpoints a Hub upload
@@ -1328,12 +1354,7 @@ class SavingMixin:
         if self.state.best_global_step == self.state.global_step:  # `metric_for_best_model`'s best so far
             self.state.best_model_checkpoint = str(final)  # on every process, as transformers sets it
         if main:
-            callbacks = self.callback_handler.callbacks + [self.control]
-            # As transformers.Trainer stores them: by class, a list where a class has several instances (two early
-            # stopping callbacks), each restored to its own on resume (`_load_callback_state`).
-            stateful = [cb for cb in callbacks if isinstance(cb, ExportableState)]
-            self.state.stateful_callbacks = TrainerState(stateful_callbacks=stateful).stateful_callbacks
-            self.state.save_to_json(str(tmp / "trainer_state.json"))
+            self._write_trainer_state(tmp / "trainer_state.json")
         self.accelerator.wait_for_everyone()
         if main:
             # Written last: its presence marks the folder complete.
