@@ -1299,7 +1299,7 @@ class SavingMixin:
                     folder_path=checkpoint_folder,
                     path_in_repo=name,
                     commit_message=f"{message}, checkpoint",
-                    # (the marker's rewrite at an epoch's end, `.vapo_state.json.tmp`, gone by the time it is read)
+                    # (the rewrites at an epoch's end, `.<name>.tmp` (`write_whole`), gone by the time it is read)
                     ignore_patterns=[".*"],
                     **hub,
                 )
