@@ -1778,6 +1778,19 @@ def test_an_empty_model_card_leaves_a_checkpoint_whole(two_checkpoints, tmp_path
     assert checkpoint_problem(out / "checkpoint-2") is None
     (out / "checkpoint-2" / "critic" / ".trainer_state.json.tmp").write_bytes(b"")  # not where it is rewritten
     assert checkpoint_problem(out / "checkpoint-2") == "critic/.trainer_state.json.tmp: ValueError: empty file"
+    # A rewrite that fails leaves the file as it was, and nothing beside it.
+    from trl_vapo.checkpoint import write_whole
+
+    before = (out / "checkpoint-2" / "trainer_state.json").read_bytes()
+
+    def fails(path):
+        path.write_text("{")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_whole(out / "checkpoint-2", "trainer_state.json", fails)
+    assert (out / "checkpoint-2" / "trainer_state.json").read_bytes() == before
+    assert not (out / "checkpoint-2" / ".trainer_state.json.tmp").exists()
 
 
 @pytest.mark.parametrize("spelling", ["relative", "other working directory", "link"])

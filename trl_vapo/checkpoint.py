@@ -348,10 +348,14 @@ def write_whole(folder: Path, name: str, write: Callable[[Path], None]) -> None:
     """The file `name` of the checkpoint `folder`, whole or not at all: `write` writes it beside it (`.<name>.tmp`,
     which the checks pass over: `unreadable_file`), on the disk, then it is renamed in place."""
     written = folder / f".{name}.tmp"
-    write(written)
-    with open(written, flush_file_mode()) as file:
-        os.fsync(file.fileno())
-    os.replace(written, folder / name)
+    try:
+        write(written)
+        with open(written, flush_file_mode()) as file:
+            os.fsync(file.fileno())
+        os.replace(written, folder / name)
+    except BaseException:
+        written.unlink(missing_ok=True)
+        raise
 
 
 def read_marker(path: Path) -> dict:
@@ -1223,11 +1227,13 @@ class SavingMixin:
         marker = read_marker(folder)
         if marker["progress"].get("epoch_ended_step") == self.state.global_step:
             return
-        # Its trainer state first, as the epoch end left it: its evaluation's log, the best metric and the early
-        # stopping count (a resume read them as before it, and ran it no more).
-        write_whole(folder, "trainer_state.json", self._write_trainer_state)
         marker["progress"]["epoch_ended_step"] = self.state.global_step
         write_marker(folder, marker)
+        # Then its trainer state, as the epoch end left it: its evaluation's log, the best metric and the early
+        # stopping count (a resume read them as before it, and ran it no more). In this order, a stop between the
+        # two leaves that state, not the epoch end run again on resume (its evaluation logged twice, counted twice
+        # by early stopping).
+        write_whole(folder, "trainer_state.json", self._write_trainer_state)
         _fsync_dir(folder)
 
     def _write_trainer_state(self, path: Path) -> None:
@@ -1299,7 +1305,7 @@ class SavingMixin:
                     folder_path=checkpoint_folder,
                     path_in_repo=name,
                     commit_message=f"{message}, checkpoint",
-                    # (the rewrites at an epoch's end, `.<name>.tmp` (`write_whole`), gone by the time it is read)
+                    # (a rewrite at an epoch's end under way, `.<name>.tmp` (`write_whole`), is left out)
                     ignore_patterns=[".*"],
                     **hub,
                 )

@@ -252,7 +252,7 @@ class CriticBiasWatch:
     `readings` consecutive RL rollouts beyond `threshold` either way (a biased critic's drift takes the rewards' sign:
     with rewards of -1 at low accuracy it is negative; a NaN reading is skipped, and any reading within the threshold
     starts the count again). The count and whether it warned are the run's `TrainingProgress`'s, which a checkpoint
-    holds: a resume went on counting from 0, and warned again."""
+    holds (kept here, a resume counted from 0 again, and warned again)."""
 
     def __init__(self, threshold: float = 0.5, readings: int = 3):
         self.threshold, self.readings = threshold, readings

@@ -363,11 +363,10 @@ class EvaluationMixin:
         global eval batch that does not divide into groups).
 
         Returns, and logs, each prefixed `<metric_key_prefix>_`: what GRPOTrainer logs when it evaluates (`loss`,
-        `reward`, `reward_std`, `rewards/<function>/mean` and `/std`, `completions/*` lengths, `entropy` (each
-        batch's token mean), `kl` when `beta > 0`, the reward functions' own `log_metric`s), and what only a critic
-        shows: `accuracy` (the share of
-        judged completions, those `positive_reward_funcs` scored, whose reward is at least
-        `positive_reward_threshold`), the critic's
+        `reward`, `reward_std`, `num_tokens` (the tokens trained on so far), `rewards/<function>/mean` and `/std`,
+        `completions/*` lengths, `entropy` (each batch's token mean), `kl` when `beta > 0`, the reward functions' own
+        `log_metric`s), and what only a critic shows: `accuracy` (the share of judged completions, those
+        `positive_reward_funcs` scored, whose reward is at least `positive_reward_threshold`), the critic's
         `value/explained_variance` on these held-out completions (pooled over the whole set) and `value/mean`. `loss`
         is VAPO's loss at the current weights (`core.vapo_loss`; the policy ratio is 1). Works before, during and after
         training: the models are in eval mode meanwhile, and torch's random state is restored afterwards, so

@@ -1087,7 +1087,8 @@ def generation_kwargs_problem(generation_kwargs: dict[str, Any]) -> str | None:
     trainer's `max_completion_length`, evaluation's `max_new_tokens`), which also tells a completion cut by the
     budget from one that ended; a clock, whose cut reads as an end; a prompt's number of completions (each prompt's
     completions are `num_generations`, evaluation's `k`, which the engine asks for itself, and the batches, the groups
-    and the prompts they are scored against are counted in). And a `do_sample` that is not a bool."""
+    and the prompts they are scored against are counted in), and the pad token (the tokenizer's, by which the
+    completions' ends are found). And a `do_sample` that is not a bool."""
     budget = sorted(set(generation_kwargs) & {"max_new_tokens", "max_length", "max_tokens"})
     if budget:
         return (
