@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
-from helpers import EARLY_STOPPING, CapturingTrainer, digit_fraction, make_args, prompts_dataset
+from helpers import EARLY_STOPPING, CapturingTrainer, LocalHub, digit_fraction, make_args, prompts_dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_vapo import VAPOTrainer
@@ -494,12 +494,17 @@ def test_eval_strategy_epoch_evaluates_and_saves_at_each_epoch_end(tiny_model_di
     ]  # nothing logged, evaluated or saved again
 
 
-def test_the_epoch_end_after_the_loop_is_in_the_checkpoint_of_its_step(tiny_model_dir, tmp_path):
+def test_the_epoch_end_after_the_loop_is_in_the_checkpoint_of_its_step(tiny_model_dir, tmp_path, monkeypatch):
     """The run ends at max_steps mid-epoch, its step's checkpoint written (save_steps) before the epoch end that
     transformers runs after its loop, whose evaluation (eval_strategy="epoch") makes that step the best: the
     checkpoint's trainer state has its log, the best metric and the best checkpoint (itself). It had the state before
     them, which a resume read (the epoch end is not run again): a stale best metric, the evaluation gone from the
-    history."""
+    history. The Hub's copy (`last-checkpoint/`) is uploaded again: its upload, queued as it was written, held them
+    as they were before."""
+    import transformers.trainer
+
+    hub = LocalHub(tmp_path / "hub")
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
     args = eval_args(
         tmp_path,
         max_steps=3,
@@ -508,13 +513,17 @@ def test_the_epoch_end_after_the_loop_is_in_the_checkpoint_of_its_step(tiny_mode
         save_steps=3,
         metric_for_best_model="reward",
     )
+    args.push_to_hub, args.hub_model_id, args.hub_strategy = True, "me/run", "checkpoint"
     trainer = VAPOTrainer(str(tiny_model_dir), digit_fraction, args, prompts_dataset(), prompts_dataset(2))
     trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-3"
     assert trainer.state.best_global_step == 3 and trainer.state.best_model_checkpoint == str(checkpoint)
-    saved = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert saved["best_metric"] == trainer.state.best_metric and saved["best_model_checkpoint"] == str(checkpoint)
-    assert [h["step"] for h in saved["log_history"] if "eval_loss" in h] == [3]
+    for folder in (checkpoint, tmp_path / "hub" / "me" / "run" / "last-checkpoint"):
+        saved = json.loads((folder / "trainer_state.json").read_text())
+        assert saved["best_metric"] == trainer.state.best_metric, folder
+        assert saved["best_model_checkpoint"] == str(checkpoint), folder
+        assert [h["step"] for h in saved["log_history"] if "eval_loss" in h] == [3], folder
+        assert json.loads((folder / "vapo_state.json").read_text())["progress"]["epoch_ended_step"] == 3, folder
     assert checkpoint_problem(checkpoint) is None
 
 

@@ -1235,6 +1235,8 @@ class SavingMixin:
         # by early stopping).
         write_whole(folder, "trainer_state.json", self._write_trainer_state)
         _fsync_dir(folder)
+        if self.args.push_to_hub:  # its upload, queued as it was written, holds both as they were before
+            self._push_from_checkpoint(str(folder), always=True)
 
     def _write_trainer_state(self, path: Path) -> None:
         """`state` as transformers saves it in a checkpoint, with the callbacks' states: by class, a list where a
