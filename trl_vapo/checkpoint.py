@@ -344,6 +344,11 @@ REWRITTEN_IN_PLACE = (COMPLETE_MARKER, "trainer_state.json")
 """The files of a published checkpoint rewritten at an epoch's end (`_record_epoch_end`), by `write_whole`."""
 
 
+def _json(value: Any) -> str:
+    """`value` as JSON, for comparing what a JSON file holds with what it would hold (NaN as its text: NaN != NaN)."""
+    return json.dumps(value, sort_keys=True, default=str)
+
+
 def write_whole(folder: Path, name: str, write: Callable[[Path], None]) -> None:
     """The file `name` of the checkpoint `folder`, whole or not at all: `write` writes it beside it (`.<name>.tmp`,
     which the checks pass over: `unreadable_file`), on the disk, then it is renamed in place."""
@@ -1229,13 +1234,21 @@ class SavingMixin:
             return
         marker["progress"]["epoch_ended_step"] = self.state.global_step
         write_marker(folder, marker)
-        # Then its trainer state, as the epoch end left it: its evaluation's log, the best metric and the early
+        # Then its trainer state, where the epoch end logged or evaluated: its log, the best metric and the early
         # stopping count (a resume read them as before it, and ran it no more). In this order, a stop between the
         # two leaves that state, not the epoch end run again on resume (its evaluation logged twice, counted twice
         # by early stopping).
-        write_whole(folder, "trainer_state.json", self._write_trainer_state)
+        saved = json.loads((folder / "trainer_state.json").read_text())
+        now = dataclasses.asdict(self.state)
+        moved = [
+            key
+            for key in ("log_history", "best_metric", "best_model_checkpoint")
+            if _json(saved.get(key)) != _json(now[key])
+        ]
+        if moved:
+            write_whole(folder, "trainer_state.json", self._write_trainer_state)
         _fsync_dir(folder)
-        if self.args.push_to_hub:  # its upload, queued as it was written, holds both as they were before
+        if moved and self.args.push_to_hub:  # its upload, queued as it was written, holds the state before them
             self._push_from_checkpoint(str(folder), always=True)
 
     def _write_trainer_state(self, path: Path) -> None:
