@@ -1005,6 +1005,8 @@ BAD_INPUT = [
     # A YAML value argparse passes on unconverted (not a string): a TypeError's traceback, or an 8.0 taken as is.
     (["--config", "null.yaml"], "num_generations must be a whole number, got None."),
     (["--config", "float.yaml"], "num_generations must be a whole number, got 8.0 (a float)."),
+    # A config's value argparse's choices do not check (the command line's only): refused later, naming another field.
+    (["--config", "dtype.yaml"], "dtype: 'bf16' is not one of auto, bfloat16, float16, float32"),
     (["--lr_scheduler_type", "polynomial"], "constant, linear, cosine; got 'polynomial'."),  # not the enum's repr
     (["--lr_scheduler_type", "cosin"], "constant, linear, cosine; got 'cosin'."),  # not transformers' longer list
     (["--pad_to_multiple_of", "64.0"], "pad_to_multiple_of must be a whole number >= 1, 'auto' or None, got '64.0'."),
@@ -1117,6 +1119,7 @@ def bad_input_runs(tiny_model_dir, jsonl_data, tmp_path_factory):
         (out / "broken.yaml").write_text("learning_rate: [1\nmax_steps: 2\n")
         (out / "null.yaml").write_text("num_generations: null\n")
         (out / "float.yaml").write_text("num_generations: 8.0\n")
+        (out / "dtype.yaml").write_text("dtype: bf16\n")
         (out / "streamed.yaml").write_text("datasets:\n  - path: some/data\nstreaming: true\ntest_split_size: 0.1\n")
         (out / "earlier" / "checkpoint-1").mkdir(parents=True)
         (out / "earlier" / "checkpoint-1" / "vapo_state.json").write_text("{}")

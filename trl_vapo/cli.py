@@ -304,7 +304,12 @@ def _parse_args_and_config(parser, argv: list[str]):
         raise UsageError(f"{error.filename or error}: {kind}, named by a setting that takes a file's path") from None
     except yaml.YAMLError as error:  # its message names the file, the line and the column
         raise UsageError("--config is not valid YAML: " + " ".join(str(error).split())) from None
+    choices = {action.dest: action.choices for action in parser._actions if action.choices}
     for parsed in parsed_args:
+        for name, allowed in choices.items():  # a config's value: argparse checks the command line's alone
+            value = getattr(parsed, name, None)
+            if value is not None and not isinstance(value, (list, dict)) and value not in allowed:
+                raise UsageError(f"{name}: {value!r} is not one of {', '.join(map(str, allowed))}")
         for name in LIST_FIELDS:  # a YAML scalar (`reward_funcs: math_reward`) is the default as written
             value = getattr(parsed, name, None)
             if value is not None and not isinstance(value, list):
