@@ -38,13 +38,13 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from ._compat import get_config_model_id
 from .diagnostics import strict_json
 from .distributed import (
-    _optimizer_chain,
     decided_on_main,
     fsdp2_optimizer_state,
     gathered_state_dict,
     load_fsdp2_optimizer_state,
     load_placed_state_dict,
     placed_state_dict,
+    stepping_optimizer,
 )
 from .metric_names import VALUE_PRETRAIN
 from .model_card import VAPO_CITATION, RunRecord, build_model_card
@@ -843,7 +843,7 @@ def optimizer_kind(optimizer, zero_stage: int | None = None) -> str:
     and DeepSpeed's wrappers), and under DeepSpeed the ZeRO stage, which lays the state out: `AdamW (ZeRO stage 3)`.
     A resume with another (`optim` changed, or the stage) loaded the saved state into it: SGD found no momentum and
     restarted it silently, an 8-bit Adam or another stage failed deep in its library (`same_optimizer_state`)."""
-    kind = type(_optimizer_chain(optimizer)[-1]).__qualname__
+    kind = type(stepping_optimizer(optimizer)).__qualname__
     return kind if zero_stage is None else f"{kind} (ZeRO stage {zero_stage})"
 
 

@@ -535,7 +535,7 @@ def check_prompts(prompts: list, what: str, warn: bool = True) -> None:
     prefills = [
         i
         for i, p in enumerate(prompts)
-        if isinstance(p, list) and p and isinstance(p[-1], dict) and p[-1].get("role") == "assistant"
+        if isinstance(p, list) and p and p[-1]["role"] == "assistant"  # (chat messages: `not_chat_messages`)
     ]
     if prefills:  # GRPOTrainer (TRL 1.16) opens a new assistant turn after them instead
         logger.warning(

@@ -145,13 +145,18 @@ def _optimizer_chain(optimizer: torch.optim.Optimizer) -> list:
     return chain
 
 
+def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds the state and steps: the last of `optimizer`'s chain (`_optimizer_chain`)."""
+    return _optimizer_chain(optimizer)[-1]
+
+
 def schedule_the_stepping_optimizer(lr_scheduler, optimizer: torch.optim.Optimizer) -> None:
     """Point `lr_scheduler` at the optimizer that steps, the last of `optimizer`'s chain. Under DeepSpeed's optimizer
     offload accelerate replaces the torch AdamW the schedules were built on by a DeepSpeedCPUAdam over its groups
     (`map_pytorch_optim_to_deepspeed`); both shared the group dicts until a resume's load gave the live optimizer new
     ones, and the schedules went on writing the replaced AdamW's: every rate froze where the resume left it (the
     policy's at 0 where its warm-up began after the resume)."""
-    stepping = _optimizer_chain(optimizer)[-1]
+    stepping = stepping_optimizer(optimizer)
     if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", stepping) is not stepping:
         lr_scheduler.optimizer = stepping
 
@@ -193,7 +198,7 @@ def groups_held_out(optimizer: torch.optim.Optimizer, name: str) -> Iterator[Non
     optimizer's ``step`` (one group at a time under ZeRO-1/2): a step pre-hook hides the named groups from it, a
     post-hook puts them back. Copying the untouched float32 weights back to the half-precision ones is exact.
     """
-    inner = _optimizer_chain(optimizer)[-1]
+    inner = stepping_optimizer(optimizer)
     if not any(group.get("name") == name for group in inner.param_groups):
         raise ValueError(
             f"No parameter group of the optimizer is named {name!r}, so critic-only steps under DeepSpeed cannot hold "
@@ -552,7 +557,7 @@ def fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     keyed by parameter name, on the main process's CPU (empty elsewhere). A collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    inner = _optimizer_chain(optimizer)[-1]
+    inner = stepping_optimizer(optimizer)
     fresh = not inner.state
     state = get_optimizer_state_dict(model, inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if fresh:
@@ -606,7 +611,7 @@ def load_fsdp2_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     never happened."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    inner = _optimizer_chain(optimizer)[-1]
+    inner = stepping_optimizer(optimizer)
     # Mapped, not read: the processes of a node share the file's pages, where each held a whole copy of the state
     # (twice the weights in float32: 64 GB for an 8B model, on each of 8 processes) to take its shard from.
     saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -442,10 +442,8 @@ class RewardScorer:
             try:
                 returned = future.result()
             except Exception as error:  # called one by one to name the first sample it fails on, then raised
-                func = self.funcs[j]
-                _raise_naming_the_failing_sample(
-                    _blocking(func), self.names[j], *copies[j], ids, common, error, thinking
-                )
+                blocking = _blocking(self.funcs[j])
+                _raise_naming_the_failing_sample(blocking, self.names[j], *copies[j], ids, common, error, thinking)
             record(j, _checked_values(returned, self.names[j], len(rows)))
         scored = ~torch.isnan(per_function).all(dim=1)
         if not scored.all():  # GRPOTrainer's warning, naming the first such sample
@@ -572,9 +570,8 @@ def rows_with_fields(rows: list[dict[str, Any]], fields: dict[str, Any]) -> list
 def _own_messages(rows: list[dict[str, Any]], completions: list) -> tuple[list[dict[str, Any]], list]:
     """The rows with a copy of their prompts, and a copy of the completions, taken before the synchronous functions
     run: what an async function reads, after them, one of which may edit what it is given (a judge appending to a
-    prompt's messages). The
-    other columns are passed as they are: a rollout function's environment handle (a lock, a socket) cannot be
-    copied, and an image column would be copied for nothing."""
+    prompt's messages). The other columns are passed as they are: a rollout function's environment handle (a lock,
+    a socket) cannot be copied, and an image column would be copied for nothing."""
     prompts, completions = copy.deepcopy(([row["prompt"] for row in rows], completions))
     return [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)], completions
 
